@@ -1,0 +1,104 @@
+"""DeepSeek-V3 multi-head latent attention (MLA)."""
+
+from typing import Optional
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from zoo import tags
+from zoo.config import MLAConfig, RopeConfig
+from zoo.nn._init import normal
+from zoo.nn.attention import causal_attention
+from zoo.nn.norm import RMSNorm
+from zoo.nn.rope import Rope, softmax_scale_multiplier
+
+# transformers' DeepSeek-V3 uses this eps for both latent norms, whatever rms_norm_eps says.
+LATENT_NORM_EPS = 1e-6
+
+
+class MLAttention(eqx.Module):
+    """Queries through a low-rank latent (or a plain projection), keys and values through a shared
+    compressed latent, and one rope key shared by all heads.
+
+    Per head, a query is `[nope | rope]` (qk_nope + qk_rope dims); a key is `[k_nope | shared rope key]`;
+    a value has v_head_dim dims.
+    """
+
+    wq_a: Optional[Float[Array, "embed q_lora"]]
+    q_norm: Optional[RMSNorm]
+    wq_b: Float[Array, "q_in heads qk_dim"]  # q_in = q_lora, or embed when q_lora_rank is null
+    wkv_a: Float[Array, "embed kv_lora_plus_rope"]
+    kv_norm: RMSNorm
+    wk_b: Float[Array, "kv_lora heads nope"]
+    wv_b: Float[Array, "kv_lora heads v_dim"]
+    wo: Float[Array, "heads v_dim embed"]
+    rope: Rope
+    softmax_scale: float = eqx.field(static=True)
+    compute_dtype: str = eqx.field(static=True)
+    impl: str = eqx.field(static=True)
+
+    def __init__(
+        self,
+        embed: int,
+        heads: int,
+        mla: MLAConfig,
+        rope: RopeConfig,
+        max_position_embeddings: int,
+        *,
+        param_dtype: str = "float32",
+        compute_dtype: str = "float32",
+        impl: str = "auto",
+        key: PRNGKeyArray,
+    ):
+        kqa, kqb, kkva, kkb, kvb, ko = jax.random.split(key, 6)
+        if mla.q_lora_rank is None:
+            self.wq_a, self.q_norm = None, None
+            self.wq_b = normal(kqb, (embed, heads, mla.qk_head_dim), embed, param_dtype)
+        else:
+            self.wq_a = normal(kqa, (embed, mla.q_lora_rank), embed, param_dtype)
+            self.q_norm = RMSNorm(mla.q_lora_rank, eps=LATENT_NORM_EPS, dtype=param_dtype)
+            self.wq_b = normal(kqb, (mla.q_lora_rank, heads, mla.qk_head_dim), mla.q_lora_rank, param_dtype)
+        self.wkv_a = normal(kkva, (embed, mla.kv_lora_rank + mla.qk_rope_head_dim), embed, param_dtype)
+        self.kv_norm = RMSNorm(mla.kv_lora_rank, eps=LATENT_NORM_EPS, dtype=param_dtype)
+        self.wk_b = normal(kkb, (mla.kv_lora_rank, heads, mla.qk_nope_head_dim), mla.kv_lora_rank, param_dtype)
+        self.wv_b = normal(kvb, (mla.kv_lora_rank, heads, mla.v_head_dim), mla.kv_lora_rank, param_dtype)
+        self.wo = normal(ko, (heads, mla.v_head_dim, embed), heads * mla.v_head_dim, param_dtype)
+        self.rope = Rope(mla.qk_rope_head_dim, rope, max_position_embeddings)
+        self.softmax_scale = mla.qk_head_dim**-0.5 * softmax_scale_multiplier(rope)
+        self.compute_dtype = compute_dtype
+        self.impl = impl
+
+    def __check_init__(self):
+        if (self.wq_a is None) != (self.q_norm is None):
+            raise ValueError("MLA: wq_a and q_norm come together (q_lora_rank) or not at all")
+
+    @property
+    def kv_lora_rank(self) -> int:
+        return self.wk_b.shape[-3]
+
+    def __call__(self, x: Float[Array, "batch seq embed"], positions: Int[Array, " seq"]) -> Float[Array, "batch seq embed"]:
+        cdt = self.compute_dtype
+        if self.wq_a is None:
+            q = jnp.einsum("BTD,DNH->BTNH", x, self.wq_b.astype(cdt))
+        else:
+            q_latent = tags.tag(jnp.einsum("BTD,DR->BTR", x, self.wq_a.astype(cdt)), tags.QUERY_WA_PROJ)
+            q_latent = tags.tag(self.q_norm(q_latent), tags.MLA_Q)
+            q = jnp.einsum("BTR,RNH->BTNH", q_latent, self.wq_b.astype(cdt))
+        q = tags.tag(q, tags.QUERY_PROJ)
+        rope_dim = self.rope.dim
+        q_nope, q_rope = q[..., :-rope_dim], q[..., -rope_dim:]
+
+        kv = tags.tag(jnp.einsum("BTD,DC->BTC", x, self.wkv_a.astype(cdt)), tags.KV_WA_PROJ)
+        kv_latent, k_rope = kv[..., : self.kv_lora_rank], kv[..., self.kv_lora_rank :]
+        kv_latent = tags.tag(self.kv_norm(kv_latent), tags.MLA_KV)
+        k_nope = tags.tag(jnp.einsum("BTL,LNH->BTNH", kv_latent, self.wk_b.astype(cdt)), tags.KEY_PROJ)
+        v = tags.tag(jnp.einsum("BTL,LNV->BTNV", kv_latent, self.wv_b.astype(cdt)), tags.VALUE_PROJ)
+
+        q_rope = self.rope(q_rope, positions)
+        k_rope = self.rope(k_rope[:, :, None, :], positions)  # [B T 1 P]: one rope key for all heads
+        q = jnp.concatenate([q_nope, q_rope], axis=-1)
+        k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, (*k_nope.shape[:-1], rope_dim))], axis=-1)
+        context = tags.tag(causal_attention(q, k, v, scale=self.softmax_scale, impl=self.impl), tags.CONTEXT)
+        return tags.tag(jnp.einsum("BTNV,NVD->BTD", context, self.wo.astype(cdt)), tags.OUT_PROJ)
