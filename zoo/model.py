@@ -21,6 +21,8 @@ from zoo.nn._init import normal
 # A function applied to one layer's parameters inside the scan body, before use: e.g. moving
 # host-resident weights to the device one layer at a time.
 LayerTransform = Callable[[PyTree], PyTree]
+# A function applied to the residual stream at every block boundary: e.g. a sharding constraint.
+ActivationConstraint = Callable[[Array], Array]
 
 
 class DecoderBlock(eqx.Module):
@@ -76,13 +78,17 @@ class Stack(eqx.Module):
         *,
         remat_policy: Optional[Callable] = None,
         layer_transform: Optional[LayerTransform] = None,
+        constrain: Optional[ActivationConstraint] = None,
     ) -> tuple[Float[Array, "batch seq embed"], Optional[MoEAux]]:
         params, static = eqx.partition(self.layers, eqx.is_array)
 
         def body(h, layer_params):
             if layer_transform is not None:
                 layer_params = layer_transform(layer_params)
-            return eqx.combine(layer_params, static)(h, positions)
+            if constrain is not None:
+                h = constrain(h)
+            h, aux = eqx.combine(layer_params, static)(h, positions)
+            return (h if constrain is None else constrain(h)), aux
 
         if remat_policy is not None:
             # The policy decides, per tagged intermediate, what the backward pass keeps, offloads or recomputes.
@@ -120,14 +126,18 @@ class CausalLM(eqx.Module):
         *,
         remat_policy: Optional[Callable] = None,
         layer_transform: Optional[LayerTransform] = None,
+        constrain: Optional[ActivationConstraint] = None,
     ) -> tuple[Float[Array, "batch seq vocab"], Optional[MoEAux]]:
-        """Logits and the MoE layers' routing statistics (stacked over MoE layers; None for Llama)."""
+        """Logits and the MoE layers' routing statistics (stacked over MoE layers; None for Llama).
+
+        `constrain` is applied to the residual stream `[batch seq embed]` at every block boundary.
+        """
         c = self.config
         positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)
         x = jnp.take(self.embed, tokens, axis=0).astype(c.compute_dtype)
         aux = None
         for stack in self.stacks:
-            x, stack_aux = stack(x, positions, remat_policy=remat_policy, layer_transform=layer_transform)
+            x, stack_aux = stack(x, positions, remat_policy=remat_policy, layer_transform=layer_transform, constrain=constrain)
             aux = stack_aux if stack_aux is not None else aux
         x = self.final_norm(x)
         head = self.embed.T if self.lm_head is None else self.lm_head
