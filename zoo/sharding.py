@@ -1,0 +1,236 @@
+"""Meshes, logical-axis rules and memory-kind shardings.
+
+Every parameter dim and every activation dim has a logical name (batch, seq, embed, heads, kv_heads,
+mlp, experts, vocab, ...). The rules map each logical name to zero or more mesh axes (data, fsdp,
+tensor, expert); a PartitionSpec is the rules applied dim by dim, where a mesh axis already used by
+an earlier dim of the same array is skipped (so `batch -> [data, fsdp]` and `embed -> [fsdp]` give
+activations `[batch seq embed]` the spec `((data, fsdp), None, None)` and weights `[embed mlp]` the
+spec `(fsdp, tensor)`).
+
+Parameters get their logical axes from their field name (`param_logical_axes`); leaves of a
+scanned layer stack carry a leading `layers` axis that is never sharded.
+"""
+
+import dataclasses
+import math
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "tensor", "expert")
+LOGICAL_AXES = ("batch", "seq", "embed", "heads", "kv_heads", "mlp", "experts", "vocab")
+LAYERS = "layers"  # the leading axis of stacked layer leaves: never sharded
+
+# The default rules (every mesh preset of conf/mesh uses them).
+DEFAULT_RULES: dict[str, list[str]] = {
+    "batch": ["data", "fsdp", "expert"],
+    "seq": [],
+    "embed": ["fsdp"],
+    "heads": ["tensor"],
+    "kv_heads": ["tensor"],
+    "mlp": ["tensor"],
+    "experts": ["expert"],
+    "vocab": ["tensor"],
+}
+
+# Field name -> logical axes of the leaf (without the stacked `layers` axis). Fields whose shape
+# differs between blocks are keyed by (name, ndim). `None` stands for a dim that is never sharded.
+_PARAM_AXES: dict[Any, tuple[Optional[str], ...]] = {
+    "embed": ("vocab", "embed"),
+    "lm_head": ("embed", "vocab"),
+    # Llama GQA
+    "wq": ("embed", "heads", None),
+    "wk": ("embed", "kv_heads", None),
+    "wv": ("embed", "kv_heads", None),
+    "wo": ("heads", None, "embed"),  # also MLA's
+    # DeepSeek-V3 MLA
+    "wq_a": ("embed", None),
+    "wq_b": (None, "heads", None),
+    "wkv_a": ("embed", None),
+    "wk_b": (None, "heads", None),
+    "wv_b": (None, "heads", None),
+    # SwiGLU (dense layers, shared experts) and routed experts
+    ("w_gate", 2): ("embed", "mlp"),
+    ("w_up", 2): ("embed", "mlp"),
+    ("w_down", 2): ("mlp", "embed"),
+    ("w_gate", 3): ("experts", "embed", "mlp"),
+    ("w_up", 3): ("experts", "embed", "mlp"),
+    ("w_down", 3): ("experts", "mlp", "embed"),
+    "router": ("embed", None),
+    "e_score_correction_bias": (None,),
+    "weight": (None,),  # RMSNorm
+}
+
+ACTIVATION_AXES = ("batch", "seq", "embed")
+TOKEN_AXES = ("batch", "seq")
+LOGIT_AXES = ("batch", "seq", "vocab")
+
+
+class ShardingError(ValueError):
+    """A mesh or a rule that cannot shard the model; the message starts with the config key."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshShape:
+    """Resolved mesh axis sizes (no -1 left)."""
+
+    data: int
+    fsdp: int
+    tensor: int
+    expert: int
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return {a: getattr(self, a) for a in MESH_AXES}
+
+    @property
+    def num_devices(self) -> int:
+        return math.prod(self.sizes.values())
+
+    @property
+    def data_parallel(self) -> int:
+        """How many ways the batch is split under the default rules."""
+        return self.data * self.fsdp * self.expert
+
+
+def resolve_mesh_shape(axes: Mapping[str, int], num_devices: int) -> MeshShape:
+    """Fill the (at most one) -1 axis so the axes multiply to `num_devices`; ShardingError otherwise."""
+    sizes = {a: int(axes.get(a, 1)) for a in MESH_AXES}
+    unknown = [a for a in axes if a not in MESH_AXES]
+    if unknown:
+        raise ShardingError(f"mesh.{unknown[0]}: unknown mesh axis; the axes are {', '.join(MESH_AXES)}")
+    fill = [a for a, n in sizes.items() if n == -1]
+    bad = [a for a, n in sizes.items() if n == 0 or n < -1]
+    if bad:
+        raise ShardingError(f"mesh.{bad[0]}: size {sizes[bad[0]]} is invalid; use a positive size or -1 to fill")
+    if len(fill) > 1:
+        raise ShardingError(f"mesh.{fill[1]}: only one axis may be -1 (also {fill[0]}); give the others sizes")
+    fixed = math.prod(n for n in sizes.values() if n != -1)
+    formula = "*".join(MESH_AXES)
+    if fill:
+        if num_devices % fixed:
+            raise ShardingError(
+                f"mesh.{fill[0]}: -1 cannot fill {num_devices} devices, the other axes multiply to {fixed}; "
+                f"make the other axes divide {num_devices}"
+            )
+        sizes[fill[0]] = num_devices // fixed
+    elif fixed != num_devices:
+        shown = "*".join(str(sizes[a]) for a in MESH_AXES)
+        raise ShardingError(
+            f"mesh: {formula} = {shown} = {fixed} does not match the {num_devices} devices; "
+            f"make the product {num_devices} or set one axis to -1"
+        )
+    return MeshShape(**sizes)
+
+
+def make_mesh(shape: MeshShape, devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
+    """A mesh with axes (data, fsdp, tensor, expert), automatic (GSPMD) axis types."""
+    devices = list(devices if devices is not None else jax.devices())[: shape.num_devices]
+    if len(devices) != shape.num_devices:
+        raise ShardingError(f"mesh: needs {shape.num_devices} devices, {len(devices)} are available; shrink the mesh")
+    arr = np.asarray(devices, dtype=object).reshape([shape.sizes[a] for a in MESH_AXES])
+    return Mesh(arr, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def logical_to_spec(logical: Sequence[Optional[str]], rules: Mapping[str, Sequence[str]]) -> PartitionSpec:
+    """Apply the rules dim by dim; a mesh axis used by an earlier dim is skipped, `None`/`layers` stay unsharded."""
+    used: set[str] = set()
+    out = []
+    for name in logical:
+        if name is None or name == LAYERS:
+            out.append(None)
+            continue
+        if name not in rules:
+            raise ShardingError(f"mesh.rules.{name}: no rule for this logical axis; add one (an empty list replicates)")
+        axes = [a for a in rules[name] if a not in used]
+        used.update(axes)
+        out.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
+    return PartitionSpec(*out)
+
+
+def _key_name(k) -> str:
+    for attr in ("name", "key", "idx"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+def path_str(path) -> str:
+    return ".".join(_key_name(k) for k in path)
+
+
+def param_logical_axes(path, ndim: int) -> tuple[Optional[str], ...]:
+    """Logical axes of one model leaf from its field name; stacked layer leaves get a leading `layers`."""
+    names = [_key_name(k) for k in path]
+    stacked = "layers" in names
+    inner = ndim - 1 if stacked else ndim
+    field = names[-1]
+    axes = _PARAM_AXES.get((field, inner), _PARAM_AXES.get(field))
+    if axes is None or len(axes) != inner:
+        raise ShardingError(
+            f"sharding: no logical axes for leaf {path_str(path)} (ndim {ndim}); add its field name to zoo.sharding._PARAM_AXES"
+        )
+    return ((LAYERS,) if stacked else ()) + tuple(axes)
+
+
+def _check_divisible(where: str, shape, spec: PartitionSpec, mesh_sizes: Mapping[str, int]) -> None:
+    for dim, (size, entry) in enumerate(zip(shape, spec)):
+        if entry is None:
+            continue
+        axes = (entry,) if isinstance(entry, str) else entry
+        ways = math.prod(mesh_sizes[a] for a in axes)
+        if size % ways:
+            raise ShardingError(
+                f"mesh.{axes[-1]}: dim {dim} of {where} has size {size}, not divisible by {'*'.join(axes)}={ways}; "
+                f"pick mesh sizes that divide it or change mesh.rules"
+            )
+
+
+def param_specs(model, rules: Mapping[str, Sequence[str]], mesh_sizes: Optional[Mapping[str, int]] = None):
+    """A PartitionSpec for every array leaf of `model` (a model or its abstract twin); None elsewhere."""
+
+    def one(path, leaf):
+        if not hasattr(leaf, "shape"):
+            return None
+        spec = logical_to_spec(param_logical_axes(path, len(leaf.shape)), rules)
+        if mesh_sizes is not None:
+            _check_divisible(path_str(path), leaf.shape, spec, mesh_sizes)
+        return spec
+
+    return jax.tree_util.tree_map_with_path(one, model)
+
+
+def named(mesh: Mesh, specs, memory_kind: Optional[str] = None):
+    """PartitionSpecs -> NamedShardings (with a memory kind), same tree; None leaves stay None."""
+    return jax.tree.map(
+        lambda s: NamedSharding(mesh, s, memory_kind=memory_kind),
+        specs,
+        is_leaf=lambda x: isinstance(x, PartitionSpec),
+    )
+
+
+def drop_leading_axis(specs):
+    """Specs of one layer of a stack: the stacked specs without their leading `layers` entry."""
+    return jax.tree.map(lambda s: PartitionSpec(*tuple(s)[1:]), specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def activation_constraint(mesh: Mesh, rules: Mapping[str, Sequence[str]], logical: Sequence[Optional[str]] = ACTIVATION_AXES) -> Callable:
+    """`x -> with_sharding_constraint(x, spec of logical)`: pins activations at block boundaries."""
+    sharding = NamedSharding(mesh, logical_to_spec(logical, rules))
+
+    def constrain(x):
+        return jax.lax.with_sharding_constraint(x, sharding)
+
+    return constrain
+
+
+def to_device(tree):
+    """Move every array of `tree` to device memory, keeping its sharding (a no-op for device arrays)."""
+    return jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Device), tree)
+
+
+def memory_kinds(tree) -> set[str]:
+    """The memory kinds the (concrete) arrays of `tree` live in."""
+    return {x.sharding.memory_kind for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)}

@@ -1,0 +1,306 @@
+"""Structured configs of train.py's groups and the validation that turns any bad input into one line.
+
+Each Hydra group (`conf/<group>/*.yaml`) is merged into its dataclass here; unknown keys, wrong types
+and failed `__post_init__` checks become a `ConfigError` whose message is
+`<key>: <what is wrong>; <fix>`. `validate` then runs the cross-group checks (mesh against the device
+count, batch against the data-parallel size, sequence against the model's context, tags the offload
+policy names, every parameter dim against its mesh axes) before JAX compiles anything.
+"""
+
+import dataclasses
+import importlib.util
+import math
+from typing import Any, Optional
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from zoo.config import ModelConfig
+from zoo.offload import OffloadConfig, check_tags_emitted
+from zoo.sharding import DEFAULT_RULES, MESH_AXES, MeshShape, ShardingError, resolve_mesh_shape
+
+
+class ConfigError(ValueError):
+    """One line: `<key>: <what is wrong>; <fix>`."""
+
+
+@dataclasses.dataclass
+class MeshConfig:
+    """Mesh axes (-1: fills the devices left) and the logical-axis rules (logical dim -> mesh axes)."""
+
+    devices: int = -1  # how many of jax.devices() the mesh spans; -1: all of them
+    data: int = 1
+    fsdp: int = -1
+    tensor: int = 1
+    expert: int = 1
+    rules: dict[str, list[str]] = dataclasses.field(default_factory=lambda: {k: list(v) for k, v in DEFAULT_RULES.items()})
+
+    def __post_init__(self):
+        for logical, axes in self.rules.items():
+            for a in axes:
+                if a not in MESH_AXES:
+                    raise ConfigError(f"mesh.rules.{logical}: unknown mesh axis {a!r}; use some of {', '.join(MESH_AXES)}")
+        if self.devices == 0 or self.devices < -1:
+            raise ConfigError(f"mesh.devices: got {self.devices}; use a positive count or -1 for all devices")
+
+    @property
+    def axes(self) -> dict[str, int]:
+        return {a: getattr(self, a) for a in MESH_AXES}
+
+
+OPTIMIZERS = ("adamw",)
+
+
+@dataclasses.dataclass
+class OptimizerConfig:
+    """AdamW with linear warmup, cosine decay to lr * min_lr_ratio, and global-norm clipping."""
+
+    name: str = "adamw"
+    lr: float = 3e-3
+    warmup_steps: int = 10
+    decay_steps: Optional[int] = None  # null: trainer.steps
+    min_lr_ratio: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1  # matrices only; norms and the MoE bias are never decayed
+    grad_clip: float = 1.0  # global-norm clip; 0 disables
+
+    def __post_init__(self):
+        if self.name not in OPTIMIZERS:
+            raise ConfigError(f"optimizer.name: unknown optimizer {self.name!r}; choose one of {', '.join(OPTIMIZERS)}")
+        if self.lr <= 0:
+            raise ConfigError(f"optimizer.lr: must be positive, got {self.lr}; e.g. optimizer.lr=3e-4")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"optimizer.warmup_steps: must be >= 0, got {self.warmup_steps}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"optimizer.min_lr_ratio: must be in [0, 1], got {self.min_lr_ratio}")
+        if self.grad_clip < 0:
+            raise ConfigError(f"optimizer.grad_clip: must be >= 0 (0 disables), got {self.grad_clip}")
+
+
+DATASETS = ("markov", "uniform")
+
+
+@dataclasses.dataclass
+class DataConfig:
+    """Synthetic tokens. markov: each token has `branching` likely successors (learnable, loss falls to
+    about log(branching)); uniform: i.i.d. tokens (nothing to learn; throughput only)."""
+
+    name: str = "markov"
+    batch_size: int = 8  # global sequences per optimizer step
+    seq_len: int = 64
+    branching: int = 4
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.name not in DATASETS:
+            raise ConfigError(f"data.name: unknown dataset {self.name!r}; choose one of {', '.join(DATASETS)}")
+        for name in ("batch_size", "seq_len", "branching"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"data.{name}: must be positive, got {getattr(self, name)}")
+        if self.seq_len < 2:
+            raise ConfigError(f"data.seq_len: next-token loss needs at least 2 tokens, got {self.seq_len}")
+
+
+@dataclasses.dataclass
+class XlaConfig:
+    """XLA flags set before JAX starts, merged with the XLA_FLAGS already in the environment."""
+
+    name: str = "default"
+    flags: list[str] = dataclasses.field(default_factory=list)
+    # Simulate this many CPU devices (--xla_force_host_platform_device_count); null: leave as is.
+    cpu_devices: Optional[int] = None
+
+    def __post_init__(self):
+        for f in self.flags:
+            if not f.startswith("--xla_"):
+                raise ConfigError(f"xla.flags: {f!r} is not an XLA flag; write it as --xla_<name>=<value>")
+        if self.cpu_devices is not None and self.cpu_devices < 1:
+            raise ConfigError(f"xla.cpu_devices: must be >= 1 or null, got {self.cpu_devices}")
+
+
+@dataclasses.dataclass
+class TrainerConfig:
+    steps: int = 100
+    grad_accum: int = 1  # microbatches per step (scanned inside the one jitted step)
+    seed: int = 0  # parameter init
+    log_every: int = 10  # progress line every n steps (metrics.jsonl gets every step)
+    # DeepSeek's aux-loss-free balancing: bias += rate * sign(mean_load - load) each step; 0 disables.
+    moe_bias_update_rate: float = 0.001
+    progress: bool = True
+    tensorboard: bool = False  # event files in the output dir (needs tensorboardX: pip install -e '.[tensorboard]')
+
+    def __post_init__(self):
+        if self.steps <= 0:
+            raise ConfigError(f"trainer.steps: must be positive, got {self.steps}")
+        if self.grad_accum <= 0:
+            raise ConfigError(f"trainer.grad_accum: must be positive, got {self.grad_accum}")
+        if self.log_every <= 0:
+            raise ConfigError(f"trainer.log_every: must be positive, got {self.log_every}")
+        if self.moe_bias_update_rate < 0:
+            raise ConfigError(f"trainer.moe_bias_update_rate: must be >= 0 (0 disables), got {self.moe_bias_update_rate}")
+
+
+@dataclasses.dataclass
+class HardwareConfig:
+    """What MFU is measured against, per device. Add fields freely: every profile is a YAML file."""
+
+    name: str = "cpu"
+    peak_flops: float = 1e12  # dense bf16 FLOP/s per device
+    hbm_bytes: int = 0  # device memory
+    host_link_gbps: float = 0.0  # host <-> device bandwidth, GB/s per direction
+    nominal: bool = False  # true: peak_flops is a round number, not a datasheet figure
+    note: str = ""
+
+    def __post_init__(self):
+        if self.peak_flops <= 0:
+            raise ConfigError(f"hardware.peak_flops: must be positive, got {self.peak_flops}")
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    model: ModelConfig
+    mesh: MeshConfig
+    offload: OffloadConfig
+    optimizer: OptimizerConfig
+    data: DataConfig
+    xla: XlaConfig
+    trainer: TrainerConfig
+    hardware: HardwareConfig
+
+
+GROUPS: dict[str, type] = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
+
+
+def _writable(node):
+    """OmegaConf marks frozen dataclasses read-only; a schema must accept the YAML's values."""
+    node._set_flag("readonly", None)
+    if isinstance(node, DictConfig):
+        for k in node.keys():
+            child = node._get_node(k)
+            if isinstance(child, (DictConfig, ListConfig)):
+                _writable(child)
+    return node
+
+
+def _known_keys(schema: type, full_key: str) -> list[str]:
+    cls = schema
+    for part in full_key.split(".")[:-1]:
+        fields = {f.name: f for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else {}
+        if part not in fields:
+            return []
+        t = fields[part].type
+        args = [a for a in getattr(t, "__args__", ()) if dataclasses.is_dataclass(a)]
+        cls = args[0] if args else t
+    return [f.name for f in dataclasses.fields(cls)] if dataclasses.is_dataclass(cls) else []
+
+
+def load_group(group: str, node: Any) -> Any:
+    """Merge one composed group into its dataclass and build it (its __post_init__ checks run)."""
+    schema = GROUPS[group]
+    try:
+        base = _writable(OmegaConf.structured(schema))
+        merged = OmegaConf.merge(base, node if node is not None else {})
+        return OmegaConf.to_object(merged)
+    except ConfigKeyError as e:
+        key = e.full_key or "?"
+        known = _known_keys(schema, key)
+        hint = f"known keys here: {', '.join(known)}" if known else "check the spelling"
+        raise ConfigError(f"{group}.{key}: unknown key; {hint}") from None
+    except ValidationError as e:
+        msg = str(e).splitlines()[0]
+        raise ConfigError(f"{group}.{e.full_key}: {msg}; give a value of the right type") from None
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or "?"
+        raise ConfigError(f"{group}.{key}: {str(e).splitlines()[0]}; fix this value") from None
+    except ConfigError:
+        raise
+    except ValueError as e:
+        # zoo.config / zoo.offload messages already start with `<group>.<key>:`.
+        msg = str(e).splitlines()[0]
+        if not msg.startswith(f"{group}."):
+            msg = f"{group}: {msg}"
+        raise ConfigError(msg) from None
+
+
+def load(cfg: DictConfig) -> TrainConfig:
+    """The composed Hydra config -> typed TrainConfig (each group validated on its own)."""
+    extra = [k for k in cfg.keys() if k not in GROUPS and k != "hydra"]
+    if extra:
+        raise ConfigError(f"{extra[0]}: unknown top-level key; the groups are {', '.join(GROUPS)}")
+    missing = [g for g in GROUPS if g not in cfg or cfg[g] is None]
+    if missing:
+        raise ConfigError(f"{missing[0]}: the group is missing; choose an option, e.g. {missing[0]}=<name>")
+    return TrainConfig(**{g: load_group(g, cfg[g]) for g in GROUPS})
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What validation resolved: the mesh shape and the per-microbatch sizes."""
+
+    mesh: MeshShape
+    num_devices: int
+    microbatch: int
+
+
+def validate(c: TrainConfig, available_devices: int, abstract_model=None) -> Plan:
+    """Cross-group checks; ConfigError (one line) on the first problem. No compilation happens here."""
+    wanted = available_devices if c.mesh.devices == -1 else c.mesh.devices
+    if wanted > available_devices:
+        raise ConfigError(
+            f"mesh.devices: {wanted} requested, {available_devices} available; lower mesh.devices "
+            f"(on CPU, xla.cpu_devices={wanted} simulates more)"
+        )
+    try:
+        shape = resolve_mesh_shape(c.mesh.axes, wanted)
+    except ShardingError as e:
+        msg = str(e)
+        if c.mesh.devices == -1 and "does not match" in msg:
+            msg += f" (mesh.devices=-1 means all {available_devices} devices)"
+        raise ConfigError(msg) from None
+
+    rules = c.mesh.rules
+    batch_axes = [a for a in rules.get("batch", []) if a in MESH_AXES]
+    dp = math.prod(shape.sizes[a] for a in dict.fromkeys(batch_axes)) if batch_axes else 1
+    accum = c.trainer.grad_accum
+    if c.data.batch_size % accum:
+        raise ConfigError(
+            f"data.batch_size: {c.data.batch_size} is not divisible by trainer.grad_accum={accum}; "
+            f"use a multiple of {accum}"
+        )
+    micro = c.data.batch_size // accum
+    if micro % dp:
+        desc = "*".join(f"{a}={shape.sizes[a]}" for a in dict.fromkeys(batch_axes)) or "1"
+        need = dp * accum
+        raise ConfigError(
+            f"data.batch_size: {c.data.batch_size} is not divisible by the data-parallel size {dp}"
+            + (f" times trainer.grad_accum={accum}" if accum > 1 else "")
+            + f" (batch is split over {desc}); use a multiple of {need}"
+        )
+    m = c.model
+    if c.data.seq_len > m.max_position_embeddings:
+        raise ConfigError(
+            f"data.seq_len: {c.data.seq_len} exceeds model.max_position_embeddings={m.max_position_embeddings}; "
+            f"use data.seq_len<={m.max_position_embeddings} or raise model.max_position_embeddings"
+        )
+    if c.data.name == "markov" and c.data.branching > m.vocab_size:
+        raise ConfigError(f"data.branching: {c.data.branching} exceeds model.vocab_size={m.vocab_size}; lower it")
+    try:
+        check_tags_emitted(c.offload, m)
+    except ValueError as e:
+        raise ConfigError(str(e).splitlines()[0]) from None
+    if c.trainer.tensorboard and importlib.util.find_spec("tensorboardX") is None:
+        raise ConfigError("trainer.tensorboard: needs the tensorboardX package; pip install -e '.[tensorboard]' or set trainer.tensorboard=false")
+    if abstract_model is not None:
+        from zoo.sharding import param_specs
+
+        try:
+            param_specs(abstract_model, rules, shape.sizes)
+        except ShardingError as e:
+            raise ConfigError(str(e)) from None
+    return Plan(mesh=shape, num_devices=wanted, microbatch=micro)
+
+
+def to_dict(c: TrainConfig) -> dict:
+    return dataclasses.asdict(c)

@@ -1,0 +1,42 @@
+"""Synthetic token batches, deterministic in (seed, step) so every mesh sees the same data.
+
+`markov`: a fixed random transition table in which every token has `branching` successors with
+random probabilities (drawn with replacement: rarely two coincide); a model that learns the table reaches a loss near the table's entropy
+(at most log(branching)). `uniform`: i.i.d. uniform tokens (loss cannot fall below log(vocab)).
+"""
+
+import numpy as np
+
+from zoo.train.config import DataConfig
+
+
+class SyntheticData:
+    def __init__(self, c: DataConfig, vocab_size: int):
+        self.c = c
+        self.vocab_size = vocab_size
+        rng = np.random.default_rng(c.seed)
+        k = min(c.branching, vocab_size)
+        self.successors = rng.integers(0, vocab_size, size=(vocab_size, k), dtype=np.int32)
+        probs = rng.dirichlet(np.ones(k), size=vocab_size)
+        self.cumprobs = np.cumsum(probs, axis=-1)
+        self.cumprobs[:, -1] = 1.0
+        self.entropy = float(-(probs * np.log(probs)).sum(-1).mean())  # nats, averaged over tokens
+
+    def floor(self) -> float:
+        """The loss a perfect model reaches (nats): mean successor entropy (markov) or log(vocab)."""
+        return self.entropy if self.c.name == "markov" else float(np.log(self.vocab_size))
+
+    def batch(self, step: int) -> np.ndarray:
+        """int32 `[batch_size, seq_len]` for optimizer step `step`."""
+        c = self.c
+        rng = np.random.default_rng((c.seed, step))
+        if c.name == "uniform":
+            return rng.integers(0, self.vocab_size, size=(c.batch_size, c.seq_len), dtype=np.int32)
+        out = np.empty((c.batch_size, c.seq_len), np.int32)
+        out[:, 0] = rng.integers(0, self.vocab_size, size=c.batch_size)
+        u = rng.random((c.batch_size, c.seq_len))
+        for t in range(1, c.seq_len):
+            prev = out[:, t - 1]
+            choice = (u[:, t, None] > self.cumprobs[prev]).sum(-1)
+            out[:, t] = self.successors[prev, np.minimum(choice, self.successors.shape[1] - 1)]
+        return out

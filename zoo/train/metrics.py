@@ -1,0 +1,172 @@
+"""Throughput, model FLOPs, MFU, memory, and where metrics go (jsonl, summary, progress, TensorBoard).
+
+Model FLOPs are counted analytically by `zoo.config.flops_per_token` (forward + backward, attention
+included, MoE counting the top-k routed experts only); MFU is those FLOPs per second per device over
+the hardware profile's peak.
+"""
+
+import json
+import math
+import os
+import pathlib
+import sys
+import time
+from typing import Any, Optional
+
+import jax
+import numpy as np
+
+from zoo.config import ModelConfig, flops_per_token
+
+
+def to_python(x: Any) -> Any:
+    """Arrays and numpy scalars -> floats / lists, for JSON."""
+    if isinstance(x, dict):
+        return {k: to_python(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [to_python(v) for v in x]
+    if isinstance(x, (jax.Array, np.ndarray, np.generic)):
+        a = np.asarray(x)
+        return a.item() if a.ndim == 0 else a.tolist()
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x
+
+
+class Throughput:
+    """Tokens/s, TFLOP/s per device and MFU from a step time."""
+
+    def __init__(self, model: ModelConfig, seq_len: int, tokens_per_step: int, num_devices: int, peak_flops: float):
+        self.flops_per_token = flops_per_token(model, seq_len)
+        self.tokens_per_step = tokens_per_step
+        self.num_devices = num_devices
+        self.peak_flops = peak_flops
+
+    def __call__(self, step_time: float) -> dict:
+        tokens_per_s = self.tokens_per_step / step_time
+        flops_per_device = self.flops_per_token * tokens_per_s / self.num_devices
+        return {
+            "step_time_s": step_time,
+            "tokens_per_s": tokens_per_s,
+            "tflops_per_device": flops_per_device / 1e12,
+            "mfu": flops_per_device / self.peak_flops,
+        }
+
+
+def device_memory(devices) -> Optional[dict]:
+    """Max over `devices` of bytes in use and peak bytes in use; None where the backend reports nothing (CPU)."""
+    stats = [d.memory_stats() for d in devices]
+    if not stats or any(s is None for s in stats):
+        return None
+    return {
+        "bytes_in_use": max(int(s.get("bytes_in_use", 0)) for s in stats),
+        "peak_bytes_in_use": max(int(s.get("peak_bytes_in_use", 0)) for s in stats),
+        "bytes_limit": min(int(s.get("bytes_limit", 0)) for s in stats) or None,
+    }
+
+
+_MEMORY_FIELDS = (
+    "argument_size_in_bytes",
+    "output_size_in_bytes",
+    "alias_size_in_bytes",
+    "temp_size_in_bytes",
+    "generated_code_size_in_bytes",
+    "host_argument_size_in_bytes",
+    "host_output_size_in_bytes",
+    "host_alias_size_in_bytes",
+    "host_temp_size_in_bytes",
+)
+
+
+def compiled_memory(compiled) -> Optional[dict]:
+    """The compiled step's memory analysis, per device; `estimated_peak_bytes` = arguments + outputs
+    - aliased (donated) + temporaries (XLA's own estimate, not a measurement)."""
+    try:
+        ma = compiled.memory_analysis()
+    except Exception:  # noqa: BLE001 - some backends do not implement it
+        return None
+    if ma is None:
+        return None
+    out = {f: int(getattr(ma, f)) for f in _MEMORY_FIELDS if hasattr(ma, f)}
+    out["estimated_peak_bytes"] = (
+        out.get("argument_size_in_bytes", 0) + out.get("output_size_in_bytes", 0) - out.get("alias_size_in_bytes", 0) + out.get("temp_size_in_bytes", 0)
+    )
+    return out
+
+
+def compiled_flops(compiled) -> Optional[float]:
+    """XLA's cost-analysis FLOPs of the compiled step (per device program), for comparison."""
+    try:
+        ca = compiled.cost_analysis()
+    except Exception:  # noqa: BLE001
+        return None
+    if isinstance(ca, (list, tuple)):
+        ca = ca[0] if ca else None
+    return float(ca["flops"]) if ca and "flops" in ca else None
+
+
+class Progress:
+    """A one-line progress bar on a TTY; a plain line every `every` steps otherwise."""
+
+    def __init__(self, total: int, every: int, enabled: bool = True, stream=None):
+        self.total, self.every, self.enabled = total, every, enabled
+        self.stream = stream or sys.stdout
+        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self.start = time.perf_counter()
+
+    def update(self, step: int, m: dict) -> None:
+        if not self.enabled:
+            return
+        done = step + 1
+        text = f"step {done}/{self.total} loss {m['loss']:.4f} gnorm {m['grad_norm']:.3f} lr {m['lr']:.2e}"
+        if m.get("tokens_per_s") is not None:
+            text += f" {m['tokens_per_s']:.0f} tok/s {m['tflops_per_device']:.3f} TFLOP/s/dev MFU {100 * m['mfu']:.2f}%"
+        if self.tty:
+            width = 24
+            filled = int(width * done / self.total)
+            self.stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {text}\x1b[K")
+            if done == self.total:
+                self.stream.write("\n")
+            self.stream.flush()
+        elif done % self.every == 0 or done == self.total or step == 0:
+            print(text, file=self.stream, flush=True)
+
+
+class MetricsWriter:
+    """`metrics.jsonl` (one JSON object per step) and, on request, TensorBoard scalars."""
+
+    def __init__(self, out_dir: pathlib.Path, tensorboard: bool = False):
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.path = out_dir / "metrics.jsonl"
+        self.file = open(self.path, "w")
+        self.tb = None
+        if tensorboard:
+            from tensorboardX import SummaryWriter  # optional extra: pip install -e '.[tensorboard]'
+
+            self.tb = SummaryWriter(str(out_dir / "tensorboard"))
+
+    def write(self, step: int, m: dict) -> None:
+        record = {"step": step, **to_python(m)}
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            for k, v in record.items():
+                if k == "step" or v is None:
+                    continue
+                if isinstance(v, list):
+                    for i, x in enumerate(v):
+                        if x is not None:
+                            self.tb.add_scalar(f"{k}/{i}", x, step)
+                elif isinstance(v, (int, float)):
+                    self.tb.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def write_json(path: pathlib.Path, obj: dict) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(to_python(obj), indent=2) + "\n")
+    os.replace(tmp, path)

@@ -1,0 +1,239 @@
+"""The training step: one jit with in/out shardings that carry memory kinds, donated state.
+
+`Trainer(cfg, plan)` derives everything from the validated config: the mesh, the NamedShardings of
+params / optimizer state (memory kind from `offload.params` / `offload.opt_state`), the optimizer,
+the remat/offload policy, the sharded init and the jitted step. `zoo.inspect` / `zoo.plan` can lower
+the same step on abstract inputs (`Trainer.abstract_state`, `Trainer.lower`) without allocating.
+
+The state is a dict `{"params", "opt_state", "step"}`; `params` is the array half of the model
+(`eqx.partition(model, is_array)`), combined with the static half inside the loss.
+"""
+
+from typing import Any, Callable, Optional
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from zoo import model as zoo_model
+from zoo import sharding as zs
+from zoo.offload import remat_policy
+from zoo.train.config import OptimizerConfig, Plan, TrainConfig
+
+
+def is_array_like(x) -> bool:
+    return isinstance(x, (jax.Array, jax.ShapeDtypeStruct))
+
+
+def _last_name(path) -> str:
+    return zs._key_name(path[-1]) if path else ""
+
+
+def trainable_labels(params):
+    """'train' for parameters, 'frozen' for buffers (the MoE correction bias): the optimizer never moves those."""
+    return jax.tree_util.tree_map_with_path(lambda p, _: "frozen" if zoo_model.is_buffer_path(p) else "train", params)
+
+
+def decay_mask(params):
+    """Weight decay on matrices only: not on RMSNorm weights (field `weight`) nor buffers."""
+    return jax.tree_util.tree_map_with_path(lambda p, _: _last_name(p) != "weight" and not zoo_model.is_buffer_path(p), params)
+
+
+def make_schedule(c: OptimizerConfig, total_steps: int) -> optax.Schedule:
+    decay = c.decay_steps if c.decay_steps is not None else total_steps
+    decay = max(decay, c.warmup_steps + 1)
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0 if c.warmup_steps else c.lr,
+        peak_value=c.lr,
+        warmup_steps=c.warmup_steps,
+        decay_steps=decay,
+        end_value=c.lr * c.min_lr_ratio,
+    )
+
+
+def make_optimizer(c: OptimizerConfig, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    schedule = make_schedule(c, total_steps)
+    parts = [optax.clip_by_global_norm(c.grad_clip)] if c.grad_clip > 0 else []
+    parts.append(optax.adamw(schedule, b1=c.b1, b2=c.b2, eps=c.eps, weight_decay=c.weight_decay, mask=decay_mask))
+    tx = optax.multi_transform({"train": optax.chain(*parts), "frozen": optax.set_to_zero()}, trainable_labels)
+    return tx, schedule
+
+
+def tree_specs(tree, rules, mesh_sizes=None):
+    """PartitionSpecs for any tree whose array leaves are model leaves or mirror them (optimizer
+    moments end with the parameter's path); scalars (step counts) are replicated."""
+
+    def one(path, leaf):
+        if not hasattr(leaf, "shape"):
+            return None
+        if len(leaf.shape) == 0:
+            return PartitionSpec()
+        spec = zs.logical_to_spec(zs.param_logical_axes(path, len(leaf.shape)), rules)
+        if mesh_sizes is not None:
+            zs._check_divisible(zs.path_str(path), leaf.shape, spec, mesh_sizes)
+        return spec
+
+    return jax.tree_util.tree_map_with_path(one, tree)
+
+
+def _stack_paths(params) -> Callable:
+    """Predicate over leaf paths: True inside a scanned layer stack (moved to device per layer)."""
+    del params
+    return lambda path: any(zs._key_name(k) == "layers" for k in path)
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, plan: Plan, devices: Optional[list] = None):
+        self.cfg = cfg
+        self.plan = plan
+        self.mesh = zs.make_mesh(plan.mesh, devices)
+        rules = cfg.mesh.rules
+        self.rules = rules
+        abstract = zoo_model.abstract(cfg.model)
+        self.abstract_params, self.static = eqx.partition(abstract, is_array_like)
+        self.tx, self.schedule = make_optimizer(cfg.optimizer, cfg.trainer.steps)
+        self.policy = remat_policy(cfg.offload)
+        self.params_on_host = cfg.offload.params == "pinned_host"
+        self.opt_on_host = cfg.offload.opt_state == "pinned_host"
+
+        sizes = plan.mesh.sizes
+        param_specs = tree_specs(self.abstract_params, rules, sizes)
+        abstract_opt = jax.eval_shape(self.tx.init, self.abstract_params)
+        opt_specs = tree_specs(abstract_opt, rules, sizes)
+        self.param_shardings = zs.named(self.mesh, param_specs, cfg.offload.params)
+        self.opt_shardings = zs.named(self.mesh, opt_specs, cfg.offload.opt_state)
+        self.state_shardings = {
+            "params": self.param_shardings,
+            "opt_state": self.opt_shardings,
+            "step": NamedSharding(self.mesh, PartitionSpec()),
+        }
+        token_spec = zs.logical_to_spec(zs.TOKEN_AXES, rules)
+        # Tokens arrive as [grad_accum, microbatch, seq]: the microbatch dim is the sharded batch.
+        self.token_sharding = NamedSharding(self.mesh, PartitionSpec(None, *token_spec))
+        self.constrain = zs.activation_constraint(self.mesh, rules, zs.ACTIVATION_AXES)
+        self.constrain_logits = zs.activation_constraint(self.mesh, rules, zs.LOGIT_AXES)
+        self.replicated = NamedSharding(self.mesh, PartitionSpec())
+        self._step = None
+
+    # --- state ---------------------------------------------------------------------------------
+
+    def _init(self, key):
+        model = zoo_model.build(self.cfg.model, key=key)
+        params, _ = eqx.partition(model, eqx.is_array)
+        return {"params": params, "opt_state": self.tx.init(params), "step": jnp.zeros((), jnp.int32)}
+
+    def init(self, seed: Optional[int] = None):
+        """Parameters and optimizer state created already sharded (and in their memory kind)."""
+        seed = self.cfg.trainer.seed if seed is None else seed
+        init = jax.jit(self._init, out_shardings=self.state_shardings)
+        return init(jax.random.key(seed))
+
+    def abstract_state(self):
+        """The state as ShapeDtypeStructs carrying their shardings: lower/compile without allocating."""
+        shapes = jax.eval_shape(self._init, jax.random.key(0))
+        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, self.state_shardings)
+
+    def abstract_tokens(self):
+        c = self.cfg
+        shape = (c.trainer.grad_accum, self.plan.microbatch, c.data.seq_len)
+        return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.token_sharding)
+
+    def shard_tokens(self, batch):
+        """Host `[batch_size, seq]` int32 -> device `[grad_accum, microbatch, seq]`, batch-sharded."""
+        c = self.cfg
+        batch = jnp.asarray(batch, jnp.int32).reshape(c.trainer.grad_accum, self.plan.microbatch, c.data.seq_len)
+        return jax.device_put(batch, self.token_sharding)
+
+    # --- the step ------------------------------------------------------------------------------
+
+    def loss_and_aux(self, params, tokens):
+        """Mean next-token loss of one microbatch, and the MoE routing statistics."""
+        model = eqx.combine(params, self.static)
+        layer_transform = zs.to_device if self.params_on_host else None
+        logits, aux = model.forward_with_aux(
+            self.constrain_tokens(tokens), remat_policy=self.policy, layer_transform=layer_transform, constrain=self.constrain
+        )
+        logits = self.constrain_logits(logits)
+        return zoo_model.next_token_loss(logits, tokens), aux
+
+    def constrain_tokens(self, tokens):
+        return jax.lax.with_sharding_constraint(tokens, NamedSharding(self.mesh, zs.logical_to_spec(zs.TOKEN_AXES, self.rules)))
+
+    def _device_params(self, params):
+        """With params on host: everything but the layer stacks moves to device now; the stacks move
+        one layer at a time inside the scan (layer_transform)."""
+        if not self.params_on_host:
+            return params
+        in_stack = _stack_paths(params)
+        return jax.tree_util.tree_map_with_path(lambda p, x: x if in_stack(p) else jax.device_put(x, jax.memory.Space.Device), params)
+
+    def train_step(self, state, tokens):
+        c = self.cfg
+        accum = c.trainer.grad_accum
+        params = state["params"]
+        loss_params = self._device_params(params)
+        grad_fn = jax.value_and_grad(self.loss_and_aux, has_aux=True)
+
+        def micro(mb):
+            (loss, aux), grads = grad_fn(loss_params, mb)
+            if self.params_on_host:
+                grads = zs.to_device(grads)  # the stacks' cotangents come back in host memory
+            load = aux.tokens_per_expert.astype(jnp.float32) if aux is not None else jnp.zeros((0, 0), jnp.float32)
+            dropped = aux.dropped.astype(jnp.float32) if aux is not None else jnp.zeros((0,), jnp.float32)
+            return loss, grads, load, dropped
+
+        if accum == 1:
+            loss, grads, load, dropped = micro(tokens[0])
+        else:
+
+            def body(carry, mb):
+                out = micro(mb)
+                return jax.tree.map(jnp.add, carry, out), None
+
+            zero = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(micro, tokens[0]))
+            total, _ = jax.lax.scan(body, zero, tokens)
+            loss, grads, load, dropped = jax.tree.map(lambda x: x / accum, total)
+            load, dropped = load * accum, dropped * accum  # counts add up over microbatches
+
+        labels = trainable_labels(grads)
+        trainable = jax.tree.map(lambda g, lab: g if lab == "train" else None, grads, labels)
+        grad_norm = optax.global_norm(trainable)
+
+        opt_state = zs.to_device(state["opt_state"]) if self.opt_on_host else state["opt_state"]
+        dev_params = zs.to_device(params) if self.params_on_host else params
+        updates, opt_state = self.tx.update(grads, opt_state, dev_params)
+        new_params = optax.apply_updates(dev_params, updates)
+
+        rate = c.trainer.moe_bias_update_rate
+        if rate > 0 and new_params.moe_layers is not None:
+            # DeepSeek-V3's auxiliary-loss-free balancing: push overloaded experts' bias down.
+            bias = new_params.moe_layers.layers.ffn.e_score_correction_bias
+            mean = load.mean(axis=-1, keepdims=True)
+            bias = bias + rate * jnp.sign(mean - load).astype(bias.dtype)
+            new_params = eqx.tree_at(lambda p: p.moe_layers.layers.ffn.e_score_correction_bias, new_params, bias)
+
+        metrics = {"loss": loss, "grad_norm": grad_norm, "lr": self.schedule(state["step"])}
+        if load.size:
+            metrics["expert_load_max_over_mean"] = load.max(axis=-1) / jnp.maximum(load.mean(axis=-1), 1e-9)
+            metrics["expert_load_min_over_mean"] = load.min(axis=-1) / jnp.maximum(load.mean(axis=-1), 1e-9)
+            metrics["moe_dropped_fraction"] = dropped / jnp.maximum(load.sum(axis=-1), 1.0)
+        new_state = {"params": new_params, "opt_state": opt_state, "step": state["step"] + 1}
+        return new_state, metrics
+
+    def jitted_step(self):
+        if self._step is None:
+            self._step = jax.jit(
+                self.train_step,
+                in_shardings=(self.state_shardings, self.token_sharding),
+                out_shardings=(self.state_shardings, self.replicated),
+                donate_argnums=0,
+            )
+        return self._step
+
+    def lower(self, state: Any = None, tokens: Any = None):
+        """Lower the step (on abstract inputs by default): for compile(), memory_analysis(), inspection."""
+        state = self.abstract_state() if state is None else state
+        tokens = self.abstract_tokens() if tokens is None else tokens
+        return self.jitted_step().lower(state, tokens)
