@@ -2,6 +2,25 @@
 parameters and optimizer state in device or pinned host memory.
 
 A policy becomes one `jax.checkpoint` policy applied to the body of every scanned layer stack.
+
+Two maps name the tags:
+- `tags`: tag -> action for the model at hand. Strict: a tag the model never emits is an error.
+- `family_tags`: family -> {tag -> action}, for tags that only one family emits (the MLA latents,
+  the routed experts). A model applies the section of its own family and ignores the others, so one
+  preset (`minimal`, `deepseek_mla_moe_offload`, ...) serves Llama and DeepSeek-V3 alike. Entries of
+  `tags` win over `family_tags`. Tags that the chosen family never emits can only be written under
+  another family's section, so a misspelled or misplaced name is still an error, never a no-op.
+
+Placement rules, which `zoo.inspect` reads back from the traced program and the tests hold it to:
+- `offload` -> the forward pass copies the tag to pinned host and the backward pass copies it back;
+- `device` -> the tag is a residual of the forward scan on device;
+- `remat` (and tags left out) -> the backward pass recomputes the tag;
+- two exceptions, both structural: `decoder_layer_input` is the input of the checkpointed layer, which
+  the scan keeps anyway, so `remat` keeps it on device (`offload` moves it, and with it the scan
+  carry, to host); `mlpwo` only feeds the residual add, so the backward pass never reads it and
+  keeping or offloading it would do nothing: asking for that is an error.
+- `checkpoint: false` (the `none` preset) applies no checkpoint: nothing is recomputed, and the
+  backward pass keeps whatever it reads, which for some tags is a value derived from them.
 """
 
 import dataclasses
@@ -9,38 +28,98 @@ from typing import Callable, Optional
 
 import jax
 
-from zoo.tags import TAGS, emitted_tags
+from zoo.tags import DECODER_LAYER_INPUT, DEEPSEEK_V3, LLAMA, MLPWO, TAGS, emitted_tags
 
 ACTIONS = ("device", "offload", "remat")
 MEMORY_KINDS = ("device", "pinned_host")
+FAMILIES = (LLAMA, DEEPSEEK_V3)
+# Where a tag's value ends up in the backward pass (what zoo.inspect reports).
+PLACEMENTS = ("host", "device", "recomputed", "unread")
+# What `expected_placement` says without a checkpoint: not recomputed, not on host; the inspector
+# finds `device` (the value itself is a residual) or `unread` (a value derived from it is).
+KEPT = "kept"
+# Tags the backward pass never reads: saving or offloading them is a silent no-op, so it is refused.
+BACKWARD_NEVER_READS = (MLPWO,)
+# Tags that are the input of the checkpointed layer body: kept by the scan unless offloaded.
+CHECKPOINT_INPUTS = (DECODER_LAYER_INPUT,)
+
+
+def _valid_tags() -> str:
+    return ", ".join(TAGS)
+
+
+def _check_action(key: str, tag_name: str, action) -> None:
+    if tag_name not in TAGS:
+        raise ValueError(f"{key}: unknown tag; valid tags: {_valid_tags()}")
+    if action not in ACTIONS:
+        raise ValueError(f"{key}={action!r}: unknown action; choose one of {', '.join(ACTIONS)}")
+    if tag_name in BACKWARD_NEVER_READS and action != "remat":
+        raise ValueError(
+            f"{key}={action}: the backward pass never reads {tag_name} (it only feeds the residual add), "
+            f"so there is nothing to keep or offload; leave it out or set it to remat"
+        )
 
 
 @dataclasses.dataclass
 class OffloadConfig:
     """`tags`: tag -> device | offload | remat; tags left out are recomputed.
 
-    `checkpoint: false` applies no checkpoint at all: the backward pass keeps every intermediate
-    (the `none` preset: fastest, most memory).
+    `family_tags`: family -> {tag -> action} for tags only that family emits; applied to models of
+    that family only (see the module docstring). `checkpoint: false` applies no checkpoint at all:
+    the backward pass keeps every intermediate it reads (the `none` preset: fastest, most memory).
+    `params` / `opt_state`: the memory kind the train state's arrays live in between steps.
     """
 
     name: str = "none"
     checkpoint: bool = False
     tags: dict[str, str] = dataclasses.field(default_factory=dict)
+    family_tags: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
     params: str = "device"
     opt_state: str = "device"
 
     def __post_init__(self):
         for tag_name, action in self.tags.items():
-            if tag_name not in TAGS:
-                raise ValueError(f"offload.tags.{tag_name}: unknown tag; valid tags: {', '.join(TAGS)}")
-            if action not in ACTIONS:
-                raise ValueError(f"offload.tags.{tag_name}={action!r}: unknown action; choose one of {ACTIONS}")
+            _check_action(f"offload.tags.{tag_name}", tag_name, action)
+        for family, section in self.family_tags.items():
+            if family not in FAMILIES:
+                raise ValueError(f"offload.family_tags.{family}: unknown family; choose one of {', '.join(FAMILIES)}")
+            for tag_name, action in (section or {}).items():
+                key = f"offload.family_tags.{family}.{tag_name}"
+                _check_action(key, tag_name, action)
+                families = TAGS[tag_name].families
+                if families != (family,):
+                    raise ValueError(
+                        f"{key}: family_tags.{family} holds only tags that {family} alone emits; "
+                        f"{tag_name} is emitted by {', '.join(families)}: "
+                        + (f"put it in offload.tags" if family in families else f"move it under offload.family_tags.{families[0]}")
+                    )
         for field in ("params", "opt_state"):
             if getattr(self, field) not in MEMORY_KINDS:
-                raise ValueError(f"offload.{field}={getattr(self, field)!r}: choose one of {MEMORY_KINDS}")
+                raise ValueError(f"offload.{field}={getattr(self, field)!r}: choose one of {', '.join(MEMORY_KINDS)}")
+        if not self.checkpoint and (self.tags or any(self.family_tags.values())):
+            named = next(iter(self.tags), None) or next(t for s in self.family_tags.values() for t in (s or {}))
+            raise ValueError(
+                f"offload.tags.{named}: with offload.checkpoint=false nothing is recomputed and every tag is kept, "
+                f"so per-tag actions would be ignored; set offload.checkpoint=true"
+            )
 
     def names(self, action: str) -> list[str]:
+        """Tags of `tags` with this action (family_tags not included; see `actions`)."""
         return [t for t, a in self.tags.items() if a == action]
+
+    def actions(self, family: Optional[str] = None) -> dict[str, str]:
+        """The named tags' actions: `family_tags[family]` overlaid by `tags`. Without a family, every
+        family's section (they name disjoint tags, so the union is well defined)."""
+        merged: dict[str, str] = {}
+        for fam, section in self.family_tags.items():
+            if family is None or fam == family:
+                merged.update(section or {})
+        merged.update(self.tags)
+        return merged
+
+    def describe(self) -> str:
+        memory = [f"{f} on {getattr(self, f)}" for f in ("params", "opt_state") if getattr(self, f) != "device"]
+        return " + ".join([self.name, *memory])
 
 
 def check_tags_emitted(policy: OffloadConfig, model_config) -> None:
@@ -54,11 +133,69 @@ def check_tags_emitted(policy: OffloadConfig, model_config) -> None:
         )
 
 
-def remat_policy(policy: OffloadConfig) -> Optional[Callable]:
-    """The `jax.checkpoint` policy for the scanned layer body (None: no checkpoint, keep everything)."""
+def dropped_family_tags(policy: OffloadConfig, model_config) -> list[str]:
+    """Entries of this family's `family_tags` section that this configuration does not emit
+    (`q_lora_rank: null` has no query_wa_proj / mla_q; no shared experts and no dense prefix, no
+    dense MLP tags). They are ignored for this model; tools print them."""
+    emitted = emitted_tags(model_config)
+    section = policy.family_tags.get(model_config.family) or {}
+    return [t for t in section if t not in emitted and t not in policy.tags]
+
+
+def resolve(policy: OffloadConfig, model_config) -> dict[str, str]:
+    """Validate the policy against the model and return its action for every emitted tag.
+
+    With `checkpoint: false` every tag is `device` (kept: nothing is recomputed).
+    """
+    check_tags_emitted(policy, model_config)
+    emitted = emitted_tags(model_config)
+    if not policy.checkpoint:
+        return {t: "device" for t in emitted}
+    named = policy.actions(model_config.family)
+    return {t: named.get(t, "remat") for t in emitted}
+
+
+def expected_placement(policy: OffloadConfig, model_config) -> dict[str, str]:
+    """Where each emitted tag should end up in the backward pass (the rules of the module docstring).
+
+    For `checkpoint: false` the answer is `kept` for every tag: not recomputed, not on host; the
+    inspector then reports `device` or `unread` (the backward keeps a value derived from the tag).
+    """
+    actions = resolve(policy, model_config)
+    if not policy.checkpoint:
+        return {t: KEPT for t in actions}
+    out = {}
+    for t, a in actions.items():
+        if t in BACKWARD_NEVER_READS:
+            out[t] = "unread"
+        elif a == "offload":
+            out[t] = "host"
+        elif a == "device" or t in CHECKPOINT_INPUTS:
+            out[t] = "device"
+        else:
+            out[t] = "recomputed"
+    return out
+
+
+def placement_matches(expected: str, found: str) -> bool:
+    """Whether the inspector's finding satisfies `expected_placement`'s answer."""
+    if expected == KEPT:
+        return found in ("device", "unread")
+    return expected == found
+
+
+def remat_policy(policy: OffloadConfig, model_config=None) -> Optional[Callable]:
+    """The `jax.checkpoint` policy for the scanned layer body (None: no checkpoint, keep everything).
+
+    With `model_config`, the policy is validated against the model first (`resolve`).
+    """
     if not policy.checkpoint:
         return None
-    saved, offloaded = policy.names("device"), policy.names("offload")
+    if model_config is not None:
+        resolve(policy, model_config)
+    actions = policy.actions(None if model_config is None else model_config.family)
+    saved = [t for t, a in actions.items() if a == "device"]
+    offloaded = [t for t, a in actions.items() if a == "offload"]
     cp = jax.checkpoint_policies
     if offloaded:
         return cp.save_and_offload_only_these_names(
@@ -70,3 +207,52 @@ def remat_policy(policy: OffloadConfig) -> Optional[Callable]:
     if saved:
         return cp.save_only_these_names(*saved)
     return cp.nothing_saveable
+
+
+# --- presets -----------------------------------------------------------------------------------
+
+
+def conf_dir():
+    """The repository's Hydra config directory (`conf/`)."""
+    import pathlib
+
+    return pathlib.Path(__file__).resolve().parent.parent / "conf"
+
+
+def preset_names() -> list[str]:
+    """The presets of the `conf/offload` group (file stems), sorted."""
+    return sorted(p.stem for p in (conf_dir() / "offload").glob("*.yaml"))
+
+
+def from_mapping(d) -> OffloadConfig:
+    """An OffloadConfig from a plain or OmegaConf mapping; unknown keys are an error naming the key."""
+    from omegaconf import DictConfig, OmegaConf
+
+    if isinstance(d, DictConfig):
+        d = OmegaConf.to_container(d, resolve=True)
+    d = {k: v for k, v in dict(d).items() if k != "defaults"}
+    fields = {f.name for f in dataclasses.fields(OffloadConfig)}
+    unknown = [k for k in d if k not in fields]
+    if unknown:
+        raise ValueError(f"offload.{unknown[0]}: unknown key; the keys are {', '.join(sorted(fields))}")
+    d = dict(d)
+    d["tags"] = dict(d.get("tags") or {})
+    d["family_tags"] = {k: dict(v or {}) for k, v in (d.get("family_tags") or {}).items()}
+    return OffloadConfig(**d)
+
+
+def load_preset(*names: str, **overrides) -> OffloadConfig:
+    """Merge the presets `names` of conf/offload in order (as Hydra does for `offload=[a,b]`), then
+    apply `overrides` (top-level keys). Without Hydra: for tests and research code."""
+    from omegaconf import OmegaConf
+
+    available = preset_names()
+    merged = OmegaConf.create({})
+    for n in names:
+        if n not in available:
+            raise ValueError(f"offload={n}: unknown preset; choose one of {', '.join(available)}")
+        loaded = OmegaConf.load(conf_dir() / "offload" / f"{n}.yaml")
+        loaded = {k: v for k, v in OmegaConf.to_container(loaded).items() if k != "defaults"}
+        merged = OmegaConf.merge(merged, loaded)
+    merged = OmegaConf.merge(merged, overrides)
+    return from_mapping(merged)
