@@ -1,0 +1,484 @@
+"""The planner: per tag keep on device, offload to host, or recompute, to minimise the estimated step
+time within an HBM budget.
+
+The cost model (per device, per step; every number it uses is printed in the estimates table):
+
+- compute: the step's training FLOPs (`zoo.config.flops_per_token`) at the device's matmul rate,
+  `hardware.peak_flops * plan.flops_efficiency` (or a measured profile's `peak_flops` with
+  `plan.flops_efficiency=1`).
+- `remat` of a tag costs its producer's FLOPs (the matmul, attention or norm that makes it; formulas
+  in `producer_flops`) once more per layer, at the same rate. Nothing else changes.
+- `offload` of a tag costs its bytes over the host link, device->host in the layer's forward and
+  host->device in its backward, plus a fixed latency per transfer (`plan.transfer_latency_us`: tiny
+  tensors gain nothing). The link is full duplex, `link` GB/s each way. Within a layer, transfers
+  overlap the layer's compute (forward: its forward FLOPs; backward: twice those plus what it
+  recomputes), so only the excess `max(0, transfer - compute)` is exposed.
+- `device` costs HBM: the tag's bytes per layer times the layers.
+- HBM is the larger of two phases: forward/backward (parameters on device, gradients, optimizer
+  state if on device, the kept tags, untagged residuals and a working set of two layers'
+  intermediates and the logits) and the optimizer update (parameters, gradients and optimizer
+  state all on device: the step brings host-resident state to the device for the update).
+- Parameters in host memory move one layer at a time inside the scan (forward and backward, hidden
+  behind compute like offloaded tags) and whole for the update; optimizer state in host memory moves
+  in and out for the update, exposed.
+
+The search is exhaustive over every assignment of device / offload / remat to the tags that can take
+them (3^15 for DeepSeek-V3, vectorised in chunks); ties go to less host traffic, so with a budget to
+spare everything stays on device. If nothing fits, the error names the smallest budget that would.
+"""
+
+import dataclasses
+import itertools
+import math
+from typing import Optional, Sequence
+
+import numpy as np
+
+from zoo.offload import BACKWARD_NEVER_READS, CHECKPOINT_INPUTS, OffloadConfig
+
+CHOICES = ("device", "offload", "remat")
+GB = 1e9
+
+# Named host links, GB/s per direction (full duplex).
+LINKS = {
+    "pcie_gen4": 32.0,  # PCIe Gen4 x16
+    "pcie_gen5": 64.0,  # PCIe Gen5 x16 (H100 / H200 PCIe)
+    "pcie_gen6": 128.0,
+    "nvlink_c2c": 450.0,  # Grace <-> Hopper/Blackwell, 900 GB/s both directions together (GH200, GB200)
+    "nvlink_c2c_rubin": 900.0,  # Vera <-> Rubin, 1.8 TB/s both directions together
+}
+
+
+class PlanError(ValueError):
+    """One line: `<key>: <what is wrong>; <fix>`."""
+
+
+@dataclasses.dataclass
+class PlanConfig:
+    """`plan.*` keys of `python -m zoo.plan`."""
+
+    hbm_budget_gb: Optional[float] = None  # null: the hardware profile's hbm_bytes
+    link: Optional[str] = None  # GB/s per direction, a name of LINKS, or a conf/hardware profile; null: hardware.host_link_gbps
+    flops_efficiency: float = 0.5  # fraction of hardware.peak_flops matmuls reach
+    transfer_latency_us: float = 10.0  # fixed cost of one host transfer
+    out: Optional[str] = None  # where the offload YAML goes; null: conf/offload/<name>.yaml
+    name: str = "planned"
+    json: Optional[str] = None  # also write the estimates as JSON here
+
+    def __post_init__(self):
+        if self.hbm_budget_gb is not None and self.hbm_budget_gb <= 0:
+            raise PlanError(f"plan.hbm_budget_gb: must be positive, got {self.hbm_budget_gb}; e.g. plan.hbm_budget_gb=80")
+        if not 0 < self.flops_efficiency <= 1:
+            raise PlanError(f"plan.flops_efficiency: must be in (0, 1], got {self.flops_efficiency}")
+        if self.transfer_latency_us < 0:
+            raise PlanError(f"plan.transfer_latency_us: must be >= 0, got {self.transfer_latency_us}")
+        if not self.name or "/" in self.name:
+            raise PlanError(f"plan.name: {self.name!r} is not a file stem; e.g. plan.name=planned")
+
+
+def resolve_link(link, default_gbps: float, hardware_dir=None) -> float:
+    """GB/s per direction from `plan.link` (number, LINKS name, or hardware profile name)."""
+    if link is None:
+        if not default_gbps or default_gbps <= 0:
+            raise PlanError("plan.link: the hardware profile has no host_link_gbps; give one, e.g. plan.link=pcie_gen5 or plan.link=64")
+        return float(default_gbps)
+    try:
+        value = float(link)
+    except (TypeError, ValueError):
+        value = None
+    if value is not None:
+        if value <= 0:
+            raise PlanError(f"plan.link: must be positive GB/s per direction, got {link}")
+        return value
+    if link in LINKS:
+        return LINKS[link]
+    profiles = []
+    if hardware_dir is not None:
+        profiles = sorted(p.stem for p in hardware_dir.glob("*.yaml"))
+        if link in profiles:
+            from omegaconf import OmegaConf
+
+            gbps = OmegaConf.load(hardware_dir / f"{link}.yaml").get("host_link_gbps", 0)
+            if gbps and gbps > 0:
+                return float(gbps)
+            raise PlanError(f"plan.link: hardware profile {link!r} has no host_link_gbps; give GB/s, e.g. plan.link=64")
+    raise PlanError(f"plan.link: unknown link {link!r}; give GB/s per direction, or one of {', '.join([*LINKS, *profiles])}")
+
+
+# --- the problem ------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class TagCost:
+    """One tag: per stack, its bytes per layer on one device and the FLOPs of recomputing it."""
+
+    tag: str
+    bytes_per_layer: dict[str, float]
+    recompute_flops_per_layer: dict[str, float]
+    choices: tuple[str, ...] = CHOICES
+
+
+@dataclasses.dataclass
+class StackCost:
+    layers: int
+    forward_flops_per_layer: float  # one device's forward FLOPs of one layer
+    param_bytes_per_layer: float = 0.0  # moved per layer when parameters live on host
+
+
+@dataclasses.dataclass
+class Problem:
+    """Everything the search needs, per device and per microbatch unless said otherwise."""
+
+    tags: list[TagCost]
+    stacks: dict[str, StackCost]
+    rate: float  # FLOP/s
+    link: float  # bytes/s per direction
+    budget: float  # HBM bytes
+    step_flops: float  # the whole step's FLOPs on one device (all microbatches)
+    microbatches: int = 1
+    latency: float = 10e-6  # seconds per transfer
+    param_bytes: float = 0.0
+    stack_param_bytes: float = 0.0  # the part of param_bytes inside layer stacks
+    grad_bytes: float = 0.0
+    opt_bytes: float = 0.0
+    params_on_host: bool = False
+    opt_on_host: bool = False
+    other_bytes: float = 0.0  # untagged residuals (per microbatch)
+    working_bytes: float = 0.0  # transient peak on top of residuals
+
+    def __post_init__(self):
+        for t in self.tags:
+            bad = [c for c in t.choices if c not in CHOICES]
+            if bad or not t.choices:
+                raise ValueError(f"tag {t.tag}: choices {t.choices} must be a non-empty subset of {CHOICES}")
+            for s in (*t.bytes_per_layer, *t.recompute_flops_per_layer):
+                if s not in self.stacks:
+                    raise ValueError(f"tag {t.tag}: unknown stack {s!r}; stacks: {', '.join(self.stacks)}")
+
+
+@dataclasses.dataclass
+class Estimate:
+    assignment: dict[str, str]
+    time_s: float
+    compute_s: float
+    recompute_s: float
+    exposed_transfer_s: float
+    state_transfer_s: float
+    peak_bytes: float
+    backward_phase_bytes: float
+    update_phase_bytes: float
+    device_tag_bytes: float
+    host_tag_bytes: float
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class Infeasible(PlanError):
+    def __init__(self, message: str, min_bytes: float, best: Estimate):
+        super().__init__(message)
+        self.min_bytes = min_bytes
+        self.best = best
+
+
+def _tag_totals(p: Problem, t: TagCost) -> float:
+    return sum(b * p.stacks[s].layers for s, b in t.bytes_per_layer.items())
+
+
+def _fixed_bytes(p: Problem) -> tuple[float, float]:
+    """(backward-phase bytes that do not depend on the tags, update-phase bytes)."""
+    if p.params_on_host:
+        biggest_layer = max((s.param_bytes_per_layer for s in p.stacks.values()), default=0.0)
+        params = p.param_bytes - p.stack_param_bytes + 2 * biggest_layer  # this layer and the next in flight
+    else:
+        params = p.param_bytes
+    opt = 0.0 if p.opt_on_host else p.opt_bytes
+    backward = params + p.grad_bytes + opt + p.other_bytes + p.working_bytes
+    update = p.param_bytes + p.grad_bytes + p.opt_bytes
+    return backward, update
+
+
+def _state_transfer_s(p: Problem) -> float:
+    """Host-resident state moved for the optimizer update (in and out overlap: full duplex)."""
+    moved = (p.opt_bytes if p.opt_on_host else 0.0) + (p.param_bytes if p.params_on_host else 0.0)
+    return moved / p.link
+
+
+def _evaluate_arrays(p: Problem, digits: np.ndarray) -> dict[str, np.ndarray]:
+    """Vectorised estimates: `digits[i, j]` is the CHOICES index of tag j in assignment i."""
+    n = digits.shape[0]
+    stacks = list(p.stacks)
+    recompute_flops = np.zeros(n)
+    device_bytes = np.zeros(n)
+    host_bytes = np.zeros(n)
+    per_stack_off = {s: np.zeros(n) for s in stacks}
+    per_stack_count = {s: np.zeros(n) for s in stacks}
+    per_stack_remat = {s: np.zeros(n) for s in stacks}
+    for j, t in enumerate(p.tags):
+        d = digits[:, j]
+        for s in stacks:
+            b = float(t.bytes_per_layer.get(s, 0.0))
+            f = float(t.recompute_flops_per_layer.get(s, 0.0))
+            layers = p.stacks[s].layers
+            if b:
+                device_bytes += (d == 0) * b * layers
+                host_bytes += (d == 1) * b * layers
+                per_stack_off[s] += (d == 1) * b
+                per_stack_count[s] += d == 1
+            if f:
+                per_stack_remat[s] += (d == 2) * f
+                recompute_flops += (d == 2) * f * layers
+    exposed = np.zeros(n)
+    for s in stacks:
+        sc = p.stacks[s]
+        fwd_compute = sc.forward_flops_per_layer / p.rate
+        bwd_compute = (2 * sc.forward_flops_per_layer + per_stack_remat[s]) / p.rate
+        offload_time = per_stack_off[s] / p.link + per_stack_count[s] * p.latency
+        params_time = sc.param_bytes_per_layer / p.link + p.latency if p.params_on_host else 0.0
+        # forward: activations out (device->host), this layer's weights in (host->device)
+        fwd = np.maximum(offload_time, params_time)
+        # backward: activations and weights in, the layer's weight gradients out
+        bwd = np.maximum(offload_time + params_time, params_time)
+        exposed += sc.layers * (np.maximum(0.0, fwd - fwd_compute) + np.maximum(0.0, bwd - bwd_compute))
+    mb = p.microbatches
+    fixed_backward, update = _fixed_bytes(p)
+    backward_phase = fixed_backward + device_bytes
+    peak = np.maximum(backward_phase, update)
+    compute_s = p.step_flops / p.rate
+    recompute_s = mb * recompute_flops / p.rate
+    exposed_s = mb * exposed
+    state_s = _state_transfer_s(p)
+    return {
+        "time_s": compute_s + recompute_s + exposed_s + state_s,
+        "compute_s": np.full(n, compute_s),
+        "recompute_s": recompute_s,
+        "exposed_transfer_s": exposed_s,
+        "state_transfer_s": np.full(n, state_s),
+        "peak_bytes": peak,
+        "backward_phase_bytes": backward_phase,
+        "update_phase_bytes": np.full(n, update),
+        "device_tag_bytes": device_bytes,
+        "host_tag_bytes": host_bytes,
+    }
+
+
+def _digits_of(p: Problem, assignment: dict[str, str]) -> np.ndarray:
+    row = []
+    for t in p.tags:
+        a = assignment.get(t.tag, "remat" if "remat" in t.choices else t.choices[0])
+        if a not in t.choices:
+            raise ValueError(f"tag {t.tag}: {a} is not one of its choices {t.choices}")
+        row.append(CHOICES.index(a))
+    return np.asarray([row], dtype=np.int8)
+
+
+def evaluate(p: Problem, assignment: dict[str, str]) -> Estimate:
+    """The estimate of one assignment (tags left out: remat, or their first choice)."""
+    digits = _digits_of(p, assignment)
+    arrays = _evaluate_arrays(p, digits)
+    full = {t.tag: CHOICES[int(digits[0, j])] for j, t in enumerate(p.tags)}
+    return Estimate(assignment=full, **{k: float(v[0]) for k, v in arrays.items()})
+
+
+def _all_assignments(choices: Sequence[Sequence[int]]) -> np.ndarray:
+    if not choices:
+        return np.zeros((1, 0), dtype=np.int8)
+    return np.asarray(list(itertools.product(*choices)), dtype=np.int8).reshape(-1, len(choices))
+
+
+def search(p: Problem, inner_tags: int = 9) -> Estimate:
+    """The fastest assignment within the budget; ties go to less host traffic, then less HBM.
+
+    Raises Infeasible (with the smallest peak any assignment reaches) when nothing fits.
+    """
+    choice_idx = [[CHOICES.index(c) for c in t.choices] for t in p.tags]
+    k = max(0, len(p.tags) - inner_tags)
+    outer = _all_assignments(choice_idx[:k])
+    inner = _all_assignments(choice_idx[k:])
+    best_key, best_digits = None, None
+    min_peak, min_digits = math.inf, None
+    for o in outer:
+        digits = np.concatenate([np.broadcast_to(o, (inner.shape[0], k)), inner], axis=1)
+        arrays = _evaluate_arrays(p, digits)
+        peak = arrays["peak_bytes"]
+        i_min = int(np.argmin(peak))
+        if peak[i_min] < min_peak:
+            min_peak, min_digits = float(peak[i_min]), digits[i_min].copy()
+        ok = np.nonzero(peak <= p.budget)[0]
+        if not ok.size:
+            continue
+        time = np.round(arrays["time_s"][ok], 12)
+        order = np.lexsort((peak[ok], arrays["host_tag_bytes"][ok], time))
+        i = ok[order[0]]
+        key = (time[order[0]], arrays["host_tag_bytes"][i], peak[i])
+        if best_key is None or key < best_key:
+            best_key, best_digits = key, digits[i].copy()
+    if best_digits is None:
+        best = evaluate(p, {t.tag: CHOICES[int(min_digits[j])] for j, t in enumerate(p.tags)})
+        raise Infeasible(
+            f"plan.hbm_budget_gb: no policy fits {p.budget / GB:.3f} GB; the smallest HBM any policy needs is "
+            f"{min_peak / GB:.3f} GB ({_describe(best.assignment)}); raise plan.hbm_budget_gb to at least "
+            f"{math.ceil(min_peak / GB * 1000) / 1000:.3f}"
+            + _state_hint(p),
+            min_peak,
+            best,
+        )
+    return evaluate(p, {t.tag: CHOICES[int(best_digits[j])] for j, t in enumerate(p.tags)})
+
+
+def _describe(assignment: dict[str, str]) -> str:
+    groups = {c: [t for t, a in assignment.items() if a == c] for c in CHOICES}
+    return "; ".join(f"{c}: {', '.join(ts)}" for c, ts in groups.items() if ts) or "no tags"
+
+
+def _state_hint(p: Problem) -> str:
+    hints = []
+    if not p.opt_on_host and p.opt_bytes:
+        hints.append("offload.opt_state=pinned_host")
+    if not p.params_on_host and p.stack_param_bytes:
+        hints.append("offload.params=pinned_host")
+    if not hints:
+        return ", or shrink the batch / sequence or shard over more devices"
+    return f", or shrink the batch / sequence, or try {' '.join(hints)} (note: the update phase keeps all state on device)"
+
+
+# --- from a model config ----------------------------------------------------------------------
+
+
+def producer_flops(config, tag: str, stack: str, batch: int, seq: int) -> float:
+    """Forward FLOPs, per layer and device, of the op that produces `tag` from its inputs.
+
+    Matmuls: 2 * output elements * contraction. Attention (`context`): scores and context products,
+    halved for causality (as `zoo.config.flops_per_token` counts them). Norms (`mla_q`, `mla_kv`): about
+    5 FLOPs per element. The layer input cannot be recomputed: 0.
+    """
+    c = config
+    n = batch * seq
+    d = c.hidden_size
+    moe_stack = stack == "moe_layers"
+    if c.family == "llama":
+        nh, kh, h = c.num_heads, c.num_kv_heads, c.head_dim
+        qk = v = h
+        q_in, k_flops, v_flops = d, 2 * n * d * kh * h, 2 * n * d * kh * h
+        q_out = nh * h
+    else:
+        m = c.mla
+        nh = c.num_heads
+        qk, v = m.qk_head_dim, m.v_head_dim
+        q_in = m.q_lora_rank or d
+        q_out = nh * qk
+        k_flops = 2 * n * m.kv_lora_rank * nh * m.qk_nope_head_dim
+        v_flops = 2 * n * m.kv_lora_rank * nh * v
+    if moe_stack:
+        mo = c.moe
+        ffn = mo.moe_intermediate_size * mo.n_shared_experts
+        if mo.impl == "capacity":
+            from zoo.config import moe_capacity
+
+            rows = mo.n_routed_experts * moe_capacity(n, mo)
+        else:
+            rows = n * mo.num_experts_per_tok
+    else:
+        ffn, rows = c.intermediate_size, 0
+    table = {
+        "decoder_layer_input": 0.0,
+        "query_proj": 2 * n * q_in * q_out,
+        "key_proj": k_flops,
+        "value_proj": v_flops,
+        "context": 2 * batch * nh * seq * seq * (qk + v) / 2,
+        "out_proj": 2 * n * nh * v * d,
+        "mlpwi_0": 2 * n * d * ffn,
+        "mlpwi_1": 2 * n * d * ffn,
+        "mlpwo": 2 * n * ffn * d,
+    }
+    if c.family != "llama":
+        m = c.mla
+        table.update(
+            {
+                "query_wa_proj": 2 * n * d * (m.q_lora_rank or 0),
+                "mla_q": 5 * n * (m.q_lora_rank or 0),
+                "kv_wa_proj": 2 * n * d * (m.kv_lora_rank + m.qk_rope_head_dim),
+                "mla_kv": 5 * n * m.kv_lora_rank,
+            }
+        )
+        if moe_stack:
+            i = c.moe.moe_intermediate_size
+            table.update({"moe_mlpwi_0": 2 * rows * d * i, "moe_mlpwi_1": 2 * rows * d * i, "moe_mlpwo": 2 * rows * i * d})
+    return float(table.get(tag, 0.0))
+
+
+def layer_forward_flops(config, stack: str, batch: int, seq: int) -> float:
+    """Forward FLOPs of one layer on one device: the sum of its producers (mlpwo included)."""
+    from zoo.tags import emitted_tags
+
+    return sum(producer_flops(config, t, stack, batch, seq) for t in emitted_tags(config))
+
+
+def tag_costs(config, records, batch: int, seq: int, divide: float = 1.0) -> list[TagCost]:
+    """TagCosts from the inspector's records (traced shapes and dtypes; `divide`: how many devices
+    the traced activations are split over). Tags the backward never reads are left out; the layer
+    input can be kept or offloaded, not recomputed."""
+    by_tag: dict[str, TagCost] = {}
+    for r in records:
+        if r.tag in BACKWARD_NEVER_READS:
+            continue
+        choices = ("device", "offload") if r.tag in CHECKPOINT_INPUTS else CHOICES
+        t = by_tag.setdefault(r.tag, TagCost(r.tag, {}, {}, choices))
+        t.bytes_per_layer[r.stack] = t.bytes_per_layer.get(r.stack, 0.0) + r.bytes_per_layer / divide
+        t.recompute_flops_per_layer[r.stack] = 0.0 if r.tag in CHECKPOINT_INPUTS else producer_flops(config, r.tag, r.stack, batch, seq)
+    return list(by_tag.values())
+
+
+def to_offload_config(estimate: Estimate, name: str, params: str = "device", opt_state: str = "device") -> OffloadConfig:
+    tags = {t: a for t, a in estimate.assignment.items() if a != "remat"}
+    return OffloadConfig(name=name, checkpoint=True, tags=tags, params=params, opt_state=opt_state)
+
+
+def to_yaml(policy: OffloadConfig, header: str = "") -> str:
+    lines = [f"# {ln}" if ln else "#" for ln in header.splitlines()]
+    lines += [f"name: {policy.name}", f"checkpoint: {str(policy.checkpoint).lower()}"]
+    if policy.tags:
+        lines.append("tags:")
+        lines += [f"  {t}: {a}" for t, a in policy.tags.items()]
+    else:
+        lines.append("tags: {}")
+    lines += [f"params: {policy.params}", f"opt_state: {policy.opt_state}"]
+    return "\n".join(lines) + "\n"
+
+
+def estimates_table(p: Problem, chosen: Estimate) -> str:
+    """Per tag: bytes, what each choice would cost on its own, and the pick; then the totals."""
+    rows = [("tag", "HBM if kept", "recompute", "offload xfer", "choice")]
+    for t in p.tags:
+        total = _tag_totals(p, t)
+        flops = sum(f * p.stacks[s].layers for s, f in t.recompute_flops_per_layer.items()) * p.microbatches
+        xfer = sum((b / p.link + p.latency) * p.stacks[s].layers for s, b in t.bytes_per_layer.items()) * 2 * p.microbatches
+        rows.append(
+            (
+                t.tag,
+                _fmt_bytes(total),
+                f"{1e3 * flops / p.rate:.3f} ms" if "remat" in t.choices else "-",
+                f"{1e3 * xfer:.3f} ms",
+                chosen.assignment[t.tag],
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    out = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    e = chosen
+    out.append("")
+    out.append(
+        f"estimated step {1e3 * e.time_s:.3f} ms = compute {1e3 * e.compute_s:.3f} + recompute {1e3 * e.recompute_s:.3f} "
+        f"+ exposed transfers {1e3 * e.exposed_transfer_s:.3f} + state transfers {1e3 * e.state_transfer_s:.3f}"
+    )
+    out.append(
+        f"estimated HBM peak {_fmt_bytes(e.peak_bytes)} of {_fmt_bytes(p.budget)} (forward/backward {_fmt_bytes(e.backward_phase_bytes)}, "
+        f"update {_fmt_bytes(e.update_phase_bytes)}); tags on device {_fmt_bytes(e.device_tag_bytes)}, on host {_fmt_bytes(e.host_tag_bytes)}"
+    )
+    return "\n".join(out)
+
+
+def _fmt_bytes(b: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(b) >= scale:
+            return f"{b / scale:.3f} {unit}"
+    return f"{b:.0f} B"
