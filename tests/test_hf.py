@@ -1,0 +1,249 @@
+"""Hugging Face interop: the transformers-computed fixtures, round trips, and bad checkpoints."""
+
+import json
+import shutil
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import numpy_ref
+import zoo
+from zoo import hf
+
+FAMILIES = ["llama_tiny_a", "dsv3_tiny_a"]
+
+
+def _load_ref(d):
+    return (
+        jnp.asarray(np.load(d / "inputs.npy")),
+        np.load(d / "logits.npy"),
+        json.loads((d / "loss.json").read_text())["loss"],
+        dict(np.load(d / "grads.npz")),
+    )
+
+
+def _checkpoint_with_config(tmp_path, src, config: dict):
+    """A checkpoint directory holding `src`'s weights under another config.json."""
+    dst = tmp_path / "ckpt"
+    dst.mkdir()
+    shutil.copy(src / "model.safetensors", dst / "model.safetensors")
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+_value_and_grad = eqx.filter_jit(eqx.filter_value_and_grad(zoo.loss_fn))
+_logits = eqx.filter_jit(lambda model, tokens: model(tokens))
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_matches_transformers(name, ref_dir):
+    d = ref_dir(name)
+    tokens, ref_logits, ref_loss, ref_grads = _load_ref(d)
+    impls = ["ragged", "capacity"] if name.startswith("dsv3") else [None]
+    for impl in impls:
+        # capacity_factor = experts / top_k gives every expert room for every token: nothing drops.
+        kw = {} if impl is None else {"moe_impl": impl, "moe_capacity_factor": 4.0}
+        model = hf.from_pretrained(d, **kw)
+        logits = _logits(model, tokens)
+        assert logits.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(logits), ref_logits, atol=1e-4, rtol=0)
+        loss, grads = _value_and_grad(model, tokens)
+        assert abs(float(loss) - ref_loss) < 1e-5
+        hub_grads = hf.to_hf_state_dict(grads)
+        for key, ref in ref_grads.items():
+            np.testing.assert_allclose(hub_grads[key], ref, atol=1e-5, rtol=1e-3, err_msg=key)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_legacy_config_style_reads_the_same(name, ref_dir):
+    d = ref_dir(name)
+    new = hf.config_from_hf(json.loads((d / "config.json").read_text()))
+    legacy = hf.config_from_hf(json.loads((d / "config_legacy.json").read_text()))
+    assert new == legacy
+    assert new == zoo.get_size(name)
+
+
+def test_correction_bias_gets_no_gradient(ref_dir):
+    d = ref_dir("dsv3_tiny_a")
+    model = hf.from_pretrained(d)
+    _, grads = _value_and_grad(model, jnp.asarray(np.load(d / "inputs.npy")))
+    assert not np.any(np.asarray(grads.moe_layers.layers.ffn.e_score_correction_bias))
+    assert np.any(np.asarray(grads.moe_layers.layers.ffn.router))
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_round_trip_is_bit_exact(name, ref_dir):
+    from safetensors.numpy import load_file
+
+    d = ref_dir(name)
+    original = load_file(d / "model.safetensors")
+    back = hf.to_hf_state_dict(hf.from_pretrained(d))
+    assert set(back) == set(original)
+    for key, arr in original.items():
+        assert back[key].dtype == arr.dtype and back[key].shape == arr.shape, key
+        assert np.array_equal(back[key], arr), key
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_save_then_load_gives_the_same_model(name, ref_dir, tmp_path):
+    model = hf.from_pretrained(ref_dir(name))
+    hf.save_pretrained(model, tmp_path / "one")
+    # A tiny shard limit forces a sharded checkpoint with an index file.
+    hf.save_pretrained(model, tmp_path / "many", max_shard_bytes=64 * 1024)
+    assert (tmp_path / "many" / "model.safetensors.index.json").exists()
+    assert len(list((tmp_path / "many").glob("*.safetensors"))) > 2
+    for out in ("one", "many"):
+        again = hf.from_pretrained(tmp_path / out)
+        assert again.config == model.config
+        for a, b in zip(jax.tree.leaves(model), jax.tree.leaves(again)):
+            assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_bfloat16_checkpoint(ref_dir, tmp_path):
+    model = hf.from_pretrained(ref_dir("llama_tiny_a"))
+    hf.save_pretrained(model, tmp_path, dtype="bfloat16")
+    header = hf.SafetensorsFile(tmp_path / "model.safetensors").header
+    assert {v["dtype"] for v in header.values()} == {"BF16"}
+    as_bf16 = hf.from_pretrained(tmp_path, dtype="bfloat16")
+    assert as_bf16.embed.dtype == jnp.bfloat16
+    expected = np.asarray(model.embed).astype(jnp.bfloat16)
+    assert np.array_equal(np.asarray(as_bf16.embed), expected)
+    # bf16 weights up-cast to float32 master weights lose nothing further.
+    as_f32 = hf.from_pretrained(tmp_path, dtype="float32")
+    assert np.array_equal(np.asarray(as_f32.embed), expected.astype(np.float32))
+
+
+def test_tied_embeddings_round_trip(tmp_path):
+    config = zoo.get_size("llama_tiny_a").replace(tie_word_embeddings=True)
+    model = zoo.build(config, key=jax.random.key(1))
+    assert model.lm_head is None
+    state = hf.to_hf_state_dict(model)
+    assert "lm_head.weight" not in state
+    hf.save_pretrained(model, tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["tie_word_embeddings"] is True
+    again = hf.from_pretrained(tmp_path)
+    tokens = jnp.arange(32, dtype=jnp.int32).reshape(2, 16)
+    logits = np.asarray(_logits(model, tokens))
+    np.testing.assert_array_equal(logits, np.asarray(_logits(again, tokens)))
+    ref = numpy_ref.forward(json.loads((tmp_path / "config.json").read_text()), state, np.asarray(tokens))
+    np.testing.assert_allclose(logits, ref, atol=1e-4)
+
+
+def test_gradient_with_none_leaves_is_skipped(ref_dir):
+    model = hf.from_pretrained(ref_dir("llama_tiny_a"))
+    only_embed = jax.tree.map(lambda _: None, model)
+    only_embed = eqx.tree_at(lambda m: m.embed, only_embed, model.embed, is_leaf=lambda x: x is None)
+    assert list(hf.to_hf_state_dict(only_embed)) == ["model.embed_tokens.weight"]
+
+
+# --- rope rules and MLA variants without a transformers fixture: the numpy reference ------------
+
+
+def _compare_with_numpy(ckpt, tokens, **kw):
+    model = hf.from_pretrained(ckpt, **kw)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    state = hf.to_hf_state_dict(model)
+    ref = numpy_ref.forward(cfg, state, np.asarray(tokens))
+    np.testing.assert_allclose(np.asarray(_logits(model, tokens)), ref, atol=1e-4, rtol=0)
+    return model
+
+
+def test_llama3_rope_against_numpy_reference(ref_dir, tmp_path):
+    d = ref_dir("llama_tiny_a")
+    cfg = json.loads((d / "config.json").read_text())
+    # A short original context puts the tiny model's frequencies in all three wavelength bands.
+    cfg["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                              "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    model = _compare_with_numpy(_checkpoint_with_config(tmp_path, d, cfg), jnp.asarray(np.load(d / "inputs.npy")))
+    assert model.config.rope.type == "llama3"
+    inv, _ = zoo.nn.rope.rope_frequencies(16, model.config.rope, 128)
+    default, _ = zoo.nn.rope.rope_frequencies(16, zoo.RopeConfig(theta=10000.0), 128)
+    assert np.any(np.isclose(inv, default)) and np.any(np.isclose(inv, default / 8)), "all three bands present"
+    assert np.any(~np.isclose(inv, default) & ~np.isclose(inv, default / 8))
+
+
+@pytest.mark.parametrize("mscale,mscale_all_dim", [(1.0, 1.0), (1.0, 0.707), (None, None)])
+def test_yarn_rope_against_numpy_reference(mscale, mscale_all_dim, ref_dir, tmp_path):
+    d = ref_dir("dsv3_tiny_a")
+    cfg = json.loads((d / "config_legacy.json").read_text())
+    scaling = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "beta_fast": 32, "beta_slow": 1}
+    if mscale is not None:
+        scaling.update(mscale=mscale, mscale_all_dim=mscale_all_dim)
+    cfg["rope_scaling"] = scaling
+    model = _compare_with_numpy(_checkpoint_with_config(tmp_path, d, cfg), jnp.asarray(np.load(d / "inputs.npy")))
+    assert model.config.rope.type == "yarn"
+
+
+def test_mla_without_q_lora_against_numpy_reference(tmp_path):
+    base = zoo.get_size("dsv3_tiny_a")
+    config = base.replace(mla=zoo.MLAConfig(q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16))
+    model = zoo.build(config, key=jax.random.key(3))
+    assert model.moe_layers.layers.attn.wq_a is None
+    hf.save_pretrained(model, tmp_path)
+    state = hf.to_hf_state_dict(model)
+    assert "model.layers.0.self_attn.q_proj.weight" in state
+    assert not any("q_a_proj" in k for k in state)
+    tokens = jax.random.randint(jax.random.key(4), (2, 16), 0, config.vocab_size, dtype=jnp.int32)
+    loaded = _compare_with_numpy(tmp_path, tokens)
+    assert loaded.config.mla.q_lora_rank is None
+
+
+# --- bad checkpoints: one clear error naming the file or tensor ----------------------------------
+
+
+def test_unknown_model_type(ref_dir, tmp_path):
+    cfg = json.loads((ref_dir("llama_tiny_a") / "config.json").read_text())
+    cfg["model_type"] = "gpt2"
+    with pytest.raises(hf.CheckpointError, match="model_type 'gpt2' is not supported"):
+        hf.from_pretrained(_checkpoint_with_config(tmp_path, ref_dir("llama_tiny_a"), cfg))
+
+
+def test_missing_and_misshaped_tensors(ref_dir, tmp_path):
+    from safetensors.numpy import load_file
+
+    state = load_file(ref_dir("llama_tiny_a") / "model.safetensors")
+    (tmp_path / "config.json").write_text((ref_dir("llama_tiny_a") / "config.json").read_text())
+    missing = dict(state)
+    del missing["model.layers.1.mlp.up_proj.weight"]
+    hf.write_safetensors(tmp_path / "model.safetensors", missing)
+    with pytest.raises(hf.CheckpointError, match=r"missing tensor 'model.layers.1.mlp.up_proj.weight' \(expected shape \[128, 64\]\)"):
+        hf.from_pretrained(tmp_path)
+    bad = dict(state)
+    bad["model.layers.0.self_attn.k_proj.weight"] = np.zeros((16, 64), np.float32)
+    hf.write_safetensors(tmp_path / "model.safetensors", bad)
+    with pytest.raises(hf.CheckpointError, match=r"'model.layers.0.self_attn.k_proj.weight' .* shape \[16, 64\], the config implies \[32, 64\]"):
+        hf.from_pretrained(tmp_path)
+
+
+def test_truncated_file(ref_dir, tmp_path):
+    ckpt = _checkpoint_with_config(tmp_path, ref_dir("llama_tiny_a"), json.loads((ref_dir("llama_tiny_a") / "config.json").read_text()))
+    data = (ckpt / "model.safetensors").read_bytes()
+    (ckpt / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(hf.CheckpointError, match="model.safetensors: truncated"):
+        hf.from_pretrained(ckpt)
+    (ckpt / "model.safetensors").write_bytes(data[:4])
+    with pytest.raises(hf.CheckpointError, match="truncated or not a safetensors file"):
+        hf.from_pretrained(ckpt)
+
+
+def test_missing_config_and_shard(ref_dir, tmp_path):
+    with pytest.raises(hf.CheckpointError, match="not a directory"):
+        hf.from_pretrained(tmp_path / "nope")
+    with pytest.raises(hf.CheckpointError, match="config.json: missing"):
+        hf.from_pretrained(tmp_path)
+    model = hf.from_pretrained(ref_dir("llama_tiny_a"))
+    hf.save_pretrained(model, tmp_path / "sharded", max_shard_bytes=64 * 1024)
+    victim = sorted((tmp_path / "sharded").glob("*.safetensors"))[1]
+    victim.unlink()
+    with pytest.raises(hf.CheckpointError, match=f"names shard '{victim.name}', which is missing"):
+        hf.from_pretrained(tmp_path / "sharded")
+
+
+def test_unsupported_rope_type(ref_dir, tmp_path):
+    cfg = json.loads((ref_dir("llama_tiny_a") / "config.json").read_text())
+    cfg["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 10000.0}
+    with pytest.raises(hf.CheckpointError, match="rope type 'longrope' is not supported"):
+        hf.from_pretrained(_checkpoint_with_config(tmp_path, ref_dir("llama_tiny_a"), cfg))
