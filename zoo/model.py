@@ -149,7 +149,9 @@ class CausalLM(eqx.Module):
 
 
 def build(config: ModelConfig, *, key: PRNGKeyArray) -> CausalLM:
-    return CausalLM(config, key=key)
+    """A randomly initialised model, built under jit: one compiled program rather than hundreds of
+    eagerly dispatched initialiser ops (repeated builds of one config reuse it)."""
+    return eqx.filter_jit(CausalLM)(config, key=key)
 
 
 def abstract(config: ModelConfig) -> CausalLM:
