@@ -150,6 +150,9 @@ class HardwareConfig:
     peak_flops: float = 1e12  # dense bf16 FLOP/s per device
     hbm_bytes: int = 0  # device memory
     host_link_gbps: float = 0.0  # host <-> device bandwidth, GB/s per direction
+    # Measured dense matmul FLOP/s (python -m zoo.measure_hardware); the planner prefers it to
+    # peak_flops * plan.flops_efficiency. null: not measured.
+    matmul_flops: Optional[float] = None
     nominal: bool = False  # true: peak_flops is a round number, not a datasheet figure
     note: str = ""
 
