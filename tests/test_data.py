@@ -1,0 +1,302 @@
+"""zoo.data: tokenizers, packing, shuffling, process split, resume, bad input, and learning on the shipped text."""
+
+import json
+import pathlib
+import time
+
+import numpy as np
+import pytest
+
+from zoo.data import (
+    SHIPPED_CORPUS,
+    ByteTokenizer,
+    DataError,
+    HFTokenizer,
+    check_vocab,
+    load_text,
+    load_tokenizer,
+    read_corpus,
+    unigram_entropy,
+)
+from zoo.data.pipeline import num_windows
+
+
+def numbered_text(n: int, start: int = 0) -> str:
+    """Text whose every 8-byte stretch occurs once: windows of >= 8 bytes are unique."""
+    return "".join(f"{i:06d}, " for i in range(start, start + n))
+
+
+def rows(batch: np.ndarray) -> list[bytes]:
+    return [r.tobytes() for r in np.asarray(batch)]
+
+
+def write_hf_tokenizer(path: pathlib.Path, texts, vocab_size=120, eos="<|endoftext|>") -> pathlib.Path:
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    specials = ["[UNK]"] + ([eos] if eos else [])
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False))
+    tok.save(str(path))
+    return path
+
+
+# --- tokenizers ------------------------------------------------------------------------------------
+
+
+def test_byte_tokenizer_round_trip_and_vocab():
+    tok = load_tokenizer(None)
+    assert isinstance(tok, ByteTokenizer) and tok.vocab_size == 256 and tok.eos_id == 0
+    s = "To be, or not to be — ça va? 🙂"
+    ids = tok.encode(s)
+    assert ids.dtype == np.int32 and ids.max() < 256 and ids.min() >= 0
+    assert list(ids) == list(s.encode("utf-8"))
+    assert tok.decode(ids) == s
+    check_vocab(tok, 256)
+    with pytest.raises(DataError, match=r"^data\.tokenizer: .*model\.vocab_size=128"):
+        check_vocab(tok, 128)
+
+
+def test_hf_tokenizer_matches_tokenizers_library(tmp_path):
+    from tokenizers import Tokenizer
+
+    texts = ["the cat sat on the mat", "the dog sat on the log", "a cat and a dog"] * 20
+    path = write_hf_tokenizer(tmp_path / "tokenizer.json", texts)
+    ref = Tokenizer.from_file(str(path))
+    for p in (path, tmp_path):  # the file, or the folder that holds it
+        tok = load_tokenizer(p)
+        assert isinstance(tok, HFTokenizer)
+        assert tok.eos_token == "<|endoftext|>" and tok.eos_id == ref.token_to_id("<|endoftext|>")
+        assert tok.vocab_size == max(ref.get_vocab().values()) + 1
+        got = tok.encode_batch(["the cat sat", "a dog on the log"])
+        assert [list(g) for g in got] == [ref.encode("the cat sat").ids, ref.encode("a dog on the log").ids]
+        assert tok.decode(got[0]).replace(" ", "") == "thecatsat"
+    check_vocab(tok, tok.vocab_size)
+    with pytest.raises(DataError, match=rf"^data\.tokenizer: .*tokenizer\.json has {tok.vocab_size} token ids but model\.vocab_size=10;"):
+        check_vocab(tok, 10)
+
+
+def test_hf_tokenizer_packs_documents_with_its_eos(tmp_path):
+    docs = ["the cat sat on the mat", "the dog sat on the log"]
+    tok_path = write_hf_tokenizer(tmp_path / "tok.json", docs * 10)
+    corpus = tmp_path / "docs.jsonl"
+    corpus.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    data = load_text(corpus, seq_len=4, batch_size=1, tokenizer=tok_path, shuffle=False, vocab_size=1000)
+    tok = data.tokenizer
+    want = []
+    for d in docs:
+        want += list(tok.encode(d)) + [tok.eos_id]
+    assert list(data.tokens) == want
+    assert data.batch(0).tolist() == [want[:4]]
+
+
+# --- reading and packing ---------------------------------------------------------------------------
+
+
+def test_folder_reading_order_and_jsonl_field(tmp_path):
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "2.txt").write_text("second")
+    (tmp_path / "a.jsonl").write_text('{"body": "one", "id": 1}\n\n{"body": "", "id": 2}\n{"body": "two", "id": 3}\n')
+    (tmp_path / "c.md").write_text("\ufeffthird")  # a byte-order mark is dropped
+    (tmp_path / "ignored.csv").write_text("x,y")
+    (tmp_path / ".hidden.txt").write_text("hidden")
+    c = read_corpus(tmp_path, text_field="body")
+    assert [f.name for f in c.files] == ["a.jsonl", "2.txt", "c.md"]
+    assert c.documents == ("one", "two", "second", "third")
+
+
+def test_packing_is_documents_then_separator_cut_into_overlapping_windows(tmp_path):
+    (tmp_path / "1.txt").write_text("abcdefg")
+    (tmp_path / "2.txt").write_text("hijklmnopq")
+    data = load_text(tmp_path, seq_len=4, batch_size=2, shuffle=False)
+    stream = b"abcdefg\x00hijklmnopq\x00"
+    assert list(data.tokens) == list(stream)
+    n = num_windows(len(stream), 4)
+    assert n == (len(stream) - 1) // 3 == 6
+    got = [data.windows[i] for i in range(n)]
+    assert all(len(w) == 4 for w in got)
+    # consecutive windows share one id, so every id after the first is a target exactly once
+    assert [list(w) for w in got] == [list(stream[3 * i : 3 * i + 4]) for i in range(n)]
+    rebuilt = list(got[0]) + [t for w in got[1:] for t in list(w)[1:]]
+    assert rebuilt == list(stream[: len(rebuilt)]) and len(stream) - len(rebuilt) < 3
+    # unshuffled: batches walk the windows in order, wrapping to the next epoch
+    b = [data.batch(s) for s in range(4)]
+    assert all(x.dtype == np.int32 and x.shape == (2, 4) for x in b)
+    flat = [r for x in b for r in rows(x)]
+    assert flat == rows(np.stack(got + got[:2]).astype(np.int32))
+
+
+def test_shuffle_is_a_fresh_permutation_each_epoch_and_deterministic(tmp_path):
+    (tmp_path / "t.txt").write_text(numbered_text(400))
+    kw = dict(seq_len=16, batch_size=1)  # one window a step: step s reads element s of the global stream
+    data = load_text(tmp_path, seed=3, **kw)
+    n = len(data.windows)
+    assert n == 3200 // 15  # 400 numbers of 8 bytes and one separator, stride 15
+    ordered = rows(np.stack([data.windows[i] for i in range(n)]).astype(np.int32))
+    epochs = [[r for s in range(e * n, (e + 1) * n) for r in rows(data.batch(s))] for e in range(2)]
+    for e in epochs:
+        assert sorted(e) == sorted(ordered)  # each epoch reads every window once
+    assert epochs[0] != ordered and epochs[1] != epochs[0]  # shuffled, and differently per epoch
+    again = load_text(tmp_path, seed=3, **kw)
+    assert all((again.batch(s) == data.batch(s)).all() for s in range(0, 3 * n, 7))
+    other = load_text(tmp_path, seed=4, **kw)
+    assert not all((other.batch(s) == data.batch(s)).all() for s in range(3))
+
+
+# --- data parallelism and resumption ---------------------------------------------------------------
+
+
+def test_two_processes_see_disjoint_data_that_make_up_the_global_batch(tmp_path):
+    (tmp_path / "t.txt").write_text(numbered_text(500))
+    kw = dict(seq_len=32, batch_size=8, seed=11)
+    whole = load_text(tmp_path, **kw)
+    procs = [load_text(tmp_path, process_index=p, process_count=2, **kw) for p in range(2)]
+    assert all(p.local_batch_size == 4 for p in procs)
+    steps = len(whole.windows) // 8  # one epoch
+    seen = [[], []]
+    for s in range(steps):
+        parts = [p.batch(s) for p in procs]
+        assert all(x.shape == (4, 32) for x in parts)
+        np.testing.assert_array_equal(np.concatenate(parts), whole.batch(s))
+        for p in range(2):
+            seen[p] += rows(parts[p])
+    assert len(set(seen[0])) == len(seen[0]) and len(set(seen[1])) == len(seen[1])
+    assert not set(seen[0]) & set(seen[1])
+    assert len(seen[0]) + len(seen[1]) == steps * 8 > len(whole.windows) - 8
+
+
+@pytest.mark.parametrize("process_index", [0, 1])
+def test_restart_at_step_k_yields_the_uninterrupted_batches(tmp_path, process_index):
+    (tmp_path / "t.txt").write_text(numbered_text(300))
+    kw = dict(seq_len=24, batch_size=6, seed=5, process_index=process_index, process_count=2)
+    run = load_text(tmp_path, **kw)
+    it = run.batches(0)
+    uninterrupted = [next(it) for _ in range(40)]  # crosses at least one epoch boundary
+    assert run.steps_per_epoch < 40
+    for k in (0, 1, 17, 39):
+        restarted = load_text(tmp_path, **kw).batches(start_step=k)  # a fresh loader, as after a restart
+        for s in range(k, 40):
+            np.testing.assert_array_equal(next(restarted), uninterrupted[s])
+    np.testing.assert_array_equal(run.batch(23), uninterrupted[23])
+    # and the batches are not all alike, so the equality above says something
+    assert len({b.tobytes() for b in uninterrupted}) == 40
+
+
+# --- bad input: one line naming the key and the file -----------------------------------------------
+
+
+def one_line_error(match: str, fn, *args, **kwargs) -> str:
+    with pytest.raises(DataError) as e:
+        fn(*args, **kwargs)
+    msg = str(e.value)
+    assert "\n" not in msg, msg
+    assert e.value.__cause__ is None or e.value.__suppress_context__
+    assert __import__("re").search(match, msg), msg
+    assert "; " in msg, msg  # the fix follows
+    return msg
+
+
+def test_bad_inputs_raise_one_clear_line(tmp_path):
+    kw = dict(seq_len=8, batch_size=2)
+    missing = tmp_path / "nope"
+    one_line_error(rf"^data\.path: {missing} does not exist;", load_text, missing, **kw)
+
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    one_line_error(rf"^data\.path: {empty} is empty;", load_text, empty, **kw)
+    blank = tmp_path / "blank.txt"
+    blank.write_text(" \n\n")
+    one_line_error(rf"^data\.path: {blank} is empty;", load_text, blank, **kw)
+
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes("line one\ncafé au lait".encode("latin-1"))
+    msg = one_line_error(rf"^data\.path: {latin} is not UTF-8 text \(byte 0xe9 at offset 12, line 2\);", load_text, latin, **kw)
+    assert "iconv" in msg
+
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "data.csv").write_text("a,b")
+    one_line_error(rf"^data\.path: folder {folder} has no \.txt", load_text, folder, **kw)
+    (folder / "good.txt").write_text(numbered_text(10))
+    (folder / "sub").mkdir()
+    (folder / "sub" / "bad.txt").write_bytes(b"\xff\xfe")
+    one_line_error(rf"^data\.path: {folder / 'sub' / 'bad.txt'} is not UTF-8", load_text, folder, **kw)
+
+    bad_json = tmp_path / "bad.jsonl"
+    bad_json.write_text('{"text": "fine"}\n{"text": oops}\n')
+    one_line_error(rf"^data\.path: {bad_json} line 2 is not JSON", load_text, bad_json, **kw)
+    no_field = tmp_path / "nofield.jsonl"
+    no_field.write_text('{"content": "x"}\n')
+    one_line_error(rf"^data\.text_field: {no_field} line 1 has no key 'text' \(it has: content\);", load_text, no_field, **kw)
+    not_str = tmp_path / "notstr.jsonl"
+    not_str.write_text('{"text": 3}\n')
+    one_line_error(rf"^data\.text_field: {not_str} line 1: 'text' holds a int", load_text, not_str, **kw)
+
+    short = tmp_path / "short.txt"
+    short.write_text("abc")
+    one_line_error(rf"^data\.path: {short} gives 4 tokens, fewer than data\.seq_len=8;", load_text, short, **kw)
+
+    text = tmp_path / "ok.txt"
+    text.write_text(numbered_text(50))
+    no_tok = tmp_path / "missing-tokenizer.json"
+    one_line_error(rf"^data\.tokenizer: {no_tok} does not exist;", load_text, text, tokenizer=no_tok, **kw)
+    garbage = tmp_path / "tokenizer.json"
+    garbage.write_text('{"not": "a tokenizer"}')
+    one_line_error(rf"^data\.tokenizer: {garbage} does not load as a Hugging Face tokenizer\.json", load_text, text, tokenizer=garbage, **kw)
+    garbage.write_bytes(b"\x00\x01binary")
+    one_line_error(rf"^data\.tokenizer: {garbage} does not load", load_text, text, tokenizer=garbage, **kw)
+    one_line_error(r"^data\.tokenizer: byte-level tokens .* model\.vocab_size=100;", load_text, text, vocab_size=100, **kw)
+    one_line_error(r"^data\.batch_size: 3 does not split over 2 processes;", load_text, text, seq_len=8, batch_size=3, process_count=2)
+
+
+# --- learning on the shipped text ------------------------------------------------------------------
+
+
+def test_shipped_corpus_is_plain_utf8_text():
+    c = read_corpus(SHIPPED_CORPUS)
+    assert len(c.files) == 3 and 200_000 < c.num_chars < 1_000_000
+    assert all(f.stat().st_size > 50_000 for f in c.files)
+    assert not any(ch in d for d in c.documents for ch in "*_#\\\x00")  # no Markdown left, no separator byte
+
+
+@pytest.mark.slow
+def test_tiny_llama_learns_the_shipped_text_below_its_unigram_entropy():
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import zoo
+
+    t0 = time.perf_counter()
+    cfg = zoo.get_size("llama_tiny_a")
+    assert cfg.vocab_size == 256
+    steps, batch, seq = 300, 16, 64
+    data = load_text(seq_len=seq, batch_size=batch, vocab_size=cfg.vocab_size, seed=0)  # the shipped text, bytes
+    # The entropy of the text's byte frequencies, in nats: what a model ignoring context can reach.
+    counts = np.bincount(np.frombuffer("".join(data.corpus.documents).encode("utf-8"), np.uint8), minlength=256)
+    p = counts[counts > 0] / counts.sum()
+    entropy = float(-(p * np.log(p)).sum())
+    assert 2.5 < entropy < 4.5 and abs(entropy - unigram_entropy(data.tokens)) < 0.01
+
+    model = zoo.build(cfg, key=jax.random.key(0))
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    opt = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, 1e-2, 20, steps, 1e-3), weight_decay=0.0)
+    opt_state = opt.init(params)
+
+    @jax.jit
+    def step(params, opt_state, tokens):
+        loss, grads = jax.value_and_grad(lambda p: zoo.loss_fn(eqx.combine(p, static), tokens))(params)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    losses = []
+    for tokens in data.batches(0):
+        params, opt_state, loss = step(params, opt_state, jnp.asarray(tokens))
+        losses.append(float(loss))
+        if len(losses) == steps:
+            break
+    first, final = np.mean(losses[:5]), np.mean(losses[-20:])
+    print(f"loss {first:.3f} -> {final:.3f} nats, unigram entropy {entropy:.3f}, {time.perf_counter() - t0:.1f}s")
+    assert first > entropy  # it starts above the context-free floor ...
+    assert final < 0.8 * entropy, (final, entropy)  # ... and ends well below it: it uses the context
