@@ -2,6 +2,7 @@
 
 import json
 import pathlib
+import re
 import time
 
 import numpy as np
@@ -191,7 +192,7 @@ def one_line_error(match: str, fn, *args, **kwargs) -> str:
     msg = str(e.value)
     assert "\n" not in msg, msg
     assert e.value.__cause__ is None or e.value.__suppress_context__
-    assert __import__("re").search(match, msg), msg
+    assert re.search(match, msg), msg
     assert "; " in msg, msg  # the fix follows
     return msg
 
