@@ -111,6 +111,9 @@ class XlaConfig:
     flags: list[str] = dataclasses.field(default_factory=list)
     # Simulate this many CPU devices (--xla_force_host_platform_device_count); null: leave as is.
     cpu_devices: Optional[int] = None
+    # On CPU only: compile with xla_backend_optimization_level=0 (LLVM optimisations off). The tiny
+    # models compile about twice as fast and step about as fast; set false for CPU benchmarks.
+    cpu_fast_compile: bool = True
 
     def __post_init__(self):
         for f in self.flags:

@@ -91,7 +91,7 @@ def train(c: TrainConfig, plan, devices, out_dir: pathlib.Path, xla_flags: str =
     init_s = time.perf_counter() - t0
     tokens = trainer.shard_tokens(data.batch(0))
     t0 = time.perf_counter()
-    compiled = trainer.jitted_step().lower(state, tokens).compile()
+    compiled = trainer.compile(state, tokens)
     compile_s = time.perf_counter() - t0
     mem_compiled = compiled_memory(compiled)
     echo(f"init {init_s:.1f}s, compile {compile_s:.1f}s")

@@ -127,8 +127,12 @@ class Trainer:
     def init(self, seed: Optional[int] = None):
         """Parameters and optimizer state created already sharded (and in their memory kind)."""
         seed = self.cfg.trainer.seed if seed is None else seed
-        init = jax.jit(self._init, out_shardings=self.state_shardings)
-        return init(jax.random.key(seed))
+        key = jax.random.key(seed)
+        lowered = jax.jit(self._init, out_shardings=self.state_shardings).lower(key)
+        # Init runs once: on CPU, skipping LLVM's optimisations compiles it several times faster
+        # (dsv3_tiny_a on 2 busy cores: 19 s -> 4 s); values agree to float32 rounding.
+        cpu = self.mesh.devices.flat[0].platform == "cpu"
+        return lowered.compile({"xla_backend_optimization_level": 0} if cpu else None)(key)
 
     def abstract_state(self):
         """The state as ShapeDtypeStructs carrying their shardings: lower/compile without allocating."""
@@ -231,6 +235,15 @@ class Trainer:
                 donate_argnums=0,
             )
         return self._step
+
+    @property
+    def compiler_options(self) -> Optional[dict]:
+        cpu = self.mesh.devices.flat[0].platform == "cpu"
+        return {"xla_backend_optimization_level": 0} if cpu and self.cfg.xla.cpu_fast_compile else None
+
+    def compile(self, state: Any = None, tokens: Any = None):
+        """The compiled step (xla.cpu_fast_compile applies its options on CPU)."""
+        return self.lower(state, tokens).compile(self.compiler_options)
 
     def lower(self, state: Any = None, tokens: Any = None):
         """Lower the step (on abstract inputs by default): for compile(), memory_analysis(), inspection."""

@@ -1,0 +1,146 @@
+"""Sweep results -> a markdown table and a PNG: step time against peak device memory, Pareto front marked.
+
+    python -m zoo.report multirun/2026-11-30/12-00-00            # writes report.md and report.png there
+    python -m zoo.report <dir> --out /tmp/report                  # elsewhere
+
+Every `summary.json` under the directory is one job (train.py writes one per job, failed jobs too).
+A job is on the Pareto front when no other successful job is at least as fast and uses at most as
+much memory, and strictly better in one of the two.
+"""
+
+import argparse
+import json
+import pathlib
+import sys
+from typing import Optional
+
+
+def load_summaries(root: pathlib.Path) -> list[dict]:
+    jobs = []
+    for path in sorted(root.rglob("summary.json"), key=lambda p: (len(p.parts), str(p))):
+        try:
+            s = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            s = {"status": "failed", "error": f"unreadable summary: {e}"}
+        s["_dir"] = str(path.parent.relative_to(root)) or "."
+        jobs.append(s)
+    return jobs
+
+
+def label(job: dict) -> str:
+    overrides = job.get("overrides") or []
+    return " ".join(overrides) if overrides else job["_dir"]
+
+
+def pareto_front(points: list[tuple[float, float]]) -> list[bool]:
+    """points: (memory, time), both lower-better. True where no other point dominates."""
+    out = []
+    for i, (m, t) in enumerate(points):
+        dominated = any(
+            (m2 <= m and t2 <= t) and (m2 < m or t2 < t) for j, (m2, t2) in enumerate(points) if j != i
+        )
+        out.append(not dominated)
+    return out
+
+
+def _mib(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x / 2**20:.1f}"
+
+
+def _fmt(x: Optional[float], spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def analyse(jobs: list[dict]) -> list[dict]:
+    ok = [j for j in jobs if j.get("status") == "ok" and j.get("peak_memory_bytes") is not None and j.get("step_time_s")]
+    front = pareto_front([(j["peak_memory_bytes"], j["step_time_s"]) for j in ok])
+    for j, f in zip(ok, front):
+        j["_pareto"] = f
+    return jobs
+
+
+def markdown(jobs: list[dict]) -> str:
+    rows = [
+        "| job | status | step time (ms) | peak memory (MiB) | memory source | tokens/s | TFLOP/s/device | MFU | loss first -> last | Pareto |",
+        "| --- | --- | ---: | ---: | --- | ---: | ---: | ---: | --- | :---: |",
+    ]
+    for j in jobs:
+        if j.get("status") == "ok":
+            rows.append(
+                f"| {label(j)} | ok | {_fmt(1e3 * j['step_time_s'], '.1f')} | {_mib(j.get('peak_memory_bytes'))} | "
+                f"{j.get('peak_memory_source', '-')} | {_fmt(j.get('tokens_per_s'), '.0f')} | {_fmt(j.get('tflops_per_device'), '.4f')} | "
+                f"{_fmt(100 * j['mfu'] if j.get('mfu') is not None else None, '.2f')}% | "
+                f"{_fmt(j.get('first_loss'), '.4f')} -> {_fmt(j.get('last_loss'), '.4f')} | {'yes' if j.get('_pareto') else ''} |"
+            )
+        else:
+            err = str(j.get("error", "")).replace("|", "\\|")
+            rows.append(f"| {label(j)} | failed: {err} | - | - | - | - | - | - | - | |")
+    return "\n".join(rows) + "\n"
+
+
+def plot(jobs: list[dict], path: pathlib.Path) -> bool:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [j for j in jobs if "_pareto" in j]
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    if not ok:
+        ax.text(0.5, 0.5, "no successful job", ha="center", va="center", transform=ax.transAxes)
+    else:
+        xs = [j["peak_memory_bytes"] / 2**20 for j in ok]
+        ys = [1e3 * j["step_time_s"] for j in ok]
+        on = [j["_pareto"] for j in ok]
+        ax.scatter([x for x, f in zip(xs, on) if not f], [y for y, f in zip(ys, on) if not f], c="tab:gray", label="dominated", zorder=3)
+        ax.scatter([x for x, f in zip(xs, on) if f], [y for y, f in zip(ys, on) if f], c="tab:red", label="Pareto front", zorder=4)
+        front = sorted((x, y) for x, y, f in zip(xs, ys, on) if f)
+        if len(front) > 1:
+            ax.step([p[0] for p in front], [p[1] for p in front], where="post", c="tab:red", alpha=0.5, zorder=2)
+        for j, x, y in zip(ok, xs, ys):
+            ax.annotate(label(j), (x, y), textcoords="offset points", xytext=(5, 5), fontsize=8)
+        sources = sorted({j.get("peak_memory_source", "?") for j in ok})
+        ax.set_xlabel(f"peak device memory per device (MiB; {', '.join(sources)})")
+        ax.legend(loc="best", fontsize=8)
+    failed = len(jobs) - len(ok)
+    ax.set_ylabel("step time (ms)")
+    ax.set_title(f"step time vs peak memory: {len(ok)} job(s)" + (f", {failed} failed" if failed else ""))
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+def report(root: pathlib.Path, out: Optional[pathlib.Path] = None) -> tuple[pathlib.Path, pathlib.Path]:
+    out = out or root
+    out.mkdir(parents=True, exist_ok=True)
+    jobs = analyse(load_summaries(root))
+    if not jobs:
+        raise FileNotFoundError(f"no summary.json under {root}")
+    md_path, png_path = out / "report.md", out / "report.png"
+    md_path.write_text(f"# Sweep report: {root}\n\n" + markdown(jobs) + f"\n![step time vs peak memory]({png_path.name})\n")
+    plot(jobs, png_path)
+    return md_path, png_path
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m zoo.report", description=__doc__.splitlines()[0])
+    p.add_argument("dir", type=pathlib.Path, help="a multirun directory (or any directory holding summary.json files)")
+    p.add_argument("--out", type=pathlib.Path, default=None, help="where report.md and report.png go (default: dir)")
+    a = p.parse_args(argv)
+    if not a.dir.is_dir():
+        print(f"error: dir: {a.dir} is not a directory; pass the multirun output directory", file=sys.stderr)
+        return 2
+    try:
+        md, png = report(a.dir, a.out)
+    except FileNotFoundError as e:
+        print(f"error: dir: {e}; run a sweep first (python train.py -m ...)", file=sys.stderr)
+        return 2
+    print(md.read_text())
+    print(f"wrote {md} and {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
