@@ -167,7 +167,12 @@ class TextData:
         return step / self.steps_per_epoch
 
     def unigram_entropy(self) -> float:
+        """Nats: what a model that ignores context can reach; a learning model goes well below it."""
         return unigram_entropy(self.tokens)
+
+    def floor(self) -> Optional[float]:
+        """The loss a perfect model reaches: unknown for real text (SyntheticData knows its own)."""
+        return None
 
     def describe(self) -> str:
         tok = "bytes" if self.tokenizer.name == "bytes" else self.tokenizer.name
