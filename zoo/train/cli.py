@@ -51,10 +51,13 @@ def run_job(cfg: DictConfig) -> None:
             out_dir / "summary.json",
             {"status": "failed", "overrides": overrides, "error": one_line(e), "error_type": type(e).__name__, "bad_input": bad_input},
         )
-        if not multirun:
-            raise
         if not bad_input or os.environ.get("ZOO_TRACEBACK"):
             traceback.print_exc()
+        if not multirun:
+            # Exit here: a raised exception would make Hydra log a second line about the job.
+            what = one_line(e) if bad_input else f"training failed: {type(e).__name__}: {one_line(e)}"
+            print(f"error: {what}", file=sys.stderr, flush=True)
+            raise SystemExit(EXIT_BAD_INPUT if bad_input else EXIT_FAILED) from None
         print(f"error: {label} failed: {one_line(e)}", file=sys.stderr, flush=True)
         _FAILED_JOBS.append(label)
     finally:
