@@ -1,0 +1,181 @@
+"""Config validation (every rule names its field) and parameter counts of the named sizes."""
+
+import dataclasses
+import re
+
+import pytest
+
+from zoo.config import SIZES, MLAConfig, ModelConfig, MoEConfig, RopeConfig, count_params, get_size, moe_capacity
+from zoo.model import abstract, count_leaves
+
+LLAMA = SIZES["llama_tiny_a"]
+DSV3 = SIZES["dsv3_tiny_a"]
+
+
+def raises_naming(field):
+    return pytest.raises(ValueError, match=re.escape(f"model.{field}:"))
+
+
+# --- validation ------------------------------------------------------------------------------
+
+ROPE_RULES = [
+    ("rope.type", dict(type="ntk")),
+    ("rope.theta", dict(theta=0.0)),
+    ("rope.factor", dict(type="llama3", factor=0.5, original_max_position_embeddings=8192)),
+    ("rope.factor", dict(type="yarn", factor=0.5)),
+    ("rope.original_max_position_embeddings", dict(type="llama3", factor=8.0)),
+    ("rope.high_freq_factor", dict(type="llama3", factor=8.0, original_max_position_embeddings=8192,
+                                   low_freq_factor=4.0, high_freq_factor=4.0)),
+]
+
+MLA_RULES = [
+    ("mla.q_lora_rank", dict(q_lora_rank=0)),
+    ("mla.kv_lora_rank", dict(kv_lora_rank=0)),
+    ("mla.qk_nope_head_dim", dict(qk_nope_head_dim=0)),
+    ("mla.qk_rope_head_dim", dict(qk_rope_head_dim=0)),
+    ("mla.v_head_dim", dict(v_head_dim=-1)),
+    ("mla.qk_rope_head_dim", dict(qk_rope_head_dim=7)),  # odd rope dim
+]
+
+MOE_RULES = [
+    ("moe.impl", dict(impl="dense")),
+    ("moe.n_routed_experts", dict(n_routed_experts=0, n_group=1, topk_group=1)),
+    ("moe.num_experts_per_tok", dict(num_experts_per_tok=9)),  # top_k > experts
+    ("moe.num_experts_per_tok", dict(num_experts_per_tok=0)),
+    ("moe.n_group", dict(n_group=3)),  # 8 experts not divisible by 3 groups
+    ("moe.n_group", dict(n_group=0, topk_group=1)),
+    ("moe.n_group", dict(n_group=8, topk_group=1, num_experts_per_tok=1)),  # one expert per group
+    ("moe.topk_group", dict(topk_group=3)),  # > n_group=2
+    ("moe.topk_group", dict(topk_group=0)),
+    ("moe.topk_group", dict(n_group=4, topk_group=1, num_experts_per_tok=3)),  # 1 group of 2 cannot supply 3
+    ("moe.capacity_factor", dict(capacity_factor=0.0)),
+    ("moe.n_shared_experts", dict(n_shared_experts=-1)),
+]
+
+MODEL_RULES = [
+    ("family", LLAMA, dict(family="gpt2")),
+    *[(name, LLAMA, {name: 0}) for name in
+      ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size", "max_position_embeddings")],
+    ("rms_norm_eps", LLAMA, dict(rms_norm_eps=0.0)),
+    ("param_dtype", LLAMA, dict(param_dtype="int8")),
+    ("compute_dtype", LLAMA, dict(compute_dtype="float64")),
+    ("attention_impl", LLAMA, dict(attention_impl="flash")),
+    ("family", LLAMA, dict(mla=MLAConfig())),  # llama with an mla section
+    ("family", LLAMA, dict(moe=MoEConfig())),
+    ("num_kv_heads", LLAMA, dict(num_kv_heads=0)),
+    ("num_heads", LLAMA, dict(num_heads=4, num_kv_heads=3)),  # heads not divisible by kv heads
+    ("head_dim", LLAMA, dict(head_dim=15)),  # odd rope dim
+    ("first_k_dense_replace", LLAMA, dict(first_k_dense_replace=1)),
+    ("rope.interleaved", LLAMA, dict(rope=RopeConfig(interleaved=True))),
+    ("mla", DSV3, dict(mla=None)),
+    ("moe", DSV3, dict(moe=None)),
+    ("first_k_dense_replace", DSV3, dict(first_k_dense_replace=4)),  # > num_layers=3
+    ("first_k_dense_replace", DSV3, dict(first_k_dense_replace=-1)),
+]
+
+
+@pytest.mark.parametrize("field,kw", ROPE_RULES, ids=[f"{f}-{i}" for i, (f, _) in enumerate(ROPE_RULES)])
+def test_rope_rules(field, kw):
+    with raises_naming(field):
+        RopeConfig(**kw)
+
+
+@pytest.mark.parametrize("field,kw", MLA_RULES, ids=[f"{f}-{i}" for i, (f, _) in enumerate(MLA_RULES)])
+def test_mla_rules(field, kw):
+    with raises_naming(field):
+        dataclasses.replace(DSV3.mla, **kw)
+
+
+@pytest.mark.parametrize("field,kw", MOE_RULES, ids=[f"{f}-{i}" for i, (f, _) in enumerate(MOE_RULES)])
+def test_moe_rules(field, kw):
+    with raises_naming(field):
+        dataclasses.replace(DSV3.moe, **kw)
+
+
+@pytest.mark.parametrize("field,base,kw", MODEL_RULES, ids=[f"{f}-{i}" for i, (f, _, _) in enumerate(MODEL_RULES)])
+def test_model_rules(field, base, kw):
+    with raises_naming(field):
+        base.replace(**kw)
+
+
+def test_rule_cases_are_valid_apart_from_the_broken_field():
+    # The bases the rule tests start from are valid, and valid neighbours of the broken values pass,
+    # so each ValueError above comes from the rule under test.
+    RopeConfig(type="llama3", factor=8.0, original_max_position_embeddings=8192)
+    RopeConfig(type="yarn", factor=1.0)
+    dataclasses.replace(DSV3.mla, q_lora_rank=None, qk_rope_head_dim=8)
+    dataclasses.replace(DSV3.moe, num_experts_per_tok=8, topk_group=2)
+    dataclasses.replace(DSV3.moe, n_group=4, topk_group=1, num_experts_per_tok=2)
+    dataclasses.replace(DSV3.moe, n_group=1, topk_group=1, n_shared_experts=0)
+    LLAMA.replace(num_heads=6, num_kv_heads=3, head_dim=14)
+    DSV3.replace(first_k_dense_replace=3)
+    DSV3.replace(first_k_dense_replace=0)
+
+
+def test_messages_say_how_to_fix():
+    with pytest.raises(ValueError, match="num_heads=4 must be divisible by num_kv_heads=3"):
+        LLAMA.replace(num_heads=4, num_kv_heads=3)
+    with pytest.raises(ValueError, match=r"top_k=9 must be in 1\.\.n_routed_experts=8"):
+        dataclasses.replace(DSV3.moe, num_experts_per_tok=9)
+    with pytest.raises(ValueError, match="'ntk'"):
+        RopeConfig(type="ntk")
+
+
+def test_unknown_size():
+    with pytest.raises(ValueError, match="llama_tiny_a"):  # the message lists the known sizes
+        get_size("llama_7b")
+    assert get_size("llama_tiny_a") is LLAMA
+
+
+def test_moe_capacity():
+    c = dataclasses.replace(DSV3.moe, capacity_factor=1.25)  # 8 experts, top 2
+    assert moe_capacity(32, c) == 10  # 32 * 2 / 8 * 1.25
+    assert moe_capacity(30, c) == 10  # ceil(9.375)
+    assert moe_capacity(1, dataclasses.replace(c, capacity_factor=0.01)) == 1
+
+
+# --- parameter counts ------------------------------------------------------------------------
+
+# Published sizes (Meta's model cards / the safetensors headers on the hub; DeepSeek-V3 without its 14B MTP module).
+PUBLISHED = {
+    "llama3.1_8b": (8.03e9, 0.005),
+    "llama3.1_70b": (70.6e9, 0.005),
+    "llama3.1_405b": (405.9e9, 0.005),
+    "deepseek_v3_671b": (671e9, 0.01),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_published_parameter_counts(name):
+    expected, tolerance = PUBLISHED[name]
+    assert count_params(SIZES[name]) == pytest.approx(expected, rel=tolerance)
+
+
+def test_deepseek_v3_active_parameters():
+    c = SIZES["deepseek_v3_671b"]
+    active, total = count_params(c, active=True), count_params(c)
+    # Exactly: every routed expert but top_k is idle for a token, in every MoE layer.
+    idle_experts = c.moe.n_routed_experts - c.moe.num_experts_per_tok
+    assert active == total - c.num_moe_layers * idle_experts * 3 * c.hidden_size * c.moe.moe_intermediate_size
+    # DeepSeek publishes "37B activated" (rounded down); the count with embedding and head is 37.55B,
+    # 1.5% above it. 1% is only met by dropping the embedding table (36.6B), so 2% here.
+    assert active == pytest.approx(37e9, rel=0.02)
+
+
+@pytest.mark.parametrize("name", sorted(SIZES))
+def test_count_params_equals_abstract_model_leaves(name):
+    c = SIZES[name]
+    assert count_leaves(abstract(c)) == count_params(c)
+    if c.family == "llama":
+        assert count_params(c, active=True) == count_params(c)
+    else:
+        assert count_params(c, active=True) < count_params(c)
+
+
+@pytest.mark.parametrize("name", ["llama_tiny_a", "dsv3_tiny_a"])
+def test_count_params_tied_and_without_q_lora(name):
+    c = SIZES[name].replace(tie_word_embeddings=True)
+    assert count_leaves(abstract(c)) == count_params(c) == count_params(SIZES[name]) - c.vocab_size * c.hidden_size
+    if c.mla is not None:
+        c = c.replace(mla=dataclasses.replace(c.mla, q_lora_rank=None), moe=dataclasses.replace(c.moe, n_shared_experts=0))
+        assert count_leaves(abstract(c)) == count_params(c)

@@ -1,0 +1,314 @@
+"""The causal LM: emitted tags, scan compile time, shape checks, bf16, tied embeddings, and training.
+
+Most models here are filled from numpy (`filled`) rather than `zoo.build`, which compiles an
+initialiser per config (seconds on CPU); `test_build` covers `build`.
+Training steps compile with XLA's backend optimisation off (the numbers are the same, the compile is faster).
+"""
+
+import dataclasses
+import time
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jaxtyping
+import numpy as np
+import pytest
+from jax.extend import core as jex_core
+
+import zoo
+from zoo import tags
+from zoo.config import SIZES, MLAConfig
+from zoo.model import count_leaves, loss_fn, trainable_mask
+
+LLAMA = SIZES["llama_tiny_a"]
+DSV3 = SIZES["dsv3_tiny_a"]
+DSV3_CAPACITY = DSV3.replace(moe=dataclasses.replace(DSV3.moe, impl="capacity", capacity_factor=2.0))
+# without the dense prefix: one scanned stack, quicker to compile
+DSV3_MOE_ONLY = DSV3.replace(num_layers=2, first_k_dense_replace=0)
+DSV3_CAPACITY_MOE_ONLY = DSV3_CAPACITY.replace(num_layers=2, first_k_dense_replace=0)
+DSV3_NO_Q_LORA = DSV3.replace(mla=dataclasses.replace(DSV3.mla, q_lora_rank=None))
+DSV3_NO_DENSE_MLP = DSV3.replace(first_k_dense_replace=0, moe=dataclasses.replace(DSV3.moe, n_shared_experts=0))
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
+
+
+def filled(c, seed=0, std=0.05):
+    """The model of config `c` with N(0, std) weights, norms 1 and a zero correction bias."""
+    rng = np.random.default_rng(seed)
+
+    def leaf(path, x):
+        names = [getattr(k, "name", "") for k in path]
+        if any("norm" in n for n in names):
+            return jnp.ones(x.shape, x.dtype)
+        if "e_score_correction_bias" in names:
+            return jnp.zeros(x.shape, x.dtype)
+        return jnp.asarray(rng.normal(size=x.shape) * std, x.dtype)
+
+    return jax.tree_util.tree_map_with_path(leaf, zoo.abstract(c))
+
+
+def random_tokens(c, seed=1, batch=2, seq=16):
+    return jnp.asarray(np.random.default_rng(seed).integers(0, c.vocab_size, (batch, seq)), jnp.int32)
+
+
+# Module-level, so that models of one config share a compiled forward.
+logits_of = jax.jit(lambda m, t: m(t), compiler_options=FAST_COMPILE)
+
+
+# --- (a) tags --------------------------------------------------------------------------------
+
+
+def traced_tags(jaxpr, in_scan=False, found=None):
+    """(name, shape, inside a scan body) of every checkpoint_name in `jaxpr` and its nested jaxprs."""
+    found = [] if found is None else found
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "name":
+            found.append((eqn.params["name"], eqn.invars[0].aval.shape, in_scan))
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(sub, jex_core.ClosedJaxpr):
+                    sub = sub.jaxpr
+                if isinstance(sub, jex_core.Jaxpr):
+                    traced_tags(sub, in_scan or eqn.primitive.name == "scan", found)
+    return found
+
+
+TAG_CONFIGS = {
+    "llama_tiny_a": LLAMA,
+    "dsv3_tiny_a": DSV3,
+    "dsv3_capacity": DSV3_CAPACITY,
+    "dsv3_no_q_lora": DSV3_NO_Q_LORA,
+    "dsv3_no_dense_mlp": DSV3_NO_DENSE_MLP,
+}
+
+
+@pytest.mark.parametrize("name", sorted(TAG_CONFIGS))
+def test_emitted_tags_are_exactly_the_traced_ones(name):
+    c = TAG_CONFIGS[name]
+    jaxpr = jax.make_jaxpr(lambda m, t: m(t))(zoo.abstract(c), jax.ShapeDtypeStruct((2, 16), jnp.int32))
+    found = traced_tags(jaxpr.jaxpr)
+    assert {n for n, _, _ in found} == set(tags.emitted_tags(c))
+    # every tag lives in a scanned layer body, where remat/offload policies apply
+    assert all(in_scan for _, _, in_scan in found)
+    # the tagged tensors have the rank their vocabulary entry documents (the capacity path's routed
+    # tensors are [experts, capacity, ...], one axis more than the sorted "A ..." of the ragged path)
+    for tag_name, shape, _ in found:
+        documented = tags.TAGS[tag_name].shape.split()
+        extra = 1 if (c.moe is not None and c.moe.impl == "capacity" and tag_name.startswith("moe_")) else 0
+        assert len(shape) == len(documented) + extra, (tag_name, shape, documented)
+
+
+def test_tag_variants_differ():
+    # the three DeepSeek-V3 variants really exercise different rules of emitted_tags
+    assert tags.QUERY_WA_PROJ in tags.emitted_tags(DSV3)
+    assert tags.QUERY_WA_PROJ not in tags.emitted_tags(DSV3_NO_Q_LORA)
+    assert tags.MLPWI_0 not in tags.emitted_tags(DSV3_NO_DENSE_MLP)
+    assert tags.MOE_MLPWI_0 not in tags.emitted_tags(LLAMA)
+
+
+def test_unknown_tag_is_refused():
+    with pytest.raises(ValueError, match="unknown tag 'mlp_out'"):
+        tags.tag(jnp.zeros(2), "mlp_out")
+
+
+# --- (b) compile time does not grow with depth -----------------------------------------------
+
+
+def compile_seconds(layers: int) -> float:
+    c = LLAMA.replace(num_layers=layers)
+
+    def loss(m, t):  # a fresh function: no cache hit from an earlier measurement
+        return loss_fn(m, t)
+
+    # CPU time of this process (all its threads), not wall time: steadier when other processes share the cores
+    start = time.process_time()
+    lowered = jax.jit(jax.value_and_grad(loss)).lower(zoo.abstract(c), jax.ShapeDtypeStruct((2, 16), jnp.int32))
+    lowered.compile(compiler_options=FAST_COMPILE)
+    return time.process_time() - start
+
+
+def test_scan_compile_time_does_not_grow_with_depth():
+    # (backend optimisation off to save test time; an unrolled stack would still be ~8x the ops)
+    shallow, deep = [], []
+    for _ in range(3):  # min over interleaved measurements; stop once the answer is clear
+        shallow.append(compile_seconds(4))
+        deep.append(compile_seconds(32))
+        if len(deep) >= 2 and min(deep) < 1.5 * min(shallow):
+            break
+    assert min(deep) < 1.5 * min(shallow), (shallow, deep)
+
+
+# --- (c) shape checks ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llama_abstract():
+    return zoo.abstract(LLAMA)
+
+
+def _type_error(fn, *args):
+    with pytest.raises(jaxtyping.TypeCheckError) as info:
+        jax.eval_shape(fn, *args)
+    return str(info.value)
+
+
+def test_rank_one_tokens_are_refused(llama_abstract):
+    message = _type_error(lambda m, t: m(t), llama_abstract, jax.ShapeDtypeStruct((16,), jnp.int32))
+    assert "parameter 'tokens'" in message and "i32[16]" in message and "batch seq" in message
+
+
+def test_float_tokens_are_refused(llama_abstract):
+    message = _type_error(lambda m, t: m(t), llama_abstract, jax.ShapeDtypeStruct((2, 16), jnp.float32))
+    assert "parameter 'tokens'" in message and "f32[2,16]" in message
+
+
+def test_block_positions_must_match_the_sequence(llama_abstract):
+    block = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), llama_abstract.dense_layers.layers)
+    x = jax.ShapeDtypeStruct((2, 16, LLAMA.hidden_size), jnp.float32)
+    message = _type_error(lambda b, x, p: b(x, p), block, x, jax.ShapeDtypeStruct((8,), jnp.int32))
+    assert "parameter 'positions'" in message and "seq=16" in message
+
+
+def test_rope_needs_a_heads_axis(llama_abstract):
+    rope = llama_abstract.dense_layers.layers.attn.rope
+    x = jax.ShapeDtypeStruct((2, 16, LLAMA.head_dim), jnp.float32)
+    message = _type_error(lambda x, p: rope(x, p), x, jax.ShapeDtypeStruct((16,), jnp.int32))
+    assert "parameter 'x'" in message and "batch seq heads dim" in message
+
+
+def test_block_with_wrong_embed_dim_fails_naming_both_sizes(llama_abstract):
+    # The block's own annotations bind `embed` from x alone, so this is caught by the first weight it
+    # meets (the RMSNorm weight), not by the type checker; the message still names both shapes.
+    block = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), llama_abstract.dense_layers.layers)
+    x = jax.ShapeDtypeStruct((2, 16, 32), jnp.float32)
+    with pytest.raises((TypeError, ValueError), match=r"\(64,\).*\(2, 16, 32\)"):
+        jax.eval_shape(lambda b, x, p: b(x, p), block, x, jax.ShapeDtypeStruct((16,), jnp.int32))
+
+
+# --- build ----------------------------------------------------------------------------------
+
+
+def test_build():
+    m = zoo.build(LLAMA, key=jax.random.key(0))
+    assert count_leaves(m) == zoo.count_params(LLAMA)
+    shapes = jax.tree.map(lambda x: (x.shape, x.dtype), m)
+    assert shapes == jax.tree.map(lambda x: (x.shape, x.dtype), zoo.abstract(LLAMA))
+    # weights have std 1/sqrt(fan_in) (unit-variance outputs); norms start at 1
+    wq = np.asarray(m.dense_layers.layers.attn.wq)
+    assert wq.std() == pytest.approx(LLAMA.hidden_size ** -0.5, rel=0.05)
+    wo = np.asarray(m.dense_layers.layers.attn.wo)
+    assert wo.std() == pytest.approx((LLAMA.num_heads * LLAMA.head_dim) ** -0.5, rel=0.05)
+    assert not np.allclose(wq[0], wq[1])  # layers differ
+    assert np.all(np.asarray(m.final_norm.weight) == 1)
+    assert np.all(np.isfinite(np.asarray(logits_of(m, random_tokens(LLAMA)))))
+
+
+# --- (d) bf16 compute ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("c", [LLAMA, DSV3_MOE_ONLY], ids=["llama", "dsv3"])
+def test_bf16_compute_is_close_to_float32(c):
+    tokens = random_tokens(c)
+    f32 = logits_of(filled(c), tokens)
+    bf16 = logits_of(filled(c.replace(compute_dtype="bfloat16")), tokens)  # same weights (float32 params)
+    assert f32.dtype == bf16.dtype == jnp.float32
+    f32, bf16 = np.asarray(f32), np.asarray(bf16)
+    assert not np.array_equal(f32, bf16)  # bf16 really was used
+    per_position = np.abs(bf16 - f32).max(-1) / np.abs(f32).max()
+    if c.moe is None:
+        assert per_position.max() < 0.03, per_position.max()
+    else:
+        # bf16 noise in the router's input can flip a near-tie between experts for a token, which moves
+        # that token's logits by O(1); the rest stay close
+        assert np.mean(per_position < 0.03) > 0.9, np.sort(per_position)
+    # and the predictions mostly agree
+    assert np.mean(bf16.argmax(-1) == f32.argmax(-1)) > 0.9
+
+
+# --- (e) tied embeddings ---------------------------------------------------------------------
+
+
+def test_tied_embeddings_use_embed_transpose():
+    tied_config = LLAMA.replace(tie_word_embeddings=True)
+    untied = filled(LLAMA)
+    tied = eqx.tree_at(lambda m: (m.embed, m.dense_layers, m.final_norm), filled(tied_config),
+                       (untied.embed, untied.dense_layers, untied.final_norm))
+    assert tied.lm_head is None
+    assert count_leaves(tied) == count_leaves(untied) - LLAMA.vocab_size * LLAMA.hidden_size
+    # the untied model with lm_head = embed.T computes the same function
+    same = eqx.tree_at(lambda m: m.lm_head, untied, untied.embed.T)
+    tokens = random_tokens(LLAMA)
+    np.testing.assert_allclose(np.asarray(logits_of(tied, tokens)), np.asarray(logits_of(same, tokens)), rtol=1e-5, atol=1e-5)
+    assert not np.allclose(np.asarray(logits_of(untied, tokens)), np.asarray(logits_of(same, tokens)), atol=1e-3)
+
+    # the embedding's gradient collects both uses: lookup and output head
+    grad = jax.jit(jax.grad(loss_fn), compiler_options=FAST_COMPILE)
+    g_tied, g_same = grad(tied, tokens), grad(same, tokens)
+    np.testing.assert_allclose(np.asarray(g_tied.embed), np.asarray(g_same.embed + g_same.lm_head.T), rtol=1e-4, atol=1e-6)
+
+
+def test_named_tied_size_has_no_lm_head():
+    assert SIZES["llama_1b"].tie_word_embeddings and zoo.abstract(SIZES["llama_1b"]).lm_head is None
+
+
+# --- (f) training ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("c", [LLAMA, DSV3, DSV3_CAPACITY_MOE_ONLY], ids=["llama", "dsv3_ragged", "dsv3_capacity"])
+def test_sgd_on_a_repeated_batch_lowers_the_loss(c):
+    model = filled(c)
+    params, static = eqx.partition(model, eqx.is_array)
+    mask = trainable_mask(params)
+    tokens = random_tokens(c)
+
+    def loss(p, t):
+        logits, aux = eqx.combine(p, static).forward_with_aux(t)
+        return zoo.next_token_loss(logits, t), aux
+
+    def step(p, t):
+        (value, aux), g = jax.value_and_grad(loss, has_aux=True)(p, t)
+        p = jax.tree.map(lambda p, g, train: p - 0.1 * g if train else p, p, g, mask)
+        return p, value, g, aux
+
+    step = jax.jit(step, compiler_options=FAST_COMPILE)
+    losses = []
+    for _ in range(8):
+        params, value, grads, aux = step(params, tokens)
+        losses.append(float(value))
+    assert np.all(np.isfinite(losses))
+    assert losses[-1] < 0.8 * losses[0], losses
+    assert max(losses) <= losses[0] + 0.5, losses  # no blow-up on the way
+
+    if c.moe is not None:
+        # the correction bias is a buffer: no gradient, never updated
+        assert np.all(np.asarray(grads.moe_layers.layers.ffn.e_score_correction_bias) == 0)
+        assert np.all(np.asarray(params.moe_layers.layers.ffn.e_score_correction_bias) == 0)
+        # routing statistics, stacked over the MoE layers
+        per_layer = np.asarray(aux.tokens_per_expert)
+        assert per_layer.shape == (c.num_moe_layers, c.moe.n_routed_experts)
+        np.testing.assert_array_equal(per_layer.sum(-1), tokens.size * c.moe.num_experts_per_tok)
+        assert aux.dropped.shape == (c.num_moe_layers,)
+    else:
+        assert aux is None
+
+
+# --- the loss ---------------------------------------------------------------------------------
+
+
+def test_next_token_loss_matches_numpy():
+    rng = np.random.default_rng(11)
+    logits = rng.normal(size=(3, 7, 11)).astype(np.float32) * 3
+    tokens = rng.integers(0, 11, size=(3, 7))
+    mask = (rng.uniform(size=(3, 7)) > 0.3).astype(np.float32)
+    mask[0, 1] = 1.0
+
+    def nll(b, t):  # predicting tokens[b, t + 1] from logits[b, t]
+        z = logits[b, t].astype(np.float64)
+        return np.log(np.exp(z - z.max()).sum()) + z.max() - z[tokens[b, t + 1]]
+
+    all_nll = np.array([[nll(b, t) for t in range(6)] for b in range(3)])
+    loss = jax.jit(zoo.next_token_loss)(jnp.asarray(logits), jnp.asarray(tokens, jnp.int32))
+    assert float(loss) == pytest.approx(all_nll.mean(), rel=1e-5)
+    masked = jax.jit(zoo.next_token_loss)(jnp.asarray(logits), jnp.asarray(tokens, jnp.int32), jnp.asarray(mask))
+    weights = mask[:, 1:]  # mask[:, 0] targets nothing
+    assert float(masked) == pytest.approx((all_nll * weights).sum() / weights.sum(), rel=1e-5)

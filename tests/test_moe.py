@@ -1,0 +1,293 @@
+"""DeepSeek-V3 MoE: both kernels against a slow dense reference, the router rules, drops, and FLOPs.
+
+The reference runs every expert on every token and combines them with a dense `[tokens, experts]`
+weight matrix that is zero for experts a token did not choose. Its routing is written independently of
+zoo.nn.moe.route (sorts and ranks instead of lax.top_k, the rule as transformers' DeepseekV3TopkRouter
+states it: group score = sum of the two best biased scores, masked experts scored 0.0).
+"""
+
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from zoo.config import SIZES, MoEConfig
+from zoo.nn.moe import MoE, route
+
+D, I = 16, 8  # embed, expert intermediate
+
+
+# --- helpers -------------------------------------------------------------------------------
+
+
+def random_moe(c: MoEConfig, seed: int, embed: int = D, router_std: float = 1.0, bias_std: float = 0.05) -> MoE:
+    """An MoE with random weights, filled from numpy (no per-shape init compilation)."""
+    module = eqx.filter_eval_shape(lambda key: MoE(embed, c, key=key), jax.random.key(0))
+    rng = np.random.default_rng(seed)
+    leaves, treedef = jax.tree_util.tree_flatten(module)
+    filled = [jnp.asarray(rng.normal(size=leaf.shape) / math.sqrt(leaf.shape[-2] if leaf.ndim >= 2 else 1), leaf.dtype)
+              for leaf in leaves]
+    m = jax.tree_util.tree_unflatten(treedef, filled)
+    m = eqx.tree_at(lambda m: m.router, m, jnp.asarray(rng.normal(size=(embed, c.n_routed_experts)) * router_std / math.sqrt(embed), jnp.float32))
+    return eqx.tree_at(lambda m: m.e_score_correction_bias, m, jnp.asarray(rng.normal(size=c.n_routed_experts) * bias_std, jnp.float32))
+
+
+def moe_config(**kw) -> MoEConfig:
+    base = dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=I, n_shared_experts=1,
+                n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5, impl="ragged", capacity_factor=8.0)
+    base.update(kw)
+    return MoEConfig(**base)
+
+
+def ref_choice(scores, bias, c: MoEConfig):
+    """Boolean [tokens, experts]: the experts each token selects (numpy or jax arrays)."""
+    biased = scores + jax.lax.stop_gradient(bias)
+    tokens, experts = biased.shape
+    per_group = experts // c.n_group
+    if c.n_group > 1:
+        grouped = biased.reshape(tokens, c.n_group, per_group)
+        group_score = jnp.sort(grouped, axis=-1)[..., -2:].sum(-1)
+        group_rank = jnp.argsort(jnp.argsort(-group_score, axis=-1), axis=-1)  # 0 = best
+        keep = jnp.repeat(group_rank < c.topk_group, per_group, axis=-1)
+        biased = jnp.where(keep, biased, 0.0)
+    expert_rank = jnp.argsort(jnp.argsort(-biased, axis=-1), axis=-1)
+    return expert_rank < c.num_experts_per_tok
+
+
+def ref_combine_weights(x, router, bias, c: MoEConfig, keep=None):
+    """Dense [tokens, experts] combine weights; `keep` (bool, same shape) zeroes dropped assignments."""
+    scores = jax.nn.sigmoid(x @ router)
+    chosen = ref_choice(scores, bias, c)
+    w = jnp.where(chosen, scores, 0.0)
+    if c.norm_topk_prob:
+        w = w / (w.sum(-1, keepdims=True) + 1e-20)
+    w = w * c.routed_scaling_factor
+    return w if keep is None else jnp.where(keep, w, 0.0)
+
+
+def ref_moe(m: MoE, x, keep=None):
+    b, t, d = x.shape
+    flat = x.reshape(b * t, d)
+    w = ref_combine_weights(flat, m.router, m.e_score_correction_bias, m.config, keep)
+    gate = jnp.einsum("nd,edi->eni", flat, m.w_gate)
+    up = jnp.einsum("nd,edi->eni", flat, m.w_up)
+    every = jnp.einsum("eni,eid->end", jax.nn.silu(gate) * up, m.w_down)  # every expert on every token
+    y = jnp.einsum("ne,end->nd", w, every)
+    if m.shared is not None:
+        s = m.shared
+        y = y + (jax.nn.silu(flat @ s.w_gate) * (flat @ s.w_up)) @ s.w_down
+    return y.reshape(b, t, d)
+
+
+def ref_keep(chosen: np.ndarray, capacity: int) -> np.ndarray:
+    """Per expert, the first `capacity` tokens (in token order) that chose it are kept."""
+    keep = np.zeros_like(chosen)
+    used = np.zeros(chosen.shape[1], dtype=int)
+    for n in range(chosen.shape[0]):
+        for e in np.flatnonzero(chosen[n]):
+            if used[e] < capacity:
+                keep[n, e] = True
+                used[e] += 1
+    return keep
+
+
+def random_x(seed, b=2, t=12, embed=D):
+    return jnp.asarray(np.random.default_rng(seed).normal(size=(b, t, embed)), jnp.float32)
+
+
+# --- kernels against the reference -----------------------------------------------------------
+
+KERNEL_CASES = {
+    "ragged": dict(impl="ragged"),
+    "capacity": dict(impl="capacity", capacity_factor=8.0),  # capacity = all tokens: nothing drops
+    "ragged_no_groups_no_shared": dict(impl="ragged", n_group=1, topk_group=1, n_shared_experts=0, num_experts_per_tok=3),
+    "capacity_no_norm": dict(impl="capacity", norm_topk_prob=False, routed_scaling_factor=1.0, num_experts_per_tok=3),
+}
+
+
+@pytest.mark.parametrize("case", sorted(KERNEL_CASES))
+def test_kernel_matches_dense_reference(case):
+    c = moe_config(**KERNEL_CASES[case])
+    m = random_moe(c, seed=1)
+    x = random_x(2)
+    y, aux = jax.jit(lambda m, x: m(x))(m, x)
+    expected = ref_moe(m, x)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(expected), rtol=1e-5, atol=1e-5)
+    tokens = x.shape[0] * x.shape[1]
+    chosen = np.asarray(ref_choice(jax.nn.sigmoid(x.reshape(tokens, D) @ m.router), m.e_score_correction_bias, c))
+    np.testing.assert_array_equal(np.asarray(aux.tokens_per_expert), chosen.sum(0))
+    assert int(aux.tokens_per_expert.sum()) == tokens * c.num_experts_per_tok
+    assert int(aux.dropped) == 0
+
+
+@pytest.mark.parametrize("impl", ["ragged", "capacity"])
+def test_kernel_gradients_match_dense_reference(impl):
+    c = moe_config(impl=impl)
+    m = random_moe(c, seed=3)
+    x = random_x(4)
+    cotangent = random_x(5)
+
+    def loss(fn):
+        def f(params, x):
+            return jnp.sum(fn(params, x) * cotangent)
+        return f
+
+    params = (m.router, m.w_gate, m.w_up, m.w_down)
+
+    def with_params(p):
+        return eqx.tree_at(lambda m: (m.router, m.w_gate, m.w_up, m.w_down), m, p)
+
+    got = jax.jit(jax.grad(loss(lambda p, x: with_params(p)(x)[0]), argnums=(0, 1)))(params, x)
+    expected = jax.jit(jax.grad(loss(lambda p, x: ref_moe(with_params(p), x)), argnums=(0, 1)))(params, x)
+    for name, g, e in zip(("router", "w_gate", "w_up", "w_down", "x"), (*got[0], got[1]), (*expected[0], expected[1])):
+        assert float(jnp.abs(e).max()) > 0, name
+        np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def test_correction_bias_gets_zero_gradient():
+    c = moe_config()
+    m = random_moe(c, seed=6, bias_std=0.3)
+    x = random_x(7)
+    grads = eqx.filter_jit(eqx.filter_grad(lambda m, x: jnp.sum(m(x)[0] ** 2)))(m, x)
+    assert np.all(np.asarray(grads.e_score_correction_bias) == 0)
+    assert float(jnp.abs(grads.router).max()) > 0
+
+
+# --- the router on crafted scores -----------------------------------------------------------
+
+
+def _logit(p):
+    p = np.asarray(p, np.float64)
+    return np.log(p / (1 - p))
+
+
+def route_scores(scores, bias, c: MoEConfig):
+    """route() with the router chosen so that sigmoid(logits) == scores (tokens = identity rows)."""
+    scores = np.atleast_2d(scores)
+    tokens, experts = scores.shape
+    x = jnp.eye(tokens, dtype=jnp.float32)
+    ids, weights = route(x, jnp.asarray(_logit(scores), jnp.float32), jnp.asarray(bias, jnp.float32), c)
+    return np.asarray(ids), np.asarray(weights)
+
+
+def test_group_limited_selection_on_crafted_scores():
+    c = moe_config(n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=3)
+    # groups (sum of best two): g0 = .99 + .01 = 1.00, g1 = 1.20, g2 = 1.10, g3 = 0.60
+    scores = [0.99, 0.01, 0.60, 0.60, 0.56, 0.54, 0.30, 0.30]
+    ids, _ = route_scores(scores, np.zeros(8), c)
+    assert set(ids[0]) == {2, 3, 4}  # expert 0 has the best score but its group loses
+    # the same scores without group limiting pick expert 0
+    ids_flat, _ = route_scores(scores, np.zeros(8), moe_config(n_group=1, topk_group=1, num_experts_per_tok=3))
+    assert 0 in set(ids_flat[0])
+
+
+def test_experts_outside_the_best_groups_are_never_chosen():
+    c = moe_config(n_routed_experts=16, n_group=4, topk_group=2, num_experts_per_tok=4)
+    rng = np.random.default_rng(8)
+    scores = rng.uniform(0.05, 0.95, size=(64, 16))
+    bias = rng.uniform(0.0, 0.2, size=16)  # non-negative, so no masked 0.0 can outrank a kept expert
+    ids, _ = route_scores(scores, bias, c)
+    grouped = (scores + bias).reshape(64, 4, 4)
+    group_score = np.sort(grouped, axis=-1)[..., -2:].sum(-1)
+    best_groups = np.argsort(-group_score, axis=-1)[:, :2]
+    for n in range(64):
+        assert set(ids[n] // 4) <= set(best_groups[n]), n
+        assert len(set(ids[n])) == 4
+
+
+def test_bias_changes_selection_not_weights():
+    c = moe_config(n_routed_experts=4, n_group=1, topk_group=1, num_experts_per_tok=2, norm_topk_prob=False,
+                   routed_scaling_factor=2.5)
+    scores = [0.9, 0.8, 0.7, 0.2]
+    ids, weights = route_scores(scores, [0.0, 0.0, 0.0, 0.0], c)
+    assert dict(zip(ids[0], weights[0])) == pytest.approx({0: 0.9 * 2.5, 1: 0.8 * 2.5})
+    ids, weights = route_scores(scores, [0.0, 0.0, 0.0, 0.8], c)
+    # expert 3 is selected through its bias, but weighted by its unbiased score
+    assert dict(zip(ids[0], weights[0])) == pytest.approx({0: 0.9 * 2.5, 3: 0.2 * 2.5})
+
+
+def test_norm_topk_prob_and_routed_scaling_factor():
+    scores = [0.9, 0.8, 0.7, 0.2]
+    bias = [0.0, 0.0, 0.0, 0.8]
+    base = dict(n_routed_experts=4, n_group=1, topk_group=1, num_experts_per_tok=2)
+    ids, w = route_scores(scores, bias, moe_config(norm_topk_prob=True, routed_scaling_factor=2.5, **base))
+    assert dict(zip(ids[0], w[0])) == pytest.approx({0: 0.9 / 1.1 * 2.5, 3: 0.2 / 1.1 * 2.5})
+    assert w.sum() == pytest.approx(2.5)
+    _, w1 = route_scores(scores, bias, moe_config(norm_topk_prob=True, routed_scaling_factor=1.0, **base))
+    np.testing.assert_allclose(w, 2.5 * w1, rtol=1e-6)
+
+
+# --- the capacity path with drops -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("capacity_factor", [0.7, 1.1])  # capacities ceil(5.6) and ceil(8.8)
+def test_capacity_drops_match_independent_count(capacity_factor):
+    c = moe_config(impl="capacity", capacity_factor=capacity_factor, n_group=1, topk_group=1)
+    # a wide router and a strong bias on expert 0 make the load uneven, so some experts overflow
+    m = random_moe(c, seed=9, router_std=3.0)
+    m = eqx.tree_at(lambda m: m.e_score_correction_bias, m, jnp.asarray([0.6] + [0.0] * 7, jnp.float32))
+    x = random_x(10, b=2, t=16)
+    tokens = 32
+    y, aux = jax.jit(lambda m, x: m(x))(m, x)
+
+    chosen = np.asarray(ref_choice(jax.nn.sigmoid(x.reshape(tokens, D) @ m.router), m.e_score_correction_bias, c))
+    counts = chosen.sum(0)
+    capacity = math.ceil(tokens * c.num_experts_per_tok / c.n_routed_experts * capacity_factor)
+    expected_dropped = int(np.maximum(counts - capacity, 0).sum())
+    assert expected_dropped > 0  # the case really drops
+    assert int(aux.dropped) == expected_dropped
+    np.testing.assert_array_equal(np.asarray(aux.tokens_per_expert), counts)  # counted before the drop
+    assert int(aux.tokens_per_expert.sum()) == tokens * c.num_experts_per_tok
+
+    keep = ref_keep(chosen, capacity)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(ref_moe(m, x, keep=jnp.asarray(keep))), rtol=1e-5, atol=1e-5)
+    # and the dropped assignments did matter: without dropping the output differs
+    assert not np.allclose(np.asarray(y), np.asarray(ref_moe(m, x)), atol=1e-3)
+
+
+# --- compiled cost --------------------------------------------------------------------------
+
+
+def compiled_flops(experts: int, impl: str, tokens=256, embed=64, inter=256, top_k=2) -> float:
+    c = MoEConfig(n_routed_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=inter, n_shared_experts=0,
+                  n_group=1, topk_group=1, impl=impl, capacity_factor=1.25)
+    m = eqx.filter_eval_shape(lambda key: MoE(embed, c, key=key), jax.random.key(0))
+    x = jax.ShapeDtypeStruct((1, tokens, embed), jnp.float32)
+    cost = jax.jit(lambda m, x: m(x)[0]).lower(m, x).compile().cost_analysis()
+    return float(cost["flops"])
+
+
+def test_capacity_flops_do_not_grow_with_experts():
+    # expert matmuls (6 * tokens * top_k * capacity_factor * embed * inter ~ 63 MFLOP) dominate the router
+    # (2 * tokens * embed * experts <= 2 MFLOP)
+    f8, f64 = compiled_flops(8, "capacity"), compiled_flops(64, "capacity")
+    expert_matmuls = 6 * 256 * 2 * 1.25 * 64 * 256
+    assert f8 > 0.9 * expert_matmuls
+    assert abs(f64 - f8) / f8 < 0.10, (f8, f64)
+
+
+def test_ragged_flops_grow_with_experts():
+    # Documents the XLA lowering of lax.ragged_dot (dense over all experts), which the capacity path avoids.
+    f8, f64 = compiled_flops(8, "ragged"), compiled_flops(64, "ragged")
+    assert f64 > 2 * f8, (f8, f64)
+
+
+# --- against transformers' routing (tests/data) ----------------------------------------------
+
+
+@pytest.mark.parametrize("layer", [1, 2])
+def test_route_matches_transformers_reference(layer, ref_dir):
+    c = SIZES["dsv3_tiny_a"].moe
+    extras = np.load(ref_dir("dsv3_tiny_a") / "extras.npz")
+    bias = load_file(ref_dir("dsv3_tiny_a") / "model.safetensors")[f"model.layers.{layer}.mlp.gate.e_score_correction_bias"]
+    logits = extras[f"layer_{layer}_router_logits"]  # [tokens, experts], before the sigmoid
+    # identity tokens turn the router matrix into the logits themselves
+    ids, weights = route(jnp.eye(len(logits), dtype=jnp.float32), jnp.asarray(logits), jnp.asarray(bias), c)
+    ids, weights = np.asarray(ids), np.asarray(weights)
+    order = np.argsort(ids, axis=-1)  # the reference lists each token's experts by id
+    np.testing.assert_array_equal(np.take_along_axis(ids, order, -1), extras[f"layer_{layer}_topk_idx"])
+    np.testing.assert_allclose(np.take_along_axis(weights, order, -1), extras[f"layer_{layer}_topk_weight"], rtol=1e-5, atol=1e-6)
