@@ -301,3 +301,39 @@ def test_tiny_llama_learns_the_shipped_text_below_its_unigram_entropy():
     print(f"loss {first:.3f} -> {final:.3f} nats, unigram entropy {entropy:.3f}, {time.perf_counter() - t0:.1f}s")
     assert first > entropy  # it starts above the context-free floor ...
     assert final < 0.8 * entropy, (final, entropy)  # ... and ends well below it: it uses the context
+
+
+# --- through train.py --------------------------------------------------------------------------------
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def run_train(tmp_path, *overrides, timeout=600):
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device, not conftest's eight
+    cmd = [sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={tmp_path / 'run'}", "trainer.progress=false", *overrides]
+    return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_train_py_bad_data_input_exits_2_with_one_line(tmp_path):
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes("caf\xe9".encode("latin-1"))
+    r = run_train(tmp_path, "data=text", f"data.path={latin}")
+    assert r.returncode == 2, r.stderr
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert errors == [f"error: data.path: {latin} is not UTF-8 text (byte 0xe9 at offset 3, line 1); convert it, e.g. iconv -f latin1 -t utf-8, or remove it from data.path"]
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.slow
+def test_train_py_trains_on_the_shipped_text(tmp_path):
+    r = run_train(tmp_path, "data=text", "model=llama_tiny_a", "mesh=single", "trainer.steps=60")
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "ok" and summary["loss_floor"] is None
+    assert summary["config"]["data"]["name"] == "text" and summary["config"]["data"]["tokenizer"] is None
+    assert summary["last_loss"] < 3.3 < summary["first_loss"]  # below the bytes' unigram entropy (3.33 nats)
+    assert "3 file(s), 3 document(s), 385633 tokens (bytes, vocab 256)" in r.stdout

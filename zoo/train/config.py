@@ -79,19 +79,25 @@ class OptimizerConfig:
             raise ConfigError(f"optimizer.grad_clip: must be >= 0 (0 disables), got {self.grad_clip}")
 
 
-DATASETS = ("markov", "uniform")
+DATASETS = ("markov", "uniform", "text")
 
 
 @dataclasses.dataclass
 class DataConfig:
-    """Synthetic tokens. markov: each token has `branching` likely successors (learnable, loss falls to
-    about log(branching)); uniform: i.i.d. tokens (nothing to learn; throughput only)."""
+    """Synthetic tokens, or real text. markov: each token has `branching` likely successors (learnable,
+    loss falls to about log(branching)); uniform: i.i.d. tokens (nothing to learn; throughput only);
+    text: a text/jsonl file or folder through zoo.data (see zoo/data/README.md)."""
 
     name: str = "markov"
     batch_size: int = 8  # global sequences per optimizer step
     seq_len: int = 64
-    branching: int = 4
+    branching: int = 4  # markov only
     seed: int = 0
+    # text only (conf/data/text.yaml):
+    path: Optional[str] = None  # a .txt/.jsonl file or a folder of them; null: the shipped corpus
+    tokenizer: Optional[str] = None  # a Hugging Face tokenizer.json (or its folder); null: UTF-8 bytes, 256 ids
+    text_field: str = "text"  # the key of each .jsonl line that holds the document
+    shuffle: bool = True  # a new order of the windows each epoch; false: corpus order
 
     def __post_init__(self):
         if self.name not in DATASETS:

@@ -1,4 +1,5 @@
-"""Synthetic token batches, deterministic in (seed, step) so every mesh sees the same data.
+"""Synthetic token batches, deterministic in (seed, step) so every mesh sees the same data; `make_data`
+picks them or real text (zoo.data) by `data.name`.
 
 `markov`: a fixed random transition table in which every token has `branching` successors with
 random probabilities (drawn with replacement: rarely two coincide); a model that learns the table reaches a loss near the table's entropy
@@ -7,7 +8,7 @@ random probabilities (drawn with replacement: rarely two coincide); a model that
 
 import numpy as np
 
-from zoo.train.config import DataConfig
+from zoo.train.config import ConfigError, DataConfig, TrainConfig
 
 
 class SyntheticData:
@@ -40,3 +41,17 @@ class SyntheticData:
             choice = (u[:, t, None] > self.cumprobs[prev]).sum(-1)
             out[:, t] = self.successors[prev, np.minimum(choice, self.successors.shape[1] - 1)]
         return out
+
+
+def make_data(c: TrainConfig, process_index: int = 0, process_count: int = 1):
+    """The `data` group's source: SyntheticData, or zoo.data's TextData for `data.name: text` (its bad
+    input, e.g. a missing file or a tokenizer too big for the model, becomes a one-line ConfigError).
+    Both have `batch(step)` (this process's rows of step's batch) and `floor()` (None for text)."""
+    if c.data.name != "text":
+        return SyntheticData(c.data, c.model.vocab_size)
+    from zoo.data import DataError, from_config
+
+    try:
+        return from_config(c.data, c.model.vocab_size, process_index=process_index, process_count=process_count)
+    except DataError as e:
+        raise ConfigError(str(e)) from None

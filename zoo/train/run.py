@@ -70,20 +70,22 @@ def train(c: TrainConfig, plan, devices, out_dir: pathlib.Path, xla_flags: str =
 
     from zoo.config import count_params
     from zoo.sharding import memory_kinds
-    from zoo.train.data import SyntheticData
+    from zoo.train.data import make_data
     from zoo.train.metrics import MetricsWriter, Progress, Throughput, compiled_flops, compiled_memory, device_memory, write_json
     from zoo.train.step import Trainer
 
     t_start = time.perf_counter()
+    data = make_data(c, jax.process_index(), jax.process_count())  # bad data input: ConfigError, before any compile
     trainer = Trainer(c, plan, devices)
     mesh_devices = list(trainer.mesh.devices.flat)
-    data = SyntheticData(c.data, c.model.vocab_size)
     steps = c.trainer.steps
     echo(
         f"model {c.model.family} ({count_params(c.model) / 1e6:.2f}M params, {count_params(c.model, active=True) / 1e6:.2f}M active) "
         f"mesh {plan.mesh.sizes} on {len(mesh_devices)} {mesh_devices[0].platform} device(s), offload {c.offload.name}, "
         f"batch {c.data.batch_size}x{c.data.seq_len}, {steps} steps"
     )
+    if hasattr(data, "describe"):
+        echo(data.describe())
 
     t0 = time.perf_counter()
     state = trainer.init()
@@ -159,8 +161,10 @@ def train(c: TrainConfig, plan, devices, out_dir: pathlib.Path, xla_flags: str =
         "config": to_dict(c),
     }
     write_json(out_dir / "summary.json", summary)
+    floor = data.floor()
+    floor_note = f"floor {floor:.3f}" if floor is not None else f"unigram entropy {data.unigram_entropy():.3f}"
     echo(
-        f"loss {losses[0]:.4f} -> {losses[-1]:.4f} (floor {data.floor():.3f}); step {1e3 * step_time:.1f} ms, "
+        f"loss {losses[0]:.4f} -> {losses[-1]:.4f} ({floor_note}); step {1e3 * step_time:.1f} ms, "
         f"{perf['tokens_per_s']:.0f} tok/s, {perf['tflops_per_device']:.4f} TFLOP/s/device, MFU {100 * perf['mfu']:.2f}% "
         f"of {c.hardware.name}{' (nominal)' if c.hardware.nominal else ''}; summary: {out_dir / 'summary.json'}"
     )
