@@ -7,7 +7,8 @@ MaxText so its users feel at home.
 
 Shape letters: B batch, T sequence, D embed (hidden), N query heads, K kv heads, H head dim,
 F mlp (intermediate), R q_lora_rank, L kv_lora_rank, P rope head dim, V v head dim,
-A routed assignments (B*T*top_k tokens after dispatch), I moe intermediate.
+A routed assignments (B*T*top_k, sorted by expert) on the ragged path, E C (experts x capacity
+buffers) on the capacity path; I moe intermediate.
 """
 
 import dataclasses
@@ -41,9 +42,9 @@ _VOCABULARY = (
     TagInfo("mla_q", "B T R", "MLA q latent after its RMSNorm; absent when q_lora_rank is null", (DEEPSEEK_V3,)),
     TagInfo("kv_wa_proj", "B T L+P", "MLA kv down-projection (kv_a_proj_with_mqa) output: kv latent and the shared rope key", (DEEPSEEK_V3,)),
     TagInfo("mla_kv", "B T L", "MLA kv latent after its RMSNorm", (DEEPSEEK_V3,)),
-    TagInfo("moe_mlpwi_0", "A I", "routed experts' gate projection, tokens sorted or dispatched by expert", (DEEPSEEK_V3,)),
-    TagInfo("moe_mlpwi_1", "A I", "routed experts' up projection", (DEEPSEEK_V3,)),
-    TagInfo("moe_mlpwo", "A D", "routed experts' down projection output, before combining", (DEEPSEEK_V3,)),
+    TagInfo("moe_mlpwi_0", "A I | E C I", "routed experts' gate projection, tokens sorted or dispatched by expert", (DEEPSEEK_V3,)),
+    TagInfo("moe_mlpwi_1", "A I | E C I", "routed experts' up projection", (DEEPSEEK_V3,)),
+    TagInfo("moe_mlpwo", "A D | E C D", "routed experts' down projection output, before combining", (DEEPSEEK_V3,)),
 )
 
 TAGS: dict[str, TagInfo] = {t.name: t for t in _VOCABULARY}
