@@ -27,8 +27,15 @@ def load_summaries(root: pathlib.Path) -> list[dict]:
     return jobs
 
 
-def label(job: dict) -> str:
-    overrides = job.get("overrides") or []
+def common_overrides(jobs: list[dict]) -> list[str]:
+    """Overrides every job shares (shown once, left out of the per-job labels)."""
+    sets = [set(j.get("overrides") or []) for j in jobs]
+    shared = set.intersection(*sets) if sets else set()
+    return [o for o in (jobs[0].get("overrides") or []) if o in shared] if jobs else []
+
+
+def label(job: dict, common: tuple = ()) -> str:
+    overrides = [o for o in job.get("overrides") or [] if o not in common]
     return " ".join(overrides) if overrides else job["_dir"]
 
 
@@ -60,21 +67,22 @@ def analyse(jobs: list[dict]) -> list[dict]:
 
 
 def markdown(jobs: list[dict]) -> str:
-    rows = [
+    common = tuple(common_overrides(jobs))
+    rows = [f"Overrides of every job: `{' '.join(common)}`\n" if common else "", 
         "| job | status | step time (ms) | peak memory (MiB) | memory source | tokens/s | TFLOP/s/device | MFU | loss first -> last | Pareto |",
         "| --- | --- | ---: | ---: | --- | ---: | ---: | ---: | --- | :---: |",
     ]
     for j in jobs:
         if j.get("status") == "ok":
             rows.append(
-                f"| {label(j)} | ok | {_fmt(1e3 * j['step_time_s'], '.1f')} | {_mib(j.get('peak_memory_bytes'))} | "
+                f"| {label(j, common)} | ok | {_fmt(1e3 * j['step_time_s'], '.1f')} | {_mib(j.get('peak_memory_bytes'))} | "
                 f"{j.get('peak_memory_source', '-')} | {_fmt(j.get('tokens_per_s'), '.0f')} | {_fmt(j.get('tflops_per_device'), '.4f')} | "
                 f"{_fmt(100 * j['mfu'] if j.get('mfu') is not None else None, '.2f')}% | "
                 f"{_fmt(j.get('first_loss'), '.4f')} -> {_fmt(j.get('last_loss'), '.4f')} | {'yes' if j.get('_pareto') else ''} |"
             )
         else:
             err = str(j.get("error", "")).replace("|", "\\|")
-            rows.append(f"| {label(j)} | failed: {err} | - | - | - | - | - | - | - | |")
+            rows.append(f"| {label(j, common)} | failed: {err} | - | - | - | - | - | - | - | |")
     return "\n".join(rows) + "\n"
 
 
@@ -85,7 +93,8 @@ def plot(jobs: list[dict], path: pathlib.Path) -> bool:
     import matplotlib.pyplot as plt
 
     ok = [j for j in jobs if "_pareto" in j]
-    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    common = tuple(common_overrides(jobs))
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
     if not ok:
         ax.text(0.5, 0.5, "no successful job", ha="center", va="center", transform=ax.transAxes)
     else:
@@ -98,13 +107,16 @@ def plot(jobs: list[dict], path: pathlib.Path) -> bool:
         if len(front) > 1:
             ax.step([p[0] for p in front], [p[1] for p in front], where="post", c="tab:red", alpha=0.5, zorder=2)
         for j, x, y in zip(ok, xs, ys):
-            ax.annotate(label(j), (x, y), textcoords="offset points", xytext=(5, 5), fontsize=8)
+            ax.annotate(label(j, common), (x, y), textcoords="offset points", xytext=(6, 4), fontsize=8)
+        ax.margins(x=0.3, y=0.15)
         sources = sorted({j.get("peak_memory_source", "?") for j in ok})
         ax.set_xlabel(f"peak device memory per device (MiB; {', '.join(sources)})")
         ax.legend(loc="best", fontsize=8)
     failed = len(jobs) - len(ok)
     ax.set_ylabel("step time (ms)")
-    ax.set_title(f"step time vs peak memory: {len(ok)} job(s)" + (f", {failed} failed" if failed else ""))
+    ax.set_title(f"step time vs peak memory: {len(ok)} job(s)" + (f", {failed} failed" if failed else ""), fontsize=11)
+    if common:
+        fig.text(0.01, 0.01, "all jobs: " + " ".join(common), fontsize=7, color="tab:gray")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path)
