@@ -123,9 +123,13 @@ class OffloadConfig:
 
 
 def check_tags_emitted(policy: OffloadConfig, model_config) -> None:
-    """A policy naming a tag the model never emits would silently do nothing: refuse it."""
+    """A policy naming a tag the model never emits would silently do nothing: refuse it.
+
+    `remat` is the exception: it restates the default, so it changes nothing either way (the
+    `custom` preset lists every tag as `remat` so that any of them can be set from the command line).
+    """
     emitted = emitted_tags(model_config)
-    missing = [t for t in policy.tags if t not in emitted]
+    missing = [t for t, a in policy.tags.items() if t not in emitted and a != "remat"]
     if missing:
         raise ValueError(
             f"offload.tags.{missing[0]}: the {model_config.family} model never emits this tag; "
@@ -184,13 +188,22 @@ def placement_matches(expected: str, found: str) -> bool:
     return expected == found
 
 
+def keep_all_but_transfers(prim, *_, **__) -> bool:
+    """The policy of `checkpoint: false` with parameters in host memory: save every intermediate the
+    backward reads (as no checkpoint would), except the layer's weights brought to the device
+    (`device_put`) and their casts (`convert_element_type`), which the backward pass redoes. Without
+    it the backward would keep every layer's device copy of its weights alive at once."""
+    return prim.name not in ("device_put", "convert_element_type")
+
+
 def remat_policy(policy: OffloadConfig, model_config=None) -> Optional[Callable]:
-    """The `jax.checkpoint` policy for the scanned layer body (None: no checkpoint, keep everything).
+    """The `jax.checkpoint` policy for the scanned layer body (None: no checkpoint, keep everything;
+    with parameters in host memory, `keep_all_but_transfers`).
 
     With `model_config`, the policy is validated against the model first (`resolve`).
     """
     if not policy.checkpoint:
-        return None
+        return keep_all_but_transfers if policy.params == "pinned_host" else None
     if model_config is not None:
         resolve(policy, model_config)
     actions = policy.actions(None if model_config is None else model_config.family)
