@@ -147,7 +147,7 @@ def _nbytes(aval) -> int:
     return int(math.prod(aval.shape)) * np.dtype(aval.dtype).itemsize
 
 
-def _analyse_forward_scan(eqn, stack: str) -> tuple[list[TagRecord], list[OtherResidual], dict[str, int]]:
+def _analyse_forward_scan(eqn, stack: str) -> tuple[list[TagRecord], list[OtherResidual], dict]:
     """Records for the tags of one forward scan (placement host/device, or None if not a residual)."""
     body = eqn.params["jaxpr"].jaxpr
     layers = int(eqn.params["length"])
@@ -196,7 +196,10 @@ def _analyse_forward_scan(eqn, stack: str) -> tuple[list[TagRecord], list[OtherR
             new = "host" if on_host else "device"
             placement[tag] = new if placement.get(tag, new) == new else "host+device"
             continue
-        source = p.primitive.name if p is not None else ("layer input" if v in carry_invars else "scan input")
+        q = p
+        while q is not None and q.primitive.name in _ALIAS_OPS and isinstance(q.invars[0], core.Var):
+            q = producers.get(q.invars[0])  # name the op that computed it, not JAX's save marker
+        source = q.primitive.name if q is not None else ("layer input" if v in carry_invars else "scan input")
         other.append(
             OtherResidual(stack, tuple(v.aval.shape), str(v.aval.dtype), "host" if on_host else "device", _nbytes(v.aval), layers, source)
         )
@@ -290,3 +293,278 @@ def device_peak_bytes(device=None) -> Optional[int]:
     if not stats:
         return None
     return stats.get("peak_bytes_in_use")
+
+
+# --- the command line -------------------------------------------------------------------------
+
+EXIT_BAD_INPUT = 2
+EXIT_MISMATCH = 1
+
+
+@dataclasses.dataclass
+class InspectOptions:
+    """`inspect.*` keys of `python -m zoo.inspect` (the other arguments are train.py's overrides)."""
+
+    out: str = "inspect.json"
+    # Run one real step to read the device's peak memory, where the backend reports it (not CPU).
+    measure: bool = True
+    # Exit 1 when a tag is not where the policy says it should be.
+    strict: bool = True
+
+
+def split_tool_args(argv: Sequence[str], prefix: str, schema: type):
+    """Separate `prefix.key=value` arguments (parsed into `schema`) from Hydra overrides."""
+    import yaml
+
+    fields = {f.name: f for f in dataclasses.fields(schema)}
+    values, overrides = {}, []
+    for arg in argv:
+        if arg.startswith(prefix + "."):
+            key, sep, raw = arg[len(prefix) + 1 :].partition("=")
+            if not sep:
+                raise ValueError(f"{prefix}.{key}: give a value, e.g. {prefix}.{key}=...")
+            if key not in fields:
+                raise ValueError(f"{prefix}.{key}: unknown key; the keys are {', '.join(fields)}")
+            value = yaml.safe_load(raw) if raw else None
+            if fields[key].type in (str, "str") and value is not None:
+                value = raw
+            values[key] = value
+        else:
+            overrides.append(arg)
+    try:
+        return schema(**values), overrides
+    except TypeError as e:
+        raise ValueError(f"{prefix}: {e}") from None
+
+
+def compose(overrides: Sequence[str]):
+    """train.py's config, composed from conf/ with these overrides (Hydra's compose API)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from zoo.offload import conf_dir
+
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
+        return hydra_compose(config_name="config", overrides=list(overrides))
+
+
+def run_tool(body: Callable[[], int]) -> int:
+    """Run a command-line tool body; bad input -> one `error:` line and exit 2, before any compile."""
+    import os
+    import sys
+    import traceback
+
+    from zoo.train.cli import hydra_error_line, one_line
+    from zoo.train.config import ConfigError
+
+    try:
+        return body()
+    except (ConfigError, ValueError) as e:
+        if os.environ.get("ZOO_TRACEBACK"):
+            traceback.print_exc()
+        print(f"error: {one_line(e)}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except Exception as e:  # noqa: BLE001
+        from hydra.errors import HydraException
+        from omegaconf.errors import OmegaConfBaseException
+
+        if isinstance(e, (HydraException, OmegaConfBaseException)):
+            if os.environ.get("ZOO_TRACEBACK"):
+                traceback.print_exc()
+            print(f"error: {hydra_error_line(e, _conf())}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        raise
+
+
+def _conf():
+    from zoo.offload import conf_dir
+
+    return conf_dir()
+
+
+def prepare_step(overrides: Sequence[str]):
+    """Compose, validate (one-line errors, nothing compiled) and build train.py's Trainer."""
+    from zoo.offload import dropped_family_tags, resolve
+    from zoo.train.run import prepare
+    from zoo.train.step import Trainer
+
+    cfg = compose(overrides)
+    c, plan, devices, _ = prepare(cfg)
+    resolve(c.offload, c.model)
+    notes = [
+        f"offload.family_tags.{c.model.family}.{t}: this {c.model.family} configuration does not emit it; ignored"
+        for t in dropped_family_tags(c.offload, c.model)
+    ]
+    return c, plan, devices, Trainer(c, plan, devices), notes
+
+
+def _fmt(b) -> str:
+    if b is None:
+        return "n/a"
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(b) >= scale:
+            return f"{b / scale:.2f} {unit}"
+    return f"{b} B"
+
+
+def _table(rows: list[tuple]) -> str:
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+def report(c, trainer, placement: Placement, compiled_mem: Optional[dict], measured: Optional[dict], overrides=()) -> dict:
+    """inspect.json's content (schema in README.md: "The inspector")."""
+    from zoo.config import count_params
+    from zoo.offload import expected_placement, placement_matches, resolve
+
+    expected = expected_placement(c.offload, c.model)
+    actions = resolve(c.offload, c.model)
+    tags = []
+    for r in placement.records:
+        d = r.as_dict()
+        d["configured"] = actions.get(r.tag)
+        d["expected"] = expected.get(r.tag)
+        d["ok"] = placement_matches(expected.get(r.tag, ""), r.placement)
+        tags.append(d)
+    found = {r.tag for r in placement.records}
+    missing = sorted(set(expected) - found)
+    totals = {p: placement.bytes_on(p) for p in ("host", "device", "recomputed", "unread")}
+    totals["untagged_device"] = placement.other_bytes("device")
+    totals["untagged_host"] = placement.other_bytes("host")
+    notes = []
+    if any(r.tag == "decoder_layer_input" and actions.get(r.tag) == "remat" and r.placement == "device" for r in placement.records):
+        notes.append("decoder_layer_input: the checkpointed layer's input is kept by the scan, so remat leaves it on device (offload moves it to host)")
+    if c.offload.checkpoint and any(r.placement == "unread" for r in placement.records):
+        unread = sorted({r.tag for r in placement.records if r.placement == "unread"})
+        notes.append(f"{', '.join(unread)}: the backward pass never reads it, so there is nothing to keep or recompute")
+    weights = sum(o.total_bytes for o in placement.other if o.source == "device_put" and o.memory == "device")
+    if weights:
+        notes.append(
+            f"{_fmt(weights)} of per-layer values moved to the device inside the scan (parameters) are kept for the backward pass: "
+            "without a checkpoint every layer's weights stay on device; with params on host use a checkpointing policy, "
+            "e.g. offload=[full,params_host]"
+        )
+    kinds = {
+        "params": sorted({s.memory_kind for s in jax.tree.leaves(trainer.param_shardings)}),
+        "opt_state": sorted({s.memory_kind for s in jax.tree.leaves(trainer.opt_shardings)}),
+    }
+    return {
+        "schema": "zoo.inspect/1",
+        "overrides": list(overrides),
+        "model": {"family": c.model.family, "params": count_params(c.model), "num_layers": c.model.num_layers},
+        "batch": {
+            "batch_size": c.data.batch_size,
+            "seq_len": c.data.seq_len,
+            "grad_accum": c.trainer.grad_accum,
+            "microbatch": trainer.plan.microbatch,
+        },
+        "policy": {
+            "name": c.offload.name,
+            "describe": c.offload.describe(),
+            "checkpoint": c.offload.checkpoint,
+            "actions": actions,
+            "params": c.offload.params,
+            "opt_state": c.offload.opt_state,
+        },
+        "state_memory_kinds": kinds,
+        "stacks": placement.stacks,
+        "tags": tags,
+        "untagged_residuals": [o.as_dict() for o in placement.other],
+        "totals_bytes": totals,
+        "compiled_memory": compiled_mem,
+        "measured": measured,
+        "mismatches": [t["tag"] + "@" + t["stack"] for t in tags if not t["ok"]] + [f"{t}: not found in the program" for t in missing],
+        "notes": notes,
+    }
+
+
+def render(rep: dict) -> str:
+    rows = [("tag", "stack", "shape/layer", "dtype", "bytes/layer", "layers", "total", "configured", "found", "")]
+    for t in rep["tags"]:
+        rows.append(
+            (
+                t["tag"], t["stack"], "x".join(map(str, t["shape"])), t["dtype"], _fmt(t["bytes_per_layer"]), t["layers"],
+                _fmt(t["total_bytes"]), t["configured"], t["placement"], "" if t["ok"] else f"MISMATCH (expected {t['expected']})",
+            )
+        )
+    out = [f"policy {rep['policy']['describe']}; params in {', '.join(rep['state_memory_kinds']['params'])}, "
+           f"optimizer state in {', '.join(rep['state_memory_kinds']['opt_state'])}", _table(rows)]
+    tot = rep["totals_bytes"]
+    out.append(
+        f"tags on host {_fmt(tot['host'])}, kept on device {_fmt(tot['device'])}, recomputed {_fmt(tot['recomputed'])}; "
+        f"untagged residuals on device {_fmt(tot['untagged_device'])}, on host {_fmt(tot['untagged_host'])} "
+        f"({len(rep['untagged_residuals'])} per-layer outputs)"
+    )
+    m = rep["compiled_memory"]
+    if m:
+        out.append(
+            "compiled: argument {} output {} temp {} host temp {} (alias {}; estimated peak {})".format(
+                _fmt(m.get("argument_size_in_bytes")), _fmt(m.get("output_size_in_bytes")), _fmt(m.get("temp_size_in_bytes")),
+                _fmt(m.get("host_temp_size_in_bytes")), _fmt(m.get("alias_size_in_bytes")), _fmt(m.get("estimated_peak_bytes")),
+            )
+        )
+    meas = rep["measured"]
+    out.append(
+        f"measured peak device memory {_fmt(meas['peak_bytes_in_use'])} ({meas['source']})" if meas
+        else "measured peak device memory: n/a (the backend reports no memory statistics)"
+    )
+    out += [f"note: {n}" for n in rep["notes"]]
+    if rep["mismatches"]:
+        out.append(f"placement differs from the policy: {', '.join(rep['mismatches'])}")
+    return "\n".join(out)
+
+
+def inspect_step(trainer, measure: bool = True):
+    """Trace, compile and (optionally) run the train step: placement, compiled memory, measured peak."""
+    from zoo import model as zoo_model
+    from zoo.train.metrics import compiled_memory, device_memory
+
+    state, tokens = trainer.abstract_state(), trainer.abstract_tokens()
+    traced = trainer.jitted_step().trace(state, tokens)
+    placement = placement_from_jaxpr(traced.jaxpr, stack_names(zoo_model.abstract(trainer.cfg.model)))
+    compiled = traced.lower().compile()
+    compiled_mem = compiled_memory(compiled)
+    devices = list(trainer.mesh.devices.flat)
+    measured = None
+    if measure and device_memory(devices) is not None:
+        from zoo.train.data import SyntheticData
+
+        data = SyntheticData(trainer.cfg.data, trainer.cfg.model.vocab_size)
+        real_state = trainer.init()
+        for step in range(2):
+            real_state, m = compiled(real_state, trainer.shard_tokens(data.batch(step)))
+            jax.block_until_ready(m)
+        mem = device_memory(devices)
+        measured = {"peak_bytes_in_use": mem["peak_bytes_in_use"], "bytes_limit": mem["bytes_limit"], "source": "device.memory_stats after 2 steps"}
+    return placement, compiled_mem, measured
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    import json
+    import pathlib
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+
+    def body() -> int:
+        opts, overrides = split_tool_args(argv, "inspect", InspectOptions)
+        c, plan, devices, trainer, notes = prepare_step(overrides)
+        for n in notes:
+            print(f"note: {n}")
+        placement, compiled_mem, measured = inspect_step(trainer, opts.measure)
+        rep = report(c, trainer, placement, compiled_mem, measured, overrides)
+        print(render(rep))
+        out = pathlib.Path(opts.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(rep, indent=2) + "\n")
+        print(f"wrote {out}")
+        if rep["mismatches"] and opts.strict:
+            print(f"error: placement differs from the policy: {', '.join(rep['mismatches'])}", file=sys.stderr)
+            return EXIT_MISMATCH
+        return 0
+
+    return run_tool(body)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
