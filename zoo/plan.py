@@ -286,11 +286,15 @@ def _all_assignments(choices: Sequence[Sequence[int]]) -> np.ndarray:
     return np.asarray(list(itertools.product(*choices)), dtype=np.int8).reshape(-1, len(choices))
 
 
-def search(p: Problem, inner_tags: int = 9) -> Estimate:
-    """The fastest assignment within the budget; ties go to less host traffic, then less HBM.
+def search(p: Problem, inner_tags: int = 9, rel_tolerance: float = 1e-3) -> Estimate:
+    """The fastest assignment within the budget. Step times within `rel_tolerance` of the compute
+    time count as equal; among those, less host traffic wins, then the faster, then less HBM (so a
+    cheap norm is recomputed rather than offloaded for a saving of microseconds, and with budget to
+    spare everything stays on device).
 
     Raises Infeasible (with the smallest peak any assignment reaches) when nothing fits.
     """
+    tolerance = max(rel_tolerance * p.step_flops / p.rate, 1e-12)
     choice_idx = [[CHOICES.index(c) for c in t.choices] for t in p.tags]
     k = max(0, len(p.tags) - inner_tags)
     outer = _all_assignments(choice_idx[:k])
@@ -301,16 +305,17 @@ def search(p: Problem, inner_tags: int = 9) -> Estimate:
         digits = np.concatenate([np.broadcast_to(o, (inner.shape[0], k)), inner], axis=1)
         arrays = _evaluate_arrays(p, digits)
         peak = arrays["peak_bytes"]
-        i_min = int(np.argmin(peak))
+        i_min = int(np.lexsort((arrays["time_s"], peak))[0])  # the fastest of the smallest
         if peak[i_min] < min_peak:
             min_peak, min_digits = float(peak[i_min]), digits[i_min].copy()
         ok = np.nonzero(peak <= p.budget)[0]
         if not ok.size:
             continue
-        time = np.round(arrays["time_s"][ok], 12)
-        order = np.lexsort((peak[ok], arrays["host_tag_bytes"][ok], time))
+        exact = arrays["time_s"][ok]
+        bucket = np.floor(exact / tolerance)  # estimates this close count as equal ...
+        order = np.lexsort((peak[ok], exact, arrays["host_tag_bytes"][ok], bucket))  # ... then less host traffic wins
         i = ok[order[0]]
-        key = (time[order[0]], arrays["host_tag_bytes"][i], peak[i])
+        key = (bucket[order[0]], arrays["host_tag_bytes"][i], exact[order[0]], peak[i])
         if best_key is None or key < best_key:
             best_key, best_digits = key, digits[i].copy()
     if best_digits is None:
@@ -482,3 +487,174 @@ def _fmt_bytes(b: float) -> str:
         if abs(b) >= scale:
             return f"{b / scale:.3f} {unit}"
     return f"{b:.0f} B"
+
+
+# --- the command line -------------------------------------------------------------------------
+
+
+def _per_device_bytes(abstract_tree, shardings) -> tuple[float, dict]:
+    """Bytes per device of a tree of ShapeDtypeStructs under its shardings; and per top-level stack."""
+    import jax
+
+    total, per_stack = 0.0, {}
+    leaves = jax.tree_util.tree_leaves_with_path(abstract_tree)
+    shards = jax.tree_util.tree_leaves(shardings)
+    for (path, leaf), sh in zip(leaves, shards):
+        shape = sh.shard_shape(leaf.shape) if hasattr(sh, "shard_shape") else leaf.shape
+        b = float(math.prod(shape) * np.dtype(leaf.dtype).itemsize)
+        total += b
+        stack = next((getattr(k, "name", None) for k in path if getattr(k, "name", None) in ("dense_layers", "moe_layers")), None)
+        if stack:
+            per_stack[stack] = per_stack.get(stack, 0.0) + b
+    return total, per_stack
+
+
+def problem_from_config(c, trainer, opts: PlanConfig, hardware_dir=None) -> tuple[Problem, dict]:
+    """The planning problem for a composed, validated train config (sizes per device)."""
+    import jax
+    import jax.numpy as jnp
+
+    from zoo import model as zoo_model
+    from zoo.config import flops_per_token
+    from zoo.inspect import inspect_placement, stack_names
+    from zoo.offload import remat_policy
+    from zoo.tags import emitted_tags
+
+    m = c.model
+    sizes = trainer.plan.mesh.sizes
+    dp = math.prod(sizes[a] for a in dict.fromkeys(c.mesh.rules.get("batch", [])) if a in sizes) or 1
+    batch = max(1, trainer.plan.microbatch // dp)
+    seq = c.data.seq_len
+    num_devices = trainer.plan.num_devices
+
+    # Shapes and dtypes of every tag, read from the traced gradient with every tag kept.
+    keep_all = OffloadConfig(
+        name="keep_all", checkpoint=True, tags={t: "device" for t in emitted_tags(m) if t not in BACKWARD_NEVER_READS}
+    )
+    policy = remat_policy(keep_all, m)
+    abstract = zoo_model.abstract(m)
+    tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+    placement = inspect_placement(jax.grad(lambda mod, tok: zoo_model.loss_fn(mod, tok, remat_policy=policy)), abstract, tokens, stacks=stack_names(abstract))
+    tags = tag_costs(m, placement.records, batch, seq)
+
+    stacks = {}
+    param_bytes, stack_params = _per_device_bytes(trainer.abstract_params, trainer.param_shardings)
+    abstract_opt = jax.eval_shape(trainer.tx.init, trainer.abstract_params)
+    opt_bytes, _ = _per_device_bytes(abstract_opt, trainer.opt_shardings)
+    for s in placement.stacks:
+        stacks[s["name"]] = StackCost(
+            layers=s["layers"],
+            forward_flops_per_layer=layer_forward_flops(m, s["name"], batch, seq),
+            param_bytes_per_layer=stack_params.get(s["name"], 0.0) / s["layers"],
+        )
+
+    hw = c.hardware
+    if hw.matmul_flops:
+        rate, rate_source = float(hw.matmul_flops), f"hardware.matmul_flops (measured) {hw.matmul_flops:.3g}"
+    else:
+        rate = hw.peak_flops * opts.flops_efficiency
+        rate_source = f"hardware.peak_flops {hw.peak_flops:.3g} x plan.flops_efficiency {opts.flops_efficiency}"
+    link_gbps = resolve_link(opts.link, hw.host_link_gbps, hardware_dir)
+    if opts.hbm_budget_gb is not None:
+        budget = opts.hbm_budget_gb * GB
+    elif hw.hbm_bytes:
+        budget = float(hw.hbm_bytes)
+    else:
+        raise PlanError(f"plan.hbm_budget_gb: hardware profile {hw.name!r} has no hbm_bytes; give a budget, e.g. plan.hbm_budget_gb=80")
+
+    # Working set: two layers' intermediates (the one in backward, the next in flight), the logits
+    # (float32: logits, softmax and their gradient), and the T x T attention probabilities when XLA
+    # materialises them (not with flash attention: cudnn, or auto with half-precision compute).
+    per_layer = max((sum(t.bytes_per_layer.get(s, 0.0) for t in tags) for s in stacks), default=0.0)
+    mlpwo_bytes = max((r.bytes_per_layer for r in placement.records if r.tag in BACKWARD_NEVER_READS), default=0)
+    logits = 3.0 * batch * seq * m.vocab_size * 4
+    flash = m.attention_impl == "cudnn" or (m.attention_impl == "auto" and m.compute_dtype in ("bfloat16", "float16"))
+    scores = 0.0 if flash else 2.0 * batch * m.num_heads * seq * seq * 4
+    working = max(2.0 * (per_layer + mlpwo_bytes) + scores, logits)
+    other = float(sum(o.total_bytes for o in placement.other))
+
+    p = Problem(
+        tags=tags,
+        stacks=stacks,
+        rate=float(rate),
+        link=link_gbps * GB,
+        budget=float(budget),
+        step_flops=flops_per_token(m, seq) * c.data.batch_size * seq / num_devices,
+        microbatches=c.trainer.grad_accum,
+        latency=opts.transfer_latency_us * 1e-6,
+        param_bytes=param_bytes,
+        stack_param_bytes=sum(stack_params.values()),
+        grad_bytes=param_bytes,
+        opt_bytes=opt_bytes,
+        params_on_host=c.offload.params == "pinned_host",
+        opt_on_host=c.offload.opt_state == "pinned_host",
+        other_bytes=other,
+        working_bytes=float(working),
+    )
+    info = {
+        "per_device_batch": batch,
+        "seq_len": seq,
+        "devices": num_devices,
+        "data_parallel": dp,
+        "rate_flops": rate,
+        "rate_source": rate_source,
+        "link_gbps_per_direction": link_gbps,
+        "budget_bytes": budget,
+        "param_bytes": param_bytes,
+        "opt_bytes": opt_bytes,
+        "working_bytes": working,
+        "untagged_residual_bytes": other,
+    }
+    return p, info
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    import json
+    import pathlib
+    import sys
+
+    from zoo.inspect import prepare_step, run_tool, split_tool_args
+    from zoo.offload import conf_dir
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+
+    def body() -> int:
+        opts, overrides = split_tool_args(argv, "plan", PlanConfig)
+        c, _, _, trainer, notes = prepare_step(overrides)
+        for n in notes:
+            print(f"note: {n}")
+        p, info = problem_from_config(c, trainer, opts, conf_dir() / "hardware")
+        print(
+            f"planning {c.model.family} ({c.model.num_layers} layers), per device batch {info['per_device_batch']} x {info['seq_len']} "
+            f"on {info['devices']} device(s); matmul rate {info['rate_flops'] / 1e12:.1f} TFLOP/s ({info['rate_source']}), "
+            f"host link {info['link_gbps_per_direction']:g} GB/s per direction, HBM budget {_fmt_bytes(info['budget_bytes'])}; "
+            f"params {c.offload.params}, optimizer state {c.offload.opt_state}"
+        )
+        try:
+            best = search(p)
+        except Infeasible as e:
+            print(estimates_table(p, e.best))
+            raise
+        policy = to_offload_config(best, opts.name, c.offload.params, c.offload.opt_state)
+        print(estimates_table(p, best))
+        header = (
+            f"Planned by: python -m zoo.plan {' '.join(argv)}\n"
+            f"Estimated step {1e3 * best.time_s:.3f} ms, HBM peak {_fmt_bytes(best.peak_bytes)} of {_fmt_bytes(p.budget)} per device.\n"
+            f"Tags left out are recomputed."
+        )
+        out = pathlib.Path(opts.out) if opts.out else conf_dir() / "offload" / f"{opts.name}.yaml"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(to_yaml(policy, header))
+        print(f"wrote {out}")
+        if out.resolve().parent == (conf_dir() / "offload").resolve():
+            kept = [a for a in overrides if not a.startswith("offload=")]
+            print(f"confirm the placement: python -m zoo.inspect {' '.join(kept)} offload={out.stem}")
+        if opts.json:
+            pathlib.Path(opts.json).write_text(json.dumps({"info": info, "estimate": best.as_dict(), "policy": dataclasses.asdict(policy)}, indent=2) + "\n")
+        return 0
+
+    return run_tool(body)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

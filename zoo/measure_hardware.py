@@ -1,0 +1,168 @@
+"""Measure this machine's first device: dense matmul rate and host <-> device bandwidth (pinned host
+memory), and write a conf/hardware profile the planner and train.py can use.
+
+    python -m zoo.measure_hardware [name=measured] [out=conf/hardware/<name>.yaml] [n=...] [dtype=...]
+                                   [transfer_mb=256] [repeats=5]
+
+On CPU the "device" and "pinned host" memories are both host RAM: the transfer figure is a memory copy,
+honest for this machine and meaningless for a GPU. The numbers are medians of `repeats` timed runs
+after one warm-up; the profile's note records what was run.
+"""
+
+import dataclasses
+import datetime
+import math
+import pathlib
+import statistics
+import sys
+import time
+from typing import Optional, Sequence
+
+
+@dataclasses.dataclass
+class MeasureOptions:
+    name: str = "measured"
+    out: Optional[str] = None  # null: conf/hardware/<name>.yaml
+    n: Optional[int] = None  # matmul size n x n x n; null: 8192 on GPU/TPU, 1024 on CPU
+    dtype: Optional[str] = None  # null: bfloat16 on GPU/TPU, float32 on CPU
+    transfer_mb: float = 256.0
+    repeats: int = 5
+    chain: int = 8  # matmuls per timed call (amortises dispatch)
+
+    def __post_init__(self):
+        if self.repeats < 1:
+            raise ValueError(f"repeats: must be >= 1, got {self.repeats}")
+        if self.transfer_mb <= 0:
+            raise ValueError(f"transfer_mb: must be positive, got {self.transfer_mb}")
+        if self.n is not None and self.n < 16:
+            raise ValueError(f"n: must be >= 16, got {self.n}")
+        if self.dtype is not None and self.dtype not in ("bfloat16", "float16", "float32"):
+            raise ValueError(f"dtype: choose bfloat16, float16 or float32, got {self.dtype!r}")
+        if not self.name or "/" in self.name:
+            raise ValueError(f"name: {self.name!r} is not a file stem; e.g. name=measured")
+
+
+def _median_time(fn, repeats: int) -> float:
+    fn()  # warm-up (compile, first touch)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_matmul(n: int, dtype: str, repeats: int = 5, chain: int = 8, device=None) -> float:
+    """FLOP/s of a chain of `chain` dependent n x n matmuls, jitted, on `device`."""
+    import jax
+    import jax.numpy as jnp
+
+    device = device or jax.devices()[0]
+    a = jax.device_put(jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(dtype) / math.sqrt(n), device)
+    b = jax.device_put(jax.random.normal(jax.random.key(1), (n, n), jnp.float32).astype(dtype) / math.sqrt(n), device)
+
+    @jax.jit
+    def f(x, w):
+        for _ in range(chain):
+            x = x @ w
+        return x
+
+    t = _median_time(lambda: f(a, b).block_until_ready(), repeats)
+    return 2.0 * n**3 * chain / t
+
+
+def measure_link(mbytes: float, repeats: int = 5, device=None) -> tuple[float, float]:
+    """(host->device, device->host) GB/s for one array of `mbytes` MB in pinned host memory."""
+    import jax
+    import numpy as np
+    from jax.sharding import SingleDeviceSharding
+
+    device = device or jax.devices()[0]
+    kinds = {m.kind for m in device.addressable_memories()}
+    if "pinned_host" not in kinds:
+        raise RuntimeError(f"device {device} has no pinned_host memory (memories: {sorted(kinds)})")
+    host = SingleDeviceSharding(device, memory_kind="pinned_host")
+    dev = SingleDeviceSharding(device, memory_kind="device")
+    elems = int(mbytes * 1e6 // 4)
+    x_host = jax.device_put(np.ones((elems,), np.float32), host)
+    x_dev = jax.device_put(x_host, dev)
+    jax.block_until_ready((x_host, x_dev))
+    nbytes = elems * 4
+    h2d = _median_time(lambda: jax.device_put(x_host, dev).block_until_ready(), repeats)
+    d2h = _median_time(lambda: jax.device_put(x_dev, host).block_until_ready(), repeats)
+    return nbytes / h2d / 1e9, nbytes / d2h / 1e9
+
+
+def measure(opts: MeasureOptions) -> dict:
+    import jax
+
+    device = jax.devices()[0]
+    accel = device.platform != "cpu"
+    n = opts.n or (8192 if accel else 1024)
+    dtype = opts.dtype or ("bfloat16" if accel else "float32")
+    flops = measure_matmul(n, dtype, opts.repeats, opts.chain, device)
+    h2d, d2h = measure_link(opts.transfer_mb, opts.repeats, device)
+    stats = device.memory_stats() or {}
+    hbm = int(stats.get("bytes_limit", 0))
+    kind = getattr(device, "device_kind", device.platform)
+    when = datetime.date.today().isoformat()
+    note = (
+        f"measured {when} on {kind} ({device.platform}) by zoo.measure_hardware: {n}x{n} {dtype} matmul x{opts.chain} "
+        f"-> {flops / 1e12:.3f} TFLOP/s; {opts.transfer_mb:g} MB pinned_host<->device: host->device {h2d:.2f} GB/s, "
+        f"device->host {d2h:.2f} GB/s (host_link_gbps is the smaller); medians of {opts.repeats}; "
+        + ("hbm_bytes from memory_stats bytes_limit" if hbm else "no device memory statistics (hbm_bytes 0)")
+        + ("; on CPU both memories are host RAM, so the link figure is a memory copy" if not accel else "")
+    )
+    return {
+        "name": opts.name,
+        "peak_flops": float(flops),
+        "matmul_flops": float(flops),
+        "hbm_bytes": hbm,
+        "host_link_gbps": float(round(min(h2d, d2h), 3)),
+        "nominal": False,
+        "note": note,
+        "_detail": {"h2d_gbps": h2d, "d2h_gbps": d2h, "n": n, "dtype": dtype, "device": str(kind)},
+    }
+
+
+def to_yaml(profile: dict) -> str:
+    import yaml
+
+    body = {k: v for k, v in profile.items() if not k.startswith("_")}
+    header = (
+        "# Measured by python -m zoo.measure_hardware (see note). peak_flops is the measured matmul rate, not a\n"
+        "# datasheet peak, so MFU against this profile is relative to what matmuls reach on this machine.\n"
+    )
+    return header + yaml.safe_dump(body, sort_keys=False, width=200)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from zoo.inspect import run_tool, split_tool_args
+    from zoo.offload import conf_dir
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+
+    def body() -> int:
+        # Arguments are `key=value` (no prefix); reuse the prefixed parser by adding one.
+        bad = [a for a in argv if "=" not in a]
+        if bad:
+            raise ValueError(f"{bad[0]}: arguments are key=value; keys: {', '.join(f.name for f in dataclasses.fields(MeasureOptions))}")
+        opts, rest = split_tool_args([f"measure.{a}" for a in argv], "measure", MeasureOptions)
+        assert not rest
+        profile = measure(opts)
+        out = pathlib.Path(opts.out) if opts.out else conf_dir() / "hardware" / f"{opts.name}.yaml"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(to_yaml(profile))
+        d = profile["_detail"]
+        print(
+            f"{d['device']}: matmul {d['n']}x{d['n']} {d['dtype']} {profile['matmul_flops'] / 1e12:.3f} TFLOP/s; "
+            f"host->device {d['h2d_gbps']:.2f} GB/s, device->host {d['d2h_gbps']:.2f} GB/s; HBM {profile['hbm_bytes'] / 1e9:.1f} GB"
+        )
+        print(f"wrote {out}; use it with hardware={out.stem}" if out.parent == conf_dir() / "hardware" else f"wrote {out}")
+        return 0
+
+    return run_tool(body)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
