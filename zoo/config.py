@@ -244,7 +244,8 @@ def flops_per_token(c: ModelConfig, seq_len: int, causal: bool = True) -> float:
     Matmuls: 6 per active matmul weight (the embedding lookup is no matmul). Attention: the score and
     context products, 12 * layers * seq * heads * (qk_dim + v_dim) / 2 per token, halved again when causal.
     """
-    matmul_weights = count_params(c, active=True) - c.vocab_size * c.hidden_size * (0 if c.tie_word_embeddings else 1)
+    # Drop the embedding table and, when untied, the head's own copy; the head matmul is added back below.
+    matmul_weights = count_params(c, active=True) - c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
     matmul_weights -= c.num_layers * 2 * c.hidden_size + c.hidden_size  # norms
     if c.family == DEEPSEEK_V3:
         m = c.mla
