@@ -313,11 +313,13 @@ class InspectOptions:
 
 
 def split_tool_args(argv: Sequence[str], prefix: str, schema: type):
-    """Separate `prefix.key=value` arguments (parsed into `schema`) from Hydra overrides."""
-    import yaml
+    """Separate `prefix.key=value` arguments (parsed and type-checked into the dataclass `schema`
+    through OmegaConf, as Hydra would) from the Hydra overrides."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
 
-    fields = {f.name: f for f in dataclasses.fields(schema)}
-    values, overrides = {}, []
+    fields = [f.name for f in dataclasses.fields(schema)]
+    dotlist, overrides = [], []
     for arg in argv:
         if arg.startswith(prefix + "."):
             key, sep, raw = arg[len(prefix) + 1 :].partition("=")
@@ -325,16 +327,15 @@ def split_tool_args(argv: Sequence[str], prefix: str, schema: type):
                 raise ValueError(f"{prefix}.{key}: give a value, e.g. {prefix}.{key}=...")
             if key not in fields:
                 raise ValueError(f"{prefix}.{key}: unknown key; the keys are {', '.join(fields)}")
-            value = yaml.safe_load(raw) if raw else None
-            if fields[key].type in (str, "str") and value is not None:
-                value = raw
-            values[key] = value
+            dotlist.append(f"{key}={raw}")
         else:
             overrides.append(arg)
     try:
-        return schema(**values), overrides
-    except TypeError as e:
-        raise ValueError(f"{prefix}: {e}") from None
+        merged = OmegaConf.merge(OmegaConf.structured(schema), OmegaConf.from_dotlist(dotlist))
+        return OmegaConf.to_object(merged), overrides
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or "?"
+        raise ValueError(f"{prefix}.{key}: {str(e).splitlines()[0]}; give a value of the right type") from None
 
 
 def compose(overrides: Sequence[str]):

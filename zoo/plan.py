@@ -30,7 +30,7 @@ spare everything stays on device. If nothing fits, the error names the smallest 
 import dataclasses
 import itertools
 import math
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import numpy as np
 
@@ -76,7 +76,7 @@ class PlanConfig:
             raise PlanError(f"plan.name: {self.name!r} is not a file stem; e.g. plan.name=planned")
 
 
-def resolve_link(link, default_gbps: float, hardware_dir=None) -> float:
+def resolve_link(link, default_gbps: Union[int, float, None], hardware_dir=None) -> float:
     """GB/s per direction from `plan.link` (number, LINKS name, or hardware profile name)."""
     if link is None:
         if not default_gbps or default_gbps <= 0:

@@ -1,0 +1,228 @@
+"""The planner: constructed cases for the cost model and the search, then the command line end to end
+(plan -> YAML -> the inspector confirms the placement), and the hardware measurement."""
+
+import itertools
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+from omegaconf import OmegaConf
+
+import zoo
+from zoo import plan as zp
+from zoo.inspect import inspect_placement, stack_names
+from zoo.offload import expected_placement, from_mapping, placement_matches, remat_policy, resolve
+from zoo.plan import GB, Infeasible, PlanError, Problem, StackCost, TagCost, evaluate, search
+
+MB = 1e6
+LAYERS = 10
+
+
+def make_problem(tags, *, link_gbps=64.0, budget_gb=100.0, layer_flops=1e12, rate=1e14, fixed_gb=1.0, latency=10e-6):
+    """One stack of LAYERS layers; `tags`: name -> (MB per layer, recompute FLOPs per layer)."""
+    return Problem(
+        tags=[TagCost(t, {"s": b * MB}, {"s": f}) for t, (b, f) in tags.items()],
+        stacks={"s": StackCost(layers=LAYERS, forward_flops_per_layer=layer_flops)},
+        rate=rate,
+        link=link_gbps * GB,
+        budget=budget_gb * GB,
+        step_flops=3 * layer_flops * LAYERS,
+        latency=latency,
+        param_bytes=fixed_gb * GB,
+    )
+
+
+def test_ample_budget_keeps_everything_on_device():
+    p = make_problem({"a": (100, 1e9), "b": (200, 1e12), "c": (1, 1e6)}, budget_gb=100)
+    best = search(p)
+    assert best.assignment == {"a": "device", "b": "device", "c": "device"}
+    assert best.time_s == pytest.approx(3 * 1e12 * LAYERS / 1e14)  # compute only
+    assert best.peak_bytes == pytest.approx(1 * GB + 301 * MB * LAYERS)
+
+
+def test_slow_link_recomputes_the_cheap_tags():
+    # Nothing fits on device (budget = the fixed part); 1 GB/s moves 100 MB in 100 ms against 10 ms of
+    # compute per layer, while recomputing costs 10 us.
+    p = make_problem({"a": (100, 1e9), "b": (100, 1e9)}, link_gbps=1.0, budget_gb=1.0)
+    best = search(p)
+    assert best.assignment == {"a": "remat", "b": "remat"}
+    assert best.exposed_transfer_s == 0
+
+
+def test_fast_link_with_compute_to_hide_behind_offloads():
+    # Recomputing costs 10 ms per layer; 900 GB/s moves 100 MB in 0.11 ms, hidden by 10 ms of compute.
+    p = make_problem({"a": (100, 1e12), "b": (100, 1e12)}, link_gbps=900.0, budget_gb=1.0)
+    best = search(p)
+    assert best.assignment == {"a": "offload", "b": "offload"}
+    assert best.exposed_transfer_s == 0 and best.recompute_s == 0
+    assert best.time_s == pytest.approx(p.step_flops / p.rate)
+
+
+def test_transfers_without_compute_to_hide_behind_are_exposed():
+    # The same tensors, but each layer computes only 1 us: the transfer is exposed, recomputing is cheaper.
+    p = make_problem({"a": (100, 1e9)}, link_gbps=900.0, budget_gb=1.0, layer_flops=1e8)
+    offloaded = evaluate(p, {"a": "offload"})
+    fwd, bwd = 1e8 / 1e14, 2e8 / 1e14
+    xfer = 100 * MB / (900 * GB) + 10e-6
+    assert offloaded.exposed_transfer_s == pytest.approx(LAYERS * ((xfer - fwd) + (xfer - bwd)))
+    assert search(p).assignment == {"a": "remat"}
+
+
+def test_tiny_tensors_are_not_worth_offloading():
+    # 4 kB per layer: the transfer's fixed latency (10 us) exceeds the 1 us of compute there is to hide it.
+    p = make_problem({"a": (0.004, 1e7)}, link_gbps=900.0, budget_gb=1.0, layer_flops=1e8)
+    assert search(p).assignment == {"a": "remat"}
+
+
+def test_memory_not_the_bottleneck_means_no_offload_even_when_free():
+    p = make_problem({"a": (100, 1e12)}, link_gbps=900.0, budget_gb=50)
+    assert search(p).assignment == {"a": "device"}
+
+
+def test_infeasible_budget_names_the_smallest_that_fits():
+    p = make_problem({"a": (100, 1e9), "b": (50, 1e12)}, budget_gb=0.5, fixed_gb=1.0)
+    with pytest.raises(Infeasible) as e:
+        search(p)
+    assert e.value.min_bytes == pytest.approx(1 * GB)  # everything recomputed or offloaded
+    msg = str(e.value)
+    assert msg.startswith("plan.hbm_budget_gb: no policy fits 0.500 GB; the smallest HBM any policy needs is 1.000 GB")
+    assert "raise plan.hbm_budget_gb to at least 1.000" in msg
+    # ... and that budget is feasible.
+    p.budget = e.value.min_bytes
+    assert search(p).peak_bytes <= p.budget
+
+
+def test_search_is_optimal_on_a_random_problem():
+    import random
+
+    rng = random.Random(0)
+    tags = {f"t{i}": (rng.uniform(1, 200), rng.uniform(1e8, 5e11)) for i in range(6)}
+    p = make_problem(tags, link_gbps=rng.uniform(10, 500), budget_gb=1.0 + 0.6, layer_flops=2e11)
+    best = search(p, inner_tags=3)  # exercise the chunked enumeration
+    tolerance = 1e-3 * p.step_flops / p.rate
+    for combo in itertools.product(zp.CHOICES, repeat=len(tags)):
+        e = evaluate(p, dict(zip(tags, combo)))
+        if e.peak_bytes <= p.budget:
+            assert best.time_s <= e.time_s + tolerance
+    assert best.peak_bytes <= p.budget
+
+
+def test_layer_input_cannot_be_recomputed():
+    p = make_problem({"a": (100, 1e9)}, link_gbps=1.0, budget_gb=1.0)
+    p.tags.append(TagCost("decoder_layer_input", {"s": 10 * MB}, {"s": 0.0}, ("device", "offload")))
+    best = search(p)
+    assert best.assignment["decoder_layer_input"] == "offload"
+    with pytest.raises(ValueError):
+        evaluate(p, {"decoder_layer_input": "remat"})
+
+
+def test_optimizer_on_host_frees_the_backward_phase_not_the_update():
+    base = dict(link_gbps=64.0, budget_gb=100.0)
+    p = make_problem({"a": (100, 1e9)}, **base)
+    p.opt_bytes = 2 * GB
+    on_device = evaluate(p, {"a": "device"})
+    p.opt_on_host = True
+    on_host = evaluate(p, {"a": "device"})
+    assert on_host.backward_phase_bytes == pytest.approx(on_device.backward_phase_bytes - 2 * GB)
+    assert on_host.update_phase_bytes == on_device.update_phase_bytes
+    assert on_host.state_transfer_s == pytest.approx(2 * GB / (64 * GB))
+
+
+def test_links():
+    assert zp.resolve_link(None, 64.0) == 64.0
+    assert zp.resolve_link("pcie_gen5", 0.0) == 64.0
+    assert zp.resolve_link("nvlink_c2c", 0.0) == 450.0  # 900 GB/s both directions together
+    assert zp.resolve_link("nvlink_c2c_rubin", 0.0) == 900.0
+    assert zp.resolve_link("12.5", 0.0) == 12.5
+    from zoo.offload import conf_dir
+
+    assert zp.resolve_link("gh200", 0, conf_dir() / "hardware") == 450.0
+    assert zp.resolve_link("vera_rubin", 0, conf_dir() / "hardware") == 900.0
+    with pytest.raises(PlanError, match=r"^plan.link: unknown link 'pcie9'"):
+        zp.resolve_link("pcie9", 0, conf_dir() / "hardware")
+    with pytest.raises(PlanError, match=r"^plan.link: the hardware profile has no host_link_gbps"):
+        zp.resolve_link(None, 0.0)
+
+
+def test_producer_flops_match_the_model_flop_count():
+    """Summed over tags, producers are the forward matmul FLOPs: a third of flops_per_token's layers."""
+    from zoo.config import flops_per_token
+
+    for size in ("llama_100m", "dsv3_100m"):
+        c = zoo.get_size(size)
+        b, t = 2, 512
+        stacks = (("dense_layers", c.num_dense_layers), ("moe_layers", c.num_moe_layers))
+        layers = sum(zp.layer_forward_flops(c, s, b, t) * n for s, n in stacks if n)
+        head = 2 * b * t * c.hidden_size * c.vocab_size
+        norms = 5 * b * t * (c.mla.q_lora_rank + c.mla.kv_lora_rank) * c.num_layers if c.mla else 0
+        router = 2 * b * t * c.hidden_size * c.moe.n_routed_experts * c.num_moe_layers if c.moe else 0
+        assert layers + head + router - norms == pytest.approx(flops_per_token(c, t) * b * t / 3, rel=1e-6)
+
+
+# --- the command line ----------------------------------------------------------------------------
+
+BASE = ["model=llama_tiny_a", "mesh=single", "data.batch_size=2", "data.seq_len=16", "hardware=h100_pcie"]
+
+
+def test_cli_plan_then_the_inspector_confirms_it(tmp_path, capsys):
+    ample = tmp_path / "ample.json"
+    assert zp.main([*BASE, "plan.hbm_budget_gb=80", f"plan.out={tmp_path / 'a.yaml'}", f"plan.json={ample}"]) == 0
+    est = json.loads(ample.read_text())["estimate"]
+    assert set(est["assignment"].values()) == {"device"}
+    # Squeeze: the budget drops below what keeping every tag needs; the plan has to give some up.
+    budget = (est["peak_bytes"] - 0.6 * est["device_tag_bytes"]) / GB
+    out = tmp_path / "planned.yaml"
+    assert zp.main([*BASE, f"plan.hbm_budget_gb={budget}", "plan.link=pcie_gen5", f"plan.out={out}", "plan.name=squeezed"]) == 0
+    printed = capsys.readouterr().out
+    assert "estimated step" in printed and f"wrote {out}" in printed
+    policy = from_mapping(OmegaConf.load(out))
+    assert policy.name == "squeezed" and policy.checkpoint
+    config = zoo.get_size("llama_tiny_a")
+    actions = resolve(policy, config)
+    assert {a for t, a in actions.items() if t != "mlpwo"} != {"device"}  # something moved off the device
+    # The inspector reads the plan's placement back from the traced program.
+    model = zoo.abstract(config)
+    rp = remat_policy(policy, config)
+    placement = inspect_placement(
+        jax.grad(lambda m, t: zoo.loss_fn(m, t, remat_policy=rp)), model, jax.ShapeDtypeStruct((2, 16), jnp.int32), stacks=stack_names(model)
+    )
+    found = placement.by_tag()
+    for tag, want in expected_placement(policy, config).items():
+        assert placement_matches(want, found[tag]), (tag, want, found[tag])
+
+
+def test_cli_infeasible_budget_is_one_line_with_the_smallest_budget(tmp_path, capsys):
+    assert zp.main([*BASE, "plan.hbm_budget_gb=0.000001", f"plan.out={tmp_path / 'x.yaml'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: plan.hbm_budget_gb: no policy fits 0.000 GB")
+    assert "raise plan.hbm_budget_gb to at least" in err[0]
+    assert not (tmp_path / "x.yaml").exists()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["plan.link=warp"], "error: plan.link: unknown link 'warp'"),
+        (["plan.hbm_budget_gb=-1"], "error: plan.hbm_budget_gb: must be positive"),
+        (["plan.budget=3"], "error: plan.budget: unknown key"),
+        (["hardware=cpu"], "error: plan.link: the hardware profile has no host_link_gbps"),
+        (["hardware=cpu", "plan.link=pcie_gen5"], "error: plan.hbm_budget_gb: hardware profile 'cpu' has no hbm_bytes"),
+    ],
+)
+def test_cli_bad_input(args, message, capsys):
+    assert zp.main([*BASE, *args]) == 2  # a later hardware= wins over BASE's
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(message), err
+
+
+def test_measure_hardware_writes_a_profile_train_py_accepts(tmp_path, capsys):
+    from zoo.measure_hardware import main as measure_main
+    from zoo.train.config import load_group
+
+    out = tmp_path / "here.yaml"
+    assert measure_main(["name=here", f"out={out}", "n=128", "transfer_mb=4", "repeats=2", "chain=2"]) == 0
+    hw = load_group("hardware", OmegaConf.load(out))
+    assert hw.name == "here" and hw.matmul_flops > 0 and hw.peak_flops == hw.matmul_flops
+    assert hw.host_link_gbps > 0 and not hw.nominal and "measured" in hw.note
+    assert measure_main(["n=3"]) == 2
