@@ -172,3 +172,12 @@ def test_indivisible_dim_names_the_mesh_axis():
 
     with pytest.raises(ShardingError, match=r"^mesh.tensor: dim \d+ of .* not divisible by tensor=3"):
         param_specs(abstract(SIZES["llama_tiny_a"]), mesh_preset("fsdp_tp").rules, {"data": 1, "fsdp": 1, "tensor": 3, "expert": 1})
+
+
+@pytest.mark.parametrize("size", sorted(SIZES))
+def test_model_options_are_the_named_sizes(size):
+    c = load_group("model", OmegaConf.load(CONF / "model" / f"{size}.yaml"))
+    if size == "dsv3_tiny_a":  # the one documented difference: the faster MoE kernel on CPU
+        assert c.moe.impl == "capacity"
+        c = c.replace(moe=SIZES[size].moe)
+    assert c == SIZES[size]

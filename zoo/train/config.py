@@ -89,7 +89,7 @@ class DataConfig:
     text: a text/jsonl file or folder through zoo.data (see zoo/data/README.md)."""
 
     name: str = "markov"
-    batch_size: int = 8  # global sequences per optimizer step
+    batch_size: int = 16  # global sequences per optimizer step
     seq_len: int = 64
     branching: int = 4  # markov only
     seed: int = 0
