@@ -28,6 +28,7 @@ BAD_INPUTS = {
     "unknown_group_option": (["offload=no_such_policy"], "error: offload: unknown option 'no_such_policy'; choose one of "),
     "unknown_key": (["trainer.stepz=3"], "error: trainer.stepz: unknown key; known keys here: steps, "),
     "unknown_value": (["model.moe.impl=dense"], "error: model.moe.impl: got 'dense'; choose one of"),
+    "null_section": (["model=llama_tiny_a", "model.moe.impl=capacity"], "error: model.moe.impl: model.moe is null in the chosen model option"),
     "wrong_type": (["trainer.steps=many"], "error: trainer.steps: Value 'many' of type 'str' could not be converted to Integer"),
     "mesh_product": (["mesh=dp", "mesh.data=3"], "error: mesh: data*fsdp*tensor*expert = 3*1*1*1 = 3 does not match the 8 devices"),
     "mesh_fill": (["mesh.tensor=3"], "error: mesh.fsdp: -1 cannot fill 8 devices"),

@@ -90,6 +90,10 @@ def hydra_error_line(e: BaseException, conf_dir: pathlib.Path) -> str:
         group, _, rest = key.partition(".")
         if "not in struct" in cause_text or "Key '" in cause_text:
             known = _known_keys(GROUPS[group], rest) if group in GROUPS and rest else []
+            leaf = key.rsplit(".", 1)[-1]
+            if leaf in known:  # a real key whose section is null in the chosen option (llama's moe)
+                parent = key.rsplit(".", 1)[0]
+                return f"{key}: {parent} is null in the chosen {group} option; choose a {group} that has it"
             hint = f"known keys here: {', '.join(known)}" if known else f"add it with +{key}=... only if it is meant to be new"
             return f"{key}: unknown key; {hint}"
         return f"{key}: {cause_text or 'cannot be overridden'}; check the value"
