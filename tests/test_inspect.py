@@ -145,3 +145,22 @@ def test_cli_bad_input_is_one_line_before_compiling(args, message, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith(message), err
     assert len(err.splitlines()) == 1
+
+
+def test_params_on_host_keep_one_layer_of_weights_on_device():
+    """With params_host and no activation checkpoint, the weights brought to the device inside the scan
+    are fetched again in the backward pass instead of being kept for every layer at once."""
+    from zoo.sharding import to_device
+
+    config = zoo.get_size("llama_tiny_a")
+    model = zoo.abstract(config)
+    tokens = jax.ShapeDtypeStruct((2, 16), jnp.int32)
+
+    def kept_transfers(rp):
+        loss = lambda m, t: zoo.loss_fn(m, t, remat_policy=rp, layer_transform=to_device)  # noqa: E731
+        placement = inspect_placement(jax.grad(loss), model, tokens, stacks=stack_names(model))
+        return [o for o in placement.other if o.source == "device_put"]
+
+    assert len(kept_transfers(None)) == 7  # no checkpoint: all 7 weight matrices of every layer kept
+    assert kept_transfers(remat_policy(load_preset("params_host"), config)) == []
+    assert kept_transfers(remat_policy(load_preset("full", "params_host"), config)) == []
