@@ -82,7 +82,7 @@ def test_sharded_losses_match_single_device(model, mesh):
 
 def test_params_and_opt_state_live_on_pinned_host_between_steps():
     ref_losses, _, ref_state, _ = reference("dsv3_tiny_a")
-    host = OffloadConfig(name="host", checkpoint=True, params="pinned_host", opt_state="pinned_host")
+    host = OffloadConfig(name="host", params="pinned_host", opt_state="pinned_host")
     seen = []
 
     def check(state):
