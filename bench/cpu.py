@@ -1,0 +1,313 @@
+"""CPU benchmark: every offload preset on a Llama and a DeepSeek-V3-shaped model, against this
+machine's own measured float32 matmul rate, plus compile time against depth.
+
+    python bench/cpu.py                        # the full run (docs/benchmarks.md), ~8 min on 2 cores
+    python bench/cpu.py --quick                # toy sizes, ~1 min (tests/test_bench.py)
+    python bench/cpu.py --out docs/bench_cpu.json --plot docs/bench_cpu.png --profile
+
+For each model and every preset of conf/offload (`custom` left out: it is `full` until set) it
+builds train.py's own step (`zoo.train.step.Trainer`) from the dataclasses, and reports
+
+- what the backward pass keeps, by tag (read from the traced program by `zoo.inspect`): on device,
+  on host, recomputed, plus untagged residuals;
+- XLA's compiled memory analysis (device temp and host temp bytes; on CPU host temp is always 0 and
+  offloaded residuals count as device temp: XLA:CPU moves no bytes, see README "The inspector");
+- the step time, timed round-robin: every round runs one step of every preset in a rotated order,
+  so load from other processes hits all presets alike; the ratio to `none` is the median over rounds
+  of (this preset's step / `none`'s step in the same round);
+- the model-FLOP rate (zoo.config.flops_per_token: the model's FLOPs, not the recomputation) as a
+  fraction of the float32 matmul rate measured in the same run (the best of n = 1024 and 2048, at
+  the start and at the end).
+
+One process, one device; nothing here needs Hydra.
+"""
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench import common as C  # noqa: E402
+
+SCHEMA = "zoo.bench.cpu/1"
+PRESETS = (
+    "none",
+    "full",
+    "minimal",
+    "save_qkv_proj",
+    "qkv_proj_offloaded",
+    "minimal_offloaded",
+    "llama_qkv_offload",
+    "deepseek_mla_moe_offload",
+    "optimizer_host",
+    "params_host",
+)
+
+# The benchmark models: the zoo's ~100M sizes. The routed experts use the capacity kernel on CPU
+# (XLA:CPU runs ragged_dot as a dense product over all experts; see /work/shared/NOTES.md).
+FULL = {
+    "models": {"llama": ("llama_100m", {}), "dsv3": ("dsv3_100m", {"moe_impl": "capacity"})},
+    "batch": 1,
+    "seq": 512,
+    "rounds": 3,
+    "depths": (4, 16, 64),
+    "depth_model": "llama",
+    "matmul_sizes": (1024, 2048),
+}
+QUICK = {
+    "models": {"llama": ("llama_tiny_a", {}), "dsv3": ("dsv3_tiny_a", {"moe_impl": "capacity"})},
+    "batch": 2,
+    "seq": 64,
+    "rounds": 2,
+    "depths": (1, 4),
+    "depth_model": "llama",
+    "matmul_sizes": (256,),
+}
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def measure_matmuls(sizes) -> list[dict]:
+    from zoo.measure_hardware import measure_matmul
+
+    out = []
+    for n in sizes:
+        rate = measure_matmul(n, "float32", repeats=5, chain=4)
+        out.append({"n": n, "dtype": "float32", "flops_per_s": rate})
+        log(f"matmul {n}x{n}x{n} float32: {rate / 1e9:.1f} GFLOP/s")
+    return out
+
+
+def bench_family(key: str, model, presets, batch: int, seq: int, rounds: int, profile: bool) -> dict:
+    import jax
+
+    from zoo.config import count_params, flops_per_token
+
+    tokens_per_step = batch * seq
+    fpt = flops_per_token(model, seq)
+    log(f"{key}: {count_params(model) / 1e6:.1f}M params ({count_params(model, active=True) / 1e6:.1f}M active), "
+        f"{fpt / 1e6:.1f} MFLOP/token, batch {batch}x{seq}")
+    trainers, compiled, rows = {}, {}, {}
+    for p in presets:
+        tr = C.make_trainer(C.train_config(model, [p], batch, seq))
+        exe, kept, secs = C.trace_and_compile(tr)
+        trainers[p], compiled[p] = tr, exe
+        mem = C.compiled_memory(exe)
+        rows[p] = {
+            "policy": tr.cfg.offload.describe(),
+            "kept": kept,
+            "compiled_memory": mem,
+            "xla_flops_per_step": C.compiled_flops(exe),
+            "compile": secs,
+        }
+        log(f"  {p}: compiled in {secs['total_s']:.1f}s; temp {mem['temp_size_in_bytes'] / 1e6:.1f} MB, "
+            f"kept on device {kept['device_bytes'] / 1e6:.1f} MB, on host {kept['host_bytes'] / 1e6:.1f} MB")
+
+    t0 = time.perf_counter()
+    state = trainers["none"].init()
+    jax.block_until_ready(state)
+    init_s = time.perf_counter() - t0
+    tokens = C.tokens_for(trainers["none"])
+
+    def run(p):
+        nonlocal state
+        state = jax.device_put(state, trainers[p].state_shardings)  # memory kinds differ between presets
+        jax.block_until_ready(state)
+        t = time.perf_counter()
+        state, m = compiled[p](state, tokens)
+        jax.block_until_ready((state, m))
+        return time.perf_counter() - t, float(m["loss"])
+
+    for p in presets:  # warm-up: first-call allocation and dispatch costs
+        rows[p]["warmup_s"], rows[p]["loss"] = run(p)
+    times = {p: [] for p in presets}
+    for r in range(rounds):
+        order = list(presets[r % len(presets):]) + list(presets[: r % len(presets)])
+        if r % 2:
+            order.reverse()
+        for p in order:
+            times[p].append(run(p)[0])
+        log(f"  round {r + 1}/{rounds}: " + ", ".join(f"{p} {times[p][-1]:.2f}s" for p in presets))
+
+    for p in presets:
+        ratios = [t / n for t, n in zip(times[p], times["none"])]
+        med = C.median(times[p])
+        rows[p].update(
+            step_times_s=times[p],
+            median_step_s=med,
+            ratio_to_none=C.median(ratios),
+            ratios_to_none=ratios,
+            model_flops_per_s=fpt * tokens_per_step / med,
+        )
+    out = {
+        "model": {"name": key, "config": _model_dict(model), "params": count_params(model), "active_params": count_params(model, active=True)},
+        "batch": batch,
+        "seq": seq,
+        "tokens_per_step": tokens_per_step,
+        "model_flops_per_token": fpt,
+        "init_s": init_s,
+        "rounds": rounds,
+        "presets": rows,
+    }
+    if profile:
+        log(f"  profiling {key} none")
+        out["profile_none"], state = C.profile_step(compiled["none"], jax.device_put(state, trainers["none"].state_shardings), tokens)
+    del state, compiled
+    return out
+
+
+def _model_dict(model) -> dict:
+    import dataclasses
+
+    return dataclasses.asdict(model)
+
+
+def compile_vs_depth(model, depths, batch: int, seq: int, presets=("none", "full")) -> list[dict]:
+    out = []
+    for p in presets:
+        for d in depths:
+            tr = C.make_trainer(C.train_config(model.replace(num_layers=d), [p], batch, seq))
+            _, _, secs = C.trace_and_compile(tr)
+            out.append({"preset": p, "num_layers": d, **secs})
+            log(f"compile {p} at {d} layers: {secs['total_s']:.1f}s (trace {secs['trace_s']:.1f}, lower {secs['lower_s']:.1f}, compile {secs['compile_s']:.1f})")
+    return out
+
+
+# --- reporting ---------------------------------------------------------------------------------
+
+
+def _mb(b) -> str:
+    return "-" if b is None else f"{b / 1e6:.1f}"
+
+
+def markdown(res: dict) -> str:
+    peak = res["matmul"]["best_flops_per_s"]
+    lines = []
+    for key, fam in res["families"].items():
+        m = fam["model"]
+        lines += [
+            f"**{key}** ({m['config']['family']}, {m['params'] / 1e6:.1f}M params, {m['active_params'] / 1e6:.1f}M active; "
+            f"batch {fam['batch']} x {fam['seq']}; {fam['model_flops_per_token'] / 1e6:.1f} MFLOP/token; medians of {fam['rounds']} rounds)",
+            "",
+            "| preset | tags kept on device (MB) | on host (MB) | recomputed (MB) | compiled temp (MB) | host temp (MB) | step (s) | ratio to none | model GFLOP/s | of matmul rate | compile (s) |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for p, r in fam["presets"].items():
+            k, mem = r["kept"], r["compiled_memory"] or {}
+            lines.append(
+                f"| {p} | {_mb(k['device_bytes'])} | {_mb(k['host_bytes'])} | {_mb(k['recomputed_bytes'])} | {_mb(mem.get('temp_size_in_bytes'))} | "
+                f"{_mb(mem.get('host_temp_size_in_bytes'))} | {r['median_step_s']:.3f} | {r['ratio_to_none']:.3f} | "
+                f"{r['model_flops_per_s'] / 1e9:.1f} | {100 * r['model_flops_per_s'] / peak:.1f}% | {r['compile']['total_s']:.1f} |"
+            )
+        lines.append("")
+    if res.get("compile_vs_depth"):
+        lines += ["| preset | layers | trace (s) | lower (s) | compile (s) | total (s) |", "|---|---:|---:|---:|---:|---:|"]
+        for d in res["compile_vs_depth"]:
+            lines.append(f"| {d['preset']} | {d['num_layers']} | {d['trace_s']:.1f} | {d['lower_s']:.1f} | {d['compile_s']:.1f} | {d['total_s']:.1f} |")
+        lines.append("")
+    mm = ", ".join(f"{x['n']}: {x['flops_per_s'] / 1e9:.1f}" for x in res["matmul"]["start"] + res["matmul"]["end"])
+    lines.append(f"float32 matmul GFLOP/s (n: rate; start then end of the run): {mm}; best {peak / 1e9:.1f}")
+    return "\n".join(lines)
+
+
+def plot(res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fams = list(res["families"].items())
+    fig, axes = plt.subplots(1, len(fams) + 1, figsize=(6 * (len(fams) + 1), 4.8))
+    for ax, (key, fam) in zip(axes, fams):
+        for p, r in fam["presets"].items():
+            k = r["kept"]
+            x = (k["device_bytes"] + k["untagged_device_bytes"]) / 1e6
+            ax.scatter(x, r["ratio_to_none"], color="tab:red" if k["host_bytes"] else "tab:blue")
+            ax.annotate(p, (x, r["ratio_to_none"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        ax.set_xlabel("residuals kept on device for the backward pass (MB)")
+        ax.set_ylabel("step time / none (median over rounds)")
+        ax.set_title(f"{key}: {fam['model']['params'] / 1e6:.3g}M params, batch {fam['batch']}x{fam['seq']} (red: offloads)", fontsize=9)
+        ax.grid(alpha=0.3)
+    ax = axes[-1]
+    for p in sorted({d["preset"] for d in res.get("compile_vs_depth", [])}):
+        pts = [(d["num_layers"], d["total_s"]) for d in res["compile_vs_depth"] if d["preset"] == p]
+        ax.plot([a for a, _ in pts], [b for _, b in pts], marker="o", label=p)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("layers")
+    ax.set_ylabel("trace + lower + compile (s)")
+    ax.set_title("compile time against depth (scanned layers)", fontsize=9)
+    ax.set_ylim(bottom=0)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.suptitle(f"bench/cpu.py, {res['env']['date_utc']}, {res['env']['host_cpu']} ({res['env']['cpu_count']} cores)", fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="toy models and sizes (a smoke test, ~1 min)")
+    ap.add_argument("--out", default="bench_cpu.json", help="JSON results (default: bench_cpu.json)")
+    ap.add_argument("--plot", default=None, help="PNG of the results (optional)")
+    ap.add_argument("--md", default=None, help="write the markdown tables here too (optional)")
+    ap.add_argument("--models", default=None, help="comma list of llama,dsv3 (default both)")
+    ap.add_argument("--presets", default=None, help=f"comma list (default all: {','.join(PRESETS)})")
+    ap.add_argument("--rounds", type=int, default=None, help="timed rounds (default 3; quick 2)")
+    ap.add_argument("--batch", type=int, default=None)
+    ap.add_argument("--seq", type=int, default=None)
+    ap.add_argument("--depths", default=None, help="comma list of layer counts for compile time (default 4,16,64; '' skips)")
+    ap.add_argument("--profile", action="store_true", help="profile one `none` step per model: where the time goes, by op")
+    args = ap.parse_args(argv)
+    spec = dict(QUICK if args.quick else FULL)
+    models = args.models.split(",") if args.models else list(spec["models"])
+    presets = tuple(args.presets.split(",")) if args.presets else PRESETS
+    if "none" not in presets:
+        presets = ("none", *presets)
+    batch, seq = args.batch or spec["batch"], args.seq or spec["seq"]
+    rounds = args.rounds or spec["rounds"]
+    depths = spec["depths"] if args.depths is None else tuple(int(x) for x in args.depths.split(",") if x)
+
+    t_start = time.perf_counter()
+    import jax
+
+    env = C.env_info(jax.devices()[:1])
+    log(f"bench/cpu.py on {env['host_cpu']} ({env['cpu_count']} cores), load {env['load_average']}, jax {env['versions']['jax']}")
+    res = {"schema": SCHEMA, "command": " ".join(["python", "bench/cpu.py", *(argv if argv is not None else sys.argv[1:])]),
+           "quick": args.quick, "env": env, "presets": list(presets), "matmul": {"start": measure_matmuls(spec["matmul_sizes"])}, "families": {}}
+    for key in models:
+        name, changes = spec["models"][key]
+        model = C.bench_model(name, **changes)
+        res["families"][key] = bench_family(key, model, presets, batch, seq, rounds, args.profile)
+        res["families"][key]["model"]["size"] = name
+        res["families"][key]["model"]["changes"] = changes
+        C.write_json(args.out, res)
+    if depths:
+        name, changes = spec["models"][spec["depth_model"]]
+        res["compile_vs_depth"] = compile_vs_depth(C.bench_model(name, **changes), depths, batch, seq)
+    res["matmul"]["end"] = measure_matmuls(spec["matmul_sizes"])
+    best = max(x["flops_per_s"] for x in res["matmul"]["start"] + res["matmul"]["end"])
+    res["matmul"]["best_flops_per_s"] = best
+    for fam in res["families"].values():
+        for r in fam["presets"].values():
+            r["fraction_of_matmul_rate"] = r["model_flops_per_s"] / best
+    res["env"]["load_average_end"] = C.env_info()["load_average"]
+    res["wall_s"] = time.perf_counter() - t_start
+    C.write_json(args.out, res)
+    md = markdown(res)
+    print(md)
+    if args.md:
+        Path(args.md).write_text(md + "\n")
+    if args.plot:
+        plot(res, Path(args.plot))
+    log(f"wrote {args.out}" + (f" and {args.plot}" if args.plot else "") + f"; {res['wall_s']:.0f}s in all")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

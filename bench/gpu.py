@@ -1,0 +1,688 @@
+"""GPU benchmark: the host link and the bf16 matmul rate, then every policy of interest under every
+XLA group, the largest batch each policy fits, and how much of the transfer time stays exposed.
+
+    python bench/gpu.py --out bench_gpu.json --plot bench_gpu.png          # one H200: < 8 minutes
+    python bench/gpu.py --toy --out /tmp/g.json --plot /tmp/g.png          # any CPU: toy sizes (tests)
+
+What it runs (each part in its own process: XLA reads its flags once per process):
+
+1. `hw`: host<->device bandwidth of one large pinned-host array in each direction, and the dense
+   matmul rate (bf16 8192^3 chains on a GPU), by zoo.measure_hardware's functions.
+2. one process per XLA group (conf/xla: `default`, `latency_hiding_pipelined_offload`,
+   `latency_hiding`): for a ~1B Llama (`llama_1b`) and a ~1.7B DeepSeek-V3-shaped MoE (`dsv3_2b`,
+   routed experts through the capacity kernel) at sequence 4096, the presets none, the family's offload
+   preset (llama_qkv_offload / deepseek_mla_moe_offload), full, optimizer_host and minimal. All steps of
+   a process are traced first, then compiled in parallel threads (XLA compiles without the GIL), then
+   run one after another: warm-up, then timed steps (median). Per run: TFLOP/s per device (model FLOPs,
+   zoo.config.flops_per_token), MFU against the measured matmul rate, XLA's compiled memory (device
+   and host temp), the process's device-memory high-water mark (runs go in ascending order of XLA's
+   estimate, so it is the run's own peak unless an earlier run peaked higher), the bytes moved to and
+   from the host per step (offloaded residuals read from the traced program, plus host-resident state),
+   and the planner's estimate (zoo.plan with the measured rate and link) in the default group.
+3. `probe` (default flags): for each policy and model, XLA's estimated peak at two batch sizes gives
+   bytes per sequence; the predicted largest batch under the device's limit is then run (it should fit)
+   and one more (it should run out of memory). On a backend without memory statistics (CPU) only the
+   prediction is made, against --memory-limit-gb.
+
+Derived: step time ratios to `none` and `full` in the same group, and the exposed part of the transfer
+time: (t_policy - t_none) / (bytes to host / D2H bandwidth + bytes from host / H2D bandwidth).
+
+Everything is written to --out after every run (partial results survive a timeout); a run that would
+not finish before --budget-s is skipped and recorded as skipped. No Hydra: the GPU image lacks it; it
+needs omegaconf and antlr4 carried as wheels (bench/gpu_wheels.sh, docs/benchmarks.md).
+"""
+
+import argparse
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+SCHEMA = "zoo.bench.gpu/1"
+GROUPS = ("default", "latency_hiding_pipelined_offload", "latency_hiding")
+OFFLOAD_PRESET = {"llama": "llama_qkv_offload", "dsv3": "deepseek_mla_moe_offload"}
+PRESETS = ("none", "offload", "full", "optimizer_host", "minimal")  # priority order; "offload": the family's
+
+REAL = {
+    "models": {"llama": ["llama_1b", {}], "dsv3": ["dsv3_2b", {"moe_impl": "capacity"}]},
+    "batch": 4,
+    "seq": 4096,
+    "warmup": 2,
+    "steps": 5,
+    "transfer_mb": 1024.0,
+    "matmul_n": 8192,
+    "matmul_dtype": "bfloat16",
+    "fast_compile": False,
+    "budget_s": 450.0,
+}
+TOY = {
+    "models": {"llama": ["llama_tiny_a", {}], "dsv3": ["dsv3_tiny_a", {"moe_impl": "capacity"}]},
+    "batch": 2,
+    "seq": 64,
+    "warmup": 1,
+    "steps": 2,
+    "transfer_mb": 16.0,
+    "matmul_n": 256,
+    "matmul_dtype": "bfloat16",
+    "fast_compile": True,
+    "budget_s": 900.0,
+}
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def preset_name(model_key: str, p: str) -> str:
+    return OFFLOAD_PRESET[model_key] if p == "offload" else p
+
+
+def merged_flags(env_flags: str, ours: list[str]) -> str:
+    """The environment's XLA_FLAGS plus the group's; the group wins where both set a flag (as train.py)."""
+    names = {f.split("=", 1)[0] for f in ours}
+    kept = [f for f in (env_flags or "").split() if f.split("=", 1)[0] not in names]
+    return " ".join(kept + ours)
+
+
+def is_oom(e: BaseException) -> bool:
+    s = str(e)
+    return "RESOURCE_EXHAUSTED" in s or "Out of memory" in s or "out of memory" in s
+
+
+# --- child: hardware -----------------------------------------------------------------------------
+
+
+def child_hw(spec: dict) -> dict:
+    import jax
+
+    from bench import common as C
+    from zoo.measure_hardware import measure_link, measure_matmul
+
+    dev = jax.devices()[0]
+    out = {"env": C.env_info(jax.devices()[:1])}
+    t = time.perf_counter()
+    h2d, d2h = measure_link(spec["transfer_mb"], repeats=5, device=dev)
+    out["link"] = {"transfer_mb": spec["transfer_mb"], "h2d_gbps": h2d, "d2h_gbps": d2h, "repeats": 5}
+    log(f"hw: host->device {h2d:.2f} GB/s, device->host {d2h:.2f} GB/s ({spec['transfer_mb']:g} MB, pinned host)")
+    n, dtype = spec["matmul_n"], spec["matmul_dtype"]
+    rate = measure_matmul(n, dtype, repeats=5, chain=8, device=dev)
+    out["matmul"] = {"n": n, "dtype": dtype, "flops_per_s": rate, "chain": 8, "repeats": 5}
+    log(f"hw: matmul {n}^3 {dtype} {rate / 1e12:.2f} TFLOP/s")
+    stats = dev.memory_stats() or {}
+    out["bytes_limit"] = int(stats["bytes_limit"]) if stats.get("bytes_limit") else None
+    out["seconds"] = time.perf_counter() - t
+    return out
+
+
+# --- child: one XLA group ------------------------------------------------------------------------
+
+
+def _hardware(spec: dict):
+    from zoo.train.config import HardwareConfig
+
+    hw = spec.get("hw") or {}
+    rate = (hw.get("matmul") or {}).get("flops_per_s")
+    link = hw.get("link") or {}
+    gbps = min(link["h2d_gbps"], link["d2h_gbps"]) if link else 0.0
+    return HardwareConfig(name="measured", peak_flops=rate or 1e12, matmul_flops=rate, hbm_bytes=int(spec.get("limit_bytes") or 0),
+                          host_link_gbps=float(gbps), note="bench/gpu.py: measured in the hw step of the same run")
+
+
+def _state_bytes(trainer) -> dict:
+    """Bytes of parameters and optimizer state (one device), which host-resident state moves each step."""
+    import numpy as np
+
+    import jax
+
+    def total(tree):
+        return float(sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(tree) if hasattr(x, "shape")))
+
+    st = trainer.abstract_state()
+    return {"params": total(st["params"]), "opt_state": total(st["opt_state"])}
+
+
+def transfer_bytes(trainer, kept: dict) -> dict:
+    """Bytes moved each way per step: offloaded residuals (out in the forward pass, back in the
+    backward pass) plus host-resident state (to the device for the update and back)."""
+    c = trainer.cfg
+    resid = float(kept["host_bytes"] + kept["untagged_host_bytes"]) * c.trainer.grad_accum
+    sb = _state_bytes(trainer)
+    state = (sb["opt_state"] if c.offload.opt_state == "pinned_host" else 0.0) + (sb["params"] if c.offload.params == "pinned_host" else 0.0)
+    return {"residual_bytes": resid, "state_bytes": state, "to_host_bytes": resid + state, "from_host_bytes": resid + state}
+
+
+def _compile_all(items, workers: int):
+    """items: list of (key, lowered, options) -> {key: (compiled or exception, seconds)}."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(item):
+        key, lowered, options = item
+        t = time.perf_counter()
+        try:
+            return key, (lowered.compile(options), time.perf_counter() - t)
+        except Exception as e:  # noqa: BLE001 - recorded per run
+            return key, (e, time.perf_counter() - t)
+
+    with ThreadPoolExecutor(max(1, workers)) as ex:
+        return dict(ex.map(one, items))
+
+
+def _trace(trainer):
+    from zoo import model as zoo_model
+    from zoo.inspect import placement_from_jaxpr, stack_names
+
+    from bench import common as C
+
+    t = time.perf_counter()
+    traced = trainer.jitted_step().trace(trainer.abstract_state(), trainer.abstract_tokens())
+    placement = placement_from_jaxpr(traced.jaxpr, stack_names(zoo_model.abstract(trainer.cfg.model)))
+    lowered = traced.lower()
+    return lowered, C.kept_by_tag(placement), time.perf_counter() - t
+
+
+def _state_ok(state) -> bool:
+    import jax
+
+    return state is not None and not any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree_util.tree_leaves(state))
+
+
+def child_group(spec: dict, result_path: pathlib.Path) -> dict:
+    import jax
+
+    from bench import common as C
+    from zoo.config import flops_per_token
+    from zoo.train.metrics import device_memory
+
+    group = spec["group"]
+    devices = jax.devices()[:1]
+    hardware = _hardware(spec)
+    res = {"group": group, "xla_flags": os.environ.get("XLA_FLAGS", ""), "env": C.env_info(devices), "runs": []}
+    deadline = spec["deadline"]
+
+    runs, trainers, lowered = [], {}, {}
+    for key in spec["model_keys"]:
+        name, changes = spec["models"][key]
+        model = C.bench_model(name, **changes)
+        for p in spec["presets"]:
+            preset = preset_name(key, p)
+            if time.time() > deadline - 30:
+                runs.append({"model": key, "preset": preset, "status": "skipped", "reason": "budget"})
+                continue
+            c = C.train_config(model, [preset], spec["batch"], spec["seq"], hardware=hardware, xla_name=group, fast_compile=spec["fast_compile"])
+            tr = C.make_trainer(c, devices)
+            low, kept, trace_s = _trace(tr)
+            run = {"model": key, "size": name, "preset": preset, "policy": c.offload.describe(), "batch": spec["batch"], "seq": spec["seq"],
+                   "kept": kept, "transfer": transfer_bytes(tr, kept), "trace_s": trace_s, "status": "compiling"}
+            runs.append(run)
+            trainers[(key, preset)], lowered[(key, preset)] = tr, low
+    log(f"{group}: traced {len(lowered)} steps; compiling with {spec['workers']} threads")
+    t = time.perf_counter()
+    compiled = _compile_all([(k, low, trainers[k].compiler_options) for k, low in lowered.items()], spec["workers"])
+    log(f"{group}: compiled in {time.perf_counter() - t:.1f}s")
+    res["compile_wall_s"] = time.perf_counter() - t
+    res["runs"] = runs
+    for run in runs:
+        k = (run["model"], run["preset"])
+        if k not in compiled:
+            continue
+        exe, secs = compiled[k]
+        run["compile_s"] = secs
+        if isinstance(exe, Exception):
+            run.update(status="error", error=f"compile: {type(exe).__name__}: {str(exe).splitlines()[0][:300]}")
+            continue
+        run["compiled_memory"] = C.compiled_memory(exe)
+        run["xla_flops_per_step"] = C.compiled_flops(exe)
+        run["status"] = "compiled"
+        if spec.get("planner"):
+            try:
+                run["planner"] = C.planner_estimate(trainers[k].cfg, trainers[k], float(spec.get("limit_bytes") or 1e12))
+            except Exception as e:  # noqa: BLE001
+                run["planner"] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+    C.write_json(result_path, res)
+
+    for key in spec["model_keys"]:
+        mine = [r for r in runs if r["model"] == key and r.get("status") == "compiled"]
+        mine.sort(key=lambda r: (r.get("compiled_memory") or {}).get("estimated_peak_bytes") or 0)
+        state, seed_trainer = None, None
+        for run in mine:
+            k = (key, run["preset"])
+            tr, exe = trainers[k], compiled[k][0]
+            spent = [r["wall_s"] for r in runs if r.get("wall_s")]
+            guess = max(spent) if spent else 0.0
+            if time.time() + guess > deadline:
+                run.update(status="skipped", reason="budget")
+                continue
+            t_run = time.perf_counter()
+            try:
+                if not _state_ok(state):
+                    seed_trainer = tr
+                    state = tr.init()
+                state = jax.device_put(state, tr.state_shardings)
+                tokens = C.tokens_for(tr)
+                jax.block_until_ready((state, tokens))
+                before = device_memory(devices)
+                for _ in range(spec["warmup"]):
+                    state, m = exe(state, tokens)
+                    jax.block_until_ready((state, m))
+                times = []
+                for _ in range(spec["steps"]):
+                    t0 = time.perf_counter()
+                    state, m = exe(state, tokens)
+                    jax.block_until_ready((state, m))
+                    times.append(time.perf_counter() - t0)
+                after = device_memory(devices)
+                step = C.median(times)
+                tokens_per_step = spec["batch"] * spec["seq"]
+                fl = flops_per_token(tr.cfg.model, spec["seq"]) * tokens_per_step / len(devices)
+                run.update(
+                    status="ok",
+                    loss=float(m["loss"]),
+                    step_times_s=times,
+                    median_step_s=step,
+                    tokens_per_s=tokens_per_step / step,
+                    tflops_per_device=fl / step / 1e12,
+                    bytes_in_use_before=(before or {}).get("bytes_in_use"),
+                    process_peak_bytes=(after or {}).get("peak_bytes_in_use"),
+                    bytes_limit=(after or {}).get("bytes_limit"),
+                )
+                log(f"{group} {key} {run['preset']}: {1e3 * step:.1f} ms/step, {run['tflops_per_device']:.1f} TFLOP/s"
+                    + (f", peak {run['process_peak_bytes'] / 2**30:.1f} GiB" if run.get("process_peak_bytes") else ""))
+            except Exception as e:  # noqa: BLE001 - one failed run is recorded; the others go on
+                run.update(status="oom" if is_oom(e) else "error", error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+                log(f"{group} {key} {run['preset']}: {run['status']}: {run['error'][:120]}")
+                if not _state_ok(state):
+                    state = None
+            run["wall_s"] = time.perf_counter() - t_run
+            C.write_json(result_path, res)
+        del state, seed_trainer
+    for k in list(compiled):
+        compiled[k] = None
+    return res
+
+
+# --- child: largest batch ------------------------------------------------------------------------
+
+
+def child_probe(spec: dict, result_path: pathlib.Path) -> dict:
+    import jax
+
+    from bench import common as C
+
+    devices = jax.devices()[:1]
+    stats = devices[0].memory_stats() or {}
+    measured_limit = int(stats["bytes_limit"]) if stats.get("bytes_limit") else None
+    limit = spec.get("memory_limit_bytes") or measured_limit
+    can_run = measured_limit is not None  # only a backend with a memory limit can run out of memory
+    res = {"limit_bytes": limit, "limit_source": "--memory-limit-gb" if spec.get("memory_limit_bytes") else ("device bytes_limit" if measured_limit else None),
+           "verified_by_running": can_run, "probes": []}
+    deadline = spec["deadline"]
+    hardware = _hardware(spec)
+
+    def lower_at(model, preset, b):
+        c = C.train_config(model, [preset], b, spec["seq"], hardware=hardware, fast_compile=spec["fast_compile"])
+        tr = C.make_trainer(c, devices)
+        return tr, tr.lower()
+
+    def estimate(exe):
+        mem = C.compiled_memory(exe) if not isinstance(exe, Exception) else None
+        return None if mem is None else mem["estimated_peak_bytes"]
+
+    # Wave 1: two batch sizes per policy, compiled together.
+    b0 = spec["batch"]
+    b1 = 2 * b0
+    items, trainers, probes = [], {}, []
+    for key in spec["model_keys"]:
+        name, changes = spec["models"][key]
+        model = C.bench_model(name, **changes)
+        for p in spec["presets"]:
+            preset = preset_name(key, p)
+            probe = {"model": key, "preset": preset, "seq": spec["seq"], "model_obj": model}
+            probes.append(probe)
+            for b in (b0, b1):
+                tr, low = lower_at(model, preset, b)
+                trainers[(key, preset, b)] = tr
+                items.append(((key, preset, b), low, tr.compiler_options))
+    t = time.perf_counter()
+    wave1 = _compile_all(items, spec["workers"])
+    log(f"probe: compiled {len(items)} steps at batch {b0} and {b1} in {time.perf_counter() - t:.1f}s")
+    for probe in probes:
+        key, preset = probe["model"], probe["preset"]
+        p0, p1 = estimate(wave1[(key, preset, b0)][0]), estimate(wave1[(key, preset, b1)][0])
+        probe["estimated_peak_bytes"] = {str(b0): p0, str(b1): p1}
+        if p0 is None or p1 is None or limit is None:
+            probe["status"] = "no estimate" if limit is not None else "no memory limit (give --memory-limit-gb)"
+            continue
+        per_seq = (p1 - p0) / (b1 - b0)
+        fixed = p0 - per_seq * b0
+        probe["bytes_per_sequence"] = per_seq
+        probe["fixed_bytes"] = fixed
+        probe["predicted_max_batch"] = int((0.98 * limit - fixed) // per_seq) if per_seq > 0 else None
+        probe["status"] = "predicted"
+    res["probes"] = [{k: v for k, v in p.items() if k != "model_obj"} for p in probes]
+    C.write_json(result_path, res)
+    if not can_run:
+        return res
+
+    # Wave 2: the predicted batch (should fit) and one more (should not), run for real.
+    items = []
+    for probe in probes:
+        bp = probe.get("predicted_max_batch")
+        if not bp or bp < 1:
+            continue
+        for b in (bp, bp + 1):
+            tr, low = lower_at(probe["model_obj"], probe["preset"], b)
+            trainers[(probe["model"], probe["preset"], b)] = tr
+            items.append(((probe["model"], probe["preset"], b), low, tr.compiler_options))
+    if time.time() > deadline - 60:
+        res["note"] = "verification skipped: budget"
+        return res
+    t = time.perf_counter()
+    wave2 = _compile_all(items, spec["workers"])
+    log(f"probe: compiled {len(items)} steps at the predicted batches in {time.perf_counter() - t:.1f}s")
+    for key in spec["model_keys"]:
+        state = None
+        for probe in [p for p in probes if p["model"] == key and p.get("predicted_max_batch")]:
+            bp = probe["predicted_max_batch"]
+            probe["runs"] = {}
+            for b in (bp, bp + 1):
+                if time.time() > deadline - 20:
+                    probe["runs"][str(b)] = "skipped (budget)"
+                    continue
+                tr = trainers[(key, probe["preset"], b)]
+                exe = wave2[(key, probe["preset"], b)][0]
+                if isinstance(exe, Exception):
+                    probe["runs"][str(b)] = f"compile error: {str(exe).splitlines()[0][:200]}"
+                    continue
+                try:
+                    if not _state_ok(state):
+                        state = tr.init()
+                    state = jax.device_put(state, tr.state_shardings)
+                    state, m = exe(state, C.tokens_for(tr))
+                    jax.block_until_ready((state, m))
+                    probe["runs"][str(b)] = "fits"
+                except Exception as e:  # noqa: BLE001
+                    probe["runs"][str(b)] = "oom" if is_oom(e) else f"error: {str(e).splitlines()[0][:200]}"
+                    if not _state_ok(state):
+                        state = None
+                log(f"probe {key} {probe['preset']} batch {b}: {probe['runs'][str(b)]}")
+            fits = [int(b) for b, r in probe["runs"].items() if r == "fits"]
+            probe["largest_batch_run"] = max(fits) if fits else None
+            res["probes"] = [{k: v for k, v in p.items() if k != "model_obj"} for p in probes]
+            C.write_json(result_path, res)
+        del state
+    return res
+
+
+# --- the orchestrator ----------------------------------------------------------------------------
+
+
+def run_child(kind: str, spec: dict, workdir: pathlib.Path, deadline: float, extra_env: dict) -> dict:
+    spec_path = workdir / f"{kind}_{spec.get('group', '')}_spec.json"
+    result_path = workdir / f"{kind}_{spec.get('group', '')}_result.json"
+    spec_path.write_text(json.dumps(spec))
+    if result_path.exists():
+        result_path.unlink()
+    env = dict(os.environ)
+    env.update(extra_env)
+    cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), "--child", kind, "--spec", str(spec_path), "--result", str(result_path)]
+    timeout = max(30.0, deadline - time.time() + 45)
+    t = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, env=env, timeout=timeout)
+        rc = proc.returncode
+    except subprocess.TimeoutExpired:
+        rc = "timeout"
+    out = json.loads(result_path.read_text()) if result_path.exists() else {}
+    out["process"] = {"returncode": rc, "wall_s": time.perf_counter() - t, "xla_flags": extra_env.get("XLA_FLAGS", "")}
+    if rc != 0:
+        log(f"{kind} {spec.get('group', '')}: process ended with {rc}; keeping what it wrote")
+    return out
+
+
+def derive(res: dict) -> None:
+    """Ratios to none and full in the same group, exposed transfer time, MFU, and the targets."""
+    hw = res.get("hw") or {}
+    rate = (hw.get("matmul") or {}).get("flops_per_s")
+    link = hw.get("link") or {}
+    for g in res.get("groups", {}).values():
+        runs = g.get("runs", [])
+        for r in runs:
+            if r.get("status") != "ok":
+                continue
+            if rate:
+                r["mfu_vs_matmul"] = r["tflops_per_device"] * 1e12 / rate
+            base = {p: next((x for x in runs if x["model"] == r["model"] and x["preset"] == p and x.get("status") == "ok"), None) for p in ("none", "full")}
+            for p, b in base.items():
+                if b:
+                    r[f"ratio_to_{p}"] = r["median_step_s"] / b["median_step_s"]
+            tb = r.get("transfer") or {}
+            if link and tb.get("to_host_bytes"):
+                t_xfer = tb["to_host_bytes"] / (link["d2h_gbps"] * 1e9) + tb["from_host_bytes"] / (link["h2d_gbps"] * 1e9)
+                r["transfer_time_s"] = t_xfer
+                if base["none"]:
+                    r["exposed_fraction_vs_none"] = (r["median_step_s"] - base["none"]["median_step_s"]) / t_xfer
+    targets = {}
+    dflt = res.get("groups", {}).get("default", {}).get("runs", [])
+    llama_none = next((r for r in dflt if r["model"] == "llama" and r["preset"] == "none" and r.get("status") == "ok"), None)
+    if llama_none and "mfu_vs_matmul" in llama_none:
+        targets["llama_none_mfu_vs_matmul"] = {"value": llama_none["mfu_vs_matmul"], "target": 0.5, "met": llama_none["mfu_vs_matmul"] >= 0.5}
+    checks = []
+    for gname, g in res.get("groups", {}).items():
+        for r in g.get("runs", []):
+            if r.get("status") == "ok" and r["preset"] in OFFLOAD_PRESET.values() and "ratio_to_full" in r:
+                planner = next((x.get("planner") for x in dflt if x["model"] == r["model"] and x["preset"] == r["preset"]), None) or {}
+                checks.append({"group": gname, "model": r["model"], "preset": r["preset"], "planner_hides": planner.get("hides"),
+                               "ratio_to_full": r["ratio_to_full"], "faster_than_full": r["ratio_to_full"] < 1.0})
+    targets["offload_vs_full"] = checks
+    probes = (res.get("probe") or {}).get("probes", [])
+    fit = []
+    for key in {p["model"] for p in probes}:
+        mine = {p["preset"]: p for p in probes if p["model"] == key}
+        none = mine.get("none") or {}
+        nb = none.get("largest_batch_run") or none.get("predicted_max_batch")
+        for preset, p in mine.items():
+            if preset == "none":
+                continue
+            b = p.get("largest_batch_run") or p.get("predicted_max_batch")
+            if b and nb:
+                fit.append({"model": key, "preset": preset, "largest_batch": b, "none_largest_batch": nb, "fits_where_none_does_not": b > nb,
+                            "verified": bool(p.get("largest_batch_run") and none.get("largest_batch_run") and (none.get("runs") or {}).get(str(nb + 1)) == "oom")})
+    targets["fits_where_none_does_not"] = fit
+    res["targets"] = targets
+
+
+def markdown(res: dict) -> str:
+    hw = res.get("hw") or {}
+    lines = []
+    if hw.get("link"):
+        lines.append(f"host link (pinned, {hw['link']['transfer_mb']:g} MB): host->device {hw['link']['h2d_gbps']:.2f} GB/s, "
+                     f"device->host {hw['link']['d2h_gbps']:.2f} GB/s; matmul {hw['matmul']['n']}^3 {hw['matmul']['dtype']}: "
+                     f"{hw['matmul']['flops_per_s'] / 1e12:.2f} TFLOP/s")
+        lines.append("")
+    lines += ["| group | model | preset | status | step (ms) | TFLOP/s/dev | MFU vs matmul | / none | / full | compiled peak (GiB) | host temp (GiB) | measured peak (GiB) | to host / step (GB) | exposed | planner hides |",
+              "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+
+    def f(x, spec, scale=1.0):
+        return "-" if x is None else format(x * scale, spec)
+
+    for gname, g in res.get("groups", {}).items():
+        for r in g.get("runs", []):
+            mem = r.get("compiled_memory") or {}
+            lines.append(
+                f"| {gname} | {r['model']} | {r['preset']} | {r.get('status')} | {f(r.get('median_step_s'), '.1f', 1e3)} | {f(r.get('tflops_per_device'), '.2f')} | "
+                f"{f(r.get('mfu_vs_matmul'), '.1%')} | {f(r.get('ratio_to_none'), '.3f')} | {f(r.get('ratio_to_full'), '.3f')} | "
+                f"{f(mem.get('estimated_peak_bytes'), '.2f', 2**-30)} | {f(mem.get('host_temp_size_in_bytes'), '.2f', 2**-30)} | "
+                f"{f(r.get('process_peak_bytes'), '.2f', 2**-30)} | {f((r.get('transfer') or {}).get('to_host_bytes'), '.3f', 1e-9)} | "
+                f"{f(r.get('exposed_fraction_vs_none'), '.2f')} | {(r.get('planner') or {}).get('hides', '-')} |"
+            )
+    probes = (res.get("probe") or {}).get("probes", [])
+    if probes:
+        lines += ["", "| model | preset | bytes/sequence (GiB) | predicted largest batch | runs | largest batch run |", "|---|---|---:|---:|---|---:|"]
+        for p in probes:
+            runs = ", ".join(f"{b}: {v}" for b, v in (p.get("runs") or {}).items()) or "-"
+            lines.append(f"| {p['model']} | {p['preset']} | {f(p.get('bytes_per_sequence'), '.3f', 2**-30)} | {p.get('predicted_max_batch', '-')} | {runs} | {p.get('largest_batch_run', '-')} |")
+    return "\n".join(lines)
+
+
+def plot(res: dict, path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = list(res.get("groups", {}))
+    models = list(dict.fromkeys(r["model"] for g in res.get("groups", {}).values() for r in g.get("runs", [])))
+    if not models:
+        return
+    fig, axes = plt.subplots(2, len(models), figsize=(7 * len(models), 8), squeeze=False)
+    for j, key in enumerate(models):
+        presets = list(dict.fromkeys(r["preset"] for g in res["groups"].values() for r in g.get("runs", []) if r["model"] == key))
+        ax = axes[0][j]
+        width = 0.8 / max(1, len(groups))
+        for i, gname in enumerate(groups):
+            runs = {r["preset"]: r for r in res["groups"][gname].get("runs", []) if r["model"] == key}
+            vals = [(runs.get(p) or {}).get("tflops_per_device") or 0.0 for p in presets]
+            ax.bar([x + i * width for x in range(len(presets))], vals, width, label=gname)
+        ax.set_xticks([x + width * (len(groups) - 1) / 2 for x in range(len(presets))])
+        ax.set_xticklabels(presets, rotation=20, fontsize=8)
+        ax.set_ylabel("model TFLOP/s per device")
+        rate = ((res.get("hw") or {}).get("matmul") or {}).get("flops_per_s")
+        if rate:
+            ax.axhline(rate / 1e12 * 0.5, color="gray", ls="--", lw=0.8, label="50% of measured matmul rate")
+        ax.set_title(f"{key}: throughput by policy and XLA group", fontsize=9)
+        ax.legend(fontsize=7)
+        ax = axes[1][j]
+        runs = {r["preset"]: r for r in res.get("groups", {}).get("default", {}).get("runs", []) if r["model"] == key}
+        est = [((runs.get(p) or {}).get("compiled_memory") or {}).get("estimated_peak_bytes") or 0 for p in presets]
+        meas = [(runs.get(p) or {}).get("process_peak_bytes") or 0 for p in presets]
+        ax.bar([x - 0.2 for x in range(len(presets))], [e / 2**30 for e in est], 0.4, label="XLA estimated peak")
+        ax.bar([x + 0.2 for x in range(len(presets))], [m / 2**30 for m in meas], 0.4, label="measured high-water mark")
+        probes = {p["preset"]: p for p in (res.get("probe") or {}).get("probes", []) if p["model"] == key}
+        for x, p in enumerate(presets):
+            b = (probes.get(p) or {}).get("largest_batch_run") or (probes.get(p) or {}).get("predicted_max_batch")
+            if b:
+                ax.annotate(f"max batch {b}", (x, max(est[x], meas[x]) / 2**30), ha="center", fontsize=7, xytext=(0, 3), textcoords="offset points")
+        ax.set_xticks(range(len(presets)))
+        ax.set_xticklabels(presets, rotation=20, fontsize=8)
+        ax.set_ylabel("GiB (default group, timing batch)")
+        ax.set_title(f"{key}: device memory; largest batch per policy", fontsize=9)
+        ax.legend(fontsize=7)
+    env = (res.get("hw") or {}).get("env") or {}
+    fig.suptitle(f"bench/gpu.py{' --toy' if res.get('toy') else ''}, {env.get('date_utc', '')}, {(env.get('device') or {}).get('kind', '')}", fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--toy", action="store_true", help="tiny models: a CPU smoke test of the whole pipeline")
+    ap.add_argument("--out", default="bench_gpu.json")
+    ap.add_argument("--plot", default=None)
+    ap.add_argument("--md", default=None, help="also write the markdown tables here")
+    ap.add_argument("--models", default=None, help="comma list of llama,dsv3")
+    ap.add_argument("--presets", default=None, help=f"comma list; 'offload' is the family's offload preset (default {','.join(PRESETS)})")
+    ap.add_argument("--groups", default=None, help=f"comma list of conf/xla groups (default {','.join(GROUPS)})")
+    ap.add_argument("--probe-presets", default=None, help="presets whose largest batch is probed (default: --presets)")
+    ap.add_argument("--no-probe", action="store_true")
+    ap.add_argument("--batch", type=int, default=None)
+    ap.add_argument("--seq", type=int, default=None)
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--budget-s", type=float, default=None, help="stop starting runs after this many seconds (default 450; toy 900)")
+    ap.add_argument("--memory-limit-gb", type=float, default=None, help="the memory limit for the largest-batch prediction (default: the device's)")
+    ap.add_argument("--workers", type=int, default=None, help="compile threads (default min(8, cores))")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--spec", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+
+    if args.child:
+        spec = json.loads(pathlib.Path(args.spec).read_text())
+        result = pathlib.Path(args.result)
+        from bench import common as C
+
+        out = {"hw": child_hw, "group": child_group, "probe": child_probe}[args.child]
+        res = out(spec) if args.child == "hw" else out(spec, result)
+        C.write_json(result, res)
+        return 0
+
+    from bench import common as C  # no JAX import in this process: every backend starts in a child
+
+    t_start = time.time()
+    base = dict(TOY if args.toy else REAL)
+    budget = args.budget_s or base["budget_s"]
+    deadline = t_start + budget
+    model_keys = args.models.split(",") if args.models else list(base["models"])
+    presets = args.presets.split(",") if args.presets else list(PRESETS)
+    groups = args.groups.split(",") if args.groups else list(GROUPS)
+    for g in groups:
+        C.xla_group_flags(g)  # a bad group name fails here, before anything starts
+    spec = {
+        "models": base["models"], "model_keys": model_keys, "presets": presets,
+        "batch": args.batch or base["batch"], "seq": args.seq or base["seq"], "steps": args.steps or base["steps"], "warmup": base["warmup"],
+        "transfer_mb": base["transfer_mb"], "matmul_n": base["matmul_n"], "matmul_dtype": base["matmul_dtype"], "fast_compile": base["fast_compile"],
+        "workers": args.workers or min(8, os.cpu_count() or 1), "deadline": deadline,
+        "memory_limit_bytes": int(args.memory_limit_gb * 1e9) if args.memory_limit_gb else None,
+    }
+    res = {"schema": SCHEMA, "command": " ".join(["python", "bench/gpu.py", *(argv if argv is not None else sys.argv[1:])]), "toy": args.toy,
+           "spec": {k: v for k, v in spec.items() if k != "deadline"}, "budget_s": budget, "groups": {}}
+    out = pathlib.Path(args.out)
+    workdir = out.parent / (out.stem + "_work")
+    workdir.mkdir(parents=True, exist_ok=True)
+    env_flags = os.environ.get("XLA_FLAGS", "")
+    common_env = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "XLA_PYTHON_CLIENT_MEM_FRACTION": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95"),
+                  "PYTHONUNBUFFERED": "1"}
+
+    log(f"bench/gpu.py{' --toy' if args.toy else ''}: models {model_keys}, presets {presets}, groups {groups}, budget {budget:.0f}s")
+    res["hw"] = run_child("hw", spec, workdir, deadline, {**common_env, "XLA_FLAGS": env_flags})
+    spec["hw"] = res["hw"]
+    spec["limit_bytes"] = spec["memory_limit_bytes"] or res["hw"].get("bytes_limit")
+    C.write_json(out, res)
+
+    probe_at = 2 if len(groups) >= 2 else len(groups)  # the probe runs after the default and pipelined groups
+    for i, g in enumerate(groups):
+        if i == probe_at and not args.no_probe:
+            _probe(args, spec, res, workdir, deadline, common_env, env_flags, out)
+        if time.time() > deadline - 30:
+            res["groups"][g] = {"status": "skipped", "reason": "budget", "runs": []}
+            continue
+        gspec = dict(spec, group=g, planner=(g == "default"))
+        res["groups"][g] = run_child("group", gspec, workdir, deadline, {**common_env, "XLA_FLAGS": merged_flags(env_flags, C.xla_group_flags(g))})
+        derive(res)
+        C.write_json(out, res)
+    if probe_at >= len(groups) and not args.no_probe:
+        _probe(args, spec, res, workdir, deadline, common_env, env_flags, out)
+    derive(res)
+    res["wall_s"] = time.time() - t_start
+    C.write_json(out, res)
+    md = markdown(res)
+    print(md)
+    if args.md:
+        pathlib.Path(args.md).write_text(md + "\n")
+    if args.plot:
+        plot(res, pathlib.Path(args.plot))
+    log(f"wrote {out}" + (f" and {args.plot}" if args.plot else "") + f"; {res['wall_s']:.0f}s in all")
+    return 0
+
+
+def _probe(args, spec, res, workdir, deadline, common_env, env_flags, out) -> None:
+    from bench import common as C
+
+    if time.time() > deadline - 60:
+        res["probe"] = {"status": "skipped", "reason": "budget"}
+        return
+    pspec = dict(spec, presets=args.probe_presets.split(",") if args.probe_presets else spec["presets"], group="default")
+    res["probe"] = run_child("probe", pspec, workdir, deadline, {**common_env, "XLA_FLAGS": merged_flags(env_flags, C.xla_group_flags("default"))})
+    derive(res)
+    C.write_json(out, res)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
