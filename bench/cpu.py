@@ -54,16 +54,22 @@ FULL = {
     "rounds": 3,
     "depths": (4, 16, 64),
     "depth_model": "llama",
-    "matmul_sizes": (1024, 2048),
+    "depth_presets": ("none", "full"),
+    "matmul_sizes": (512, 1024, 2048),
+    "presets": PRESETS,
+    "fast_compile": False,
 }
 QUICK = {
     "models": {"llama": ("llama_tiny_a", {}), "dsv3": ("dsv3_tiny_a", {"moe_impl": "capacity"})},
     "batch": 2,
     "seq": 64,
     "rounds": 2,
-    "depths": (1, 4),
+    "depths": (1, 2),
     "depth_model": "llama",
+    "depth_presets": ("full",),
     "matmul_sizes": (256,),
+    "presets": ("none", "full", "llama_qkv_offload", "optimizer_host"),
+    "fast_compile": True,  # LLVM optimisations off: compiles ~2x faster; a smoke test, not a measurement
 }
 
 
@@ -82,7 +88,7 @@ def measure_matmuls(sizes) -> list[dict]:
     return out
 
 
-def bench_family(key: str, model, presets, batch: int, seq: int, rounds: int, profile: bool) -> dict:
+def bench_family(key: str, model, presets, batch: int, seq: int, rounds: int, profile: bool, fast_compile: bool = False) -> dict:
     import jax
 
     from zoo.config import count_params, flops_per_token
@@ -93,7 +99,7 @@ def bench_family(key: str, model, presets, batch: int, seq: int, rounds: int, pr
         f"{fpt / 1e6:.1f} MFLOP/token, batch {batch}x{seq}")
     trainers, compiled, rows = {}, {}, {}
     for p in presets:
-        tr = C.make_trainer(C.train_config(model, [p], batch, seq))
+        tr = C.make_trainer(C.train_config(model, [p], batch, seq, fast_compile=fast_compile))
         exe, kept, secs = C.trace_and_compile(tr)
         trainers[p], compiled[p] = tr, exe
         mem = C.compiled_memory(exe)
@@ -166,11 +172,11 @@ def _model_dict(model) -> dict:
     return dataclasses.asdict(model)
 
 
-def compile_vs_depth(model, depths, batch: int, seq: int, presets=("none", "full")) -> list[dict]:
+def compile_vs_depth(model, depths, batch: int, seq: int, presets=("none", "full"), fast_compile: bool = False) -> list[dict]:
     out = []
     for p in presets:
         for d in depths:
-            tr = C.make_trainer(C.train_config(model.replace(num_layers=d), [p], batch, seq))
+            tr = C.make_trainer(C.train_config(model.replace(num_layers=d), [p], batch, seq, fast_compile=fast_compile))
             _, _, secs = C.trace_and_compile(tr)
             out.append({"preset": p, "num_layers": d, **secs})
             log(f"compile {p} at {d} layers: {secs['total_s']:.1f}s (trace {secs['trace_s']:.1f}, lower {secs['lower_s']:.1f}, compile {secs['compile_s']:.1f})")
@@ -266,7 +272,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     spec = dict(QUICK if args.quick else FULL)
     models = args.models.split(",") if args.models else list(spec["models"])
-    presets = tuple(args.presets.split(",")) if args.presets else PRESETS
+    presets = tuple(args.presets.split(",")) if args.presets else spec["presets"]
     if "none" not in presets:
         presets = ("none", *presets)
     batch, seq = args.batch or spec["batch"], args.seq or spec["seq"]
@@ -279,17 +285,17 @@ def main(argv=None) -> int:
     env = C.env_info(jax.devices()[:1])
     log(f"bench/cpu.py on {env['host_cpu']} ({env['cpu_count']} cores), load {env['load_average']}, jax {env['versions']['jax']}")
     res = {"schema": SCHEMA, "command": " ".join(["python", "bench/cpu.py", *(argv if argv is not None else sys.argv[1:])]),
-           "quick": args.quick, "env": env, "presets": list(presets), "matmul": {"start": measure_matmuls(spec["matmul_sizes"])}, "families": {}}
+           "quick": args.quick, "fast_compile": spec["fast_compile"], "env": env, "presets": list(presets), "matmul": {"start": measure_matmuls(spec["matmul_sizes"])}, "families": {}}
     for key in models:
         name, changes = spec["models"][key]
         model = C.bench_model(name, **changes)
-        res["families"][key] = bench_family(key, model, presets, batch, seq, rounds, args.profile)
+        res["families"][key] = bench_family(key, model, presets, batch, seq, rounds, args.profile, spec["fast_compile"])
         res["families"][key]["model"]["size"] = name
         res["families"][key]["model"]["changes"] = changes
         C.write_json(args.out, res)
     if depths:
         name, changes = spec["models"][spec["depth_model"]]
-        res["compile_vs_depth"] = compile_vs_depth(C.bench_model(name, **changes), depths, batch, seq)
+        res["compile_vs_depth"] = compile_vs_depth(C.bench_model(name, **changes), depths, batch, seq, spec["depth_presets"], spec["fast_compile"])
     res["matmul"]["end"] = measure_matmuls(spec["matmul_sizes"])
     best = max(x["flops_per_s"] for x in res["matmul"]["start"] + res["matmul"]["end"])
     res["matmul"]["best_flops_per_s"] = best

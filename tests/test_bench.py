@@ -1,0 +1,104 @@
+"""The benchmarks run end to end on CPU at toy sizes, and their JSON holds what docs/benchmarks.md reads.
+
+bench/cpu.py --quick (both families, four presets, LLVM optimisations off) and bench/gpu.py --toy
+(Llama, none and its offload preset, two XLA groups in their own processes, the largest-batch
+prediction against a made-up memory limit) each run as a subprocess, as a user would run them.
+"""
+
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _env():
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = ""  # one CPU device, not the suite's eight
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _run(args, tmp_path, timeout):
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+@pytest.mark.slow
+def test_cpu_bench_quick(tmp_path):
+    out, png = tmp_path / "cpu.json", tmp_path / "cpu.png"
+    proc = _run(["bench/cpu.py", "--quick", "--out", str(out), "--plot", str(png)], tmp_path, timeout=400)
+    res = json.loads(out.read_text())
+    assert res["schema"] == "zoo.bench.cpu/1"
+    assert res["env"]["host_cpu"] and res["env"]["versions"]["jax"] and res["env"]["date_utc"]
+    assert res["matmul"]["best_flops_per_s"] > 0
+    assert set(res["families"]) == {"llama", "dsv3"}
+    for key, fam in res["families"].items():
+        rows = fam["presets"]
+        assert set(rows) == {"none", "full", "llama_qkv_offload", "optimizer_host"}
+        assert rows["none"]["ratio_to_none"] == pytest.approx(1.0)
+        for p, r in rows.items():
+            assert math.isfinite(r["loss"]), (key, p)
+            assert r["median_step_s"] > 0 and r["ratio_to_none"] > 0 and r["model_flops_per_s"] > 0
+            assert 0 < r["fraction_of_matmul_rate"]
+            assert len(r["step_times_s"]) == fam["rounds"] == 2
+            assert r["compiled_memory"]["temp_size_in_bytes"] > 0
+            assert r["compile"]["total_s"] > 0
+        kept = {p: r["kept"] for p, r in rows.items()}
+        assert kept["none"]["device_bytes"] > kept["full"]["device_bytes"]
+        assert kept["full"]["recomputed_bytes"] > 0 and kept["full"]["host_bytes"] == 0
+        assert kept["llama_qkv_offload"]["host_bytes"] > 0
+        assert kept["llama_qkv_offload"]["tags"]["query_proj"]["placement"] == "host"
+        assert rows["optimizer_host"]["policy"] == "none + opt_state on pinned_host"
+    assert [d["num_layers"] for d in res["compile_vs_depth"]] == [1, 2]
+    assert "| preset |" in proc.stdout
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow
+def test_gpu_bench_toy_on_cpu(tmp_path):
+    out, png, md = tmp_path / "gpu.json", tmp_path / "gpu.png", tmp_path / "gpu.md"
+    _run(
+        ["bench/gpu.py", "--toy", "--models", "llama", "--presets", "none,offload", "--groups", "default,latency_hiding_pipelined_offload",
+         "--memory-limit-gb", "0.05", "--out", str(out), "--plot", str(png), "--md", str(md)],
+        tmp_path,
+        timeout=400,
+    )
+    res = json.loads(out.read_text())
+    assert res["schema"] == "zoo.bench.gpu/1" and res["toy"]
+    hw = res["hw"]
+    assert hw["link"]["h2d_gbps"] > 0 and hw["link"]["d2h_gbps"] > 0
+    assert hw["matmul"]["flops_per_s"] > 0 and hw["matmul"]["dtype"] == "bfloat16"
+    assert set(res["groups"]) == {"default", "latency_hiding_pipelined_offload"}
+    # Each group ran in its own process, with its own flags.
+    assert "--xla_gpu_enable_pipelined_host_offloading=true" in res["groups"]["latency_hiding_pipelined_offload"]["xla_flags"]
+    assert "pipelined" not in res["groups"]["default"]["xla_flags"]
+    for g, group in res["groups"].items():
+        runs = {r["preset"]: r for r in group["runs"]}
+        assert set(runs) == {"none", "llama_qkv_offload"}
+        for p, r in runs.items():
+            assert r["status"] == "ok", (g, p, r.get("error"))
+            assert r["median_step_s"] > 0 and r["tflops_per_device"] > 0 and r["mfu_vs_matmul"] > 0
+            assert r["ratio_to_none"] > 0
+            assert r["compiled_memory"]["estimated_peak_bytes"] > 0
+        assert runs["none"]["transfer"]["to_host_bytes"] == 0
+        off = runs["llama_qkv_offload"]
+        assert off["transfer"]["to_host_bytes"] > 0 and off["transfer_time_s"] > 0
+        assert "exposed_fraction_vs_none" in off
+    planner = {r["preset"]: r["planner"] for r in res["groups"]["default"]["runs"]}
+    assert planner["none"]["host_tag_bytes"] == 0 and planner["llama_qkv_offload"]["host_tag_bytes"] > 0
+    assert planner["none"]["hides"] is False
+    probes = {p["preset"]: p for p in res["probe"]["probes"]}
+    assert res["probe"]["limit_bytes"] == 50_000_000 and res["probe"]["verified_by_running"] is False
+    assert probes["llama_qkv_offload"]["bytes_per_sequence"] < probes["none"]["bytes_per_sequence"]
+    assert probes["llama_qkv_offload"]["predicted_max_batch"] > probes["none"]["predicted_max_batch"] >= 1
+    assert res["targets"]["fits_where_none_does_not"][0]["fits_where_none_does_not"] is True
+    assert "| group |" in md.read_text()
+    assert png.read_bytes()[:4] == b"\x89PNG"
