@@ -16,7 +16,7 @@ from typing import Callable
 
 from omegaconf import DictConfig
 
-from zoo.train.config import GROUPS, ConfigError, _known_keys
+from zoo.train.config import GROUPS, ConfigError, TrainingStopped, _known_keys
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
@@ -40,6 +40,7 @@ def run_job(cfg: DictConfig) -> None:
     import logging
 
     logging.getLogger("jax").setLevel(logging.WARNING)  # Hydra's logging config would show JAX's INFO lines
+    logging.getLogger("absl").setLevel(logging.WARNING)  # and orbax's, one per save
     out_dir, overrides, multirun, num = _hydra_context()
     label = f"job {num} [{' '.join(overrides)}]" if multirun else "run"
     try:
@@ -47,15 +48,17 @@ def run_job(cfg: DictConfig) -> None:
         train(c, plan, devices, out_dir, xla_flags=flags, overrides=overrides)
     except Exception as e:  # noqa: BLE001 - every failure is reported, none stops a sweep
         bad_input = isinstance(e, ConfigError)
-        write_json(
-            out_dir / "summary.json",
-            {"status": "failed", "overrides": overrides, "error": one_line(e), "error_type": type(e).__name__, "bad_input": bad_input},
-        )
-        if not bad_input or os.environ.get("ZOO_TRACEBACK"):
+        stopped = isinstance(e, TrainingStopped)  # the run stopped itself and says why in one line
+        if _is_main_process():
+            write_json(
+                out_dir / "summary.json",
+                {"status": "failed", "overrides": overrides, "error": one_line(e), "error_type": type(e).__name__, "bad_input": bad_input},
+            )
+        if not (bad_input or stopped) or os.environ.get("ZOO_TRACEBACK"):
             traceback.print_exc()
         if not multirun:
             # Exit here: a raised exception would make Hydra log a second line about the job.
-            what = one_line(e) if bad_input else f"training failed: {type(e).__name__}: {one_line(e)}"
+            what = one_line(e) if bad_input or stopped else f"training failed: {type(e).__name__}: {one_line(e)}"
             print(f"error: {what}", file=sys.stderr, flush=True)
             raise SystemExit(EXIT_BAD_INPUT if bad_input else EXIT_FAILED) from None
         print(f"error: {label} failed: {one_line(e)}", file=sys.stderr, flush=True)
@@ -64,6 +67,13 @@ def run_job(cfg: DictConfig) -> None:
         import jax
 
         jax.clear_caches()  # the default launcher runs the next job in this same process
+
+
+def _is_main_process() -> bool:
+    """False only in a process other than 0 of a joined cluster (which writes no files)."""
+    from zoo.train import distributed
+
+    return distributed._JOINED is None or distributed._JOINED.process_id == 0
 
 
 def one_line(e: BaseException) -> str:

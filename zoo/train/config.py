@@ -24,6 +24,10 @@ class ConfigError(ValueError):
     """One line: `<key>: <what is wrong>; <fix>`."""
 
 
+class TrainingStopped(RuntimeError):
+    """Training stopped itself for a reason it can state in one line (a non-finite loss): no traceback."""
+
+
 @dataclasses.dataclass
 class MeshConfig:
     """Mesh axes (-1: fills the devices left) and the logical-axis rules (logical dim -> mesh axes)."""
@@ -171,6 +175,62 @@ class HardwareConfig:
 
 
 @dataclasses.dataclass
+class CheckpointConfig:
+    """Orbax checkpoints of the train state (params with the MoE biases, optimizer state, step).
+
+    `dir: null` disables checkpointing. A run whose `dir` already holds checkpoints resumes from the
+    latest complete one (same model required; a different mesh or process count is resharded)."""
+
+    dir: Optional[str] = None  # e.g. checkpoints/run1, or '${hydra:runtime.output_dir}/checkpoints'
+    every_n_steps: int = 100  # save when the step count is a multiple of this, and at the end
+    keep_last: Optional[int] = 3  # complete checkpoints kept (older ones are deleted); null keeps all
+    async_save: bool = True  # write in a background thread while training goes on
+    resume: bool = True  # false: refuse to start when dir already holds checkpoints
+
+    def __post_init__(self):
+        if self.dir is not None and not str(self.dir).strip():
+            raise ConfigError("checkpoint.dir: empty; give a directory or null to disable checkpointing")
+        if self.every_n_steps <= 0:
+            raise ConfigError(f"checkpoint.every_n_steps: must be positive, got {self.every_n_steps}")
+        if self.keep_last is not None and self.keep_last <= 0:
+            raise ConfigError(f"checkpoint.keep_last: must be positive or null (keep all), got {self.keep_last}")
+
+
+@dataclasses.dataclass
+class DistributedConfig:
+    """JAX's multi-controller runtime (`jax.distributed.initialize`), one process per host or per GPU.
+
+    All null and no SLURM job step: one process. Under SLURM (srun, or hydra/launcher=slurm) the
+    missing values come from SLURM's environment, as JAX reads it."""
+
+    coordinator_address: Optional[str] = None  # host:port of process 0
+    num_processes: Optional[int] = None
+    process_id: Optional[int] = None
+    local_device_ids: Optional[list[int]] = None  # null: JAX's default (all, or SLURM_LOCALID under SLURM)
+    timeout_s: int = 300  # give up (one error line) when the processes have not all joined by then
+    auto_detect: bool = True  # read SLURM's environment; false: only the keys above
+
+    def __post_init__(self):
+        a = self.coordinator_address
+        if a is not None:
+            host, sep, port = str(a).rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ConfigError(f"distributed.coordinator_address: {a!r} is not host:port; e.g. 10.0.0.1:1234")
+        if self.num_processes is not None and self.num_processes < 1:
+            raise ConfigError(f"distributed.num_processes: must be >= 1, got {self.num_processes}")
+        if self.process_id is not None:
+            if self.process_id < 0:
+                raise ConfigError(f"distributed.process_id: must be >= 0, got {self.process_id}")
+            if self.num_processes is not None and self.process_id >= self.num_processes:
+                raise ConfigError(
+                    f"distributed.process_id: {self.process_id} is not below distributed.num_processes={self.num_processes}; "
+                    f"use 0..{self.num_processes - 1}"
+                )
+        if self.timeout_s <= 0:
+            raise ConfigError(f"distributed.timeout_s: must be positive, got {self.timeout_s}")
+
+
+@dataclasses.dataclass
 class TrainConfig:
     model: ModelConfig
     mesh: MeshConfig
@@ -180,6 +240,8 @@ class TrainConfig:
     xla: XlaConfig
     trainer: TrainerConfig
     hardware: HardwareConfig
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
 
 
 GROUPS: dict[str, type] = {f.name: f.type for f in dataclasses.fields(TrainConfig)}

@@ -12,9 +12,12 @@ from zoo.train.config import ConfigError, DataConfig, TrainConfig
 
 
 class SyntheticData:
-    def __init__(self, c: DataConfig, vocab_size: int):
+    def __init__(self, c: DataConfig, vocab_size: int, process_index: int = 0, process_count: int = 1):
         self.c = c
         self.vocab_size = vocab_size
+        if c.batch_size % process_count:
+            raise ConfigError(f"data.batch_size: {c.batch_size} does not split over {process_count} processes; use a multiple of {process_count}")
+        self.rows = slice(process_index * c.batch_size // process_count, (process_index + 1) * c.batch_size // process_count)
         rng = np.random.default_rng(c.seed)
         k = min(c.branching, vocab_size)
         self.successors = rng.integers(0, vocab_size, size=(vocab_size, k), dtype=np.int32)
@@ -28,7 +31,11 @@ class SyntheticData:
         return self.entropy if self.c.name == "markov" else float(np.log(self.vocab_size))
 
     def batch(self, step: int) -> np.ndarray:
-        """int32 `[batch_size, seq_len]` for optimizer step `step`."""
+        """int32 `[batch_size / process_count, seq_len]`: this process's rows of step `step`'s batch."""
+        return self.global_batch(step)[self.rows]
+
+    def global_batch(self, step: int) -> np.ndarray:
+        """int32 `[batch_size, seq_len]` for optimizer step `step` (every process draws the same)."""
         c = self.c
         rng = np.random.default_rng((c.seed, step))
         if c.name == "uniform":
@@ -48,7 +55,7 @@ def make_data(c: TrainConfig, process_index: int = 0, process_count: int = 1):
     input, e.g. a missing file or a tokenizer too big for the model, becomes a one-line ConfigError).
     Both have `batch(step)` (this process's rows of step's batch) and `floor()` (None for text)."""
     if c.data.name != "text":
-        return SyntheticData(c.data, c.model.vocab_size)
+        return SyntheticData(c.data, c.model.vocab_size, process_index, process_count)
     from zoo.data import DataError, from_config
 
     try:

@@ -14,6 +14,7 @@ from typing import Any, Callable, Optional
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -144,11 +145,52 @@ class Trainer:
         shape = (c.trainer.grad_accum, self.plan.microbatch, c.data.seq_len)
         return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.token_sharding)
 
+    def data_shard(self) -> tuple[int, int]:
+        """`(index, count)`: this process's devices hold rows `[index*n, (index+1)*n)` of every microbatch,
+        n = microbatch / count, so it feeds the index-th of `count` equal slices of each step's batch
+        (`(0, 1)` in one process; processes whose devices hold the same rows get the same index)."""
+        if getattr(self, "_data_shard", None) is not None:
+            return self._data_shard
+        micro = self.plan.microbatch
+        shape = (self.cfg.trainer.grad_accum, micro, self.cfg.data.seq_len)
+        rows = sorted(
+            {(i[1].start or 0, micro if i[1].stop is None else i[1].stop) for i in self.token_sharding.addressable_devices_indices_map(shape).values()}
+        )
+        lo, hi = rows[0][0], max(b for _, b in rows)
+        reach = lo
+        for a, b in rows:  # the rows of this process's devices must form one block
+            if a > reach:
+                raise zs.ShardingError(
+                    f"mesh: the devices of process {jax.process_index()} hold rows {rows} of the batch, not one block; "
+                    "order the mesh so each process's devices are neighbours along the batch axes"
+                )
+            reach = max(reach, b)
+        n = hi - lo
+        if micro % n or lo % n:
+            raise zs.ShardingError(f"mesh: process {jax.process_index()} holds rows {lo}..{hi} of {micro}, not an equal slice; use a mesh whose batch axes split evenly over processes")
+        self._data_shard = (lo // n, micro // n)
+        return self._data_shard
+
     def shard_tokens(self, batch):
-        """Host `[batch_size, seq]` int32 -> device `[grad_accum, microbatch, seq]`, batch-sharded."""
+        """This process's rows of a step (host `[batch_size / count, seq]` int32, `count` from
+        `data_shard`) -> the global `[grad_accum, microbatch, seq]` array, batch-sharded. With several
+        processes, microbatch a holds every process's a-th block of rows: the same rows per step as
+        one process reads, grouped differently into microbatches when grad_accum > 1."""
         c = self.cfg
-        batch = jnp.asarray(batch, jnp.int32).reshape(c.trainer.grad_accum, self.plan.microbatch, c.data.seq_len)
-        return jax.device_put(batch, self.token_sharding)
+        index, count = self.data_shard()
+        if count == 1 and jax.process_count() == 1:
+            batch = jnp.asarray(batch, jnp.int32).reshape(c.trainer.grad_accum, self.plan.microbatch, c.data.seq_len)
+            return jax.device_put(batch, self.token_sharding)
+        n = self.plan.microbatch // count
+        local = np.asarray(batch, np.int32).reshape(c.trainer.grad_accum, n, c.data.seq_len)
+        lo = index * n
+
+        def rows(i):
+            start = (i[1].start or 0) - lo
+            stop = (self.plan.microbatch if i[1].stop is None else i[1].stop) - lo
+            return local[i[0], start:stop, i[2]]
+
+        return jax.make_array_from_callback((c.trainer.grad_accum, self.plan.microbatch, c.data.seq_len), self.token_sharding, rows)
 
     # --- the step ------------------------------------------------------------------------------
 
