@@ -297,7 +297,7 @@ def device_peak_bytes(device=None) -> Optional[int]:
 
 # --- the command line -------------------------------------------------------------------------
 
-EXIT_BAD_INPUT = 2
+from zoo.train.cli import EXIT_BAD_INPUT  # noqa: E402
 EXIT_MISMATCH = 1
 
 
@@ -351,30 +351,18 @@ def compose(overrides: Sequence[str]):
 
 def run_tool(body: Callable[[], int]) -> int:
     """Run a command-line tool body; bad input -> one `error:` line and exit 2, before any compile."""
-    import os
     import sys
-    import traceback
 
-    from zoo.train.cli import hydra_error_line, one_line
-    from zoo.train.config import ConfigError
+    from zoo.train.cli import bad_input_line
 
     try:
         return body()
-    except (ConfigError, ValueError) as e:
-        if os.environ.get("ZOO_TRACEBACK"):
-            traceback.print_exc()
-        print(f"error: {one_line(e)}", file=sys.stderr)
-        return EXIT_BAD_INPUT
     except Exception as e:  # noqa: BLE001
-        from hydra.errors import HydraException
-        from omegaconf.errors import OmegaConfBaseException
-
-        if isinstance(e, (HydraException, OmegaConfBaseException)):
-            if os.environ.get("ZOO_TRACEBACK"):
-                traceback.print_exc()
-            print(f"error: {hydra_error_line(e, _conf())}", file=sys.stderr)
-            return EXIT_BAD_INPUT
-        raise
+        line = bad_input_line(e, _conf(), also=(ValueError,))
+        if line is None:
+            raise
+        print(f"error: {line}", file=sys.stderr)
+        return EXIT_BAD_INPUT
 
 
 def _conf():

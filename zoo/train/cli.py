@@ -12,7 +12,7 @@ import pathlib
 import re
 import sys
 import traceback
-from typing import Callable
+from typing import Callable, Optional
 
 from omegaconf import DictConfig
 
@@ -117,6 +117,22 @@ def hydra_error_line(e: BaseException, conf_dir: pathlib.Path) -> str:
     return f"command line: {one_line(e)}; see python train.py --help"
 
 
+def bad_input_line(e: BaseException, conf_dir: pathlib.Path, also: tuple[type, ...] = ()) -> Optional[str]:
+    """The one line for an error that is bad input (config, Hydra, OmegaConf, or `also`), else None."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    if isinstance(e, (ConfigError, *also)):
+        line = one_line(e)
+    elif isinstance(e, (HydraException, OmegaConfBaseException)):
+        line = hydra_error_line(e, conf_dir)
+    else:
+        return None
+    if os.environ.get("ZOO_TRACEBACK"):
+        traceback.print_exc()
+    return line
+
+
 def main(hydra_main: Callable, conf_dir: pathlib.Path) -> int:
     """Run the @hydra.main function; turn every error into one line and an exit code."""
     os.environ["HYDRA_FULL_ERROR"] = "1"  # let errors reach us instead of Hydra's multi-line report
@@ -124,19 +140,10 @@ def main(hydra_main: Callable, conf_dir: pathlib.Path) -> int:
         hydra_main()
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else EXIT_FAILED)
-    except ConfigError as e:
-        if os.environ.get("ZOO_TRACEBACK"):
-            traceback.print_exc()
-        print(f"error: {one_line(e)}", file=sys.stderr)
-        return EXIT_BAD_INPUT
     except Exception as e:  # noqa: BLE001
-        from hydra.errors import HydraException
-        from omegaconf.errors import OmegaConfBaseException
-
-        if isinstance(e, (HydraException, OmegaConfBaseException)):
-            if os.environ.get("ZOO_TRACEBACK"):
-                traceback.print_exc()
-            print(f"error: {hydra_error_line(e, conf_dir)}", file=sys.stderr)
+        line = bad_input_line(e, conf_dir)
+        if line is not None:
+            print(f"error: {line}", file=sys.stderr)
             return EXIT_BAD_INPUT
         traceback.print_exc()
         print(f"error: training failed: {type(e).__name__}: {one_line(e)}", file=sys.stderr)
