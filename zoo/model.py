@@ -166,11 +166,14 @@ def next_token_loss(
 
     `mask` (1 = count) weights the target positions; mask[:, 0] is ignored (no prediction targets it).
     """
-    logits = logits[:, :-1].astype(jnp.float32)
-    targets = tokens[:, 1:]
+    # Every position is scored against the next token (the last against a dummy target) and the last
+    # position dropped from the [batch, seq] losses: slicing the [batch, seq, vocab] logits instead
+    # copies the largest activation (and pads its gradient back); the head + loss ran ~10% faster.
+    logits = logits.astype(jnp.float32)
+    targets = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
     logz = jax.nn.logsumexp(logits, axis=-1)
     target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    nll = logz - target_logit
+    nll = (logz - target_logit)[:, :-1]
     if mask is None:
         return nll.mean()
     weights = mask[:, 1:].astype(jnp.float32)
