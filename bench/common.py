@@ -95,11 +95,9 @@ def tokens_for(trainer, seed: int = 0):
     return trainer.shard_tokens(rng.integers(0, c.model.vocab_size, size=(c.data.batch_size, c.data.seq_len), dtype=np.int32))
 
 
-def trace_and_compile(trainer):
-    """Trace the step on abstract inputs (nothing allocated), read where every tag went, compile.
-
-    Returns (compiled, kept, seconds): `kept` is `kept_by_tag`'s dict; seconds splits trace /
-    lower / compile."""
+def trace_lower(trainer):
+    """Trace the step on abstract inputs (nothing allocated), read where every tag went (`kept_by_tag`),
+    and lower it. Returns (lowered, kept, seconds)."""
     from zoo import model as zoo_model
     from zoo.inspect import placement_from_jaxpr, stack_names
 
@@ -108,10 +106,34 @@ def trace_and_compile(trainer):
     placement = placement_from_jaxpr(traced.jaxpr, stack_names(zoo_model.abstract(trainer.cfg.model)))
     t1 = time.perf_counter()
     lowered = traced.lower()
-    t2 = time.perf_counter()
+    return lowered, kept_by_tag(placement), {"trace_s": t1 - t0, "lower_s": time.perf_counter() - t1}
+
+
+def trace_and_compile(trainer):
+    """`trace_lower`, then compile. Returns (compiled, kept, seconds: trace / lower / compile / total)."""
+    lowered, kept, secs = trace_lower(trainer)
+    t = time.perf_counter()
     compiled = lowered.compile(trainer.compiler_options)
-    t3 = time.perf_counter()
-    return compiled, kept_by_tag(placement), {"trace_s": t1 - t0, "lower_s": t2 - t1, "compile_s": t3 - t2, "total_s": t3 - t0}
+    secs["compile_s"] = time.perf_counter() - t
+    secs["total_s"] = secs["trace_s"] + secs["lower_s"] + secs["compile_s"]
+    return compiled, kept, secs
+
+
+def compile_many(items, workers: int) -> dict:
+    """items: (key, lowered, compiler options) -> {key: (compiled or the exception, seconds)}, compiled
+    in `workers` threads (XLA compiles without holding the GIL)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(item):
+        key, lowered, options = item
+        t = time.perf_counter()
+        try:
+            return key, (lowered.compile(options), time.perf_counter() - t)
+        except Exception as e:  # noqa: BLE001 - recorded per item by the caller
+            return key, (e, time.perf_counter() - t)
+
+    with ThreadPoolExecutor(max(1, workers)) as ex:
+        return dict(ex.map(one, items))
 
 
 def kept_by_tag(placement) -> dict:

@@ -157,35 +157,6 @@ def transfer_bytes(trainer, kept: dict) -> dict:
     return {"residual_bytes": resid, "state_bytes": state, "to_host_bytes": resid + state, "from_host_bytes": resid + state}
 
 
-def _compile_all(items, workers: int):
-    """items: list of (key, lowered, options) -> {key: (compiled or exception, seconds)}."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    def one(item):
-        key, lowered, options = item
-        t = time.perf_counter()
-        try:
-            return key, (lowered.compile(options), time.perf_counter() - t)
-        except Exception as e:  # noqa: BLE001 - recorded per run
-            return key, (e, time.perf_counter() - t)
-
-    with ThreadPoolExecutor(max(1, workers)) as ex:
-        return dict(ex.map(one, items))
-
-
-def _trace(trainer):
-    from zoo import model as zoo_model
-    from zoo.inspect import placement_from_jaxpr, stack_names
-
-    from bench import common as C
-
-    t = time.perf_counter()
-    traced = trainer.jitted_step().trace(trainer.abstract_state(), trainer.abstract_tokens())
-    placement = placement_from_jaxpr(traced.jaxpr, stack_names(zoo_model.abstract(trainer.cfg.model)))
-    lowered = traced.lower()
-    return lowered, C.kept_by_tag(placement), time.perf_counter() - t
-
-
 def _state_ok(state) -> bool:
     import jax
 
@@ -216,14 +187,15 @@ def child_group(spec: dict, result_path: pathlib.Path) -> dict:
                 continue
             c = C.train_config(model, [preset], spec["batch"], spec["seq"], hardware=hardware, xla_name=group, fast_compile=spec["fast_compile"])
             tr = C.make_trainer(c, devices)
-            low, kept, trace_s = _trace(tr)
+            low, kept, secs = C.trace_lower(tr)
+            trace_s = secs["trace_s"] + secs["lower_s"]
             run = {"model": key, "size": name, "preset": preset, "policy": c.offload.describe(), "batch": spec["batch"], "seq": spec["seq"],
                    "kept": kept, "transfer": transfer_bytes(tr, kept), "trace_s": trace_s, "status": "compiling"}
             runs.append(run)
             trainers[(key, preset)], lowered[(key, preset)] = tr, low
     log(f"{group}: traced {len(lowered)} steps; compiling with {spec['workers']} threads")
     t = time.perf_counter()
-    compiled = _compile_all([(k, low, trainers[k].compiler_options) for k, low in lowered.items()], spec["workers"])
+    compiled = C.compile_many([(k, low, trainers[k].compiler_options) for k, low in lowered.items()], spec["workers"])
     log(f"{group}: compiled in {time.perf_counter() - t:.1f}s")
     res["compile_wall_s"] = time.perf_counter() - t
     res["runs"] = runs
@@ -349,7 +321,7 @@ def child_probe(spec: dict, result_path: pathlib.Path) -> dict:
                 trainers[(key, preset, b)] = tr
                 items.append(((key, preset, b), low, tr.compiler_options))
     t = time.perf_counter()
-    wave1 = _compile_all(items, spec["workers"])
+    wave1 = C.compile_many(items, spec["workers"])
     log(f"probe: compiled {len(items)} steps at batch {b0} and {b1} in {time.perf_counter() - t:.1f}s")
     for probe in probes:
         key, preset = probe["model"], probe["preset"]
@@ -383,7 +355,7 @@ def child_probe(spec: dict, result_path: pathlib.Path) -> dict:
         res["note"] = "verification skipped: budget"
         return res
     t = time.perf_counter()
-    wave2 = _compile_all(items, spec["workers"])
+    wave2 = C.compile_many(items, spec["workers"])
     log(f"probe: compiled {len(items)} steps at the predicted batches in {time.perf_counter() - t:.1f}s")
     for key in spec["model_keys"]:
         state = None
