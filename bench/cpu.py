@@ -89,6 +89,12 @@ def measure_matmuls(sizes) -> list[dict]:
     return out
 
 
+def measure_matmul(n, dtype, repeats, chain):
+    from zoo.measure_hardware import measure_matmul as mm
+
+    return mm(n, dtype, repeats=repeats, chain=chain)
+
+
 def bench_family(key: str, model, presets, batch: int, seq: int, rounds: int, profile: bool, fast_compile: bool = False) -> dict:
     import jax
 
@@ -138,18 +144,23 @@ def bench_family(key: str, model, presets, batch: int, seq: int, rounds: int, pr
     for p in presets:  # warm-up: first-call allocation and dispatch costs
         rows[p]["warmup_s"], rows[p]["loss"] = run(p)
     times = {p: [] for p in presets}
+    round_rates = []
     for r in range(rounds):
+        # The matmul rate right before the round, under the same load as the round's steps.
+        round_rates.append(max(measure_matmul(n, "float32", repeats=3, chain=4) for n in (512, 1024)))
         order = list(presets[r % len(presets):]) + list(presets[: r % len(presets)])
         if r % 2:
             order.reverse()
         for p in order:
             times[p].append(run(p)[0])
-        log(f"  round {r + 1}/{rounds}: " + ", ".join(f"{p} {times[p][-1]:.2f}s" for p in presets))
+        log(f"  round {r + 1}/{rounds} (matmul {round_rates[-1] / 1e9:.0f} GFLOP/s): " + ", ".join(f"{p} {times[p][-1]:.2f}s" for p in presets))
 
     for p in presets:
         ratios = [t / n for t, n in zip(times[p], times["none"])]
         med = C.median(times[p])
+        same_round = [fpt * tokens_per_step / t / rate for t, rate in zip(times[p], round_rates)]
         rows[p].update(
+            fraction_of_round_matmul_rate=C.median(same_round),
             step_times_s=times[p],
             median_step_s=med,
             ratio_to_none=C.median(ratios),
@@ -164,6 +175,7 @@ def bench_family(key: str, model, presets, batch: int, seq: int, rounds: int, pr
         "model_flops_per_token": fpt,
         "init_s": init_s,
         "rounds": rounds,
+        "round_matmul_flops_per_s": round_rates,
         "presets": rows,
     }
     if profile:
@@ -206,17 +218,26 @@ def markdown(res: dict) -> str:
             f"**{key}** ({m['config']['family']}, {m['params'] / 1e6:.1f}M params, {m['active_params'] / 1e6:.1f}M active; "
             f"batch {fam['batch']} x {fam['seq']}; {fam['model_flops_per_token'] / 1e6:.1f} MFLOP/token; medians of {fam['rounds']} rounds)",
             "",
-            "| preset | tags kept on device (MB) | on host (MB) | recomputed (MB) | compiled temp (MB) | host temp (MB) | step (s) | ratio to none | model GFLOP/s | of matmul rate | compile (s, 2 at a time) |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| preset | tags kept on device (MB) | on host (MB) | recomputed (MB) | compiled temp (MB) | host temp (MB) | step (s) | ratio to none | model GFLOP/s | of matmul rate (same round) | of best matmul rate | compile (s, 2 at a time) |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for p, r in fam["presets"].items():
             k, mem = r["kept"], r["compiled_memory"] or {}
             lines.append(
                 f"| {p} | {_mb(k['device_bytes'])} | {_mb(k['host_bytes'])} | {_mb(k['recomputed_bytes'])} | {_mb(mem.get('temp_size_in_bytes'))} | "
                 f"{_mb(mem.get('host_temp_size_in_bytes'))} | {r['median_step_s']:.3f} | {r['ratio_to_none']:.3f} | "
-                f"{r['model_flops_per_s'] / 1e9:.1f} | {100 * r['model_flops_per_s'] / peak:.1f}% | {r['compile']['total_s']:.1f} |"
+                f"{r['model_flops_per_s'] / 1e9:.1f} | {100 * r['fraction_of_round_matmul_rate']:.1f}% | {100 * r['model_flops_per_s'] / peak:.1f}% | "
+                f"{r['compile']['total_s']:.1f} |"
             )
         lines.append("")
+        rr = ", ".join(f"{x / 1e9:.0f}" for x in fam["round_matmul_flops_per_s"])
+        lines.append(f"float32 matmul GFLOP/s before each round (best of n = 512, 1024): {rr}")
+        lines.append("")
+        prof = fam.get("profile_none")
+        if prof and "by_category_s" in prof:
+            cats = ", ".join(f"{c} {s:.3f}" for c, s in prof["by_category_s"].items())
+            lines.append(f"profile of one `none` step ({prof['step_wall_s']:.3f} s wall, {prof['op_seconds_per_step']:.3f} s in XLA ops), seconds by kind of op: {cats}")
+            lines.append("")
     if res.get("compile_vs_depth"):
         lines += ["| preset | layers | trace (s) | lower (s) | compile (s) | total (s) |", "|---|---:|---:|---:|---:|---:|"]
         for d in res["compile_vs_depth"]:
