@@ -570,6 +570,11 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=None, help="stop starting runs after this many seconds (default 450; toy 900)")
     ap.add_argument("--memory-limit-gb", type=float, default=None, help="the memory limit for the largest-batch prediction (default: the device's)")
     ap.add_argument("--workers", type=int, default=None, help="compile threads (default min(8, cores))")
+    ap.add_argument("--plan-only", action="store_true",
+                    help="no runs: zoo.plan's estimate of every (model, preset) at --link-gbps and --matmul-tflops, in this process (CPU is fine)")
+    ap.add_argument("--link-gbps", type=float, default=64.0, help="with --plan-only: host link GB/s per direction (default 64, PCIe Gen5)")
+    ap.add_argument("--matmul-tflops", type=float, default=None, help="with --plan-only: matmul rate (default: h200_pcie peak x 0.5)")
+    ap.add_argument("--hbm-gb", type=float, default=139.0, help="with --plan-only: device memory (default 139, an H200's usable)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--spec", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--result", default=None, help=argparse.SUPPRESS)
@@ -586,6 +591,9 @@ def main(argv=None) -> int:
         return 0
 
     from bench import common as C  # no JAX import in this process: every backend starts in a child
+
+    if args.plan_only:
+        return plan_only(args)
 
     t_start = time.time()
     base = dict(TOY if args.toy else REAL)
@@ -641,6 +649,34 @@ def main(argv=None) -> int:
     if args.plot:
         plot(res, pathlib.Path(args.plot))
     log(f"wrote {out}" + (f" and {args.plot}" if args.plot else "") + f"; {res['wall_s']:.0f}s in all")
+    return 0
+
+
+def plan_only(args) -> int:
+    """zoo.plan's estimate for each model and preset of the GPU benchmark (abstract: nothing runs)."""
+    import jax
+
+    from bench import common as C
+    from zoo.train.config import HardwareConfig
+
+    base = TOY if args.toy else REAL
+    rate = (args.matmul_tflops or 835.5 * 0.5) * 1e12
+    hw = HardwareConfig(name="plan_only", peak_flops=rate, matmul_flops=rate, hbm_bytes=int(args.hbm_gb * 1e9), host_link_gbps=args.link_gbps)
+    batch, seq = args.batch or base["batch"], args.seq or base["seq"]
+    print(f"zoo.plan estimates at {rate / 1e12:.0f} TFLOP/s, host link {args.link_gbps:g} GB/s per direction, HBM {args.hbm_gb:g} GB; batch {batch} x {seq}")
+    print("| model | preset | estimated step (ms) | compute | recompute | exposed transfers | state transfers | HBM peak (GB) | on host (GB) | offload hides |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
+    keys = args.models.split(",") if args.models else list(base["models"])
+    for key in keys:
+        name, changes = base["models"][key]
+        model = C.bench_model(name, **changes)
+        for p in (args.presets.split(",") if args.presets else PRESETS):
+            preset = preset_name(key, p)
+            c = C.train_config(model, [preset], batch, seq, hardware=hw)
+            e = C.planner_estimate(c, C.make_trainer(c, jax.devices()[:1]), args.hbm_gb * 1e9)
+            print(f"| {key} ({name}) | {preset} | {e['time_s'] * 1e3:.1f} | {e['compute_s'] * 1e3:.1f} | {e['recompute_s'] * 1e3:.1f} | "
+                  f"{e['exposed_transfer_s'] * 1e3:.1f} | {e['state_transfer_s'] * 1e3:.1f} | {e['peak_bytes'] / 1e9:.1f} | {e['host_tag_bytes'] / 1e9:.2f} | "
+                  f"{'yes' if e['hides'] else '-'} |", flush=True)
     return 0
 
 
