@@ -2,7 +2,7 @@
 
 bench/cpu.py --quick (both families, four presets, LLVM optimisations off) and bench/gpu.py --toy
 (Llama, none and its offload preset, two XLA groups in their own processes, the largest-batch
-prediction against a made-up memory limit) each run as a subprocess, as a user would run them.
+prediction against a made-up memory limit, and the predicted batches run) each run as a subprocess, as a user would run them.
 """
 
 import json
@@ -67,7 +67,7 @@ def test_gpu_bench_toy_on_cpu(tmp_path):
     out, png, md = tmp_path / "gpu.json", tmp_path / "gpu.png", tmp_path / "gpu.md"
     _run(
         ["bench/gpu.py", "--toy", "--models", "llama", "--presets", "none,offload", "--groups", "default,latency_hiding_pipelined_offload",
-         "--memory-limit-gb", "0.05", "--out", str(out), "--plot", str(png), "--md", str(md)],
+         "--memory-limit-gb", "0.05", "--probe-runs", "--out", str(out), "--plot", str(png), "--md", str(md)],
         tmp_path,
         timeout=400,
     )
@@ -96,9 +96,12 @@ def test_gpu_bench_toy_on_cpu(tmp_path):
     assert planner["none"]["host_tag_bytes"] == 0 and planner["llama_qkv_offload"]["host_tag_bytes"] > 0
     assert planner["none"]["hides"] is False
     probes = {p["preset"]: p for p in res["probe"]["probes"]}
-    assert res["probe"]["limit_bytes"] == 50_000_000 and res["probe"]["verified_by_running"] is False
+    assert res["probe"]["limit_bytes"] == 50_000_000 and res["probe"]["verified_by_running"] is True
     assert probes["llama_qkv_offload"]["bytes_per_sequence"] < probes["none"]["bytes_per_sequence"]
     assert probes["llama_qkv_offload"]["predicted_max_batch"] > probes["none"]["predicted_max_batch"] >= 1
+    for p in probes.values():  # the predicted batch and one more were run (on CPU nothing runs out of memory)
+        b = p["predicted_max_batch"]
+        assert p["runs"] == {str(b): "fits", str(b + 1): "fits"} and p["largest_batch_run"] == b + 1
     assert res["targets"]["fits_where_none_does_not"][0]["fits_where_none_does_not"] is True
     assert "| group |" in md.read_text()
     assert png.read_bytes()[:4] == b"\x89PNG"
