@@ -18,7 +18,8 @@ What it runs (each part in its own process: XLA reads its flags once per process
    and host temp), the process's device-memory high-water mark (runs go in ascending order of XLA's
    estimate, so it is the run's own peak unless an earlier run peaked higher), the bytes moved to and
    from the host per step (offloaded residuals read from the traced program, plus host-resident state),
-   and the planner's estimate (zoo.plan with the measured rate and link) in the default group.
+   and the planner's estimate (zoo.plan with the measured rate and link) for none and the offload
+   presets in the default group.
 3. `probe` (default flags): for each policy and model, XLA's estimated peak at two batch sizes gives
    bytes per sequence; the predicted largest batch under the device's limit is then run (it should fit)
    and one more (it should run out of memory). On a backend without memory statistics (CPU) only the
@@ -211,7 +212,7 @@ def child_group(spec: dict, result_path: pathlib.Path) -> dict:
         run["compiled_memory"] = C.compiled_memory(exe)
         run["xla_flops_per_step"] = C.compiled_flops(exe)
         run["status"] = "compiled"
-        if spec.get("planner"):
+        if spec.get("planner") and run["preset"] in ("none", *OFFLOAD_PRESET.values()):
             try:
                 run["planner"] = C.planner_estimate(trainers[k].cfg, trainers[k], float(spec.get("limit_bytes") or 1e12))
             except Exception as e:  # noqa: BLE001
