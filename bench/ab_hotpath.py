@@ -1,6 +1,8 @@
 """A/B of the CPU hot-path fixes in zoo/model.py and zoo/nn/mlp.py (docs/benchmarks.md, "Two fixes").
 
     python bench/ab_hotpath.py [--preset none] [--rounds 5] [--profile]
+    python bench/ab_hotpath.py --part head [--rounds 15]
+
 
 Compiles four variants of train.py's step for llama_100m (batch 1 x 512) in one process and times
 them alternately (median over rounds):
@@ -12,6 +14,8 @@ them alternately (median over rounds):
 
 The variants are swapped in by patching the functions before each trace; the code is left as it is.
 `--profile` also prints, for variants 0 and 2, the costliest non-matmul ops of one step.
+`--part head` times only the output head and the loss (forward + backward, jitted), old loss against
+new, at llama_100m's sizes (512 tokens, hidden 512, vocabulary 32000).
 """
 
 import argparse
@@ -67,12 +71,46 @@ def _dense_attention(self, x, positions):
     return tags.tag(dense(flat, self.wo.astype(cdt).reshape(flat.shape[-1], -1)), tags.OUT_PROJ)
 
 
+def head_only(rounds: int) -> int:
+    import jax
+    import jax.numpy as jnp
+
+    from zoo.model import next_token_loss
+
+    k = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(k[0], (1, 512, 512))
+    head = jax.random.normal(k[1], (512, 32000)) / 512**0.5
+    tokens = jax.random.randint(k[2], (1, 512), 0, 32000)
+    fns = {}
+    for name, loss in (("old loss (slices the logits)", _old_loss), ("new loss (zoo.model.next_token_loss)", next_token_loss)):
+        def f(x, head, loss=loss):
+            return loss(jnp.einsum("BTD,DV->BTV", x, head, preferred_element_type=jnp.float32), tokens)
+
+        fns[name] = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))
+        jax.block_until_ready(fns[name](x, head))
+    outs = [fns[n](x, head) for n in fns]
+    diff = max(float(jnp.abs(a - b).max()) for a, b in zip(jax.tree_util.tree_leaves(outs[0]), jax.tree_util.tree_leaves(outs[1])))
+    times = {n: [] for n in fns}
+    for _ in range(rounds):
+        for n, g in fns.items():
+            t = time.perf_counter()
+            jax.block_until_ready(g(x, head))
+            times[n].append(time.perf_counter() - t)
+    for n, ts in times.items():
+        print(f"{n}: median {1e3 * statistics.median(ts):.1f} ms over {rounds}")
+    print(f"largest difference in loss and gradients: {diff}")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="none")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--part", choices=("step", "head"), default="step")
     args = ap.parse_args(argv)
+    if args.part == "head":
+        return head_only(args.rounds if args.rounds != 5 else 15)
 
     import jax
 
