@@ -21,7 +21,7 @@ def _matmul_xt_bwd(res, g):
     # The weight gradient x^T g with x^T materialised (the smaller operand: [embed, tokens] against
     # [tokens, mlp]). Left to itself, XLA:CPU transposes g instead, inside the fused activation
     # backward, which then reads the scan's stacked residuals column by column: on the 2-core CPU
-    # machine the SwiGLU layers of llama_100m ran 1.35-1.47x faster this way (bench/, docs/benchmarks.md).
+    # machine llama_100m's step took 16% less time this way (bench/ab_hotpath.py, docs/benchmarks.md).
     xt = jax.lax.optimization_barrier(x.T)
     return g @ w.T, xt @ g
 
