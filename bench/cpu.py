@@ -248,6 +248,28 @@ def markdown(res: dict) -> str:
     return "\n".join(lines)
 
 
+_SHORT = {"device": "D", "host": "H", "recomputed": "R", "unread": "-", "mixed": "M"}
+
+
+def tag_tables(res: dict) -> str:
+    """Per model: every tag's bytes over all layers and where the backward pass finds it, per preset
+    (D on device, H on host, R recomputed, - not read by the backward pass)."""
+    lines = []
+    for key, fam in res["families"].items():
+        presets = list(fam["presets"])
+        tags = list(dict.fromkeys(t for r in fam["presets"].values() for t in r["kept"]["tags"]))
+        lines += [f"**{key}**: MB per tag over all layers, and where the backward pass finds it (D device, H host, R recomputed, - unread)", "",
+                  "| tag | " + " | ".join(presets) + " |", "|---|" + "---|" * len(presets)]
+        for t in tags:
+            cells = []
+            for p in presets:
+                info = fam["presets"][p]["kept"]["tags"].get(t)
+                cells.append("" if info is None else f"{_SHORT.get(info['placement'], '?')} {info['bytes'] / 1e6:.1f}")
+            lines.append(f"| {t} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def plot(res: dict, path: Path) -> None:
     import matplotlib
 
@@ -297,7 +319,14 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=None)
     ap.add_argument("--depths", default=None, help="comma list of layer counts for compile time (default 4,16,64; '' skips)")
     ap.add_argument("--profile", action="store_true", help="profile one `none` step per model: where the time goes, by op")
+    ap.add_argument("--render", default=None, help="print the tables of an earlier run's JSON (nothing runs)")
     args = ap.parse_args(argv)
+    if args.render:
+        import json
+
+        res = json.loads(Path(args.render).read_text())
+        print(markdown(res) + "\n\n" + tag_tables(res))
+        return 0
     spec = dict(QUICK if args.quick else FULL)
     models = args.models.split(",") if args.models else list(spec["models"])
     presets = tuple(args.presets.split(",")) if args.presets else spec["presets"]
@@ -333,7 +362,7 @@ def main(argv=None) -> int:
     res["env"]["load_average_end"] = C.env_info()["load_average"]
     res["wall_s"] = time.perf_counter() - t_start
     C.write_json(args.out, res)
-    md = markdown(res)
+    md = markdown(res) + "\n\n" + tag_tables(res)
     print(md)
     if args.md:
         Path(args.md).write_text(md + "\n")
