@@ -31,8 +31,22 @@ from jax._src import core
 _ALIAS_OPS = ("reduce_precision", "sharding_constraint", "copy", "copy_p", "optimization_barrier")
 
 
+class _PerLayerRecord:
+    """Shared by the records below: bytes per layer times layers, and the JSON form."""
+
+    @property
+    def total_bytes(self) -> int:
+        return self.bytes_per_layer * self.layers
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["shape"] = list(self.shape)
+        d["total_bytes"] = self.total_bytes
+        return d
+
+
 @dataclasses.dataclass
-class TagRecord:
+class TagRecord(_PerLayerRecord):
     """One tag in one forward scan (layer stack)."""
 
     tag: str
@@ -44,19 +58,10 @@ class TagRecord:
     placement: str  # host | device | recomputed | unread
     occurrences: int = 1  # checkpoint_name sites of this tag per layer
 
-    @property
-    def total_bytes(self) -> int:
-        return self.bytes_per_layer * self.layers
-
-    def as_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["shape"] = list(self.shape)
-        d["total_bytes"] = self.total_bytes
-        return d
 
 
 @dataclasses.dataclass
-class OtherResidual:
+class OtherResidual(_PerLayerRecord):
     """A per-layer output of a forward scan that no tag accounts for: an untagged residual the
     backward pass reads (kept by JAX whatever the policy), or a per-layer primal output."""
 
@@ -68,15 +73,6 @@ class OtherResidual:
     layers: int
     source: str  # the primitive that produced it inside the layer, or "layer input" / "constant"
 
-    @property
-    def total_bytes(self) -> int:
-        return self.bytes_per_layer * self.layers
-
-    def as_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["shape"] = list(self.shape)
-        d["total_bytes"] = self.total_bytes
-        return d
 
 
 @dataclasses.dataclass
