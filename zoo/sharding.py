@@ -11,9 +11,11 @@ Parameters get their logical axes from their field name (`param_logical_axes`); 
 scanned layer stack carry a leading `layers` axis that is never sharded.
 """
 
+import contextlib
+import contextvars
 import dataclasses
 import math
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import jax
 import numpy as np
@@ -234,3 +236,57 @@ def to_device(tree):
 def memory_kinds(tree) -> set[str]:
     """The memory kinds the (concrete) arrays of `tree` live in."""
     return {x.sharding.memory_kind for x in jax.tree.leaves(tree) if isinstance(x, jax.Array)}
+
+
+# --- the active mesh and rules ------------------------------------------------------------------
+#
+# Modules stay free of trainer plumbing: they ask the active context (set by whoever traces them
+# on a mesh, e.g. the trainer around its step) how to shard an activation, and do nothing without one.
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A mesh and the logical-axis rules in force while a program is traced."""
+
+    mesh: Mesh
+    rules: Mapping[str, Sequence[str]]
+
+    def spec(self, logical: Sequence[Optional[str]]) -> PartitionSpec:
+        return logical_to_spec(logical, self.rules)
+
+    def sharding(self, logical: Sequence[Optional[str]], memory_kind: Optional[str] = None) -> NamedSharding:
+        return NamedSharding(self.mesh, self.spec(logical), memory_kind=memory_kind)
+
+    def axis_size(self, axis: str) -> int:
+        return int(self.mesh.shape.get(axis, 1))
+
+    def mesh_axes(self, logical: str) -> tuple[str, ...]:
+        """The mesh axes a logical dim maps to (sizes of 1 included), in rule order."""
+        return tuple(a for a in self.rules.get(logical, ()) if a in self.mesh.shape)
+
+
+_ACTIVE: contextvars.ContextVar[Optional[Layout]] = contextvars.ContextVar("zoo_layout", default=None)
+
+
+@contextlib.contextmanager
+def activate(mesh: Mesh, rules: Mapping[str, Sequence[str]]) -> Iterator[Layout]:
+    """Make `(mesh, rules)` the layout modules see while tracing inside this block."""
+    layout = Layout(mesh, {k: tuple(v) for k, v in rules.items()})
+    token = _ACTIVE.set(layout)
+    try:
+        yield layout
+    finally:
+        _ACTIVE.reset(token)
+
+
+def active() -> Optional[Layout]:
+    """The layout in force (None outside `activate`: single device, or the caller shards by hand)."""
+    return _ACTIVE.get()
+
+
+def constrain(x, logical: Sequence[Optional[str]]):
+    """Pin `x` to the sharding its logical axes map to under the active layout; a no-op without one."""
+    layout = active()
+    if layout is None:
+        return x
+    return jax.lax.with_sharding_constraint(x, layout.sharding(logical))
