@@ -96,7 +96,9 @@ def _moe(x, w, p, cfg):
     out = np.zeros_like(flat)
     for n in range(flat.shape[0]):
         groups = np.argsort(-grouped[n], kind="stable")[: cfg["topk_group"]]
-        masked = np.zeros(e)
+        # Experts of unselected groups can never win: DeepSeek's reference masks them to -inf
+        # (transformers writes 0.0, which differs once biased scores go negative).
+        masked = np.full(e, -np.inf)
         for gi in groups:
             masked[gi * (e // g) : (gi + 1) * (e // g)] = biased[n, gi * (e // g) : (gi + 1) * (e // g)]
         chosen = np.argsort(-masked, kind="stable")[: cfg["num_experts_per_tok"]]

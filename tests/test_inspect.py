@@ -1,6 +1,7 @@
 """The inspector: placement read from the traced program, held against the policy, JAX's own
 residual list, hand-written JAX policies, compiled memory, and the command line."""
 
+import dataclasses
 import json
 import math
 
@@ -81,6 +82,7 @@ def test_host_bytes_agree_with_jaxs_saved_residuals():
 
 def test_shapes_and_bytes_per_layer():
     config = zoo.get_size("dsv3_tiny_a")  # 1 dense layer, 2 MoE layers; 4 heads, qk 16+8, top-2 of 8 experts
+    config = config.replace(moe=dataclasses.replace(config.moe, impl="ragged"))  # [assignments, .] routed tags
     placement = _placement(config, remat_policy(load_preset("minimal"), config), batch=2, seq=16)
     rec = {(r.tag, r.stack): r for r in placement.records}
     q = rec[("query_proj", "moe_layers")]

@@ -17,6 +17,7 @@ import pytest
 from jax.extend import core as jex_core
 
 import zoo
+from zoo.nn.moe import resolve_moe_impl
 from zoo import tags
 from zoo.config import SIZES, MLAConfig
 from zoo.model import count_leaves, loss_fn, trainable_mask
@@ -94,7 +95,7 @@ def test_emitted_tags_are_exactly_the_traced_ones(name):
     # "ragged | capacity" shapes ([A, .] sorted assignments, or [experts, capacity, .] buffers)
     for tag_name, shape, _ in found:
         variants = [v.split() for v in tags.TAGS[tag_name].shape.split("|")]
-        documented = variants[-1] if (c.moe is not None and c.moe.impl == "capacity" and len(variants) > 1) else variants[0]
+        documented = variants[-1] if (c.moe is not None and resolve_moe_impl(c.moe.impl) == "capacity" and len(variants) > 1) else variants[0]
         assert len(shape) == len(documented), (tag_name, shape, documented)
 
 
@@ -163,14 +164,14 @@ def test_float_tokens_are_refused(llama_abstract):
 
 
 def test_block_positions_must_match_the_sequence(llama_abstract):
-    block = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), llama_abstract.dense_layers.layers)
+    block = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), llama_abstract.stack("dense_layers").layers[0])
     x = jax.ShapeDtypeStruct((2, 16, LLAMA.hidden_size), jnp.float32)
     message = _type_error(lambda b, x, p: b(x, p), block, x, jax.ShapeDtypeStruct((8,), jnp.int32))
     assert "parameter 'positions'" in message and "seq=16" in message
 
 
 def test_rope_needs_a_heads_axis(llama_abstract):
-    rope = llama_abstract.dense_layers.layers.attn.rope
+    rope = llama_abstract.stack("dense_layers").layers[0].attn.rope
     x = jax.ShapeDtypeStruct((2, 16, LLAMA.head_dim), jnp.float32)
     message = _type_error(lambda x, p: rope(x, p), x, jax.ShapeDtypeStruct((16,), jnp.int32))
     assert "parameter 'x'" in message and "batch seq heads dim" in message
@@ -179,7 +180,7 @@ def test_rope_needs_a_heads_axis(llama_abstract):
 def test_block_with_wrong_embed_dim_fails_naming_both_sizes(llama_abstract):
     # The block's own annotations bind `embed` from x alone, so this is caught by the first weight it
     # meets (the RMSNorm weight), not by the type checker; the message still names both shapes.
-    block = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), llama_abstract.dense_layers.layers)
+    block = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), llama_abstract.stack("dense_layers").layers[0])
     x = jax.ShapeDtypeStruct((2, 16, 32), jnp.float32)
     with pytest.raises((TypeError, ValueError), match=r"\(64,\).*\(2, 16, 32\)"):
         jax.eval_shape(lambda b, x, p: b(x, p), block, x, jax.ShapeDtypeStruct((16,), jnp.int32))
@@ -194,9 +195,9 @@ def test_build():
     shapes = jax.tree.map(lambda x: (x.shape, x.dtype), m)
     assert shapes == jax.tree.map(lambda x: (x.shape, x.dtype), zoo.abstract(LLAMA))
     # weights have std 1/sqrt(fan_in) (unit-variance outputs); norms start at 1
-    wq = np.asarray(m.dense_layers.layers.attn.wq)
+    wq = np.asarray(m.stack("dense_layers").layers[0].attn.wq)
     assert wq.std() == pytest.approx(LLAMA.hidden_size ** -0.5, rel=0.05)
-    wo = np.asarray(m.dense_layers.layers.attn.wo)
+    wo = np.asarray(m.stack("dense_layers").layers[0].attn.wo)
     assert wo.std() == pytest.approx((LLAMA.num_heads * LLAMA.head_dim) ** -0.5, rel=0.05)
     assert not np.allclose(wq[0], wq[1])  # layers differ
     assert np.all(np.asarray(m.final_norm.weight) == 1)
@@ -231,8 +232,8 @@ def test_bf16_compute_is_close_to_float32(c):
 def test_tied_embeddings_use_embed_transpose():
     tied_config = LLAMA.replace(tie_word_embeddings=True)
     untied = filled(LLAMA)
-    tied = eqx.tree_at(lambda m: (m.embed, m.dense_layers, m.final_norm), filled(tied_config),
-                       (untied.embed, untied.dense_layers, untied.final_norm))
+    tied = eqx.tree_at(lambda m: (m.embed, m.stacks, m.final_norm), filled(tied_config),
+                       (untied.embed, untied.stacks, untied.final_norm))
     assert tied.lm_head is None
     assert count_leaves(tied) == count_leaves(untied) - LLAMA.vocab_size * LLAMA.hidden_size
     # the untied model with lm_head = embed.T computes the same function
@@ -281,8 +282,8 @@ def test_sgd_on_a_repeated_batch_lowers_the_loss(c):
 
     if c.moe is not None:
         # the correction bias is a buffer: no gradient, never updated
-        assert np.all(np.asarray(grads.moe_layers.layers.ffn.e_score_correction_bias) == 0)
-        assert np.all(np.asarray(params.moe_layers.layers.ffn.e_score_correction_bias) == 0)
+        assert np.all(np.asarray(grads.stack("moe_layers").layers[0].ffn.e_score_correction_bias) == 0)
+        assert np.all(np.asarray(params.stack("moe_layers").layers[0].ffn.e_score_correction_bias) == 0)
         # routing statistics, stacked over the MoE layers
         per_layer = np.asarray(aux.tokens_per_expert)
         assert per_layer.shape == (c.num_moe_layers, c.moe.n_routed_experts)

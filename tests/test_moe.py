@@ -3,7 +3,8 @@
 The reference runs every expert on every token and combines them with a dense `[tokens, experts]`
 weight matrix that is zero for experts a token did not choose. Its routing is written independently of
 zoo.nn.moe.route (sorts and ranks instead of lax.top_k, the rule as transformers' DeepseekV3TopkRouter
-states it: group score = sum of the two best biased scores, masked experts scored 0.0).
+states it: group score = sum of the two best biased scores), with experts of unselected groups masked to
+-inf as DeepSeek's reference does (transformers writes 0.0, which differs once biased scores go negative).
 """
 
 import math
@@ -53,7 +54,7 @@ def ref_choice(scores, bias, c: MoEConfig):
         group_score = jnp.sort(grouped, axis=-1)[..., -2:].sum(-1)
         group_rank = jnp.argsort(jnp.argsort(-group_score, axis=-1), axis=-1)  # 0 = best
         keep = jnp.repeat(group_rank < c.topk_group, per_group, axis=-1)
-        biased = jnp.where(keep, biased, 0.0)
+        biased = jnp.where(keep, biased, -jnp.inf)
     expert_rank = jnp.argsort(jnp.argsort(-biased, axis=-1), axis=-1)
     return expert_rank < c.num_experts_per_tok
 
@@ -189,7 +190,7 @@ def test_experts_outside_the_best_groups_are_never_chosen():
     c = moe_config(n_routed_experts=16, n_group=4, topk_group=2, num_experts_per_tok=4)
     rng = np.random.default_rng(8)
     scores = rng.uniform(0.05, 0.95, size=(64, 16))
-    bias = rng.uniform(0.0, 0.2, size=16)  # non-negative, so no masked 0.0 can outrank a kept expert
+    bias = rng.uniform(-1.5, 0.2, size=16)  # mostly negative: masked experts must still never win
     ids, _ = route_scores(scores, bias, c)
     grouped = (scores + bias).reshape(64, 4, 4)
     group_score = np.sort(grouped, axis=-1)[..., -2:].sum(-1)
@@ -197,6 +198,14 @@ def test_experts_outside_the_best_groups_are_never_chosen():
     for n in range(64):
         assert set(ids[n] // 4) <= set(best_groups[n]), n
         assert len(set(ids[n])) == 4
+
+
+def test_negative_biases_never_route_outside_the_selected_groups():
+    # The case where transformers' 0.0 mask goes wrong: every kept expert's biased score is below 0,
+    # so 0.0-masked experts of the losing group would outrank them. DeepSeek's reference masks to -inf.
+    c = moe_config(n_routed_experts=4, n_group=2, topk_group=1, num_experts_per_tok=2)
+    ids, _ = route_scores([0.95, 0.5, 0.5, 0.5], [-1.5, -1.5, -2.0, -2.0], c)
+    assert set(ids[0]) == {0, 1}  # group 0 wins (-0.55 - 1.0 > -1.5 - 1.5); its two experts are chosen
 
 
 def test_bias_changes_selection_not_weights():

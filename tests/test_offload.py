@@ -63,19 +63,27 @@ def test_q_lora_null_does_not_emit_the_q_latent():
     c = c.replace(mla=c.mla.__class__(**{**c.mla.__dict__, "q_lora_rank": None}))
     with pytest.raises(ValueError, match="offload.tags.mla_q: the deepseek_v3 model never emits"):
         resolve(OffloadConfig(checkpoint=True, tags={"mla_q": "device"}), c)
-    # A preset's family section may name it: ignored for this configuration, and reported.
+    # A preset's block section may name it: ignored for this configuration, and reported.
     minimal = load_preset("deepseek_mla_moe_offload")
-    assert offload.dropped_family_tags(minimal, c) == ["query_wa_proj", "mla_q"]
+    assert offload.dropped_block_tags(minimal, c) == ["query_wa_proj", "mla_q"]
     assert "mla_q" not in resolve(minimal, c)
 
 
-def test_family_sections_hold_only_that_familys_tags():
-    with pytest.raises(ValueError, match=r"offload.family_tags.deepseek_v3.query_proj: .* put it in offload.tags"):
-        OffloadConfig(checkpoint=True, family_tags={"deepseek_v3": {"query_proj": "device"}})
-    with pytest.raises(ValueError, match=r"offload.family_tags.llama.mla_q: .* move it under offload.family_tags.deepseek_v3"):
-        OffloadConfig(checkpoint=True, family_tags={"llama": {"mla_q": "device"}})
-    with pytest.raises(ValueError, match=r"offload.family_tags.gpt: unknown family"):
-        OffloadConfig(checkpoint=True, family_tags={"gpt": {}})
+def test_block_sections_hold_only_their_kinds_tags():
+    with pytest.raises(ValueError, match=r"offload.block_tags.mla.query_proj: query_proj belongs to the attention block, not mla; move it under offload.tags"):
+        OffloadConfig(checkpoint=True, block_tags={"mla": {"query_proj": "device"}})
+    with pytest.raises(ValueError, match=r"offload.block_tags.moe.mla_q: .* move it under offload.block_tags.mla"):
+        OffloadConfig(checkpoint=True, block_tags={"moe": {"mla_q": "device"}})
+    with pytest.raises(ValueError, match=r"offload.block_tags.gpt: unknown block kind; choose one of mlp, mla, moe"):
+        OffloadConfig(checkpoint=True, block_tags={"gpt": {}})
+    with pytest.raises(ValueError, match=r"offload.family_tags: replaced by offload.block_tags"):
+        offload.from_mapping({"checkpoint": True, "family_tags": {"deepseek_v3": {"mla_kv": "device"}}})
+
+
+def test_optional_block_tags_under_tags_name_their_section():
+    # Mixtral has no dense MLP: naming mlpwi_0 under `tags` is refused with the section to use.
+    with pytest.raises(ValueError, match=r"offload.tags.mlpwi_0: the mixtral model never emits .*offload.block_tags.mlp"):
+        resolve(OffloadConfig(checkpoint=True, tags={"mlpwi_0": "device"}), zoo.get_size("mixtral_tiny_a"))
 
 
 def test_keeping_a_tag_the_backward_never_reads_is_refused():
@@ -89,13 +97,15 @@ def test_per_tag_actions_without_checkpoint_are_refused():
         OffloadConfig(checkpoint=False, tags={"query_proj": "offload"})
 
 
-def test_family_tags_apply_to_their_family_only():
+def test_block_tags_apply_to_models_with_that_block():
     p = load_preset("minimal")
     llama, dsv3 = resolve(p, zoo.get_size("llama_tiny_a")), resolve(p, zoo.get_size("dsv3_tiny_a"))
     assert llama["query_proj"] == dsv3["query_proj"] == "device"
     assert dsv3["moe_mlpwi_0"] == "device" and "moe_mlpwi_0" not in llama
     assert dsv3["mla_q"] == "remat"  # a norm, not a projection
-    # Explicit tags win over the family section.
+    mixtral = resolve(p, zoo.get_size("mixtral_tiny_a"))  # routed experts, no dense MLP, no MLA
+    assert mixtral["moe_mlpwi_0"] == "device" and "mlpwi_0" not in mixtral and "mla_q" not in mixtral
+    # Explicit tags win over the block section.
     q = load_preset("minimal", tags={**p.tags, "moe_mlpwi_0": "offload"})
     assert resolve(q, zoo.get_size("dsv3_tiny_a"))["moe_mlpwi_0"] == "offload"
 

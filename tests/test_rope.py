@@ -216,7 +216,7 @@ def test_softmax_scale_multiplier(kw, expected):
 
 def test_mla_softmax_scale_of_deepseek_v3_671b():
     c = SIZES["deepseek_v3_671b"]
-    attn = abstract(c).moe_layers.layers.attn
+    attn = abstract(c).stack("moe_layers").layers[0].attn
     expected = (128 + 64) ** -0.5 * deepseek_yarn_get_mscale(40.0, 1.0) ** 2
     assert attn.softmax_scale == pytest.approx(expected, rel=1e-12)
     assert expected != pytest.approx((128 + 64) ** -0.5)

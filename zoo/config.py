@@ -1,26 +1,48 @@
 """Model configs: typed, validated dataclasses, the named sizes, and parameter / FLOP counts.
 
-The dataclasses use only types OmegaConf understands (str, int, float, bool, Optional, nested
-dataclasses), so the same classes are the Hydra structured-config schema of `conf/model/`.
-Validation runs in `__post_init__` and raises a ValueError that names the field and the fix.
+One config describes every family: a family is a choice of blocks and a few flags (which attention,
+which MLP or MoE router, which norms, which layers slide), never a copy of the model. The dataclasses
+use only types OmegaConf understands (str, int, float, bool, Optional, lists, nested dataclasses), so
+the same classes are the Hydra structured-config schema of `conf/model/`. A config is a static part
+of the model, so it hashes (its list fields as tuples). Validation runs in
+`__post_init__` and raises a ValueError that names the field and the fix.
 """
 
 import dataclasses
 import math
 from typing import Optional
 
-from zoo.tags import DEEPSEEK_V3, LLAMA
+from zoo.tags import DEEPSEEK_V3, FAMILIES, GEMMA3, GPT_OSS, LLAMA, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE
 
-FAMILIES = (LLAMA, DEEPSEEK_V3)
-ROPE_TYPES = ("default", "llama3", "yarn")
-MOE_IMPLS = ("ragged", "capacity")
-ATTENTION_IMPLS = ("auto", "xla", "cudnn")
+MLA_FAMILIES = (DEEPSEEK_V3,)
+MOE_FAMILIES = (DEEPSEEK_V3, QWEN3_MOE, MIXTRAL, GPT_OSS)
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+MOE_IMPLS = ("auto", "ragged", "capacity")
+# sigmoid_grouped: DeepSeek-V3 (sigmoid scores + correction bias, group-limited top-k, renormalised, scaled).
+# softmax: Mixtral, Qwen3-MoE (softmax over all experts, top-k, renormalised when norm_topk_prob).
+# topk_softmax: GPT-OSS (top-k of the raw logits, softmax over those k).
+ROUTERS = ("sigmoid_grouped", "softmax", "topk_softmax")
+EXPERT_ACTIVATIONS = ("silu", "clamped_swiglu")
+MLP_ACTIVATIONS = ("silu", "gelu_tanh")
+ATTENTION_IMPLS = ("auto", "xla", "blockwise", "cudnn")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _require(ok: bool, field: str, message: str) -> None:
     if not ok:
         raise ValueError(f"model.{field}: {message}")
+
+
+def _choices(values) -> str:
+    return ", ".join(values)
+
+
+def _as_list(obj, name: str) -> None:
+    """Store a sequence field as a list, whether it came from YAML (a ListConfig or list) or Python."""
+    value = getattr(obj, name)
+    if value is not None and not isinstance(value, list):
+        object.__setattr__(obj, name, list(value))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +53,7 @@ class RopeConfig:
     theta: float = 10000.0
     # Pairs (x[2i], x[2i+1]) rotate together (DeepSeek-V3); otherwise halves (Llama's rotate_half).
     interleaved: bool = False
-    # llama3 and yarn
+    # linear, llama3 and yarn
     factor: float = 1.0
     original_max_position_embeddings: Optional[int] = None
     # llama3 wavelength bands
@@ -46,9 +68,9 @@ class RopeConfig:
     truncate: bool = True
 
     def __post_init__(self):
-        _require(self.type in ROPE_TYPES, "rope.type", f"got {self.type!r}; choose one of {ROPE_TYPES}")
+        _require(self.type in ROPE_TYPES, "rope.type", f"got {self.type!r}; choose one of {_choices(ROPE_TYPES)}")
         _require(self.theta > 0, "rope.theta", f"must be positive, got {self.theta}")
-        if self.type in ("llama3", "yarn"):
+        if self.type in ("linear", "llama3", "yarn"):
             _require(self.factor >= 1, "rope.factor", f"must be >= 1 for rope type {self.type}, got {self.factor}")
         if self.type == "llama3":
             _require(
@@ -61,6 +83,9 @@ class RopeConfig:
                 "rope.high_freq_factor",
                 f"must exceed rope.low_freq_factor ({self.high_freq_factor} <= {self.low_freq_factor})",
             )
+        if self.type == "yarn":
+            # transformers reads `beta_fast or 32`: a zero is not a legal value there either.
+            _require(self.beta_fast > 0 and self.beta_slow > 0, "rope.beta_fast", "yarn needs positive beta_fast and beta_slow")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,23 +112,41 @@ class MLAConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
-    """DeepSeek-V3 mixture of experts: sigmoid router, group-limited top-k, shared experts."""
+    """Mixture of experts: a router (`router`, see ROUTERS), routed experts, optional shared experts.
+
+    The group fields (`n_group`, `topk_group`) and `routed_scaling_factor` belong to the DeepSeek-V3
+    router; `router_bias`, `expert_bias` and the clamped SwiGLU to GPT-OSS.
+    """
 
     n_routed_experts: int = 256
     num_experts_per_tok: int = 8
     moe_intermediate_size: int = 2048
     n_shared_experts: int = 1
+    router: str = "sigmoid_grouped"
     n_group: int = 8
     topk_group: int = 4
     norm_topk_prob: bool = True
     routed_scaling_factor: float = 2.5
-    # ragged: dropless, sorted tokens through lax.ragged_dot. capacity: per-expert buffers, one batched matmul.
-    impl: str = "ragged"
+    router_bias: bool = False  # a learned bias on the router logits (GPT-OSS)
+    expert_bias: bool = False  # biases on the experts' gate, up and down projections (GPT-OSS)
+    activation: str = "silu"  # silu: silu(gate) * up; clamped_swiglu: GPT-OSS's clamped variant
+    swiglu_limit: float = 7.0  # clamped_swiglu: gate <= limit, |up| <= limit
+    swiglu_alpha: float = 1.702  # clamped_swiglu: gate * sigmoid(alpha * gate)
+    # ragged: dropless, sorted tokens through lax.ragged_dot. capacity: per-expert buffers, one batched
+    # matmul whose FLOPs grow with top_k, not with the expert count. auto: capacity (see zoo.nn.moe).
+    impl: str = "auto"
     capacity_factor: float = 1.25
 
     def __post_init__(self):
-        _require(self.impl in MOE_IMPLS, "moe.impl", f"got {self.impl!r}; choose one of {MOE_IMPLS}")
+        _require(self.impl in MOE_IMPLS, "moe.impl", f"got {self.impl!r}; choose one of {_choices(MOE_IMPLS)}")
+        _require(self.router in ROUTERS, "moe.router", f"got {self.router!r}; choose one of {_choices(ROUTERS)}")
+        _require(
+            self.activation in EXPERT_ACTIVATIONS,
+            "moe.activation",
+            f"got {self.activation!r}; choose one of {_choices(EXPERT_ACTIVATIONS)}",
+        )
         _require(self.n_routed_experts > 0, "moe.n_routed_experts", "must be positive")
+        _require(self.moe_intermediate_size > 0, "moe.moe_intermediate_size", "must be positive")
         _require(
             0 < self.num_experts_per_tok <= self.n_routed_experts,
             "moe.num_experts_per_tok",
@@ -119,19 +162,38 @@ class MoEConfig:
             "moe.topk_group",
             f"topk_group={self.topk_group} must be in 1..n_group={self.n_group}",
         )
-        per_group = self.n_routed_experts // self.n_group
-        _require(
-            per_group >= 2 or self.n_group == 1,
-            "moe.n_group",
-            f"each group needs at least 2 experts (its score is the sum of its top-2), got {per_group}",
-        )
-        _require(
-            self.topk_group * per_group >= self.num_experts_per_tok,
-            "moe.topk_group",
-            f"topk_group={self.topk_group} groups of {per_group} experts cannot supply top_k={self.num_experts_per_tok}",
-        )
+        if self.router == "sigmoid_grouped":
+            per_group = self.n_routed_experts // self.n_group
+            _require(
+                per_group >= 2 or self.n_group == 1,
+                "moe.n_group",
+                f"each group needs at least 2 experts (its score is the sum of its top-2), got {per_group}",
+            )
+            _require(
+                self.topk_group * per_group >= self.num_experts_per_tok,
+                "moe.topk_group",
+                f"topk_group={self.topk_group} groups of {per_group} experts cannot supply top_k={self.num_experts_per_tok}",
+            )
+        else:
+            _require(
+                self.n_group == 1 and self.topk_group == 1,
+                "moe.n_group",
+                f"group-limited routing belongs to the sigmoid_grouped router; set n_group=1 and topk_group=1 for router {self.router}",
+            )
         _require(self.capacity_factor > 0, "moe.capacity_factor", "must be positive")
         _require(self.n_shared_experts >= 0, "moe.n_shared_experts", "must be >= 0")
+        if self.activation == "clamped_swiglu":
+            _require(self.swiglu_limit > 0, "moe.swiglu_limit", f"must be positive, got {self.swiglu_limit}")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSpec:
+    """What sets one decoder layer apart from another: its attention window, which rope it uses, and
+    whether its feed-forward is a mixture of experts. Layers with equal specs have equal structure."""
+
+    window: Optional[int]  # sliding window (keys including the query's own), None: full attention
+    local_rope: bool  # the sliding layers' rope (`rope_local`) instead of `rope`
+    moe: bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,8 +203,8 @@ class ModelConfig:
     hidden_size: int = 64
     num_layers: int = 2
     num_heads: int = 4
-    num_kv_heads: int = 2  # Llama GQA; MLA has one latent, every head its own k/v
-    head_dim: int = 16  # Llama; MLA's head dims live in `mla`
+    num_kv_heads: int = 2  # GQA; MLA has one latent, every head its own k/v
+    head_dim: int = 16  # GQA; MLA's head dims live in `mla`
     intermediate_size: int = 128  # dense MLP (DeepSeek-V3: the first_k_dense_replace layers)
     rms_norm_eps: float = 1e-5
     max_position_embeddings: int = 2048
@@ -150,22 +212,59 @@ class ModelConfig:
     rope: RopeConfig = dataclasses.field(default_factory=RopeConfig)
     mla: Optional[MLAConfig] = None
     moe: Optional[MoEConfig] = None
+    # Which layers are sparse (MoE families): layer i is, iff i >= first_k_dense_replace,
+    # i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0.
     first_k_dense_replace: int = 0
+    mlp_only_layers: list[int] = dataclasses.field(default_factory=list)
+    decoder_sparse_step: int = 1
+    # --- attention options (GQA families) ---
+    attention_bias: bool = False  # biases on q, k, v (Qwen2, GPT-OSS)
+    attention_out_bias: bool = False  # bias on the output projection (GPT-OSS)
+    qk_norm: bool = False  # RMSNorm over head_dim on q and k, before RoPE (Qwen3, Gemma 3)
+    attention_sinks: bool = False  # a learned per-head logit in the softmax denominator (GPT-OSS)
+    query_pre_attn_scalar: Optional[float] = None  # softmax scale = this ** -0.5 (Gemma 3); null: head_dim
+    # Sliding windows: with layer_types null, every layer slides when sliding_window is set (Mistral).
+    sliding_window: Optional[int] = None
+    layer_types: Optional[list[str]] = None  # per layer: full_attention | sliding_attention
+    rope_local: Optional[RopeConfig] = None  # the rope of sliding layers (Gemma 3); null: `rope`
+    # --- norms, embeddings, head ---
+    norm_weight_offset: float = 0.0  # RMSNorm scales by (offset + w): 1.0 for Gemma's (1 + w)
+    sandwich_norms: bool = False  # norms after attention and after the MLP too (Gemma 3)
+    scale_embeddings: bool = False  # embeddings times sqrt(hidden_size) (Gemma)
+    mlp_activation: str = "silu"  # dense MLP gate: silu (SwiGLU) or gelu_tanh (Gemma's GeGLU)
+    final_logit_softcap: Optional[float] = None  # logits = c * tanh(logits / c)
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
-    # xla: XLA's fused attention, any backend. cudnn: flash attention (GPU, bf16/fp16). auto: cudnn where it applies.
+    # xla: the reference einsum path (materialises the T x T scores). blockwise: flash-style online
+    # softmax in JAX. cudnn: cuDNN's fused kernel (GPU). auto: see zoo.nn.attention.resolve_attention_impl.
     attention_impl: str = "auto"
 
     def __post_init__(self):
-        _require(self.family in FAMILIES, "family", f"got {self.family!r}; choose one of {FAMILIES}")
+        _as_list(self, "mlp_only_layers")
+        _as_list(self, "layer_types")
+        fam = self.family
+        _require(fam in FAMILIES, "family", f"got {fam!r}; choose one of {_choices(FAMILIES)}")
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size", "max_position_embeddings"):
             _require(getattr(self, name) > 0, name, f"must be positive, got {getattr(self, name)}")
         _require(self.rms_norm_eps > 0, "rms_norm_eps", "must be positive")
         for name in ("param_dtype", "compute_dtype"):
-            _require(getattr(self, name) in DTYPES, name, f"got {getattr(self, name)!r}; choose one of {DTYPES}")
-        _require(self.attention_impl in ATTENTION_IMPLS, "attention_impl", f"got {self.attention_impl!r}; choose one of {ATTENTION_IMPLS}")
-        if self.family == LLAMA:
-            _require(self.mla is None and self.moe is None, "family", "llama has no mla/moe sections; set family=deepseek_v3")
+            _require(getattr(self, name) in DTYPES, name, f"got {getattr(self, name)!r}; choose one of {_choices(DTYPES)}")
+        _require(
+            self.attention_impl in ATTENTION_IMPLS,
+            "attention_impl",
+            f"got {self.attention_impl!r}; choose one of {_choices(ATTENTION_IMPLS)}",
+        )
+        _require(
+            self.mlp_activation in MLP_ACTIVATIONS,
+            "mlp_activation",
+            f"got {self.mlp_activation!r}; choose one of {_choices(MLP_ACTIVATIONS)}",
+        )
+        if fam in MLA_FAMILIES:
+            _require(self.mla is not None, "mla", f"{fam} needs an mla section")
+            for flag in ("attention_bias", "attention_out_bias", "qk_norm", "attention_sinks"):
+                _require(not getattr(self, flag), flag, f"belongs to grouped-query attention; {fam} uses MLA")
+        else:
+            _require(self.mla is None, "family", f"{fam} has no mla section; set family=deepseek_v3 for MLA")
             _require(self.num_kv_heads > 0, "num_kv_heads", "must be positive")
             _require(
                 self.num_heads % self.num_kv_heads == 0,
@@ -173,33 +272,100 @@ class ModelConfig:
                 f"num_heads={self.num_heads} must be divisible by num_kv_heads={self.num_kv_heads}",
             )
             _require(self.head_dim > 0 and self.head_dim % 2 == 0, "head_dim", f"RoPE needs an even head_dim, got {self.head_dim}")
-            _require(self.first_k_dense_replace == 0, "first_k_dense_replace", "only deepseek_v3 has a dense prefix")
-            _require(not self.rope.interleaved, "rope.interleaved", "Llama rotates halves; set rope.interleaved=false")
+        if fam in MOE_FAMILIES:
+            _require(self.moe is not None, "moe", f"{fam} needs a moe section")
         else:
-            _require(self.mla is not None, "mla", "deepseek_v3 needs an mla section")
-            _require(self.moe is not None, "moe", "deepseek_v3 needs a moe section")
+            _require(self.moe is None, "family", f"{fam} has no moe section; choose a mixture-of-experts family ({_choices(MOE_FAMILIES)})")
+            _require(self.first_k_dense_replace == 0, "first_k_dense_replace", f"{fam} has no MoE layers, so no dense prefix")
+            _require(not self.mlp_only_layers, "mlp_only_layers", f"{fam} has no MoE layers")
+        _require(
+            0 <= self.first_k_dense_replace <= self.num_layers,
+            "first_k_dense_replace",
+            f"must be in 0..num_layers={self.num_layers}, got {self.first_k_dense_replace}",
+        )
+        _require(self.decoder_sparse_step >= 1, "decoder_sparse_step", f"must be >= 1, got {self.decoder_sparse_step}")
+        bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_layers]
+        _require(not bad, "mlp_only_layers", f"layer {bad[0] if bad else ''} is not in 0..{self.num_layers - 1}")
+        if self.rope.interleaved:
+            _require(fam in MLA_FAMILIES, "rope.interleaved", f"{fam} rotates halves; set rope.interleaved=false")
+        if self.sliding_window is not None:
+            _require(self.sliding_window > 0, "sliding_window", f"must be positive or null, got {self.sliding_window}")
+        if self.layer_types is not None:
             _require(
-                0 <= self.first_k_dense_replace <= self.num_layers,
-                "first_k_dense_replace",
-                f"must be in 0..num_layers={self.num_layers}, got {self.first_k_dense_replace}",
+                len(self.layer_types) == self.num_layers,
+                "layer_types",
+                f"has {len(self.layer_types)} entries for num_layers={self.num_layers}; give one per layer",
             )
+            unknown = [t for t in self.layer_types if t not in LAYER_TYPES]
+            _require(not unknown, "layer_types", f"unknown type {unknown[0] if unknown else ''!r}; choose from {_choices(LAYER_TYPES)}")
+            _require(
+                self.sliding_window is not None or "sliding_attention" not in self.layer_types,
+                "sliding_window",
+                "layer_types has sliding_attention layers but sliding_window is null; give the window size",
+            )
+        if self.query_pre_attn_scalar is not None:
+            _require(self.query_pre_attn_scalar > 0, "query_pre_attn_scalar", "must be positive or null")
+        if self.final_logit_softcap is not None:
+            _require(self.final_logit_softcap > 0, "final_logit_softcap", "must be positive or null")
+        _require(self.norm_weight_offset in (0.0, 1.0), "norm_weight_offset", f"0 (w) or 1 (Gemma's 1 + w), got {self.norm_weight_offset}")
 
-    # --- derived sizes -------------------------------------------------------------------------
+    # --- derived structure ---------------------------------------------------------------------
 
-    @property
-    def num_dense_layers(self) -> int:
-        return self.num_layers if self.family == LLAMA else self.first_k_dense_replace
+    def is_moe_layer(self, i: int) -> bool:
+        if self.moe is None:
+            return False
+        return i >= self.first_k_dense_replace and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+
+    def layer_type(self, i: int) -> str:
+        if self.layer_types is not None:
+            return self.layer_types[i]
+        return "full_attention" if self.sliding_window is None else "sliding_attention"
+
+    def layer_spec(self, i: int) -> LayerSpec:
+        sliding = self.layer_type(i) == "sliding_attention"
+        return LayerSpec(
+            window=self.sliding_window if sliding else None,
+            local_rope=sliding and self.rope_local is not None,
+            moe=self.is_moe_layer(i),
+        )
+
+    def layer_rope(self, spec: LayerSpec) -> RopeConfig:
+        return self.rope_local if spec.local_rope else self.rope
 
     @property
     def num_moe_layers(self) -> int:
-        return self.num_layers - self.num_dense_layers
+        return sum(self.is_moe_layer(i) for i in range(self.num_layers))
+
+    @property
+    def num_dense_layers(self) -> int:
+        return self.num_layers - self.num_moe_layers
+
+    @property
+    def uses_mla(self) -> bool:
+        return self.mla is not None
+
+    @property
+    def has_dense_mlp(self) -> bool:
+        """Whether any dense MLP runs: a dense layer, or DeepSeek-style shared experts."""
+        return self.num_dense_layers > 0 or (self.moe is not None and self.moe.n_shared_experts > 0 and self.num_moe_layers > 0)
 
     @property
     def rope_dim(self) -> int:
-        return self.head_dim if self.family == LLAMA else self.mla.qk_rope_head_dim
+        return self.mla.qk_rope_head_dim if self.uses_mla else self.head_dim
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.mla.qk_head_dim if self.uses_mla else self.head_dim
+
+    @property
+    def v_head_dim(self) -> int:
+        return self.mla.v_head_dim if self.uses_mla else self.head_dim
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
+
+    def __hash__(self) -> int:
+        return hash(tuple(tuple(v) if isinstance(v, list) else v for v in dataclasses.astuple(self, tuple_factory=tuple)))
 
 
 # --- parameter and FLOP counts ---------------------------------------------------------------
@@ -207,8 +373,14 @@ class ModelConfig:
 
 def _attention_params(c: ModelConfig) -> int:
     d = c.hidden_size
-    if c.family == LLAMA:
-        return d * c.num_heads * c.head_dim * 2 + d * c.num_kv_heads * c.head_dim * 2
+    if not c.uses_mla:
+        n, k, h = c.num_heads, c.num_kv_heads, c.head_dim
+        total = d * n * h * 2 + d * k * h * 2
+        total += (n * h + 2 * k * h) if c.attention_bias else 0
+        total += d if c.attention_out_bias else 0
+        total += 2 * h if c.qk_norm else 0
+        total += n if c.attention_sinks else 0
+        return total
     m = c.mla
     n = c.num_heads
     if m.q_lora_rank is None:
@@ -219,45 +391,83 @@ def _attention_params(c: ModelConfig) -> int:
     return q + kv + n * m.v_head_dim * d
 
 
+def _expert_params(c: ModelConfig) -> int:
+    m = c.moe
+    d, i = c.hidden_size, m.moe_intermediate_size
+    return 3 * d * i + ((2 * i + d) if m.expert_bias else 0)
+
+
+def _router_params(c: ModelConfig) -> int:
+    m = c.moe
+    router = m.n_routed_experts * c.hidden_size
+    if m.router == "sigmoid_grouped":
+        router += m.n_routed_experts  # the correction bias (a buffer, counted as DeepSeek counts it)
+    if m.router_bias:
+        router += m.n_routed_experts
+    return router
+
+
 def _moe_params(c: ModelConfig, active: bool) -> int:
     m = c.moe
     experts = m.num_experts_per_tok if active else m.n_routed_experts
-    expert = 3 * c.hidden_size * m.moe_intermediate_size
-    router = m.n_routed_experts * c.hidden_size + m.n_routed_experts  # weight + correction bias
-    return router + experts * expert + m.n_shared_experts * expert
+    shared = m.n_shared_experts * 3 * c.hidden_size * m.moe_intermediate_size
+    return _router_params(c) + experts * _expert_params(c) + shared
 
 
 def count_params(c: ModelConfig, active: bool = False) -> int:
     """Parameters of the model (`active`: those one token uses, counting top_k routed experts)."""
     d = c.hidden_size
-    attention_and_norms = _attention_params(c) + 2 * d
-    dense = c.num_dense_layers * (attention_and_norms + 3 * d * c.intermediate_size)
-    moe = c.num_moe_layers * (attention_and_norms + _moe_params(c, active)) if c.num_moe_layers else 0
+    norms = (4 if c.sandwich_norms else 2) * d
+    per_layer = _attention_params(c) + norms
+    dense = c.num_dense_layers * (per_layer + 3 * d * c.intermediate_size)
+    moe = c.num_moe_layers * (per_layer + _moe_params(c, active)) if c.num_moe_layers else 0
     embed = c.vocab_size * d
     head = 0 if c.tie_word_embeddings else c.vocab_size * d
     return embed + dense + moe + d + head
 
 
+def attended_keys(seq_len: int, window: Optional[int], causal: bool = True) -> float:
+    """Mean number of keys a query attends to: T/2 causal (the convention of the attention FLOP count),
+    and with a sliding window of W keys, the mean of min(i + 1, W) over the positions."""
+    if not causal:
+        return float(seq_len)
+    if window is None or window >= seq_len:
+        return seq_len / 2
+    full = window * (window + 1) / 2 + (seq_len - window) * window  # sum over i of min(i + 1, W)
+    return full / seq_len
+
+
 def flops_per_token(c: ModelConfig, seq_len: int, causal: bool = True) -> float:
     """Training FLOPs (forward + backward = 3x forward) per token, counted analytically.
 
-    Matmuls: 6 per active matmul weight (the embedding lookup is no matmul). Attention: the score and
-    context products, 12 * layers * seq * heads * (qk_dim + v_dim) / 2 per token, halved again when causal.
+    Matmuls: 6 per active matmul weight (the embedding lookup is no matmul; biases, norms, sinks and
+    the DeepSeek correction bias are no matmul weights). Attention: the score and context products,
+    6 * heads * (qk_dim + v_dim) per attended key, per layer; a causal layer attends T/2 keys on
+    average, a sliding one the mean of min(i + 1, W). The router is a matmul (hidden x experts).
     """
-    # Drop the embedding table and, when untied, the head's own copy; the head matmul is added back below.
-    matmul_weights = count_params(c, active=True) - c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2)
-    matmul_weights -= c.num_layers * 2 * c.hidden_size + c.hidden_size  # norms
-    if c.family == DEEPSEEK_V3:
+    d = c.hidden_size
+    matmul_weights = count_params(c, active=True) - c.vocab_size * d * (1 if c.tie_word_embeddings else 2)
+    matmul_weights -= c.num_layers * (4 if c.sandwich_norms else 2) * d + d  # norms
+    if c.uses_mla:
         m = c.mla
-        matmul_weights -= c.num_layers * (m.kv_lora_rank + (m.q_lora_rank or 0))
-        matmul_weights -= c.num_moe_layers * c.moe.n_routed_experts  # correction bias
-        qk, v = m.qk_head_dim, m.v_head_dim
+        matmul_weights -= c.num_layers * (m.kv_lora_rank + (m.q_lora_rank or 0))  # latent norms
     else:
-        qk = v = c.head_dim
-    matmul_weights += c.vocab_size * c.hidden_size  # the output head is a matmul, tied or not
-    attention = 6 * c.num_layers * seq_len * c.num_heads * (qk + v)
-    if causal:
-        attention /= 2
+        n, k, h = c.num_heads, c.num_kv_heads, c.head_dim
+        matmul_weights -= c.num_layers * (
+            ((n * h + 2 * k * h) if c.attention_bias else 0)
+            + (d if c.attention_out_bias else 0)
+            + (2 * h if c.qk_norm else 0)
+            + (n if c.attention_sinks else 0)
+        )
+    if c.num_moe_layers:
+        m = c.moe
+        not_matmul = _router_params(c) - m.n_routed_experts * d
+        if m.expert_bias:
+            not_matmul += m.num_experts_per_tok * (2 * m.moe_intermediate_size + d)
+        matmul_weights -= c.num_moe_layers * not_matmul
+    matmul_weights += c.vocab_size * d  # the output head is a matmul, tied or not
+    keys = sum(attended_keys(seq_len, c.layer_spec(i).window, causal) for i in range(c.num_layers))
+    attention = 6 * keys * c.num_heads * (c.qk_head_dim + c.v_head_dim)
     return 6.0 * matmul_weights + attention
 
 
@@ -290,8 +500,41 @@ def _dsv3_like(**kw) -> ModelConfig:
     return ModelConfig(mla=mla, moe=moe, **base)
 
 
+def _softmax_moe(experts: int, top_k: int, inter: int, norm_topk_prob: bool = True) -> MoEConfig:
+    """Mixtral's and Qwen3-MoE's router: no groups, no shared experts, no scaling."""
+    return MoEConfig(n_routed_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=inter, n_shared_experts=0,
+                     router="softmax", n_group=1, topk_group=1, norm_topk_prob=norm_topk_prob, routed_scaling_factor=1.0)
+
+
+def _gpt_oss_moe(experts: int, inter: int, top_k: int = 4, limit: float = 7.0) -> MoEConfig:
+    return MoEConfig(n_routed_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=inter, n_shared_experts=0,
+                     router="topk_softmax", n_group=1, topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.0,
+                     router_bias=True, expert_bias=True, activation="clamped_swiglu", swiglu_limit=limit, swiglu_alpha=1.702)
+
+
+def _alternating(layers: int) -> list[str]:
+    """GPT-OSS: sliding and full attention alternate, starting with sliding."""
+    return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+
+
+def _gemma_pattern(layers: int, period: int = 6) -> list[str]:
+    """Gemma 3: every `period`-th layer global, the rest sliding (5 local : 1 global)."""
+    return ["full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(layers)]
+
+
+_GEMMA3 = dict(family=GEMMA3, qk_norm=True, norm_weight_offset=1.0, sandwich_norms=True, scale_embeddings=True,
+               mlp_activation="gelu_tanh", tie_word_embeddings=True, rms_norm_eps=1e-6)
+_QWEN3 = dict(qk_norm=True, rms_norm_eps=1e-6, rope=RopeConfig(theta=1000000.0))
+_GPT_OSS = dict(family=GPT_OSS, attention_bias=True, attention_out_bias=True, attention_sinks=True, rms_norm_eps=1e-5)
+
+
+def _gpt_oss_rope(original: int) -> RopeConfig:
+    return RopeConfig(type="yarn", theta=150000.0, factor=32.0, original_max_position_embeddings=original,
+                      beta_fast=32.0, beta_slow=1.0, truncate=False)
+
+
 SIZES: dict[str, ModelConfig] = {
-    # The two reference models of tests/data (Hugging Face transformers computed their outputs).
+    # The reference models of tests/data (Hugging Face transformers computed their outputs).
     "llama_tiny_a": ModelConfig(
         family=LLAMA, vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
         intermediate_size=128, rms_norm_eps=1e-5, max_position_embeddings=128, rope=RopeConfig(theta=10000.0),
@@ -304,6 +547,34 @@ SIZES: dict[str, ModelConfig] = {
         moe=MoEConfig(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
                       n_group=2, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5),
     ),
+    "qwen2_tiny_a": ModelConfig(
+        family=QWEN2, vocab_size=256, hidden_size=112, num_layers=2, num_heads=14, num_kv_heads=2, head_dim=8,
+        intermediate_size=160, rms_norm_eps=1e-6, max_position_embeddings=256, tie_word_embeddings=True,
+        attention_bias=True, rope=RopeConfig(theta=1000000.0),
+    ),
+    "qwen3_tiny_a": ModelConfig(
+        family=QWEN3, vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+        intermediate_size=128, max_position_embeddings=256, tie_word_embeddings=True, **_QWEN3,
+    ),
+    "qwen3_moe_tiny_a": ModelConfig(
+        family=QWEN3_MOE, vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=24,
+        intermediate_size=128, max_position_embeddings=256, moe=_softmax_moe(8, 2, 32), **_QWEN3,
+    ),
+    "mixtral_tiny_a": ModelConfig(
+        family=MIXTRAL, vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+        intermediate_size=64, rms_norm_eps=1e-5, max_position_embeddings=256, rope=RopeConfig(theta=1000000.0),
+        moe=_softmax_moe(8, 2, 64),
+    ),
+    "gemma3_tiny_a": ModelConfig(
+        vocab_size=256, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=1, head_dim=32, intermediate_size=128,
+        max_position_embeddings=256, query_pre_attn_scalar=24.0, sliding_window=8, layer_types=_gemma_pattern(4, 4),
+        rope=RopeConfig(theta=1000000.0), rope_local=RopeConfig(theta=10000.0), **_GEMMA3,
+    ),
+    "gpt_oss_tiny_a": ModelConfig(
+        vocab_size=256, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=64,
+        max_position_embeddings=2048, sliding_window=8, layer_types=_alternating(4), rope=_gpt_oss_rope(64),
+        moe=_gpt_oss_moe(4, 64, top_k=2, limit=1.5), **_GPT_OSS,
+    ),
     # ~1.2B Llama shaped like Llama 3.2 1B (tied embeddings); fits one GPU with room for activations.
     "llama_1b": ModelConfig(
         family=LLAMA, vocab_size=128256, hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,
@@ -315,6 +586,34 @@ SIZES: dict[str, ModelConfig] = {
     "llama_100m": ModelConfig(
         family=LLAMA, vocab_size=32000, hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, head_dim=64,
         intermediate_size=2048, max_position_embeddings=4096, rope=RopeConfig(theta=500000.0),
+    ),
+    # ~100M of each newer family, for CPU runs: the family's blocks at llama_100m's scale.
+    "qwen2_100m": ModelConfig(
+        family=QWEN2, vocab_size=32000, hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=2, head_dim=64,
+        intermediate_size=2048, rms_norm_eps=1e-6, max_position_embeddings=4096, tie_word_embeddings=True,
+        attention_bias=True, rope=RopeConfig(theta=1000000.0),
+    ),
+    "qwen3_100m": ModelConfig(
+        family=QWEN3, vocab_size=32000, hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, head_dim=64,
+        intermediate_size=2048, max_position_embeddings=4096, tie_word_embeddings=True, **_QWEN3,
+    ),
+    "qwen3_moe_100m": ModelConfig(
+        family=QWEN3_MOE, vocab_size=32000, hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=4, head_dim=64,
+        intermediate_size=2048, max_position_embeddings=4096, moe=_softmax_moe(16, 4, 384), **_QWEN3,
+    ),
+    "mixtral_100m": ModelConfig(
+        family=MIXTRAL, vocab_size=32000, hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=4, head_dim=64,
+        intermediate_size=1024, max_position_embeddings=4096, rope=RopeConfig(theta=1000000.0), moe=_softmax_moe(8, 2, 1024),
+    ),
+    "gemma3_100m": ModelConfig(
+        vocab_size=32000, hidden_size=512, num_layers=12, num_heads=8, num_kv_heads=4, head_dim=64, intermediate_size=2048,
+        max_position_embeddings=4096, query_pre_attn_scalar=64.0, sliding_window=512, layer_types=_gemma_pattern(12),
+        rope=RopeConfig(theta=1000000.0), rope_local=RopeConfig(theta=10000.0), **_GEMMA3,
+    ),
+    "gpt_oss_100m": ModelConfig(
+        vocab_size=32000, hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=2, head_dim=64, intermediate_size=512,
+        max_position_embeddings=4096, sliding_window=128, layer_types=_alternating(6), rope=_gpt_oss_rope(4096),
+        moe=_gpt_oss_moe(16, 512), **_GPT_OSS,
     ),
     "llama3.1_8b": _llama31(4096, 32, 32, 14336),
     "llama3.1_70b": _llama31(8192, 80, 64, 28672),
@@ -344,6 +643,59 @@ SIZES: dict[str, ModelConfig] = {
         moe=MoEConfig(n_routed_experts=256, num_experts_per_tok=8, moe_intermediate_size=2048, n_shared_experts=1,
                       n_group=8, topk_group=4, routed_scaling_factor=2.5),
     ),
+    # Kimi K2: DeepSeek-V3's architecture with 384 experts, 64 heads, one dense layer, no expert groups.
+    "kimi_k2_1t": _dsv3_like(
+        vocab_size=163840, hidden_size=7168, num_layers=61, num_heads=64, intermediate_size=18432,
+        max_position_embeddings=131072, first_k_dense_replace=1,
+        rope=RopeConfig(type="yarn", theta=50000.0, interleaved=True, factor=64.0, original_max_position_embeddings=4096,
+                        beta_fast=1.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
+        mla=MLAConfig(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
+        moe=MoEConfig(n_routed_experts=384, num_experts_per_tok=8, moe_intermediate_size=2048, n_shared_experts=1,
+                      n_group=1, topk_group=1, routed_scaling_factor=2.827),
+    ),
+    "qwen2.5_7b": ModelConfig(
+        family=QWEN2, vocab_size=152064, hidden_size=3584, num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128,
+        intermediate_size=18944, rms_norm_eps=1e-6, max_position_embeddings=131072, attention_bias=True,
+        rope=RopeConfig(theta=1000000.0), compute_dtype="bfloat16",
+    ),
+    "qwen3_8b": ModelConfig(
+        family=QWEN3, vocab_size=151936, hidden_size=4096, num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128,
+        intermediate_size=12288, max_position_embeddings=40960, compute_dtype="bfloat16", **_QWEN3,
+    ),
+    "qwen3_30b_a3b": ModelConfig(
+        family=QWEN3_MOE, vocab_size=151936, hidden_size=2048, num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128,
+        intermediate_size=6144, max_position_embeddings=40960, moe=_softmax_moe(128, 8, 768), compute_dtype="bfloat16", **_QWEN3,
+    ),
+    "qwen3_235b_a22b": ModelConfig(
+        family=QWEN3_MOE, vocab_size=151936, hidden_size=4096, num_layers=94, num_heads=64, num_kv_heads=4, head_dim=128,
+        intermediate_size=12288, max_position_embeddings=40960, moe=_softmax_moe(128, 8, 1536), compute_dtype="bfloat16", **_QWEN3,
+    ),
+    "mixtral_8x7b": ModelConfig(
+        family=MIXTRAL, vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
+        intermediate_size=14336, rms_norm_eps=1e-5, max_position_embeddings=32768, rope=RopeConfig(theta=1000000.0),
+        moe=_softmax_moe(8, 2, 14336), compute_dtype="bfloat16",
+    ),
+    "mixtral_8x22b": ModelConfig(
+        family=MIXTRAL, vocab_size=32768, hidden_size=6144, num_layers=56, num_heads=48, num_kv_heads=8, head_dim=128,
+        intermediate_size=16384, rms_norm_eps=1e-5, max_position_embeddings=65536, rope=RopeConfig(theta=1000000.0),
+        moe=_softmax_moe(8, 2, 16384), compute_dtype="bfloat16",
+    ),
+    "gemma3_27b": ModelConfig(
+        vocab_size=262208, hidden_size=5376, num_layers=62, num_heads=32, num_kv_heads=16, head_dim=128,
+        intermediate_size=21504, max_position_embeddings=131072, query_pre_attn_scalar=168.0, sliding_window=1024,
+        layer_types=_gemma_pattern(62), rope=RopeConfig(type="linear", theta=1000000.0, factor=8.0),
+        rope_local=RopeConfig(theta=10000.0), compute_dtype="bfloat16", **_GEMMA3,
+    ),
+    "gpt_oss_20b": ModelConfig(
+        vocab_size=201088, hidden_size=2880, num_layers=24, num_heads=64, num_kv_heads=8, head_dim=64, intermediate_size=2880,
+        max_position_embeddings=131072, sliding_window=128, layer_types=_alternating(24), rope=_gpt_oss_rope(4096),
+        moe=_gpt_oss_moe(32, 2880), compute_dtype="bfloat16", **_GPT_OSS,
+    ),
+    "gpt_oss_120b": ModelConfig(
+        vocab_size=201088, hidden_size=2880, num_layers=36, num_heads=64, num_kv_heads=8, head_dim=64, intermediate_size=2880,
+        max_position_embeddings=131072, sliding_window=128, layer_types=_alternating(36), rope=_gpt_oss_rope(4096),
+        moe=_gpt_oss_moe(128, 2880), compute_dtype="bfloat16", **_GPT_OSS,
+    ),
 }
 
 
@@ -360,3 +712,13 @@ def ceil_div(a: int, b: int) -> int:
 def moe_capacity(tokens: int, c: MoEConfig) -> int:
     """Per-expert buffer size of the capacity path: ceil(tokens * top_k / experts * capacity_factor)."""
     return max(1, math.ceil(tokens * c.num_experts_per_tok / c.n_routed_experts * c.capacity_factor))
+
+
+def conf_yaml(name: str) -> str:
+    """`conf/model/<name>.yaml`: SIZES[name] as a Hydra option, every field written out."""
+    from omegaconf import OmegaConf
+
+    header = f"# zoo.config.SIZES['{name}'] as a Hydra option; every field of zoo.config.ModelConfig.\n"
+    header += "# Written by `python -m zoo.write_conf`; tests/test_train_sharding.py holds the two equal.\n"
+    return header + OmegaConf.to_yaml(OmegaConf.structured(SIZES[name]))
+

@@ -210,6 +210,7 @@ def config_from_hf(cfg: dict, **overrides) -> ModelConfig:
                 topk_group=cfg.get("topk_group") or 1,
                 norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
                 routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+                impl="ragged",  # a loaded checkpoint computes what it was trained to: dropless, exact
             ),
         )
     moe_overrides = {k[4:]: overrides.pop(k) for k in list(overrides) if k.startswith("moe_")}
@@ -385,18 +386,20 @@ def top_rules(c: ModelConfig) -> list[Rule]:
 
 def _get(tree, path: str):
     for part in path.split("."):
-        tree = getattr(tree, part) if tree is not None else None
+        if tree is None:
+            return None
+        tree = tree[int(part)] if part.isdigit() else getattr(tree, part)
     return tree
 
 
-def _stacks(model: CausalLM):
-    """(attribute, first global layer index, stack, is_moe) for each layer stack."""
+def _positions(model: CausalLM):
+    """(attribute path of the stacked block, its layer indices, is_moe) for every block position of every stack."""
     c = model.config
     out = []
-    if model.dense_layers is not None:
-        out.append(("dense_layers", 0, model.dense_layers, False))
-    if model.moe_layers is not None:
-        out.append(("moe_layers", c.num_dense_layers, model.moe_layers, True))
+    for s_idx, stack in enumerate(model.stacks):
+        for j in range(stack.period):
+            layers = [stack.layer_index(r, j) for r in range(stack.repeats)]
+            out.append((f"stacks.{s_idx}.layers.{j}", layers, c.is_moe_layer(layers[0])))
     return out
 
 
@@ -450,20 +453,21 @@ def from_pretrained(path, dtype: str = "float32", compute_dtype: Optional[str] =
         for z, arr, shape in zip(rule.zoo, rule.to_zoo(*hub, *zoo_shapes), zoo_shapes):
             place(z, np.asarray(arr, dtype=np_dtype).reshape(shape))
 
-    for attr, first, stack, moe in _stacks(skeleton):
+    for attr, layers, moe in _positions(skeleton):
+        block = _get(skeleton, attr)
         for rule in block_rules(config, moe):
-            stacked_shapes = [_get(stack.layers, z).shape for z in rule.zoo]
+            stacked_shapes = [_get(block, z).shape for z in rule.zoo]
             layer_shapes = [s[1:] for s in stacked_shapes]
             hub_shapes = _hub_shapes(rule, layer_shapes)
             # One host buffer per leaf, filled layer by layer from the memory map, then moved once.
-            buffers = [np.empty(s, np_dtype) for s in stacked_shapes]
-            for j in range(stack.num_layers):
-                prefix = f"model.layers.{first + j}."
+            buffers = [np.empty(s, _get(block, z).dtype) for s, z in zip(stacked_shapes, rule.zoo)]  # the skeleton's dtype: param_dtype, float32 buffers
+            for j, layer in enumerate(layers):
+                prefix = f"model.layers.{layer}."
                 hub = [reader.get(prefix + n, s) for n, s in zip(rule.hub, hub_shapes)]
                 for buf, arr in zip(buffers, rule.to_zoo(*hub, *layer_shapes)):
                     buf[j] = arr
             for z, buf in zip(rule.zoo, buffers):
-                place(f"{attr}.layers.{z}", buf)
+                place(f"{attr}.{z}", buf)
             del buffers
 
     return eqx.tree_at(lambda m: [_get(m, p) for p in paths], skeleton, values)
@@ -485,11 +489,12 @@ def to_hf_state_dict(tree: CausalLM) -> dict[str, np.ndarray]:
 
     for rule in top_rules(c):
         emit(rule, [_get(tree, z) for z in rule.zoo])
-    for _, first, stack, moe in _stacks(tree):
+    for attr, layers, moe in _positions(tree):
+        block = _get(tree, attr)
         for rule in block_rules(c, moe):
-            stacked = [_get(stack.layers, z) for z in rule.zoo]
-            for j in range(stack.num_layers):
-                emit(rule, [None if s is None else np.asarray(s[j]) for s in stacked], f"model.layers.{first + j}.")
+            stacked = [_get(block, z) for z in rule.zoo]
+            for j, layer in enumerate(layers):
+                emit(rule, [None if s is None else np.asarray(s[j]) for s in stacked], f"model.layers.{layer}.")
     return out
 
 

@@ -56,7 +56,7 @@ class TagRecord(_PerLayerRecord):
     bytes_per_layer: int
     layers: int
     placement: str  # host | device | recomputed | unread
-    occurrences: int = 1  # checkpoint_name sites of this tag per layer
+    occurrences: int = 1  # checkpoint_name sites of this tag per scan step (layers of a repeating period)
 
 
 
@@ -203,19 +203,21 @@ def _analyse_forward_scan(eqn, stack: str) -> tuple[list[TagRecord], list[OtherR
     records = []
     for tag, outs in sites.items():
         aval = outs[0].aval
+        # A scan step runs a period of layers (one block each), so each site is one layer's tag.
         records.append(
             TagRecord(
                 tag=tag,
                 stack=stack,
                 shape=tuple(aval.shape),
                 dtype=str(aval.dtype),
-                bytes_per_layer=sum(_nbytes(o.aval) for o in outs),
-                layers=layers,
+                bytes_per_layer=sum(_nbytes(o.aval) for o in outs) // len(outs),
+                layers=layers * len(outs),
                 placement=placement.get(tag, ""),
                 occurrences=len(outs),
             )
         )
-    return records, other, {"name": stack, "layers": layers}
+    period = max(1, len(sites.get("decoder_layer_input", ())))  # every decoder layer tags its input once
+    return records, other, {"name": stack, "layers": layers * period, "scan_length": layers}
 
 
 def placement_from_jaxpr(closed, stack_names: Optional[Sequence[str]] = None) -> Placement:
@@ -247,8 +249,8 @@ def placement_from_jaxpr(closed, stack_names: Optional[Sequence[str]] = None) ->
 
 
 def stack_names(model) -> list[str]:
-    """Names of a CausalLM's layer stacks in program order (dense prefix, then MoE)."""
-    return [n for n in ("dense_layers", "moe_layers") if getattr(model, n, None) is not None]
+    """Names of a CausalLM's layer stacks in program order."""
+    return [s.name for s in model.stacks]
 
 
 def inspect_placement(fn: Callable, *args, stacks: Optional[Sequence[str]] = None) -> Placement:
@@ -369,7 +371,7 @@ def _conf():
 
 def prepare_step(overrides: Sequence[str]):
     """Compose, validate (one-line errors, nothing compiled) and build train.py's Trainer."""
-    from zoo.offload import dropped_family_tags, resolve
+    from zoo.offload import dropped_block_tags, resolve
     from zoo.train.run import prepare
     from zoo.train.step import Trainer
 
@@ -377,8 +379,8 @@ def prepare_step(overrides: Sequence[str]):
     c, plan, devices, _ = prepare(cfg)
     resolve(c.offload, c.model)
     notes = [
-        f"offload.family_tags.{c.model.family}.{t}: this {c.model.family} configuration does not emit it; ignored"
-        for t in dropped_family_tags(c.offload, c.model)
+        f"offload.block_tags: {t}: this {c.model.family} configuration does not emit it; ignored"
+        for t in dropped_block_tags(c.offload, c.model)
     ]
     return c, plan, devices, Trainer(c, plan, devices), notes
 

@@ -1,98 +1,201 @@
 """Decoder blocks, scanned layer stacks, the causal LM and its loss.
 
-One core serves both families: a block is `norm -> attention -> residual; norm -> MLP or MoE ->
-residual`; Llama fills it with GQA + SwiGLU, DeepSeek-V3 with MLA + SwiGLU (dense prefix) or MLA + MoE.
-Layers of a stack are stored stacked (leading layer axis) and run under `lax.scan`, so compile time
-does not grow with depth, and the scan body is where checkpoint (remat/offload) policies apply.
+One core serves every family. A block reads `x + attn(norm(x))`, then `x + ffn(norm(x))` (Gemma 3
+also normalises each branch's output: sandwich norms); the attention is grouped-query (`GQAttention`,
+with the family's flags) or latent (`MLAttention`), the feed-forward a gated MLP or a mixture of
+experts. What differs between layers of one model (a sliding window, the rope of sliding layers, a
+MoE in place of the MLP) is a `LayerSpec`; layers of equal spec have equal structure.
+
+Layers are stored stacked and run under `lax.scan`, so compile time does not grow with depth. A
+model's layers are cut into as few stacks as possible (`plan_stacks`): runs of one spec scan one
+block (Llama: one stack; DeepSeek-V3: the dense prefix and the MoE layers), and a repeating pattern
+scans its period (Gemma 3's five sliding layers and one global layer, GPT-OSS's alternation) with
+one block per position, each block checkpointed on its own so remat/offload policies act per layer.
 """
 
-from typing import Callable, Optional, Union
+import math
+from typing import Callable, Optional, Sequence, Union
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
+from zoo import sharding as zs
 from zoo import tags
-from zoo.config import ModelConfig
-from zoo.nn import GQAttention, MLAttention, MoE, MoEAux, RMSNorm, SwiGLU
+from zoo.config import LayerSpec, ModelConfig
+from zoo.nn import GatedMLP, GQAttention, MLAttention, MoE, MoEAux, RMSNorm
 from zoo.nn._init import normal
 
 # A function applied to one layer's parameters inside the scan body, before use: e.g. moving
 # host-resident weights to the device one layer at a time.
 LayerTransform = Callable[[PyTree], PyTree]
-# A function applied to the residual stream at every block boundary: e.g. a sharding constraint.
-ActivationConstraint = Callable[[Array], Array]
 
 
 class DecoderBlock(eqx.Module):
     attn_norm: RMSNorm
     attn: Union[GQAttention, MLAttention]
+    post_attn_norm: Optional[RMSNorm]  # sandwich norms (Gemma 3)
     ffn_norm: RMSNorm
-    ffn: Union[SwiGLU, MoE]
-
-    def __call__(
-        self, x: Float[Array, "batch seq embed"], positions: Int[Array, " seq"]
-    ) -> tuple[Float[Array, "batch seq embed"], Optional[MoEAux]]:
-        x = tags.tag(x, tags.DECODER_LAYER_INPUT)
-        x = x + self.attn(self.attn_norm(x), positions)
-        h = self.ffn(self.ffn_norm(x))
-        h, aux = h if isinstance(self.ffn, MoE) else (h, None)
-        return x + h, aux
-
-
-def make_block(c: ModelConfig, moe: bool, key: PRNGKeyArray) -> DecoderBlock:
-    ka, kf = jax.random.split(key)
-    dtypes = dict(param_dtype=c.param_dtype, compute_dtype=c.compute_dtype)
-    if c.family == tags.LLAMA:
-        attn = GQAttention(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.rope, c.max_position_embeddings,
-                           impl=c.attention_impl, key=ka, **dtypes)
-    else:
-        attn = MLAttention(c.hidden_size, c.num_heads, c.mla, c.rope, c.max_position_embeddings,
-                           impl=c.attention_impl, key=ka, **dtypes)
-    ffn = MoE(c.hidden_size, c.moe, key=kf, **dtypes) if moe else SwiGLU(c.hidden_size, c.intermediate_size, key=kf, **dtypes)
-    def norm():
-        return RMSNorm(c.hidden_size, eps=c.rms_norm_eps, dtype=c.param_dtype)
-
-    return DecoderBlock(norm(), attn, norm(), ffn)
-
-
-class Stack(eqx.Module):
-    """`num_layers` blocks of one structure; every array leaf of `layers` has a leading layer axis."""
-
-    layers: DecoderBlock
-    num_layers: int = eqx.field(static=True)
-
-    def __init__(self, make: Callable[[PRNGKeyArray], DecoderBlock], num_layers: int, *, key: PRNGKeyArray):
-        self.layers = eqx.filter_vmap(make)(jax.random.split(key, num_layers))
-        self.num_layers = num_layers
-
-    def __check_init__(self):
-        if self.num_layers < 1:
-            raise ValueError(f"a Stack needs at least one layer, got {self.num_layers}")
+    ffn: Union[GatedMLP, MoE]
+    post_ffn_norm: Optional[RMSNorm]
 
     def __call__(
         self,
         x: Float[Array, "batch seq embed"],
-        positions: Int[Array, " seq"],
+        positions: Int[Array, "*batch seq"],
+        segment_ids: Optional[Int[Array, "batch seq"]] = None,
+    ) -> tuple[Float[Array, "batch seq embed"], Optional[MoEAux]]:
+        x = tags.tag(x, tags.DECODER_LAYER_INPUT)
+        h = self.attn(self.attn_norm(x), positions, segment_ids)
+        if self.post_attn_norm is not None:
+            h = self.post_attn_norm(h)
+        x = x + h
+        h, aux = self.ffn(self.ffn_norm(x)) if isinstance(self.ffn, MoE) else (self.ffn(self.ffn_norm(x)), None)
+        if self.post_ffn_norm is not None:
+            h = self.post_ffn_norm(h)
+        return x + h, aux
+
+
+def make_block(c: ModelConfig, spec: LayerSpec, key: PRNGKeyArray) -> DecoderBlock:
+    ka, kf = jax.random.split(key)
+    dtypes = dict(param_dtype=c.param_dtype, compute_dtype=c.compute_dtype)
+    rope = c.layer_rope(spec)
+    if c.uses_mla:
+        attn = MLAttention(c.hidden_size, c.num_heads, c.mla, rope, c.max_position_embeddings, impl=c.attention_impl, key=ka, **dtypes)
+    else:
+        attn = GQAttention(
+            c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, rope, c.max_position_embeddings,
+            bias=c.attention_bias, out_bias=c.attention_out_bias, qk_norm=c.qk_norm, norm_eps=c.rms_norm_eps,
+            norm_weight_offset=c.norm_weight_offset, sinks=c.attention_sinks, window=spec.window,
+            scale=None if c.query_pre_attn_scalar is None else c.query_pre_attn_scalar**-0.5,
+            impl=c.attention_impl, key=ka, **dtypes,
+        )
+    if spec.moe:
+        ffn = MoE(c.hidden_size, c.moe, key=kf, **dtypes)
+    else:
+        ffn = GatedMLP(c.hidden_size, c.intermediate_size, activation=c.mlp_activation, key=kf, **dtypes)
+
+    def norm():
+        return RMSNorm(c.hidden_size, eps=c.rms_norm_eps, weight_offset=c.norm_weight_offset, dtype=c.param_dtype)
+
+    sandwich = c.sandwich_norms
+    return DecoderBlock(norm(), attn, norm() if sandwich else None, norm(), ffn, norm() if sandwich else None)
+
+
+# --- how layers are cut into scanned stacks ----------------------------------------------------
+
+
+def _runs(specs: Sequence[LayerSpec], lo: int, hi: int) -> list[tuple[int, int, int]]:
+    """Maximal runs of one spec in [lo, hi), as (first layer, period 1, repeats)."""
+    out, i = [], lo
+    while i < hi:
+        j = i
+        while j < hi and specs[j] == specs[i]:
+            j += 1
+        out.append((i, 1, j - i))
+        i = j
+    return out
+
+
+def plan_stacks(specs: Sequence[LayerSpec], max_period: int = 8) -> list[tuple[int, int, int]]:
+    """Cut the layers into the fewest scanned stacks: `(first layer, period, repeats)` each, covering
+    the layers in order. A stack repeats a period of `period` layers `repeats` times; a repeating
+    pattern with a prefix or a tail (DeepSeek-V3's dense layers, Gemma 3-27B's 62 = 10 x 6 + 2 layers)
+    gives a few stacks, so the count does not grow with depth. Ties go to the shorter period."""
+    n = len(specs)
+    candidates = [_runs(specs, 0, n)]
+    for p in range(2, min(max_period, n) + 1):
+        for a in range(n):
+            r = 0
+            while a + (r + 1) * p <= n and list(specs[a + r * p : a + (r + 1) * p]) == list(specs[a : a + p]):
+                r += 1
+            if r >= 2:
+                candidates.append(_runs(specs, 0, a) + [(a, p, r)] + _runs(specs, a + r * p, n))
+    return min(candidates, key=lambda segs: (len(segs), sum(p for _, p, _ in segs)))
+
+
+def _stack_names(config: ModelConfig, plan: Sequence[tuple[int, int, int]]) -> list[str]:
+    """`dense_layers`, `moe_layers` or `layers` (mixed), with the layer range where that repeats."""
+    kinds = []
+    for first, period, _ in plan:
+        moe = {config.layer_spec(first + j).moe for j in range(period)}
+        kinds.append("moe_layers" if moe == {True} else "dense_layers" if moe == {False} else "layers")
+    names = []
+    for (first, period, repeats), kind in zip(plan, kinds):
+        names.append(kind if kinds.count(kind) == 1 else f"{kind}_{first}_{first + period * repeats - 1}")
+    return names
+
+
+def stack_layout(config: ModelConfig) -> list[tuple[str, int, int, int]]:
+    """`(name, first layer, period, repeats)` of each stack a model of `config` scans, in order."""
+    plan = plan_stacks([config.layer_spec(i) for i in range(config.num_layers)])
+    return [(name, *segment) for name, segment in zip(_stack_names(config, plan), plan)]
+
+
+class Stack(eqx.Module):
+    """Layers `first .. first + period * repeats - 1`: `layers[j]` holds the blocks at position j of
+    the repeating period, every array leaf with a leading `repeats` axis. Layer `first + r * period + j`
+    is `layers[j]` at index r."""
+
+    layers: tuple[DecoderBlock, ...]
+    name: str = eqx.field(static=True)
+    first: int = eqx.field(static=True)
+    repeats: int = eqx.field(static=True)
+
+    def __init__(self, config: ModelConfig, name: str, first: int, period: int, repeats: int, *, key: PRNGKeyArray):
+        keys = jax.random.split(key, period)
+        self.layers = tuple(
+            eqx.filter_vmap(lambda k, j=j: make_block(config, config.layer_spec(first + j), k))(jax.random.split(keys[j], repeats))
+            for j in range(period)
+        )
+        self.name = name
+        self.first = first
+        self.repeats = repeats
+
+    def __check_init__(self):
+        if self.repeats < 1 or not self.layers:
+            raise ValueError(f"a Stack needs at least one layer, got {self.repeats} x {len(self.layers)}")
+
+    @property
+    def period(self) -> int:
+        return len(self.layers)
+
+    @property
+    def num_layers(self) -> int:
+        return self.period * self.repeats
+
+    def layer_index(self, repeat: int, position: int) -> int:
+        return self.first + repeat * self.period + position
+
+    def __call__(
+        self,
+        x: Float[Array, "batch seq embed"],
+        positions: Int[Array, "*batch seq"],
+        segment_ids: Optional[Int[Array, "batch seq"]] = None,
         *,
         remat_policy: Optional[Callable] = None,
         layer_transform: Optional[LayerTransform] = None,
-        constrain: Optional[ActivationConstraint] = None,
-    ) -> tuple[Float[Array, "batch seq embed"], Optional[MoEAux]]:
+    ) -> tuple[Float[Array, "batch seq embed"], tuple[Optional[MoEAux], ...]]:
         params, static = eqx.partition(self.layers, eqx.is_array)
 
-        def body(h, layer_params):
+        def run_block(h, block_params, j):
             if layer_transform is not None:
-                layer_params = layer_transform(layer_params)
-            if constrain is not None:
-                h = constrain(h)
-            h, aux = eqx.combine(layer_params, static)(h, positions)
-            return (h if constrain is None else constrain(h)), aux
+                block_params = layer_transform(block_params)
+            return eqx.combine(block_params, static[j])(h, positions, segment_ids)
 
         if remat_policy is not None:
             # The policy decides, per tagged intermediate, what the backward pass keeps, offloads or recomputes.
-            body = jax.checkpoint(body, policy=remat_policy, prevent_cse=False)
+            run_block = jax.checkpoint(run_block, policy=remat_policy, prevent_cse=False, static_argnums=(2,))
+
+        def body(h, period_params):
+            auxes = []
+            for j in range(self.period):
+                h, aux = run_block(zs.constrain(h, zs.ACTIVATION_AXES), period_params[j], j)
+                auxes.append(aux)
+            return zs.constrain(h, zs.ACTIVATION_AXES), tuple(auxes)
+
         return jax.lax.scan(body, x, params)
 
 
@@ -100,49 +203,102 @@ class CausalLM(eqx.Module):
     """`model(tokens)`: int32 `[batch, seq]` -> float32 logits `[batch, seq, vocab]`."""
 
     embed: Float[Array, "vocab embed"]
-    dense_layers: Optional[Stack]  # Llama: all layers; DeepSeek-V3: the first_k_dense_replace prefix
-    moe_layers: Optional[Stack]
+    stacks: tuple[Stack, ...]
     final_norm: RMSNorm
     lm_head: Optional[Float[Array, "embed vocab"]]  # None when tied to the embedding
     config: ModelConfig = eqx.field(static=True)
 
     def __init__(self, config: ModelConfig, *, key: PRNGKeyArray):
-        ke, kd, km, kh = jax.random.split(key, 4)
+        ke, ks, kh = jax.random.split(key, 3)
         c = config
         self.embed = normal(ke, (c.vocab_size, c.hidden_size), c.hidden_size, c.param_dtype)
-        self.dense_layers = Stack(lambda k: make_block(c, False, k), c.num_dense_layers, key=kd) if c.num_dense_layers else None
-        self.moe_layers = Stack(lambda k: make_block(c, True, k), c.num_moe_layers, key=km) if c.num_moe_layers else None
-        self.final_norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, dtype=c.param_dtype)
+        layout = stack_layout(c)
+        keys = jax.random.split(ks, len(layout))
+        self.stacks = tuple(Stack(c, name, first, period, repeats, key=k) for (name, first, period, repeats), k in zip(layout, keys))
+        self.final_norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, weight_offset=c.norm_weight_offset, dtype=c.param_dtype)
         self.lm_head = None if c.tie_word_embeddings else normal(kh, (c.hidden_size, c.vocab_size), c.hidden_size, c.param_dtype)
         self.config = config
 
-    @property
-    def stacks(self) -> tuple[Stack, ...]:
-        return tuple(s for s in (self.dense_layers, self.moe_layers) if s is not None)
+    def __check_init__(self):
+        covered = [s.layer_index(r, j) for s in self.stacks for r in range(s.repeats) for j in range(s.period)]
+        if sorted(covered) != list(range(self.config.num_layers)):
+            raise ValueError(f"the stacks cover layers {sorted(covered)}, not 0..{self.config.num_layers - 1}")
 
-    def forward_with_aux(
+    def stack(self, name: str) -> Stack:
+        for s in self.stacks:
+            if s.name == name:
+                return s
+        raise KeyError(f"no stack {name!r}; the stacks are {', '.join(s.name for s in self.stacks)}")
+
+    def blocks(self) -> list[tuple[int, DecoderBlock]]:
+        """(layer index, block with a leading repeats axis) for every position of every stack."""
+        return [(s.first + j, b) for s in self.stacks for j, b in enumerate(s.layers)]
+
+    def moe_aux_order(self) -> list[tuple[int, int, np.ndarray]]:
+        """For each MoE block position `(stack index, position)`, the rows of `forward_with_aux`'s
+        per-MoE-layer statistics that its repeats fill (layers in model order)."""
+        moe_layers = [i for i in range(self.config.num_layers) if self.config.is_moe_layer(i)]
+        row = {layer: r for r, layer in enumerate(moe_layers)}
+        out = []
+        for s_idx, s in enumerate(self.stacks):
+            for j in range(s.period):
+                if self.config.is_moe_layer(s.first + j):
+                    out.append((s_idx, j, np.asarray([row[s.layer_index(r, j)] for r in range(s.repeats)])))
+        return out
+
+    def embed_tokens(self, tokens: Int[Array, "batch seq"]) -> Float[Array, "batch seq embed"]:
+        c = self.config
+        x = jnp.take(self.embed, tokens, axis=0)
+        if c.scale_embeddings:
+            # Gemma keeps sqrt(hidden) as a buffer in the weights' dtype: in bf16, sqrt(3072) = 55.5.
+            x = x * jnp.asarray(math.sqrt(c.hidden_size), self.embed.dtype)
+        return x.astype(c.compute_dtype)
+
+    def head_weight(self) -> Float[Array, "embed vocab"]:
+        return self.embed.T if self.lm_head is None else self.lm_head
+
+    def logits(self, hidden: Float[Array, "batch seq embed"]) -> Float[Array, "batch seq vocab"]:
+        c = self.config
+        logits = jnp.einsum("BTD,DV->BTV", hidden, self.head_weight().astype(c.compute_dtype), preferred_element_type=jnp.float32)
+        if c.final_logit_softcap is not None:
+            logits = c.final_logit_softcap * jnp.tanh(logits / c.final_logit_softcap)
+        return logits
+
+    def features(
         self,
         tokens: Int[Array, "batch seq"],
         *,
+        positions: Optional[Int[Array, "*batch seq"]] = None,
+        segment_ids: Optional[Int[Array, "batch seq"]] = None,
         remat_policy: Optional[Callable] = None,
         layer_transform: Optional[LayerTransform] = None,
-        constrain: Optional[ActivationConstraint] = None,
-    ) -> tuple[Float[Array, "batch seq vocab"], Optional[MoEAux]]:
-        """Logits and the MoE layers' routing statistics (stacked over MoE layers; None for Llama).
+    ) -> tuple[Float[Array, "batch seq embed"], Optional[MoEAux]]:
+        """The final-normed hidden states and the MoE layers' routing statistics, one row per MoE
+        layer in model order (None without MoE layers).
 
-        `constrain` is applied to the residual stream `[batch seq embed]` at every block boundary.
+        `positions` (default 0..seq-1) feed RoPE; `segment_ids` confine attention to a document.
         """
-        c = self.config
-        positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)
-        x = jnp.take(self.embed, tokens, axis=0).astype(c.compute_dtype)
-        aux = None
+        if positions is None:
+            positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)
+        x = zs.constrain(self.embed_tokens(tokens), zs.ACTIVATION_AXES)
+        per_stack = []
         for stack in self.stacks:
-            x, stack_aux = stack(x, positions, remat_policy=remat_policy, layer_transform=layer_transform, constrain=constrain)
-            aux = stack_aux if stack_aux is not None else aux
-        x = self.final_norm(x)
-        head = self.embed.T if self.lm_head is None else self.lm_head
-        logits = jnp.einsum("BTD,DV->BTV", x, head.astype(c.compute_dtype), preferred_element_type=jnp.float32)
-        return logits, aux
+            x, auxes = stack(x, positions, segment_ids, remat_policy=remat_policy, layer_transform=layer_transform)
+            per_stack.append(auxes)
+        order = self.moe_aux_order()
+        aux = None
+        if order:
+            rows = np.concatenate([r for _, _, r in order])
+            inverse = np.argsort(rows)
+            counts = jnp.concatenate([per_stack[s][j].tokens_per_expert for s, j, _ in order])[inverse]
+            dropped = jnp.concatenate([per_stack[s][j].dropped for s, j, _ in order])[inverse]
+            aux = MoEAux(counts, dropped)
+        return self.final_norm(x), aux
+
+    def forward_with_aux(self, tokens: Int[Array, "batch seq"], **kwargs) -> tuple[Float[Array, "batch seq vocab"], Optional[MoEAux]]:
+        """Logits and the routing statistics (see `features` for the keyword arguments)."""
+        hidden, aux = self.features(tokens, **kwargs)
+        return self.logits(hidden), aux
 
     def __call__(self, tokens: Int[Array, "batch seq"], **kwargs) -> Float[Array, "batch seq vocab"]:
         return self.forward_with_aux(tokens, **kwargs)[0]

@@ -1,15 +1,17 @@
 """Offload policies: per named intermediate keep on device, offload to pinned host, or recompute;
 parameters and optimizer state in device or pinned host memory.
 
-A policy becomes one `jax.checkpoint` policy applied to the body of every scanned layer stack.
+A policy becomes one `jax.checkpoint` policy applied to every decoder layer of the scanned stacks.
 
 Two maps name the tags:
-- `tags`: tag -> action for the model at hand. Strict: a tag the model never emits is an error.
-- `family_tags`: family -> {tag -> action}, for tags that only one family emits (the MLA latents,
-  the routed experts). A model applies the section of its own family and ignores the others, so one
-  preset (`minimal`, `deepseek_mla_moe_offload`, ...) serves Llama and DeepSeek-V3 alike. Entries of
-  `tags` win over `family_tags`. Tags that the chosen family never emits can only be written under
-  another family's section, so a misspelled or misplaced name is still an error, never a no-op.
+- `tags`: tag -> action, for tags every model emits (the layer input and the attention tags).
+  Strict: a tag the model never emits is an error.
+- `block_tags`: block kind -> {tag -> action}, for tags of blocks a model may lack (`zoo.tags`):
+  `mlp` (dense MLPs: dense layers, DeepSeek's shared experts), `mla` (latent attention), `moe`
+  (routed experts). A model applies the sections of the blocks it has and ignores the others, so one
+  preset (`minimal`, `deepseek_mla_moe_offload`, ...) serves every family. A section holds only its
+  own kind's tags, so a misspelled or misplaced name is still an error, never a no-op. Entries of
+  `tags` win over `block_tags`.
 
 Placement rules, which `zoo.inspect` reads back from the traced program and the tests hold it to:
 - `offload` -> the forward pass copies the tag to pinned host and the backward pass copies it back;
@@ -28,11 +30,10 @@ from typing import Callable, Optional
 
 import jax
 
-from zoo.tags import DECODER_LAYER_INPUT, DEEPSEEK_V3, LLAMA, MLPWO, TAGS, emitted_tags
+from zoo.tags import DECODER_LAYER_INPUT, MLPWO, OPTIONAL_KINDS, TAGS, block_kinds, emitted_tags
 
 ACTIONS = ("device", "offload", "remat")
 MEMORY_KINDS = ("device", "pinned_host")
-FAMILIES = (LLAMA, DEEPSEEK_V3)
 # Where a tag's value ends up in the backward pass (what zoo.inspect reports).
 PLACEMENTS = ("host", "device", "recomputed", "unread")
 # What `expected_placement` says without a checkpoint: not recomputed, not on host; the inspector
@@ -64,55 +65,56 @@ def _check_action(key: str, tag_name: str, action) -> None:
 class OffloadConfig:
     """`tags`: tag -> device | offload | remat; tags left out are recomputed.
 
-    `family_tags`: family -> {tag -> action} for tags only that family emits; applied to models of
-    that family only (see the module docstring). `checkpoint: false` applies no checkpoint at all:
-    the backward pass keeps every intermediate it reads (the `none` preset: fastest, most memory).
-    `params` / `opt_state`: the memory kind the train state's arrays live in between steps.
+    `block_tags`: block kind (mlp, mla, moe) -> {tag -> action} for tags of that kind of block,
+    applied to models that have it (see the module docstring). `checkpoint: false` applies no
+    checkpoint at all: the backward pass keeps every intermediate it reads (the `none` preset:
+    fastest, most memory). `params` / `opt_state`: the memory kind the train state's arrays live in
+    between steps.
     """
 
     name: str = "none"
     checkpoint: bool = False
     tags: dict[str, str] = dataclasses.field(default_factory=dict)
-    family_tags: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
+    block_tags: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
     params: str = "device"
     opt_state: str = "device"
 
     def __post_init__(self):
         for tag_name, action in self.tags.items():
             _check_action(f"offload.tags.{tag_name}", tag_name, action)
-        for family, section in self.family_tags.items():
-            if family not in FAMILIES:
-                raise ValueError(f"offload.family_tags.{family}: unknown family; choose one of {', '.join(FAMILIES)}")
+        for kind, section in self.block_tags.items():
+            if kind not in OPTIONAL_KINDS:
+                raise ValueError(
+                    f"offload.block_tags.{kind}: unknown block kind; choose one of {', '.join(OPTIONAL_KINDS)} "
+                    f"(tags every model emits go under offload.tags)"
+                )
             for tag_name, action in (section or {}).items():
-                key = f"offload.family_tags.{family}.{tag_name}"
+                key = f"offload.block_tags.{kind}.{tag_name}"
                 _check_action(key, tag_name, action)
-                families = TAGS[tag_name].families
-                if families != (family,):
-                    raise ValueError(
-                        f"{key}: family_tags.{family} holds only tags that {family} alone emits; "
-                        f"{tag_name} is emitted by {', '.join(families)}: "
-                        + (f"put it in offload.tags" if family in families else f"move it under offload.family_tags.{families[0]}")
-                    )
+                owner = TAGS[tag_name].block
+                if owner != kind:
+                    where = "offload.tags" if owner not in OPTIONAL_KINDS else f"offload.block_tags.{owner}"
+                    raise ValueError(f"{key}: {tag_name} belongs to the {owner} block, not {kind}; move it under {where}")
         for field in ("params", "opt_state"):
             if getattr(self, field) not in MEMORY_KINDS:
                 raise ValueError(f"offload.{field}={getattr(self, field)!r}: choose one of {', '.join(MEMORY_KINDS)}")
-        if not self.checkpoint and (self.tags or any(self.family_tags.values())):
-            named = next(iter(self.tags), None) or next(t for s in self.family_tags.values() for t in (s or {}))
+        if not self.checkpoint and (self.tags or any(self.block_tags.values())):
+            named = next(iter(self.tags), None) or next(t for s in self.block_tags.values() for t in (s or {}))
             raise ValueError(
                 f"offload.tags.{named}: with offload.checkpoint=false nothing is recomputed and every tag is kept, "
                 f"so per-tag actions would be ignored; set offload.checkpoint=true"
             )
 
     def names(self, action: str) -> list[str]:
-        """Tags of `tags` with this action (family_tags not included; see `actions`)."""
+        """Tags of `tags` with this action (block_tags not included; see `actions`)."""
         return [t for t, a in self.tags.items() if a == action]
 
-    def actions(self, family: Optional[str] = None) -> dict[str, str]:
-        """The named tags' actions: `family_tags[family]` overlaid by `tags`. Without a family, every
-        family's section (they name disjoint tags, so the union is well defined)."""
+    def actions(self, kinds: Optional[tuple[str, ...]] = None) -> dict[str, str]:
+        """The named tags' actions: the `block_tags` sections of `kinds` overlaid by `tags`. Without
+        kinds, every section (they name disjoint tags, so the union is well defined)."""
         merged: dict[str, str] = {}
-        for fam, section in self.family_tags.items():
-            if family is None or fam == family:
+        for kind, section in self.block_tags.items():
+            if kinds is None or kind in kinds:
                 merged.update(section or {})
         merged.update(self.tags)
         return merged
@@ -131,19 +133,21 @@ def check_tags_emitted(policy: OffloadConfig, model_config) -> None:
     emitted = emitted_tags(model_config)
     missing = [t for t, a in policy.tags.items() if t not in emitted and a != "remat"]
     if missing:
+        t = missing[0]
+        kind = TAGS[t].block
+        hint = f"; tags of optional blocks go under offload.block_tags.{kind}" if kind in OPTIONAL_KINDS else ""
         raise ValueError(
-            f"offload.tags.{missing[0]}: the {model_config.family} model never emits this tag; "
-            f"it emits: {', '.join(emitted)}"
+            f"offload.tags.{t}: the {model_config.family} model never emits this tag; "
+            f"it emits: {', '.join(emitted)}{hint}"
         )
 
 
-def dropped_family_tags(policy: OffloadConfig, model_config) -> list[str]:
-    """Entries of this family's `family_tags` section that this configuration does not emit
-    (`q_lora_rank: null` has no query_wa_proj / mla_q; no shared experts and no dense prefix, no
-    dense MLP tags). They are ignored for this model; tools print them."""
+def dropped_block_tags(policy: OffloadConfig, model_config) -> list[str]:
+    """Entries of the model's own block sections that this configuration does not emit
+    (`q_lora_rank: null` has no query_wa_proj / mla_q). They are ignored for this model; tools print them."""
     emitted = emitted_tags(model_config)
-    section = policy.family_tags.get(model_config.family) or {}
-    return [t for t in section if t not in emitted and t not in policy.tags]
+    kinds = block_kinds(model_config)
+    return [t for k, section in policy.block_tags.items() if k in kinds for t in (section or {}) if t not in emitted and t not in policy.tags]
 
 
 def resolve(policy: OffloadConfig, model_config) -> dict[str, str]:
@@ -155,7 +159,7 @@ def resolve(policy: OffloadConfig, model_config) -> dict[str, str]:
     emitted = emitted_tags(model_config)
     if not policy.checkpoint:
         return {t: "device" for t in emitted}
-    named = policy.actions(model_config.family)
+    named = policy.actions(block_kinds(model_config))
     return {t: named.get(t, "remat") for t in emitted}
 
 
@@ -206,7 +210,7 @@ def remat_policy(policy: OffloadConfig, model_config=None) -> Optional[Callable]
         return keep_all_but_transfers if policy.params == "pinned_host" else None
     if model_config is not None:
         resolve(policy, model_config)
-    actions = policy.actions(None if model_config is None else model_config.family)
+    actions = policy.actions(None if model_config is None else block_kinds(model_config))
     saved = [t for t, a in actions.items() if a == "device"]
     offloaded = [t for t, a in actions.items() if a == "offload"]
     cp = jax.checkpoint_policies
@@ -245,12 +249,17 @@ def from_mapping(d) -> OffloadConfig:
         d = OmegaConf.to_container(d, resolve=True)
     d = {k: v for k, v in dict(d).items() if k != "defaults"}
     fields = {f.name for f in dataclasses.fields(OffloadConfig)}
+    if "family_tags" in d:
+        raise ValueError(
+            "offload.family_tags: replaced by offload.block_tags (sections per block kind: mlp, mla, moe, so one "
+            "policy serves every family); move e.g. family_tags.deepseek_v3.mla_kv to block_tags.mla.mla_kv"
+        )
     unknown = [k for k in d if k not in fields]
     if unknown:
         raise ValueError(f"offload.{unknown[0]}: unknown key; the keys are {', '.join(sorted(fields))}")
     d = dict(d)
     d["tags"] = dict(d.get("tags") or {})
-    d["family_tags"] = {k: dict(v or {}) for k, v in (d.get("family_tags") or {}).items()}
+    d["block_tags"] = {k: dict(v or {}) for k, v in (d.get("block_tags") or {}).items()}
     return OffloadConfig(**d)
 
 

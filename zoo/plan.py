@@ -34,6 +34,7 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 
+from zoo.nn.moe import resolve_moe_impl
 from zoo.offload import BACKWARD_NEVER_READS, CHECKPOINT_INPUTS, OffloadConfig
 
 CHOICES = ("device", "offload", "remat")
@@ -350,26 +351,40 @@ def _state_hint(p: Problem) -> str:
 # --- from a model config ----------------------------------------------------------------------
 
 
+def _stack_layers(config, stack: str) -> list[int]:
+    """The layer indices of a named stack of the model `config` builds."""
+    from zoo.model import stack_layout
+
+    for name, first, period, repeats in stack_layout(config):
+        if name == stack:
+            return list(range(first, first + period * repeats))
+    return list(range(config.num_layers))
+
+
 def producer_flops(config, tag: str, stack: str, batch: int, seq: int) -> float:
     """Forward FLOPs, per layer and device, of the op that produces `tag` from its inputs.
 
-    Matmuls: 2 * output elements * contraction. Attention (`context`): scores and context products,
-    halved for causality (as `zoo.config.flops_per_token` counts them). Norms (`mla_q`, `mla_kv`): about
-    5 FLOPs per element. The layer input cannot be recomputed: 0.
+    Matmuls: 2 * output elements * contraction. Attention (`context`): scores and context products
+    over the keys a query attends (causal: T/2; sliding: the window, as `zoo.config.flops_per_token`
+    counts them), averaged over the stack's layers. Norms (`mla_q`, `mla_kv`): about 5 FLOPs per
+    element. The layer input cannot be recomputed: 0.
     """
+    from zoo.config import attended_keys
+
     c = config
     n = batch * seq
     d = c.hidden_size
-    moe_stack = stack == "moe_layers"
-    if c.family == "llama":
-        nh, kh, h = c.num_heads, c.num_kv_heads, c.head_dim
-        qk = v = h
+    layers = _stack_layers(c, stack)
+    moe_stack = all(c.is_moe_layer(i) for i in layers)
+    keys = sum(attended_keys(seq, c.layer_spec(i).window) for i in layers) / len(layers)
+    nh = c.num_heads
+    qk, v = c.qk_head_dim, c.v_head_dim
+    if not c.uses_mla:
+        kh, h = c.num_kv_heads, c.head_dim
         q_in, k_flops, v_flops = d, 2 * n * d * kh * h, 2 * n * d * kh * h
         q_out = nh * h
     else:
         m = c.mla
-        nh = c.num_heads
-        qk, v = m.qk_head_dim, m.v_head_dim
         q_in = m.q_lora_rank or d
         q_out = nh * qk
         k_flops = 2 * n * m.kv_lora_rank * nh * m.qk_nope_head_dim
@@ -377,7 +392,7 @@ def producer_flops(config, tag: str, stack: str, batch: int, seq: int) -> float:
     if moe_stack:
         mo = c.moe
         ffn = mo.moe_intermediate_size * mo.n_shared_experts
-        if mo.impl == "capacity":
+        if resolve_moe_impl(mo.impl) == "capacity":
             from zoo.config import moe_capacity
 
             rows = mo.n_routed_experts * moe_capacity(n, mo)
@@ -390,13 +405,13 @@ def producer_flops(config, tag: str, stack: str, batch: int, seq: int) -> float:
         "query_proj": 2 * n * q_in * q_out,
         "key_proj": k_flops,
         "value_proj": v_flops,
-        "context": 2 * batch * nh * seq * seq * (qk + v) / 2,
+        "context": 2 * batch * nh * seq * keys * (qk + v),
         "out_proj": 2 * n * nh * v * d,
         "mlpwi_0": 2 * n * d * ffn,
         "mlpwi_1": 2 * n * d * ffn,
         "mlpwo": 2 * n * ffn * d,
     }
-    if c.family != "llama":
+    if c.uses_mla:
         m = c.mla
         table.update(
             {
@@ -406,9 +421,9 @@ def producer_flops(config, tag: str, stack: str, batch: int, seq: int) -> float:
                 "mla_kv": 5 * n * m.kv_lora_rank,
             }
         )
-        if moe_stack:
-            i = c.moe.moe_intermediate_size
-            table.update({"moe_mlpwi_0": 2 * rows * d * i, "moe_mlpwi_1": 2 * rows * d * i, "moe_mlpwo": 2 * rows * i * d})
+    if c.moe is not None and any(c.is_moe_layer(i) for i in layers):
+        i = c.moe.moe_intermediate_size
+        table.update({"moe_mlpwi_0": 2 * rows * d * i, "moe_mlpwi_1": 2 * rows * d * i, "moe_mlpwo": 2 * rows * i * d})
     return float(table.get(tag, 0.0))
 
 
@@ -492,8 +507,9 @@ def _fmt_bytes(b: float) -> str:
 # --- the command line -------------------------------------------------------------------------
 
 
-def _per_device_bytes(abstract_tree, shardings) -> tuple[float, dict]:
-    """Bytes per device of a tree of ShapeDtypeStructs under its shardings; and per top-level stack."""
+def _per_device_bytes(abstract_tree, shardings, stack_names: Sequence[str] = ()) -> tuple[float, dict]:
+    """Bytes per device of a tree of ShapeDtypeStructs under its shardings; and per layer stack
+    (leaves under `stacks[i]`, keyed by `stack_names[i]`)."""
     import jax
 
     total, per_stack = 0.0, {}
@@ -503,9 +519,11 @@ def _per_device_bytes(abstract_tree, shardings) -> tuple[float, dict]:
         shape = sh.shard_shape(leaf.shape) if hasattr(sh, "shard_shape") else leaf.shape
         b = float(math.prod(shape) * np.dtype(leaf.dtype).itemsize)
         total += b
-        stack = next((getattr(k, "name", None) for k in path if getattr(k, "name", None) in ("dense_layers", "moe_layers")), None)
-        if stack:
-            per_stack[stack] = per_stack.get(stack, 0.0) + b
+        keys = [getattr(k, "name", getattr(k, "idx", None)) for k in path]
+        if "stacks" in keys and keys.index("stacks") + 1 < len(keys):
+            idx = keys[keys.index("stacks") + 1]
+            if isinstance(idx, int) and idx < len(stack_names):
+                per_stack[stack_names[idx]] = per_stack.get(stack_names[idx], 0.0) + b
     return total, per_stack
 
 
@@ -538,7 +556,7 @@ def problem_from_config(c, trainer, opts: PlanConfig, hardware_dir=None) -> tupl
     tags = tag_costs(m, placement.records, batch, seq)
 
     stacks = {}
-    param_bytes, stack_params = _per_device_bytes(trainer.abstract_params, trainer.param_shardings)
+    param_bytes, stack_params = _per_device_bytes(trainer.abstract_params, trainer.param_shardings, stack_names(abstract))
     abstract_opt = jax.eval_shape(trainer.tx.init, trainer.abstract_params)
     opt_bytes, _ = _per_device_bytes(abstract_opt, trainer.opt_shardings)
     for s in placement.stacks:

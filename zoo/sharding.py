@@ -47,6 +47,11 @@ _PARAM_AXES: dict[Any, tuple[Optional[str], ...]] = {
     "wk": ("embed", "kv_heads", None),
     "wv": ("embed", "kv_heads", None),
     "wo": ("heads", None, "embed"),  # also MLA's
+    "bq": ("heads", None),
+    "bk": ("kv_heads", None),
+    "bv": ("kv_heads", None),
+    "bo": (None,),
+    "sinks": ("heads",),
     # DeepSeek-V3 MLA
     "wq_a": ("embed", None),
     "wq_b": (None, "heads", None),
@@ -62,6 +67,10 @@ _PARAM_AXES: dict[Any, tuple[Optional[str], ...]] = {
     ("w_down", 3): ("experts", "mlp", "embed"),
     "router": ("embed", None),
     "e_score_correction_bias": (None,),
+    "router_bias": (None,),
+    "b_gate": ("experts", "mlp"),
+    "b_up": ("experts", "mlp"),
+    "b_down": ("experts", "embed"),
     "weight": (None,),  # RMSNorm
 }
 

@@ -5,6 +5,11 @@ Every tensor that a remat/offload policy may keep, offload or recompute is tagge
 a policy can never name a tensor that does not exist (see `emitted_tags`). The names follow
 MaxText so its users feel at home.
 
+Each tag belongs to one kind of block, and a model emits the tags of the blocks it has: every model
+has `layer` and `attention`; `mlp` needs a dense MLP (dense layers, or DeepSeek's shared experts),
+`mla` multi-head latent attention, `moe` routed experts. Offload policies name tags per block kind
+(`zoo.offload`), so one policy serves every family.
+
 Shape letters: B batch, T sequence, D embed (hidden), N query heads, K kv heads, H head dim,
 F mlp (intermediate), R q_lora_rank, L kv_lora_rank, P rope head dim, V v head dim,
 A routed assignments (B*T*top_k, sorted by expert) on the ragged path, E C (experts x capacity
@@ -15,36 +20,48 @@ import dataclasses
 
 from jax.ad_checkpoint import checkpoint_name
 
+LLAMA = "llama"
+DEEPSEEK_V3 = "deepseek_v3"
+QWEN2 = "qwen2"
+QWEN3 = "qwen3"
+QWEN3_MOE = "qwen3_moe"
+MIXTRAL = "mixtral"
+GEMMA3 = "gemma3"
+GPT_OSS = "gpt_oss"
+FAMILIES = (LLAMA, DEEPSEEK_V3, QWEN2, QWEN3, QWEN3_MOE, MIXTRAL, GEMMA3, GPT_OSS)
+
+# Block kinds: what a tag belongs to (see the module docstring).
+LAYER, ATTENTION, MLP, MLA, MOE = "layer", "attention", "mlp", "mla", "moe"
+BLOCK_KINDS = (LAYER, ATTENTION, MLP, MLA, MOE)
+# Kinds a model may lack: offload policies name their tags in per-kind sections.
+OPTIONAL_KINDS = (MLP, MLA, MOE)
+
 
 @dataclasses.dataclass(frozen=True)
 class TagInfo:
     name: str
     shape: str
     doc: str
-    families: tuple[str, ...]
+    block: str
 
-
-LLAMA = "llama"
-DEEPSEEK_V3 = "deepseek_v3"
-_BOTH = (LLAMA, DEEPSEEK_V3)
 
 _VOCABULARY = (
-    TagInfo("decoder_layer_input", "B T D", "residual stream entering a decoder layer", _BOTH),
-    TagInfo("query_proj", "B T N H", "queries after the q projection, before RoPE (MLA: q_b_proj output)", _BOTH),
-    TagInfo("key_proj", "B T K H", "keys after the k projection, before RoPE (MLA: per-head nope keys from kv_b_proj)", _BOTH),
-    TagInfo("value_proj", "B T K H", "values after the v projection (MLA: per-head values from kv_b_proj)", _BOTH),
-    TagInfo("context", "B T N V", "attention output, before the out projection", _BOTH),
-    TagInfo("out_proj", "B T D", "attention output after the out projection", _BOTH),
-    TagInfo("mlpwi_0", "B T F", "dense SwiGLU gate projection (before SiLU); DeepSeek-V3: dense layers and shared experts", _BOTH),
-    TagInfo("mlpwi_1", "B T F", "dense SwiGLU up projection", _BOTH),
-    TagInfo("mlpwo", "B T D", "dense SwiGLU down projection output", _BOTH),
-    TagInfo("query_wa_proj", "B T R", "MLA q down-projection (q_a_proj) output; absent when q_lora_rank is null", (DEEPSEEK_V3,)),
-    TagInfo("mla_q", "B T R", "MLA q latent after its RMSNorm; absent when q_lora_rank is null", (DEEPSEEK_V3,)),
-    TagInfo("kv_wa_proj", "B T L+P", "MLA kv down-projection (kv_a_proj_with_mqa) output: kv latent and the shared rope key", (DEEPSEEK_V3,)),
-    TagInfo("mla_kv", "B T L", "MLA kv latent after its RMSNorm", (DEEPSEEK_V3,)),
-    TagInfo("moe_mlpwi_0", "A I | E C I", "routed experts' gate projection, tokens sorted or dispatched by expert", (DEEPSEEK_V3,)),
-    TagInfo("moe_mlpwi_1", "A I | E C I", "routed experts' up projection", (DEEPSEEK_V3,)),
-    TagInfo("moe_mlpwo", "A D | E C D", "routed experts' down projection output, before combining", (DEEPSEEK_V3,)),
+    TagInfo("decoder_layer_input", "B T D", "residual stream entering a decoder layer", LAYER),
+    TagInfo("query_proj", "B T N H", "queries after the q projection (and its bias), before q-norm and RoPE (MLA: q_b_proj output)", ATTENTION),
+    TagInfo("key_proj", "B T K H", "keys after the k projection (and its bias), before k-norm and RoPE (MLA: per-head nope keys from kv_b_proj)", ATTENTION),
+    TagInfo("value_proj", "B T K H", "values after the v projection (MLA: per-head values from kv_b_proj)", ATTENTION),
+    TagInfo("context", "B T N V", "attention output, before the out projection", ATTENTION),
+    TagInfo("out_proj", "B T D", "attention output after the out projection", ATTENTION),
+    TagInfo("mlpwi_0", "B T F", "dense MLP gate projection (before the activation); DeepSeek-V3: dense layers and shared experts", MLP),
+    TagInfo("mlpwi_1", "B T F", "dense MLP up projection", MLP),
+    TagInfo("mlpwo", "B T D", "dense MLP down projection output", MLP),
+    TagInfo("query_wa_proj", "B T R", "MLA q down-projection (q_a_proj) output; absent when q_lora_rank is null", MLA),
+    TagInfo("mla_q", "B T R", "MLA q latent after its RMSNorm; absent when q_lora_rank is null", MLA),
+    TagInfo("kv_wa_proj", "B T L+P", "MLA kv down-projection (kv_a_proj_with_mqa) output: kv latent and the shared rope key", MLA),
+    TagInfo("mla_kv", "B T L", "MLA kv latent after its RMSNorm", MLA),
+    TagInfo("moe_mlpwi_0", "A I | E C I", "routed experts' gate projection (and bias), tokens sorted or dispatched by expert", MOE),
+    TagInfo("moe_mlpwi_1", "A I | E C I", "routed experts' up projection (and bias)", MOE),
+    TagInfo("moe_mlpwo", "A D | E C D", "routed experts' down projection output (and bias), before combining", MOE),
 )
 
 TAGS: dict[str, TagInfo] = {t.name: t for t in _VOCABULARY}
@@ -74,11 +91,26 @@ def tag(x, name: str):
     return checkpoint_name(x, name)
 
 
+def block_kinds(config) -> tuple[str, ...]:
+    """The block kinds a model built from `config` has."""
+    kinds = [LAYER, ATTENTION]
+    if config.has_dense_mlp:
+        kinds.append(MLP)
+    if config.uses_mla:
+        kinds.append(MLA)
+    if config.num_moe_layers:
+        kinds.append(MOE)
+    return tuple(kinds)
+
+
+def tags_of_kind(kind: str) -> tuple[str, ...]:
+    return tuple(t.name for t in _VOCABULARY if t.block == kind)
+
+
 def emitted_tags(config) -> tuple[str, ...]:
     """The tags a model built from `config` emits in its forward pass, in vocabulary order."""
-    names = [t.name for t in _VOCABULARY if config.family in t.families]
-    if config.family == DEEPSEEK_V3 and config.mla.q_lora_rank is None:
+    kinds = block_kinds(config)
+    names = [t.name for t in _VOCABULARY if t.block in kinds]
+    if config.uses_mla and config.mla.q_lora_rank is None:
         names = [n for n in names if n not in (QUERY_WA_PROJ, MLA_Q)]
-    if config.family == DEEPSEEK_V3 and config.moe.n_shared_experts == 0 and config.first_k_dense_replace == 0:
-        names = [n for n in names if n not in (MLPWI_0, MLPWI_1, MLPWO)]
     return tuple(names)

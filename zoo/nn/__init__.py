@@ -4,11 +4,11 @@ Modules act on batched activations `[batch seq ...]` (routing and sharding need 
 weights are stored in einsum layout (`[in, ..., out]`), cast to the compute dtype where they are used.
 """
 
-from zoo.nn.attention import GQAttention
+from zoo.nn.attention import GQAttention, attend
 from zoo.nn.mla import MLAttention
-from zoo.nn.mlp import SwiGLU
+from zoo.nn.mlp import GatedMLP, SwiGLU
 from zoo.nn.moe import MoE, MoEAux
 from zoo.nn.norm import RMSNorm
 from zoo.nn.rope import Rope
 
-__all__ = ["GQAttention", "MLAttention", "MoE", "MoEAux", "RMSNorm", "Rope", "SwiGLU"]
+__all__ = ["GQAttention", "GatedMLP", "MLAttention", "MoE", "MoEAux", "RMSNorm", "Rope", "SwiGLU", "attend"]

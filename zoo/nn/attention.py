@@ -1,4 +1,11 @@
-"""Causal self-attention: the shared score/softmax/context core and Llama's grouped-query attention."""
+"""Causal self-attention: the shared kernel entry point and grouped-query attention (GQA).
+
+`GQAttention` serves every family but DeepSeek-V3 (whose MLA lives in `zoo.nn.mla`): Llama, Qwen2/3,
+Qwen3-MoE, Mixtral, Gemma 3 and GPT-OSS differ only in flags (q/k/v and output biases, per-head q/k
+RMSNorm, a sliding window, attention sinks, the softmax scale) and in their rope.
+"""
+
+from typing import Optional
 
 import equinox as eqx
 import jax
@@ -8,6 +15,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from zoo import tags
 from zoo.config import RopeConfig
 from zoo.nn._init import normal
+from zoo.nn.norm import RMSNorm
 from zoo.nn.rope import Rope
 
 
@@ -21,49 +29,85 @@ def resolve_attention_impl(impl: str, dtype, qk_dim: int, v_dim: int) -> str:
     return "cudnn" if on_gpu and half and supported else "xla"
 
 
-def causal_attention(
+def _mask(t: int, s: int, window: Optional[int], segment_ids, kv_segment_ids) -> Array:
+    """Boolean `[batch or 1, T, S]`: causal, within the window, within the segment."""
+    q_pos = jnp.arange(t)[:, None] + (s - t)
+    k_pos = jnp.arange(s)[None, :]
+    allowed = k_pos <= q_pos
+    if window is not None:
+        allowed &= k_pos > q_pos - window
+    allowed = allowed[None]
+    if segment_ids is not None:
+        kv = segment_ids if kv_segment_ids is None else kv_segment_ids
+        allowed = allowed & (segment_ids[:, :, None] == kv[:, None, :])
+    return allowed
+
+
+def attend(
     q: Float[Array, "batch seq heads qk"],
-    k: Float[Array, "batch seq kv_heads qk"],
-    v: Float[Array, "batch seq kv_heads v"],
+    k: Float[Array, "batch kv_seq kv_heads qk"],
+    v: Float[Array, "batch kv_seq kv_heads v"],
     *,
     scale: float,
     impl: str = "auto",
+    window: Optional[int] = None,
+    sinks: Optional[Float[Array, " heads"]] = None,
+    segment_ids: Optional[Int[Array, "batch seq"]] = None,
 ) -> Float[Array, "batch seq heads v"]:
-    """softmax(q k^T * scale + causal mask) v, scores and softmax in float32.
+    """Causal softmax(q k^T * scale) v with scores and softmax in float32.
 
-    `jax.nn.dot_product_attention` wants one head dim for q, k and v. When v's differs (MLA: q/k 192,
-    v 128 in DeepSeek-V3) the XLA path computes the two einsums directly (no wasted FLOPs); the cuDNN
-    path zero-pads v to the q/k head dim and slices the context back (cuDNN needs the fused kernel's
-    shape; the padded columns cost (qk - v) / v extra context FLOPs, 50% for DeepSeek-V3).
+    Query head n reads kv head n // (heads / kv_heads). `window` W: query i sees keys i-W < j <= i.
+    `sinks`: a per-head logit that joins the softmax denominator only (GPT-OSS). `segment_ids`:
+    packed documents attend within their own segment.
     """
     impl = resolve_attention_impl(impl, q.dtype, q.shape[-1], v.shape[-1])
-    v_dim = v.shape[-1]
-    if v_dim == q.shape[-1]:
-        return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, implementation=impl)
-    if impl == "cudnn":
-        pad = q.shape[-1] - v_dim
-        v_padded = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, pad)))
-        out = jax.nn.dot_product_attention(q, k, v_padded, scale=scale, is_causal=True, implementation=impl)
-        return out[..., :v_dim]
-    if k.shape[2] != q.shape[2]:
-        # The einsum path is only used by MLA, where every query head has its own key head.
-        raise ValueError(f"grouped heads with v dim {v_dim} != qk dim {q.shape[-1]} are not supported")
-    seq = q.shape[1]
-    scores = jnp.einsum("btnh,bsnh->bnts", q, k, preferred_element_type=jnp.float32) * scale
-    causal = jnp.tril(jnp.ones((seq, seq), dtype=bool))
-    scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return jnp.einsum("bnts,bsnv->btnv", probs, v)
+    plain = window is None and sinks is None and segment_ids is None
+    if impl == "cudnn" and plain and v.shape[-1] == q.shape[-1]:
+        return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, implementation="cudnn")
+    if impl == "cudnn" and plain:
+        pad = q.shape[-1] - v.shape[-1]
+        out = jax.nn.dot_product_attention(q, k, jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, pad))), scale=scale, is_causal=True, implementation="cudnn")
+        return out[..., : v.shape[-1]]
+    b, t, n, _ = q.shape
+    s, kh = k.shape[1], k.shape[2]
+    groups = n // kh
+    qg = q.reshape(b, t, kh, groups, q.shape[-1])
+    scores = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+    allowed = _mask(t, s, window, segment_ids, None)[:, None, None]  # [B|1, 1, 1, T, S]
+    scores = jnp.where(allowed, scores, jnp.finfo(jnp.float32).min)
+    if sinks is None:
+        probs = jax.nn.softmax(scores, axis=-1)
+    else:
+        sink = sinks.astype(jnp.float32).reshape(kh, groups)[None, :, :, None, None]
+        top = jnp.maximum(scores.max(axis=-1, keepdims=True), sink)
+        e = jnp.exp(scores - top)
+        probs = e / (e.sum(axis=-1, keepdims=True) + jnp.exp(sink - top))
+    out = jnp.einsum("bkgts,bskv->btkgv", probs.astype(v.dtype), v)
+    return out.reshape(b, t, n, v.shape[-1])
 
 
 class GQAttention(eqx.Module):
-    """Llama 3.x grouped-query attention: query head n reads kv head n // (heads / kv_heads)."""
+    """Grouped-query attention: query head n reads kv head n // (heads / kv_heads).
+
+    Optional parts, each `None` when the family lacks it: q/k/v biases (Qwen2, GPT-OSS), an output
+    bias (GPT-OSS), per-head q/k RMSNorms over head_dim applied before RoPE (Qwen3, Gemma 3), and
+    per-head sink logits (GPT-OSS).
+    """
 
     wq: Float[Array, "embed heads head_dim"]
     wk: Float[Array, "embed kv_heads head_dim"]
     wv: Float[Array, "embed kv_heads head_dim"]
     wo: Float[Array, "heads head_dim embed"]
+    bq: Optional[Float[Array, "heads head_dim"]]
+    bk: Optional[Float[Array, "kv_heads head_dim"]]
+    bv: Optional[Float[Array, "kv_heads head_dim"]]
+    bo: Optional[Float[Array, " embed"]]
+    q_norm: Optional[RMSNorm]
+    k_norm: Optional[RMSNorm]
+    sinks: Optional[Float[Array, " heads"]]
     rope: Rope
+    scale: float = eqx.field(static=True)
+    window: Optional[int] = eqx.field(static=True)
     compute_dtype: str = eqx.field(static=True)
     impl: str = eqx.field(static=True)
 
@@ -76,6 +120,14 @@ class GQAttention(eqx.Module):
         rope: RopeConfig,
         max_position_embeddings: int,
         *,
+        bias: bool = False,
+        out_bias: bool = False,
+        qk_norm: bool = False,
+        norm_eps: float = 1e-6,
+        norm_weight_offset: float = 0.0,
+        sinks: bool = False,
+        window: Optional[int] = None,
+        scale: Optional[float] = None,
         param_dtype: str = "float32",
         compute_dtype: str = "float32",
         impl: str = "auto",
@@ -86,7 +138,15 @@ class GQAttention(eqx.Module):
         self.wk = normal(kk, (embed, kv_heads, head_dim), embed, param_dtype)
         self.wv = normal(kv, (embed, kv_heads, head_dim), embed, param_dtype)
         self.wo = normal(ko, (heads, head_dim, embed), heads * head_dim, param_dtype)
+        zeros = lambda *shape: jnp.zeros(shape, param_dtype)  # noqa: E731
+        self.bq, self.bk, self.bv = (zeros(heads, head_dim), zeros(kv_heads, head_dim), zeros(kv_heads, head_dim)) if bias else (None, None, None)
+        self.bo = zeros(embed) if out_bias else None
+        norm = lambda: RMSNorm(head_dim, eps=norm_eps, weight_offset=norm_weight_offset, dtype=param_dtype)  # noqa: E731
+        self.q_norm, self.k_norm = (norm(), norm()) if qk_norm else (None, None)
+        self.sinks = zeros(heads) if sinks else None
         self.rope = Rope(head_dim, rope, max_position_embeddings)
+        self.scale = head_dim**-0.5 if scale is None else scale
+        self.window = window
         self.compute_dtype = compute_dtype
         self.impl = impl
 
@@ -94,13 +154,34 @@ class GQAttention(eqx.Module):
         heads, kv_heads = self.wq.shape[-2], self.wk.shape[-2]
         if heads % kv_heads:
             raise ValueError(f"heads={heads} must be divisible by kv_heads={kv_heads}")
+        if (self.bq is None) != (self.bk is None) or (self.bk is None) != (self.bv is None):
+            raise ValueError("GQAttention: q, k and v biases come together or not at all")
+        if (self.q_norm is None) != (self.k_norm is None):
+            raise ValueError("GQAttention: q_norm and k_norm come together or not at all")
 
-    def __call__(self, x: Float[Array, "batch seq embed"], positions: Int[Array, " seq"]) -> Float[Array, "batch seq embed"]:
+    def _project(self, x, w, b, name: str):
         cdt = self.compute_dtype
-        q = tags.tag(jnp.einsum("BTD,DNH->BTNH", x, self.wq.astype(cdt)), tags.QUERY_PROJ)
-        k = tags.tag(jnp.einsum("BTD,DKH->BTKH", x, self.wk.astype(cdt)), tags.KEY_PROJ)
-        v = tags.tag(jnp.einsum("BTD,DKH->BTKH", x, self.wv.astype(cdt)), tags.VALUE_PROJ)
+        y = jnp.einsum("BTD,DKH->BTKH", x, w.astype(cdt))
+        if b is not None:
+            y = y + b.astype(cdt)
+        return tags.tag(y, name)
+
+    def __call__(
+        self,
+        x: Float[Array, "batch seq embed"],
+        positions: Int[Array, "*batch seq"],
+        segment_ids: Optional[Int[Array, "batch seq"]] = None,
+    ) -> Float[Array, "batch seq embed"]:
+        cdt = self.compute_dtype
+        q = self._project(x, self.wq, self.bq, tags.QUERY_PROJ)
+        k = self._project(x, self.wk, self.bk, tags.KEY_PROJ)
+        v = self._project(x, self.wv, self.bv, tags.VALUE_PROJ)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope(q, positions), self.rope(k, positions)
-        head_dim = q.shape[-1]
-        context = tags.tag(causal_attention(q, k, v, scale=head_dim**-0.5, impl=self.impl), tags.CONTEXT)
-        return tags.tag(jnp.einsum("BTNH,NHD->BTD", context, self.wo.astype(cdt)), tags.OUT_PROJ)
+        context = attend(q, k, v, scale=self.scale, impl=self.impl, window=self.window, sinks=self.sinks, segment_ids=segment_ids)
+        context = tags.tag(context, tags.CONTEXT)
+        out = jnp.einsum("BTNH,NHD->BTD", context, self.wo.astype(cdt))
+        if self.bo is not None:
+            out = out + self.bo.astype(cdt)
+        return tags.tag(out, tags.OUT_PROJ)

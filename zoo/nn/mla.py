@@ -10,7 +10,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from zoo import tags
 from zoo.config import MLAConfig, RopeConfig
 from zoo.nn._init import normal
-from zoo.nn.attention import causal_attention
+from zoo.nn.attention import attend
 from zoo.nn.norm import RMSNorm
 from zoo.nn.rope import Rope, softmax_scale_multiplier
 
@@ -78,7 +78,12 @@ class MLAttention(eqx.Module):
     def kv_lora_rank(self) -> int:
         return self.wk_b.shape[-3]
 
-    def __call__(self, x: Float[Array, "batch seq embed"], positions: Int[Array, " seq"]) -> Float[Array, "batch seq embed"]:
+    def __call__(
+        self,
+        x: Float[Array, "batch seq embed"],
+        positions: Int[Array, "*batch seq"],
+        segment_ids: Optional[Int[Array, "batch seq"]] = None,
+    ) -> Float[Array, "batch seq embed"]:
         cdt = self.compute_dtype
         if self.wq_a is None:
             q = jnp.einsum("BTD,DNH->BTNH", x, self.wq_b.astype(cdt))
@@ -100,5 +105,5 @@ class MLAttention(eqx.Module):
         k_rope = self.rope(k_rope[:, :, None, :], positions)  # [B T 1 P]: one rope key for all heads
         q = jnp.concatenate([q_nope, q_rope], axis=-1)
         k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, (*k_nope.shape[:-1], rope_dim))], axis=-1)
-        context = tags.tag(causal_attention(q, k, v, scale=self.softmax_scale, impl=self.impl), tags.CONTEXT)
+        context = tags.tag(attend(q, k, v, scale=self.softmax_scale, impl=self.impl, segment_ids=segment_ids), tags.CONTEXT)
         return tags.tag(jnp.einsum("BTNV,NVD->BTD", context, self.wo.astype(cdt)), tags.OUT_PROJ)

@@ -39,23 +39,49 @@ def dense(x: Float[Array, "*batch d_in"], w: Float[Array, "d_in d_out"]) -> Floa
     return _matmul_xt(x.reshape(-1, x.shape[-1]), w).reshape(*lead, w.shape[-1])
 
 
-class SwiGLU(eqx.Module):
-    """down(silu(gate(x)) * up(x)): Llama's MLP, DeepSeek-V3's dense layers and shared experts."""
+ACTIVATIONS = {
+    "silu": jax.nn.silu,  # SwiGLU (Llama, Qwen, Mixtral experts, DeepSeek)
+    "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True),  # GeGLU (Gemma's gelu_pytorch_tanh)
+}
+
+
+class GatedMLP(eqx.Module):
+    """down(act(gate(x)) * up(x)): SwiGLU with `silu` (Llama, Qwen, DeepSeek-V3's dense layers and
+    shared experts), GeGLU with `gelu_tanh` (Gemma 3)."""
 
     w_gate: Float[Array, "embed mlp"]
     w_up: Float[Array, "embed mlp"]
     w_down: Float[Array, "mlp embed"]
     compute_dtype: str = eqx.field(static=True)
+    activation: str = eqx.field(static=True)
 
-    def __init__(self, embed: int, mlp: int, *, param_dtype: str = "float32", compute_dtype: str = "float32", key: PRNGKeyArray):
+    def __init__(
+        self,
+        embed: int,
+        mlp: int,
+        *,
+        activation: str = "silu",
+        param_dtype: str = "float32",
+        compute_dtype: str = "float32",
+        key: PRNGKeyArray,
+    ):
         kg, ku, kd = jax.random.split(key, 3)
         self.w_gate = normal(kg, (embed, mlp), embed, param_dtype)
         self.w_up = normal(ku, (embed, mlp), embed, param_dtype)
         self.w_down = normal(kd, (mlp, embed), mlp, param_dtype)
         self.compute_dtype = compute_dtype
+        self.activation = activation
+
+    def __check_init__(self):
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"GatedMLP activation {self.activation!r}: choose one of {', '.join(ACTIVATIONS)}")
 
     def __call__(self, x: Float[Array, "batch seq embed"]) -> Float[Array, "batch seq embed"]:
         cdt = self.compute_dtype
         gate = tags.tag(dense(x, self.w_gate.astype(cdt)), tags.MLPWI_0)
         up = tags.tag(dense(x, self.w_up.astype(cdt)), tags.MLPWI_1)
-        return tags.tag(dense(jax.nn.silu(gate) * up, self.w_down.astype(cdt)), tags.MLPWO)
+        return tags.tag(dense(ACTIVATIONS[self.activation](gate) * up, self.w_down.astype(cdt)), tags.MLPWO)
+
+
+# The name of the Llama-style default (activation "silu").
+SwiGLU = GatedMLP

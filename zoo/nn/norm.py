@@ -5,14 +5,19 @@ from jaxtyping import Array, Float
 
 
 class RMSNorm(eqx.Module):
-    """`weight * x / sqrt(mean(x^2) + eps)`, computed in float32 whatever the input dtype."""
+    """`(offset + weight) * x / sqrt(mean(x^2) + eps)`, computed in float32 whatever the input dtype.
+
+    `weight_offset` 0 is the Llama form; 1 is Gemma's `(1 + w)`, whose stored weight starts at zero.
+    """
 
     weight: Float[Array, " dim"]
     eps: float = eqx.field(static=True)
+    weight_offset: float = eqx.field(static=True)
 
-    def __init__(self, dim: int, *, eps: float = 1e-5, dtype=jnp.float32):
-        self.weight = jnp.ones((dim,), dtype)
+    def __init__(self, dim: int, *, eps: float = 1e-5, weight_offset: float = 0.0, dtype=jnp.float32):
+        self.weight = jnp.full((dim,), 1.0 - weight_offset, dtype)
         self.eps = eps
+        self.weight_offset = weight_offset
 
     def __check_init__(self):
         if self.eps <= 0:
@@ -22,4 +27,5 @@ class RMSNorm(eqx.Module):
         out_dtype = out_dtype or x.dtype
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (self.weight.astype(jnp.float32) * x32).astype(out_dtype)
+        scale = self.weight.astype(jnp.float32) + self.weight_offset
+        return (scale * x32).astype(out_dtype)

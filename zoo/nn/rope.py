@@ -1,4 +1,4 @@
-"""Rotary position embeddings: three frequency rules (default, llama3, yarn) and two layouts.
+"""Rotary position embeddings: four frequency rules (default, linear, llama3, yarn) and two layouts.
 
 The frequencies are a function of the static config, computed once in numpy at trace time, so a
 Rope module holds no arrays (nothing to train, shard or offload).
@@ -68,6 +68,8 @@ def rope_frequencies(dim: int, c: RopeConfig, max_position_embeddings: int) -> t
     """Inverse frequencies `[dim/2]` and the factor cos/sin are multiplied by (1 unless yarn)."""
     if c.type == "default":
         return _default_inv_freq(dim, c.theta), 1.0
+    if c.type == "linear":  # positions divided by factor: every frequency slowed alike
+        return _default_inv_freq(dim, c.theta) / c.factor, 1.0
     if c.type == "llama3":
         return _llama3_inv_freq(dim, c), 1.0
     if c.type == "yarn":
@@ -93,14 +95,17 @@ class Rope(eqx.Module):
         if self.dim % 2:
             raise ValueError(f"RoPE needs an even dim, got {self.dim}")
 
-    def cos_sin(self, positions: Int[Array, " seq"]) -> tuple[Float[Array, "seq half"], Float[Array, "seq half"]]:
+    def cos_sin(self, positions: Int[Array, "*batch seq"]) -> tuple[Float[Array, "*batch seq half"], Float[Array, "*batch seq half"]]:
         inv_freq, attention_factor = rope_frequencies(self.dim, self.config, self.max_position_embeddings)
-        angles = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq, jnp.float32)[None, :]
+        angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
         return jnp.cos(angles) * attention_factor, jnp.sin(angles) * attention_factor
 
-    def __call__(self, x: Float[Array, "batch seq heads dim"], positions: Int[Array, " seq"]) -> Float[Array, "batch seq heads dim"]:
+    def __call__(self, x: Float[Array, "batch seq heads dim"], positions: Int[Array, "*batch seq"]) -> Float[Array, "batch seq heads dim"]:
+        """`positions`: `[seq]` shared by every row, or `[batch, seq]` (packed documents, decoding)."""
         cos, sin = self.cos_sin(positions)
-        cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+        if positions.ndim == 1:
+            cos, sin = cos[None], sin[None]
+        cos, sin = cos[:, :, None, :], sin[:, :, None, :]
         x32 = x.astype(jnp.float32)
         if self.config.interleaved:
             # Pairs (x[2i], x[2i+1]) rotate by angle i. Like transformers, the result is laid out as

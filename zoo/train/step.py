@@ -113,8 +113,6 @@ class Trainer:
         token_spec = zs.logical_to_spec(zs.TOKEN_AXES, rules)
         # Tokens arrive as [grad_accum, microbatch, seq]: the microbatch dim is the sharded batch.
         self.token_sharding = NamedSharding(self.mesh, PartitionSpec(None, *token_spec))
-        self.constrain = zs.activation_constraint(self.mesh, rules, zs.ACTIVATION_AXES)
-        self.constrain_logits = zs.activation_constraint(self.mesh, rules, zs.LOGIT_AXES)
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
         self._step = None
 
@@ -198,14 +196,10 @@ class Trainer:
         """Mean next-token loss of one microbatch, and the MoE routing statistics."""
         model = eqx.combine(params, self.static)
         layer_transform = zs.to_device if self.params_on_host else None
-        logits, aux = model.forward_with_aux(
-            self.constrain_tokens(tokens), remat_policy=self.policy, layer_transform=layer_transform, constrain=self.constrain
-        )
-        logits = self.constrain_logits(logits)
+        tokens = zs.constrain(tokens, zs.TOKEN_AXES)
+        logits, aux = model.forward_with_aux(tokens, remat_policy=self.policy, layer_transform=layer_transform)
+        logits = zs.constrain(logits, zs.LOGIT_AXES)
         return zoo_model.next_token_loss(logits, tokens), aux
-
-    def constrain_tokens(self, tokens):
-        return jax.lax.with_sharding_constraint(tokens, NamedSharding(self.mesh, zs.logical_to_spec(zs.TOKEN_AXES, self.rules)))
 
     def _device_params(self, params):
         """With params on host: everything but the layer stacks moves to device now; the stacks move
@@ -216,6 +210,11 @@ class Trainer:
         return jax.tree_util.tree_map_with_path(lambda p, x: x if in_stack(p) else jax.device_put(x, jax.memory.Space.Device), params)
 
     def train_step(self, state, tokens):
+        # Modules read the mesh and the logical-axis rules from the active layout while traced.
+        with zs.activate(self.mesh, self.rules):
+            return self._train_step(state, tokens)
+
+    def _train_step(self, state, tokens):
         c = self.cfg
         accum = c.trainer.grad_accum
         params = state["params"]
@@ -253,12 +252,8 @@ class Trainer:
         new_params = optax.apply_updates(dev_params, updates)
 
         rate = c.trainer.moe_bias_update_rate
-        if rate > 0 and new_params.moe_layers is not None:
-            # DeepSeek-V3's auxiliary-loss-free balancing: push overloaded experts' bias down.
-            bias = new_params.moe_layers.layers.ffn.e_score_correction_bias
-            mean = load.mean(axis=-1, keepdims=True)
-            bias = bias + rate * jnp.sign(mean - load).astype(bias.dtype)
-            new_params = eqx.tree_at(lambda p: p.moe_layers.layers.ffn.e_score_correction_bias, new_params, bias)
+        if rate > 0:
+            new_params = self._balance_experts(new_params, load, rate)
 
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": self.schedule(state["step"])}
         if load.size:
@@ -267,6 +262,20 @@ class Trainer:
             metrics["moe_dropped_fraction"] = dropped / jnp.maximum(load.sum(axis=-1), 1.0)
         new_state = {"params": new_params, "opt_state": opt_state, "step": state["step"] + 1}
         return new_state, metrics
+
+    def _balance_experts(self, params, load, rate):
+        """DeepSeek-V3's auxiliary-loss-free balancing: push overloaded experts' correction bias down
+        (`load` has one row per MoE layer, in model order)."""
+        model = eqx.combine(params, self.static)
+        for s, j, rows in model.moe_aux_order():
+            ffn = params.stacks[s].layers[j].ffn
+            if ffn.e_score_correction_bias is None:  # routers without a correction bias
+                continue
+            layer_load = load[rows]
+            mean = layer_load.mean(axis=-1, keepdims=True)
+            bias = ffn.e_score_correction_bias + rate * jnp.sign(mean - layer_load).astype(jnp.float32)
+            params = eqx.tree_at(lambda p, s=s, j=j: p.stacks[s].layers[j].ffn.e_score_correction_bias, params, bias)
+        return params
 
     def jitted_step(self):
         if self._step is None:
