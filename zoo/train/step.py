@@ -216,6 +216,11 @@ class Trainer:
         return jax.tree_util.tree_map_with_path(lambda p, x: x if in_stack(p) else jax.device_put(x, jax.memory.Space.Device), params)
 
     def train_step(self, state, tokens):
+        # Modules read the mesh and rules while traced (the MoE picks its expert-parallel kernel).
+        with zs.activate(self.mesh, self.rules):
+            return self._train_step(state, tokens)
+
+    def _train_step(self, state, tokens):
         c = self.cfg
         accum = c.trainer.grad_accum
         params = state["params"]
