@@ -144,17 +144,21 @@ def test_single_program_capacity_drops_later_tokens():
 # --- expert parallelism -----------------------------------------------------------------------
 
 
+EXPERTS_OVER_FSDP_AND_EXPERT = {**zs.DEFAULT_RULES, "experts": ["fsdp", "expert"]}
+
+
 @pytest.mark.parametrize(
-    "mesh_shape,biases",
+    "mesh_shape,biases,rules",
     [
-        (EP_MESH, False),
-        (EP_MESH, True),
-        (zs.MeshShape(data=1, fsdp=2, tensor=2, expert=2), True),  # mlp split over tensor inside the experts
-        (zs.MeshShape(data=2, fsdp=1, tensor=1, expert=4), False),  # weights replicated over data: grads summed
+        (EP_MESH, False, zs.DEFAULT_RULES),
+        (EP_MESH, True, zs.DEFAULT_RULES),
+        (zs.MeshShape(data=1, fsdp=2, tensor=2, expert=2), True, zs.DEFAULT_RULES),  # mlp split over tensor inside the experts
+        (zs.MeshShape(data=2, fsdp=1, tensor=1, expert=4), False, zs.DEFAULT_RULES),  # weights replicated over data: grads summed
+        (EP_MESH, False, EXPERTS_OVER_FSDP_AND_EXPERT),  # 8-way expert parallelism over two mesh axes, no gather
     ],
-    ids=["fsdp2_ep4", "fsdp2_ep4_biases", "fsdp2_tp2_ep2_biases", "data2_ep4"],
+    ids=["fsdp2_ep4", "fsdp2_ep4_biases", "fsdp2_tp2_ep2_biases", "data2_ep4", "ep_over_fsdp_and_expert"],
 )
-def test_expert_parallel_matches_single_program(mesh_shape, biases):
+def test_expert_parallel_matches_single_program(mesh_shape, biases, rules):
     """Capacity E (every buffer holds every local assignment): nothing drops, so expert parallelism
     must reproduce the single program's outputs, counts and gradients."""
     tokens = 64
@@ -171,7 +175,7 @@ def test_expert_parallel_matches_single_program(mesh_shape, biases):
 
     fwd, grad = programs()
     ref_out, ref_grads = fwd(x, weights, w, ids), grad(x, weights, w, ids)
-    with zs.activate(ep_mesh(mesh_shape), zs.DEFAULT_RULES) as layout:
+    with zs.activate(ep_mesh(mesh_shape), rules) as layout:
         fwd, grad = programs()
         px, pids, pweights, pw = place(layout, x, ids, weights, w)
         out = fwd(px, pweights, pw, pids)
