@@ -166,3 +166,32 @@ def test_params_on_host_keep_one_layer_of_weights_on_device():
     assert len(kept_transfers(None)) == 7  # no checkpoint: all 7 weight matrices of every layer kept
     assert kept_transfers(remat_policy(load_preset("params_host"), config)) == []
     assert kept_transfers(remat_policy(load_preset("full", "params_host"), config)) == []
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_inspector_sees_into_the_expert_parallel_kernel(preset):
+    """Under expert parallelism the routed-expert tags are named inside a shard_map body and their
+    residuals leave it as its outputs: the inspector finds the same placement and bytes as for one
+    program over the whole batch (dropless, so both buffer the same number of rows)."""
+    import dataclasses
+
+    from zoo import sharding as zs
+
+    config = zoo.get_size("dsv3_tiny_a")
+    config = config.replace(moe=dataclasses.replace(config.moe, impl="capacity", capacity_factor=float(config.moe.n_routed_experts)))
+    policy = load_preset(preset)
+    rp = remat_policy(policy, config)
+    single = _placement(config, rp, batch=8)
+    mesh = zs.make_mesh(zs.MeshShape(data=1, fsdp=2, tensor=1, expert=4))
+    with zs.activate(mesh, zs.DEFAULT_RULES):
+        sharded = _placement(config, rp, batch=8)
+    moe_tags = {"moe_mlpwi_0", "moe_mlpwi_1", "moe_mlpwo"}
+    assert sharded.by_tag() == single.by_tag()
+    expected = expected_placement(policy, config)
+    for tag in moe_tags:
+        assert placement_matches(expected[tag], sharded.by_tag()[tag]), (tag, expected[tag], sharded.by_tag()[tag])
+    for a, b in ((sharded, "expert-parallel"), (single, "single")):
+        assert {r.tag for r in a.records} >= moe_tags, b
+    bytes_of = lambda p: {r.tag: r.bytes_per_layer for r in p.records if r.tag in moe_tags}  # noqa: E731
+    assert bytes_of(sharded) == bytes_of(single)
+    assert sharded.other_bytes("host") == single.other_bytes("host") == 0

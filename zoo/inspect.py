@@ -128,6 +128,53 @@ def _names_in(jaxpr) -> list:
     return found
 
 
+def _names_by_devices(jaxpr, devices: int = 1) -> list:
+    """`(checkpoint_name equation, devices)` for the sites of `_names_in`: a site inside a shard_map
+    body holds one device's share, so its value over the mesh is `devices` of them stacked."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "name":
+            found.append((eqn, devices))
+        if eqn.primitive.name != "scan":
+            inner = devices * (int(eqn.params["mesh"].size) if eqn.primitive.name == "shard_map" else 1)
+            for sub in _subjaxprs(eqn):
+                found += _names_by_devices(sub, inner)
+    return found
+
+
+def _tag_vars(jaxpr) -> dict:
+    """Every var of `jaxpr` that holds a tag's value: the name's output, what aliases it, its input
+    chain, host copies of it, and the outputs of shard_maps whose body returns a tag's value (the
+    residuals of a checkpointed shard_map body leave it that way)."""
+    producers = {v: e for e in jaxpr.eqns for v in e.outvars}
+    tag_of_var: dict[Any, str] = {}
+    for e in _names_in(jaxpr):
+        tag = e.params["name"]
+        tag_of_var.setdefault(e.outvars[0], tag)
+        v = e.invars[0]
+        # Walk up through aliasing ops to the value the name was put on (the carry for the layer input).
+        while isinstance(v, core.Var):
+            tag_of_var.setdefault(v, tag)
+            p = producers.get(v)
+            if p is None or p.primitive.name not in _ALIAS_OPS:
+                break
+            v = p.invars[0]
+    # Forward closure through aliasing ops, host copies and shard_map boundaries.
+    for e in jaxpr.eqns:
+        if e.primitive.name in _ALIAS_OPS + ("device_put",) and e.invars and isinstance(e.invars[0], core.Var):
+            src = tag_of_var.get(e.invars[0])
+            if src is not None:
+                for v in e.outvars:
+                    tag_of_var.setdefault(v, src)
+        elif e.primitive.name == "shard_map":
+            body = e.params["jaxpr"]
+            inner = _tag_vars(body)
+            for outer, v in zip(e.outvars, body.outvars):
+                if isinstance(v, core.Var) and v in inner:
+                    tag_of_var.setdefault(outer, inner[v])
+    return tag_of_var
+
+
 def _is_host(aval) -> bool:
     space = getattr(aval, "memory_space", None)
     return space is not None and getattr(space, "name", str(space)).lower() == "host"
@@ -149,34 +196,11 @@ def _analyse_forward_scan(eqn, stack: str) -> tuple[list[TagRecord], list[OtherR
     layers = int(eqn.params["length"])
     num_carry = int(eqn.params["num_carry"])
     num_consts = int(eqn.params["num_consts"])
-    producers = {}
-    for e in body.eqns:
-        for v in e.outvars:
-            producers[v] = e
-
-    # Every var that holds a tag's value: the name's output, what aliases it, and its input chain.
-    tag_of_var: dict[Any, str] = {}
-    names = _names_in(body)
+    producers = {v: e for e in body.eqns for v in e.outvars}
+    tag_of_var = _tag_vars(body)
     sites: dict[str, list] = defaultdict(list)
-    for e in names:
-        tag = e.params["name"]
-        sites[tag].append(e.outvars[0])
-        tag_of_var.setdefault(e.outvars[0], tag)
-        v = e.invars[0]
-        # Walk up through aliasing ops to the value the name was put on (the carry for the layer input).
-        while isinstance(v, core.Var):
-            tag_of_var.setdefault(v, tag)
-            p = producers.get(v)
-            if p is None or p.primitive.name not in _ALIAS_OPS:
-                break
-            v = p.invars[0]
-    # Forward closure through aliasing ops and host copies.
-    for e in body.eqns:
-        if e.primitive.name in _ALIAS_OPS + ("device_put",) and e.invars and isinstance(e.invars[0], core.Var):
-            src = tag_of_var.get(e.invars[0])
-            if src is not None:
-                for v in e.outvars:
-                    tag_of_var.setdefault(v, src)
+    for e, devices in _names_by_devices(body):
+        sites[e.params["name"]].append((e.outvars[0].aval, devices))
 
     placement: dict[str, str] = {}
     other: list[OtherResidual] = []
@@ -202,15 +226,18 @@ def _analyse_forward_scan(eqn, stack: str) -> tuple[list[TagRecord], list[OtherR
 
     records = []
     for tag, outs in sites.items():
-        aval = outs[0].aval
+        aval, devices = outs[0]
+        shape = tuple(aval.shape)
+        if devices > 1 and shape:
+            shape = (devices * shape[0],) + shape[1:]  # the devices' shares stacked, as the residual leaves the shard_map
         # A scan step runs a period of layers (one block each), so each site is one layer's tag.
         records.append(
             TagRecord(
                 tag=tag,
                 stack=stack,
-                shape=tuple(aval.shape),
+                shape=shape,
                 dtype=str(aval.dtype),
-                bytes_per_layer=sum(_nbytes(o.aval) for o in outs) // len(outs),
+                bytes_per_layer=sum(_nbytes(a) * n for a, n in outs) // len(outs),
                 layers=layers * len(outs),
                 placement=placement.get(tag, ""),
                 occurrences=len(outs),

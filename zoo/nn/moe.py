@@ -8,12 +8,14 @@ router can pick other experts than the reference):
 - `softmax` (Mixtral, Qwen3-MoE): softmax over all experts, top-k, renormalised when norm_topk_prob.
 - `topk_softmax` (GPT-OSS): top-k of the raw logits (plus a router bias), softmax over those k.
 
-The routed experts never run every expert on every token:
+The routed experts run in `zoo.nn.moe_dispatch.routed_experts` and never run every expert on every token:
 - `ragged` (dropless, exact): assignments sorted by expert, three `lax.ragged_dot`s. Note XLA:CPU
   (and XLA:GPU today) lower ragged_dot to a dense padded product whose cost grows with the expert count.
 - `capacity`: assignments scattered into per-expert buffers of `moe_capacity(tokens)` rows and
   multiplied as one batched matmul, so FLOPs grow with top_k * capacity_factor, not with the expert
-  count. Assignments beyond an expert's capacity are dropped (earlier tokens win) and counted.
+  count. Assignments beyond an expert's capacity are dropped (earlier tokens win) and counted. Under
+  an active layout whose expert axis is > 1 this is the expert-parallel kernel (per-device capacity
+  from its own tokens, all_to_all to the experts' devices and back).
 - `auto`: `capacity` on every backend today (see `resolve_moe_impl`).
 """
 
@@ -24,10 +26,10 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from zoo import tags
-from zoo.config import MoEConfig, moe_capacity
+from zoo.config import MoEConfig
 from zoo.nn._init import normal
 from zoo.nn.mlp import GatedMLP
+from zoo.nn.moe_dispatch import ExpertWeights, routed_experts
 
 
 def resolve_moe_impl(impl: str) -> str:
@@ -152,70 +154,12 @@ class MoE(eqx.Module):
         flat = x.reshape(b * t, d)
         bias = self.e_score_correction_bias if self.config.router == "sigmoid_grouped" else self.router_bias
         expert_ids, weights = route(flat, self.router, bias, self.config)
-        if self.impl == "ragged":
-            routed, aux = self._ragged(flat, expert_ids, weights)
-        else:
-            routed, aux = self._capacity(flat, expert_ids, weights)
+        experts = ExpertWeights(self.w_gate, self.w_up, self.w_down, self.b_gate, self.b_up, self.b_down)
+        routed, counts, dropped = routed_experts(
+            flat, expert_ids, weights, experts, activation=expert_activation(self.config),
+            impl=self.impl, capacity_factor=self.config.capacity_factor, compute_dtype=self.compute_dtype,
+        )
         y = routed.reshape(b, t, d)
         if self.shared is not None:
             y = y + self.shared(x)
-        return y, aux
-
-    def _experts(self, h: Float[Array, "*rows embed"], matmul, bias_of) -> Float[Array, "*rows embed"]:
-        """The routed experts on rows grouped by expert; `bias_of(b)` lays an `[experts, dim]` bias
-        out like the rows (or is None when the experts have no biases)."""
-        cdt = self.compute_dtype
-
-        def proj(inp, w, b, name):
-            y = matmul(inp, w.astype(cdt))
-            if b is not None:
-                y = y + bias_of(b.astype(cdt))
-            return tags.tag(y, name)
-
-        gate = proj(h, self.w_gate, self.b_gate, tags.MOE_MLPWI_0)
-        up = proj(h, self.w_up, self.b_up, tags.MOE_MLPWI_1)
-        return proj(expert_activation(self.config)(gate, up), self.w_down, self.b_down, tags.MOE_MLPWO)
-
-    def _sorted_assignments(self, expert_ids: Int[Array, "tokens k"]):
-        flat_experts = expert_ids.reshape(-1)  # assignment a = token * k + slot
-        order = jnp.argsort(flat_experts, stable=True)  # stable: earlier tokens first within an expert
-        counts = jnp.bincount(flat_experts, length=self.config.n_routed_experts).astype(jnp.int32)
-        return flat_experts, order, counts
-
-    def _combine(self, per_assignment: Float[Array, "assignments embed"], weights: Float[Array, "tokens k"]) -> Float[Array, "tokens embed"]:
-        tokens, k = weights.shape
-        out = per_assignment.reshape(tokens, k, -1)
-        return jnp.einsum("NKD,NK->ND", out, weights.astype(out.dtype))
-
-    def _ragged(self, x: Float[Array, "tokens embed"], expert_ids: Int[Array, "tokens k"], weights: Float[Array, "tokens k"]):
-        k = expert_ids.shape[1]
-        flat_experts, order, counts = self._sorted_assignments(expert_ids)
-        sorted_x = x[order // k]  # [A D], grouped by expert
-        sorted_experts = flat_experts[order]
-
-        def matmul(h, w):
-            return jax.lax.ragged_dot(h, w, counts)
-
-        sorted_out = self._experts(sorted_x, matmul, lambda b: b[sorted_experts])
-        unsorted = jnp.zeros_like(sorted_out).at[order].set(sorted_out, unique_indices=True)
-        return self._combine(unsorted, weights), MoEAux(counts, jnp.zeros((), jnp.int32))
-
-    def _capacity(self, x: Float[Array, "tokens embed"], expert_ids: Int[Array, "tokens k"], weights: Float[Array, "tokens k"]):
-        tokens, k = expert_ids.shape
-        experts = self.config.n_routed_experts
-        capacity = moe_capacity(tokens, self.config)
-        flat_experts, order, counts = self._sorted_assignments(expert_ids)
-        # Slot of each assignment inside its expert's buffer: rank among that expert's assignments.
-        group_start = jnp.cumsum(counts) - counts
-        rank_sorted = jnp.arange(tokens * k, dtype=jnp.int32) - group_start[flat_experts[order]]
-        slot = jnp.zeros_like(rank_sorted).at[order].set(rank_sorted, unique_indices=True)
-        kept = slot < capacity
-        slot = jnp.where(kept, slot, capacity)  # out of bounds: dropped by the scatter, zero from the gather
-
-        tokens_of_assignment = jnp.repeat(x, k, axis=0)  # [A D]
-        buffers = jnp.zeros((experts, capacity, x.shape[-1]), x.dtype)
-        buffers = buffers.at[flat_experts, slot].set(tokens_of_assignment, mode="drop")
-        out = self._experts(buffers, lambda h, w: jnp.einsum("ECD,EDF->ECF", h, w), lambda b: b[:, None, :])
-        per_assignment = out.at[flat_experts, slot].get(mode="fill", fill_value=0)
-        dropped = (tokens * k - kept.sum()).astype(jnp.int32)
-        return self._combine(per_assignment, weights), MoEAux(counts, dropped)
+        return y, MoEAux(counts, dropped)

@@ -1,0 +1,437 @@
+"""Routed-expert dispatch: the single-program kernels against a dense reference, expert parallelism
+against the single program, what the compiled program communicates, and checkpoint policies.
+
+The dense reference runs every expert on every token and combines with a dense [tokens, experts]
+weight matrix (zero where a token did not choose an expert, or where its assignment was dropped).
+Expert parallelism runs on the 8 simulated CPU devices of conftest.py, on the mesh
+(data=1, fsdp=2, tensor=1, expert=4) with the default rules unless a test says otherwise.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+from zoo import sharding as zs
+from zoo import tags
+from zoo.hlo import collectives
+from zoo.nn.moe_dispatch import ExpertWeights, check_expert_parallel, expert_capacity, expert_specs, routed_experts, swiglu
+
+E, D, I, K = 8, 16, 8, 2
+EP_MESH = zs.MeshShape(data=1, fsdp=2, tensor=1, expert=4)
+MOE_TAGS = (tags.MOE_MLPWI_0, tags.MOE_MLPWI_1, tags.MOE_MLPWO)
+
+
+def clamped_swiglu(gate, up, limit=7.0, alpha=1.702):
+    """A GPT-OSS-style activation: a non-default activation exercises the `activation` argument."""
+    gate = jnp.minimum(gate, limit)
+    return gate * jax.nn.sigmoid(alpha * gate) * (jnp.clip(up, -limit, limit) + 1)
+
+
+def random_experts(seed, biases=False, n_experts=E, layers=None) -> ExpertWeights:
+    rng = np.random.default_rng(seed)
+    lead = () if layers is None else (layers,)
+
+    def arr(*shape, scale):
+        return jnp.asarray(rng.normal(size=lead + shape) * scale, jnp.float32)
+
+    w = dict(w_gate=arr(n_experts, D, I, scale=D**-0.5), w_up=arr(n_experts, D, I, scale=D**-0.5), w_down=arr(n_experts, I, D, scale=I**-0.5))
+    if biases:
+        w.update(b_gate=arr(n_experts, I, scale=0.3), b_up=arr(n_experts, I, scale=0.3), b_down=arr(n_experts, D, scale=0.3))
+    return ExpertWeights(**w)
+
+
+def random_routing(seed, tokens, n_experts=E, k=K, skew=0.0):
+    """Distinct expert ids per token and positive weights; `skew` > 0 crowds the low expert ids."""
+    rng = np.random.default_rng(seed)
+    p = np.exp(-skew * np.arange(n_experts))
+    p /= p.sum()
+    ids = np.stack([rng.choice(n_experts, size=k, replace=False, p=p) for _ in range(tokens)])
+    return jnp.asarray(ids, jnp.int32), jnp.asarray(rng.uniform(0.1, 1.0, size=(tokens, k)), jnp.float32)
+
+
+def random_x(seed, tokens, dtype=jnp.float32):
+    return jnp.asarray(np.random.default_rng(seed).normal(size=(tokens, D)), dtype)
+
+
+def dense_reference(x, ids, weights, w: ExpertWeights, activation=swiglu, keep=None):
+    tokens = x.shape[0]
+    n_experts = w.w_gate.shape[0]
+    kept = weights if keep is None else jnp.where(keep, weights, 0.0)
+    dense = jnp.zeros((tokens, n_experts), jnp.float32).at[jnp.arange(tokens)[:, None], ids].add(kept)
+    gate = jnp.einsum("nd,edi->eni", x, w.w_gate)
+    up = jnp.einsum("nd,edi->eni", x, w.w_up)
+    if w.b_gate is not None:
+        gate, up = gate + w.b_gate[:, None], up + w.b_up[:, None]
+    out = jnp.einsum("eni,eid->end", activation(gate, up), w.w_down)
+    if w.b_down is not None:
+        out = out + w.b_down[:, None]  # inside the expert, so scaled by the combine weight
+    return jnp.einsum("ne,end->nd", dense, out)
+
+
+def keep_first(ids: np.ndarray, capacity: int, shards: int = 1) -> np.ndarray:
+    """[tokens, k] bool: within each contiguous token shard, each expert keeps its first `capacity`
+    assignments in token order; the rest are dropped."""
+    ids = np.asarray(ids)
+    keep = np.zeros(ids.shape, bool)
+    per = ids.shape[0] // shards
+    for s in range(shards):
+        used: dict[int, int] = {}
+        for n in range(s * per, (s + 1) * per):
+            for j, e in enumerate(ids[n]):
+                if used.get(int(e), 0) < capacity:
+                    keep[n, j] = True
+                    used[int(e)] = used.get(int(e), 0) + 1
+    return keep
+
+
+def ep_mesh(shape=EP_MESH):
+    return zs.make_mesh(shape)
+
+
+def place(layout: zs.Layout, x, ids, weights, w: ExpertWeights):
+    """Put the inputs where a trainer has them: tokens split over the batch axes, experts by the rules."""
+    tok = NamedSharding(layout.mesh, PartitionSpec(layout.spec(("batch",))[0], None))
+    specs = expert_specs(layout, w)
+    w = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(layout.mesh, s)), w, specs)
+    return jax.device_put(x, tok), jax.device_put(ids, tok), jax.device_put(weights, tok), w
+
+
+def loss_fn(cotangent, **kw):
+    def loss(x, weights, w, ids):
+        y, _, _ = routed_experts(x, ids, weights, w, **kw)
+        return jnp.sum(y.astype(jnp.float32) * cotangent)
+
+    return loss
+
+
+GRAD_ARGS = (0, 1, 2)  # x, routing weights, every expert leaf
+
+
+# --- one program ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("impl", ["capacity", "ragged"])
+@pytest.mark.parametrize("biases", [False, True])
+def test_single_program_matches_dense_reference(impl, biases):
+    tokens = 24
+    w = random_experts(0, biases=biases)
+    ids, weights = random_routing(1, tokens)
+    x = random_x(2, tokens)
+    act = clamped_swiglu if biases else swiglu
+    y, counts, dropped = jax.jit(lambda x, w: routed_experts(x, ids, weights, w, impl=impl, capacity_factor=E, activation=act))(x, w)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(dense_reference(x, ids, weights, w, act)), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(counts), np.bincount(np.asarray(ids).ravel(), minlength=E))
+    assert int(dropped) == 0
+
+
+def test_single_program_capacity_drops_later_tokens():
+    tokens, cf = 32, 0.75
+    w = random_experts(3, biases=True)
+    ids, weights = random_routing(4, tokens, skew=0.6)
+    x = random_x(5, tokens)
+    y, counts, dropped = jax.jit(lambda x: routed_experts(x, ids, weights, w, capacity_factor=cf))(x)
+    capacity = expert_capacity(tokens, K, E, cf)
+    keep = keep_first(ids, capacity)
+    assert 0 < (~keep).sum() == int(dropped)
+    np.testing.assert_array_equal(np.asarray(counts), np.bincount(np.asarray(ids).ravel(), minlength=E))
+    np.testing.assert_allclose(np.asarray(y), np.asarray(dense_reference(x, ids, weights, w, keep=jnp.asarray(keep))), rtol=1e-5, atol=1e-5)
+
+
+# --- expert parallelism -----------------------------------------------------------------------
+
+
+EXPERTS_OVER_FSDP_AND_EXPERT = {**zs.DEFAULT_RULES, "experts": ["fsdp", "expert"]}
+
+
+@pytest.mark.parametrize(
+    "mesh_shape,biases,rules",
+    [
+        (EP_MESH, False, zs.DEFAULT_RULES),
+        (EP_MESH, True, zs.DEFAULT_RULES),
+        (zs.MeshShape(data=1, fsdp=2, tensor=2, expert=2), True, zs.DEFAULT_RULES),  # mlp split over tensor inside the experts
+        (zs.MeshShape(data=2, fsdp=1, tensor=1, expert=4), False, zs.DEFAULT_RULES),  # weights replicated over data: grads summed
+        (EP_MESH, False, EXPERTS_OVER_FSDP_AND_EXPERT),  # 8-way expert parallelism over two mesh axes, no gather
+    ],
+    ids=["fsdp2_ep4", "fsdp2_ep4_biases", "fsdp2_tp2_ep2_biases", "data2_ep4", "ep_over_fsdp_and_expert"],
+)
+def test_expert_parallel_matches_single_program(mesh_shape, biases, rules):
+    """Capacity E (every buffer holds every local assignment): nothing drops, so expert parallelism
+    must reproduce the single program's outputs, counts and gradients."""
+    tokens = 64
+    w = random_experts(6, biases=biases)
+    ids, weights = random_routing(7, tokens)
+    x = random_x(8, tokens)
+    cot = random_x(9, tokens)
+    act = clamped_swiglu if biases else swiglu
+    kw = dict(capacity_factor=float(E), activation=act)
+
+    def programs():
+        # Fresh functions per layout: jit's trace cache does not know about the active layout.
+        return jax.jit(lambda x, weights, w, ids: routed_experts(x, ids, weights, w, **kw)), jax.jit(jax.grad(loss_fn(cot, **kw), argnums=GRAD_ARGS))
+
+    fwd, grad = programs()
+    ref_out, ref_grads = fwd(x, weights, w, ids), grad(x, weights, w, ids)
+    with zs.activate(ep_mesh(mesh_shape), rules) as layout:
+        fwd, grad = programs()
+        px, pids, pweights, pw = place(layout, x, ids, weights, w)
+        out = fwd(px, pweights, pw, pids)
+        grads = grad(px, pweights, pw, pids)
+        assert "all-to-all" in fwd.lower(px, pweights, pw, pids).compile().as_text()  # really the EP path
+    np.testing.assert_allclose(np.asarray(out[0]), np.asarray(ref_out[0]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(out[1]), np.asarray(ref_out[1]))
+    assert int(out[2]) == int(ref_out[2]) == 0
+    names = ["x", "weights"] + [f"experts.{p}" for p, _ in jax.tree_util.tree_leaves_with_path(w)]
+    for name, g, r in zip(names, jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+        assert float(jnp.abs(r).max()) > 0, name
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def test_expert_parallel_drops_are_decided_per_device():
+    """Tight capacity: each device's tokens compete for ceil(local_tokens * k / E * cf) rows per
+    expert. The drop count and the output follow the per-shard reference, not the global one."""
+    tokens, cf, shards = 128, 1.0, EP_MESH.data_parallel
+    w = random_experts(10)
+    ids, weights = random_routing(11, tokens, skew=0.5)
+    x = random_x(12, tokens)
+    with zs.activate(ep_mesh(), zs.DEFAULT_RULES) as layout:
+        args = place(layout, x, ids, weights, w)
+        y, counts, dropped = jax.jit(lambda x, ids, weights, w: routed_experts(x, ids, weights, w, capacity_factor=cf))(*args)
+    local_capacity = expert_capacity(tokens // shards, K, E, cf)
+    keep = keep_first(ids, local_capacity, shards)
+    global_keep = keep_first(ids, expert_capacity(tokens, K, E, cf))
+    assert (~keep).sum() > 0 and (~keep).sum() != (~global_keep).sum()  # the case tells the two apart
+    assert int(dropped) == (~keep).sum()
+    np.testing.assert_array_equal(np.asarray(counts), np.bincount(np.asarray(ids).ravel(), minlength=E))
+    np.testing.assert_allclose(np.asarray(y), np.asarray(dense_reference(x, ids, weights, w, keep=jnp.asarray(keep))), rtol=1e-5, atol=1e-5)
+
+
+def _compiled_ep_step(dtype, tokens, cf=1.25):
+    """Compiled forward + backward of the EP kernel on placed inputs, and the placed weights."""
+    w = random_experts(13)
+    ids, weights = random_routing(14, tokens)
+    x = random_x(15, tokens, dtype)
+    cot = random_x(16, tokens)
+    loss = loss_fn(cot, capacity_factor=cf, compute_dtype=dtype)
+
+    def step(x, weights, w, ids):
+        return jax.value_and_grad(loss, argnums=GRAD_ARGS)(x, weights, w, ids)
+
+    with zs.activate(ep_mesh(), zs.DEFAULT_RULES) as layout:
+        x, ids, weights, w = place(layout, x, ids, weights, w)
+        compiled = jax.jit(step).lower(x, weights, w, ids).compile()
+    return compiled, (x, weights, w, ids)
+
+
+def test_expert_parallel_communication_is_local():
+    """The compiled step exchanges capacity buffers with all-to-all and never moves the global batch;
+    weights stay 1/ep of the experts per device, and so do their gradients."""
+    tokens = 96  # 12 per device; no buffer or weight dim is 96 or 96 * K
+    compiled, args = _compiled_ep_step(jnp.float32, tokens)
+    found = [c for c in collectives(compiled.as_text()) if not c.trivial]
+    kinds = {c.kind for c in found}
+    assert "all-to-all" in kinds, kinds
+    a2a = [c for c in found if c.kind == "all-to-all"]
+    assert len(a2a) >= 4  # dispatch, return, and their transposes
+    capacity = expert_capacity(tokens // EP_MESH.data_parallel, K, E, 1.25)
+    for c in a2a:  # each exchange is exactly one device's buffers: [E, C, D] in total
+        assert c.result_bytes == E * capacity * D * 4, c
+        assert c.group_size == EP_MESH.expert
+    for c in found:
+        for a in c.operands + c.results:
+            assert tokens not in a.dims and tokens * K not in a.dims, (c.kind, c.op_name, str(a))
+    gathers = [c for c in found if c.kind == "all-gather"]
+    assert len(gathers) == 3 and all(c.group_size == EP_MESH.fsdp for c in gathers)
+    for c in gathers:  # only the embed dim is gathered: the expert dim stays E/ep
+        assert c.results[0].dims[0] == E // EP_MESH.expert, c
+
+    (_, grads) = compiled(*args)
+    w = args[2]
+    for leaf, g in zip(jax.tree.leaves(w), jax.tree.leaves(grads[2])):
+        for arr in (leaf, g):
+            shard = arr.addressable_shards[0].data.shape
+            assert shard[0] == E // EP_MESH.expert, shard
+            assert math.prod(shard) * EP_MESH.expert * EP_MESH.fsdp == arr.size, shard
+
+
+def _eqns(jaxpr):
+    """Every equation of a jaxpr and of the jaxprs nested in it (scan, checkpoint, shard_map bodies)."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    yield from _eqns(sub)
+
+
+def _collective_dtypes(closed_jaxpr) -> dict[str, list[str]]:
+    """Primitive name -> dtypes of its outputs, for the collectives anywhere in a traced program."""
+    found: dict[str, list[str]] = {}
+    for eqn in _eqns(closed_jaxpr.jaxpr):
+        if eqn.primitive.name in ("all_gather", "reduce_scatter", "all_to_all", "psum"):
+            found.setdefault(eqn.primitive.name, []).extend(str(v.aval.dtype) for v in eqn.outvars)
+    return found
+
+
+def test_expert_parallel_gathers_weights_in_compute_dtype():
+    """bf16 compute: the weights are cast before their gather, so the gather, its transpose (the
+    gradient reduce-scatter) and the token exchange all carry bf16. Read from the traced program:
+    XLA:CPU promotes bf16 collectives to f32 when it compiles them (GPU backends keep bf16)."""
+    w = random_experts(13)
+    ids, weights = random_routing(14, 64)
+    x = random_x(15, 64, jnp.bfloat16)
+    loss = loss_fn(random_x(16, 64), capacity_factor=1.25, compute_dtype=jnp.bfloat16)
+    with zs.activate(ep_mesh(), zs.DEFAULT_RULES) as layout:
+        x, ids, weights, w = place(layout, x, ids, weights, w)
+        found = _collective_dtypes(jax.make_jaxpr(jax.grad(loss, argnums=GRAD_ARGS))(x, weights, w, ids))
+    assert w.w_gate.dtype == jnp.float32  # the parameters themselves stay float32
+    assert found["all_gather"] == ["bfloat16"] * 3, found  # w_gate, w_up, w_down
+    assert found["reduce_scatter"] == ["bfloat16"] * 3, found
+    assert found["all_to_all"] and set(found["all_to_all"]) == {"bfloat16"}, found
+
+
+# --- checkpoint policies across the shard_map boundary ------------------------------------------
+
+LAYERS, MICROBATCHES = 2, 2
+_cp = jax.checkpoint_policies
+POLICIES = {
+    "nothing_saveable": _cp.nothing_saveable,
+    "save_moe": _cp.save_only_these_names(*MOE_TAGS),
+    "offload_moe": _cp.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=list(MOE_TAGS), offload_src="device", offload_dst="pinned_host"
+    ),
+}
+
+
+def _accumulated_grads(policy, compute_dtype):
+    """Gradient accumulation (a scan over microbatches) of a scan over layers whose checkpointed body
+    runs the routed experts: the trainer's structure around the kernel."""
+    tokens = 32
+
+    def layer(h, lw_ids):
+        lw, ids, weights = lw_ids
+        y, _, _ = routed_experts(h.astype(compute_dtype), ids, weights, lw, capacity_factor=float(E), compute_dtype=compute_dtype)
+        return h + y.astype(h.dtype), None
+
+    body = layer if policy is None else jax.checkpoint(layer, policy=policy, prevent_cse=False)
+
+    def loss(w, x, ids, weights):
+        h, _ = jax.lax.scan(body, x, (w, ids, weights))
+        return jnp.sum(jnp.sin(h))
+
+    def accumulate(w, xs, ids, weights):
+        # The routing weights are differentiated too, as the router's are in the model: their
+        # gradient reads the expert outputs (moe_mlpwo).
+        def micro(total, batch):
+            gw, g_routing = jax.grad(loss, argnums=(0, 3))(w, *batch)
+            return jax.tree.map(jnp.add, total, gw), g_routing
+
+        zero = jax.tree.map(jnp.zeros_like, w)
+        return jax.lax.scan(micro, zero, (xs, ids, weights))
+
+    w = random_experts(17, layers=LAYERS)
+    routing = [random_routing(18 + i, tokens) for i in range(LAYERS * MICROBATCHES)]
+    ids = jnp.stack([r[0] for r in routing]).reshape(MICROBATCHES, LAYERS, tokens, K)
+    weights = jnp.stack([r[1] for r in routing]).reshape(MICROBATCHES, LAYERS, tokens, K)
+    xs = jnp.stack([random_x(30 + m, tokens) for m in range(MICROBATCHES)])
+    return accumulate, (w, xs, ids, weights)
+
+
+def _placed(layout, w, xs, ids, weights):
+    batch = layout.spec(("batch",))[0]
+    specs = jax.tree.map(lambda s: PartitionSpec(None, *s), expert_specs(layout, w), is_leaf=lambda s: isinstance(s, PartitionSpec))
+    w = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(layout.mesh, s)), w, specs)
+    put = lambda a, spec: jax.device_put(a, NamedSharding(layout.mesh, spec))  # noqa: E731
+    return w, put(xs, PartitionSpec(None, batch, None)), put(ids, PartitionSpec(None, None, batch, None)), put(weights, PartitionSpec(None, None, batch, None))
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_checkpoint_policies_reach_tags_inside_the_shard_map(policy):
+    """The moe tags live inside the EP shard_map body; the layer's checkpoint policy still decides
+    their fate: recomputed (nothing_saveable), saved (save_only_these_names) or offloaded to pinned
+    host (save_and_offload_only_these_names), read back from the traced jaxpr. Gradients agree with
+    the un-checkpointed single program."""
+    cdt = jnp.float32
+    ref_fn, args = _accumulated_grads(None, cdt)
+    expected = jax.jit(ref_fn)(*args)
+    fn, _ = _accumulated_grads(POLICIES[policy], cdt)
+    with zs.activate(ep_mesh(), zs.DEFAULT_RULES) as layout:
+        placed = _placed(layout, *args)
+        closed = jax.make_jaxpr(fn)(*placed)
+        got = jax.jit(fn)(*placed)
+        no_policy = str(jax.make_jaxpr(_accumulated_grads(_cp.everything_saveable, cdt)[0])(*placed))
+    for name, g, e in zip(("w_gate", "w_up", "w_down", "routing weights"), jax.tree.leaves(got), jax.tree.leaves(expected)):
+        assert float(jnp.abs(e).max()) > 0, name
+        np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-5, atol=1e-5, err_msg=name)
+
+    # Saving every tag (on device or on host) needs no more matmuls than saving everything; recomputing
+    # them runs the three expert projections forward once more.
+    jaxpr = str(closed)
+    matmuls, saved_matmuls = jaxpr.count("dot_general["), no_policy.count("dot_general[")
+    moves = [(str(e.invars[0].aval), str(e.outvars[0].aval)) for e in _eqns(closed.jaxpr) if e.primitive.name == "device_put"]
+    to_host = sorted(o.split("{")[0] for i, o in moves if "<host>" in o and "<host>" not in i)
+    from_host = [i for i, o in moves if "<host>" in i and "<host>" not in o]
+    if policy == "nothing_saveable":
+        assert matmuls == saved_matmuls + 3 and not moves
+    elif policy == "save_moe":
+        assert matmuls == saved_matmuls and not moves
+    else:
+        assert matmuls == saved_matmuls
+        # Inside the shard_map body, each device moves its own [E/ep, ep*C, .] tags to host in the
+        # forward pass and back in the backward pass; the residuals leave the body in host memory.
+        ep = EP_MESH.expert
+        rows = ep * expert_capacity(32 // EP_MESH.data_parallel, K, E, float(E))
+        assert to_host == sorted([f"float32<host>[{E // ep},{rows},{I}]"] * 2 + [f"float32<host>[{E // ep},{rows},{D}]"]), moves
+        assert len(from_host) == len(to_host), moves
+        assert f"f32<host>[{LAYERS},{EP_MESH.data_parallel * E // ep},{rows},{I}]" in jaxpr  # stacked by the layer scan
+
+
+# --- refusals ---------------------------------------------------------------------------------
+
+
+def test_ragged_under_expert_parallelism_is_refused():
+    tokens = 16
+    w = random_experts(40)
+    ids, weights = random_routing(41, tokens)
+    with zs.activate(ep_mesh(), zs.DEFAULT_RULES) as layout:
+        args = place(layout, random_x(42, tokens), ids, weights, w)
+        with pytest.raises(ValueError, match=r"^model\.moe\.impl: 'ragged' is not supported with expert parallelism .*impl=capacity"):
+            routed_experts(args[0], args[1], args[2], args[3], impl="ragged")
+
+
+def test_expert_count_not_divisible_by_the_expert_axis_is_refused_at_trace_time():
+    tokens = 16
+    w = random_experts(43, n_experts=6)
+    ids, weights = random_routing(44, tokens, n_experts=6)
+    with zs.activate(ep_mesh(), zs.DEFAULT_RULES):
+        with pytest.raises(ValueError, match=r"^model\.moe\.n_routed_experts: 6 experts cannot be split over expert=4"):
+            jax.eval_shape(lambda: routed_experts(random_x(45, tokens), ids, weights, w))
+
+
+@pytest.mark.parametrize(
+    "kwargs,key",
+    [
+        (dict(n_experts=0, ep=4, batch_size=8, batch_ways=8), "mesh.expert"),
+        (dict(n_experts=6, ep=4, batch_size=8, batch_ways=8), "model.moe.n_routed_experts"),
+        (dict(n_experts=8, ep=4, batch_size=12, batch_ways=8), "data.batch_size"),
+        (dict(n_experts=8, ep=4, batch_size=16, batch_ways=8, grad_accum=4), "data.batch_size"),
+        (dict(n_experts=8, ep=4, batch_size=8, batch_ways=8, impl="ragged"), "model.moe.impl"),
+        (dict(n_experts=8, ep=4, batch_size=8, batch_ways=2, batch_includes_expert=False), "mesh.rules.batch"),
+    ],
+)
+def test_check_expert_parallel_names_the_key(kwargs, key):
+    with pytest.raises(ValueError) as err:
+        check_expert_parallel(**kwargs)
+    msg = str(err.value)
+    assert msg.startswith(key + ":") and "\n" not in msg, msg
+
+
+def test_check_expert_parallel_accepts_good_configs():
+    check_expert_parallel(256, 8, 64, 64)
+    check_expert_parallel(8, 4, 16, 8, grad_accum=2)
+    check_expert_parallel(0, 1, 3, 1)  # dense model, no expert axis
+    check_expert_parallel(8, 1, 8, 8, impl="ragged")  # ragged is fine without expert parallelism

@@ -1,0 +1,266 @@
+"""Collectives of a compiled XLA program, read from its HLO text.
+
+`collectives(compiled.as_text())` lists every all-gather, all-reduce, reduce-scatter, all-to-all,
+ragged-all-to-all and collective-permute (async `-start`/`-done` pairs count once) with its operand
+and result shapes, its group size, and how many times one run of the program executes it: a
+collective inside a `while` body (a `lax.scan`, e.g. over layers or microbatches) runs once per
+iteration, and XLA records the trip count of such loops (`known_trip_count`). `summarize` totals
+them by kind, which is what a per-step communication report needs.
+
+Text, not an API: the compiled module is what runs (after SPMD partitioning, fusion and
+scheduling), and every backend prints it. Collectives over groups of one device move nothing (XLA:CPU
+keeps some, e.g. a psum over an axis of size 1) and are marked `trivial`.
+"""
+
+import dataclasses
+import math
+import re
+from typing import Iterable, Optional
+
+KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "ragged-all-to-all", "collective-permute")
+
+_BYTES = {
+    "pred": 1, "s2": 1, "u2": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "s32": 4, "u32": 4,
+    "s64": 8, "u64": 8, "f16": 2, "bf16": 2, "f32": 4, "f64": 8, "c64": 8, "c128": 16,
+}  # sub-byte types counted as one byte each: an upper bound; f8 variants below
+
+_SHAPE = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
+_COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_CALLEES = re.compile(r"\b(?:body|condition|to_apply|calls|true_computation|false_computation)=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"\bbranch_computations=\{([^}]*)\}")
+_TRIP_COUNT = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
+
+
+@dataclasses.dataclass(frozen=True)
+class Array:
+    dtype: str
+    dims: tuple[int, ...]
+
+    @property
+    def bytes(self) -> int:
+        return math.prod(self.dims) * dtype_bytes(self.dtype)
+
+    def __str__(self) -> str:
+        return f"{self.dtype}[{','.join(map(str, self.dims))}]"
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    kind: str  # one of KINDS
+    name: str  # the instruction's name in the module
+    computation: str  # the computation holding it
+    operands: tuple[Array, ...]
+    results: tuple[Array, ...]
+    group_size: Optional[int]  # devices per replica group; None when the text does not say
+    executions: int  # per run of the program (loop trip counts multiplied in)
+    trip_count_known: bool  # False if some enclosing loop's trip count is unknown (counted once)
+    trivial: bool  # every group is a single device: nothing moves
+    op_name: str  # jax's metadata op_name ("" when absent)
+
+    @property
+    def operand_bytes(self) -> int:
+        return sum(a.bytes for a in self.operands)
+
+    @property
+    def result_bytes(self) -> int:
+        return sum(a.bytes for a in self.results)
+
+    @property
+    def bytes(self) -> int:
+        """The larger side, per execution: the gathered result of an all-gather, the unscattered input
+        of a reduce-scatter, the buffer of an all-reduce / all-to-all / permute."""
+        return max(self.operand_bytes, self.result_bytes)
+
+    @property
+    def dtypes(self) -> set[str]:
+        return {a.dtype for a in self.operands + self.results}
+
+
+def dtype_bytes(dtype: str) -> int:
+    if dtype in _BYTES:
+        return _BYTES[dtype]
+    if dtype.startswith("f8") or dtype.startswith("f4") or dtype.startswith("f6"):
+        return 1
+    if dtype in ("token", "tuple", "opaque"):
+        return 0
+    raise ValueError(f"unknown HLO element type {dtype!r}")
+
+
+def parse_shapes(text: str) -> tuple[Array, ...]:
+    """Every array shape in `text` (a shape or a tuple of shapes); layouts and comments are ignored."""
+    text = re.sub(r"\{[^{}]*\}", "", re.sub(r"/\*.*?\*/", "", text))
+    return tuple(Array(d, tuple(int(x) for x in dims.split(",") if x)) for d, dims in _SHAPE.findall(text))
+
+
+def _split_instruction(rhs: str):
+    """`<shape> <opcode>(<operands>), attrs` -> (shape text, opcode, operand text, attrs text)."""
+    if rhs.startswith("("):
+        depth, i = 0, 0
+        for i, ch in enumerate(rhs):
+            depth += ch == "("
+            depth -= ch == ")"
+            if depth == 0:
+                break
+        shape, rest = rhs[: i + 1], rhs[i + 1 :].lstrip()
+    else:
+        shape, _, rest = rhs.partition(" ")
+    m = re.match(r"([a-z][\w\-]*)\(", rest)
+    if not m:
+        return shape, None, "", rest
+    depth, start = 0, m.end() - 1
+    end = len(rest)
+    for j in range(start, len(rest)):
+        depth += rest[j] == "("
+        depth -= rest[j] == ")"
+        if depth == 0:
+            end = j
+            break
+    return shape, m.group(1), rest[start + 1 : end], rest[end + 1 :]
+
+
+def _group_size(attrs: str) -> tuple[Optional[int], bool]:
+    """(devices per group, whether every group is one device) from replica_groups / source_target_pairs."""
+    m = re.search(r"source_target_pairs=\{(.*?)\}\}", attrs)
+    if m:
+        pairs = re.findall(r"\{(\d+),(\d+)", m.group(1) + "}")
+        return None, all(a == b for a, b in pairs)
+    m = re.search(r"replica_groups=\{(\{[\d,\s]*\}(?:,\s*\{[\d,\s]*\})*)\}", attrs)
+    if m:
+        first = re.match(r"\{([\d,\s]*)\}", m.group(1)).group(1)
+        size = len([x for x in first.split(",") if x.strip()])
+        return size, size == 1
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attrs)
+    if m:
+        sizes = {k.strip("'\" "): int(v) for k, v in re.findall(r"([^,=]+)=(\d+)", m.group(1))}
+        size = math.prod(sizes.get(a.strip("'\" "), 1) for a in m.group(2).split(",") if a.strip())
+        return size, size == 1
+    m = re.search(r"replica_groups=\[([\d,]+)\]<=", attrs)
+    if m:
+        size = int(m.group(1).split(",")[-1])
+        return size, size == 1
+    return None, False
+
+
+@dataclasses.dataclass
+class _Instr:
+    name: str
+    shape: str
+    opcode: Optional[str]
+    operands: list[str]
+    attrs: str
+    computation: str
+
+
+def _parse(text: str):
+    computations: dict[str, list[_Instr]] = {}
+    entry = None
+    current = None
+    for line in text.splitlines():
+        header = _COMPUTATION.match(line)
+        if header and not line.startswith(" "):
+            current = header.group(2)
+            computations[current] = []
+            if header.group(1):
+                entry = current
+            continue
+        if current is None:
+            continue
+        if line.strip() == "}":
+            current = None
+            continue
+        m = _INSTRUCTION.match(line)
+        if not m:
+            continue
+        shape, opcode, operands, attrs = _split_instruction(m.group(2))
+        computations[current].append(
+            _Instr(m.group(1), shape, opcode, re.findall(r"%([\w.\-]+)", operands), attrs, current)
+        )
+    return computations, entry
+
+
+def _executions(computations: dict[str, list[_Instr]], entry: Optional[str]) -> tuple[dict[str, int], set[str]]:
+    """Runs of each computation per program run, and the computations below a loop of unknown trip count."""
+    runs: dict[str, int] = {}
+    unknown: set[str] = set()
+    if entry is None:
+        return {c: 1 for c in computations}, unknown
+
+    def visit(comp: str, times: int, uncertain: bool):
+        runs[comp] = runs.get(comp, 0) + times
+        if uncertain:
+            unknown.add(comp)
+        for ins in computations.get(comp, ()):
+            callees = _CALLEES.findall(ins.attrs)
+            for b in _BRANCHES.findall(ins.attrs):
+                callees += re.findall(r"%?([\w.\-]+)", b)
+            if not callees:
+                continue
+            trip, sure = 1, True
+            if ins.opcode == "while":
+                m = _TRIP_COUNT.search(ins.attrs)
+                trip, sure = (int(m.group(1)), True) if m else (1, False)
+            for callee in callees:
+                if callee not in computations:
+                    continue
+                looped = ins.opcode == "while" and re.search(rf"\bbody=%?{re.escape(callee)}\b", ins.attrs)
+                visit(callee, times * (trip if looped else 1), uncertain or (bool(looped) and not sure))
+
+    visit(entry, 1, False)
+    return runs, unknown
+
+
+def collectives(hlo_text: str) -> list[Collective]:
+    """Every collective of a compiled module's text (`jax.jit(f).lower(...).compile().as_text()`)."""
+    computations, entry = _parse(hlo_text)
+    runs, unknown = _executions(computations, entry)
+    shapes = {ins.name: ins.shape for instrs in computations.values() for ins in instrs}
+    done_of = {}
+    for instrs in computations.values():
+        for ins in instrs:
+            if ins.opcode and ins.opcode.endswith("-done") and ins.operands:
+                done_of[ins.operands[0]] = ins
+    out = []
+    for comp, instrs in computations.items():
+        for ins in instrs:
+            op = ins.opcode or ""
+            kind = op[: -len("-start")] if op.endswith("-start") else op
+            if kind not in KINDS:
+                continue
+            operands = tuple(a for name in ins.operands for a in parse_shapes(shapes.get(name, "")))
+            if op.endswith("-start"):
+                done = done_of.get(ins.name)
+                results = parse_shapes(done.shape) if done is not None else parse_shapes(ins.shape)[len(operands):]
+            else:
+                results = parse_shapes(ins.shape)
+            group, trivial = _group_size(ins.attrs)
+            meta = re.search(r'op_name="([^"]*)"', ins.attrs)
+            out.append(
+                Collective(
+                    kind=kind,
+                    name=ins.name,
+                    computation=comp,
+                    operands=operands,
+                    results=results,
+                    group_size=group,
+                    executions=runs.get(comp, 0),
+                    trip_count_known=comp not in unknown,
+                    trivial=trivial,
+                    op_name=meta.group(1) if meta else "",
+                )
+            )
+    return out
+
+
+def summarize(found: Iterable[Collective], include_trivial: bool = False) -> dict[str, dict[str, int]]:
+    """Per kind: `count` (instructions), `executions` (per program run) and `bytes` (per program run,
+    the larger side of each collective times its executions). Kinds that never occur are left out."""
+    table: dict[str, dict[str, int]] = {}
+    for c in found:
+        if c.trivial and not include_trivial:
+            continue
+        row = table.setdefault(c.kind, {"count": 0, "executions": 0, "bytes": 0})
+        row["count"] += 1
+        row["executions"] += c.executions
+        row["bytes"] += c.bytes * c.executions
+    return {k: table[k] for k in KINDS if k in table}

@@ -1,0 +1,398 @@
+"""Routed experts: dispatch token assignments to experts, run them, combine the results.
+
+`routed_experts(x, expert_ids, weights, experts, ...)` is the whole kernel; the router and the shared
+experts stay in zoo.nn.moe. It is pure and reads the mesh only from the active layout
+(`zoo.sharding.active()`):
+
+- No active layout, or the rules put the `experts` dim of the expert weights on mesh axes of total
+  size 1: one program (GSPMD shards it as it likes).
+  * `capacity`: assignments scattered into per-expert buffers of `expert_capacity(tokens)` rows and
+    multiplied as one batched matmul, so FLOPs grow with top_k * capacity_factor, not with the expert
+    count. Assignments past an expert's capacity are dropped (earlier tokens win) and counted.
+  * `ragged` (dropless, exact): assignments sorted by expert, three `lax.ragged_dot`s. XLA:CPU (and
+    XLA:GPU today) lower ragged_dot to a dense product whose cost grows with the expert count.
+- Expert parallelism (the `experts` dim sharded over `ep` > 1 devices): a `shard_map` over the whole
+  mesh. Every device routes only its own tokens into capacity buffers for all experts (capacity from
+  its LOCAL token count), one `all_to_all` over the expert axes sends each expert shard its buffers,
+  the shard runs its `E/ep` experts on the `ep * C` rows it received, and the reverse `all_to_all`
+  returns the outputs, which are combined where the tokens live. The global batch never travels.
+  Weights enter as their shards (`[E/ep, D/fsdp, I/tensor]`); the `embed` shards are gathered inside,
+  after the cast to the compute dtype, so a bf16 model moves bf16 weights (and reduce-scatters bf16
+  gradients: the gather's transpose). An `mlp` dim on a tensor axis stays split: gate/up act on the
+  local slice of I and the down projection is summed over the tensor axes (Megatron style).
+  Only `capacity` runs under expert parallelism: a dropless exchange needs `ragged_all_to_all`, which
+  XLA:CPU cannot compile (so it could not be tested here); `ragged` raises (see
+  `check_expert_parallel`).
+
+Drops under expert parallelism are decided per device (each device's tokens compete for its own
+`ceil(local_tokens * k / E * capacity_factor)` rows per expert), so they differ from the
+single-program count on the same global batch whenever some expert overflows.
+
+The intermediates keep the routed-expert tags (`MOE_MLPWI_0` gate after its bias, `MOE_MLPWI_1` up,
+`MOE_MLPWO` down output before combining). Under expert parallelism they are tagged inside the
+shard_map body; jax's shard_map partial evaluation honours an enclosing `jax.checkpoint` policy for
+them (saved, offloaded to pinned_host, or recomputed together with the all_to_all that produced their
+inputs), which tests/test_moe_dispatch.py reads back from the jaxpr.
+"""
+
+import dataclasses
+import math
+from typing import Callable, Literal, Optional, Union
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+from jaxtyping import Array, Bool, Float, Int
+
+from zoo import sharding as zs
+from zoo import tags as zoo_tags
+
+Impl = Literal["capacity", "ragged"]
+Activation = Callable[[Array, Array], Array]
+Tagger = Callable[[Array, str], Array]
+
+# Logical axes of the routed-expert leaves (the weights as zoo.sharding._PARAM_AXES names them; the
+# biases as GPT-OSS lays them out: one row per expert).
+EXPERT_AXES: dict[str, tuple[str, ...]] = {
+    "w_gate": ("experts", "embed", "mlp"),
+    "w_up": ("experts", "embed", "mlp"),
+    "w_down": ("experts", "mlp", "embed"),
+    "b_gate": ("experts", "mlp"),
+    "b_up": ("experts", "mlp"),
+    "b_down": ("experts", "embed"),
+}
+
+
+class ExpertWeights(eqx.Module):
+    """The routed experts' parameters, stacked over experts (biases optional: GPT-OSS has them).
+    A stack of layers may add leading dims; the kernel takes one layer's."""
+
+    w_gate: Float[Array, "*layers experts embed moe_mlp"]
+    w_up: Float[Array, "*layers experts embed moe_mlp"]
+    w_down: Float[Array, "*layers experts moe_mlp embed"]
+    b_gate: Optional[Float[Array, "*layers experts moe_mlp"]] = None
+    b_up: Optional[Float[Array, "*layers experts moe_mlp"]] = None
+    b_down: Optional[Float[Array, "*layers experts embed"]] = None
+
+    @property
+    def n_experts(self) -> int:
+        return self.w_gate.shape[-3]
+
+
+def swiglu(gate: Float[Array, "*rows moe_mlp"], up: Float[Array, "*rows moe_mlp"]) -> Float[Array, "*rows moe_mlp"]:
+    return jax.nn.silu(gate) * up
+
+
+def expert_capacity(tokens: int, top_k: int, n_experts: int, capacity_factor: float) -> int:
+    """Rows per expert buffer: ceil(tokens * top_k / experts * capacity_factor), at least 1
+    (the formula of zoo.config.moe_capacity, evaluated in the same order)."""
+    return max(1, math.ceil(tokens * top_k / n_experts * capacity_factor))
+
+
+# --- bookkeeping shared by every path ---------------------------------------------------------
+
+
+def sorted_assignments(
+    expert_ids: Int[Array, "tokens k"], n_experts: int
+) -> tuple[Int[Array, " assignments"], Int[Array, " assignments"], Int[Array, " experts"]]:
+    """Assignment a = token * k + slot: its expert, the stable order by expert, and per-expert counts."""
+    flat_experts = expert_ids.reshape(-1)
+    order = jnp.argsort(flat_experts, stable=True)  # stable: earlier tokens first within an expert
+    counts = jnp.bincount(flat_experts, length=n_experts).astype(jnp.int32)
+    return flat_experts, order, counts
+
+
+def capacity_slots(
+    flat_experts: Int[Array, " assignments"], order: Int[Array, " assignments"], counts: Int[Array, " experts"], capacity: int
+) -> tuple[Int[Array, " assignments"], Bool[Array, " assignments"]]:
+    """Each assignment's row in its expert's buffer (`capacity` when dropped) and whether it is kept."""
+    # The row is the assignment's rank among its expert's assignments, in token order.
+    group_start = jnp.cumsum(counts) - counts
+    rank_sorted = jnp.arange(flat_experts.shape[0], dtype=jnp.int32) - group_start[flat_experts[order]]
+    slot = jnp.zeros_like(rank_sorted).at[order].set(rank_sorted, unique_indices=True)
+    kept = slot < capacity
+    # Out of bounds: dropped by the scatter, read back as zero by the gather.
+    return jnp.where(kept, slot, capacity), kept
+
+
+def combine(per_assignment: Float[Array, "assignments embed"], weights: Float[Array, "tokens k"]) -> Float[Array, "tokens embed"]:
+    """y[n] = sum_j weights[n, j] * per_assignment[n * k + j]."""
+    tokens, k = weights.shape
+    out = per_assignment.reshape(tokens, k, -1)
+    return jnp.einsum("NKD,NK->ND", out, weights.astype(out.dtype))
+
+
+def _dispatch(x, flat_experts, slot, n_experts: int, capacity: int):
+    k = flat_experts.shape[0] // x.shape[0]
+    buffers = jnp.zeros((n_experts, capacity, x.shape[-1]), x.dtype)
+    return buffers.at[flat_experts, slot].set(jnp.repeat(x, k, axis=0), mode="drop")
+
+
+def _ffn(h, w: ExpertWeights, matmul, add_bias, activation: Activation, tag: Tagger, reduce_mlp=None):
+    """Gate, up, activation, down; biases (if any) through `add_bias`, since their row layout
+    depends on the path. `reduce_mlp` sums the down projection over mlp shards before its bias."""
+    gate = matmul(h, w.w_gate)
+    if w.b_gate is not None:
+        gate = add_bias(gate, w.b_gate)
+    gate = tag(gate, zoo_tags.MOE_MLPWI_0)
+    up = matmul(h, w.w_up)
+    if w.b_up is not None:
+        up = add_bias(up, w.b_up)
+    up = tag(up, zoo_tags.MOE_MLPWI_1)
+    out = matmul(activation(gate, up), w.w_down)
+    if reduce_mlp is not None:
+        out = reduce_mlp(out)
+    if w.b_down is not None:
+        out = add_bias(out, w.b_down)
+    return tag(out, zoo_tags.MOE_MLPWO)
+
+
+def _cast(w: ExpertWeights, dtype) -> ExpertWeights:
+    return jax.tree.map(lambda a: a.astype(dtype), w)
+
+
+def _buffer_matmul(h, w):
+    return jnp.einsum("ECD,EDF->ECF", h, w)
+
+
+def _buffer_bias(v, b):
+    return v + b[:, None, :]
+
+
+# --- one program ------------------------------------------------------------------------------
+
+
+def _capacity_local(x, expert_ids, weights, w: ExpertWeights, *, activation, capacity_factor, tag):
+    tokens, k = expert_ids.shape
+    experts = w.n_experts
+    capacity = expert_capacity(tokens, k, experts, capacity_factor)
+    flat_experts, order, counts = sorted_assignments(expert_ids, experts)
+    slot, kept = capacity_slots(flat_experts, order, counts, capacity)
+    buffers = _dispatch(x, flat_experts, slot, experts, capacity)
+    out = _ffn(buffers, w, _buffer_matmul, _buffer_bias, activation, tag)
+    per_assignment = out.at[flat_experts, slot].get(mode="fill", fill_value=0)
+    dropped = (tokens * k - kept.sum()).astype(jnp.int32)
+    return combine(per_assignment, weights), counts, dropped
+
+
+def _ragged_local(x, expert_ids, weights, w: ExpertWeights, *, activation, tag):
+    k = expert_ids.shape[1]
+    flat_experts, order, counts = sorted_assignments(expert_ids, w.n_experts)
+    sorted_x = x[order // k]  # [A D], grouped by expert
+    sorted_experts = flat_experts[order]
+
+    def matmul(h, wt):
+        return jax.lax.ragged_dot(h, wt, counts)
+
+    def add_bias(v, b):
+        return v + b[sorted_experts]
+
+    sorted_out = _ffn(sorted_x, w, matmul, add_bias, activation, tag)
+    unsorted = jnp.zeros_like(sorted_out).at[order].set(sorted_out, unique_indices=True)
+    return combine(unsorted, weights), counts, jnp.zeros((), jnp.int32)
+
+
+# --- expert parallelism -----------------------------------------------------------------------
+
+
+def _entry_axes(entry) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+@dataclasses.dataclass(frozen=True)
+class _EPLayout:
+    """How the active layout splits the routed experts."""
+
+    layout: zs.Layout
+    ep_axes: tuple[str, ...]  # the experts dim's mesh axes
+    mlp_axes: tuple[str, ...]  # kept split; the down projection is summed over them
+    batch_axes: tuple[str, ...]
+
+    @property
+    def ep(self) -> int:
+        return math.prod(self.layout.axis_size(a) for a in self.ep_axes)
+
+
+def _ep_layout(layout: zs.Layout) -> _EPLayout:
+    spec = layout.spec(EXPERT_AXES["w_gate"])
+    ep_axes, _, mlp_axes = (_entry_axes(e) for e in spec)
+    batch_axes = _entry_axes(layout.spec(("batch",))[0])
+    return _EPLayout(layout, ep_axes, mlp_axes, batch_axes)
+
+
+def expert_specs(layout: zs.Layout, experts: ExpertWeights) -> ExpertWeights:
+    """The PartitionSpec of each present leaf of `experts` under `layout` (absent biases stay None)."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: layout.spec(EXPERT_AXES[path[-1].name]), experts)
+
+
+def _capacity_ep(x, expert_ids, weights, w: ExpertWeights, plan: _EPLayout, *, activation, capacity_factor, compute_dtype, tag):
+    mesh = plan.layout.mesh
+    ep, n_experts = plan.ep, w.n_experts
+    local_experts = n_experts // ep
+    k = expert_ids.shape[1]
+    token_spec = P(plan.batch_axes or None, None)
+    names = [f for f in EXPERT_AXES if getattr(w, f) is not None]
+    w_specs = expert_specs(plan.layout, w)
+    ep_axis = plan.ep_axes if len(plan.ep_axes) > 1 else plan.ep_axes[0]
+
+    def gather_embed(a, name):
+        # The cast comes first so the gather (and its transpose, the gradient reduce-scatter) moves compute-dtype bytes.
+        a = a.astype(compute_dtype)
+        logical = EXPERT_AXES[name]
+        if "embed" not in logical:
+            return a
+        dim = logical.index("embed")
+        axes = _entry_axes(plan.layout.spec(logical)[dim])
+        return jax.lax.all_gather(a, axes, axis=dim, tiled=True) if axes else a
+
+    def body(x, expert_ids, weights, w):
+        tokens = x.shape[0]
+        capacity = expert_capacity(tokens, k, n_experts, capacity_factor)
+        flat_experts, order, counts = sorted_assignments(expert_ids, n_experts)
+        slot, kept = capacity_slots(flat_experts, order, counts, capacity)
+        buffers = _dispatch(x, flat_experts, slot, n_experts, capacity)  # [E C D], experts in shard order
+        # Block s of dim 0 (experts s*E/ep ...) goes to expert shard s; what comes back is block per source.
+        received = jax.lax.all_to_all(buffers, ep_axis, 0, 0, tiled=True)  # [ep*E/ep C D], by source
+        d = x.shape[-1]
+        rows = received.reshape(ep, local_experts, capacity, d).transpose(1, 0, 2, 3).reshape(local_experts, ep * capacity, d)
+        local = ExpertWeights(**{f: gather_embed(getattr(w, f), f) for f in names})
+        reduce_mlp = (lambda v: jax.lax.psum(v, plan.mlp_axes)) if plan.mlp_axes else None
+        out = _ffn(rows, local, _buffer_matmul, _buffer_bias, activation, tag, reduce_mlp)
+        out = out.reshape(local_experts, ep, capacity, d).transpose(1, 0, 2, 3).reshape(n_experts, capacity, d)
+        returned = jax.lax.all_to_all(out, ep_axis, 0, 0, tiled=True)  # [E C D], back in global expert order
+        per_assignment = returned.at[flat_experts, slot].get(mode="fill", fill_value=0)
+        y = combine(per_assignment, weights)
+        dropped = (tokens * k - kept.sum()).astype(jnp.int32)
+        if plan.batch_axes:
+            counts = jax.lax.psum(counts, plan.batch_axes)
+            dropped = jax.lax.psum(dropped, plan.batch_axes)
+        return y, counts, dropped
+
+    fn = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(token_spec, token_spec, token_spec, w_specs),
+        out_specs=(token_spec, P(), P()),
+    )
+    return fn(x, expert_ids, weights, w)
+
+
+def _check_layout(plan: _EPLayout, n_experts: int, impl: str) -> None:
+    ep_desc = "*".join(f"{a}={plan.layout.axis_size(a)}" for a in plan.ep_axes)
+    if impl != "capacity":
+        raise ValueError(
+            f"model.moe.impl: {impl!r} is not supported with expert parallelism ({ep_desc}): a dropless exchange needs "
+            f"ragged_all_to_all; set model.moe.impl=capacity (raise model.moe.capacity_factor to drop less) or mesh.expert=1"
+        )
+    if n_experts % plan.ep:
+        raise ValueError(
+            f"model.moe.n_routed_experts: {n_experts} experts cannot be split over {ep_desc}; "
+            f"make mesh.expert divide the expert count"
+        )
+    shared = [a for a in plan.mlp_axes if a in plan.batch_axes]
+    if shared:
+        # Summing the down projection over an axis that also splits the batch would add up different tokens.
+        raise ValueError(
+            f"mesh.rules.mlp: the experts' mlp dim is split over {shared[0]}, which also splits the batch; "
+            f"map mlp to axes outside mesh.rules.batch (e.g. tensor)"
+        )
+    missing = [a for a in plan.ep_axes if a not in plan.batch_axes]
+    if missing:
+        raise ValueError(
+            f"mesh.rules.batch: expert parallelism needs the batch split over the expert axes too ({missing[0]} is "
+            f"missing from {list(plan.batch_axes)}); add it to mesh.rules.batch"
+        )
+
+
+# --- the kernel -------------------------------------------------------------------------------
+
+
+def routed_experts(
+    x: Float[Array, "tokens embed"],
+    expert_ids: Int[Array, "tokens k"],
+    weights: Float[Array, "tokens k"],
+    experts: ExpertWeights,
+    *,
+    activation: Activation = swiglu,
+    impl: Impl = "capacity",
+    capacity_factor: Union[int, float] = 1.25,
+    compute_dtype=jnp.float32,
+    tag: Tagger = zoo_tags.tag,
+) -> tuple[Float[Array, "tokens embed"], Int[Array, " experts"], Int[Array, ""]]:
+    """`(y, tokens_per_expert, dropped)`: y[n] = sum_j weights[n, j] * expert_{expert_ids[n, j]}(x[n]).
+
+    `x` is in the compute dtype (the expert weights are cast to it); `tokens_per_expert` counts the
+    assignments routed to each expert before any drop, `dropped` those the capacity buffers refused
+    (always 0 for `ragged`). Both are global (summed over the batch shards) under expert parallelism.
+    The expert path is chosen from the active layout (see the module docstring).
+    """
+    if impl not in ("capacity", "ragged"):
+        raise ValueError(f"model.moe.impl: unknown kernel {impl!r}; choose capacity or ragged")
+    capacity_factor = float(capacity_factor)
+    layout = zs.active()
+    if layout is not None:
+        plan = _ep_layout(layout)
+        if plan.ep > 1:
+            _check_layout(plan, experts.n_experts, impl)
+            return _capacity_ep(
+                x, expert_ids, weights, experts, plan,
+                activation=activation, capacity_factor=capacity_factor, compute_dtype=compute_dtype, tag=tag,
+            )
+    w = _cast(experts, compute_dtype)
+    if impl == "ragged":
+        return _ragged_local(x, expert_ids, weights, w, activation=activation, tag=tag)
+    return _capacity_local(x, expert_ids, weights, w, activation=activation, capacity_factor=capacity_factor, tag=tag)
+
+
+# --- configuration checks ---------------------------------------------------------------------
+
+
+def check_expert_parallel(
+    n_experts: int,
+    ep: int,
+    batch_size: int,
+    batch_ways: int,
+    *,
+    grad_accum: int = 1,
+    impl: str = "capacity",
+    batch_includes_expert: bool = True,
+) -> None:
+    """Refuse a configuration expert parallelism cannot run; ValueError, one line starting with the key.
+
+    `n_experts`: routed experts per MoE layer (0 for a dense model); `ep`: the expert axis size;
+    `batch_size` / `grad_accum`: sequences per step / microbatches; `batch_ways`: how many ways the
+    rules split the batch (data*fsdp*expert by default); `batch_includes_expert`: whether the batch rule
+    lists the expert axis.
+    """
+    if ep < 1:
+        raise ValueError(f"mesh.expert: size {ep} is invalid; use a positive size")
+    if ep == 1:
+        return
+    if n_experts == 0:
+        raise ValueError(
+            f"mesh.expert: {ep} devices on the expert axis, but the model has no MoE layers; "
+            f"set mesh.expert=1 and give the devices to mesh.fsdp or mesh.data"
+        )
+    if n_experts % ep:
+        fits = max(d for d in range(1, ep + 1) if n_experts % d == 0)
+        raise ValueError(
+            f"model.moe.n_routed_experts: {n_experts} experts cannot be split over mesh.expert={ep}; "
+            f"use an expert axis that divides {n_experts} (e.g. mesh.expert={fits})"
+        )
+    if impl != "capacity":
+        raise ValueError(
+            f"model.moe.impl: {impl!r} is not supported with mesh.expert={ep} (a dropless exchange needs "
+            f"ragged_all_to_all); set model.moe.impl=capacity or mesh.expert=1"
+        )
+    if not batch_includes_expert:
+        raise ValueError("mesh.rules.batch: expert parallelism needs the batch split over the expert axis; add expert to mesh.rules.batch")
+    micro = batch_size // grad_accum if grad_accum else batch_size
+    if batch_size % max(grad_accum, 1) or micro % batch_ways:
+        raise ValueError(
+            f"data.batch_size: {batch_size} sequences in {grad_accum} microbatch(es) cannot be split over the "
+            f"{batch_ways} batch-parallel devices (each expert-parallel device routes its own tokens); "
+            f"use a multiple of {batch_ways * max(grad_accum, 1)}"
+        )
