@@ -51,6 +51,9 @@ def test_layer_input_and_mlpwo_exceptions_are_what_the_program_does():
     # Asking JAX directly (bypassing Zoo's refusal) to keep mlpwo: still nothing kept.
     rp = jax.checkpoint_policies.save_only_these_names("mlpwo")
     assert _placement(config, rp).by_tag()["mlpwo"] == "unread"
+    # With sandwich norms (Gemma 3) the post-MLP norm reads it: recomputed under `full`.
+    gemma = zoo.get_size("gemma3_tiny_a")
+    assert _placement(gemma, remat_policy(load_preset("full"), gemma)).by_tag()["mlpwo"] == "recomputed"
 
 
 def test_placement_follows_the_program_not_the_config():

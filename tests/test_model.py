@@ -115,8 +115,14 @@ def test_unknown_tag_is_refused():
 # --- (b) compile time does not grow with depth -----------------------------------------------
 
 
-def compile_seconds(layers: int) -> float:
-    c = LLAMA.replace(num_layers=layers)
+def with_layers(c, layers: int):
+    """`c` at another depth, its per-layer pattern (sliding/full) repeated."""
+    types = None if c.layer_types is None else [c.layer_types[i % len(c.layer_types)] for i in range(layers)]
+    return c.replace(num_layers=layers, layer_types=types)
+
+
+def compile_seconds(layers: int, base=LLAMA) -> float:
+    c = with_layers(base, layers)
 
     def loss(m, t):  # a fresh function: no cache hit from an earlier measurement
         return loss_fn(m, t)
@@ -128,12 +134,15 @@ def compile_seconds(layers: int) -> float:
     return time.process_time() - start
 
 
-def test_scan_compile_time_does_not_grow_with_depth():
-    # (backend optimisation off to save test time; an unrolled stack would still be ~8x the ops)
+@pytest.mark.parametrize("size", ["llama_tiny_a", "qwen2_tiny_a", "qwen3_tiny_a", "qwen3_moe_tiny_a", "mixtral_tiny_a", "gemma3_tiny_a", "gpt_oss_tiny_a"])
+def test_scan_compile_time_does_not_grow_with_depth(size):
+    # (backend optimisation off to save test time; an unrolled stack would still be ~8x the ops).
+    # Gemma 3's local/global pattern and GPT-OSS's alternation scan their period: still flat in depth.
+    base = zoo.get_size(size)
     shallow, deep = [], []
     for _ in range(3):  # min over interleaved measurements; stop once the answer is clear
-        shallow.append(compile_seconds(4))
-        deep.append(compile_seconds(32))
+        shallow.append(compile_seconds(4, base))
+        deep.append(compile_seconds(32, base))
         if len(deep) >= 2 and min(deep) < 1.5 * min(shallow):
             break
     assert min(deep) < 1.5 * min(shallow), (shallow, deep)

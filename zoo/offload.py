@@ -20,7 +20,8 @@ Placement rules, which `zoo.inspect` reads back from the traced program and the 
 - two exceptions, both structural: `decoder_layer_input` is the input of the checkpointed layer, which
   the scan keeps anyway, so `remat` keeps it on device (`offload` moves it, and with it the scan
   carry, to host); `mlpwo` only feeds the residual add, so the backward pass never reads it and
-  keeping or offloading it would do nothing: asking for that is an error.
+  keeping or offloading it would do nothing: asking for that is an error (with sandwich norms, as in
+  Gemma 3, a norm reads it and it is a tag like the others).
 - `checkpoint: false` (the `none` preset) applies no checkpoint: nothing is recomputed, and the
   backward pass keeps whatever it reads, which for some tags is a value derived from them.
 """
@@ -39,8 +40,15 @@ PLACEMENTS = ("host", "device", "recomputed", "unread")
 # What `expected_placement` says without a checkpoint: not recomputed, not on host; the inspector
 # finds `device` (the value itself is a residual) or `unread` (a value derived from it is).
 KEPT = "kept"
-# Tags the backward pass never reads: saving or offloading them is a silent no-op, so it is refused.
+# Tags the backward pass never reads (without sandwich norms): saving or offloading them is a silent
+# no-op, so it is refused.
 BACKWARD_NEVER_READS = (MLPWO,)
+
+
+def backward_never_reads(model_config) -> tuple[str, ...]:
+    """The tags this model's backward pass never reads: `mlpwo` only feeds the residual add, unless a
+    post-MLP norm (Gemma 3's sandwich norms) reads it."""
+    return () if getattr(model_config, "sandwich_norms", False) else BACKWARD_NEVER_READS
 # Tags that are the input of the checkpointed layer body: kept by the scan unless offloaded.
 CHECKPOINT_INPUTS = (DECODER_LAYER_INPUT,)
 
@@ -54,7 +62,10 @@ def _check_action(key: str, tag_name: str, action) -> None:
         raise ValueError(f"{key}: unknown tag; valid tags: {_valid_tags()}")
     if action not in ACTIONS:
         raise ValueError(f"{key}={action!r}: unknown action; choose one of {', '.join(ACTIONS)}")
-    if tag_name in BACKWARD_NEVER_READS and action != "remat":
+
+
+def _check_read(key: str, tag_name: str, action, model_config) -> None:
+    if tag_name in backward_never_reads(model_config) and action != "remat":
         raise ValueError(
             f"{key}={action}: the backward pass never reads {tag_name} (it only feeds the residual add), "
             f"so there is nothing to keep or offload; leave it out or set it to remat"
@@ -131,6 +142,11 @@ def check_tags_emitted(policy: OffloadConfig, model_config) -> None:
     `custom` preset lists every tag as `remat` so that any of them can be set from the command line).
     """
     emitted = emitted_tags(model_config)
+    for t, a in policy.tags.items():
+        _check_read(f"offload.tags.{t}", t, a, model_config)
+    for kind in block_kinds(model_config):
+        for t, a in (policy.block_tags.get(kind) or {}).items():
+            _check_read(f"offload.block_tags.{kind}.{t}", t, a, model_config)
     missing = [t for t, a in policy.tags.items() if t not in emitted and a != "remat"]
     if missing:
         t = missing[0]
@@ -174,7 +190,7 @@ def expected_placement(policy: OffloadConfig, model_config) -> dict[str, str]:
         return {t: KEPT for t in actions}
     out = {}
     for t, a in actions.items():
-        if t in BACKWARD_NEVER_READS:
+        if t in backward_never_reads(model_config):
             out[t] = "unread"
         elif a == "offload":
             out[t] = "host"

@@ -35,7 +35,7 @@ from typing import Optional, Sequence, Union
 import numpy as np
 
 from zoo.nn.moe import resolve_moe_impl
-from zoo.offload import BACKWARD_NEVER_READS, CHECKPOINT_INPUTS, OffloadConfig
+from zoo.offload import CHECKPOINT_INPUTS, OffloadConfig, backward_never_reads
 
 CHOICES = ("device", "offload", "remat")
 GB = 1e9
@@ -440,7 +440,7 @@ def tag_costs(config, records, batch: int, seq: int, divide: float = 1.0) -> lis
     input can be kept or offloaded, not recomputed."""
     by_tag: dict[str, TagCost] = {}
     for r in records:
-        if r.tag in BACKWARD_NEVER_READS:
+        if r.tag in backward_never_reads(config):
             continue
         choices = ("device", "offload") if r.tag in CHECKPOINT_INPUTS else CHOICES
         t = by_tag.setdefault(r.tag, TagCost(r.tag, {}, {}, choices))
@@ -547,7 +547,7 @@ def problem_from_config(c, trainer, opts: PlanConfig, hardware_dir=None) -> tupl
 
     # Shapes and dtypes of every tag, read from the traced gradient with every tag kept.
     keep_all = OffloadConfig(
-        name="keep_all", checkpoint=True, tags={t: "device" for t in emitted_tags(m) if t not in BACKWARD_NEVER_READS}
+        name="keep_all", checkpoint=True, tags={t: "device" for t in emitted_tags(m) if t not in backward_never_reads(m)}
     )
     policy = remat_policy(keep_all, m)
     abstract = zoo_model.abstract(m)
@@ -584,7 +584,7 @@ def problem_from_config(c, trainer, opts: PlanConfig, hardware_dir=None) -> tupl
     # (float32: logits, softmax and their gradient), and the T x T attention probabilities when XLA
     # materialises them (not with flash attention: cudnn, or auto with half-precision compute).
     per_layer = max((sum(t.bytes_per_layer.get(s, 0.0) for t in tags) for s in stacks), default=0.0)
-    mlpwo_bytes = max((r.bytes_per_layer for r in placement.records if r.tag in BACKWARD_NEVER_READS), default=0)
+    mlpwo_bytes = max((r.bytes_per_layer for r in placement.records if r.tag in backward_never_reads(m)), default=0)
     logits = 3.0 * batch * seq * m.vocab_size * 4
     flash = m.attention_impl == "cudnn" or (m.attention_impl == "auto" and m.compute_dtype in ("bfloat16", "float16"))
     scores = 0.0 if flash else 2.0 * batch * m.num_heads * seq * seq * 4
