@@ -242,9 +242,10 @@ def test_decoding_is_refused_outside_xla():
 
 def test_resolve_impl():
     cpu = dict(backend="cpu", dtype=jnp.float32, qk_dim=64, v_dim=64)
-    assert resolve_impl("auto", seq_len=A.BLOCKWISE_MIN_SEQ - 1, **cpu) == "xla"
-    assert resolve_impl("auto", seq_len=A.BLOCKWISE_MIN_SEQ, **cpu) == "blockwise"
-    assert resolve_impl("auto", seq_len=A.BLOCKWISE_MIN_SEQ, decoding=True, **cpu) == "xla"
+    threshold = A.min_blockwise_seq("cpu")
+    assert resolve_impl("auto", seq_len=threshold - 1, **cpu) == "xla"
+    assert resolve_impl("auto", seq_len=threshold, **cpu) == "blockwise"
+    assert resolve_impl("auto", seq_len=threshold, decoding=True, **cpu) == "xla"
     assert resolve_impl("blockwise", seq_len=16, **cpu) == "blockwise"
     hopper = dict(backend="gpu", dtype=jnp.bfloat16, seq_len=4096, compute_capability=(9, 0))
     assert resolve_impl("auto", qk_dim=192, v_dim=128, **hopper) == "cudnn"

@@ -23,10 +23,18 @@ from jaxtyping import Array, Float, Int
 
 IMPLS = ("auto", "xla", "blockwise", "cudnn")
 
-# Measured on the 2-core CPU machine (bench/attention_kernels.py): see `resolve_impl` and `attend`.
-DEFAULT_BLOCK_Q = 512
-DEFAULT_BLOCK_K = 512
-BLOCKWISE_MIN_SEQ = 2048
+# Tiles of 256 x 256: on the 2-core CPU machine (bench/attention_kernels.py attention; batch 1, 8
+# heads over 2, head dim 64, value and gradient) they were the fastest at T=4096 (1.2x faster than
+# 512, 2x faster than 1024), within 8% of 128 at T=8192 and within noise of 64-128 at T<=1024.
+DEFAULT_BLOCK_Q = 256
+DEFAULT_BLOCK_K = 256
+# `auto` takes the blockwise path from this many query positions on, per backend. CPU (measured,
+# same bench, 256-tiles): blockwise took 0.87x of the XLA path's time at T=128 (one tile: the same
+# work), 0.50x at 256, 0.27x at 1024 and 0.19x at 4096. Elsewhere (not measured: on a GPU every
+# scan step per tile costs kernel launches) from 1024 on, where the XLA path's float32 scores
+# reach 4 MiB per head and sequence.
+BLOCKWISE_MIN_SEQ = {"cpu": 256}
+BLOCKWISE_MIN_SEQ_OTHER = 1024
 
 _HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _MASKED = -1e30  # the XLA path's score for a masked pair: far below any real one, and finite
@@ -71,9 +79,8 @@ def resolve_impl(
     """The attention path `impl` ("auto", "xla", "blockwise", "cudnn") stands for, or a ValueError.
 
     `auto`: cuDNN on GPU for half precision where it can do the case; otherwise blockwise from
-    BLOCKWISE_MIN_SEQ query positions on (below it the XLA path was as fast or faster on CPU and its
-    [batch, heads, seq, seq] scores are small); otherwise XLA. Decoding (`q_offset` / `kv_valid_len`)
-    is XLA only. `compute_capability` (major, minor) defaults to the first GPU's.
+    `min_blockwise_seq(backend)` query positions on; otherwise XLA. Decoding (`q_offset` /
+    `kv_valid_len`) is XLA only. `compute_capability` (major, minor) defaults to the first GPU's.
     """
     if impl not in IMPLS:
         raise _bad(f"got {impl!r}")
@@ -90,7 +97,12 @@ def resolve_impl(
         return impl
     if cudnn_reason is None:
         return "cudnn"
-    return "blockwise" if seq_len >= BLOCKWISE_MIN_SEQ else "xla"
+    return "blockwise" if seq_len >= min_blockwise_seq(backend) else "xla"
+
+
+def min_blockwise_seq(backend: str) -> int:
+    """The query length from which `auto` prefers the blockwise path to the XLA one."""
+    return BLOCKWISE_MIN_SEQ.get(backend, BLOCKWISE_MIN_SEQ_OTHER)
 
 
 def _cudnn_refusal(backend, dtype, qk_dim, v_dim, has_sinks, has_segments, max_segments, capability) -> Optional[str]:
@@ -155,12 +167,7 @@ def attend(
         raise ValueError(f"attention: window={window} needs causal=True and window >= 1")
     if sinks is not None and sinks.shape != (heads,):
         raise ValueError(f"attention: sinks must have shape ({heads},), got {sinks.shape}")
-    if segment_ids is not None and kv_segment_ids is None:
-        if kv_len != q_len:
-            raise ValueError(f"attention: kv_segment_ids is needed when kv_len ({kv_len}) != q_len ({q_len})")
-        kv_segment_ids = segment_ids
-    if (segment_ids is None) != (kv_segment_ids is None):
-        raise ValueError("attention: segment_ids and kv_segment_ids come together")
+    kv_segment_ids = _kv_segments(segment_ids, kv_segment_ids, q_len, kv_len)
     static_offset = q_offset is None or isinstance(q_offset, int)
     decoding = kv_valid_len is not None or not static_offset
     impl = resolve_impl(
@@ -179,6 +186,16 @@ def attend(
         raise _bad("cudnn aligns queries with keys from position 0; q_offset must be 0")
     return cudnn_attention(q, k, v, scale=scale, causal=causal, window=window, segment_ids=segment_ids,
                            kv_segment_ids=kv_segment_ids, max_segments=max_segments)
+
+
+def _kv_segments(segment_ids, kv_segment_ids, q_len, kv_len):
+    if segment_ids is not None and kv_segment_ids is None:
+        if kv_len != q_len:
+            raise ValueError(f"attention: kv_segment_ids is needed when kv_len ({kv_len}) != q_len ({q_len})")
+        return segment_ids
+    if (segment_ids is None) != (kv_segment_ids is None):
+        raise ValueError("attention: segment_ids and kv_segment_ids come together")
+    return kv_segment_ids
 
 
 # --- XLA reference -------------------------------------------------------------------------------
@@ -222,6 +239,7 @@ def xla_attention(
     keep = _positions_mask(q_pos, k_pos, causal, window)  # [1 or batch, q_len, kv_len]
     if kv_valid_len is not None:
         keep = keep & (k_pos < kv_valid_len[:, None, None])
+    kv_segment_ids = _kv_segments(segment_ids, kv_segment_ids, q_len, kv_len)
     if segment_ids is not None:
         keep = keep & (segment_ids[:, :, None] == kv_segment_ids[:, None, :])
     # A finite fill keeps every step below free of inf - inf; rows that see no key come out
@@ -333,6 +351,7 @@ def blockwise_attention(
     qb = blocks(q.reshape(batch, q_len, kv_heads, group, qk_dim), q_pad, tiling.block_q, True)
     kb = blocks(k, k_pad, tiling.block_k, False)
     vb = blocks(v, k_pad, tiling.block_k, False)
+    kv_segment_ids = _kv_segments(segment_ids, kv_segment_ids, q_len, kv_len)
     if segment_ids is None:
         q_seg = kv_seg = None
     else:
@@ -490,8 +509,15 @@ def cudnn_attention(
     go through JAX's cuDNN lowering, which takes a v head dim of its own from cuDNN 9.10 on Hopper;
     elsewhere the smaller of the two is zero-padded (zero q/k columns add nothing to the scores,
     zero v columns are sliced off) at the cost of the padded FLOPs.
+
+    Segment ids become cuDNN's packed layout (`segments_to_packed`), in which the m-th run of
+    queries attends to the m-th run of keys: the same as matching ids when both come from one
+    `segment_ids` whose equal ids are contiguous, as in packed documents.
     """
     qk_dim, v_dim = q.shape[-1], v.shape[-1]
+    kv_segment_ids = _kv_segments(segment_ids, kv_segment_ids, q.shape[1], k.shape[1])
+    if segment_ids is not None and (max_segments is None or max_segments < 2):
+        raise _bad("cudnn needs max_segments >= 2 (a static bound on segments per row) with segment ids")
     if segment_ids is None and qk_dim == v_dim:
         return jax.nn.dot_product_attention(
             q, k, v, scale=scale, is_causal=causal,
