@@ -294,6 +294,33 @@ def test_bad_blocks_and_shapes_are_refused():
         attend(q, k[:, :5], v[:, :5], scale=SCALE, impl="xla", segment_ids=jnp.zeros(q.shape[:2], jnp.int32))
 
 
+@pytest.mark.parametrize("dims", [(8, 8), (16, 8)])
+def test_cudnn_plumbing_with_xla_in_place_of_cudnn(monkeypatch, dims):
+    """What cudnn_attention passes on (the window as jax.nn's (left, 0) window, v zero-padded to the
+    q/k dim and sliced back where cuDNN lacks unequal dims) checked with JAX's XLA implementation
+    standing in for cuDNN. cuDNN itself needs a GPU: not run here."""
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+
+    real = jax.nn.dot_product_attention
+
+    def public(*args, implementation=None, **kw):
+        assert implementation == "cudnn"
+        return real(*args, implementation="xla", **kw)
+
+    def lowering(q, k, v, *, scale, mask_type, sliding_window_length=None):
+        assert mask_type == fa.MaskType.CAUSAL
+        window = None if sliding_window_length is None else (sliding_window_length - 1, 0)
+        return real(q, k, v, scale=scale, is_causal=True, local_window_size=window, implementation="xla")
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", public)
+    monkeypatch.setattr(fa, "dot_product_attention", lowering)
+    q, k, v = make(q_len=17, heads=4, kv_heads=2, qk=dims[0], v=dims[1])
+    for window in (None, 5):
+        got = A.cudnn_attention(q, k, v, scale=SCALE, window=window)
+        want = attend(q, k, v, scale=SCALE, impl="xla", window=window)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
 def test_segments_to_packed():
     ids = np.array([[0, 0, 1, 1, 1, 2, 2, 2], [5, 5, 5, 5, 5, 5, 5, 5], [0, 1, 2, 3, 4, 5, 6, 7]])
     lengths, starts = segments_to_packed(jnp.asarray(ids, jnp.int32), 3)
