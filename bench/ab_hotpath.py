@@ -55,9 +55,9 @@ def _einsum_swiglu(self, x):
     return tags.tag(jnp.einsum("BTF,FD->BTD", jax.nn.silu(gate) * up, self.w_down.astype(cdt)), tags.MLPWO)
 
 
-def _dense_attention(self, x, positions):
+def _dense_attention(self, x, positions, segment_ids=None):
     from zoo import tags
-    from zoo.nn.attention import causal_attention
+    from zoo.nn.attention_kernels import attend
     from zoo.nn.mlp import dense
 
     cdt = self.compute_dtype
@@ -66,7 +66,7 @@ def _dense_attention(self, x, positions):
     k = tags.tag(dense(x, self.wk.astype(cdt).reshape(d, -1)).reshape(*x.shape[:-1], *self.wk.shape[1:]), tags.KEY_PROJ)
     v = tags.tag(dense(x, self.wv.astype(cdt).reshape(d, -1)).reshape(*x.shape[:-1], *self.wv.shape[1:]), tags.VALUE_PROJ)
     q, k = self.rope(q, positions), self.rope(k, positions)
-    context = tags.tag(causal_attention(q, k, v, scale=q.shape[-1] ** -0.5, impl=self.impl), tags.CONTEXT)
+    context = tags.tag(attend(q, k, v, scale=self.scale, impl=self.impl, window=self.window, sinks=self.sinks, segment_ids=segment_ids), tags.CONTEXT)
     flat = context.reshape(*context.shape[:-2], -1)
     return tags.tag(dense(flat, self.wo.astype(cdt).reshape(flat.shape[-1], -1)), tags.OUT_PROJ)
 

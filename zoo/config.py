@@ -236,7 +236,7 @@ class ModelConfig:
     param_dtype: str = "float32"
     compute_dtype: str = "float32"
     # xla: the reference einsum path (materialises the T x T scores). blockwise: flash-style online
-    # softmax in JAX. cudnn: cuDNN's fused kernel (GPU). auto: see zoo.nn.attention.resolve_attention_impl.
+    # softmax in JAX. cudnn: cuDNN's fused kernel (GPU). auto: see zoo.nn.attention_kernels.resolve_impl.
     attention_impl: str = "auto"
 
     def __post_init__(self):

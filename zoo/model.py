@@ -143,6 +143,7 @@ class Stack(eqx.Module):
     name: str = eqx.field(static=True)
     first: int = eqx.field(static=True)
     repeats: int = eqx.field(static=True)
+    compute_dtype: str = eqx.field(static=True)
 
     def __init__(self, config: ModelConfig, name: str, first: int, period: int, repeats: int, *, key: PRNGKeyArray):
         keys = jax.random.split(key, period)
@@ -153,6 +154,7 @@ class Stack(eqx.Module):
         self.name = name
         self.first = first
         self.repeats = repeats
+        self.compute_dtype = config.compute_dtype
 
     def __check_init__(self):
         if self.repeats < 1 or not self.layers:
@@ -183,6 +185,7 @@ class Stack(eqx.Module):
         def run_block(h, block_params, j):
             if layer_transform is not None:
                 block_params = layer_transform(block_params)
+            block_params = zs.cast_for_compute(block_params, self.compute_dtype)  # before FSDP gathers them
             return eqx.combine(block_params, static[j])(h, positions, segment_ids)
 
         if remat_policy is not None:
@@ -248,18 +251,28 @@ class CausalLM(eqx.Module):
 
     def embed_tokens(self, tokens: Int[Array, "batch seq"]) -> Float[Array, "batch seq embed"]:
         c = self.config
-        x = jnp.take(self.embed, tokens, axis=0)
+        table = self.embed
+        if not c.scale_embeddings:
+            table = zs.cast_for_compute({"embed": table}, c.compute_dtype)["embed"]  # gathered in the compute dtype
+        # The lookup reads whole rows: give it the table gathered over its embed dim, so each device
+        # looks up its own tokens (otherwise the partitioner gathers the batch instead).
+        table = zs.constrain(table, ("vocab", None))
+        x = jnp.take(table, tokens, axis=0)
         if c.scale_embeddings:
             # Gemma keeps sqrt(hidden) as a buffer in the weights' dtype: in bf16, sqrt(3072) = 55.5.
             x = x * jnp.asarray(math.sqrt(c.hidden_size), self.embed.dtype)
         return x.astype(c.compute_dtype)
 
     def head_weight(self) -> Float[Array, "embed vocab"]:
-        return self.embed.T if self.lm_head is None else self.lm_head
+        """The output projection `[embed, vocab]` in the compute dtype (the embedding's transpose when tied)."""
+        cdt = self.config.compute_dtype
+        if self.lm_head is None:
+            return zs.cast_for_compute({"embed": self.embed}, cdt)["embed"].T.astype(cdt)
+        return zs.cast_for_compute({"lm_head": self.lm_head}, cdt)["lm_head"].astype(cdt)
 
     def logits(self, hidden: Float[Array, "batch seq embed"]) -> Float[Array, "batch seq vocab"]:
         c = self.config
-        logits = jnp.einsum("BTD,DV->BTV", hidden, self.head_weight().astype(c.compute_dtype), preferred_element_type=jnp.float32)
+        logits = jnp.einsum("BTD,DV->BTV", hidden, self.head_weight(), preferred_element_type=jnp.float32)
         if c.final_logit_softcap is not None:
             logits = c.final_logit_softcap * jnp.tanh(logits / c.final_logit_softcap)
         return logits

@@ -22,7 +22,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "fsdp", "tensor", "expert")
-LOGICAL_AXES = ("batch", "seq", "embed", "heads", "kv_heads", "mlp", "experts", "vocab")
+LOGICAL_AXES = ("batch", "seq", "embed", "heads", "kv_heads", "mlp", "experts", "vocab", "latent")
 LAYERS = "layers"  # the leading axis of stacked layer leaves: never sharded
 
 # The default rules (every mesh preset of conf/mesh uses them).
@@ -35,6 +35,7 @@ DEFAULT_RULES: dict[str, list[str]] = {
     "mlp": ["tensor"],
     "experts": ["expert"],
     "vocab": ["tensor"],
+    "latent": ["fsdp"],  # MLA's q/kv latent dims (the up-projections' inputs)
 }
 
 # Field name -> logical axes of the leaf (without the stacked `layers` axis). Fields whose shape
@@ -54,10 +55,10 @@ _PARAM_AXES: dict[Any, tuple[Optional[str], ...]] = {
     "sinks": ("heads",),
     # DeepSeek-V3 MLA
     "wq_a": ("embed", None),
-    "wq_b": (None, "heads", None),
+    "wq_b": ("latent", "heads", None),  # [q_lora (or embed without a q LoRA), heads, qk]
     "wkv_a": ("embed", None),
-    "wk_b": (None, "heads", None),
-    "wv_b": (None, "heads", None),
+    "wk_b": ("latent", "heads", None),
+    "wv_b": ("latent", "heads", None),
     # SwiGLU (dense layers, shared experts) and routed experts
     ("w_gate", 2): ("embed", "mlp"),
     ("w_up", 2): ("embed", "mlp"),
@@ -211,6 +212,59 @@ def param_specs(model, rules: Mapping[str, Sequence[str]], mesh_sizes: Optional[
         return spec
 
     return jax.tree_util.tree_map_with_path(one, model)
+
+
+def shard_ways(spec: PartitionSpec, mesh_sizes: Mapping[str, int]) -> int:
+    """How many pieces a leaf with this spec is cut into."""
+    ways = 1
+    for entry in spec:
+        for a in (entry,) if isinstance(entry, str) else (entry or ()):
+            ways *= mesh_sizes[a]
+    return ways
+
+
+def check_replication(model, specs, mesh_sizes: Mapping[str, int], limit_bytes: float) -> None:
+    """With parameters sharded (fsdp > 1), refuse rules that leave a leaf above `limit_bytes` whole on
+    every device: it would cost its full size (with its gradient and AdamW moments, 4x) per device."""
+    if mesh_sizes.get("fsdp", 1) <= 1:
+        return  # data / tensor parallelism replicate by design
+    leaves = jax.tree_util.tree_leaves_with_path(model)
+    spec_leaves = jax.tree_util.tree_leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+    for (path, leaf), spec in zip(leaves, spec_leaves):
+        nbytes = math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
+        if nbytes > limit_bytes and shard_ways(spec, mesh_sizes) == 1:
+            axes = param_logical_axes(path, len(leaf.shape))
+            raise ShardingError(
+                f"mesh.rules: parameter {path_str(path)} ({nbytes / 2**20:.0f} MiB, logical axes {axes}) would be "
+                f"replicated on every device; map one of its axes to fsdp in mesh.rules (or raise mesh.max_replicated_mb)"
+            )
+
+
+# Matmul weights and the biases added to their outputs: the leaves modules use in the compute dtype.
+# (Norm scales, routers, correction biases and sinks stay in float32 where they are used.)
+COMPUTE_LEAVES = frozenset(
+    ("embed", "lm_head", "wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo", "wq_a", "wq_b", "wkv_a", "wk_b", "wv_b",
+     "w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")
+)
+
+
+def cast_for_compute(tree, compute_dtype):
+    """Cast the matmul weights of `tree` (a block's or the model's parameters) to the compute dtype
+    where they lie, before any all-gather: under an active layout each cast is pinned to the leaf's
+    own sharding, so FSDP gathers carry the compute dtype (bf16), not the float32 master weights.
+    Without a layout, or when the dtypes agree, the tree is returned as it is."""
+    layout = active()
+    compute_dtype = np.dtype(compute_dtype)
+
+    def one(path, x):
+        if not isinstance(x, jax.Array) or _key_name(path[-1]) not in COMPUTE_LEAVES or x.dtype == compute_dtype:
+            return x
+        logical = param_logical_axes(path, x.ndim)
+        return jax.lax.with_sharding_constraint(x.astype(compute_dtype), layout.sharding(logical))
+
+    if layout is None:
+        return tree
+    return jax.tree_util.tree_map_with_path(one, tree)
 
 
 def named(mesh: Mesh, specs, memory_kind: Optional[str] = None):

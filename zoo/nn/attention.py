@@ -1,8 +1,7 @@
-"""Causal self-attention: the shared kernel entry point and grouped-query attention (GQA).
-
-`GQAttention` serves every family but DeepSeek-V3 (whose MLA lives in `zoo.nn.mla`): Llama, Qwen2/3,
-Qwen3-MoE, Mixtral, Gemma 3 and GPT-OSS differ only in flags (q/k/v and output biases, per-head q/k
-RMSNorm, a sliding window, attention sinks, the softmax scale) and in their rope.
+"""Grouped-query attention (GQA), the attention of every family but DeepSeek-V3 (whose MLA lives in
+`zoo.nn.mla`): Llama, Qwen2/3, Qwen3-MoE, Mixtral, Gemma 3 and GPT-OSS differ only in flags (q/k/v and
+output biases, per-head q/k RMSNorm, a sliding window, attention sinks, the softmax scale) and in
+their rope. The softmax(q k^T) v core is `zoo.nn.attention_kernels.attend` (XLA, blockwise, cuDNN).
 """
 
 from typing import Optional
@@ -15,75 +14,9 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from zoo import tags
 from zoo.config import RopeConfig
 from zoo.nn._init import normal
+from zoo.nn.attention_kernels import attend
 from zoo.nn.norm import RMSNorm
 from zoo.nn.rope import Rope
-
-
-def resolve_attention_impl(impl: str, dtype, qk_dim: int, v_dim: int) -> str:
-    """`auto` picks cuDNN flash attention on GPU for half precision and head dims it supports, else XLA."""
-    if impl != "auto":
-        return impl
-    on_gpu = jax.default_backend() == "gpu"
-    half = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-    supported = max(qk_dim, v_dim) <= 128 and qk_dim % 8 == 0
-    return "cudnn" if on_gpu and half and supported else "xla"
-
-
-def _mask(t: int, s: int, window: Optional[int], segment_ids, kv_segment_ids) -> Array:
-    """Boolean `[batch or 1, T, S]`: causal, within the window, within the segment."""
-    q_pos = jnp.arange(t)[:, None] + (s - t)
-    k_pos = jnp.arange(s)[None, :]
-    allowed = k_pos <= q_pos
-    if window is not None:
-        allowed &= k_pos > q_pos - window
-    allowed = allowed[None]
-    if segment_ids is not None:
-        kv = segment_ids if kv_segment_ids is None else kv_segment_ids
-        allowed = allowed & (segment_ids[:, :, None] == kv[:, None, :])
-    return allowed
-
-
-def attend(
-    q: Float[Array, "batch seq heads qk"],
-    k: Float[Array, "batch kv_seq kv_heads qk"],
-    v: Float[Array, "batch kv_seq kv_heads v"],
-    *,
-    scale: float,
-    impl: str = "auto",
-    window: Optional[int] = None,
-    sinks: Optional[Float[Array, " heads"]] = None,
-    segment_ids: Optional[Int[Array, "batch seq"]] = None,
-) -> Float[Array, "batch seq heads v"]:
-    """Causal softmax(q k^T * scale) v with scores and softmax in float32.
-
-    Query head n reads kv head n // (heads / kv_heads). `window` W: query i sees keys i-W < j <= i.
-    `sinks`: a per-head logit that joins the softmax denominator only (GPT-OSS). `segment_ids`:
-    packed documents attend within their own segment.
-    """
-    impl = resolve_attention_impl(impl, q.dtype, q.shape[-1], v.shape[-1])
-    plain = window is None and sinks is None and segment_ids is None
-    if impl == "cudnn" and plain and v.shape[-1] == q.shape[-1]:
-        return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, implementation="cudnn")
-    if impl == "cudnn" and plain:
-        pad = q.shape[-1] - v.shape[-1]
-        out = jax.nn.dot_product_attention(q, k, jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, pad))), scale=scale, is_causal=True, implementation="cudnn")
-        return out[..., : v.shape[-1]]
-    b, t, n, _ = q.shape
-    s, kh = k.shape[1], k.shape[2]
-    groups = n // kh
-    qg = q.reshape(b, t, kh, groups, q.shape[-1])
-    scores = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
-    allowed = _mask(t, s, window, segment_ids, None)[:, None, None]  # [B|1, 1, 1, T, S]
-    scores = jnp.where(allowed, scores, jnp.finfo(jnp.float32).min)
-    if sinks is None:
-        probs = jax.nn.softmax(scores, axis=-1)
-    else:
-        sink = sinks.astype(jnp.float32).reshape(kh, groups)[None, :, :, None, None]
-        top = jnp.maximum(scores.max(axis=-1, keepdims=True), sink)
-        e = jnp.exp(scores - top)
-        probs = e / (e.sum(axis=-1, keepdims=True) + jnp.exp(sink - top))
-    out = jnp.einsum("bkgts,bskv->btkgv", probs.astype(v.dtype), v)
-    return out.reshape(b, t, n, v.shape[-1])
 
 
 class GQAttention(eqx.Module):

@@ -10,7 +10,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from zoo import tags
 from zoo.config import MLAConfig, RopeConfig
 from zoo.nn._init import normal
-from zoo.nn.attention import attend
+from zoo.nn.attention_kernels import attend
 from zoo.nn.norm import RMSNorm
 from zoo.nn.rope import Rope, softmax_scale_multiplier
 

@@ -38,6 +38,9 @@ class MeshConfig:
     tensor: int = 1
     expert: int = 1
     rules: dict[str, list[str]] = dataclasses.field(default_factory=lambda: {k: list(v) for k, v in DEFAULT_RULES.items()})
+    # With fsdp > 1, a parameter larger than this left whole on every device is refused (it would cost
+    # 4x its size per device with its gradient and AdamW moments).
+    max_replicated_mb: float = 16.0
 
     def __post_init__(self):
         for logical, axes in self.rules.items():
@@ -143,6 +146,9 @@ class TrainerConfig:
     moe_bias_update_rate: float = 0.001
     progress: bool = True
     tensorboard: bool = False  # event files in the output dir (needs tensorboardX: pip install -e '.[tensorboard]')
+    # The head + loss run over chunks of this many sequence positions (of every row), so the float32
+    # logits exist [batch, chunk, vocab] at a time, forward and backward; 0: the whole logits at once.
+    loss_chunk_size: int = 512
 
     def __post_init__(self):
         if self.steps <= 0:
@@ -153,6 +159,11 @@ class TrainerConfig:
             raise ConfigError(f"trainer.log_every: must be positive, got {self.log_every}")
         if self.moe_bias_update_rate < 0:
             raise ConfigError(f"trainer.moe_bias_update_rate: must be >= 0 (0 disables), got {self.moe_bias_update_rate}")
+        if self.loss_chunk_size < 0:
+            raise ConfigError(
+                f"trainer.loss_chunk_size: must be a positive number of sequence positions (any size; it need not "
+                f"divide data.seq_len) or 0 for the whole logits, got {self.loss_chunk_size}"
+            )
 
 
 @dataclasses.dataclass
@@ -311,11 +322,13 @@ def load(cfg: DictConfig) -> TrainConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """What validation resolved: the mesh shape and the per-microbatch sizes."""
+    """What validation resolved: the mesh shape, the per-microbatch sizes, and the kernels `auto` chose."""
 
     mesh: MeshShape
     num_devices: int
     microbatch: int
+    attention_impl: str = "xla"
+    moe_impl: Optional[str] = None  # None: no MoE layers
 
 
 def validate(c: TrainConfig, available_devices: int, abstract_model=None) -> Plan:
@@ -364,16 +377,60 @@ def validate(c: TrainConfig, available_devices: int, abstract_model=None) -> Pla
         check_tags_emitted(c.offload, m)
     except ValueError as e:
         raise ConfigError(str(e).splitlines()[0]) from None
+    _check_expert_parallel(c, shape, dp)
+    attention_impl, moe_impl = resolve_kernels(c)
     if c.trainer.tensorboard and importlib.util.find_spec("tensorboardX") is None:
         raise ConfigError("trainer.tensorboard: needs the tensorboardX package; pip install -e '.[tensorboard]' or set trainer.tensorboard=false")
     if abstract_model is not None:
         from zoo.sharding import param_specs
 
+        from zoo.sharding import check_replication
+
         try:
-            param_specs(abstract_model, rules, shape.sizes)
+            specs = param_specs(abstract_model, rules, shape.sizes)
+            check_replication(abstract_model, specs, shape.sizes, c.mesh.max_replicated_mb * 2**20)
         except ShardingError as e:
             raise ConfigError(str(e)) from None
-    return Plan(mesh=shape, num_devices=wanted, microbatch=micro)
+    return Plan(mesh=shape, num_devices=wanted, microbatch=micro, attention_impl=attention_impl, moe_impl=moe_impl)
+
+
+def resolve_kernels(c: TrainConfig) -> tuple[str, Optional[str]]:
+    """The attention and MoE kernels this run uses on this backend (what `auto` stands for); an
+    attention_impl the backend cannot run for the model's head dims is a ConfigError."""
+    import jax
+
+    from zoo.nn.attention_kernels import resolve_impl
+    from zoo.nn.moe import resolve_moe_impl
+
+    m = c.model
+    try:
+        attention = resolve_impl(
+            m.attention_impl, backend=jax.default_backend(), dtype=m.compute_dtype, qk_dim=m.qk_head_dim,
+            v_dim=m.v_head_dim, seq_len=c.data.seq_len, has_sinks=m.attention_sinks,
+        )
+    except ValueError as e:
+        raise ConfigError(str(e).splitlines()[0]) from None
+    return attention, (resolve_moe_impl(m.moe.impl) if m.num_moe_layers else None)
+
+
+def _check_expert_parallel(c: TrainConfig, shape: MeshShape, batch_ways: int) -> None:
+    """An expert axis the model or the batch cannot use: one line naming the key (see zoo.nn.moe_dispatch)."""
+    from zoo.nn.moe import resolve_moe_impl
+    from zoo.nn.moe_dispatch import check_expert_parallel
+
+    m, rules = c.model, c.mesh.rules
+    try:
+        if not m.num_moe_layers:
+            check_expert_parallel(0, shape.expert, c.data.batch_size, batch_ways)  # an expert axis > 1 raises
+            return
+        ep = math.prod(shape.sizes[a] for a in dict.fromkeys(rules.get("experts", [])) if a in shape.sizes)
+        check_expert_parallel(
+            m.moe.n_routed_experts, ep, c.data.batch_size, batch_ways, grad_accum=c.trainer.grad_accum,
+            impl=resolve_moe_impl(m.moe.impl),
+            batch_includes_expert=all(a in rules.get("batch", []) for a in rules.get("experts", []) if shape.sizes.get(a, 1) > 1),
+        )
+    except ValueError as e:
+        raise ConfigError(str(e).splitlines()[0]) from None
 
 
 def to_dict(c: TrainConfig) -> dict:

@@ -100,6 +100,7 @@ def train(c: TrainConfig, plan, devices, out_dir: pathlib.Path, xla_flags: str =
         f"mesh {plan.mesh.sizes} on {len(mesh_devices)} {mesh_devices[0].platform} device(s){processes}, offload {c.offload.name}, "
         f"batch {c.data.batch_size}x{c.data.seq_len}, {steps} steps"
     )
+    echo(kernels_line(c, plan))
     if hasattr(data, "describe"):
         echo(data.describe())
     ckpt = Checkpoints(c, plan, trainer, echo) if c.checkpoint.dir is not None else None
@@ -199,6 +200,7 @@ def train(c: TrainConfig, plan, devices, out_dir: pathlib.Path, xla_flags: str =
         # What the report plots: the backend's measured peak where it has one, else XLA's estimate.
         "peak_memory_bytes": peak_device if peak_device is not None else estimated,
         "peak_memory_source": "device.memory_stats" if peak_device is not None else "compiled.memory_analysis",
+        "kernels": kernels(c, plan),
         "xla_flags": xla_flags,
         "config": to_dict(c),
     }
@@ -212,6 +214,24 @@ def train(c: TrainConfig, plan, devices, out_dir: pathlib.Path, xla_flags: str =
         f"of {c.hardware.name}{' (nominal)' if c.hardware.nominal else ''}; summary: {out_dir / 'summary.json'}"
     )
     return summary
+
+
+def kernels(c: TrainConfig, plan) -> dict:
+    """The kernels this run uses (what `auto` resolved to on this backend) and the loss chunking."""
+    return {
+        "attention": plan.attention_impl,
+        "moe": plan.moe_impl,
+        "loss_chunk_size": c.trainer.loss_chunk_size or None,
+    }
+
+
+def kernels_line(c: TrainConfig, plan) -> str:
+    k = kernels(c, plan)
+    parts = [f"attention {k['attention']} (model.attention_impl={c.model.attention_impl})"]
+    if k["moe"] is not None:
+        parts.append(f"routed experts {k['moe']} (model.moe.impl={c.model.moe.impl})")
+    parts.append(f"loss over chunks of {k['loss_chunk_size']} positions" if k["loss_chunk_size"] else "loss over the whole logits")
+    return "kernels: " + ", ".join(parts)
 
 
 def _quiet(*args, **kwargs) -> None:

@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from zoo import model as zoo_model
 from zoo import sharding as zs
+from zoo.loss import chunked_next_token_loss
 from zoo.offload import remat_policy
 from zoo.train.config import OptimizerConfig, Plan, TrainConfig
 
@@ -197,8 +198,15 @@ class Trainer:
         model = eqx.combine(params, self.static)
         layer_transform = zs.to_device if self.params_on_host else None
         tokens = zs.constrain(tokens, zs.TOKEN_AXES)
-        logits, aux = model.forward_with_aux(tokens, remat_policy=self.policy, layer_transform=layer_transform)
-        logits = zs.constrain(logits, zs.LOGIT_AXES)
+        hidden, aux = model.features(tokens, remat_policy=self.policy, layer_transform=layer_transform)
+        chunk = self.cfg.trainer.loss_chunk_size
+        m = self.cfg.model
+        if chunk:
+            loss = chunked_next_token_loss(
+                hidden, model.head_weight(), tokens, chunk_size=chunk, final_softcap=m.final_logit_softcap, compute_dtype=m.compute_dtype
+            )
+            return loss, aux
+        logits = zs.constrain(model.logits(hidden), zs.LOGIT_AXES)
         return zoo_model.next_token_loss(logits, tokens), aux
 
     def _device_params(self, params):

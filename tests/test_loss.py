@@ -1,0 +1,124 @@
+"""zoo.loss: the chunked head + next-token loss equals next_token_loss of the whole logits (value and
+gradients wrt hidden and head), inside larger differentiated programs too, and keeps far less memory."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from zoo.loss import chunked_next_token_loss, chunked_next_token_nll
+from zoo.model import next_token_loss
+
+BATCH, SEQ, EMBED, VOCAB = 2, 13, 16, 50
+
+
+def inputs(seed=0, dtype=jnp.float32):
+    rng = np.random.default_rng(seed)
+    hidden = jnp.asarray(rng.normal(size=(BATCH, SEQ, EMBED)), dtype)
+    head = jnp.asarray(rng.normal(size=(EMBED, VOCAB)), dtype)
+    tokens = jnp.asarray(rng.integers(0, VOCAB, (BATCH, SEQ)), jnp.int32)
+    mask = jnp.asarray(rng.integers(0, 2, (BATCH, SEQ)), jnp.float32)
+    return hidden, head, tokens, mask
+
+
+def whole_loss(hidden, head, tokens, mask=None, softcap=None, cdt=None):
+    cdt = hidden.dtype if cdt is None else cdt
+    logits = jnp.einsum("BTD,DV->BTV", hidden.astype(cdt), head.astype(cdt), preferred_element_type=jnp.float32)
+    if softcap is not None:
+        logits = softcap * jnp.tanh(logits / softcap)
+    return next_token_loss(logits, tokens, mask)
+
+
+def rel_err(got, want):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return np.abs(got - want).max() / np.abs(want).max()
+
+
+@pytest.mark.parametrize("method", ["fused", "recompute"])
+@pytest.mark.parametrize("chunk", [5, 13, 1000])  # positions: does not divide 13; exactly one chunk; longer than the sequence
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_matches_the_whole_logits_loss(method, chunk, masked, softcap):
+    hidden, head, tokens, mask = inputs()
+    mask = mask if masked else None
+    want, want_grads = jax.value_and_grad(whole_loss, argnums=(0, 1))(hidden, head, tokens, mask, softcap)
+    loss = jax.jit(jax.value_and_grad(
+        lambda h, w: chunked_next_token_loss(h, w, tokens, mask, chunk_size=chunk, final_softcap=softcap, method=method),
+        argnums=(0, 1)))
+    got, got_grads = loss(hidden, head)
+    assert rel_err(got, want) <= 1e-6
+    for g, w in zip(got_grads, want_grads):
+        assert g.dtype == w.dtype and rel_err(g, w) <= 1e-6
+
+
+def test_inside_a_larger_differentiated_program():
+    """Hidden states from a scanned, checkpointed stack, a second loss term, an outer scale: the custom
+    VJP must receive and scale the incoming cotangent like plain autodiff."""
+    hidden, head, tokens, mask = inputs()
+    layers = jnp.asarray(np.random.default_rng(5).normal(size=(3, EMBED, EMBED)) / 4, jnp.float32)
+
+    def program(loss_fn):
+        def f(layers, head, hidden):
+            h = jax.lax.scan(jax.checkpoint(lambda x, w: (jnp.tanh(x @ w), None)), hidden, layers)[0]
+            return 3.0 * loss_fn(h, head) + (h**2).mean()
+
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))
+
+    want = program(lambda h, w: whole_loss(h, w, tokens, mask, 5.0))(layers, head, hidden)
+    got = program(lambda h, w: chunked_next_token_loss(h, w, tokens, mask, chunk_size=5, final_softcap=5.0))(layers, head, hidden)
+    assert rel_err(got[0], want[0]) <= 1e-6
+    for g, w in zip(got[1], want[1]):
+        assert rel_err(g, w) <= 2e-6
+
+
+def test_bf16_compute_is_close_to_the_whole_logits_loss():
+    hidden, head, tokens, mask = inputs()
+    want, want_grads = jax.value_and_grad(whole_loss, argnums=(0, 1))(hidden, head, tokens, mask, None, jnp.bfloat16)
+    got, got_grads = jax.value_and_grad(
+        lambda h, w: chunked_next_token_loss(h, w, tokens, mask, chunk_size=7, compute_dtype="bfloat16"), argnums=(0, 1)
+    )(hidden, head)
+    assert got.dtype == jnp.float32 and rel_err(got, want) <= 1e-2
+    for g, w in zip(got_grads, want_grads):
+        assert g.dtype == jnp.float32 and rel_err(g, w) <= 3e-2
+
+
+def test_per_token_losses():
+    hidden, head, tokens, _ = inputs()
+    nll = chunked_next_token_nll(hidden, head, tokens, chunk_size=4)
+    logits = np.einsum("btd,dv->btv", np.asarray(hidden, np.float64), np.asarray(head, np.float64))
+    top = logits.max(-1, keepdims=True)
+    logz = (top + np.log(np.exp(logits - top).sum(-1, keepdims=True)))[..., 0]
+    want = logz[:, :-1] - np.take_along_axis(logits[:, :-1], np.asarray(tokens)[:, 1:, None], -1)[..., 0]
+    assert nll.shape == (BATCH, SEQ - 1)
+    np.testing.assert_allclose(np.asarray(nll), want, rtol=1e-5)
+
+
+def test_the_value_alone_computes_no_gradients():
+    """Without differentiation the fused method runs one matmul per chunk (the logits), not three."""
+    hidden, head, tokens, _ = inputs()
+    jaxpr = jax.make_jaxpr(lambda h, w: chunked_next_token_loss(h, w, tokens, chunk_size=7))(hidden, head)
+    grads = jax.make_jaxpr(jax.grad(lambda h, w: chunked_next_token_loss(h, w, tokens, chunk_size=7), argnums=(0, 1)))(hidden, head)
+    assert str(jaxpr).count("dot_general") == 1
+    assert str(grads).count("dot_general") == 3
+
+
+@pytest.mark.parametrize("chunk", [0, -4])
+def test_chunk_size_must_be_positive(chunk):
+    hidden, head, tokens, _ = inputs()
+    with pytest.raises(ValueError, match="loss.chunk_size must be a positive number of positions"):
+        chunked_next_token_loss(hidden, head, tokens, chunk_size=chunk)
+
+
+def test_compiled_temporary_memory_is_far_below_the_whole_logits():
+    """Llama 3's vocabulary, 2 x 4096 tokens: the whole float32 logits alone are 4 GiB."""
+    batch, seq, embed, vocab = 2, 4096, 256, 128256
+    args = (jax.ShapeDtypeStruct((batch, seq, embed), jnp.float32), jax.ShapeDtypeStruct((embed, vocab), jnp.float32),
+            jax.ShapeDtypeStruct((batch, seq), jnp.int32))
+
+    def temp(fn):
+        compiled = jax.jit(jax.value_and_grad(fn, argnums=(0, 1))).lower(*args).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    whole = temp(whole_loss)
+    chunked = temp(lambda h, w, t: chunked_next_token_loss(h, w, t, chunk_size=512))  # 2 x 512 tokens per chunk
+    assert chunked * 4 <= whole, f"temp bytes: chunked {chunked / 2**20:.0f} MiB, whole logits {whole / 2**20:.0f} MiB"

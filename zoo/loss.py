@@ -1,0 +1,203 @@
+"""The output head and the next-token loss, chunked over the sequence so that the float32 logits exist
+only [batch, chunk, vocab] at a time, in the forward and in the backward. A chunk takes `chunk`
+positions of every row, so under data parallelism each device works on its own rows in every chunk.
+
+`chunked_next_token_loss(hidden, head, tokens, mask)` equals
+`zoo.model.next_token_loss(einsum("BTD,DV->BTV", hidden, head) [softcapped], tokens, mask)`.
+"""
+
+import functools
+from typing import Optional, Union
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+# Sequence positions per chunk (of every row). Any size works (it need not divide the sequence).
+# On the 2-core CPU machine (bench/attention_kernels.py loss, value and gradient) chunks of 512 to
+# 2048 tokens ran within noise of each other and at 0.62-0.70x of the whole-logits loss's time;
+# 512 positions keep a GPU microbatch of 2 x 4096 at 1024 tokens per chunk.
+DEFAULT_CHUNK = 512
+METHODS = ("fused", "recompute")
+
+DType = Union[str, jnp.dtype, type, None]
+
+
+def _targets_and_weights(tokens, mask):
+    """Per position ([batch, seq]): the next token (0 past the end) and its weight in the mean, so
+    that sum(weight * nll) is next_token_loss."""
+    batch, seq = tokens.shape
+    targets = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
+    if mask is None:
+        weights = jnp.ones((batch, seq - 1), jnp.float32)
+        denom = jnp.float32(batch * (seq - 1))
+    else:
+        weights = mask[:, 1:].astype(jnp.float32)
+        denom = jnp.maximum(weights.sum(), 1.0)
+    weights = jnp.concatenate([weights / denom, jnp.zeros((batch, 1), jnp.float32)], axis=1)
+    return targets, weights
+
+
+def _chunked(x, chunk: int):
+    """[batch, seq, ...] -> [ceil(seq / chunk), batch * chunk, ...]: chunk c holds positions
+    [c*chunk, (c+1)*chunk) of every row, zero-padded (padded positions get weight 0). The batch stays
+    the major part of each chunk's rows, so a batch-sharded input gives batch-sharded chunks."""
+    batch, seq = x.shape[:2]
+    pad = -seq % chunk
+    x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+    x = x.reshape(batch, -1, chunk, *x.shape[2:])
+    x = jnp.moveaxis(x, 1, 0)
+    return x.reshape(x.shape[0], batch * chunk, *x.shape[3:])
+
+
+def _unchunked(x, batch: int, seq: int):
+    """The inverse of `_chunked` (padding dropped)."""
+    chunks, rows = x.shape[:2]
+    x = x.reshape(chunks, batch, rows // batch, *x.shape[2:])
+    x = jnp.moveaxis(x, 0, 1).reshape(batch, chunks * (rows // batch), *x.shape[3:])
+    return x[:, :seq]
+
+
+def _logits(h, head, softcap):
+    """[rows, vocab] float32 logits (softcapped) and, for the backward, d softcapped / d raw."""
+    logits = jnp.einsum("CD,DV->CV", h, head, preferred_element_type=jnp.float32)
+    if softcap is None:
+        return logits, None
+    capped = softcap * jnp.tanh(logits / softcap)
+    return capped, 1.0 - jnp.square(capped / softcap)
+
+
+def _nll(logits, targets):
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    return lse - jnp.take_along_axis(logits, targets[:, None], axis=-1)[:, 0], lse
+
+
+def _check(chunk_size: int, method: str) -> None:
+    if chunk_size < 1:
+        raise ValueError(f"loss.chunk_size must be a positive number of positions, got {chunk_size}")
+    if method not in METHODS:
+        raise ValueError(f"loss.method: got {method!r}; choose one of {', '.join(METHODS)}")
+
+
+def chunked_next_token_loss(
+    hidden: Float[Array, "batch seq embed"],
+    head: Float[Array, "embed vocab"],
+    tokens: Int[Array, "batch seq"],
+    mask: Optional[Float[Array, "batch seq"]] = None,
+    *,
+    chunk_size: int = DEFAULT_CHUNK,
+    final_softcap: Optional[float] = None,
+    compute_dtype: DType = None,
+    method: str = "fused",
+) -> Float[Array, ""]:
+    """Mean cross-entropy of predicting tokens[:, t+1] from `hidden[:, t] @ head`, in float32.
+
+    The logits are `einsum(hidden, head)` in `compute_dtype` (default: hidden's) with float32
+    accumulation, then `c * tanh(logits / c)` for `final_softcap` c. `mask` (1 = count) weights the
+    target positions as in next_token_loss; no gradient flows to it.
+
+    `method`: "fused" computes each chunk's gradients (wrt hidden and head) in the forward pass, while
+    its logits exist, and the backward only scales them; "recompute" checkpoints each chunk and
+    recomputes its logits in the backward (one more [chunk, embed] x [embed, vocab] matmul per chunk).
+    "fused" was faster on CPU (bench/attention_kernels.py loss, at every chunk size from 256 to
+    2048 but one noisy sample: 0.63-0.70x of the whole-logits time at V=32000 against 0.72-0.86x for
+    "recompute"). When only the value is asked for (no differentiation) it computes no gradients.
+    """
+    _check(chunk_size, method)
+    batch, seq, embed = hidden.shape
+    cdt = hidden.dtype if compute_dtype is None else jnp.dtype(compute_dtype)
+    chunk = min(chunk_size, seq)
+    targets, weights = _targets_and_weights(tokens, mask)
+    h = _chunked(hidden, chunk)
+    targets, weights = _chunked(targets, chunk), _chunked(weights, chunk)
+    softcap = None if final_softcap is None else float(final_softcap)
+    if method == "fused":
+        return _fused_loss(softcap, cdt, head.dtype, h, head, targets, weights)
+    return _recompute_loss(h, head, targets, weights, softcap, cdt)
+
+
+def _recompute_loss(h, head, targets, weights, softcap, cdt):
+    w = head.astype(cdt)
+
+    @jax.checkpoint
+    def chunk_loss(h_c, t_c, w_c):
+        logits, _ = _logits(h_c.astype(cdt), w, softcap)
+        return (_nll(logits, t_c)[0] * w_c).sum()
+
+    def step(total, xs):
+        return total + chunk_loss(*xs), None
+
+    return jax.lax.scan(step, jnp.float32(0), (h, targets, weights))[0]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _fused_loss(softcap, cdt, head_dtype, h, head, targets, weights):
+    w = head.astype(cdt)
+
+    def step(total, xs):
+        h_c, t_c, w_c = xs
+        logits, _ = _logits(h_c.astype(cdt), w, softcap)
+        return total + (_nll(logits, t_c)[0] * w_c).sum(), None
+
+    return jax.lax.scan(step, jnp.float32(0), (h, targets, weights))[0]
+
+
+def _fused_loss_fwd(softcap, cdt, head_dtype, h, head, targets, weights):
+    w = head.astype(cdt)
+    vocab = head.shape[1]
+
+    def step(carry, xs):
+        total, d_head = carry
+        h_c, t_c, w_c = xs
+        h_c = h_c.astype(cdt)
+        logits, d_cap = _logits(h_c, w, softcap)
+        nll, lse = _nll(logits, t_c)
+        # d(w * nll) / d logits = w * (softmax - onehot(target))
+        d_logits = jnp.exp(logits - lse[:, None]) - (jnp.arange(vocab)[None, :] == t_c[:, None])
+        d_logits = d_logits * w_c[:, None]
+        if d_cap is not None:
+            d_logits = d_logits * d_cap
+        d_logits = d_logits.astype(cdt)
+        d_h = jnp.einsum("CV,DV->CD", d_logits, w, preferred_element_type=jnp.float32)
+        d_head = d_head + jnp.einsum("CD,CV->DV", h_c, d_logits, preferred_element_type=jnp.float32)
+        return (total + (nll * w_c).sum(), d_head), d_h.astype(h.dtype)
+
+    init = (jnp.float32(0), jnp.zeros(head.shape, jnp.float32))
+    (total, d_head), d_h = jax.lax.scan(step, init, (h, targets, weights))
+    return total, (d_h, d_head, weights)
+
+
+def _fused_loss_bwd(softcap, cdt, head_dtype, residuals, g):
+    d_h, d_head, weights = residuals
+    return (g * d_h).astype(d_h.dtype), (g * d_head).astype(head_dtype), None, jnp.zeros_like(weights)
+
+
+_fused_loss.defvjp(_fused_loss_fwd, _fused_loss_bwd)
+
+
+def chunked_next_token_nll(
+    hidden: Float[Array, "batch seq embed"],
+    head: Float[Array, "embed vocab"],
+    tokens: Int[Array, "batch seq"],
+    *,
+    chunk_size: int = DEFAULT_CHUNK,
+    final_softcap: Optional[float] = None,
+    compute_dtype: DType = None,
+) -> Float[Array, "batch seq_minus_one"]:
+    """The per-prediction losses: [b, t] is -log p(tokens[b, t+1] | hidden[b, t]), float32, chunked
+    like `chunked_next_token_loss` (checkpointed chunks: differentiable without whole logits)."""
+    _check(chunk_size, "recompute")
+    batch, seq, embed = hidden.shape
+    cdt = hidden.dtype if compute_dtype is None else jnp.dtype(compute_dtype)
+    chunk = min(chunk_size, seq)
+    targets, _ = _targets_and_weights(tokens, None)
+    h = _chunked(hidden, chunk)
+    w = head.astype(cdt)
+    softcap = None if final_softcap is None else float(final_softcap)
+
+    @jax.checkpoint
+    def chunk_nll(h_c, t_c):
+        return _nll(_logits(h_c.astype(cdt), w, softcap)[0], t_c)[0]
+
+    nll = jax.lax.map(lambda xs: chunk_nll(*xs), (h, _chunked(targets, chunk)))
+    return _unchunked(nll, batch, seq)[:, :-1]

@@ -1,0 +1,545 @@
+"""Attention kernels as pure functions: an XLA reference, a blockwise (flash-style) pure-JAX path with
+its own backward, and cuDNN's fused kernel, behind one entry point, `attend`.
+
+Semantics shared by every path (the XLA path is the reference):
+
+- grouped heads: query head n reads kv head n // (heads // kv_heads) (contiguous groups);
+- scores, softmax statistics and accumulation in float32; the output in v's dtype;
+- query t sits at position `q_offset + t` (default 0), key s at position s; `causal` keeps keys at
+  or before the query; `window` W keeps the W keys ending at the query (q - W < s <= q);
+- `segment_ids` keep query/key pairs of the same segment (packed documents);
+- `sinks` (one float32 logit per query head) join the softmax denominator only;
+- a query that sees no key (and has no sink) gets 0.
+"""
+
+import dataclasses
+import functools
+from typing import Optional, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+IMPLS = ("auto", "xla", "blockwise", "cudnn")
+
+# Tiles of 256 x 256: on the 2-core CPU machine (bench/attention_kernels.py attention; batch 1, 8
+# heads over 2, head dim 64, value and gradient) they were the fastest at T=4096 (1.2x faster than
+# 512, 2x faster than 1024), within 8% of 128 at T=8192 and within noise of 64-128 at T<=1024.
+DEFAULT_BLOCK_Q = 256
+DEFAULT_BLOCK_K = 256
+# `auto` takes the blockwise path from this many query positions on, per backend. CPU (measured,
+# same bench, 256-tiles): blockwise took 0.87x of the XLA path's time at T=128 (one tile: the same
+# work), 0.50x at 256, 0.27x at 1024 and 0.19x at 4096. Elsewhere (not measured: on a GPU every
+# scan step per tile costs kernel launches) from 1024 on, where the XLA path's float32 scores
+# reach 4 MiB per head and sequence.
+BLOCKWISE_MIN_SEQ = {"cpu": 256}
+BLOCKWISE_MIN_SEQ_OTHER = 1024
+
+_HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_MASKED = -1e30  # the XLA path's score for a masked pair: far below any real one, and finite
+
+
+def _bad(message: str) -> ValueError:
+    return ValueError(f"model.attention_impl: {message}; valid choices: {', '.join(IMPLS)}")
+
+
+def gpu_capabilities() -> tuple[Optional[tuple[int, int]], Optional[int]]:
+    """(compute capability, cuDNN version as major*10000 + minor*100 + patch) of the first GPU; None
+    where there is no GPU or the value cannot be read."""
+    try:
+        device = jax.devices("gpu")[0]
+    except RuntimeError:
+        return None, None
+    capability = getattr(device, "compute_capability", None)
+    capability = tuple(int(x) for x in capability.split(".")) if capability else None
+    try:
+        from jax._src.lib import cuda_versions
+
+        cudnn = cuda_versions.cudnn_get_version() if cuda_versions is not None else None
+    except Exception:  # noqa: BLE001 - a missing plugin means "unknown", not an error here
+        cudnn = None
+    return capability, cudnn
+
+
+def resolve_impl(
+    impl: str,
+    *,
+    backend: str,
+    dtype,
+    qk_dim: int,
+    v_dim: int,
+    seq_len: int,
+    has_sinks: bool = False,
+    has_segments: bool = False,
+    max_segments: Optional[int] = None,
+    decoding: bool = False,
+    compute_capability: Optional[tuple[int, int]] = None,
+) -> str:
+    """The attention path `impl` ("auto", "xla", "blockwise", "cudnn") stands for, or a ValueError.
+
+    `auto`: cuDNN on GPU for half precision where it can do the case; otherwise blockwise from
+    `min_blockwise_seq(backend)` query positions on; otherwise XLA. Decoding (`q_offset` /
+    `kv_valid_len`) is XLA only. `compute_capability` (major, minor) defaults to the first GPU's.
+    """
+    if impl not in IMPLS:
+        raise _bad(f"got {impl!r}")
+    if decoding:
+        if impl in ("auto", "xla"):
+            return "xla"
+        raise _bad(f"{impl} does not take q_offset / kv_valid_len (decoding); use xla or auto")
+    cudnn_reason = _cudnn_refusal(backend, dtype, qk_dim, v_dim, has_sinks, has_segments, max_segments, compute_capability)
+    if impl == "cudnn":
+        if cudnn_reason:
+            raise _bad(f"cudnn {cudnn_reason}")
+        return impl
+    if impl != "auto":
+        return impl
+    if cudnn_reason is None:
+        return "cudnn"
+    return "blockwise" if seq_len >= min_blockwise_seq(backend) else "xla"
+
+
+def min_blockwise_seq(backend: str) -> int:
+    """The query length from which `auto` prefers the blockwise path to the XLA one."""
+    return BLOCKWISE_MIN_SEQ.get(backend, BLOCKWISE_MIN_SEQ_OTHER)
+
+
+def _cudnn_refusal(backend, dtype, qk_dim, v_dim, has_sinks, has_segments, max_segments, capability) -> Optional[str]:
+    """Why cuDNN cannot run this case, or None."""
+    if backend != "gpu":
+        return f"needs a GPU (backend is {backend})"
+    if jnp.dtype(dtype) not in _HALF:
+        return f"needs bfloat16 or float16 inputs, got {jnp.dtype(dtype).name}"
+    if capability is None:
+        capability = gpu_capabilities()[0] or (0, 0)
+    hopper = tuple(capability) >= (9, 0)
+    limit = 256 if hopper else 128
+    # Unequal dims are either passed as they are (cuDNN >= 9.10 on Hopper) or padded to the larger.
+    dim = max(qk_dim, v_dim)
+    if dim > limit or qk_dim % 8 or v_dim % 8:
+        return f"supports head dims that are multiples of 8 up to {limit} on this GPU, got q/k {qk_dim}, v {v_dim}"
+    if has_sinks:
+        return "has no attention sinks in JAX's cuDNN lowering"
+    if has_segments and not hopper:
+        return "takes segment ids (packed layout) only on Hopper or later"
+    if has_segments and (max_segments is None or max_segments < 2):
+        return "needs max_segments >= 2 (a static bound on segments per row) with segment ids"
+    return None
+
+
+def attend(
+    q: Float[Array, "batch q_len heads qk"],
+    k: Float[Array, "batch kv_len kv_heads qk"],
+    v: Float[Array, "batch kv_len kv_heads v"],
+    *,
+    scale: float,
+    impl: str = "auto",
+    causal: bool = True,
+    window: Optional[int] = None,
+    sinks: Optional[Float[Array, " heads"]] = None,
+    segment_ids: Optional[Int[Array, "batch q_len"]] = None,
+    kv_segment_ids: Optional[Int[Array, "batch kv_len"]] = None,
+    q_offset: Union[int, Int[Array, ""], Int[Array, " batch"], None] = None,
+    kv_valid_len: Optional[Int[Array, " batch"]] = None,
+    block_q: int = DEFAULT_BLOCK_Q,
+    block_k: int = DEFAULT_BLOCK_K,
+    max_segments: Optional[int] = None,
+) -> Float[Array, "batch q_len heads v"]:
+    """softmax(q k^T * scale + masks [+ sink]) v; see the module docstring for the semantics.
+
+    `impl`: "xla" materialises [batch, heads, q_len, kv_len] float32 scores; "blockwise" runs
+    (block_q x block_k) tiles with an online softmax and a recomputing backward, skipping the tiles
+    that causality and the window mask entirely (the lengths need not divide the blocks); "cudnn"
+    is the fused GPU kernel; "auto" picks (`resolve_impl`).
+
+    `kv_segment_ids` defaults to `segment_ids` when q_len == kv_len. `q_offset` (int, traced scalar
+    or per-row [batch]) and `kv_valid_len` (keys s >= kv_valid_len[b] are ignored) are for decoding
+    against a cache; a traced q_offset or any kv_valid_len takes the XLA path. The blockwise path
+    also takes a Python int q_offset. `max_segments` bounds the segments per row for cuDNN's packed
+    layout (segments must be contiguous runs there).
+    """
+    batch, q_len, heads, qk_dim = q.shape
+    kv_len, kv_heads = k.shape[1], k.shape[2]
+    if heads % kv_heads:
+        raise ValueError(f"attention: heads={heads} must be a multiple of kv_heads={kv_heads}")
+    if window is not None and (window < 1 or not causal):
+        raise ValueError(f"attention: window={window} needs causal=True and window >= 1")
+    if sinks is not None and sinks.shape != (heads,):
+        raise ValueError(f"attention: sinks must have shape ({heads},), got {sinks.shape}")
+    kv_segment_ids = _kv_segments(segment_ids, kv_segment_ids, q_len, kv_len)
+    static_offset = q_offset is None or isinstance(q_offset, int)
+    decoding = kv_valid_len is not None or not static_offset
+    impl = resolve_impl(
+        impl, backend=jax.default_backend(), dtype=q.dtype, qk_dim=qk_dim, v_dim=v.shape[-1], seq_len=q_len,
+        has_sinks=sinks is not None, has_segments=segment_ids is not None, max_segments=max_segments,
+        decoding=decoding,
+    )
+    offset = 0 if q_offset is None else q_offset
+    if impl == "xla":
+        return xla_attention(q, k, v, scale=scale, causal=causal, window=window, sinks=sinks, segment_ids=segment_ids,
+                             kv_segment_ids=kv_segment_ids, q_offset=offset, kv_valid_len=kv_valid_len)
+    if impl == "blockwise":
+        return blockwise_attention(q, k, v, scale=scale, causal=causal, window=window, sinks=sinks, segment_ids=segment_ids,
+                                   kv_segment_ids=kv_segment_ids, q_offset=offset, block_q=block_q, block_k=block_k)
+    if offset != 0:
+        raise _bad("cudnn aligns queries with keys from position 0; q_offset must be 0")
+    return cudnn_attention(q, k, v, scale=scale, causal=causal, window=window, segment_ids=segment_ids,
+                           kv_segment_ids=kv_segment_ids, max_segments=max_segments)
+
+
+def _kv_segments(segment_ids, kv_segment_ids, q_len, kv_len):
+    if segment_ids is not None and kv_segment_ids is None:
+        if kv_len != q_len:
+            raise ValueError(f"attention: kv_segment_ids is needed when kv_len ({kv_len}) != q_len ({q_len})")
+        return segment_ids
+    if (segment_ids is None) != (kv_segment_ids is None):
+        raise ValueError("attention: segment_ids and kv_segment_ids come together")
+    return kv_segment_ids
+
+
+# --- XLA reference -------------------------------------------------------------------------------
+
+
+def _positions_mask(q_pos, k_pos, causal, window):
+    """[..., q, k] booleans from query and key positions (broadcastable)."""
+    q_pos, k_pos = q_pos[..., :, None], k_pos[..., None, :]
+    keep = jnp.ones(jnp.broadcast_shapes(q_pos.shape, k_pos.shape), bool)
+    if causal:
+        keep &= k_pos <= q_pos
+    if window is not None:
+        keep &= k_pos > q_pos - window
+    return keep
+
+
+def xla_attention(
+    q: Float[Array, "batch q_len heads qk"],
+    k: Float[Array, "batch kv_len kv_heads qk"],
+    v: Float[Array, "batch kv_len kv_heads v"],
+    *,
+    scale: float,
+    causal: bool = True,
+    window: Optional[int] = None,
+    sinks: Optional[Float[Array, " heads"]] = None,
+    segment_ids: Optional[Int[Array, "batch q_len"]] = None,
+    kv_segment_ids: Optional[Int[Array, "batch kv_len"]] = None,
+    q_offset: Union[int, Int[Array, ""], Int[Array, " batch"]] = 0,
+    kv_valid_len: Optional[Int[Array, " batch"]] = None,
+) -> Float[Array, "batch q_len heads v"]:
+    """The reference: whole [batch, heads, q_len, kv_len] float32 scores, plain autodiff."""
+    batch, q_len, heads, qk_dim = q.shape
+    kv_len, kv_heads = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    qg = q.reshape(batch, q_len, kv_heads, group, qk_dim)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
+
+    offset = jnp.asarray(q_offset, jnp.int32).reshape(-1, 1)  # [1 or batch, 1]
+    q_pos = offset + jnp.arange(q_len, dtype=jnp.int32)
+    k_pos = jnp.arange(kv_len, dtype=jnp.int32)
+    keep = _positions_mask(q_pos, k_pos, causal, window)  # [1 or batch, q_len, kv_len]
+    if kv_valid_len is not None:
+        keep = keep & (k_pos < kv_valid_len[:, None, None])
+    kv_segment_ids = _kv_segments(segment_ids, kv_segment_ids, q_len, kv_len)
+    if segment_ids is not None:
+        keep = keep & (segment_ids[:, :, None] == kv_segment_ids[:, None, :])
+    # A finite fill keeps every step below free of inf - inf; rows that see no key come out
+    # uniform over the masked keys and are zeroed at the end (a sink's exp(fill - sink) is 0).
+    scores = jnp.where(keep[:, None, None], scores, _MASKED)
+    shift = scores.max(axis=-1)
+    if sinks is not None:
+        sink = sinks.astype(jnp.float32).reshape(kv_heads, group)[None, :, :, None]
+        shift = jnp.maximum(shift, sink)
+    shift = jax.lax.stop_gradient(shift)  # it cancels out of the softmax
+    total = jnp.exp(scores - shift[..., None]).sum(axis=-1)
+    if sinks is not None:
+        total = total + jnp.exp(sink - shift)
+    # Probabilities as exp(score - logsumexp), with no division over [q_len, kv_len] and no guards
+    # on the row statistics: the value and gradient ran 1.8x faster on CPU than dividing by the
+    # row sums, and 1.15x faster than guarding the statistics against empty rows (T=1024, 8 heads
+    # over 2, head dim 64).
+    probs = jnp.exp(scores - (jnp.log(total) + shift)[..., None])
+    out = jnp.einsum("bkgts,bskv->btkgv", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = jnp.where(keep.any(axis=-1)[:, :, None, None, None], out, 0.0)
+    return out.reshape(batch, q_len, heads, v.shape[-1]).astype(v.dtype)
+
+
+# --- blockwise -----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tiling:
+    q_len: int
+    kv_len: int
+    block_q: int
+    block_k: int
+    scale: float
+    causal: bool
+    window: Optional[int]
+    q_offset: int
+
+    @property
+    def n_q(self) -> int:
+        return -(-self.q_len // self.block_q)
+
+    @property
+    def n_k(self) -> int:
+        return -(-self.kv_len // self.block_k)
+
+    def pairs(self) -> tuple[np.ndarray, np.ndarray]:
+        """(query block, key block) of every tile with at least one pair that causality and the
+        window keep, query block major."""
+        i = np.arange(self.n_q)[:, None]
+        j = np.arange(self.n_k)[None, :]
+        q_first = self.q_offset + i * self.block_q
+        q_last = self.q_offset + np.minimum((i + 1) * self.block_q, self.q_len) - 1
+        k_first = j * self.block_k
+        k_last = np.minimum((j + 1) * self.block_k, self.kv_len) - 1
+        keep = np.ones((self.n_q, self.n_k), bool)
+        if self.causal:
+            keep &= k_first <= q_last
+        if self.window is not None:
+            keep &= k_last > q_first - self.window
+        ii, jj = np.nonzero(keep)
+        return ii.astype(np.int32), jj.astype(np.int32)
+
+    def tile_keep(self, i, j, q_seg, kv_seg):
+        """[batch or 1, 1, 1, block_q, block_k]: the pairs of tile (i, j) that count."""
+        q_pos = self.q_offset + i * self.block_q + jnp.arange(self.block_q, dtype=jnp.int32)
+        k_pos = j * self.block_k + jnp.arange(self.block_k, dtype=jnp.int32)
+        keep = _positions_mask(q_pos, k_pos, self.causal, self.window) & (k_pos < self.kv_len)[None, :]
+        keep = keep[None]
+        if q_seg is not None:
+            keep = keep & (q_seg[:, :, None] == kv_seg[:, None, :])
+        return keep[:, None, None]
+
+
+def blockwise_attention(
+    q: Float[Array, "batch q_len heads qk"],
+    k: Float[Array, "batch kv_len kv_heads qk"],
+    v: Float[Array, "batch kv_len kv_heads v"],
+    *,
+    scale: float,
+    causal: bool = True,
+    window: Optional[int] = None,
+    sinks: Optional[Float[Array, " heads"]] = None,
+    segment_ids: Optional[Int[Array, "batch q_len"]] = None,
+    kv_segment_ids: Optional[Int[Array, "batch kv_len"]] = None,
+    q_offset: int = 0,
+    block_q: int = DEFAULT_BLOCK_Q,
+    block_k: int = DEFAULT_BLOCK_K,
+) -> Float[Array, "batch q_len heads v"]:
+    """Flash-style attention in pure JAX: neither the forward nor the backward keeps more than one
+    [batch, heads, block_q, block_k] tile of scores. Lengths that the blocks do not divide are
+    padded (padded keys masked, padded queries dropped); blocks longer than a sequence shrink to it."""
+    if block_q < 1 or block_k < 1:
+        raise ValueError(f"attention: block_q and block_k must be positive, got {block_q}, {block_k}")
+    batch, q_len, heads, qk_dim = q.shape
+    kv_len, kv_heads = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    tiling = _Tiling(q_len, kv_len, min(block_q, q_len), min(block_k, kv_len), float(scale), causal, window, int(q_offset))
+    q_pad, k_pad = tiling.n_q * tiling.block_q - q_len, tiling.n_k * tiling.block_k - kv_len
+
+    def blocks(x, pad, size, groups):
+        # [batch, len, kv_heads, (group,) dim] -> [n_blocks, batch, kv_heads, (group,) block, dim]:
+        # the layout in which every per-tile einsum below is a plain batched matmul.
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        n = x.shape[1] // size
+        x = x.reshape(x.shape[0], n, size, *x.shape[2:])
+        order = (1, 0, 3, 4, 2, 5) if groups else (1, 0, 3, 2, 4)
+        return x.transpose(order)
+
+    qb = blocks(q.reshape(batch, q_len, kv_heads, group, qk_dim), q_pad, tiling.block_q, True)
+    kb = blocks(k, k_pad, tiling.block_k, False)
+    vb = blocks(v, k_pad, tiling.block_k, False)
+    kv_segment_ids = _kv_segments(segment_ids, kv_segment_ids, q_len, kv_len)
+    if segment_ids is None:
+        q_seg = kv_seg = None
+    else:
+        # Padded positions are masked by position already; any id does.
+        q_seg = jnp.pad(segment_ids, ((0, 0), (0, q_pad))).reshape(batch, tiling.n_q, tiling.block_q).transpose(1, 0, 2)
+        kv_seg = jnp.pad(kv_segment_ids, ((0, 0), (0, k_pad))).reshape(batch, tiling.n_k, tiling.block_k).transpose(1, 0, 2)
+    sink = None if sinks is None else sinks.astype(jnp.float32).reshape(kv_heads, group)
+
+    out = _flash(tiling, qb, kb, vb, sink, q_seg, kv_seg)  # [n_q, batch, kv_heads, group, block_q, v]
+    out = out.transpose(1, 0, 4, 2, 3, 5).reshape(batch, tiling.n_q * tiling.block_q, heads, v.shape[-1])
+    return out[:, :q_len]
+
+
+def _flash_forward(tiling: _Tiling, qb, kb, vb, sink, q_seg, kv_seg):
+    """Output [n_q, batch, kv_heads, group, block_q, v] and logsumexp (sink included) [n_q, batch,
+    kv_heads, group, block_q], one scan step per visible tile."""
+    n_q, batch, kv_heads, group, block_q, _ = qb.shape
+    v_dim = vb.shape[-1]
+    stats_shape = (n_q, batch, kv_heads, group, block_q)
+    if sink is None:
+        row_max = jnp.full(stats_shape, -jnp.inf, jnp.float32)
+        denom = jnp.zeros(stats_shape, jnp.float32)
+    else:
+        # The sink starts the running softmax: exp(sink - max) is its share of the denominator.
+        row_max = jnp.broadcast_to(sink[None, None, :, :, None], stats_shape)
+        denom = jnp.ones(stats_shape, jnp.float32)
+    acc = jnp.zeros((*stats_shape, v_dim), jnp.float32)
+
+    def step(carry, ij):
+        row_max, denom, acc = carry
+        i, j = ij
+        qi = jax.lax.dynamic_index_in_dim(qb, i, keepdims=False)
+        kj = jax.lax.dynamic_index_in_dim(kb, j, keepdims=False)
+        vj = jax.lax.dynamic_index_in_dim(vb, j, keepdims=False)
+        keep = tiling.tile_keep(i, j, _block(q_seg, i), _block(kv_seg, j))
+        s = jnp.einsum("bkgqd,bksd->bkgqs", qi, kj, preferred_element_type=jnp.float32) * tiling.scale
+        s = jnp.where(keep, s, -jnp.inf)
+        m_old = jax.lax.dynamic_index_in_dim(row_max, i, keepdims=False)
+        m_new = jnp.maximum(m_old, s.max(axis=-1))
+        shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no key seen yet: keep exp() finite
+        rescale = jnp.exp(m_old - shift)
+        p = jnp.exp(s - shift[..., None])
+        l_new = rescale * jax.lax.dynamic_index_in_dim(denom, i, keepdims=False) + p.sum(axis=-1)
+        pv = jnp.einsum("bkgqs,bksv->bkgqv", p.astype(vb.dtype), vj, preferred_element_type=jnp.float32)
+        a_new = rescale[..., None] * jax.lax.dynamic_index_in_dim(acc, i, keepdims=False) + pv
+        return (
+            jax.lax.dynamic_update_index_in_dim(row_max, m_new, i, 0),
+            jax.lax.dynamic_update_index_in_dim(denom, l_new, i, 0),
+            jax.lax.dynamic_update_index_in_dim(acc, a_new, i, 0),
+        ), None
+
+    ii, jj = tiling.pairs()
+    (row_max, denom, acc), _ = jax.lax.scan(step, (row_max, denom, acc), (jnp.asarray(ii), jnp.asarray(jj)))
+    empty = denom == 0
+    out = (acc / jnp.where(empty, 1.0, denom)[..., None]).astype(vb.dtype)
+    # An empty row's probabilities are all masked to 0 in the backward whatever this value is.
+    lse = jnp.where(empty, 0.0, row_max + jnp.log(jnp.where(empty, 1.0, denom)))
+    return out, lse
+
+
+def _block(x, i):
+    return None if x is None else jax.lax.dynamic_index_in_dim(x, i, keepdims=False)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _flash(tiling, qb, kb, vb, sink, q_seg, kv_seg):
+    return _flash_forward(tiling, qb, kb, vb, sink, q_seg, kv_seg)[0]
+
+
+def _flash_fwd(tiling, qb, kb, vb, sink, q_seg, kv_seg):
+    out, lse = _flash_forward(tiling, qb, kb, vb, sink, q_seg, kv_seg)
+    return out, (qb, kb, vb, sink, q_seg, kv_seg, out, lse)
+
+
+def _flash_bwd(tiling, residuals, d_out):
+    """FlashAttention-2's backward: per tile, the probabilities from the saved logsumexp, then
+    dS = P * (dO V^T - rowsum(dO * O)); dQ, dK, dV accumulate in float32."""
+    qb, kb, vb, sink, q_seg, kv_seg, out, lse = residuals
+    delta = jnp.einsum("...v,...v->...", d_out.astype(jnp.float32), out.astype(jnp.float32))
+    d_out = d_out.astype(vb.dtype)
+
+    def step(carry, ij):
+        dq, dk, dv = carry
+        i, j = ij
+        qi = jax.lax.dynamic_index_in_dim(qb, i, keepdims=False)
+        kj = jax.lax.dynamic_index_in_dim(kb, j, keepdims=False)
+        vj = jax.lax.dynamic_index_in_dim(vb, j, keepdims=False)
+        doi = jax.lax.dynamic_index_in_dim(d_out, i, keepdims=False)
+        keep = tiling.tile_keep(i, j, _block(q_seg, i), _block(kv_seg, j))
+        s = jnp.einsum("bkgqd,bksd->bkgqs", qi, kj, preferred_element_type=jnp.float32) * tiling.scale
+        s = jnp.where(keep, s, -jnp.inf)
+        p = jnp.exp(s - jax.lax.dynamic_index_in_dim(lse, i, keepdims=False)[..., None])
+        dp = jnp.einsum("bkgqv,bksv->bkgqs", doi, vj, preferred_element_type=jnp.float32)
+        ds = p * (dp - jax.lax.dynamic_index_in_dim(delta, i, keepdims=False)[..., None]) * tiling.scale
+        dv_j = jnp.einsum("bkgqs,bkgqv->bksv", p.astype(vb.dtype), doi, preferred_element_type=jnp.float32)
+        dq_i = jnp.einsum("bkgqs,bksd->bkgqd", ds.astype(kb.dtype), kj, preferred_element_type=jnp.float32)
+        dk_j = jnp.einsum("bkgqs,bkgqd->bksd", ds.astype(qb.dtype), qi, preferred_element_type=jnp.float32)
+
+        def add(acc, x, at):
+            return jax.lax.dynamic_update_index_in_dim(acc, jax.lax.dynamic_index_in_dim(acc, at, keepdims=False) + x, at, 0)
+
+        return (add(dq, dq_i, i), add(dk, dk_j, j), add(dv, dv_j, j)), None
+
+    zeros = functools.partial(jnp.zeros, dtype=jnp.float32)
+    ii, jj = tiling.pairs()
+    (dq, dk, dv), _ = jax.lax.scan(step, (zeros(qb.shape), zeros(kb.shape), zeros(vb.shape)), (jnp.asarray(ii), jnp.asarray(jj)))
+    d_sink = None
+    if sink is not None:
+        # d out / d sink = -p_sink * out, so dL/d sink = -sum over rows of p_sink * rowsum(dO * O).
+        p_sink = jnp.exp(sink[None, None, :, :, None] - lse)
+        d_sink = -(p_sink * delta).sum(axis=(0, 1, 4))
+    return dq.astype(qb.dtype), dk.astype(kb.dtype), dv.astype(vb.dtype), d_sink, None, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+# --- cuDNN ---------------------------------------------------------------------------------------
+
+
+def segments_to_packed(
+    segment_ids: Int[Array, "batch seq"], max_segments: int
+) -> tuple[Int[Array, "batch max_segments"], Int[Array, "batch max_segments_plus_one"]]:
+    """(lengths [batch, M], starts [batch, M + 1]) of each row's contiguous runs of equal ids, -1
+    past the last run: the packed layout of cuDNN's fused attention. Runs past the M-th are dropped
+    (their queries then see nothing), so M must bound the runs per row."""
+    batch, seq = segment_ids.shape
+    starts = jnp.concatenate([jnp.ones((batch, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+
+    def row(flags):
+        first = jnp.nonzero(flags, size=max_segments + 1, fill_value=-1)[0].astype(jnp.int32)
+        ends = jnp.concatenate([first[1:], jnp.full((1,), -1, jnp.int32)])
+        ends = jnp.where((ends < 0) & (first >= 0), seq, ends)
+        lengths = jnp.where(first >= 0, ends - first, -1)[:max_segments]
+        return lengths, first.at[max_segments].set(-1)
+
+    return jax.vmap(row)(starts)
+
+
+def cudnn_attention(
+    q: Float[Array, "batch q_len heads qk"],
+    k: Float[Array, "batch kv_len kv_heads qk"],
+    v: Float[Array, "batch kv_len kv_heads v"],
+    *,
+    scale: float,
+    causal: bool = True,
+    window: Optional[int] = None,
+    segment_ids: Optional[Int[Array, "batch q_len"]] = None,
+    kv_segment_ids: Optional[Int[Array, "batch kv_len"]] = None,
+    max_segments: Optional[int] = None,
+) -> Float[Array, "batch q_len heads v"]:
+    """cuDNN's fused flash attention (GPU, half precision; `resolve_impl` says which cases).
+
+    Equal head dims go through `jax.nn.dot_product_attention`. Unequal ones (MLA) and segment ids
+    go through JAX's cuDNN lowering, which takes a v head dim of its own from cuDNN 9.10 on Hopper;
+    elsewhere the smaller of the two is zero-padded (zero q/k columns add nothing to the scores,
+    zero v columns are sliced off) at the cost of the padded FLOPs.
+
+    Segment ids become cuDNN's packed layout (`segments_to_packed`), in which the m-th run of
+    queries attends to the m-th run of keys: the same as matching ids when both come from one
+    `segment_ids` whose equal ids are contiguous, as in packed documents.
+    """
+    qk_dim, v_dim = q.shape[-1], v.shape[-1]
+    kv_segment_ids = _kv_segments(segment_ids, kv_segment_ids, q.shape[1], k.shape[1])
+    if segment_ids is not None and (max_segments is None or max_segments < 2):
+        raise _bad("cudnn needs max_segments >= 2 (a static bound on segments per row) with segment ids")
+    if segment_ids is None and qk_dim == v_dim:
+        return jax.nn.dot_product_attention(
+            q, k, v, scale=scale, is_causal=causal,
+            local_window_size=None if window is None else (window - 1, 0), implementation="cudnn",
+        )
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+
+    capability, cudnn_version = gpu_capabilities()
+    native_mla = capability is not None and capability >= (9, 0) and (cudnn_version or 0) >= 91000
+    if qk_dim != v_dim and not native_mla:
+        if v_dim < qk_dim:
+            v = jnp.pad(v, [(0, 0)] * 3 + [(0, qk_dim - v_dim)])
+        else:
+            q = jnp.pad(q, [(0, 0)] * 3 + [(0, v_dim - qk_dim)])
+            k = jnp.pad(k, [(0, 0)] * 3 + [(0, v_dim - qk_dim)])
+    packed = {}
+    if segment_ids is not None:
+        q_lengths, q_starts = segments_to_packed(segment_ids, max_segments)
+        kv_lengths, kv_starts = segments_to_packed(kv_segment_ids, max_segments)
+        packed = dict(q_seqlen=q_lengths, kv_seqlen=kv_lengths, q_offsets=q_starts, kv_offsets=kv_starts)
+        mask = fa.MaskType.PADDING_CAUSAL if causal else fa.MaskType.PADDING
+    else:
+        mask = fa.MaskType.CAUSAL if causal else fa.MaskType.NO_MASK
+    out = fa.dot_product_attention(q, k, v, scale=scale, mask_type=mask, sliding_window_length=window, **packed)
+    return out[..., :v_dim]
