@@ -150,6 +150,7 @@ class _Instr:
     operands: list[str]
     attrs: str
     computation: str
+    text: str = ""  # the whole right-hand side, as printed
 
 
 def _parse(text: str):
@@ -174,9 +175,30 @@ def _parse(text: str):
             continue
         shape, opcode, operands, attrs = _split_instruction(m.group(2))
         computations[current].append(
-            _Instr(m.group(1), shape, opcode, re.findall(r"%([\w.\-]+)", operands), attrs, current)
+            _Instr(m.group(1), shape, opcode, re.findall(r"%([\w.\-]+)", operands), attrs, current, m.group(2))
         )
     return computations, entry
+
+
+_CONDITION = re.compile(r"\bcondition=%?([\w.\-]+)")
+_CONSTANT = re.compile(r"\bconstant\((-?\d+)\)")
+
+
+def _counted_loop_bound(computations: dict[str, list[_Instr]], attrs: str) -> Optional[int]:
+    """The trip count of a `lax.scan` / `fori_loop` style while loop before XLA annotates it (as in
+    the HLO right after SPMD partitioning): the condition is `counter < N` for a constant N, and
+    jax's counters start at 0 and step by 1."""
+    m = _CONDITION.search(attrs)
+    condition = computations.get(m.group(1), []) if m else []
+    constants = {}
+    for ins in condition:
+        value = _CONSTANT.search(ins.text) if ins.opcode == "constant" else None
+        if value:
+            constants[ins.name] = int(value.group(1))
+    root = condition[-1] if condition else None
+    if root is None or root.opcode != "compare" or "direction=LT" not in root.attrs or len(root.operands) != 2:
+        return None
+    return constants.get(root.operands[1])
 
 
 def _executions(computations: dict[str, list[_Instr]], entry: Optional[str]) -> tuple[dict[str, int], set[str]]:
@@ -199,7 +221,8 @@ def _executions(computations: dict[str, list[_Instr]], entry: Optional[str]) -> 
             trip, sure = 1, True
             if ins.opcode == "while":
                 m = _TRIP_COUNT.search(ins.attrs)
-                trip, sure = (int(m.group(1)), True) if m else (1, False)
+                trip = int(m.group(1)) if m else _counted_loop_bound(computations, ins.attrs)
+                trip, sure = (trip, True) if trip is not None else (1, False)
             for callee in callees:
                 if callee not in computations:
                     continue
@@ -264,3 +287,21 @@ def summarize(found: Iterable[Collective], include_trivial: bool = False) -> dic
         row["executions"] += c.executions
         row["bytes"] += c.bytes * c.executions
     return {k: table[k] for k in KINDS if k in table}
+
+
+def partitioned_hlo(lowered, compiler_options: Optional[dict] = None) -> str:
+    """The HLO text of `lowered` (a `jax.stages.Lowered`) right after SPMD partitioning: the
+    collectives and their dtypes as the partitioner chose them, before any backend-specific rewrite.
+    (XLA:CPU later widens bf16 collectives to float32, which a GPU does not: the dtypes a GPU would
+    move are read here.) Compiles once with XLA's dump options into a temporary directory."""
+    import pathlib
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        options = dict(compiler_options or {})
+        options.update({"xla_dump_to": d, "xla_dump_hlo_pass_re": "spmd-partitioning"})
+        lowered.compile(options)
+        found = sorted(pathlib.Path(d).glob("*after_spmd-partitioning*.txt"))
+        if not found:
+            raise RuntimeError("XLA wrote no HLO after SPMD partitioning (a single-device program is not partitioned)")
+        return found[-1].read_text()

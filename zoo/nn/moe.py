@@ -19,13 +19,16 @@ The routed experts run in `zoo.nn.moe_dispatch.routed_experts` and never run eve
 - `auto`: `capacity` on every backend today (see `resolve_moe_impl`).
 """
 
+import math
 from typing import Optional
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from zoo import sharding as zs
 from zoo.config import MoEConfig
 from zoo.nn._init import normal
 from zoo.nn.mlp import GatedMLP
@@ -95,6 +98,18 @@ def route(
     return expert_ids, weights * c.routed_scaling_factor
 
 
+def _per_device(route_fn):
+    """Run a per-token routing function on each device's own tokens when the batch is sharded: left to
+    the partitioner, the (grouped) top-k over experts gathers every device's router scores. The router
+    weight and bias enter whole (they are small, and stay float32)."""
+    layout = zs.active()
+    batch_axes = layout.mesh_axes("batch") if layout is not None else ()
+    if layout is None or math.prod(layout.axis_size(a) for a in batch_axes) <= 1:
+        return route_fn
+    tokens = P(batch_axes, None)
+    return jax.shard_map(route_fn, mesh=layout.mesh, in_specs=(tokens, P(), P()), out_specs=(tokens, tokens))
+
+
 def expert_activation(c: MoEConfig):
     """`(gate, up) -> hidden` of one expert."""
     if c.activation == "silu":
@@ -153,7 +168,7 @@ class MoE(eqx.Module):
         b, t, d = x.shape
         flat = x.reshape(b * t, d)
         bias = self.e_score_correction_bias if self.config.router == "sigmoid_grouped" else self.router_bias
-        expert_ids, weights = route(flat, self.router, bias, self.config)
+        expert_ids, weights = _per_device(lambda x, r, b: route(x, r, b, self.config))(flat, self.router, bias)
         experts = ExpertWeights(self.w_gate, self.w_up, self.w_down, self.b_gate, self.b_up, self.b_down)
         routed, counts, dropped = routed_experts(
             flat, expert_ids, weights, experts, activation=expert_activation(self.config),

@@ -4,27 +4,28 @@
 experts stay in zoo.nn.moe. It is pure and reads the mesh only from the active layout
 (`zoo.sharding.active()`):
 
-- No active layout, or the rules put the `experts` dim of the expert weights on mesh axes of total
-  size 1: one program (GSPMD shards it as it likes).
+- No active layout, or one whose batch is on a single device: one program.
   * `capacity`: assignments scattered into per-expert buffers of `expert_capacity(tokens)` rows and
     multiplied as one batched matmul, so FLOPs grow with top_k * capacity_factor, not with the expert
     count. Assignments past an expert's capacity are dropped (earlier tokens win) and counted.
   * `ragged` (dropless, exact): assignments sorted by expert, three `lax.ragged_dot`s. XLA:CPU (and
     XLA:GPU today) lower ragged_dot to a dense product whose cost grows with the expert count.
-- Expert parallelism (the `experts` dim sharded over `ep` > 1 devices): a `shard_map` over the whole
-  mesh. Every device routes only its own tokens into capacity buffers for all experts (capacity from
-  its LOCAL token count), one `all_to_all` over the expert axes sends each expert shard its buffers,
-  the shard runs its `E/ep` experts on the `ep * C` rows it received, and the reverse `all_to_all`
-  returns the outputs, which are combined where the tokens live. The global batch never travels.
+- Tokens split over devices: a `shard_map` over the whole mesh, every device routing only its own
+  tokens (left to GSPMD, the sorts and scatters over tokens gather every device's assignments).
+  * Expert parallelism (the `experts` dim sharded over `ep` > 1 devices): capacity buffers for all
+    experts from the LOCAL token count, one `all_to_all` over the expert axes sends each expert shard
+    its buffers, the shard runs its `E/ep` experts on the `ep * C` rows it received, and the reverse
+    `all_to_all` returns the outputs, which are combined where the tokens live. The global batch never
+    travels. Only `capacity` runs here: a dropless exchange needs `ragged_all_to_all`, which XLA:CPU
+    cannot compile (so it could not be tested here); `ragged` raises (see `check_expert_parallel`).
+  * `ep` == 1 (data parallel / FSDP): each device runs every expert on its own buffers (`capacity`)
+    or its own sorted tokens (`ragged`, dropless).
   Weights enter as their shards (`[E/ep, D/fsdp, I/tensor]`); the `embed` shards are gathered inside,
   after the cast to the compute dtype, so a bf16 model moves bf16 weights (and reduce-scatters bf16
   gradients: the gather's transpose). An `mlp` dim on a tensor axis stays split: gate/up act on the
   local slice of I and the down projection is summed over the tensor axes (Megatron style).
-  Only `capacity` runs under expert parallelism: a dropless exchange needs `ragged_all_to_all`, which
-  XLA:CPU cannot compile (so it could not be tested here); `ragged` raises (see
-  `check_expert_parallel`).
 
-Drops under expert parallelism are decided per device (each device's tokens compete for its own
+Drops on a sharded batch are decided per device (each device's tokens compete for its own
 `ceil(local_tokens * k / E * capacity_factor)` rows per expert), so they differ from the
 single-program count on the same global batch whenever some expert overflows.
 
@@ -176,7 +177,7 @@ def _capacity_local(x, expert_ids, weights, w: ExpertWeights, *, activation, cap
     return combine(per_assignment, weights), counts, dropped
 
 
-def _ragged_local(x, expert_ids, weights, w: ExpertWeights, *, activation, tag):
+def _ragged_local(x, expert_ids, weights, w: ExpertWeights, *, activation, tag, reduce_mlp=None):
     k = expert_ids.shape[1]
     flat_experts, order, counts = sorted_assignments(expert_ids, w.n_experts)
     sorted_x = x[order // k]  # [A D], grouped by expert
@@ -188,7 +189,7 @@ def _ragged_local(x, expert_ids, weights, w: ExpertWeights, *, activation, tag):
     def add_bias(v, b):
         return v + b[sorted_experts]
 
-    sorted_out = _ffn(sorted_x, w, matmul, add_bias, activation, tag)
+    sorted_out = _ffn(sorted_x, w, matmul, add_bias, activation, tag, reduce_mlp)
     unsorted = jnp.zeros_like(sorted_out).at[order].set(sorted_out, unique_indices=True)
     return combine(unsorted, weights), counts, jnp.zeros((), jnp.int32)
 
@@ -228,7 +229,10 @@ def expert_specs(layout: zs.Layout, experts: ExpertWeights) -> ExpertWeights:
     return jax.tree_util.tree_map_with_path(lambda path, _: layout.spec(EXPERT_AXES[path[-1].name]), experts)
 
 
-def _capacity_ep(x, expert_ids, weights, w: ExpertWeights, plan: _EPLayout, *, activation, capacity_factor, compute_dtype, tag):
+def _sharded(x, expert_ids, weights, w: ExpertWeights, plan: _EPLayout, *, impl, activation, capacity_factor, compute_dtype, tag):
+    """The routed experts as one program per device (`shard_map`): each device routes its own tokens.
+    With `ep` > 1 its capacity buffers travel to the experts' devices and back (all_to_all); with
+    `ep` == 1 every device runs every expert on its own buffers (or, `ragged`, its own sorted tokens)."""
     mesh = plan.layout.mesh
     ep, n_experts = plan.ep, w.n_experts
     local_experts = n_experts // ep
@@ -236,7 +240,7 @@ def _capacity_ep(x, expert_ids, weights, w: ExpertWeights, plan: _EPLayout, *, a
     token_spec = P(plan.batch_axes or None, None)
     names = [f for f in EXPERT_AXES if getattr(w, f) is not None]
     w_specs = expert_specs(plan.layout, w)
-    ep_axis = plan.ep_axes if len(plan.ep_axes) > 1 else plan.ep_axes[0]
+    ep_axis = (plan.ep_axes if len(plan.ep_axes) > 1 else plan.ep_axes[0]) if plan.ep_axes else None
 
     def gather_embed(a, name):
         # The cast comes first so the gather (and its transpose, the gradient reduce-scatter) moves compute-dtype bytes.
@@ -249,23 +253,30 @@ def _capacity_ep(x, expert_ids, weights, w: ExpertWeights, plan: _EPLayout, *, a
         return jax.lax.all_gather(a, axes, axis=dim, tiled=True) if axes else a
 
     def body(x, expert_ids, weights, w):
-        tokens = x.shape[0]
-        capacity = expert_capacity(tokens, k, n_experts, capacity_factor)
-        flat_experts, order, counts = sorted_assignments(expert_ids, n_experts)
-        slot, kept = capacity_slots(flat_experts, order, counts, capacity)
-        buffers = _dispatch(x, flat_experts, slot, n_experts, capacity)  # [E C D], experts in shard order
-        # Block s of dim 0 (experts s*E/ep ...) goes to expert shard s; what comes back is block per source.
-        received = jax.lax.all_to_all(buffers, ep_axis, 0, 0, tiled=True)  # [ep*E/ep C D], by source
-        d = x.shape[-1]
-        rows = received.reshape(ep, local_experts, capacity, d).transpose(1, 0, 2, 3).reshape(local_experts, ep * capacity, d)
         local = ExpertWeights(**{f: gather_embed(getattr(w, f), f) for f in names})
         reduce_mlp = (lambda v: jax.lax.psum(v, plan.mlp_axes)) if plan.mlp_axes else None
-        out = _ffn(rows, local, _buffer_matmul, _buffer_bias, activation, tag, reduce_mlp)
-        out = out.reshape(local_experts, ep, capacity, d).transpose(1, 0, 2, 3).reshape(n_experts, capacity, d)
-        returned = jax.lax.all_to_all(out, ep_axis, 0, 0, tiled=True)  # [E C D], back in global expert order
-        per_assignment = returned.at[flat_experts, slot].get(mode="fill", fill_value=0)
-        y = combine(per_assignment, weights)
-        dropped = (tokens * k - kept.sum()).astype(jnp.int32)
+        if impl == "ragged":  # ep == 1 (checked): dropless on this device's tokens
+            y, counts, dropped = _ragged_local(x, expert_ids, weights, local, activation=activation, tag=tag, reduce_mlp=reduce_mlp)
+        else:
+            tokens = x.shape[0]
+            capacity = expert_capacity(tokens, k, n_experts, capacity_factor)
+            flat_experts, order, counts = sorted_assignments(expert_ids, n_experts)
+            slot, kept = capacity_slots(flat_experts, order, counts, capacity)
+            buffers = _dispatch(x, flat_experts, slot, n_experts, capacity)  # [E C D], experts in shard order
+            d = x.shape[-1]
+            if ep > 1:
+                # Block s of dim 0 (experts s*E/ep ...) goes to expert shard s; what comes back is block per source.
+                received = jax.lax.all_to_all(buffers, ep_axis, 0, 0, tiled=True)  # [ep*E/ep C D], by source
+                rows = received.reshape(ep, local_experts, capacity, d).transpose(1, 0, 2, 3).reshape(local_experts, ep * capacity, d)
+            else:
+                rows = buffers
+            out = _ffn(rows, local, _buffer_matmul, _buffer_bias, activation, tag, reduce_mlp)
+            if ep > 1:
+                out = out.reshape(local_experts, ep, capacity, d).transpose(1, 0, 2, 3).reshape(n_experts, capacity, d)
+                out = jax.lax.all_to_all(out, ep_axis, 0, 0, tiled=True)  # [E C D], back in global expert order
+            per_assignment = out.at[flat_experts, slot].get(mode="fill", fill_value=0)
+            y = combine(per_assignment, weights)
+            dropped = (tokens * k - kept.sum()).astype(jnp.int32)
         if plan.batch_axes:
             counts = jax.lax.psum(counts, plan.batch_axes)
             dropped = jax.lax.psum(dropped, plan.batch_axes)
@@ -282,7 +293,7 @@ def _capacity_ep(x, expert_ids, weights, w: ExpertWeights, plan: _EPLayout, *, a
 
 def _check_layout(plan: _EPLayout, n_experts: int, impl: str) -> None:
     ep_desc = "*".join(f"{a}={plan.layout.axis_size(a)}" for a in plan.ep_axes)
-    if impl != "capacity":
+    if impl != "capacity" and plan.ep > 1:
         raise ValueError(
             f"model.moe.impl: {impl!r} is not supported with expert parallelism ({ep_desc}): a dropless exchange needs "
             f"ragged_all_to_all; set model.moe.impl=capacity (raise model.moe.capacity_factor to drop less) or mesh.expert=1"
@@ -335,10 +346,12 @@ def routed_experts(
     layout = zs.active()
     if layout is not None:
         plan = _ep_layout(layout)
-        if plan.ep > 1:
+        if plan.ep > 1 or math.prod(layout.axis_size(a) for a in plan.batch_axes) > 1:
+            # Tokens split over devices: route and dispatch on each device (left to the partitioner,
+            # the sorts and scatters over tokens would gather the whole batch's assignments everywhere).
             _check_layout(plan, experts.n_experts, impl)
-            return _capacity_ep(
-                x, expert_ids, weights, experts, plan,
+            return _sharded(
+                x, expert_ids, weights, experts, plan, impl=impl,
                 activation=activation, capacity_factor=capacity_factor, compute_dtype=compute_dtype, tag=tag,
             )
     w = _cast(experts, compute_dtype)
