@@ -440,7 +440,12 @@ def config_from_hf(cfg: dict, *, source: str = "config.json", **overrides) -> Mo
     if cfg.get("quantization_config") is not None:
         method = cfg["quantization_config"].get("quant_method", "?") if isinstance(cfg["quantization_config"], dict) else "?"
         raise keys.error(f"quantization_config ({method}) is not supported: zoo reads floating-point checkpoints; dequantise first")
-    fields = family.read(keys)
+    try:
+        fields = family.read(keys)
+    except CheckpointError:
+        raise
+    except ValueError as e:  # a MoEConfig or RopeConfig that its own validation refuses
+        raise keys.error(str(e)) from None
     fields["family"] = family.name
     if fields.get("moe") is not None:
         fields["moe"] = dataclasses.replace(fields["moe"], impl="ragged")
