@@ -76,6 +76,7 @@ def check_against_numpy(ckpt: pathlib.Path, tokens) -> tuple[zoo.CausalLM, np.nd
     logits = np.asarray(_logits(model, tokens))
     ref = numpy_ref_families.forward(read_json(ckpt / "config.json"), load_file(ckpt / "model.safetensors"), np.asarray(tokens))
     np.testing.assert_allclose(logits, ref, atol=1e-4, rtol=0)
+    hf.config_to_hf(model.config)  # and the option can be written back (it raises if the family cannot say it)
     return model, logits
 
 
@@ -239,7 +240,8 @@ def test_config_to_hf_writes_what_transformers_reads(name):
 def test_gemma_linear_rope_scales_global_layers_only(style, tmp_path):
     def edit(cfg):
         if style == "legacy":
-            cfg["rope_scaling"] = {"rope_type": "linear", "factor": 8.0}
+            # an original context length means nothing to the linear rule (some hub configs carry one)
+            cfg["rope_scaling"] = {"rope_type": "linear", "factor": 8.0, "original_max_position_embeddings": 32}
         else:
             cfg["rope_parameters"]["full_attention"] = {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}
 

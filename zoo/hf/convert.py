@@ -144,6 +144,14 @@ _ROPE_CASTS = {
     for f in dataclasses.fields(RopeConfig)
     if f.name not in ("type", "theta", "interleaved")
 }
+# The keys each rule reads; others a config may carry (an original context length under linear) mean nothing to it.
+_ROPE_RULE_KEYS = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+             "attention_factor", "truncate"),
+}
 
 
 def rope_from_params(params: dict, k: Keys, *, where: str = "rope", interleaved: bool = False) -> RopeConfig:
@@ -156,11 +164,12 @@ def rope_from_params(params: dict, k: Keys, *, where: str = "rope", interleaved:
     if params.get("mrope_section") is not None:
         raise k.error(f"{where}: mrope_section (multimodal rope) is not supported")
     kept = {}
-    for key, cast in _ROPE_CASTS.items():
-        value = params.get(key)
+    for key in _ROPE_RULE_KEYS[kind]:
+        cast, value = _ROPE_CASTS[key], params.get(key)
         if value is None:
             continue
-        if cast is bool and not isinstance(value, bool) or cast is not bool and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        ok = isinstance(value, bool) if cast is bool else isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not ok:
             raise k.error(f"{where}: {key} must be {'true or false' if cast is bool else 'a number'}, got {value!r}")
         kept[key] = cast(value)
     if kind in ("linear", "llama3") and "factor" not in kept:
@@ -169,8 +178,6 @@ def rope_from_params(params: dict, k: Keys, *, where: str = "rope", interleaved:
         # transformers 5: an absent yarn factor is the ratio of the two context lengths.
         original = kept.get("original_max_position_embeddings") or k.integer("max_position_embeddings")
         kept["factor"] = k.integer("max_position_embeddings") / original
-    if kind == "default":  # the other rules' fields mean nothing here; keep the config canonical
-        kept = {}
     theta = params.get("rope_theta")
     if isinstance(theta, bool) or not isinstance(theta, (int, float)):
         raise k.error(f"{where}: rope_theta must be a number, got {theta!r}")
@@ -186,6 +193,8 @@ def rope_params(k: Keys) -> dict:
     if params is not None and not isinstance(params, dict):
         raise k.error(f"rope_parameters must be an object, got {params!r}")
     params = dict(params or k.cfg.get("rope_scaling") or {})
+    if k.cfg.get("partial_rotary_factor") not in (None, 1, 1.0):
+        raise k.error(f"partial_rotary_factor={k.cfg['partial_rotary_factor']} is not supported (zoo rotates the whole head)")
     if params.get("rope_theta") is None:
         params["rope_theta"] = k.number("rope_theta")
     return params
