@@ -9,7 +9,9 @@ as transformers skips them.
 import numpy as np
 
 from zoo.config import MLAConfig, ModelConfig, MoEConfig
-from zoo.hf.convert import SILU, Family, Keys, Rule, linear, mlp_rules, per_expert, rope_from_params, rope_hf, rope_params, same
+from zoo.hf.convert import (
+    SILU, Family, Keys, Rule, expert_list_rules, linear, mlp_rules, rope_from_params, rope_hf, rope_params, same,
+)
 from zoo.tags import DEEPSEEK_V3
 
 
@@ -97,13 +99,10 @@ def attention_rules(c: ModelConfig) -> list[Rule]:
 
 
 def moe_rules(c: ModelConfig) -> list[Rule]:
-    e = c.moe.n_routed_experts
     rules = [
         linear("mlp.gate.weight", "ffn.router"),
         same("mlp.gate.e_score_correction_bias", "ffn.e_score_correction_bias"),
-        per_expert("mlp.experts.{e}.gate_proj.weight", "ffn.w_gate", e),
-        per_expert("mlp.experts.{e}.up_proj.weight", "ffn.w_up", e),
-        per_expert("mlp.experts.{e}.down_proj.weight", "ffn.w_down", e),
+        *expert_list_rules(c, "mlp.experts.{e}.{proj}.weight", "gate_proj", "up_proj", "down_proj"),
     ]
     if c.moe.n_shared_experts:
         rules += mlp_rules("mlp.shared_experts", "ffn.shared")
