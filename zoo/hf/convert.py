@@ -1,0 +1,694 @@
+"""The family-independent half of Hugging Face interop: config.json keys, the rules pairing hub tensors
+with zoo leaves, `from_pretrained`, `to_hf_state_dict`, `save_pretrained`.
+
+A family module (`zoo.hf.llama`, `.qwen`, ...) is a `Family`: its `model_type`, the defaults of its
+transformers config class, how its config.json keys become ModelConfig fields and back, and the
+names of the tensors only it has. Everything shared lives here once: the common keys, both rope styles
+(transformers 5's `rope_parameters` and the hub's legacy `rope_theta` + `rope_scaling`), per-layer
+attention types, and the rules for q/k/v/o with optional biases, q/k norms, sinks, the norms around
+each block, the gated MLP and per-expert tensor lists.
+
+Hub linear weights are `[out, in]`; zoo weights are einsum layouts `[in, ..., out]`. A `Rule` converts
+both ways by transposing, reshaping, splitting or stacking only, so a round trip is exact.
+"""
+
+import dataclasses
+import json
+import math
+import pathlib
+from collections.abc import Callable, Sequence
+from typing import Optional
+
+import equinox as eqx
+import jax.numpy as jnp
+import numpy as np
+
+from zoo.config import LAYER_TYPES, ROPE_TYPES, ModelConfig, RopeConfig
+from zoo.hf.files import CheckpointError, CheckpointReader, write_safetensors
+from zoo.model import CausalLM, abstract
+
+# --- config.json values --------------------------------------------------------------------------
+
+_REQUIRED = object()
+
+
+class Keys:
+    """A parsed config.json, read with the family's defaults: what its transformers config class
+    assumes for an absent key. A null counts as absent, except through `opt_int` / `opt_float`, for
+    keys where null means "none" (a window, a softcap, head_dim). A missing required key or a value of
+    the wrong type raises a CheckpointError naming the file and the key."""
+
+    def __init__(self, cfg: dict, defaults: dict, source: str):
+        self.cfg, self.defaults, self.source = cfg, defaults, source
+
+    def error(self, message: str) -> CheckpointError:
+        return CheckpointError(f"{self.source}: {message}")
+
+    def has(self, key: str) -> bool:
+        return self.cfg.get(key) is not None
+
+    def raw(self, key: str, default=_REQUIRED):
+        value = self.cfg.get(key)
+        if value is None:
+            value = self.defaults.get(key, default)
+        if value is _REQUIRED:
+            raise self.error(f"{key!r} is missing; the model cannot be built without it")
+        return value
+
+    def _number(self, key: str, value, integer: bool):
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not float(value).is_integer()):
+            raise self.error(f"{key} must be {'an integer' if integer else 'a number'}, got {value!r}")
+        return int(value) if integer else float(value)
+
+    def integer(self, key: str, default=_REQUIRED) -> Optional[int]:
+        return self._number(key, self.raw(key, default), integer=True)
+
+    def number(self, key: str, default=_REQUIRED) -> Optional[float]:
+        return self._number(key, self.raw(key, default), integer=False)
+
+    def opt_int(self, key: str) -> Optional[int]:
+        """Absent: the family's default (None without one); null: None."""
+        return self._number(key, self.cfg[key] if key in self.cfg else self.defaults.get(key), integer=True)
+
+    def opt_float(self, key: str) -> Optional[float]:
+        return self._number(key, self.cfg[key] if key in self.cfg else self.defaults.get(key), integer=False)
+
+    def flag(self, key: str, default=_REQUIRED) -> bool:
+        value = self.raw(key, default)
+        if not isinstance(value, bool):
+            raise self.error(f"{key} must be true or false, got {value!r}")
+        return value
+
+    def choice(self, key: str, allowed: Sequence[str], what: str) -> str:
+        value = self.raw(key)
+        if value not in allowed:
+            raise self.error(f"{key} {value!r} is not supported: {what} uses {' or '.join(map(repr, allowed))}")
+        return value
+
+    def refuse_if(self, key: str, bad: Callable[[object], bool], why: str) -> None:
+        value = self.cfg.get(key)
+        if value is not None and bad(value):
+            raise self.error(f"{key}={json.dumps(value)} is not supported: {why}")
+
+
+SILU = ("silu", "swish")  # transformers maps both names to SiLU
+
+
+def common_fields(k: Keys) -> dict:
+    """The ModelConfig fields every grouped-query family reads from the same keys."""
+    heads = k.integer("num_attention_heads")
+    hidden = k.integer("hidden_size")
+    head_dim = k.opt_int("head_dim")
+    if head_dim is None:  # transformers: `getattr(config, "head_dim", None) or hidden_size // num_attention_heads`
+        if hidden % heads:
+            raise k.error(f"hidden_size={hidden} is not divisible by num_attention_heads={heads}; give head_dim")
+        head_dim = hidden // heads
+    return dict(
+        vocab_size=k.integer("vocab_size"),
+        hidden_size=hidden,
+        num_layers=k.integer("num_hidden_layers"),
+        num_heads=heads,
+        num_kv_heads=k.integer("num_key_value_heads", heads),
+        head_dim=head_dim,
+        intermediate_size=k.integer("intermediate_size"),
+        rms_norm_eps=k.number("rms_norm_eps"),
+        max_position_embeddings=k.integer("max_position_embeddings"),
+        tie_word_embeddings=k.flag("tie_word_embeddings", False),
+    )
+
+
+def common_hf(c: ModelConfig, family: "Family") -> dict:
+    return {
+        "model_type": family.model_type,
+        "architectures": [family.architecture],
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.hidden_size,
+        "num_hidden_layers": c.num_layers,
+        "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.num_kv_heads,
+        "head_dim": c.head_dim,
+        "intermediate_size": c.intermediate_size,
+        "rms_norm_eps": c.rms_norm_eps,
+        "max_position_embeddings": c.max_position_embeddings,
+        "tie_word_embeddings": c.tie_word_embeddings,
+        "dtype": c.param_dtype,
+    }
+
+
+# --- rope ---------------------------------------------------------------------------------------
+
+_ROPE_CASTS = {
+    f.name: (float if f.type in (float, Optional[float]) else int if f.type in (int, Optional[int]) else bool)
+    for f in dataclasses.fields(RopeConfig)
+    if f.name not in ("type", "theta", "interleaved")
+}
+# The keys each rule reads; others a config may carry (an original context length under linear) mean nothing to it.
+_ROPE_RULE_KEYS = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+             "attention_factor", "truncate"),
+}
+
+
+def rope_from_params(params: dict, k: Keys, *, where: str = "rope", interleaved: bool = False) -> RopeConfig:
+    """A RopeConfig from one rope parameter dict (`rope_type` or the legacy `type`, `rope_theta`, ...)."""
+    kind = params.get("rope_type") or params.get("type") or "default"
+    if kind not in ROPE_TYPES:
+        raise k.error(f"{where}: rope type {kind!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
+    if params.get("partial_rotary_factor") not in (None, 1, 1.0):
+        raise k.error(f"{where}: partial_rotary_factor={params['partial_rotary_factor']} is not supported (zoo rotates the whole head)")
+    if params.get("mrope_section") is not None:
+        raise k.error(f"{where}: mrope_section (multimodal rope) is not supported")
+    kept = {}
+    for key in _ROPE_RULE_KEYS[kind]:
+        cast, value = _ROPE_CASTS[key], params.get(key)
+        if value is None:
+            continue
+        ok = isinstance(value, bool) if cast is bool else isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not ok:
+            raise k.error(f"{where}: {key} must be {'true or false' if cast is bool else 'a number'}, got {value!r}")
+        kept[key] = cast(value)
+    if kind in ("linear", "llama3") and "factor" not in kept:
+        raise k.error(f"{where}: rope type {kind!r} needs a factor")
+    if kind == "yarn" and "factor" not in kept:
+        # transformers 5: an absent yarn factor is the ratio of the two context lengths.
+        original = kept.get("original_max_position_embeddings") or k.integer("max_position_embeddings")
+        kept["factor"] = k.integer("max_position_embeddings") / original
+    theta = params.get("rope_theta")
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)):
+        raise k.error(f"{where}: rope_theta must be a number, got {theta!r}")
+    try:
+        return RopeConfig(type=kind, theta=float(theta), interleaved=interleaved, **kept)
+    except ValueError as e:
+        raise k.error(f"{where}: {e}") from None
+
+
+def rope_params(k: Keys) -> dict:
+    """The one rope parameter dict of a config: `rope_parameters`, else `rope_scaling` plus `rope_theta`."""
+    params = k.cfg.get("rope_parameters")
+    if params is not None and not isinstance(params, dict):
+        raise k.error(f"rope_parameters must be an object, got {params!r}")
+    params = dict(params or k.cfg.get("rope_scaling") or {})
+    if k.cfg.get("partial_rotary_factor") not in (None, 1, 1.0):
+        raise k.error(f"partial_rotary_factor={k.cfg['partial_rotary_factor']} is not supported (zoo rotates the whole head)")
+    if params.get("rope_theta") is None:
+        params["rope_theta"] = k.number("rope_theta")
+    return params
+
+
+def rope_to_params(rope: RopeConfig) -> dict:
+    """A transformers rope parameter dict (with `rope_theta`) for `rope`."""
+    out = {"rope_type": rope.type, "rope_theta": rope.theta}
+    if rope.type == "linear":
+        out["factor"] = rope.factor
+    elif rope.type == "llama3":
+        out.update(factor=rope.factor, low_freq_factor=rope.low_freq_factor, high_freq_factor=rope.high_freq_factor,
+                   original_max_position_embeddings=rope.original_max_position_embeddings)
+    elif rope.type == "yarn":
+        out.update(factor=rope.factor, original_max_position_embeddings=rope.original_max_position_embeddings,
+                   beta_fast=rope.beta_fast, beta_slow=rope.beta_slow, mscale=rope.mscale,
+                   mscale_all_dim=rope.mscale_all_dim, attention_factor=rope.attention_factor, truncate=rope.truncate)
+    return {key: v for key, v in out.items() if v is not None}
+
+
+def rope_hf(rope: RopeConfig) -> dict:
+    """Both styles: `rope_parameters` (transformers 5) and `rope_theta` + `rope_scaling` (transformers 4)."""
+    params = rope_to_params(rope)
+    scaling = None if rope.type == "default" else {key: v for key, v in params.items() if key != "rope_theta"}
+    return {"rope_parameters": params, "rope_theta": rope.theta, "rope_scaling": scaling}
+
+
+# --- per-layer attention types ------------------------------------------------------------------
+
+
+def explicit_layer_types(k: Keys, num_layers: int) -> Optional[list[str]]:
+    """`layer_types` when the config gives it, checked; None when it does not."""
+    types = k.cfg.get("layer_types")
+    if types is None:
+        return None
+    if not isinstance(types, list) or len(types) != num_layers:
+        raise k.error(f"layer_types must list one type per layer ({num_layers}), got {types!r}")
+    unknown = sorted({t for t in types if t not in LAYER_TYPES})
+    if unknown:
+        raise k.error(f"layer_types {unknown[0]!r} is not supported; supported: {', '.join(LAYER_TYPES)}")
+    return list(types)
+
+
+def window_fields(k: Keys, layer_types: Sequence[str], window: Optional[int]) -> dict:
+    """`sliding_window` and `layer_types` of the ModelConfig: None/None without sliding layers, a window
+    and None when every layer slides, both when they mix."""
+    sliding = [i for i, t in enumerate(layer_types) if t == "sliding_attention"]
+    if not sliding:
+        return dict(sliding_window=None, layer_types=None)
+    if window is None:
+        raise k.error(
+            f"layer_types makes layers {sliding} sliding_attention but the config leaves no sliding_window "
+            "(null, or use_sliding_window false); transformers refuses this too. Give the window or make them full_attention"
+        )
+    if window <= 0:
+        raise k.error(f"sliding_window must be positive, got {window}")
+    return dict(sliding_window=window, layer_types=None if len(sliding) == len(layer_types) else list(layer_types))
+
+
+def every_layer_window(k: Keys, num_layers: int, window: Optional[int]) -> dict:
+    """The window of families whose `sliding_window` applies to every layer (Mixtral, Qwen3-MoE)."""
+    return window_fields(k, ["full_attention" if window is None else "sliding_attention"] * num_layers, window)
+
+
+def layer_types_of(c: ModelConfig) -> list[str]:
+    return [c.layer_type(i) for i in range(c.num_layers)]
+
+
+# --- rules: hub tensors <-> zoo leaves -----------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """Hub tensors <-> zoo leaves of one layer (or of the top level).
+
+    `hub`: hub names relative to the layer prefix; `zoo`: attribute paths inside a block (or the
+    model). `to_zoo(*hub_arrays, *zoo_shapes)` gives the zoo arrays, `to_hub(*zoo_arrays)` the hub ones.
+    `hub_shapes(zoo_shapes)` gives the hub shapes; without it they are found by running `to_hub` on
+    zero-stride arrays (fine for rules that only transpose or reshape).
+    """
+
+    hub: tuple[str, ...]
+    zoo: tuple[str, ...]
+    to_zoo: Callable[..., tuple]
+    to_hub: Callable[..., tuple]
+    hub_shapes: Optional[Callable[[Sequence[tuple[int, ...]]], list[tuple[int, ...]]]] = None
+
+
+def linear(hub: str, zoo: str, in_axes: int = 1) -> Rule:
+    """`[out, in]` hub matrix <-> zoo `[in..., out...]` whose first `in_axes` axes are the input."""
+
+    def to_zoo(w, shape):
+        return (w.T.reshape(shape),)
+
+    def to_hub(w):
+        n_in = math.prod(w.shape[:in_axes])
+        return (w.reshape(n_in, -1).T,)
+
+    return Rule((hub,), (zoo,), to_zoo, to_hub)
+
+
+def same(hub: str, zoo: str) -> Rule:
+    return Rule((hub,), (zoo,), lambda w, shape: (w,), lambda w: (w,))
+
+
+def flat(hub: str, zoo: str) -> Rule:
+    """A hub vector <-> a zoo array of the same elements (a `[heads * head_dim]` bias as `[heads, head_dim]`)."""
+    return Rule((hub,), (zoo,), lambda w, shape: (w.reshape(shape),), lambda w: (w.reshape(-1),))
+
+
+def per_expert(hub_template: str, zoo: str, experts: int) -> Rule:
+    """Per-expert hub matrices `[out, in]` (`{e}` in the name) <-> one zoo leaf `[experts, in, out]`."""
+    names = tuple(hub_template.format(e=e) for e in range(experts))
+    return Rule(
+        names,
+        (zoo,),
+        lambda *ws_and_shape: (np.stack([w.T for w in ws_and_shape[:-1]]),),
+        lambda w: tuple(w[e].T for e in range(w.shape[0])),
+    )
+
+
+def norm_rules(c: ModelConfig) -> list[Rule]:
+    """The block's norms. With sandwich norms (Gemma 3) `post_attention_layernorm` normalises the
+    attention output and `pre_feedforward_layernorm` the MLP input; otherwise `post_attention_layernorm`
+    is the MLP's input norm."""
+    rules = [same("input_layernorm.weight", "attn_norm.weight")]
+    if not c.sandwich_norms:
+        return rules + [same("post_attention_layernorm.weight", "ffn_norm.weight")]
+    return rules + [
+        same("post_attention_layernorm.weight", "post_attn_norm.weight"),
+        same("pre_feedforward_layernorm.weight", "ffn_norm.weight"),
+        same("post_feedforward_layernorm.weight", "post_ffn_norm.weight"),
+    ]
+
+
+def gqa_rules(c: ModelConfig) -> list[Rule]:
+    """Grouped-query attention, named alike in every family; optional parts follow the config's flags."""
+    a = "self_attn."
+    rules = [
+        linear(a + "q_proj.weight", "attn.wq"),
+        linear(a + "k_proj.weight", "attn.wk"),
+        linear(a + "v_proj.weight", "attn.wv"),
+        linear(a + "o_proj.weight", "attn.wo", in_axes=2),
+    ]
+    if c.attention_bias:
+        rules += [flat(a + f"{p}_proj.bias", f"attn.b{p}") for p in "qkv"]
+    if c.attention_out_bias:
+        rules.append(same(a + "o_proj.bias", "attn.bo"))
+    if c.qk_norm:
+        rules += [same(a + "q_norm.weight", "attn.q_norm.weight"), same(a + "k_norm.weight", "attn.k_norm.weight")]
+    if c.attention_sinks:
+        rules.append(same(a + "sinks", "attn.sinks"))
+    return rules
+
+
+def mlp_rules(hub: str, zoo: str) -> list[Rule]:
+    return [
+        linear(f"{hub}.gate_proj.weight", f"{zoo}.w_gate"),
+        linear(f"{hub}.up_proj.weight", f"{zoo}.w_up"),
+        linear(f"{hub}.down_proj.weight", f"{zoo}.w_down"),
+    ]
+
+
+def expert_list_rules(c: ModelConfig, template: str, gate: str, up: str, down: str) -> list[Rule]:
+    """Per-expert `[out, in]` matrices, `template` naming one with `{e}` and `{proj}` (gate, up, down names)."""
+    e = c.moe.n_routed_experts
+    return [
+        per_expert(template.format(e="{e}", proj=gate), "ffn.w_gate", e),
+        per_expert(template.format(e="{e}", proj=up), "ffn.w_up", e),
+        per_expert(template.format(e="{e}", proj=down), "ffn.w_down", e),
+    ]
+
+
+def top_rules(c: ModelConfig) -> list[Rule]:
+    rules = [same("model.embed_tokens.weight", "embed"), same("model.norm.weight", "final_norm.weight")]
+    if not c.tie_word_embeddings:
+        rules.append(linear("lm_head.weight", "lm_head"))
+    return rules
+
+
+# --- families -----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One transformers architecture: config.json <-> ModelConfig and its tensor names.
+
+    `defaults`: the transformers config class's values for keys a config.json may leave out or null.
+    `read(keys)`: the ModelConfig fields (without dtypes); `write(config)`: the config.json keys beyond
+    `common_hf`. `attention_rules` / `moe_rules`: the block's attention and sparse-MLP tensors (norms
+    and the dense MLP are shared). `extra_layers_key`: a config key counting layers stored past
+    num_hidden_layers that transformers does not run (DeepSeek-V3's multi-token prediction).
+    """
+
+    name: str
+    model_type: str
+    architecture: str
+    defaults: dict
+    read: Callable[[Keys], dict]
+    write: Callable[[ModelConfig], dict]
+    attention_rules: Callable[[ModelConfig], list[Rule]] = gqa_rules
+    moe_rules: Optional[Callable[[ModelConfig], list[Rule]]] = None
+    extra_layers_key: Optional[str] = None
+
+    def block_rules(self, c: ModelConfig, moe: bool) -> list[Rule]:
+        return norm_rules(c) + self.attention_rules(c) + (self.moe_rules(c) if moe else mlp_rules("mlp", "ffn"))
+
+
+def families() -> tuple[Family, ...]:
+    from zoo.hf import deepseek_v3, gemma3, gpt_oss, llama, mixtral, qwen
+
+    return (llama.FAMILY, deepseek_v3.FAMILY, *qwen.FAMILIES, mixtral.FAMILY, gemma3.FAMILY, gpt_oss.FAMILY)
+
+
+def supported_model_types() -> tuple[str, ...]:
+    return tuple(f.model_type for f in families())
+
+
+def family_of(c: ModelConfig) -> Family:
+    for f in families():
+        if f.name == c.family:
+            return f
+    raise CheckpointError(f"family {c.family!r} has no Hugging Face mapping")
+
+
+def block_rules(c: ModelConfig, moe: bool) -> list[Rule]:
+    return family_of(c).block_rules(c, moe)
+
+
+# --- config.json <-> ModelConfig ----------------------------------------------------------------
+
+# ModelConfig fields that say how zoo runs a model, not what the model is: config.json does not hold them.
+_RUNTIME_FIELDS = ("param_dtype", "compute_dtype", "attention_impl")
+_RUNTIME_MOE_FIELDS = ("impl", "capacity_factor")
+
+
+def config_from_hf(cfg: dict, *, source: str = "config.json", **overrides) -> ModelConfig:
+    """A ModelConfig from a parsed Hugging Face `config.json`; `overrides` replace ModelConfig fields
+    (`moe_<field>` a MoEConfig field). MoE models load with `moe.impl = "ragged"`: a loaded
+    checkpoint computes what it was trained to, dropless and exact."""
+    model_type = cfg.get("model_type")
+    by_type = {f.model_type: f for f in families()}
+    if model_type not in by_type:
+        hint = ""
+        if model_type == "gemma3":
+            hint = " (the multimodal Gemma 3; zoo reads the text model, model_type 'gemma3_text')"
+        raise CheckpointError(
+            f"{source}: model_type {model_type!r} is not supported{hint}; supported: {', '.join(by_type)}"
+        )
+    family = by_type[model_type]
+    keys = Keys(cfg, family.defaults, source)
+    if cfg.get("quantization_config") is not None:
+        method = cfg["quantization_config"].get("quant_method", "?") if isinstance(cfg["quantization_config"], dict) else "?"
+        raise keys.error(f"quantization_config ({method}) is not supported: zoo reads floating-point checkpoints; dequantise first")
+    try:
+        fields = family.read(keys)
+    except CheckpointError:
+        raise
+    except ValueError as e:  # a MoEConfig or RopeConfig that its own validation refuses
+        raise keys.error(str(e)) from None
+    fields["family"] = family.name
+    if fields.get("moe") is not None:
+        fields["moe"] = dataclasses.replace(fields["moe"], impl="ragged")
+    moe_overrides = {key[4:]: overrides.pop(key) for key in list(overrides) if key.startswith("moe_")}
+    if moe_overrides and fields.get("moe") is not None:
+        fields["moe"] = dataclasses.replace(fields["moe"], **moe_overrides)
+    fields.update(overrides)
+    try:
+        return ModelConfig(**fields)
+    except ValueError as e:
+        raise CheckpointError(f"{source}: {e}") from None
+
+
+def _architecture_only(c: ModelConfig) -> ModelConfig:
+    """`c` without what config.json does not hold, and with equivalent spellings made equal: the window
+    of a model without sliding layers, explicit layer types when all layers slide, a local rope equal to
+    the global one."""
+    c = c.replace(**{f: getattr(ModelConfig, f) for f in _RUNTIME_FIELDS})
+    types = layer_types_of(c)
+    if "sliding_attention" not in types:
+        c = c.replace(sliding_window=None, layer_types=None)
+    elif "full_attention" not in types:
+        c = c.replace(layer_types=None)
+    if c.rope_local is None or "sliding_attention" not in types:
+        c = c.replace(rope_local=c.rope)
+    if c.moe is not None:
+        c = c.replace(moe=dataclasses.replace(c.moe, **{f: getattr(type(c.moe), f) for f in _RUNTIME_MOE_FIELDS}))
+    return c
+
+
+def config_to_hf(c: ModelConfig) -> dict:
+    """config.json for `c`, as transformers writes it for the family (both rope styles where the family
+    has both). A config the family's transformers code cannot express (a flag it fixes, a window
+    pattern it cannot state) raises a CheckpointError naming the fields."""
+    family = family_of(c)
+    out = common_hf(c, family)
+    out.update(family.write(c))
+    back = config_from_hf(json.loads(json.dumps(out)), source=f"config_to_hf({family.model_type})")
+    want, got = _architecture_only(c), _architecture_only(back)
+    if want != got:
+        diff = [f.name for f in dataclasses.fields(ModelConfig) if getattr(want, f.name) != getattr(got, f.name)]
+        detail = "; ".join(f"{name}={getattr(want, name)!r} (reads back as {getattr(got, name)!r})" for name in diff)
+        raise CheckpointError(f"a {family.model_type} config.json cannot express this model: {detail}")
+    return out
+
+
+# --- load ---------------------------------------------------------------------------------------
+
+
+def _get(tree, path: str):
+    for part in path.split("."):
+        if tree is None:
+            return None
+        tree = tree[int(part)] if part.isdigit() else getattr(tree, part)
+    return tree
+
+
+def _positions(model: CausalLM):
+    """(attribute path of the stacked block, its layer indices, is_moe) for every block position of every stack."""
+    c = model.config
+    out = []
+    for s_idx, stack in enumerate(model.stacks):
+        for j in range(stack.period):
+            layers = [stack.layer_index(r, j) for r in range(stack.repeats)]
+            out.append((f"stacks.{s_idx}.layers.{j}", layers, c.is_moe_layer(layers[0])))
+    return out
+
+
+def _shape_only(shape, dtype) -> np.ndarray:
+    """An array of `shape` that takes no memory (zero strides), to run a Rule for its shapes."""
+    return np.broadcast_to(np.zeros((), dtype), shape)
+
+
+def _hub_shapes(rule: Rule, zoo_shapes: Sequence[tuple[int, ...]]) -> list[tuple[int, ...]]:
+    if rule.hub_shapes is not None:
+        return [tuple(s) for s in rule.hub_shapes(zoo_shapes)]
+    return [tuple(a.shape) for a in rule.to_hub(*[_shape_only(s, np.float32) for s in zoo_shapes])]
+
+
+def load_config(path) -> dict:
+    directory = pathlib.Path(path)
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory}: not a directory; pass a Hugging Face checkpoint directory (config.json + *.safetensors)")
+    config_path = directory / "config.json"
+    if not config_path.exists():
+        raise CheckpointError(f"{config_path}: missing; a Hugging Face checkpoint directory needs its config.json")
+    try:
+        cfg = json.loads(config_path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{config_path}: not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{config_path}: not a JSON object")
+    return cfg
+
+
+def _check_leftovers(reader: CheckpointReader, config: ModelConfig, cfg: dict, family: Family) -> None:
+    """Tensors the model did not take mean the config and the file disagree (biases the config does not
+    enable, experts it does not count, an untied head): refuse rather than drop them silently. Kept
+    aside: rotary buffers old exports carry, layers transformers itself skips, and an lm_head that a
+    tied config ties to the embedding anyway when it equals it."""
+    extra_layers = int(cfg.get(family.extra_layers_key) or 0) if family.extra_layers_key else 0
+    left = []
+    for name in sorted(set(reader.location) - reader.used):
+        if name.endswith("rotary_emb.inv_freq"):
+            continue
+        parts = name.split(".")
+        if name.startswith("model.layers.") and parts[2].isdigit() and config.num_layers <= int(parts[2]) < config.num_layers + extra_layers:
+            continue
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            head = reader.files[reader.location[name]].get(name)
+            embed = reader.files[reader.location["model.embed_tokens.weight"]].get("model.embed_tokens.weight")
+            if head.shape == embed.shape and np.array_equal(head, embed):
+                continue
+            raise CheckpointError(
+                f"{reader.directory}: tie_word_embeddings is true but the file's lm_head.weight differs from "
+                "model.embed_tokens.weight; set tie_word_embeddings false to use the head, or drop it"
+            )
+        left.append(name)
+    if left:
+        shown = ", ".join(left[:6]) + (f", ... ({len(left)} in all)" if len(left) > 6 else "")
+        raise CheckpointError(
+            f"{reader.directory}: the checkpoint has tensors the config does not account for: {shown}; "
+            "the config.json does not describe these weights (a flag such as attention_bias, the expert or layer count)"
+        )
+
+
+def from_pretrained(path, dtype: str = "float32", compute_dtype: Optional[str] = None, **config_overrides) -> CausalLM:
+    """Load a Hugging Face checkpoint directory (any family of `supported_model_types()`) as a zoo CausalLM.
+
+    `dtype`: the parameter dtype (float32 master weights by default, whatever the file holds);
+    `compute_dtype`: the matmul dtype (default: `dtype`); other keywords override ModelConfig fields
+    (`moe_impl="capacity"` sets `moe.impl`). Layers transformers skips (DeepSeek-V3's
+    multi-token-prediction layers past num_hidden_layers) are ignored; any other tensor the config
+    does not account for is an error.
+    """
+    directory = pathlib.Path(path)
+    cfg = load_config(directory)
+    config = config_from_hf(cfg, source=str(directory / "config.json"), param_dtype=dtype,
+                            compute_dtype=compute_dtype or dtype, **config_overrides)
+    family = family_of(config)
+    reader = CheckpointReader(directory)
+    skeleton = abstract(config)
+    np_dtype = jnp.dtype(dtype)
+
+    paths, values = [], []
+
+    def place(getter_path, value):
+        paths.append(getter_path)
+        values.append(jnp.asarray(value))
+
+    for rule in top_rules(config):
+        zoo_shapes = [_get(skeleton, z).shape for z in rule.zoo]
+        hub = [reader.get(n, s) for n, s in zip(rule.hub, _hub_shapes(rule, zoo_shapes))]
+        for z, arr, shape in zip(rule.zoo, rule.to_zoo(*hub, *zoo_shapes), zoo_shapes):
+            place(z, np.asarray(arr, dtype=np_dtype).reshape(shape))
+
+    for attr, layers, moe in _positions(skeleton):
+        block = _get(skeleton, attr)
+        for rule in family.block_rules(config, moe):
+            stacked_shapes = [_get(block, z).shape for z in rule.zoo]
+            layer_shapes = [s[1:] for s in stacked_shapes]
+            hub_shapes = _hub_shapes(rule, layer_shapes)
+            # One host buffer per leaf, filled layer by layer from the memory map, then moved once; the
+            # skeleton's dtype: param_dtype, and float32 for buffers such as the correction bias.
+            buffers = [np.empty(s, _get(block, z).dtype) for s, z in zip(stacked_shapes, rule.zoo)]
+            for j, layer in enumerate(layers):
+                prefix = f"model.layers.{layer}."
+                hub = [reader.get(prefix + n, s) for n, s in zip(rule.hub, hub_shapes)]
+                for buf, arr in zip(buffers, rule.to_zoo(*hub, *layer_shapes)):
+                    buf[j] = arr
+            for z, buf in zip(rule.zoo, buffers):
+                place(f"{attr}.{z}", buf)
+            del buffers
+
+    _check_leftovers(reader, config, cfg, family)
+    return eqx.tree_at(lambda m: [_get(m, p) for p in paths], skeleton, values)
+
+
+# --- save ---------------------------------------------------------------------------------------
+
+
+def to_hf_state_dict(tree: CausalLM) -> dict[str, np.ndarray]:
+    """Hub names -> numpy arrays for a model, or a gradient of one (same structure; None leaves are skipped)."""
+    c = tree.config
+    family = family_of(c)
+    out: dict[str, np.ndarray] = {}
+
+    def emit(rule: Rule, leaves, prefix: str = ""):
+        if any(leaf is None for leaf in leaves):
+            return
+        for name, arr in zip(rule.hub, rule.to_hub(*[np.asarray(leaf) for leaf in leaves])):
+            out[prefix + name] = np.ascontiguousarray(arr)
+
+    for rule in top_rules(c):
+        emit(rule, [_get(tree, z) for z in rule.zoo])
+    for attr, layers, moe in _positions(tree):
+        block = _get(tree, attr)
+        for rule in family.block_rules(c, moe):
+            stacked = [_get(block, z) for z in rule.zoo]
+            for j, layer in enumerate(layers):
+                emit(rule, [None if s is None else np.asarray(s[j]) for s in stacked], f"model.layers.{layer}.")
+    return out
+
+
+def save_pretrained(model: CausalLM, path, dtype: Optional[str] = None, max_shard_bytes: int = 5 * 2**30) -> None:
+    """Write `config.json` and safetensors shards (with an index when there are several), under the hub's names.
+
+    Files are written under temporary names and renamed into place, so an interrupted save leaves
+    no half-written file under a final name.
+    """
+    directory = pathlib.Path(path)
+    config = config_to_hf(model.config)  # refuses a model its family cannot express before writing anything
+    if dtype is not None:
+        config["dtype"] = dtype
+    directory.mkdir(parents=True, exist_ok=True)
+    state = to_hf_state_dict(model)
+    if dtype is not None:
+        state = {k: v.astype(jnp.dtype(dtype)) for k, v in state.items()}
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, arr in state.items():
+        if shards[-1] and size + arr.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = arr
+        size += arr.nbytes
+    if len(shards) == 1:
+        write_safetensors(directory / "model.safetensors", shards[0], {"format": "pt"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            write_safetensors(directory / file, shard, {"format": "pt"})
+            weight_map.update({name: file for name in shard})
+        index = {"metadata": {"total_size": sum(a.nbytes for a in state.values())}, "weight_map": weight_map}
+        (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    (directory / "config.json").write_text(json.dumps(config, indent=2))

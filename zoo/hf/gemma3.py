@@ -1,0 +1,113 @@
+"""Gemma 3 text (`Gemma3ForCausalLM`, model_type `gemma3_text`).
+
+Norms scale by (1 + w) (the file stores w) and wrap both branches: `input_layernorm` and
+`post_attention_layernorm` around attention (the latter on its output, before the residual add),
+`pre_feedforward_layernorm` and `post_feedforward_layernorm` around the GeGLU MLP
+(`gelu_pytorch_tanh`). q/k norms before RoPE; the softmax scale is `query_pre_attn_scalar ** -0.5`;
+embeddings are scaled by sqrt(hidden); `final_logit_softcapping` caps the logits.
+
+Per-layer attention: `layer_types`, or in older configs `sliding_window_pattern` P (layer i slides iff
+(i + 1) % P != 0). The stale private `_sliding_window_pattern` that transformers writes next to
+`layer_types` is ignored. Rope per layer type: transformers 5 nests `rope_parameters` by layer type;
+the legacy keys give the global layers `rope_theta` + `rope_scaling` and the sliding layers a default
+rope of `rope_local_base_freq`. transformers reads yarn's `truncate` from the top level of
+`rope_parameters` only, so a nested yarn always truncates; zoo does the same.
+
+transformers' Gemma 3 stores `attn_logit_softcapping` but never applies it: zoo accepts the key, warns,
+and computes what transformers computes. `use_bidirectional_attention` (EmbeddingGemma) is refused.
+"""
+
+import warnings
+
+from zoo.config import LAYER_TYPES, ModelConfig, RopeConfig
+from zoo.hf.convert import (
+    Family, Keys, common_fields, explicit_layer_types, layer_types_of, rope_from_params, rope_params, rope_to_params,
+    window_fields,
+)
+from zoo.tags import GEMMA3
+
+
+def _nested_rope(k: Keys, params: dict, layer_type: str) -> RopeConfig:
+    if not isinstance(params.get(layer_type), dict):
+        raise k.error(f"rope_parameters is keyed by layer type but has no {layer_type!r} entry")
+    p = {key: v for key, v in params[layer_type].items() if key != "truncate"}
+    return rope_from_params(p, k, where=f"rope_parameters.{layer_type}")
+
+
+def _ropes(k: Keys) -> tuple[RopeConfig, RopeConfig]:
+    params = k.cfg.get("rope_parameters")
+    if isinstance(params, dict) and set(params) & set(LAYER_TYPES):
+        return _nested_rope(k, params, "full_attention"), _nested_rope(k, params, "sliding_attention")
+    # legacy: rope_scaling belongs to the global layers only
+    full = {key: v for key, v in rope_params(k).items() if key != "truncate"}
+    local = RopeConfig(theta=k.number("rope_local_base_freq"))
+    return rope_from_params(full, k), local
+
+
+def read(k: Keys) -> dict:
+    k.choice("hidden_activation", ("gelu_pytorch_tanh",), "Gemma 3's MLP")
+    k.refuse_if("use_bidirectional_attention", bool, "zoo's attention is causal")
+    if k.cfg.get("attn_logit_softcapping") is not None:
+        warnings.warn(f"{k.source}: attn_logit_softcapping is ignored, as transformers' Gemma 3 ignores it")
+    fields = common_fields(k)
+    n = fields["num_layers"]
+    types = explicit_layer_types(k, n)
+    if types is None:
+        period = k.integer("sliding_window_pattern")
+        if period < 1:
+            raise k.error(f"sliding_window_pattern must be >= 1, got {period}")
+        types = ["sliding_attention" if (i + 1) % period else "full_attention" for i in range(n)]
+    rope, rope_local = _ropes(k)
+    bias = k.flag("attention_bias")
+    return dict(
+        fields,
+        rope=rope,
+        rope_local=rope_local,
+        attention_bias=bias,
+        attention_out_bias=bias,
+        qk_norm=True,
+        query_pre_attn_scalar=k.number("query_pre_attn_scalar"),
+        norm_weight_offset=1.0,
+        sandwich_norms=True,
+        scale_embeddings=True,
+        mlp_activation="gelu_tanh",
+        final_logit_softcap=k.opt_float("final_logit_softcapping"),
+        **window_fields(k, types, k.opt_int("sliding_window")),
+    )
+
+
+def write(c: ModelConfig) -> dict:
+    local = c.rope_local or c.rope
+    types = layer_types_of(c)
+    out = dict(
+        hidden_activation="gelu_pytorch_tanh",
+        attention_bias=c.attention_bias,
+        query_pre_attn_scalar=c.query_pre_attn_scalar,
+        final_logit_softcapping=c.final_logit_softcap,
+        attn_logit_softcapping=None,
+        sliding_window=c.sliding_window,
+        layer_types=types,
+        use_bidirectional_attention=False,
+        rope_parameters={"full_attention": rope_to_params(c.rope), "sliding_attention": rope_to_params(local)},
+        # transformers 4 reads these instead
+        rope_theta=c.rope.theta,
+        rope_scaling=None if c.rope.type == "default" else {key: v for key, v in rope_to_params(c.rope).items() if key != "rope_theta"},
+        rope_local_base_freq=local.theta,
+    )
+    full = [i for i, t in enumerate(types) if t == "full_attention"]
+    if full and types == ["sliding_attention" if (i + 1) % (full[0] + 1) else "full_attention" for i in range(c.num_layers)]:
+        out["sliding_window_pattern"] = full[0] + 1
+    return out
+
+
+FAMILY = Family(
+    name=GEMMA3,
+    model_type="gemma3_text",
+    architecture="Gemma3ForCausalLM",
+    # Gemma3TextConfig's defaults
+    defaults=dict(rms_norm_eps=1e-6, max_position_embeddings=131072, rope_theta=1000000.0, rope_local_base_freq=10000.0,
+                  head_dim=256, query_pre_attn_scalar=256, sliding_window=4096, sliding_window_pattern=6,
+                  tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh", attention_bias=False),
+    read=read,
+    write=write,
+)

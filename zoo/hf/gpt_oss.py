@@ -1,0 +1,90 @@
+"""GPT-OSS (`GptOssForCausalLM`, float checkpoints; MXFP4-quantised ones are refused).
+
+Attention: biases on q, k, v and o (`attention_bias`, default true), one learned sink logit per head
+(`self_attn.sinks`) that joins each softmax denominator, sliding and full layers per `layer_types`
+(default: alternating, sliding first), YaRN rope (gpt-oss: `truncate` false).
+MoE on every layer: `mlp.router` (weight and bias) takes the top-k raw logits and a softmax over those
+k; experts are stored input-major and fused: `mlp.experts.gate_up_proj [E, H, 2I]` with gate and up in
+interleaved columns (gate = [..., ::2], up = [..., 1::2]) and its bias `[E, 2I]` alike,
+`mlp.experts.down_proj [E, I, H]` and `down_proj_bias [E, H]`; the clamped SwiGLU
+(`swiglu_limit`, `swiglu_alpha`). `hidden_act` is not read: the experts' activation is fixed.
+"""
+
+import numpy as np
+
+from zoo.config import ModelConfig, MoEConfig
+from zoo.hf.convert import (
+    Family, Keys, Rule, common_fields, explicit_layer_types, layer_types_of, linear, rope_from_params, rope_hf, rope_params,
+    same, window_fields,
+)
+from zoo.tags import GPT_OSS
+
+# GptOssConfig's rope when the config names none
+_DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                 "original_max_position_embeddings": 4096}
+
+
+def read(k: Keys) -> dict:
+    fields = common_fields(k)
+    n = fields["num_layers"]
+    types = explicit_layer_types(k, n) or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
+    params = rope_params(k) if (k.has("rope_parameters") or k.has("rope_scaling")) else dict(_DEFAULT_ROPE, rope_theta=k.number("rope_theta"))
+    bias = k.flag("attention_bias")
+    return dict(
+        fields,
+        rope=rope_from_params(params, k),
+        attention_bias=bias,
+        attention_out_bias=bias,
+        attention_sinks=True,
+        moe=MoEConfig(
+            n_routed_experts=k.integer("num_local_experts"), num_experts_per_tok=k.integer("num_experts_per_tok"),
+            moe_intermediate_size=fields["intermediate_size"], n_shared_experts=0, router="topk_softmax", n_group=1,
+            topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.0, router_bias=True, expert_bias=True,
+            activation="clamped_swiglu", swiglu_limit=k.number("swiglu_limit"), swiglu_alpha=k.number("swiglu_alpha"),
+        ),
+        **window_fields(k, types, k.opt_int("sliding_window")),
+    )
+
+
+def write(c: ModelConfig) -> dict:
+    m = c.moe
+    return dict(hidden_act="silu", attention_bias=c.attention_bias, sliding_window=c.sliding_window,
+                layer_types=layer_types_of(c), num_local_experts=m.n_routed_experts, num_experts_per_tok=m.num_experts_per_tok,
+                swiglu_limit=m.swiglu_limit, swiglu_alpha=m.swiglu_alpha, **rope_hf(c.rope))
+
+
+def _interleaved(hub: str, gate: str, up: str) -> Rule:
+    """A fused hub tensor `[..., 2I]` whose even columns are the gate and odd columns up <-> two zoo leaves `[..., I]`."""
+
+    def to_zoo(gu, gate_shape, up_shape):
+        return gu[..., ::2], gu[..., 1::2]
+
+    def to_hub(g, u):
+        return (np.stack([np.asarray(g), np.asarray(u)], axis=-1).reshape(*g.shape[:-1], 2 * g.shape[-1]),)
+
+    return Rule((hub,), (gate, up), to_zoo, to_hub, hub_shapes=lambda shapes: [(*shapes[0][:-1], 2 * shapes[0][-1])])
+
+
+def moe_rules(c: ModelConfig) -> list[Rule]:
+    p = "mlp."
+    return [
+        linear(p + "router.weight", "ffn.router"),
+        same(p + "router.bias", "ffn.router_bias"),
+        _interleaved(p + "experts.gate_up_proj", "ffn.w_gate", "ffn.w_up"),
+        _interleaved(p + "experts.gate_up_proj_bias", "ffn.b_gate", "ffn.b_up"),
+        same(p + "experts.down_proj", "ffn.w_down"),
+        same(p + "experts.down_proj_bias", "ffn.b_down"),
+    ]
+
+
+FAMILY = Family(
+    name=GPT_OSS,
+    model_type="gpt_oss",
+    architecture="GptOssForCausalLM",
+    # GptOssConfig's defaults
+    defaults=dict(rms_norm_eps=1e-5, max_position_embeddings=131072, rope_theta=150000.0, head_dim=64, sliding_window=128,
+                  attention_bias=True, num_local_experts=128, num_experts_per_tok=4, swiglu_limit=7.0, swiglu_alpha=1.702),
+    read=read,
+    write=write,
+    moe_rules=moe_rules,
+)

@@ -1,0 +1,58 @@
+"""Mixtral (`MixtralForCausalLM`): grouped-query attention, a softmax router over all experts whose
+top-k weights are always renormalised, SwiGLU experts of `intermediate_size`.
+
+`sliding_window` (null by default) applies to every layer. Hub tensors: the router
+`block_sparse_moe.gate`, experts `block_sparse_moe.experts.E.{w1,w3,w2}` (gate, up, down).
+`router_jitter_noise` only perturbs the router's input while training in transformers; zoo has no
+jitter, so a non-zero value is accepted with a warning (inference is unaffected).
+"""
+
+import warnings
+
+from zoo.config import ModelConfig, MoEConfig
+from zoo.hf.convert import (
+    SILU, Family, Keys, Rule, common_fields, every_layer_window, expert_list_rules, linear, rope_from_params, rope_hf, rope_params,
+)
+from zoo.tags import MIXTRAL
+
+
+def read(k: Keys) -> dict:
+    k.choice("hidden_act", SILU, "Mixtral's experts")
+    if k.number("router_jitter_noise"):
+        warnings.warn(f"{k.source}: router_jitter_noise={k.cfg['router_jitter_noise']} is ignored (zoo's router has no training jitter)")
+    fields = common_fields(k)
+    window = k.opt_int("sliding_window")
+    experts = k.integer("num_local_experts") if k.has("num_local_experts") else k.integer("num_experts")
+    return dict(
+        fields,
+        rope=rope_from_params(rope_params(k), k),
+        moe=MoEConfig(
+            n_routed_experts=experts, num_experts_per_tok=k.integer("num_experts_per_tok"),
+            moe_intermediate_size=fields["intermediate_size"], n_shared_experts=0, router="softmax", n_group=1,
+            topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.0,
+        ),
+        **every_layer_window(k, fields["num_layers"], window),
+    )
+
+
+def write(c: ModelConfig) -> dict:
+    m = c.moe
+    return dict(hidden_act="silu", sliding_window=c.sliding_window, num_local_experts=m.n_routed_experts,
+                num_experts_per_tok=m.num_experts_per_tok, router_jitter_noise=0.0, **rope_hf(c.rope))
+
+
+def moe_rules(c: ModelConfig) -> list[Rule]:
+    p = "block_sparse_moe."
+    return [linear(p + "gate.weight", "ffn.router")] + expert_list_rules(c, p + "experts.{e}.{proj}.weight", "w1", "w3", "w2")
+
+
+FAMILY = Family(
+    name=MIXTRAL,
+    model_type="mixtral",
+    architecture="MixtralForCausalLM",
+    defaults=dict(rms_norm_eps=1e-5, max_position_embeddings=4096 * 32, rope_theta=1000000.0, hidden_act="silu",
+                  num_local_experts=8, num_experts_per_tok=2, router_jitter_noise=0.0),
+    read=read,
+    write=write,
+    moe_rules=moe_rules,
+)
