@@ -136,30 +136,44 @@ def test_moe_capacity():
 
 # --- parameter counts ------------------------------------------------------------------------
 
-# Published sizes (Meta's model cards / the safetensors headers on the hub; DeepSeek-V3 without its 14B MTP module).
+# Published sizes, total and active, with where each figure is published. Tolerance 1% unless the
+# published figure is rounded coarser than that (then the rounding's width, said per entry).
+# "hub" = the parameter count the Hugging Face hub shows from the checkpoint's safetensors headers.
 PUBLISHED = {
-    "llama3.1_8b": (8.03e9, 0.005),
-    "llama3.1_70b": (70.6e9, 0.005),
-    "llama3.1_405b": (405.9e9, 0.005),
-    "deepseek_v3_671b": (671e9, 0.01),
+    # name: (total, active or None, tolerance, source)
+    "llama3.1_8b": (8.03e9, None, 0.005, "Meta model card (8.03B, hub)"),
+    "llama3.1_70b": (70.6e9, None, 0.005, "Meta model card / hub"),
+    "llama3.1_405b": (405.9e9, None, 0.005, "Meta model card / hub"),
+    "deepseek_v3_671b": (671e9, None, 0.01, "DeepSeek-V3 report: 671B total without the 14B MTP module"),
+    "qwen2.5_7b": (7.61e9, None, 0.01, "Qwen2.5-7B model card: 7.61B"),
+    "qwen3_8b": (8.2e9, None, 0.01, "Qwen3-8B model card: 8.2B"),
+    "qwen3_30b_a3b": (30.5e9, 3.3e9, 0.02, "Qwen3-30B-A3B model card: 30.5B total, 3.3B activated (2 significant figures)"),
+    "qwen3_235b_a22b": (235e9, 22e9, 0.01, "Qwen3-235B-A22B model card: 235B total, 22B activated"),
+    "mixtral_8x7b": (46.7e9, 12.9e9, 0.01, "Mistral AI, 'Mixtral of experts': 46.7B total, 12.9B per token"),
+    "mixtral_8x22b": (141e9, 39e9, 0.01, "Mistral AI, 'Cheaper, Better, Faster, Stronger': 141B total, 39B active"),
+    "gemma3_27b": (27.016e9, None, 0.01, "Gemma 3 report, table 1: 1,416M embedding + 25,600M non-embedding (text)"),
+    "gpt_oss_20b": (20.91e9, 3.61e9, 0.01, "OpenAI gpt-oss model card: 20.91B total, 3.61B active"),
+    "gpt_oss_120b": (116.83e9, 5.13e9, 0.01, "OpenAI gpt-oss model card: 116.83B total, 5.13B active"),
+    "kimi_k2_1t": (1.0e12, 32e9, 0.03, "Moonshot Kimi K2 model card: '1T' total, '32B' activated (1 and 2 significant figures)"),
 }
+# OpenAI counts active parameters without the embedding table (a lookup touches one row), so its
+# active figures are compared with that convention.
+ACTIVE_WITHOUT_EMBEDDING = {"gpt_oss_20b", "gpt_oss_120b"}
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_published_parameter_counts(name):
-    expected, tolerance = PUBLISHED[name]
-    assert count_params(SIZES[name]) == pytest.approx(expected, rel=tolerance)
+    total, active, tolerance, source = PUBLISHED[name]
+    c = SIZES[name]
+    assert count_params(c) == pytest.approx(total, rel=tolerance), source
+    if active is not None:
+        counted = count_params(c, active=True) - (c.vocab_size * c.hidden_size if name in ACTIVE_WITHOUT_EMBEDDING else 0)
+        assert counted == pytest.approx(active, rel=tolerance), source
 
 
-def test_deepseek_v3_active_parameters():
-    c = SIZES["deepseek_v3_671b"]
-    active, total = count_params(c, active=True), count_params(c)
-    # Exactly: every routed expert but top_k is idle for a token, in every MoE layer.
-    idle_experts = c.moe.n_routed_experts - c.moe.num_experts_per_tok
-    assert active == total - c.num_moe_layers * idle_experts * 3 * c.hidden_size * c.moe.moe_intermediate_size
-    # DeepSeek publishes "37B activated" (rounded down); the count with embedding and head is 37.55B,
-    # 1.5% above it. 1% is only met by dropping the embedding table (36.6B), so 2% here.
-    assert active == pytest.approx(37e9, rel=0.02)
+def test_every_real_size_has_a_published_count():
+    tiny_or_ours = re.compile(r"(_tiny_a|_100m|_1b|_2b)$")
+    assert {n for n in SIZES if not tiny_or_ours.search(n)} == set(PUBLISHED)
 
 
 @pytest.mark.parametrize("name", sorted(SIZES))
