@@ -193,3 +193,16 @@ def test_count_params_tied_and_without_q_lora(name):
     if c.mla is not None:
         c = c.replace(mla=dataclasses.replace(c.mla, q_lora_rank=None), moe=dataclasses.replace(c.moe, n_shared_experts=0))
         assert count_leaves(abstract(c)) == count_params(c)
+
+
+def test_sizes_table_lists_every_size_with_its_counts(capsys):
+    from zoo import sizes
+
+    assert sizes.main([]) == 0
+    out = capsys.readouterr().out
+    for name, c in SIZES.items():
+        row = next(line for line in out.splitlines() if line.startswith(f"| `{name}` |"))
+        assert f" {c.family} " in row and sizes._count(count_params(c)) in row
+    assert "| 671.03B | 37.55B |" in out
+    assert sizes.main(["no_such_size"]) == 2
+    assert capsys.readouterr().err.startswith("error: no_such_size: no such size; choose from llama_tiny_a,")
