@@ -23,6 +23,7 @@ from safetensors.numpy import load_file
 import numpy_ref_families
 import zoo
 from zoo import hf
+from zoo.config import SIZES
 from zoo.nn.attention import attend
 from zoo.nn.moe import route, router_logits
 from zoo.nn.rope import rope_frequencies
@@ -576,3 +577,15 @@ def test_mixtral_router_jitter_is_accepted_with_a_warning(tmp_path):
         config = hf.config_from_hf(read_json(ckpt / "config.json"))
     assert any("router_jitter_noise=0.01 is ignored" in str(w.message) for w in caught)
     assert config == hf.config_from_hf(read_json(fixture("mixtral") / "config.json"))
+
+
+@pytest.mark.parametrize("name", ["gemma3_27b", "gpt_oss_20b", "llama3.1_8b", "deepseek_v3_671b"])
+def test_pad_token_id_reads_and_writes_back(name):
+    from zoo.hf.convert import config_from_hf, config_to_hf
+
+    c = SIZES[name]
+    written = config_to_hf(c)
+    assert written["pad_token_id"] == c.pad_token_id
+    assert config_from_hf(written).pad_token_id == c.pad_token_id
+    # An id outside the vocabulary (transformers would refuse it as padding_idx) is no padding row.
+    assert config_from_hf({**written, "pad_token_id": c.vocab_size}).pad_token_id is None

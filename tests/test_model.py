@@ -322,3 +322,23 @@ def test_next_token_loss_matches_numpy():
     masked = jax.jit(zoo.next_token_loss)(jnp.asarray(logits), jnp.asarray(tokens, jnp.int32), jnp.asarray(mask))
     weights = mask[:, 1:]  # mask[:, 0] targets nothing
     assert float(masked) == pytest.approx((all_nll * weights).sum() / weights.sum(), rel=1e-5)
+
+
+@pytest.mark.parametrize("name", ["llama_tiny_a", "gemma3_tiny_a"])
+def test_pad_token_row_gets_no_gradient_from_its_lookups(name):
+    """transformers builds every family's embedding with padding_idx=pad_token_id: PyTorch gives that
+    row no gradient from the lookup. Tied heads (Gemma 3) still train the row through the head."""
+    c, pad = SIZES[name], 3
+    tokens = random_tokens(c).at[:, ::3].set(pad)
+
+    def embed_grad(config):  # same seed and shapes: the same weights
+        return np.asarray(jax.grad(lambda m: loss_fn(m, tokens))(filled(config)).embed)
+
+    plain, padded = embed_grad(c), embed_grad(c.replace(pad_token_id=pad))
+    others = np.arange(c.vocab_size) != pad
+    np.testing.assert_array_equal(padded[others], plain[others])
+    assert np.abs(plain[pad]).max() > 0
+    if c.tie_word_embeddings:
+        assert np.abs(padded[pad]).max() > 0 and not np.allclose(padded[pad], plain[pad])
+    else:
+        assert not padded[pad].any()

@@ -209,6 +209,9 @@ class ModelConfig:
     rms_norm_eps: float = 1e-5
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
+    # The embedding row of this token gets no gradient from its lookups (PyTorch's padding_idx, which
+    # every transformers family sets from config.json): training parity with transformers.
+    pad_token_id: Optional[int] = None
     rope: RopeConfig = dataclasses.field(default_factory=RopeConfig)
     mla: Optional[MLAConfig] = None
     moe: Optional[MoEConfig] = None
@@ -288,6 +291,8 @@ class ModelConfig:
         _require(not bad, "mlp_only_layers", f"layer {bad[0] if bad else ''} is not in 0..{self.num_layers - 1}")
         if self.rope.interleaved:
             _require(fam in MLA_FAMILIES, "rope.interleaved", f"{fam} rotates halves; set rope.interleaved=false")
+        if self.pad_token_id is not None:
+            _require(0 <= self.pad_token_id < self.vocab_size, "pad_token_id", f"must be in 0..{self.vocab_size - 1} or null, got {self.pad_token_id}")
         if self.sliding_window is not None:
             _require(self.sliding_window > 0, "sliding_window", f"must be positive or null, got {self.sliding_window}")
         if self.layer_types is not None:
@@ -684,17 +689,17 @@ SIZES: dict[str, ModelConfig] = {
         vocab_size=262208, hidden_size=5376, num_layers=62, num_heads=32, num_kv_heads=16, head_dim=128,
         intermediate_size=21504, max_position_embeddings=131072, query_pre_attn_scalar=168.0, sliding_window=1024,
         layer_types=_gemma_pattern(62), rope=RopeConfig(type="linear", theta=1000000.0, factor=8.0),
-        rope_local=RopeConfig(theta=10000.0), compute_dtype="bfloat16", **_GEMMA3,
+        rope_local=RopeConfig(theta=10000.0), pad_token_id=0, compute_dtype="bfloat16", **_GEMMA3,
     ),
     "gpt_oss_20b": ModelConfig(
         vocab_size=201088, hidden_size=2880, num_layers=24, num_heads=64, num_kv_heads=8, head_dim=64, intermediate_size=2880,
         max_position_embeddings=131072, sliding_window=128, layer_types=_alternating(24), rope=_gpt_oss_rope(4096),
-        moe=_gpt_oss_moe(32, 2880), compute_dtype="bfloat16", **_GPT_OSS,
+        moe=_gpt_oss_moe(32, 2880), pad_token_id=199999, compute_dtype="bfloat16", **_GPT_OSS,
     ),
     "gpt_oss_120b": ModelConfig(
         vocab_size=201088, hidden_size=2880, num_layers=36, num_heads=64, num_kv_heads=8, head_dim=64, intermediate_size=2880,
         max_position_embeddings=131072, sliding_window=128, layer_types=_alternating(36), rope=_gpt_oss_rope(4096),
-        moe=_gpt_oss_moe(128, 2880), compute_dtype="bfloat16", **_GPT_OSS,
+        moe=_gpt_oss_moe(128, 2880), pad_token_id=199999, compute_dtype="bfloat16", **_GPT_OSS,
     ),
 }
 

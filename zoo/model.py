@@ -258,6 +258,8 @@ class CausalLM(eqx.Module):
         # looks up its own tokens (otherwise the partitioner gathers the batch instead).
         table = zs.constrain(table, ("vocab", None))
         x = jnp.take(table, tokens, axis=0)
+        if c.pad_token_id is not None:
+            x = jnp.where((tokens == c.pad_token_id)[..., None], jax.lax.stop_gradient(x), x)
         if c.scale_embeddings:
             # Gemma keeps sqrt(hidden) as a buffer in the weights' dtype: in bf16, sqrt(3072) = 55.5.
             x = x * jnp.asarray(math.sqrt(c.hidden_size), self.embed.dtype)

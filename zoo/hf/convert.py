@@ -116,7 +116,15 @@ def common_fields(k: Keys) -> dict:
         rms_norm_eps=k.number("rms_norm_eps"),
         max_position_embeddings=k.integer("max_position_embeddings"),
         tie_word_embeddings=k.flag("tie_word_embeddings", False),
+        pad_token_id=pad_token_id(k),
     )
+
+
+def pad_token_id(k: Keys) -> Optional[int]:
+    """transformers builds the embedding with padding_idx=pad_token_id (that row gets no gradient); an id
+    outside the vocabulary would be refused there, so it cannot be a padding row here either."""
+    pad = k.opt_int("pad_token_id")
+    return pad if pad is not None and 0 <= pad < k.integer("vocab_size") else None
 
 
 def common_hf(c: ModelConfig, family: "Family") -> dict:
@@ -133,6 +141,7 @@ def common_hf(c: ModelConfig, family: "Family") -> dict:
         "rms_norm_eps": c.rms_norm_eps,
         "max_position_embeddings": c.max_position_embeddings,
         "tie_word_embeddings": c.tie_word_embeddings,
+        "pad_token_id": c.pad_token_id,
         "dtype": c.param_dtype,
     }
 

@@ -10,7 +10,7 @@ import numpy as np
 
 from zoo.config import MLAConfig, ModelConfig, MoEConfig
 from zoo.hf.convert import (
-    SILU, Family, Keys, Rule, expert_list_rules, linear, mlp_rules, rope_from_params, rope_hf, rope_params, same,
+    SILU, Family, Keys, Rule, expert_list_rules, linear, mlp_rules, pad_token_id, rope_from_params, rope_hf, rope_params, same,
 )
 from zoo.tags import DEEPSEEK_V3
 
@@ -30,6 +30,7 @@ def read(k: Keys) -> dict:
         rms_norm_eps=k.number("rms_norm_eps"),
         max_position_embeddings=k.integer("max_position_embeddings"),
         tie_word_embeddings=k.flag("tie_word_embeddings", False),
+        pad_token_id=pad_token_id(k),
         first_k_dense_replace=k.integer("first_k_dense_replace"),
         rope=rope_from_params(rope_params(k), k, interleaved=k.flag("rope_interleave")),
         mla=MLAConfig(
