@@ -3,6 +3,16 @@ import os
 # Eight simulated CPU devices for the sharding tests; must be set before jax is imported.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One persistent compilation cache for the whole run, shared by this process and the train.py / tool
+# processes the CLI tests start (they inherit the environment): a program compiled once is loaded, not
+# compiled, the next time any of them needs it. A fresh directory per run unless the variable is set.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import atexit
+    import shutil
+    import tempfile
+
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="zoo-tests-jax-cache-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 import pathlib  # noqa: E402
 
@@ -17,3 +27,15 @@ def ref_dir():
         return DATA / name
 
     return get
+
+
+@pytest.fixture
+def fresh_compiles():
+    """For tests that time compilation: nothing they compile goes into the persistent cache, so a repeated
+    measurement compiles again instead of loading the first one's result."""
+    import jax
+
+    before = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1e9)
+    yield
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", before)

@@ -134,6 +134,7 @@ def compile_seconds(layers: int, base=LLAMA) -> float:
     return time.process_time() - start
 
 
+@pytest.mark.usefixtures("fresh_compiles")
 @pytest.mark.parametrize("size", ["llama_tiny_a", "qwen2_tiny_a", "qwen3_tiny_a", "qwen3_moe_tiny_a", "mixtral_tiny_a", "gemma3_tiny_a", "gpt_oss_tiny_a"])
 def test_scan_compile_time_does_not_grow_with_depth(size):
     # (backend optimisation off to save test time; an unrolled stack would still be ~8x the ops).
