@@ -176,6 +176,18 @@ def test_every_real_size_has_a_published_count():
     assert {n for n in SIZES if not tiny_or_ours.search(n)} == set(PUBLISHED)
 
 
+NEW_FAMILY_100M = ("qwen2_100m", "qwen3_100m", "qwen3_moe_100m", "mixtral_100m", "gemma3_100m", "gpt_oss_100m")
+
+
+@pytest.mark.parametrize("name", NEW_FAMILY_100M)
+def test_cpu_sizes_of_the_new_families_are_about_100m(name):
+    # The CPU-sized model of each family (the README records each one training): 100M total within
+    # 5%, and of the family it is named after.
+    c = SIZES[name]
+    assert count_params(c) == pytest.approx(100e6, rel=0.05)
+    assert name == f"{c.family}_100m"
+
+
 @pytest.mark.parametrize("name", sorted(SIZES))
 def test_count_params_equals_abstract_model_leaves(name):
     c = SIZES[name]
