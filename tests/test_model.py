@@ -19,8 +19,8 @@ from jax.extend import core as jex_core
 import zoo
 from zoo.nn.moe import resolve_moe_impl
 from zoo import tags
-from zoo.config import SIZES, MLAConfig
-from zoo.model import count_leaves, loss_fn, trainable_mask
+from zoo.config import SIZES, LayerSpec, MLAConfig
+from zoo.model import count_leaves, loss_fn, plan_stacks, stack_layout, trainable_mask
 
 LLAMA = SIZES["llama_tiny_a"]
 DSV3 = SIZES["dsv3_tiny_a"]
@@ -30,6 +30,10 @@ DSV3_MOE_ONLY = DSV3.replace(num_layers=2, first_k_dense_replace=0)
 DSV3_CAPACITY_MOE_ONLY = DSV3_CAPACITY.replace(num_layers=2, first_k_dense_replace=0)
 DSV3_NO_Q_LORA = DSV3.replace(mla=dataclasses.replace(DSV3.mla, q_lora_rank=None))
 DSV3_NO_DENSE_MLP = DSV3.replace(first_k_dense_replace=0, moe=dataclasses.replace(DSV3.moe, n_shared_experts=0))
+# Qwen3-MoE with dense layers among sparse ones (decoder_sparse_step=2: dense, MoE, dense, MoE): one
+# scanned stack whose period holds a dense-MLP block and a MoE block.
+QWEN3_MOE_MIXED = SIZES["qwen3_moe_tiny_a"].replace(num_layers=4, decoder_sparse_step=2)
+TINY = sorted(n for n in SIZES if n.endswith("_tiny_a"))
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
 
 
@@ -75,11 +79,12 @@ def traced_tags(jaxpr, in_scan=False, found=None):
 
 
 TAG_CONFIGS = {
-    "llama_tiny_a": LLAMA,
-    "dsv3_tiny_a": DSV3,
+    **{name: SIZES[name] for name in TINY},  # every family
     "dsv3_capacity": DSV3_CAPACITY,
     "dsv3_no_q_lora": DSV3_NO_Q_LORA,
     "dsv3_no_dense_mlp": DSV3_NO_DENSE_MLP,
+    "qwen3_moe_mixed": QWEN3_MOE_MIXED,
+    "gpt_oss_ragged": SIZES["gpt_oss_tiny_a"].replace(moe=dataclasses.replace(SIZES["gpt_oss_tiny_a"].moe, impl="ragged")),
 }
 
 
@@ -105,6 +110,9 @@ def test_tag_variants_differ():
     assert tags.QUERY_WA_PROJ not in tags.emitted_tags(DSV3_NO_Q_LORA)
     assert tags.MLPWI_0 not in tags.emitted_tags(DSV3_NO_DENSE_MLP)
     assert tags.MOE_MLPWI_0 not in tags.emitted_tags(LLAMA)
+    # Qwen3-MoE's dense layers add the dense-MLP tags its all-sparse fixture lacks
+    assert tags.MLPWI_0 not in tags.emitted_tags(SIZES["qwen3_moe_tiny_a"])
+    assert {tags.MLPWI_0, tags.MOE_MLPWI_0} <= set(tags.emitted_tags(QWEN3_MOE_MIXED))
 
 
 def test_unknown_tag_is_refused():
@@ -134,12 +142,19 @@ def compile_seconds(layers: int, base=LLAMA) -> float:
     return time.process_time() - start
 
 
+COMPILE_TIME_CONFIGS = {
+    **{name: SIZES[name] for name in ("llama_tiny_a", "qwen2_tiny_a", "qwen3_tiny_a", "qwen3_moe_tiny_a", "mixtral_tiny_a", "gemma3_tiny_a", "gpt_oss_tiny_a")},
+    "qwen3_moe_mixed": QWEN3_MOE_MIXED,
+}
+
+
 @pytest.mark.usefixtures("fresh_compiles")
-@pytest.mark.parametrize("size", ["llama_tiny_a", "qwen2_tiny_a", "qwen3_tiny_a", "qwen3_moe_tiny_a", "mixtral_tiny_a", "gemma3_tiny_a", "gpt_oss_tiny_a"])
+@pytest.mark.parametrize("size", sorted(COMPILE_TIME_CONFIGS))
 def test_scan_compile_time_does_not_grow_with_depth(size):
     # (backend optimisation off to save test time; an unrolled stack would still be ~8x the ops).
-    # Gemma 3's local/global pattern and GPT-OSS's alternation scan their period: still flat in depth.
-    base = zoo.get_size(size)
+    # Gemma 3's local/global pattern, GPT-OSS's alternation and Qwen3-MoE's dense-then-sparse period
+    # scan their period: still flat in depth.
+    base = COMPILE_TIME_CONFIGS[size]
     shallow, deep = [], []
     for _ in range(3):  # min over interleaved measurements; stop once the answer is clear
         shallow.append(compile_seconds(4, base))
@@ -147,6 +162,129 @@ def test_scan_compile_time_does_not_grow_with_depth(size):
         if len(deep) >= 2 and min(deep) < 1.5 * min(shallow):
             break
     assert min(deep) < 1.5 * min(shallow), (shallow, deep)
+
+
+# --- how layers are cut into scanned stacks ----------------------------------------------------
+
+# (name, first layer, period, repeats) of each stack, for the real sizes whose layers differ.
+REAL_LAYOUTS = {
+    "llama3.1_405b": [("dense_layers", 0, 1, 126)],
+    "deepseek_v3_671b": [("dense_layers", 0, 1, 3), ("moe_layers", 3, 1, 58)],
+    "kimi_k2_1t": [("dense_layers", 0, 1, 1), ("moe_layers", 1, 1, 60)],
+    # 62 layers, every sixth global: ten periods of 5 sliding + 1 global, then two sliding layers
+    "gemma3_27b": [("dense_layers_0_59", 0, 6, 10), ("dense_layers_60_61", 60, 1, 2)],
+    "gpt_oss_20b": [("moe_layers", 0, 2, 12)],
+    "gpt_oss_120b": [("moe_layers", 0, 2, 18)],
+    "qwen3_235b_a22b": [("moe_layers", 0, 1, 94)],
+}
+
+
+def assert_plan_covers(specs, plan):
+    """A plan's stacks cover the layers in order, and each repeats one period of specs exactly."""
+    layer = 0
+    for first, period, repeats in plan:
+        assert first == layer and period >= 1 and repeats >= 1
+        for r in range(repeats):
+            assert list(specs[first + r * period : first + (r + 1) * period]) == list(specs[first : first + period])
+        layer += period * repeats
+    assert layer == len(specs)
+
+
+@pytest.mark.parametrize("name", sorted(REAL_LAYOUTS))
+def test_stack_layout_of_the_real_sizes(name):
+    c = SIZES[name]
+    layout = stack_layout(c)
+    assert layout == REAL_LAYOUTS[name]
+    assert_plan_covers([c.layer_spec(i) for i in range(c.num_layers)], [segment for _, *segment in layout])
+
+
+def test_gemma3_27b_period_is_five_sliding_then_one_global():
+    c = SIZES["gemma3_27b"]
+    period = [c.layer_spec(j) for j in range(6)]
+    assert [s.window for s in period] == [1024] * 5 + [None]
+    assert [s.local_rope for s in period] == [True] * 5 + [False]
+    assert [c.layer_spec(i).window for i in (60, 61)] == [1024, 1024]
+    model = zoo.abstract(c)
+    assert [(s.period, s.repeats) for s in model.stacks] == [(6, 10), (1, 2)]
+    assert model.stacks[0].layers[5].attn.window is None and model.stacks[0].layers[0].attn.window == 1024
+
+
+def test_qwen3_moe_dense_layers_keep_the_stack_count_bounded():
+    c = SIZES["qwen3_30b_a3b"]  # 48 layers
+    assert stack_layout(c.replace(decoder_sparse_step=2)) == [("layers", 0, 2, 24)]
+    # Irregular dense layers: a few stacks around them, as many at twice the depth.
+    irregular = c.replace(mlp_only_layers=[0, 5, 17])
+    layout = stack_layout(irregular)
+    assert [tuple(segment) for _, *segment in layout] == [(0, 5, 2), (10, 1, 7), (17, 1, 1), (18, 1, 30)]
+    assert [name for name, *_ in layout] == ["layers", "moe_layers_10_16", "dense_layers", "moe_layers_18_47"]
+    assert len(stack_layout(irregular.replace(num_layers=96))) == len(layout)
+
+
+@pytest.mark.parametrize(
+    "pattern, plan",
+    [
+        ("AAAA", [(0, 1, 4)]),  # a run is a period of 1, not 2 x 2 (ties go to the shorter period)
+        ("ABABAB", [(0, 2, 3)]),
+        ("AABABAB", [(0, 1, 1), (1, 2, 3)]),  # a prefix
+        ("ABABABC", [(0, 2, 3), (6, 1, 1)]),  # a tail
+        ("ABCABCAB", [(0, 3, 2), (6, 1, 1), (7, 1, 1)]),
+        ("ABCD", [(0, 1, 1), (1, 1, 1), (2, 1, 1), (3, 1, 1)]),  # nothing repeats
+    ],
+)
+def test_plan_stacks_cuts_the_fewest_stacks(pattern, plan):
+    specs = [LayerSpec(window=None if ch == "A" else ord(ch), local_rope=False, moe=False) for ch in pattern]
+    assert plan_stacks(specs) == plan
+    assert_plan_covers(specs, plan)
+
+
+def test_plan_stacks_covers_random_patterns():
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        period = [LayerSpec(window=int(w) or None, local_rope=False, moe=bool(m)) for w, m in rng.integers(0, 2, (rng.integers(1, 5), 2))]
+        n = int(rng.integers(1, 40))
+        specs = [period[i % len(period)] for i in range(n)]
+        for i in rng.integers(0, n, rng.integers(0, 3)):  # a few irregular layers
+            specs[i] = LayerSpec(window=3, local_rope=True, moe=False)
+        plan = plan_stacks(specs)
+        assert_plan_covers(specs, plan)
+        runs = 1 + sum(a != b for a, b in zip(specs, specs[1:]))
+        assert len(plan) <= runs  # never more stacks than scanning each run of one spec
+
+
+def test_qwen3_moe_dense_and_sparse_blocks_of_one_period_take_the_offload_presets():
+    """A period holding a dense-MLP block and a MoE block: presets that place the mlp and moe tags
+    differently give the loss and gradients of `none`, and the inspector finds every tag where each
+    policy puts it (the mlp tags in the dense block, the moe tags in the sparse one)."""
+    from zoo.inspect import inspect_placement, stack_names
+    from zoo.offload import expected_placement, load_preset, placement_matches, remat_policy
+
+    c = QWEN3_MOE_MIXED
+    model, tokens = filled(c), random_tokens(c)
+    presets = ("none", "full", "minimal", "minimal_offloaded")
+    policies = {name: remat_policy(load_preset(name), c) for name in presets}
+
+    def every_policy(m):  # one compile; each policy from its own barrier copy, so none shares work
+        return [jax.value_and_grad(lambda mm, rp=rp: loss_fn(mm, tokens, remat_policy=rp))(jax.lax.optimization_barrier(m))
+                for rp in policies.values()]
+
+    results = dict(zip(presets, jax.jit(every_policy).lower(model).compile(FAST_COMPILE)(model)))
+    loss0, grads0 = results["none"]
+    for name in presets[1:]:
+        loss, grads = results[name]
+        np.testing.assert_allclose(float(loss), float(loss0), rtol=1e-6, err_msg=name)
+        for g, g0 in zip(jax.tree.leaves(grads), jax.tree.leaves(grads0)):
+            assert float(jnp.max(jnp.abs(g - g0))) <= 1e-6 * (float(jnp.max(jnp.abs(g0))) or 1.0), name
+
+    abstract_tokens = jax.ShapeDtypeStruct(tokens.shape, tokens.dtype)
+    for name in presets[1:]:
+        policy = load_preset(name)
+        grad = jax.grad(lambda m, t, rp=policies[name]: loss_fn(m, t, remat_policy=rp))
+        found = inspect_placement(grad, zoo.abstract(c), abstract_tokens, stacks=stack_names(model)).by_tag()
+        expected = expected_placement(policy, c)
+        assert set(found) == set(expected) and {tags.MLPWI_0, tags.MOE_MLPWI_0} <= set(found), name
+        for tag_name, want in expected.items():
+            assert placement_matches(want, found[tag_name]), (name, tag_name, want, found[tag_name])
+    assert expected_placement(load_preset("minimal_offloaded"), c)[tags.MLPWI_0] == "host"
 
 
 # --- (c) shape checks ------------------------------------------------------------------------

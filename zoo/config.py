@@ -592,33 +592,33 @@ SIZES: dict[str, ModelConfig] = {
         family=LLAMA, vocab_size=32000, hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, head_dim=64,
         intermediate_size=2048, max_position_embeddings=4096, rope=RopeConfig(theta=500000.0),
     ),
-    # ~100M of each newer family, for CPU runs: the family's blocks at llama_100m's scale.
+    # ~100M total of each newer family, for CPU runs (the MoE ones ~50M active).
     "qwen2_100m": ModelConfig(
-        family=QWEN2, vocab_size=32000, hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=2, head_dim=64,
+        family=QWEN2, vocab_size=32000, hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=2, head_dim=64,
         intermediate_size=2048, rms_norm_eps=1e-6, max_position_embeddings=4096, tie_word_embeddings=True,
         attention_bias=True, rope=RopeConfig(theta=1000000.0),
     ),
     "qwen3_100m": ModelConfig(
-        family=QWEN3, vocab_size=32000, hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, head_dim=64,
+        family=QWEN3, vocab_size=32000, hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=4, head_dim=64,
         intermediate_size=2048, max_position_embeddings=4096, tie_word_embeddings=True, **_QWEN3,
     ),
     "qwen3_moe_100m": ModelConfig(
         family=QWEN3_MOE, vocab_size=32000, hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=4, head_dim=64,
-        intermediate_size=2048, max_position_embeddings=4096, moe=_softmax_moe(16, 4, 384), **_QWEN3,
+        intermediate_size=2048, max_position_embeddings=4096, moe=_softmax_moe(16, 4, 416), **_QWEN3,
     ),
     "mixtral_100m": ModelConfig(
         family=MIXTRAL, vocab_size=32000, hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=4, head_dim=64,
-        intermediate_size=1024, max_position_embeddings=4096, rope=RopeConfig(theta=1000000.0), moe=_softmax_moe(8, 2, 1024),
+        intermediate_size=896, max_position_embeddings=4096, rope=RopeConfig(theta=1000000.0), moe=_softmax_moe(8, 2, 896),
     ),
     "gemma3_100m": ModelConfig(
-        vocab_size=32000, hidden_size=512, num_layers=12, num_heads=8, num_kv_heads=4, head_dim=64, intermediate_size=2048,
+        vocab_size=32000, hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=4, head_dim=64, intermediate_size=2048,
         max_position_embeddings=4096, query_pre_attn_scalar=64.0, sliding_window=512, layer_types=_gemma_pattern(12),
         rope=RopeConfig(theta=1000000.0), rope_local=RopeConfig(theta=10000.0), **_GEMMA3,
     ),
     "gpt_oss_100m": ModelConfig(
-        vocab_size=32000, hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=2, head_dim=64, intermediate_size=512,
+        vocab_size=32000, hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=2, head_dim=64, intermediate_size=448,
         max_position_embeddings=4096, sliding_window=128, layer_types=_alternating(6), rope=_gpt_oss_rope(4096),
-        moe=_gpt_oss_moe(16, 512), **_GPT_OSS,
+        moe=_gpt_oss_moe(16, 448), **_GPT_OSS,
     ),
     "llama3.1_8b": _llama31(4096, 32, 32, 14336),
     "llama3.1_70b": _llama31(8192, 80, 64, 28672),

@@ -186,20 +186,27 @@ class Stack(eqx.Module):
             if layer_transform is not None:
                 block_params = layer_transform(block_params)
             block_params = zs.cast_for_compute(block_params, self.compute_dtype)  # before FSDP gathers them
-            return eqx.combine(block_params, static[j])(h, positions, segment_ids)
+            with tags.layer_scope() as kept:  # the tags a zoo.capture asks for (none otherwise)
+                out = eqx.combine(block_params, static[j])(h, positions, segment_ids)
+            return out, kept
 
         if remat_policy is not None:
             # The policy decides, per tagged intermediate, what the backward pass keeps, offloads or recomputes.
             run_block = jax.checkpoint(run_block, policy=remat_policy, prevent_cse=False, static_argnums=(2,))
 
         def body(h, period_params):
-            auxes = []
+            auxes, kept = [], []
             for j in range(self.period):
-                h, aux = run_block(zs.constrain(h, zs.ACTIVATION_AXES), period_params[j], j)
+                (h, aux), found = run_block(zs.constrain(h, zs.ACTIVATION_AXES), period_params[j], j)
                 auxes.append(aux)
-            return zs.constrain(h, zs.ACTIVATION_AXES), tuple(auxes)
+                kept.append(found)
+            return zs.constrain(h, zs.ACTIVATION_AXES), (tuple(auxes), tuple(kept))
 
-        return jax.lax.scan(body, x, params)
+        x, (auxes, kept) = jax.lax.scan(body, x, params)
+        for j, found in enumerate(kept):
+            for name, values in found.items():
+                tags.record(name, tuple(self.layer_index(r, j) for r in range(self.repeats)), values)
+        return x, auxes
 
 
 class CausalLM(eqx.Module):

@@ -16,7 +16,10 @@ A routed assignments (B*T*top_k, sorted by expert) on the ragged path, E C (expe
 buffers) on the capacity path; I moe intermediate.
 """
 
+import contextlib
+import contextvars
 import dataclasses
+from typing import Iterator, Optional
 
 from jax.ad_checkpoint import checkpoint_name
 
@@ -85,10 +88,66 @@ MOE_MLPWO = "moe_mlpwo"
 
 
 def tag(x, name: str):
-    """Name an intermediate for checkpoint policies. Only names of the vocabulary are allowed."""
+    """Name an intermediate for checkpoint policies. Only names of the vocabulary are allowed.
+
+    While `zoo.capture` traces a model and asks for `name`, the value is also kept for it (see
+    `layer_scope`)."""
     if name not in TAGS:
         raise ValueError(f"unknown tag {name!r}; the vocabulary is {sorted(TAGS)}")
+    scope = _LAYER_SCOPE.get()
+    if scope is not None and name in _WANTED.get():
+        if name in scope:
+            raise ValueError(f"tag {name!r} was emitted twice in one layer; a capture holds one value per layer")
+        scope[name] = x
     return checkpoint_name(x, name)
+
+
+# --- capturing tagged values (`zoo.capture`) ----------------------------------------------------
+#
+# Tags live inside scanned (and possibly checkpointed) layer bodies, where a traced value cannot be
+# taken out sideways. So the layer body opens a `layer_scope`, returns what was kept in it as an
+# output of the body (the scan stacks it over the layers), and the stack hands the stacked values to
+# the capture in progress (`record`). Outside a capture all of this is empty and costs nothing.
+
+_WANTED: contextvars.ContextVar[frozenset] = contextvars.ContextVar("zoo_capture_wanted", default=frozenset())
+_LAYER_SCOPE: contextvars.ContextVar[Optional[dict]] = contextvars.ContextVar("zoo_capture_layer", default=None)
+_RECORD: contextvars.ContextVar[Optional[list]] = contextvars.ContextVar("zoo_capture_record", default=None)
+
+
+@contextlib.contextmanager
+def capturing(names) -> Iterator[list]:
+    """While traced inside this block, the layers keep the values of the tags `names`; the list it
+    yields fills with `(tag, layer indices, values with a leading layer axis)`, one entry per stack
+    and period position that emits the tag."""
+    record: list = []
+    wanted, rec = _WANTED.set(frozenset(names)), _RECORD.set(record)
+    try:
+        yield record
+    finally:
+        _WANTED.reset(wanted)
+        _RECORD.reset(rec)
+
+
+@contextlib.contextmanager
+def layer_scope() -> Iterator[dict]:
+    """Around one layer's body: the dict it yields holds tag -> value for the tags a capture in
+    progress asks for (empty outside a capture). Return it from the body as an output."""
+    kept: dict = {}
+    if not _WANTED.get():
+        yield kept
+        return
+    token = _LAYER_SCOPE.set(kept)
+    try:
+        yield kept
+    finally:
+        _LAYER_SCOPE.reset(token)
+
+
+def record(name: str, layers: tuple[int, ...], values) -> None:
+    """Hand a stack's values of tag `name` (leading axis: `layers`) to the capture in progress."""
+    rec = _RECORD.get()
+    if rec is not None:
+        rec.append((name, tuple(layers), values))
 
 
 def block_kinds(config) -> tuple[str, ...]:

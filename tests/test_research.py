@@ -1,0 +1,122 @@
+"""Zoo modules in research code: tagged intermediates per layer (`zoo.capture`), forward-mode AD
+through every family, dtype arguments, and the plain model API."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import zoo
+from zoo import tags
+from zoo.config import SIZES
+
+from test_model import QWEN3_MOE_MIXED, filled, random_tokens
+
+# --- zoo.capture -------------------------------------------------------------------------------
+
+
+def layer_block(model, i):
+    """Layer i's DecoderBlock, its weights taken out of the stack that holds it."""
+    for s in model.stacks:
+        for r in range(s.repeats):
+            for j in range(s.period):
+                if s.layer_index(r, j) == i:
+                    return jax.tree.map(lambda a: a[r], s.layers[j])
+    raise KeyError(i)
+
+
+def rms_norm(x, norm):
+    x = np.asarray(x, np.float64)
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + norm.eps) * (np.asarray(norm.weight, np.float64) + norm.weight_offset)
+
+
+def projection(x, w, b=None):
+    y = np.einsum("btd,dkh->btkh", x, np.asarray(w, np.float64))
+    return y if b is None else y + np.asarray(b, np.float64)
+
+
+run_block = eqx.filter_jit(lambda block, x: block(x, jnp.arange(x.shape[1]))[0])
+
+CAPTURE_CONFIGS = {
+    "gemma3_tiny_a": SIZES["gemma3_tiny_a"],  # two stacks; (1 + w) norms
+    "gpt_oss_tiny_a": SIZES["gpt_oss_tiny_a"],  # a period of 2 (sliding, full); q biases
+    "qwen3_moe_mixed": QWEN3_MOE_MIXED,  # dense MLPs in layers 0 and 2 only
+}
+
+
+@pytest.mark.parametrize("name", sorted(CAPTURE_CONFIGS))
+def test_capture_gives_each_layers_values_in_model_order(name):
+    c = CAPTURE_CONFIGS[name]
+    model, tokens = filled(c, std=0.2), random_tokens(c)
+    wanted = [tags.DECODER_LAYER_INPUT, tags.QUERY_PROJ, tags.OUT_PROJ] + ([tags.MLPWI_0] if c.has_dense_mlp else [])
+    got = zoo.capture(model, tokens, tags=wanted)
+    assert set(got) == set(wanted)
+    x = got[tags.DECODER_LAYER_INPUT]
+    assert x.shape == (c.num_layers, *tokens.shape, c.hidden_size)
+    assert got[tags.QUERY_PROJ].shape == (c.num_layers, *tokens.shape, c.num_heads, c.head_dim)
+    np.testing.assert_allclose(x[0], model.embed_tokens(tokens), rtol=1e-6)
+    for i in range(c.num_layers):
+        block = layer_block(model, i)
+        # query_proj of layer i: the normed layer input times that layer's wq (plus its bias)
+        q = projection(rms_norm(x[i], block.attn_norm), block.attn.wq, block.attn.bq)
+        np.testing.assert_allclose(got[tags.QUERY_PROJ][i], q, rtol=2e-4, atol=2e-5, err_msg=f"layer {i}")
+        if i + 1 < c.num_layers:  # the next layer's input is this block's output: the order is the model's
+            np.testing.assert_allclose(x[i + 1], run_block(block, x[i]), rtol=2e-4, atol=2e-5)
+    if c.has_dense_mlp:
+        dense = zoo.capture_layers(c, tags.MLPWI_0)
+        assert dense == tuple(i for i in range(c.num_layers) if not c.is_moe_layer(i))
+        assert got[tags.MLPWI_0].shape[0] == len(dense)
+        for row, i in enumerate(dense):  # gate = ffn_norm(x + attention output) @ w_gate
+            block = layer_block(model, i)
+            attn_out = got[tags.OUT_PROJ][i]
+            if block.post_attn_norm is not None:  # sandwich norms
+                attn_out = rms_norm(attn_out, block.post_attn_norm)
+            h = np.asarray(x[i], np.float64) + np.asarray(attn_out, np.float64)
+            gate = rms_norm(h, block.ffn_norm) @ np.asarray(block.ffn.w_gate, np.float64)
+            np.testing.assert_allclose(got[tags.MLPWI_0][row], gate, rtol=2e-4, atol=2e-5, err_msg=f"layer {i}")
+
+
+def test_capture_layers_of_each_block_kind():
+    mixed = QWEN3_MOE_MIXED  # dense, MoE, dense, MoE
+    assert zoo.capture_layers(mixed, tags.QUERY_PROJ) == (0, 1, 2, 3)
+    assert zoo.capture_layers(mixed, tags.MLPWI_1) == (0, 2)
+    assert zoo.capture_layers(mixed, tags.MOE_MLPWI_0) == (1, 3)
+    dsv3 = SIZES["dsv3_tiny_a"]  # a dense layer, then MoE layers with a shared expert (a dense MLP)
+    assert zoo.capture_layers(dsv3, tags.MLPWI_0) == (0, 1, 2)
+    assert zoo.capture_layers(dsv3, tags.MOE_MLPWO) == (1, 2)
+
+
+def test_capture_of_moe_and_mla_tags_under_jit():
+    c = SIZES["dsv3_tiny_a"]
+    model, tokens = filled(c), random_tokens(c)
+    wanted = (tags.MLA_KV, tags.MOE_MLPWI_0)
+    got = jax.jit(lambda m, t: zoo.capture(m, t, tags=wanted))(model, tokens)
+    eager = zoo.capture(model, tokens, tags=wanted)
+    assert got[tags.MLA_KV].shape == (3, *tokens.shape, c.mla.kv_lora_rank)
+    assert got[tags.MOE_MLPWI_0].shape[0] == 2
+    for name in wanted:
+        np.testing.assert_array_equal(got[name], eager[name])
+    # The dense layer's MLP and the MoE layers' shared expert both emit mlpwi_0, at different widths:
+    # stitching refuses, the per-stack pieces come as scanned.
+    with pytest.raises(ValueError, match=r"tag 'mlpwi_0' has different shapes .*layers \[0\]: \(2, 16, 128\).*stitch=False"):
+        zoo.capture(model, tokens, tags=[tags.MLPWI_0])
+    pieces = zoo.capture(model, tokens, tags=[tags.MLPWI_0], stitch=False)[tags.MLPWI_0]
+    assert [(layers, v.shape) for layers, v in pieces] == [((0,), (1, 2, 16, 128)), ((1, 2), (2, 2, 16, 32))]
+
+
+def test_capture_refuses_a_tag_the_model_never_emits():
+    c = SIZES["llama_tiny_a"]
+    model, tokens = filled(c), random_tokens(c)
+    with pytest.raises(ValueError, match="tag 'moe_mlpwi_0': this llama model never emits it; it emits decoder_layer_input"):
+        zoo.capture(model, tokens, tags=["moe_mlpwi_0"])
+    with pytest.raises(ValueError, match="unknown tag 'q_proj'"):
+        zoo.capture(model, tokens, tags=["q_proj"])
+
+
+def test_outside_a_capture_the_program_is_unchanged():
+    # Layer scopes cost nothing when no capture is asked for: the traced program has no extra outputs.
+    c = SIZES["llama_tiny_a"]
+    jaxpr = jax.make_jaxpr(lambda m, t: m(t))(zoo.abstract(c), jax.ShapeDtypeStruct((2, 16), jnp.int32))
+    (scan,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
+    assert len(scan.outvars) == 1  # the residual stream only
