@@ -143,8 +143,9 @@ def test_expert_parallel_train_step_is_local(impl):
     from zoo import hlo
 
     run = expert_parallel_run(impl)
-    m, preset = run.trainer.cfg.model, mesh_preset("fsdp_ep")
-    ep, experts = 4, m.moe.n_routed_experts
+    m, sizes = run.trainer.cfg.model, run.trainer.plan.mesh.sizes
+    ep, experts = sizes["expert"], m.moe.n_routed_experts
+    assert (ep, sizes["fsdp"]) == (4, 2)
     np.testing.assert_allclose(run.losses, reference("dsv3_tiny_a").losses, atol=1e-5, rtol=0)
     assert max(float(x["moe_dropped_fraction"].max()) for x in run.metrics) == 0.0
 
@@ -162,14 +163,14 @@ def test_expert_parallel_train_step_is_local(impl):
     routed = [
         (jax.tree_util.keystr(path), leaf)
         for path, leaf in jax.tree_util.tree_leaves_with_path({"params": run.state["params"], "opt_state": run.state["opt_state"]})
-        if getattr(path[-1], "name", None) in ROUTED
+        if getattr(path[-1], "name", None) in ROUTED and leaf.ndim == 4  # [layers, experts, ...]; not the shared or dense MLPs
     ]
     assert sum(name.startswith("['params']") for name, _ in routed) == len(ROUTED)
     assert any(".mu." in name for name, _ in routed) and any(".nu." in name for name, _ in routed)  # AdamW's moments
     for name, leaf in routed:
         shard = leaf.addressable_shards[0].data.shape
         assert leaf.shape[1] == experts and shard[1] == experts // ep, (name, shard)  # [layers, experts, ...]
-        assert math.prod(shard) * ep * preset.fsdp == leaf.size, (name, shard)
+        assert math.prod(shard) * ep * sizes["fsdp"] == leaf.size, (name, shard)
 
 
 def test_scale_report_of_the_expert_parallel_step():
