@@ -300,3 +300,64 @@ def test_route_matches_transformers_reference(layer, ref_dir):
     order = np.argsort(ids, axis=-1)  # the reference lists each token's experts by id
     np.testing.assert_array_equal(np.take_along_axis(ids, order, -1), extras[f"layer_{layer}_topk_idx"])
     np.testing.assert_allclose(np.take_along_axis(weights, order, -1), extras[f"layer_{layer}_topk_weight"], rtol=1e-5, atol=1e-6)
+
+
+# --- at DeepSeek-V3 671B's shapes, and the router's numerics -----------------------------------
+
+
+def test_a_671b_shaped_moe_layer_costs_about_its_top8_flops():
+    """`cost_analysis` of one DeepSeek-V3 671B MoE layer (D 7168, I 2048, 256 experts, top-8, one
+    shared expert, bf16 compute) under the default kernel (`auto`): within 1.5x of the top-8 routed
+    experts' useful FLOPs (capacity buffers at 1.25x plus the shared expert and the router stay
+    under it; `ragged` on XLA:CPU would be dense over all 256 experts). Abstract weights: nothing
+    allocated."""
+    c = SIZES["deepseek_v3_671b"]
+    assert c.moe.impl == "auto"
+    m = eqx.filter_eval_shape(lambda key: MoE(c.hidden_size, c.moe, param_dtype="float32", compute_dtype="bfloat16", key=key), jax.random.key(0))
+    assert m.impl == "capacity"
+    tokens = 1024
+    x = jax.ShapeDtypeStruct((1, tokens, c.hidden_size), jnp.bfloat16)
+    flops = float(jax.jit(lambda m, x: m(x)[0]).lower(m, x).compile().cost_analysis()["flops"])
+    per_expert_token = 2 * 3 * c.hidden_size * c.moe.moe_intermediate_size  # gate, up, down
+    top8 = tokens * c.moe.num_experts_per_tok * per_expert_token
+    shared = tokens * c.moe.n_shared_experts * per_expert_token
+    assert top8 + shared <= flops <= 1.5 * top8, (flops / top8)
+
+
+def test_router_matmul_runs_in_float32_at_highest_precision():
+    """With bf16 compute and bf16 weights, the [tokens, experts] router logits are one float32
+    matmul at precision HIGHEST (a TF32 or bf16 router can choose other experts than the reference)."""
+    from jax._src import core
+
+    c = moe_config(impl="capacity", n_routed_experts=12)  # no other matmul of the layer is [10, 12]
+    m = eqx.filter_eval_shape(lambda key: MoE(D, c, param_dtype="bfloat16", compute_dtype="bfloat16", key=key), jax.random.key(0))
+    x = jax.ShapeDtypeStruct((1, 10, D), jnp.bfloat16)
+    closed = jax.make_jaxpr(lambda m, x: m(x)[0])(m, x)
+
+    def walk(j):
+        for eqn in j.eqns:
+            if eqn.primitive.name == "dot_general":
+                yield eqn
+            for sub in core.jaxprs_in_params(eqn.params):
+                yield from walk(getattr(sub, "jaxpr", sub))
+
+    routers = [e for e in walk(closed.jaxpr) if e.outvars[0].aval.shape == (10, c.n_routed_experts)]
+    assert len(routers) == 1, routers
+    eqn = routers[0]
+    assert {str(v.aval.dtype) for v in eqn.invars} == {"float32"} and str(eqn.outvars[0].aval.dtype) == "float32"
+    assert eqn.params["precision"] == (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST), eqn.params["precision"]
+
+
+def test_correction_bias_stays_float32_whatever_the_load_dtype(ref_dir):
+    """The bias moves by 1e-3 per step: bf16 would swallow that. Built and loaded in bf16, it is
+    still float32 while the router and experts take the parameter dtype."""
+    from zoo.hf import from_pretrained
+
+    built = MoE(D, moe_config(), param_dtype="bfloat16", key=jax.random.key(0))
+    assert built.e_score_correction_bias.dtype == jnp.float32 and built.router.dtype == jnp.bfloat16
+    model = from_pretrained(ref_dir("dsv3_tiny_a"), dtype="bfloat16")
+    ffn = model.stack("moe_layers").layers[0].ffn
+    assert ffn.e_score_correction_bias.dtype == jnp.float32
+    assert ffn.router.dtype == jnp.bfloat16 and ffn.w_gate.dtype == jnp.bfloat16
+    file_bias = load_file(ref_dir("dsv3_tiny_a") / "model.safetensors")["model.layers.1.mlp.gate.e_score_correction_bias"]
+    np.testing.assert_array_equal(np.asarray(ffn.e_score_correction_bias)[0], file_bias.astype(np.float32))

@@ -148,26 +148,30 @@ EXPERTS_OVER_FSDP_AND_EXPERT = {**zs.DEFAULT_RULES, "experts": ["fsdp", "expert"
 
 
 @pytest.mark.parametrize(
-    "mesh_shape,biases,rules",
+    "mesh_shape,biases,rules,impl",
     [
-        (EP_MESH, False, zs.DEFAULT_RULES),
-        (EP_MESH, True, zs.DEFAULT_RULES),
-        (zs.MeshShape(data=1, fsdp=2, tensor=2, expert=2), True, zs.DEFAULT_RULES),  # mlp split over tensor inside the experts
-        (zs.MeshShape(data=2, fsdp=1, tensor=1, expert=4), False, zs.DEFAULT_RULES),  # weights replicated over data: grads summed
-        (EP_MESH, False, EXPERTS_OVER_FSDP_AND_EXPERT),  # 8-way expert parallelism over two mesh axes, no gather
+        (EP_MESH, False, zs.DEFAULT_RULES, "capacity"),
+        (EP_MESH, True, zs.DEFAULT_RULES, "capacity"),
+        (zs.MeshShape(data=1, fsdp=2, tensor=2, expert=2), True, zs.DEFAULT_RULES, "capacity"),  # mlp split over tensor inside the experts
+        (zs.MeshShape(data=2, fsdp=1, tensor=1, expert=4), False, zs.DEFAULT_RULES, "capacity"),  # weights replicated over data: grads summed
+        (EP_MESH, False, EXPERTS_OVER_FSDP_AND_EXPERT, "capacity"),  # 8-way expert parallelism over two mesh axes, no gather
+        (EP_MESH, True, zs.DEFAULT_RULES, "ragged"),  # the dropless exchange
+        (zs.MeshShape(data=1, fsdp=2, tensor=2, expert=2), True, zs.DEFAULT_RULES, "ragged"),
+        (EP_MESH, False, EXPERTS_OVER_FSDP_AND_EXPERT, "ragged"),  # one local expert per shard: min(k, E/ep) = 1
     ],
-    ids=["fsdp2_ep4", "fsdp2_ep4_biases", "fsdp2_tp2_ep2_biases", "data2_ep4", "ep_over_fsdp_and_expert"],
+    ids=["fsdp2_ep4", "fsdp2_ep4_biases", "fsdp2_tp2_ep2_biases", "data2_ep4", "ep_over_fsdp_and_expert",
+         "ragged_fsdp2_ep4_biases", "ragged_fsdp2_tp2_ep2_biases", "ragged_ep_over_fsdp_and_expert"],
 )
-def test_expert_parallel_matches_single_program(mesh_shape, biases, rules):
-    """Capacity E (every buffer holds every local assignment): nothing drops, so expert parallelism
-    must reproduce the single program's outputs, counts and gradients."""
+def test_expert_parallel_matches_single_program(mesh_shape, biases, rules, impl):
+    """Capacity E (every buffer holds every local assignment) or the dropless ragged exchange: nothing
+    drops, so expert parallelism must reproduce the single program's outputs, counts and gradients."""
     tokens = 64
     w = random_experts(6, biases=biases)
-    ids, weights = random_routing(7, tokens)
+    ids, weights = random_routing(7, tokens, skew=0.8 if impl == "ragged" else 0.0)  # ragged: crowded experts, uneven blocks
     x = random_x(8, tokens)
     cot = random_x(9, tokens)
     act = clamped_swiglu if biases else swiglu
-    kw = dict(capacity_factor=float(E), activation=act)
+    kw = dict(capacity_factor=float(E), activation=act, impl=impl)
 
     def programs():
         # Fresh functions per layout: jit's trace cache does not know about the active layout.
@@ -393,16 +397,6 @@ def test_checkpoint_policies_reach_tags_inside_the_shard_map(policy):
 # --- refusals ---------------------------------------------------------------------------------
 
 
-def test_ragged_under_expert_parallelism_is_refused():
-    tokens = 16
-    w = random_experts(40)
-    ids, weights = random_routing(41, tokens)
-    with zs.activate(ep_mesh(), zs.DEFAULT_RULES) as layout:
-        args = place(layout, random_x(42, tokens), ids, weights, w)
-        with pytest.raises(ValueError, match=r"^model\.moe\.impl: 'ragged' is not supported with expert parallelism .*impl=capacity"):
-            routed_experts(args[0], args[1], args[2], args[3], impl="ragged")
-
-
 def test_expert_count_not_divisible_by_the_expert_axis_is_refused_at_trace_time():
     tokens = 16
     w = random_experts(43, n_experts=6)
@@ -419,7 +413,6 @@ def test_expert_count_not_divisible_by_the_expert_axis_is_refused_at_trace_time(
         (dict(n_experts=6, ep=4, batch_size=8, batch_ways=8), "model.moe.n_routed_experts"),
         (dict(n_experts=8, ep=4, batch_size=12, batch_ways=8), "data.batch_size"),
         (dict(n_experts=8, ep=4, batch_size=16, batch_ways=8, grad_accum=4), "data.batch_size"),
-        (dict(n_experts=8, ep=4, batch_size=8, batch_ways=8, impl="ragged"), "model.moe.impl"),
         (dict(n_experts=8, ep=4, batch_size=8, batch_ways=2, batch_includes_expert=False), "mesh.rules.batch"),
     ],
 )
@@ -434,4 +427,4 @@ def test_check_expert_parallel_accepts_good_configs():
     check_expert_parallel(256, 8, 64, 64)
     check_expert_parallel(8, 4, 16, 8, grad_accum=2)
     check_expert_parallel(0, 1, 3, 1)  # dense model, no expert axis
-    check_expert_parallel(8, 1, 8, 8, impl="ragged")  # ragged is fine without expert parallelism
+    check_expert_parallel(8, 4, 8, 8)  # either kernel: both run under expert parallelism

@@ -5,6 +5,7 @@ presets themselves are what is tested.
 """
 
 import dataclasses
+import math
 import pathlib
 
 import jax
@@ -21,7 +22,10 @@ from zoo.train.data import SyntheticData
 from zoo.train.step import Trainer
 
 CONF = pathlib.Path(__file__).resolve().parents[1] / "conf"
-STEPS = 3
+STEPS = 5
+# 8 x 20 = 160 tokens, 320 top-2 assignments: no dim of the tiny models is 20, 160 or 320, so a
+# collective that carries the global batch (or its routing) shows up by its dims.
+SEQ = 20
 MODELS = ("llama_tiny_a", "dsv3_tiny_a")
 MESHES = ("dp", "fsdp", "fsdp_tp", "fsdp_ep")
 
@@ -30,48 +34,79 @@ def mesh_preset(name: str):
     return load_group("mesh", OmegaConf.load(CONF / "mesh" / f"{name}.yaml"))
 
 
-def make_config(model: str, mesh: str, offload: OffloadConfig = None, accum: int = 1, batch: int = 8, bias_rate: float = 0.001, dropless: bool = True):
+def make_config(
+    model: str, mesh: str, offload: OffloadConfig = None, accum: int = 1, batch: int = 8, bias_rate: float = 0.001, dropless: bool = True,
+    moe_impl: str = None,
+):
     m = load_group("model", OmegaConf.load(CONF / "model" / f"{model}.yaml"))
     if dropless and m.num_moe_layers:
         # capacity = every assignment: capacity buffers drop nothing, however the batch is split
         m = m.replace(moe=dataclasses.replace(m.moe, capacity_factor=float(m.moe.n_routed_experts)))
+    if moe_impl is not None:
+        m = m.replace(moe=dataclasses.replace(m.moe, impl=moe_impl))
     return TrainConfig(
         model=m,
         mesh=mesh_preset(mesh),
         offload=offload or OffloadConfig(),
         optimizer=OptimizerConfig(lr=1e-2, warmup_steps=1),
-        data=DataConfig(batch_size=batch, seq_len=16),
+        data=DataConfig(batch_size=batch, seq_len=SEQ),
         xla=XlaConfig(),
         trainer=TrainerConfig(steps=STEPS, grad_accum=accum, moe_bias_update_rate=bias_rate),
         hardware=HardwareConfig(),
     )
 
 
-def train(c: TrainConfig, check=None):
+@dataclasses.dataclass
+class Run:
+    losses: np.ndarray
+    metrics: list
+    state: dict
+    trainer: Trainer
+    step: object  # the compiled step
+    partitioned: str = None  # its HLO right after SPMD partitioning (from the same compile), when asked for
+
+
+def train(c: TrainConfig, check=None, partitioned: bool = False) -> Run:
+    from zoo import hlo
+
     plan = validate(c, len(jax.devices()), None)
     trainer = Trainer(c, plan)
     data = SyntheticData(c.data, c.model.vocab_size)
     state = trainer.init()
-    step = trainer.compile(state, trainer.abstract_tokens())
+    text = None
+    if partitioned:
+        step, text = hlo.compile_with_partitioned_hlo(trainer.lower(state, trainer.abstract_tokens()), trainer.compiler_options)
+    else:
+        step = trainer.compile(state, trainer.abstract_tokens())
     losses, metrics = [], []
     for i in range(STEPS):
         # One batch over and over: its loss must fall, whatever the initialisation (fresh batches'
-        # losses over 3 steps are noise).
+        # losses over a few steps are noise).
         state, m = step(state, trainer.shard_tokens(data.batch(0)))
         if check is not None:
             check(state)
         losses.append(float(m["loss"]))
         metrics.append(jax.device_get(m))
-    return np.array(losses), metrics, state, trainer
+    return Run(np.array(losses), metrics, state, trainer, step, text)
 
 
 _REFERENCE: dict = {}
 
 
-def reference(model: str, dropless: bool = True):
-    if (model, dropless) not in _REFERENCE:
-        _REFERENCE[model, dropless] = train(make_config(model, "single", dropless=dropless))
-    return _REFERENCE[model, dropless]
+def reference(model: str, dropless: bool = True, batch: int = 8) -> Run:
+    if (model, dropless, batch) not in _REFERENCE:
+        _REFERENCE[model, dropless, batch] = train(make_config(model, "single", dropless=dropless, batch=batch))
+    return _REFERENCE[model, dropless, batch]
+
+
+_EP_RUNS: dict = {}
+
+
+def expert_parallel_run(impl: str) -> Run:
+    """dsv3_tiny_a on fsdp_ep (fsdp 2 x expert 4), dropless: shared by the tests that read its program."""
+    if impl not in _EP_RUNS:
+        _EP_RUNS[impl] = train(make_config("dsv3_tiny_a", "fsdp_ep", moe_impl=impl), partitioned=True)
+    return _EP_RUNS[impl]
 
 
 CASES = [(model, mesh) for model in MODELS for mesh in MESHES if not (model == "llama_tiny_a" and mesh == "fsdp_ep")]
@@ -81,22 +116,108 @@ CASES = [(model, mesh) for model in MODELS for mesh in MESHES if not (model == "
 def test_sharded_losses_match_single_device(model, mesh):
     # On a sharded batch each device fills its capacity buffers from its own tokens, so it drops other
     # assignments than one program over the whole batch: compare where nothing drops.
-    ref_losses, _, _, _ = reference(model, dropless=True)
-    losses, _, state, trainer = train(make_config(model, mesh, dropless=True))
-    if trainer.cfg.model.num_moe_layers:
-        text = trainer.lower().as_text()
+    ref = reference(model, dropless=True)
+    run = expert_parallel_run("capacity") if mesh == "fsdp_ep" else train(make_config(model, mesh, dropless=True))
+    if run.trainer.cfg.model.num_moe_layers:
+        text = run.trainer.lower().as_text()
         assert "shard_map" in text or "manual" in text.lower()  # routed per device
         assert ("all_to_all" in text) == (mesh == "fsdp_ep")  # tokens travel to the experts only under EP
-    assert trainer.mesh.devices.size == 8
-    np.testing.assert_allclose(losses, ref_losses, atol=1e-4, rtol=0)
-    assert ref_losses[-1] < ref_losses[0]  # it trains
+    assert run.trainer.mesh.devices.size == 8
+    np.testing.assert_allclose(run.losses, ref.losses, atol=1e-5, rtol=0)
+    assert ref.losses[-1] < ref.losses[0]  # it trains
     # The parameters really are split: some leaf holds less than its full size per device.
-    shards = [x.addressable_shards[0].data.size < x.size for x in jax.tree.leaves(state["params"])]
+    shards = [x.addressable_shards[0].data.size < x.size for x in jax.tree.leaves(run.state["params"])]
     assert mesh == "dp" or any(shards)
 
 
+ROUTED = ("w_gate", "w_up", "w_down")
+
+
+@pytest.mark.parametrize("impl", ["capacity", "ragged"])
+def test_expert_parallel_train_step_is_local(impl):
+    """The real Trainer on fsdp 2 x expert 4: the compiled step exchanges tokens with all-to-all
+    over the expert axis, no collective carries the global batch or its routing, every device holds
+    1/ep of the routed experts (parameters and AdamW moments), and 5 steps' losses equal the single
+    device's within 1e-5 under both kernels (`ragged` dropless; `capacity` with room for every
+    assignment, against the same single-device run)."""
+    from zoo import hlo
+
+    run = expert_parallel_run(impl)
+    m, sizes = run.trainer.cfg.model, run.trainer.plan.mesh.sizes
+    ep, experts = sizes["expert"], m.moe.n_routed_experts
+    assert (ep, sizes["fsdp"]) == (4, 2)
+    np.testing.assert_allclose(run.losses, reference("dsv3_tiny_a").losses, atol=1e-5, rtol=0)
+    assert max(float(x["moe_dropped_fraction"].max()) for x in run.metrics) == 0.0
+
+    found = [c for c in hlo.collectives(run.step.as_text()) if not c.trivial]
+    a2a = [c for c in found if c.kind == "all-to-all"]
+    assert a2a and all(c.group_size == ep for c in a2a), a2a
+    # dispatch and return, forward and backward, in each MoE layer (the layer scan's trip count)
+    assert sum(c.executions for c in a2a if c.dtypes == {"f32"}) == 4 * m.num_moe_layers
+    tokens = run.trainer.cfg.data.batch_size * SEQ
+    for c in found:
+        for a in c.operands + c.results:
+            assert tokens not in a.dims and tokens * m.moe.num_experts_per_tok not in a.dims, (c.kind, c.op_name, str(a))
+            assert not (run.trainer.cfg.data.batch_size in a.dims and SEQ in a.dims), (c.kind, c.op_name, str(a))
+
+    routed = [
+        (jax.tree_util.keystr(path), leaf)
+        for path, leaf in jax.tree_util.tree_leaves_with_path({"params": run.state["params"], "opt_state": run.state["opt_state"]})
+        if getattr(path[-1], "name", None) in ROUTED and leaf.ndim == 4  # [layers, experts, ...]; not the shared or dense MLPs
+    ]
+    assert sum(name.startswith("['params']") for name, _ in routed) == len(ROUTED)
+    assert any(".mu." in name for name, _ in routed) and any(".nu." in name for name, _ in routed)  # AdamW's moments
+    for name, leaf in routed:
+        shard = leaf.addressable_shards[0].data.shape
+        assert leaf.shape[1] == experts and shard[1] == experts // ep, (name, shard)  # [layers, experts, ...]
+        assert math.prod(shard) * ep * sizes["fsdp"] == leaf.size, (name, shard)
+
+
+def test_scale_report_of_the_expert_parallel_step():
+    """zoo.scale on the compiled EP step: per-device state bytes equal what the devices hold, and
+    the all-to-all traffic is the capacity buffers' bytes times their executions."""
+    from zoo import scale
+    from zoo.nn.moe_dispatch import expert_capacity
+
+    run = expert_parallel_run("capacity")
+    rep = scale.scale_report(run.trainer, run.step, run.partitioned)
+    held = lambda tree: sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))  # noqa: E731
+    state = rep["state_bytes_per_device"]
+    assert state["params"] == state["grads"] == held(run.state["params"])
+    assert state["opt_state"] == held(run.state["opt_state"])
+    assert state["global_params"] == sum(x.nbytes for x in jax.tree.leaves(run.state["params"]))
+    assert rep["devices"] == 8 and rep["per_device_batch"] == 1 and rep["dtypes"]["params"] == ["float32"]
+
+    m = run.trainer.cfg.model
+    capacity = expert_capacity(SEQ, m.moe.num_experts_per_tok, m.moe.n_routed_experts, m.moe.capacity_factor)
+    buffer = m.moe.n_routed_experts * capacity * m.hidden_size * 4  # one device's [E, C, D] float32
+    for section in ("compiled", "partitioned"):
+        row = rep["collectives"][section]["by_kind_and_dtype"]["all-to-all"]["f32"]
+        assert row["executions"] == 4 * m.num_moe_layers and row["bytes"] == row["executions"] * buffer, (section, row)
+        assert rep["collectives"][section]["unknown_trip_counts"] == 0
+        kinds = rep["collectives"][section]["by_kind"]
+        assert {"all-gather", "reduce-scatter", "all-to-all"} <= set(kinds)  # FSDP weights in, gradients out
+    largest = rep["collectives"]["compiled"]["largest"]
+    assert largest == sorted(largest, key=lambda c: -c["bytes"]) and len(largest) == scale.LARGEST
+    text = scale.render(rep)
+    assert "all-to-all" in text and "per device: params" in text
+
+
+def test_expert_parallel_with_gradient_accumulation_and_host_offload():
+    """fsdp_ep through the Trainer with 2 microbatches, the MoE tags offloaded from inside the
+    shard_map, parameters and optimizer state in pinned host memory: the losses of one 16-sequence
+    batch on one device."""
+    from zoo.offload import load_preset
+
+    policy = load_preset("deepseek_mla_moe_offload", params="pinned_host", opt_state="pinned_host")
+    run = train(make_config("dsv3_tiny_a", "fsdp_ep", offload=policy, accum=2, batch=16))
+    assert {x.sharding.memory_kind for x in jax.tree.leaves(run.state["params"])} == {"pinned_host"}
+    assert "all-to-all" in run.step.as_text()
+    np.testing.assert_allclose(run.losses, reference("dsv3_tiny_a", batch=16).losses, atol=1e-5, rtol=0)
+
+
 def test_params_and_opt_state_live_on_pinned_host_between_steps():
-    ref_losses, _, ref_state, _ = reference("dsv3_tiny_a")
+    ref = reference("dsv3_tiny_a")
     host = OffloadConfig(name="host", params="pinned_host", opt_state="pinned_host")
     seen = []
 
@@ -105,20 +226,19 @@ def test_params_and_opt_state_live_on_pinned_host_between_steps():
         seen.append(kinds)
 
     c = make_config("dsv3_tiny_a", "fsdp", offload=host)
-    losses, _, state, _ = train(c, check)
+    run = train(c, check)
     assert seen == [{"pinned_host"}] * STEPS
-    np.testing.assert_allclose(losses, ref_losses, atol=1e-4, rtol=0)
-    for a, b in zip(jax.tree.leaves(state["params"]), jax.tree.leaves(ref_state["params"])):
+    np.testing.assert_allclose(run.losses, ref.losses, atol=1e-4, rtol=0)
+    for a, b in zip(jax.tree.leaves(run.state["params"]), jax.tree.leaves(ref.state["params"])):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-4)
 
 
 def test_gradient_accumulation_matches_one_big_batch():
-    ref_losses, ref_metrics, _, _ = reference("llama_tiny_a")
-    losses, metrics, _, _ = train(make_config("llama_tiny_a", "fsdp", accum=2, batch=16))
+    accumulated = train(make_config("llama_tiny_a", "fsdp", accum=2, batch=16))
     # 16 sequences in 2 microbatches of 8 differ from the reference's 8: compare with a 16-batch run.
-    big, big_metrics, _, _ = train(make_config("llama_tiny_a", "fsdp", accum=1, batch=16))
-    np.testing.assert_allclose(losses, big, atol=1e-5, rtol=0)
-    np.testing.assert_allclose([m["grad_norm"] for m in metrics], [m["grad_norm"] for m in big_metrics], rtol=1e-4)
+    big = train(make_config("llama_tiny_a", "fsdp", accum=1, batch=16))
+    np.testing.assert_allclose(accumulated.losses, big.losses, atol=1e-5, rtol=0)
+    np.testing.assert_allclose([m["grad_norm"] for m in accumulated.metrics], [m["grad_norm"] for m in big.metrics], rtol=1e-4)
 
 
 def test_moe_bias_is_a_buffer_the_optimizer_never_moves():
@@ -139,7 +259,8 @@ def test_moe_bias_is_a_buffer_the_optimizer_never_moves():
 
 
 def test_moe_bias_follows_the_balancing_rule():
-    _, metrics, state, _ = reference("dsv3_tiny_a")
+    ref = reference("dsv3_tiny_a")
+    metrics, state = ref.metrics, ref.state
     rate = make_config("dsv3_tiny_a", "single").trainer.moe_bias_update_rate
     b = np.asarray(state["params"].stack("moe_layers").layers[0].ffn.e_score_correction_bias)
     assert b.shape == (2, 8)
@@ -201,7 +322,6 @@ def test_model_options_are_the_named_sizes(size):
 
 @pytest.mark.parametrize("size, mesh", [("deepseek_v3_671b", "deepseek_v3_128"), ("llama3.1_405b", "llama3.1_405b_128")])
 def test_real_size_state_is_spread_evenly_over_128_devices(size, mesh):
-    import math
 
     from zoo.model import abstract
     from zoo.sharding import check_replication, shard_ways

@@ -289,19 +289,39 @@ def summarize(found: Iterable[Collective], include_trivial: bool = False) -> dic
     return {k: table[k] for k in KINDS if k in table}
 
 
-def partitioned_hlo(lowered, compiler_options: Optional[dict] = None) -> str:
-    """The HLO text of `lowered` (a `jax.stages.Lowered`) right after SPMD partitioning: the
-    collectives and their dtypes as the partitioner chose them, before any backend-specific rewrite.
-    (XLA:CPU later widens bf16 collectives to float32, which a GPU does not: the dtypes a GPU would
-    move are read here.) Compiles once with XLA's dump options into a temporary directory."""
+def by_kind_and_dtype(found: Iterable[Collective], include_trivial: bool = False) -> dict[str, dict[str, dict[str, int]]]:
+    """`summarize`'s rows split by element type: kind -> dtype (several joined by `+`) -> count,
+    executions, bytes per program run."""
+    table: dict[str, dict[str, dict[str, int]]] = {}
+    for c in found:
+        if c.trivial and not include_trivial:
+            continue
+        row = table.setdefault(c.kind, {}).setdefault("+".join(sorted(c.dtypes)), {"count": 0, "executions": 0, "bytes": 0})
+        row["count"] += 1
+        row["executions"] += c.executions
+        row["bytes"] += c.bytes * c.executions
+    return {k: dict(sorted(table[k].items())) for k in KINDS if k in table}
+
+
+def compile_with_partitioned_hlo(lowered, compiler_options: Optional[dict] = None):
+    """`(compiled, text)`: `lowered` (a `jax.stages.Lowered`) compiled once, and its HLO text right
+    after SPMD partitioning (read from XLA's dump into a temporary directory): the collectives and
+    their dtypes as the partitioner chose them, before any backend-specific rewrite. (XLA:CPU later
+    widens bf16 collectives to float32, which a GPU does not: the dtypes a GPU would move are read
+    here.) A single-device program is not partitioned: RuntimeError."""
     import pathlib
     import tempfile
 
     with tempfile.TemporaryDirectory() as d:
         options = dict(compiler_options or {})
         options.update({"xla_dump_to": d, "xla_dump_hlo_pass_re": "spmd-partitioning"})
-        lowered.compile(options)
+        compiled = lowered.compile(options)
         found = sorted(pathlib.Path(d).glob("*after_spmd-partitioning*.txt"))
         if not found:
             raise RuntimeError("XLA wrote no HLO after SPMD partitioning (a single-device program is not partitioned)")
-        return found[-1].read_text()
+        return compiled, found[-1].read_text()
+
+
+def partitioned_hlo(lowered, compiler_options: Optional[dict] = None) -> str:
+    """The HLO text of `lowered` right after SPMD partitioning (see `compile_with_partitioned_hlo`)."""
+    return compile_with_partitioned_hlo(lowered, compiler_options)[1]

@@ -528,15 +528,19 @@ def render(rep: dict) -> str:
     return "\n".join(out)
 
 
-def inspect_step(trainer, measure: bool = True):
-    """Trace, compile and (optionally) run the train step: placement, compiled memory, measured peak."""
+def inspect_step(trainer, measure: bool = True, on_compiled: Optional[Callable] = None):
+    """Trace, compile and (optionally) run the train step: placement, compiled memory, measured peak.
+    `on_compiled(compiled, partitioned_hlo_text)` sees the executable (the text is None on one device)."""
     from zoo import model as zoo_model
+    from zoo.scale import compile_step
     from zoo.train.metrics import compiled_memory, device_memory
 
     state, tokens = trainer.abstract_state(), trainer.abstract_tokens()
     traced = trainer.jitted_step().trace(state, tokens)
     placement = placement_from_jaxpr(traced.jaxpr, stack_names(zoo_model.abstract(trainer.cfg.model)))
-    compiled = traced.lower().compile()
+    compiled, partitioned = compile_step(trainer, traced.lower())
+    if on_compiled is not None:
+        on_compiled(compiled, partitioned)
     compiled_mem = compiled_memory(compiled)
     devices = list(trainer.mesh.devices.flat)
     measured = None
@@ -565,9 +569,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         c, plan, devices, trainer, notes = prepare_step(overrides)
         for n in notes:
             print(f"note: {n}")
-        placement, compiled_mem, measured = inspect_step(trainer, opts.measure)
+        from zoo import scale
+
+        seen = {}
+        placement, compiled_mem, measured = inspect_step(
+            trainer, opts.measure, on_compiled=lambda compiled, text: seen.update(scale=scale.scale_report(trainer, compiled, text))
+        )
         rep = report(c, trainer, placement, compiled_mem, measured, overrides)
+        rep["scale"] = seen["scale"]
         print(render(rep))
+        print(scale.render(rep["scale"]))
         out = pathlib.Path(opts.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(rep, indent=2) + "\n")

@@ -415,7 +415,6 @@ def resolve_kernels(c: TrainConfig) -> tuple[str, Optional[str]]:
 
 def _check_expert_parallel(c: TrainConfig, shape: MeshShape, batch_ways: int) -> None:
     """An expert axis the model or the batch cannot use: one line naming the key (see zoo.nn.moe_dispatch)."""
-    from zoo.nn.moe import resolve_moe_impl
     from zoo.nn.moe_dispatch import check_expert_parallel
 
     m, rules = c.model, c.mesh.rules
@@ -426,7 +425,6 @@ def _check_expert_parallel(c: TrainConfig, shape: MeshShape, batch_ways: int) ->
         ep = math.prod(shape.sizes[a] for a in dict.fromkeys(rules.get("experts", [])) if a in shape.sizes)
         check_expert_parallel(
             m.moe.n_routed_experts, ep, c.data.batch_size, batch_ways, grad_accum=c.trainer.grad_accum,
-            impl=resolve_moe_impl(m.moe.impl),
             batch_includes_expert=all(a in rules.get("batch", []) for a in rules.get("experts", []) if shape.sizes.get(a, 1) > 1),
         )
     except ValueError as e:

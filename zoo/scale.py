@@ -1,0 +1,147 @@
+"""The scale report: what one device holds and moves in the compiled train step.
+
+`python -m zoo.inspect` adds it to its output and to inspect.json (key `scale`), at any size; at the
+real sizes it is the point (`docs/scale.md`: DeepSeek-V3 671B and Llama 3.1 405B on 128 simulated
+CPU devices). Per device:
+
+- state: parameter, gradient and optimizer-state bytes, from the abstract state and the step's
+  shardings (nothing allocated). Gradients mirror the parameters (same dtypes and shardings: the
+  backward pass reduce-scatters them to the parameters' layout before the update).
+- the compiled memory analysis (`zoo.train.metrics.compiled_memory`, as inspect reports it).
+- every collective of the step by kind, with its instructions, executions per step (loop trip
+  counts multiplied in: a collective inside the layer scan runs once per layer) and bytes per
+  step, split by element type (`zoo.hlo`). Bytes are the larger side of each collective per device
+  and execution (an all-gather's gathered result, a reduce-scatter's input, an all-reduce's or
+  all-to-all's buffer); a ring sends (g-1)/g of that for gathers, scatters and all-to-alls over g
+  devices, 2(g-1)/g for all-reduces. Collectives over groups of one device move nothing and are
+  left out.
+
+Collectives are read twice: from the compiled executable (what runs on this backend) and from the
+HLO right after SPMD partitioning (the same compile, dumped): XLA:CPU widens bf16 collectives to
+float32 after partitioning, so on CPU the partitioned program holds the dtypes (and bytes) a GPU
+would move, and the compiled one what XLA:CPU's combiners and rewrites made of them.
+"""
+
+import math
+from typing import Optional
+
+import jax
+
+from zoo import hlo
+
+LARGEST = 12  # collectives listed one by one (by bytes per step)
+
+
+def state_bytes(trainer) -> dict:
+    """Per device: `params`, `grads`, `opt_state`, their `total`; and `global_params` (all devices)."""
+    from zoo.plan import _per_device_bytes
+
+    params, _ = _per_device_bytes(trainer.abstract_params, trainer.param_shardings)
+    abstract_opt = jax.eval_shape(trainer.tx.init, trainer.abstract_params)
+    opt, _ = _per_device_bytes(abstract_opt, trainer.opt_shardings)
+    whole = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(trainer.abstract_params))
+    return {"params": int(params), "grads": int(params), "opt_state": int(opt), "total": int(2 * params + opt), "global_params": int(whole)}
+
+
+def state_dtypes(trainer) -> dict:
+    """Element types of the parameters and of the optimizer state (leaves with a shape)."""
+    abstract_opt = jax.eval_shape(trainer.tx.init, trainer.abstract_params)
+
+    def kinds(tree):
+        return sorted({str(x.dtype) for x in jax.tree.leaves(tree) if getattr(x, "ndim", 0)})
+
+    return {"params": kinds(trainer.abstract_params), "grads": kinds(trainer.abstract_params), "opt_state": kinds(abstract_opt),
+            "compute": trainer.cfg.model.compute_dtype}
+
+
+def _largest(found: list) -> list[dict]:
+    moving = sorted((c for c in found if not c.trivial), key=lambda c: -c.bytes * c.executions)
+    return [
+        {
+            "kind": c.kind,
+            "shape": " ".join(map(str, c.results or c.operands)),
+            "dtypes": sorted(c.dtypes),
+            "group_size": c.group_size,
+            "executions": c.executions,
+            "bytes_per_execution": c.bytes,
+            "bytes": c.bytes * c.executions,
+            "trip_count_known": c.trip_count_known,
+            "op_name": c.op_name,
+        }
+        for c in moving[:LARGEST]
+    ]
+
+
+def collective_report(text: str) -> dict:
+    """Collectives of one HLO module's text: totals by kind, by kind and dtype, the largest ones."""
+    found = hlo.collectives(text)
+    return {
+        "by_kind": hlo.summarize(found),
+        "by_kind_and_dtype": hlo.by_kind_and_dtype(found),
+        "largest": _largest(found),
+        "unknown_trip_counts": sum(1 for c in found if not c.trivial and not c.trip_count_known),
+    }
+
+
+def scale_report(trainer, compiled, partitioned_text: Optional[str]) -> dict:
+    """inspect.json's `scale` (README: "The scale report")."""
+    sizes = trainer.plan.mesh.sizes
+    return {
+        "devices": int(trainer.mesh.devices.size),
+        "mesh": dict(sizes),
+        "per_device_batch": trainer.plan.microbatch // max(1, _batch_ways(trainer)),
+        "state_bytes_per_device": state_bytes(trainer),
+        "dtypes": state_dtypes(trainer),
+        "collectives": {
+            "compiled": collective_report(compiled.as_text()),
+            "partitioned": None if partitioned_text is None else collective_report(partitioned_text),
+        },
+    }
+
+
+def compile_step(trainer, lowered):
+    """`(compiled, HLO text after SPMD partitioning)` from one compile; the text is None on one
+    device (nothing is partitioned)."""
+    if trainer.mesh.devices.size == 1:
+        return lowered.compile(), None
+    return hlo.compile_with_partitioned_hlo(lowered)
+
+
+def _batch_ways(trainer) -> int:
+    sizes = trainer.plan.mesh.sizes
+    return math.prod(sizes[a] for a in dict.fromkeys(trainer.rules.get("batch", [])) if a in sizes)
+
+
+def render(rep: dict) -> str:
+    """The scale report as printed by `python -m zoo.inspect`."""
+    from zoo.inspect import _fmt, _table
+
+    s = rep["state_bytes_per_device"]
+    d = rep["dtypes"]
+    mesh = " x ".join(f"{a} {n}" for a, n in rep["mesh"].items() if n > 1) or "one device"
+    out = [
+        f"scale: {rep['devices']} devices ({mesh}), {rep['per_device_batch']} sequences per device",
+        f"per device: params {_fmt(s['params'])} ({'/'.join(d['params'])}), grads {_fmt(s['grads'])}, "
+        f"optimizer state {_fmt(s['opt_state'])} ({'/'.join(d['opt_state'])}), total {_fmt(s['total'])}; "
+        f"compute in {d['compute']}; all parameters {_fmt(s['global_params'])}",
+    ]
+    for name, title in (("partitioned", "after SPMD partitioning"), ("compiled", "compiled")):
+        section = rep["collectives"][name]
+        if section is None:
+            continue
+        rows = [(kind, dtype, r["count"], r["executions"], _fmt(r["bytes"])) for kind, by_dtype in section["by_kind_and_dtype"].items() for dtype, r in by_dtype.items()]
+        if not rows:
+            out.append(f"collectives per step ({title}): none")
+            continue
+        total = sum(r["bytes"] for r in section["by_kind"].values())
+        out.append(f"collectives per step ({title}), bytes per device, {_fmt(total)} in all:")
+        out.append(_table([("kind", "dtype", "instructions", "executions", "bytes/step")] + rows))
+        if section["unknown_trip_counts"]:
+            out.append(f"note: {section['unknown_trip_counts']} collective(s) sit in loops of unknown trip count, counted once")
+    section = rep["collectives"]["partitioned"] or rep["collectives"]["compiled"]
+    if section["largest"]:
+        out.append("largest collectives per step (" + ("after SPMD partitioning" if rep["collectives"]["partitioned"] else "compiled") + "):")
+        rows = [("kind", "shape", "group", "executions", "bytes/exec", "bytes/step")]
+        rows += [(c["kind"], c["shape"], c["group_size"] or "?", c["executions"], _fmt(c["bytes_per_execution"]), _fmt(c["bytes"])) for c in section["largest"]]
+        out.append(_table(rows))
+    return "\n".join(out)
