@@ -264,3 +264,63 @@ def test_state_lives_in_pinned_host_between_steps_and_matches_the_device_run(pre
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
     for a, b in zip(jax.tree.leaves(state["params"]), jax.tree.leaves(ref_state["params"])):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+# --- the streamed (layer-by-layer) optimizer update -------------------------------------------------
+
+
+def _host(tree):
+    return jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Host), tree)
+
+
+def test_streamed_update_is_optax_update_slice_by_slice():
+    """zoo.train.update on DeepSeek-V3-shaped trees (a dense and a MoE stack, frozen correction
+    biases, norm weights without decay) with parameters and state in host memory: three clipped AdamW
+    steps from gradients summed over two microbatches give optax's whole-tree results, and the frozen
+    buffers never move."""
+    import equinox as eqx
+    import optax
+
+    from zoo.sharding import memory_kinds
+    from zoo.train.config import OptimizerConfig
+    from zoo.train.step import is_array_like, make_optimizer, trainable_labels
+    from zoo.train.update import global_norm, streamed_update
+
+    c = OptimizerConfig(lr=1e-2, warmup_steps=1, decay_steps=3, weight_decay=0.5, grad_clip=0.5)
+    tx, unclipped = make_optimizer(c, 3)[0], make_optimizer(c, 3, clip=False)[0]
+    abstract = eqx.partition(zoo.abstract(zoo.get_size("dsv3_tiny_a")), is_array_like)[0]
+    keys = iter(jax.random.split(jax.random.key(0), 4 * len(jax.tree.leaves(abstract))))
+
+    def rand():
+        return jax.tree.map(lambda s: jax.random.normal(next(keys), s.shape, s.dtype), abstract)
+
+    params = rand()
+    sums = [rand() for _ in range(3)]  # gradients summed over 2 microbatches, norms ~20: clipped
+
+    @jax.jit
+    def whole(p, s, g):
+        u, s = tx.update(jax.tree.map(lambda x: x / 2, g), s, p)
+        return optax.apply_updates(p, u), s
+
+    @jax.jit
+    def streamed(p, s, g):
+        trainable = jax.tree.map(lambda x, lab: x if lab == "train" else None, g, trainable_labels(g))
+        return streamed_update(unclipped, g, s, p, norm=global_norm(trainable, divide=2), max_norm=c.grad_clip, divide=2)
+
+    p_ref, s_ref = params, tx.init(params)
+    p_host, s_host = _host(params), _host(tx.init(params))
+    for g in sums:
+        p_ref, s_ref = whole(p_ref, s_ref, g)
+        p_host, s_host = streamed(p_host, s_host, _host(g))
+        assert memory_kinds(p_host) == memory_kinds(s_host) == {"pinned_host"}
+    for name, a, b in (("params", p_host, p_ref), ("opt_state", s_host, s_ref)):
+        assert jax.tree.structure(a) == jax.tree.structure(b)
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2e-6, atol=1e-7, err_msg=name)
+    counts = [int(x) for x in jax.tree.leaves(s_host) if x.ndim == 0]
+    assert counts and set(counts) == {3}  # adam's and the schedule's counts advanced once per step
+    biases = [(i, j) for i, s in enumerate(params.stacks) for j, b in enumerate(s.layers) if getattr(b.ffn, "e_score_correction_bias", None) is not None]
+    assert biases
+    for i, j in biases:
+        before, after = params.stacks[i].layers[j].ffn.e_score_correction_bias, p_host.stacks[i].layers[j].ffn.e_score_correction_bias
+        np.testing.assert_array_equal(np.asarray(after), np.asarray(before))

@@ -285,6 +285,81 @@ def inspect_placement(fn: Callable, *args, stacks: Optional[Sequence[str]] = Non
     return placement_from_jaxpr(jax.make_jaxpr(fn)(*args), stacks)
 
 
+# --- the optimizer update ---------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Buffer:
+    """One value of the traced program: its shape, dtype and bytes (per device for a sharded step)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    bytes: int
+
+    def as_dict(self) -> dict:
+        return {"shape": list(self.shape), "dtype": self.dtype, "bytes": self.bytes}
+
+
+def _largest(avals) -> Optional[Buffer]:
+    best = max(avals, key=_nbytes, default=None)
+    return None if best is None else Buffer(tuple(best.shape), str(best.dtype), _nbytes(best))
+
+
+_LOOPS = ("scan", "while")
+_IN_PLACE = ("dynamic_update_slice",)  # writes a slice into the stacked array it is given
+
+
+def update_buffers(closed, scope: Optional[str] = None) -> dict:
+    """What the optimizer update holds in device memory, read from a traced train step: the ops
+    under the step's `UPDATE_SCOPE` name (zoo.train.update) and everything inside them.
+
+    - `layer_loops`: loops over a stack's layers (the streamed update has one per block position
+      for the norm and one for the update; the whole-tree update has none);
+    - `device_in_loops`: the largest device-space value made inside those loops, the in-place writes
+      into the stacked arrays left out (for a streamed update: one layer's largest slice);
+    - `device_outside_loops`: the largest device-space value made elsewhere in the update (the
+      leaves outside the stacks, or every leaf of a whole-tree update);
+    - `moved_to_device`: the largest host -> device transfer in the update.
+
+    Sizes are of the traced values (per device under a sharded step's shardings they are global
+    shapes: divide by the ways a leaf is split)."""
+    from zoo.train.update import UPDATE_SCOPE
+
+    scope = scope or UPDATE_SCOPE
+    found = {"in_loops": [], "outside_loops": [], "moved": [], "loops": 0}
+
+    def record(eqns, in_loop: bool, top: bool):
+        for eqn in eqns:
+            loop = eqn.primitive.name in _LOOPS
+            if top and loop:
+                found["loops"] += 1
+            subs = _subjaxprs(eqn)
+            # Ops with sub-programs (loops, jit, custom derivatives) are counted by what they run.
+            if not subs and eqn.primitive.name not in _IN_PLACE:
+                device = [v.aval for v in eqn.outvars if hasattr(v.aval, "shape") and not _is_host(v.aval)]
+                found["in_loops" if in_loop else "outside_loops"].extend(device)
+                if eqn.primitive.name == "device_put" and any(_is_host(v.aval) for v in eqn.invars if hasattr(v, "aval")):
+                    found["moved"].extend(device)
+            for sub in subs:
+                record(sub.eqns, in_loop or loop, top and not loop)
+
+    def visit(jaxpr):
+        for eqn in jaxpr.eqns:
+            if scope in str(eqn.source_info.name_stack):
+                record([eqn], False, True)
+            else:
+                for sub in _subjaxprs(eqn):
+                    visit(sub)
+
+    visit(closed.jaxpr)
+    buffers = {
+        "device_in_loops": _largest(found["in_loops"]),
+        "device_outside_loops": _largest(found["outside_loops"]),
+        "moved_to_device": _largest(found["moved"]),
+    }
+    return {"layer_loops": found["loops"], **{k: None if b is None else b.as_dict() for k, b in buffers.items()}}
+
+
 # --- compiled memory --------------------------------------------------------------------------
 
 MEMORY_FIELDS = (
