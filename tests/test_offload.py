@@ -324,3 +324,57 @@ def test_streamed_update_is_optax_update_slice_by_slice():
     for i, j in biases:
         before, after = params.stacks[i].layers[j].ffn.e_score_correction_bias, p_host.stacks[i].layers[j].ffn.e_score_correction_bias
         np.testing.assert_array_equal(np.asarray(after), np.asarray(before))
+
+
+def test_streamed_step_equals_the_device_step_with_accumulation():
+    """Train.py's step, three steps of two microbatches (gradients summed in host memory with params
+    on host), clipped AdamW under warmup and decay: optimizer_host, params_host and both give the
+    losses, gradient norms, parameters and moments of the all-device step. One jit holds the four
+    variants (one compile); each moves its copy of the state to its own memory kinds first."""
+    from omegaconf import OmegaConf
+
+    from zoo import sharding as zs
+    from zoo.train.config import DataConfig, HardwareConfig, OptimizerConfig, TrainConfig, TrainerConfig, XlaConfig, load_group, validate
+    from zoo.train.data import SyntheticData
+    from zoo.train.step import Trainer
+
+    conf = offload.conf_dir()
+
+    def trainer(*preset):
+        c = TrainConfig(
+            model=load_group("model", OmegaConf.load(conf / "model" / "llama_tiny_a.yaml")),
+            mesh=load_group("mesh", OmegaConf.load(conf / "mesh" / "single.yaml")),
+            offload=load_preset(*preset),
+            optimizer=OptimizerConfig(lr=1e-2, warmup_steps=1, decay_steps=4, grad_clip=0.5),
+            data=DataConfig(batch_size=4, seq_len=16),
+            xla=XlaConfig(),
+            trainer=TrainerConfig(steps=3, grad_accum=2),
+            hardware=HardwareConfig(),
+        )
+        return Trainer(c, validate(c, len(jax.devices())))
+
+    trainers = [trainer("none"), trainer("optimizer_host"), trainer("params_host"), trainer("params_host", "optimizer_host")]
+    assert [t.layerwise_update for t in trainers] == [False, True, True, True]
+
+    def every_variant(states, tokens):
+        out = []
+        for t, s in zip(trainers, states):
+            s = jax.tree.map(lambda x, sh: jax.device_put(x, jax.memory.Space.Host) if sh.memory_kind == "pinned_host" else x, s, t.state_shardings)
+            new, m = t.train_step(s, tokens)
+            out.append((zs.to_device(new), m))
+        return out
+
+    ref = trainers[0]
+    data = SyntheticData(ref.cfg.data, ref.cfg.model.vocab_size)
+    states = [ref.init()] * len(trainers)
+    step = jax.jit(every_variant).lower(states, ref.shard_tokens(data.batch(0))).compile({"xla_backend_optimization_level": 0})
+    history = []
+    for i in range(3):
+        out = step(states, ref.shard_tokens(data.batch(i)))
+        states = [s for s, _ in out]
+        history.append([(float(m["loss"]), float(m["grad_norm"])) for _, m in out])
+    assert history[0][0][1] > 0.5  # the clip is active
+    for variant in range(1, len(trainers)):
+        np.testing.assert_allclose([h[variant] for h in history], [h[0] for h in history], rtol=1e-6)
+        for a, b in zip(jax.tree.leaves(states[variant]), jax.tree.leaves(states[0])):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)

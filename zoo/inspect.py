@@ -471,13 +471,14 @@ def _conf():
     return conf_dir()
 
 
-def prepare_step(overrides: Sequence[str]):
-    """Compose, validate (one-line errors, nothing compiled) and build train.py's Trainer."""
+def prepare_step(overrides: Sequence[str], cfg=None):
+    """Compose (or take the composed `cfg`), validate (one-line errors, nothing compiled) and build
+    train.py's Trainer."""
     from zoo.offload import dropped_block_tags, resolve
     from zoo.train.run import prepare
     from zoo.train.step import Trainer
 
-    cfg = compose(overrides)
+    cfg = compose(overrides) if cfg is None else cfg
     c, plan, devices, _ = prepare(cfg)
     resolve(c.offload, c.model)
     notes = [
