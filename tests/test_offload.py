@@ -378,3 +378,36 @@ def test_streamed_step_equals_the_device_step_with_accumulation():
         np.testing.assert_allclose([h[variant] for h in history], [h[0] for h in history], rtol=1e-6)
         for a, b in zip(jax.tree.leaves(states[variant]), jax.tree.leaves(states[0])):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def _update_buffers(*overrides):
+    from zoo.inspect import prepare_step, update_buffers
+
+    trainer = prepare_step(["mesh=single", "data.batch_size=2", "data.seq_len=16", *overrides])[3]
+    return trainer, update_buffers(trainer.jitted_step().trace(trainer.abstract_state(), trainer.abstract_tokens()).jaxpr)
+
+
+def test_streamed_update_holds_one_layer_on_device_read_from_the_program():
+    """Read from train.py's traced step (as the inspector reads placement): with the state in host
+    memory nothing larger than one layer's slice of a leaf comes to the device in the update, where
+    the whole-tree update works on whole stacked leaves. Four layers, a vocabulary of 64 so that the
+    leaves outside the stack are smaller than one layer's largest."""
+    model = ["model=llama_tiny_a", "model.num_layers=4", "model.vocab_size=64"]
+    trainer, whole = _update_buffers(*model, "offload=none")
+    stack = [x for p, x in jax.tree_util.tree_leaves_with_path(trainer.abstract_params) if "layers" in jax.tree_util.keystr(p)]
+    stacked = max(x.size * x.dtype.itemsize for x in stack)
+    layer = stacked // 4
+    assert whole["layer_loops"] == 0 and whole["moved_to_device"] is None
+    assert whole["device_outside_loops"]["bytes"] == stacked
+    _, host = _update_buffers(*model, "offload=[full,params_host,optimizer_host]")
+    assert host["layer_loops"] == 2  # the gradient norm, then the update, over the one stack
+    assert host["device_in_loops"]["bytes"] == host["moved_to_device"]["bytes"] == layer
+    assert host["device_outside_loops"]["bytes"] < layer
+    _, opt = _update_buffers(*model, "offload=[full,optimizer_host]")  # parameters and gradients stay on device
+    assert opt["moved_to_device"]["bytes"] == opt["device_in_loops"]["bytes"] == layer
+
+
+def test_streamed_update_traces_for_every_stack_and_the_expert_biases():
+    """DeepSeek-V3's two stacks (dense, MoE) with bias balancing on host-resident parameters."""
+    _, host = _update_buffers("model=dsv3_tiny_a", "offload=[full,params_host,optimizer_host]", "trainer.moe_bias_update_rate=0.01")
+    assert host["layer_loops"] == 4 and host["moved_to_device"] is not None

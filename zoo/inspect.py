@@ -502,8 +502,9 @@ def _table(rows: list[tuple]) -> str:
     return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
 
-def report(c, trainer, placement: Placement, compiled_mem: Optional[dict], measured: Optional[dict], overrides=()) -> dict:
-    """inspect.json's content (schema in README.md: "The inspector")."""
+def report(c, trainer, placement: Placement, compiled_mem: Optional[dict], measured: Optional[dict], overrides=(), update: Optional[dict] = None) -> dict:
+    """inspect.json's content (schema in README.md: "The inspector"); `update`: `update_buffers`
+    of the traced step."""
     from zoo.config import count_params
     from zoo.offload import expected_placement, placement_matches, resolve
 
@@ -563,9 +564,46 @@ def report(c, trainer, placement: Placement, compiled_mem: Optional[dict], measu
         "totals_bytes": totals,
         "compiled_memory": compiled_mem,
         "measured": measured,
+        **memory_sections(c, trainer, update),
         "mismatches": [t["tag"] + "@" + t["stack"] for t in tags if not t["ok"]] + [f"{t}: not found in the program" for t in missing],
         "notes": notes,
     }
+
+
+def memory_sections(c, trainer, update: Optional[dict]) -> dict:
+    """inspect.json's `kernels` (what this machine runs: attention implementation, routed-expert
+    kernel, loss chunk) and `update` (`update_buffers`, with whether the update is streamed)."""
+    from zoo.train.run import kernels
+
+    out = {"kernels": kernels(c, trainer.plan)}
+    if update is not None:
+        out["update"] = {"streamed": trainer.layerwise_update, **update}
+    return out
+
+
+def render_memory_sections(rep: dict) -> list[str]:
+    k = rep.get("kernels")
+    lines = []
+    if k:
+        lines.append(
+            f"kernels: attention {k['attention']}"
+            + (f", routed experts {k['moe']}" if k.get("moe") else "")
+            + (f", loss over chunks of {k['loss_chunk_size']} positions" if k.get("loss_chunk_size") else ", loss over the whole logits")
+        )
+    u = rep.get("update")
+    if u:
+
+        def buf(b):
+            return "none" if b is None else f"{_fmt(b['bytes'])} ({'x'.join(map(str, b['shape']))} {b['dtype']})"
+
+        if u["streamed"]:
+            lines.append(
+                f"update: streamed over {u['layer_loops']} layer loops; largest device value inside them {buf(u['device_in_loops'])}, "
+                f"outside them {buf(u['device_outside_loops'])}; largest host->device move {buf(u['moved_to_device'])}"
+            )
+        else:
+            lines.append(f"update: whole tree on device; largest device value {buf(u['device_outside_loops'])}")
+    return lines
 
 
 def render(rep: dict) -> str:
@@ -593,6 +631,7 @@ def render(rep: dict) -> str:
                 _fmt(m.get("host_temp_size_in_bytes")), _fmt(m.get("alias_size_in_bytes")), _fmt(m.get("estimated_peak_bytes")),
             )
         )
+    out += render_memory_sections(rep)
     meas = rep["measured"]
     out.append(
         f"measured peak device memory {_fmt(meas['peak_bytes_in_use'])} ({meas['source']})" if meas
@@ -642,7 +681,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for n in notes:
             print(f"note: {n}")
         placement, compiled_mem, measured = inspect_step(trainer, opts.measure)
-        rep = report(c, trainer, placement, compiled_mem, measured, overrides)
+        update = update_buffers(trainer.jitted_step().trace(trainer.abstract_state(), trainer.abstract_tokens()).jaxpr)
+        rep = report(c, trainer, placement, compiled_mem, measured, overrides, update)
         print(render(rep))
         out = pathlib.Path(opts.out)
         out.parent.mkdir(parents=True, exist_ok=True)
