@@ -44,3 +44,24 @@ def test_loss_chunk_size_from_the_command_line(tmp_path):
     assert "loss over chunks of 8 positions" in p.stdout
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["kernels"]["loss_chunk_size"] == 8
+
+
+def test_inspect_unwritable_output_is_one_line_before_compiling(capsys):
+    from zoo.inspect import main
+
+    assert main(["model=llama_tiny_a", "mesh=single", "inspect.out=/proc/zoo/inspect.json"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.strip().startswith("error: inspect.out: cannot create /proc/zoo") and len(captured.err.strip().splitlines()) == 1
+    assert "compiled" not in captured.out
+
+
+def test_inspect_writes_under_outputs_by_default(tmp_path, monkeypatch, capsys):
+    from zoo.inspect import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["model=llama_tiny_a", "mesh=single", "data.batch_size=2", "data.seq_len=16", "offload=[full,optimizer_host]"]) == 0
+    written = list(tmp_path.glob("outputs/inspect/*/inspect.json"))
+    assert len(written) == 1 and f"wrote {written[0].relative_to(tmp_path)}" in capsys.readouterr().out
+    rep = json.loads(written[0].read_text())
+    assert rep["kernels"]["loss_chunk_size"] == 512 and rep["update"]["streamed"] and rep["update"]["layer_loops"] == 1  # moments only: one loop
+    assert not (tmp_path / "inspect.json").exists()

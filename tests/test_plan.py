@@ -343,3 +343,27 @@ def test_measure_hardware_writes_a_profile_train_py_accepts(tmp_path, capsys):
     assert hw.name == "here" and hw.matmul_flops > 0 and hw.peak_flops == hw.matmul_flops
     assert hw.host_link_gbps > 0 and not hw.nominal and "measured" in hw.note
     assert measure_main(["n=3"]) == 2
+
+
+def test_cli_writes_under_outputs_and_prints_how_to_train_with_the_plan(tmp_path, monkeypatch, capsys):
+    from zoo.inspect import compose
+    from zoo.offload import conf_dir
+
+    monkeypatch.chdir(tmp_path)
+    assert zp.main([*BASE, "plan.hbm_budget_gb=80", "plan.name=mine"]) == 0
+    written = list(tmp_path.glob("outputs/plan/*/offload/mine.yaml"))
+    assert len(written) == 1 and not (conf_dir() / "offload" / "mine.yaml").exists()
+    printed = capsys.readouterr().out
+    assert f"wrote {written[0].relative_to(tmp_path)}" in printed
+    train = next(ln for ln in printed.splitlines() if ln.startswith("train with it: python train.py "))
+    search = f"hydra.searchpath=[file://{written[0].resolve().parent.parent}]"
+    assert f"'{search}' offload=mine" in train
+    assert compose([*BASE, search, "offload=mine"]).offload.name == "mine"  # the printed way finds it
+
+
+@pytest.mark.parametrize("key", ["plan.out", "plan.json"])
+def test_cli_unwritable_output_is_one_line_before_planning(key, capsys):
+    assert zp.main([*BASE, "plan.hbm_budget_gb=80", f"{key}=/proc/zoo/x.yaml"]) == 2
+    err = capsys.readouterr()
+    assert err.err.strip().startswith(f"error: {key}: cannot create /proc/zoo") and len(err.err.strip().splitlines()) == 1
+    assert "planning" not in err.out

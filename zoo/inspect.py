@@ -405,11 +405,29 @@ EXIT_MISMATCH = 1
 class InspectOptions:
     """`inspect.*` keys of `python -m zoo.inspect` (the other arguments are train.py's overrides)."""
 
-    out: str = "inspect.json"
+    out: Optional[str] = None  # null: outputs/inspect/<date>_<time>/inspect.json (under the current directory)
     # Run one real step to read the device's peak memory, where the backend reports it (not CPU).
     measure: bool = True
     # Exit 1 when a tag is not where the policy says it should be.
     strict: bool = True
+
+
+def output_path(explicit: Optional[str], key: str, tool: str, relative: str):
+    """Where a tool writes: `explicit`, or `outputs/<tool>/<date>_<time>/<relative>` under the current
+    directory (as train.py's Hydra runs go under outputs/). The folder is created and probed now, so
+    an unwritable path is one line before anything compiles; no existing file is touched."""
+    import os
+    import pathlib
+    import time
+
+    path = pathlib.Path(explicit) if explicit else pathlib.Path("outputs") / tool / time.strftime("%Y-%m-%d_%H-%M-%S") / relative
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"{key}: cannot create {path.parent} ({e.strerror}); give a writable path, e.g. {key}=/tmp/{path.name}") from None
+    if path.is_dir() or not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise ValueError(f"{key}: cannot write {path}; give a writable file path, e.g. {key}=/tmp/{path.name}")
+    return path
 
 
 def split_tool_args(argv: Sequence[str], prefix: str, schema: type):
@@ -677,6 +695,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     def body() -> int:
         opts, overrides = split_tool_args(argv, "inspect", InspectOptions)
+        out = output_path(opts.out, "inspect.out", "inspect", "inspect.json")
         c, plan, devices, trainer, notes = prepare_step(overrides)
         for n in notes:
             print(f"note: {n}")
@@ -684,8 +703,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         update = update_buffers(trainer.jitted_step().trace(trainer.abstract_state(), trainer.abstract_tokens()).jaxpr)
         rep = report(c, trainer, placement, compiled_mem, measured, overrides, update)
         print(render(rep))
-        out = pathlib.Path(opts.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(rep, indent=2) + "\n")
         print(f"wrote {out}")
         if rep["mismatches"] and opts.strict:

@@ -62,7 +62,9 @@ class PlanConfig:
     link: Optional[str] = None  # GB/s per direction, a name of LINKS, or a conf/hardware profile; null: hardware.host_link_gbps
     flops_efficiency: float = 0.5  # fraction of hardware.peak_flops matmuls reach
     transfer_latency_us: float = 10.0  # fixed cost of one host transfer
-    out: Optional[str] = None  # where the offload YAML goes; null: conf/offload/<name>.yaml
+    # Where the offload YAML goes; null: outputs/plan/<date>_<time>/offload/<name>.yaml (a folder
+    # named offload, so train.py finds it with hydra.searchpath=[file://<the folder above>]).
+    out: Optional[str] = None
     name: str = "planned"
     json: Optional[str] = None  # also write the estimates as JSON here
 
@@ -738,12 +740,28 @@ def problem_from_config(c, trainer, opts: PlanConfig, hardware_dir=None, attenti
     return p, info
 
 
+def use_plan_lines(out, overrides: Sequence[str]) -> list[str]:
+    """How to train with (and inspect) a plan written to `out`: Hydra finds an option of the
+    offload group in `<dir>/offload/<name>.yaml` given `hydra.searchpath=[file://<dir>]`."""
+    import shlex
+
+    out = out.resolve()
+    if out.parent.name != "offload" or out.suffix != ".yaml":
+        return [f"to use it, copy it to conf/offload/{out.stem}.yaml (or write it to <dir>/offload/{out.stem}.yaml with plan.out) and pass offload={out.stem}"]
+    args = " ".join(shlex.quote(a) for a in overrides)
+    search = shlex.quote(f"hydra.searchpath=[file://{out.parent.parent}]")
+    return [
+        f"train with it: python train.py {args} {search} offload={out.stem}",
+        f"confirm the placement: python -m zoo.inspect {args} {search} offload={out.stem}",
+    ]
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     import json
     import pathlib
     import sys
 
-    from zoo.inspect import compose, prepare_step, run_tool, split_tool_args
+    from zoo.inspect import compose, output_path, prepare_step, run_tool, split_tool_args
     from zoo.offload import conf_dir
     from zoo.train.config import load
 
@@ -751,6 +769,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     def body() -> int:
         opts, overrides = split_tool_args(argv, "plan", PlanConfig)
+        out = output_path(opts.out, "plan.out", "plan", f"offload/{opts.name}.yaml")
+        if opts.json:
+            output_path(opts.json, "plan.json", "plan", "plan.json")
         cfg = compose(overrides)
         # Resolve the attention for the hardware planned for; this machine validates and traces a
         # stand-in it can run (cuDNN's on a CPU: blockwise).
@@ -787,13 +808,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             f"Estimated step {1e3 * best.time_s:.3f} ms, HBM peak {_fmt_bytes(best.peak_bytes)} of {_fmt_bytes(p.budget)} per device.\n"
             f"Tags left out are recomputed."
         )
-        out = pathlib.Path(opts.out) if opts.out else conf_dir() / "offload" / f"{opts.name}.yaml"
-        out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(to_yaml(policy, header))
         print(f"wrote {out}")
-        if out.resolve().parent == (conf_dir() / "offload").resolve():
-            kept = [a for a in overrides if not a.startswith("offload=")]
-            print(f"confirm the placement: python -m zoo.inspect {' '.join(kept)} offload={out.stem}")
+        kept = [a for a in overrides if not a.startswith("offload=")]
+        for line in use_plan_lines(out, kept):
+            print(line)
         if opts.json:
             pathlib.Path(opts.json).write_text(json.dumps({"info": info, "estimate": best.as_dict(), "policy": dataclasses.asdict(policy)}, indent=2) + "\n")
         return 0
