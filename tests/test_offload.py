@@ -264,3 +264,150 @@ def test_state_lives_in_pinned_host_between_steps_and_matches_the_device_run(pre
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
     for a, b in zip(jax.tree.leaves(state["params"]), jax.tree.leaves(ref_state["params"])):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+# --- the streamed (layer-by-layer) optimizer update -------------------------------------------------
+
+
+def _host(tree):
+    return jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Host), tree)
+
+
+def test_streamed_update_is_optax_update_slice_by_slice():
+    """zoo.train.update on DeepSeek-V3-shaped trees (a dense and a MoE stack, frozen correction
+    biases, norm weights without decay) with parameters and state in host memory: three clipped AdamW
+    steps from gradients summed over two microbatches give optax's whole-tree results, and the frozen
+    buffers never move."""
+    import equinox as eqx
+    import optax
+
+    from zoo.sharding import memory_kinds
+    from zoo.train.config import OptimizerConfig
+    from zoo.train.step import is_array_like, make_optimizer, trainable_labels
+    from zoo.train.update import global_norm, streamed_update
+
+    c = OptimizerConfig(lr=1e-2, warmup_steps=1, decay_steps=3, weight_decay=0.5, grad_clip=0.5)
+    tx, unclipped = make_optimizer(c, 3)[0], make_optimizer(c, 3, clip=False)[0]
+    abstract = eqx.partition(zoo.abstract(zoo.get_size("dsv3_tiny_a")), is_array_like)[0]
+    keys = iter(jax.random.split(jax.random.key(0), 4 * len(jax.tree.leaves(abstract))))
+
+    def rand():
+        return jax.tree.map(lambda s: jax.random.normal(next(keys), s.shape, s.dtype), abstract)
+
+    params = rand()
+    sums = [rand() for _ in range(3)]  # gradients summed over 2 microbatches, norms ~20: clipped
+
+    @jax.jit
+    def whole(p, s, g):
+        u, s = tx.update(jax.tree.map(lambda x: x / 2, g), s, p)
+        return optax.apply_updates(p, u), s
+
+    @jax.jit
+    def streamed(p, s, g):
+        trainable = jax.tree.map(lambda x, lab: x if lab == "train" else None, g, trainable_labels(g))
+        return streamed_update(unclipped, g, s, p, norm=global_norm(trainable, divide=2), max_norm=c.grad_clip, divide=2)
+
+    p_ref, s_ref = params, tx.init(params)
+    p_host, s_host = _host(params), _host(tx.init(params))
+    for g in sums:
+        p_ref, s_ref = whole(p_ref, s_ref, g)
+        p_host, s_host = streamed(p_host, s_host, _host(g))
+        assert memory_kinds(p_host) == memory_kinds(s_host) == {"pinned_host"}
+    for name, a, b in (("params", p_host, p_ref), ("opt_state", s_host, s_ref)):
+        assert jax.tree.structure(a) == jax.tree.structure(b)
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2e-6, atol=1e-7, err_msg=name)
+    counts = [int(x) for x in jax.tree.leaves(s_host) if x.ndim == 0]
+    assert counts and set(counts) == {3}  # adam's and the schedule's counts advanced once per step
+    biases = [(i, j) for i, s in enumerate(params.stacks) for j, b in enumerate(s.layers) if getattr(b.ffn, "e_score_correction_bias", None) is not None]
+    assert biases
+    for i, j in biases:
+        before, after = params.stacks[i].layers[j].ffn.e_score_correction_bias, p_host.stacks[i].layers[j].ffn.e_score_correction_bias
+        np.testing.assert_array_equal(np.asarray(after), np.asarray(before))
+
+
+def test_streamed_step_equals_the_device_step_with_accumulation():
+    """Train.py's step, three steps of two microbatches (gradients summed in host memory with params
+    on host), clipped AdamW under warmup and decay: optimizer_host, params_host and both give the
+    losses, gradient norms, parameters and moments of the all-device step. One jit holds the four
+    variants (one compile); each moves its copy of the state to its own memory kinds first."""
+    from omegaconf import OmegaConf
+
+    from zoo import sharding as zs
+    from zoo.train.config import DataConfig, HardwareConfig, OptimizerConfig, TrainConfig, TrainerConfig, XlaConfig, load_group, validate
+    from zoo.train.data import SyntheticData
+    from zoo.train.step import Trainer
+
+    conf = offload.conf_dir()
+
+    def trainer(*preset):
+        c = TrainConfig(
+            model=load_group("model", OmegaConf.load(conf / "model" / "llama_tiny_a.yaml")),
+            mesh=load_group("mesh", OmegaConf.load(conf / "mesh" / "single.yaml")),
+            offload=load_preset(*preset),
+            optimizer=OptimizerConfig(lr=1e-2, warmup_steps=1, decay_steps=4, grad_clip=0.5),
+            data=DataConfig(batch_size=4, seq_len=16),
+            xla=XlaConfig(),
+            trainer=TrainerConfig(steps=3, grad_accum=2),
+            hardware=HardwareConfig(),
+        )
+        return Trainer(c, validate(c, len(jax.devices())))
+
+    trainers = [trainer("none"), trainer("optimizer_host"), trainer("params_host"), trainer("params_host", "optimizer_host")]
+    assert [t.layerwise_update for t in trainers] == [False, True, True, True]
+
+    def every_variant(states, tokens):
+        out = []
+        for t, s in zip(trainers, states):
+            s = jax.tree.map(lambda x, sh: jax.device_put(x, jax.memory.Space.Host) if sh.memory_kind == "pinned_host" else x, s, t.state_shardings)
+            new, m = t.train_step(s, tokens)
+            out.append((zs.to_device(new), m))
+        return out
+
+    ref = trainers[0]
+    data = SyntheticData(ref.cfg.data, ref.cfg.model.vocab_size)
+    states = [ref.init()] * len(trainers)
+    step = jax.jit(every_variant).lower(states, ref.shard_tokens(data.batch(0))).compile({"xla_backend_optimization_level": 0})
+    history = []
+    for i in range(3):
+        out = step(states, ref.shard_tokens(data.batch(i)))
+        states = [s for s, _ in out]
+        history.append([(float(m["loss"]), float(m["grad_norm"])) for _, m in out])
+    assert history[0][0][1] > 0.5  # the clip is active
+    for variant in range(1, len(trainers)):
+        np.testing.assert_allclose([h[variant] for h in history], [h[0] for h in history], rtol=1e-6)
+        for a, b in zip(jax.tree.leaves(states[variant]), jax.tree.leaves(states[0])):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def _update_buffers(*overrides):
+    from zoo.inspect import prepare_step, update_buffers
+
+    trainer = prepare_step(["mesh=single", "data.batch_size=2", "data.seq_len=16", *overrides])[3]
+    return trainer, update_buffers(trainer.jitted_step().trace(trainer.abstract_state(), trainer.abstract_tokens()).jaxpr)
+
+
+def test_streamed_update_holds_one_layer_on_device_read_from_the_program():
+    """Read from train.py's traced step (as the inspector reads placement): with the state in host
+    memory nothing larger than one layer's slice of a leaf comes to the device in the update, where
+    the whole-tree update works on whole stacked leaves. Four layers, a vocabulary of 64 so that the
+    leaves outside the stack are smaller than one layer's largest."""
+    model = ["model=llama_tiny_a", "model.num_layers=4", "model.vocab_size=64"]
+    trainer, whole = _update_buffers(*model, "offload=none")
+    stack = [x for p, x in jax.tree_util.tree_leaves_with_path(trainer.abstract_params) if "layers" in jax.tree_util.keystr(p)]
+    stacked = max(x.size * x.dtype.itemsize for x in stack)
+    layer = stacked // 4
+    assert whole["layer_loops"] == 0 and whole["moved_to_device"] is None
+    assert whole["device_outside_loops"]["bytes"] == stacked
+    _, host = _update_buffers(*model, "offload=[full,params_host,optimizer_host]")
+    assert host["layer_loops"] == 2  # the gradient norm, then the update, over the one stack
+    assert host["device_in_loops"]["bytes"] == host["moved_to_device"]["bytes"] == layer
+    assert host["device_outside_loops"]["bytes"] < layer
+    _, opt = _update_buffers(*model, "offload=[full,optimizer_host]")  # parameters and gradients stay on device
+    assert opt["moved_to_device"]["bytes"] == opt["device_in_loops"]["bytes"] == layer
+
+
+def test_streamed_update_traces_for_every_stack_and_the_expert_biases():
+    """DeepSeek-V3's two stacks (dense, MoE) with bias balancing on host-resident parameters."""
+    _, host = _update_buffers("model=dsv3_tiny_a", "offload=[full,params_host,optimizer_host]", "trainer.moe_bias_update_rate=0.01")
+    assert host["layer_loops"] == 4 and host["moved_to_device"] is not None

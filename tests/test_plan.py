@@ -118,16 +118,64 @@ def test_layer_input_cannot_be_recomputed():
         evaluate(p, {"decoder_layer_input": "remat"})
 
 
-def test_optimizer_on_host_frees_the_backward_phase_not_the_update():
-    base = dict(link_gbps=64.0, budget_gb=100.0)
-    p = make_problem({"a": (100, 1e9)}, **base)
-    p.opt_bytes = 2 * GB
+def test_optimizer_on_host_frees_the_backward_phase_and_streams_the_update():
+    """The update phase holds the device-resident state, the host-resident state outside the stacks
+    and two layers' worth of the stacks' host-resident slices (zoo.train.update)."""
+    p = make_problem({"a": (100, 1e9)}, link_gbps=64.0, budget_gb=100.0)
+    p.grad_bytes = p.param_bytes
+    p.opt_bytes, p.stack_opt_bytes = 2 * GB, 1.8 * GB
+    p.stacks["s"].opt_bytes_per_layer = 1.8 * GB / LAYERS
     on_device = evaluate(p, {"a": "device"})
+    assert on_device.update_phase_bytes == pytest.approx(1 * GB + 1 * GB + 2 * GB)
     p.opt_on_host = True
     on_host = evaluate(p, {"a": "device"})
     assert on_host.backward_phase_bytes == pytest.approx(on_device.backward_phase_bytes - 2 * GB)
-    assert on_host.update_phase_bytes == on_device.update_phase_bytes
+    # params + grads on device, 0.2 GB of moments outside the stacks, 2 x 0.18 GB of one layer's
+    assert on_host.update_phase_bytes == pytest.approx(1 * GB + 1 * GB + 0.2 * GB + 2 * 0.18 * GB)
     assert on_host.state_transfer_s == pytest.approx(2 * GB / (64 * GB))
+
+
+def test_params_on_host_stream_weights_and_gradients():
+    p = make_problem({"a": (100, 1e9)}, link_gbps=64.0, budget_gb=100.0)
+    p.param_bytes = p.grad_bytes = 1 * GB
+    p.stack_param_bytes = 0.9 * GB
+    p.stacks["s"].param_bytes_per_layer = 0.09 * GB
+    device = evaluate(p, {"a": "device"})
+    p.params_on_host = True
+    host = evaluate(p, {"a": "device"})
+    layer = 0.09 * GB
+    # Backward: weights and their gradients outside the stacks, and two layers of each in flight.
+    assert host.backward_phase_bytes == pytest.approx(device.backward_phase_bytes - 2 * (0.9 * GB - 2 * layer))
+    # Update: the leaves outside the stacks (weights and gradients) and two layers of both.
+    assert host.update_phase_bytes == pytest.approx(2 * 0.1 * GB + 2 * 2 * layer)
+    # Weights in and out once, the stacks' gradients in twice (the norm, then the update).
+    assert host.state_transfer_s == pytest.approx((1 * GB + 2 * 0.9 * GB) / (64 * GB))
+    p.microbatches = 2  # and summed in place per microbatch: in twice, out once
+    assert evaluate(p, {"a": "device"}).state_transfer_s == pytest.approx((1 * GB + 2 * 0.9 * GB + 2 * 2 * 0.9 * GB) / (64 * GB))
+
+
+def test_attention_working_set_by_implementation():
+    dims = dict(batch=2, heads=8, kv_heads=2, qk_dim=64, v_dim=64)
+    xla = [zp.attention_working_bytes("xla", seq=t, **dims) for t in (2048, 8192)]
+    assert xla[0] == 2 * 2 * 8 * 2048**2 * 4 and xla[1] == 16 * xla[0]  # T x T float32 scores and probabilities
+    for impl in ("blockwise", "cudnn"):
+        small, large = (zp.attention_working_bytes(impl, seq=t, **dims) for t in (2048, 8192))
+        assert 2 * small < large <= 4 * small and large < xla[1] / 50, impl  # linear in T, not quadratic
+    with pytest.raises(ValueError):
+        zp.attention_working_bytes("flash", seq=16, **dims)
+
+
+def test_loss_working_set_counts_the_chunks_and_what_the_fused_backward_keeps():
+    whole = zp.loss_working_bytes(batch=2, seq=4096, vocab=128256, embed=2048, chunk=0, compute_bytes=2)
+    assert whole == 3 * 2 * 4096 * 128256 * 4  # logits, softmax, gradient: float32
+    cast = 2048 * 128256 * 2.0
+    chunked = zp.loss_working_bytes(batch=2, seq=4096, vocab=128256, embed=2048, chunk=512, compute_bytes=2, head_cast_bytes=cast)
+    assert chunked == 3 * 2 * 512 * 128256 * 4 + 2048 * 128256 * 4 + 2 * 4096 * 2048 * 2 + cast
+    assert whole / chunked > 3.5
+    # A chunk longer than the sequence is the sequence.
+    assert zp.loss_working_bytes(batch=1, seq=64, vocab=10, embed=4, chunk=512, compute_bytes=4) == pytest.approx(
+        3 * 64 * 10 * 4 + 4 * 10 * 4 + 64 * 4 * 4
+    )
 
 
 def test_links():
@@ -219,6 +267,72 @@ def test_cli_bad_input(args, message, capsys):
     assert err.startswith(message), err
 
 
+def _plan_json(tmp_path, *args):
+    out = tmp_path / f"plan{len(list(tmp_path.glob('plan*.json')))}.json"
+    assert zp.main([*args, "plan.hbm_budget_gb=200", f"plan.out={tmp_path / 'p.yaml'}", f"plan.json={out}"]) == 0
+    return json.loads(out.read_text())
+
+
+def test_cli_update_phase_of_llama_1b_drops_with_the_optimizer_on_host(tmp_path, capsys):
+    """llama_1b (16 layers, head tied to the embedding; AdamW moments 9.9 GB): with
+    [full,optimizer_host] the update phase holds the parameters and gradients, the embedding's
+    moments and two layers' moments, no longer all of them."""
+    base = ["model=llama_1b", "mesh=single", "hardware=h100_pcie", "data.batch_size=1", "data.seq_len=256"]
+    device = _plan_json(tmp_path, *base, "offload=full")
+    host = _plan_json(tmp_path, *base, "offload=[full,optimizer_host]")
+    assert "update streamed layer by layer" in capsys.readouterr().out
+    params, opt = device["info"]["param_bytes"], device["info"]["opt_bytes"]
+    assert device["estimate"]["update_phase_bytes"] == pytest.approx(2 * params + opt)
+    outside = 2 * 128256 * 2048 * 4  # both moments of the embedding (final norm: a few kB)
+    layer = 2 * (opt - outside) / 16
+    assert host["estimate"]["update_phase_bytes"] == pytest.approx(2 * params + outside + layer, rel=1e-5)
+    assert host["estimate"]["update_phase_bytes"] < device["estimate"]["update_phase_bytes"] - 0.5 * opt
+
+
+def test_cli_counts_the_attention_that_runs_on_the_planned_hardware(tmp_path, capsys):
+    """Planning for a GPU on this CPU: `auto` is cuDNN there for half precision (no T x T scores),
+    an explicit cudnn is accepted; with float32 compute `auto` is blockwise, and xla keeps the scores."""
+    base = ["model=llama_tiny_a", "mesh=single", "hardware=h100_pcie", "data.batch_size=2", "data.seq_len=1024",
+            "model.max_position_embeddings=1024"]
+    half = ["model.compute_dtype=bfloat16"]
+    got = {
+        name: _plan_json(tmp_path, *base, *extra)["info"]
+        for name, extra in (
+            ("auto_bf16", half), ("cudnn", [*half, "model.attention_impl=cudnn"]), ("auto_f32", []),
+            ("xla", ["model.attention_impl=xla"]),
+        )
+    }
+    assert "counted: attention cudnn on h100_pcie (model.attention_impl=auto)" in capsys.readouterr().out
+    assert [got[k]["attention_impl"] for k in ("auto_bf16", "cudnn", "auto_f32", "xla")] == ["cudnn", "cudnn", "blockwise", "xla"]
+    assert got["xla"]["attention_working_bytes"] == 2 * 2 * 4 * 1024**2 * 4
+    assert got["auto_f32"]["attention_working_bytes"] < got["xla"]["attention_working_bytes"] / 5
+
+
+def test_cli_loss_chunk_size_is_a_key_and_is_counted(tmp_path):
+    base = ["model=llama_tiny_a", "mesh=single", "hardware=h100_pcie", "data.batch_size=2", "data.seq_len=64"]
+    whole = _plan_json(tmp_path, *base, "trainer.loss_chunk_size=0")["info"]
+    chunked = _plan_json(tmp_path, *base, "trainer.loss_chunk_size=16")["info"]
+    assert whole["loss_chunk_size"] == 0 and chunked["loss_chunk_size"] == 16
+    assert whole["loss_working_bytes"] == 3 * 2 * 64 * 256 * 4
+    assert chunked["loss_working_bytes"] == 3 * 2 * 16 * 256 * 4 + 64 * 256 * 4 + 2 * 64 * 64 * 4
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["hardware=cpu", "plan.link=pcie_gen5", "plan.hbm_budget_gb=80", "model.attention_impl=cudnn"],
+         "error: model.attention_impl: cudnn needs a GPU (backend is cpu); valid choices: auto, xla, blockwise, cudnn (planning for hardware=cpu)"),
+        (["model.attention_impl=flash"], "error: model.attention_impl: got 'flash'; choose one of auto, xla, blockwise, cudnn"),
+        (["trainer.loss_chunk_size=-3"], "error: trainer.loss_chunk_size: must be a positive number of sequence positions"),
+        (["trainer.loss_chunk_size=big"], "error: trainer.loss_chunk_size: Value 'big' of type 'str' could not be converted to Integer"),
+    ],
+)
+def test_cli_bad_kernel_settings_are_one_line(args, message, capsys):
+    assert zp.main([*BASE, *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(message), err
+
+
 def test_measure_hardware_writes_a_profile_train_py_accepts(tmp_path, capsys):
     from zoo.measure_hardware import main as measure_main
     from zoo.train.config import load_group
@@ -229,3 +343,27 @@ def test_measure_hardware_writes_a_profile_train_py_accepts(tmp_path, capsys):
     assert hw.name == "here" and hw.matmul_flops > 0 and hw.peak_flops == hw.matmul_flops
     assert hw.host_link_gbps > 0 and not hw.nominal and "measured" in hw.note
     assert measure_main(["n=3"]) == 2
+
+
+def test_cli_writes_under_outputs_and_prints_how_to_train_with_the_plan(tmp_path, monkeypatch, capsys):
+    from zoo.inspect import compose
+    from zoo.offload import conf_dir
+
+    monkeypatch.chdir(tmp_path)
+    assert zp.main([*BASE, "plan.hbm_budget_gb=80", "plan.name=mine"]) == 0
+    written = list(tmp_path.glob("outputs/plan/*/offload/mine.yaml"))
+    assert len(written) == 1 and not (conf_dir() / "offload" / "mine.yaml").exists()
+    printed = capsys.readouterr().out
+    assert f"wrote {written[0].relative_to(tmp_path)}" in printed
+    train = next(ln for ln in printed.splitlines() if ln.startswith("train with it: python train.py "))
+    search = f"hydra.searchpath=[file://{written[0].resolve().parent.parent}]"
+    assert f"'{search}' offload=mine" in train
+    assert compose([*BASE, search, "offload=mine"]).offload.name == "mine"  # the printed way finds it
+
+
+@pytest.mark.parametrize("key", ["plan.out", "plan.json"])
+def test_cli_unwritable_output_is_one_line_before_planning(key, capsys):
+    assert zp.main([*BASE, "plan.hbm_budget_gb=80", f"{key}=/proc/zoo/x.yaml"]) == 2
+    err = capsys.readouterr()
+    assert err.err.strip().startswith(f"error: {key}: cannot create /proc/zoo") and len(err.err.strip().splitlines()) == 1
+    assert "planning" not in err.out

@@ -285,6 +285,81 @@ def inspect_placement(fn: Callable, *args, stacks: Optional[Sequence[str]] = Non
     return placement_from_jaxpr(jax.make_jaxpr(fn)(*args), stacks)
 
 
+# --- the optimizer update ---------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Buffer:
+    """One value of the traced program: its shape, dtype and bytes (per device for a sharded step)."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    bytes: int
+
+    def as_dict(self) -> dict:
+        return {"shape": list(self.shape), "dtype": self.dtype, "bytes": self.bytes}
+
+
+def _largest(avals) -> Optional[Buffer]:
+    best = max(avals, key=_nbytes, default=None)
+    return None if best is None else Buffer(tuple(best.shape), str(best.dtype), _nbytes(best))
+
+
+_LOOPS = ("scan", "while")
+_IN_PLACE = ("dynamic_update_slice",)  # writes a slice into the stacked array it is given
+
+
+def update_buffers(closed, scope: Optional[str] = None) -> dict:
+    """What the optimizer update holds in device memory, read from a traced train step: the ops
+    under the step's `UPDATE_SCOPE` name (zoo.train.update) and everything inside them.
+
+    - `layer_loops`: loops over a stack's layers (the streamed update has one per block position
+      for the norm and one for the update; the whole-tree update has none);
+    - `device_in_loops`: the largest device-space value made inside those loops, the in-place writes
+      into the stacked arrays left out (for a streamed update: one layer's largest slice);
+    - `device_outside_loops`: the largest device-space value made elsewhere in the update (the
+      leaves outside the stacks, or every leaf of a whole-tree update);
+    - `moved_to_device`: the largest host -> device transfer in the update.
+
+    Sizes are of the traced values (per device under a sharded step's shardings they are global
+    shapes: divide by the ways a leaf is split)."""
+    from zoo.train.update import UPDATE_SCOPE
+
+    scope = scope or UPDATE_SCOPE
+    found = {"in_loops": [], "outside_loops": [], "moved": [], "loops": 0}
+
+    def record(eqns, in_loop: bool, top: bool):
+        for eqn in eqns:
+            loop = eqn.primitive.name in _LOOPS
+            if top and loop:
+                found["loops"] += 1
+            subs = _subjaxprs(eqn)
+            # Ops with sub-programs (loops, jit, custom derivatives) are counted by what they run.
+            if not subs and eqn.primitive.name not in _IN_PLACE:
+                device = [v.aval for v in eqn.outvars if hasattr(v.aval, "shape") and not _is_host(v.aval)]
+                found["in_loops" if in_loop else "outside_loops"].extend(device)
+                if eqn.primitive.name == "device_put" and any(_is_host(v.aval) for v in eqn.invars if hasattr(v, "aval")):
+                    found["moved"].extend(device)
+            for sub in subs:
+                record(sub.eqns, in_loop or loop, top and not loop)
+
+    def visit(jaxpr):
+        for eqn in jaxpr.eqns:
+            if scope in str(eqn.source_info.name_stack):
+                record([eqn], False, True)
+            else:
+                for sub in _subjaxprs(eqn):
+                    visit(sub)
+
+    visit(closed.jaxpr)
+    buffers = {
+        "device_in_loops": _largest(found["in_loops"]),
+        "device_outside_loops": _largest(found["outside_loops"]),
+        "moved_to_device": _largest(found["moved"]),
+    }
+    return {"layer_loops": found["loops"], **{k: None if b is None else b.as_dict() for k, b in buffers.items()}}
+
+
 # --- compiled memory --------------------------------------------------------------------------
 
 MEMORY_FIELDS = (
@@ -330,11 +405,29 @@ EXIT_MISMATCH = 1
 class InspectOptions:
     """`inspect.*` keys of `python -m zoo.inspect` (the other arguments are train.py's overrides)."""
 
-    out: str = "inspect.json"
+    out: Optional[str] = None  # null: outputs/inspect/<date>_<time>/inspect.json (under the current directory)
     # Run one real step to read the device's peak memory, where the backend reports it (not CPU).
     measure: bool = True
     # Exit 1 when a tag is not where the policy says it should be.
     strict: bool = True
+
+
+def output_path(explicit: Optional[str], key: str, tool: str, relative: str):
+    """Where a tool writes: `explicit`, or `outputs/<tool>/<date>_<time>/<relative>` under the current
+    directory (as train.py's Hydra runs go under outputs/). The folder is created and probed now, so
+    an unwritable path is one line before anything compiles; no existing file is touched."""
+    import os
+    import pathlib
+    import time
+
+    path = pathlib.Path(explicit) if explicit else pathlib.Path("outputs") / tool / time.strftime("%Y-%m-%d_%H-%M-%S") / relative
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"{key}: cannot create {path.parent} ({e.strerror}); give a writable path, e.g. {key}=/tmp/{path.name}") from None
+    if path.is_dir() or not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise ValueError(f"{key}: cannot write {path}; give a writable file path, e.g. {key}=/tmp/{path.name}")
+    return path
 
 
 def split_tool_args(argv: Sequence[str], prefix: str, schema: type):
@@ -396,13 +489,14 @@ def _conf():
     return conf_dir()
 
 
-def prepare_step(overrides: Sequence[str]):
-    """Compose, validate (one-line errors, nothing compiled) and build train.py's Trainer."""
+def prepare_step(overrides: Sequence[str], cfg=None):
+    """Compose (or take the composed `cfg`), validate (one-line errors, nothing compiled) and build
+    train.py's Trainer."""
     from zoo.offload import dropped_block_tags, resolve
     from zoo.train.run import prepare
     from zoo.train.step import Trainer
 
-    cfg = compose(overrides)
+    cfg = compose(overrides) if cfg is None else cfg
     c, plan, devices, _ = prepare(cfg)
     resolve(c.offload, c.model)
     notes = [
@@ -426,8 +520,9 @@ def _table(rows: list[tuple]) -> str:
     return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
 
-def report(c, trainer, placement: Placement, compiled_mem: Optional[dict], measured: Optional[dict], overrides=()) -> dict:
-    """inspect.json's content (schema in README.md: "The inspector")."""
+def report(c, trainer, placement: Placement, compiled_mem: Optional[dict], measured: Optional[dict], overrides=(), update: Optional[dict] = None) -> dict:
+    """inspect.json's content (schema in README.md: "The inspector"); `update`: `update_buffers`
+    of the traced step."""
     from zoo.config import count_params
     from zoo.offload import expected_placement, placement_matches, resolve
 
@@ -487,9 +582,46 @@ def report(c, trainer, placement: Placement, compiled_mem: Optional[dict], measu
         "totals_bytes": totals,
         "compiled_memory": compiled_mem,
         "measured": measured,
+        **memory_sections(c, trainer, update),
         "mismatches": [t["tag"] + "@" + t["stack"] for t in tags if not t["ok"]] + [f"{t}: not found in the program" for t in missing],
         "notes": notes,
     }
+
+
+def memory_sections(c, trainer, update: Optional[dict]) -> dict:
+    """inspect.json's `kernels` (what this machine runs: attention implementation, routed-expert
+    kernel, loss chunk) and `update` (`update_buffers`, with whether the update is streamed)."""
+    from zoo.train.run import kernels
+
+    out = {"kernels": kernels(c, trainer.plan)}
+    if update is not None:
+        out["update"] = {"streamed": trainer.layerwise_update, **update}
+    return out
+
+
+def render_memory_sections(rep: dict) -> list[str]:
+    k = rep.get("kernels")
+    lines = []
+    if k:
+        lines.append(
+            f"kernels: attention {k['attention']}"
+            + (f", routed experts {k['moe']}" if k.get("moe") else "")
+            + (f", loss over chunks of {k['loss_chunk_size']} positions" if k.get("loss_chunk_size") else ", loss over the whole logits")
+        )
+    u = rep.get("update")
+    if u:
+
+        def buf(b):
+            return "none" if b is None else f"{_fmt(b['bytes'])} ({'x'.join(map(str, b['shape']))} {b['dtype']})"
+
+        if u["streamed"]:
+            lines.append(
+                f"update: streamed over {u['layer_loops']} layer loops; largest device value inside them {buf(u['device_in_loops'])}, "
+                f"outside them {buf(u['device_outside_loops'])}; largest host->device move {buf(u['moved_to_device'])}"
+            )
+        else:
+            lines.append(f"update: whole tree on device; largest device value {buf(u['device_outside_loops'])}")
+    return lines
 
 
 def render(rep: dict) -> str:
@@ -517,6 +649,7 @@ def render(rep: dict) -> str:
                 _fmt(m.get("host_temp_size_in_bytes")), _fmt(m.get("alias_size_in_bytes")), _fmt(m.get("estimated_peak_bytes")),
             )
         )
+    out += render_memory_sections(rep)
     meas = rep["measured"]
     out.append(
         f"measured peak device memory {_fmt(meas['peak_bytes_in_use'])} ({meas['source']})" if meas
@@ -566,6 +699,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     def body() -> int:
         opts, overrides = split_tool_args(argv, "inspect", InspectOptions)
+        out = output_path(opts.out, "inspect.out", "inspect", "inspect.json")
         c, plan, devices, trainer, notes = prepare_step(overrides)
         for n in notes:
             print(f"note: {n}")
@@ -575,12 +709,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         placement, compiled_mem, measured = inspect_step(
             trainer, opts.measure, on_compiled=lambda compiled, text: seen.update(scale=scale.scale_report(trainer, compiled, text))
         )
-        rep = report(c, trainer, placement, compiled_mem, measured, overrides)
+        update = update_buffers(trainer.jitted_step().trace(trainer.abstract_state(), trainer.abstract_tokens()).jaxpr)
+        rep = report(c, trainer, placement, compiled_mem, measured, overrides, update)
         rep["scale"] = seen["scale"]
         print(render(rep))
         print(scale.render(rep["scale"]))
-        out = pathlib.Path(opts.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(rep, indent=2) + "\n")
         print(f"wrote {out}")
         if rep["mismatches"] and opts.strict:

@@ -62,7 +62,9 @@ class PlanConfig:
     link: Optional[str] = None  # GB/s per direction, a name of LINKS, or a conf/hardware profile; null: hardware.host_link_gbps
     flops_efficiency: float = 0.5  # fraction of hardware.peak_flops matmuls reach
     transfer_latency_us: float = 10.0  # fixed cost of one host transfer
-    out: Optional[str] = None  # where the offload YAML goes; null: conf/offload/<name>.yaml
+    # Where the offload YAML goes; null: outputs/plan/<date>_<time>/offload/<name>.yaml (a folder
+    # named offload, so train.py finds it with hydra.searchpath=[file://<the folder above>]).
+    out: Optional[str] = None
     name: str = "planned"
     json: Optional[str] = None  # also write the estimates as JSON here
 
@@ -124,6 +126,7 @@ class StackCost:
     layers: int
     forward_flops_per_layer: float  # one device's forward FLOPs of one layer
     param_bytes_per_layer: float = 0.0  # moved per layer when parameters live on host
+    opt_bytes_per_layer: float = 0.0  # optimizer state of one layer (moved per layer when it lives on host)
 
 
 @dataclasses.dataclass
@@ -142,6 +145,7 @@ class Problem:
     stack_param_bytes: float = 0.0  # the part of param_bytes inside layer stacks
     grad_bytes: float = 0.0
     opt_bytes: float = 0.0
+    stack_opt_bytes: float = 0.0  # the part of opt_bytes inside layer stacks
     params_on_host: bool = False
     opt_on_host: bool = False
     other_bytes: float = 0.0  # untagged residuals (per microbatch)
@@ -186,23 +190,49 @@ def _tag_totals(p: Problem, t: TagCost) -> float:
     return sum(b * p.stacks[s].layers for s, b in t.bytes_per_layer.items())
 
 
+def _streamed(p: Problem) -> bool:
+    """Host-resident state is updated layer by layer (zoo.train.update)."""
+    return p.params_on_host or p.opt_on_host
+
+
+def _biggest_layer(p: Problem, params: bool, opt: bool) -> float:
+    """The largest one layer's parameters + gradients (`params`) and optimizer state (`opt`)."""
+    return max((2 * s.param_bytes_per_layer * params + s.opt_bytes_per_layer * opt for s in p.stacks.values()), default=0.0)
+
+
 def _fixed_bytes(p: Problem) -> tuple[float, float]:
     """(backward-phase bytes that do not depend on the tags, update-phase bytes)."""
+    outside_params = p.param_bytes - p.stack_param_bytes
     if p.params_on_host:
+        # Weights: this layer and the next in flight. Their gradients leave for host memory per layer.
         biggest_layer = max((s.param_bytes_per_layer for s in p.stacks.values()), default=0.0)
-        params = p.param_bytes - p.stack_param_bytes + 2 * biggest_layer  # this layer and the next in flight
+        params = outside_params + 2 * biggest_layer
+        grads = p.grad_bytes - p.stack_param_bytes + 2 * biggest_layer
     else:
-        params = p.param_bytes
+        params, grads = p.param_bytes, p.grad_bytes
     opt = 0.0 if p.opt_on_host else p.opt_bytes
-    backward = params + p.grad_bytes + opt + p.other_bytes + p.working_bytes
-    update = p.param_bytes + p.grad_bytes + p.opt_bytes
-    return backward, update
+    backward = params + grads + opt + p.other_bytes + p.working_bytes
+    if not _streamed(p):
+        return backward, p.param_bytes + p.grad_bytes + p.opt_bytes
+    # Streamed: what lives on device stays; the host-resident leaves outside the stacks come whole;
+    # the stacks' host-resident slices come one layer at a time (this one and the next in flight).
+    resident = (0.0 if p.params_on_host else p.param_bytes + p.grad_bytes) + (0.0 if p.opt_on_host else p.opt_bytes)
+    outside = (2 * outside_params if p.params_on_host else 0.0) + (p.opt_bytes - p.stack_opt_bytes if p.opt_on_host else 0.0)
+    return backward, resident + outside + 2 * _biggest_layer(p, p.params_on_host, p.opt_on_host)
 
 
 def _state_transfer_s(p: Problem) -> float:
-    """Host-resident state moved for the optimizer update (in and out overlap: full duplex)."""
-    moved = (p.opt_bytes if p.opt_on_host else 0.0) + (p.param_bytes if p.params_on_host else 0.0)
-    return moved / p.link
+    """Host-resident state moved for the optimizer update, exposed (in and out overlap: full duplex,
+    so the busier direction counts). With params on host the stacks' gradients come in twice (the
+    norm, then the update) and, with several microbatches, are summed in place once per microbatch
+    (in twice, out once)."""
+    opt = p.opt_bytes if p.opt_on_host else 0.0
+    if not p.params_on_host:
+        return opt / p.link
+    grads = p.stack_param_bytes
+    into = opt + p.param_bytes + 2 * grads + (2 * grads * p.microbatches if p.microbatches > 1 else 0.0)
+    out = opt + p.param_bytes + (grads * p.microbatches if p.microbatches > 1 else 0.0)
+    return max(into, out) / p.link
 
 
 def _evaluate_arrays(p: Problem, digits: np.ndarray) -> dict[str, np.ndarray]:
@@ -345,7 +375,7 @@ def _state_hint(p: Problem) -> str:
         hints.append("offload.params=pinned_host")
     if not hints:
         return ", or shrink the batch / sequence or shard over more devices"
-    return f", or shrink the batch / sequence, or try {' '.join(hints)} (note: the update phase keeps all state on device)"
+    return f", or shrink the batch / sequence, or try {' '.join(hints)} (the update then streams that state layer by layer)"
 
 
 # --- from a model config ----------------------------------------------------------------------
@@ -527,8 +557,77 @@ def _per_device_bytes(abstract_tree, shardings, stack_names: Sequence[str] = ())
     return total, per_stack
 
 
-def problem_from_config(c, trainer, opts: PlanConfig, hardware_dir=None) -> tuple[Problem, dict]:
-    """The planning problem for a composed, validated train config (sizes per device)."""
+def target_attention_impl(c) -> str:
+    """What `model.attention_impl` stands for on the hardware planned for (`hardware.platform` and
+    `hardware.compute_capability`; this machine's backend where the profile names none): a GPU
+    profile gets cuDNN where it can run the model's heads, even when planning on a CPU. An impl
+    the target cannot run is a PlanError naming the key and the choices."""
+    import jax
+
+    from zoo.nn.attention_kernels import resolve_impl
+
+    m, hw = c.model, c.hardware
+    try:
+        return resolve_impl(
+            m.attention_impl, backend=hw.platform or jax.default_backend(), dtype=m.compute_dtype, qk_dim=m.qk_head_dim,
+            v_dim=m.v_head_dim, seq_len=c.data.seq_len, has_sinks=m.attention_sinks, compute_capability=hw.capability() or (0, 0),
+        )
+    except ValueError as e:
+        raise PlanError(f"{str(e).splitlines()[0]} (planning for hardware={hw.name})") from None
+
+
+def host_attention_impl(target: str) -> str:
+    """The implementation this machine traces in place of the target's: the tags and residuals do
+    not depend on it, and cuDNN's stand-in (blockwise) keeps no T x T scores either."""
+    import jax
+
+    return "blockwise" if target == "cudnn" and jax.default_backend() != "gpu" else target
+
+
+def attention_working_bytes(impl: str, *, batch: int, seq: int, heads: int, kv_heads: int, qk_dim: int, v_dim: int) -> float:
+    """The transient bytes of one layer's attention backward (its forward holds less), per device.
+
+    - xla: the float32 scores and probabilities [batch, heads, T, T] (their gradients reuse them);
+    - blockwise: four float32 tiles [batch, heads, block_q, block_k] (scores, probabilities and
+      their gradients), the float32 dq / dk / dv accumulators and the per-row statistics;
+    - cudnn: the float32 dq accumulator and the softmax statistics (the tiles live in on-chip memory).
+    """
+    from zoo.nn.attention_kernels import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q
+
+    rows = 3.0 * batch * heads * seq * 4  # logsumexp, delta, running max
+    if impl == "xla":
+        return 2.0 * batch * heads * seq * seq * 4
+    if impl == "blockwise":
+        tiles = 4.0 * batch * heads * min(DEFAULT_BLOCK_Q, seq) * min(DEFAULT_BLOCK_K, seq) * 4
+        accumulators = 4.0 * batch * seq * (heads * qk_dim + kv_heads * (qk_dim + v_dim))
+        return tiles + accumulators + rows
+    if impl == "cudnn":
+        return 4.0 * batch * seq * heads * qk_dim + rows
+    raise ValueError(f"attention_working_bytes: unknown implementation {impl!r}")
+
+
+def loss_working_bytes(*, batch: int, seq: int, vocab: int, embed: int, chunk: int, compute_bytes: int, head_cast_bytes: float = 0.0) -> float:
+    """The transient bytes of the head + loss, per device (`vocab` is the device's share).
+
+    Whole logits (`chunk` 0): the float32 logits, their softmax and their gradient [batch, T, vocab].
+    Chunked (zoo.loss, fused): the same three for [batch, chunk, vocab] at a time, plus what the
+    fused backward keeps through the chunks: the float32 head-gradient accumulator [embed, vocab],
+    the hidden states' gradient [batch, T, embed] in the compute dtype, and the head cast to the
+    compute dtype (`head_cast_bytes`, 0 when the dtypes agree)."""
+    if not chunk:
+        return 3.0 * batch * seq * vocab * 4
+    rows = min(chunk, seq)
+    return 3.0 * batch * rows * vocab * 4 + 4.0 * embed * vocab + float(batch * seq * embed * compute_bytes) + head_cast_bytes
+
+
+def _ways(c, trainer, logical: str) -> int:
+    sizes = trainer.plan.mesh.sizes
+    return math.prod(sizes[a] for a in dict.fromkeys(c.mesh.rules.get(logical, [])) if a in sizes) or 1
+
+
+def problem_from_config(c, trainer, opts: PlanConfig, hardware_dir=None, attention_impl: Optional[str] = None) -> tuple[Problem, dict]:
+    """The planning problem for a composed, validated train config (sizes per device);
+    `attention_impl`: the implementation the target runs (default: `target_attention_impl(c)`)."""
     import jax
     import jax.numpy as jnp
 
@@ -539,6 +638,8 @@ def problem_from_config(c, trainer, opts: PlanConfig, hardware_dir=None) -> tupl
     from zoo.tags import emitted_tags
 
     m = c.model
+    attention_impl = attention_impl or target_attention_impl(c)
+    m = m.replace(attention_impl=host_attention_impl(attention_impl))
     sizes = trainer.plan.mesh.sizes
     dp = math.prod(sizes[a] for a in dict.fromkeys(c.mesh.rules.get("batch", [])) if a in sizes) or 1
     batch = max(1, trainer.plan.microbatch // dp)
@@ -558,12 +659,13 @@ def problem_from_config(c, trainer, opts: PlanConfig, hardware_dir=None) -> tupl
     stacks = {}
     param_bytes, stack_params = _per_device_bytes(trainer.abstract_params, trainer.param_shardings, stack_names(abstract))
     abstract_opt = jax.eval_shape(trainer.tx.init, trainer.abstract_params)
-    opt_bytes, _ = _per_device_bytes(abstract_opt, trainer.opt_shardings)
+    opt_bytes, stack_opt = _per_device_bytes(abstract_opt, trainer.opt_shardings, stack_names(abstract))
     for s in placement.stacks:
         stacks[s["name"]] = StackCost(
             layers=s["layers"],
             forward_flops_per_layer=layer_forward_flops(m, s["name"], batch, seq),
             param_bytes_per_layer=stack_params.get(s["name"], 0.0) / s["layers"],
+            opt_bytes_per_layer=stack_opt.get(s["name"], 0.0) / s["layers"],
         )
 
     hw = c.hardware
@@ -580,15 +682,22 @@ def problem_from_config(c, trainer, opts: PlanConfig, hardware_dir=None) -> tupl
     else:
         raise PlanError(f"plan.hbm_budget_gb: hardware profile {hw.name!r} has no hbm_bytes; give a budget, e.g. plan.hbm_budget_gb=80")
 
-    # Working set: two layers' intermediates (the one in backward, the next in flight), the logits
-    # (float32: logits, softmax and their gradient), and the T x T attention probabilities when XLA
-    # materialises them (not with flash attention: cudnn, or auto with half-precision compute).
+    # Working set: two layers' intermediates (the one in backward, the next in flight) with one
+    # layer's attention transient, or the head + loss, whichever is larger (they do not overlap).
     per_layer = max((sum(t.bytes_per_layer.get(s, 0.0) for t in tags) for s in stacks), default=0.0)
     mlpwo_bytes = max((r.bytes_per_layer for r in placement.records if r.tag in backward_never_reads(m)), default=0)
-    logits = 3.0 * batch * seq * m.vocab_size * 4
-    flash = m.attention_impl == "cudnn" or (m.attention_impl == "auto" and m.compute_dtype in ("bfloat16", "float16"))
-    scores = 0.0 if flash else 2.0 * batch * m.num_heads * seq * seq * 4
-    working = max(2.0 * (per_layer + mlpwo_bytes) + scores, logits)
+    heads_ways = _ways(c, trainer, "heads")
+    attention = attention_working_bytes(
+        attention_impl, batch=batch, seq=seq, heads=max(1, m.num_heads // heads_ways), kv_heads=max(1, (m.num_kv_heads if not m.uses_mla else m.num_heads) // heads_ways),
+        qk_dim=m.qk_head_dim, v_dim=m.v_head_dim,
+    )
+    vocab = -(-m.vocab_size // _ways(c, trainer, "vocab"))
+    compute_bytes = np.dtype(m.compute_dtype).itemsize
+    head_cast = 0.0 if m.compute_dtype == m.param_dtype else float(m.hidden_size * vocab * compute_bytes)
+    loss = loss_working_bytes(
+        batch=batch, seq=seq, vocab=vocab, embed=m.hidden_size, chunk=c.trainer.loss_chunk_size, compute_bytes=compute_bytes, head_cast_bytes=head_cast,
+    )
+    working = max(2.0 * (per_layer + mlpwo_bytes) + attention, loss)
     other = float(sum(o.total_bytes for o in placement.other))
 
     p = Problem(
@@ -604,6 +713,7 @@ def problem_from_config(c, trainer, opts: PlanConfig, hardware_dir=None) -> tupl
         stack_param_bytes=sum(stack_params.values()),
         grad_bytes=param_bytes,
         opt_bytes=opt_bytes,
+        stack_opt_bytes=sum(stack_opt.values()),
         params_on_host=c.offload.params == "pinned_host",
         opt_on_host=c.offload.opt_state == "pinned_host",
         other_bytes=other,
@@ -621,9 +731,29 @@ def problem_from_config(c, trainer, opts: PlanConfig, hardware_dir=None) -> tupl
         "param_bytes": param_bytes,
         "opt_bytes": opt_bytes,
         "working_bytes": working,
+        "attention_impl": attention_impl,
+        "attention_working_bytes": attention,
+        "loss_chunk_size": c.trainer.loss_chunk_size,
+        "loss_working_bytes": loss,
         "untagged_residual_bytes": other,
     }
     return p, info
+
+
+def use_plan_lines(out, overrides: Sequence[str]) -> list[str]:
+    """How to train with (and inspect) a plan written to `out`: Hydra finds an option of the
+    offload group in `<dir>/offload/<name>.yaml` given `hydra.searchpath=[file://<dir>]`."""
+    import shlex
+
+    out = out.resolve()
+    if out.parent.name != "offload" or out.suffix != ".yaml":
+        return [f"to use it, copy it to conf/offload/{out.stem}.yaml (or write it to <dir>/offload/{out.stem}.yaml with plan.out) and pass offload={out.stem}"]
+    args = " ".join(shlex.quote(a) for a in overrides)
+    search = shlex.quote(f"hydra.searchpath=[file://{out.parent.parent}]")
+    return [
+        f"train with it: python train.py {args} {search} offload={out.stem}",
+        f"confirm the placement: python -m zoo.inspect {args} {search} offload={out.stem}",
+    ]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -631,22 +761,40 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     import pathlib
     import sys
 
-    from zoo.inspect import prepare_step, run_tool, split_tool_args
+    from zoo.inspect import compose, output_path, prepare_step, run_tool, split_tool_args
     from zoo.offload import conf_dir
+    from zoo.train.config import load
 
     argv = list(sys.argv[1:] if argv is None else argv)
 
     def body() -> int:
         opts, overrides = split_tool_args(argv, "plan", PlanConfig)
-        c, _, _, trainer, notes = prepare_step(overrides)
+        out = output_path(opts.out, "plan.out", "plan", f"offload/{opts.name}.yaml")
+        if opts.json:
+            output_path(opts.json, "plan.json", "plan", "plan.json")
+        cfg = compose(overrides)
+        # Resolve the attention for the hardware planned for; this machine validates and traces a
+        # stand-in it can run (cuDNN's on a CPU: blockwise).
+        asked = load(cfg).model.attention_impl
+        attention_impl = target_attention_impl(load(cfg))
+        cfg.model.attention_impl = host_attention_impl(attention_impl)
+        c, _, _, trainer, notes = prepare_step(overrides, cfg)
         for n in notes:
             print(f"note: {n}")
-        p, info = problem_from_config(c, trainer, opts, conf_dir() / "hardware")
+        p, info = problem_from_config(c, trainer, opts, conf_dir() / "hardware", attention_impl)
         print(
             f"planning {c.model.family} ({c.model.num_layers} layers), per device batch {info['per_device_batch']} x {info['seq_len']} "
             f"on {info['devices']} device(s); matmul rate {info['rate_flops'] / 1e12:.1f} TFLOP/s ({info['rate_source']}), "
             f"host link {info['link_gbps_per_direction']:g} GB/s per direction, HBM budget {_fmt_bytes(info['budget_bytes'])}; "
             f"params {c.offload.params}, optimizer state {c.offload.opt_state}"
+        )
+        chunk = c.trainer.loss_chunk_size
+        print(
+            f"counted: attention {attention_impl} on {c.hardware.name} (model.attention_impl={asked}) "
+            f"{_fmt_bytes(info['attention_working_bytes'])} per layer, "
+            + (f"loss over chunks of {chunk} positions" if chunk else "loss over the whole logits")
+            + f" {_fmt_bytes(info['loss_working_bytes'])}, update "
+            + ("streamed layer by layer" if _streamed(p) else "whole tree on device")
         )
         try:
             best = search(p)
@@ -660,13 +808,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             f"Estimated step {1e3 * best.time_s:.3f} ms, HBM peak {_fmt_bytes(best.peak_bytes)} of {_fmt_bytes(p.budget)} per device.\n"
             f"Tags left out are recomputed."
         )
-        out = pathlib.Path(opts.out) if opts.out else conf_dir() / "offload" / f"{opts.name}.yaml"
-        out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(to_yaml(policy, header))
         print(f"wrote {out}")
-        if out.resolve().parent == (conf_dir() / "offload").resolve():
-            kept = [a for a in overrides if not a.startswith("offload=")]
-            print(f"confirm the placement: python -m zoo.inspect {' '.join(kept)} offload={out.stem}")
+        kept = [a for a in overrides if not a.startswith("offload=")]
+        for line in use_plan_lines(out, kept):
+            print(line)
         if opts.json:
             pathlib.Path(opts.json).write_text(json.dumps({"info": info, "estimate": best.as_dict(), "policy": dataclasses.asdict(policy)}, indent=2) + "\n")
         return 0

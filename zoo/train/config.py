@@ -179,10 +179,30 @@ class HardwareConfig:
     matmul_flops: Optional[float] = None
     nominal: bool = False  # true: peak_flops is a round number, not a datasheet figure
     note: str = ""
+    # What zoo.plan resolves model.attention_impl for when it plans on another machine: the
+    # platform ("cpu", "gpu"; null: this machine's) and a GPU's CUDA compute capability ("9.0").
+    platform: Optional[str] = None
+    compute_capability: Optional[str] = None
 
     def __post_init__(self):
         if self.peak_flops <= 0:
             raise ConfigError(f"hardware.peak_flops: must be positive, got {self.peak_flops}")
+        if self.platform not in (None, "cpu", "gpu"):
+            raise ConfigError(f"hardware.platform: got {self.platform!r}; choose cpu, gpu or null (this machine's)")
+        if self.compute_capability is not None:
+            major, _, minor = str(self.compute_capability).partition(".")
+            if self.platform != "gpu" or not (major.isdigit() and minor.isdigit()):
+                raise ConfigError(
+                    f"hardware.compute_capability: got {self.compute_capability!r}; give a GPU's major.minor "
+                    "(e.g. 9.0) with hardware.platform=gpu, or null"
+                )
+
+    def capability(self) -> Optional[tuple[int, int]]:
+        """The compute capability as (major, minor), None where not given."""
+        if self.compute_capability is None:
+            return None
+        major, _, minor = str(self.compute_capability).partition(".")
+        return int(major), int(minor)
 
 
 @dataclasses.dataclass

@@ -23,6 +23,7 @@ from zoo import sharding as zs
 from zoo.loss import chunked_next_token_loss
 from zoo.offload import remat_policy
 from zoo.train.config import OptimizerConfig, Plan, TrainConfig
+from zoo.train.update import UPDATE_SCOPE, accumulate, global_norm, streamed_update, zeros_where
 
 
 def is_array_like(x) -> bool:
@@ -55,9 +56,12 @@ def make_schedule(c: OptimizerConfig, total_steps: int) -> optax.Schedule:
     )
 
 
-def make_optimizer(c: OptimizerConfig, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
+def make_optimizer(c: OptimizerConfig, total_steps: int, *, clip: bool = True) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """AdamW under the schedule, gradients clipped by their global norm (`optimizer.grad_clip` > 0),
+    buffers frozen. `clip=False` leaves the clipping to the caller (the streamed update, which
+    computes the norm of the whole gradient first) with the state's structure unchanged."""
     schedule = make_schedule(c, total_steps)
-    parts = [optax.clip_by_global_norm(c.grad_clip)] if c.grad_clip > 0 else []
+    parts = [optax.clip_by_global_norm(c.grad_clip) if clip else optax.identity()] if c.grad_clip > 0 else []
     parts.append(optax.adamw(schedule, b1=c.b1, b2=c.b2, eps=c.eps, weight_decay=c.weight_decay, mask=decay_mask))
     tx = optax.multi_transform({"train": optax.chain(*parts), "frozen": optax.set_to_zero()}, trainable_labels)
     return tx, schedule
@@ -99,6 +103,9 @@ class Trainer:
         self.policy = remat_policy(cfg.offload)
         self.params_on_host = cfg.offload.params == "pinned_host"
         self.opt_on_host = cfg.offload.opt_state == "pinned_host"
+        # Host-resident state is updated layer by layer (zoo.train.update), not brought to the device whole.
+        self.layerwise_update = self.params_on_host or self.opt_on_host
+        self.tx_unclipped = make_optimizer(cfg.optimizer, cfg.trainer.steps, clip=False)[0]
 
         sizes = plan.mesh.sizes
         param_specs = tree_specs(self.abstract_params, rules, sizes)
@@ -230,9 +237,9 @@ class Trainer:
         grad_fn = jax.value_and_grad(self.loss_and_aux, has_aux=True)
 
         def micro(mb):
+            # With params on host the stacks' gradients come back in host memory and stay there: the
+            # streamed update reads them one layer at a time.
             (loss, aux), grads = grad_fn(loss_params, mb)
-            if self.params_on_host:
-                grads = zs.to_device(grads)  # the stacks' cotangents come back in host memory
             load = aux.tokens_per_expert.astype(jnp.float32) if aux is not None else jnp.zeros((0, 0), jnp.float32)
             dropped = aux.dropped.astype(jnp.float32) if aux is not None else jnp.zeros((0,), jnp.float32)
             return loss, grads, load, dropped
@@ -242,22 +249,15 @@ class Trainer:
         else:
 
             def body(carry, mb):
-                out = micro(mb)
-                return jax.tree.map(jnp.add, carry, out), None
+                loss, grads, load, dropped = micro(mb)
+                return (carry[0] + loss, accumulate(carry[1], grads), carry[2] + load, carry[3] + dropped), None
 
             zero = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(micro, tokens[0]))
-            total, _ = jax.lax.scan(body, zero, tokens)
-            loss, grads, load, dropped = jax.tree.map(lambda x: x / accum, total)
-            load, dropped = load * accum, dropped * accum  # counts add up over microbatches
+            zero = (zero[0], zeros_where(loss_params), zero[2], zero[3])  # gradients sum where they arrive
+            (loss, grads, load, dropped), _ = jax.lax.scan(body, zero, tokens)
+            loss = loss / accum  # load and dropped are counts: they add up over microbatches
 
-        labels = trainable_labels(grads)
-        trainable = jax.tree.map(lambda g, lab: g if lab == "train" else None, grads, labels)
-        grad_norm = optax.global_norm(trainable)
-
-        opt_state = zs.to_device(state["opt_state"]) if self.opt_on_host else state["opt_state"]
-        dev_params = zs.to_device(params) if self.params_on_host else params
-        updates, opt_state = self.tx.update(grads, opt_state, dev_params)
-        new_params = optax.apply_updates(dev_params, updates)
+        new_params, opt_state, grad_norm = self._update(state, grads, accum)
 
         rate = c.trainer.moe_bias_update_rate
         if rate > 0:
@@ -271,6 +271,25 @@ class Trainer:
         new_state = {"params": new_params, "opt_state": opt_state, "step": state["step"] + 1}
         return new_state, metrics
 
+    def _update(self, state, grads, accum: int):
+        """(new params, new optimizer state, gradient norm) from the gradients summed over `accum`
+        microbatches: the whole tree at once when the state is on device, else streamed layer by
+        layer (zoo.train.update)."""
+        params, opt_state = state["params"], state["opt_state"]
+        labels = trainable_labels(grads)
+        trainable = jax.tree.map(lambda g, lab: g if lab == "train" else None, grads, labels)
+        with jax.named_scope(UPDATE_SCOPE):
+            if self.layerwise_update:
+                norm = global_norm(trainable, divide=accum)
+                new_params, opt_state = streamed_update(
+                    self.tx_unclipped, grads, opt_state, params, norm=norm, max_norm=self.cfg.optimizer.grad_clip, divide=accum
+                )
+                return new_params, opt_state, norm
+            grads = jax.tree.map(lambda g: g / accum, grads) if accum > 1 else grads
+            norm = optax.tree.norm(jax.tree.map(lambda g: g / accum, trainable) if accum > 1 else trainable)
+            updates, opt_state = self.tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, norm
+
     def _balance_experts(self, params, load, rate):
         """DeepSeek-V3's auxiliary-loss-free balancing: push overloaded experts' correction bias down
         (`load` has one row per MoE layer, in model order)."""
@@ -281,7 +300,7 @@ class Trainer:
                 continue
             layer_load = load[rows]
             mean = layer_load.mean(axis=-1, keepdims=True)
-            bias = ffn.e_score_correction_bias + rate * jnp.sign(mean - layer_load).astype(jnp.float32)
+            bias = zs.to_device(ffn.e_score_correction_bias) + rate * jnp.sign(mean - layer_load).astype(jnp.float32)
             params = eqx.tree_at(lambda p, s=s, j=j: p.stacks[s].layers[j].ffn.e_score_correction_bias, params, bias)
         return params
 
