@@ -103,6 +103,7 @@ class Checkpoints:
             "optimizer": dataclasses.asdict(c.optimizer),
             "data": dataclasses.asdict(c.data),
             "trainer": dataclasses.asdict(c.trainer),
+            "pretrained": dataclasses.asdict(c.pretrained) if c.pretrained is not None else None,  # model=hf: the initial weights
             "state": state_signature(self.trainer.abstract_state()),
         }
         return self._meta
