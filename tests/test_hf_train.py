@@ -177,11 +177,12 @@ def test_sharded_checkpoint_loads_slice_by_slice_into_8_devices_then_exports(dsv
     opt_shardings = jax.tree.leaves(trainer.opt_shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
     assert [x.sharding for x in jax.tree.leaves(state["opt_state"])] == opt_shardings  # the optimizer state, sharded as init makes it
 
-    # Step 0's loss in train.py's loss function (chunked head, sharded experts) is from_pretrained's.
+    # Step 0's loss in train.py's loss function (chunked head, experts routed per device over 8 devices)
+    # is from_pretrained's up to float32 summation order (measured 2.4e-7 relative).
     batch = make_data(c).batch(0)
     with zs.activate(trainer.mesh, trainer.rules):
         loss = jax.jit(lambda p, t: trainer.loss_and_aux(p, t[0])[0])(state["params"], trainer.shard_tokens(batch))
-    assert float(loss) == float(_loss(reference, jnp.asarray(batch)))
+    assert abs(float(loss) - float(_loss(reference, jnp.asarray(batch)))) < 1e-5
 
     # The run's checkpoint records the source; exporting it carries the tokenizer and generation files.
     ckpt = Checkpoints(c, plan, trainer)

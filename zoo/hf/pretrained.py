@@ -6,9 +6,9 @@ weights from its safetensors. `conf/model/hf.yaml` (written by `python -m zoo.hf
 ModelConfig field as null: null is config.json's value, and a value given on the command line must
 agree with it, so an override cannot contradict the weights. `model_from_node` resolves the group
 into the full ModelConfig and a `PretrainedSource` (what train.py records in summary.json and in its
-checkpoints' metadata), after checking every tensor's name, shape and dtype from the safetensors
-headers, before anything compiles. Bad input raises ValueError: one line naming the key or file and
-the fix.
+checkpoints' metadata); `check_weights` then checks every tensor's name, shape and dtype from the
+safetensors headers (in `validate`, before anything compiles) and `fit_tokenizer` the data's
+tokenizer. Bad input raises ValueError: one line naming the key or file and the fix.
 """
 
 import dataclasses
