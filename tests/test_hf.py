@@ -252,3 +252,105 @@ def test_unsupported_rope_type(ref_dir, tmp_path):
     cfg["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 10000.0}
     with pytest.raises(hf.CheckpointError, match="rope type 'longrope' is not supported"):
         hf.from_pretrained(_checkpoint_with_config(tmp_path, ref_dir("llama_tiny_a"), cfg))
+
+
+# --- dtypes, the capacity kernel, FP8 blocks -----------------------------------------------------
+
+
+def test_dtype_arguments_take_jnp_and_numpy_dtypes(ref_dir):
+    d = ref_dir("llama_tiny_a")
+    by_name = hf.from_pretrained(d, dtype="bfloat16")
+    for dtype in (jnp.bfloat16, jnp.dtype("bfloat16")):
+        model = hf.from_pretrained(d, dtype=dtype, compute_dtype=np.float32)
+        assert model.embed.dtype == jnp.bfloat16 and model.config.compute_dtype == "float32"
+        np.testing.assert_array_equal(np.asarray(model.embed), np.asarray(by_name.embed))
+    assert hf.from_pretrained(d, dtype=np.float16).config == hf.from_pretrained(d, dtype="float16").config
+    # A bad dtype names the argument, not config.json.
+    with pytest.raises(ValueError, match=r"^dtype=<class 'jax.numpy.int32'>: not a parameter dtype zoo keeps; use one of float32, bfloat16, float16"):
+        hf.from_pretrained(d, dtype=jnp.int32)
+    with pytest.raises(ValueError, match=r"^compute_dtype='fp8': not a parameter dtype"):
+        hf.from_pretrained(d, compute_dtype="fp8")
+
+
+def test_capacity_kernel_warns_that_it_drops_tokens(ref_dir):
+    import warnings
+
+    d = ref_dir("dsv3_tiny_a")
+    tokens, ref_logits, _, _ = _load_ref(d)
+    with pytest.warns(UserWarning, match=r"moe_impl=capacity with moe_capacity_factor=1.25 keeps ceil\(1.25 x tokens x top_k / experts\) "
+                                         r"tokens per expert and drops the rest.*moe_capacity_factor=4 \(experts / top_k\) drops nothing"):
+        dropping = hf.from_pretrained(d, moe_impl="capacity")
+    # The warning is earned: at capacity factor 1.25 the fixture's logits move far past float noise.
+    assert np.abs(np.asarray(_logits(dropping, tokens)) - ref_logits).max() > 0.5
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hf.from_pretrained(d, moe_impl="capacity", moe_capacity_factor=4.0)  # room for every token: silent
+        hf.from_pretrained(d)  # ragged: dropless
+
+
+def _quantize_fp8(w: np.ndarray, block) -> tuple[np.ndarray, np.ndarray]:
+    """DeepSeek-V3's scheme: per tile, scale_inv = max|w| / 448 and q = float8_e4m3fn(w / scale_inv)."""
+    import ml_dtypes
+
+    b0, b1 = block
+    scale = np.zeros((-(-w.shape[0] // b0), -(-w.shape[1] // b1)), np.float32)
+    q = np.zeros(w.shape, ml_dtypes.float8_e4m3fn)
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            tile = w[i * b0 : (i + 1) * b0, j * b1 : (j + 1) * b1]
+            scale[i, j] = np.abs(tile).max() / 448.0
+            q[i * b0 : (i + 1) * b0, j * b1 : (j + 1) * b1] = (tile / scale[i, j]).astype(ml_dtypes.float8_e4m3fn)
+    return q, scale
+
+
+def _fp8_checkpoint(src, dst, block):
+    from safetensors.numpy import load_file
+
+    dst.mkdir()
+    state = load_file(src / "model.safetensors")
+    out, quantized = {}, {}
+    for name, w in state.items():
+        if name.startswith("model.layers.") and name.endswith(("proj.weight", "proj_with_mqa.weight")):
+            out[name], out[name + "_scale_inv"] = _quantize_fp8(w, block)
+            quantized[name] = w
+        else:
+            out[name] = w
+    hf.write_safetensors(dst / "model.safetensors", out)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": list(block)}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return out, quantized
+
+
+@pytest.mark.parametrize("block", [(128, 128), (16, 32)], ids=["published", "partial-tiles"])
+def test_fp8_block_quantised_weights_are_dequantised(block, ref_dir, tmp_path):
+    d = ref_dir("dsv3_tiny_a")
+    saved, originals = _fp8_checkpoint(d, tmp_path / "fp8", block)
+    assert len(originals) > 20 and any(saved[n + "_scale_inv"].size > 1 for n in originals) == (block == (16, 32))
+    model = hf.from_pretrained(tmp_path / "fp8")
+    back = hf.to_hf_state_dict(model)
+    assert not any(k.endswith("_scale_inv") for k in back)
+    for name, w in originals.items():
+        q, s = saved[name], saved[name + "_scale_inv"]
+        scale = np.repeat(np.repeat(s, block[0], 0), block[1], 1)[: w.shape[0], : w.shape[1]]
+        np.testing.assert_array_equal(back[name], q.astype(np.float32) * scale, err_msg=name)  # q * scale_inv per tile
+        # within e4m3's rounding: half of 2^-3 relative, or half its smallest subnormal step (2^-9) times the scale
+        assert np.all(np.abs(back[name] - w) <= 2.0**-4 * np.abs(w) * (1 + 1e-6) + 2.0**-10 * scale), name
+    # (The logits are not compared: the fixture's routing margins, ~1e-3, sit far below FP8's rounding.)
+
+
+def test_fp8_needs_its_scales_and_its_quantization_config(ref_dir, tmp_path):
+    d = ref_dir("dsv3_tiny_a")
+    saved, _ = _fp8_checkpoint(d, tmp_path / "fp8", (128, 128))
+    name = "model.layers.0.self_attn.q_a_proj.weight"
+    hf.write_safetensors(tmp_path / "fp8" / "model.safetensors", {k: v for k, v in saved.items() if k != name + "_scale_inv"})
+    with pytest.raises(hf.CheckpointError, match=rf"model.safetensors: FP8 tensor '{name}' has no '{name}_scale_inv' block scales"):
+        hf.from_pretrained(tmp_path / "fp8")
+    cfg = json.loads((d / "config.json").read_text())
+    (tmp_path / "fp8" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(hf.CheckpointError, match=r"has dtype F8_E4M3; a floating-point tensor .* \(an FP8 checkpoint's config.json names its quantization_config\)"):
+        hf.from_pretrained(tmp_path / "fp8")
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]}
+    (tmp_path / "fp8" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(hf.CheckpointError, match=r"config.json: quantization_config .* is not supported: zoo dequantises fmt e4m3"):
+        hf.from_pretrained(tmp_path / "fp8")

@@ -1,22 +1,26 @@
-"""Hugging Face checkpoints in and out: `from_pretrained`, `to_hf_state_dict`, `save_pretrained`,
-`config_from_hf`, `config_to_hf`, for every zoo family.
+"""Hugging Face checkpoints in and out: `from_pretrained`, `load_sharded`, `to_hf_state_dict`,
+`save_pretrained`, `config_from_hf`, `config_to_hf`, for every zoo family.
 
 Reads a directory with `config.json` (transformers 5's `rope_parameters` / `layer_types` or the hub's
-legacy keys) and one or many `*.safetensors` files (with the index json of a sharded checkpoint).
-Tensors are memory-mapped and copied once, leaf by leaf, into the stacked layout of the zoo model, so
-a checkpoint is never held twice. Layout: `files` (safetensors), `convert` (config keys, tensor rules,
-load and save shared by all families) and one module per family: `llama`, `deepseek_v3`, `qwen`
-(Qwen2, Qwen3, Qwen3-MoE), `mixtral`, `gemma3`, `gpt_oss`.
+legacy keys) and one or many `*.safetensors` files (with the index json of a sharded checkpoint),
+float or DeepSeek-V3's FP8 blocks (dequantised). Tensors are memory-mapped and each leaf of the zoo
+model is read from them in its stacked layout, whole (`from_pretrained`) or one device's slice at a
+time (`load_sharded`, which train.py uses), so a checkpoint is never held twice. Layout: `files`
+(safetensors), `convert` (config keys, tensor rules, save), `weights` (load), `pretrained` (train.py's
+`model=hf` group) and one module per family: `llama`, `deepseek_v3`, `qwen` (Qwen2, Qwen3,
+Qwen3-MoE), `mixtral`, `gemma3`, `gpt_oss`.
 """
 
 from zoo.hf.convert import (
-    Family, Rule, block_rules, config_from_hf, config_to_hf, families, family_of, from_pretrained, load_config,
-    save_pretrained, supported_model_types, to_hf_state_dict, top_rules,
+    Family, Rule, block_rules, config_from_hf, config_to_hf, dtype_name, families, family_of, fp8_block, save_pretrained,
+    supported_model_types, to_hf_state_dict, top_rules,
 )
-from zoo.hf.files import CheckpointError, CheckpointReader, SafetensorsFile, write_safetensors
+from zoo.hf.files import CheckpointError, CheckpointReader, SafetensorsFile, dequantize_blocks, write_safetensors
+from zoo.hf.weights import LeafSource, capacity_note, from_pretrained, leaf_sources, load_config, load_sharded, open_checkpoint
 
 __all__ = [
-    "CheckpointError", "CheckpointReader", "Family", "Rule", "SafetensorsFile", "block_rules", "config_from_hf",
-    "config_to_hf", "families", "family_of", "from_pretrained", "load_config", "save_pretrained",
-    "supported_model_types", "to_hf_state_dict", "top_rules", "write_safetensors",
+    "CheckpointError", "CheckpointReader", "Family", "LeafSource", "Rule", "SafetensorsFile", "block_rules", "capacity_note",
+    "config_from_hf", "config_to_hf", "dequantize_blocks", "dtype_name", "families", "family_of", "fp8_block", "from_pretrained",
+    "leaf_sources", "load_config", "load_sharded", "open_checkpoint", "save_pretrained", "supported_model_types",
+    "to_hf_state_dict", "top_rules", "write_safetensors",
 ]

@@ -1,5 +1,5 @@
 """The family-independent half of Hugging Face interop: config.json keys, the rules pairing hub tensors
-with zoo leaves, `from_pretrained`, `to_hf_state_dict`, `save_pretrained`.
+with zoo leaves, `to_hf_state_dict`, `save_pretrained` (reading the weights: `zoo.hf.weights`).
 
 A family module (`zoo.hf.llama`, `.qwen`, ...) is a `Family`: its `model_type`, the defaults of its
 transformers config class, how its config.json keys become ModelConfig fields and back, and the
@@ -16,16 +16,15 @@ import dataclasses
 import json
 import math
 import pathlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Optional
 
-import equinox as eqx
 import jax.numpy as jnp
 import numpy as np
 
-from zoo.config import LAYER_TYPES, ROPE_TYPES, ModelConfig, RopeConfig
-from zoo.hf.files import CheckpointError, CheckpointReader, write_safetensors
-from zoo.model import CausalLM, abstract
+from zoo.config import DTYPES, LAYER_TYPES, ROPE_TYPES, ModelConfig, RopeConfig
+from zoo.hf.files import CheckpointError, write_safetensors
+from zoo.model import CausalLM
 
 # --- config.json values --------------------------------------------------------------------------
 
@@ -282,7 +281,10 @@ class Rule:
     `hub`: hub names relative to the layer prefix; `zoo`: attribute paths inside a block (or the
     model). `to_zoo(*hub_arrays, *zoo_shapes)` gives the zoo arrays, `to_hub(*zoo_arrays)` the hub ones.
     `hub_shapes(zoo_shapes)` gives the hub shapes; without it they are found by running `to_hub` on
-    zero-stride arrays (fine for rules that only transpose or reshape).
+    zero-stride arrays (fine for rules that only transpose or reshape). `to_zoo` should return views
+    of its inputs where it can: a sharded load slices them, and a slice of a view of a memory map
+    reads only what it covers. `lazy`: `to_zoo` gets functions that read each hub tensor instead of
+    the tensors (per-expert lists, so a slice of the experts reads only those).
     """
 
     hub: tuple[str, ...]
@@ -290,6 +292,7 @@ class Rule:
     to_zoo: Callable[..., tuple]
     to_hub: Callable[..., tuple]
     hub_shapes: Optional[Callable[[Sequence[tuple[int, ...]]], list[tuple[int, ...]]]] = None
+    lazy: bool = False
 
 
 def linear(hub: str, zoo: str, in_axes: int = 1) -> Rule:
@@ -314,14 +317,30 @@ def flat(hub: str, zoo: str) -> Rule:
     return Rule((hub,), (zoo,), lambda w, shape: (w.reshape(shape),), lambda w: (w.reshape(-1),))
 
 
+class ExpertStack:
+    """The zoo leaf `[experts, in, out]` of per-expert hub matrices, read on indexing: `[e0:e1, ...]`
+    reads experts e0..e1 only; `np.asarray` reads them all."""
+
+    def __init__(self, readers: Sequence[Callable[[], np.ndarray]], shape: tuple[int, ...]):
+        self.readers, self.shape = readers, tuple(shape)
+
+    def __getitem__(self, index) -> np.ndarray:
+        index = index if isinstance(index, tuple) else (index,)
+        return np.stack([read().T[index[1:]] for read in self.readers[index[0]]])
+
+    def __array__(self, dtype=None, copy=None):
+        return np.asarray(self[:], dtype=dtype)
+
+
 def per_expert(hub_template: str, zoo: str, experts: int) -> Rule:
     """Per-expert hub matrices `[out, in]` (`{e}` in the name) <-> one zoo leaf `[experts, in, out]`."""
     names = tuple(hub_template.format(e=e) for e in range(experts))
     return Rule(
         names,
         (zoo,),
-        lambda *ws_and_shape: (np.stack([w.T for w in ws_and_shape[:-1]]),),
+        lambda *readers_and_shape: (ExpertStack(readers_and_shape[:-1], readers_and_shape[-1]),),
         lambda w: tuple(w[e].T for e in range(w.shape[0])),
+        lazy=True,
     )
 
 
@@ -440,6 +459,26 @@ _RUNTIME_FIELDS = ("param_dtype", "compute_dtype", "attention_impl")
 _RUNTIME_MOE_FIELDS = ("impl", "capacity_factor")
 
 
+def fp8_block(cfg: dict, source: str = "config.json") -> Optional[tuple[int, int]]:
+    """The `weight_block_size` of an FP8 block-quantised checkpoint (DeepSeek-V3's published weights:
+    `quant_method: fp8`, `fmt: e4m3`), dequantised on load; None for a float checkpoint. Any other
+    quantisation is refused."""
+    q = cfg.get("quantization_config")
+    if q is None:
+        return None
+    method = q.get("quant_method", "?") if isinstance(q, dict) else "?"
+    if method != "fp8":
+        raise CheckpointError(f"{source}: quantization_config ({method}) is not supported: zoo reads floating-point "
+                              "checkpoints and DeepSeek-V3's FP8 blocks (quant_method fp8); dequantise first")
+    block = q.get("weight_block_size")
+    if q.get("fmt", "e4m3") != "e4m3" or not (
+        isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
+    ):
+        raise CheckpointError(f"{source}: quantization_config {json.dumps(q)} is not supported: zoo dequantises fmt e4m3 "
+                              "with a weight_block_size of two positive ints (DeepSeek-V3: [128, 128])")
+    return (block[0], block[1])
+
+
 def config_from_hf(cfg: dict, *, source: str = "config.json", **overrides) -> ModelConfig:
     """A ModelConfig from a parsed Hugging Face `config.json`; `overrides` replace ModelConfig fields
     (`moe_<field>` a MoEConfig field). MoE models load with `moe.impl = "ragged"`: a loaded
@@ -455,9 +494,7 @@ def config_from_hf(cfg: dict, *, source: str = "config.json", **overrides) -> Mo
         )
     family = by_type[model_type]
     keys = Keys(cfg, family.defaults, source)
-    if cfg.get("quantization_config") is not None:
-        method = cfg["quantization_config"].get("quant_method", "?") if isinstance(cfg["quantization_config"], dict) else "?"
-        raise keys.error(f"quantization_config ({method}) is not supported: zoo reads floating-point checkpoints; dequantise first")
+    fp8_block(cfg, source)  # refuses every quantisation but DeepSeek-V3's FP8 blocks
     try:
         fields = family.read(keys)
     except CheckpointError:
@@ -532,172 +569,93 @@ def _positions(model: CausalLM):
     return out
 
 
-def _shape_only(shape, dtype) -> np.ndarray:
-    """An array of `shape` that takes no memory (zero strides), to run a Rule for its shapes."""
-    return np.broadcast_to(np.zeros((), dtype), shape)
-
-
-def _hub_shapes(rule: Rule, zoo_shapes: Sequence[tuple[int, ...]]) -> list[tuple[int, ...]]:
-    if rule.hub_shapes is not None:
-        return [tuple(s) for s in rule.hub_shapes(zoo_shapes)]
-    return [tuple(a.shape) for a in rule.to_hub(*[_shape_only(s, np.float32) for s in zoo_shapes])]
-
-
-def load_config(path) -> dict:
-    directory = pathlib.Path(path)
-    if not directory.is_dir():
-        raise CheckpointError(f"{directory}: not a directory; pass a Hugging Face checkpoint directory (config.json + *.safetensors)")
-    config_path = directory / "config.json"
-    if not config_path.exists():
-        raise CheckpointError(f"{config_path}: missing; a Hugging Face checkpoint directory needs its config.json")
-    try:
-        cfg = json.loads(config_path.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{config_path}: not valid JSON ({e})") from None
-    if not isinstance(cfg, dict):
-        raise CheckpointError(f"{config_path}: not a JSON object")
-    return cfg
-
-
-def _check_leftovers(reader: CheckpointReader, config: ModelConfig, cfg: dict, family: Family) -> None:
-    """Tensors the model did not take mean the config and the file disagree (biases the config does not
-    enable, experts it does not count, an untied head): refuse rather than drop them silently. Kept
-    aside: rotary buffers old exports carry, layers transformers itself skips, and an lm_head that a
-    tied config ties to the embedding anyway when it equals it."""
-    extra_layers = int(cfg.get(family.extra_layers_key) or 0) if family.extra_layers_key else 0
-    left = []
-    for name in sorted(set(reader.location) - reader.used):
-        if name.endswith("rotary_emb.inv_freq"):
-            continue
-        parts = name.split(".")
-        if name.startswith("model.layers.") and parts[2].isdigit() and config.num_layers <= int(parts[2]) < config.num_layers + extra_layers:
-            continue
-        if name == "lm_head.weight" and config.tie_word_embeddings:
-            head = reader.files[reader.location[name]].get(name)
-            embed = reader.files[reader.location["model.embed_tokens.weight"]].get("model.embed_tokens.weight")
-            if head.shape == embed.shape and np.array_equal(head, embed):
-                continue
-            raise CheckpointError(
-                f"{reader.directory}: tie_word_embeddings is true but the file's lm_head.weight differs from "
-                "model.embed_tokens.weight; set tie_word_embeddings false to use the head, or drop it"
-            )
-        left.append(name)
-    if left:
-        shown = ", ".join(left[:6]) + (f", ... ({len(left)} in all)" if len(left) > 6 else "")
-        raise CheckpointError(
-            f"{reader.directory}: the checkpoint has tensors the config does not account for: {shown}; "
-            "the config.json does not describe these weights (a flag such as attention_bias, the expert or layer count)"
-        )
-
-
-def from_pretrained(path, dtype: str = "float32", compute_dtype: Optional[str] = None, **config_overrides) -> CausalLM:
-    """Load a Hugging Face checkpoint directory (any family of `supported_model_types()`) as a zoo CausalLM.
-
-    `dtype`: the parameter dtype (float32 master weights by default, whatever the file holds);
-    `compute_dtype`: the matmul dtype (default: `dtype`); other keywords override ModelConfig fields
-    (`moe_impl="capacity"` sets `moe.impl`). Layers transformers skips (DeepSeek-V3's
-    multi-token-prediction layers past num_hidden_layers) are ignored; any other tensor the config
-    does not account for is an error.
-    """
-    directory = pathlib.Path(path)
-    cfg = load_config(directory)
-    config = config_from_hf(cfg, source=str(directory / "config.json"), param_dtype=dtype,
-                            compute_dtype=compute_dtype or dtype, **config_overrides)
-    family = family_of(config)
-    reader = CheckpointReader(directory)
-    skeleton = abstract(config)
-    np_dtype = jnp.dtype(dtype)
-
-    paths, values = [], []
-
-    def place(getter_path, value):
-        paths.append(getter_path)
-        values.append(jnp.asarray(value))
-
-    for rule in top_rules(config):
-        zoo_shapes = [_get(skeleton, z).shape for z in rule.zoo]
-        hub = [reader.get(n, s) for n, s in zip(rule.hub, _hub_shapes(rule, zoo_shapes))]
-        for z, arr, shape in zip(rule.zoo, rule.to_zoo(*hub, *zoo_shapes), zoo_shapes):
-            place(z, np.asarray(arr, dtype=np_dtype).reshape(shape))
-
-    for attr, layers, moe in _positions(skeleton):
-        block = _get(skeleton, attr)
-        for rule in family.block_rules(config, moe):
-            stacked_shapes = [_get(block, z).shape for z in rule.zoo]
-            layer_shapes = [s[1:] for s in stacked_shapes]
-            hub_shapes = _hub_shapes(rule, layer_shapes)
-            # One host buffer per leaf, filled layer by layer from the memory map, then moved once; the
-            # skeleton's dtype: param_dtype, and float32 for buffers such as the correction bias.
-            buffers = [np.empty(s, _get(block, z).dtype) for s, z in zip(stacked_shapes, rule.zoo)]
-            for j, layer in enumerate(layers):
-                prefix = f"model.layers.{layer}."
-                hub = [reader.get(prefix + n, s) for n, s in zip(rule.hub, hub_shapes)]
-                for buf, arr in zip(buffers, rule.to_zoo(*hub, *layer_shapes)):
-                    buf[j] = arr
-            for z, buf in zip(rule.zoo, buffers):
-                place(f"{attr}.{z}", buf)
-            del buffers
-
-    _check_leftovers(reader, config, cfg, family)
-    return eqx.tree_at(lambda m: [_get(m, p) for p in paths], skeleton, values)
-
-
 # --- save ---------------------------------------------------------------------------------------
 
 
-def to_hf_state_dict(tree: CausalLM) -> dict[str, np.ndarray]:
-    """Hub names -> numpy arrays for a model, or a gradient of one (same structure; None leaves are skipped)."""
+def dtype_name(value, argument: str = "dtype") -> str:
+    """'float32', 'bfloat16' or 'float16' from a string, a jnp / numpy dtype or a scalar type
+    (`jnp.bfloat16`, `np.float32`); anything else is a ValueError naming `argument`."""
+    try:
+        name = jnp.dtype(value).name if value is not None else None
+    except TypeError:
+        name = None
+    if name not in DTYPES:
+        raise ValueError(f"{argument}={value!r}: not a parameter dtype zoo keeps; use one of {', '.join(DTYPES)} (a string, jnp or numpy dtype)")
+    return name
+
+
+def _hf_tensors(tree: CausalLM) -> Iterator[tuple[str, np.ndarray]]:
+    """(hub name, array) for each tensor of a model or a gradient of one (None leaves are skipped), one leaf
+    on the host at a time."""
     c = tree.config
     family = family_of(c)
-    out: dict[str, np.ndarray] = {}
 
     def emit(rule: Rule, leaves, prefix: str = ""):
         if any(leaf is None for leaf in leaves):
             return
-        for name, arr in zip(rule.hub, rule.to_hub(*[np.asarray(leaf) for leaf in leaves])):
-            out[prefix + name] = np.ascontiguousarray(arr)
+        for name, arr in zip(rule.hub, rule.to_hub(*leaves)):
+            yield prefix + name, np.ascontiguousarray(arr)
 
     for rule in top_rules(c):
-        emit(rule, [_get(tree, z) for z in rule.zoo])
+        yield from emit(rule, [None if (x := _get(tree, z)) is None else np.asarray(x) for z in rule.zoo])
     for attr, layers, moe in _positions(tree):
         block = _get(tree, attr)
         for rule in family.block_rules(c, moe):
-            stacked = [_get(block, z) for z in rule.zoo]
+            stacked = [None if (x := _get(block, z)) is None else np.asarray(x) for z in rule.zoo]
             for j, layer in enumerate(layers):
-                emit(rule, [None if s is None else np.asarray(s[j]) for s in stacked], f"model.layers.{layer}.")
-    return out
+                yield from emit(rule, [None if s is None else s[j] for s in stacked], f"model.layers.{layer}.")
 
 
-def save_pretrained(model: CausalLM, path, dtype: Optional[str] = None, max_shard_bytes: int = 5 * 2**30) -> None:
+def to_hf_state_dict(tree: CausalLM) -> dict[str, np.ndarray]:
+    """Hub names -> numpy arrays for a model, or a gradient of one (same structure; None leaves are skipped)."""
+    return dict(_hf_tensors(tree))
+
+
+def save_pretrained(model: CausalLM, path, dtype=None, max_shard_bytes: int = 5 * 2**30, extra_config: Optional[dict] = None) -> None:
     """Write `config.json` and safetensors shards (with an index when there are several), under the hub's names.
 
-    Files are written under temporary names and renamed into place, so an interrupted save leaves
-    no half-written file under a final name.
+    `dtype` (a string, jnp or numpy dtype; None: the model's) is the dtype of the tensors written.
+    `extra_config`: config.json keys zoo does not model (`bos_token_id`, ...), written where
+    `config_to_hf` writes nothing of its own. Tensors are converted and written one shard at a time;
+    files are written under temporary names and renamed into place, so an interrupted save leaves no
+    half-written file under a final name.
     """
     directory = pathlib.Path(path)
     config = config_to_hf(model.config)  # refuses a model its family cannot express before writing anything
-    if dtype is not None:
-        config["dtype"] = dtype
+    target = None if dtype is None else dtype_name(dtype)
+    if target is not None:
+        config["dtype"] = target
+    for key, value in (extra_config or {}).items():
+        config.setdefault(key, value)
     directory.mkdir(parents=True, exist_ok=True)
-    state = to_hf_state_dict(model)
-    if dtype is not None:
-        state = {k: v.astype(jnp.dtype(dtype)) for k, v in state.items()}
-    shards: list[dict[str, np.ndarray]] = [{}]
-    size = 0
-    for name, arr in state.items():
-        if shards[-1] and size + arr.nbytes > max_shard_bytes:
-            shards.append({})
+    written: list[tuple[pathlib.Path, list[str]]] = []
+    shard: dict[str, np.ndarray] = {}
+    size = total = 0
+
+    def flush():
+        tmp = directory / f".shard-{len(written) + 1:05d}.safetensors"
+        write_safetensors(tmp, shard, {"format": "pt"})
+        written.append((tmp, list(shard)))
+        shard.clear()
+
+    for name, arr in _hf_tensors(model):
+        if target is not None:
+            arr = arr.astype(jnp.dtype(target))
+        if shard and size + arr.nbytes > max_shard_bytes:
+            flush()
             size = 0
-        shards[-1][name] = arr
+        shard[name] = arr
         size += arr.nbytes
-    if len(shards) == 1:
-        write_safetensors(directory / "model.safetensors", shards[0], {"format": "pt"})
+        total += arr.nbytes
+    flush()
+    if len(written) == 1:
+        written[0][0].replace(directory / "model.safetensors")
     else:
         weight_map = {}
-        for i, shard in enumerate(shards):
-            file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            write_safetensors(directory / file, shard, {"format": "pt"})
-            weight_map.update({name: file for name in shard})
-        index = {"metadata": {"total_size": sum(a.nbytes for a in state.values())}, "weight_map": weight_map}
+        for i, (tmp, names) in enumerate(written):
+            file = f"model-{i + 1:05d}-of-{len(written):05d}.safetensors"
+            tmp.replace(directory / file)
+            weight_map.update({name: file for name in names})
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     (directory / "config.json").write_text(json.dumps(config, indent=2))

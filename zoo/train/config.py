@@ -16,6 +16,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from zoo.config import ModelConfig
+from zoo.hf.pretrained import PretrainedSource
 from zoo.offload import OffloadConfig, check_tags_emitted
 from zoo.sharding import DEFAULT_RULES, MESH_AXES, MeshShape, ShardingError, resolve_mesh_shape
 
@@ -273,9 +274,11 @@ class TrainConfig:
     hardware: HardwareConfig
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
+    # Not a group: where the initial weights come from when the model group names a path (model=hf).
+    pretrained: Optional[PretrainedSource] = dataclasses.field(default=None, metadata={"group": False})
 
 
-GROUPS: dict[str, type] = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
+GROUPS: dict[str, type] = {f.name: f.type for f in dataclasses.fields(TrainConfig) if f.metadata.get("group", True)}
 
 
 def _writable(node):
@@ -301,8 +304,28 @@ def _known_keys(schema: type, full_key: str) -> list[str]:
     return [f.name for f in dataclasses.fields(cls)] if dataclasses.is_dataclass(cls) else []
 
 
+def _names_path(node: Any) -> bool:
+    return isinstance(node, (DictConfig, dict)) and "path" in node.keys()  # `in node` is False for a missing (???) value
+
+
+def load_model(node: Any) -> tuple[ModelConfig, Optional[PretrainedSource]]:
+    """The model group: a named size, or (when it has a `path`, model=hf) a Hugging Face checkpoint
+    directory resolved into the full ModelConfig and the source of the run's initial weights."""
+    if not _names_path(node):
+        return load_group("model", node), None
+    from zoo.hf.pretrained import model_from_node
+
+    values = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
+    try:
+        return model_from_node(values)
+    except ValueError as e:
+        raise ConfigError(str(e).splitlines()[0]) from None
+
+
 def load_group(group: str, node: Any) -> Any:
     """Merge one composed group into its dataclass and build it (its __post_init__ checks run)."""
+    if group == "model" and _names_path(node):
+        return load_model(node)[0]
     schema = GROUPS[group]
     try:
         base = _writable(OmegaConf.structured(schema))
@@ -337,7 +360,16 @@ def load(cfg: DictConfig) -> TrainConfig:
     missing = [g for g in GROUPS if g not in cfg or cfg[g] is None]
     if missing:
         raise ConfigError(f"{missing[0]}: the group is missing; choose an option, e.g. {missing[0]}=<name>")
-    return TrainConfig(**{g: load_group(g, cfg[g]) for g in GROUPS})
+    model, pretrained = load_model(cfg["model"])
+    c = TrainConfig(model=model, pretrained=pretrained, **{g: load_group(g, cfg[g]) for g in GROUPS if g != "model"})
+    if pretrained is not None:
+        from zoo.hf.pretrained import fit_tokenizer
+
+        try:
+            fit_tokenizer(c.data, pretrained, model)  # data.tokenizer null: the checkpoint's own
+        except ValueError as e:
+            raise ConfigError(str(e).splitlines()[0]) from None
+    return c
 
 
 @dataclasses.dataclass(frozen=True)
@@ -401,6 +433,13 @@ def validate(c: TrainConfig, available_devices: int, abstract_model=None) -> Pla
     attention_impl, moe_impl = resolve_kernels(c)
     if c.trainer.tensorboard and importlib.util.find_spec("tensorboardX") is None:
         raise ConfigError("trainer.tensorboard: needs the tensorboardX package; pip install -e '.[tensorboard]' or set trainer.tensorboard=false")
+    if abstract_model is not None and c.pretrained is not None:
+        from zoo.hf.pretrained import check_weights
+
+        try:  # every tensor's name, shape and dtype, from the safetensors headers
+            check_weights(c.pretrained, abstract_model)
+        except ValueError as e:
+            raise ConfigError(str(e).splitlines()[0]) from None
     if abstract_model is not None:
         from zoo.sharding import param_specs
 

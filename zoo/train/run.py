@@ -101,6 +101,11 @@ def train(c: TrainConfig, plan, devices, out_dir: pathlib.Path, xla_flags: str =
         f"batch {c.data.batch_size}x{c.data.seq_len}, {steps} steps"
     )
     echo(kernels_line(c, plan))
+    if c.pretrained is not None:
+        from zoo.hf.pretrained import describe
+
+        for line in describe(c.pretrained, c.model):
+            echo(line)
     if hasattr(data, "describe"):
         echo(data.describe())
     ckpt = Checkpoints(c, plan, trainer, echo) if c.checkpoint.dir is not None else None
