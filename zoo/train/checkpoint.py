@@ -260,3 +260,77 @@ class Checkpoints:
     def latest(self) -> Optional[int]:
         steps = self.complete_steps()
         return steps[-1] if steps else None
+
+
+# --- a trained model out of a checkpoint directory ---------------------------------------------
+
+
+def _child(tree, key):
+    """One step of a jax key path into orbax's restored tree (nested dicts and lists)."""
+    name = getattr(key, "name", getattr(key, "key", getattr(key, "idx", None)))
+    if isinstance(tree, dict):
+        return tree[name] if name in tree else tree[str(name)]
+    return tree[int(name)]
+
+
+def restore_model(checkpoint_dir, step: Optional[int] = None):
+    """`(model, metadata)`: the CausalLM saved by train.py in `checkpoint_dir` (a `checkpoint.dir`) at
+    `step` (default: the latest complete one), and that step's metadata (`model`, `optimizer`, ...).
+
+    Only the parameters are read (not the optimizer state), whatever mesh wrote them, into arrays on
+    the default device, in the dtype they were trained in. Bad input raises ConfigError (one line)."""
+    import logging
+
+    import equinox as eqx
+    import orbax.checkpoint as ocp
+
+    from zoo.model import abstract
+    from zoo.train.config import load_group
+
+    d = pathlib.Path(checkpoint_dir).expanduser().absolute()
+    steps = sorted(int(p.name) for p in d.iterdir() if p.name.isdigit() and p.is_dir()) if d.is_dir() else []
+    if not steps:
+        what = "does not exist" if not d.exists() else "holds no complete checkpoint"
+        raise ConfigError(f"{d}: {what}; give the checkpoint.dir of a train.py run that saved at least one step")
+    if step is None:
+        step = steps[-1]
+    elif step not in steps:
+        raise ConfigError(f"{d}: no complete checkpoint of step {step}; it holds steps {', '.join(map(str, steps))}")
+    path = d / str(step) / META_FILE
+    try:
+        meta = json.loads(path.read_text())
+        config = load_group("model", meta["model"])
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: missing, so {d / str(step)} was not written by zoo's train.py; give a train.py checkpoint.dir") from None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"{path}: unreadable ({type(e).__name__}: {e}); give a train.py checkpoint.dir") from None
+    params, static = eqx.partition(abstract(config), lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    absl = logging.getLogger("absl")
+    level = absl.level
+    absl.setLevel(logging.ERROR)  # orbax warns that a bare item directory has no step metadata
+    try:
+        ckptr = ocp.PyTreeCheckpointer()
+        saved = ckptr.metadata(d / str(step) / "state").item_metadata.tree["params"]
+        # Orbax restores its own nested dicts here (a partial restore cannot rebuild Equinox modules);
+        # the arrays are put back into the model by their key paths below.
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        args = jax.tree.map(lambda m: ocp.ArrayRestoreArgs(sharding=device, global_shape=m.shape, dtype=m.dtype), saved)
+        restored = ckptr.restore(
+            d / str(step) / "state", args=ocp.args.PyTreeRestore(item={"params": saved}, restore_args={"params": args}, partial_restore=True)
+        )["params"]
+        ckptr.close()
+    finally:
+        absl.setLevel(level)
+
+    def take(key_path, want):
+        node = restored
+        for key in key_path:
+            node = _child(node, key)
+        if tuple(node.shape) != tuple(want.shape) or node.dtype != want.dtype:
+            raise ConfigError(
+                f"{path}: the saved leaf {jax.tree_util.keystr(key_path)} is {node.dtype}{list(node.shape)}, its model config "
+                f"implies {want.dtype}{list(want.shape)}; the checkpoint is damaged"
+            )
+        return node
+
+    return eqx.combine(jax.tree_util.tree_map_with_path(take, params), static), meta
