@@ -235,24 +235,79 @@ def test_cli_bad_input_exits_2_with_one_line_before_compiling():
             proc = _cli(*args)
             out, err = proc.returncode, proc.stderr
             assert proc.stdout == "" and err.count("\n") == 1, err
+            assert "\n  " + err.strip() + "\n" in (ROOT / "README.md").read_text()  # the line README's Sampling shows
         else:
-            err = _last_stderr.pop()
+            _, err = _captured.pop()
         assert out == 2 and message in err, (args, err)
 
 
-_last_stderr: list = []
+_captured: list = []
 
 
 @pytest.fixture(autouse=True)
 def _capture(capsys):
-    """gen.main's stderr, one entry per call, for the in-process CLI checks."""
+    """gen.main's (stdout, stderr), one entry per call, for the in-process CLI checks."""
     real = gen.main
 
     def main(argv):
         code = real(argv)
-        _last_stderr.append(capsys.readouterr().err)
+        out = capsys.readouterr()
+        _captured.append((out.out, out.err))
         return code
 
     gen.main = main
     yield
     gen.main = real
+
+
+# --- the command line ---------------------------------------------------------------------------
+
+README_COMMAND = ["model.path=tests/data/llama_tiny_a", "tokenizer=bytes", "prompt=To be, or not", "max_new_tokens=12"]
+
+
+def test_cli_samples_from_a_hugging_face_directory_as_the_readme_shows():
+    proc = _cli(*README_COMMAND)
+    assert proc.returncode == 0, proc.stderr
+    readme = (ROOT / "README.md").read_text()
+    command = "$ python -m zoo.generate " + " ".join(a if " " not in a else a.replace("=", '="', 1) + '"' for a in README_COMMAND)
+    assert command in readme
+    shown = readme.split(command + "\n", 1)[1].split("```", 1)[0]
+    assert shown.splitlines()[-1] == proc.stdout.rstrip("\n")  # the completion, as pasted there
+    expected = gen.generate(model_of("llama"), ["To be, or not"], 12, tokenizer=ByteTokenizer(), stop_tokens=[1])[0]
+    assert proc.stdout == "To be, or not" + expected.text + "\n"
+    assert "12 new tokens in" in proc.stderr and "ended by a stop token [1]" in proc.stderr  # config.json's eos_token_id
+
+
+def test_cli_samples_from_a_train_py_checkpoint(tmp_path):
+    from hydra import compose, initialize_config_dir
+
+    from zoo.train.checkpoint import Checkpoints, restore_model
+    from zoo.train.run import prepare
+    from zoo.train.step import Trainer
+
+    overrides = ["model=llama_tiny_a", "mesh=single", "data=text", "data.batch_size=2", "data.seq_len=16", f"checkpoint.dir={tmp_path / 'ckpt'}"]
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        c, plan, devices, _ = prepare(compose("config", overrides=overrides))
+    trainer = Trainer(c, plan, devices)
+    ckpt = Checkpoints(c, plan, trainer)
+    ckpt.save(3, trainer.init(seed=5))
+    ckpt.close()
+    model, _ = restore_model(tmp_path / "ckpt")
+    expected = gen.generate(model, ["ROMEO:"], 5, tokenizer=ByteTokenizer())[0]  # text data: UTF-8 bytes, eos 0
+
+    assert gen.main([f"checkpoint.dir={tmp_path / 'ckpt'}", "prompt=ROMEO:", "max_new_tokens=5"]) == 0
+    out, err = _captured.pop()
+    assert out == "ROMEO:" + expected.text + "\n"
+    assert f"model llama from {tmp_path / 'ckpt'}" in err and "ByteTokenizer" in err
+    assert gen.main([f"checkpoint.dir={tmp_path / 'ckpt'}", "checkpoint.step=2", "prompt=ROMEO:"]) == 2
+    assert "no complete checkpoint of step 2; it holds steps 3" in _captured.pop()[1]
+
+
+def test_the_readme_python_example_runs(capsys, monkeypatch):
+    readme = (ROOT / "README.md").read_text()
+    code = readme.split("## Sampling", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    monkeypatch.chdir(ROOT)
+    exec(code, {})
+    texts, tokens, stopped = zip(*eval(capsys.readouterr().out))
+    assert len(texts) == 2 and all(len(t) <= 3 for t in tokens) and all(isinstance(s, bool) for s in stopped)
+    assert list(texts) == [ByteTokenizer().decode(t[:-1] if s else t) for t, s in zip(tokens, stopped)]
