@@ -27,10 +27,13 @@ from zoo import tags
 from zoo.config import LayerSpec, ModelConfig
 from zoo.nn import GatedMLP, GQAttention, MLAttention, MoE, MoEAux, RMSNorm
 from zoo.nn._init import normal
+from zoo.nn.cache import KVCache, LatentCache
 
 # A function applied to one layer's parameters inside the scan body, before use: e.g. moving
 # host-resident weights to the device one layer at a time.
 LayerTransform = Callable[[PyTree], PyTree]
+# One attention layer's decode-time cache (zoo.nn.cache).
+LayerCache = Union[KVCache, LatentCache]
 
 
 class DecoderBlock(eqx.Module):
@@ -47,15 +50,34 @@ class DecoderBlock(eqx.Module):
         positions: Int[Array, "*batch seq"],
         segment_ids: Optional[Int[Array, "batch seq"]] = None,
     ) -> tuple[Float[Array, "batch seq embed"], Optional[MoEAux]]:
+        x, aux, _ = self._forward(x, lambda h: (self.attn(h, positions, segment_ids), None))
+        return x, aux
+
+    def _forward(self, x, attention):
+        """The block around `attention(normed x) -> (h, cache)`: residuals, norms, feed-forward."""
         x = tags.tag(x, tags.DECODER_LAYER_INPUT)
-        h = self.attn(self.attn_norm(x), positions, segment_ids)
+        h, cache = attention(self.attn_norm(x))
         if self.post_attn_norm is not None:
             h = self.post_attn_norm(h)
         x = x + h
         h, aux = self.ffn(self.ffn_norm(x)) if isinstance(self.ffn, MoE) else (self.ffn(self.ffn_norm(x)), None)
         if self.post_ffn_norm is not None:
             h = self.post_ffn_norm(h)
-        return x + h, aux
+        return x + h, aux, cache
+
+    def prefill(
+        self, x: Float[Array, "batch seq embed"], lengths: Int[Array, " batch"], max_len: int
+    ) -> tuple[Float[Array, "batch seq embed"], LayerCache]:
+        """Prompts at positions 0..seq-1 and the cache they leave (see `GQAttention.prefill`)."""
+        x, _, cache = self._forward(x, lambda h: self.attn.prefill(h, lengths, max_len))
+        return x, cache
+
+    def decode(
+        self, x: Float[Array, "batch 1 embed"], positions: Int[Array, " batch"], cache: LayerCache
+    ) -> tuple[Float[Array, "batch 1 embed"], LayerCache]:
+        """One token per row at `positions` through the cache."""
+        x, _, cache = self._forward(x, lambda h: self.attn.decode(h, positions, cache))
+        return x, cache
 
 
 def make_block(c: ModelConfig, spec: LayerSpec, key: PRNGKeyArray) -> DecoderBlock:
@@ -185,9 +207,8 @@ class Stack(eqx.Module):
         def run_block(h, block_params, j):
             if layer_transform is not None:
                 block_params = layer_transform(block_params)
-            block_params = zs.cast_for_compute(block_params, self.compute_dtype)  # before FSDP gathers them
             with tags.layer_scope() as kept:  # the tags a zoo.capture asks for (none otherwise)
-                out = eqx.combine(block_params, static[j])(h, positions, segment_ids)
+                out = self._block(block_params, static, j)(h, positions, segment_ids)
             return out, kept
 
         if remat_policy is not None:
@@ -207,6 +228,49 @@ class Stack(eqx.Module):
             for name, values in found.items():
                 tags.record(name, tuple(self.layer_index(r, j) for r in range(self.repeats)), values)
         return x, auxes
+
+    def _block(self, block_params, static, j: int) -> DecoderBlock:
+        block_params = zs.cast_for_compute(block_params, self.compute_dtype)  # before FSDP gathers them
+        return eqx.combine(block_params, static[j])
+
+    def prefill(
+        self, x: Float[Array, "batch seq embed"], lengths: Int[Array, " batch"], max_len: int
+    ) -> tuple[Float[Array, "batch seq embed"], tuple[LayerCache, ...]]:
+        """The stack over prompts; per period position, its layers' caches stacked (leading repeats axis)."""
+        params, static = eqx.partition(self.layers, eqx.is_array)
+
+        def body(h, period_params):
+            caches = []
+            for j in range(self.period):
+                h, cache = self._block(period_params[j], static, j).prefill(h, lengths, max_len)
+                caches.append(cache)
+            return h, tuple(caches)
+
+        return jax.lax.scan(body, x, params)
+
+    def decode(
+        self, x: Float[Array, "batch 1 embed"], positions: Int[Array, " batch"], caches: tuple[LayerCache, ...]
+    ) -> tuple[Float[Array, "batch 1 embed"], tuple[LayerCache, ...]]:
+        """One token per row through the stack, scanning layers and their caches together."""
+        params, static = eqx.partition(self.layers, eqx.is_array)
+
+        def body(h, layer):
+            period_params, period_caches = layer
+            new = []
+            for j in range(self.period):
+                h, cache = self._block(period_params[j], static, j).decode(h, positions, period_caches[j])
+                new.append(cache)
+            return h, tuple(new)
+
+        return jax.lax.scan(body, x, (params, caches))
+
+
+class DecodeCache(eqx.Module):
+    """What decoding carries from step to step: per row, how many positions it holds (the position
+    of the next token), and per stack and period position its layers' caches (zoo.nn.cache)."""
+
+    lengths: Int[Array, " batch"]
+    stacks: tuple[tuple[LayerCache, ...], ...]
 
 
 class CausalLM(eqx.Module):
@@ -324,6 +388,34 @@ class CausalLM(eqx.Module):
 
     def __call__(self, tokens: Int[Array, "batch seq"], **kwargs) -> Float[Array, "batch seq vocab"]:
         return self.forward_with_aux(tokens, **kwargs)[0]
+
+
+    # --- decoding with a cache -----------------------------------------------------------------
+
+    def prefill(
+        self, tokens: Int[Array, "batch seq"], lengths: Int[Array, " batch"], max_len: int
+    ) -> tuple[Float[Array, "batch vocab"], DecodeCache]:
+        """Run right-padded prompts (row b's first `lengths[b]` tokens are real, at positions
+        0..lengths[b]-1) and return the logits after each row's last real token and a cache of
+        `max_len` positions (>= seq). Padding sits after every real token, so causality keeps it
+        out of their results; its cache rows are overwritten before any query can see them."""
+        x = self.embed_tokens(tokens)
+        caches = []
+        for stack in self.stacks:
+            x, cache = stack.prefill(x, lengths, max_len)
+            caches.append(cache)
+        last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)
+        return self.logits(self.final_norm(last))[:, 0], DecodeCache(lengths, tuple(caches))
+
+    def decode_step(self, tokens: Int[Array, " batch"], cache: DecodeCache) -> tuple[Float[Array, "batch vocab"], DecodeCache]:
+        """Feed one token per row at position `cache.lengths`; the logits of the token after it."""
+        positions = cache.lengths
+        x = self.embed_tokens(tokens[:, None])
+        caches = []
+        for stack, stack_cache in zip(self.stacks, cache.stacks):
+            x, stack_cache = stack.decode(x, positions, stack_cache)
+            caches.append(stack_cache)
+        return self.logits(self.final_norm(x))[:, 0], DecodeCache(positions + 1, tuple(caches))
 
 
 def build(config: ModelConfig, *, key: PRNGKeyArray) -> CausalLM:

@@ -15,6 +15,7 @@ from zoo import tags
 from zoo.config import RopeConfig
 from zoo.nn._init import normal
 from zoo.nn.attention_kernels import attend
+from zoo.nn.cache import KVCache, cache_slots, from_prompt, visible_slots, write
 from zoo.nn.norm import RMSNorm
 from zoo.nn.rope import Rope
 
@@ -99,22 +100,53 @@ class GQAttention(eqx.Module):
             y = y + b.astype(cdt)
         return tags.tag(y, name)
 
+    def _queries_keys_values(self, x, positions):
+        """q, k, v `[B T N|K H]` of `x`, q and k normed (where the family norms them) and rotated."""
+        q = self._project(x, self.wq, self.bq, tags.QUERY_PROJ)
+        k = self._project(x, self.wk, self.bk, tags.KEY_PROJ)
+        v = self._project(x, self.wv, self.bv, tags.VALUE_PROJ)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return self.rope(q, positions), self.rope(k, positions), v
+
+    def _output(self, context):
+        context = tags.tag(context, tags.CONTEXT)
+        out = jnp.einsum("BTNH,NHD->BTD", context, self.wo.astype(self.compute_dtype))
+        if self.bo is not None:
+            out = out + self.bo.astype(self.compute_dtype)
+        return tags.tag(out, tags.OUT_PROJ)
+
+    def _forward(self, x, positions, segment_ids):
+        q, k, v = self._queries_keys_values(x, positions)
+        context = attend(q, k, v, scale=self.scale, impl=self.impl, window=self.window, sinks=self.sinks, segment_ids=segment_ids)
+        return self._output(context), k, v
+
     def __call__(
         self,
         x: Float[Array, "batch seq embed"],
         positions: Int[Array, "*batch seq"],
         segment_ids: Optional[Int[Array, "batch seq"]] = None,
     ) -> Float[Array, "batch seq embed"]:
-        cdt = self.compute_dtype
-        q = self._project(x, self.wq, self.bq, tags.QUERY_PROJ)
-        k = self._project(x, self.wk, self.bk, tags.KEY_PROJ)
-        v = self._project(x, self.wv, self.bv, tags.VALUE_PROJ)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope(q, positions), self.rope(k, positions)
-        context = attend(q, k, v, scale=self.scale, impl=self.impl, window=self.window, sinks=self.sinks, segment_ids=segment_ids)
-        context = tags.tag(context, tags.CONTEXT)
-        out = jnp.einsum("BTNH,NHD->BTD", context, self.wo.astype(cdt))
-        if self.bo is not None:
-            out = out + self.bo.astype(cdt)
-        return tags.tag(out, tags.OUT_PROJ)
+        return self._forward(x, positions, segment_ids)[0]
+
+    # --- decoding with a cache (zoo.nn.cache) --------------------------------------------------
+
+    def prefill(
+        self, x: Float[Array, "batch seq embed"], lengths: Int[Array, " batch"], max_len: int
+    ) -> tuple[Float[Array, "batch seq embed"], KVCache]:
+        """The forward pass over prompts at positions 0..seq-1 (row b's first lengths[b] are real) and
+        the cache of `max_len` positions they leave (a ring of `window` slots on a sliding layer)."""
+        out, k, v = self._forward(x, jnp.arange(x.shape[1], dtype=jnp.int32), None)
+        slots = cache_slots(max_len, self.window)
+        return out, KVCache(from_prompt(k, lengths, slots), from_prompt(v, lengths, slots))
+
+    def decode(
+        self, x: Float[Array, "batch 1 embed"], positions: Int[Array, " batch"], cache: KVCache
+    ) -> tuple[Float[Array, "batch 1 embed"], KVCache]:
+        """One new token per row, at `positions`, against (and into) the cache."""
+        q, k, v = self._queries_keys_values(x, positions[:, None])
+        cache = KVCache(write(cache.k, k[:, 0], positions), write(cache.v, v[:, 0], positions))
+        # Causality and the window are the slots' business (zoo.nn.cache): every visible slot counts.
+        visible = visible_slots(positions, cache.k.shape[1])
+        context = attend(q, cache.k, cache.v, scale=self.scale, impl="xla", causal=False, sinks=self.sinks, kv_valid_len=visible)
+        return self._output(context), cache

@@ -11,6 +11,7 @@ from zoo import tags
 from zoo.config import MLAConfig, RopeConfig
 from zoo.nn._init import normal
 from zoo.nn.attention_kernels import attend
+from zoo.nn.cache import LatentCache, from_prompt, visible_slots, write
 from zoo.nn.norm import RMSNorm
 from zoo.nn.rope import Rope, softmax_scale_multiplier
 
@@ -78,12 +79,8 @@ class MLAttention(eqx.Module):
     def kv_lora_rank(self) -> int:
         return self.wk_b.shape[-3]
 
-    def __call__(
-        self,
-        x: Float[Array, "batch seq embed"],
-        positions: Int[Array, "*batch seq"],
-        segment_ids: Optional[Int[Array, "batch seq"]] = None,
-    ) -> Float[Array, "batch seq embed"]:
+    def _queries(self, x, positions):
+        """(q_nope, rotated q_rope) per head."""
         cdt = self.compute_dtype
         if self.wq_a is None:
             q = jnp.einsum("BTD,DNH->BTNH", x, self.wq_b.astype(cdt))
@@ -93,17 +90,64 @@ class MLAttention(eqx.Module):
             q = jnp.einsum("BTR,RNH->BTNH", q_latent, self.wq_b.astype(cdt))
         q = tags.tag(q, tags.QUERY_PROJ)
         rope_dim = self.rope.dim
-        q_nope, q_rope = q[..., :-rope_dim], q[..., -rope_dim:]
+        return q[..., :-rope_dim], self.rope(q[..., -rope_dim:], positions)
 
-        kv = tags.tag(jnp.einsum("BTD,DC->BTC", x, self.wkv_a.astype(cdt)), tags.KV_WA_PROJ)
+    def _latent(self, x, positions):
+        """(normed kv latent [B T L], rotated shared rope key [B T P]): what the cache keeps."""
+        kv = tags.tag(jnp.einsum("BTD,DC->BTC", x, self.wkv_a.astype(self.compute_dtype)), tags.KV_WA_PROJ)
         kv_latent, k_rope = kv[..., : self.kv_lora_rank], kv[..., self.kv_lora_rank :]
         kv_latent = tags.tag(self.kv_norm(kv_latent), tags.MLA_KV)
+        return kv_latent, self.rope(k_rope[:, :, None, :], positions)[:, :, 0]  # one rope key for all heads
+
+    def _output(self, context):
+        context = tags.tag(context, tags.CONTEXT)
+        return tags.tag(jnp.einsum("BTNV,NVD->BTD", context, self.wo.astype(self.compute_dtype)), tags.OUT_PROJ)
+
+    def _forward(self, x, positions, segment_ids):
+        cdt = self.compute_dtype
+        q_nope, q_rope = self._queries(x, positions)
+        kv_latent, k_rope = self._latent(x, positions)
         k_nope = tags.tag(jnp.einsum("BTL,LNH->BTNH", kv_latent, self.wk_b.astype(cdt)), tags.KEY_PROJ)
         v = tags.tag(jnp.einsum("BTL,LNV->BTNV", kv_latent, self.wv_b.astype(cdt)), tags.VALUE_PROJ)
-
-        q_rope = self.rope(q_rope, positions)
-        k_rope = self.rope(k_rope[:, :, None, :], positions)  # [B T 1 P]: one rope key for all heads
         q = jnp.concatenate([q_nope, q_rope], axis=-1)
-        k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, (*k_nope.shape[:-1], rope_dim))], axis=-1)
-        context = tags.tag(attend(q, k, v, scale=self.softmax_scale, impl=self.impl, segment_ids=segment_ids), tags.CONTEXT)
-        return tags.tag(jnp.einsum("BTNV,NVD->BTD", context, self.wo.astype(cdt)), tags.OUT_PROJ)
+        k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope[:, :, None, :], (*k_nope.shape[:-1], self.rope.dim))], axis=-1)
+        context = attend(q, k, v, scale=self.softmax_scale, impl=self.impl, segment_ids=segment_ids)
+        return self._output(context), jnp.concatenate([kv_latent, k_rope], axis=-1)
+
+    def __call__(
+        self,
+        x: Float[Array, "batch seq embed"],
+        positions: Int[Array, "*batch seq"],
+        segment_ids: Optional[Int[Array, "batch seq"]] = None,
+    ) -> Float[Array, "batch seq embed"]:
+        return self._forward(x, positions, segment_ids)[0]
+
+    # --- decoding with the latent cache (zoo.nn.cache) -----------------------------------------
+
+    def prefill(
+        self, x: Float[Array, "batch seq embed"], lengths: Int[Array, " batch"], max_len: int
+    ) -> tuple[Float[Array, "batch seq embed"], LatentCache]:
+        """The forward pass over prompts at positions 0..seq-1 and the latent cache they leave."""
+        out, latent = self._forward(x, jnp.arange(x.shape[1], dtype=jnp.int32), None)
+        return out, LatentCache(from_prompt(latent, lengths, max_len))
+
+    def decode(
+        self, x: Float[Array, "batch 1 embed"], positions: Int[Array, " batch"], cache: LatentCache
+    ) -> tuple[Float[Array, "batch 1 embed"], LatentCache]:
+        """One new token per row against the latent cache, with the up-projections absorbed (as
+        DeepSeek-V3's inference does): q_nope . (W_kb c) = (W_kb^T q_nope) . c and
+        softmax . (W_vb c) = W_vb (softmax . c), so per step the queries move into the latent space
+        and attend to the cached latents as one shared key/value head; no per-head key or value of
+        a cached token is ever formed."""
+        cdt = self.compute_dtype
+        q_nope, q_rope = self._queries(x, positions[:, None])
+        kv_latent, k_rope = self._latent(x, positions[:, None])
+        cache = LatentCache(write(cache.kv, jnp.concatenate([kv_latent, k_rope], axis=-1)[:, 0], positions))
+        q_latent = jnp.einsum("BTNH,LNH->BTNL", q_nope, self.wk_b.astype(cdt))
+        q = jnp.concatenate([q_latent, q_rope], axis=-1)
+        keys = cache.kv[:, :, None, :]  # [B S 1 L+P]: the rope part scores against q_rope
+        values = keys[..., : self.kv_lora_rank]
+        visible = visible_slots(positions, cache.kv.shape[1])
+        context_latent = attend(q, keys, values, scale=self.softmax_scale, impl="xla", causal=False, kv_valid_len=visible)
+        context = jnp.einsum("BTNL,LNV->BTNV", context_latent, self.wv_b.astype(cdt))
+        return self._output(context), cache

@@ -1,0 +1,519 @@
+"""Sampling text from a zoo model with a KV cache: `generate(model, prompts, ...)` and
+`python -m zoo.generate model.path=<hf dir> prompt="..."` (or `checkpoint.dir=<train.py checkpoint>`).
+
+How a call runs:
+
+- Prompts (token lists, or strings with a tokenizer) are right-padded into one batch: row b's tokens
+  sit at positions 0..n_b-1, padding after them, so causality keeps padding out of every real
+  token's result and each prompt gets what it would get alone (up to float rounding).
+- The shapes are bucketed (batch and prompt length to powers of two, the cache to a power of two
+  holding the longest prompt plus `max_new_tokens`, all within the model's positions), and each
+  bucket is compiled once per process: one program that runs the prompts (`CausalLM.prefill`), then
+  a `lax.while_loop` of `CausalLM.decode_step`s, sampling on the device, until every row has met a
+  stop token or `max_new_tokens` is reached. Sampling settings and `max_new_tokens` are arguments
+  of the program, not part of its shape: changing them compiles nothing.
+- The cache (zoo.nn.cache) keeps keys and values per layer (a ring of `window` slots on sliding
+  layers), or MLA's compressed latent and rope key; the layer stacks scan their params and caches.
+- MoE layers run the dropless `ragged` kernel whatever `moe.impl` the model was built with
+  (`dropless`): a capacity buffer would drop tokens depending on what else is in the batch.
+- Sampling: temperature 0 is greedy (argmax); otherwise logits / temperature, then the `top_k` most
+  likely tokens (0: all), then the smallest set of those whose probability reaches `top_p` (1: all),
+  renormalised and sampled. Row i draws from `fold_in(fold_in(key(seed), i), step)`.
+
+A stop token ends its row: it is the last token of that row's result (`Completion.stopped`).
+"""
+
+import dataclasses
+import functools
+import json
+import math
+import pathlib
+import sys
+import time
+from typing import Any, Optional, Sequence, Union
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Float, Int, Key, PRNGKeyArray
+
+from zoo.model import CausalLM, abstract
+
+MIN_PROMPT_BUCKET = 16
+# XLA:CPU with LLVM's optimisations off (train.py's xla.cpu_fast_compile): the tiny models' programs
+# compile about 2x faster.
+CPU_FAST_COMPILE = {"xla_backend_optimization_level": 0}
+
+
+class GenerationError(ValueError):
+    """Bad generation input, in one line: `<key>: <what is wrong>; <fix>`."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    """One prompt's result: its new tokens (the stop token last, if one ended it) and their text."""
+
+    prompt: list[int]
+    tokens: list[int]
+    stopped: bool  # ended by a stop token (else by max_new_tokens)
+    text: Optional[str] = None  # the new tokens decoded, the stop token left out (with a tokenizer)
+    logits: Optional[np.ndarray] = None  # [len(tokens), vocab] float32, with keep_logits
+
+
+# --- the model as decoding runs it ---------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=16)
+def _treedef(config):
+    return jax.tree_util.tree_structure(abstract(config))
+
+
+def dropless(model: CausalLM) -> CausalLM:
+    """The same weights with every MoE layer on the `ragged` kernel (dropless, exact): a capacity
+    buffer drops assignments depending on the other tokens of the batch, so a prompt's tokens would
+    depend on its neighbours. Models without MoE, or already ragged, come back as they are."""
+    c = model.config
+    if c.moe is None or c.moe.impl == "ragged":
+        return model
+    target = c.replace(moe=dataclasses.replace(c.moe, impl="ragged"))
+    return jax.tree_util.tree_unflatten(_treedef(target), jax.tree_util.tree_leaves(model))
+
+
+def sample_tokens(
+    logits: Float[Array, "batch vocab"],
+    keys: Key[Array, " batch"],
+    temperature: Float[Array, ""],
+    top_k: Int[Array, ""],
+    top_p: Float[Array, ""],
+) -> Int[Array, " batch"]:
+    """One token per row (see the module docstring for the rule); `keys` has one key per row."""
+    logits = logits.astype(jnp.float32)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)
+    order = jnp.argsort(-scaled, axis=-1, stable=True)  # most likely first; ties keep the lower id first
+    ranked = jnp.take_along_axis(scaled, order, axis=-1)
+    rank = jnp.arange(logits.shape[-1])
+    keep = (top_k <= 0) | (rank < top_k)
+    probs = jax.nn.softmax(jnp.where(keep, ranked, -jnp.inf), axis=-1)
+    keep &= (jnp.cumsum(probs, axis=-1) - probs) < top_p  # the most likely token always stays
+    choice = jax.vmap(jax.random.categorical)(keys, jnp.where(keep, ranked, -jnp.inf))
+    sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    return jnp.where(temperature > 0, sampled, greedy)
+
+
+def _program(
+    params,
+    tokens: Int[Array, "batch seq"],
+    lengths: Int[Array, " batch"],
+    active: Bool[Array, " batch"],
+    max_new_tokens: Int[Array, ""],
+    temperature: Float[Array, ""],
+    top_k: Int[Array, ""],
+    top_p: Float[Array, ""],
+    is_stop: Bool[Array, " vocab"],
+    key: PRNGKeyArray,
+    *,
+    static,
+    max_len: int,
+    pad_id: int,
+    keep_logits: bool,
+):
+    """Prefill, then decode until every active row stopped or max_new_tokens: ([batch, max_len]
+    new tokens, the number of steps run, and with `keep_logits` the [batch, max_len, vocab] logits
+    each token was drawn from)."""
+    model = eqx.combine(params, static)
+    batch = tokens.shape[0]
+    row_keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(batch))
+
+    def pick(logits, step):
+        keys = jax.vmap(lambda k: jax.random.fold_in(k, step))(row_keys)
+        return sample_tokens(logits, keys, temperature, top_k, top_p)
+
+    logits, cache = model.prefill(tokens, lengths, max_len)
+    first = pick(logits, 0)
+    out = jnp.full((batch, max_len), pad_id, jnp.int32).at[:, 0].set(first)
+    seen = jnp.zeros((batch, max_len if keep_logits else 0, logits.shape[-1]), jnp.float32)
+
+    def record(seen, logits, step):
+        return jax.lax.dynamic_update_index_in_dim(seen, logits, step, axis=1) if keep_logits else seen
+
+    def running(state):
+        step, _, _, _, _, done = state
+        return (step < max_new_tokens) & ~done.all()
+
+    def step_once(state):
+        step, token, cache, out, seen, done = state
+        logits, cache = model.decode_step(token, cache)
+        token = jnp.where(done, pad_id, pick(logits, step))
+        out = jax.lax.dynamic_update_index_in_dim(out, token, step, axis=1)
+        return step + 1, token, cache, out, record(seen, logits, step), done | is_stop[token]
+
+    state = (jnp.int32(1), first, cache, out, record(seen, logits, 0), ~active | is_stop[first])
+    steps, _, _, out, seen, _ = jax.lax.while_loop(running, step_once, state)
+    return out, steps, seen
+
+
+# Compiled programs of this process, by (model structure, weight shapes, batch, prompt length, cache length).
+_PROGRAMS: dict = {}
+
+
+def compiled_buckets() -> list[tuple[int, int, int]]:
+    """(batch, prompt length, cache length) of every program compiled so far in this process."""
+    return [k[-3:] for k in _PROGRAMS]
+
+
+def _compiled(model: CausalLM, batch: int, seq: int, max_len: int, keep_logits: bool, cpu_fast_compile: bool, on_compile=None):
+    params, static = eqx.partition(model, eqx.is_array)
+    leaves = jax.tree_util.tree_leaves(params)
+    fast = cpu_fast_compile and jax.default_backend() == "cpu"
+    key = (jax.tree_util.tree_structure(model), tuple((x.shape, str(x.dtype)) for x in leaves), keep_logits, fast, batch, seq, max_len)
+    if key not in _PROGRAMS:
+        start = time.perf_counter()
+        pad_id = model.config.pad_token_id or 0
+        fn = jax.jit(functools.partial(_program, static=static, max_len=max_len, pad_id=pad_id, keep_logits=keep_logits))
+        i32, f32 = jnp.int32, jnp.float32
+        shapes = (
+            jax.ShapeDtypeStruct((batch, seq), i32), jax.ShapeDtypeStruct((batch,), i32), jax.ShapeDtypeStruct((batch,), bool),
+            jax.ShapeDtypeStruct((), i32), jax.ShapeDtypeStruct((), f32), jax.ShapeDtypeStruct((), i32),
+            jax.ShapeDtypeStruct((), f32), jax.ShapeDtypeStruct((model.config.vocab_size,), bool),
+            jax.eval_shape(lambda: jax.random.key(0)),
+        )
+        _PROGRAMS[key] = fn.lower(params, *shapes).compile(CPU_FAST_COMPILE if fast else None)
+        if on_compile is not None:
+            on_compile(batch, seq, max_len, time.perf_counter() - start)
+    return _PROGRAMS[key], params
+
+
+# --- shapes and checks ---------------------------------------------------------------------------
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(n, 1))))
+
+
+def buckets(n_prompts: int, longest: int, max_new_tokens: int, positions: int, max_len: Optional[int] = None) -> tuple[int, int, int]:
+    """(batch, prompt length, cache length) of the program a request runs in: powers of two (the
+    prompt at least MIN_PROMPT_BUCKET), never past the model's `positions` (or `max_len`)."""
+    limit = positions if max_len is None else min(max_len, positions)
+    seq = min(_pow2(max(longest, MIN_PROMPT_BUCKET)), limit)
+    cache = min(max(_pow2(longest + max_new_tokens), seq), limit)
+    return _pow2(n_prompts), seq, cache
+
+
+def check_request(
+    config, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float, top_k: int, top_p: float,
+    stop_tokens: Sequence[int], max_len: Optional[int] = None,
+) -> None:
+    """Every bad input of a request as one GenerationError naming its key, before anything compiles."""
+    vocab, positions = config.vocab_size, config.max_position_embeddings
+    if not prompts:
+        raise GenerationError('prompt: no prompt given; give at least one, e.g. prompt="Once upon a time"')
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+        raise GenerationError(f"max_new_tokens: must be a whole number >= 1, got {max_new_tokens!r}; e.g. max_new_tokens=32")
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
+        raise GenerationError(f"temperature: must be a finite number >= 0 (0 is greedy), got {temperature!r}; e.g. temperature=0.8")
+    if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 0:
+        raise GenerationError(f"top_k: must be a whole number >= 0 (0 keeps every token), got {top_k!r}; e.g. top_k=50")
+    if not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+        raise GenerationError(f"top_p: must be in (0, 1] (1 keeps every token), got {top_p!r}; e.g. top_p=0.9")
+    bad_stop = [t for t in stop_tokens if not 0 <= t < vocab]
+    if bad_stop:
+        raise GenerationError(f"stop_tokens: id {bad_stop[0]} is outside the model's vocabulary 0..{vocab - 1}; give ids in that range")
+    limit, limit_key = positions, "the model's max_position_embeddings"
+    if max_len is not None:
+        if max_len < 2:
+            raise GenerationError(f"max_len: must be >= 2 (a prompt token and a new one), got {max_len}; or leave it unset")
+        if max_len < positions:
+            limit, limit_key = max_len, "max_len"
+    for i, p in enumerate(prompts):
+        which = f"prompt {i}" if len(prompts) > 1 else "the prompt"
+        if len(p) == 0:
+            raise GenerationError(f"prompt: {which} is empty (no tokens); give at least one token of text")
+        outside = [t for t in p if not 0 <= t < vocab]
+        if outside:
+            raise GenerationError(f"prompt: {which} has token id {outside[0]} outside the model's vocabulary 0..{vocab - 1}; give ids in that range")
+        if len(p) >= limit:
+            raise GenerationError(
+                f"prompt: {which} has {len(p)} tokens but {limit_key} allows {limit} positions, prompt and new tokens together; "
+                f"shorten it to at most {limit - 1} tokens"
+            )
+        if len(p) + max_new_tokens > limit:
+            raise GenerationError(
+                f"max_new_tokens: {max_new_tokens} new tokens after {which}'s {len(p)} tokens pass the {limit} positions of {limit_key}; "
+                f"use max_new_tokens<={limit - len(p)} or a shorter prompt"
+            )
+
+
+# --- the library function ------------------------------------------------------------------------
+
+
+def encode_prompts(prompts, tokenizer=None) -> list[list[int]]:
+    """Prompts as token lists: a string, a list of strings (needs `tokenizer`), or token lists."""
+    if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], (int, np.integer))):
+        prompts = [prompts]
+    out = []
+    for p in prompts:
+        if isinstance(p, str):
+            if tokenizer is None:
+                raise GenerationError("prompt: text prompts need a tokenizer; pass tokenizer=, or give token id lists")
+            out.append([int(t) for t in tokenizer.encode(p)])
+        else:
+            out.append([int(t) for t in p])
+    return out
+
+
+def generate(
+    model: CausalLM,
+    prompts: Union[str, Sequence[str], Sequence[Sequence[int]]],
+    max_new_tokens: int = 32,
+    *,
+    tokenizer=None,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    stop_tokens: Optional[Sequence[int]] = None,
+    seed: int = 0,
+    max_len: Optional[int] = None,
+    keep_logits: bool = False,
+    cpu_fast_compile: bool = True,
+    on_compile=None,
+) -> list[Completion]:
+    """Continue each prompt by up to `max_new_tokens` tokens (see the module docstring).
+
+    `prompts`: a string, strings (encoded by `tokenizer`, a zoo.data tokenizer), or token id lists.
+    `stop_tokens`: ids that end a row (default: the tokenizer's `eos_id`, if any). `max_len` caps the
+    cache's positions (default: the model's `max_position_embeddings`). `keep_logits`: each
+    Completion also holds the float32 logits every new token was drawn from (`[new tokens, vocab]`).
+    `cpu_fast_compile`: on CPU, compile with LLVM's optimisations off. `on_compile(batch, seq, cache,
+    seconds)` is called after a shape bucket compiled. Bad input raises GenerationError (one line).
+    """
+    tokens = encode_prompts(prompts, tokenizer)
+    if stop_tokens is None:
+        stop_tokens = [] if tokenizer is None or tokenizer.eos_id is None else [tokenizer.eos_id]
+    stop_tokens = [int(t) for t in stop_tokens]
+    c = model.config
+    check_request(c, tokens, max_new_tokens, temperature, top_k, top_p, stop_tokens, max_len)
+    batch, seq, cache_len = buckets(len(tokens), max(map(len, tokens)), max_new_tokens, c.max_position_embeddings, max_len)
+    program, params = _compiled(dropless(model), batch, seq, cache_len, keep_logits, cpu_fast_compile, on_compile)
+
+    pad_id = c.pad_token_id or 0
+    padded = np.full((batch, seq), pad_id, np.int32)
+    lengths = np.ones((batch,), np.int32)  # rows past the prompts: one pad token, never reported
+    for i, p in enumerate(tokens):
+        padded[i, : len(p)] = p
+        lengths[i] = len(p)
+    is_stop = np.zeros((c.vocab_size,), bool)
+    is_stop[stop_tokens] = True
+    out, steps, seen = program(
+        params, jnp.asarray(padded), jnp.asarray(lengths), jnp.asarray(np.arange(batch) < len(tokens)),
+        jnp.int32(max_new_tokens), jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p),
+        jnp.asarray(is_stop), jax.random.key(seed),
+    )
+    out = np.asarray(out)[:, : int(steps)]
+    seen = np.asarray(seen)
+    results = []
+    for i, p in enumerate(tokens):
+        row = out[i].tolist()
+        end = next((j for j, t in enumerate(row) if is_stop[t]), None)
+        new = row if end is None else row[: end + 1]
+        text = None
+        if tokenizer is not None:
+            text = tokenizer.decode(new if end is None else new[:-1])
+        logits = seen[i, : len(new)] if keep_logits else None
+        results.append(Completion(prompt=p, tokens=new, stopped=end is not None, text=text, logits=logits))
+    return results
+
+
+# --- the command line ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class ModelSource:
+    path: Optional[str] = None  # a Hugging Face checkpoint directory (config.json + *.safetensors)
+    dtype: str = "float32"  # parameter dtype
+    compute_dtype: Optional[str] = None  # matmul dtype (null: dtype)
+
+
+@dataclasses.dataclass
+class CheckpointSource:
+    dir: Optional[str] = None  # a train.py checkpoint.dir
+    step: Optional[int] = None  # null: the latest complete step
+
+
+@dataclasses.dataclass
+class GenerateOptions:
+    """The keys of `python -m zoo.generate` (besides `prompt=`, taken verbatim and repeatable)."""
+
+    model: ModelSource = dataclasses.field(default_factory=ModelSource)
+    checkpoint: CheckpointSource = dataclasses.field(default_factory=CheckpointSource)
+    # A tokenizer.json (or its folder), or `bytes` for UTF-8 byte ids; null: model.path's tokenizer.json,
+    # or the tokenizer a checkpoint's text data used.
+    tokenizer: Optional[str] = None
+    max_new_tokens: int = 32
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_tokens: Optional[list[int]] = None  # null: config.json's eos_token_id, else the tokenizer's eos
+    max_len: Optional[int] = None  # cache positions (null: the model's max_position_embeddings)
+    cpu_fast_compile: bool = True
+
+
+def parse_args(argv: Sequence[str]) -> tuple[GenerateOptions, list[str]]:
+    """(options, prompts). `prompt=` takes the rest of its argument as it is (no YAML: a colon or a
+    `#` stays text) and may be repeated; every other key goes through OmegaConf like a Hydra override."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    prompts, dotlist = [], []
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if not sep:
+            raise GenerationError(f"{arg}: not a key=value argument; e.g. prompt=\"Once upon a time\" max_new_tokens=32")
+        key = key.lstrip("+")
+        if key == "prompt":
+            prompts.append(value)
+        else:
+            dotlist.append(f"{key}={value}")
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(GenerateOptions), OmegaConf.from_dotlist(dotlist))
+        return OmegaConf.to_object(merged), prompts
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or "?"
+        message = str(e).splitlines()[0]
+        if "not in struct" in message or "Key '" in message:
+            raise GenerationError(f"{key}: unknown key; the keys are {', '.join(_keys())}") from None
+        raise GenerationError(f"{key}: {message}; give a value of the right type") from None
+
+
+def _keys(schema=GenerateOptions, prefix: str = "") -> list[str]:
+    out = ["prompt"] if not prefix else []
+    for f in dataclasses.fields(schema):
+        if dataclasses.is_dataclass(f.default_factory if f.default_factory is not dataclasses.MISSING else None):
+            out += _keys(f.default_factory, f"{prefix}{f.name}.")
+        else:
+            out.append(prefix + f.name)
+    return out
+
+
+def _load_tokenizer(spec: str, key: str = "tokenizer"):
+    from zoo.data.tokenizer import ByteTokenizer, HFTokenizer
+
+    if spec == "bytes":
+        return ByteTokenizer()
+    path = pathlib.Path(spec).expanduser()
+    if not path.exists():
+        raise GenerationError(f"{key}: {path} does not exist; give a tokenizer.json (or its folder), or tokenizer=bytes for UTF-8 byte ids")
+    try:
+        return HFTokenizer(path)
+    except ValueError as e:  # zoo.data.DataError, keyed for train.py's data.tokenizer
+        raise GenerationError(f"{key}: {str(e).split(': ', 1)[-1]}") from None
+
+
+def _hf_stop_tokens(directory: pathlib.Path) -> Optional[list[int]]:
+    """eos_token_id of generation_config.json, else config.json (an int or a list), if any."""
+    for name in ("generation_config.json", "config.json"):
+        f = directory / name
+        if f.is_file():
+            eos = json.loads(f.read_text()).get("eos_token_id")
+            if eos is not None:
+                return [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
+    return None
+
+
+def _hf_source(opts: GenerateOptions):
+    """(config, load model, tokenizer, default stop tokens) of model.path; the weights load later."""
+    from zoo import hf
+
+    directory = pathlib.Path(opts.model.path).expanduser()
+    compute = opts.model.compute_dtype or opts.model.dtype
+    config = hf.config_from_hf(hf.load_config(directory), source=str(directory / "config.json"),
+                               param_dtype=opts.model.dtype, compute_dtype=compute)
+    if opts.tokenizer is not None:
+        tokenizer = _load_tokenizer(opts.tokenizer)
+    elif (directory / "tokenizer.json").is_file():
+        tokenizer = _load_tokenizer(str(directory / "tokenizer.json"))
+    else:
+        raise GenerationError(
+            f"tokenizer: {directory} has no tokenizer.json; give tokenizer=<a tokenizer.json>, or tokenizer=bytes for UTF-8 byte ids"
+        )
+    load = functools.partial(hf.from_pretrained, directory, dtype=opts.model.dtype, compute_dtype=compute)
+    return config, load, tokenizer, _hf_stop_tokens(directory)
+
+
+def _checkpoint_source(opts: GenerateOptions):
+    """(config, load model, tokenizer, default stop tokens) of checkpoint.dir."""
+    from zoo.train.checkpoint import restore_model
+
+    restored = restore_model(opts.checkpoint.dir, step=opts.checkpoint.step)  # reads the parameters: small next to compiling
+    model, meta = restored
+    data = meta.get("data", {})
+    if opts.tokenizer is not None:
+        tokenizer = _load_tokenizer(opts.tokenizer)
+    elif data.get("name") == "text":
+        tokenizer = _load_tokenizer(data["tokenizer"] if data.get("tokenizer") else "bytes")
+    else:
+        raise GenerationError(
+            f"tokenizer: the checkpoint was trained on data={data.get('name')} (token ids without text); "
+            "give tokenizer=bytes to read ids as UTF-8 bytes, or tokenizer=<a tokenizer.json>"
+        )
+    return model.config, lambda: model, tokenizer, None
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def run(argv: Sequence[str]) -> int:
+    opts, prompts = parse_args(argv)
+    if (opts.model.path is None) == (opts.checkpoint.dir is None):
+        raise GenerationError("model.path: give exactly one of model.path=<Hugging Face directory> and checkpoint.dir=<train.py checkpoint>")
+    if not prompts:
+        raise GenerationError('prompt: no prompt given; add prompt="..." (repeat it for several prompts)')
+    config, load, tokenizer, stop = _hf_source(opts) if opts.model.path is not None else _checkpoint_source(opts)
+    from zoo.data.tokenizer import ByteTokenizer
+
+    if tokenizer.vocab_size > config.vocab_size:
+        what = "UTF-8 bytes need 256 ids" if isinstance(tokenizer, ByteTokenizer) else f"{tokenizer.name} has {tokenizer.vocab_size} token ids"
+        raise GenerationError(f"tokenizer: {what} but the model's vocabulary has {config.vocab_size}; give the model's own tokenizer")
+    if opts.stop_tokens is not None:
+        stop = opts.stop_tokens
+    elif stop is None:
+        stop = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
+    tokens = encode_prompts(prompts, tokenizer)
+    check_request(config, tokens, opts.max_new_tokens, opts.temperature, opts.top_k, opts.top_p, stop, opts.max_len)
+
+    t0 = time.perf_counter()
+    model = load()
+    _log(f"model {config.family} from {opts.model.path or opts.checkpoint.dir} in {time.perf_counter() - t0:.1f}s; tokenizer {tokenizer!r}")
+    compile_s = []
+
+    def on_compile(batch, seq, cache, seconds):
+        _log(f"compiled for {batch} prompt(s) of up to {seq} tokens and a cache of {cache} positions in {seconds:.1f}s")
+        compile_s.append(seconds)
+
+    _log(f"generating up to {opts.max_new_tokens} tokens for {len(tokens)} prompt(s)")
+    t0 = time.perf_counter()
+    results = generate(
+        model, tokens, opts.max_new_tokens, tokenizer=tokenizer, temperature=opts.temperature, top_k=opts.top_k,
+        top_p=opts.top_p, stop_tokens=stop, seed=opts.seed, max_len=opts.max_len, cpu_fast_compile=opts.cpu_fast_compile,
+        on_compile=on_compile,
+    )
+    elapsed = time.perf_counter() - t0 - sum(compile_s)
+    for prompt, r in zip(prompts, results):
+        print(prompt + r.text, flush=True)
+    new = sum(len(r.tokens) for r in results)
+    ended = sum(r.stopped for r in results)
+    _log(f"{new} new tokens in {elapsed:.2f}s; {ended} of {len(results)} prompt(s) ended by a stop token {stop}")
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from zoo.inspect import run_tool
+
+    return run_tool(lambda: run(list(sys.argv[1:] if argv is None else argv)))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
