@@ -88,7 +88,7 @@ def test_hf_tokenizer_packs_documents_with_its_eos(tmp_path):
     for d in docs:
         want += list(tok.encode(d)) + [tok.eos_id]
     assert list(data.tokens) == want
-    assert data.batch(0).tolist() == [want[:4]]
+    assert data.batch(0)["tokens"].tolist() == [want[:4]]
 
 
 # --- reading and packing ---------------------------------------------------------------------------
@@ -121,7 +121,7 @@ def test_packing_is_documents_then_separator_cut_into_overlapping_windows(tmp_pa
     rebuilt = list(got[0]) + [t for w in got[1:] for t in list(w)[1:]]
     assert rebuilt == list(stream[: len(rebuilt)]) and len(stream) - len(rebuilt) < 3
     # unshuffled: batches walk the windows in order, wrapping to the next epoch
-    b = [data.batch(s) for s in range(4)]
+    b = [data.batch(s)["tokens"] for s in range(4)]
     assert all(x.dtype == np.int32 and x.shape == (2, 4) for x in b)
     flat = [r for x in b for r in rows(x)]
     assert flat == rows(np.stack(got + got[:2]).astype(np.int32))
@@ -134,14 +134,14 @@ def test_shuffle_is_a_fresh_permutation_each_epoch_and_deterministic(tmp_path):
     n = len(data.windows)
     assert n == 3200 // 15  # 400 numbers of 8 bytes and one separator, stride 15
     ordered = rows(np.stack([data.windows[i] for i in range(n)]).astype(np.int32))
-    epochs = [[r for s in range(e * n, (e + 1) * n) for r in rows(data.batch(s))] for e in range(2)]
+    epochs = [[r for s in range(e * n, (e + 1) * n) for r in rows(data.batch(s)["tokens"])] for e in range(2)]
     for e in epochs:
         assert sorted(e) == sorted(ordered)  # each epoch reads every window once
     assert epochs[0] != ordered and epochs[1] != epochs[0]  # shuffled, and differently per epoch
     again = load_text(tmp_path, seed=3, **kw)
-    assert all((again.batch(s) == data.batch(s)).all() for s in range(0, 3 * n, 7))
+    assert all((again.batch(s)["tokens"] == data.batch(s)["tokens"]).all() for s in range(0, 3 * n, 7))
     other = load_text(tmp_path, seed=4, **kw)
-    assert not all((other.batch(s) == data.batch(s)).all() for s in range(3))
+    assert not all((other.batch(s)["tokens"] == data.batch(s)["tokens"]).all() for s in range(3))
 
 
 # --- data parallelism and resumption ---------------------------------------------------------------
@@ -156,9 +156,9 @@ def test_two_processes_see_disjoint_data_that_make_up_the_global_batch(tmp_path)
     steps = len(whole.windows) // 8  # one epoch
     seen = [[], []]
     for s in range(steps):
-        parts = [p.batch(s) for p in procs]
+        parts = [p.batch(s)["tokens"] for p in procs]
         assert all(x.shape == (4, 32) for x in parts)
-        np.testing.assert_array_equal(np.concatenate(parts), whole.batch(s))
+        np.testing.assert_array_equal(np.concatenate(parts), whole.batch(s)["tokens"])
         for p in range(2):
             seen[p] += rows(parts[p])
     assert len(set(seen[0])) == len(seen[0]) and len(set(seen[1])) == len(seen[1])
@@ -172,13 +172,13 @@ def test_restart_at_step_k_yields_the_uninterrupted_batches(tmp_path, process_in
     kw = dict(seq_len=24, batch_size=6, seed=5, process_index=process_index, process_count=2)
     run = load_text(tmp_path, **kw)
     it = run.batches(0)
-    uninterrupted = [next(it) for _ in range(40)]  # crosses at least one epoch boundary
+    uninterrupted = [next(it)["tokens"] for _ in range(40)]  # crosses at least one epoch boundary
     assert run.steps_per_epoch < 40
     for k in (0, 1, 17, 39):
         restarted = load_text(tmp_path, **kw).batches(start_step=k)  # a fresh loader, as after a restart
         for s in range(k, 40):
-            np.testing.assert_array_equal(next(restarted), uninterrupted[s])
-    np.testing.assert_array_equal(run.batch(23), uninterrupted[23])
+            np.testing.assert_array_equal(next(restarted)["tokens"], uninterrupted[s])
+    np.testing.assert_array_equal(run.batch(23)["tokens"], uninterrupted[23])
     # and the batches are not all alike, so the equality above says something
     assert len({b.tobytes() for b in uninterrupted}) == 40
 
@@ -292,8 +292,8 @@ def test_tiny_llama_learns_the_shipped_text_below_its_unigram_entropy():
         return optax.apply_updates(params, updates), opt_state, loss
 
     losses = []
-    for tokens in data.batches(0):
-        params, opt_state, loss = step(params, opt_state, jnp.asarray(tokens))
+    for batch in data.batches(0):
+        params, opt_state, loss = step(params, opt_state, jnp.asarray(batch["tokens"]))
         losses.append(float(loss))
         if len(losses) == steps:
             break
@@ -336,4 +336,4 @@ def test_train_py_trains_on_the_shipped_text(tmp_path):
     assert summary["status"] == "ok" and summary["loss_floor"] is None
     assert summary["config"]["data"]["name"] == "text" and summary["config"]["data"]["tokenizer"] is None
     assert summary["last_loss"] < 3.3 < summary["first_loss"]  # below the bytes' unigram entropy (3.33 nats)
-    assert "3 file(s), 3 document(s), 385633 tokens (bytes, vocab 256)" in r.stdout
+    assert "3 file(s), 3 document(s), 385633 tokens (bytes, vocab 256, no bos)" in r.stdout
