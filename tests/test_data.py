@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from zoo.data import (
+    BATCH_FIELDS,
     SHIPPED_CORPUS,
     ByteTokenizer,
     DataError,
@@ -337,3 +338,225 @@ def test_train_py_trains_on_the_shipped_text(tmp_path):
     assert summary["config"]["data"]["name"] == "text" and summary["config"]["data"]["tokenizer"] is None
     assert summary["last_loss"] < 3.3 < summary["first_loss"]  # below the bytes' unigram entropy (3.33 nats)
     assert "3 file(s), 3 document(s), 385633 tokens (bytes, vocab 256, no bos)" in r.stdout
+
+
+# --- packed batches: segments, positions, BOS, loss mask -------------------------------------------
+
+
+def reference_fields(stream_doc: list[int], window_start: int, seq_len: int) -> tuple[list[int], list[int]]:
+    """Segment ids and positions of one window, by walking it: a new segment where the document changes."""
+    seg, pos = [], []
+    for t in range(seq_len):
+        doc = stream_doc[window_start + t]
+        if t == 0:
+            seg.append(0)
+            pos.append(0)
+        elif doc != stream_doc[window_start + t - 1]:
+            seg.append(seg[-1] + 1)
+            pos.append(0)
+        else:
+            seg.append(seg[-1])
+            pos.append(pos[-1] + 1)
+    return seg, pos
+
+
+def test_packed_batches_carry_segments_positions_and_mask(tmp_path):
+    docs = ["ab", "cdefghij", "k", "lmnopqrstu", "vwxyz"]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    data = load_text(tmp_path / "d.jsonl", seq_len=6, batch_size=2, shuffle=False)
+    stream_doc = [i for i, d in enumerate(docs) for _ in range(len(d) + 1)]  # each doc and its NUL separator
+    assert len(data.tokens) == len(stream_doc)
+    n = len(data.windows)
+    assert data.max_segments == max(len(set(stream_doc[5 * i : 5 * i + 6])) for i in range(n)) == 3
+    for step in range(n // 2):
+        b = data.batch(step)
+        assert set(b) == set(BATCH_FIELDS) and all(v.dtype == np.int32 and v.shape == (2, 6) for v in b.values())
+        for r in range(2):
+            start = 5 * (2 * step + r)
+            seg, pos = reference_fields(stream_doc, start, 6)
+            assert b["tokens"][r].tolist() == list(data.tokens[start : start + 6])
+            assert b["segment_ids"][r].tolist() == seg and b["positions"][r].tolist() == pos
+            assert b["loss_mask"][r].tolist() == [1] * 6  # plain text: every token counts
+
+
+def bos_tokenizer(path: pathlib.Path, texts, with_post_processor: bool = True) -> pathlib.Path:
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    specials = ["[UNK]", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=150, special_tokens=specials, show_progress=False))
+    if with_post_processor:
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path / "tokenizer.json"))
+    return path
+
+
+def test_bos_comes_from_the_post_processor_or_tokenizer_config(tmp_path):
+    texts = ["the cat sat on the mat", "a dog on the log"] * 10
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts[:2]))
+    folder = bos_tokenizer(tmp_path / "tok", texts)
+    data = load_text(corpus, seq_len=4, batch_size=1, tokenizer=folder, shuffle=False)
+    tok = data.tokenizer
+    assert tok.bos_token == "<s>" and tok.eos_token == "</s>"
+    want = []
+    for t in texts[:2]:
+        want += [tok.bos_id] + list(tok.encode(t)) + [tok.eos_id]
+    assert list(data.tokens) == want
+    b = data.batch(0)
+    assert b["tokens"][0, 0] == tok.bos_id and b["positions"][0].tolist() == [0, 1, 2, 3]
+    # tokenizer_config.json's add_bos_token wins over the post-processor
+    (folder / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": False}))
+    assert load_tokenizer(folder).bos_id is None
+    (folder / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": True, "bos_token": {"content": "<|im_start|>"}}))
+    assert load_tokenizer(folder).bos_token == "<|im_start|>"
+    # no post-processor, no config: no BOS; the bytes have none either
+    assert load_tokenizer(bos_tokenizer(tmp_path / "plain", texts, with_post_processor=False)).bos_id is None
+    assert load_tokenizer(None).bos_id is None
+
+
+# A ChatML template as transformers' tokenizer_config.json carries it.
+CHATML = (
+    "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def counted_text(data, tok) -> str:
+    ids = np.asarray(data.tokens)
+    mask = data.windows.packed.loss_mask
+    return tok.decode(ids[mask])
+
+
+def test_chat_lines_count_the_replies_only(tmp_path):
+    chats = [
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}, {"role": "assistant", "content": "hello"}],
+        [{"role": "user", "content": "sum"}, {"role": "assistant", "content": "one"}, {"role": "user", "content": "more"},
+         {"role": "assistant", "content": "two"}],
+    ]
+    corpus = tmp_path / "chat.jsonl"
+    corpus.write_text("".join(json.dumps({"messages": c}) + "\n" for c in chats))
+    # bytes: the documented fallback format
+    data = load_text(corpus, seq_len=8, batch_size=1, shuffle=False)
+    assert data.tokenizer.decode(data.tokens[: data.windows.packed.doc_starts[1]]) == (
+        "system: be brief\nuser: hi there\nassistant: hello\n\x00"
+    )
+    assert counted_text(data, data.tokenizer) == "hello\n\x00one\ntwo\n\x00"
+    # a tokenizer folder with a chat template: rendered by it, the replies with their end-of-turn marker counted
+    folder = bos_tokenizer(tmp_path / "tok", ["system user assistant hi there hello be brief sum one more two"] * 10)
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML, "bos_token": "<s>", "eos_token": "</s>"}))
+    data = load_text(corpus, seq_len=8, batch_size=1, tokenizer=folder, shuffle=False)
+    tok = data.tokenizer
+    first = tok.decode(data.tokens[: data.windows.packed.doc_starts[1]]).replace(" ", "")
+    assert first.startswith("<s><|im_start|>system") and first.count("<s>") == 1  # the template's BOS, not a second
+    counted = [tok.decode([int(i)]) for i, m in zip(data.tokens, data.windows.packed.loss_mask) if m]
+    assert "".join(counted).replace(" ", "") == "hello<|im_end|></s>one<|im_end|>two<|im_end|></s>"
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused(tmp_path):
+    corpus = tmp_path / "chat.jsonl"
+    corpus.write_text(json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}) + "\n")
+    folder = bos_tokenizer(tmp_path / "tok", ["a b c"] * 5)
+    # the number of messages shows at the start: a shorter conversation is not a prefix of the longer one
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages | length }}" + CHATML}))
+    one_line_error(r"^data\.tokenizer: its chat template does not render", load_text, corpus, seq_len=4, batch_size=1, tokenizer=folder)
+
+
+def test_a_chat_template_without_jinja2_is_one_line(tmp_path, monkeypatch):
+    import sys
+
+    corpus = tmp_path / "chat.jsonl"
+    corpus.write_text(json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}) + "\n")
+    folder = bos_tokenizer(tmp_path / "tok", ["a b c"] * 5)
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML}))
+    monkeypatch.setitem(sys.modules, "jinja2", None)  # import jinja2 now fails
+    one_line_error(r"^data\.tokenizer: .* has a chat template, and rendering it needs jinja2; pip install jinja2",
+                   load_text, corpus, seq_len=4, batch_size=1, tokenizer=folder)
+
+
+# --- held-out evaluation and a corpus smaller than a batch ------------------------------------------
+
+
+def test_eval_fraction_holds_out_evenly_spread_windows_whatever_the_seed(tmp_path):
+    (tmp_path / "t.txt").write_text(numbered_text(400))
+    kw = dict(seq_len=16, batch_size=4, eval_fraction=0.1)
+    data = load_text(tmp_path, seed=1, **kw)
+    n = len(data.windows)
+    held = data.eval.window_ids
+    assert len(held) == n // 10 and len(data.window_ids) == n - n // 10
+    assert not set(held) & set(data.window_ids)
+    assert np.diff(held).max() <= 10 and held[0] < 10 and held[-1] >= n - 11  # spread over the whole corpus
+    np.testing.assert_array_equal(load_text(tmp_path, seed=2, **kw).eval.window_ids, held)
+    # training never reads a held-out window; the eval split reads them in order
+    seen = {r for s in range(2 * n // 4) for r in rows(data.batch(s)["tokens"])}
+    held_rows = set(rows(np.stack([data.windows[int(i)] for i in held]).astype(np.int32)))
+    assert not seen & held_rows and len(seen) == len(data.window_ids)
+    assert rows(data.eval.batch(0)["tokens"]) == rows(np.stack([data.windows[int(i)] for i in held[:4]]).astype(np.int32))
+    assert data.eval.num_batches == len(held) // 4
+
+
+def test_eval_path_and_the_splits_too_small_for_a_batch(tmp_path):
+    train, held = tmp_path / "train.txt", tmp_path / "held.txt"
+    train.write_text(numbered_text(100))
+    held.write_text(numbered_text(28, start=500))
+    data = load_text(train, seq_len=16, batch_size=4, eval_path=held)
+    assert data.eval.source == str(held) and len(data.eval.window_ids) == num_windows(28 * 8 + 1, 16)
+    assert data.eval.tokens.tobytes() != data.tokens.tobytes()
+    one_line_error(r"^data\.eval_path: .*held\.txt \(\d+ tokens\) gives 14 windows of data\.seq_len=16 tokens, fewer than one batch of "
+                   r"data\.batch_size=16; add text", load_text, train, seq_len=16, batch_size=16, eval_path=held)
+    one_line_error(r"^data\.eval_fraction: 0\.01 of .* gives 0 windows .* fewer than one batch of data\.batch_size=4; "
+                   r"raise data\.eval_fraction to at least 0\.076", load_text, train, seq_len=16, batch_size=4, eval_fraction=0.01)
+    one_line_error(r"^data\.eval_path: .*nope does not exist", load_text, train, seq_len=16, batch_size=4, eval_path=tmp_path / "nope")
+    one_line_error(r"^data\.eval_fraction: set it or data\.eval_path, not both", load_text, train, seq_len=16, batch_size=4,
+                   eval_fraction=0.1, eval_path=held)
+    # issue 13: a batch larger than the corpus (under one step per epoch)
+    one_line_error(r"^data\.batch_size: .*train\.txt \(801 tokens\) gives 53 windows of data\.seq_len=16 tokens, fewer than one batch "
+                   r"of data\.batch_size=64; a step would read more than the corpus; lower data\.batch_size or data\.seq_len",
+                   load_text, train, seq_len=16, batch_size=64)
+
+
+def test_batches_are_the_same_from_several_threads(tmp_path):
+    import concurrent.futures
+
+    (tmp_path / "t.txt").write_text(numbered_text(300))
+    data = load_text(tmp_path, seq_len=16, batch_size=8, seed=3)
+    steps = list(range(0, 60)) * 2  # several epochs, out of order across threads
+    want = {s: load_text(tmp_path, seq_len=16, batch_size=8, seed=3).batch(s)["tokens"] for s in range(60)}
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(data.batch, steps))
+    for s, b in zip(steps, got):
+        np.testing.assert_array_equal(b["tokens"], want[s])
+
+
+# --- the synthetic markov chain --------------------------------------------------------------------
+
+
+def markov_by_steps(d, step: int) -> np.ndarray:
+    """The chain's definition, one position at a time (the generator's former loop)."""
+    c = d.c
+    rng = np.random.default_rng((c.seed, step))
+    out = np.empty((c.batch_size, c.seq_len), np.int32)
+    out[:, 0] = rng.integers(0, d.vocab_size, size=c.batch_size)
+    u = rng.random((c.batch_size, c.seq_len))
+    for t in range(1, c.seq_len):
+        prev = out[:, t - 1]
+        choice = (u[:, t, None] > d.cumprobs[prev]).sum(-1)
+        out[:, t] = d.successors[prev, np.minimum(choice, d.successors.shape[1] - 1)]
+    return out
+
+
+@pytest.mark.parametrize("vocab, branching", [(256, 4), (50, 50)])
+def test_vectorised_markov_batches_equal_the_step_by_step_chain(vocab, branching):
+    from zoo.train.config import DataConfig
+    from zoo.train.data import SyntheticData
+
+    c = DataConfig(batch_size=8, seq_len=33, branching=branching, seed=7)
+    whole = SyntheticData(c, vocab)
+    for step in (0, 5):
+        want = markov_by_steps(whole, step)
+        np.testing.assert_array_equal(whole.global_batch(step), want)
+        parts = [SyntheticData(c, vocab, p, 4).batch(step) for p in range(4)]  # each process its rows only
+        np.testing.assert_array_equal(np.concatenate(parts), want)
+    assert len(np.unique(want)) > min(vocab, 20)
