@@ -319,14 +319,24 @@ def run_train(tmp_path, *overrides, timeout=600):
     return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def test_train_py_bad_data_input_exits_2_with_one_line(tmp_path):
-    latin = tmp_path / "latin.txt"
-    latin.write_bytes("caf\xe9".encode("latin-1"))
-    r = run_train(tmp_path, "data=text", f"data.path={latin}")
+@pytest.mark.parametrize("case", ["not_utf8", "batch_larger_than_corpus"])
+def test_train_py_bad_data_input_exits_2_with_one_line(tmp_path, case):
+    if case == "not_utf8":
+        latin = tmp_path / "latin.txt"
+        latin.write_bytes("caf\xe9".encode("latin-1"))
+        args = [f"data.path={latin}"]
+        want = f"error: data.path: {latin} is not UTF-8 text (byte 0xe9 at offset 3, line 1); convert it, e.g. iconv -f latin1 -t utf-8, or remove it from data.path"
+    else:
+        small = tmp_path / "small.txt"
+        small.write_text(numbered_text(40))  # 321 bytes: 5 windows of 64
+        args = [f"data.path={small}", "data.batch_size=8"]
+        want = (f"error: data.batch_size: {small} (321 tokens) gives 5 windows of data.seq_len=64 tokens, fewer than one batch of "
+                "data.batch_size=8; a step would read more than the corpus; lower data.batch_size or data.seq_len, or add text")
+    r = run_train(tmp_path, "data=text", *args)
     assert r.returncode == 2, r.stderr
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
-    assert errors == [f"error: data.path: {latin} is not UTF-8 text (byte 0xe9 at offset 3, line 1); convert it, e.g. iconv -f latin1 -t utf-8, or remove it from data.path"]
-    assert "Traceback" not in r.stderr
+    assert errors == [want]
+    assert "Traceback" not in r.stderr and "compile" not in r.stdout
 
 
 @pytest.mark.slow
@@ -560,3 +570,217 @@ def test_vectorised_markov_batches_equal_the_step_by_step_chain(vocab, branching
         parts = [SyntheticData(c, vocab, p, 4).batch(step) for p in range(4)]  # each process its rows only
         np.testing.assert_array_equal(np.concatenate(parts), want)
     assert len(np.unique(want)) > min(vocab, 20)
+
+
+# --- the model on packed documents: each document as if alone ---------------------------------------
+
+SEQ = 300  # past the blockwise path's 256-position tiles, so its tile skipping and segment masks both act
+
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+    import jax
+
+    import zoo
+
+    cfg = zoo.get_size("llama_tiny_a").replace(max_position_embeddings=512)
+    return cfg, zoo.build(cfg, key=jax.random.key(1))
+
+
+def packed_row(lengths, seed=0):
+    """One row of documents of `lengths` (filling SEQ): tokens, segment ids, positions restarting per document."""
+    rng = np.random.default_rng(seed)
+    assert sum(lengths) == SEQ
+    tokens = rng.integers(1, 256, size=SEQ).astype(np.int32)
+    segments = np.concatenate([np.full(n, i) for i, n in enumerate(lengths)]).astype(np.int32)
+    positions = np.concatenate([np.arange(n) for n in lengths]).astype(np.int32)
+    return tokens, segments, positions
+
+
+def features_fn(model, impl):
+    import jax
+
+    from zoo.model import abstract
+    from zoo.nn.attention_kernels import segments_bound
+
+    # The same weights under another attention path (a static field): no second initialisation.
+    model = jax.tree.unflatten(jax.tree.structure(abstract(model.config.replace(attention_impl=impl))), jax.tree.leaves(model))
+
+    @jax.jit
+    def logits(tokens, positions, segment_ids):
+        with segments_bound(4):
+            return model(tokens, positions=positions, segment_ids=segment_ids)
+
+    return logits
+
+
+def cudnn_stand_in(monkeypatch):
+    """cuDNN's packed attention (per-row segment lengths and starts) computed by the XLA path from the
+    same layout, and cuDNN accepted on CPU: the plumbing from segment ids to cuDNN's arguments runs."""
+    import jax.numpy as jnp
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+
+    from zoo.nn import attention_kernels as A
+
+    def packed_attention(q, k, v, *, scale, mask_type, sliding_window_length=None, q_seqlen, kv_seqlen, q_offsets, kv_offsets):
+        assert mask_type == fa.MaskType.PADDING_CAUSAL
+        pos = jnp.arange(q.shape[1])
+        # segment m covers [offset m, offset m + length m): the layout back to ids
+        inside = (pos[None, None, :] >= q_offsets[:, :-1, None]) & (pos[None, None, :] < (q_offsets[:, :-1] + q_seqlen)[:, :, None])
+        ids = jnp.argmax(inside, axis=1)
+        return A.xla_attention(q, k, v, scale=scale, segment_ids=ids)
+
+    monkeypatch.setattr(A, "_cudnn_refusal", lambda *a, **k: None)
+    monkeypatch.setattr(fa, "dot_product_attention", packed_attention)
+
+
+LENGTHS = [40, 170, 1, 89]
+
+
+@pytest.fixture(scope="module")
+def alone_logits(tiny_llama):
+    """Each document of the packed row at the start of a row of its own (what follows it cannot
+    reach it through causal attention), positions from 0, no segment ids: its logits alone."""
+    import jax.numpy as jnp
+
+    _, model = tiny_llama
+    tokens, _, _ = packed_row(LENGTHS)
+    rows, at = [], 0
+    for n in LENGTHS:
+        rows.append(np.concatenate([tokens[at : at + n], np.zeros(SEQ - n, np.int32)]))
+        at += n
+    positions = jnp.broadcast_to(jnp.arange(SEQ, dtype=jnp.int32), (len(LENGTHS), SEQ))
+    out = features_fn(model, "xla")(jnp.asarray(np.stack(rows)), positions, jnp.zeros((len(LENGTHS), SEQ), jnp.int32))
+    return np.asarray(out)
+
+
+@pytest.mark.parametrize("impl", ["xla", "blockwise", "cudnn"])
+def test_a_packed_row_gives_each_document_its_logits_alone(tiny_llama, alone_logits, impl, monkeypatch):
+    import jax.numpy as jnp
+
+    if impl == "cudnn":
+        cudnn_stand_in(monkeypatch)
+    _, model = tiny_llama
+    logits = features_fn(model, impl)
+    tokens, segments, positions = packed_row(LENGTHS)
+    tokens, positions = jnp.asarray(tokens[None]), jnp.asarray(positions[None])
+    packed = np.asarray(logits(tokens, positions, jnp.asarray(segments[None])))[0]
+    at = 0
+    for i, n in enumerate(LENGTHS):
+        np.testing.assert_allclose(packed[at : at + n], alone_logits[i, :n], rtol=2e-5, atol=2e-5)
+        at += n
+    # and without segment ids the documents do see each other, so the comparison above says something
+    unmasked = np.asarray(logits(tokens, positions, jnp.zeros((1, SEQ), jnp.int32)))[0]
+    assert np.abs(unmasked[LENGTHS[0]:] - packed[LENGTHS[0]:]).max() > 1e-2
+
+
+# --- the trainer's loss on packed batches ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def text_trainer(tiny_llama):
+    import equinox as eqx
+    import jax
+
+    from zoo.offload import OffloadConfig
+    from zoo.train.config import DataConfig, HardwareConfig, MeshConfig, OptimizerConfig, TrainConfig, TrainerConfig, XlaConfig, validate
+    from zoo.train.step import Trainer
+
+    cfg, model = tiny_llama
+
+    def make(accum=1, chunk=512):
+        c = TrainConfig(
+            model=cfg, mesh=MeshConfig(devices=1), offload=OffloadConfig(), optimizer=OptimizerConfig(),
+            data=DataConfig(name="text", batch_size=4, seq_len=24), xla=XlaConfig(),
+            trainer=TrainerConfig(grad_accum=accum, loss_chunk_size=chunk), hardware=HardwareConfig(),
+        )
+        return Trainer(c, validate(c, len(jax.devices())))
+
+    return make, eqx.partition(model, eqx.is_array)[0]
+
+
+def pair_corpus(tmp_path) -> pathlib.Path:
+    """Prompts in capitals and responses in lower case: a target's byte says which it is."""
+    rng = np.random.default_rng(0)
+    lines = []
+    for _ in range(12):
+        prompt = "".join(rng.choice(list("ABCDEFGH"), size=rng.integers(3, 9)))
+        response = "".join(rng.choice(list("abcdefgh"), size=rng.integers(2, 7)))
+        lines.append(json.dumps({"prompt": prompt + ":", "response": response}))
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def per_target_nll(tiny_llama):
+    """[rows, seq-1]: -log p(token t+1 | tokens of its row up to t), documents kept apart."""
+    import jax
+
+    from zoo.loss import chunked_next_token_nll
+
+    _, model = tiny_llama
+
+    @jax.jit
+    def nll(tokens, positions, segment_ids):
+        hidden, _ = model.features(tokens, positions=positions, segment_ids=segment_ids)
+        return chunked_next_token_nll(hidden, model.head_weight(), tokens)
+
+    return lambda batch: np.asarray(nll(batch["tokens"], batch["positions"], batch["segment_ids"]))
+
+
+def test_prompt_response_loss_counts_response_tokens_only(tmp_path, text_trainer, per_target_nll):
+    import jax
+
+    make, params = text_trainer
+    trainer = make()
+    data = load_text(pair_corpus(tmp_path), seq_len=24, batch_size=4, shuffle=False)
+    batch = data.batch(1)
+    tokens, seg = batch["tokens"], batch["segment_ids"]
+    # the mask marks the responses' bytes and the EOS after them, nothing of the prompts
+    lower = (tokens >= ord("a")) & (tokens <= ord("h"))
+    eos_after_response = (tokens == 0) & np.concatenate([np.zeros((4, 1), bool), lower[:, :-1]], axis=1)
+    np.testing.assert_array_equal(batch["loss_mask"] == 1, lower | eos_after_response)
+    # the trainer's loss is the mean over response targets that follow a token of their own document
+    counted = (lower | eos_after_response)[:, 1:] & (seg[:, 1:] == seg[:, :-1])
+    nll = per_target_nll(batch)
+    want = nll[counted].mean()
+    np.testing.assert_allclose(float(jax.jit(trainer.loss_and_aux)(params, batch)[0]), want, rtol=1e-5)
+    # counting the prompts (or the cross-document targets) gives another number
+    everything = (seg[:, 1:] == seg[:, :-1])
+    assert abs(nll[everything].mean() - want) > 1e-3 and counted.sum() < everything.sum()
+
+
+@pytest.mark.parametrize("chunk", [512, 0])
+def test_packed_loss_is_the_mean_over_all_the_steps_targets(tmp_path, text_trainer, per_target_nll, chunk):
+    """Microbatches with unequal target counts: each one's loss is divided by the step's count, so
+    their mean is the step's mean whatever grad_accum is (and with the whole-logits loss)."""
+    import jax
+    import jax.numpy as jnp
+
+    make, params = text_trainer
+    data = load_text(pair_corpus(tmp_path), seq_len=24, batch_size=4, shuffle=False)
+    batch = data.batch(0)
+    nll = per_target_nll(batch)
+    counted = (batch["loss_mask"][:, 1:] == 1) & (batch["segment_ids"][:, 1:] == batch["segment_ids"][:, :-1])
+    want = nll[counted].mean()
+    two = make(accum=2, chunk=chunk)
+    staged = two.with_loss_denominators({k: jnp.asarray(v).reshape(2, 2, 24) for k, v in batch.items()})
+    loss = jax.jit(two.loss_and_aux)
+    losses = [float(loss(params, jax.tree.map(lambda x: x[i], staged))[0]) for i in range(2)]
+    per_micro_counts = counted.reshape(2, 2, -1).sum(axis=(1, 2))
+    assert per_micro_counts[0] != per_micro_counts[1]  # unequal, so a plain mean of means would differ
+    np.testing.assert_allclose(np.mean(losses), want, rtol=1e-5)
+
+
+def test_trainer_takes_packed_batches_and_plain_rows(text_trainer):
+    make, _ = text_trainer
+    trainer = make()
+    abstract = trainer.abstract_tokens()
+    assert set(abstract) == set(BATCH_FIELDS) and all(a.shape == (1, 4, 24) for a in abstract.values())
+    rows = np.arange(4 * 24, dtype=np.int32).reshape(4, 24) % 256
+    sharded = trainer.shard_tokens(rows)  # a plain array: one document per row
+    assert set(sharded) == set(BATCH_FIELDS)
+    np.testing.assert_array_equal(np.asarray(sharded["tokens"])[0], rows)
+    np.testing.assert_array_equal(np.asarray(sharded["positions"])[0], np.broadcast_to(np.arange(24), (4, 24)))
+    assert not np.asarray(sharded["segment_ids"]).any() and np.asarray(sharded["loss_mask"]).all()
