@@ -4,6 +4,12 @@ positions of every row, so under data parallelism each device works on its own r
 
 `chunked_next_token_loss(hidden, head, tokens, mask)` equals
 `zoo.model.next_token_loss(einsum("BTD,DV->BTV", hidden, head) [softcapped], tokens, mask)`.
+
+Packed documents (`zoo.data`): `target_weights(loss_mask, segment_ids)` is the mask to give it. Token
+t is a target (predicted from the tokens before it) when `loss_mask[t]` says it counts and token t-1
+is in the same segment: the first token of a document is never predicted from the document before
+it, so the prediction made at a document's last token (its EOS, where the tokenizer has one) counts
+for nothing, and the EOS itself is the last target of its document.
 """
 
 import functools
@@ -23,9 +29,18 @@ METHODS = ("fused", "recompute")
 DType = Union[str, jnp.dtype, type, None]
 
 
-def _targets_and_weights(tokens, mask):
+def target_weights(loss_mask: Int[Array, "*batch seq"], segment_ids: Int[Array, "*batch seq"]) -> Float[Array, "*batch seq"]:
+    """1.0 where token t counts as a target: `loss_mask[t]` is set and token t-1 is in t's segment
+    (so never at t = 0, nor at the first token of a document); else 0.0. The `mask` of the losses here."""
+    same = jnp.concatenate(
+        [jnp.zeros_like(segment_ids[..., :1], dtype=bool), segment_ids[..., 1:] == segment_ids[..., :-1]], axis=-1
+    )
+    return jnp.where(same & (loss_mask != 0), 1.0, 0.0).astype(jnp.float32)
+
+
+def _targets_and_weights(tokens, mask, denominator=None):
     """Per position ([batch, seq]): the next token (0 past the end) and its weight in the mean, so
-    that sum(weight * nll) is next_token_loss."""
+    that sum(weight * nll) is next_token_loss (or, with `denominator`, the weighted sum over it)."""
     batch, seq = tokens.shape
     targets = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
     if mask is None:
@@ -34,6 +49,8 @@ def _targets_and_weights(tokens, mask):
     else:
         weights = mask[:, 1:].astype(jnp.float32)
         denom = jnp.maximum(weights.sum(), 1.0)
+    if denominator is not None:
+        denom = jnp.asarray(denominator, jnp.float32)
     weights = jnp.concatenate([weights / denom, jnp.zeros((batch, 1), jnp.float32)], axis=1)
     return targets, weights
 
@@ -89,12 +106,15 @@ def chunked_next_token_loss(
     final_softcap: Optional[float] = None,
     compute_dtype: DType = None,
     method: str = "fused",
+    denominator: Union[float, Float[Array, ""], None] = None,
 ) -> Float[Array, ""]:
     """Mean cross-entropy of predicting tokens[:, t+1] from `hidden[:, t] @ head`, in float32.
 
     The logits are `einsum(hidden, head)` in `compute_dtype` (default: hidden's) with float32
     accumulation, then `c * tanh(logits / c)` for `final_softcap` c. `mask` (1 = count) weights the
-    target positions as in next_token_loss; no gradient flows to it.
+    target positions as in next_token_loss; no gradient flows to it. `denominator` replaces the
+    mean's (the mask's sum): the weighted sum over a count taken elsewhere (all of a step's
+    microbatches), or with 1.0 the plain sum.
 
     `method`: "fused" computes each chunk's gradients (wrt hidden and head) in the forward pass, while
     its logits exist, and the backward only scales them; "recompute" checkpoints each chunk and
@@ -107,7 +127,7 @@ def chunked_next_token_loss(
     batch, seq, embed = hidden.shape
     cdt = hidden.dtype if compute_dtype is None else jnp.dtype(compute_dtype)
     chunk = min(chunk_size, seq)
-    targets, weights = _targets_and_weights(tokens, mask)
+    targets, weights = _targets_and_weights(tokens, mask, denominator)
     h = _chunked(hidden, chunk)
     targets, weights = _chunked(targets, chunk), _chunked(weights, chunk)
     softcap = None if final_softcap is None else float(final_softcap)

@@ -58,6 +58,11 @@ def _fmt(x: Optional[float], spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
+def _eval(ev: Optional[dict]) -> str:
+    """The last held-out loss and its perplexity (`-` for a run without an eval split)."""
+    return "-" if not ev else f"{ev['eval_loss']:.4f} ({ev['eval_perplexity']:.2f})"
+
+
 def analyse(jobs: list[dict]) -> list[dict]:
     ok = [j for j in jobs if j.get("status") == "ok" and j.get("peak_memory_bytes") is not None and j.get("step_time_s")]
     front = pareto_front([(j["peak_memory_bytes"], j["step_time_s"]) for j in ok])
@@ -69,8 +74,8 @@ def analyse(jobs: list[dict]) -> list[dict]:
 def markdown(jobs: list[dict]) -> str:
     common = tuple(common_overrides(jobs))
     rows = [f"Overrides of every job: `{' '.join(common)}`\n" if common else "", 
-        "| job | status | step time (ms) | peak memory (MiB) | memory source | tokens/s | TFLOP/s/device | MFU | loss first -> last | Pareto |",
-        "| --- | --- | ---: | ---: | --- | ---: | ---: | ---: | --- | :---: |",
+        "| job | status | step time (ms) | peak memory (MiB) | memory source | tokens/s | TFLOP/s/device | MFU | loss first -> last | eval loss (ppl) | Pareto |",
+        "| --- | --- | ---: | ---: | --- | ---: | ---: | ---: | --- | ---: | :---: |",
     ]
     for j in jobs:
         if j.get("status") == "ok":
@@ -78,11 +83,11 @@ def markdown(jobs: list[dict]) -> str:
                 f"| {label(j, common)} | ok | {_fmt(1e3 * j['step_time_s'], '.1f')} | {_mib(j.get('peak_memory_bytes'))} | "
                 f"{j.get('peak_memory_source', '-')} | {_fmt(j.get('tokens_per_s'), '.0f')} | {_fmt(j.get('tflops_per_device'), '.4f')} | "
                 f"{_fmt(100 * j['mfu'] if j.get('mfu') is not None else None, '.2f')}% | "
-                f"{_fmt(j.get('first_loss'), '.4f')} -> {_fmt(j.get('last_loss'), '.4f')} | {'yes' if j.get('_pareto') else ''} |"
+                f"{_fmt(j.get('first_loss'), '.4f')} -> {_fmt(j.get('last_loss'), '.4f')} | {_eval(j.get('eval'))} | {'yes' if j.get('_pareto') else ''} |"
             )
         else:
             err = str(j.get("error", "")).replace("|", "\\|")
-            rows.append(f"| {label(j, common)} | failed: {err} | - | - | - | - | - | - | - | |")
+            rows.append(f"| {label(j, common)} | failed: {err} | - | - | - | - | - | - | - | - | |")
     return "\n".join(rows) + "\n"
 
 

@@ -12,8 +12,11 @@ Semantics shared by every path (the XLA path is the reference):
 - a query that sees no key (and has no sink) gets 0.
 """
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
+from collections.abc import Iterator
 from typing import Optional, Union
 
 import jax
@@ -38,6 +41,24 @@ BLOCKWISE_MIN_SEQ_OTHER = 1024
 
 _HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _MASKED = -1e30  # the XLA path's score for a masked pair: far below any real one, and finite
+
+
+# The bound on segments per row that attend() calls without their own `max_segments` take (see
+# `segments_bound`).
+_MAX_SEGMENTS: contextvars.ContextVar[Optional[int]] = contextvars.ContextVar("zoo_max_segments", default=None)
+
+
+@contextlib.contextmanager
+def segments_bound(max_segments: Optional[int]) -> Iterator[None]:
+    """While tracing inside this block, `attend` calls that pass segment ids but no `max_segments`
+    take this one: the static bound on documents per row that cuDNN's packed layout needs. It is a
+    property of the data (the trainer sets it from the packed batches), which the model's layers do
+    not carry. None: no bound (cuDNN is then not used for segment ids)."""
+    token = _MAX_SEGMENTS.set(max_segments)
+    try:
+        yield
+    finally:
+        _MAX_SEGMENTS.reset(token)
 
 
 def _bad(message: str) -> ValueError:
@@ -157,8 +178,10 @@ def attend(
     or per-row [batch]) and `kv_valid_len` (keys s >= kv_valid_len[b] are ignored) are for decoding
     against a cache; a traced q_offset or any kv_valid_len takes the XLA path. The blockwise path
     also takes a Python int q_offset. `max_segments` bounds the segments per row for cuDNN's packed
-    layout (segments must be contiguous runs there).
+    layout (segments must be contiguous runs there); None: the bound `segments_bound` sets, if any.
     """
+    if max_segments is None and segment_ids is not None:
+        max_segments = _MAX_SEGMENTS.get()
     batch, q_len, heads, qk_dim = q.shape
     kv_len, kv_heads = k.shape[1], k.shape[2]
     if heads % kv_heads:

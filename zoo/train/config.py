@@ -105,7 +105,11 @@ class DataConfig:
     path: Optional[str] = None  # a .txt/.jsonl file or a folder of them; null: the shipped corpus
     tokenizer: Optional[str] = None  # a Hugging Face tokenizer.json (or its folder); null: UTF-8 bytes, 256 ids
     text_field: str = "text"  # the key of each .jsonl line that holds the document
+    # .jsonl lines: auto (messages: a chat; prompt + response: a pair; else text_field), text, prompt_response, chat
+    format: str = "auto"
     shuffle: bool = True  # a new order of the windows each epoch; false: corpus order
+    eval_fraction: float = 0.0  # windows held out for evaluation (evenly spread); 0: none
+    eval_path: Optional[str] = None  # a separate file or folder to evaluate on (instead of eval_fraction)
 
     def __post_init__(self):
         if self.name not in DATASETS:
@@ -115,6 +119,22 @@ class DataConfig:
                 raise ConfigError(f"data.{name}: must be positive, got {getattr(self, name)}")
         if self.seq_len < 2:
             raise ConfigError(f"data.seq_len: next-token loss needs at least 2 tokens, got {self.seq_len}")
+        if self.name == "text":
+            from zoo.data.text import FORMATS  # zoo.data (grain, tokenizers) only for text runs
+
+            if self.format not in FORMATS:
+                raise ConfigError(f"data.format: unknown format {self.format!r}; choose one of {', '.join(FORMATS)}")
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise ConfigError(f"data.eval_fraction: must be in [0, 1), got {self.eval_fraction}; e.g. data.eval_fraction=0.05")
+        if self.eval_fraction and self.eval_path:
+            raise ConfigError("data.eval_fraction: set it or data.eval_path, not both; data.eval_fraction=0 to evaluate on data.eval_path")
+        if self.name != "text" and (self.eval_fraction or self.eval_path):
+            key = "data.eval_fraction" if self.eval_fraction else "data.eval_path"
+            raise ConfigError(f"{key}: only data=text has a held-out split ({self.name} data is endless); drop it or use data=text")
+
+    @property
+    def has_eval(self) -> bool:
+        return bool(self.eval_fraction or self.eval_path)
 
 
 @dataclasses.dataclass
@@ -150,6 +170,10 @@ class TrainerConfig:
     # The head + loss run over chunks of this many sequence positions (of every row), so the float32
     # logits exist [batch, chunk, vocab] at a time, forward and backward; 0: the whole logits at once.
     loss_chunk_size: int = 512
+    # With held-out text (data.eval_fraction or data.eval_path): its loss every eval_every steps
+    # (0: only at the end) and at the end, over its first eval_batches batches (of data.batch_size).
+    eval_every: int = 100
+    eval_batches: int = 8
 
     def __post_init__(self):
         if self.steps <= 0:
@@ -160,6 +184,10 @@ class TrainerConfig:
             raise ConfigError(f"trainer.log_every: must be positive, got {self.log_every}")
         if self.moe_bias_update_rate < 0:
             raise ConfigError(f"trainer.moe_bias_update_rate: must be >= 0 (0 disables), got {self.moe_bias_update_rate}")
+        if self.eval_every < 0:
+            raise ConfigError(f"trainer.eval_every: must be >= 0 (0: evaluate at the end only), got {self.eval_every}")
+        if self.eval_batches <= 0:
+            raise ConfigError(f"trainer.eval_batches: must be positive, got {self.eval_batches}")
         if self.loss_chunk_size < 0:
             raise ConfigError(
                 f"trainer.loss_chunk_size: must be a positive number of sequence positions (any size; it need not "

@@ -121,14 +121,17 @@ class Progress:
         text = f"step {done}/{self.total} loss {m['loss']:.4f} gnorm {m['grad_norm']:.3f} lr {m['lr']:.2e}"
         if m.get("tokens_per_s") is not None:
             text += f" {m['tokens_per_s']:.0f} tok/s {m['tflops_per_device']:.3f} TFLOP/s/dev MFU {100 * m['mfu']:.2f}%"
+        evaluated = m.get("eval_loss") is not None
+        if evaluated:
+            text += f" eval loss {m['eval_loss']:.4f} ppl {m['eval_perplexity']:.2f}"
         if self.tty:
             width = 24
             filled = int(width * done / self.total)
             self.stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {text}\x1b[K")
-            if done == self.total:
+            if done == self.total or evaluated:  # an eval result stays on screen
                 self.stream.write("\n")
             self.stream.flush()
-        elif done % self.every == 0 or done == self.total or step == 0:
+        elif done % self.every == 0 or done == self.total or step == 0 or evaluated:
             print(text, file=self.stream, flush=True)
 
 

@@ -75,6 +75,7 @@ def train(c: TrainConfig, plan, devices, out_dir: pathlib.Path, xla_flags: str =
     from zoo.config import count_params
     from zoo.sharding import memory_kinds
     from zoo.train.data import make_data
+    from zoo.train.evaluate import attach_data
     from zoo.train.metrics import MetricsWriter, Progress, Throughput, compiled_flops, compiled_memory, device_memory, write_json
     from zoo.train.step import Trainer
 
@@ -91,6 +92,7 @@ def train(c: TrainConfig, plan, devices, out_dir: pathlib.Path, xla_flags: str =
     except ShardingError as e:
         raise ConfigError(str(e)) from None
     data = make_data(c, shard, shards)  # bad data input: ConfigError, before any compile
+    evaluator = attach_data(c, trainer, data)  # the held-out loss (None without an eval split)
     mesh_devices = list(trainer.mesh.devices.flat)
     local_devices = [d for d in mesh_devices if d.process_index == jax.process_index()]
     steps = c.trainer.steps
@@ -108,6 +110,8 @@ def train(c: TrainConfig, plan, devices, out_dir: pathlib.Path, xla_flags: str =
             echo(line)
     if hasattr(data, "describe"):
         echo(data.describe())
+    if evaluator:
+        echo(evaluator.describe())
     ckpt = Checkpoints(c, plan, trainer, echo) if c.checkpoint.dir is not None else None
     start = (ckpt.check() if ckpt else None) or 0  # a checkpoint that does not fit: ConfigError, before any compile
     if ckpt:
@@ -151,6 +155,8 @@ def train(c: TrainConfig, plan, devices, out_dir: pathlib.Path, xla_flags: str =
             m["device_peak_bytes"] = mem["peak_bytes_in_use"] if mem else None
             if mem:
                 peak_device = max(peak_device or 0, mem["peak_bytes_in_use"])
+            if evaluator and evaluator.due(step + 1, steps):
+                m.update(evaluator(state["params"], step + 1))
             losses.append(m["loss"])
             times.append(dt)
             if writer:
@@ -189,6 +195,7 @@ def train(c: TrainConfig, plan, devices, out_dir: pathlib.Path, xla_flags: str =
         "checkpoint": {"dir": str(ckpt.dir), "steps": ckpt.complete_steps(), "resumed_from": start or None} if ckpt else None,
         "first_loss": losses[0],
         "last_loss": losses[-1],
+        "eval": evaluator.last if evaluator else None,
         "loss_floor": data.floor(),
         "init_s": init_s,
         "compile_s": compile_s,
@@ -213,8 +220,10 @@ def train(c: TrainConfig, plan, devices, out_dir: pathlib.Path, xla_flags: str =
         write_json(out_dir / "summary.json", summary)
     floor = data.floor()
     floor_note = f"floor {floor:.3f}" if floor is not None else f"unigram entropy {data.unigram_entropy():.3f}"
+    ev = evaluator.last if evaluator else None
+    eval_note = f", eval loss {ev['eval_loss']:.4f} (perplexity {ev['eval_perplexity']:.2f})" if ev else ""
     echo(
-        f"loss {losses[0]:.4f} -> {losses[-1]:.4f} ({floor_note}); step {1e3 * step_time:.1f} ms, "
+        f"loss {losses[0]:.4f} -> {losses[-1]:.4f} ({floor_note}){eval_note}; step {1e3 * step_time:.1f} ms, "
         f"{perf['tokens_per_s']:.0f} tok/s, {perf['tflops_per_device']:.4f} TFLOP/s/device, MFU {100 * perf['mfu']:.2f}% "
         f"of {c.hardware.name}{' (nominal)' if c.hardware.nominal else ''}; summary: {out_dir / 'summary.json'}"
     )

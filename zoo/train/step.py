@@ -7,6 +7,11 @@ the same step on abstract inputs (`Trainer.abstract_state`, `Trainer.lower`) wit
 
 The state is a dict `{"params", "opt_state", "step"}`; `params` is the array half of the model
 (`eqx.partition(model, is_array)`), combined with the static half inside the loss.
+
+A step's batch is a token array `[grad_accum, microbatch, seq]` (synthetic data), or for text
+(`data.name: text`, packed documents) a dict of such arrays (`zoo.data.BATCH_FIELDS`: tokens,
+segment_ids, positions, loss_mask), every one sharded like the tokens. The loss of a packed step is
+the mean over all its targets (`zoo.loss.target_weights`), whichever microbatch holds them.
 """
 
 from typing import Any, Callable, Optional
@@ -20,7 +25,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from zoo import model as zoo_model
 from zoo import sharding as zs
-from zoo.loss import chunked_next_token_loss
+from zoo.loss import chunked_next_token_loss, target_weights
+from zoo.nn.attention_kernels import segments_bound
 from zoo.offload import remat_policy
 from zoo.train.config import OptimizerConfig, Plan, TrainConfig
 from zoo.train.update import UPDATE_SCOPE, accumulate, global_norm, streamed_update, zeros_where
@@ -84,6 +90,17 @@ def tree_specs(tree, rules, mesh_sizes=None):
     return jax.tree_util.tree_map_with_path(one, tree)
 
 
+def one_document_per_row(tokens: np.ndarray) -> dict:
+    """A packed batch of a plain token array `[..., seq]`: each row one document, every target counted."""
+    seq = tokens.shape[-1]
+    return {
+        "tokens": tokens,
+        "segment_ids": np.zeros(tokens.shape, np.int32),
+        "positions": np.broadcast_to(np.arange(seq, dtype=np.int32), tokens.shape).copy(),
+        "loss_mask": np.ones(tokens.shape, np.int32),
+    }
+
+
 def _stack_paths(params) -> Callable:
     """Predicate over leaf paths: True inside a scanned layer stack (moved to device per layer)."""
     del params
@@ -122,6 +139,9 @@ class Trainer:
         # Tokens arrive as [grad_accum, microbatch, seq]: the microbatch dim is the sharded batch.
         self.token_sharding = NamedSharding(self.mesh, PartitionSpec(None, *token_spec))
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
+        self.packed = cfg.data.name == "text"  # batches are dicts of packed documents
+        # The most documents a row of the data holds (cuDNN's packed attention needs a static bound): set_data.
+        self.max_segments: Optional[int] = None
         self._step = None
 
     # --- state ---------------------------------------------------------------------------------
@@ -162,9 +182,22 @@ class Trainer:
         return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, self.state_shardings)
 
     def abstract_tokens(self):
+        """A step's batch as ShapeDtypeStructs: the token array, or for packed text the dict of arrays."""
         c = self.cfg
         shape = (c.trainer.grad_accum, self.plan.microbatch, c.data.seq_len)
-        return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.token_sharding)
+        one = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.token_sharding)
+        if not self.packed:
+            return one
+        from zoo.data.pipeline import BATCH_FIELDS
+
+        return {k: one for k in BATCH_FIELDS}
+
+    def set_data(self, data) -> None:
+        """Take from the data what the compiled programs depend on: the most documents a row holds
+        (of the training and the eval split), for attention kernels that need a static bound."""
+        bounds = [getattr(d, "max_segments", None) for d in (data, getattr(data, "eval", None)) if d is not None]
+        bounds = [b for b in bounds if b is not None]
+        self.max_segments = max(2, *bounds) if bounds else None
 
     def data_shard(self) -> tuple[int, int]:
         """`(index, count)`: this process's devices hold rows `[index*n, (index+1)*n)` of every microbatch,
@@ -194,9 +227,20 @@ class Trainer:
 
     def shard_tokens(self, batch):
         """This process's rows of a step (host `[batch_size / count, seq]` int32, `count` from
-        `data_shard`) -> the global `[grad_accum, microbatch, seq]` array, batch-sharded. With several
-        processes, microbatch a holds every process's a-th block of rows: the same rows per step as
-        one process reads, grouped differently into microbatches when grad_accum > 1."""
+        `data_shard`; or a dict of such arrays for packed text) -> the global `[grad_accum,
+        microbatch, seq]` array(s), batch-sharded. With several processes, microbatch a holds every
+        process's a-th block of rows: the same rows per step as one process reads, grouped
+        differently into microbatches when grad_accum > 1. A plain token array given to a packed
+        step is one document per row."""
+        if self.packed and not isinstance(batch, dict):
+            batch = one_document_per_row(np.asarray(batch, np.int32))
+        if isinstance(batch, dict):
+            if not self.packed:
+                raise ValueError("shard_tokens: a dict batch needs data.name=text (packed documents); give the token array")
+            return {k: self._shard_rows(v) for k, v in batch.items()}
+        return self._shard_rows(batch)
+
+    def _shard_rows(self, batch):
         c = self.cfg
         index, count = self.data_shard()
         if count == 1 and jax.process_count() == 1:
@@ -216,7 +260,11 @@ class Trainer:
     # --- the step ------------------------------------------------------------------------------
 
     def loss_and_aux(self, params, tokens):
-        """Mean next-token loss of one microbatch, and the MoE routing statistics."""
+        """Mean next-token loss of one microbatch, and the MoE routing statistics. A packed
+        microbatch's `loss_denominator` (set by `train_step`) replaces its own target count."""
+        if isinstance(tokens, dict):
+            total, count, aux = self.loss_terms(params, tokens, tokens.get("loss_denominator"))
+            return (total if "loss_denominator" in tokens else total / jnp.maximum(count, 1.0)), aux
         model = eqx.combine(params, self.static)
         layer_transform = zs.to_device if self.params_on_host else None
         tokens = zs.constrain(tokens, zs.TOKEN_AXES)
@@ -231,6 +279,43 @@ class Trainer:
         logits = zs.constrain(model.logits(hidden), zs.LOGIT_AXES)
         return zoo_model.next_token_loss(logits, tokens), aux
 
+    def loss_terms(self, params, batch: dict, denominator=None):
+        """A packed microbatch (dict of `[microbatch, seq]`): the sum of its targets' losses divided
+        by `denominator` (None: 1, the plain sum), its target count, and the routing statistics.
+        Attention stays within each document; RoPE reads `positions`."""
+        model = eqx.combine(params, self.static)
+        layer_transform = zs.to_device if self.params_on_host else None
+        batch = {k: zs.constrain(batch[k], zs.TOKEN_AXES) for k in ("tokens", "segment_ids", "positions", "loss_mask")}
+        tokens, segment_ids = batch["tokens"], batch["segment_ids"]
+        with segments_bound(self.max_segments):
+            hidden, aux = model.features(
+                tokens, positions=batch["positions"], segment_ids=segment_ids, remat_policy=self.policy, layer_transform=layer_transform
+            )
+        weights = target_weights(batch["loss_mask"], segment_ids)
+        count = weights.sum()
+        denominator = jnp.float32(1.0) if denominator is None else denominator
+        chunk = self.cfg.trainer.loss_chunk_size
+        m = self.cfg.model
+        if chunk:
+            total = chunked_next_token_loss(
+                hidden, model.head_weight(), tokens, weights, chunk_size=chunk, final_softcap=m.final_logit_softcap,
+                compute_dtype=m.compute_dtype, denominator=denominator,
+            )
+        else:
+            logits = zs.constrain(model.logits(hidden), zs.LOGIT_AXES)
+            total = zoo_model.next_token_loss(logits, tokens, weights) * (jnp.maximum(count, 1.0) / denominator)
+        return total, count, aux
+
+    def with_loss_denominators(self, batch):
+        """A packed step's batch with `loss_denominator` [grad_accum]: each microbatch's loss is its
+        targets' summed loss over (all the step's targets / grad_accum), so that the mean over
+        microbatches is the mean over every target of the step, however they fall."""
+        if not isinstance(batch, dict):
+            return batch
+        accum = self.cfg.trainer.grad_accum
+        count = jnp.maximum(target_weights(batch["loss_mask"], batch["segment_ids"]).sum(), 1.0)
+        return {**batch, "loss_denominator": jnp.full((accum,), count / accum, jnp.float32)}
+
     def _device_params(self, params):
         """With params on host: everything but the layer stacks moves to device now; the stacks move
         one layer at a time inside the scan (layer_transform)."""
@@ -242,7 +327,7 @@ class Trainer:
     def train_step(self, state, tokens):
         # Modules read the mesh and the logical-axis rules from the active layout while traced.
         with zs.activate(self.mesh, self.rules):
-            return self._train_step(state, tokens)
+            return self._train_step(state, self.with_loss_denominators(tokens))
 
     def _train_step(self, state, tokens):
         c = self.cfg
@@ -259,15 +344,16 @@ class Trainer:
             dropped = aux.dropped.astype(jnp.float32) if aux is not None else jnp.zeros((0,), jnp.float32)
             return loss, grads, load, dropped
 
+        first = jax.tree.map(lambda x: x[0], tokens)  # microbatch 0 (of every field of a packed batch)
         if accum == 1:
-            loss, grads, load, dropped = micro(tokens[0])
+            loss, grads, load, dropped = micro(first)
         else:
 
             def body(carry, mb):
                 loss, grads, load, dropped = micro(mb)
                 return (carry[0] + loss, accumulate(carry[1], grads), carry[2] + load, carry[3] + dropped), None
 
-            zero = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(micro, tokens[0]))
+            zero = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(micro, first))
             zero = (zero[0], zeros_where(loss_params), zero[2], zero[3])  # gradients sum where they arrive
             (loss, grads, load, dropped), _ = jax.lax.scan(body, zero, tokens)
             loss = loss / accum  # load and dropped are counts: they add up over microbatches
