@@ -36,7 +36,7 @@ def clean_env():
     return env
 
 
-def run(args, run_dir, timeout=300):
+def run(args, run_dir, timeout=900):
     return subprocess.run(train_cmd(args, run_dir), cwd=run_dir.parent, env=clean_env(), capture_output=True, text=True, timeout=timeout)
 
 
@@ -516,3 +516,18 @@ def test_a_handler_installed_before_runs_after_the_checkpoint():
         assert calls == [signal.SIGUSR2, signal.SIGUSR2]
     finally:
         signal.signal(signal.SIGUSR2, earlier)
+
+
+def test_slurm_launcher_requeues_and_its_signal_is_one_that_stops_the_run():
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    import submitit
+    from hydra import compose, initialize_config_dir
+
+    from zoo.train.stop import STOP_SIGNALS
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        cfg = compose("config", overrides=["hydra/launcher=slurm"], return_hydra_config=True)
+    launcher = cfg.hydra.launcher
+    assert launcher.max_num_timeout > 0 and launcher.signal_delay_s >= 60
+    # submitit asks SLURM for `--signal=<USR_SIG>@<signal_delay_s>` and requeues from its handler of that signal.
+    assert getattr(signal, "SIG" + submitit.JobEnvironment.USR_SIG) in STOP_SIGNALS
