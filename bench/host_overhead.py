@@ -10,7 +10,10 @@ own metrics.jsonl writing and progress bookkeeping. A third variant, `device`, d
 steps back to back on batches built beforehand and waits once at the end: the device-bound step time.
 Each round runs all three in a rotated order on one compiled step, so load from other processes hits
 them alike; per variant the median over rounds of the mean step time. Host overhead per step =
-step time - the device-bound step time. Extra arguments are train.py overrides.
+step time - the device-bound step time; and, robust to other processes' load, the loop thread's own
+CPU time per step (building and placing batches, dispatching, reading and logging metrics): the
+work the synchronous loop adds to every step and the pipelined one overlaps with the step.
+Extra arguments are train.py overrides.
 """
 
 import argparse
@@ -54,13 +57,15 @@ def main() -> None:
     out = Path(tempfile.mkdtemp(prefix="host_overhead_"))
     log = StepLog(c, out, 0, len(devices[:1]), devices[:1], show=False)
     step = 1
+    host_cpu = {False: [], True: []}  # this thread's CPU time per step: the host's own work
 
     def loop(pipelined: bool):
         nonlocal state, step
         run = StepLoop(compiled, Batches(data, trainer), log, None, StopSignals(), step + args.steps, every=1, pipelined=pipelined)
-        t = time.perf_counter()
+        t, cpu = time.perf_counter(), time.thread_time()
         state = run.run(state, step)
         step += args.steps
+        host_cpu[pipelined].append((time.thread_time() - cpu) / args.steps)
         return (time.perf_counter() - t) / args.steps
 
     def device():
@@ -84,11 +89,13 @@ def main() -> None:
     med = {n: statistics.median(t) for n, t in times.items()}
     over = {n: med[n] - med["device"] for n in ("sync", "pipelined")}
     print(f"{c.model.family} {c.data.batch_size}x{c.data.seq_len} on {devices[0].platform}, {args.rounds} rounds x {args.steps} steps")
-    print("| loop | step (ms) | host overhead per step (ms) | step / device-bound step |")
-    print("|---|---|---|---|")
+    cpu = {"sync": statistics.median(host_cpu[False]), "pipelined": statistics.median(host_cpu[True])}
+    print("| loop | step (ms) | step - device-bound step (ms) | step / device-bound step | host thread CPU per step (ms) |")
+    print("|---|---|---|---|---|")
     for n in names:
         o = f"{1e3 * over[n]:.2f}" if n in over else "0 (by definition)"
-        print(f"| {n} | {1e3 * med[n]:.2f} | {o} | {med[n] / med['device']:.3f} |")
+        h = f"{1e3 * cpu[n]:.2f}" if n in cpu else "-"
+        print(f"| {n} | {1e3 * med[n]:.2f} | {o} | {med[n] / med['device']:.3f} | {h} |")
     ratio = over["pipelined"] / over["sync"] if over["sync"] > 0 else float("nan")
     print(f"pipelined / sync: step {med['pipelined'] / med['sync']:.3f}, host overhead {ratio:.3f}")
 

