@@ -358,6 +358,7 @@ def test_save_killed_midway_leaves_the_latest_checkpoint_loadable(tmp_path):
     p = run([*big, f"trainer.steps={latest + 2}"], tmp_path / "resumed")
     assert p.returncode == 0, p.stderr[-3000:]
     assert f"resuming from step {latest}" in p.stdout
+    assert f"note: checkpoint.dir: took over the lock of pid {proc.pid} on {socket.gethostname()}" in p.stdout  # kill -9 left it
     resumed = metrics(tmp_path / "resumed")
     assert [r["step"] for r in resumed] == [latest, latest + 1]
     # The restored state's first step is the one the killed run computed from the same state.
