@@ -1,5 +1,7 @@
-"""Checkpoints through train.py's command line: exact resume, a save killed midway, a diverging run,
-a checkpoint that does not fit; and restoring onto another mesh and into pinned host memory."""
+"""Checkpoints through train.py's command line: exact resume past damaged steps, a save killed
+midway, SIGTERM mid-run and the same command resuming, a second run on a locked directory, an
+unwritable directory, a diverging run, a checkpoint that does not fit; restoring onto another mesh
+and into pinned host memory; and, in process, the host loop's order of dispatches, reads and saves."""
 
 import hashlib
 import json
@@ -8,6 +10,7 @@ import pathlib
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -33,7 +36,7 @@ def clean_env():
     return env
 
 
-def run(args, run_dir, timeout=300):
+def run(args, run_dir, timeout=900):
     return subprocess.run(train_cmd(args, run_dir), cwd=run_dir.parent, env=clean_env(), capture_output=True, text=True, timeout=timeout)
 
 
@@ -59,35 +62,166 @@ def read_state(step_dir: pathlib.Path) -> dict:
     return {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(restored)[0]}
 
 
+EVERY = ["checkpoint.every_n_steps=1", "checkpoint.keep_last=5"]
+KEYS = ("loss", "grad_norm", "lr", "expert_load_max_over_mean", "moe_dropped_fraction")
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    """8 steps on fsdp over 4 devices, a checkpoint every 4: steps 4 and 8."""
+    """8 steps on fsdp over 4 devices, a checkpoint every step, the last 5 kept: steps 4 to 8."""
     d = tmp_path_factory.mktemp("uninterrupted")
-    p = run([*SMALL, "checkpoint.every_n_steps=4", f"checkpoint.dir={d / 'ckpt'}"], d / "run")
+    p = run([*SMALL, *EVERY, f"checkpoint.dir={d / 'ckpt'}"], d / "run")
     assert p.returncode == 0, p.stderr[-3000:]
-    assert steps_in(d / "ckpt") == ["4", "8"]
+    assert steps_in(d / "ckpt") == ["4", "5", "6", "7", "8"]  # and no lock left behind
     return d
 
 
-def test_resume_from_step_k_reproduces_the_losses_exactly(uninterrupted, tmp_path):
+def truncate_an_array_file(step_dir: pathlib.Path) -> None:
+    f = max((step_dir / "state").rglob("d/*"), key=lambda p: p.stat().st_size)
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+
+def delete_the_data_files(step_dir: pathlib.Path) -> None:
+    for d in (step_dir / "state").rglob("d"):
+        shutil.rmtree(d)
+
+
+def delete_the_manifest(step_dir: pathlib.Path) -> None:
+    (step_dir / "state" / "manifest.ocdbt").unlink()
+
+
+def test_resume_skips_damaged_steps_and_reproduces_the_losses_exactly(uninterrupted, tmp_path):
+    """A run killed after its step-7 checkpoint, whose steps 7, 6 and 5 were then damaged three ways:
+    each is skipped with one line, the run resumes from step 4 and recomputes the uninterrupted run's
+    losses and final state bit for bit."""
     full = metrics(uninterrupted / "run")
-    # The directory a run killed after its step-4 checkpoint leaves behind.
-    shutil.copytree(uninterrupted / "ckpt", tmp_path / "ckpt")
-    shutil.rmtree(tmp_path / "ckpt" / "8")
-    p = run([*SMALL, "checkpoint.every_n_steps=4", f"checkpoint.dir={tmp_path / 'ckpt'}"], tmp_path / "run")
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(uninterrupted / "ckpt", ckpt)
+    shutil.rmtree(ckpt / "8")
+    truncate_an_array_file(ckpt / "7")
+    delete_the_data_files(ckpt / "6")
+    delete_the_manifest(ckpt / "5")
+    p = run([*SMALL, *EVERY, f"checkpoint.dir={ckpt}"], tmp_path / "run")
     assert p.returncode == 0, p.stderr[-3000:]
-    assert "resuming from step 4" in p.stdout and "restore " in p.stdout
+    assert "Traceback" not in p.stderr and "Event loop is closed" not in p.stderr, p.stderr[-3000:]  # nothing from the failed reads
+    notes = [ln for ln in p.stdout.splitlines() if "is unreadable" in ln]
+    expected = {7: r"an array file is truncated: OUT_OF_RANGE: .*", 6: r"a file is missing: NOT_FOUND: .*", 5: r"state/manifest\.ocdbt is missing"}
+    assert len(notes) == 3, p.stdout
+    for line, (step, why) in zip(notes, expected.items()):
+        assert re.fullmatch(rf"note: checkpoint\.dir: step {step} in {re.escape(str(ckpt))} is unreadable \({why}\); skipped, trying step {step - 1}", line), line
+        assert "tensorstore_spec" not in line and len(line) < 500
+    assert f"checkpoints: {ckpt}, resuming from step 4 (unreadable steps 7, 6, 5 renamed <step>.unreadable)" in p.stdout
     resumed = metrics(tmp_path / "run")
     assert [r["step"] for r in resumed] == [4, 5, 6, 7]
-    for key in ("loss", "grad_norm", "lr", "expert_load_max_over_mean", "moe_dropped_fraction"):
+    for key in KEYS:
         assert [r[key] for r in resumed] == [r[key] for r in full[4:]], key  # bitwise: same floats
     s = json.loads((tmp_path / "run" / "summary.json").read_text())
-    assert s["start_step"] == 4 and s["steps_run"] == 4 and s["checkpoint"]["steps"] == [4, 8]
+    assert s["start_step"] == 4 and s["steps_run"] == 4 and s["checkpoint"]["steps"] == [4, 5, 6, 7, 8]
+    assert steps_in(ckpt) == ["4", "5", "5.unreadable", "6", "6.unreadable", "7", "7.unreadable", "8"]  # kept, not deleted
     # And the step-8 state it wrote is the uninterrupted run's, bit for bit (MoE biases included).
-    a, b = read_state(uninterrupted / "ckpt" / "8"), read_state(tmp_path / "ckpt" / "8")
+    a, b = read_state(uninterrupted / "ckpt" / "8"), read_state(ckpt / "8")
     assert a.keys() == b.keys() and any("e_score_correction_bias" in k for k in a)
     for k in a:
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+def test_every_step_unreadable_stops_in_one_line_before_compiling(uninterrupted, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(uninterrupted / "ckpt", ckpt)
+    shutil.rmtree(ckpt / "8")
+    truncate_an_array_file(ckpt / "7")
+    (ckpt / "6" / "meta" / "metadata").unlink()
+    delete_the_manifest(ckpt / "5")
+    delete_the_data_files(ckpt / "4")
+    before = fingerprint(ckpt)
+    p = run([*SMALL, *EVERY, f"checkpoint.dir={ckpt}"], tmp_path / "run")
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert p.returncode == 2 and len(lines) == 1, p.stderr[-3000:]
+    assert re.fullmatch(
+        rf"error: checkpoint\.dir: step 4 in {re.escape(str(ckpt))} is unreadable \(a file is missing: NOT_FOUND: .*\), as are the newer "
+        rf"steps 5, 6, 7: no intact checkpoint is left; move the step directories out of {re.escape(str(ckpt))} to start from step 0, "
+        "or give another checkpoint.dir",
+        lines[0],
+    ), lines[0]
+    assert "step 6 in" in p.stdout and "meta/metadata is missing" in p.stdout
+    assert "compile" not in p.stdout
+    assert fingerprint(ckpt) == before  # nothing renamed, nothing deleted
+
+
+def test_sigterm_mid_run_then_the_same_command_resumes_bit_for_bit(uninterrupted, tmp_path):
+    """SIGTERM mid-run: the step in flight finishes, its state is saved, one line, exit 75. While the
+    run held the directory, a second run on it was refused in one line before any step. The same
+    command then resumes into the same output directory: metrics.jsonl is appended to, and every
+    step's loss is the uninterrupted run's, bit for bit."""
+    ckpt, out = tmp_path / "ckpt", tmp_path / "run"
+    args = [*SMALL, "checkpoint.every_n_steps=100", f"checkpoint.dir={ckpt}"]
+    log = open(tmp_path / "first.log", "w")
+    proc = subprocess.Popen(train_cmd(args, out), cwd=tmp_path, env=clean_env(), stdout=log, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while proc.poll() is None and time.monotonic() < deadline and not (out / "metrics.jsonl").exists():
+            time.sleep(0.005)
+        os.kill(proc.pid, signal.SIGSTOP)  # frozen within a step of the first metrics line
+        lock = json.loads((ckpt / "zoo.lock").read_text())
+        assert lock["pid"] == proc.pid and lock["host"] == socket.gethostname()
+
+        second = run(args, tmp_path / "second")
+        lines = [ln for ln in second.stderr.splitlines() if ln.strip()]
+        assert second.returncode == 2 and len(lines) == 1, second.stderr[-3000:]
+        assert lines[0].startswith(f"error: checkpoint.dir: {ckpt} is in use by another run (pid {proc.pid} on {socket.gethostname()}, started ")
+        assert "compile" not in second.stdout and not (tmp_path / "second" / "metrics.jsonl").exists()
+
+        os.kill(proc.pid, signal.SIGTERM)
+        os.kill(proc.pid, signal.SIGCONT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert proc.returncode == 75, err[-3000:]
+    assert len(lines) == 1, err
+    m = re.fullmatch(rf"stopped by SIGTERM after step (\d+): checkpoint step (\d+) in {re.escape(str(ckpt))}; run the same command to resume \(exit code 75\)", lines[0])
+    assert m and m.group(1) == m.group(2), lines[0]
+    stopped = int(m.group(1))
+    assert 1 <= stopped < 8 and steps_in(ckpt) == [str(stopped)]  # saved, complete, and the lock released
+    assert [r["step"] for r in metrics(out)] == list(range(stopped))
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "stopped" and summary["last_step"] == stopped and summary["exit_code"] == 75
+
+    p = run(args, out)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert f"resuming from step {stopped}" in p.stdout
+    full, resumed = metrics(uninterrupted / "run"), metrics(out)
+    assert [r["step"] for r in resumed] == list(range(8))  # appended to the first run's records
+    for key in KEYS:
+        assert [r[key] for r in resumed] == [r[key] for r in full], key
+
+
+def unwritable_dir(tmp_path: pathlib.Path) -> pathlib.Path:
+    """An existing directory this process cannot write in: read-only permissions, or (as root, whom
+    permissions do not stop) sysfs, which takes no new files from anyone."""
+    d = tmp_path / "read_only"
+    d.mkdir()
+    d.chmod(0o555)
+    try:
+        (d / "x").write_text("x")
+    except OSError:
+        return d
+    (d / "x").unlink()
+    if not pathlib.Path("/sys/kernel").is_dir():
+        pytest.skip("running as root without sysfs: no directory here refuses writes")
+    return pathlib.Path("/sys/kernel")
+
+
+def test_unwritable_checkpoint_dir_is_refused_before_any_step(tmp_path):
+    d = unwritable_dir(tmp_path)
+    p = run([*SMALL, f"checkpoint.dir={d}"], tmp_path / "run")
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert p.returncode == 2 and len(lines) == 1, p.stderr[-3000:]
+    assert re.fullmatch(rf"error: checkpoint\.dir: cannot write in {re.escape(str(d))} \((Permission denied|Read-only file system)\); "
+                        "choose a writable directory or fix its permissions", lines[0]), lines[0]  # fmt: skip
+    assert "compile" not in p.stdout and "step 1" not in p.stdout
 
 
 def test_restore_onto_another_mesh_and_into_pinned_host(uninterrupted, capsys):
@@ -224,9 +358,177 @@ def test_save_killed_midway_leaves_the_latest_checkpoint_loadable(tmp_path):
     p = run([*big, f"trainer.steps={latest + 2}"], tmp_path / "resumed")
     assert p.returncode == 0, p.stderr[-3000:]
     assert f"resuming from step {latest}" in p.stdout
+    assert f"note: checkpoint.dir: took over the lock of pid {proc.pid} on {socket.gethostname()}" in p.stdout  # kill -9 left it
     resumed = metrics(tmp_path / "resumed")
     assert [r["step"] for r in resumed] == [latest, latest + 1]
     # The restored state's first step is the one the killed run computed from the same state.
     assert resumed[0]["loss"] == logged[latest]["loss"] and resumed[0]["grad_norm"] == logged[latest]["grad_norm"]
     names = steps_in(ckpt)
     assert str(latest + 2) in names and not [n for n in names if TMP_SUFFIX in n]  # the stale temporary directory was replaced
+
+
+def test_save_killed_leaves_a_stale_lock_that_the_next_run_takes_over(tmp_path):
+    """(In process.) A lock whose process is gone, or whose pid now belongs to a younger process, is
+    stale; a live owner's is not, and names it."""
+    from zoo.train.checkpoint import DirLock, _process_start
+    from zoo.train.config import ConfigError
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        host = socket.gethostname()
+        for owner, stale in [
+            ({"host": host, "pid": dead.pid, "started": "t0"}, True),
+            ({"host": host, "pid": live.pid, "pid_start": "0", "started": "t0"}, _process_start(live.pid) is not None),  # a reused pid
+            ({"host": host, "pid": live.pid, "pid_start": _process_start(live.pid), "started": "t0"}, False),
+            ({"host": "some-other-host", "pid": dead.pid, "started": "t0"}, False),  # cannot tell: assume it runs
+        ]:
+            (tmp_path / "zoo.lock").write_text(json.dumps(owner))
+            lock, notes = DirLock(tmp_path), []
+            if stale:
+                lock.acquire(notes.append)
+                assert json.loads((tmp_path / "zoo.lock").read_text())["pid"] == os.getpid()
+                assert notes == [f"note: checkpoint.dir: took over the lock of pid {owner['pid']} on {host} (started t0), which no longer runs"]
+                lock.release()
+                assert not (tmp_path / "zoo.lock").exists()
+            else:
+                with pytest.raises(ConfigError, match=rf"^checkpoint\.dir: {re.escape(str(tmp_path))} is in use by another run \(pid {owner['pid']} on {owner['host']}, started t0\); "):
+                    lock.acquire(notes.append)
+                assert json.loads((tmp_path / "zoo.lock").read_text()) == owner  # untouched
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["zoo.lock"]
+    finally:
+        live.kill()
+        live.wait()
+
+
+def test_metrics_jsonl_keeps_the_earlier_steps_of_a_resumed_run(tmp_path):
+    from zoo.train.metrics import MetricsWriter
+
+    w = MetricsWriter(tmp_path)
+    for step in range(6):
+        w.write(step, {"loss": float(step)})
+    w.close()
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 6, "lo')  # cut short by a kill
+    w = MetricsWriter(tmp_path, start_step=4)  # resumed from the step-4 checkpoint
+    w.write(4, {"loss": 40.0})
+    w.close()
+    assert [(r["step"], r["loss"]) for r in metrics(tmp_path)] == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0)]
+    MetricsWriter(tmp_path).close()  # a fresh run (step 0) starts the file again
+    assert (tmp_path / "metrics.jsonl").read_text() == ""
+
+
+class _Events:
+    """A fake step, batches, log and checkpoints for StepLoop: every call appends to `events`."""
+
+    def __init__(self, diverge_at=None, signal_at=None):
+        self.events, self.diverge_at, self.signal_at = [], diverge_at, signal_at
+        self.completed = 0
+
+    def batch(self, step):
+        self.events.append(("batch", step))
+        return step
+
+    def shard_tokens(self, batch):
+        return batch
+
+    def step(self, state, tokens):
+        assert tokens == state  # step k gets batch k
+        self.events.append(("dispatch", state))
+        if state == self.signal_at:
+            os.kill(os.getpid(), signal.SIGUSR1)
+        return state + 1, {"loss": np.float32(state)}
+
+    def read(self, d):
+        from zoo.train.run import Diverged
+
+        self.events.append(("read", d.step))
+        if d.step == self.diverge_at:
+            raise Diverged(d.step, {"loss": float("nan")})
+        self.completed = d.step + 1
+
+    def save(self, step, state):
+        assert state == step  # the state after `step` steps
+        self.events.append(("save", step))
+
+    def at(self, event):
+        return self.events.index(event)
+
+
+def _loop(ev, steps, every, stop):
+    from zoo.train.run import Batches, StepLoop
+
+    return StepLoop(ev.step, Batches(ev, ev), ev, ev, stop, steps, every)
+
+
+def test_step_loop_dispatches_ahead_and_saves_only_checked_states():
+    """(In process, a fake step.) Step k+1 is dispatched and batch k+2 built before step k's metrics
+    are read; a state is saved only after the step that made it was read, and before the next step
+    donates it; a non-finite step stops the loop before its state is saved."""
+    from zoo.train.run import Diverged
+    from zoo.train.stop import StopSignals
+
+    ev = _Events()
+    assert _loop(ev, 10, 4, StopSignals()).run(0, 0) == 10
+    for k in range(9):
+        if k + 1 not in (4, 8):  # no save after step k: the loop ran ahead
+            assert ev.at(("dispatch", k)) < ev.at(("batch", k + 1)) < ev.at(("dispatch", k + 1)) < ev.at(("read", k))
+            if k and k not in (4, 8):  # nor after step k - 1: its metrics are read while step k runs
+                assert ev.at(("batch", k + 1)) < ev.at(("read", k - 1)) < ev.at(("dispatch", k + 1))
+    assert [e for e in ev.events if e[0] == "save"] == [("save", 4), ("save", 8), ("save", 10)]
+    for n in (4, 8):
+        assert ev.at(("read", n - 1)) < ev.at(("save", n)) < ev.at(("dispatch", n))
+
+    ev = _Events(diverge_at=6)  # step 7 (0-based 6) is not finite
+    with pytest.raises(Diverged):
+        _loop(ev, 10, 2, StopSignals()).run(0, 0)
+    assert [e[1] for e in ev.events if e[0] == "save"] == [2, 4, 6]  # state 7 was never saved
+    assert ev.at(("read", 5)) < ev.at(("save", 6))
+
+
+def test_sigusr1_stops_the_loop_after_the_step_in_flight_and_saves_it():
+    from zoo.train.stop import StopSignals
+
+    ev = _Events(signal_at=3)  # the signal arrives while step 4 (0-based 3) is being dispatched
+    with StopSignals() as stop:
+        loop = _loop(ev, 100, 50, stop)
+        state = loop.run(0, 0)
+    assert stop.received == "SIGUSR1" and loop.stopped
+    assert state == ev.completed == 4 and [e for e in ev.events if e[0] in ("save", "dispatch")][-1] == ("save", 4)
+    assert ev.at(("read", 3)) < ev.at(("save", 4))
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL  # restored on exit
+
+
+def test_a_handler_installed_before_runs_after_the_checkpoint():
+    """submitit installs its own SIGUSR2 handler (it requeues the job): ours records the signal, and
+    the earlier handler runs only when the run calls chain(), after its checkpoint."""
+    from zoo.train.stop import StopSignals
+
+    calls = []
+    earlier = signal.signal(signal.SIGUSR2, lambda signum, frame: calls.append(signum))
+    try:
+        with StopSignals() as stop:
+            os.kill(os.getpid(), signal.SIGUSR2)
+            assert stop.received == "SIGUSR2" and stop.requested_here() and calls == []
+            stop.chain()
+            assert calls == [signal.SIGUSR2]
+        os.kill(os.getpid(), signal.SIGUSR2)  # ours is gone again
+        assert calls == [signal.SIGUSR2, signal.SIGUSR2]
+    finally:
+        signal.signal(signal.SIGUSR2, earlier)
+
+
+def test_slurm_launcher_requeues_and_its_signal_is_one_that_stops_the_run():
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    import submitit
+    from hydra import compose, initialize_config_dir
+
+    from zoo.train.stop import STOP_SIGNALS
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        cfg = compose("config", overrides=["hydra/launcher=slurm"], return_hydra_config=True)
+    launcher = cfg.hydra.launcher
+    assert launcher.max_num_timeout > 0 and launcher.signal_delay_s >= 60
+    # submitit asks SLURM for `--signal=<USR_SIG>@<signal_delay_s>` and requeues from its handler of that signal.
+    assert getattr(signal, "SIG" + submitit.JobEnvironment.USR_SIG) in STOP_SIGNALS

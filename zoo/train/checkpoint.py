@@ -13,20 +13,37 @@ item is complete, so a process killed mid-save leaves the previous steps as they
 half-written temporary directory that no restore picks. The data loader needs no state of its own:
 batch k depends on k alone (zoo.train.data, zoo.data), so the step number is the data position.
 
-Before anything compiles, `check()` reads the latest complete step's metadata and refuses, in one
-line naming the file and the key, a checkpoint of another model (any model field but the
-compute-only ones below) or of a state with other leaves (another optimizer setup). Another mesh,
-device count or process count is fine: the arrays are read straight into this run's shardings
-(memory kinds included, so `offload.params=pinned_host` restores into pinned host memory).
+Before anything compiles, `open()` writes (and deletes) a probe file in the directory, so one that
+cannot be written is refused now rather than at the first save, and takes the directory's lock
+(`zoo.lock`: the owner's host, process id and start time; process 0 of a multi-process run takes
+it), so a second run on the same directory stops at once naming the first. A lock whose process is
+gone (same host) is stale and taken over with a note. Then `check()` reads the newest complete
+step's metadata and refuses, in one line naming the file and the key, a checkpoint of another model
+(any model field but the compute-only ones below) or of a state with other leaves (another
+optimizer setup). Another mesh, device count or process count is fine: the arrays are read straight
+into this run's shardings (memory kinds included, so `offload.params=pinned_host` restores into
+pinned host memory).
+
+A step that cannot be read (a truncated array file, deleted data files, a deleted manifest or
+metadata file) is skipped with one line saying why, and the newest older step that restores is
+used; the skipped directories are renamed `<step>.unreadable` (nothing is deleted) so that the run
+can save those steps again. When no step restores, the run stops with one line naming the step and
+the fix, before compiling.
 """
 
 import dataclasses
 import importlib.metadata
 import json
+import os
 import pathlib
+import re
+import socket
+import sys
+import time
 from typing import Any, Callable, Optional
 
 import jax
+import numpy as np
 
 from zoo.train.config import ConfigError, TrainConfig
 
@@ -34,6 +51,12 @@ from zoo.train.config import ConfigError, TrainConfig
 # resumed with other values (the losses then differ from the uninterrupted run's).
 COMPUTE_ONLY = ("compute_dtype", "attention_impl", "moe.impl", "moe.capacity_factor")
 META_FILE = "meta/metadata"
+LOCK_FILE = "zoo.lock"
+UNREADABLE_SUFFIX = ".unreadable"  # a skipped step's new name: orbax no longer takes it for a step
+
+
+class Unreadable(Exception):
+    """A step directory that cannot be restored; the message is one short clause saying why."""
 
 
 def zoo_version() -> str:
@@ -73,6 +96,197 @@ def _show(v) -> str:
     return "null" if v is None else json.dumps(v) if isinstance(v, (dict, list)) else str(v)
 
 
+def all_processes_agree(ok: bool) -> bool:
+    """True when `ok` holds in every process (a host collective: every process must call it)."""
+    if jax.process_count() == 1:
+        return ok
+    from jax.experimental import multihost_utils
+
+    return bool(np.min(multihost_utils.process_allgather(np.int32(ok))))
+
+
+def probe_writable(d: pathlib.Path, key: str) -> None:
+    """Write and delete a small file in `d`: a directory that cannot be written is found before
+    training, not when the first save fails after the run's work."""
+    probe = d / f".zoo-write-probe-{socket.gethostname()}-{os.getpid()}"
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        with open(probe, "wb") as f:
+            f.write(b"zoo")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"{key}: cannot write in {d} ({e.strerror}); choose a writable directory or fix its permissions") from None
+
+
+def _process_start(pid: int) -> Optional[str]:
+    """The kernel's start time of `pid` (Linux), which tells a live owner from a reused process id."""
+    try:
+        stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[-1].split()  # after the command name, which may hold spaces
+    return fields[19] if len(fields) > 19 else None
+
+
+def _alive(owner: dict) -> bool:
+    """Whether the lock's owner still runs (only decidable on its own host: elsewhere, assume so)."""
+    if owner.get("host") != socket.gethostname() or not isinstance(owner.get("pid"), int):
+        return True
+    pid = owner["pid"]
+    if pid == os.getpid():
+        return False  # left by an earlier job of this same process
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # another user's live process
+    start = owner.get("pid_start")
+    return start is None or _process_start(pid) in (None, start)
+
+
+class DirLock:
+    """`<checkpoint.dir>/zoo.lock`, created exclusively: which run (host, pid, start time, command)
+    owns the directory. Two runs saving into one directory would overwrite each other's steps."""
+
+    def __init__(self, d: pathlib.Path):
+        self.dir = d
+        self.path = d / LOCK_FILE
+        self.mine: Optional[dict] = None
+
+    def _read(self) -> Optional[dict]:
+        try:
+            owner = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError):
+            return None
+        return owner if isinstance(owner, dict) else None
+
+    def acquire(self, echo: Callable = print) -> None:
+        me = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "pid_start": _process_start(os.getpid()),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+            "command": " ".join(sys.argv),
+        }
+        for _ in range(20):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                owner = self._read()
+                if owner is None:  # being written this instant, or garbage: look again shortly
+                    time.sleep(0.05)
+                    continue
+                if owner and _alive(owner):
+                    raise ConfigError(
+                        f"checkpoint.dir: {self.dir} is in use by another run (pid {owner.get('pid')} on {owner.get('host')}, "
+                        f"started {owner.get('started')}); wait for it to end or give this run another checkpoint.dir "
+                        f"(if that run is gone, delete {self.path})"
+                    )
+                if owner and self._remove_stale(owner):
+                    echo(f"note: checkpoint.dir: took over the lock of pid {owner.get('pid')} on {owner.get('host')} "
+                         f"(started {owner.get('started')}), which no longer runs")  # fmt: skip
+                continue
+            except OSError as e:
+                raise ConfigError(f"checkpoint.dir: cannot create the lock file {self.path} ({e.strerror}); choose a writable directory") from None
+            with os.fdopen(fd, "w") as f:
+                json.dump(me, f)
+                f.flush()
+                os.fsync(f.fileno())
+            self.mine = me
+            return
+        raise ConfigError(f"checkpoint.dir: the lock file {self.path} is unreadable; delete it if no run uses {self.dir}")
+
+    def _remove_stale(self, owner: dict) -> bool:
+        """Move the stale lock away atomically (of two runs taking it over, one wins the rename)."""
+        aside = self.path.with_name(f"{LOCK_FILE}.stale-{os.getpid()}")
+        try:
+            os.rename(self.path, aside)
+        except FileNotFoundError:
+            return False  # another run took it over first
+        try:
+            moved = json.loads(aside.read_text())
+        except (OSError, ValueError):
+            moved = None
+        if moved != owner:  # a fresh lock replaced the stale one meanwhile: put it back
+            try:
+                os.link(aside, self.path)
+            except OSError:
+                pass
+            aside.unlink(missing_ok=True)
+            return False
+        aside.unlink(missing_ok=True)
+        return True
+
+    def release(self) -> None:
+        if self.mine is None:
+            return
+        owner = self._read()
+        if owner and owner.get("pid") == self.mine["pid"] and owner.get("host") == self.mine["host"]:
+            self.path.unlink(missing_ok=True)
+        self.mine = None
+
+
+# The status codes TensorStore puts in front of what it could not read, in plain words.
+_READ_ERRORS = {
+    "OUT_OF_RANGE": "an array file is truncated",
+    "DATA_LOSS": "an array file is damaged",
+    "NOT_FOUND": "a file is missing",
+    "PERMISSION_DENIED": "a file cannot be read",
+}
+_STATUS = re.compile(r"\b(OUT_OF_RANGE|DATA_LOSS|NOT_FOUND|PERMISSION_DENIED|INVALID_ARGUMENT|FAILED_PRECONDITION|UNKNOWN|INTERNAL): ")
+# Files orbax writes into every step; named when a restore fails without them.
+_ORBAX_FILES = ("state/_METADATA", "state/manifest.ocdbt")
+
+
+def _quiet_closed_loop_callbacks() -> None:
+    """After a failed restore, TensorStore still completes the reads orbax gave up on, and their
+    callbacks find orbax's event loop closed: a `RuntimeError('Event loop is closed')` traceback
+    each (via sys.unraisablehook), long after the one line that said why the step was skipped.
+    Those, and only those, are dropped from then on."""
+    previous = sys.unraisablehook
+    if getattr(previous, "_zoo_quiet", False):
+        return
+
+    def hook(unraisable):
+        e = unraisable.exc_value
+        if isinstance(e, RuntimeError) and str(e) == "Event loop is closed":
+            return
+        previous(unraisable)
+
+    hook._zoo_quiet = True
+    sys.unraisablehook = hook
+
+
+def unreadable_reason(e: BaseException, step_dir: pathlib.Path) -> str:
+    """One short clause for why restoring `step_dir` failed: TensorStore's innermost status message
+    without its multi-kilobyte spec, paths relative to the step directory."""
+    missing = [f for f in _ORBAX_FILES if not (step_dir / f).exists()]
+    if missing:
+        return f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing"
+    chain: list[BaseException] = []
+    while e is not None and e not in chain:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    for x in reversed(chain):  # the innermost error names the array and the file
+        m = _STATUS.search(str(x))
+        if m:
+            text, code = str(x)[m.start() :], m.group(1)
+            break
+    else:
+        first = str(chain[0]).strip().splitlines()
+        text, code = f"{type(chain[0]).__name__}: {first[0] if first else ''}", None
+    text = re.split(r" \[tensorstore_spec|\. See full TensorStore details", text, maxsplit=1)[0]
+    text = re.sub(r'Error opening "\w+" driver: ', "", text)
+    text = re.sub(r' in OCDBT database at local file "[^"]*"', "", text)
+    text = text.replace(f"local file \"{step_dir}/", '"')
+    if len(text) > 240:
+        text = text[:237] + "..."
+    return f"{_READ_ERRORS[code]}: {text}" if code in _READ_ERRORS else text
+
+
 class Checkpoints:
     """The checkpoints of one run. `check()` (read-only) -> the step to resume from; `restore`,
     `save`, `close`. Every process of a multi-process run makes the same calls."""
@@ -85,6 +299,8 @@ class Checkpoints:
         self.dir = pathlib.Path(str(c.checkpoint.dir)).expanduser().absolute()
         self.manager = None
         self.saved: list[int] = []
+        self.lock: Optional[DirLock] = None
+        self.skipped: list[tuple[int, str]] = []  # (step, why): unreadable steps newer than the one resumed
 
     # --- before compiling: what is there, and does it fit ----------------------------------------
 
@@ -114,38 +330,96 @@ class Checkpoints:
             return []
         return sorted(int(p.name) for p in self.dir.iterdir() if p.name.isdigit() and p.is_dir())
 
+    def open(self) -> None:
+        """Before training: the directory exists (created if missing), every process can write in it,
+        and this run holds its lock (process 0 takes it for all). ConfigError (one line) otherwise,
+        in every process."""
+        d = self.dir
+        if d.exists() and not d.is_dir():
+            raise ConfigError(f"checkpoint.dir: {d} is a file; give a directory (or null to disable checkpointing)")
+        error = None
+        try:
+            self._create()
+            probe_writable(d, "checkpoint.dir")
+            if jax.process_index() == 0:
+                self.lock = DirLock(d)
+                self.lock.acquire(self.echo)
+        except ConfigError as e:
+            error = e
+        if not all_processes_agree(error is None):
+            self.release()
+            raise error or ConfigError(f"checkpoint.dir: another process of this run cannot use {d} (see its error line); fix that first")
+
+    def _create(self) -> None:
+        if not self.dir.exists():
+            try:  # a new, empty directory: found unusable now rather than at the first save
+                self.dir.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise ConfigError(f"checkpoint.dir: cannot create {self.dir} ({e.strerror}); choose a writable directory") from None
+
+    def release(self) -> None:
+        """Give up the directory's lock (at the end of the run, however it ended)."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
     def check(self) -> Optional[int]:
-        """The step to resume from (None: start afresh). Creates the directory if it is missing, and
-        otherwise only reads; ConfigError (one line) when the directory cannot be used or its latest
-        checkpoint does not fit this run."""
+        """The step to resume from (None: start afresh): the newest complete step whose metadata
+        reads and fits. Creates the directory if it is missing, and otherwise only reads; a step whose
+        metadata is unreadable is skipped with a note; ConfigError (one line) when the directory
+        cannot be used, its newest readable checkpoint does not fit this run, or none is readable."""
         d, c = self.dir, self.c
         if d.exists() and not d.is_dir():
             raise ConfigError(f"checkpoint.dir: {d} is a file; give a directory (or null to disable checkpointing)")
-        if not d.exists():
-            try:  # a new, empty directory: found unusable now rather than at the first save
-                d.mkdir(parents=True, exist_ok=True)
-            except OSError as e:
-                raise ConfigError(f"checkpoint.dir: cannot create {d} ({e.strerror}); choose a writable directory") from None
+        self._create()
         steps = self.complete_steps()
         if not steps:
             return None
-        latest = steps[-1]
         if not c.checkpoint.resume:
             raise ConfigError(
-                f"checkpoint.dir: {d} already holds checkpoints (latest step {latest}); set checkpoint.resume=true to "
+                f"checkpoint.dir: {d} already holds checkpoints (latest step {steps[-1]}); set checkpoint.resume=true to "
                 "continue from it, or choose an empty directory"
             )
-        path = d / str(latest) / META_FILE
+        for step in reversed(steps):
+            try:
+                there = self._read_meta(step)
+            except Unreadable as e:
+                self._skip(step, str(e), older=[s for s in steps if s < step])
+                continue
+            self._check_fits(step, there, notes=True)
+            return step
+        raise AssertionError("unreachable: _skip raises for the oldest step")  # pragma: no cover
+
+    def _read_meta(self, step: int) -> dict:
+        path = self.dir / str(step) / META_FILE
         try:
             there = json.loads(path.read_text())
-            there_model, there_state = there["model"], there["state"]
+            there["model"], there["state"]
         except FileNotFoundError:
-            raise ConfigError(
-                f"checkpoint.dir: {path} is missing, so {d / str(latest)} was not written by zoo's train.py; "
-                "choose another checkpoint.dir"
-            ) from None
+            raise Unreadable(f"{META_FILE} is missing (damaged, or not written by zoo's train.py)") from None
         except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ConfigError(f"checkpoint.dir: {path} is unreadable ({type(e).__name__}: {e}); choose another checkpoint.dir") from None
+            raise Unreadable(f"{META_FILE} is unreadable ({type(e).__name__}: {e})") from None
+        return there
+
+    def _skip(self, step: int, reason: str, older: list[int]) -> None:
+        """Note one unreadable step; with no older step left, stop in one line."""
+        d = self.dir
+        if not older:
+            newer = [s for s, _ in self.skipped]
+            also = f", as are the newer steps {', '.join(map(str, sorted(newer)))}" if newer else ""
+            raise ConfigError(
+                f"checkpoint.dir: step {step} in {d} is unreadable ({reason}){also}: no intact checkpoint is left; "
+                f"move the step directories out of {d} to start from step 0, or give another checkpoint.dir"
+            )
+        self.skipped.append((step, reason))
+        self.echo(f"note: checkpoint.dir: step {step} in {d} is unreadable ({reason}); skipped, trying step {older[-1]}")
+
+    def _check_fits(self, step: int, there: dict, notes: bool) -> None:
+        """ConfigError when step's metadata is of another model or state, or past trainer.steps;
+        with `notes`, one `note:` line for a new mesh and one for the settings that changed."""
+        d, c = self.dir, self.c
+        path = d / str(step) / META_FILE
+        there_model, there_state = there["model"], there["state"]
         here = self.meta()
         model_diff = _diff(there_model, here["model"], COMPUTE_ONLY)
         if model_diff:
@@ -166,14 +440,16 @@ class Checkpoints:
                     f"checkpoint.dir: {path} holds a state leaf {key} that does not fit this run ({what}){hint}; "
                     "use the checkpoint's settings, or give this run a new checkpoint.dir"
                 )
-        if latest > c.trainer.steps:
+        if step > c.trainer.steps:
             raise ConfigError(
-                f"trainer.steps: {c.trainer.steps}, but checkpoint.dir {d} already holds step {latest}; "
-                f"set trainer.steps above {latest}, or give this run a new checkpoint.dir"
+                f"trainer.steps: {c.trainer.steps}, but checkpoint.dir {d} already holds step {step}; "
+                f"set trainer.steps above {step}, or give this run a new checkpoint.dir"
             )
-        notes = []
+        if not notes:
+            return
+        out = []
         if there.get("mesh") != here["mesh"] or there.get("process_count") != here["process_count"]:
-            notes.append(
+            out.append(
                 f"saved on mesh {there.get('mesh')} by {there.get('process_count')} process(es), restored onto mesh "
                 f"{here['mesh']} by {here['process_count']} (resharded)"
             )
@@ -184,10 +460,9 @@ class Checkpoints:
         ]
         changed += [f"model.{k}={_show(a)} -> {_show(b)}" for k, a, b in _diff(there_model, here["model"]) if k in COMPUTE_ONLY]
         if changed:
-            notes.append("settings changed since the checkpoint: " + ", ".join(changed))
-        for n in notes:
-            self.echo(f"note: checkpoint {d / str(latest)}: {n}")
-        return latest
+            out.append("settings changed since the checkpoint: " + ", ".join(changed))
+        for n in out:
+            self.echo(f"note: checkpoint {d / str(step)}: {n}")
 
     # --- orbax ---------------------------------------------------------------------------------
 
@@ -234,6 +509,55 @@ class Checkpoints:
             state=ocp.args.PyTreeRestore(item=abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract))
         )
         return self._manager().restore(step, args=args)["state"]
+
+    def restore_newest(self, step: int) -> tuple[int, Any]:
+        """`(step, state)`: the state saved at `step` (what `check()` chose), or, where that cannot be
+        read, at the newest older step that can, each skipped step noted in one line. Skipped steps
+        are then renamed `<step>.unreadable`, so this run can save those steps anew. ConfigError
+        (one line) when none restores. Every process takes the same decisions."""
+        older = [s for s in self.complete_steps() if s < step]
+        first = step
+        while True:
+            reason, state = None, None
+            try:
+                if step != first:  # check() has read the first one's metadata
+                    self._check_fits(step, self._read_meta(step), notes=False)
+                state = self.restore(step)
+                jax.block_until_ready(state)
+            except Unreadable as e:
+                reason = str(e)
+            except ConfigError:
+                raise
+            except Exception as e:  # noqa: BLE001 - whatever TensorStore and orbax raise on damaged files
+                if "RESOURCE_EXHAUSTED" in str(e):
+                    raise  # out of memory: not the files' fault
+                _quiet_closed_loop_callbacks()
+                reason = unreadable_reason(e, self.dir / str(step))
+            if not all_processes_agree(reason is None):
+                reason = reason or "another process could not read it"
+            if reason is None:
+                break
+            state = None
+            self.close()  # a failed restore may leave the manager mid-way: the next try gets a fresh one
+            self._skip(step, reason, older)
+            step = older.pop()
+        if self.skipped:
+            self._move_aside()
+        return step, state
+
+    def _move_aside(self) -> None:
+        """Rename the skipped (newer, unreadable) steps `<step>.unreadable[.n]`: kept for a look, no
+        longer steps to orbax, which would otherwise refuse to save them again."""
+        if jax.process_index() == 0:
+            for step, _ in self.skipped:
+                target = self.dir / f"{step}{UNREADABLE_SUFFIX}"
+                n = 1
+                while target.exists():
+                    n += 1
+                    target = self.dir / f"{step}{UNREADABLE_SUFFIX}.{n}"
+                os.rename(self.dir / str(step), target)
+        all_processes_agree(True)  # the others open their manager only once the names changed
+        self.close()
 
     def save(self, step: int, state) -> None:
         """Start saving `state` (after `step` optimizer steps). Returns once the arrays are copied off

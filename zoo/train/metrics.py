@@ -136,17 +136,39 @@ class Progress:
 
 
 class MetricsWriter:
-    """`metrics.jsonl` (one JSON object per step) and, on request, TensorBoard scalars."""
+    """`metrics.jsonl` (one JSON object per step) and, on request, TensorBoard scalars.
 
-    def __init__(self, out_dir: pathlib.Path, tensorboard: bool = False):
+    A run that starts at step `start_step` (resumed from a checkpoint) into an output directory that
+    already holds a `metrics.jsonl` keeps that file's records of the earlier steps and appends its
+    own; records of `start_step` and later (an earlier attempt that got past its last checkpoint)
+    are dropped, since this run computes those steps again. So the file holds each step once."""
+
+    def __init__(self, out_dir: pathlib.Path, tensorboard: bool = False, start_step: int = 0):
         out_dir.mkdir(parents=True, exist_ok=True)
         self.path = out_dir / "metrics.jsonl"
-        self.file = open(self.path, "w")
+        self._keep_before(start_step)
+        self.file = open(self.path, "a")
         self.tb = None
         if tensorboard:
             from tensorboardX import SummaryWriter  # optional extra: pip install -e '.[tensorboard]'
 
             self.tb = SummaryWriter(str(out_dir / "tensorboard"))
+
+    def _keep_before(self, start_step: int) -> None:
+        if not self.path.exists():
+            return
+        kept = []
+        if start_step > 0:
+            for line in self.path.read_text().splitlines():
+                try:
+                    step = json.loads(line)["step"]
+                except (ValueError, KeyError, TypeError):
+                    continue  # a line cut short when an earlier attempt was killed
+                if isinstance(step, int) and step < start_step:
+                    kept.append(line + "\n")
+        tmp = self.path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(kept))
+        os.replace(tmp, self.path)
 
     def write(self, step: int, m: dict) -> None:
         record = {"step": step, **to_python(m)}

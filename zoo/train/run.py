@@ -7,8 +7,9 @@ import math
 import os
 import pathlib
 import statistics
+import sys
 import time
-from typing import Optional
+from typing import Any, Callable, Optional
 
 from omegaconf import DictConfig
 
@@ -72,20 +73,30 @@ def prepare(cfg: DictConfig):
 def train(c: TrainConfig, plan, devices, out_dir: pathlib.Path, xla_flags: str = "", overrides=(), echo=print) -> dict:
     import jax
 
+    from zoo.train.stop import StopSignals
+
+    # From here on SIGTERM / SIGUSR1 stop the run after a step, with a checkpoint (zoo.train.stop).
+    with StopSignals(jax.process_count()) as stop:
+        return _train(c, plan, devices, out_dir, xla_flags, overrides, echo, stop)
+
+
+def _train(c: TrainConfig, plan, devices, out_dir: pathlib.Path, xla_flags: str, overrides, echo, stop) -> dict:
+    import jax
+
     from zoo.config import count_params
-    from zoo.sharding import memory_kinds
+    from zoo.sharding import ShardingError
+    from zoo.train.checkpoint import Checkpoints, probe_writable
     from zoo.train.data import make_data
     from zoo.train.evaluate import attach_data
-    from zoo.train.metrics import MetricsWriter, Progress, Throughput, compiled_flops, compiled_memory, device_memory, write_json
+    from zoo.train.metrics import compiled_memory
     from zoo.train.step import Trainer
-
-    from zoo.sharding import ShardingError
-    from zoo.train.checkpoint import Checkpoints
 
     t_start = time.perf_counter()
     main = jax.process_index() == 0  # process 0 prints and writes metrics and the summary
     if not main:
         echo = _quiet
+    else:
+        probe_writable(out_dir, "hydra.run.dir")  # metrics and the summary go there
     trainer = Trainer(c, plan, devices)
     try:
         shard, shards = trainer.data_shard()  # which rows of each batch this process feeds
@@ -94,7 +105,6 @@ def train(c: TrainConfig, plan, devices, out_dir: pathlib.Path, xla_flags: str =
     data = make_data(c, shard, shards)  # bad data input: ConfigError, before any compile
     evaluator = attach_data(c, trainer, data)  # the held-out loss (None without an eval split)
     mesh_devices = list(trainer.mesh.devices.flat)
-    local_devices = [d for d in mesh_devices if d.process_index == jax.process_index()]
     steps = c.trainer.steps
     processes = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
     echo(
@@ -113,74 +123,277 @@ def train(c: TrainConfig, plan, devices, out_dir: pathlib.Path, xla_flags: str =
     if evaluator:
         echo(evaluator.describe())
     ckpt = Checkpoints(c, plan, trainer, echo) if c.checkpoint.dir is not None else None
-    start = (ckpt.check() if ckpt else None) or 0  # a checkpoint that does not fit: ConfigError, before any compile
-    if ckpt:
-        echo(f"checkpoints: {ckpt.dir}" + (f", resuming from step {start}" if start else ", none yet: starting from step 0"))
-    if start == steps:
-        echo(f"checkpoint step {start} is trainer.steps={steps}: nothing left to train; raise trainer.steps to go on")
-        summary = {"status": "ok", "overrides": list(overrides), "steps": steps, "start_step": start, "steps_run": 0,
-                   "checkpoint": {"dir": str(ckpt.dir), "steps": ckpt.complete_steps()}, "config": to_dict(c)}
-        if main:
-            write_json(out_dir / "summary.json", summary)
-        return summary
-
-    t0 = time.perf_counter()
-    state = ckpt.restore(start) if start else trainer.init()
-    jax.block_until_ready(state)
-    init_s = time.perf_counter() - t0
-    tokens = trainer.shard_tokens(data.batch(start))
-    t0 = time.perf_counter()
-    compiled = trainer.compile(state, tokens)
-    compile_s = time.perf_counter() - t0
-    mem_compiled = compiled_memory(compiled)
-    echo(f"{'restore' if start else 'init'} {init_s:.1f}s, compile {compile_s:.1f}s")
-
-    throughput = Throughput(c.model, c.data.seq_len, c.data.batch_size * c.data.seq_len, len(mesh_devices), c.hardware.peak_flops)
-    writer = MetricsWriter(out_dir, c.trainer.tensorboard) if main else None
-    progress = Progress(steps, c.trainer.log_every, c.trainer.progress and main)
-    losses, times, peak_device = [], [], None
-    every = c.checkpoint.every_n_steps
     try:
-        for step in range(start, steps):
-            if step > start:
-                tokens = trainer.shard_tokens(data.batch(step))
-            t0 = time.perf_counter()
-            state, m = compiled(state, tokens)
-            m = jax.device_get(m)  # waits for the step
-            dt = time.perf_counter() - t0
-            m = {k: (v.tolist() if getattr(v, "ndim", 0) else float(v)) for k, v in m.items()}
-            m.update(throughput(dt))
-            mem = device_memory(local_devices)
-            m["device_bytes_in_use"] = mem["bytes_in_use"] if mem else None
-            m["device_peak_bytes"] = mem["peak_bytes_in_use"] if mem else None
-            if mem:
-                peak_device = max(peak_device or 0, mem["peak_bytes_in_use"])
-            if evaluator and evaluator.due(step + 1, steps):
-                m.update(evaluator(state["params"], step + 1))
-            losses.append(m["loss"])
-            times.append(dt)
-            if writer:
-                writer.write(step, m)
-            progress.update(step, m)
-            if not (math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])):
-                raise TrainingStopped(_diverged(c, step, m, ckpt))  # this state is not saved
-            done = step + 1
-            if ckpt and (done % every == 0 or done == steps):
-                ckpt.save(done, state)  # returns once the arrays are copied: the next step may donate them
-    except KeyboardInterrupt:
-        raise TrainingStopped(f"interrupted during step {step + 1}; {_kept(ckpt)}" + ("; run the same command to resume" if ckpt else "")) from None
-    finally:
-        if writer:
-            writer.close()
         if ckpt:
-            ckpt.close()  # the save in flight completes, whatever stopped the loop
+            ckpt.open()  # writable, and ours alone: else one line, before any compile
+        start = (ckpt.check() if ckpt else None) or 0  # a checkpoint that does not fit: ConfigError, before any compile
+        if start == steps:
+            echo(f"checkpoints: {ckpt.dir}, step {start} is trainer.steps={steps}: nothing left to train; raise trainer.steps to go on")
+            summary = {"status": "ok", "overrides": list(overrides), "steps": steps, "start_step": start, "steps_run": 0,
+                       "checkpoint": {"dir": str(ckpt.dir), "steps": ckpt.complete_steps()}, "config": to_dict(c)}  # fmt: skip
+            if main:
+                write_summary(out_dir, summary)
+            return summary
+        if ckpt and not start:
+            echo(f"checkpoints: {ckpt.dir}, none yet: starting from step 0")
+
+        t0 = time.perf_counter()
+        state, start = initial_state(trainer, ckpt, start)
+        jax.block_until_ready(state)
+        init_s = time.perf_counter() - t0
+        if ckpt and start:
+            set_aside = f" (unreadable steps {', '.join(str(s) for s, _ in ckpt.skipped)} renamed <step>.unreadable)" if ckpt.skipped else ""
+            echo(f"checkpoints: {ckpt.dir}, resuming from step {start}{set_aside}")
+        batches = Batches(data, trainer)
+        t0 = time.perf_counter()
+        compiled = trainer.compile(state, batches.prefetch(start))
+        compile_s = time.perf_counter() - t0
+        mem_compiled = compiled_memory(compiled)
+        echo(f"{'restore' if start else 'init'} {init_s:.1f}s, compile {compile_s:.1f}s")
+
+        local_devices = [d for d in mesh_devices if d.process_index == jax.process_index()]
+        log = StepLog(c, out_dir if main else None, start, len(mesh_devices), local_devices, main)
+        loop = StepLoop(compiled, batches, log, ckpt, stop, steps, c.checkpoint.every_n_steps, evaluator=evaluator)
+        try:
+            state = loop.run(state, start)
+        except KeyboardInterrupt:
+            raise TrainingStopped(f"interrupted during step {log.completed + 1}; {_kept(ckpt)}" + ("; run the same command to resume" if ckpt else "")) from None
+        except Diverged as e:
+            raise TrainingStopped(_diverged(c, e.step, e.metrics, ckpt)) from None  # this state is not saved
+        finally:
+            log.close()
+            if ckpt:
+                ckpt.close()  # the save in flight completes, whatever stopped the loop
+        if loop.stopped:
+            _stop_for_requeue(c, stop, log, ckpt, start, out_dir if main else None, overrides)
+    finally:
+        if ckpt:
+            ckpt.release()
+
+    summary = _summary(c, plan, trainer, state, data, log, ckpt, start, mesh_devices, init_s, compile_s, mem_compiled,
+                       compiled, t_start, xla_flags, overrides, evaluator)  # fmt: skip
+    if main:
+        write_summary(out_dir, summary)
+    floor = data.floor()
+    floor_note = f"floor {floor:.3f}" if floor is not None else f"unigram entropy {data.unigram_entropy():.3f}"
+    perf = log.throughput(summary["step_time_s"])
+    ev = evaluator.last if evaluator else None
+    eval_note = f", eval loss {ev['eval_loss']:.4f} (perplexity {ev['eval_perplexity']:.2f})" if ev else ""
+    echo(
+        f"loss {log.losses[0]:.4f} -> {log.losses[-1]:.4f} ({floor_note}){eval_note}; step {1e3 * summary['step_time_s']:.1f} ms, "
+        f"{perf['tokens_per_s']:.0f} tok/s, {perf['tflops_per_device']:.4f} TFLOP/s/device, MFU {100 * perf['mfu']:.2f}% "
+        f"of {c.hardware.name}{' (nominal)' if c.hardware.nominal else ''}; summary: {out_dir / 'summary.json'}"
+    )
+    return summary
+
+
+def initial_state(trainer, ckpt, start: int):
+    """`(state, start)`: the checkpoint's state (the newest intact one from `start` down), or a fresh
+    initialisation when there is none."""
+    if start:
+        return ckpt.restore_newest(start)[::-1]
+    return trainer.init(), 0
+
+
+def write_summary(out_dir: pathlib.Path, summary: dict) -> None:
+    from zoo.train.metrics import write_json
+
+    write_json(out_dir / "summary.json", summary)
+
+
+class Batches:
+    """The batches, one step ahead: step k+1's batch is built on the host and put on the devices
+    while step k runs (`prefetch`); `take(k)` hands it over (or builds it, if none was prefetched)."""
+
+    def __init__(self, data, trainer):
+        self.data, self.trainer = data, trainer
+        self._ahead: Optional[tuple[int, Any]] = None
+
+    def prefetch(self, step: int):
+        self._ahead = (step, self.trainer.shard_tokens(self.data.batch(step)))
+        return self._ahead[1]
+
+    def take(self, step: int):
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] == step:
+            return ahead[1]
+        return self.trainer.shard_tokens(self.data.batch(step))
+
+
+class Diverged(Exception):
+    """Step `step` (0-based) gave a non-finite loss or gradient norm."""
+
+    def __init__(self, step: int, metrics: dict):
+        super().__init__(f"step {step + 1} diverged")
+        self.step, self.metrics = step, metrics
+
+
+@dataclasses.dataclass
+class Dispatched:
+    """A step handed to the devices whose metrics have not been read yet."""
+
+    step: int  # 0-based: this step turns state `step` into state `step + 1`
+    metrics: dict  # device arrays
+    at: float  # perf_counter() when dispatched
+    vote: Any  # StopSignals.vote() sent with it
+
+
+class StepLog:
+    """What is done with a finished step's metrics: read them (this waits for the step), time it,
+    write metrics.jsonl and the progress line, and stop on a non-finite loss or gradient norm."""
+
+    def __init__(self, c: TrainConfig, out_dir: Optional[pathlib.Path], start: int, num_devices: int, local_devices, show: bool):
+        from zoo.train.metrics import MetricsWriter, Progress, Throughput
+
+        self.throughput = Throughput(c.model, c.data.seq_len, c.data.batch_size * c.data.seq_len, num_devices, c.hardware.peak_flops)
+        self.writer = MetricsWriter(out_dir, c.trainer.tensorboard, start_step=start) if out_dir is not None else None
+        self.progress = Progress(c.trainer.steps, c.trainer.log_every, c.trainer.progress and show)
+        self.local_devices = local_devices
+        self.losses: list[float] = []
+        self.times: list[float] = []
+        self.peak_device: Optional[int] = None
+        self.completed = start  # steps done and checked
+        self._last_ready = -math.inf
+
+    def read(self, d: Dispatched, evaluate: Optional[Callable[[], dict]] = None) -> dict:
+        """Wait for step `d` and log it (with `evaluate()`'s held-out metrics when given); Diverged if
+        its loss or gradient norm is not finite."""
+        import jax
+
+        from zoo.train.metrics import device_memory
+
+        m = jax.device_get(d.metrics)  # waits for the step
+        ready = time.perf_counter()
+        # The step ran from its dispatch or from the end of the one before, whichever came later.
+        dt = ready - max(d.at, self._last_ready)
+        self._last_ready = ready
+        m = {k: (v.tolist() if getattr(v, "ndim", 0) else float(v)) for k, v in m.items()}
+        m.update(self.throughput(dt))
+        mem = device_memory(self.local_devices)
+        m["device_bytes_in_use"] = mem["bytes_in_use"] if mem else None
+        m["device_peak_bytes"] = mem["peak_bytes_in_use"] if mem else None
+        if mem:
+            self.peak_device = max(self.peak_device or 0, mem["peak_bytes_in_use"])
+        if evaluate is not None:
+            m.update(evaluate())
+        self.losses.append(m["loss"])
+        self.times.append(dt)
+        if self.writer:
+            self.writer.write(d.step, m)
+        self.progress.update(d.step, m)
+        if not (math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])):
+            raise Diverged(d.step, m)
+        self.completed = d.step + 1
+        return m
+
+    def close(self) -> None:
+        if self.writer:
+            self.writer.close()
+
+
+class StepLoop:
+    """The host loop. JAX dispatches a step and returns at once, so step k+1 is handed to the devices
+    before step k's metrics are read, and batch k+2 is built meanwhile: the devices always have the
+    next step queued. Donation stays correct: step k+1 consumes state k+1, and the metrics of step k
+    are separate buffers.
+
+    The checkpoint guarantee is kept by draining at a save: before state k+1 is saved, step k's
+    metrics are read and checked, and only then is step k+1 dispatched (which donates that state).
+    So every saved state comes from a step whose loss and gradient norm were finite.
+    `pipelined=False` reads every step's metrics before dispatching the next (the old loop; the
+    benchmark compares the two)."""
+
+    def __init__(self, compiled, batches: Batches, log, ckpt, stop, steps: int, every: int, pipelined: bool = True, evaluator=None):
+        self.compiled, self.batches, self.log, self.ckpt, self.stop = compiled, batches, log, ckpt, stop
+        self.evaluator = evaluator  # the held-out loss, evaluated on the state a due step leaves
+        self.steps, self.every, self.pipelined = steps, every, pipelined
+        self.stopped = False  # ended early on a stop signal, after step log.completed
+
+    def save_due(self, done: int) -> bool:
+        return self.ckpt is not None and (done % self.every == 0 or done == self.steps)
+
+    def eval_due(self, done: int) -> bool:
+        return self.evaluator is not None and self.evaluator.due(done, self.steps)
+
+    def run(self, state, start: int):
+        """Steps `start` .. `steps - 1` from `state`; the state after the last one run."""
+        pending: Optional[Dispatched] = None
+        for step in range(start, self.steps):
+            if self.stop.requested_here():
+                self.stopped = True
+                break
+            tokens = self.batches.take(step)
+            t = time.perf_counter()
+            state, metrics = self.compiled(state, tokens)  # returns before the step has run
+            current = Dispatched(step, metrics, t, self.stop.vote())
+            if self.pipelined and step + 1 < self.steps:
+                self.batches.prefetch(step + 1)  # while the devices run this step
+            if pending is not None:
+                self._read(pending)
+            pending = current
+            done = step + 1
+            if self.save_due(done) or self.eval_due(done) or self.stopped or not self.pipelined:
+                # drained: this state is saved (or evaluated) before the next step donates it, and
+                # saved only if its step was finite
+                self._read(pending, state if self.eval_due(done) else None)
+                pending = None
+                if self.save_due(done):
+                    self.ckpt.save(done, state)  # returns once the arrays are copied: the next step may donate them
+            if self.stopped:
+                break
+        if pending is not None:
+            self._read(pending)
+        if self.log.completed == self.steps:
+            self.stopped = False  # the signal came during the last step: the run is complete
+        if self.stopped and self.ckpt is not None and self.log.completed > start:
+            self.ckpt.save(self.log.completed, state)  # skipped when that step was just saved
+        return state
+
+    def _read(self, d: Dispatched, eval_state=None) -> None:
+        evaluate = None if eval_state is None else (lambda: self.evaluator(eval_state["params"], d.step + 1))
+        self.log.read(d, evaluate)
+        if self.stop.agreed(d.vote):  # a signal: stop after the step in flight
+            self.stopped = True
+
+
+def _stop_for_requeue(c: TrainConfig, stop, log: StepLog, ckpt, start: int, out_dir: Optional[pathlib.Path], overrides) -> None:
+    """After a stop signal (the last completed step saved, the save complete): one line naming the
+    step and the checkpoint, the summary, the handler that was there before ours (submitit's
+    requeues), and the exit code a requeue script reads (zoo.train.stop.EXIT_REQUEUE)."""
+    from zoo.train.stop import EXIT_REQUEUE
+
+    done = log.completed
+    when = f"after step {done}" if done > start else f"before step {done + 1}"
+    if ckpt is None:
+        raise TrainingStopped(
+            f"stopped by {stop.received} {when}; checkpointing is off (checkpoint.dir=null), so nothing was "
+            "saved: set checkpoint.dir for a run that can be stopped and resumed"
+        )
+    last = ckpt.latest()
+    kept = f"checkpoint step {last} in {ckpt.dir}" if last is not None else f"no checkpoint in {ckpt.dir} yet"
+    line = f"stopped by {stop.received} {when}: {kept}; run the same command to resume (exit code {EXIT_REQUEUE})"
+    if out_dir is not None:
+        summary = {"status": "stopped", "signal": stop.received, "overrides": list(overrides), "steps": c.trainer.steps,
+                   "start_step": start, "steps_run": done - start, "last_step": done, "exit_code": EXIT_REQUEUE,
+                   "checkpoint": {"dir": str(ckpt.dir), "steps": ckpt.complete_steps()}, "config": to_dict(c)}  # fmt: skip
+        write_summary(out_dir, summary)
+        print(line, file=sys.stderr, flush=True)
+    stop.chain()
+    raise SystemExit(EXIT_REQUEUE)
+
+
+def _summary(c: TrainConfig, plan, trainer, state, data, log: StepLog, ckpt, start, mesh_devices, init_s, compile_s, mem_compiled,
+             compiled, t_start, xla_flags, overrides, evaluator=None) -> dict:  # fmt: skip
+    from zoo.config import count_params
+    from zoo.sharding import memory_kinds
+    from zoo.train.metrics import compiled_flops
 
     kinds = {"params": sorted(memory_kinds(state["params"])), "opt_state": sorted(memory_kinds(state["opt_state"]))}
-    timed = times[1:] if len(times) > 1 else times  # the first call also pays one-off dispatch costs
+    timed = log.times[1:] if len(log.times) > 1 else log.times  # the first call also pays one-off dispatch costs
     step_time = statistics.median(timed)
-    perf = throughput(step_time)
+    perf = log.throughput(step_time)
     estimated = mem_compiled["estimated_peak_bytes"] if mem_compiled else None
-    summary = {
+    return {
         "status": "ok",
         "overrides": list(overrides),
         "model": {"family": c.model.family, "params": count_params(c.model), "active_params": count_params(c.model, active=True)},
@@ -189,12 +402,12 @@ def train(c: TrainConfig, plan, devices, out_dir: pathlib.Path, xla_flags: str =
         "platform": mesh_devices[0].platform,
         "offload": c.offload.name,
         "memory_kinds": kinds,
-        "steps": steps,
+        "steps": c.trainer.steps,
         "start_step": start,
-        "steps_run": len(losses),
+        "steps_run": len(log.losses),
         "checkpoint": {"dir": str(ckpt.dir), "steps": ckpt.complete_steps(), "resumed_from": start or None} if ckpt else None,
-        "first_loss": losses[0],
-        "last_loss": losses[-1],
+        "first_loss": log.losses[0],
+        "last_loss": log.losses[-1],
         "eval": evaluator.last if evaluator else None,
         "loss_floor": data.floor(),
         "init_s": init_s,
@@ -204,30 +417,18 @@ def train(c: TrainConfig, plan, devices, out_dir: pathlib.Path, xla_flags: str =
         "tokens_per_s": perf["tokens_per_s"],
         "tflops_per_device": perf["tflops_per_device"],
         "mfu": perf["mfu"],
-        "model_flops_per_token": throughput.flops_per_token,
+        "model_flops_per_token": log.throughput.flops_per_token,
         "xla_flops_per_step_per_device": compiled_flops(compiled),
         "hardware": dataclasses.asdict(c.hardware),
-        "device_peak_bytes": peak_device,
+        "device_peak_bytes": log.peak_device,
         "compiled_memory": mem_compiled,
         # What the report plots: the backend's measured peak where it has one, else XLA's estimate.
-        "peak_memory_bytes": peak_device if peak_device is not None else estimated,
-        "peak_memory_source": "device.memory_stats" if peak_device is not None else "compiled.memory_analysis",
+        "peak_memory_bytes": log.peak_device if log.peak_device is not None else estimated,
+        "peak_memory_source": "device.memory_stats" if log.peak_device is not None else "compiled.memory_analysis",
         "kernels": kernels(c, plan),
         "xla_flags": xla_flags,
         "config": to_dict(c),
     }
-    if main:
-        write_json(out_dir / "summary.json", summary)
-    floor = data.floor()
-    floor_note = f"floor {floor:.3f}" if floor is not None else f"unigram entropy {data.unigram_entropy():.3f}"
-    ev = evaluator.last if evaluator else None
-    eval_note = f", eval loss {ev['eval_loss']:.4f} (perplexity {ev['eval_perplexity']:.2f})" if ev else ""
-    echo(
-        f"loss {losses[0]:.4f} -> {losses[-1]:.4f} ({floor_note}){eval_note}; step {1e3 * step_time:.1f} ms, "
-        f"{perf['tokens_per_s']:.0f} tok/s, {perf['tflops_per_device']:.4f} TFLOP/s/device, MFU {100 * perf['mfu']:.2f}% "
-        f"of {c.hardware.name}{' (nominal)' if c.hardware.nominal else ''}; summary: {out_dir / 'summary.json'}"
-    )
-    return summary
 
 
 def kernels(c: TrainConfig, plan) -> dict:

@@ -1,0 +1,86 @@
+"""Stopping on a scheduler's signal: SIGTERM (how SLURM, Kubernetes and most schedulers stop or
+preempt a job), SIGUSR1 (what `sbatch --signal=USR1@<s>` sends ahead of the time limit) and SIGUSR2
+(submitit's preemption signal, `hydra/launcher=slurm`).
+
+The handler only records the signal; the training loop acts on it between steps: it finishes the
+step in flight, saves a checkpoint of the last completed step, lets that save complete, prints one
+line, and the process exits with `EXIT_REQUEUE`. Then a handler that was installed before ours
+(submitit's, which requeues the job) runs too.
+
+With several processes the signal may reach them at different steps, yet they must stop after the
+same one (saving is collective). So each step also dispatches a max over every process's flag,
+read together with that step's metrics: all processes see the same vote at the same step.
+"""
+
+import signal
+from typing import Any, Optional
+
+import numpy as np
+
+# sysexits.h EX_TEMPFAIL, "a temporary failure: try again later": the run saved a checkpoint of its last
+# completed step and resumes from it when started again. 0: trained to the end; 1: failed; 2: bad input.
+EXIT_REQUEUE = 75
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+
+
+class StopSignals:
+    """Installed for the length of a run (`with StopSignals() as stop:`); `received` names the first
+    signal caught. Outside the main thread (where Python cannot take signals) it does nothing."""
+
+    def __init__(self, process_count: int = 1):
+        self.received: Optional[str] = None
+        self.signum: Optional[int] = None
+        self.previous: dict[int, Any] = {}
+        self.several = process_count > 1
+        self._vote_fn = None
+
+    def __enter__(self) -> "StopSignals":
+        for s in STOP_SIGNALS:
+            try:
+                self.previous[s] = signal.signal(s, self._handler)
+            except ValueError:  # not the main thread
+                break
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, h in self.previous.items():
+            signal.signal(s, h)
+        self.previous = {}
+
+    def _handler(self, signum: int, frame) -> None:
+        if self.received is None:
+            self.signum, self.received = signum, signal.Signals(signum).name
+
+    def requested_here(self) -> bool:
+        """One process: a signal arrived, stop before the next step. (Several: only a vote counts.)"""
+        return not self.several and self.received is not None
+
+    def vote(self):
+        """Dispatch this step's vote (several processes: the max of every process's flag, on the
+        devices, not waited for); None for one process."""
+        if not self.several:
+            return None
+        import jax
+
+        if self._vote_fn is None:
+            import jax.numpy as jnp
+            from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+            mesh = Mesh(np.array(jax.devices()), ("processes",))
+            self._vote_sharding = NamedSharding(mesh, PartitionSpec("processes"))
+            self._vote_fn = jax.jit(jnp.max, out_shardings=NamedSharding(mesh, PartitionSpec()))
+        local = np.full((jax.local_device_count(),), int(self.received is not None), np.int32)
+        return self._vote_fn(jax.make_array_from_process_local_data(self._vote_sharding, local, (jax.device_count(),)))
+
+    def agreed(self, vote) -> bool:
+        """Whether to stop after the step `vote` came with: every process reads the same answer."""
+        if not self.several:
+            return self.received is not None
+        return bool(np.asarray(vote))
+
+    def chain(self) -> None:
+        """Run the handler that was there before ours for the signal received (submitit's requeues
+        the job and exits); default and ignore handlers are left alone."""
+        prev = self.previous.get(self.signum) if self.signum is not None else None
+        if callable(prev) and prev not in (signal.SIG_DFL, signal.SIG_IGN):
+            prev(self.signum, None)
