@@ -69,7 +69,9 @@ def test_placement_follows_the_program_not_the_config():
 
 
 def test_host_bytes_agree_with_jaxs_saved_residuals():
-    from jax._src.ad_checkpoint import saved_residuals
+    from zoo._compat import saved_residuals
+
+    saved_residuals = saved_residuals()
 
     config = zoo.get_size("dsv3_tiny_a")
     model = zoo.abstract(config)

@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import jax
 import numpy as np
-from jax._src import core
+from jax.extend import core
 
 # Ops that pass a value through unchanged (as far as placement goes).
 _ALIAS_OPS = ("reduce_precision", "sharding_constraint", "copy", "copy_p", "optimization_barrier")
