@@ -322,7 +322,7 @@ def device_peak_bytes(device=None) -> Optional[int]:
 
 # --- the command line -------------------------------------------------------------------------
 
-from zoo.train.cli import EXIT_BAD_INPUT  # noqa: E402
+from zoo.train.cli import EXIT_BAD_INPUT, check_writable  # noqa: E402
 EXIT_MISMATCH = 1
 
 
@@ -374,26 +374,11 @@ def compose(overrides: Sequence[str]):
         return hydra_compose(config_name="config", overrides=list(overrides))
 
 
-def run_tool(body: Callable[[], int]) -> int:
-    """Run a command-line tool body; bad input -> one `error:` line and exit 2, before any compile."""
-    import sys
+def run_tool(body: Callable[[], int], tool: str = "python -m zoo.inspect", argv: Sequence[str] = ()) -> int:
+    """Run a command-line tool body; bad input -> one `error:` line naming `tool`'s key, exit 2 (zoo.train.cli)."""
+    from zoo.train import cli
 
-    from zoo.train.cli import bad_input_line
-
-    try:
-        return body()
-    except Exception as e:  # noqa: BLE001
-        line = bad_input_line(e, _conf(), also=(ValueError,))
-        if line is None:
-            raise
-        print(f"error: {line}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-
-
-def _conf():
-    from zoo.offload import conf_dir
-
-    return conf_dir()
+    return cli.run_tool(body, tool, argv)
 
 
 def prepare_step(overrides: Sequence[str]):
@@ -562,6 +547,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     def body() -> int:
         opts, overrides = split_tool_args(argv, "inspect", InspectOptions)
+        check_writable(opts.out, "inspect.out")  # before the compile, not after it
         c, plan, devices, trainer, notes = prepare_step(overrides)
         for n in notes:
             print(f"note: {n}")
@@ -577,7 +563,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return EXIT_MISMATCH
         return 0
 
-    return run_tool(body)
+    return run_tool(body, "python -m zoo.inspect", argv)
 
 
 if __name__ == "__main__":

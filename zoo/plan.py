@@ -632,12 +632,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     import sys
 
     from zoo.inspect import prepare_step, run_tool, split_tool_args
+    from zoo.train.cli import check_writable
     from zoo.offload import conf_dir
 
     argv = list(sys.argv[1:] if argv is None else argv)
 
     def body() -> int:
         opts, overrides = split_tool_args(argv, "plan", PlanConfig)
+        for key in ("out", "json"):  # before the search, not after it
+            if getattr(opts, key):
+                check_writable(getattr(opts, key), f"plan.{key}")
         c, _, _, trainer, notes = prepare_step(overrides)
         for n in notes:
             print(f"note: {n}")
@@ -671,7 +675,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             pathlib.Path(opts.json).write_text(json.dumps({"info": info, "estimate": best.as_dict(), "policy": dataclasses.asdict(policy)}, indent=2) + "\n")
         return 0
 
-    return run_tool(body)
+    return run_tool(body, "python -m zoo.plan", argv)
 
 
 if __name__ == "__main__":
