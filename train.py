@@ -15,7 +15,9 @@ from zoo.train.cli import run_job
 CONF = pathlib.Path(__file__).resolve().parent / "conf"
 
 
-@hydra.main(config_path="conf", config_name="config", version_base=None)
+# An absolute config path: the same config whether this file runs as a script or is imported (tests
+# call `cli_main(main, CONF)` in-process with sys.argv set).
+@hydra.main(config_path=str(CONF), config_name="config", version_base=None)
 def main(cfg: DictConfig) -> None:
     run_job(cfg)
 

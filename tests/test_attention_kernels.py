@@ -299,7 +299,9 @@ def test_cudnn_plumbing_with_xla_in_place_of_cudnn(monkeypatch, dims):
     """What cudnn_attention passes on (the window as jax.nn's (left, 0) window, v zero-padded to the
     q/k dim and sliced back where cuDNN lacks unequal dims) checked with JAX's XLA implementation
     standing in for cuDNN. cuDNN itself needs a GPU: not run here."""
-    from jax._src.cudnn import fused_attention_stablehlo as fa
+    from zoo._compat import cudnn_fused_attention
+
+    fa = cudnn_fused_attention()
 
     real = jax.nn.dot_product_attention
 

@@ -31,7 +31,7 @@ BAD_INPUTS = {
     "null_section": (["model=llama_tiny_a", "model.moe.impl=capacity"], "error: model.moe.impl: model.moe is null in the chosen model option"),
     "wrong_type": (["trainer.steps=many"], "error: trainer.steps: Value 'many' of type 'str' could not be converted to Integer"),
     "mesh_product": (["mesh=dp", "mesh.data=3"], "error: mesh: data*fsdp*tensor*expert = 3*1*1*1 = 3 does not match the 8 devices"),
-    "mesh_fill": (["mesh.tensor=3"], "error: mesh.fsdp: -1 cannot fill 8 devices"),
+    "mesh_fill": (["mesh.tensor=3"], "error: mesh.tensor: 3 (mesh=fsdp) needs a multiple of 3 devices, and 8 are available"),
     "batch": (["data.batch_size=12"], "error: data.batch_size: 12 is not divisible by the data-parallel size 8"),
     "seq": (["data.seq_len=129"], "error: data.seq_len: 129 exceeds model.max_position_embeddings=128"),
     "indivisible_param": (["model=llama_tiny_a", "mesh=fsdp_tp", "mesh.tensor=4", "mesh.fsdp=2"], "error: mesh.tensor: dim 2 of "),

@@ -510,9 +510,10 @@ def run(argv: Sequence[str]) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from zoo.inspect import run_tool
+    from zoo.train.cli import run_tool
 
-    return run_tool(lambda: run(list(sys.argv[1:] if argv is None else argv)))
+    args = list(sys.argv[1:] if argv is None else argv)
+    return run_tool(lambda: run(args), "python -m zoo.generate", args)
 
 
 if __name__ == "__main__":

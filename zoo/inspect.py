@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import jax
 import numpy as np
-from jax._src import core
+from jax.extend import core
 
 # Ops that pass a value through unchanged (as far as placement goes).
 _ALIAS_OPS = ("reduce_precision", "sharding_constraint", "copy", "copy_p", "optimization_barrier")
@@ -397,7 +397,7 @@ def device_peak_bytes(device=None) -> Optional[int]:
 
 # --- the command line -------------------------------------------------------------------------
 
-from zoo.train.cli import EXIT_BAD_INPUT  # noqa: E402
+from zoo.train.cli import EXIT_BAD_INPUT, check_writable  # noqa: E402
 EXIT_MISMATCH = 1
 
 
@@ -414,20 +414,13 @@ class InspectOptions:
 
 def output_path(explicit: Optional[str], key: str, tool: str, relative: str):
     """Where a tool writes: `explicit`, or `outputs/<tool>/<date>_<time>/<relative>` under the current
-    directory (as train.py's Hydra runs go under outputs/). The folder is created and probed now, so
-    an unwritable path is one line before anything compiles; no existing file is touched."""
-    import os
+    directory (as train.py's Hydra runs go under outputs/). The folder is created and probed now
+    (`zoo.train.cli.check_writable`), so an unwritable path is one line before anything compiles."""
     import pathlib
     import time
 
     path = pathlib.Path(explicit) if explicit else pathlib.Path("outputs") / tool / time.strftime("%Y-%m-%d_%H-%M-%S") / relative
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ValueError(f"{key}: cannot create {path.parent} ({e.strerror}); give a writable path, e.g. {key}=/tmp/{path.name}") from None
-    if path.is_dir() or not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise ValueError(f"{key}: cannot write {path}; give a writable file path, e.g. {key}=/tmp/{path.name}")
-    return path
+    return check_writable(path, key)
 
 
 def split_tool_args(argv: Sequence[str], prefix: str, schema: type):
@@ -467,26 +460,11 @@ def compose(overrides: Sequence[str]):
         return hydra_compose(config_name="config", overrides=list(overrides))
 
 
-def run_tool(body: Callable[[], int]) -> int:
-    """Run a command-line tool body; bad input -> one `error:` line and exit 2, before any compile."""
-    import sys
+def run_tool(body: Callable[[], int], tool: str = "python -m zoo.inspect", argv: Sequence[str] = ()) -> int:
+    """Run a command-line tool body; bad input -> one `error:` line naming `tool`'s key, exit 2 (zoo.train.cli)."""
+    from zoo.train import cli
 
-    from zoo.train.cli import bad_input_line
-
-    try:
-        return body()
-    except Exception as e:  # noqa: BLE001
-        line = bad_input_line(e, _conf(), also=(ValueError,))
-        if line is None:
-            raise
-        print(f"error: {line}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-
-
-def _conf():
-    from zoo.offload import conf_dir
-
-    return conf_dir()
+    return cli.run_tool(body, tool, argv)
 
 
 def prepare_step(overrides: Sequence[str], cfg=None):
@@ -721,7 +699,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return EXIT_MISMATCH
         return 0
 
-    return run_tool(body)
+    return run_tool(body, "python -m zoo.inspect", argv)
 
 
 if __name__ == "__main__":

@@ -138,6 +138,7 @@ def to_yaml(profile: dict) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from zoo.inspect import run_tool, split_tool_args
+    from zoo.train.cli import check_writable
     from zoo.offload import conf_dir
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -147,11 +148,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         bad = [a for a in argv if "=" not in a]
         if bad:
             raise ValueError(f"{bad[0]}: arguments are key=value; keys: {', '.join(f.name for f in dataclasses.fields(MeasureOptions))}")
-        opts, rest = split_tool_args([f"measure.{a}" for a in argv], "measure", MeasureOptions)
+        try:
+            opts, rest = split_tool_args([f"measure.{a}" for a in argv], "measure", MeasureOptions)
+        except ValueError as e:  # the keys are given without the prefix the parser adds
+            raise ValueError(str(e).replace("measure.", "")) from None
         assert not rest
-        profile = measure(opts)
         out = pathlib.Path(opts.out) if opts.out else conf_dir() / "hardware" / f"{opts.name}.yaml"
-        out.parent.mkdir(parents=True, exist_ok=True)
+        check_writable(out, "out" if opts.out else "name")  # before measuring, not after
+        profile = measure(opts)
         out.write_text(to_yaml(profile))
         d = profile["_detail"]
         print(
@@ -161,7 +165,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"wrote {out}; use it with hardware={out.stem}" if out.parent == conf_dir() / "hardware" else f"wrote {out}")
         return 0
 
-    return run_tool(body)
+    return run_tool(body, "python -m zoo.measure_hardware", argv)
 
 
 if __name__ == "__main__":

@@ -61,7 +61,7 @@ def _check_action(key: str, tag_name: str, action) -> None:
     if tag_name not in TAGS:
         raise ValueError(f"{key}: unknown tag; valid tags: {_valid_tags()}")
     if action not in ACTIONS:
-        raise ValueError(f"{key}={action!r}: unknown action; choose one of {', '.join(ACTIONS)}")
+        raise ValueError(f"{key}: {action!r} is not an action; choose one of {', '.join(ACTIONS)}")
 
 
 def _check_read(key: str, tag_name: str, action, model_config) -> None:
@@ -108,7 +108,7 @@ class OffloadConfig:
                     raise ValueError(f"{key}: {tag_name} belongs to the {owner} block, not {kind}; move it under {where}")
         for field in ("params", "opt_state"):
             if getattr(self, field) not in MEMORY_KINDS:
-                raise ValueError(f"offload.{field}={getattr(self, field)!r}: choose one of {', '.join(MEMORY_KINDS)}")
+                raise ValueError(f"offload.{field}: {getattr(self, field)!r} is not a memory kind; choose one of {', '.join(MEMORY_KINDS)}")
         if not self.checkpoint and (self.tags or any(self.block_tags.values())):
             named = next(iter(self.tags), None) or next(t for s in self.block_tags.values() for t in (s or {}))
             raise ValueError(

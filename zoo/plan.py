@@ -817,7 +817,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             pathlib.Path(opts.json).write_text(json.dumps({"info": info, "estimate": best.as_dict(), "policy": dataclasses.asdict(policy)}, indent=2) + "\n")
         return 0
 
-    return run_tool(body)
+    return run_tool(body, "python -m zoo.plan", argv)
 
 
 if __name__ == "__main__":

@@ -142,12 +142,21 @@ def report(root: pathlib.Path, out: Optional[pathlib.Path] = None) -> tuple[path
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m zoo.report", description=__doc__.splitlines()[0])
+    from zoo.train.cli import ArgumentParser
+
+    p = ArgumentParser(prog="python -m zoo.report", description=__doc__.splitlines()[0])
     p.add_argument("dir", type=pathlib.Path, help="a multirun directory (or any directory holding summary.json files)")
     p.add_argument("--out", type=pathlib.Path, default=None, help="where report.md and report.png go (default: dir)")
     a = p.parse_args(argv)
     if not a.dir.is_dir():
         print(f"error: dir: {a.dir} is not a directory; pass the multirun output directory", file=sys.stderr)
+        return 2
+    from zoo.train.cli import ConfigError, check_writable
+
+    try:
+        check_writable((a.out or a.dir) / "report.md", "--out" if a.out else "dir")
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     try:
         md, png = report(a.dir, a.out)

@@ -235,7 +235,7 @@ def check_replication(model, specs, mesh_sizes: Mapping[str, int], limit_bytes: 
         if nbytes > limit_bytes and shard_ways(spec, mesh_sizes) == 1:
             axes = param_logical_axes(path, len(leaf.shape))
             raise ShardingError(
-                f"mesh.rules: parameter {path_str(path)} ({nbytes / 2**20:.0f} MiB, logical axes {axes}) would be "
+                f"mesh.rules: parameter {path_str(path)} ({nbytes / 2**20:.0f} MiB, logical axes {', '.join(a or '-' for a in axes)}) would be "
                 f"replicated on every device; map one of its axes to fsdp in mesh.rules (or raise mesh.max_replicated_mb)"
             )
 

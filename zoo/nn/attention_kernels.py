@@ -74,13 +74,9 @@ def gpu_capabilities() -> tuple[Optional[tuple[int, int]], Optional[int]]:
         return None, None
     capability = getattr(device, "compute_capability", None)
     capability = tuple(int(x) for x in capability.split(".")) if capability else None
-    try:
-        from jax._src.lib import cuda_versions
+    from zoo._compat import cudnn_version
 
-        cudnn = cuda_versions.cudnn_get_version() if cuda_versions is not None else None
-    except Exception:  # noqa: BLE001 - a missing plugin means "unknown", not an error here
-        cudnn = None
-    return capability, cudnn
+    return capability, cudnn_version()
 
 
 def resolve_impl(
@@ -546,7 +542,9 @@ def cudnn_attention(
             q, k, v, scale=scale, is_causal=causal,
             local_window_size=None if window is None else (window - 1, 0), implementation="cudnn",
         )
-    from jax._src.cudnn import fused_attention_stablehlo as fa
+    from zoo._compat import cudnn_fused_attention
+
+    fa = cudnn_fused_attention()
 
     capability, cudnn_version = gpu_capabilities()
     native_mla = capability is not None and capability >= (9, 0) and (cudnn_version or 0) >= 91000

@@ -471,12 +471,9 @@ class Checkpoints:
             import orbax.checkpoint as ocp
             from orbax.checkpoint import type_handlers
 
-            try:  # what orbax's default jax.Array handler keeps per-array metadata in
-                from orbax.checkpoint._src.metadata.array_metadata_store import Store as _ArrayMetadataStore
+            from zoo._compat import orbax_array_metadata_store
 
-                store = _ArrayMetadataStore()
-            except ImportError:  # pragma: no cover - moved in another orbax version: go without
-                store = None
+            store = orbax_array_metadata_store()  # what orbax's default jax.Array handler keeps per-array metadata in
 
             try:
                 self.dir.mkdir(parents=True, exist_ok=True)

@@ -7,6 +7,8 @@ error), reported in one line, and the sweep goes on; the process exits 1 at the 
 Set ZOO_TRACEBACK=1 to see Python tracebacks for configuration errors too.
 """
 
+import argparse
+import contextlib
 import os
 import pathlib
 import re
@@ -81,51 +83,150 @@ def one_line(e: BaseException) -> str:
     return lines[0] if lines else type(e).__name__
 
 
+TRAIN = "python train.py"
+
+
 def _group_options(conf_dir: pathlib.Path, group: str) -> list[str]:
     return sorted(p.stem for p in (conf_dir / group).glob("*.yaml"))
 
 
-def hydra_error_line(e: BaseException, conf_dir: pathlib.Path) -> str:
-    """Hydra / OmegaConf composition errors -> `<key>: <what is wrong>; <fix>`."""
+def _closest(word: str, choices) -> str:
+    """` (did you mean X?)` for a near miss, else ''."""
+    import difflib
+
+    near = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.8)
+    return f" (did you mean {near[0]}?)" if near else ""
+
+
+def _override_value(text: str, key: str) -> Optional[str]:
+    """The value of `key=value` as Hydra's message quotes it (`To append to your config use +key=value`)."""
+    m = re.search(rf"\+{re.escape(key)}=(.*)", text)
+    return m.group(1).strip() if m else None
+
+
+def _unparsable(args) -> Optional[tuple[str, str]]:
+    """The first argument Hydra's override grammar rejects, and why."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    for arg in args:
+        try:
+            parser.parse_override(arg)
+        except Exception as e:  # noqa: BLE001 - Hydra raises its own and ANTLR's errors here
+            return arg, one_line(e)
+    return None
+
+
+def _parse_error_line(args, tool: str) -> str:
+    bad = _unparsable(args)
+    if bad is None:
+        return f"command line: an argument is not an override; arguments are key=value (e.g. trainer.steps=20); see {tool} --help"
+    arg, why = bad
+    if arg.startswith("-"):
+        return f"{arg}: not a flag of {tool} nor an override; arguments are key=value (e.g. trainer.steps=20); see {tool} --help"
+    if "=" not in arg:
+        return f"{arg}: no value; write {arg}=<value> (+{arg}=<value> adds a key, ~{arg} deletes one)"
+    key = arg.split("=", 1)[0].lstrip("+~")
+    return f"{key}: cannot parse {arg!r} ({why}); quote the value, e.g. {key}='<value>', or see https://hydra.cc/docs/advanced/override_grammar/basic"
+
+
+def _map_key_line(key: str, value: Optional[str]) -> Optional[str]:
+    """A key of a map-valued field (offload.tags, offload.block_tags.<kind>, mesh.rules) that the chosen
+    option does not list: adding it with `+` works exactly when the name and the value are valid."""
+    from zoo.offload import ACTIONS
+    from zoo.sharding import LOGICAL_AXES
+    from zoo.tags import OPTIONAL_KINDS, TAGS
+
+    parts = key.split(".")
+    add = f"the chosen {parts[0]} option does not list it; add it with +{key}={value}"
+    if parts[:2] == ["offload", "tags"] and len(parts) == 3 or parts[:2] == ["offload", "block_tags"] and len(parts) == 4:
+        if parts[1] == "block_tags" and parts[2] not in OPTIONAL_KINDS:
+            return f"offload.block_tags.{parts[2]}: unknown block kind; choose one of {', '.join(OPTIONAL_KINDS)}"
+        tag = parts[-1]
+        if tag not in TAGS:
+            return f"{key}: unknown tag{_closest(tag, TAGS)}; valid tags: {', '.join(TAGS)}"
+        if value not in ACTIONS:
+            return f"{key}: {value!r} is not an action; choose one of {', '.join(ACTIONS)}"
+        return f"{key}: {add}"
+    if parts[:2] == ["mesh", "rules"] and len(parts) == 3:
+        if parts[2] not in LOGICAL_AXES:
+            return f"{key}: unknown logical axis{_closest(parts[2], LOGICAL_AXES)}; the logical axes are {', '.join(LOGICAL_AXES)}"
+        return f"{key}: {add}"
+    return None
+
+
+def _unknown_key_line(key: str, value: Optional[str]) -> str:
+    group, _, rest = key.partition(".")
+    if group not in GROUPS:
+        what = "not a config group" if not rest else "unknown group"
+        return (
+            f"{key}: {what}{_closest(group, GROUPS)}; the groups are {', '.join(GROUPS)} (choose an option with "
+            f"<group>=<option>, set a key with <group>.<key>=<value>)"
+        )
+    mapped = _map_key_line(key, value)
+    if mapped:
+        return mapped
+    known = _known_keys(GROUPS[group], rest)
+    leaf = key.rsplit(".", 1)[-1]
+    parent = key.rsplit(".", 1)[0]
+    if leaf in known and parent != group:  # a real key whose section is null in the chosen option (llama's moe)
+        return f"{key}: {parent} is null in the chosen {group} option; choose a {group} that has it"
+    if leaf in known:  # a key the option's file leaves out (e.g. a modifier preset that sets one key)
+        return f"{key}: the chosen {group} option does not list it; add it with +{key}={value}"
+    if known:
+        return f"{key}: unknown key{_closest(leaf, known)}; known keys here: {', '.join(known)}"
+    return f"{key}: unknown key; check the spelling ({parent} has no such key)"
+
+
+def hydra_error_line(e: BaseException, conf_dir: pathlib.Path, tool: str = TRAIN, args=None) -> str:
+    """Hydra / OmegaConf composition errors -> `<key>: <what is wrong>; <fix>`. `args`: the overrides
+    given (default: this process's arguments), to find the one Hydra could not parse."""
+    from hydra.errors import OverrideParseException
+
     text = str(e)
-    m = re.search(r"Could not find '([^'/]+)/([^']+)'", text)
+    args = list(sys.argv[1:] if args is None else args)
+    if isinstance(e, OverrideParseException):
+        return _parse_error_line(args, tool)
+    m = re.search(r"Could not (find|load) '([^']*)/([^'/]*)'", text)
     if m:
-        group, option = m.groups()
-        return f"{group}: unknown option {option!r}; choose one of {', '.join(_group_options(conf_dir, group))}"
+        how, group, option = m.groups()
+        listed = re.search(r"Available options in '[^']*':\n((?:\t.*\n?)*)", text)
+        options = [o.strip() for o in listed.group(1).splitlines() if o.strip()] if listed else _group_options(conf_dir, group)
+        if how == "load" and (conf_dir / group / f"{option}.yaml").is_file():
+            cause = one_line(e.__cause__) if e.__cause__ else "see the file"
+            return f"{group}: option {option!r} failed to load ({cause}); fix conf/{group}/{option}.yaml"
+        if not option:
+            return f"{group}: no option given; choose one of {', '.join(options)}"
+        return f"{group}: unknown option {option!r}{_closest(option, options)}; choose one of {', '.join(options)}"
     m = re.search(r"Could not override '([^']+)'", text)
     if m:
         key = m.group(1)
         cause = e.__cause__
         cause_text = one_line(cause) if cause else ""
-        group, _, rest = key.partition(".")
         if "not in struct" in cause_text or "Key '" in cause_text:
-            known = _known_keys(GROUPS[group], rest) if group in GROUPS and rest else []
-            leaf = key.rsplit(".", 1)[-1]
-            if leaf in known:  # a real key whose section is null in the chosen option (llama's moe)
-                parent = key.rsplit(".", 1)[0]
-                return f"{key}: {parent} is null in the chosen {group} option; choose a {group} that has it"
-            hint = f"known keys here: {', '.join(known)}" if known else f"add it with +{key}=... only if it is meant to be new"
-            return f"{key}: unknown key; {hint}"
+            return _unknown_key_line(key, _override_value(text, key))
         return f"{key}: {cause_text or 'cannot be overridden'}; check the value"
-    m = re.search(r"Could not load '([^'/]+)/([^']+)'", text)
+    m = re.search(r"Could not append to config. An item is already at '([^']+)'", text)
     if m:
-        group, option = m.groups()
-        return f"{group}: option {option!r} failed to load ({one_line(e.__cause__) if e.__cause__ else 'see the file'}); fix conf/{group}/{option}.yaml"
+        return f"{m.group(1)}: already set; drop the + to change it ({m.group(1)}=<value>)"
+    m = re.search(r"Could not delete from config. (?:The value of )?'([^']+)'", text)
+    if m:
+        return f"{m.group(1)}: cannot delete it (~ works on keys that exist); check the spelling"
     key = getattr(e, "full_key", None) or getattr(e.__cause__, "full_key", None)
     if key:
         return f"{key}: {one_line(e.__cause__ or e)}; fix this value"
-    return f"command line: {one_line(e)}; see python train.py --help"
+    return f"command line: {one_line(e)}; see {tool} --help"
 
 
-def bad_input_line(e: BaseException, conf_dir: pathlib.Path, also: tuple[type, ...] = ()) -> Optional[str]:
+def bad_input_line(e: BaseException, conf_dir: pathlib.Path, also: tuple[type, ...] = (), tool: str = TRAIN, args=None) -> Optional[str]:
     """The one line for an error that is bad input (config, Hydra, OmegaConf, or `also`), else None."""
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    if isinstance(e, (ConfigError, *also)):
+    if isinstance(e, (ConfigError, UsageError, *also)):
         line = one_line(e)
     elif isinstance(e, (HydraException, OmegaConfBaseException)):
-        line = hydra_error_line(e, conf_dir)
+        line = hydra_error_line(e, conf_dir, tool, args)
     else:
         return None
     if os.environ.get("ZOO_TRACEBACK"):
@@ -133,11 +234,88 @@ def bad_input_line(e: BaseException, conf_dir: pathlib.Path, also: tuple[type, .
     return line
 
 
+class UsageError(ValueError):
+    """A command line argparse refused (an unknown flag, a missing argument): one line."""
+
+
+@contextlib.contextmanager
+def _argparse_one_line(tool: str):
+    """Hydra's own argparse parser prints its usage and exits; make its complaint one `error:` line."""
+    error = argparse.ArgumentParser.error
+
+    def one_line_error(parser, message):
+        raise UsageError(
+            f"command line: {message}; overrides are key=value (e.g. trainer.steps=20), flags are Hydra's; see {tool} --help"
+        )
+
+    argparse.ArgumentParser.error = one_line_error
+    try:
+        yield
+    finally:
+        argparse.ArgumentParser.error = error
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse for the tools: a bad command line is one `error:` line and exit code 2, not a usage block."""
+
+    def error(self, message):
+        print(f"error: command line: {message}; see {self.prog} --help", file=sys.stderr)
+        raise SystemExit(EXIT_BAD_INPUT)
+
+
+def check_writable(path, key: str) -> pathlib.Path:
+    """Probe, before any long compile, that a file can be written at `path` (creating its folder);
+    ConfigError naming `key` otherwise. For tools' output keys (inspect.out, plan.out, ...)."""
+    import tempfile
+
+    out = pathlib.Path(path).expanduser()
+    if out.is_dir():
+        raise ConfigError(f"{key}: {out} is a directory; give a file path, e.g. {key}={out / 'out.json'}")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if out.exists():
+            with open(out, "a"):
+                pass
+        else:
+            with tempfile.NamedTemporaryFile(dir=out.parent, prefix=f".{out.name}.", suffix=".probe"):
+                pass
+    except OSError as err:
+        raise ConfigError(f"{key}: cannot write {out} ({err.strerror or err}); choose a writable path") from None
+    return out
+
+
+def run_tool(body: Callable[[], int], tool: str, argv=(), doc: Optional[str] = None) -> int:
+    """A command-line tool's body (`python -m zoo.<tool> ...`): `--help` prints `doc`; bad input ->
+    one `error:` line naming the key or file and exit code 2, before any compile."""
+    if any(a in ("-h", "--help") for a in argv):
+        if doc is None and tool.startswith("python -m "):
+            import importlib
+
+            doc = importlib.import_module(tool.removeprefix("python -m ")).__doc__
+        print(f"usage: {tool} [key=value ...]  (README.md describes the keys)\n\n{doc or ''}".rstrip())
+        return 0
+    try:
+        return body()
+    except Exception as e:  # noqa: BLE001
+        line = bad_input_line(e, _conf_dir(), also=(ValueError,), tool=tool, args=argv)
+        if line is None:
+            raise
+        print(f"error: {line}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+def _conf_dir() -> pathlib.Path:
+    from zoo.offload import conf_dir
+
+    return conf_dir()
+
+
 def main(hydra_main: Callable, conf_dir: pathlib.Path) -> int:
     """Run the @hydra.main function; turn every error into one line and an exit code."""
     os.environ["HYDRA_FULL_ERROR"] = "1"  # let errors reach us instead of Hydra's multi-line report
     try:
-        hydra_main()
+        with _argparse_one_line(TRAIN):
+            hydra_main()
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else EXIT_FAILED)
     except Exception as e:  # noqa: BLE001

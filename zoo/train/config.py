@@ -33,6 +33,7 @@ class TrainingStopped(RuntimeError):
 class MeshConfig:
     """Mesh axes (-1: fills the devices left) and the logical-axis rules (logical dim -> mesh axes)."""
 
+    name: str = "custom"  # the conf/mesh option (messages name it)
     devices: int = -1  # how many of jax.devices() the mesh spans; -1: all of them
     data: int = 1
     fsdp: int = -1
@@ -366,6 +367,8 @@ def load_group(group: str, node: Any) -> Any:
         raise ConfigError(f"{group}.{key}: unknown key; {hint}") from None
     except ValidationError as e:
         msg = str(e).splitlines()[0]
+        if "is not a ListConfig" in msg:
+            raise ConfigError(f"{group}.{e.full_key}: not a list; give one in brackets, e.g. {group}.{e.full_key}=[a,b]") from None
         raise ConfigError(f"{group}.{e.full_key}: {msg}; give a value of the right type") from None
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None) or "?"
@@ -419,6 +422,7 @@ def validate(c: TrainConfig, available_devices: int, abstract_model=None) -> Pla
             f"mesh.devices: {wanted} requested, {available_devices} available; lower mesh.devices "
             f"(on CPU, xla.cpu_devices={wanted} simulates more)"
         )
+    _check_mesh_fits(c.mesh, wanted)
     try:
         shape = resolve_mesh_shape(c.mesh.axes, wanted)
     except ShardingError as e:
@@ -479,6 +483,32 @@ def validate(c: TrainConfig, available_devices: int, abstract_model=None) -> Pla
         except ShardingError as e:
             raise ConfigError(str(e)) from None
     return Plan(mesh=shape, num_devices=wanted, microbatch=micro, attention_impl=attention_impl, moe_impl=moe_impl)
+
+
+def _check_mesh_fits(mesh: MeshConfig, devices: int) -> None:
+    """A mesh whose fixed axes cannot split the devices: name the option and the axes it fixes (the
+    -1 axis only fills what they leave), and how to get enough devices."""
+    axes = mesh.axes
+    fill = [a for a, n in axes.items() if n == -1]
+    fixed = {a: n for a, n in axes.items() if n > 1}
+    ways = math.prod(fixed.values())
+    if len(fill) != 1 or not fixed or devices % ways == 0:
+        return  # resolve_mesh_shape reports the other cases
+    import jax
+
+    shown = str(ways) if len(fixed) == 1 else "*".join(f"{a}={n}" for a, n in fixed.items())
+    are = f"{devices} is" if devices == 1 else f"{devices} are"
+    simulate = -(-8 // ways) * ways  # the smallest multiple of the fixed axes from 8 up
+    more = (
+        f"on CPU add xla.cpu_devices={simulate} to simulate {simulate} devices"
+        if jax.default_backend() == "cpu"
+        else f"run on a multiple of {ways} devices"
+    )
+    other = "use mesh=fsdp, which fits any device count" if mesh.name != "fsdp" else f"make {' and '.join(f'mesh.{a}' for a in fixed)} divide {devices}"
+    raise ConfigError(
+        f"mesh.{next(iter(fixed))}: {shown} (mesh={mesh.name}) needs a multiple of {ways} devices, and {are} available "
+        f"(mesh.{fill[0]}=-1 only fills what the other axes leave); {more}, or {other}"
+    )
 
 
 def resolve_kernels(c: TrainConfig) -> tuple[str, Optional[str]]:

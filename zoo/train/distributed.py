@@ -51,9 +51,10 @@ def slurm_present() -> bool:
 
 def _jax_cluster_defaults(c: DistributedConfig, local_device_ids):
     """Fill the unset values from the cluster environment the way jax.distributed.initialize does."""
-    try:
-        from jax._src.clusters import ClusterEnv  # JAX's own detection (SLURM, Open MPI, ...)
-    except ImportError:  # pragma: no cover - JAX moved it: fall back to SLURM's variables
+    from zoo._compat import cluster_env
+
+    ClusterEnv = cluster_env()  # JAX's own detection (SLURM, Open MPI, ...)
+    if ClusterEnv is None:  # pragma: no cover - JAX moved it: fall back to SLURM's variables
         return (
             c.coordinator_address,
             c.num_processes if c.num_processes is not None else int(os.environ["SLURM_NTASKS"]),
@@ -169,9 +170,9 @@ def initialize(c: DistributedConfig) -> Optional[Cluster]:
     an unreachable coordinator or a join that times out: one line, nothing started."""
     global _JOINED
     cluster = resolve(c)
-    from jax._src import xla_bridge
-
     import jax
+
+    from zoo._compat import backends_are_initialized
 
     if cluster is None:
         if _JOINED is not None:
@@ -181,7 +182,7 @@ def initialize(c: DistributedConfig) -> Optional[Cluster]:
         if _JOINED != cluster:
             raise ConfigError("distributed: this process already joined another cluster for an earlier job; run this job in its own process")
         return cluster
-    if xla_bridge.backends_are_initialized():
+    if backends_are_initialized():
         raise ConfigError("distributed: JAX already started in this process as a single process; run this job in its own process")
 
     deadline = time.monotonic() + c.timeout_s

@@ -36,9 +36,9 @@ def merged_xla_flags(c: XlaConfig, env: Optional[str]) -> str:
 def apply_xla_flags(c: XlaConfig) -> str:
     """Set XLA_FLAGS before JAX starts its backend. Once started, flags cannot change in this process."""
     global _APPLIED_XLA_FLAGS
-    from jax._src import xla_bridge
+    from zoo._compat import backends_are_initialized
 
-    if xla_bridge.backends_are_initialized():
+    if backends_are_initialized():
         current = _APPLIED_XLA_FLAGS if _APPLIED_XLA_FLAGS is not None else os.environ.get("XLA_FLAGS", "")
         wanted = merged_xla_flags(c, current)
         if sorted(wanted.split()) != sorted(current.split()):

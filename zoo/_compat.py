@@ -1,0 +1,71 @@
+"""Every private JAX / orbax API Zoo reaches into, in one place.
+
+Private modules (`jax._src...`, `orbax.checkpoint._src...`) move between releases without notice.
+Zoo uses a public API wherever one exists (`jax.extend.core` for jaxprs, `jax.ad_checkpoint`,
+`jax.nn.dot_product_attention`); what is left has no public equivalent and lives here, each with
+what it is for and what Zoo does when it is gone. `tests/test_compat.py` asks for every one of them
+and fails, naming the symbol, when a release moves it, so a move is found by the test suite rather
+than by a user whose fallback quietly took over.
+"""
+
+from typing import Any, Optional
+
+
+def backends_are_initialized() -> bool:
+    """Whether JAX has started its backends in this process (XLA flags and `jax.distributed` must be
+    set before that). No public API tells without starting them; if the private one moves, assume
+    started, which makes train.py refuse a second job with other XLA flags instead of ignoring them."""
+    try:
+        from jax._src import xla_bridge
+    except ImportError:  # pragma: no cover - moved: see tests/test_compat.py
+        return True
+    return bool(xla_bridge.backends_are_initialized())
+
+
+def cluster_env() -> Optional[Any]:
+    """JAX's cluster detection (`ClusterEnv`: SLURM, Open MPI, ...), which `jax.distributed.initialize`
+    runs on unset arguments; None if it moved (zoo.train.distributed then reads SLURM's variables)."""
+    try:
+        from jax._src.clusters import ClusterEnv
+    except ImportError:  # pragma: no cover
+        return None
+    return ClusterEnv
+
+
+def cudnn_version() -> Optional[int]:
+    """The cuDNN version JAX's CUDA plugin loaded (e.g. 91000), None without one (or if it moved)."""
+    try:
+        from jax._src.lib import cuda_versions
+    except ImportError:  # pragma: no cover
+        return None
+    try:
+        return cuda_versions.cudnn_get_version() if cuda_versions is not None else None
+    except Exception:  # noqa: BLE001 - a missing or broken plugin means "unknown", not an error here
+        return None
+
+
+def cudnn_fused_attention():
+    """JAX's cuDNN attention module (`dot_product_attention`, `MaskType`). The public
+    `jax.nn.dot_product_attention` refuses a value head dim unlike the query/key one (MLA) and
+    segment ids with a static bound; this one takes both. Raises ImportError if it moved."""
+    from jax._src.cudnn import fused_attention_stablehlo
+
+    return fused_attention_stablehlo
+
+
+def orbax_array_metadata_store() -> Optional[Any]:
+    """The per-array metadata store orbax's default `ArrayHandler` uses (passed explicitly when Zoo
+    builds its own handler registry); None if it moved (orbax then writes no such metadata)."""
+    try:
+        from orbax.checkpoint._src.metadata.array_metadata_store import Store
+    except ImportError:  # pragma: no cover
+        return None
+    return Store()
+
+
+def saved_residuals():
+    """`saved_residuals(f, *args)`: what a function's backward pass keeps (JAX's own count; the public
+    API only prints it, `jax.ad_checkpoint.print_saved_residuals`). Tests hold zoo.inspect to it."""
+    from jax._src.ad_checkpoint import saved_residuals as fn
+
+    return fn
