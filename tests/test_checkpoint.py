@@ -159,7 +159,8 @@ def test_sigterm_mid_run_then_the_same_command_resumes_bit_for_bit(uninterrupted
     proc = subprocess.Popen(train_cmd(args, out), cwd=tmp_path, env=clean_env(), stdout=log, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 300
-        while proc.poll() is None and time.monotonic() < deadline and not (out / "metrics.jsonl").exists():
+        records = out / "metrics.jsonl"  # created empty before step 1
+        while proc.poll() is None and time.monotonic() < deadline and not (records.exists() and records.stat().st_size):
             time.sleep(0.005)
         os.kill(proc.pid, signal.SIGSTOP)  # frozen within a step of the first metrics line
         lock = json.loads((ckpt / "zoo.lock").read_text())
