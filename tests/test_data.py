@@ -784,3 +784,6 @@ def test_trainer_takes_packed_batches_and_plain_rows(text_trainer):
     np.testing.assert_array_equal(np.asarray(sharded["tokens"])[0], rows)
     np.testing.assert_array_equal(np.asarray(sharded["positions"])[0], np.broadcast_to(np.arange(24), (4, 24)))
     assert not np.asarray(sharded["segment_ids"]).any() and np.asarray(sharded["loss_mask"]).all()
+    # zoo.inspect and zoo.plan lower the step on these abstract inputs
+    text = trainer.lower().as_text()
+    assert text.count("tensor<1x4x24xi32>") >= len(BATCH_FIELDS)

@@ -122,3 +122,34 @@ def test_compiled_temporary_memory_is_far_below_the_whole_logits():
     whole = temp(whole_loss)
     chunked = temp(lambda h, w, t: chunked_next_token_loss(h, w, t, chunk_size=512))  # 2 x 512 tokens per chunk
     assert chunked * 4 <= whole, f"temp bytes: chunked {chunked / 2**20:.0f} MiB, whole logits {whole / 2**20:.0f} MiB"
+
+
+def test_target_weights_drop_segment_starts_and_unmasked_tokens():
+    from zoo.loss import target_weights
+
+    seg = np.array([[0, 0, 0, 1, 1, 2, 2, 2], [0, 1, 1, 1, 1, 1, 2, 3]])
+    mask = np.array([[1, 1, 0, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1, 1, 1]])
+    want = np.zeros(seg.shape)
+    for b in range(2):
+        for t in range(1, seg.shape[1]):  # token t is a target when it counts and follows a token of its document
+            want[b, t] = float(mask[b, t] == 1 and seg[b, t] == seg[b, t - 1])
+    got = target_weights(jnp.asarray(mask), jnp.asarray(seg))
+    np.testing.assert_array_equal(np.asarray(got), want)
+    assert got.dtype == jnp.float32 and want[0].tolist() == [0, 1, 0, 0, 1, 0, 1, 0]
+
+
+@pytest.mark.parametrize("method", ["fused", "recompute"])
+def test_a_denominator_replaces_the_masks_count(method):
+    hidden, head, tokens, mask = inputs(3)
+    count = mask[:, 1:].sum()
+
+    @jax.jit
+    def both(h, denominator):
+        got = jax.value_and_grad(lambda h: chunked_next_token_loss(h, head, tokens, mask, chunk_size=5, method=method, denominator=denominator))(h)
+        want = jax.value_and_grad(lambda h: whole_loss(h, head, tokens, mask) * count / denominator)(h)
+        return got, want
+
+    for denominator in (1.0, 7.5):
+        (value, grad), (want_value, want_grad) = both(hidden, jnp.float32(denominator))
+        np.testing.assert_allclose(float(value), float(want_value), rtol=1e-5)
+        assert rel_err(grad, want_grad) < 1e-5

@@ -133,10 +133,6 @@ class DataConfig:
             key = "data.eval_fraction" if self.eval_fraction else "data.eval_path"
             raise ConfigError(f"{key}: only data=text has a held-out split ({self.name} data is endless); drop it or use data=text")
 
-    @property
-    def has_eval(self) -> bool:
-        return bool(self.eval_fraction or self.eval_path)
-
 
 @dataclasses.dataclass
 class XlaConfig:
@@ -520,10 +516,12 @@ def resolve_kernels(c: TrainConfig) -> tuple[str, Optional[str]]:
     from zoo.nn.moe import resolve_moe_impl
 
     m = c.model
+    packed = c.data.name == "text"  # segment ids; the data's bound on them (>= 2) reaches attend when traced
     try:
         attention = resolve_impl(
             m.attention_impl, backend=jax.default_backend(), dtype=m.compute_dtype, qk_dim=m.qk_head_dim,
             v_dim=m.v_head_dim, seq_len=c.data.seq_len, has_sinks=m.attention_sinks,
+            has_segments=packed, max_segments=2 if packed else None,
         )
     except ValueError as e:
         raise ConfigError(str(e).splitlines()[0]) from None
