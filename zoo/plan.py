@@ -15,12 +15,15 @@ The cost model (per device, per step; every number it uses is printed in the est
   recomputes), so only the excess `max(0, transfer - compute)` is exposed.
 - `device` costs HBM: the tag's bytes per layer times the layers.
 - HBM is the larger of two phases: forward/backward (parameters on device, gradients, optimizer
-  state if on device, the kept tags, untagged residuals and a working set of two layers'
-  intermediates and the logits) and the optimizer update (parameters, gradients and optimizer
-  state all on device: the step brings host-resident state to the device for the update).
+  state if on device, the kept tags, untagged residuals and a working set: two layers'
+  intermediates with one layer's attention transient, or the head + loss, whichever is larger;
+  `attention_working_bytes` by the implementation the planned hardware runs,
+  `loss_working_bytes` by `trainer.loss_chunk_size`) and the optimizer update (all state on device;
+  with state on host the update streams layer by layer, zoo.train.update: the device-resident
+  state, the host-resident leaves outside the stacks, and two layers' host-resident slices).
 - Parameters in host memory move one layer at a time inside the scan (forward and backward, hidden
-  behind compute like offloaded tags) and whole for the update; optimizer state in host memory moves
-  in and out for the update, exposed.
+  behind compute like offloaded tags), their gradients stay on host; host-resident state moves in
+  and out for the update, exposed.
 
 The search is exhaustive over every assignment of device / offload / remat to the tags that can take
 them (3^15 for DeepSeek-V3, vectorised in chunks); ties go to less host traffic, so with a budget to
