@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from zoo.hlo import collectives, parse_shapes, summarize
+from zoo.hlo import by_kind_and_dtype, collectives, parse_shapes, summarize
 
 # A module in the compiled text form: a loop of known trip count holding an async all-gather, a
 # tuple all-to-all, a collective-permute and an all-reduce over one-device groups; the entry holds
@@ -90,6 +90,12 @@ def test_collectives_of_a_hand_written_module():
     assert table["all-gather"] == {"count": 1, "executions": 5, "bytes": 5 * 16 * 16 * 2}
     assert table["all-reduce"] == {"count": 1, "executions": 1, "bytes": 8 * 16 * 4}  # the one-device one is left out
     assert summarize(collectives(MODULE), include_trivial=True)["all-reduce"]["count"] == 2
+
+    split = by_kind_and_dtype(collectives(MODULE))
+    assert split["all-gather"] == {"bf16": {"count": 1, "executions": 5, "bytes": 5 * 16 * 16 * 2}}
+    assert split["all-reduce"] == {"f32": {"count": 1, "executions": 1, "bytes": 8 * 16 * 4}}
+    assert split["collective-permute"] == {"bf16": table["collective-permute"]}  # one dtype: the kind's row
+    assert "f32" in by_kind_and_dtype(collectives(MODULE), include_trivial=True)["all-reduce"]
 
 
 def test_collectives_of_a_compiled_scan():

@@ -123,7 +123,8 @@ def test_sharded_losses_match_single_device(model, mesh):
         assert "shard_map" in text or "manual" in text.lower()  # routed per device
         assert ("all_to_all" in text) == (mesh == "fsdp_ep")  # tokens travel to the experts only under EP
     assert run.trainer.mesh.devices.size == 8
-    np.testing.assert_allclose(run.losses, ref.losses, atol=1e-5, rtol=0)
+    # expert parallelism is held to the 1e-5 (test_expert_parallel_train_step_is_local); the other layouts to 1e-4
+    np.testing.assert_allclose(run.losses, ref.losses, atol=1e-5 if mesh == "fsdp_ep" else 1e-4, rtol=0)
     assert ref.losses[-1] < ref.losses[0]  # it trains
     # The parameters really are split: some leaf holds less than its full size per device.
     shards = [x.addressable_shards[0].data.size < x.size for x in jax.tree.leaves(run.state["params"])]
