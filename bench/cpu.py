@@ -47,7 +47,7 @@ PRESETS = (
 )
 
 # The benchmark models: the zoo's ~100M sizes. The routed experts use the capacity kernel on CPU
-# (XLA:CPU runs ragged_dot as a dense product over all experts; see /work/shared/NOTES.md).
+# (XLA:CPU runs ragged_dot as a dense product over all experts; see docs/notes.md).
 FULL = {
     "models": {"llama": ("llama_100m", {}), "dsv3": ("dsv3_100m", {"moe_impl": "capacity"})},
     "batch": 1,

@@ -142,7 +142,7 @@ def test_cli_writes_inspect_json(tmp_path, capsys):
     [
         (["model=llama_tiny_a", "offload=custom", "offload.tags.mla_q=offload"], "error: offload.tags.mla_q: the llama model never emits this tag"),
         (["model=llama_tiny_a", "offload=custom", "offload.tags.query_proj=keep"], "error: offload.tags.query_proj: 'keep' is not an action"),
-        (["model=llama_tiny_a", "offload=custom", "offload.tags.query_projection=offload"], "error: offload.tags.query_projection: unknown key"),
+        (["model=llama_tiny_a", "offload=custom", "offload.tags.query_projection=offload"], "error: offload.tags.query_projection: unknown tag (did you mean query_proj?)"),
         (["model=llama_tiny_a", "inspect.output=x.json"], "error: inspect.output: unknown key; the keys are out, measure, strict"),
         (["model=llama_tiny_a", "offload=nonesuch"], "error: offload: unknown option 'nonesuch'"),
     ],

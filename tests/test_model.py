@@ -350,6 +350,16 @@ def test_build():
     assert not np.allclose(wq[0], wq[1])  # layers differ
     assert np.all(np.asarray(m.final_norm.weight) == 1)
     assert np.all(np.isfinite(np.asarray(logits_of(m, random_tokens(LLAMA)))))
+    # a second build of the config reuses the compiled initialiser and gives the same weights
+    from zoo.model import _INITIALISERS
+
+    cached = len(_INITIALISERS)
+    again = zoo.build(LLAMA, key=jax.random.key(0))
+    assert len(_INITIALISERS) == cached
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(m), jax.tree.leaves(again)))
+    # under a caller's trace (Trainer.init jits build into its own program) nothing is compiled here
+    traced = jax.eval_shape(lambda k: zoo.build(LLAMA, key=k), jax.random.key(1))
+    assert jax.tree.map(lambda x: (x.shape, x.dtype), traced) == shapes and len(_INITIALISERS) == cached
 
 
 # --- (d) bf16 compute ------------------------------------------------------------------------

@@ -24,17 +24,10 @@ def run(args, tmp_path, timeout=300):
     return p, time.perf_counter() - t0
 
 
+# Through a real process: exit code, one line, and no compile (the in-process table below covers the rest).
 BAD_INPUTS = {
     "unknown_group_option": (["offload=no_such_policy"], "error: offload: unknown option 'no_such_policy'; choose one of "),
-    "unknown_key": (["trainer.stepz=3"], "error: trainer.stepz: unknown key; known keys here: steps, "),
-    "unknown_value": (["model.moe.impl=dense"], "error: model.moe.impl: got 'dense'; choose one of"),
-    "null_section": (["model=llama_tiny_a", "model.moe.impl=capacity"], "error: model.moe.impl: model.moe is null in the chosen model option"),
-    "wrong_type": (["trainer.steps=many"], "error: trainer.steps: Value 'many' of type 'str' could not be converted to Integer"),
-    "mesh_product": (["mesh=dp", "mesh.data=3"], "error: mesh: data*fsdp*tensor*expert = 3*1*1*1 = 3 does not match the 8 devices"),
-    "mesh_fill": (["mesh.tensor=3"], "error: mesh.tensor: 3 (mesh=fsdp) needs a multiple of 3 devices, and 8 are available"),
     "batch": (["data.batch_size=12"], "error: data.batch_size: 12 is not divisible by the data-parallel size 8"),
-    "seq": (["data.seq_len=129"], "error: data.seq_len: 129 exceeds model.max_position_embeddings=128"),
-    "indivisible_param": (["model=llama_tiny_a", "mesh=fsdp_tp", "mesh.tensor=4", "mesh.fsdp=2"], "error: mesh.tensor: dim 2 of "),
 }
 
 
@@ -51,6 +44,154 @@ def test_bad_input_one_line_nonzero_exit_before_compile(case, tmp_path):
     assert seconds < 15, f"took {seconds:.1f}s"
 
 
+# The fuzz list: (tool, arguments, what the one `error:` line starts with after `error: `). Every case
+# runs in this process through the tool's own entry point (train.py's is zoo.train.cli.main around its
+# @hydra.main function), with conftest.py's 8 CPU devices. The first block is issue 13's list.
+OUT = "/proc/no_such_dir/out"  # a path nobody can write
+FUZZ = [
+    ("train", ["offload=[full,qkv_proj_offloaded,nonexistent]"], "offload: unknown option 'nonexistent'; choose one of custom, "),
+    ("train", ["foo=bar"], "foo: not a config group; the groups are model, mesh, "),
+    ("train", ["offload=full", "offload.tags.query_proj=sideways"], "offload.tags.query_proj: 'sideways' is not an action; choose one of device, offload, remat"),
+    ("zoo.inspect", [f"inspect.out={OUT}/inspect.json", "model=llama_tiny_a"], f"inspect.out: cannot write {OUT}/inspect.json"),
+    ("zoo.inspect", ["bogus"], "bogus: no value; write bogus=<value>"),
+    ("zoo.plan", ["--bogus"], "--bogus: not a flag of python -m zoo.plan nor an override"),
+    ("train", ["mesh.tensor=3"], "mesh.tensor: 3 (mesh=fsdp) needs a multiple of 3 devices, and 8 are available"),
+    ("train", ["offload.tags.query_proj=offload"], "offload.tags.query_proj: the chosen offload option does not list it; add it with +offload.tags.query_proj=offload"),
+    ("train", ["offload=custom", "offload.tags.query_projection=offload"], "offload.tags.query_projection: unknown tag (did you mean query_proj?); valid tags: "),
+    ("train", ["+offload.tags.nosuchtag=offload"], "offload.tags.nosuchtag: unknown tag; valid tags: "),
+    # the groups, their options and keys
+    ("train", ["offload=fastest"], "offload: unknown option 'fastest'; choose one of "),
+    ("train", ["model="], "model: no option given; choose one of "),
+    ("train", ["hydra/launcher=nosuch"], "hydra/launcher: unknown option 'nosuch'; choose one of basic, slurm"),
+    ("train", ["modle=llama_tiny_a"], "modle: not a config group (did you mean model?)"),
+    ("train", ["+foo=bar"], "foo: unknown top-level key; the groups are "),
+    ("train", ["~model"], "model: the group is missing"),
+    ("train", ["trainer.stepz=3"], "trainer.stepz: unknown key (did you mean steps?); known keys here: steps, "),
+    ("train", ["model.rope.typ=yarn"], "model.rope.typ: unknown key (did you mean type?)"),
+    ("train", ["mesh.rulez.vocab=[tensor]"], "mesh.rulez.vocab: unknown key"),
+    ("train", ["mesh.rules.foo=[fsdp]"], "mesh.rules.foo: unknown logical axis; the logical axes are batch, "),
+    ("train", ["model=llama_tiny_a", "model.moe.impl=capacity"], "model.moe.impl: model.moe is null in the chosen model option"),
+    ("train", ["offload=optimizer_host", "offload.params=pinned_host"], "offload.params: the chosen offload option does not list it; add it with +offload.params=pinned_host"),
+    ("train", ["offload=full", "+offload.block_tags.gpt.query_proj=offload"], "offload.block_tags.gpt: unknown block kind; choose one of mlp, mla, moe"),
+    ("train", ["offload=full", "+offload.block_tags.moe.query_proj=offload"], "offload.block_tags.moe.query_proj: query_proj belongs to the attention block"),
+    ("train", ["offload=minimal", "offload.block_tags.moe.moe_mlpwi_0=sideways"], "offload.block_tags.moe.moe_mlpwi_0: 'sideways' is not an action"),
+    ("train", ["offload=custom", "offload.tags.mlpwo=device"], "offload.tags.mlpwo=device: the backward pass never reads mlpwo"),
+    ("train", ["offload=custom", "offload.tags.mla_q=offload", "model=llama_tiny_a"], "offload.tags.mla_q: the llama model never emits this tag"),
+    ("train", ["offload=[none,params_host]", "offload.params=gpu"], "offload.params: 'gpu' is not a memory kind; choose one of device, pinned_host"),
+    # wrong types and bad values
+    ("train", ["trainer.steps=many"], "trainer.steps: Value 'many' of type 'str' could not be converted to Integer"),
+    ("train", ["trainer.steps=-1"], "trainer.steps: must be positive"),
+    ("train", ["trainer.loss_chunk_size=-1"], "trainer.loss_chunk_size: must be a positive number"),  # in the YAML now
+    ("train", ["trainer.grad_accum=3"], "data.batch_size: 16 is not divisible by trainer.grad_accum=3"),
+    ("train", ["data.batch_size=0"], "data.batch_size: must be positive"),
+    ("train", ["data.batch_size=12"], "data.batch_size: 12 is not divisible by the data-parallel size 8"),
+    ("train", ["data.seq_len=129"], "data.seq_len: 129 exceeds model.max_position_embeddings=128"),
+    ("train", ["data.name=foo"], "data.name: unknown dataset 'foo'; choose one of markov, uniform, text"),
+    ("train", ["model.vocab_size=2"], "data.branching: 4 exceeds model.vocab_size=2"),
+    ("train", ["optimizer=sgd"], "optimizer: unknown option 'sgd'; choose one of adamw"),
+    ("train", ["optimizer.lr=-1"], "optimizer.lr: must be positive"),
+    ("train", ["xla.flags=[foo]"], "xla.flags: 'foo' is not an XLA flag"),
+    ("train", ["xla.flags=notalist"], "xla.flags: not a list; give one in brackets"),
+    ("train", ["xla.cpu_devices=0"], "xla.cpu_devices: must be >= 1 or null"),
+    ("train", ["hardware=tpu"], "hardware: unknown option 'tpu'; choose one of cpu, "),
+    ("train", ["hardware.matmul_flops=fast"], "hardware.matmul_flops: Value 'fast'"),
+    ("train", ["checkpoint.dir=''"], "checkpoint.dir: empty"),
+    ("train", [f"checkpoint.dir={OUT}"], f"checkpoint.dir: cannot create {OUT}"),
+    ("train", ["distributed.coordinator_address=nohost"], "distributed.coordinator_address: 'nohost' is not host:port"),
+    ("train", ["distributed.num_processes=2"], "distributed.coordinator_address: not set"),
+    ("train", ["distributed.local_device_ids=abc"], "distributed.local_device_ids: not a list"),
+    ("train", ["mesh=dp", "mesh.data=3"], "mesh: data*fsdp*tensor*expert = 3*1*1*1 = 3 does not match the 8 devices"),
+    ("train", ["mesh.data=-1"], "mesh.fsdp: only one axis may be -1 (also data)"),
+    ("train", ["mesh.devices=99"], "mesh.devices: 99 requested, 8 available"),
+    ("train", ["mesh.rules.batch=[nope]"], "mesh.rules.batch: unknown mesh axis 'nope'; use some of data, fsdp, tensor, expert"),
+    ("train", ["model=llama_tiny_a", "mesh=fsdp_tp", "mesh.tensor=4", "mesh.fsdp=2"], "mesh.tensor: dim 2 of "),
+    ("train", ["model=llama_tiny_a", "mesh=fsdp_ep"], "mesh.expert: 4 devices on the expert axis, but the model has no MoE layers"),
+    ("train", ["model.moe.impl=dense"], "model.moe.impl: got 'dense'; choose one of auto, ragged, capacity"),
+    ("train", ["model.attention_impl=cudnn"], "model.attention_impl: cudnn needs a GPU"),
+    # missing and bad files
+    ("train", ["data=text", "data.path=/no/such/corpus"], "data.path: /no/such/corpus does not exist"),
+    ("train", ["data=text", "data.tokenizer=/no/such/tokenizer.json"], "data.tokenizer: /no/such/tokenizer.json does not exist"),
+    ("train", ["data=text", "data.path={tmp}/empty.txt"], "data.path: {tmp}/empty.txt is empty"),
+    ("train", ["data=text", "data.path={tmp}/latin1.txt"], "data.path: {tmp}/latin1.txt is not UTF-8 text"),
+    ("train", ["data=text", "data.path={tmp}/docs.jsonl", "data.text_field=body"], "data.text_field: {tmp}/docs.jsonl line 1 has no key 'body'"),
+    # the command line itself
+    ("train", ["--steps", "3"], "command line: unrecognized arguments: --steps"),
+    ("train", ["--cfg", "bogus"], "command line: argument --cfg/-c: invalid choice: 'bogus'"),
+    ("train", ["trainer.steps"], "trainer.steps: no value; write trainer.steps=<value>"),
+    ("train", ["trainer.steps=[1,2"], "trainer.steps: cannot parse 'trainer.steps=[1,2'"),
+    # the tools
+    ("zoo.inspect", ["inspect.foo=1"], "inspect.foo: unknown key; the keys are out, measure, strict"),
+    ("zoo.inspect", ["inspect.strict"], "inspect.strict: give a value"),
+    ("zoo.inspect", ["inspect.out=/tmp"], "inspect.out: /tmp is a directory"),
+    ("zoo.inspect", ["offload=nope"], "offload: unknown option 'nope'"),
+    ("zoo.inspect", ["--help-me"], "--help-me: not a flag of python -m zoo.inspect nor an override"),
+    ("zoo.inspect", ["trainer.stepz=1"], "trainer.stepz: unknown key"),
+    ("zoo.plan", ["plan.hbm_budget_gb=-1", "plan.link=64"], "plan.hbm_budget_gb: must be positive"),
+    ("zoo.plan", ["plan.link=warp"], "plan.link: unknown link 'warp'"),
+    ("zoo.plan", ["plan.foo=1"], "plan.foo: unknown key"),
+    ("zoo.plan", ["foo=bar"], "foo: not a config group"),
+    ("zoo.plan", [f"plan.out={OUT}/planned.yaml", "model=llama_tiny_a", "plan.link=64"], f"plan.out: cannot write {OUT}/planned.yaml"),
+    ("zoo.plan", [f"plan.json={OUT}/plan.json", "plan.link=64"], f"plan.json: cannot write {OUT}/plan.json"),
+    ("zoo.measure_hardware", ["n=abc"], "n: Value 'abc'"),
+    ("zoo.measure_hardware", ["foo=1"], "foo: unknown key; the keys are name, out, "),
+    ("zoo.measure_hardware", ["bare"], "bare: arguments are key=value"),
+    ("zoo.measure_hardware", ["dtype=int4"], "dtype: choose bfloat16, float16 or float32"),
+    ("zoo.measure_hardware", [f"out={OUT}/m.yaml"], f"out: cannot write {OUT}/m.yaml"),
+    ("zoo.report", ["/no/such/multirun"], "dir: /no/such/multirun is not a directory"),
+    ("zoo.report", [], "command line: the following arguments are required: dir"),
+    ("zoo.report", ["{tmp}", "--bogus"], "command line: unrecognized arguments: --bogus"),
+    ("zoo.report", ["{tmp}", "--out", OUT], f"--out: cannot write {OUT}/report.md"),
+    ("zoo.report", ["{tmp}/empty_dir"], "dir: no summary.json under {tmp}/empty_dir"),
+    ("zoo.sizes", ["nosuch"], "nosuch: no such size; choose from llama_tiny_a, "),
+]
+
+
+def _cli(tool: str, argv: list[str], out_dir: pathlib.Path) -> int:
+    """One command line, in this process, through the tool's own entry point."""
+    import importlib
+
+    if tool != "train":
+        try:
+            return importlib.import_module(tool).main(argv)
+        except SystemExit as e:  # argparse-based tools exit through SystemExit
+            return e.code
+    sys.path.insert(0, str(ROOT))
+    try:
+        import train
+    finally:
+        sys.path.remove(str(ROOT))
+    from zoo.train.cli import main
+
+    saved = sys.argv
+    sys.argv = ["train.py", *argv, f"hydra.run.dir={out_dir / 'run'}", "hydra.job.chdir=false"]
+    try:
+        return main(train.main, train.CONF)
+    finally:
+        sys.argv = saved
+
+
+def test_fuzz_every_bad_command_line_is_one_line_exit_2(tmp_path, capfd, monkeypatch):
+    monkeypatch.delenv("ZOO_TRACEBACK", raising=False)
+    monkeypatch.chdir(tmp_path)  # nothing a tool might write lands in the source tree
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9\n".encode("latin-1"))
+    (tmp_path / "docs.jsonl").write_text('{"text": "hello"}\n')
+    (tmp_path / "empty_dir").mkdir()
+    failures = []
+    t0 = time.perf_counter()
+    for i, (tool, argv, expected) in enumerate(FUZZ):
+        argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+        expected = "error: " + expected.replace("{tmp}", str(tmp_path))
+        code = _cli(tool, argv, tmp_path / f"case{i}")
+        out, err = capfd.readouterr()
+        lines = [ln for ln in err.splitlines() if ln.strip()]
+        if code != 2 or len(lines) != 1 or not lines[0].startswith(expected) or "Traceback" in err + out:
+            failures.append(f"{tool} {' '.join(argv)}: exit {code}, stderr {err[-600:]!r}")
+    assert not failures, "\n".join(failures)
+    assert len(FUZZ) >= 80
+    print(f"{len(FUZZ)} command lines in {time.perf_counter() - t0:.1f}s")
+
+
 def test_train_cli_llama_tensor_parallel_bf16(tmp_path):
     p, _ = run(["model=llama_tiny_a", "mesh=fsdp_tp", "model.compute_dtype=bfloat16", *FAST], tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -65,6 +206,8 @@ def test_train_cli_llama_tensor_parallel_bf16(tmp_path):
     assert s["compiled_memory"]["temp_size_in_bytes"] > 0 and s["peak_memory_source"] == "compiled.memory_analysis"
     assert s["config"]["model"]["compute_dtype"] == "bfloat16" and s["config"]["model"]["param_dtype"] == "float32"
     assert s["mfu"] > 0 and s["tokens_per_s"] > 0
+    q = s["step_time_quantiles_s"]  # the report's spread: steps 2 and 3 (the first is not timed)
+    assert s["timed_steps"] == 2 and q["min"] <= q["p25"] <= q["median"] == s["step_time_s"] <= q["p75"] <= q["max"]
     assert "loss" in p.stdout and "summary:" in p.stdout
 
 

@@ -4,8 +4,11 @@
     python -m zoo.report <dir> --out /tmp/report                  # elsewhere
 
 Every `summary.json` under the directory is one job (train.py writes one per job, failed jobs too).
-A job is on the Pareto front when no other successful job is at least as fast and uses at most as
-much memory, and strictly better in one of the two.
+Step times on a shared machine are noisy, so each job's time is its interquartile range over the
+timed steps (`step_time_quantiles_s`), shown with the median and the step count, and a time
+difference counts only where the ranges do not overlap. A job is on the Pareto front when no other
+successful job uses at most as much memory without being measurably slower, and is measurably faster
+or uses strictly less memory. Jobs whose ranges overlap are ties, so noise draws no front.
 """
 
 import argparse
@@ -39,22 +42,36 @@ def label(job: dict, common: tuple = ()) -> str:
     return " ".join(overrides) if overrides else job["_dir"]
 
 
-def pareto_front(points: list[tuple[float, float]]) -> list[bool]:
-    """points: (memory, time), both lower-better. True where no other point dominates."""
+def pareto_front(points: list[tuple[float | int, tuple[float, float]]]) -> list[bool]:
+    """points: (memory, (time low, time high)), lower-better; a time is the range it was measured in
+    (a single number: low == high). One time is measurably faster than another only when its range
+    lies wholly below the other's. True where no other point dominates."""
+
+    def faster(a, b):
+        return a[1] < b[0]
+
     out = []
     for i, (m, t) in enumerate(points):
         dominated = any(
-            (m2 <= m and t2 <= t) and (m2 < m or t2 < t) for j, (m2, t2) in enumerate(points) if j != i
+            m2 <= m and not faster(t, t2) and (m2 < m or faster(t2, t)) for j, (m2, t2) in enumerate(points) if j != i
         )
         out.append(not dominated)
     return out
 
 
-def _mib(x: Optional[float]) -> str:
+def time_range(job: dict) -> tuple[float, float]:
+    """The job's interquartile range of step times; its median alone when the summary has no spread."""
+    q = job.get("step_time_quantiles_s") or {}
+    if "p25" in q and "p75" in q:
+        return q["p25"], q["p75"]
+    return job["step_time_s"], job["step_time_s"]
+
+
+def _mib(x: Optional[float | int]) -> str:
     return "-" if x is None else f"{x / 2**20:.1f}"
 
 
-def _fmt(x: Optional[float], spec: str) -> str:
+def _fmt(x: Optional[float | int], spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
@@ -65,7 +82,7 @@ def _eval(ev: Optional[dict]) -> str:
 
 def analyse(jobs: list[dict]) -> list[dict]:
     ok = [j for j in jobs if j.get("status") == "ok" and j.get("peak_memory_bytes") is not None and j.get("step_time_s")]
-    front = pareto_front([(j["peak_memory_bytes"], j["step_time_s"]) for j in ok])
+    front = pareto_front([(j["peak_memory_bytes"], time_range(j)) for j in ok])
     for j, f in zip(ok, front):
         j["_pareto"] = f
     return jobs
@@ -73,21 +90,28 @@ def analyse(jobs: list[dict]) -> list[dict]:
 
 def markdown(jobs: list[dict]) -> str:
     common = tuple(common_overrides(jobs))
-    rows = [f"Overrides of every job: `{' '.join(common)}`\n" if common else "", 
-        "| job | status | step time (ms) | peak memory (MiB) | memory source | tokens/s | TFLOP/s/device | MFU | loss first -> last | eval loss (ppl) | Pareto |",
-        "| --- | --- | ---: | ---: | --- | ---: | ---: | ---: | --- | ---: | :---: |",
+    rows = [f"Overrides of every job: `{' '.join(common)}`\n" if common else "",
+        "Step time: the median over the timed steps (all but the first); a Pareto front uses a time difference only "
+        "where the p25-p75 ranges do not overlap.\n",
+        "| job | status | step time (ms) | p25-p75 (ms) | min-max (ms) | timed steps | peak memory (MiB) | memory source | tokens/s | TFLOP/s/device | MFU | loss first -> last | eval loss (ppl) | Pareto |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | --- | ---: | :---: |",
     ]
     for j in jobs:
         if j.get("status") == "ok":
+            q = j.get("step_time_quantiles_s") or {}
+            spread = (
+                (f"{1e3 * q['p25']:.1f}-{1e3 * q['p75']:.1f}", f"{1e3 * q['min']:.1f}-{1e3 * q['max']:.1f}") if q else ("-", "-")
+            )
             rows.append(
-                f"| {label(j, common)} | ok | {_fmt(1e3 * j['step_time_s'], '.1f')} | {_mib(j.get('peak_memory_bytes'))} | "
+                f"| {label(j, common)} | ok | {_fmt(1e3 * j['step_time_s'], '.1f')} | {spread[0]} | {spread[1]} | "
+                f"{j.get('timed_steps', '-')} | {_mib(j.get('peak_memory_bytes'))} | "
                 f"{j.get('peak_memory_source', '-')} | {_fmt(j.get('tokens_per_s'), '.0f')} | {_fmt(j.get('tflops_per_device'), '.4f')} | "
                 f"{_fmt(100 * j['mfu'] if j.get('mfu') is not None else None, '.2f')}% | "
                 f"{_fmt(j.get('first_loss'), '.4f')} -> {_fmt(j.get('last_loss'), '.4f')} | {_eval(j.get('eval'))} | {'yes' if j.get('_pareto') else ''} |"
             )
         else:
             err = str(j.get("error", "")).replace("|", "\\|")
-            rows.append(f"| {label(j, common)} | failed: {err} | - | - | - | - | - | - | - | - | |")
+            rows.append(f"| {label(j, common)} | failed: {err} | - | - | - | - | - | - | - | - | - | - | - | |")
     return "\n".join(rows) + "\n"
 
 
@@ -106,6 +130,10 @@ def plot(jobs: list[dict], path: pathlib.Path) -> bool:
         xs = [j["peak_memory_bytes"] / 2**20 for j in ok]
         ys = [1e3 * j["step_time_s"] for j in ok]
         on = [j["_pareto"] for j in ok]
+        ranges = [time_range(j) for j in ok]  # the interquartile range of each job's step times
+        low = [y - 1e3 * r[0] for y, r in zip(ys, ranges)]
+        high = [1e3 * r[1] - y for y, r in zip(ys, ranges)]
+        ax.errorbar(xs, ys, yerr=[low, high], fmt="none", ecolor="tab:gray", alpha=0.6, capsize=3, zorder=1)
         ax.scatter([x for x, f in zip(xs, on) if not f], [y for y, f in zip(ys, on) if not f], c="tab:gray", label="dominated", zorder=3)
         ax.scatter([x for x, f in zip(xs, on) if f], [y for y, f in zip(ys, on) if f], c="tab:red", label="Pareto front", zorder=4)
         front = sorted((x, y) for x, y, f in zip(xs, ys, on) if f)
@@ -118,7 +146,7 @@ def plot(jobs: list[dict], path: pathlib.Path) -> bool:
         ax.set_xlabel(f"peak device memory per device (MiB; {', '.join(sources)})")
         ax.legend(loc="best", fontsize=8)
     failed = len(jobs) - len(ok)
-    ax.set_ylabel("step time (ms)")
+    ax.set_ylabel("step time (ms; median, bars p25-p75)")
     ax.set_title(f"step time vs peak memory: {len(ok)} job(s)" + (f", {failed} failed" if failed else ""), fontsize=11)
     if common:
         fig.text(0.01, 0.01, "all jobs: " + " ".join(common), fontsize=7, color="tab:gray")

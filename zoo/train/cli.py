@@ -94,7 +94,7 @@ def _closest(word: str, choices) -> str:
     """` (did you mean X?)` for a near miss, else ''."""
     import difflib
 
-    near = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.8)
+    near = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.75)
     return f" (did you mean {near[0]}?)" if near else ""
 
 

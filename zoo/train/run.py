@@ -414,6 +414,9 @@ def _summary(c: TrainConfig, plan, trainer, state, data, log: StepLog, ckpt, sta
         "compile_s": compile_s,
         "wall_s": time.perf_counter() - t_start,
         "step_time_s": step_time,
+        # The spread of the timed steps (all but the first), so a report can tell noise from a difference.
+        "step_time_quantiles_s": step_quantiles(timed),
+        "timed_steps": len(timed),
         "tokens_per_s": perf["tokens_per_s"],
         "tflops_per_device": perf["tflops_per_device"],
         "mfu": perf["mfu"],
@@ -429,6 +432,12 @@ def _summary(c: TrainConfig, plan, trainer, state, data, log: StepLog, ckpt, sta
         "xla_flags": xla_flags,
         "config": to_dict(c),
     }
+
+
+def step_quantiles(times: list[float]) -> dict:
+    """min, p25, median, p75, max of the step times (seconds)."""
+    q = statistics.quantiles(times, n=4, method="inclusive") if len(times) > 1 else [times[0]] * 3
+    return {"min": min(times), "p25": q[0], "median": q[1], "p75": q[2], "max": max(times)}
 
 
 def kernels(c: TrainConfig, plan) -> dict:
