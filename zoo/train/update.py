@@ -154,7 +154,9 @@ def accumulate(total, new):
     the device and written back in place in host memory."""
     on_device = jax.tree.map(lambda a, b: a + b if _home(a) == _DEVICE else None, total, new)
     total_host = _select(total, lambda p, x: _home(x) == _HOST)
-    new_host = _select(new, lambda p, x: _home(x) == _HOST)
+    # Chosen by where the sum lives, not where `new` arrived: gradients computed inside a shard_map
+    # (expert-parallel experts) come back in device memory even for host-resident parameters.
+    new_host = jax.tree.map(lambda a, b: b if _home(a) == _HOST else None, total, new)
     parts = [on_device]
     for g in layer_groups(total_host) + [None]:
         a = _select(total_host, lambda p, x, g=g: group_of(p) == g)
