@@ -35,6 +35,13 @@ NOT_RUN = {
     r"^python -m zoo\.inspect model=dsv3_tiny_a": "compiles a step: covered by tests/test_inspect.py, not run here yet",
     r"^python -m zoo\.measure_hardware": "times 256 MB copies: covered by tests/test_plan.py",
     r"^python bench/cpu\.py|bench/cpu": "the CPU benchmark (7 min; tests/test_bench.py runs --quick)",
+    r"model=(qwen2|qwen3|gemma3|qwen3_moe|mixtral|gpt_oss)_100m": "a recorded ~100M run (minutes each); tests/test_train_cli.py trains every family's tiny size",
+    r"model=(deepseek_v3_671b|llama3\.1_405b) xla\.cpu_devices=128": "compiles a real-size step on 128 simulated devices (minutes); tests/test_train_sharding.py covers the scale report",
+    r"^echo \$\?|scontrol requeue": "part of a shell script around a stopped run (tests/test_checkpoint.py checks exit code 75)",
+    r"checkpoint\.dir=/tmp/loop/": "a run stopped by SIGTERM from another shell: tests/test_checkpoint.py runs that",
+    r"model=hf model\.path=tests/data/llama_tiny_a data=text|^python -m zoo\.export checkpoints/finetune": "the fine-tuning walk-through: tests/test_hf_train.py runs its bash block as written",
+    r"^python -m zoo\.generate model\.path=tests/data/llama_tiny_a": "tests/test_generate.py runs it as the README shows",
+    r"^python -m zoo\.inspect model=llama_tiny_a mesh=single data\.batch_size=2 data\.seq_len=16 'offload=\[full,params_host": "compiles a step: the inspector's update lines are covered by tests/test_offload.py, not run here yet",
 }
 
 
