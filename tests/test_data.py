@@ -618,7 +618,9 @@ def cudnn_stand_in(monkeypatch):
     """cuDNN's packed attention (per-row segment lengths and starts) computed by the XLA path from the
     same layout, and cuDNN accepted on CPU: the plumbing from segment ids to cuDNN's arguments runs."""
     import jax.numpy as jnp
-    from jax._src.cudnn import fused_attention_stablehlo as fa
+    from zoo._compat import cudnn_fused_attention
+
+    fa = cudnn_fused_attention()
 
     from zoo.nn import attention_kernels as A
 

@@ -51,7 +51,7 @@ def test_inspect_unwritable_output_is_one_line_before_compiling(capsys):
 
     assert main(["model=llama_tiny_a", "mesh=single", "inspect.out=/proc/zoo/inspect.json"]) == 2
     captured = capsys.readouterr()
-    assert captured.err.strip().startswith("error: inspect.out: cannot create /proc/zoo") and len(captured.err.strip().splitlines()) == 1
+    assert captured.err.strip().startswith("error: inspect.out: cannot write /proc/zoo") and len(captured.err.strip().splitlines()) == 1
     assert "compiled" not in captured.out
 
 

@@ -327,7 +327,7 @@ def test_a_671b_shaped_moe_layer_costs_about_its_top8_flops():
 def test_router_matmul_runs_in_float32_at_highest_precision():
     """With bf16 compute and bf16 weights, the [tokens, experts] router logits are one float32
     matmul at precision HIGHEST (a TF32 or bf16 router can choose other experts than the reference)."""
-    from jax._src import core
+    from jax.extend import core
 
     c = moe_config(impl="capacity", n_routed_experts=12)  # no other matmul of the layer is [10, 12]
     m = eqx.filter_eval_shape(lambda key: MoE(D, c, param_dtype="bfloat16", compute_dtype="bfloat16", key=key), jax.random.key(0))

@@ -365,5 +365,5 @@ def test_cli_writes_under_outputs_and_prints_how_to_train_with_the_plan(tmp_path
 def test_cli_unwritable_output_is_one_line_before_planning(key, capsys):
     assert zp.main([*BASE, "plan.hbm_budget_gb=80", f"{key}=/proc/zoo/x.yaml"]) == 2
     err = capsys.readouterr()
-    assert err.err.strip().startswith(f"error: {key}: cannot create /proc/zoo") and len(err.err.strip().splitlines()) == 1
+    assert err.err.strip().startswith(f"error: {key}: cannot write /proc/zoo") and len(err.err.strip().splitlines()) == 1
     assert "planning" not in err.out

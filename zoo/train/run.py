@@ -350,8 +350,10 @@ class StepLoop:
         return state
 
     def _read(self, d: Dispatched, eval_state=None) -> None:
-        evaluate = None if eval_state is None else (lambda: self.evaluator(eval_state["params"], d.step + 1))
-        self.log.read(d, evaluate)
+        if eval_state is None:
+            self.log.read(d)
+        else:
+            self.log.read(d, lambda: self.evaluator(eval_state["params"], d.step + 1))
         if self.stop.agreed(d.vote):  # a signal: stop after the step in flight
             self.stopped = True
 
