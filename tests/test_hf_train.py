@@ -333,7 +333,7 @@ def test_readme_walkthrough_fine_tunes_from_the_step_0_loss_from_pretrained_give
     # The export loads back with the trained weights: logits equal; its files are the hub's layout.
     exported = d / "exported" / "finetune"
     back = hf.from_pretrained(exported)
-    tokens = jnp.asarray(batch[:2])
+    tokens = jnp.asarray((batch["tokens"] if isinstance(batch, dict) else batch)[:2])
     np.testing.assert_array_equal(np.asarray(_logits(back, tokens)), np.asarray(_logits(model, tokens)))
     assert not np.array_equal(np.asarray(back.embed), np.asarray(reference.embed))  # trained, not the source
     source = DATA / "llama_tiny_a"
