@@ -5,6 +5,7 @@ choice of implementation, and what blockwise saves (compiled temporary memory, F
 
 import math
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -401,3 +402,30 @@ def test_sliding_window_blockwise_flops_grow_linearly():
         fn, args = grad_program(impl, 8192)
         causal[impl] = dot_flops(jax.make_jaxpr(fn)(*args).jaxpr)
     assert causal["blockwise"] == pytest.approx(causal["xla"] * 7 / 6 * 136 / 256, rel=1e-3), causal
+
+
+@pytest.mark.parametrize("name", ["llama_tiny_a", "dsv3_tiny_a"])
+def test_one_layers_forward_and_backward_temp_bytes_grow_linearly_with_blockwise(name):
+    """A whole decoder layer (norms, q/k/v or MLA projections, RoPE, attention, MLP or MoE), value and
+    gradients with respect to its weights and input: with the XLA path the T x T scores dominate the
+    compiled temporary memory (16x for 4x the tokens); with blockwise only the linear parts grow."""
+    from zoo.config import SIZES
+    from zoo.model import make_block
+
+    temp = {}
+    for impl in ("xla", "blockwise"):
+        config = SIZES[name].replace(attention_impl=impl, max_position_embeddings=8192)
+        spec = config.layer_spec(config.num_layers - 1)  # the MoE layer of DeepSeek-V3's tiny size
+        block = eqx.filter_eval_shape(make_block, config, spec, jax.random.key(0))
+
+        def loss(block, x):
+            return block(x, jnp.arange(x.shape[1]))[0].astype(jnp.float32).sum()
+
+        for seq in (2048, 8192):
+            x = jax.ShapeDtypeStruct((1, seq, config.hidden_size), jnp.dtype(config.compute_dtype))
+            fn = jax.jit(lambda b, x: jax.value_and_grad(loss, argnums=(0, 1))(b, x))
+            temp[impl, seq] = fn.lower(block, x).compile().memory_analysis().temp_size_in_bytes
+    growth = {impl: temp[impl, 8192] / temp[impl, 2048] for impl in ("xla", "blockwise")}
+    assert growth["blockwise"] < 6, f"{name}: one layer's temp bytes grew {growth['blockwise']:.1f}x with blockwise: {temp}"
+    assert growth["xla"] > 12, f"{name}: the XLA path was expected to grow ~16x, got {growth['xla']:.1f}x: {temp}"
+    assert temp["blockwise", 8192] * 4 < temp["xla", 8192], temp
