@@ -226,6 +226,7 @@ def test_cli_bad_input_exits_2_with_one_line_before_compiling():
         ((llama, "tokenizer=bytes", "prompt=hi", "top_p=2"), "error: top_p: must be in (0, 1]"),
         ((llama, "tokenizer=bytes", "prompt=hi", "temperature=hot"), "error: temperature: "),
         ((llama, "tokenizer=bytes", "prompt=hi", "topk=3"), "error: topk: unknown key; the keys are prompt, model.path"),
+        ((llama, "tokenizer=bytes", "prompt=hi", "model.dtype=bf16"), "error: model.dtype: got 'bf16'; choose one of float32, bfloat16, float16"),
         (("prompt=hi",), "error: model.path: give exactly one of model.path="),
         (("model.path=tests/data/nowhere", "prompt=hi"), "error: tests/data/nowhere: not a directory"),
         (("checkpoint.dir=tests/data/nowhere", "prompt=hi"), "does not exist; give the checkpoint.dir of a train.py run"),

@@ -120,3 +120,52 @@ def test_outside_a_capture_the_program_is_unchanged():
     jaxpr = jax.make_jaxpr(lambda m, t: m(t))(zoo.abstract(c), jax.ShapeDtypeStruct((2, 16), jnp.int32))
     (scan,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
     assert len(scan.outvars) == 1  # the residual stream only
+
+
+# --- dtype arguments -----------------------------------------------------------------------------
+
+
+def test_model_config_takes_jnp_and_numpy_dtypes_and_keeps_their_names():
+    from omegaconf import OmegaConf
+
+    base = SIZES["llama_tiny_a"]
+    named = base.replace(param_dtype="bfloat16", compute_dtype="float32")
+    for param, compute in ((jnp.bfloat16, np.float32), (jnp.dtype("bfloat16"), jnp.float32), (np.dtype("bfloat16"), "float32")):
+        c = base.replace(param_dtype=param, compute_dtype=compute)
+        assert (c.param_dtype, c.compute_dtype) == ("bfloat16", "float32")
+        assert c == named and hash(c) == hash(named)  # a static field of the model: equal configs share compiled programs
+    # The normalised config is what Hydra's YAML holds.
+    yaml = OmegaConf.to_yaml(OmegaConf.structured(base.replace(param_dtype=np.float16)))
+    assert "param_dtype: float16" in yaml
+    for field, bad in (("param_dtype", jnp.int32), ("compute_dtype", "bf16"), ("param_dtype", np.float64)):
+        with pytest.raises(ValueError, match=rf"^model\.{field}: got .*; choose one of float32, bfloat16, float16"):
+            base.replace(**{field: bad})
+
+
+def test_blocks_take_jnp_and_numpy_dtypes():
+    from zoo.nn import GatedMLP, GQAttention, MLAttention, MoE, RMSNorm
+
+    c = SIZES["dsv3_tiny_a"]
+    key = jax.random.key(0)
+    x = jax.random.normal(jax.random.key(1), (1, 4, c.hidden_size))
+    makers = {
+        "mlp": lambda **dt: GatedMLP(c.hidden_size, 32, key=key, **dt),
+        "moe": lambda **dt: MoE(c.hidden_size, c.moe, key=key, **dt),
+        "mla": lambda **dt: MLAttention(c.hidden_size, c.num_heads, c.mla, c.rope, 16, key=key, **dt),
+        "gqa": lambda **dt: GQAttention(c.hidden_size, 4, 2, 8, c.rope, 16, key=key, **dt),
+    }
+    for name, make in makers.items():
+        by_name = make(param_dtype="bfloat16", compute_dtype="float32")
+        by_dtype = make(param_dtype=jnp.bfloat16, compute_dtype=np.float32)
+        assert by_dtype.compute_dtype == "float32", name
+        assert bool(eqx.tree_equal(by_name, by_dtype)), name  # same weights and the same static fields
+        assert {leaf.dtype for leaf in jax.tree.leaves(eqx.filter(by_dtype, eqx.is_array))} >= {jnp.dtype("bfloat16")}, name
+        with pytest.raises(ValueError, match=r"^compute_dtype=<class 'jax.numpy.int8'>: not a parameter dtype zoo keeps"):
+            make(compute_dtype=jnp.int8)
+        with pytest.raises(ValueError, match=r"^param_dtype='bf16': not a parameter dtype zoo keeps"):
+            make(param_dtype="bf16")
+    mlp = makers["mlp"](param_dtype=jnp.bfloat16, compute_dtype=jnp.bfloat16)
+    assert mlp(x.astype(jnp.bfloat16)).dtype == jnp.bfloat16
+    assert RMSNorm(8, dtype=jnp.bfloat16).weight.dtype == jnp.bfloat16
+    with pytest.raises(ValueError, match=r"^dtype='half-ish': not a parameter dtype"):
+        RMSNorm(8, dtype="half-ish")

@@ -22,7 +22,7 @@ from typing import Optional
 import jax.numpy as jnp
 import numpy as np
 
-from zoo.config import DTYPES, LAYER_TYPES, ROPE_TYPES, ModelConfig, RopeConfig
+from zoo.config import LAYER_TYPES, ROPE_TYPES, ModelConfig, RopeConfig, dtype_name
 from zoo.hf.files import CheckpointError, write_safetensors
 from zoo.model import CausalLM
 
@@ -570,18 +570,6 @@ def _positions(model: CausalLM):
 
 
 # --- save ---------------------------------------------------------------------------------------
-
-
-def dtype_name(value, argument: str = "dtype") -> str:
-    """'float32', 'bfloat16' or 'float16' from a string, a jnp / numpy dtype or a scalar type
-    (`jnp.bfloat16`, `np.float32`); anything else is a ValueError naming `argument`."""
-    try:
-        name = jnp.dtype(value).name if value is not None else None
-    except TypeError:
-        name = None
-    if name not in DTYPES:
-        raise ValueError(f"{argument}={value!r}: not a parameter dtype zoo keeps; use one of {', '.join(DTYPES)} (a string, jnp or numpy dtype)")
-    return name
 
 
 def _hf_tensors(tree: CausalLM) -> Iterator[tuple[str, np.ndarray]]:
