@@ -122,6 +122,59 @@ def test_outside_a_capture_the_program_is_unchanged():
     assert len(scan.outvars) == 1  # the residual stream only
 
 
+# --- the plain model API -------------------------------------------------------------------------
+
+
+def test_model_api_takes_only_tokens_positions_and_segments():
+    import inspect
+
+    for method in (zoo.CausalLM.__call__, zoo.CausalLM.forward_with_aux, zoo.CausalLM.features, zoo.loss_fn):
+        params = [p for p in inspect.signature(method).parameters if p not in ("self", "model")]
+        assert params == ["tokens", "positions", "segment_ids"], method.__qualname__
+    with pytest.raises(TypeError, match="remat_policy"):
+        zoo.abstract(SIZES["llama_tiny_a"])(jnp.zeros((1, 4), jnp.int32), remat_policy=None)
+
+
+def test_the_trainers_policy_path_runs_the_same_layers():
+    """zoo.offload.features (the trainer's remat/offload/host-parameter path) without a policy traces the
+    very program of model.features; with one, the forward values are the same bits and every tag is
+    still emitted, and its gradients are those of the plain loss."""
+    from zoo.offload import features, load_preset, loss_fn, remat_policy
+    from zoo.sharding import to_device
+
+    c = SIZES["gpt_oss_tiny_a"]  # a period of two blocks, MoE statistics
+    model, tokens = filled(c), random_tokens(c)
+    positions = jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), tokens.shape)[:, ::-1]
+    segments = jnp.asarray(np.repeat([[0, 1]], 8, axis=1).repeat(2, 0), jnp.int32)
+    kw = dict(positions=positions, segment_ids=segments)
+    plain = jax.make_jaxpr(lambda m, t: m.features(t, **kw))(model, tokens)
+    assert str(jax.make_jaxpr(lambda m, t: features(m, t, **kw))(model, tokens)) == str(plain)
+
+    rp = remat_policy(load_preset("minimal_offloaded"), c)
+    run = eqx.filter_jit(lambda m, t, **extra: features(m, t, **kw, **extra))
+    (hidden, aux), (hidden_rp, aux_rp) = run(model, tokens), run(model, tokens, remat_policy=rp, layer_transform=to_device)
+    np.testing.assert_array_equal(np.asarray(hidden_rp), np.asarray(hidden))
+    np.testing.assert_array_equal(np.asarray(aux_rp.tokens_per_expert), np.asarray(aux.tokens_per_expert))
+    np.testing.assert_array_equal(np.asarray(hidden), np.asarray(eqx.filter_jit(lambda m, t: m.features(t, **kw))(model, tokens)[0]))
+
+    @eqx.filter_jit
+    def captured_under_policy(m, t):  # the policy path emits every layer's tags as the plain one does
+        with tags.capturing(["query_proj"]) as record:
+            features(m, t, remat_policy=rp, layer_transform=to_device)
+        return [layers for _, layers, _ in record], [values for _, _, values in record]
+
+    layers, values = captured_under_policy(model, tokens)
+    order = np.argsort(np.concatenate(layers))
+    np.testing.assert_array_equal(
+        np.asarray(jnp.concatenate(values))[order], np.asarray(zoo.capture(model, tokens, tags=["query_proj"])["query_proj"])
+    )
+
+    grads = eqx.filter_jit(jax.grad(lambda m, t: loss_fn(m, t, remat_policy=rp)))(model, tokens)
+    grads0 = eqx.filter_jit(jax.grad(zoo.loss_fn))(model, tokens)
+    for g, g0 in zip(jax.tree.leaves(grads), jax.tree.leaves(grads0)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(g0), rtol=1e-5, atol=1e-7)
+
+
 # --- dtype arguments -----------------------------------------------------------------------------
 
 
