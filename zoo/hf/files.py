@@ -22,7 +22,7 @@ import json
 import math
 import os
 import pathlib
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import ml_dtypes
 import numpy as np
@@ -105,6 +105,60 @@ def write_safetensors(path: pathlib.Path, tensors: dict[str, np.ndarray], metada
     tmp = path.with_name(path.name + ".tmp")
     save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, tmp, metadata=metadata)
     os.replace(tmp, path)
+
+
+# The library's layout (its Rust `Dtype` enum order): larger dtypes first, then by name, so each tensor
+# starts aligned to its item size. `SafetensorsStream` writes the same layout.
+_ST_ORDER = ("BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "I16", "F16", "BF16", "I32", "F32", "F64", "I64")
+_ST_CODES = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
+
+
+class SafetensorsStream:
+    """One safetensors file written a tensor at a time. The names, shapes and dtypes are given up front,
+    so the header goes first and each tensor's bytes go to their place as they come: the host holds one
+    tensor, not the file. The library cannot do this (`save_file` / `serialize_file` take every tensor
+    of the file at once), so this writer is here; it lays the file out exactly as the library does
+    (header, tensor order, padding), and tests/test_hf.py holds its bytes equal to `save_file`'s.
+
+    Written under `<name>.tmp`; `close()` checks every tensor came and renames the file into place."""
+
+    def __init__(self, path: pathlib.Path, specs: Sequence[tuple[str, Sequence[int], Any]], metadata: Optional[dict] = None):
+        self.path = pathlib.Path(path)
+        order = sorted(((n, tuple(sh), np.dtype(dt)) for n, sh, dt in specs), key=lambda t: (-_ST_ORDER.index(_ST_CODES[t[2]]), t[0]))
+        header: dict = {"__metadata__": dict(metadata)} if metadata else {}
+        self._where: dict[str, tuple[int, tuple[int, ...], np.dtype]] = {}
+        offset = 0
+        for name, shape, dtype in order:
+            end = offset + math.prod(shape) * dtype.itemsize
+            header[name] = {"dtype": _ST_CODES[dtype], "shape": list(shape), "data_offsets": [offset, end]}
+            self._where[name] = (offset, shape, dtype)
+            offset = end
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        self._data_start = 8 + len(raw)
+        self._tmp = self.path.with_name(self.path.name + ".tmp")
+        self._file = open(self._tmp, "wb")
+        self._file.write(len(raw).to_bytes(8, "little") + raw)
+        self._file.truncate(self._data_start + offset)
+
+    def write(self, name: str, array: np.ndarray) -> None:
+        offset, shape, dtype = self._where[name]
+        if array.shape != shape or array.dtype != dtype:
+            raise ValueError(f"{self.path}: tensor {name!r} is {array.dtype}{list(array.shape)}, the header says {dtype}{list(shape)}")
+        self._file.seek(self._data_start + offset)
+        np.ascontiguousarray(array).tofile(self._file)
+        del self._where[name]
+
+    @property
+    def done(self) -> bool:
+        return not self._where
+
+    def close(self) -> None:
+        self._file.close()
+        if self._where:
+            self._tmp.unlink()
+            raise ValueError(f"{self.path}: tensors {sorted(self._where)[:3]} were never written")
+        os.replace(self._tmp, self.path)
 
 
 def dequantize_blocks(q: np.ndarray, scale_inv: np.ndarray, block: Sequence[int]) -> np.ndarray:
