@@ -1,18 +1,23 @@
 """Safetensors files and a checkpoint directory's tensors across its shards. Every problem raises
 `CheckpointError` naming the file and the tensor.
 
-Writing goes through the `safetensors` library. Reading parses the header here and hands out views
-of one `np.memmap` of the file: a view costs nothing until it is used, and a slice of it (or of a
-transposed or reshaped view) reads only the pages it covers, which is what lets a process of a
-sharded load read just its devices' slices. The library checks each header as well (offsets that
-overlap or leave gaps).
-
-Reading stays here, not in the library, though the library is about as fast: `python bench/safetensors_read.py`
-measured the time ratio library / memory map at 1.09 reading 64 [1024, 1024] float32 tensors whole
-and 0.92 reading one eighth of each (medians of 5 alternating runs, 2 shared CPU cores), about equal.
-What the library lacks: its numpy reader copies every tensor it returns (and knows no float8), and
-it slices only in the file's `[out, in]` layout, while a device's slice of a zoo leaf is a slice
-through the rules' transposes, reshapes and splits, which numpy views of the map give for free.
+What the `safetensors` library (0.8.0) does here and what it cannot:
+- Checking a file: the library validates each header on open (offsets that overlap or leave gaps,
+  shapes that disagree with the byte counts); zoo adds the truncation checks that name the file.
+- Writing a dict of arrays (`write_safetensors`): the library's `save_file`.
+- Writing a model (`SafetensorsStream`, for `save_pretrained`): hand-written, because the library
+  takes every tensor of a file at once (`save_file`, `serialize_file`), so a 5 GB shard would sit on
+  the host whole; the stream writes each tensor as its leaf comes, in the library's exact layout
+  (tests hold the bytes equal).
+- Reading: through views of one `np.memmap` per file, not the library. A view costs nothing until
+  used, and a slice of it (or of a transposed or reshaped view) reads only the pages it covers, which
+  is what lets a sharded load read just its devices' slices through the rules' transposes, reshapes
+  and splits; the library's `get_slice` slices only the file's `[out, in]` layout, its numpy reader
+  returns a fresh copy of every tensor, and it cannot read float8 into numpy (AttributeError
+  `numpy.float8_e4m3fn`), which DeepSeek-V3's weights are. Speed decides nothing either way:
+  `python bench/safetensors_read.py` (64 [1024, 1024] float32 tensors, medians of 5 alternating runs,
+  2 shared and loaded CPU cores) measured library / memory map at 1.09 and 0.85 in two sessions for
+  whole tensors, 0.92 and 1.42 for one eighth of each: equal within the noise.
 
 DeepSeek-V3's published FP8 weights (`float8_e4m3fn`, each with a float32 `<name>_scale_inv` of
 one scale per `weight_block_size` block) are dequantised on read: `w = q * scale_inv[block]`.
