@@ -242,6 +242,16 @@ def test_cli_bad_input_exits_2_with_one_line_before_compiling():
         assert out == 2 and message in err, (args, err)
 
 
+def test_cli_refuses_a_tokenizer_larger_than_the_models_vocabulary(tmp_path):
+    from test_hf_train import write_tokenizer
+
+    big = write_tokenizer(tmp_path / "big.json", 300)
+    code = gen.main(["model.path=tests/data/llama_tiny_a", f"tokenizer={big}", "prompt=hi"])
+    _, err = _captured.pop()
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith("error: tokenizer: ") and "has 300 token ids but the model's vocabulary has 256; give the model's own tokenizer" in err
+
+
 _captured: list = []
 
 

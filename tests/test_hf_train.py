@@ -443,6 +443,9 @@ BAD = {
                   r"^error: data.tokenizer: .*/big.json has 300 token ids but .*/hf/config.json has vocab_size=256, so its ids would index "
                   r"past the embedding; give the tokenizer the checkpoint was trained with$"),
     "shape_override": (lambda t: _hf_copy(t), ["model.hidden_size=128"], r"^error: model.hidden_size: 128 contradicts .*/hf/config.json \(which gives 64\)"),
+    "eval_split": (lambda t: _hf_copy(t), ["data=text", "data.eval_fraction=0.001"],
+                   r"^error: data.eval_fraction: 0.001 of .* gives 6 windows of data.seq_len=64 tokens, fewer than one batch of "
+                   r"data.batch_size=16; raise data.eval_fraction to at least 0.003, lower data.batch_size, or give data.eval_path$"),
 }
 
 
