@@ -226,6 +226,7 @@ def test_cli_bad_input_exits_2_with_one_line_before_compiling():
         ((llama, "tokenizer=bytes", "prompt=hi", "top_p=2"), "error: top_p: must be in (0, 1]"),
         ((llama, "tokenizer=bytes", "prompt=hi", "temperature=hot"), "error: temperature: "),
         ((llama, "tokenizer=bytes", "prompt=hi", "topk=3"), "error: topk: unknown key; the keys are prompt, model.path"),
+        ((llama, "tokenizer=bytes", "prompt=hi", "model.dtype=bf16"), "error: model.dtype: got 'bf16'; choose one of float32, bfloat16, float16"),
         (("prompt=hi",), "error: model.path: give exactly one of model.path="),
         (("model.path=tests/data/nowhere", "prompt=hi"), "error: tests/data/nowhere: not a directory"),
         (("checkpoint.dir=tests/data/nowhere", "prompt=hi"), "does not exist; give the checkpoint.dir of a train.py run"),
@@ -239,6 +240,16 @@ def test_cli_bad_input_exits_2_with_one_line_before_compiling():
         else:
             _, err = _captured.pop()
         assert out == 2 and message in err, (args, err)
+
+
+def test_cli_refuses_a_tokenizer_larger_than_the_models_vocabulary(tmp_path):
+    from test_hf_train import write_tokenizer
+
+    big = write_tokenizer(tmp_path / "big.json", 300)
+    code = gen.main(["model.path=tests/data/llama_tiny_a", f"tokenizer={big}", "prompt=hi"])
+    _, err = _captured.pop()
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith("error: tokenizer: ") and "has 300 token ids but the model's vocabulary has 256; give the model's own tokenizer" in err
 
 
 _captured: list = []

@@ -107,6 +107,51 @@ def test_save_then_load_gives_the_same_model(name, ref_dir, tmp_path):
             assert np.array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_streamed_files_are_the_librarys_bytes(tmp_path):
+    """SafetensorsStream writes a file tensor by tensor, in any order, with the layout (header, tensor
+    order, padding) of the safetensors library's save_file, byte for byte; a tensor of the wrong shape or
+    a missing one is refused."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(0)
+    tensors = {
+        "b.w": rng.standard_normal((3, 5)).astype(ml_dtypes.bfloat16), "a.w": rng.standard_normal((2, 2)).astype(np.float32),
+        "c": np.ones((7,), np.float16), "a.a": np.zeros((5,), ml_dtypes.bfloat16), "z": np.ones((1,), np.float64),
+        "empty": np.zeros((0, 3), np.float32), "q": rng.standard_normal((4, 4)).astype(ml_dtypes.float8_e4m3fn),
+    }
+    hf.write_safetensors(tmp_path / "library.safetensors", tensors, {"format": "pt"})
+    stream = hf.SafetensorsStream(tmp_path / "stream.safetensors", [(k, v.shape, v.dtype) for k, v in tensors.items()], {"format": "pt"})
+    for name in reversed(list(tensors)):
+        assert not stream.done
+        stream.write(name, tensors[name])
+    stream.close()
+    assert (tmp_path / "stream.safetensors").read_bytes() == (tmp_path / "library.safetensors").read_bytes()
+    assert not (tmp_path / "stream.safetensors.tmp").exists()
+    stream = hf.SafetensorsStream(tmp_path / "bad.safetensors", [("w", (2, 2), np.float32)])
+    with pytest.raises(ValueError, match=r"tensor 'w' is float32\[2, 3\], the header says float32\[2, 2\]"):
+        stream.write("w", np.zeros((2, 3), np.float32))
+    with pytest.raises(ValueError, match=r"tensors \['w'\] were never written"):
+        stream.close()
+    assert not (tmp_path / "bad.safetensors").exists()
+
+
+@pytest.mark.parametrize("dtype", [None, "bfloat16"])
+def test_save_pretrained_writes_what_the_library_would(dtype, ref_dir, tmp_path):
+    """save_pretrained streams leaf by leaf; each of its files holds the bytes the library's save_file
+    writes for the same tensors (a float32 correction bias among bfloat16 weights included)."""
+    model = hf.from_pretrained(ref_dir("dsv3_tiny_a"))
+    hf.save_pretrained(model, tmp_path / "out", dtype=dtype, max_shard_bytes=96 * 1024)
+    weight_map = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())["weight_map"]
+    state = hf.to_hf_state_dict(model)
+    assert sorted(weight_map) == sorted(state) and len(set(weight_map.values())) > 2
+    for file in sorted(set(weight_map.values())):
+        names = [n for n, f in weight_map.items() if f == file]
+        tensors = {n: state[n] if dtype is None else state[n].astype(jnp.dtype(dtype)) for n in names}
+        hf.write_safetensors(tmp_path / "library.safetensors", tensors, {"format": "pt"})
+        assert (tmp_path / "out" / file).read_bytes() == (tmp_path / "library.safetensors").read_bytes(), file
+    assert not list((tmp_path / "out").glob(".*")) and not list((tmp_path / "out").glob("*.tmp"))
+
+
 def test_bfloat16_checkpoint(ref_dir, tmp_path):
     model = hf.from_pretrained(ref_dir("llama_tiny_a"))
     hf.save_pretrained(model, tmp_path, dtype="bfloat16")

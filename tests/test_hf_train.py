@@ -264,6 +264,55 @@ def test_restore_model_reads_the_parameters_train_py_saved(tmp_path):
         restore_model(tmp_path / "elsewhere")
 
 
+def test_restore_onto_8_devices_and_export_leaf_by_leaf(tmp_path):
+    """restore_model(devices=...) reads every leaf straight into slices over the 8 simulated devices (no
+    leaf whole on one when a dimension divides by 8); hf_export, which restores that way, writes the bytes
+    the single-device export writes; and writing holds about one leaf on the host, not the model."""
+    import tracemalloc
+
+    from zoo.export import hf_export
+    from zoo.train.checkpoint import Checkpoints, restore_model
+    from zoo.train.run import prepare
+    from zoo.train.step import Trainer
+
+    overrides = ["model=dsv3_tiny_a", "mesh=fsdp", "mesh.devices=2", "data.batch_size=2", "data.seq_len=16",
+                 f"checkpoint.dir={tmp_path / 'ckpt'}"]
+    c, plan, devices, _ = prepare(compose(overrides))
+    trainer = Trainer(c, plan, devices)
+    state = trainer.init(seed=4)
+    ckpt = Checkpoints(c, plan, trainer)
+    ckpt.save(2, state)
+    ckpt.close()
+
+    assert len(jax.devices()) == 8
+    whole, _ = restore_model(tmp_path / "ckpt")
+    spread, _ = restore_model(tmp_path / "ckpt", devices=jax.devices())
+    saved = leaves_by_path(state["params"])
+    split = 0
+    for path, x in leaves_by_path(spread).items():
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(saved[path]), err_msg=path)
+        assert len(x.sharding.device_set) == 8, path
+        if any(n % 8 == 0 for n in x.shape):
+            assert {s.data.nbytes for s in x.addressable_shards} == {x.nbytes // 8}, path  # an eighth on each device
+            split += 1
+    assert split >= len(saved) - 4, f"only {split} of {len(saved)} leaves are split"  # all but a few tiny vectors
+
+    hf_export(tmp_path / "ckpt", tmp_path / "spread", dtype="bfloat16", max_shard_bytes=96 * 1024)
+    hf.save_pretrained(whole, tmp_path / "whole", dtype="bfloat16", max_shard_bytes=96 * 1024)
+    files = sorted(p.name for p in (tmp_path / "whole").iterdir())
+    assert sorted(p.name for p in (tmp_path / "spread").iterdir()) == files and len(files) > 3
+    for name in files:
+        assert (tmp_path / "spread" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes(), name
+
+    # Host memory while writing: about the largest leaf (and its converted copy), far from the model.
+    leaf_bytes = [x.nbytes for x in jax.tree.leaves(spread)]
+    tracemalloc.start()
+    hf.save_pretrained(spread, tmp_path / "traced")
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 3 * max(leaf_bytes) < sum(leaf_bytes), (peak, max(leaf_bytes), sum(leaf_bytes))
+
+
 # --- the README's walk-through, as written ------------------------------------------------------------------
 
 
@@ -394,6 +443,9 @@ BAD = {
                   r"^error: data.tokenizer: .*/big.json has 300 token ids but .*/hf/config.json has vocab_size=256, so its ids would index "
                   r"past the embedding; give the tokenizer the checkpoint was trained with$"),
     "shape_override": (lambda t: _hf_copy(t), ["model.hidden_size=128"], r"^error: model.hidden_size: 128 contradicts .*/hf/config.json \(which gives 64\)"),
+    "eval_split": (lambda t: _hf_copy(t), ["data=text", "data.eval_fraction=0.001"],
+                   r"^error: data.eval_fraction: 0.001 of .* gives 6 windows of data.seq_len=64 tokens, fewer than one batch of "
+                   r"data.batch_size=16; raise data.eval_fraction to at least 0.003, lower data.batch_size, or give data.eval_path$"),
 }
 
 

@@ -201,7 +201,7 @@ def test_every_preset_gives_the_loss_and_gradients_of_none(size):
     def every_policy(m):
         outs = []
         for rp in distinct.values():
-            loss = lambda mm, rp=rp: zoo.loss_fn(mm, tokens, remat_policy=rp)  # noqa: E731
+            loss = lambda mm, rp=rp: zoo.offload.loss_fn(mm, tokens, remat_policy=rp)  # noqa: E731
             outs.append(jax.value_and_grad(loss)(jax.lax.optimization_barrier(m)))
         return outs
 

@@ -120,3 +120,105 @@ def test_outside_a_capture_the_program_is_unchanged():
     jaxpr = jax.make_jaxpr(lambda m, t: m(t))(zoo.abstract(c), jax.ShapeDtypeStruct((2, 16), jnp.int32))
     (scan,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
     assert len(scan.outvars) == 1  # the residual stream only
+
+
+# --- the plain model API -------------------------------------------------------------------------
+
+
+def test_model_api_takes_only_tokens_positions_and_segments():
+    import inspect
+
+    for method in (zoo.CausalLM.__call__, zoo.CausalLM.forward_with_aux, zoo.CausalLM.features, zoo.loss_fn):
+        params = [p for p in inspect.signature(method).parameters if p not in ("self", "model")]
+        assert params == ["tokens", "positions", "segment_ids"], method.__qualname__
+    with pytest.raises(TypeError, match="remat_policy"):
+        zoo.abstract(SIZES["llama_tiny_a"])(jnp.zeros((1, 4), jnp.int32), remat_policy=None)
+
+
+def test_the_trainers_policy_path_runs_the_same_layers():
+    """zoo.offload.features (the trainer's remat/offload/host-parameter path) without a policy traces the
+    very program of model.features; with one, the forward values are the same bits and every tag is
+    still emitted, and its gradients are those of the plain loss."""
+    from zoo.offload import features, load_preset, loss_fn, remat_policy
+    from zoo.sharding import to_device
+
+    c = SIZES["gpt_oss_tiny_a"]  # a period of two blocks, MoE statistics
+    model, tokens = filled(c), random_tokens(c)
+    positions = jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), tokens.shape)[:, ::-1]
+    segments = jnp.asarray(np.repeat([[0, 1]], 8, axis=1).repeat(2, 0), jnp.int32)
+    kw = dict(positions=positions, segment_ids=segments)
+    plain = jax.make_jaxpr(lambda m, t: m.features(t, **kw))(model, tokens)
+    assert str(jax.make_jaxpr(lambda m, t: features(m, t, **kw))(model, tokens)) == str(plain)
+
+    rp = remat_policy(load_preset("minimal_offloaded"), c)
+    run = eqx.filter_jit(lambda m, t, **extra: features(m, t, **kw, **extra))
+    (hidden, aux), (hidden_rp, aux_rp) = run(model, tokens), run(model, tokens, remat_policy=rp, layer_transform=to_device)
+    np.testing.assert_array_equal(np.asarray(hidden_rp), np.asarray(hidden))
+    np.testing.assert_array_equal(np.asarray(aux_rp.tokens_per_expert), np.asarray(aux.tokens_per_expert))
+    np.testing.assert_array_equal(np.asarray(hidden), np.asarray(eqx.filter_jit(lambda m, t: m.features(t, **kw))(model, tokens)[0]))
+
+    @eqx.filter_jit
+    def captured_under_policy(m, t):  # the policy path emits every layer's tags as the plain one does
+        with tags.capturing(["query_proj"]) as record:
+            features(m, t, remat_policy=rp, layer_transform=to_device)
+        return [layers for _, layers, _ in record], [values for _, _, values in record]
+
+    layers, values = captured_under_policy(model, tokens)
+    order = np.argsort(np.concatenate(layers))
+    np.testing.assert_array_equal(
+        np.asarray(jnp.concatenate(values))[order], np.asarray(zoo.capture(model, tokens, tags=["query_proj"])["query_proj"])
+    )
+
+    grads = eqx.filter_jit(jax.grad(lambda m, t: loss_fn(m, t, remat_policy=rp)))(model, tokens)
+    grads0 = eqx.filter_jit(jax.grad(zoo.loss_fn))(model, tokens)
+    for g, g0 in zip(jax.tree.leaves(grads), jax.tree.leaves(grads0)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(g0), rtol=1e-5, atol=1e-7)
+
+
+# --- dtype arguments -----------------------------------------------------------------------------
+
+
+def test_model_config_takes_jnp_and_numpy_dtypes_and_keeps_their_names():
+    from omegaconf import OmegaConf
+
+    base = SIZES["llama_tiny_a"]
+    named = base.replace(param_dtype="bfloat16", compute_dtype="float32")
+    for param, compute in ((jnp.bfloat16, np.float32), (jnp.dtype("bfloat16"), jnp.float32), (np.dtype("bfloat16"), "float32")):
+        c = base.replace(param_dtype=param, compute_dtype=compute)
+        assert (c.param_dtype, c.compute_dtype) == ("bfloat16", "float32")
+        assert c == named and hash(c) == hash(named)  # a static field of the model: equal configs share compiled programs
+    # The normalised config is what Hydra's YAML holds.
+    yaml = OmegaConf.to_yaml(OmegaConf.structured(base.replace(param_dtype=np.float16)))
+    assert "param_dtype: float16" in yaml
+    for field, bad in (("param_dtype", jnp.int32), ("compute_dtype", "bf16"), ("param_dtype", np.float64)):
+        with pytest.raises(ValueError, match=rf"^model\.{field}: got .*; choose one of float32, bfloat16, float16"):
+            base.replace(**{field: bad})
+
+
+def test_blocks_take_jnp_and_numpy_dtypes():
+    from zoo.nn import GatedMLP, GQAttention, MLAttention, MoE, RMSNorm
+
+    c = SIZES["dsv3_tiny_a"]
+    key = jax.random.key(0)
+    x = jax.random.normal(jax.random.key(1), (1, 4, c.hidden_size))
+    makers = {
+        "mlp": lambda **dt: GatedMLP(c.hidden_size, 32, key=key, **dt),
+        "moe": lambda **dt: MoE(c.hidden_size, c.moe, key=key, **dt),
+        "mla": lambda **dt: MLAttention(c.hidden_size, c.num_heads, c.mla, c.rope, 16, key=key, **dt),
+        "gqa": lambda **dt: GQAttention(c.hidden_size, 4, 2, 8, c.rope, 16, key=key, **dt),
+    }
+    for name, make in makers.items():
+        by_name = make(param_dtype="bfloat16", compute_dtype="float32")
+        by_dtype = make(param_dtype=jnp.bfloat16, compute_dtype=np.float32)
+        assert by_dtype.compute_dtype == "float32", name
+        assert bool(eqx.tree_equal(by_name, by_dtype)), name  # same weights and the same static fields
+        assert {leaf.dtype for leaf in jax.tree.leaves(eqx.filter(by_dtype, eqx.is_array))} >= {jnp.dtype("bfloat16")}, name
+        with pytest.raises(ValueError, match=r"^compute_dtype=<class 'jax.numpy.int8'>: not a parameter dtype zoo keeps"):
+            make(compute_dtype=jnp.int8)
+        with pytest.raises(ValueError, match=r"^param_dtype='bf16': not a parameter dtype zoo keeps"):
+            make(param_dtype="bf16")
+    mlp = makers["mlp"](param_dtype=jnp.bfloat16, compute_dtype=jnp.bfloat16)
+    assert mlp(x.astype(jnp.bfloat16)).dtype == jnp.bfloat16
+    assert RMSNorm(8, dtype=jnp.bfloat16).weight.dtype == jnp.bfloat16
+    with pytest.raises(ValueError, match=r"^dtype='half-ish': not a parameter dtype"):
+        RMSNorm(8, dtype="half-ish")

@@ -10,7 +10,10 @@ of the model, so it hashes (its list fields as tuples). Validation runs in
 
 import dataclasses
 import math
-from typing import Optional
+from typing import Any, Optional
+
+import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, so np.dtype("bfloat16") resolves)
+import numpy as np
 
 from zoo.tags import DEEPSEEK_V3, FAMILIES, GEMMA3, GPT_OSS, LLAMA, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE
 
@@ -27,6 +30,22 @@ MLP_ACTIVATIONS = ("silu", "gelu_tanh")
 ATTENTION_IMPLS = ("auto", "xla", "blockwise", "cudnn")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 DTYPES = ("float32", "bfloat16", "float16")
+# What a dtype argument accepts: a name of DTYPES, a numpy / jnp dtype or a scalar type (jnp.bfloat16);
+# `dtype_name` checks it (a type hint cannot: jnp.bfloat16 is a class, np.dtype("bfloat16") an instance).
+DTypeLike = Any
+
+
+def dtype_name(value, argument: str = "dtype") -> str:
+    """'float32', 'bfloat16' or 'float16' from a string, a jnp / numpy dtype or a scalar type
+    (`jnp.bfloat16`, `np.float32`); anything else is a ValueError naming `argument`. Zoo keeps the
+    name, not the dtype object, so configs and static fields hash, compare and serialise as text."""
+    try:
+        name = np.dtype(value).name if value is not None else None
+    except TypeError:
+        name = None
+    if name not in DTYPES:
+        raise ValueError(f"{argument}={value!r}: not a parameter dtype zoo keeps; use one of {', '.join(DTYPES)} (a string, jnp or numpy dtype)")
+    return name
 
 
 def _require(ok: bool, field: str, message: str) -> None:
@@ -236,8 +255,10 @@ class ModelConfig:
     scale_embeddings: bool = False  # embeddings times sqrt(hidden_size) (Gemma)
     mlp_activation: str = "silu"  # dense MLP gate: silu (SwiGLU) or gelu_tanh (Gemma's GeGLU)
     final_logit_softcap: Optional[float] = None  # logits = c * tanh(logits / c)
-    param_dtype: str = "float32"
-    compute_dtype: str = "float32"
+    # A name of DTYPES in YAML; from Python also a jnp / numpy dtype, which __post_init__ turns into its
+    # name (so `Any`, not `str`: OmegaConf and the type checker would refuse jnp.bfloat16 before that).
+    param_dtype: DTypeLike = "float32"
+    compute_dtype: DTypeLike = "float32"
     # xla: the reference einsum path (materialises the T x T scores). blockwise: flash-style online
     # softmax in JAX. cudnn: cuDNN's fused kernel (GPU). auto: see zoo.nn.attention_kernels.resolve_impl.
     attention_impl: str = "auto"
@@ -251,7 +272,10 @@ class ModelConfig:
             _require(getattr(self, name) > 0, name, f"must be positive, got {getattr(self, name)}")
         _require(self.rms_norm_eps > 0, "rms_norm_eps", "must be positive")
         for name in ("param_dtype", "compute_dtype"):
-            _require(getattr(self, name) in DTYPES, name, f"got {getattr(self, name)!r}; choose one of {_choices(DTYPES)}")
+            try:  # jnp / numpy dtypes become their names: the config stays hashable and YAML-serialisable
+                object.__setattr__(self, name, dtype_name(getattr(self, name), name))
+            except ValueError:
+                _require(False, name, f"got {getattr(self, name)!r}; choose one of {_choices(DTYPES)} (a string, jnp or numpy dtype)")
         _require(
             self.attention_impl in ATTENTION_IMPLS,
             "attention_impl",

@@ -9,6 +9,8 @@ checkpoint's tokenizer and generation files, which must still be where training 
 (their sha256 is in the checkpoint's metadata); `--tokenizer DIR` takes them from DIR instead, and a
 run trained on `data.tokenizer` carries that tokenizer.json. `zoo.hf.from_pretrained` (and
 transformers) load the result. The weights keep the checkpoint's dtype unless `--dtype` is given.
+The parameters are restored split over the process's devices and written leaf by leaf, so neither a
+device nor the host ever holds the whole model (`hf_export`).
 
 The directory is written under a temporary name and renamed when complete; an existing non-empty
 `<out dir>` is refused (an export never writes over files). Bad input: one line, exit code 2.
@@ -59,10 +61,16 @@ def _carried(meta: dict, tokenizer: Optional[str]) -> dict[str, pathlib.Path]:
 
 
 def hf_export(checkpoint_dir, out_dir, step: Optional[int] = None, dtype=None, tokenizer: Optional[str] = None,
-              max_shard_bytes: int = 5 * 2**30) -> dict:
+              max_shard_bytes: int = 5 * 2**30, devices=None) -> dict:
     """Write the train.py checkpoint `checkpoint_dir` (a `checkpoint.dir`; `step`: default the latest)
     as a Hugging Face directory `out_dir`; returns what was written (`step`, `files`, `dtype`). Bad input
-    raises ConfigError (one line) before anything is written."""
+    raises ConfigError (one line) before anything is written.
+
+    The parameters are restored split over `devices` (default: this process's devices), never whole
+    on one, and written leaf by leaf: each leaf is gathered to the host on its own, converted and
+    written (`save_pretrained`), so the host holds about one leaf at a time."""
+    import jax
+
     from zoo.hf import CheckpointError, save_pretrained
     from zoo.hf.convert import dtype_name
     from zoo.train.checkpoint import restore_model
@@ -75,7 +83,7 @@ def hf_export(checkpoint_dir, out_dir, step: Optional[int] = None, dtype=None, t
         target = None if dtype is None else dtype_name(dtype, "--dtype")
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    model, meta = restore_model(checkpoint_dir, step)
+    model, meta = restore_model(checkpoint_dir, step, devices=jax.local_devices() if devices is None else devices)
     carried = _carried(meta, tokenizer)
     extras = (meta.get("pretrained") or {}).get("config_extras") or {}
     tmp = out.with_name(out.name + ".export-tmp")

@@ -426,10 +426,19 @@ def _hf_source(opts: GenerateOptions):
     """(config, load model, tokenizer, default stop tokens) of model.path; the weights load later."""
     from zoo import hf
 
+    from zoo.config import DTYPES, dtype_name
+
     directory = pathlib.Path(opts.model.path).expanduser()
-    compute = opts.model.compute_dtype or opts.model.dtype
+    dtypes = {}
+    for key in ("dtype", "compute_dtype"):  # named by the user's key, not by the ModelConfig field it sets
+        value = getattr(opts.model, key)
+        try:
+            dtypes[key] = None if value is None else dtype_name(value, f"model.{key}")
+        except ValueError:
+            raise GenerationError(f"model.{key}: got {value!r}; choose one of {', '.join(DTYPES)}") from None
+    compute = dtypes["compute_dtype"] or dtypes["dtype"]
     config = hf.config_from_hf(hf.load_config(directory), source=str(directory / "config.json"),
-                               param_dtype=opts.model.dtype, compute_dtype=compute)
+                               param_dtype=dtypes["dtype"], compute_dtype=compute)
     if opts.tokenizer is not None:
         tokenizer = _load_tokenizer(opts.tokenizer)
     elif (directory / "tokenizer.json").is_file():
@@ -438,7 +447,7 @@ def _hf_source(opts: GenerateOptions):
         raise GenerationError(
             f"tokenizer: {directory} has no tokenizer.json; give tokenizer=<a tokenizer.json>, or tokenizer=bytes for UTF-8 byte ids"
         )
-    load = functools.partial(hf.from_pretrained, directory, dtype=opts.model.dtype, compute_dtype=compute)
+    load = functools.partial(hf.from_pretrained, directory, dtype=dtypes["dtype"], compute_dtype=compute)
     return config, load, tokenizer, _hf_stop_tokens(directory)
 
 

@@ -30,9 +30,13 @@ from zoo.nn import GatedMLP, GQAttention, MLAttention, MoE, MoEAux, RMSNorm
 from zoo.nn._init import normal
 from zoo.nn.cache import KVCache, LatentCache
 
-# A function applied to one layer's parameters inside the scan body, before use: e.g. moving
-# host-resident weights to the device one layer at a time.
-LayerTransform = Callable[[PyTree], PyTree]
+# How a stack's scan body runs one layer: `(h, block_params, j) -> ((h, aux), kept tags)`, where j is the
+# layer's position in the stack's period (static) and `block_params` its array leaves.
+LayerFn = Callable[..., tuple]
+# Wraps that function, e.g. in `jax.checkpoint` with a remat/offload policy, or with a move of
+# host-resident weights to the device (zoo.offload.layer_wrapper builds the trainer's). The forward
+# values are unchanged; only what the program keeps, recomputes or moves is.
+LayerWrapper = Callable[[LayerFn], LayerFn]
 # One attention layer's decode-time cache (zoo.nn.cache).
 LayerCache = Union[KVCache, LatentCache]
 
@@ -200,21 +204,19 @@ class Stack(eqx.Module):
         positions: Int[Array, "*batch seq"],
         segment_ids: Optional[Int[Array, "batch seq"]] = None,
         *,
-        remat_policy: Optional[Callable] = None,
-        layer_transform: Optional[LayerTransform] = None,
+        wrap_layer: Optional[LayerWrapper] = None,
     ) -> tuple[Float[Array, "batch seq embed"], tuple[Optional[MoEAux], ...]]:
+        """The stack's layers in order under one `lax.scan`; per period position, the MoE statistics of
+        its layers (None for dense blocks). `wrap_layer` wraps each layer's call (see `LayerWrapper`)."""
         params, static = eqx.partition(self.layers, eqx.is_array)
 
         def run_block(h, block_params, j):
-            if layer_transform is not None:
-                block_params = layer_transform(block_params)
             with tags.layer_scope() as kept:  # the tags a zoo.capture asks for (none otherwise)
                 out = self._block(block_params, static, j)(h, positions, segment_ids)
             return out, kept
 
-        if remat_policy is not None:
-            # The policy decides, per tagged intermediate, what the backward pass keeps, offloads or recomputes.
-            run_block = jax.checkpoint(run_block, policy=remat_policy, prevent_cse=False, static_argnums=(2,))
+        if wrap_layer is not None:
+            run_block = wrap_layer(run_block)
 
         def body(h, period_params):
             auxes, kept = [], []
@@ -357,39 +359,34 @@ class CausalLM(eqx.Module):
         *,
         positions: Optional[Int[Array, "*batch seq"]] = None,
         segment_ids: Optional[Int[Array, "batch seq"]] = None,
-        remat_policy: Optional[Callable] = None,
-        layer_transform: Optional[LayerTransform] = None,
     ) -> tuple[Float[Array, "batch seq embed"], Optional[MoEAux]]:
         """The final-normed hidden states and the MoE layers' routing statistics, one row per MoE
         layer in model order (None without MoE layers).
 
         `positions` (default 0..seq-1) feed RoPE; `segment_ids` confine attention to a document.
+        (The trainer runs the same layers under its remat/offload policy through `zoo.offload.features`.)
         """
-        if positions is None:
-            positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)
-        x = zs.constrain(self.embed_tokens(tokens), zs.ACTIVATION_AXES)
-        per_stack = []
-        for stack in self.stacks:
-            x, auxes = stack(x, positions, segment_ids, remat_policy=remat_policy, layer_transform=layer_transform)
-            per_stack.append(auxes)
-        order = self.moe_aux_order()
-        aux = None
-        if order:
-            rows = np.concatenate([r for _, _, r in order])
-            inverse = np.argsort(rows)
-            counts = jnp.concatenate([per_stack[s][j].tokens_per_expert for s, j, _ in order])[inverse]
-            dropped = jnp.concatenate([per_stack[s][j].dropped for s, j, _ in order])[inverse]
-            aux = MoEAux(counts, dropped)
-        return self.final_norm(x), aux
+        return run_layers(self, tokens, positions=positions, segment_ids=segment_ids)
 
-    def forward_with_aux(self, tokens: Int[Array, "batch seq"], **kwargs) -> tuple[Float[Array, "batch seq vocab"], Optional[MoEAux]]:
-        """Logits and the routing statistics (see `features` for the keyword arguments)."""
-        hidden, aux = self.features(tokens, **kwargs)
+    def forward_with_aux(
+        self,
+        tokens: Int[Array, "batch seq"],
+        *,
+        positions: Optional[Int[Array, "*batch seq"]] = None,
+        segment_ids: Optional[Int[Array, "batch seq"]] = None,
+    ) -> tuple[Float[Array, "batch seq vocab"], Optional[MoEAux]]:
+        """Logits and the routing statistics (see `features`)."""
+        hidden, aux = self.features(tokens, positions=positions, segment_ids=segment_ids)
         return self.logits(hidden), aux
 
-    def __call__(self, tokens: Int[Array, "batch seq"], **kwargs) -> Float[Array, "batch seq vocab"]:
-        return self.forward_with_aux(tokens, **kwargs)[0]
-
+    def __call__(
+        self,
+        tokens: Int[Array, "batch seq"],
+        *,
+        positions: Optional[Int[Array, "*batch seq"]] = None,
+        segment_ids: Optional[Int[Array, "batch seq"]] = None,
+    ) -> Float[Array, "batch seq vocab"]:
+        return self.forward_with_aux(tokens, positions=positions, segment_ids=segment_ids)[0]
 
     # --- decoding with a cache -----------------------------------------------------------------
 
@@ -417,6 +414,34 @@ class CausalLM(eqx.Module):
             x, stack_cache = stack.decode(x, positions, stack_cache)
             caches.append(stack_cache)
         return self.logits(self.final_norm(x))[:, 0], DecodeCache(positions + 1, tuple(caches))
+
+
+def run_layers(
+    model: CausalLM,
+    tokens: Int[Array, "batch seq"],
+    *,
+    positions: Optional[Int[Array, "*batch seq"]] = None,
+    segment_ids: Optional[Int[Array, "batch seq"]] = None,
+    wrap_layer: Optional[LayerWrapper] = None,
+) -> tuple[Float[Array, "batch seq embed"], Optional[MoEAux]]:
+    """`model.features` with each layer's call wrapped by `wrap_layer` (see `LayerWrapper`): the one
+    forward loop that `CausalLM.features` (no wrapper) and the trainer's `zoo.offload.features` share."""
+    if positions is None:
+        positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)
+    x = zs.constrain(model.embed_tokens(tokens), zs.ACTIVATION_AXES)
+    per_stack = []
+    for stack in model.stacks:
+        x, auxes = stack(x, positions, segment_ids, wrap_layer=wrap_layer)
+        per_stack.append(auxes)
+    order = model.moe_aux_order()
+    aux = None
+    if order:
+        rows = np.concatenate([r for _, _, r in order])
+        inverse = np.argsort(rows)
+        counts = jnp.concatenate([per_stack[s][j].tokens_per_expert for s, j, _ in order])[inverse]
+        dropped = jnp.concatenate([per_stack[s][j].dropped for s, j, _ in order])[inverse]
+        aux = MoEAux(counts, dropped)
+    return model.final_norm(x), aux
 
 
 # (config, key shape, key dtype) -> the compiled initialiser and the model's non-array part.
@@ -473,8 +498,15 @@ def next_token_loss(
     return (nll * weights).sum() / jnp.maximum(weights.sum(), 1.0)
 
 
-def loss_fn(model: CausalLM, tokens: Int[Array, "batch seq"], **kwargs) -> Float[Array, ""]:
-    return next_token_loss(model(tokens, **kwargs), tokens)
+def loss_fn(
+    model: CausalLM,
+    tokens: Int[Array, "batch seq"],
+    *,
+    positions: Optional[Int[Array, "*batch seq"]] = None,
+    segment_ids: Optional[Int[Array, "batch seq"]] = None,
+) -> Float[Array, ""]:
+    """Mean next-token loss of `model(tokens)` (with a remat/offload policy: `zoo.offload.loss_fn`)."""
+    return next_token_loss(model(tokens, positions=positions, segment_ids=segment_ids), tokens)
 
 
 def count_leaves(model: PyTree) -> int:

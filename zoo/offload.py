@@ -30,8 +30,13 @@ import dataclasses
 from typing import Callable, Optional
 
 import jax
+from jaxtyping import Array, Float, Int, PyTree
 
 from zoo.tags import DECODER_LAYER_INPUT, MLPWO, OPTIONAL_KINDS, TAGS, block_kinds, emitted_tags
+
+# A function applied to one layer's parameters inside the scan body, before use: the trainer's
+# `zoo.sharding.to_device`, which moves host-resident weights to the device one layer at a time.
+LayerTransform = Callable[[PyTree], PyTree]
 
 ACTIONS = ("device", "offload", "remat")
 MEMORY_KINDS = ("device", "pinned_host")
@@ -240,6 +245,66 @@ def remat_policy(policy: OffloadConfig, model_config=None) -> Optional[Callable]
     if saved:
         return cp.save_only_these_names(*saved)
     return cp.nothing_saveable
+
+
+# --- running the model under a policy ------------------------------------------------------------
+#
+# The model's own API (`model(tokens, positions=, segment_ids=)`, `model.features`) knows nothing of
+# policies; these run the same layers (`zoo.model.run_layers`) with each layer's call wrapped.
+
+
+def layer_wrapper(remat_policy: Optional[Callable] = None, layer_transform: Optional[LayerTransform] = None):
+    """The `zoo.model.LayerWrapper` of a `jax.checkpoint` policy (`remat_policy(...)`; None: no
+    checkpoint) and a transform of each layer's parameters (None: use them where they are), or None
+    when there is neither. Each layer is checkpointed on its own, the transform inside the checkpoint,
+    so the backward pass moves a host-resident layer's weights again rather than keeping them."""
+    if remat_policy is None and layer_transform is None:
+        return None
+
+    def wrap(run_block):
+        def run(h, block_params, j):
+            if layer_transform is not None:
+                block_params = layer_transform(block_params)
+            return run_block(h, block_params, j)
+
+        if remat_policy is not None:
+            # The policy decides, per tagged intermediate, what the backward pass keeps, offloads or recomputes.
+            run = jax.checkpoint(run, policy=remat_policy, prevent_cse=False, static_argnums=(2,))
+        return run
+
+    return wrap
+
+
+def features(
+    model,
+    tokens: Int[Array, "batch seq"],
+    *,
+    positions: Optional[Int[Array, "*batch seq"]] = None,
+    segment_ids: Optional[Int[Array, "batch seq"]] = None,
+    remat_policy: Optional[Callable] = None,
+    layer_transform: Optional[LayerTransform] = None,
+):
+    """`model.features(tokens, positions=, segment_ids=)` (hidden states, MoE statistics) with every
+    layer run under `remat_policy` and `layer_transform` (see `layer_wrapper`): the same forward
+    values, what the backward pass keeps, offloads or recomputes set by the policy."""
+    from zoo.model import run_layers
+
+    wrap = layer_wrapper(remat_policy, layer_transform)
+    return run_layers(model, tokens, positions=positions, segment_ids=segment_ids, wrap_layer=wrap)
+
+
+def loss_fn(
+    model,
+    tokens: Int[Array, "batch seq"],
+    *,
+    remat_policy: Optional[Callable] = None,
+    layer_transform: Optional[LayerTransform] = None,
+) -> Float[Array, ""]:
+    """`zoo.loss_fn(model, tokens)` under a policy (see `features`)."""
+    from zoo.model import next_token_loss
+
+    hidden, _ = features(model, tokens, remat_policy=remat_policy, layer_transform=layer_transform)
+    return next_token_loss(model.logits(hidden), tokens)
 
 
 # --- presets -----------------------------------------------------------------------------------

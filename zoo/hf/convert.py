@@ -22,8 +22,8 @@ from typing import Optional
 import jax.numpy as jnp
 import numpy as np
 
-from zoo.config import DTYPES, LAYER_TYPES, ROPE_TYPES, ModelConfig, RopeConfig
-from zoo.hf.files import CheckpointError, write_safetensors
+from zoo.config import LAYER_TYPES, ROPE_TYPES, ModelConfig, RopeConfig, dtype_name
+from zoo.hf.files import CheckpointError, SafetensorsStream
 from zoo.model import CausalLM
 
 # --- config.json values --------------------------------------------------------------------------
@@ -572,18 +572,6 @@ def _positions(model: CausalLM):
 # --- save ---------------------------------------------------------------------------------------
 
 
-def dtype_name(value, argument: str = "dtype") -> str:
-    """'float32', 'bfloat16' or 'float16' from a string, a jnp / numpy dtype or a scalar type
-    (`jnp.bfloat16`, `np.float32`); anything else is a ValueError naming `argument`."""
-    try:
-        name = jnp.dtype(value).name if value is not None else None
-    except TypeError:
-        name = None
-    if name not in DTYPES:
-        raise ValueError(f"{argument}={value!r}: not a parameter dtype zoo keeps; use one of {', '.join(DTYPES)} (a string, jnp or numpy dtype)")
-    return name
-
-
 def _hf_tensors(tree: CausalLM) -> Iterator[tuple[str, np.ndarray]]:
     """(hub name, array) for each tensor of a model or a gradient of one (None leaves are skipped), one leaf
     on the host at a time."""
@@ -616,46 +604,61 @@ def save_pretrained(model: CausalLM, path, dtype=None, max_shard_bytes: int = 5 
 
     `dtype` (a string, jnp or numpy dtype; None: the model's) is the dtype of the tensors written.
     `extra_config`: config.json keys zoo does not model (`bos_token_id`, ...), written where
-    `config_to_hf` writes nothing of its own. Tensors are converted and written one shard at a time;
-    files are written under temporary names and renamed into place, so an interrupted save leaves no
-    half-written file under a final name.
+    `config_to_hf` writes nothing of its own.
+
+    Leaf by leaf: each zoo leaf comes to the host on its own (gathered from its shards when the model is
+    sharded over devices), is converted and its hub tensors written into their files, which were laid
+    out up front from the shapes alone; so the host holds about one leaf, never a shard file or the
+    model. Files are written under temporary names and renamed into place, so an interrupted save
+    leaves no half-written file under a final name.
     """
+    from zoo.hf.weights import _rules_and_shapes
+
     directory = pathlib.Path(path)
     config = config_to_hf(model.config)  # refuses a model its family cannot express before writing anything
-    target = None if dtype is None else dtype_name(dtype)
+    target = None if dtype is None else np.dtype(jnp.dtype(dtype_name(dtype)))
     if target is not None:
-        config["dtype"] = target
+        config["dtype"] = target.name
     for key, value in (extra_config or {}).items():
         config.setdefault(key, value)
-    directory.mkdir(parents=True, exist_ok=True)
-    written: list[tuple[pathlib.Path, list[str]]] = []
-    shard: dict[str, np.ndarray] = {}
+    # Every hub tensor's name, shape and dtype, in the order _hf_tensors gives them, split into files of at
+    # most max_shard_bytes (a larger tensor gets a file of its own) as they come.
+    files: list[list[tuple[str, tuple[int, ...], np.dtype]]] = [[]]
     size = total = 0
-
-    def flush():
-        tmp = directory / f".shard-{len(written) + 1:05d}.safetensors"
-        write_safetensors(tmp, shard, {"format": "pt"})
-        written.append((tmp, list(shard)))
-        shard.clear()
-
+    for rule, prefix, attr, layers, _, hub_shapes in _rules_and_shapes(model):
+        dt = target or np.dtype(_get(model, attr + rule.zoo[0]).dtype)
+        for layer in [None] if layers is None else layers:
+            for name, shape in zip(rule.hub, hub_shapes):
+                nbytes = math.prod(shape) * dt.itemsize
+                if files[-1] and size + nbytes > max_shard_bytes:
+                    files.append([])
+                    size = 0
+                files[-1].append((prefix.format(layer=layer) + name, tuple(shape), dt))
+                size += nbytes
+                total += nbytes
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = [directory / f".shard-{i + 1:05d}.safetensors" for i in range(len(files))]
+    file_of = {name: i for i, specs in enumerate(files) for name, _, _ in specs}
+    streams: dict[int, SafetensorsStream] = {}
+    closed = 0
     for name, arr in _hf_tensors(model):
-        if target is not None:
-            arr = arr.astype(jnp.dtype(target))
-        if shard and size + arr.nbytes > max_shard_bytes:
-            flush()
-            size = 0
-        shard[name] = arr
-        size += arr.nbytes
-        total += arr.nbytes
-    flush()
-    if len(written) == 1:
-        written[0][0].replace(directory / "model.safetensors")
+        i = file_of[name]
+        if i not in streams:  # files fill in order, so about one is open at a time
+            streams[i] = SafetensorsStream(tmp[i], files[i], {"format": "pt"})
+        streams[i].write(name, arr if target is None else arr.astype(target))
+        if streams[i].done:
+            streams.pop(i).close()
+            closed += 1
+    if closed != len(files):  # a tensor of the plan that the conversion never gave: a bug, not bad input
+        raise AssertionError(f"save_pretrained: {len(files) - closed} of {len(files)} files were not completed")
+    if len(files) == 1:
+        tmp[0].replace(directory / "model.safetensors")
     else:
         weight_map = {}
-        for i, (tmp, names) in enumerate(written):
-            file = f"model-{i + 1:05d}-of-{len(written):05d}.safetensors"
-            tmp.replace(directory / file)
-            weight_map.update({name: file for name in names})
+        for i, specs in enumerate(files):
+            file = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+            tmp[i].replace(directory / file)
+            weight_map.update({name: file for name, _, _ in specs})
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     (directory / "config.json").write_text(json.dumps(config, indent=2))

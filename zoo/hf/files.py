@@ -1,18 +1,23 @@
 """Safetensors files and a checkpoint directory's tensors across its shards. Every problem raises
 `CheckpointError` naming the file and the tensor.
 
-Writing goes through the `safetensors` library. Reading parses the header here and hands out views
-of one `np.memmap` of the file: a view costs nothing until it is used, and a slice of it (or of a
-transposed or reshaped view) reads only the pages it covers, which is what lets a process of a
-sharded load read just its devices' slices. The library checks each header as well (offsets that
-overlap or leave gaps).
-
-Reading stays here, not in the library, though the library is about as fast: `python bench/safetensors_read.py`
-measured the time ratio library / memory map at 1.09 reading 64 [1024, 1024] float32 tensors whole
-and 0.92 reading one eighth of each (medians of 5 alternating runs, 2 shared CPU cores), about equal.
-What the library lacks: its numpy reader copies every tensor it returns (and knows no float8), and
-it slices only in the file's `[out, in]` layout, while a device's slice of a zoo leaf is a slice
-through the rules' transposes, reshapes and splits, which numpy views of the map give for free.
+What the `safetensors` library (0.8.0) does here and what it cannot:
+- Checking a file: the library validates each header on open (offsets that overlap or leave gaps,
+  shapes that disagree with the byte counts); zoo adds the truncation checks that name the file.
+- Writing a dict of arrays (`write_safetensors`): the library's `save_file`.
+- Writing a model (`SafetensorsStream`, for `save_pretrained`): hand-written, because the library
+  takes every tensor of a file at once (`save_file`, `serialize_file`), so a 5 GB shard would sit on
+  the host whole; the stream writes each tensor as its leaf comes, in the library's exact layout
+  (tests hold the bytes equal).
+- Reading: through views of one `np.memmap` per file, not the library. A view costs nothing until
+  used, and a slice of it (or of a transposed or reshaped view) reads only the pages it covers, which
+  is what lets a sharded load read just its devices' slices through the rules' transposes, reshapes
+  and splits; the library's `get_slice` slices only the file's `[out, in]` layout, its numpy reader
+  returns a fresh copy of every tensor, and it cannot read float8 into numpy (AttributeError
+  `numpy.float8_e4m3fn`), which DeepSeek-V3's weights are. Speed decides nothing either way:
+  `python bench/safetensors_read.py` (64 [1024, 1024] float32 tensors, medians of 5 alternating runs,
+  2 shared and loaded CPU cores) measured library / memory map at 1.09 and 0.85 in two sessions for
+  whole tensors, 0.92 and 1.42 for one eighth of each: equal within the noise.
 
 DeepSeek-V3's published FP8 weights (`float8_e4m3fn`, each with a float32 `<name>_scale_inv` of
 one scale per `weight_block_size` block) are dequantised on read: `w = q * scale_inv[block]`.
@@ -22,7 +27,7 @@ import json
 import math
 import os
 import pathlib
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import ml_dtypes
 import numpy as np
@@ -105,6 +110,60 @@ def write_safetensors(path: pathlib.Path, tensors: dict[str, np.ndarray], metada
     tmp = path.with_name(path.name + ".tmp")
     save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, tmp, metadata=metadata)
     os.replace(tmp, path)
+
+
+# The library's layout (its Rust `Dtype` enum order): larger dtypes first, then by name, so each tensor
+# starts aligned to its item size. `SafetensorsStream` writes the same layout.
+_ST_ORDER = ("BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "I16", "F16", "BF16", "I32", "F32", "F64", "I64")
+_ST_CODES = {np.dtype(v): k for k, v in _ST_DTYPES.items()}
+
+
+class SafetensorsStream:
+    """One safetensors file written a tensor at a time. The names, shapes and dtypes are given up front,
+    so the header goes first and each tensor's bytes go to their place as they come: the host holds one
+    tensor, not the file. The library cannot do this (`save_file` / `serialize_file` take every tensor
+    of the file at once), so this writer is here; it lays the file out exactly as the library does
+    (header, tensor order, padding), and tests/test_hf.py holds its bytes equal to `save_file`'s.
+
+    Written under `<name>.tmp`; `close()` checks every tensor came and renames the file into place."""
+
+    def __init__(self, path: pathlib.Path, specs: Sequence[tuple[str, Sequence[int], Any]], metadata: Optional[dict] = None):
+        self.path = pathlib.Path(path)
+        order = sorted(((n, tuple(sh), np.dtype(dt)) for n, sh, dt in specs), key=lambda t: (-_ST_ORDER.index(_ST_CODES[t[2]]), t[0]))
+        header: dict = {"__metadata__": dict(metadata)} if metadata else {}
+        self._where: dict[str, tuple[int, tuple[int, ...], np.dtype]] = {}
+        offset = 0
+        for name, shape, dtype in order:
+            end = offset + math.prod(shape) * dtype.itemsize
+            header[name] = {"dtype": _ST_CODES[dtype], "shape": list(shape), "data_offsets": [offset, end]}
+            self._where[name] = (offset, shape, dtype)
+            offset = end
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        self._data_start = 8 + len(raw)
+        self._tmp = self.path.with_name(self.path.name + ".tmp")
+        self._file = open(self._tmp, "wb")
+        self._file.write(len(raw).to_bytes(8, "little") + raw)
+        self._file.truncate(self._data_start + offset)
+
+    def write(self, name: str, array: np.ndarray) -> None:
+        offset, shape, dtype = self._where[name]
+        if array.shape != shape or array.dtype != dtype:
+            raise ValueError(f"{self.path}: tensor {name!r} is {array.dtype}{list(array.shape)}, the header says {dtype}{list(shape)}")
+        self._file.seek(self._data_start + offset)
+        np.ascontiguousarray(array).tofile(self._file)
+        del self._where[name]
+
+    @property
+    def done(self) -> bool:
+        return not self._where
+
+    def close(self) -> None:
+        self._file.close()
+        if self._where:
+            self._tmp.unlink()
+            raise ValueError(f"{self.path}: tensors {sorted(self._where)[:3]} were never written")
+        os.replace(self._tmp, self.path)
 
 
 def dequantize_blocks(q: np.ndarray, scale_inv: np.ndarray, block: Sequence[int]) -> np.ndarray:

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from zoo import tags
-from zoo.config import RopeConfig
+from zoo.config import DTypeLike, RopeConfig, dtype_name
 from zoo.nn._init import normal
 from zoo.nn.attention_kernels import attend
 from zoo.nn.cache import KVCache, cache_slots, from_prompt, visible_slots, write
@@ -62,12 +62,13 @@ class GQAttention(eqx.Module):
         sinks: bool = False,
         window: Optional[int] = None,
         scale: Optional[float] = None,
-        param_dtype: str = "float32",
-        compute_dtype: str = "float32",
+        param_dtype: DTypeLike = "float32",
+        compute_dtype: DTypeLike = "float32",
         impl: str = "auto",
         key: PRNGKeyArray,
     ):
         kq, kk, kv, ko = jax.random.split(key, 4)
+        param_dtype = dtype_name(param_dtype, "param_dtype")
         self.wq = normal(kq, (embed, heads, head_dim), embed, param_dtype)
         self.wk = normal(kk, (embed, kv_heads, head_dim), embed, param_dtype)
         self.wv = normal(kv, (embed, kv_heads, head_dim), embed, param_dtype)
@@ -81,7 +82,7 @@ class GQAttention(eqx.Module):
         self.rope = Rope(head_dim, rope, max_position_embeddings)
         self.scale = head_dim**-0.5 if scale is None else scale
         self.window = window
-        self.compute_dtype = compute_dtype
+        self.compute_dtype = dtype_name(compute_dtype, "compute_dtype")
         self.impl = impl
 
     def __check_init__(self):

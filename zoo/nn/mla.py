@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from zoo import tags
-from zoo.config import MLAConfig, RopeConfig
+from zoo.config import DTypeLike, MLAConfig, RopeConfig, dtype_name
 from zoo.nn._init import normal
 from zoo.nn.attention_kernels import attend
 from zoo.nn.cache import LatentCache, from_prompt, visible_slots, write
@@ -48,12 +48,13 @@ class MLAttention(eqx.Module):
         rope: RopeConfig,
         max_position_embeddings: int,
         *,
-        param_dtype: str = "float32",
-        compute_dtype: str = "float32",
+        param_dtype: DTypeLike = "float32",
+        compute_dtype: DTypeLike = "float32",
         impl: str = "auto",
         key: PRNGKeyArray,
     ):
         kqa, kqb, kkva, kkb, kvb, ko = jax.random.split(key, 6)
+        param_dtype = dtype_name(param_dtype, "param_dtype")
         if mla.q_lora_rank is None:
             self.wq_a, self.q_norm = None, None
             self.wq_b = normal(kqb, (embed, heads, mla.qk_head_dim), embed, param_dtype)
@@ -68,7 +69,7 @@ class MLAttention(eqx.Module):
         self.wo = normal(ko, (heads, mla.v_head_dim, embed), heads * mla.v_head_dim, param_dtype)
         self.rope = Rope(mla.qk_rope_head_dim, rope, max_position_embeddings)
         self.softmax_scale = mla.qk_head_dim**-0.5 * softmax_scale_multiplier(rope)
-        self.compute_dtype = compute_dtype
+        self.compute_dtype = dtype_name(compute_dtype, "compute_dtype")
         self.impl = impl
 
     def __check_init__(self):

@@ -4,6 +4,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from zoo import tags
+from zoo.config import DTypeLike, dtype_name
 from zoo.nn._init import normal
 
 
@@ -61,15 +62,16 @@ class GatedMLP(eqx.Module):
         mlp: int,
         *,
         activation: str = "silu",
-        param_dtype: str = "float32",
-        compute_dtype: str = "float32",
+        param_dtype: DTypeLike = "float32",
+        compute_dtype: DTypeLike = "float32",
         key: PRNGKeyArray,
     ):
         kg, ku, kd = jax.random.split(key, 3)
+        param_dtype = dtype_name(param_dtype, "param_dtype")
         self.w_gate = normal(kg, (embed, mlp), embed, param_dtype)
         self.w_up = normal(ku, (embed, mlp), embed, param_dtype)
         self.w_down = normal(kd, (mlp, embed), mlp, param_dtype)
-        self.compute_dtype = compute_dtype
+        self.compute_dtype = dtype_name(compute_dtype, "compute_dtype")
         self.activation = activation
 
     def __check_init__(self):

@@ -29,7 +29,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from zoo import sharding as zs
-from zoo.config import MoEConfig
+from zoo.config import DTypeLike, MoEConfig, dtype_name
 from zoo.nn._init import normal
 from zoo.nn.mlp import GatedMLP
 from zoo.nn.moe_dispatch import ExpertWeights, routed_experts
@@ -142,9 +142,10 @@ class MoE(eqx.Module):
     compute_dtype: str = eqx.field(static=True)
     impl: str = eqx.field(static=True)
 
-    def __init__(self, embed: int, c: MoEConfig, *, param_dtype: str = "float32", compute_dtype: str = "float32", key: PRNGKeyArray):
+    def __init__(self, embed: int, c: MoEConfig, *, param_dtype: DTypeLike = "float32", compute_dtype: DTypeLike = "float32", key: PRNGKeyArray):
         kr, kg, ku, kd, ks = jax.random.split(key, 5)
         e, i = c.n_routed_experts, c.moe_intermediate_size
+        param_dtype = dtype_name(param_dtype, "param_dtype")
         self.router = normal(kr, (embed, e), embed, param_dtype)
         self.e_score_correction_bias = jnp.zeros((e,), jnp.float32) if c.router == "sigmoid_grouped" else None
         self.router_bias = jnp.zeros((e,), param_dtype) if c.router_bias else None
@@ -161,7 +162,7 @@ class MoE(eqx.Module):
             else None
         )
         self.config = c
-        self.compute_dtype = compute_dtype
+        self.compute_dtype = dtype_name(compute_dtype, "compute_dtype")
         self.impl = resolve_moe_impl(c.impl)
 
     def __call__(self, x: Float[Array, "batch seq embed"]) -> tuple[Float[Array, "batch seq embed"], MoEAux]:

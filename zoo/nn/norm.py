@@ -3,6 +3,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from zoo.config import dtype_name
+
 
 class RMSNorm(eqx.Module):
     """`(offset + weight) * x / sqrt(mean(x^2) + eps)`, computed in float32 whatever the input dtype.
@@ -15,7 +17,7 @@ class RMSNorm(eqx.Module):
     weight_offset: float = eqx.field(static=True)
 
     def __init__(self, dim: int, *, eps: float = 1e-5, weight_offset: float = 0.0, dtype=jnp.float32):
-        self.weight = jnp.full((dim,), 1.0 - weight_offset, dtype)
+        self.weight = jnp.full((dim,), 1.0 - weight_offset, dtype_name(dtype, "dtype"))
         self.eps = eps
         self.weight_offset = weight_offset
 

@@ -595,12 +595,36 @@ def _child(tree, key):
     return tree[int(name)]
 
 
-def restore_model(checkpoint_dir, step: Optional[int] = None):
+def spread_shardings(params, devices) -> Any:
+    """A NamedSharding for every array leaf of `params` (abstract or concrete) over `devices` (one mesh
+    axis): each leaf split along its largest dimension that the device count divides, so no leaf is
+    whole on one device unless no dimension divides (then it is replicated). Not the training layout:
+    a restore for export or sampling needs only that every device holds a slice, and this needs no
+    mesh config and no divisibility of any particular axis."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    mesh = Mesh(np.asarray(list(devices), dtype=object), ("devices",))
+    n = mesh.size
+
+    def one(leaf):
+        dims = sorted(range(len(leaf.shape)), key=lambda d: -leaf.shape[d])
+        split = next((d for d in dims if n > 1 and leaf.shape[d] % n == 0), None)
+        spec = [None] * len(leaf.shape)
+        if split is not None:
+            spec[split] = "devices"
+        return NamedSharding(mesh, PartitionSpec(*spec))
+
+    return jax.tree.map(one, params)
+
+
+def restore_model(checkpoint_dir, step: Optional[int] = None, *, devices=None):
     """`(model, metadata)`: the CausalLM saved by train.py in `checkpoint_dir` (a `checkpoint.dir`) at
     `step` (default: the latest complete one), and that step's metadata (`model`, `optimizer`, ...).
 
-    Only the parameters are read (not the optimizer state), whatever mesh wrote them, into arrays on
-    the default device, in the dtype they were trained in. Bad input raises ConfigError (one line)."""
+    Only the parameters are read (not the optimizer state), whatever mesh wrote them, in the dtype they
+    were trained in: onto the default device, or with `devices` (e.g. `jax.devices()`) each leaf read
+    straight into its slices over them (`spread_shardings`), so a model larger than one device restores
+    without ever being whole on one. Bad input raises ConfigError (one line)."""
     import logging
 
     import equinox as eqx
@@ -635,8 +659,12 @@ def restore_model(checkpoint_dir, step: Optional[int] = None):
         saved = ckptr.metadata(d / str(step) / "state").item_metadata.tree["params"]
         # Orbax restores its own nested dicts here (a partial restore cannot rebuild Equinox modules);
         # the arrays are put back into the model by their key paths below.
-        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-        args = jax.tree.map(lambda m: ocp.ArrayRestoreArgs(sharding=device, global_shape=m.shape, dtype=m.dtype), saved)
+        if devices is None:
+            device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+            shardings = jax.tree.map(lambda m: device, saved)
+        else:
+            shardings = spread_shardings(saved, devices)
+        args = jax.tree.map(lambda m, sh: ocp.ArrayRestoreArgs(sharding=sh, global_shape=m.shape, dtype=m.dtype), saved, shardings)
         restored = ckptr.restore(
             d / str(step) / "state", args=ocp.args.PyTreeRestore(item={"params": saved}, restore_args={"params": args}, partial_restore=True)
         )["params"]

@@ -24,6 +24,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from zoo import model as zoo_model
+from zoo import offload
 from zoo import sharding as zs
 from zoo.loss import chunked_next_token_loss, target_weights
 from zoo.nn.attention_kernels import segments_bound
@@ -268,7 +269,7 @@ class Trainer:
         model = eqx.combine(params, self.static)
         layer_transform = zs.to_device if self.params_on_host else None
         tokens = zs.constrain(tokens, zs.TOKEN_AXES)
-        hidden, aux = model.features(tokens, remat_policy=self.policy, layer_transform=layer_transform)
+        hidden, aux = offload.features(model, tokens, remat_policy=self.policy, layer_transform=layer_transform)
         chunk = self.cfg.trainer.loss_chunk_size
         m = self.cfg.model
         if chunk:
@@ -288,8 +289,9 @@ class Trainer:
         batch = {k: zs.constrain(batch[k], zs.TOKEN_AXES) for k in ("tokens", "segment_ids", "positions", "loss_mask")}
         tokens, segment_ids = batch["tokens"], batch["segment_ids"]
         with segments_bound(self.max_segments):
-            hidden, aux = model.features(
-                tokens, positions=batch["positions"], segment_ids=segment_ids, remat_policy=self.policy, layer_transform=layer_transform
+            hidden, aux = offload.features(
+                model, tokens, positions=batch["positions"], segment_ids=segment_ids, remat_policy=self.policy,
+                layer_transform=layer_transform,
             )
         weights = target_weights(batch["loss_mask"], segment_ids)
         count = weights.sum()
