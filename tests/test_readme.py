@@ -212,15 +212,18 @@ def match_block(shown: list[str], out: list[str], loose_from: int | None = None)
 
     if any(m(0, j) for j in range(len(out) + 1)):
         return None
-    j = 0
+    j, gap = 0, True
     for i, line in enumerate(shown):  # greedy, for the message
         if line.strip() == "...":
+            gap = True
             continue
         k = next((k for k in range(j, len(out)) if match_line(line, out[k], loose(i))), None)
         if k is None:
             return line
-        j = k + 1
-    return "(every line is there, but not as consecutive lines: a line in between is not shown and not elided with ...)"
+        if not gap and k > j:
+            return f"{line} (printed, but after a line the README neither shows nor elides with ...: {out[j]})"
+        j, gap = k + 1, False
+    return "(every line is there, but not as consecutive lines)"
 
 
 def test_the_output_comparison_can_fail():
