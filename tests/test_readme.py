@@ -65,7 +65,7 @@ NOT_RUN = {
         "a recorded ~100M run: the quickest, gpt_oss_100m, took over 60 s as written on the development machine "
         "(the others' recorded steps are slower); tests/test_train_cli.py trains every family's tiny size"
     ),
-    r"model=hf model\.path=tests/data/llama_tiny_a data=text|^python -m zoo\.export checkpoints/finetune": (
+    r"model=hf model\.path=tests/data/llama_tiny_a data=text|^python -m zoo\.(export |generate checkpoint\.dir=)checkpoints/finetune": (
         "the fine-tuning walk-through: tests/test_hf_train.py runs its bash block as written and checks what it wrote"
     ),
 }
