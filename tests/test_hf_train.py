@@ -345,9 +345,12 @@ def walkthrough(tmp_path_factory):
     blocks = re.findall(r"```bash\n(.*?)```", section, re.S)
     assert blocks, "the README section has no bash block"
     d = workdir(tmp_path_factory.mktemp("walkthrough"))
+    env = {k: v for k, v in clean_env().items() if k != "XLA_FLAGS"}  # a default CPU (one device), as the README says
+    env["PYTHONUNBUFFERED"] = "1"  # stdout and stderr in the order a terminal shows them
     t0 = time.perf_counter()
-    p = subprocess.run(["bash", "-e", "-c", blocks[0]], cwd=d, env=clean_env(), capture_output=True, text=True, timeout=900)
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    p = subprocess.run(["bash", "-e", "-c", blocks[0]], cwd=d, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                       text=True, errors="replace", timeout=900)
+    assert p.returncode == 0, p.stdout[-5000:]
     return d, p, time.perf_counter() - t0
 
 
@@ -364,6 +367,19 @@ def test_readme_walkthrough_fine_tunes_from_the_step_0_loss_from_pretrained_give
     summary = json.loads((run / "summary.json").read_text())
     assert len(records) == summary["steps"] == 20
     assert "weights: " in p.stdout and "tests/data/llama_tiny_a (llama, 1 safetensors file) as float32" in p.stdout
+    # What it printed is what the README shows under the block (timings aside; test_readme.py's rules).
+    from test_readme import match_block
+
+    section = readme_section("Fine-tuning a Hugging Face model")
+    output_block = next(text for lang, text in re.findall(r"```(\w*)\n(.*?)```", section, re.S) if lang == "")
+    shown = [ln for ln in output_block.splitlines() if ln.strip()]
+    missing = match_block(shown, [ln for ln in p.stdout.splitlines() if ln.strip()])
+    assert missing is None, f"README line not printed: {missing}\n{p.stdout[-3000:]}"
+
+    # The held-out loss is watched: evaluated at step 10 and at the end, in metrics.jsonl and summary.json.
+    evals = {r["step"] + 1: r["eval_loss"] for r in records if r.get("eval_loss") is not None}  # "step" counts from 0
+    assert sorted(evals) == [10, 20], evals
+    assert evals[20] < evals[10] and summary["eval"]["eval_loss"] == evals[20]
 
     # Step 0 is exactly the loss of from_pretrained on the batch train.py drew; 20 steps lower it.
     overrides = [o for o in summary["overrides"] if not o.startswith("hydra.")]
@@ -378,6 +394,16 @@ def test_readme_walkthrough_fine_tunes_from_the_step_0_loss_from_pretrained_give
     assert summary["config"]["pretrained"]["path"] == str(d / "tests" / "data" / "llama_tiny_a")
     model, meta = restore_model(d / "checkpoints" / "finetune")
     assert meta["step"] == 20 and meta["pretrained"] == summary["config"]["pretrained"]
+
+    # Sampling from the checkpoint printed the greedy continuation of the trained model, in UTF-8 bytes.
+    from zoo.data.tokenizer import ByteTokenizer
+    from zoo.generate import generate
+
+    command = next(ln for ln in section.splitlines() if ln.startswith("python -m zoo.generate checkpoint.dir=checkpoints/finetune"))
+    prompt = re.search(r'prompt="([^"]*)"', command).group(1)
+    n = int(re.search(r"max_new_tokens=(\d+)", command).group(1))
+    expected = generate(model, [prompt], n, tokenizer=ByteTokenizer())[0]
+    assert prompt + expected.text in p.stdout.splitlines()
 
     # The export loads back with the trained weights: logits equal; its files are the hub's layout.
     exported = d / "exported" / "finetune"
