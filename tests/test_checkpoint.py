@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+import types
 
 import jax
 import numpy as np
@@ -441,13 +442,14 @@ class _Events:
             os.kill(os.getpid(), signal.SIGUSR1)
         return state + 1, {"loss": np.float32(state)}
 
-    def read(self, d):
+    def read(self, ds):
         from zoo.train.run import Diverged
 
-        self.events.append(("read", d.step))
-        if d.step == self.diverge_at:
-            raise Diverged(d.step, {"loss": float("nan")})
-        self.completed = d.step + 1
+        for d in ds:
+            self.events.append(("read", d.step))
+            if d.step == self.diverge_at:
+                raise Diverged(d.step, {"loss": float("nan")})
+            self.completed = d.step + 1
 
     def save(self, step, state):
         assert state == step  # the state after `step` steps
@@ -486,6 +488,34 @@ def test_step_loop_dispatches_ahead_and_saves_only_checked_states():
         _loop(ev, 10, 2, StopSignals()).run(0, 0)
     assert [e[1] for e in ev.events if e[0] == "save"] == [2, 4, 6]  # state 7 was never saved
     assert ev.at(("read", 5)) < ev.at(("save", 6))
+
+
+def test_step_times_stay_honest_when_a_save_drains_two_steps_at_once(tmp_path):
+    """XLA:CPU runs a step inside its dispatch call, so at a save the step before is already finished
+    when it is read, and the saved step right after it: the two share the time they took, rather than
+    the first taking both and the second none (which printed millions of tokens/s at every save)."""
+    from zoo.train.run import Batches, StepLog, StepLoop
+    from zoo.train.stop import StopSignals
+
+    class Run:  # a step that runs synchronously inside its dispatch, as on CPU
+        batch = shard_tokens = staticmethod(lambda x: x)
+
+        def step(self, state, tokens):
+            time.sleep(0.05)
+            return state + 1, {"loss": np.float32(1.0), "grad_norm": np.float32(1.0)}
+
+    from zoo.inspect import compose
+    from zoo.train.config import load
+
+    c = load(compose(["model=llama_tiny_a", "data.batch_size=2", "data.seq_len=8", "trainer.steps=12", "trainer.progress=false"]))
+    run = Run()
+    log = StepLog(c, tmp_path, 0, 1, [], show=False)
+    saves = types.SimpleNamespace(save=lambda step, state: None)
+    StepLoop(run.step, Batches(run, run), log, saves, StopSignals(), 12, 4).run(0, 0)
+    log.close()
+    assert len(log.times) == 12
+    assert all(0.025 < t < 0.5 for t in log.times[1:]), log.times  # each ~0.05 s; none near zero
+    assert [r["tokens_per_s"] for r in metrics(tmp_path)][3] < 16 / 0.025
 
 
 def test_sigusr1_stops_the_loop_after_the_step_in_flight_and_saves_it():

@@ -255,35 +255,42 @@ class StepLog:
         self.completed = start  # steps done and checked
         self._last_ready = -math.inf
 
-    def read(self, d: Dispatched, evaluate: Optional[Callable[[], dict]] = None) -> dict:
-        """Wait for step `d` and log it (with `evaluate()`'s held-out metrics when given); Diverged if
-        its loss or gradient norm is not finite."""
+    def read(self, ds: list[Dispatched], evaluate: Optional[Callable[[], dict]] = None) -> dict:
+        """Wait for the steps `ds` (dispatched in this order) and log each (the last with `evaluate()`'s
+        held-out metrics when given); Diverged at the first whose loss or gradient norm is not finite.
+        The last step's metrics are returned.
+
+        Steps read together (a drain before a save or an evaluation) share their time equally: the
+        earlier one is usually finished by the time it is read (XLA:CPU runs a step inside its dispatch
+        call), so timing each from its own read would give it the later one's time and the later one
+        almost none."""
         import jax
 
         from zoo.train.metrics import device_memory
 
-        m = jax.device_get(d.metrics)  # waits for the step
+        ms = jax.device_get([d.metrics for d in ds])  # waits for the steps
         ready = time.perf_counter()
-        # The step ran from its dispatch or from the end of the one before, whichever came later.
-        dt = ready - max(d.at, self._last_ready)
+        # They ran from the first one's dispatch or from the end of the step before, whichever came later.
+        dt = (ready - max(ds[0].at, self._last_ready)) / len(ds)
         self._last_ready = ready
-        m = {k: (v.tolist() if getattr(v, "ndim", 0) else float(v)) for k, v in m.items()}
-        m.update(self.throughput(dt))
         mem = device_memory(self.local_devices)
-        m["device_bytes_in_use"] = mem["bytes_in_use"] if mem else None
-        m["device_peak_bytes"] = mem["peak_bytes_in_use"] if mem else None
         if mem:
             self.peak_device = max(self.peak_device or 0, mem["peak_bytes_in_use"])
-        if evaluate is not None:
-            m.update(evaluate())
-        self.losses.append(m["loss"])
-        self.times.append(dt)
-        if self.writer:
-            self.writer.write(d.step, m)
-        self.progress.update(d.step, m)
-        if not (math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])):
-            raise Diverged(d.step, m)
-        self.completed = d.step + 1
+        for i, (d, m) in enumerate(zip(ds, ms)):
+            m = {k: (v.tolist() if getattr(v, "ndim", 0) else float(v)) for k, v in m.items()}
+            m.update(self.throughput(dt))
+            m["device_bytes_in_use"] = mem["bytes_in_use"] if mem else None
+            m["device_peak_bytes"] = mem["peak_bytes_in_use"] if mem else None
+            if evaluate is not None and i == len(ds) - 1:
+                m.update(evaluate())
+            self.losses.append(m["loss"])
+            self.times.append(dt)
+            if self.writer:
+                self.writer.write(d.step, m)
+            self.progress.update(d.step, m)
+            if not (math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])):
+                raise Diverged(d.step, m)
+            self.completed = d.step + 1
         return m
 
     def close(self) -> None:
@@ -328,33 +335,35 @@ class StepLoop:
             current = Dispatched(step, metrics, t, self.stop.vote())
             if self.pipelined and step + 1 < self.steps:
                 self.batches.prefetch(step + 1)  # while the devices run this step
-            if pending is not None:
-                self._read(pending)
-            pending = current
             done = step + 1
-            if self.save_due(done) or self.eval_due(done) or self.stopped or not self.pipelined:
+            stopping = pending is not None and self.stop.agreed(pending.vote)  # a signal: stop after this step
+            if self.save_due(done) or self.eval_due(done) or stopping or not self.pipelined:
                 # drained: this state is saved (or evaluated) before the next step donates it, and
                 # saved only if its step was finite
-                self._read(pending, state if self.eval_due(done) else None)
+                self._read([d for d in (pending, current) if d is not None], state if self.eval_due(done) else None)
                 pending = None
                 if self.save_due(done):
                     self.ckpt.save(done, state)  # returns once the arrays are copied: the next step may donate them
+            else:
+                if pending is not None:
+                    self._read([pending])
+                pending = current
             if self.stopped:
                 break
         if pending is not None:
-            self._read(pending)
+            self._read([pending])
         if self.log.completed == self.steps:
             self.stopped = False  # the signal came during the last step: the run is complete
         if self.stopped and self.ckpt is not None and self.log.completed > start:
             self.ckpt.save(self.log.completed, state)  # skipped when that step was just saved
         return state
 
-    def _read(self, d: Dispatched, eval_state=None) -> None:
+    def _read(self, ds: list[Dispatched], eval_state=None) -> None:
         if eval_state is None:
-            self.log.read(d)
+            self.log.read(ds)
         else:
-            self.log.read(d, lambda: self.evaluator(eval_state["params"], d.step + 1))
-        if self.stop.agreed(d.vote):  # a signal: stop after the step in flight
+            self.log.read(ds, lambda: self.evaluator(eval_state["params"], ds[-1].step + 1))
+        if any(self.stop.agreed(d.vote) for d in ds):  # a signal: stop after the step in flight
             self.stopped = True
 
 
