@@ -518,6 +518,26 @@ def test_step_times_stay_honest_when_a_save_drains_two_steps_at_once(tmp_path):
     assert [r["tokens_per_s"] for r in metrics(tmp_path)][3] < 16 / 0.025
 
 
+def test_ctrl_c_during_a_save_lets_the_copy_finish_then_interrupts():
+    """A Ctrl-C that lands while a checkpoint's arrays are being copied is held back until the copy is
+    done (the step is then saved), and raised after it."""
+    from zoo.train.checkpoint import Checkpoints
+
+    class Manager:
+        def save(self, step, args, force):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)  # Python runs a handler between bytecodes: well inside the copy
+            copied.append(step)
+
+    copied = []
+    ckpt = object.__new__(Checkpoints)  # only what save() touches
+    ckpt.saved, ckpt.meta, ckpt._manager = [], dict, Manager
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.save(7, {"params": np.zeros(2)})
+    assert copied == [7] and ckpt.saved == [7]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+
+
 def test_sigusr1_stops_the_loop_after_the_step_in_flight_and_saves_it():
     from zoo.train.stop import StopSignals
 

@@ -31,14 +31,17 @@ can save those steps again. When no step restores, the run stops with one line n
 the fix, before compiling.
 """
 
+import contextlib
 import dataclasses
 import importlib.metadata
 import json
 import os
 import pathlib
 import re
+import signal
 import socket
 import sys
+import threading
 import time
 from typing import Any, Callable, Optional
 
@@ -285,6 +288,23 @@ def unreadable_reason(e: BaseException, step_dir: pathlib.Path) -> str:
     if len(text) > 240:
         text = text[:237] + "..."
     return f"{_READ_ERRORS[code]}: {text}" if code in _READ_ERRORS else text
+
+
+@contextlib.contextmanager
+def ctrl_c_deferred():
+    """Hold a Ctrl-C (SIGINT) back until the block is done, then raise it: the block always completes.
+    Only the main thread receives signals; elsewhere the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pressed = []
+    before = signal.signal(signal.SIGINT, lambda signum, frame: pressed.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
+    if pressed:  # now as it would have: Python's own handler raises KeyboardInterrupt
+        (before if callable(before) else signal.default_int_handler)(signal.SIGINT, None)
 
 
 class Checkpoints:
@@ -565,8 +585,9 @@ class Checkpoints:
         if step in self.saved:  # (decided alike in every process: they must all call save, or none)
             return
         meta = {**self.meta(), "step": step}
-        self._manager().save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(meta)), force=True)
-        self.saved.append(step)
+        with ctrl_c_deferred():  # a Ctrl-C here would abandon the copy half done, and with it this step
+            self._manager().save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(meta)), force=True)
+            self.saved.append(step)
 
     def wait(self) -> None:
         if self.manager is not None:
