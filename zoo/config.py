@@ -611,7 +611,7 @@ SIZES: dict[str, ModelConfig] = {
         rope=RopeConfig(type="llama3", theta=500000.0, factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192),
         compute_dtype="bfloat16",
     ),
-    # ~85M Llama: big enough on CPU that matmuls dominate (benchmarks, memory ordering tests).
+    # A 64M Llama (its name is the size class): big enough on CPU that matmuls dominate (benchmarks, memory ordering tests).
     "llama_100m": ModelConfig(
         family=LLAMA, vocab_size=32000, hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, head_dim=64,
         intermediate_size=2048, max_position_embeddings=4096, rope=RopeConfig(theta=500000.0),

@@ -540,7 +540,7 @@ def _fmt_bytes(b: float) -> str:
 # --- the command line -------------------------------------------------------------------------
 
 
-def _per_device_bytes(abstract_tree, shardings, stack_names: Sequence[str] = ()) -> tuple[float, dict]:
+def per_device_bytes(abstract_tree, shardings, stack_names: Sequence[str] = ()) -> tuple[float, dict]:
     """Bytes per device of a tree of ShapeDtypeStructs under its shardings; and per layer stack
     (leaves under `stacks[i]`, keyed by `stack_names[i]`)."""
     import jax
@@ -661,9 +661,9 @@ def problem_from_config(c, trainer, opts: PlanConfig, hardware_dir=None, attenti
     tags = tag_costs(m, placement.records, batch, seq)
 
     stacks = {}
-    param_bytes, stack_params = _per_device_bytes(trainer.abstract_params, trainer.param_shardings, stack_names(abstract))
+    param_bytes, stack_params = per_device_bytes(trainer.abstract_params, trainer.param_shardings, stack_names(abstract))
     abstract_opt = jax.eval_shape(trainer.tx.init, trainer.abstract_params)
-    opt_bytes, stack_opt = _per_device_bytes(abstract_opt, trainer.opt_shardings, stack_names(abstract))
+    opt_bytes, stack_opt = per_device_bytes(abstract_opt, trainer.opt_shardings, stack_names(abstract))
     for s in placement.stacks:
         stacks[s["name"]] = StackCost(
             layers=s["layers"],

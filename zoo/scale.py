@@ -34,11 +34,11 @@ LARGEST = 12  # collectives listed one by one (by bytes per step)
 
 def state_bytes(trainer) -> dict:
     """Per device: `params`, `grads`, `opt_state`, their `total`; and `global_params` (all devices)."""
-    from zoo.plan import _per_device_bytes
+    from zoo.plan import per_device_bytes
 
-    params, _ = _per_device_bytes(trainer.abstract_params, trainer.param_shardings)
+    params, _ = per_device_bytes(trainer.abstract_params, trainer.param_shardings)
     abstract_opt = jax.eval_shape(trainer.tx.init, trainer.abstract_params)
-    opt, _ = _per_device_bytes(abstract_opt, trainer.opt_shardings)
+    opt, _ = per_device_bytes(abstract_opt, trainer.opt_shardings)
     whole = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(trainer.abstract_params))
     return {"params": int(params), "grads": int(params), "opt_state": int(opt), "total": int(2 * params + opt), "global_params": int(whole)}
 
