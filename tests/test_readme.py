@@ -55,9 +55,9 @@ NOT_RUN = {
     r"hydra/launcher=joblib": "needs the hydra-joblib-launcher plugin, which the project does not install",
     r"data\.path=(~/notes/|books\.jsonl|corpus/|pairs\.jsonl)": "placeholder paths for the user's own text",
     r"<train\.py overrides>": "a placeholder, not a command",
-    r"^python -m zoo\.inspect model=llama_1b hardware=h100_pcie data\.batch_size=2 data\.seq_len=4096 offload=planned$": (
-        "the plan it inspects (conf/offload/planned.yaml of an earlier cost model) is no longer shipped, and a llama_1b "
-        "step at 2 x 4096 compiles for many minutes on CPU; tests/test_plan.py runs plan -> YAML -> inspector at tiny size"
+    r"^python -m zoo\.inspect model=llama_1b hardware=h100_pcie data\.batch_size=2 data\.seq_len=4096 'hydra\.searchpath=\[file:///<plan dir>\]' offload=planned$": (
+        "a recorded run of an earlier plan (`<plan dir>` is a placeholder), and a llama_1b step at 2 x 4096 compiles for "
+        "many minutes on CPU; tests/test_plan.py runs plan -> YAML -> inspector at tiny size"
     ),
     r"bench/gpu\.py": "needs a GPU",
     r"^python bench/cpu\.py|bench/cpu": "the CPU benchmark (7 min; tests/test_bench.py runs --quick)",
