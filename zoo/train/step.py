@@ -31,6 +31,38 @@ from zoo.offload import remat_policy
 from zoo.train.config import OptimizerConfig, Plan, TrainConfig
 from zoo.train.update import UPDATE_SCOPE, accumulate, global_norm, streamed_update, zeros_where
 
+# xla.cpu_fast_compile=auto turns LLVM's optimisations on from this many model FLOPs per run (steps x
+# step FLOPs). On the 2-core CPU machine they made steps 1.3-1.6x faster and compiles 1.3-2x longer
+# (python bench/opt_level.py, docs/benchmarks.md): below about a TFLOP of work the compile costs more
+# than the steps save, above it the steps save more (the 20M Llama's 152 GFLOP step repays it in a
+# handful of steps; train.py's default run, 0.05 TFLOP, never does).
+CPU_OPTIMIZE_FROM_FLOPS = 1e12
+
+
+def cpu_optimization(c: TrainConfig, platform: str) -> tuple[Optional[bool], str]:
+    """Whether XLA:CPU compiles the step with LLVM's optimisations (None off CPU), and why:
+    `xla.cpu_fast_compile` true / false, or auto: on when the run's model FLOPs (steps x step FLOPs)
+    reach CPU_OPTIMIZE_FROM_FLOPS, where the faster steps repay the longer compile."""
+    if platform != "cpu":
+        return None, "not on CPU"
+    fast = c.xla.cpu_fast_compile
+    if fast != "auto":
+        return (not fast), f"xla.cpu_fast_compile={str(fast).lower()}"
+    run_flops = run_model_flops(c)
+    on = run_flops >= CPU_OPTIMIZE_FROM_FLOPS
+    return on, (
+        f"xla.cpu_fast_compile=auto: the run's {run_flops / 1e12:.2g} TFLOP of model FLOPs "
+        f"{'>=' if on else '<'} {CPU_OPTIMIZE_FROM_FLOPS / 1e12:g} TFLOP"
+    )
+
+
+def run_model_flops(c: TrainConfig) -> float:
+    """The model FLOPs (zoo.config.flops_per_token: forward + backward, no recomputation) of the run's steps."""
+    from zoo.config import flops_per_token
+
+    tokens = c.data.batch_size * c.data.seq_len * c.trainer.grad_accum
+    return float(flops_per_token(c.model, c.data.seq_len)) * tokens * c.trainer.steps
+
 
 def is_array_like(x) -> bool:
     return isinstance(x, (jax.Array, jax.ShapeDtypeStruct))
@@ -415,13 +447,17 @@ class Trainer:
             )
         return self._step
 
+    def cpu_optimization(self) -> tuple[Optional[bool], str]:
+        """Whether XLA:CPU compiles this step with LLVM's optimisations (None off CPU), and why."""
+        return cpu_optimization(self.cfg, self.mesh.devices.flat[0].platform)
+
     @property
     def compiler_options(self) -> Optional[dict]:
-        cpu = self.mesh.devices.flat[0].platform == "cpu"
-        return {"xla_backend_optimization_level": 0} if cpu and self.cfg.xla.cpu_fast_compile else None
+        on, _ = self.cpu_optimization()
+        return {"xla_backend_optimization_level": 0} if on is False else None
 
     def compile(self, state: Any = None, tokens: Any = None):
-        """The compiled step (xla.cpu_fast_compile applies its options on CPU)."""
+        """The compiled step (on CPU with the options `cpu_optimization` picks)."""
         return self.lower(state, tokens).compile(self.compiler_options)
 
     def lower(self, state: Any = None, tokens: Any = None):
