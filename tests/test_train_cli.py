@@ -242,6 +242,7 @@ def test_xla_flags_merge_with_environment():
         "--xla_dump_to=/tmp/d",
         "--xla_gpu_enable_latency_hiding_scheduler=true",
         "--xla_force_host_platform_device_count=4",
+        "--xla_cpu_experimental_ynn_fusion_type=dot",
     ]
     # xla.cpu_ynn_fusions is a default: added when neither the environment nor xla.flags set the flag
     assert merged_xla_flags(XlaConfig(), None) == "--xla_cpu_experimental_ynn_fusion_type=dot"
