@@ -32,11 +32,12 @@ from zoo.train.config import OptimizerConfig, Plan, TrainConfig
 from zoo.train.update import UPDATE_SCOPE, accumulate, global_norm, streamed_update, zeros_where
 
 # xla.cpu_fast_compile=auto turns LLVM's optimisations on from this many model FLOPs per run (steps x
-# step FLOPs). On the 2-core CPU machine they made steps 1.3-1.6x faster and compiles 1.3-2x longer
-# (python bench/opt_level.py, docs/benchmarks.md): below about a TFLOP of work the compile costs more
-# than the steps save, above it the steps save more (the 20M Llama's 152 GFLOP step repays it in a
-# handful of steps; train.py's default run, 0.05 TFLOP, never does).
-CPU_OPTIMIZE_FROM_FLOPS = 1e12
+# step FLOPs). `python bench/opt_level.py` on the 2-core machine (loaded, docs/benchmarks.md):
+# train.py's default run (dsv3_tiny_a, 16 x 64 tokens, 0.8 GFLOP a step) compiled in 4.5 s -> 7.2 s
+# and stepped in 128 -> 52 ms, so the optimised program paid for its compile after ~35 steps (~0.03
+# TFLOP); the 20M and 64M Llamas' steps save seconds each. Below the threshold (a few steps of a tiny
+# model: most tests) the compile is the run, and LLVM's optimisations stay off.
+CPU_OPTIMIZE_FROM_FLOPS = 5e10
 
 
 def cpu_optimization(c: TrainConfig, platform: str) -> tuple[Optional[bool], str]:
