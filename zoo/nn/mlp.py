@@ -1,50 +1,21 @@
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jax.custom_derivatives import SymbolicZero
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from zoo import tags
 from zoo.nn._init import normal
 
 
-@jax.custom_jvp
-def _matmul_xt(x, w):
-    return x @ w
-
-
-def _matmul_xt_jvp(primals, tangents):
-    x, w = primals
-    dx, dw = tangents
-    # A custom JVP (not a custom VJP) so that forward-mode AD (jax.jvp, jax.linearize) works; its
-    # tangent is linear in (dx, dw), so reverse mode is JAX's transpose of it. The weight term is
-    # written against x^T materialised behind an optimisation barrier: its transpose, the weight
-    # gradient, is then `x^T @ g` with the smaller operand ([embed, tokens] against [tokens, mlp])
-    # transposed. Left to itself, XLA:CPU transposes g instead, inside the fused activation
-    # backward, which then reads the scan's stacked residuals column by column: on the 2-core CPU
-    # machine llama_100m's step took 16% less time this way (bench/ab_hotpath.py, docs/benchmarks.md).
-    # A symbolic-zero tangent (an input not differentiated) adds no term, so no wasted matmul.
-    y = x @ w
-    terms = []
-    if not isinstance(dx, SymbolicZero):
-        terms.append(dx @ w)
-    if not isinstance(dw, SymbolicZero):
-        xt = jax.lax.optimization_barrier(x.T)
-        terms.append(jnp.einsum("DT,DF->TF", xt, dw))
-    return y, sum(terms[1:], terms[0]) if terms else jnp.zeros_like(y)
-
-
-_matmul_xt.defjvp(_matmul_xt_jvp, symbolic_zeros=True)
-
-
 def dense(x: Float[Array, "*batch d_in"], w: Float[Array, "d_in d_out"]) -> Float[Array, "*batch d_out"]:
-    """`x @ w` over the last axis. On CPU through a custom JVP whose weight gradient transposes the
-    activations rather than the incoming gradient (see `_matmul_xt_jvp`); elsewhere a plain einsum
-    (GPU matmul libraries take transposed operands as they are)."""
-    if jax.default_backend() != "cpu":
-        return jnp.einsum("...D,DF->...F", x, w)
-    lead = x.shape[:-1]
-    return _matmul_xt(x.reshape(-1, x.shape[-1]), w).reshape(*lead, w.shape[-1])
+    """`x @ w` over the last axis, a plain einsum on every backend.
+
+    On CPU this was a custom VJP whose weight gradient transposed the activations rather than the
+    incoming gradient (16% faster on llama_100m when it was written). With LLVM's optimisations on and
+    only matmuls handed to YNNPACK (train.py's CPU defaults now) the plain einsum was 10% faster on
+    both of bench/peer.py's Llamas (`bench/ab_variants.py ... base plaindense`, docs/benchmarks.md), and
+    it needs no custom rule for forward-mode AD."""
+    return jnp.einsum("...D,DF->...F", x, w)
 
 
 ACTIVATIONS = {
