@@ -12,6 +12,10 @@ them alternately (median over rounds):
 2. the code as it is (1 + SwiGLU's custom VJP on CPU, zoo/nn/mlp.py)
 3. 2 + the same custom VJP for the attention projections (tried, not kept)
 
+Since `zoo.nn.mlp.dense` became a plain einsum (10% faster under train.py's current CPU defaults,
+docs/benchmarks.md "Against PyTorch eager"), variants 2 and 3 are the same programs as 1: this script
+records the measurement that introduced the custom VJP, under the defaults of that time.
+
 The variants are swapped in by patching the functions before each trace; the code is left as it is.
 `--profile` also prints, for variants 0 and 2, the costliest non-matmul ops of one step.
 `--part head` times only the output head and the loss (forward + backward, jitted), old loss against

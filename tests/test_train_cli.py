@@ -242,8 +242,14 @@ def test_xla_flags_merge_with_environment():
         "--xla_dump_to=/tmp/d",
         "--xla_gpu_enable_latency_hiding_scheduler=true",
         "--xla_force_host_platform_device_count=4",
+        "--xla_cpu_experimental_ynn_fusion_type=dot",
     ]
-    assert merged_xla_flags(XlaConfig(), None) == ""
+    # xla.cpu_ynn_fusions is a default: added when neither the environment nor xla.flags set the flag
+    assert merged_xla_flags(XlaConfig(), None) == "--xla_cpu_experimental_ynn_fusion_type=dot"
+    assert merged_xla_flags(XlaConfig(cpu_ynn_fusions=None), None) == ""
+    mine = "--xla_cpu_experimental_ynn_fusion_type=dot,eltwise,reduce"
+    assert merged_xla_flags(XlaConfig(), mine) == mine
+    assert merged_xla_flags(XlaConfig(flags=[mine]), None) == mine
 
 
 NEW_FAMILIES = ("qwen2_tiny_a", "qwen3_tiny_a", "qwen3_moe_tiny_a", "mixtral_tiny_a", "gemma3_tiny_a", "gpt_oss_tiny_a")

@@ -150,7 +150,7 @@ def _recompute_loss(h, head, targets, weights, softcap, cdt):
     return jax.lax.scan(step, jnp.float32(0), (h, targets, weights))[0]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2))
 def _fused_loss(softcap, cdt, head_dtype, h, head, targets, weights):
     w = head.astype(cdt)
 
@@ -162,7 +162,8 @@ def _fused_loss(softcap, cdt, head_dtype, h, head, targets, weights):
     return jax.lax.scan(step, jnp.float32(0), (h, targets, weights))[0]
 
 
-def _fused_loss_fwd(softcap, cdt, head_dtype, h, head, targets, weights):
+def _fused_loss_and_grads(softcap, cdt, head, h, targets, weights):
+    """The loss and its gradients wrt h (chunked like h) and head (float32), in one pass over the chunks."""
     w = head.astype(cdt)
     vocab = head.shape[1]
 
@@ -184,15 +185,22 @@ def _fused_loss_fwd(softcap, cdt, head_dtype, h, head, targets, weights):
 
     init = (jnp.float32(0), jnp.zeros(head.shape, jnp.float32))
     (total, d_head), d_h = jax.lax.scan(step, init, (h, targets, weights))
-    return total, (d_h, d_head, weights)
+    return total, d_h, d_head
 
 
-def _fused_loss_bwd(softcap, cdt, head_dtype, residuals, g):
-    d_h, d_head, weights = residuals
-    return (g * d_h).astype(d_h.dtype), (g * d_head).astype(head_dtype), None, jnp.zeros_like(weights)
-
-
-_fused_loss.defvjp(_fused_loss_fwd, _fused_loss_bwd)
+@_fused_loss.defjvp
+def _fused_loss_jvp(softcap, cdt, head_dtype, primals, tangents):
+    # The loss is a scalar, so its tangent is <dL/dh, dh> + <dL/dhead, dhead>: linear in the tangents,
+    # with the gradients computed in the forward pass while each chunk's logits exist. Reverse mode
+    # transposes this into g * dL/dh and g * dL/dhead (only scaling, as a custom VJP would), and
+    # forward mode (jax.jvp, jax.linearize) works too. The mask `weights` gets no tangent: no gradient
+    # flows to it.
+    h, head, targets, weights = primals
+    dh, dhead = tangents[0], tangents[1]
+    total, d_h, d_head = _fused_loss_and_grads(softcap, cdt, head, h, targets, weights)
+    # (elementwise products and sums, not vdot: transposed, they are scalings, not more matmuls)
+    tangent = (d_h.astype(jnp.float32) * dh.astype(jnp.float32)).sum() + (d_head * dhead.astype(jnp.float32)).sum()
+    return total, tangent
 
 
 def chunked_next_token_nll(

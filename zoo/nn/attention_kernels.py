@@ -21,6 +21,7 @@ from typing import Optional, Union
 
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero, linear_call
 import numpy as np
 from jaxtyping import Array, Float, Int
 
@@ -435,14 +436,45 @@ def _block(x, i):
     return None if x is None else jax.lax.dynamic_index_in_dim(x, i, keepdims=False)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
 def _flash(tiling, qb, kb, vb, sink, q_seg, kv_seg):
     return _flash_forward(tiling, qb, kb, vb, sink, q_seg, kv_seg)[0]
 
 
-def _flash_fwd(tiling, qb, kb, vb, sink, q_seg, kv_seg):
+def _flash_jvp(tiling, primals, tangents):
+    # A custom JVP, so that forward mode (jax.jvp, jax.linearize) works, whose tangent is a
+    # `linear_call`: forward-mode AD of the blockwise forward, with FlashAttention-2's backward
+    # (`_flash_bwd`) as its transpose. Reverse mode therefore runs the same backward a custom VJP
+    # would, keeping one tile of scores at a time, instead of transposing the forward scan (which
+    # would keep every tile's probabilities). Only the inputs that have a tangent (not a symbolic
+    # zero: a constant key or value, say) are linear operands: a transpose needs all of them unknown.
+    qb, kb, vb, sink, q_seg, kv_seg = primals
     out, lse = _flash_forward(tiling, qb, kb, vb, sink, q_seg, kv_seg)
-    return out, (qb, kb, vb, sink, q_seg, kv_seg, out, lse)
+    residuals = (qb, kb, vb, sink, q_seg, kv_seg, out, lse)
+    live = tuple(i for i in range(4) if primals[i] is not None and not isinstance(tangents[i], SymbolicZero))
+    if not live:
+        return out, jnp.zeros_like(out)
+
+    def forward_tangent(res, lin):
+        qb, kb, vb, sink, q_seg, kv_seg = res[:6]
+        args = (qb, kb, vb, sink)
+        full = [None if x is None else jnp.zeros_like(x) for x in args]
+        for i, t in zip(live, lin):
+            full[i] = t
+
+        def f(*a):
+            return _flash_forward(tiling, *a, q_seg, kv_seg)[0]
+
+        return jax.jvp(f, args, tuple(full))[1]
+
+    def transpose(res, d_out):
+        grads = _flash_bwd(tiling, res, d_out)
+        return tuple(grads[i] for i in live)
+
+    return out, linear_call(forward_tangent, transpose, residuals, tuple(tangents[i] for i in live))
+
+
+_flash.defjvp(_flash_jvp, symbolic_zeros=True)
 
 
 def _flash_bwd(tiling, residuals, d_out):
@@ -485,7 +517,6 @@ def _flash_bwd(tiling, residuals, d_out):
     return dq.astype(qb.dtype), dk.astype(kb.dtype), dv.astype(vb.dtype), d_sink, None, None
 
 
-_flash.defvjp(_flash_fwd, _flash_bwd)
 
 
 # --- cuDNN ---------------------------------------------------------------------------------------

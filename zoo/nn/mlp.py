@@ -8,36 +8,15 @@ from zoo.config import DTypeLike, dtype_name
 from zoo.nn._init import normal
 
 
-@jax.custom_vjp
-def _matmul_xt(x, w):
-    return x @ w
-
-
-def _matmul_xt_fwd(x, w):
-    return x @ w, (x, w)
-
-
-def _matmul_xt_bwd(res, g):
-    x, w = res
-    # The weight gradient x^T g with x^T materialised (the smaller operand: [embed, tokens] against
-    # [tokens, mlp]). Left to itself, XLA:CPU transposes g instead, inside the fused activation
-    # backward, which then reads the scan's stacked residuals column by column: on the 2-core CPU
-    # machine llama_100m's step took 16% less time this way (bench/ab_hotpath.py, docs/benchmarks.md).
-    xt = jax.lax.optimization_barrier(x.T)
-    return g @ w.T, xt @ g
-
-
-_matmul_xt.defvjp(_matmul_xt_fwd, _matmul_xt_bwd)
-
-
 def dense(x: Float[Array, "*batch d_in"], w: Float[Array, "d_in d_out"]) -> Float[Array, "*batch d_out"]:
-    """`x @ w` over the last axis. On CPU through a custom VJP whose weight gradient transposes the
-    activations rather than the incoming gradient (see `_matmul_xt_bwd`); elsewhere a plain einsum
-    (GPU matmul libraries take transposed operands as they are)."""
-    if jax.default_backend() != "cpu":
-        return jnp.einsum("...D,DF->...F", x, w)
-    lead = x.shape[:-1]
-    return _matmul_xt(x.reshape(-1, x.shape[-1]), w).reshape(*lead, w.shape[-1])
+    """`x @ w` over the last axis, a plain einsum on every backend.
+
+    On CPU this was a custom VJP whose weight gradient transposed the activations rather than the
+    incoming gradient (16% faster on llama_100m when it was written). With LLVM's optimisations on and
+    only matmuls handed to YNNPACK (train.py's CPU defaults now) the plain einsum was 10% faster on
+    both of bench/peer.py's Llamas (`bench/ab_variants.py ... base plaindense`, docs/benchmarks.md), and
+    it needs no custom rule for forward-mode AD."""
+    return jnp.einsum("...D,DF->...F", x, w)
 
 
 ACTIVATIONS = {

@@ -142,9 +142,15 @@ class XlaConfig:
     flags: list[str] = dataclasses.field(default_factory=list)
     # Simulate this many CPU devices (--xla_force_host_platform_device_count); null: leave as is.
     cpu_devices: Optional[int] = None
-    # On CPU only: compile with xla_backend_optimization_level=0 (LLVM optimisations off). The tiny
-    # models compile about twice as fast and step about as fast; set false for CPU benchmarks.
-    cpu_fast_compile: bool = True
+    # On CPU only: true compiles with xla_backend_optimization_level=0 (LLVM optimisations off: faster
+    # compiles, slower steps), false with XLA's default level; auto picks by what pays: LLVM's
+    # optimisations when the run's model FLOPs reach CPU_OPTIMIZE_FROM_FLOPS (zoo.train.step).
+    cpu_fast_compile: Any = "auto"
+    # On CPU only: which fused ops XLA:CPU hands to its YNNPACK library
+    # (--xla_cpu_experimental_ynn_fusion_type): "dot" (matmuls only) keeps elementwise and reduce
+    # fusions in XLA's own code, which ran the train step faster on the 2-core machine
+    # (docs/benchmarks.md); null leaves XLA's default (dot, eltwise, reduce in jax 0.10.2).
+    cpu_ynn_fusions: Optional[str] = "dot"
 
     def __post_init__(self):
         for f in self.flags:
@@ -152,6 +158,10 @@ class XlaConfig:
                 raise ConfigError(f"xla.flags: {f!r} is not an XLA flag; write it as --xla_<name>=<value>")
         if self.cpu_devices is not None and self.cpu_devices < 1:
             raise ConfigError(f"xla.cpu_devices: must be >= 1 or null, got {self.cpu_devices}")
+        if self.cpu_ynn_fusions is not None and not set(self.cpu_ynn_fusions.split(",")) <= {"dot", "eltwise", "reduce"}:
+            raise ConfigError(f"xla.cpu_ynn_fusions: got {self.cpu_ynn_fusions!r}; give a comma list of dot, eltwise, reduce or null")
+        if self.cpu_fast_compile not in (True, False, "auto"):
+            raise ConfigError(f"xla.cpu_fast_compile: got {self.cpu_fast_compile!r}; give true, false or auto")
 
 
 @dataclasses.dataclass

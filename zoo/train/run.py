@@ -19,6 +19,10 @@ from zoo.train.config import ConfigError, TrainConfig, TrainingStopped, XlaConfi
 _APPLIED_XLA_FLAGS: Optional[str] = None
 
 
+# XLA:CPU's choice of ops for its YNNPACK library (xla.cpu_ynn_fusions); a CPU debug option, ignored elsewhere.
+YNN_FLAG = "--xla_cpu_experimental_ynn_fusion_type"
+
+
 def _flag_name(flag: str) -> str:
     return flag.split("=", 1)[0]
 
@@ -30,6 +34,8 @@ def merged_xla_flags(c: XlaConfig, env: Optional[str]) -> str:
         ours.append(f"--xla_force_host_platform_device_count={c.cpu_devices}")
     names = {_flag_name(f) for f in ours}
     kept = [f for f in (env or "").split() if _flag_name(f) not in names]
+    if c.cpu_ynn_fusions is not None and YNN_FLAG not in names | {_flag_name(f) for f in kept}:
+        ours.append(f"{YNN_FLAG}={c.cpu_ynn_fusions}")  # a default: the environment or xla.flags win
     return " ".join(kept + ours)
 
 
@@ -40,7 +46,9 @@ def apply_xla_flags(c: XlaConfig) -> str:
 
     if backends_are_initialized():
         current = _APPLIED_XLA_FLAGS if _APPLIED_XLA_FLAGS is not None else os.environ.get("XLA_FLAGS", "")
-        wanted = merged_xla_flags(c, current)
+        # xla.cpu_ynn_fusions is a CPU speed default, not a request that must hold: a process that
+        # started JAX without it (a test, a notebook) runs the job with XLA's own choice.
+        wanted = merged_xla_flags(dataclasses.replace(c, cpu_ynn_fusions=None), current)
         if sorted(wanted.split()) != sorted(current.split()):
             raise ConfigError(
                 "xla: JAX already started in this process with other XLA flags; "
@@ -113,6 +121,9 @@ def _train(c: TrainConfig, plan, devices, out_dir: pathlib.Path, xla_flags: str,
         f"batch {c.data.batch_size}x{c.data.seq_len}, {steps} steps"
     )
     echo(kernels_line(c, plan))
+    optimize, why = trainer.cpu_optimization()
+    if optimize is not None:
+        echo(f"XLA:CPU compile: LLVM optimisations {'on (slower compile, faster steps)' if optimize else 'off (faster compile, slower steps)'}; {why}")
     if c.pretrained is not None:
         from zoo.hf.pretrained import describe
 

@@ -32,6 +32,39 @@ from zoo.offload import remat_policy
 from zoo.train.config import OptimizerConfig, Plan, TrainConfig
 from zoo.train.update import UPDATE_SCOPE, accumulate, global_norm, streamed_update, zeros_where
 
+# xla.cpu_fast_compile=auto turns LLVM's optimisations on from this many model FLOPs per run (steps x
+# step FLOPs). `python bench/opt_level.py` on the 2-core machine (loaded, docs/benchmarks.md):
+# train.py's default run (dsv3_tiny_a, 16 x 64 tokens, 0.8 GFLOP a step) compiled in 4.5 s -> 7.2 s
+# and stepped in 128 -> 52 ms, so the optimised program paid for its compile after ~35 steps (~0.03
+# TFLOP); the 20M and 64M Llamas' steps save seconds each. Below the threshold (a few steps of a tiny
+# model: most tests) the compile is the run, and LLVM's optimisations stay off.
+CPU_OPTIMIZE_FROM_FLOPS = 5e10
+
+
+def cpu_optimization(c: TrainConfig, platform: str) -> tuple[Optional[bool], str]:
+    """Whether XLA:CPU compiles the step with LLVM's optimisations (None off CPU), and why:
+    `xla.cpu_fast_compile` true / false, or auto: on when the run's model FLOPs (steps x step FLOPs)
+    reach CPU_OPTIMIZE_FROM_FLOPS, where the faster steps repay the longer compile."""
+    if platform != "cpu":
+        return None, "not on CPU"
+    fast = c.xla.cpu_fast_compile
+    if fast != "auto":
+        return (not fast), f"xla.cpu_fast_compile={str(fast).lower()}"
+    run_flops = run_model_flops(c)
+    on = run_flops >= CPU_OPTIMIZE_FROM_FLOPS
+    return on, (
+        f"xla.cpu_fast_compile=auto: the run's {run_flops / 1e12:.2g} TFLOP of model FLOPs "
+        f"{'>=' if on else '<'} {CPU_OPTIMIZE_FROM_FLOPS / 1e12:g} TFLOP"
+    )
+
+
+def run_model_flops(c: TrainConfig) -> float:
+    """The model FLOPs (zoo.config.flops_per_token: forward + backward, no recomputation) of the run's steps."""
+    from zoo.config import flops_per_token
+
+    tokens = c.data.batch_size * c.data.seq_len * c.trainer.grad_accum
+    return float(flops_per_token(c.model, c.data.seq_len)) * tokens * c.trainer.steps
+
 
 def is_array_like(x) -> bool:
     return isinstance(x, (jax.Array, jax.ShapeDtypeStruct))
@@ -417,13 +450,17 @@ class Trainer:
             )
         return self._step
 
+    def cpu_optimization(self) -> tuple[Optional[bool], str]:
+        """Whether XLA:CPU compiles this step with LLVM's optimisations (None off CPU), and why."""
+        return cpu_optimization(self.cfg, self.mesh.devices.flat[0].platform)
+
     @property
     def compiler_options(self) -> Optional[dict]:
-        cpu = self.mesh.devices.flat[0].platform == "cpu"
-        return {"xla_backend_optimization_level": 0} if cpu and self.cfg.xla.cpu_fast_compile else None
+        on, _ = self.cpu_optimization()
+        return {"xla_backend_optimization_level": 0} if on is False else None
 
     def compile(self, state: Any = None, tokens: Any = None):
-        """The compiled step (xla.cpu_fast_compile applies its options on CPU)."""
+        """The compiled step (on CPU with the options `cpu_optimization` picks)."""
         return self.lower(state, tokens).compile(self.compiler_options)
 
     def lower(self, state: Any = None, tokens: Any = None):

@@ -1,0 +1,88 @@
+"""In-process A/B of hot-path variants of bench/peer.py's Zoo step (docs/benchmarks.md, "Hot-path variants").
+
+    python bench/ab_variants.py CONFIG ROUNDS VARIANT [VARIANT ...]
+    python bench/ab_variants.py tiny 3 base wt plaindense chunk0 attnxla
+    python bench/ab_variants.py 100m 3 base attnxla rematfull rematfull+attnxla
+
+CONFIG is bench/peer.py's `tiny` or `100m`. A variant is `+`-joined parts: `base` (the code as it is),
+`wt` (the loss's logits gradient against the head transposed once), `plaindense` (a plain einsum for the
+MLP matmuls), `chunk<N>` (trainer.loss_chunk_size=N), `attn<impl>` (model.attention_impl), `remat<preset>`
+(the offload preset). Each variant patches the functions before its own trace and compile (LLVM
+optimisations on); then the variants' steps alternate (order reversed every round) from copies of their
+own initial state; prints each one's median step and its per-round ratio to the first variant.
+"""
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench import common as C  # noqa: E402
+from bench.peer import CONFIGS, zoo_train_config  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import zoo.loss as L  # noqa: E402
+import zoo.nn.mlp as M  # noqa: E402
+
+cfgname, rounds, variants = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+orig_grads, orig_dense = L._fused_loss_and_grads, M.dense
+
+def grads_wt(softcap, cdt, head, h, targets, weights):
+    # d_h against the head transposed once per step
+    w = head.astype(cdt); vocab = head.shape[1]
+    wt = jax.lax.optimization_barrier(w.T)
+    def step(carry, xs):
+        total, d_head = carry
+        h_c, t_c, w_c = xs
+        h_c = h_c.astype(cdt)
+        logits, d_cap = L._logits(h_c, w, softcap)
+        nll, lse = L._nll(logits, t_c)
+        d_logits = jnp.exp(logits - lse[:, None]) - (jnp.arange(vocab)[None, :] == t_c[:, None])
+        d_logits = d_logits * w_c[:, None]
+        if d_cap is not None: d_logits = d_logits * d_cap
+        d_logits = d_logits.astype(cdt)
+        d_h = jnp.einsum("CV,VD->CD", d_logits, wt, preferred_element_type=jnp.float32)
+        d_head = d_head + jnp.einsum("CD,CV->DV", h_c, d_logits, preferred_element_type=jnp.float32)
+        return (total + (nll * w_c).sum(), d_head), d_h.astype(h.dtype)
+    init = (jnp.float32(0), jnp.zeros(head.shape, jnp.float32))
+    (total, d_head), d_h = jax.lax.scan(step, init, (h, targets, weights))
+    return total, d_h, d_head
+
+def dense_plain(x, w): return jnp.einsum("...D,DF->...F", x, w)
+
+d = CONFIGS[cfgname]
+exes, tr0, trs = {}, None, {}
+for v in variants:
+    L._fused_loss_and_grads, M.dense = orig_grads, orig_dense
+    chunk, attn, remat = 512, "auto", "none"
+    for part in v.split("+"):
+        if part == "wt": L._fused_loss_and_grads = grads_wt
+        elif part == "plaindense": M.dense = dense_plain
+        elif part.startswith("chunk"): chunk = int(part[5:])
+        elif part.startswith("attn"): attn = part[4:]
+        elif part.startswith("remat"): remat = part[5:]
+    c = zoo_train_config(d, remat, cpu_fast_compile=False)
+    c = dataclasses.replace(c, trainer=dataclasses.replace(c.trainer, loss_chunk_size=chunk), model=c.model.replace(attention_impl=attn))
+    tr = C.make_trainer(c)
+    t = time.perf_counter(); exes[v] = tr.compile(); print(v, "compile", round(time.perf_counter() - t, 1), flush=True)
+    tr0 = tr0 or tr
+    trs[v] = tr
+L._fused_loss_and_grads, M.dense = orig_grads, orig_dense
+states = {v: trs[v].init() for v in variants}; tokens = C.tokens_for(tr0)
+times = {v: [] for v in variants}; loss = {}
+for r in range(rounds + 1):
+    order = variants if r % 2 == 0 else variants[::-1]
+    for v in order:
+        s = jax.tree.map(lambda x: x.copy(), states[v])
+        t = time.perf_counter(); s2, m = exes[v](s, tokens); jax.block_until_ready((s2, m)); dt = time.perf_counter() - t
+        loss[v] = (float(m["loss"]), float(m.get("grad_norm", m.get("gnorm", 0))))
+        if r: times[v].append(dt)
+base = variants[0]
+for v in variants:
+    ratios = [a / b for a, b in zip(times[v], times[base])]
+    print(json.dumps(dict(variant=v, median_ms=round(statistics.median(times[v]) * 1e3), ratio_to_first=round(statistics.median(ratios), 3), ratios=[round(x, 3) for x in ratios], loss=loss[v])), flush=True)
