@@ -61,11 +61,6 @@ NOT_RUN = {
     ),
     r"bench/gpu\.py": "needs a GPU",
     r"^python bench/cpu\.py|bench/cpu": "the CPU benchmark (7 min; tests/test_bench.py runs --quick)",
-    r"model=(qwen2|qwen3|gemma3|qwen3_moe|mixtral|gpt_oss)_100m": (
-        "a recorded ~100M run: the quickest, gpt_oss_100m, had printed only step 1 of 12 after 59 s as written on the "
-        "development machine (init 21 s, compile 9 s, then ~10 s a step; the others' recorded steps are slower); "
-        "tests/test_train_cli.py trains every family's tiny size"
-    ),
     r"model=hf model\.path=tests/data/llama_tiny_a data=text|^python -m zoo\.(export |generate checkpoint\.dir=)checkpoints/finetune": (
         "the fine-tuning walk-through: tests/test_hf_train.py runs its bash block as written and checks what it wrote"
     ),
@@ -88,6 +83,10 @@ GROUPS = {
     "planner": [r"^python -m zoo\.plan model=llama_1b"],
     "measure_hardware": [r"^python -m zoo\.measure_hardware"],
     "divergence": [r"optimizer\.lr=1e30"],
+    # The recorded ~100M runs, about a minute each on the 2-core machine: two per group, so they spread.
+    "recorded_100m_qwen": [r"^python train\.py model=(qwen2|qwen3)_100m mesh=single"],
+    "recorded_100m_gemma3_qwen3_moe": [r"^python train\.py model=(gemma3|qwen3_moe)_100m mesh=single"],
+    "recorded_100m_mixtral_gpt_oss": [r"^python train\.py model=(mixtral|gpt_oss)_100m mesh=single"],
 }
 
 EXIT = {r"optimizer\.lr=1e30": 1}  # a diverged run: one error line, exit code 1 (bad input is 2)
