@@ -114,7 +114,7 @@ def one_error_line(p) -> str:
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert p.returncode == 2, p.stderr[-3000:]
     assert len(lines) == 1, p.stderr[-3000:]
-    assert "compile" not in p.stdout
+    assert "s, compile " not in p.stdout
     return lines[0]
 
 
