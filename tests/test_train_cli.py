@@ -280,3 +280,16 @@ def test_every_new_family_trains_from_the_command_line(tmp_path):
     for s in summaries:
         assert s["status"] == "ok"
         assert s["last_loss"] < s["first_loss"] - 0.5, (s["config"]["model"]["family"], s["first_loss"], s["last_loss"])
+
+
+def test_ynn_default_only_on_the_jaxlibs_it_was_measured_with(monkeypatch):
+    """XLA refuses to start on an unknown flag: the experimental YNN default is added only on a jaxlib
+    release it was measured with (an explicit xla.flags entry is the user's choice and always passes)."""
+    from zoo.train import run
+    from zoo.train.config import XlaConfig
+
+    assert run.merged_xla_flags(XlaConfig(), None) == "--xla_cpu_experimental_ynn_fusion_type=dot"  # this jaxlib
+    monkeypatch.setattr(run, "YNN_FLAG_JAXLIBS", ("0.0.",))
+    assert run.merged_xla_flags(XlaConfig(), None) == ""
+    mine = "--xla_cpu_experimental_ynn_fusion_type=dot,eltwise"
+    assert run.merged_xla_flags(XlaConfig(flags=[mine]), None) == mine

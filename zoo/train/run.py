@@ -21,6 +21,18 @@ _APPLIED_XLA_FLAGS: Optional[str] = None
 
 # XLA:CPU's choice of ops for its YNNPACK library (xla.cpu_ynn_fusions); a CPU debug option, ignored elsewhere.
 YNN_FLAG = "--xla_cpu_experimental_ynn_fusion_type"
+# The jaxlib releases it was measured with. XLA refuses to start on a flag it does not know, and an
+# experimental flag can go in any release: elsewhere the default is left out (xla.flags still sets it).
+YNN_FLAG_JAXLIBS = ("0.10.",)
+
+
+def _ynn_flag_known() -> bool:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("jaxlib").startswith(YNN_FLAG_JAXLIBS)
+    except importlib.metadata.PackageNotFoundError:
+        return False
 
 
 def _flag_name(flag: str) -> str:
@@ -34,7 +46,7 @@ def merged_xla_flags(c: XlaConfig, env: Optional[str]) -> str:
         ours.append(f"--xla_force_host_platform_device_count={c.cpu_devices}")
     names = {_flag_name(f) for f in ours}
     kept = [f for f in (env or "").split() if _flag_name(f) not in names]
-    if c.cpu_ynn_fusions is not None and YNN_FLAG not in names | {_flag_name(f) for f in kept}:
+    if c.cpu_ynn_fusions is not None and YNN_FLAG not in names | {_flag_name(f) for f in kept} and _ynn_flag_known():
         ours.append(f"{YNN_FLAG}={c.cpu_ynn_fusions}")  # a default: the environment or xla.flags win
     return " ".join(kept + ours)
 
