@@ -5,8 +5,8 @@
     python bench/ab_variants.py 100m 3 base attnxla rematfull rematfull+attnxla
 
 CONFIG is bench/peer.py's `tiny` or `100m`. A variant is `+`-joined parts: `base` (the code as it is),
-`wt` (the loss's logits gradient against the head transposed once), `plaindense` (a plain einsum for the
-MLP matmuls), `chunk<N>` (trainer.loss_chunk_size=N), `attn<impl>` (model.attention_impl), `remat<preset>`
+`wt` (the loss's logits gradient against the head transposed once), `plaindense` (the MLP's matmuls as one
+einsum over the [batch, seq] axes, the code before `zoo.nn.mlp.dense` merged them into one row axis), `chunk<N>` (trainer.loss_chunk_size=N), `attn<impl>` (model.attention_impl), `remat<preset>`
 (the offload preset). Each variant patches the functions before its own trace and compile (LLVM
 optimisations on); then the variants' steps alternate (order reversed every round) from copies of their
 own initial state; prints each one's median step and its per-round ratio to the first variant.
