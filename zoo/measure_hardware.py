@@ -61,13 +61,20 @@ def measure_matmul(n: int, dtype: str, repeats: int = 5, chain: int = 8, device=
     a = jax.device_put(jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(dtype) / math.sqrt(n), device)
     b = jax.device_put(jax.random.normal(jax.random.key(1), (n, n), jnp.float32).astype(dtype) / math.sqrt(n), device)
 
+    one = jax.device_put(jnp.ones((), dtype), device)
+
     @jax.jit
-    def f(x, w):
+    def f(x, w, one):
         for _ in range(chain):
-            x = x @ w
+            # Scaling by a traced 1 keeps each product its own op: with
+            # --xla_cpu_experimental_ynn_fusion_type set (train.py's CPU default), XLA:CPU fuses a
+            # chain of bare dots into one YNNPACK subgraph that ran 8-12x slower (jax 0.10.2, 1024^3:
+            # 256 GFLOP/s for one dot, 21 for a chain of 4), and an optimization barrier does not
+            # survive to its fusion pass.
+            x = (x @ w) * one
         return x
 
-    t = _median_time(lambda: f(a, b).block_until_ready(), repeats)
+    t = _median_time(lambda: f(a, b, one).block_until_ready(), repeats)
     return 2.0 * n**3 * chain / t
 
 
