@@ -24,6 +24,17 @@ CONFIGS = {
 }
 
 
+def llama_config(d: dict) -> LlamaConfig:
+    """transformers' config of the peer Llama `d` (one of CONFIGS): sdpa attention, untied head, no biases."""
+    return LlamaConfig(
+        vocab_size=d["vocab"], hidden_size=d["hidden"], num_hidden_layers=d["layers"],
+        num_attention_heads=d["heads"], num_key_value_heads=d["kv_heads"], head_dim=d["head_dim"],
+        intermediate_size=d["mlp"], max_position_embeddings=max(512, d["seq"]), rms_norm_eps=1e-5,
+        rope_theta=10000.0, tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
+        hidden_act="silu", use_cache=False, attn_implementation="sdpa",
+    )
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", choices=sorted(CONFIGS), default="tiny")
@@ -37,13 +48,7 @@ def main():
 
     torch.manual_seed(0)
     torch.set_num_threads(a.threads)
-    cfg = LlamaConfig(
-        vocab_size=d["vocab"], hidden_size=d["hidden"], num_hidden_layers=d["layers"],
-        num_attention_heads=d["heads"], num_key_value_heads=d["kv_heads"], head_dim=d["head_dim"],
-        intermediate_size=d["mlp"], max_position_embeddings=max(512, d["seq"]), rms_norm_eps=1e-5,
-        rope_theta=10000.0, tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
-        hidden_act="silu", use_cache=False, attn_implementation="sdpa",
-    )
+    cfg = llama_config(d)
     m = LlamaForCausalLM(cfg).to(torch.float32)
     if a.remat == "full":
         # one checkpoint per decoder layer (torch.utils.checkpoint, use_reentrant=False): keeps its input, recomputes the rest

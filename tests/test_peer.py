@@ -42,3 +42,33 @@ def test_without_torch_one_line_exit_2():
     assert p.returncode == 2
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: --torch-python: ") and ";" in lines[0], p.stderr
+
+
+@pytest.mark.parametrize("config", ["tiny", "100m"])
+def test_parts_add_up_to_the_step(config):
+    # bench/peer_parts.py's FLOPs: the layers and the loss of its parts are the whole step's count.
+    from bench.peer_parts import part_flops
+
+    d = CONFIGS[config]
+    f = part_flops(d)
+    assert d["layers"] * f["layer"] + f["loss"] == pytest.approx(model_flops_per_step(d), rel=1e-9)
+    assert f["loss"] == 3 * f["matmul_head"] and f["mlp"] == 9 * f["matmul_mlp"]
+
+
+def test_parts_table_row():
+    from bench.peer_parts import PARTS, table
+
+    zoo = [{"seconds": {p: 0.2 for p in PARTS}}, {"seconds": {p: 0.4 for p in PARTS}}]
+    torch = [{"seconds": {p: 0.1 for p in PARTS}}, {"seconds": {p: 0.1 for p in PARTS}}]
+    lines = table("tiny", zoo, torch).splitlines()
+    assert lines[0] == "**`tiny`** (medians over 2 rounds)"
+    assert lines[4].startswith("| `matmul_mlp` | 300.0 ms | 100.0 ms | **3.00** | 2.00, 4.00 | ")
+    assert lines[-1] == "| `optimizer` | 300.0 ms | 100.0 ms | **3.00** | 2.00, 4.00 |  |  |"
+
+
+def test_parts_without_torch_one_line_exit_2():
+    p = subprocess.run([sys.executable, "bench/peer_parts.py", "--torch-python", "/no/such/python"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: --torch-python: "), p.stderr
