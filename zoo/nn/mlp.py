@@ -15,7 +15,7 @@ def dense(x: Float[Array, "*batch d_in"], w: Float[Array, "d_in d_out"]) -> Floa
     backward of a matmul whose rows span two axes ([batch, seq]: the weight gradient contracts both)
     far slower than the same product on one row axis: the SwiGLU alone took 219 ms against 169 ms at
     llama_100m's shapes (4 x 512 x 512 -> 2048), and the whole steps of bench/peer.py took 0.90x
-    (`100m`) and 0.94x (`tiny`) of the [batch, seq] einsum's time with bit-identical losses
+    (`100m`) and 0.95x (`tiny`) of the [batch, seq] einsum's time with bit-identical losses
     (`bench/ab_variants.py CONFIG 4 base plaindense`, docs/benchmarks.md). The batch axis is the major part of the merged rows, so a batch-sharded
     input stays sharded without communication.
 
