@@ -234,20 +234,27 @@ def test_pinned_host_parameters_load_into_host_memory(tmp_path):
 # --- a train.py checkpoint back out ---------------------------------------------------------------------
 
 
-def test_restore_model_reads_the_parameters_train_py_saved(tmp_path):
-    from zoo.train.checkpoint import Checkpoints, restore_model
-    from zoo.train.config import ConfigError
+def saved_checkpoint(overrides: list, seed: int, step: int):
+    """(config, state) of a freshly initialised train.py run of `overrides`, saved as `step` in its checkpoint.dir."""
+    from zoo.train.checkpoint import Checkpoints
     from zoo.train.run import prepare
     from zoo.train.step import Trainer
 
-    overrides = ["model=llama_tiny_a", "mesh=fsdp_tp", "mesh.devices=4", "mesh.tensor=2", "data.batch_size=4", "data.seq_len=16",
-                 f"checkpoint.dir={tmp_path / 'ckpt'}"]
     c, plan, devices, _ = prepare(compose(overrides))
     trainer = Trainer(c, plan, devices)
-    state = trainer.init(seed=3)
+    state = trainer.init(seed=seed)
     ckpt = Checkpoints(c, plan, trainer)
-    ckpt.save(5, state)
+    ckpt.save(step, state)
     ckpt.close()
+    return c, state
+
+
+def test_restore_model_reads_the_parameters_train_py_saved(tmp_path):
+    from zoo.train.checkpoint import restore_model
+    from zoo.train.config import ConfigError
+
+    c, state = saved_checkpoint(["model=llama_tiny_a", "mesh=fsdp_tp", "mesh.devices=4", "mesh.tensor=2", "data.batch_size=4",
+                                 "data.seq_len=16", f"checkpoint.dir={tmp_path / 'ckpt'}"], seed=3, step=5)
 
     model, meta = restore_model(tmp_path / "ckpt")
     assert meta["step"] == 5 and meta["model"]["family"] == "llama"
@@ -271,18 +278,10 @@ def test_restore_onto_8_devices_and_export_leaf_by_leaf(tmp_path):
     import tracemalloc
 
     from zoo.export import hf_export
-    from zoo.train.checkpoint import Checkpoints, restore_model
-    from zoo.train.run import prepare
-    from zoo.train.step import Trainer
+    from zoo.train.checkpoint import restore_model
 
-    overrides = ["model=dsv3_tiny_a", "mesh=fsdp", "mesh.devices=2", "data.batch_size=2", "data.seq_len=16",
-                 f"checkpoint.dir={tmp_path / 'ckpt'}"]
-    c, plan, devices, _ = prepare(compose(overrides))
-    trainer = Trainer(c, plan, devices)
-    state = trainer.init(seed=4)
-    ckpt = Checkpoints(c, plan, trainer)
-    ckpt.save(2, state)
-    ckpt.close()
+    c, state = saved_checkpoint(["model=dsv3_tiny_a", "mesh=fsdp", "mesh.devices=2", "data.batch_size=2", "data.seq_len=16",
+                                 f"checkpoint.dir={tmp_path / 'ckpt'}"], seed=4, step=2)
 
     assert len(jax.devices()) == 8
     whole, _ = restore_model(tmp_path / "ckpt")

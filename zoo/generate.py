@@ -425,7 +425,6 @@ def _hf_stop_tokens(directory: pathlib.Path) -> Optional[list[int]]:
 def _hf_source(opts: GenerateOptions):
     """(config, load model, tokenizer, default stop tokens) of model.path; the weights load later."""
     from zoo import hf
-
     from zoo.config import DTYPES, dtype_name
 
     directory = pathlib.Path(opts.model.path).expanduser()

@@ -11,12 +11,12 @@ from zoo.nn._init import normal
 def dense(x: Float[Array, "*batch d_in"], w: Float[Array, "d_in d_out"]) -> Float[Array, "*batch d_out"]:
     """`x @ w` over the last axis, as one [tokens, d_in] x [d_in, d_out] matmul on every backend.
 
-    The leading axes are merged into one row axis first (a free reshape). XLA:CPU runs the
-    backward of a matmul whose rows span two axes ([batch, seq]: the weight gradient contracts both)
-    far slower than the same product on one row axis: the SwiGLU alone took 219 ms against 169 ms at
-    llama_100m's shapes (4 x 512 x 512 -> 2048), and the whole steps of bench/peer.py took 0.90x
-    (`100m`) and 0.95x (`tiny`) of the [batch, seq] einsum's time with bit-identical losses
-    (`bench/ab_variants.py CONFIG 4 base plaindense`, docs/benchmarks.md). The batch axis is the major part of the merged rows, so a batch-sharded
+    The leading axes are merged into one row axis first (a free reshape). Over [batch, seq] rows
+    (the weight gradient contracting both) XLA:CPU built the weight gradients from transposed copies
+    of the activations and of the incoming gradient: bench/peer_parts.py's SwiGLU at `100m` took
+    215 ms before and 167 ms after, and bench/peer.py's whole steps 0.90x (`100m`) and 0.95x (`tiny`)
+    of the old time with bit-identical losses (`bench/ab_variants.py CONFIG 4 base plaindense`,
+    docs/benchmarks.md). The batch axis is the major part of the merged rows, so a batch-sharded
     input stays sharded without communication.
 
     (On CPU this was once a custom VJP that transposed the activations for the weight gradient; the
