@@ -3,8 +3,18 @@
 Hydra composes conf/ (see README.md); `-m` sweeps. Bad input exits 2 with one `error:` line.
 """
 
+import importlib.util
 import pathlib
 import sys
+
+if __name__ == "__main__":
+    # glibc reads its malloc tunables only as a process starts: start again with large buffers on huge
+    # pages (zoo/train/huge_pages.py), loaded by path so that this process, about to be replaced, does
+    # not import JAX with the zoo package first.
+    _spec = importlib.util.spec_from_file_location("_zoo_huge_pages", pathlib.Path(__file__).resolve().parent / "zoo/train/huge_pages.py")
+    _huge_pages = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_huge_pages)
+    _huge_pages.reexec_with_huge_pages()
 
 import hydra
 from omegaconf import DictConfig

@@ -373,4 +373,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    from zoo.train.huge_pages import reexec_with_huge_pages
+
+    reexec_with_huge_pages()  # as train.py: glibc reads its malloc tunables only as a process starts
     raise SystemExit(main())

@@ -66,6 +66,8 @@ def model_flops_per_step(d: dict) -> float:
 
 
 def zoo_one(config: str, remat: str, steps: int, json_path=None) -> dict:
+    from zoo.train import huge_pages
+
     d = CONFIGS[config]
     c = zoo_train_config(d, remat)
     from zoo.train.run import apply_xla_flags
@@ -98,7 +100,7 @@ def zoo_one(config: str, remat: str, steps: int, json_path=None) -> dict:
         "system": "zoo", "config": config, "remat": remat, "steps": steps, "step_times_s": times, "losses": losses,
         "median_step_s_3_to_end": statistics.median(timed), "compile_s": compile_s,
         "cpu_fast_compile": tr.cfg.xla.cpu_fast_compile, "compiler_options": tr.compiler_options,
-        "xla_flags": os.environ.get("XLA_FLAGS", ""), "jax": jax.__version__,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""), "jax": jax.__version__, "host_memory": huge_pages.describe(),
     }
     print(f"zoo {remat}: median step (steps 3..{steps}) {rec['median_step_s_3_to_end'] * 1e3:.1f} ms, compile {compile_s:.1f}s, "
           f"loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
@@ -111,36 +113,43 @@ def matmul_one(json_path) -> dict:
     from zoo.measure_hardware import measure_matmul
 
     rate = max(measure_matmul(n, "float32", repeats=5, chain=4) for n in (1024, 2048))
-    rec = {"system": "matmul", "flops_per_s": rate}
+    from zoo.train import huge_pages
+
+    rec = {"system": "matmul", "flops_per_s": rate, "host_memory": huge_pages.describe()}
     Path(json_path).write_text(json.dumps(rec))
     return rec
 
 
-def _run(cmd: list, log) -> dict:
+def _run(cmd: list, log, env=None, name=None) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
     t = time.perf_counter()
-    p = subprocess.run(cmd + ["--json", out], cwd=ROOT, capture_output=True, text=True)
+    p = subprocess.run(cmd + ["--json", out], cwd=ROOT, capture_output=True, text=True, env=env)
     if p.returncode != 0:
         raise SystemExit(f"error: {' '.join(cmd)} failed ({p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}")
     rec = json.loads(Path(out).read_text())
     os.unlink(out)
     rec["process_s"] = time.perf_counter() - t
-    log(f"    {rec['system']}: " + (f"{rec['flops_per_s'] / 1e9:.1f} GFLOP/s" if rec["system"] == "matmul" else
+    log(f"    {name or rec['system']}: " + (f"{rec['flops_per_s'] / 1e9:.1f} GFLOP/s" if rec["system"] == "matmul" else
                                   f"{rec['median_step_s_3_to_end'] * 1e3:.0f} ms/step ({rec['process_s']:.0f}s process)"))
     return rec
 
 
 def table(results: dict) -> str:
+    """The markdown table; two more columns where torch also ran with huge pages (--torch-huge-pages)."""
+    thp = all("torch_huge_pages_ms" in r for r in results.values())
+    extra_head, extra_rule = (" torch eager step, huge pages | Zoo / that |", "---:|---:|") if thp else ("", "")
     lines = [
-        "| config | remat | Zoo step | torch eager step | Zoo / torch (median of rounds) | per round | Zoo of matmul rate | torch of matmul rate | matmul rate |",
-        "|---|---|---:|---:|---:|---|---:|---:|---:|",
+        "| config | remat | Zoo step | torch eager step | Zoo / torch (median of rounds) | per round |" + extra_head
+        + " Zoo of matmul rate | torch of matmul rate | matmul rate |",
+        "|---|---|---:|---:|---:|---|" + extra_rule + "---:|---:|---:|",
     ]
     for key, r in results.items():
         config, remat = key.split("/")
+        extra = f" {r['torch_huge_pages_ms']:.0f} ms | {r['ratio_torch_huge_pages']:.2f} |" if thp else ""
         lines.append(
             f"| `{config}` | {remat} | {r['zoo_ms']:.0f} ms | {r['torch_ms']:.0f} ms | **{r['ratio']:.2f}** | "
-            f"{', '.join(f'{x:.2f}' for x in r['ratios'])} | {r['zoo_fraction']:.0%} | {r['torch_fraction']:.0%} | "
+            f"{', '.join(f'{x:.2f}' for x in r['ratios'])} |{extra} {r['zoo_fraction']:.0%} | {r['torch_fraction']:.0%} | "
             f"{r['matmul_gflops']:.0f} GFLOP/s |"
         )
     return "\n".join(lines)
@@ -158,7 +167,13 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--out", default=None, help="JSON results")
     ap.add_argument("--md", default=None, help="the markdown table")
+    ap.add_argument("--torch-huge-pages", action="store_true",
+                    help="also run torch with Zoo's host-memory setting (GLIBC_TUNABLES=glibc.malloc.hugetlb=1), as a third system")
     a = ap.parse_args(argv)
+    if a.zoo_one or a.matmul_one:
+        from zoo.train.huge_pages import reexec_with_huge_pages
+
+        reexec_with_huge_pages()  # as train.py: the process Zoo's runs start in
     if a.zoo_one:
         zoo_one(*a.zoo_one, a.steps, a.json)
         return 0
@@ -178,17 +193,22 @@ def main(argv=None) -> int:
         if c not in CONFIGS or r not in REMATS:
             print(f"error: --configs/--remats: {c}/{r} unknown; choose configs from {','.join(CONFIGS)} and remats from {','.join(REMATS)}", file=sys.stderr)
             return 2
-    raw = {f"{c}/{r}": {"zoo": [], "torch": [], "matmul": []} for c, r in keys}
+    from zoo.train.huge_pages import TUNABLE, child_environ
+
+    zoo_env = child_environ()  # Zoo's processes start as train.py's do (zoo.train.huge_pages)
+    torch_env = {**os.environ, "GLIBC_TUNABLES": f"{TUNABLE}=1"}
+    systems = ["zoo", "torch"] + (["torch_huge_pages"] if a.torch_huge_pages else [])
+    raw = {f"{c}/{r}": {**{s: [] for s in systems}, "matmul": []} for c, r in keys}
     for rnd in range(a.rounds):
         for c, r in keys:
             log(f"round {rnd + 1}/{a.rounds} {c} {r}")
             zoo = [sys.executable, "bench/peer.py", "--zoo-one", c, r, "--steps", str(a.steps)]
             torch = [a.torch_python, "bench/torch_llama_step.py", "--config", c, "--remat", r, "--steps", str(a.steps)]
-            runs = [("zoo", zoo), ("torch", torch)]
+            runs = [("zoo", zoo, zoo_env), ("torch", torch, None), ("torch_huge_pages", torch, torch_env)][: len(systems)]
             rec = raw[f"{c}/{r}"]
-            rec["matmul"].append(_run([sys.executable, "bench/peer.py", "--matmul-one"], log))
-            for name, cmd in runs if rnd % 2 == 0 else runs[::-1]:
-                rec[name].append(_run(cmd, log))
+            rec["matmul"].append(_run([sys.executable, "bench/peer.py", "--matmul-one"], log, zoo_env))
+            for name, cmd, env in runs if rnd % 2 == 0 else runs[::-1]:
+                rec[name].append(_run(cmd, log, env, name))
     results = {}
     for key, rec in raw.items():
         c = key.split("/")[0]
@@ -205,6 +225,10 @@ def main(argv=None) -> int:
             "zoo_compile_s": statistics.median([x["compile_s"] for x in rec["zoo"]]),
             "zoo_cpu_fast_compile": rec["zoo"][0]["cpu_fast_compile"],
         }
+        if "torch_huge_pages" in rec:
+            th = [x["median_step_s_3_to_end"] for x in rec["torch_huge_pages"]]
+            results[key]["torch_huge_pages_ms"] = statistics.median(th) * 1e3
+            results[key]["ratio_torch_huge_pages"] = statistics.median([a_ / b_ for a_, b_ in zip(z, th)])
     md = table(results)
     print(md)
     if a.md:

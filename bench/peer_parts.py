@@ -140,10 +140,10 @@ def zoo_parts(config: str, reps: int) -> dict:
     return {"system": "zoo", "config": config, "seconds": out, "jax": jax.__version__}
 
 
-def _run(cmd: list) -> dict:
+def _run(cmd: list, env=None) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         path = f.name
-    p = subprocess.run(cmd + ["--json", path], cwd=ROOT, capture_output=True, text=True)
+    p = subprocess.run(cmd + ["--json", path], cwd=ROOT, capture_output=True, text=True, env=env)
     if p.returncode != 0:
         raise SystemExit(f"error: {' '.join(cmd)} failed ({p.returncode}):\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}")
     rec = json.loads(Path(path).read_text())
@@ -184,6 +184,9 @@ def main(argv=None) -> int:
     ap.add_argument("--md", default=None, help="the markdown tables")
     a = ap.parse_args(argv)
     if a.zoo_one:
+        from zoo.train.huge_pages import reexec_with_huge_pages
+
+        reexec_with_huge_pages()  # as train.py: the process Zoo's runs start in
         if a.zoo_one not in CONFIGS:
             print(f"error: --zoo-one: unknown config {a.zoo_one!r}; choose one of {', '.join(CONFIGS)}", file=sys.stderr)
             return 2
@@ -201,13 +204,16 @@ def main(argv=None) -> int:
         if c not in CONFIGS:
             print(f"error: --configs: unknown config {c!r}; choose from {', '.join(CONFIGS)}", file=sys.stderr)
             return 2
+    from zoo.train.huge_pages import child_environ
+
+    envs = {"zoo": child_environ(), "torch": None}  # Zoo's processes start as train.py's do (zoo.train.huge_pages)
     raw = {c: {"zoo": [], "torch": []} for c in configs}
     for rnd in range(a.rounds):
         for c in configs:
             runs = [("zoo", [sys.executable, "bench/peer_parts.py", "--zoo-one", c, "--reps", str(a.reps)]),
                     ("torch", [a.torch_python, "bench/torch_parts.py", "--config", c, "--reps", str(a.reps)])]
             for name, cmd in runs if rnd % 2 == 0 else runs[::-1]:
-                raw[c][name].append(_run(cmd))
+                raw[c][name].append(_run(cmd, envs[name]))
                 print(f"round {rnd + 1}/{a.rounds} {c} {name}: " + ", ".join(
                     f"{k} {v * 1e3:.1f} ms" for k, v in raw[c][name][-1]["seconds"].items()), file=sys.stderr, flush=True)
     md = "\n\n".join(table(c, raw[c]["zoo"], raw[c]["torch"]) for c in configs)

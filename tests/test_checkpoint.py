@@ -20,6 +20,8 @@ import jax
 import numpy as np
 import pytest
 
+from zoo.train import huge_pages
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # dsv3_tiny_a (the default model): its state includes the MoE correction biases.
 SMALL = ["trainer.steps=8", "data.batch_size=8", "data.seq_len=16", "trainer.progress=false", "xla.cpu_devices=4"]
@@ -74,6 +76,9 @@ def uninterrupted(tmp_path_factory):
     p = run([*SMALL, *EVERY, f"checkpoint.dir={d / 'ckpt'}"], d / "run")
     assert p.returncode == 0, p.stderr[-3000:]
     assert steps_in(d / "ckpt") == ["4", "5", "6", "7", "8"]  # and no lock left behind
+    # train.py started itself again with glibc's huge-page tunable where this machine takes it.
+    tunables, on, _ = huge_pages.plan(clean_env())
+    assert f"host memory: large buffers {'on transparent huge pages' if on or tunables else 'on 4 KiB pages'} (" in p.stdout
     return d
 
 

@@ -261,8 +261,8 @@ def _quiet_closed_loop_callbacks() -> None:
     """After a failed restore, TensorStore still completes the reads orbax gave up on, and their
     callbacks find orbax's event loop closed: a `RuntimeError('Event loop is closed')` traceback
     each, or the read's own error raised again as its coroutine is closed (via sys.unraisablehook),
-    long after the one line that said why the step was skipped. Those, and only those, are dropped
-    from then on."""
+    even after the one line that said why the step was skipped. Those, and only those, are dropped
+    from the first restore of a resume on."""
     previous = sys.unraisablehook
     if getattr(previous, "_zoo_quiet", False):
         return
@@ -549,6 +549,9 @@ class Checkpoints:
         first = step
         while True:
             reason, state = None, None
+            # Before the restore, not after it fails: the abandoned reads' callbacks can run on
+            # TensorStore's threads while the failure is still on its way here.
+            _quiet_closed_loop_callbacks()
             try:
                 if step != first:  # check() has read the first one's metadata
                     self._check_fits(step, self._read_meta(step), notes=False)
@@ -561,7 +564,6 @@ class Checkpoints:
             except Exception as e:  # noqa: BLE001 - whatever TensorStore and orbax raise on damaged files
                 if "RESOURCE_EXHAUSTED" in str(e):
                     raise  # out of memory: not the files' fault
-                _quiet_closed_loop_callbacks()
                 reason = unreadable_reason(e, self.dir / str(step))
             if not all_processes_agree(reason is None):
                 reason = reason or "another process could not read it"

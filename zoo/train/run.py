@@ -136,6 +136,9 @@ def _train(c: TrainConfig, plan, devices, out_dir: pathlib.Path, xla_flags: str,
     optimize, why = trainer.cpu_optimization()
     if optimize is not None:
         echo(f"XLA:CPU compile: LLVM optimisations {'on (slower compile, faster steps)' if optimize else 'off (faster compile, slower steps)'}; {why}")
+        from zoo.train import huge_pages
+
+        echo(huge_pages.describe())
     if c.pretrained is not None:
         from zoo.hf.pretrained import describe
 
