@@ -14,7 +14,11 @@ if __name__ == "__main__":
     _spec = importlib.util.spec_from_file_location("_zoo_huge_pages", pathlib.Path(__file__).resolve().parent / "zoo/train/huge_pages.py")
     _huge_pages = importlib.util.module_from_spec(_spec)
     _spec.loader.exec_module(_huge_pages)
-    _huge_pages.reexec_with_huge_pages()
+    try:
+        _huge_pages.reexec_with_huge_pages()
+    except ValueError as e:  # a bad ZOO_HUGE_PAGES, before anything else runs
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 import hydra
 from omegaconf import DictConfig

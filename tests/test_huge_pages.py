@@ -3,6 +3,7 @@ keeps its pid and arguments, and that the tunable does cut the page faults of a 
 train.py does it is checked on a real run in tests/test_checkpoint.py (`uninterrupted`)."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,14 +11,14 @@ from pathlib import Path
 import pytest
 
 from zoo.train import huge_pages
-from zoo.train.huge_pages import SWITCH, TUNABLE, describe, plan
+from zoo.train.huge_pages import STARTED_WITHOUT, SWITCH, TUNABLE, describe, plan
 
 ROOT = Path(__file__).resolve().parent.parent
 HERE = dict(mode="madvise", glibc=(2, 36))
 
 
 def test_plan_adds_the_tunable_and_keeps_the_others():
-    assert plan({}, **HERE) == (f"{TUNABLE}=1", False, "this process started without it")
+    assert plan({}, **HERE) == (f"{TUNABLE}=1", False, STARTED_WITHOUT)
     tunables, on, _ = plan({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}, **HERE)
     assert tunables == f"glibc.malloc.arena_max=2:{TUNABLE}=1" and not on
 
@@ -45,6 +46,20 @@ def test_describe_names_the_state_and_the_switch():
     assert describe({SWITCH: "0"}) == f"host memory: large buffers on 4 KiB pages ({SWITCH}=0; docs/benchmarks.md)"
 
 
+@pytest.mark.parametrize("value", ["false", "off", "2", ""])
+def test_a_bad_switch_is_one_line_naming_it(value):
+    with pytest.raises(ValueError, match=rf"^{SWITCH}: got '{value}'; give 0 \(large buffers on 4 KiB pages\) or 1 "):
+        plan({SWITCH: value}, **HERE)
+
+
+def test_train_py_refuses_a_bad_switch_in_one_line_before_anything_else():
+    env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    p = subprocess.run([sys.executable, "train.py"], cwd=ROOT, env={**env, SWITCH: "off"}, capture_output=True, text=True, timeout=60)
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert p.returncode == 2 and p.stdout == "" and len(lines) == 1, p.stderr
+    assert lines[0].startswith(f"error: {SWITCH}: got 'off'; give 0 ")
+
+
 def test_thp_mode_reads_the_bracketed_word(tmp_path):
     f = tmp_path / "enabled"
     f.write_text("always [madvise] never\n")
@@ -70,7 +85,7 @@ needs_madvise = pytest.mark.skipif(
 
 @needs_madvise
 def test_reexec_keeps_pid_and_arguments_and_adds_the_tunable():
-    env = {k: v for k, v in __import__("os").environ.items() if k not in ("GLIBC_TUNABLES", SWITCH, "ZOO_TEST_PID")}
+    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", SWITCH, "ZOO_TEST_PID")}
     p = subprocess.run([sys.executable, "-c", _CHILD, "a", "b=c"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     out = json.loads(p.stdout.strip().splitlines()[-1])
     assert out == {"first_pid": out["pid"], "pid": out["pid"], "argv": ["a", "b=c"], "tunables": f"{TUNABLE}=1"}
@@ -93,7 +108,7 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 @needs_madvise
 def test_the_tunable_cuts_the_page_faults_of_a_large_buffer():
     def faults(tunables):
-        env = {**__import__("os").environ, "GLIBC_TUNABLES": tunables}
+        env = {**os.environ, "GLIBC_TUNABLES": tunables}
         p = subprocess.run([sys.executable, "-c", _FAULTS], env=env, capture_output=True, text=True, timeout=60, check=True)
         return int(p.stdout.strip())
 

@@ -11,7 +11,8 @@ gets them anyway; with `never`, none does).
 glibc reads GLIBC_TUNABLES once, as the process starts, so train.py starts itself again with it
 (`reexec_with_huge_pages`) before it does anything else: the same interpreter, arguments and process
 id. `ZOO_HUGE_PAGES=0` keeps the process as it was started; a GLIBC_TUNABLES that already names
-`glibc.malloc.hugetlb` is left as it is. The measured gain is in docs/benchmarks.md ("Host memory on
+`glibc.malloc.hugetlb` is left as it is; any other value of the switch is refused in one line
+(train.py: exit 2). The measured gain is in docs/benchmarks.md ("Host memory on
 huge pages"). Code that imports zoo runs in a process it did not start: set the variable yourself,
 `GLIBC_TUNABLES=glibc.malloc.hugetlb=1 python my_script.py`.
 """
@@ -26,6 +27,8 @@ TUNABLE = "glibc.malloc.hugetlb"
 SWITCH = "ZOO_HUGE_PAGES"
 THP_MODE_FILE = "/sys/kernel/mm/transparent_hugepage/enabled"
 MIN_GLIBC = (2, 35)
+# `plan`'s reason where the tunable would apply but this process did not start with it (an import).
+STARTED_WITHOUT = f"this process started without GLIBC_TUNABLES={TUNABLE}=1"
 
 
 def thp_mode(path: str = THP_MODE_FILE) -> Optional[str]:
@@ -61,7 +64,10 @@ def plan(
     set_here = [t.split("=", 1)[-1] for t in tunables.split(":") if t.split("=", 1)[0] == TUNABLE]
     if set_here:
         return None, set_here[-1] not in ("0", ""), f"GLIBC_TUNABLES={tunables}"
-    if environ.get(SWITCH, "1") == "0":
+    switch = environ.get(SWITCH, "1")
+    if switch not in ("0", "1"):
+        raise ValueError(f"{SWITCH}: got {switch!r}; give 0 (large buffers on 4 KiB pages) or 1 (on huge pages, the default)")
+    if switch == "0":
         return None, False, f"{SWITCH}=0"
     if sys.platform != "linux":
         return None, False, f"glibc's malloc tunables are Linux only (platform {sys.platform})"
@@ -74,7 +80,7 @@ def plan(
         return None, True, "the kernel gives every large buffer huge pages (transparent_hugepage=always)"
     if mode != "madvise":
         return None, False, f"the kernel's transparent huge pages are {mode or 'not available'} (transparent_hugepage)"
-    return ":".join(t for t in (tunables, f"{TUNABLE}=1") if t), False, "this process started without it"
+    return ":".join(t for t in (tunables, f"{TUNABLE}=1") if t), False, STARTED_WITHOUT
 
 
 def child_environ(environ: Mapping[str, str] = os.environ) -> dict:
@@ -88,7 +94,7 @@ def reexec_with_huge_pages() -> None:
     """Start this process again (same interpreter, arguments and pid) with huge pages for large
     buffers, where `plan` says so; otherwise return. Call it first thing, before any output."""
     tunables = plan()[0]
-    if tunables is None:
+    if tunables is None or not sys.executable:  # (an embedded interpreter has nothing to start again)
         return
     sys.stdout.flush()
     sys.stderr.flush()
@@ -99,5 +105,5 @@ def describe(environ: Mapping[str, str] = os.environ) -> str:
     """One line for a run's start: whether this process has its large buffers on huge pages, and why."""
     _, on, why = plan(environ)
     state = "on transparent huge pages" if on else "on 4 KiB pages"
-    switch = "" if why == f"{SWITCH}=0" else f"; {SWITCH}=0 turns huge pages off"
+    switch = f"; {SWITCH}=0 turns huge pages off" if on else ""
     return f"host memory: large buffers {state} ({why}{switch}; docs/benchmarks.md)"
