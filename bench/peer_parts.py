@@ -15,7 +15,8 @@ Parts, on bench/peer.py's `tiny` and `100m` shapes (float32, value and gradient 
 - `layer`: one whole decoder layer (norms, projections, RoPE, attention, MLP, residuals), gradient
   wrt its weights and input (Zoo: the model's `DecoderBlock`; torch: `LlamaDecoderLayer`);
 - `optimizer`: global-norm clip 1.0 and AdamW over all of the model's parameters (Zoo:
-  `zoo.train.step.make_optimizer` with the default `optimizer` group, state donated as train.py does;
+  `zoo.train.update.whole_tree_update` with the default `optimizer` group, state donated, as the
+  train step does;
   torch: `clip_grad_norm_` and `torch.optim.AdamW`).
 
 Zoo runs under train.py's XLA defaults (`XlaConfig()`; LLVM optimisations on, as `cpu_fast_compile:
@@ -75,13 +76,13 @@ def zoo_parts(config: str, reps: int) -> dict:
     import equinox as eqx
     import jax
     import jax.numpy as jnp
-    import optax
 
     import zoo.model as zoo_model_module
     from zoo.loss import chunked_next_token_loss
     from zoo.nn.attention_kernels import attend
     from zoo.train.config import OptimizerConfig
-    from zoo.train.step import make_optimizer
+    from zoo.train.step import make_optimizer, trainable_labels
+    from zoo.train.update import whole_tree_update
 
     d = CONFIGS[config]
     B, T, D, F, V = d["batch"], d["seq"], d["hidden"], d["mlp"], d["vocab"]
@@ -122,12 +123,13 @@ def zoo_parts(config: str, reps: int) -> dict:
     out["layer"] = timed(lambda: layer(block, x3), reps)
 
     params = eqx.filter(model, eqx.is_array)
-    tx, _ = make_optimizer(OptimizerConfig(), 100)
+    c = OptimizerConfig()
+    tx, _ = make_optimizer(c, 100, clip=False)  # clipped by whole_tree_update, as the train step does
     grads = jax.tree.map(lambda p: jax.random.normal(next(keys), p.shape, p.dtype) * 1e-2, params)
 
     def update(p, s, g):  # the gradient is an argument: as a constant, XLA would fold its norm at compile time
-        u, s = tx.update(g, s, p)
-        return optax.apply_updates(p, u), s
+        trainable = jax.tree.map(lambda x, lab: x if lab == "train" else None, g, trainable_labels(g))
+        return whole_tree_update(tx, g, s, p, trainable=trainable, max_norm=c.grad_clip)[:2]
 
     update = jax.jit(update, donate_argnums=(0, 1))
     state = [jax.tree.map(jnp.copy, params), tx.init(params)]

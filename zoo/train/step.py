@@ -30,7 +30,7 @@ from zoo.loss import chunked_next_token_loss, target_weights
 from zoo.nn.attention_kernels import segments_bound
 from zoo.offload import remat_policy
 from zoo.train.config import OptimizerConfig, Plan, TrainConfig
-from zoo.train.update import UPDATE_SCOPE, accumulate, global_norm, streamed_update, zeros_where
+from zoo.train.update import UPDATE_SCOPE, accumulate, global_norm, streamed_update, whole_tree_update, zeros_where
 
 # xla.cpu_fast_compile=auto turns LLVM's optimisations on from this many model FLOPs per run (steps x
 # step FLOPs). `python bench/opt_level.py` on the 2-core machine (loaded, docs/benchmarks.md):
@@ -156,6 +156,8 @@ class Trainer:
         self.opt_on_host = cfg.offload.opt_state == "pinned_host"
         # Host-resident state is updated layer by layer (zoo.train.update), not brought to the device whole.
         self.layerwise_update = self.params_on_host or self.opt_on_host
+        # The step clips by the norm it computes itself (zoo.train.update.global_norm, also its
+        # grad_norm metric), so its update is the unclipped chain; the state is the same either way.
         self.tx_unclipped = make_optimizer(cfg.optimizer, cfg.trainer.steps, clip=False)[0]
 
         sizes = plan.mesh.sizes
@@ -421,10 +423,9 @@ class Trainer:
                     self.tx_unclipped, grads, opt_state, params, norm=norm, max_norm=self.cfg.optimizer.grad_clip, divide=accum
                 )
                 return new_params, opt_state, norm
-            grads = jax.tree.map(lambda g: g / accum, grads) if accum > 1 else grads
-            norm = optax.tree.norm(jax.tree.map(lambda g: g / accum, trainable) if accum > 1 else trainable)
-            updates, opt_state = self.tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, norm
+            return whole_tree_update(
+                self.tx_unclipped, grads, opt_state, params, trainable=trainable, max_norm=self.cfg.optimizer.grad_clip, divide=accum
+            )
 
     def _balance_experts(self, params, load, rate):
         """DeepSeek-V3's auxiliary-loss-free balancing: push overloaded experts' correction bias down

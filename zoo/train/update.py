@@ -122,10 +122,23 @@ def _divided(tree, divide: int):
     return jax.tree.map(lambda g: g / divide, tree) if divide > 1 else tree
 
 
+def sum_of_squares(x: jax.Array) -> jax.Array:
+    """sum(x ** 2) in float32, as one dot of `x` with itself over all of its dims.
+
+    A square followed by a sum (optax.tree.norm) costs XLA:CPU a new buffer the size of the leaf,
+    since it does not fuse the two; the dot reads the leaf once, and its blocked float32
+    accumulation is closer to the exact sum. No reshape: flattening a leaf sharded on an inner dim
+    would make GSPMD gather it, where a contraction over sharded dims is a partial sum and an
+    all-reduce of one scalar. HIGHEST keeps float32 dots out of reduced-precision (TF32) units."""
+    dims = tuple(range(x.ndim))
+    return jax.lax.dot_general(x, x, ((dims, dims), ((), ())), precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+
+
 def _sum_of_squares(tree, divide: int) -> jax.Array:
-    if not jax.tree.leaves(tree):
-        return jnp.float32(0)
-    return optax.tree.norm(_divided(zs.to_device(tree), divide), squared=True)
+    total = jnp.float32(0)
+    for x in jax.tree.leaves(_divided(zs.to_device(tree), divide)):
+        total = total + sum_of_squares(x)
+    return total
 
 
 def global_norm(trainable, *, divide: int = 1) -> jax.Array:
@@ -179,6 +192,19 @@ def clip_by_norm(tree, norm, max_norm: float):
     """optax.clip_by_global_norm's rescaling, with the norm of the whole gradient given."""
     trigger = jnp.squeeze(norm < max_norm)
     return jax.tree.map(lambda t: jax.lax.select(trigger, t, (t / norm.astype(t.dtype)) * max_norm), tree)
+
+
+def whole_tree_update(tx: optax.GradientTransformation, grads, opt_state, params, *, trainable, max_norm: float, divide: int = 1):
+    """`(new params, new opt_state, norm)` with the state on the device, updated at once: the
+    streamed update's norm (`global_norm` of `trainable`, the gradient leaves that are trained, the
+    others None) and clipping, so that both paths use one formula. `tx` is the optimizer built with
+    `clip=False`; `max_norm` <= 0 turns clipping off."""
+    norm = global_norm(trainable, divide=divide)
+    grads = _divided(grads, divide)
+    if max_norm > 0:
+        grads = clip_by_norm(grads, norm, max_norm)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, norm
 
 
 def streamed_update(tx: optax.GradientTransformation, grads, opt_state, params, *, norm, max_norm: float, divide: int = 1):
