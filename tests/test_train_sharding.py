@@ -6,6 +6,7 @@ presets themselves are what is tested.
 
 import dataclasses
 import math
+import os
 import pathlib
 
 import jax
@@ -377,3 +378,50 @@ def test_fsdp_gathers_weights_in_the_compute_dtype(model):
     wide = [str(f.results[0]) for f in gathers if f.results[0].dtype != "bf16" and f.results[0].dims[-2:] != router]
     assert not wide, wide  # no activation, routing data or weight in float32 (the routing runs per device)
     assert any(f.executions >= 2 for f in gathers)  # once per layer: the scan's trip count is read
+
+
+def test_gradient_norm_is_one_dot_per_leaf_and_never_gathers_a_sharded_leaf():
+    """zoo.train.update.sum_of_squares (the step's gradient norm and clipping): the float32 sum of
+    squares of a leaf, as a dot of the leaf with itself. Under train.py's XLA:CPU default
+    (`xla.cpu_ynn_fusions: dot`) its compiled program writes no leaf-sized square, where optax's
+    square-then-sum does (a process of its own: XLA flags are fixed when JAX starts); and on a mesh
+    a leaf sharded on an inner dim is not gathered: each device sums its shard, one scalar is
+    all-reduced."""
+    import subprocess
+    import sys
+
+    import jax.numpy as jnp
+    import optax
+    from jax.sharding import NamedSharding
+
+    from zoo.hlo import collectives
+    from zoo.train.run import YNN_FLAG
+    from zoo.train.update import global_norm, sum_of_squares
+
+    x = np.random.default_rng(0).normal(size=(4, 64, 256)).astype(np.float32) * 3
+    exact = float((x.astype(np.float64) ** 2).sum())
+    assert abs(float(jax.jit(sum_of_squares)(jnp.asarray(x))) - exact) <= 1e-6 * exact
+    tree = {"a": jnp.asarray(x), "b": None, "c": jnp.asarray(x[0, :3])}
+    np.testing.assert_allclose(float(global_norm(tree, divide=2)), float(optax.tree.norm({"a": x / 2, "c": x[0, :3] / 2})), rtol=1e-6)
+
+    # The entry computation's leaf-sized results other than the leaf itself: a square written out.
+    script = """
+import jax, jax.numpy as jnp, optax
+from zoo.train.update import sum_of_squares
+for f in (lambda a: optax.tree.norm(a, squared=True), sum_of_squares):
+    hlo = jax.jit(f).lower(jnp.ones((4, 64, 256))).compile().as_text()
+    entry = hlo[hlo.index("\\nENTRY"):]
+    print(sum("= f32[4,64,256]" in line and " parameter(" not in line for line in entry.splitlines()))
+"""
+    env = {**os.environ, "XLA_FLAGS": f"{YNN_FLAG}=dot", "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300, cwd=pathlib.Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr[-2000:]
+    optax_squares, dot_squares = (int(n) for n in out.stdout.split())
+    assert optax_squares >= 1 and dot_squares == 0, (optax_squares, dot_squares)
+
+    for axis_type in (jax.sharding.AxisType.Auto, jax.sharding.AxisType.Explicit):  # zoo's meshes; research code's
+        mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(axis_type,))
+        sharded = jax.device_put(x, NamedSharding(mesh, PartitionSpec(None, "fsdp")))
+        found = {c.kind for c in collectives(jax.jit(sum_of_squares).lower(sharded).compile().as_text())}
+        assert found == {"all-reduce"}, (axis_type, found)
+        assert abs(float(jax.jit(sum_of_squares)(sharded)) - exact) <= 1e-6 * exact

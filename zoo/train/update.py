@@ -129,9 +129,15 @@ def sum_of_squares(x: jax.Array) -> jax.Array:
     since it does not fuse the two; the dot reads the leaf once, and its blocked float32
     accumulation is closer to the exact sum. No reshape: flattening a leaf sharded on an inner dim
     would make GSPMD gather it, where a contraction over sharded dims is a partial sum and an
-    all-reduce of one scalar. HIGHEST keeps float32 dots out of reduced-precision (TF32) units."""
+    all-reduce of one scalar (on a mesh of explicit axes jax asks where that scalar goes: everywhere).
+    HIGHEST keeps float32 dots out of reduced-precision (TF32) units."""
     dims = tuple(range(x.ndim))
-    return jax.lax.dot_general(x, x, ((dims, dims), ((), ())), precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    sharding = jax.typeof(x).sharding
+    explicit = jax.sharding.AxisType.Explicit in getattr(sharding.mesh, "axis_types", ())
+    where = {"out_sharding": jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())} if explicit else {}
+    return jax.lax.dot_general(
+        x, x, ((dims, dims), ((), ())), precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32, **where
+    )
 
 
 def _sum_of_squares(tree, divide: int) -> jax.Array:
