@@ -150,15 +150,14 @@ class Trainer:
         self.rules = rules
         abstract = zoo_model.abstract(cfg.model)
         self.abstract_params, self.static = eqx.partition(abstract, is_array_like)
-        self.tx, self.schedule = make_optimizer(cfg.optimizer, cfg.trainer.steps)
+        # Unclipped: the step clips by the norm it computes itself (zoo.train.update.global_norm, also
+        # its grad_norm metric) on both update paths; the state is the same as the clipped chain's.
+        self.tx, self.schedule = make_optimizer(cfg.optimizer, cfg.trainer.steps, clip=False)
         self.policy = remat_policy(cfg.offload)
         self.params_on_host = cfg.offload.params == "pinned_host"
         self.opt_on_host = cfg.offload.opt_state == "pinned_host"
         # Host-resident state is updated layer by layer (zoo.train.update), not brought to the device whole.
         self.layerwise_update = self.params_on_host or self.opt_on_host
-        # The step clips by the norm it computes itself (zoo.train.update.global_norm, also its
-        # grad_norm metric), so its update is the unclipped chain; the state is the same either way.
-        self.tx_unclipped = make_optimizer(cfg.optimizer, cfg.trainer.steps, clip=False)[0]
 
         sizes = plan.mesh.sizes
         param_specs = tree_specs(self.abstract_params, rules, sizes)
@@ -420,11 +419,11 @@ class Trainer:
             if self.layerwise_update:
                 norm = global_norm(trainable, divide=accum)
                 new_params, opt_state = streamed_update(
-                    self.tx_unclipped, grads, opt_state, params, norm=norm, max_norm=self.cfg.optimizer.grad_clip, divide=accum
+                    self.tx, grads, opt_state, params, norm=norm, max_norm=self.cfg.optimizer.grad_clip, divide=accum
                 )
                 return new_params, opt_state, norm
             return whole_tree_update(
-                self.tx_unclipped, grads, opt_state, params, trainable=trainable, max_norm=self.cfg.optimizer.grad_clip, divide=accum
+                self.tx, grads, opt_state, params, trainable=trainable, max_norm=self.cfg.optimizer.grad_clip, divide=accum
             )
 
     def _balance_experts(self, params, load, rate):
