@@ -28,6 +28,7 @@ def test_every_private_api_is_still_there():
     store = _compat.orbax_array_metadata_store()
     assert store is not None, "orbax.checkpoint._src.metadata.array_metadata_store.Store moved"
     assert callable(_compat.saved_residuals()), "jax._src.ad_checkpoint.saved_residuals moved"
+    assert _compat.linear_call_vmappable(), "jax._src.custom_derivatives.linear_call_p or jax._src.interpreters.batching moved"
     assert _compat.cudnn_version() is None or _compat.cudnn_version() > 0
 
 
@@ -43,3 +44,41 @@ def test_no_private_import_outside_compat():
         if private.search(line)
     ]
     assert not found, f"private APIs outside zoo/_compat.py: {found}"
+
+
+def test_linear_call_batching_rule_maps_the_callee_and_its_own_transpose():
+    """zoo._compat.linear_call_vmappable: vmap of a linear_call runs the callee per example and, in
+    reverse mode, the transpose it was given (here deliberately twice the true one, so that a rule
+    that differentiated the callee instead would be caught), for mapped and unmapped operands alike."""
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.custom_derivatives import linear_call
+
+    assert _compat.linear_call_vmappable() is True
+
+    def scale(r, x):  # linear in x, r a residual
+        return r * x
+
+    def twice_the_transpose(r, ct):
+        return 2 * r * ct
+
+    def f(r, x):
+        return linear_call(scale, twice_the_transpose, r, x)
+
+    r = jnp.arange(1.0, 4.0)[:, None] * jnp.ones((3, 5))  # per example
+    x = jnp.linspace(-1.0, 1.0, 15).reshape(3, 5)
+    np.testing.assert_allclose(jax.vmap(f)(r, x), r * x)
+    # per-example gradient through the given transpose
+    g = jax.vmap(jax.grad(lambda r, x: f(r, x).sum(), argnums=1))(r, x)
+    np.testing.assert_allclose(g, 2 * r)
+    # the linear operand shared by every example (unmapped): still one cotangent per example
+    g_shared = jax.vmap(jax.grad(lambda r, x: f(r, x).sum(), argnums=1), in_axes=(0, None))(r, x[0])
+    np.testing.assert_allclose(g_shared, 2 * r)
+    # the residual shared, the linear operand mapped; and vmap inside grad
+    g_res_shared = jax.vmap(jax.grad(lambda r, x: (f(r, x) * x).sum(), argnums=1), in_axes=(None, 0))(r[0], x)
+    np.testing.assert_allclose(g_res_shared, 2 * r[0] * x + r[0] * x)
+    g_outer = jax.grad(lambda x: jax.vmap(f)(r, x).sum())(x)
+    np.testing.assert_allclose(g_outer, 2 * r)
+    # the transpose's own transpose is the callee again, mapped
+    t = jax.vmap(lambda r, x: jax.linear_transpose(lambda x: f(r, x), x)(x)[0])(r, x)
+    np.testing.assert_allclose(t, 2 * r * x)

@@ -69,3 +69,45 @@ def saved_residuals():
     from jax._src.ad_checkpoint import saved_residuals as fn
 
     return fn
+
+
+def linear_call_vmappable() -> bool:
+    """Give `jax.custom_derivatives.linear_call` a batching rule, which jax (0.10) lacks, so that
+    `jax.vmap` works through Zoo's kernels whose reverse mode is a `linear_call` (the blockwise
+    attention's custom JVP): without it, `jax.vmap(jax.grad(loss))` (per-example gradients) fails with
+    "Batching rule for 'linear_call' not implemented". Returns whether linear_call can be vmapped now
+    (True too where jax has a rule of its own, which is then left in place; False if the private
+    modules moved, and vmap fails as before: tests/test_compat.py names the move).
+
+    The rule maps the callee and, lazily, the transpose with `batch_jaxpr`; the linear operands and all
+    outputs are made mapped (a linear operand that was not is broadcast), so the mapped transpose,
+    fed mapped cotangents, returns cotangents shaped as its operands. Constants the transpose closes
+    over are taken as unmapped (Zoo's transposes close over static values only)."""
+    try:
+        from jax._src.custom_derivatives import linear_call_p
+        from jax._src.interpreters import batching
+    except ImportError:  # pragma: no cover - moved: see tests/test_compat.py
+        return False
+    if linear_call_p in batching.fancy_primitive_batchers:
+        return True
+
+    def rule(axis_data, args, dims, *, callee, transpose_thunk, num_callee_consts, num_res):
+        fixed = num_callee_consts + num_res
+        mapped = [d is not None for d in dims[:fixed]] + [True] * (len(args) - fixed)
+        args = [batching.bdim_at_front(x, d, axis_data.size, axis_data.explicit_mesh_axis) if m else x for x, d, m in zip(args, dims, mapped)]
+        callee_mapped, _ = batching.batch_jaxpr(callee, axis_data, mapped, instantiate=True)
+        res_mapped = mapped[num_callee_consts:fixed]
+        memo = []
+
+        def transpose_mapped():
+            if not memo:
+                transpose, t_consts = transpose_thunk()
+                in_mapped = [False] * len(t_consts) + res_mapped + [True] * len(callee.out_avals)
+                memo.append((batching.batch_jaxpr(transpose, axis_data, in_mapped, instantiate=True)[0], t_consts))
+            return memo[0]
+
+        outs = linear_call_p.bind(*args, callee=callee_mapped, transpose_thunk=transpose_mapped, num_callee_consts=num_callee_consts, num_res=num_res)
+        return outs, [0] * len(outs)
+
+    batching.fancy_primitive_batchers[linear_call_p] = rule
+    return True

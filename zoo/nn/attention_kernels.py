@@ -25,6 +25,8 @@ from jax.custom_derivatives import SymbolicZero, linear_call
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from zoo._compat import linear_call_vmappable
+
 IMPLS = ("auto", "xla", "blockwise", "cudnn")
 
 # Tiles of 256 x 256: on the 2-core CPU machine (bench/attention_kernels.py attention; batch 1, 8
@@ -475,6 +477,8 @@ def _flash_jvp(tiling, primals, tangents):
 
 
 _flash.defjvp(_flash_jvp, symbolic_zeros=True)
+# jax.vmap through the blockwise kernel's reverse mode (per-example gradients) needs a rule jax lacks.
+linear_call_vmappable()
 
 
 def _flash_bwd(tiling, residuals, d_out):
