@@ -30,6 +30,21 @@ def test_every_private_api_is_still_there():
     assert callable(_compat.saved_residuals()), "jax._src.ad_checkpoint.saved_residuals moved"
     assert _compat.linear_call_vmappable(), "jax._src.custom_derivatives.linear_call_p or jax._src.interpreters.batching moved"
     assert _compat.cudnn_version() is None or _compat.cudnn_version() > 0
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    seen = []
+
+    def body(a, b):
+        seen.append((_compat.varying_axes(a), _compat.varying_axes(b), _compat.varying_axes(a * b)))
+        return a * b
+
+    mesh = jax.make_mesh((2, len(jax.devices()) // 2), ("x", "y"))
+    specs = (P("x", "y"), P(None, "y"))
+    a, b = (jax.device_put(jnp.ones(shape), jax.sharding.NamedSharding(mesh, s)) for shape, s in zip(((4, 8), (1, 8)), specs))
+    jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P("x", "y")))(a, b)
+    assert seen == [({"x", "y"}, {"y"}, {"x", "y"})], "zoo._compat.varying_axes: jax moved the shard_map varying axes"
+    assert _compat.varying_axes(jnp.ones(3)) == frozenset()
 
 
 def test_no_private_import_outside_compat():

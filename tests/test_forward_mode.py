@@ -126,3 +126,29 @@ def test_jvp_of_blockwise_attention_matches_xla_attention(case):
     assert float(jnp.abs(t_x).max()) > 1e-2
     _, f_lin = jax.linearize(f("blockwise"), *primals)
     np.testing.assert_allclose(f_lin(*tangents), t_b, rtol=1e-5, atol=1e-5)
+
+
+def test_per_example_gradients_with_vmap_through_blockwise_attention_and_the_experts():
+    """jax.vmap of jax.grad (per-example gradients) through the two kernels whose reverse mode is a
+    linear_call, the blockwise attention and the routed experts' matmul (DeepSeek-V3: MLA and a
+    capacity MoE), equals the gradients taken one example at a time."""
+    import dataclasses
+
+    c = SIZES["dsv3_tiny_a"].replace(attention_impl="blockwise")
+    c = c.replace(moe=dataclasses.replace(c.moe, impl="capacity"))
+    params, static = eqx.partition(build(c, key=jax.random.key(0)), eqx.is_inexact_array)
+    tokens = jax.random.randint(jax.random.key(2), (3, 1, 12), 0, c.vocab_size)
+    u = jax.random.normal(jax.random.key(3), (1, 12, c.vocab_size))
+
+    def grad_of_one(p, tokens):
+        return jax.grad(lambda p: (eqx.combine(p, static)(tokens) * u).sum())(p)
+
+    per_example = jax.jit(jax.vmap(grad_of_one, in_axes=(None, 0)), compiler_options=FAST_COMPILE)(params, tokens)
+    one = jax.jit(grad_of_one, compiler_options=FAST_COMPILE)
+    for i in range(tokens.shape[0]):
+        want = one(params, tokens[i])
+        got = jax.tree.map(lambda g: g[i], per_example)
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):  # float32 sums in another order
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-5 * max(1.0, float(jnp.abs(w).max())))
+    w_gate = [x for x in jax.tree.leaves(per_example) if x.ndim == 5]  # [example, layers, experts, embed, mlp]
+    assert w_gate and float(jnp.abs(w_gate[0][0] - w_gate[0][1]).max()) > 0  # the examples differ

@@ -111,3 +111,21 @@ def linear_call_vmappable() -> bool:
 
     batching.fancy_primitive_batchers[linear_call_p] = rule
     return True
+
+
+def varying_axes(x) -> frozenset:
+    """The shard_map mesh axes over which `x` varies (empty outside a shard_map): a custom transpose
+    inside a shard_map must sum a gradient over the axes its operand does not vary over, as jax's
+    own transposes do. jax 0.10 keeps them on the abstract value's manual axis type
+    (`aval.mat.varying`, no public accessor); earlier releases called them `aval.vma`. If neither is
+    there this raises rather than answer empty, which would silently drop that sum."""
+    import jax
+
+    aval = jax.typeof(x)
+    mat = getattr(aval, "mat", None)
+    if mat is not None:
+        return frozenset(mat.varying)
+    vma = getattr(aval, "vma", None)
+    if vma is not None:  # pragma: no cover - older jax
+        return frozenset(vma)
+    raise RuntimeError("zoo._compat.varying_axes: jax's abstract values carry neither .mat.varying nor .vma; see tests/test_compat.py")

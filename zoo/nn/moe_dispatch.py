@@ -48,11 +48,13 @@ from typing import Callable, Literal, Optional, Union
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero, linear_call
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int
 
 from zoo import sharding as zs
 from zoo import tags as zoo_tags
+from zoo._compat import linear_call_vmappable, varying_axes
 
 Impl = Literal["capacity", "ragged"]
 Activation = Callable[[Array, Array], Array]
@@ -158,8 +160,64 @@ def _cast(w: ExpertWeights, dtype) -> ExpertWeights:
     return jax.tree.map(lambda a: a.astype(dtype), w)
 
 
-def _buffer_matmul(h, w):
+@jax.custom_jvp
+def expert_matmul(h: Float[Array, "experts rows d_in"], w: Float[Array, "experts d_in d_out"]) -> Float[Array, "experts rows d_out"]:
+    """`ECD,EDF->ECF`: every expert's rows times its weight, with a reverse mode that computes the
+    weight's gradient in the weight's own layout.
+
+    jax transposes a dot into a dot ordered [experts, d_out, d_in] and a transpose after it. XLA
+    folds that transpose away for float32 weights; for weights cast to bfloat16 a convert sits in
+    between, and XLA:CPU ran the transpose fused into the write of each layer's gradient into the
+    stacked [layers, experts, d_in, d_out] buffer: three such writes, one per expert weight, a
+    sizeable share of the MoE step (docs/benchmarks.md). Here the gradient is `ECD,ECF->EDF`,
+    ordered as the weight is. It is a custom JVP whose tangent is a `linear_call` with that
+    transpose, so forward mode (jax.jvp, jax.linearize) works as for any dot."""
     return jnp.einsum("ECD,EDF->ECF", h, w)
+
+
+def _expert_matmul_jvp(primals, tangents):
+    h, w = primals
+    out = expert_matmul(h, w)
+    live = tuple(i for i in range(2) if not isinstance(tangents[i], SymbolicZero))
+    if not live:
+        return out, jnp.zeros_like(out)
+
+    def forward_tangent(res, lin):
+        h, w = res
+        given = dict(zip(live, lin))
+        parts = []
+        if 0 in given:
+            parts.append(jnp.einsum("ECD,EDF->ECF", given[0], w))
+        if 1 in given:
+            parts.append(jnp.einsum("ECD,EDF->ECF", h, given[1]))
+        return sum(parts[1:], parts[0])
+
+    def transpose(res, d_out):
+        h, w = res
+        grads = {}
+        if 0 in live:
+            grads[0] = _summed_like(jnp.einsum("ECF,EDF->ECD", d_out, w), h)
+        if 1 in live:
+            grads[1] = _summed_like(jnp.einsum("ECD,ECF->EDF", h, d_out), w)
+        return tuple(grads[i] for i in live)
+
+    return out, linear_call(forward_tangent, transpose, (h, w), tuple(tangents[i] for i in live))
+
+
+expert_matmul.defjvp(_expert_matmul_jvp, symbolic_zeros=True)
+linear_call_vmappable()  # jax.vmap through its reverse mode (per-example gradients)
+
+
+def _summed_like(grad, operand):
+    """`grad` summed over the shard_map mesh axes it varies over and `operand` does not: inside a
+    shard_map, weights replicated over the batch's axes meet tokens that vary over them, and jax's
+    own transpose of that implicit broadcast is this sum (nothing to do outside a shard_map)."""
+    extra = tuple(sorted(varying_axes(grad) - varying_axes(operand)))
+    return jax.lax.psum(grad, extra) if extra else grad
+
+
+def _buffer_matmul(h, w):
+    return expert_matmul(h, w)
 
 
 def _buffer_bias(v, b):
