@@ -221,14 +221,52 @@ def keep_all_but_transfers(prim, *_, **__) -> bool:
     return prim.name not in ("device_put", "convert_element_type")
 
 
-def remat_policy(policy: OffloadConfig, model_config=None) -> Optional[Callable]:
-    """The `jax.checkpoint` policy for the scanned layer body (None: no checkpoint, keep everything;
-    with parameters in host memory, `keep_all_but_transfers`).
+def layer_weight_shapes(model_config) -> frozenset:
+    """The shapes of one layer's matmul weights (`zoo.sharding.COMPUTE_LEAVES`, the ones cast to the
+    compute dtype), without the stacks' leading layer axis; empty when the model computes in its
+    parameters' dtype (nothing is cast)."""
+    import numpy as np
 
-    With `model_config`, the policy is validated against the model first (`resolve`).
+    from zoo import model as zoo_model
+    from zoo.sharding import COMPUTE_LEAVES
+
+    if np.dtype(model_config.compute_dtype) == np.dtype(model_config.param_dtype):
+        return frozenset()
+    stacks = zoo_model.abstract(model_config).stacks
+    leaves = jax.tree_util.tree_leaves_with_path(tuple(s.layers for s in stacks))
+    return frozenset(tuple(x.shape[1:]) for path, x in leaves if getattr(path[-1], "name", None) in COMPUTE_LEAVES)
+
+
+def keep_all_but_weight_casts(weight_shapes: frozenset) -> Callable:
+    """The policy of `checkpoint: false` for a model that computes in another dtype than its
+    parameters' (bfloat16 compute, float32 master weights): save every intermediate the backward reads,
+    as no checkpoint would, except the casts of the layer's weights (`layer_weight_shapes`), which the
+    backward does again from the weights the layer scan holds anyway. Kept, they are a second,
+    compute-dtype copy of every layer's weights among the residuals, written layer by layer into
+    stacked buffers (docs/benchmarks.md). A cast of an activation that has a weight's shape by chance
+    is recomputed too, which costs a pass, not a result."""
+
+    def policy(prim, *avals, **_) -> bool:
+        # The cast, and the constraint that pins it to the weight's sharding (zoo.sharding.cast_for_compute).
+        return not (prim.name in ("convert_element_type", "sharding_constraint") and tuple(avals[0].shape) in weight_shapes)
+
+    return policy
+
+
+def remat_policy(policy: OffloadConfig, model_config=None, *, weights_of=None) -> Optional[Callable]:
+    """The `jax.checkpoint` policy for the scanned layer body (None: no checkpoint, keep everything;
+    with parameters in host memory, `keep_all_but_transfers`; for a model that casts its weights to
+    another compute dtype, `keep_all_but_weight_casts`).
+
+    With `model_config`, the policy is validated against the model first (`resolve`). `weights_of`
+    (default: `model_config`) is the model whose weight casts `checkpoint: false` recomputes.
     """
     if not policy.checkpoint:
-        return keep_all_but_transfers if policy.params == "pinned_host" else None
+        if policy.params == "pinned_host":
+            return keep_all_but_transfers
+        weights_of = weights_of if weights_of is not None else model_config
+        shapes = layer_weight_shapes(weights_of) if weights_of is not None else frozenset()
+        return keep_all_but_weight_casts(shapes) if shapes else None
     if model_config is not None:
         resolve(policy, model_config)
     actions = policy.actions(None if model_config is None else block_kinds(model_config))

@@ -153,7 +153,7 @@ class Trainer:
         # Unclipped: the step clips by the norm it computes itself (zoo.train.update.global_norm, also
         # its grad_norm metric) on both update paths; the state is the same as the clipped chain's.
         self.tx, self.schedule = make_optimizer(cfg.optimizer, cfg.trainer.steps, clip=False)
-        self.policy = remat_policy(cfg.offload)
+        self.policy = remat_policy(cfg.offload, weights_of=cfg.model)
         self.params_on_host = cfg.offload.params == "pinned_host"
         self.opt_on_host = cfg.offload.opt_state == "pinned_host"
         # Host-resident state is updated layer by layer (zoo.train.update), not brought to the device whole.
