@@ -236,7 +236,8 @@ def markdown(res: dict) -> str:
         prof = fam.get("profile_none")
         if prof and "by_category_s" in prof:
             cats = ", ".join(f"{c} {s:.3f}" for c, s in prof["by_category_s"].items())
-            lines.append(f"profile of one `none` step ({prof['step_wall_s']:.3f} s wall, {prof['op_seconds_per_step']:.3f} s in XLA ops), seconds by kind of op: {cats}")
+            gaps = f", {prof['no_op_running_s']:.3f} s with no traced op running (XLA's own dots run there)" if "no_op_running_s" in prof else ""
+            lines.append(f"profile of one `none` step ({prof['step_wall_s']:.3f} s wall, {prof['op_seconds_per_step']:.3f} s in XLA ops{gaps}), seconds by kind of op: {cats}")
             lines.append("")
     if res.get("compile_vs_depth"):
         lines += ["| preset | layers | trace (s) | lower (s) | compile (s) | total (s) |", "|---|---:|---:|---:|---:|---:|"]

@@ -105,3 +105,16 @@ def test_gpu_bench_toy_on_cpu(tmp_path):
     assert res["targets"]["fits_where_none_does_not"][0]["fits_where_none_does_not"] is True
     assert "| group |" in md.read_text()
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_profile_counts_the_time_no_traced_op_covers():
+    """bench/common.gaps_between: what bench/cpu.py --profile reports as time with no traced op
+    running (XLA's own dots finish there, after their thunk returned): overlapping and nested spans
+    count once, the gaps between them are summed, nothing before the first or after the last."""
+    sys.path.insert(0, str(ROOT))
+    from bench.common import gaps_between
+
+    assert gaps_between([(30, 40), (0, 10), (5, 20), (6, 8)]) == 10  # 20..30
+    assert gaps_between([(0, 10), (12, 13), (12, 20), (25, 30)]) == 2 + 5
+    assert gaps_between([(0, 5), (5, 9)]) == 0
+    assert gaps_between([]) == 0
