@@ -8,7 +8,9 @@ The step is bench/cpu.py's `dsv3_100m` (bfloat16 compute over float32 weights, c
 it is), `einsum_experts` (the routed experts' matmul as the plain einsum, whose weight gradient jax
 writes transposed: the code before `zoo.nn.moe_dispatch.expert_matmul`), `keep_weight_casts` (no
 checkpoint for `checkpoint: false`, so the backward keeps the bfloat16 casts of every layer's weights:
-the code before `zoo.offload.keep_all_but_weight_casts`). Each variant patches before its own trace and
+the code before `zoo.offload.keep_all_but_weight_casts`), `transposed_head` (the LM head's weight gradient in
+the fused loss as a product over the transposed hidden states, which `zoo.loss.head_gradient` does for
+float32 models only). Each variant patches before its own trace and
 compile; the variants' steps then alternate (order reversed every round) from copies of one initial
 state. Prints each one's loss and gradient norm after one step, its median step, its per-round ratio to
 the first variant, and the compiled temp bytes.
@@ -34,17 +36,22 @@ def main() -> None:
     import jax
     import jax.numpy as jnp
 
+    from zoo import loss
     from zoo.nn import moe_dispatch
 
-    original = moe_dispatch._buffer_matmul
+    original, original_head = moe_dispatch._buffer_matmul, loss.head_gradient
+
+    def transposed_head(h, d_logits):
+        return jnp.einsum("DC,CV->DV", jax.lax.optimization_barrier(h.T), d_logits, preferred_element_type=jnp.float32)
     model = C.bench_model(args.model, moe_impl="capacity")
     compiled, trainers = {}, {}
     for v in args.variants:
         parts = set(v.split("+"))
-        unknown = parts - {"base", "einsum_experts", "keep_weight_casts"}
+        unknown = parts - {"base", "einsum_experts", "keep_weight_casts", "transposed_head"}
         if unknown:
-            sys.exit(f"bench/ab_moe.py: unknown variant part(s) {sorted(unknown)}; the parts are base, einsum_experts, keep_weight_casts")
+            sys.exit(f"bench/ab_moe.py: unknown variant part(s) {sorted(unknown)}; the parts are base, einsum_experts, keep_weight_casts, transposed_head")
         moe_dispatch._buffer_matmul = (lambda h, w: jnp.einsum("ECD,EDF->ECF", h, w)) if "einsum_experts" in parts else original
+        loss.head_gradient = transposed_head if "transposed_head" in parts else original_head
         tr = C.make_trainer(C.train_config(model, [args.preset], 1, 512))
         if "keep_weight_casts" in parts:
             tr.policy = None
@@ -53,7 +60,7 @@ def main() -> None:
         trainers[v] = tr
         mem = C.compiled_memory(compiled[v])
         print(f"{v}: compiled in {time.perf_counter() - t0:.1f}s, temp {mem['temp_size_in_bytes'] / 1e6:.1f} MB", flush=True)
-    moe_dispatch._buffer_matmul = original
+    moe_dispatch._buffer_matmul, loss.head_gradient = original, original_head
 
     state0 = trainers[args.variants[0]].init()
     tokens = C.tokens_for(trainers[args.variants[0]])

@@ -4,10 +4,14 @@
     python bench/ab_variants.py tiny 3 base wt plaindense chunk0 attnxla
     python bench/ab_variants.py 100m 3 base attnxla rematfull rematfull+attnxla
 
-CONFIG is bench/peer.py's `tiny` or `100m`. A variant is `+`-joined parts: `base` (the code as it is),
+CONFIG is bench/peer.py's `tiny` or `100m`, optionally with `:key=value` changes (`100m:batch=1` is
+bench/cpu.py's Llama: llama_100m's shape, batch 1 x 512). A variant is `+`-joined parts: `base` (the code as it is),
 `wt` (the loss's logits gradient against the head transposed once), `plaindense` (the MLP's matmuls as one
-einsum over the [batch, seq] axes, the code before `zoo.nn.mlp.dense` merged them into one row axis), `chunk<N>` (trainer.loss_chunk_size=N), `attn<impl>` (model.attention_impl), `remat<preset>`
-(the offload preset). Each variant patches the functions before its own trace and compile (LLVM
+einsum over the [batch, seq] axes, the code before `zoo.nn.mlp.dense` merged them into one row axis), `tnmlp` (the MLP's weight gradients as `[in, rows] x [rows, out]` products over a transposed copy of
+the activations, so that XLA:CPU hands them to YNNPACK instead of its own transposed-operand dot),
+`einsumhead` (the LM head's weight gradient in the fused loss as the plain einsum: the code before
+`zoo.loss.head_gradient`), `chunk<N>` (trainer.loss_chunk_size=N),
+`attn<impl>` (model.attention_impl), `remat<preset>` (the offload preset). Each variant patches the functions before its own trace and compile (LLVM
 optimisations on); then the variants' steps alternate (order reversed every round) from copies of their
 own initial state; prints each one's median step and its per-round ratio to the first variant.
 """
@@ -30,7 +34,7 @@ import zoo.loss as L  # noqa: E402
 import zoo.nn.mlp as M  # noqa: E402
 
 cfgname, rounds, variants = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
-orig_grads, orig_dense = L._fused_loss_and_grads, M.dense
+orig_grads, orig_dense, orig_head = L._fused_loss_and_grads, M.dense, L.head_gradient
 
 def grads_wt(softcap, cdt, head, h, targets, weights):
     # d_h against the head transposed once per step
@@ -55,14 +59,40 @@ def grads_wt(softcap, cdt, head, h, targets, weights):
 
 def dense_plain(x, w): return jnp.einsum("...D,DF->...F", x, w)
 
-d = CONFIGS[cfgname]
+
+@jax.custom_vjp
+def _rows_matmul_tn(rows, w):
+    return jnp.einsum("CD,DF->CF", rows, w)
+
+def _tn_fwd(rows, w):
+    return _rows_matmul_tn(rows, w), (rows, w)
+
+def _tn_bwd(res, g):
+    rows, w = res
+    # the weight gradient as a [D, C] x [C, F] product over a transposed copy of the rows
+    return jnp.einsum("CF,DF->CD", g, w), jax.lax.optimization_barrier(rows.T) @ g
+
+_rows_matmul_tn.defvjp(_tn_fwd, _tn_bwd)
+
+def dense_tn(x, w):
+    rows = jnp.reshape(x, (-1, x.shape[-1]))
+    return _rows_matmul_tn(rows, w).reshape(*x.shape[:-1], w.shape[-1])
+
+def head_einsum(h, d_logits):
+    return jnp.einsum("CD,CV->DV", h, d_logits, preferred_element_type=jnp.float32)
+
+
+name, *changes = cfgname.split(":")  # e.g. 100m:batch=1 (bench/cpu.py's Llama shape)
+d = {**CONFIGS[name], **{k: int(v) for k, v in (c.split("=") for c in changes)}}
 exes, tr0, trs = {}, None, {}
 for v in variants:
-    L._fused_loss_and_grads, M.dense = orig_grads, orig_dense
+    L._fused_loss_and_grads, M.dense, L.head_gradient = orig_grads, orig_dense, orig_head
     chunk, attn, remat = 512, "auto", "none"
     for part in v.split("+"):
         if part == "wt": L._fused_loss_and_grads = grads_wt
         elif part == "plaindense": M.dense = dense_plain
+        elif part == "tnmlp": M.dense = dense_tn
+        elif part == "einsumhead": L.head_gradient = head_einsum
         elif part.startswith("chunk"): chunk = int(part[5:])
         elif part.startswith("attn"): attn = part[4:]
         elif part.startswith("remat"): remat = part[5:]
@@ -72,7 +102,7 @@ for v in variants:
     t = time.perf_counter(); exes[v] = tr.compile(); print(v, "compile", round(time.perf_counter() - t, 1), flush=True)
     tr0 = tr0 or tr
     trs[v] = tr
-L._fused_loss_and_grads, M.dense = orig_grads, orig_dense
+L._fused_loss_and_grads, M.dense, L.head_gradient = orig_grads, orig_dense, orig_head
 states = {v: trs[v].init() for v in variants}; tokens = C.tokens_for(tr0)
 times = {v: [] for v in variants}; loss = {}
 for r in range(rounds + 1):

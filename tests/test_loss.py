@@ -109,6 +109,41 @@ def test_chunk_size_must_be_positive(chunk):
         chunked_next_token_loss(hidden, head, tokens, chunk_size=chunk)
 
 
+def test_the_head_gradient_on_cpu_is_a_product_ynnpack_takes():
+    """zoo.loss.head_gradient (each chunk's share of the head's gradient): under train.py's XLA:CPU
+    default (`xla.cpu_ynn_fusions: dot`) the plain einsum, whose left operand contracts its major
+    axis, stays an XLA dot; head_gradient's product over the transposed hidden states goes to
+    YNNPACK (a process of its own: XLA flags are fixed when JAX starts). Its value is the product's;
+    bfloat16 operands keep the plain einsum."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    from zoo.loss import head_gradient
+    from zoo.train.run import YNN_FLAG
+
+    rng = np.random.default_rng(0)
+    h, d = rng.normal(size=(64, 32)).astype(np.float32), rng.normal(size=(64, 96)).astype(np.float32)
+    assert rel_err(jax.jit(head_gradient)(h, d), h.astype(np.float64).T @ d.astype(np.float64)) <= 1e-6
+    # bfloat16 operands keep the plain product (XLA:CPU would write the gradient out in float32 for YNNPACK)
+    assert "optimization_barrier" in str(jax.make_jaxpr(head_gradient)(h, d))
+    assert "optimization_barrier" not in str(jax.make_jaxpr(head_gradient)(h.astype(jnp.bfloat16), d.astype(jnp.bfloat16)))
+
+    script = """
+import re, jax, jax.numpy as jnp
+from zoo.loss import head_gradient
+plain = lambda h, d: jnp.einsum("CD,CV->DV", h, d, preferred_element_type=jnp.float32)
+for f in (plain, head_gradient):
+    entry = jax.jit(f).lower(jnp.ones((64, 32)), jnp.ones((64, 96))).compile().as_text().split("ENTRY", 1)[1]
+    print(int(bool(re.search(r"= f32\\[32,96\\]\\S* dot\\(", entry))), int("__ynn_fusion" in entry))
+"""
+    env = {**os.environ, "XLA_FLAGS": f"{YNN_FLAG}=dot", "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300, cwd=pathlib.Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["1", "0", "0", "1"], out.stdout  # (XLA dot, YNNPACK) for the einsum, then head_gradient
+
+
 def test_compiled_temporary_memory_is_far_below_the_whole_logits():
     """Llama 3's vocabulary, 2 x 4096 tokens: the whole float32 logits alone are 4 GiB."""
     batch, seq, embed, vocab = 2, 4096, 256, 128256

@@ -84,6 +84,24 @@ def _logits(h, head, softcap):
     return capped, 1.0 - jnp.square(capped / softcap)
 
 
+def head_gradient(h: Float[Array, "rows embed"], d_logits: Float[Array, "rows vocab"]) -> Float[Array, "embed vocab"]:
+    """`einsum("CD,CV->DV", h, d_logits)` accumulated in float32: one chunk's share of the head's gradient.
+
+    On CPU it is a product over a copy of `h` transposed to [embed, rows]. XLA:CPU gives a dot whose
+    left operand contracts its major (row) axis to its own Eigen kernel instead of YNNPACK (train.py's
+    `xla.cpu_ynn_fusions: dot`), and ran it at ~125 GFLOP/s where YNNPACK ran the same product,
+    [512, 512] x [512, 32000], at ~175 on the 2-core machine; the barrier keeps XLA from folding the
+    transpose back into the dot. The copy is [rows, embed], small beside the [embed, rows, vocab]
+    product. Other backends take the transposed operand as it is, and so does a bfloat16 model on CPU:
+    for bfloat16 operands XLA:CPU first writes the [rows, vocab] gradient out in float32 for YNNPACK
+    (33 MB more temp in bench/cpu.py's MoE step, for 0-3% of its time). docs/benchmarks.md, "The
+    head's gradient through YNNPACK", has the step-level A/B."""
+    if jax.default_backend() == "cpu" and h.dtype == d_logits.dtype == jnp.float32:
+        rows_last = jax.lax.optimization_barrier(h.T)
+        return jnp.einsum("DC,CV->DV", rows_last, d_logits, preferred_element_type=jnp.float32)
+    return jnp.einsum("CD,CV->DV", h, d_logits, preferred_element_type=jnp.float32)
+
+
 def _nll(logits, targets):
     lse = jax.nn.logsumexp(logits, axis=-1)
     return lse - jnp.take_along_axis(logits, targets[:, None], axis=-1)[:, 0], lse
@@ -180,7 +198,7 @@ def _fused_loss_and_grads(softcap, cdt, head, h, targets, weights):
             d_logits = d_logits * d_cap
         d_logits = d_logits.astype(cdt)
         d_h = jnp.einsum("CV,DV->CD", d_logits, w, preferred_element_type=jnp.float32)
-        d_head = d_head + jnp.einsum("CD,CV->DV", h_c, d_logits, preferred_element_type=jnp.float32)
+        d_head = d_head + head_gradient(h_c, d_logits)
         return (total + (nll * w_c).sum(), d_head), d_h.astype(h.dtype)
 
     init = (jnp.float32(0), jnp.zeros(head.shape, jnp.float32))
