@@ -14,6 +14,14 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="zoo-tests-jax-cache-")
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
+# Ctrl-C as in a terminal: a shell's background job (`pytest ... &`, nohup) starts with SIGINT ignored,
+# and what a process ignores its children ignore too, so the README's shown ^C would not interrupt the
+# commands tests/test_readme.py runs. Python's own handler here makes them start with the default.
+import signal  # noqa: E402
+
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 import pathlib  # noqa: E402
 
 import pytest  # noqa: E402

@@ -540,10 +540,22 @@ def test_ctrl_c_during_a_save_lets_the_copy_finish_then_interrupts():
     copied = []
     ckpt = object.__new__(Checkpoints)  # only what save() touches
     ckpt.saved, ckpt.meta, ckpt._manager = [], dict, Manager
-    with pytest.raises(KeyboardInterrupt):
-        ckpt.save(7, {"params": np.zeros(2)})
-    assert copied == [7] and ckpt.saved == [7]
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+    # As in a terminal: Python's own handler (a shell's background job, pytest's included, starts with
+    # SIGINT ignored; that case is below)
+    outside = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            ckpt.save(7, {"params": np.zeros(2)})
+        assert copied == [7] and ckpt.saved == [7]
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+
+        # A process that ignores SIGINT (started in the background) ignores it during a save too
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        ckpt.save(8, {"params": np.zeros(2)})
+        assert copied == [7, 8] and ckpt.saved == [7, 8]
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, outside)
 
 
 def test_sigusr1_stops_the_loop_after_the_step_in_flight_and_saves_it():

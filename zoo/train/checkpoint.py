@@ -305,8 +305,10 @@ def unreadable_reason(e: BaseException, step_dir: pathlib.Path) -> str:
 
 @contextlib.contextmanager
 def ctrl_c_deferred():
-    """Hold a Ctrl-C (SIGINT) back until the block is done, then raise it: the block always completes.
-    Only the main thread receives signals; elsewhere the block runs as it is."""
+    """Hold a Ctrl-C (SIGINT) back until the block is done, then deliver it again to the handler that
+    was there before (Python's own raises KeyboardInterrupt; a process that ignores SIGINT, e.g. one
+    started in the background by a shell, goes on): the block always completes. Only the main thread
+    receives signals; elsewhere the block runs as it is."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -316,8 +318,8 @@ def ctrl_c_deferred():
         yield
     finally:
         signal.signal(signal.SIGINT, before)
-    if pressed:  # now as it would have: Python's own handler raises KeyboardInterrupt
-        (before if callable(before) else signal.default_int_handler)(signal.SIGINT, None)
+    if pressed:  # now, as it would have been handled without the block
+        signal.raise_signal(signal.SIGINT)
 
 
 class Checkpoints:
