@@ -346,6 +346,7 @@ def profile_step(compiled, state, tokens, steps: int = 2, trace_dir: Optional[st
     by_op: dict[str, float] = defaultdict(float)
     by_source: dict[str, float] = defaultdict(float)
     threads = set()
+    spans = []  # (start, end) in microseconds of every op counted
     for e in events:
         args = e.get("args") or {}
         if e.get("ph") != "X" or "hlo_op" not in args or e["name"].startswith("end:"):
@@ -361,17 +362,15 @@ def profile_step(compiled, state, tokens, steps: int = 2, trace_dir: Optional[st
         by_op[name] += dur
         by_source[(op or {}).get("source") or "?"] += dur
         threads.add(e.get("tid"))
+        spans.append((e["ts"], e["ts"] + e.get("dur", 0.0)))
     busy = sum(by_cat.values())
-    # Time in which no traced op runs: XLA's own dots (those YNNPACK does not take, e.g. a product
-    # whose left operand contracts its major axis) run on Eigen's threads after their thunk has
-    # returned, so their work shows as gaps between ops, not as op time (plus the host's dispatch).
-    spans = sorted((e["ts"], e["ts"] + e.get("dur", 0.0)) for e in events
-                   if e.get("ph") == "X" and "hlo_op" in (e.get("args") or {}) and not e["name"].startswith("end:")
-                   and (hlo.get(e["args"]["hlo_op"]) or {}).get("opcode") not in ("while", "call", "conditional"))
     top = sorted(by_op.items(), key=lambda kv: -kv[1])[:top_n]
     return {
         "step_wall_s": wall,
         "op_seconds_per_step": busy,
+        # XLA's own dots (those YNNPACK does not take, e.g. a product whose left operand contracts its
+        # major axis) run on Eigen's threads after their thunk has returned: their work shows as
+        # time in which no traced op runs, not as op time (with the host's dispatch)
         "no_op_running_s": gaps_between(spans) * 1e-6 / steps,
         "threads_with_ops": len(threads),
         "by_category_s": dict(sorted(by_cat.items(), key=lambda kv: -kv[1])),

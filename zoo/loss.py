@@ -89,8 +89,9 @@ def head_gradient(h: Float[Array, "rows embed"], d_logits: Float[Array, "rows vo
 
     On CPU it is a product over a copy of `h` transposed to [embed, rows]. XLA:CPU gives a dot whose
     left operand contracts its major (row) axis to its own Eigen kernel instead of YNNPACK (train.py's
-    `xla.cpu_ynn_fusions: dot`), and ran it at ~125 GFLOP/s where YNNPACK ran the same product,
-    [512, 512] x [512, 32000], at ~175 on the 2-core machine; the barrier keeps XLA from folding the
+    `xla.cpu_ynn_fusions: dot`): alone, the [512, 512] x [512, 32000] product ran at 165 against 177
+    GFLOP/s on the 2-core machine (bench/weight_grad_dot.py), and in the step, where Eigen's dot
+    shares the cores, the whole step took 1-3% less; the barrier keeps XLA from folding the
     transpose back into the dot. The copy is [rows, embed], small beside the [embed, rows, vocab]
     product. Other backends take the transposed operand as it is, and so does a bfloat16 model on CPU:
     for bfloat16 operands XLA:CPU first writes the [rows, vocab] gradient out in float32 for YNNPACK
