@@ -11,7 +11,8 @@ einsum over the [batch, seq] axes, the code before `zoo.nn.mlp.dense` merged the
 the activations, so that XLA:CPU hands them to YNNPACK instead of its own transposed-operand dot),
 `einsumhead` (the LM head's weight gradient in the fused loss as the plain einsum: the code before
 `zoo.loss.head_gradient`), `chunk<N>` (trainer.loss_chunk_size=N),
-`attn<impl>` (model.attention_impl), `remat<preset>` (the offload preset). Each variant patches the functions before its own trace and compile (LLVM
+`attn<impl>` (model.attention_impl), `blk<N>` (the blockwise attention's tiles N x N instead of 256 x 256),
+`unroll` (the layer stack's `lax.scan` fully unrolled), `remat<preset>` (the offload preset). Each variant patches the functions before its own trace and compile (LLVM
 optimisations on); then the variants' steps alternate (order reversed every round) from copies of their
 own initial state; prints each one's median step and its per-round ratio to the first variant.
 """
@@ -32,6 +33,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import zoo.loss as L  # noqa: E402
 import zoo.nn.mlp as M  # noqa: E402
+import zoo.nn.attention_kernels as AK  # noqa: E402
 
 cfgname, rounds, variants = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 orig_grads, orig_dense, orig_head = L._fused_loss_and_grads, M.dense, L.head_gradient
@@ -78,6 +80,14 @@ def dense_tn(x, w):
     rows = jnp.reshape(x, (-1, x.shape[-1]))
     return _rows_matmul_tn(rows, w).reshape(*x.shape[:-1], w.shape[-1])
 
+_orig_scan = jax.lax.scan
+
+def scan_unrolled_layers(f, init, xs=None, length=None, **kw):
+    # the layer stack's scan unrolled (one straight-line program); other scans as they are
+    if "Stack.__call__" in getattr(f, "__qualname__", ""):
+        kw["unroll"] = True
+    return _orig_scan(f, init, xs, length, **kw)
+
 def head_einsum(h, d_logits):
     return jnp.einsum("CD,CV->DV", h, d_logits, preferred_element_type=jnp.float32)
 
@@ -87,12 +97,16 @@ d = {**CONFIGS[name], **{k: int(v) for k, v in (c.split("=") for c in changes)}}
 exes, tr0, trs = {}, None, {}
 for v in variants:
     L._fused_loss_and_grads, M.dense, L.head_gradient = orig_grads, orig_dense, orig_head
+    jax.lax.scan = _orig_scan
+    AK.attend.__kwdefaults__.update(block_q=AK.DEFAULT_BLOCK_Q, block_k=AK.DEFAULT_BLOCK_K)
     chunk, attn, remat = 512, "auto", "none"
     for part in v.split("+"):
         if part == "wt": L._fused_loss_and_grads = grads_wt
         elif part == "plaindense": M.dense = dense_plain
         elif part == "tnmlp": M.dense = dense_tn
         elif part == "einsumhead": L.head_gradient = head_einsum
+        elif part == "unroll": jax.lax.scan = scan_unrolled_layers
+        elif part.startswith("blk"): AK.attend.__kwdefaults__.update(block_q=int(part[3:]), block_k=int(part[3:]))
         elif part.startswith("chunk"): chunk = int(part[5:])
         elif part.startswith("attn"): attn = part[4:]
         elif part.startswith("remat"): remat = part[5:]
@@ -100,6 +114,7 @@ for v in variants:
     c = dataclasses.replace(c, trainer=dataclasses.replace(c.trainer, loss_chunk_size=chunk), model=c.model.replace(attention_impl=attn))
     tr = C.make_trainer(c)
     t = time.perf_counter(); exes[v] = tr.compile(); print(v, "compile", round(time.perf_counter() - t, 1), flush=True)
+    jax.lax.scan = _orig_scan
     tr0 = tr0 or tr
     trs[v] = tr
 L._fused_loss_and_grads, M.dense, L.head_gradient = orig_grads, orig_dense, orig_head
