@@ -243,6 +243,26 @@ def test_cli_plan_then_the_inspector_confirms_it(tmp_path, capsys):
         assert placement_matches(want, found[tag]), (tag, want, found[tag])
 
 
+def test_cli_in_its_own_process_takes_the_xla_group_before_jax_starts(tmp_path):
+    # docs/scale.md's commands plan on simulated devices: xla.cpu_devices has to reach XLA before the
+    # planner asks JAX which backend it runs on (it did not, and the planner stopped with "JAX already
+    # started in this process with other XLA flags").
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = tmp_path / "p.yaml"
+    # bfloat16 on a GPU profile: cuDNN's attention, whose stand-in here is chosen by this machine's backend
+    args = ["model=llama_tiny_a", "mesh=fsdp", "xla.cpu_devices=2", "data.batch_size=2", "data.seq_len=64", "hardware=gb200",
+            "model.compute_dtype=bfloat16", f"plan.out={out}"]
+    p = subprocess.run([sys.executable, "-m", "zoo.plan", *args], cwd=pathlib.Path(zp.__file__).parent.parent, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "on 2 device(s)" in p.stdout and "counted: attention cudnn" in p.stdout and out.exists()
+
+
 def test_cli_infeasible_budget_is_one_line_with_the_smallest_budget(tmp_path, capsys):
     assert zp.main([*BASE, "plan.hbm_budget_gb=0.000001", f"plan.out={tmp_path / 'x.yaml'}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

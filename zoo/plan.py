@@ -768,6 +768,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from zoo.inspect import compose, output_path, prepare_step, run_tool, split_tool_args
     from zoo.offload import conf_dir
     from zoo.train.config import load
+    from zoo.train.run import start_jax
 
     argv = list(sys.argv[1:] if argv is None else argv)
 
@@ -777,6 +778,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if opts.json:
             output_path(opts.json, "plan.json", "plan", "plan.json")
         cfg = compose(overrides)
+        start_jax(load(cfg))  # the xla group's flags before target_attention_impl asks JAX for its backend
         # Resolve the attention for the hardware planned for; this machine validates and traces a
         # stand-in it can run (cuDNN's on a CPU: blockwise).
         asked = load(cfg).model.attention_impl

@@ -73,14 +73,22 @@ def apply_xla_flags(c: XlaConfig) -> str:
     return flags
 
 
+def start_jax(c: TrainConfig) -> str:
+    """What has to happen before anything starts JAX's backends (`jax.devices()`,
+    `jax.default_backend()`): the XLA flags, then joining the other processes. Calling it again with
+    the same config does nothing more. Returns the XLA flags."""
+    flags = apply_xla_flags(c.xla)
+    from zoo.train.distributed import initialize
+
+    initialize(c.distributed)
+    return flags
+
+
 def prepare(cfg: DictConfig):
     """Everything up to (not including) compilation: typed config, flags, devices, validated plan.
     Bad input raises ConfigError (one line) from here."""
     c = load(cfg)
-    flags = apply_xla_flags(c.xla)
-    from zoo.train.distributed import initialize
-
-    initialize(c.distributed)  # several processes: join them before JAX starts its backends
+    flags = start_jax(c)
     import jax
 
     from zoo.model import abstract
