@@ -558,6 +558,20 @@ def test_ctrl_c_during_a_save_lets_the_copy_finish_then_interrupts():
         signal.signal(signal.SIGINT, outside)
 
 
+def test_ctrl_c_deferred_leaves_a_handler_python_cannot_restore_alone(monkeypatch):
+    # signal.getsignal gives None for a handler installed from C; signal.signal(SIGINT, None) would
+    # raise after the save and leave the deferring handler installed.
+    from zoo.train import checkpoint as ck
+
+    monkeypatch.setattr(ck.signal, "getsignal", lambda signum: None)
+    calls = []
+    monkeypatch.setattr(ck.signal, "signal", lambda *a: calls.append(a))
+    ran = []
+    with ck.ctrl_c_deferred():
+        ran.append(1)
+    assert ran == [1] and calls == []
+
+
 def test_sigusr1_stops_the_loop_after_the_step_in_flight_and_saves_it():
     from zoo.train.stop import StopSignals
 

@@ -308,8 +308,9 @@ def ctrl_c_deferred():
     """Hold a Ctrl-C (SIGINT) back until the block is done, then deliver it again to the handler that
     was there before (Python's own raises KeyboardInterrupt; a process that ignores SIGINT, e.g. one
     started in the background by a shell, goes on): the block always completes. Only the main thread
-    receives signals; elsewhere the block runs as it is."""
-    if threading.current_thread() is not threading.main_thread():
+    receives signals; elsewhere the block runs as it is, and so it does where SIGINT's handler was not
+    installed from Python (an embedding program's): Python could not put that one back."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
         yield
         return
     pressed = []
