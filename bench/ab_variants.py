@@ -34,7 +34,11 @@ import jax.numpy as jnp  # noqa: E402
 import zoo.loss as L  # noqa: E402
 import zoo.nn.mlp as M  # noqa: E402
 import zoo.nn.attention_kernels as AK  # noqa: E402
+from zoo.offload import preset_names  # noqa: E402
 
+if len(sys.argv) < 4 or not sys.argv[2].isdigit():
+    print("usage: python bench/ab_variants.py CONFIG ROUNDS VARIANT [VARIANT ...]  (the module docstring says more)", file=sys.stderr)
+    raise SystemExit(2)
 cfgname, rounds, variants = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 orig_grads, orig_dense, orig_head = L._fused_loss_and_grads, M.dense, L.head_gradient
 
@@ -92,8 +96,29 @@ def head_einsum(h, d_logits):
     return jnp.einsum("CD,CV->DV", h, d_logits, preferred_element_type=jnp.float32)
 
 
+def fail(message: str):
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+PARTS = ("base", "wt", "plaindense", "tnmlp", "einsumhead", "unroll")
+PREFIXES = ("blk", "chunk", "attn", "remat")  # followed by a number or a name
 name, *changes = cfgname.split(":")  # e.g. 100m:batch=1 (bench/cpu.py's Llama shape)
-d = {**CONFIGS[name], **{k: int(v) for k, v in (c.split("=") for c in changes)}}
+if name not in CONFIGS:
+    fail(f"CONFIG: unknown {name!r}; choose one of {', '.join(CONFIGS)}, optionally with :key=value")
+d = dict(CONFIGS[name])
+for change in changes:
+    key, _, value = change.partition("=")
+    if key not in d or not value.isdigit():
+        fail(f"CONFIG: {change!r} is not key=integer for a key of {', '.join(d)}")
+    d[key] = int(value)
+for v in variants:
+    for part in v.split("+"):
+        prefix = next((p for p in PREFIXES if part.startswith(p)), None)
+        arg = part[len(prefix):] if prefix else ""
+        ok = {"blk": arg.isdigit(), "chunk": arg.isdigit(), "attn": arg in AK.IMPLS, "remat": arg in preset_names()}
+        if part not in PARTS and not ok.get(prefix, False):
+            fail(f"variant {v!r}: unknown part {part!r}; parts: {', '.join(PARTS)}, blk<N>, chunk<N>, attn<impl>, remat<preset>")
 exes, tr0, trs = {}, None, {}
 for v in variants:
     L._fused_loss_and_grads, M.dense, L.head_gradient = orig_grads, orig_dense, orig_head

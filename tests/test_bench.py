@@ -118,3 +118,19 @@ def test_profile_counts_the_time_no_traced_op_covers():
     assert gaps_between([(0, 10), (12, 13), (12, 20), (25, 30)]) == 2 + 5
     assert gaps_between([(0, 5), (5, 9)]) == 0
     assert gaps_between([]) == 0
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["tinyx", "1", "base"], "error: CONFIG: unknown 'tinyx'"),
+        (["tiny:batch=two", "1", "base"], "error: CONFIG: 'batch=two' is not key=integer"),
+        (["tiny", "1", "base", "unrol"], "error: variant 'unrol': unknown part 'unrol'"),
+        (["tiny", "1", "rematfast"], "error: variant 'rematfast': unknown part 'rematfast'"),
+    ],
+)
+def test_ab_variants_bad_input_is_one_line_before_compiling(args, message):
+    # A misspelt variant used to run as `base` without a word.
+    proc = subprocess.run([sys.executable, "bench/ab_variants.py", *args], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and proc.stderr.startswith(message)
