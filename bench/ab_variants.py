@@ -12,7 +12,8 @@ the activations, so that XLA:CPU hands them to YNNPACK instead of its own transp
 `einsumhead` (the LM head's weight gradient in the fused loss as the plain einsum: the code before
 `zoo.loss.head_gradient`), `chunk<N>` (trainer.loss_chunk_size=N),
 `attn<impl>` (model.attention_impl), `blk<N>` (the blockwise attention's tiles N x N instead of 256 x 256),
-`unroll` (the layer stack's `lax.scan` fully unrolled), `remat<preset>` (the offload preset). Each variant patches the functions before its own trace and compile (LLVM
+`unroll` (the layer stack's `lax.scan` fully unrolled), `loop` (no scan: the layers in a Python loop over static
+slices of the stacked weights; `none` only, as it checkpoints without prevent_cse), `remat<preset>` (the offload preset). Each variant patches the functions before its own trace and compile (LLVM
 optimisations on); then the variants' steps alternate (order reversed every round) from copies of their
 own initial state; prints each one's median step and its per-round ratio to the first variant.
 """
@@ -92,6 +93,32 @@ def scan_unrolled_layers(f, init, xs=None, length=None, **kw):
         kw["unroll"] = True
     return _orig_scan(f, init, xs, length, **kw)
 
+import equinox as eqx  # noqa: E402
+import zoo.model as ZM  # noqa: E402
+from zoo import tags as ZT  # noqa: E402
+import zoo.sharding as ZS  # noqa: E402
+
+_orig_stack_call = ZM.Stack.__call__
+
+def stack_loop(self, x, positions, segment_ids=None, *, wrap_layer=None):
+    # the layers in a Python loop over static slices of the stacked weights (no lax.scan)
+    params, static = eqx.partition(self.layers, eqx.is_array)
+
+    def run_block(h, block_params, j):
+        with ZT.layer_scope() as kept:
+            out = self._block(block_params, static, j)(h, positions, segment_ids)
+        return out, kept
+
+    if wrap_layer is not None:
+        run_block = wrap_layer(run_block)
+    auxes = [[] for _ in range(self.period)]
+    for r in range(self.repeats):
+        for j in range(self.period):
+            (x, aux), _ = run_block(ZS.constrain(x, ZS.ACTIVATION_AXES), jax.tree.map(lambda a: a[r], params[j]), j)
+            auxes[j].append(aux)
+    stacked = tuple(None if a[0] is None else jax.tree.map(lambda *xs: jnp.stack(xs), *a) for a in auxes)
+    return ZS.constrain(x, ZS.ACTIVATION_AXES), stacked
+
 def head_einsum(h, d_logits):
     return jnp.einsum("CD,CV->DV", h, d_logits, preferred_element_type=jnp.float32)
 
@@ -101,7 +128,7 @@ def fail(message: str):
     raise SystemExit(2)
 
 
-PARTS = ("base", "wt", "plaindense", "tnmlp", "einsumhead", "unroll")
+PARTS = ("base", "wt", "plaindense", "tnmlp", "einsumhead", "unroll", "loop")
 PREFIXES = ("blk", "chunk", "attn", "remat")  # followed by a number or a name
 name, *changes = cfgname.split(":")  # e.g. 100m:batch=1 (bench/cpu.py's Llama shape)
 if name not in CONFIGS:
@@ -131,6 +158,7 @@ for v in variants:
         elif part == "tnmlp": M.dense = dense_tn
         elif part == "einsumhead": L.head_gradient = head_einsum
         elif part == "unroll": jax.lax.scan = scan_unrolled_layers
+        elif part == "loop": ZM.Stack.__call__ = stack_loop
         elif part.startswith("blk"): AK.attend.__kwdefaults__.update(block_q=int(part[3:]), block_k=int(part[3:]))
         elif part.startswith("chunk"): chunk = int(part[5:])
         elif part.startswith("attn"): attn = part[4:]
@@ -140,6 +168,7 @@ for v in variants:
     tr = C.make_trainer(c)
     t = time.perf_counter(); exes[v] = tr.compile(); print(v, "compile", round(time.perf_counter() - t, 1), flush=True)
     jax.lax.scan = _orig_scan
+    ZM.Stack.__call__ = _orig_stack_call
     tr0 = tr0 or tr
     trs[v] = tr
 L._fused_loss_and_grads, M.dense, L.head_gradient = orig_grads, orig_dense, orig_head
