@@ -1,6 +1,7 @@
-"""docs/scale.md's planner commands, run as written (each in a process of its own, as a user runs
-them, on 128 simulated devices), print the figures the doc quotes. They once stopped with "JAX
-already started in this process with other XLA flags" for two days and no test ran them."""
+"""docs/scale.md's commands, run as written (each in a process of its own, as a user runs them, on
+128 simulated devices), print the figures the doc quotes (those that do not depend on the CPU). The planner's once stopped with "JAX
+already started in this process with other XLA flags" for two days, and the report's figures had
+drifted from the code, while no test ran them."""
 
 import json
 import os
@@ -16,11 +17,42 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "scale.md"
 
 
+def commands_and_output(text: str, heading: str) -> tuple[list[list[str]], list[str]]:
+    """The commands of the first bash block under `heading`, and the lines of the plain block after it."""
+    section = text.split(heading, 1)[1]
+    block, rest = section.split("```bash", 1)[1].split("```", 1)
+    section_rest = rest.split("\n## ", 1)[0]
+    output = section_rest.split("```\n", 1)[1].split("```", 1)[0] if "```\n" in section_rest else ""
+    return [shlex.split(line) for line in block.replace("\\\n", " ").strip().splitlines()], output.splitlines()
+
+
 def planner_commands(text: str) -> list[list[str]]:
-    """The commands of the first bash block under "## Against the planner"."""
-    section = text.split("## Against the planner", 1)[1]
-    block = section.split("```bash", 1)[1].split("```", 1)[0]
-    return [shlex.split(line) for line in block.replace("\\\n", " ").strip().splitlines()]
+    return commands_and_output(text, "## Against the planner")[0]
+
+
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the command's xla.cpu_devices decides
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    return env
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("heading", ["## DeepSeek-V3 671B: fsdp 16 x expert 8", "## Llama 3.1 405B: fsdp 16 x tensor 8"])
+def test_the_scale_reports_of_docs_scale_print_what_the_doc_shows(heading, tmp_path):
+    (command,), shown = commands_and_output(DOC.read_text(), heading)
+    assert command[:3] == ["python", "-m", "zoo.inspect"], command
+    # The doc's state bytes and the collectives SPMD partitioning chose. Not what XLA:CPU's own passes
+    # made of them afterwards (compiled memory, compiled collectives), which may differ between the
+    # CPUs this suite runs on; nor the largest collectives, abridged in the doc by hand.
+    end = next(i for i, ln in enumerate(shown) if ln.startswith("collectives per step (compiled)"))
+    shown = [ln for ln in shown[:end] if not ln.startswith("compiled:")]
+    assert shown[0].startswith("scale: 128 devices") and len(shown) >= 6, shown
+    p = subprocess.run([sys.executable, *command[1:], f"hydra.run.dir={tmp_path}"], cwd=tmp_path, env=_env(),
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, f"$ {shlex.join(command)}\n{p.stderr[-2000:]}"
+    printed = {" ".join(line.split()) for line in p.stdout.splitlines()}
+    missing = [line for line in shown if " ".join(line.split()) not in printed]
+    assert not missing, f"$ {shlex.join(command)} no longer prints these lines of docs/scale.md (re-measure it):\n" + "\n".join(missing)
 
 
 @pytest.mark.slow
@@ -34,8 +66,7 @@ def test_the_planner_commands_of_docs_scale_print_what_the_doc_quotes(tmp_path):
     layer_inputs, working = quoted.groups()[:2], quoted.groups()[2:]
     commands = planner_commands(text)
     assert len(commands) == 2 and all(c[:3] == ["python", "-m", "zoo.plan"] for c in commands), commands
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the command's xla.cpu_devices decides
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    env = _env()
     for command, layer_input, work in zip(commands, layer_inputs, working):
         # Run where the relative plan.json and outputs/ land in tmp_path.
         p = subprocess.run([sys.executable, *command[1:]], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
