@@ -30,6 +30,8 @@ def test_every_private_api_is_still_there():
     assert callable(_compat.saved_residuals()), "jax._src.ad_checkpoint.saved_residuals moved"
     assert _compat.linear_call_vmappable(), "jax._src.custom_derivatives.linear_call_p or jax._src.interpreters.batching moved"
     assert _compat.cudnn_version() is None or _compat.cudnn_version() > 0
+    with _compat.persistent_cache_bypassed() as bypassed:
+        assert bypassed, "jax._src.compilation_cache's _cache_checked / _cache_used / _cache_initialized_mutex moved"
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
 

@@ -123,3 +123,37 @@ def test_collectives_of_a_compiled_scan():
     assert table["all-gather"]["bytes"] == layers * len(gathers) * width * width * 4
     assert sum(row["count"] for row in table.values()) == len(found)
     np.testing.assert_equal(sorted({c.kind for c in found}), sorted(table))
+
+
+def test_partitioned_hlo_of_a_program_the_persistent_cache_already_holds(tmp_path):
+    """`python -m zoo.inspect` run twice with JAX_COMPILATION_CACHE_DIR set: the second compile of the
+    same program came from the cache, so XLA dumped nothing and the scale report stopped with "XLA
+    wrote no HLO after SPMD partitioning". The partitioned HLO is now read from a real compile."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        """
+        import jax, jax.numpy as jnp
+        from jax.sharding import NamedSharding, PartitionSpec as P
+        from zoo.hlo import compile_with_partitioned_hlo
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+        mesh = jax.make_mesh((2,), ("d",))
+        x = jax.ShapeDtypeStruct((8, 4), jnp.float32, sharding=NamedSharding(mesh, P("d")))
+        lowered = jax.jit(lambda x: x.sum(axis=0)).lower(x)
+        lowered.compile()  # as an earlier run would have: the executable goes into the cache
+        for _ in range(2):
+            compiled, text = compile_with_partitioned_hlo(lowered)
+            assert "all-reduce" in text, text
+        print("ok")
+        """
+    )
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache")}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-2000:]
+    assert any((tmp_path / "cache").iterdir())  # the cache was in use

@@ -8,6 +8,8 @@ and fails, naming the symbol, when a release moves it, so a move is found by the
 than by a user whose fallback quietly took over.
 """
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any, Optional
 
 
@@ -20,6 +22,31 @@ def backends_are_initialized() -> bool:
     except ImportError:  # pragma: no cover - moved: see tests/test_compat.py
         return True
     return bool(xla_bridge.backends_are_initialized())
+
+
+@contextlib.contextmanager
+def persistent_cache_bypassed() -> Iterator[bool]:
+    """Compiles inside the block skip JAX's persistent compilation cache (JAX_COMPILATION_CACHE_DIR),
+    neither reading nor writing it: a program served from the cache is not compiled, so XLA writes
+    none of the dumps `zoo.hlo.compile_with_partitioned_hlo` reads. JAX decides once per process
+    whether the cache is used (`compilation_cache.is_cache_used`) and has no public switch for one
+    compile. Yields False if the private state moved (the block then runs with the cache as it is)."""
+    try:
+        from jax._src import compilation_cache as cache
+    except ImportError:  # pragma: no cover - moved: see tests/test_compat.py
+        yield False
+        return
+    if not all(hasattr(cache, a) for a in ("_cache_checked", "_cache_used", "_cache_initialized_mutex")):  # pragma: no cover
+        yield False
+        return
+    with cache._cache_initialized_mutex:
+        saved = cache._cache_checked, cache._cache_used
+        cache._cache_checked, cache._cache_used = True, False
+    try:
+        yield True
+    finally:
+        with cache._cache_initialized_mutex:
+            cache._cache_checked, cache._cache_used = saved
 
 
 def cluster_env() -> Optional[Any]:

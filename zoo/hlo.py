@@ -312,10 +312,14 @@ def compile_with_partitioned_hlo(lowered, compiler_options: Optional[dict] = Non
     import pathlib
     import tempfile
 
+    from zoo._compat import persistent_cache_bypassed
+
     with tempfile.TemporaryDirectory() as d:
         options = dict(compiler_options or {})
         options.update({"xla_dump_to": d, "xla_dump_hlo_pass_re": "spmd-partitioning"})
-        compiled = lowered.compile(options)
+        # A program served from JAX's persistent compilation cache would not be compiled, and so dump nothing.
+        with persistent_cache_bypassed():
+            compiled = lowered.compile(options)
         found = sorted(pathlib.Path(d).glob("*after_spmd-partitioning*.txt"))
         if not found:
             raise RuntimeError("XLA wrote no HLO after SPMD partitioning (a single-device program is not partitioned)")
