@@ -22,6 +22,16 @@ import signal  # noqa: E402
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
+# Start JAX's backend now, with the flags above, so that every in-process test of a worker computes
+# with the same XLA options. Left to the first caller, a test running a command's entry point in-process
+# (zoo.inspect.main, zoo.plan.main) would start it with train.py's CPU defaults (xla.cpu_ynn_fusions),
+# and the later tests of that worker would compute with YNNPACK's fused dots: in bfloat16 their results
+# then depend on the program, so an exact comparison passed or failed by test order. The commands the
+# tests start as processes still run with train.py's defaults.
+import jax  # noqa: E402
+
+jax.devices()
+
 import pathlib  # noqa: E402
 
 import pytest  # noqa: E402
