@@ -10,7 +10,8 @@ writes transposed: the code before `zoo.nn.moe_dispatch.expert_matmul`), `keep_w
 checkpoint for `checkpoint: false`, so the backward keeps the bfloat16 casts of every layer's weights:
 the code before `zoo.offload.keep_all_but_weight_casts`), `transposed_head` (the LM head's weight gradient in
 the fused loss as a product over the transposed hidden states, which `zoo.loss.head_gradient` does for
-float32 models only). Each variant patches before its own trace and
+float32 models only), `plain_glu` (the gated activations, of the experts and of the dense MLPs, with JAX's own
+derivative instead of `zoo.nn.mlp.gated`'s). Each variant patches before its own trace and
 compile; the variants' steps then alternate (order reversed every round) from copies of one initial
 state. Prints each one's loss and gradient norm after one step, its median step, its per-round ratio to
 the first variant, and the compiled temp bytes.
@@ -37,9 +38,9 @@ def main() -> None:
     import jax.numpy as jnp
 
     from zoo import loss
-    from zoo.nn import moe_dispatch
+    from zoo.nn import mlp, moe_dispatch
 
-    original, original_head = moe_dispatch._buffer_matmul, loss.head_gradient
+    original, original_head, original_gated = moe_dispatch._buffer_matmul, loss.head_gradient, moe_dispatch.gated
 
     def transposed_head(h, d_logits):
         return jnp.einsum("DC,CV->DV", jax.lax.optimization_barrier(h.T), d_logits, preferred_element_type=jnp.float32)
@@ -47,11 +48,12 @@ def main() -> None:
     compiled, trainers = {}, {}
     for v in args.variants:
         parts = set(v.split("+"))
-        unknown = parts - {"base", "einsum_experts", "keep_weight_casts", "transposed_head"}
+        unknown = parts - {"base", "einsum_experts", "keep_weight_casts", "transposed_head", "plain_glu"}
         if unknown:
-            sys.exit(f"bench/ab_moe.py: unknown variant part(s) {sorted(unknown)}; the parts are base, einsum_experts, keep_weight_casts, transposed_head")
+            sys.exit(f"bench/ab_moe.py: unknown variant part(s) {sorted(unknown)}; the parts are base, einsum_experts, keep_weight_casts, transposed_head, plain_glu")
         moe_dispatch._buffer_matmul = (lambda h, w: jnp.einsum("ECD,EDF->ECF", h, w)) if "einsum_experts" in parts else original
         loss.head_gradient = transposed_head if "transposed_head" in parts else original_head
+        moe_dispatch.gated = mlp.gated = (lambda fn, gate, up: fn(gate, up)) if "plain_glu" in parts else original_gated
         tr = C.make_trainer(C.train_config(model, [args.preset], 1, 512))
         if "keep_weight_casts" in parts:
             tr.policy = None
@@ -61,6 +63,7 @@ def main() -> None:
         mem = C.compiled_memory(compiled[v])
         print(f"{v}: compiled in {time.perf_counter() - t0:.1f}s, temp {mem['temp_size_in_bytes'] / 1e6:.1f} MB", flush=True)
     moe_dispatch._buffer_matmul, loss.head_gradient = original, original_head
+    moe_dispatch.gated = mlp.gated = original_gated
 
     state0 = trainers[args.variants[0]].init()
     tokens = C.tokens_for(trainers[args.variants[0]])

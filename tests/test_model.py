@@ -6,6 +6,7 @@ Training steps compile with XLA's backend optimisation off (the numbers are the 
 """
 
 import dataclasses
+from functools import partial
 import time
 
 import equinox as eqx
@@ -518,3 +519,55 @@ def test_dense_is_one_row_axis_matmul_forward_and_backward():
     assert hlo.count(" dot(") + hlo.count("ynn_fusion") >= 3, hlo  # forward, input and weight gradients
     moved = [ln for ln in hlo.splitlines() if " copy(" in ln or " transpose(" in ln or "copy_bitcast" in ln]
     assert not moved, "\n".join(moved)
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh", "clamped_swiglu"])
+def test_gated_activation_keeps_two_tensors_and_jaxs_derivatives(activation):
+    # zoo.nn.mlp.gated: the gated MLP's activation keeps its two partial derivatives for the backward
+    # pass instead of the five [tokens, mlp] tensors of JAX's own derivative (the whole `100m` step
+    # 0.965 of the time, docs/benchmarks.md). Same values, gradients, forward-mode and second
+    # derivatives as JAX's derivative of the plain function; the residuals of a GatedMLP shrink to
+    # the two partials and the down projection's input.
+    from jax._src.ad_checkpoint import saved_residuals
+
+    from zoo.config import MoEConfig
+    from zoo.nn.mlp import ACTIVATIONS, GatedMLP, gated
+    from zoo.nn.moe import expert_activation
+
+    if activation == "clamped_swiglu":  # GPT-OSS's experts: both inputs clamped, so some partials are 0
+        fn = expert_activation(MoEConfig(activation="clamped_swiglu", swiglu_limit=1.5, swiglu_alpha=1.702))
+    else:
+        fn = ACTIVATIONS[activation]
+    g, u, dg, du = (2 * jax.random.normal(k, (6, 40)) for k in jax.random.split(jax.random.key(0), 4))
+
+    def scalar(f):
+        return lambda g, u: jnp.sum(jnp.sin(f(g, u)))
+
+    def close(a, b):  # float32 roundoff of the same derivative formulas, grouped differently
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * float(jnp.abs(b).max()))
+
+    ours, plain = partial(gated, fn), fn
+    np.testing.assert_array_equal(ours(g, u), plain(g, u))
+    for a, b in zip(jax.grad(scalar(ours), (0, 1))(g, u), jax.grad(scalar(plain), (0, 1))(g, u)):
+        close(a, b)
+    close(jax.jvp(ours, (g, u), (dg, du))[1], jax.jvp(plain, (g, u), (dg, du))[1])
+    hvp = [jax.jvp(jax.grad(scalar(f)), (g, u), (dg, du))[1] for f in (ours, plain)]  # grad of a custom_jvp
+    close(hvp[0], hvp[1])
+    if activation == "clamped_swiglu":
+        assert (jax.grad(scalar(ours))(g, u) == 0).any()  # the clamp is reached: its zero slope is kept
+        return
+
+    mlp = GatedMLP(16, 40, activation=activation, key=jax.random.key(1))
+    params, static = eqx.partition(mlp, eqx.is_array)
+    x = jax.random.normal(jax.random.key(2), (2, 3, 16))
+
+    def wide(f):  # the [tokens, mlp] tensors the backward pass keeps
+        return [r for r in saved_residuals(f, params, x) if r[0].shape[-1:] == (40,) and r[0].size == 6 * 40]
+
+    assert len(wide(lambda p, x: eqx.combine(p, static)(x))) == 3
+    import zoo.nn.mlp as M
+    try:  # JAX's own derivative, for comparison: more tensors
+        M.gated = lambda fn, gate, up: fn(gate, up)
+        assert len(wide(lambda p, x: eqx.combine(p, static)(x))) >= 5
+    finally:
+        M.gated = gated

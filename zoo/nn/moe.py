@@ -31,7 +31,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from zoo import sharding as zs
 from zoo.config import DTypeLike, MoEConfig, dtype_name
 from zoo.nn._init import normal
-from zoo.nn.mlp import GatedMLP
+from zoo.nn.mlp import GatedMLP, swiglu
 from zoo.nn.moe_dispatch import ExpertWeights, routed_experts
 
 
@@ -113,7 +113,7 @@ def _per_device(route_fn):
 def expert_activation(c: MoEConfig):
     """`(gate, up) -> hidden` of one expert."""
     if c.activation == "silu":
-        return lambda gate, up: jax.nn.silu(gate) * up
+        return swiglu
     limit, alpha = c.swiglu_limit, c.swiglu_alpha
 
     def clamped_swiglu(gate, up):

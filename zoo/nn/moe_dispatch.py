@@ -55,6 +55,7 @@ from jaxtyping import Array, Bool, Float, Int
 from zoo import sharding as zs
 from zoo import tags as zoo_tags
 from zoo._compat import linear_call_vmappable, varying_axes
+from zoo.nn.mlp import gated, swiglu
 
 Impl = Literal["capacity", "ragged"]
 Activation = Callable[[Array, Array], Array]
@@ -86,10 +87,6 @@ class ExpertWeights(eqx.Module):
     @property
     def n_experts(self) -> int:
         return self.w_gate.shape[-3]
-
-
-def swiglu(gate: Float[Array, "*rows moe_mlp"], up: Float[Array, "*rows moe_mlp"]) -> Float[Array, "*rows moe_mlp"]:
-    return jax.nn.silu(gate) * up
 
 
 def expert_capacity(tokens: int, top_k: int, n_experts: int, capacity_factor: float) -> int:
@@ -148,7 +145,7 @@ def _ffn(h, w: ExpertWeights, matmul, add_bias, activation: Activation, tag: Tag
     if w.b_up is not None:
         up = add_bias(up, w.b_up)
     up = tag(up, zoo_tags.MOE_MLPWI_1)
-    out = matmul(activation(gate, up), w.w_down)
+    out = matmul(gated(activation, gate, up), w.w_down)
     if reduce_mlp is not None:
         out = reduce_mlp(out)
     if w.b_down is not None:
