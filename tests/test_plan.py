@@ -370,7 +370,7 @@ def test_cli_writes_under_outputs_and_prints_how_to_train_with_the_plan(tmp_path
     from zoo.offload import conf_dir
 
     monkeypatch.chdir(tmp_path)
-    assert zp.main([*BASE, "plan.hbm_budget_gb=80", "plan.name=mine"]) == 0
+    assert zp.main([*BASE, "plan.hbm_budget_gb=80", "plan.name=mine", f"hydra.run.dir={tmp_path / 'plan_run'}"]) == 0
     written = list(tmp_path.glob("outputs/plan/*/offload/mine.yaml"))
     assert len(written) == 1 and not (conf_dir() / "offload" / "mine.yaml").exists()
     printed = capsys.readouterr().out
@@ -378,6 +378,7 @@ def test_cli_writes_under_outputs_and_prints_how_to_train_with_the_plan(tmp_path
     train = next(ln for ln in printed.splitlines() if ln.startswith("train with it: python train.py "))
     search = f"hydra.searchpath=[file://{written[0].resolve().parent.parent}]"
     assert f"'{search}' offload=mine" in train
+    assert "hydra.run.dir" not in train and "data.seq_len=16" in train  # the plan's run directory is not the training's
     assert compose([*BASE, search, "offload=mine"]).offload.name == "mine"  # the printed way finds it
 
 

@@ -778,11 +778,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if opts.json:
             output_path(opts.json, "plan.json", "plan", "plan.json")
         cfg = compose(overrides)
-        start_jax(load(cfg))  # the xla group's flags before target_attention_impl asks JAX for its backend
+        typed = load(cfg)
+        start_jax(typed)  # the xla group's flags before target_attention_impl asks JAX for its backend
         # Resolve the attention for the hardware planned for; this machine validates and traces a
         # stand-in it can run (cuDNN's on a CPU: blockwise).
-        asked = load(cfg).model.attention_impl
-        attention_impl = target_attention_impl(load(cfg))
+        asked = typed.model.attention_impl
+        attention_impl = target_attention_impl(typed)
         cfg.model.attention_impl = host_attention_impl(attention_impl)
         c, _, _, trainer, notes = prepare_step(overrides, cfg)
         for n in notes:
@@ -816,7 +817,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         )
         out.write_text(to_yaml(policy, header))
         print(f"wrote {out}")
-        kept = [a for a in overrides if not a.startswith("offload=")]
+        # The plan's own output directory is no place for the training run's.
+        kept = [a for a in overrides if not a.startswith(("offload=", "hydra.run.", "hydra.sweep."))]
         for line in use_plan_lines(out, kept):
             print(line)
         if opts.json:
