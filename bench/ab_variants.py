@@ -10,6 +10,7 @@ bench/cpu.py's Llama: llama_100m's shape, batch 1 x 512). A variant is `+`-joine
 einsum over the [batch, seq] axes, the code before `zoo.nn.mlp.dense` merged them into one row axis), `tnmlp` (the MLP's weight gradients as `[in, rows] x [rows, out]` products over a transposed copy of
 the activations, so that XLA:CPU hands them to YNNPACK instead of its own transposed-operand dot),
 `plainglu` (the gated MLP's activation with JAX's own derivative instead of `zoo.nn.mlp.gated`'s),
+`reshape2` (GatedMLP reshaping its input once per projection, so the backward keeps two copies),
 `einsumhead` (the LM head's weight gradient in the fused loss as the plain einsum: the code before
 `zoo.loss.head_gradient`), `chunk<N>` (trainer.loss_chunk_size=N),
 `attn<impl>` (model.attention_impl), `blk<N>` (the blockwise attention's tiles N x N instead of 256 x 256),
@@ -43,7 +44,7 @@ if len(sys.argv) < 4 or not sys.argv[2].isdigit():
     raise SystemExit(2)
 cfgname, rounds, variants = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 orig_grads, orig_dense, orig_head = L._fused_loss_and_grads, M.dense, L.head_gradient
-orig_gated = M.gated
+orig_gated, orig_mlp_call = M.gated, M.GatedMLP.__call__
 
 def grads_wt(softcap, cdt, head, h, targets, weights):
     # d_h against the head transposed once per step
@@ -65,6 +66,12 @@ def grads_wt(softcap, cdt, head, h, targets, weights):
     init = (jnp.float32(0), jnp.zeros(head.shape, jnp.float32))
     (total, d_head), d_h = jax.lax.scan(step, init, (h, targets, weights))
     return total, d_h, d_head
+
+def mlp_reshape_each(self, x):  # GatedMLP before it reshaped its input once for both projections
+    cdt = self.compute_dtype
+    gate = ZT.tag(M.dense(x, self.w_gate.astype(cdt)), ZT.MLPWI_0)
+    up = ZT.tag(M.dense(x, self.w_up.astype(cdt)), ZT.MLPWI_1)
+    return ZT.tag(M.dense(M.gated(M.ACTIVATIONS[self.activation], gate, up), self.w_down.astype(cdt)), ZT.MLPWO)
 
 def gated_plain(fn, gate, up): return fn(gate, up)  # JAX's own derivative, five saved tensors
 
@@ -132,7 +139,7 @@ def fail(message: str):
     raise SystemExit(2)
 
 
-PARTS = ("base", "wt", "plaindense", "tnmlp", "einsumhead", "unroll", "loop", "plainglu")
+PARTS = ("base", "wt", "plaindense", "tnmlp", "einsumhead", "unroll", "loop", "plainglu", "reshape2")
 PREFIXES = ("blk", "chunk", "attn", "remat")  # followed by a number or a name
 name, *changes = cfgname.split(":")  # e.g. 100m:batch=1 (bench/cpu.py's Llama shape)
 if name not in CONFIGS:
@@ -153,7 +160,7 @@ for v in variants:
 exes, tr0, trs = {}, None, {}
 for v in variants:
     L._fused_loss_and_grads, M.dense, L.head_gradient = orig_grads, orig_dense, orig_head
-    M.gated = orig_gated
+    M.gated, M.GatedMLP.__call__ = orig_gated, orig_mlp_call
     jax.lax.scan = _orig_scan
     AK.attend.__kwdefaults__.update(block_q=AK.DEFAULT_BLOCK_Q, block_k=AK.DEFAULT_BLOCK_K)
     chunk, attn, remat = 512, "auto", "none"
@@ -163,6 +170,7 @@ for v in variants:
         elif part == "tnmlp": M.dense = dense_tn
         elif part == "einsumhead": L.head_gradient = head_einsum
         elif part == "plainglu": M.gated = gated_plain
+        elif part == "reshape2": M.GatedMLP.__call__ = mlp_reshape_each
         elif part == "unroll": jax.lax.scan = scan_unrolled_layers
         elif part == "loop": ZM.Stack.__call__ = stack_loop
         elif part.startswith("blk"): AK.attend.__kwdefaults__.update(block_q=int(part[3:]), block_k=int(part[3:]))
@@ -180,7 +188,7 @@ for v in variants:
     tr0 = tr0 or tr
     trs[v] = tr
 L._fused_loss_and_grads, M.dense, L.head_gradient = orig_grads, orig_dense, orig_head
-M.gated = orig_gated
+M.gated, M.GatedMLP.__call__ = orig_gated, orig_mlp_call
 states = {v: trs[v].init() for v in variants}; tokens = C.tokens_for(tr0)
 times = {v: [] for v in variants}; loss = {}
 for r in range(rounds + 1):

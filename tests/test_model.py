@@ -565,6 +565,9 @@ def test_gated_activation_keeps_two_tensors_and_jaxs_derivatives(activation):
         return [r for r in saved_residuals(f, params, x) if r[0].shape[-1:] == (40,) and r[0].size == 6 * 40]
 
     assert len(wide(lambda p, x: eqx.combine(p, static)(x))) == 3
+    # and the input once, for both projections' weight gradients (one reshape of x, not one each)
+    inputs = [r for r in saved_residuals(lambda p, x: eqx.combine(p, static)(x), params, x) if r[0].size == 6 * 16 and "argument" not in r[1]]
+    assert len(inputs) == 1, inputs
     import zoo.nn.mlp as M
     try:  # JAX's own derivative, for comparison: more tensors
         M.gated = lambda fn, gate, up: fn(gate, up)

@@ -102,8 +102,10 @@ class GatedMLP(eqx.Module):
 
     def __call__(self, x: Float[Array, "batch seq embed"]) -> Float[Array, "batch seq embed"]:
         cdt = self.compute_dtype
-        gate = tags.tag(dense(x, self.w_gate.astype(cdt)), tags.MLPWI_0)
-        up = tags.tag(dense(x, self.w_up.astype(cdt)), tags.MLPWI_1)
+        # One [tokens, embed] view for both projections: each reshape of x would be a residual of its own.
+        rows, per_token = jnp.reshape(x, (-1, x.shape[-1])), x.shape[:-1]
+        gate = tags.tag(dense(rows, self.w_gate.astype(cdt)).reshape(*per_token, -1), tags.MLPWI_0)
+        up = tags.tag(dense(rows, self.w_up.astype(cdt)).reshape(*per_token, -1), tags.MLPWI_1)
         return tags.tag(dense(gated(ACTIVATIONS[self.activation], gate, up), self.w_down.astype(cdt)), tags.MLPWO)
 
 
