@@ -528,8 +528,9 @@ def test_gated_activation_keeps_two_tensors_and_jaxs_derivatives(activation):
     # 0.965 of the time, docs/benchmarks.md). Same values, gradients, forward-mode and second
     # derivatives as JAX's derivative of the plain function; the residuals of a GatedMLP shrink to
     # the two partials and the down projection's input.
-    from jax._src.ad_checkpoint import saved_residuals
+    from zoo._compat import saved_residuals
 
+    saved_residuals = saved_residuals()
     from zoo.config import MoEConfig
     from zoo.nn.mlp import ACTIVATIONS, GatedMLP, gated
     from zoo.nn.moe import expert_activation
