@@ -1,7 +1,13 @@
 import os
 
 # Eight simulated CPU devices for the sharding tests; must be set before jax is imported.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# LLVM's optimisations off (`--xla_backend_optimization_level=0`, what `xla.cpu_fast_compile=true`
+# does): the tests check values, shapes, placement, collectives and memory, which XLA's HLO passes
+# decide the same at any LLVM level, and compiling is most of their time.
+# The train.py / tool processes the CLI tests start inherit the flags, so a program the persistent
+# cache below holds was compiled with the flags of every process that can load it. The README's
+# commands run without XLA_FLAGS (tests/test_readme.py): the defaults users get.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache for the whole run, shared by this process and the train.py / tool
 # processes the CLI tests start (they inherit the environment): a program compiled once is loaded, not
