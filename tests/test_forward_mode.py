@@ -9,6 +9,8 @@ dtype): a central difference over a perturbation of about 3e-5 of each weight's 
 tolerance is 2e-2; a wrong tangent (a missing term, a factor of 2) is off by O(1). The step is kept
 that small because a larger one flips the tiny MoE models' top-k routing (a discontinuity of the
 function itself, not an error of the JVP); the routing counts at both ends are checked to be equal.
+The direction's seed is one at which no family's routing flips: with NumPy's seeds 1 and 3 one
+mixtral_tiny_a token sits so near its top-2 boundary that either shift moves it (conftest's LLVM level).
 """
 
 import equinox as eqx
@@ -33,7 +35,7 @@ def _rel(a, b) -> float:
     return float(jnp.linalg.norm((a - b).ravel()) / jnp.linalg.norm(b.ravel()))
 
 
-def _direction(params, scale=1e-3, seed=1):
+def _direction(params, scale=1e-3, seed=2):
     # In NumPy: drawn with jax.random leaf by leaf, every new shape compiled its own random-normal
     # program (about half a second each on the 2-core machine, a third of this file's time).
     rng = np.random.default_rng(seed)
