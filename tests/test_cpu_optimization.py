@@ -7,7 +7,7 @@ import pathlib
 import pytest
 from omegaconf import OmegaConf
 
-from zoo.config import SIZES
+from zoo.config import SIZES, count_params
 from zoo.offload import load_preset
 from zoo.train.config import (ConfigError, DataConfig, HardwareConfig, MeshConfig, OptimizerConfig, TrainConfig,
                               TrainerConfig, XlaConfig)
@@ -66,3 +66,16 @@ def test_explicit_choice_wins(value, on):
 def test_bad_value_is_one_line_naming_the_key():
     with pytest.raises(ConfigError, match=r"xla.cpu_fast_compile: got 'sometimes'; give true, false or auto"):
         XlaConfig(cpu_fast_compile="sometimes")
+
+
+def test_the_initialiser_is_optimised_from_twenty_million_parameters_per_device():
+    # Below INIT_OPTIMIZE_FROM_PARAMS the initialiser's compile is its cost (LLVM off); above, its
+    # random numbers are (level 1: qwen2_100m's init 10 s -> 4 s, bench/init_compile.py).
+    from zoo.model import INIT_OPTIMIZE_FROM_PARAMS, init_compile_options
+
+    assert INIT_OPTIMIZE_FROM_PARAMS == 20e6
+    level = lambda n: init_compile_options("cpu", n)["xla_backend_optimization_level"]  # noqa: E731
+    assert level(count_params(SIZES["dsv3_tiny_a"])) == 0 and level(19.9e6) == 0
+    assert level(20e6) == 1 and level(count_params(SIZES["qwen2_100m"])) == 1
+    assert level(count_params(SIZES["qwen2_100m"]) / 8) == 0  # the size per device decides
+    assert init_compile_options("gpu", 1e9) is None

@@ -25,7 +25,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
 from zoo import sharding as zs
 from zoo import tags
-from zoo.config import LayerSpec, ModelConfig
+from zoo.config import LayerSpec, ModelConfig, count_params
 from zoo.nn import GatedMLP, GQAttention, MLAttention, MoE, MoEAux, RMSNorm
 from zoo.nn._init import normal
 from zoo.nn.cache import KVCache, LatentCache
@@ -444,6 +444,23 @@ def run_layers(
     return model.final_norm(x), aux
 
 
+# XLA:CPU compiles a model's initialiser (it runs once) with LLVM's optimisations off below this many
+# parameters per device, at level 1 from it: the threefry random numbers run ~5x slower unoptimised.
+# `python bench/init_compile.py` (compile + run, alternated in one process, 2 rounds, the quiet 2-core
+# machine): llama_tiny_a 1.8 s at level 0 / 2.1-2.7 s at level 1 / 4.3-4.5 s at XLA's default (3),
+# dsv3_tiny_a 4.4-5.6 / 4.8-6.5 / 12.3-15.0 s, qwen2_100m (98M) 10.1-10.4 / 3.9-4.5 / 7.5-7.8 s.
+# Level 0 runs ~0.085 s per million parameters, level 1 ~0.017 s; level 1 compiles 0.3-1 s longer.
+INIT_OPTIMIZE_FROM_PARAMS = 20e6
+
+
+def init_compile_options(platform: str, params_per_device: Union[int, float]) -> Optional[dict]:
+    """The compile options of a model's initialiser: on CPU, the LLVM level INIT_OPTIMIZE_FROM_PARAMS
+    picks for this many parameters per device; elsewhere XLA's defaults (None)."""
+    if platform != "cpu":
+        return None
+    return {"xla_backend_optimization_level": 1 if params_per_device >= INIT_OPTIMIZE_FROM_PARAMS else 0}
+
+
 # (config, key shape, key dtype) -> the compiled initialiser and the model's non-array part.
 _INITIALISERS: dict = {}
 
@@ -452,10 +469,8 @@ def build(config: ModelConfig, *, key: PRNGKeyArray) -> CausalLM:
     """A randomly initialised model, built by one compiled program rather than hundreds of eagerly
     dispatched initialiser ops; repeated builds of one config reuse it.
 
-    On CPU the initialiser is compiled with LLVM's optimisations off, as `Trainer.init` does: it runs
-    once, and its random-number code is what takes the time. `python bench/init_compile.py` (fresh
-    shapes per build, variants alternated in one process, 2 rounds, the 2-core machine under load):
-    llama_tiny_a 24.0 s / 28.1 s -> 10.4 s / 11.0 s, dsv3_tiny_a 79.6 s / 101.1 s -> 23.9 s / 27.5 s.
+    On CPU the initialiser is compiled at the level `init_compile_options` picks, as `Trainer.init`
+    does: it runs once.
     """
     if isinstance(key, jax.core.Tracer):  # inside a caller's jit (Trainer.init): part of its program
         return CausalLM(config, key=key)
@@ -463,7 +478,7 @@ def build(config: ModelConfig, *, key: PRNGKeyArray) -> CausalLM:
     if cache_key not in _INITIALISERS:
         static = eqx.partition(eqx.filter_eval_shape(CausalLM, config, key=key), eqx.is_array)[1]
         lowered = jax.jit(lambda k: eqx.filter(CausalLM(config, key=k), eqx.is_array)).lower(key)
-        options = {"xla_backend_optimization_level": 0} if jax.default_backend() == "cpu" else None
+        options = init_compile_options(jax.default_backend(), count_params(config))
         _INITIALISERS[cache_key] = (lowered.compile(options), static)
     compiled, static = _INITIALISERS[cache_key]
     return eqx.combine(compiled(key), static)
