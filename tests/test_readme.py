@@ -85,7 +85,7 @@ GROUPS = {
     "planner": [r"^python -m zoo\.plan model=llama_1b"],
     "measure_hardware": [r"^python -m zoo\.measure_hardware"],
     "divergence": [r"optimizer\.lr=1e30"],
-    # The recorded ~100M runs, about a minute each on the 2-core machine: two per group, so they spread.
+    # The recorded ~100M runs, 26-37 s each on the quiet 2-core machine: two per group, so they spread.
     "recorded_100m_qwen": [r"^python train\.py model=(qwen2|qwen3)_100m mesh=single"],
     "recorded_100m_gemma3_qwen3_moe": [r"^python train\.py model=(gemma3|qwen3_moe)_100m mesh=single"],
     "recorded_100m_mixtral_gpt_oss": [r"^python train\.py model=(mixtral|gpt_oss)_100m mesh=single"],
