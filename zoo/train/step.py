@@ -14,6 +14,7 @@ segment_ids, positions, loss_mask), every one sharded like the tokens. The loss 
 the mean over all its targets (`zoo.loss.target_weights`), whichever microbatch holds them.
 """
 
+import math
 from typing import Any, Callable, Optional
 
 import equinox as eqx
@@ -24,7 +25,6 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from zoo import model as zoo_model
-from zoo.config import count_params
 from zoo import offload
 from zoo import sharding as zs
 from zoo.loss import chunked_next_token_loss, target_weights
@@ -195,8 +195,10 @@ class Trainer:
         seed = self.cfg.trainer.seed if seed is None else seed
         key = jax.random.key(seed)
         lowered = jax.jit(self._init, out_shardings=self.state_shardings).lower(key)
-        # Init runs once: on CPU its LLVM level is chosen by size (values agree to float32 rounding).
-        per_device = count_params(self.cfg.model) / self.mesh.devices.size
+        # Init runs once: on CPU its LLVM level is chosen by the parameters a device draws (replicated
+        # leaves whole, sharded ones a shard); values agree to float32 rounding.
+        shards = zip(jax.tree.leaves(self.abstract_params), jax.tree.leaves(self.param_shardings))
+        per_device = sum(math.prod(sh.shard_shape(x.shape)) for x, sh in shards)
         return lowered.compile(zoo_model.init_compile_options(self.mesh.devices.flat[0].platform, per_device))(key)
 
     def init_pretrained(self):
