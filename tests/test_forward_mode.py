@@ -25,6 +25,8 @@ from zoo.loss import chunked_next_token_loss
 from zoo.model import build
 from zoo.nn.attention_kernels import attend
 
+from tiers import by_family
+
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
 TINY = sorted(n for n in SIZES if n.endswith("_tiny_a"))
 STEP = 0.03
@@ -52,7 +54,7 @@ def test_eight_families():
     assert len(TINY) == 8, TINY
 
 
-@pytest.mark.parametrize("name", TINY)
+@pytest.mark.parametrize("name", by_family(TINY))
 def test_jvp_through_each_family_matches_finite_differences_and_linearize(name):
     # Blockwise attention (the custom-JVP flash kernel) even at this short length; on CPU `auto`
     # picks it from 256 positions on.

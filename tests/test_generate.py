@@ -22,6 +22,8 @@ from zoo import hf
 from zoo import generate as gen
 from zoo.data.tokenizer import ByteTokenizer
 
+from tiers import by_family
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data"
 FIXTURES = {
@@ -65,7 +67,7 @@ def full_forward_greedy(model, prompt: list[int], steps: int) -> tuple[list[int]
     return tokens[len(prompt) :], np.stack(logits)
 
 
-@pytest.mark.parametrize("family", list(FIXTURES))
+@pytest.mark.parametrize("family", by_family(FIXTURES))
 def test_cached_greedy_decoding_equals_the_full_forward_at_every_step(family):
     model = model_of(family)
     for prompt, result in zip(PROMPTS, greedy_of(family)):

@@ -13,6 +13,8 @@ import zoo
 from zoo import offload
 from zoo.offload import OffloadConfig, load_preset, remat_policy, resolve
 
+from tiers import by_family
+
 FAMILIES = (
     "llama_tiny_a", "dsv3_tiny_a", "qwen2_tiny_a", "qwen3_tiny_a", "qwen3_moe_tiny_a", "mixtral_tiny_a", "gemma3_tiny_a",
     "gpt_oss_tiny_a",
@@ -222,7 +224,7 @@ def _policy_key(policy: OffloadConfig, config) -> tuple:
     return tuple(sorted((t, a) for t, a in actions.items() if a != "remat"))
 
 
-@pytest.mark.parametrize("size", FAMILIES)
+@pytest.mark.parametrize("size", by_family(FAMILIES))
 def test_every_preset_gives_the_loss_and_gradients_of_none(size):
     """One jit holds every distinct policy's loss and gradients (one compile instead of eight: XLA:CPU
     compiles are slow); each starts from its own optimization_barrier copy of the parameters, so XLA

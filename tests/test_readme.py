@@ -462,7 +462,12 @@ def group_runs(request, tmp_path_factory):
     pool.shutdown(wait=True)
 
 
-SLOW_GROUPS = {name for name in GROUPS if name.startswith("recorded_100m")}
+# Groups in the slow tier (`python -m pytest -m slow`): the recorded ~100M runs, and runs whose
+# behaviour a default-tier test checks as directly (two processes: tests/test_distributed.py; a SIGTERM
+# and the same command resuming: tests/test_checkpoint.py; the scale report: at small size in
+# tests/test_train_sharding.py, at the real sizes in tests/test_scale_doc.py, also slow; the XLA groups'
+# flags: tests/test_train_cli.py, a sweep's report: the `sweep_and_report` group).
+SLOW_GROUPS = {name for name in GROUPS if name.startswith("recorded_100m")} | {"two_processes", "preemption", "scale_report_671b", "xla_sweep_loop"}
 
 
 @pytest.mark.parametrize("group", [pytest.param(g, marks=pytest.mark.slow) if g in SLOW_GROUPS else g for g in GROUPS])

@@ -1,0 +1,21 @@
+"""Which parametrizations of a per-family check run in the slow tier (`python -m pytest -m slow`).
+
+Qwen2 and Qwen3 are Llama's blocks plus a QKV bias or a Q/K norm, which add no tag and no other
+path through attention; Mixtral is Qwen3-MoE's routed experts (softmax, top-k renormalised) without
+the Q/K norm. A check repeated on them runs in the slow tier. Their loss and gradients against
+transformers, and every tool's handling of them, stay in the default run (tests/test_hf_families.py).
+"""
+
+import pytest
+
+REPEAT_FAMILIES = ("qwen2", "qwen3", "mixtral")
+
+
+def family_of(name: str) -> str:
+    """The family of a size name (`qwen3_tiny_a` -> `qwen3`) or of a family name itself."""
+    return name[: -len("_tiny_a")] if name.endswith("_tiny_a") else name
+
+
+def by_family(names):
+    """`names` as pytest parameters, the repeat families' marked slow."""
+    return [pytest.param(n, marks=pytest.mark.slow) if family_of(n) in REPEAT_FAMILIES else n for n in names]
