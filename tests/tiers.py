@@ -1,9 +1,10 @@
 """Which parametrizations of a per-family check run in the slow tier (`python -m pytest -m slow`).
 
-Qwen2 and Qwen3 are Llama's blocks plus a QKV bias or a Q/K norm, which add no tag and no other
-path through attention; Mixtral is Qwen3-MoE's routed experts (softmax, top-k renormalised) without
-the Q/K norm. A check repeated on them runs in the slow tier. Their loss and gradients against
-transformers, and every tool's handling of them, stay in the default run (tests/test_hf_families.py).
+Qwen2 and Qwen3 are Llama's blocks plus a QKV bias or a Q/K norm, which add no tag; Mixtral's
+routing (softmax over the top-k logits) is Qwen3-MoE's (softmax, then the top k renormalised), its
+experts the same SwiGLU, without the Q/K norm. A check repeated on them runs in the slow tier. Their
+loss and gradients against transformers (tests/test_hf_families.py) and the inspector's placement
+under every preset (tests/test_inspect.py) stay in the default run.
 """
 
 import pytest
