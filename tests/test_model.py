@@ -131,22 +131,24 @@ def with_layers(c, layers: int):
     return c.replace(num_layers=layers, layer_types=types)
 
 
-def lowered_lines(layers: int, base=LLAMA) -> int:
-    """Lines of the step's StableHLO at this depth: what XLA gets to compile."""
-    lowered = jax.jit(jax.value_and_grad(loss_fn)).lower(zoo.abstract(with_layers(base, layers)), jax.ShapeDtypeStruct((2, 16), jnp.int32))
-    return lowered.as_text().count("\n")
-
-
-def compile_seconds(layers: int, base=LLAMA) -> float:
-    c = with_layers(base, layers)
+def lowered_step(layers: int, base=LLAMA):
+    """The loss-and-gradient program of `base` at this depth, lowered (not compiled)."""
 
     def loss(m, t):  # a fresh function: no cache hit from an earlier measurement
         return loss_fn(m, t)
 
+    return jax.jit(jax.value_and_grad(loss)).lower(zoo.abstract(with_layers(base, layers)), jax.ShapeDtypeStruct((2, 16), jnp.int32))
+
+
+def lowered_lines(layers: int, base=LLAMA) -> int:
+    """Lines of the step's StableHLO at this depth: what XLA gets to compile."""
+    return lowered_step(layers, base).as_text().count("\n")
+
+
+def compile_seconds(layers: int, base=LLAMA) -> float:
     # CPU time of this process (all its threads), not wall time: steadier when other processes share the cores
     start = time.process_time()
-    lowered = jax.jit(jax.value_and_grad(loss)).lower(zoo.abstract(c), jax.ShapeDtypeStruct((2, 16), jnp.int32))
-    lowered.compile(compiler_options=FAST_COMPILE)
+    lowered_step(layers, base).compile(compiler_options=FAST_COMPILE)
     return time.process_time() - start
 
 

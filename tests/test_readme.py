@@ -87,8 +87,8 @@ GROUPS = {
     "divergence": [r"optimizer\.lr=1e30"],
     # The recorded ~100M runs, 26-37 s each on the quiet 2-core machine: two per group, so they spread.
     # In the slow tier (`python -m pytest -m slow`). The default run holds every family's tiny size to
-    # transformers' loss and gradients and through every offload preset, and trains Llama and DeepSeek-V3
-    # through the Trainer, which is the same for every family.
+    # transformers' loss and gradients and the inspector's placement under every offload preset, and
+    # trains Llama and DeepSeek-V3 through the Trainer, which is the same for every family.
     "recorded_100m_qwen": [r"^python train\.py model=(qwen2|qwen3)_100m mesh=single"],
     "recorded_100m_gemma3_qwen3_moe": [r"^python train\.py model=(gemma3|qwen3_moe)_100m mesh=single"],
     "recorded_100m_mixtral_gpt_oss": [r"^python train\.py model=(mixtral|gpt_oss)_100m mesh=single"],

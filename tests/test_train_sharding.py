@@ -235,6 +235,20 @@ def test_params_and_opt_state_live_on_pinned_host_between_steps():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-4)
 
 
+def test_params_per_device_counts_what_each_device_holds():
+    """What picks the initialiser's LLVM level (zoo.model.init_compile_options): a replicated leaf counts
+    whole on every device, a sharded one by its shard."""
+    from zoo.config import count_params
+
+    def per_device(mesh):
+        c = make_config("llama_tiny_a", mesh)
+        return Trainer(c, validate(c, len(jax.devices()), None)).params_per_device()
+
+    total = count_params(load_group("model", OmegaConf.load(CONF / "model" / "llama_tiny_a.yaml")))
+    assert per_device("single") == per_device("dp") == total  # data parallel: every device holds all
+    assert total / 8 <= per_device("fsdp") < total / 2  # the large leaves split 8 ways, norms whole
+
+
 def test_gradient_accumulation_matches_one_big_batch():
     accumulated = train(make_config("llama_tiny_a", "fsdp", accum=2, batch=16))
     # 16 sequences in 2 microbatches of 8 differ from the reference's 8: compare with a 16-batch run.

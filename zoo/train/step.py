@@ -195,11 +195,14 @@ class Trainer:
         seed = self.cfg.trainer.seed if seed is None else seed
         key = jax.random.key(seed)
         lowered = jax.jit(self._init, out_shardings=self.state_shardings).lower(key)
-        # Init runs once: on CPU its LLVM level is chosen by the parameters a device draws (replicated
-        # leaves whole, sharded ones a shard); values agree to float32 rounding.
-        shards = zip(jax.tree.leaves(self.abstract_params), jax.tree.leaves(self.param_shardings))
-        per_device = sum(math.prod(sh.shard_shape(x.shape)) for x, sh in shards)
-        return lowered.compile(zoo_model.init_compile_options(self.mesh.devices.flat[0].platform, per_device))(key)
+        # Init runs once: on CPU its LLVM level is chosen by the parameters a device draws; values agree
+        # to float32 rounding.
+        return lowered.compile(zoo_model.init_compile_options(self.mesh.devices.flat[0].platform, self.params_per_device()))(key)
+
+    def params_per_device(self) -> int:
+        """Parameters one device holds: replicated leaves whole, sharded ones a shard."""
+        per_leaf = jax.tree.map(lambda x, sh: math.prod(sh.shard_shape(x.shape)), self.abstract_params, self.param_shardings)
+        return sum(jax.tree.leaves(per_leaf))
 
     def init_pretrained(self):
         """The parameters read from `cfg.pretrained`'s safetensors straight into their shardings and
