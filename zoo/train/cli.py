@@ -192,6 +192,7 @@ def hydra_error_line(e: BaseException, conf_dir: pathlib.Path, tool: str = TRAIN
         how, group, option = m.groups()
         listed = re.search(r"Available options in '[^']*':\n((?:\t.*\n?)*)", text)
         options = [o.strip() for o in listed.group(1).splitlines() if o.strip()] if listed else _group_options(conf_dir, group)
+        options = [o for o in options if not o.startswith("_")]  # a group's base values (e.g. mesh/_defaults), not a choice
         if how == "load" and (conf_dir / group / f"{option}.yaml").is_file():
             cause = one_line(e.__cause__) if e.__cause__ else "see the file"
             return f"{group}: option {option!r} failed to load ({cause}); fix conf/{group}/{option}.yaml"

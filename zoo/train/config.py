@@ -12,6 +12,7 @@ import importlib.util
 import math
 from typing import Any, Optional
 
+from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
@@ -55,6 +56,20 @@ class MeshConfig:
     @property
     def axes(self) -> dict[str, int]:
         return {a: getattr(self, a) for a in MESH_AXES}
+
+
+# Every conf/mesh preset starts from these values (its defaults list names `_defaults`) and states only what
+# it changes, so the default rules live once, in zoo.sharding.DEFAULT_RULES. A plain node, not the dataclass:
+# validation stays with MeshConfig, whose messages name the key.
+MESH_DEFAULTS_NAME = "_defaults"
+
+
+def _register_mesh_defaults() -> None:
+    node = {f.name: (f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default) for f in dataclasses.fields(MeshConfig)}
+    ConfigStore.instance().store(group="mesh", name=MESH_DEFAULTS_NAME, node=node)
+
+
+_register_mesh_defaults()
 
 
 OPTIMIZERS = ("adamw",)
