@@ -1,6 +1,7 @@
 """Pretrained weights in train.py: Hugging Face checkpoints in (`model=hf`), train.py checkpoints back
 out (`zoo.export`), and the README's fine-tuning walk-through run as written."""
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -78,10 +79,19 @@ _logits = jax.jit(lambda model, tokens: model(tokens))
 # --- model=hf resolves the group from config.json ---------------------------------------------------
 
 
-def test_hf_yaml_is_current():
-    from zoo.hf.pretrained import conf_yaml
+def test_hf_option_leaves_every_architecture_field_to_config_json():
+    """`model=hf` composes to the path, the runtime fields' values and null for every other ModelConfig
+    field (nested ones too), so config.json decides the architecture."""
+    from omegaconf import OmegaConf
 
-    assert (ROOT / "conf" / "model" / "hf.yaml").read_text() == conf_yaml(), "conf/model/hf.yaml is stale: run python -m zoo.hf.pretrained"
+    from zoo.config import ModelConfig
+    from zoo.hf.pretrained import RUNTIME, hf_option
+
+    node = OmegaConf.to_container(compose(["model=hf", "model.path=/some/dir"]).model)
+    assert node == {**hf_option(), "path": "/some/dir"}
+    assert set(node) == {"path", *(f.name for f in dataclasses.fields(ModelConfig))}
+    assert node["rope"] and all(v is None for v in node["rope"].values())
+    assert {k: v for k, v in node.items() if v is not None and not isinstance(v, dict)} == {"path": "/some/dir", **RUNTIME}
 
 
 def test_model_group_takes_the_architecture_from_config_json_and_runtime_fields_from_the_command_line():

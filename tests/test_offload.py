@@ -11,6 +11,7 @@ import pytest
 
 import zoo
 from zoo import offload
+from zoo.config import SIZES
 from zoo.offload import OffloadConfig, load_preset, remat_policy, resolve
 
 from tiers import by_family
@@ -272,8 +273,8 @@ def _train(offload_config, steps=2):
 
     conf = offload.conf_dir()
     c = TrainConfig(
-        model=load_group("model", OmegaConf.load(conf / "model" / "llama_tiny_a.yaml")),
-        mesh=load_group("mesh", OmegaConf.load(conf / "mesh" / "single.yaml")),
+        model=SIZES["llama_tiny_a"],
+        mesh=load_group("mesh", {k: v for k, v in OmegaConf.load(conf / "mesh" / "single.yaml").items() if k != "defaults"}),
         offload=offload_config,
         optimizer=OptimizerConfig(lr=1e-2, warmup_steps=1),
         data=DataConfig(batch_size=4, seq_len=16),
@@ -385,8 +386,8 @@ def test_streamed_step_equals_the_device_step_with_accumulation():
 
     def trainer(*preset):
         c = TrainConfig(
-            model=load_group("model", OmegaConf.load(conf / "model" / "llama_tiny_a.yaml")),
-            mesh=load_group("mesh", OmegaConf.load(conf / "mesh" / "single.yaml")),
+            model=SIZES["llama_tiny_a"],
+            mesh=load_group("mesh", {k: v for k, v in OmegaConf.load(conf / "mesh" / "single.yaml").items() if k != "defaults"}),
             offload=load_preset(*preset),
             optimizer=OptimizerConfig(lr=1e-2, warmup_steps=1, decay_steps=4, grad_clip=0.5),
             data=DataConfig(batch_size=4, seq_len=16),

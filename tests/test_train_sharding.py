@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import PartitionSpec
 from omegaconf import OmegaConf
 
-from zoo.config import SIZES, conf_yaml
+from zoo.config import SIZES
 from zoo.offload import OffloadConfig
 from zoo.sharding import ShardingError, logical_to_spec, param_specs, resolve_mesh_shape
 from zoo.train.config import DataConfig, HardwareConfig, OptimizerConfig, TrainConfig, TrainerConfig, XlaConfig, load_group, validate
@@ -32,14 +32,16 @@ MESHES = ("dp", "fsdp", "fsdp_tp", "fsdp_ep")
 
 
 def mesh_preset(name: str):
-    return load_group("mesh", OmegaConf.load(CONF / "mesh" / f"{name}.yaml"))
+    node = OmegaConf.load(CONF / "mesh" / f"{name}.yaml")
+    node.pop("defaults")  # mesh/_defaults: MeshConfig's own defaults, which load_group starts from
+    return load_group("mesh", node)
 
 
 def make_config(
     model: str, mesh: str, offload: OffloadConfig = None, accum: int = 1, batch: int = 8, bias_rate: float = 0.001, dropless: bool = True,
     moe_impl: str = None,
 ):
-    m = load_group("model", OmegaConf.load(CONF / "model" / f"{model}.yaml"))
+    m = SIZES[model]
     if dropless and m.num_moe_layers:
         # capacity = every assignment: capacity buffers drop nothing, however the batch is split
         m = m.replace(moe=dataclasses.replace(m.moe, capacity_factor=float(m.moe.n_routed_experts)))
@@ -244,7 +246,7 @@ def test_params_per_device_counts_what_each_device_holds():
         c = make_config("llama_tiny_a", mesh)
         return Trainer(c, validate(c, len(jax.devices()), None)).params_per_device()
 
-    total = count_params(load_group("model", OmegaConf.load(CONF / "model" / "llama_tiny_a.yaml")))
+    total = count_params(SIZES["llama_tiny_a"])
     assert per_device("single") == per_device("dp") == total  # data parallel: every device holds all
     assert total / 8 <= per_device("fsdp") < total / 2  # the large leaves split 8 ways, norms whole
 
@@ -328,9 +330,10 @@ def test_indivisible_dim_names_the_mesh_axis():
 
 @pytest.mark.parametrize("size", sorted(SIZES))
 def test_model_options_are_the_named_sizes(size):
-    text = (CONF / "model" / f"{size}.yaml").read_text()
-    assert text == conf_yaml(size), f"conf/model/{size}.yaml is stale: run python -m zoo.write_conf"
-    assert load_group("model", OmegaConf.load(CONF / "model" / f"{size}.yaml")) == SIZES[size]
+    """`model=<size>` composes (through the ConfigStore node zoo.train.config registers) to SIZES[size]."""
+    from zoo.inspect import compose
+
+    assert load_group("model", compose([f"model={size}"]).model) == SIZES[size]
 
 
 # --- the published 128-device layouts, on the abstract real-size models (nothing allocated) ---------

@@ -3,7 +3,7 @@
 One config describes every family: a family is a choice of blocks and a few flags (which attention,
 which MLP or MoE router, which norms, which layers slide), never a copy of the model. The dataclasses
 use only types OmegaConf understands (str, int, float, bool, Optional, lists, nested dataclasses), so
-the same classes are the Hydra structured-config schema of `conf/model/`. A config is a static part
+the same classes are the schema of Hydra's model group (zoo.train.config registers every named size as an option). A config is a static part
 of the model, so it hashes (its list fields as tuples). Validation runs in
 `__post_init__` and raises a ValueError that names the field and the fix.
 """
@@ -741,13 +741,3 @@ def ceil_div(a: int, b: int) -> int:
 def moe_capacity(tokens: int, c: MoEConfig) -> int:
     """Per-expert buffer size of the capacity path: ceil(tokens * top_k / experts * capacity_factor)."""
     return max(1, math.ceil(tokens * c.num_experts_per_tok / c.n_routed_experts * c.capacity_factor))
-
-
-def conf_yaml(name: str) -> str:
-    """`conf/model/<name>.yaml`: SIZES[name] as a Hydra option, every field written out."""
-    from omegaconf import OmegaConf
-
-    header = f"# zoo.config.SIZES['{name}'] as a Hydra option; every field of zoo.config.ModelConfig.\n"
-    header += "# Written by `python -m zoo.write_conf`; tests/test_train_sharding.py holds the two equal.\n"
-    return header + OmegaConf.to_yaml(OmegaConf.structured(SIZES[name]))
-

@@ -1,8 +1,8 @@
 """train.py's `model=hf`: a Hugging Face checkpoint directory as the model group.
 
 `python train.py model=hf model.path=<dir>` takes the architecture from `<dir>/config.json` and the
-weights from its safetensors. `conf/model/hf.yaml` (written by `python -m zoo.hf.pretrained`) lists
-`path`, the fields that say how zoo runs the model (`RUNTIME`: dtypes, kernels) and every other
+weights from its safetensors. The option (`hf_option`, registered in Hydra's ConfigStore by
+zoo.train.config) lists `path`, the fields that say how zoo runs the model (`RUNTIME`: dtypes, kernels) and every other
 ModelConfig field as null: null is config.json's value, and a value given on the command line must
 agree with it, so an override cannot contradict the weights. `model_from_node` resolves the group
 into the full ModelConfig and a `PretrainedSource` (what train.py records in summary.json and in its
@@ -14,7 +14,6 @@ tokenizer. Bad input raises ValueError: one line naming the key or file and the 
 import dataclasses
 import hashlib
 import pathlib
-import sys
 from typing import Any, Optional
 
 from zoo.config import ModelConfig
@@ -67,19 +66,10 @@ def _nulls(cls) -> dict:
     return out
 
 
-def conf_yaml() -> str:
-    """conf/model/hf.yaml."""
-    from omegaconf import OmegaConf
-
-    node = {"path": "???", **_nulls(ModelConfig), **RUNTIME}
-    header = (
-        "# A Hugging Face checkpoint directory as the model: python train.py model=hf model.path=<dir>\n"
-        "# The architecture comes from <dir>/config.json and the weights from its safetensors. Set only\n"
-        f"# {_SETTABLE} (moe.impl null: ragged, dropless);\n"
-        "# every other field is null: config.json's value (one given here must agree with it).\n"
-        "# Written by `python -m zoo.hf.pretrained`; tests/test_hf_train.py holds the two equal.\n"
-    )
-    return header + OmegaConf.to_yaml(node)
+def hf_option() -> dict:
+    """The `model=hf` option: the checkpoint directory (required) and every ModelConfig field null, which
+    config.json fills; only the RUNTIME fields have values of their own."""
+    return {"path": "???", **_nulls(ModelConfig), **RUNTIME}
 
 
 def _contradiction(key: str, given, actual, directory: pathlib.Path) -> ValueError:
@@ -193,15 +183,3 @@ def describe(source: PretrainedSource, config: ModelConfig) -> list[str]:
         lines.append(f"note: {note}")
     return lines
 
-
-def main(argv=None) -> int:
-    """`python -m zoo.hf.pretrained [file]`: write conf/model/hf.yaml."""
-    argv = sys.argv[1:] if argv is None else argv
-    out = pathlib.Path(argv[0]) if argv else pathlib.Path(__file__).resolve().parents[2] / "conf" / "model" / "hf.yaml"
-    out.write_text(conf_yaml())
-    print(f"wrote {out}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

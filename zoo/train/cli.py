@@ -87,7 +87,14 @@ TRAIN = "python train.py"
 
 
 def _group_options(conf_dir: pathlib.Path, group: str) -> list[str]:
-    return sorted(p.stem for p in (conf_dir / group).glob("*.yaml"))
+    """The group's YAML files and the options Python registers (zoo.train.config), base nodes left out."""
+    from hydra.core.config_store import ConfigStore
+
+    try:
+        stored = [name.removesuffix(".yaml") for name in ConfigStore.instance().list(group)]
+    except OSError:  # no such group in the store
+        stored = []
+    return sorted({p.stem for p in (conf_dir / group).glob("*.yaml")} | {n for n in stored if not n.startswith("_")})
 
 
 def _closest(word: str, choices) -> str:

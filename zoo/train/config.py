@@ -58,20 +58,6 @@ class MeshConfig:
         return {a: getattr(self, a) for a in MESH_AXES}
 
 
-# Every conf/mesh preset starts from these values (its defaults list names `_defaults`) and states only what
-# it changes, so the default rules live once, in zoo.sharding.DEFAULT_RULES. A plain node, not the dataclass:
-# validation stays with MeshConfig, whose messages name the key.
-MESH_DEFAULTS_NAME = "_defaults"
-
-
-def _register_mesh_defaults() -> None:
-    node = {f.name: (f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default) for f in dataclasses.fields(MeshConfig)}
-    ConfigStore.instance().store(group="mesh", name=MESH_DEFAULTS_NAME, node=node)
-
-
-_register_mesh_defaults()
-
-
 OPTIMIZERS = ("adamw",)
 
 
@@ -573,3 +559,30 @@ def _check_expert_parallel(c: TrainConfig, shape: MeshShape, batch_ways: int) ->
 
 def to_dict(c: TrainConfig) -> dict:
     return dataclasses.asdict(c)
+
+
+# --- options defined in Python -----------------------------------------------------------------------------
+# Hydra options that Python defines once, registered in Hydra's ConfigStore when this module is imported
+# (before any command composes conf/): every named model size of zoo.config.SIZES (`model=llama_tiny_a`),
+# `model=hf` (every field null but `path`: config.json decides), and `mesh/_defaults`, the values each
+# conf/mesh preset starts from and changes (the default rules live once, in zoo.sharding.DEFAULT_RULES).
+# Plain nodes, not the dataclasses: validation stays with load_group, whose messages name the key.
+MESH_DEFAULTS_NAME = "_defaults"
+
+
+def _field_default(f: dataclasses.Field) -> Any:
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+def _register_python_options() -> None:
+    from zoo.config import SIZES
+    from zoo.hf.pretrained import hf_option
+
+    store = ConfigStore.instance()
+    store.store(group="mesh", name=MESH_DEFAULTS_NAME, node={f.name: _field_default(f) for f in dataclasses.fields(MeshConfig)})
+    for name, size in SIZES.items():
+        store.store(group="model", name=name, node=dataclasses.asdict(size))
+    store.store(group="model", name="hf", node=hf_option())
+
+
+_register_python_options()
