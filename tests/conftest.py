@@ -38,6 +38,11 @@ import jax  # noqa: E402
 
 jax.devices()
 
+# The Hydra options Python defines (every named model size, model=hf, mesh/_defaults) are registered when
+# zoo.train.config is imported, as every Zoo command does before composing; tests that compose conf/ with
+# Hydra's API directly get them from here.
+import zoo.train.config  # noqa: E402, F401
+
 # Python's cyclic garbage collector at its defaults (a young collection every 700 net allocations, a
 # full one every ~100 of those) spent ~4% of a test worker's CPU: tracing allocates millions of
 # short-lived objects, and each full collection walked every imported module's objects again
