@@ -19,6 +19,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 from zoo.config import ModelConfig
 from zoo.hf.pretrained import PretrainedSource
 from zoo.offload import OffloadConfig, check_tags_emitted
+from zoo.train.xla_flags import flag_name, unknown_flags
 from zoo.sharding import DEFAULT_RULES, MESH_AXES, MeshShape, ShardingError, resolve_mesh_shape
 
 
@@ -135,6 +136,15 @@ class DataConfig:
             raise ConfigError(f"{key}: only data=text has a held-out split ({self.name} data is endless); drop it or use data=text")
 
 
+def _jaxlib_version() -> str:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("jaxlib")
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
 @dataclasses.dataclass
 class XlaConfig:
     """XLA flags set before JAX starts, merged with the XLA_FLAGS already in the environment."""
@@ -157,6 +167,12 @@ class XlaConfig:
         for f in self.flags:
             if not f.startswith("--xla_"):
                 raise ConfigError(f"xla.flags: {f!r} is not an XLA flag; write it as --xla_<name>=<value>")
+        # XLA aborts the process on a flag it does not know, when JAX starts; say so first, in one line.
+        for f in unknown_flags(self.flags):
+            raise ConfigError(
+                f"xla.flags: {flag_name(f)} is not a flag this jaxlib ({_jaxlib_version()}) knows, and XLA would refuse "
+                f"to start; remove it or check its spelling"
+            )
         if self.cpu_devices is not None and self.cpu_devices < 1:
             raise ConfigError(f"xla.cpu_devices: must be >= 1 or null, got {self.cpu_devices}")
         if self.cpu_ynn_fusions is not None and not set(self.cpu_ynn_fusions.split(",")) <= {"dot", "eltwise", "reduce"}:

@@ -14,6 +14,8 @@ from typing import Any, Callable, Optional
 from omegaconf import DictConfig
 
 from zoo.train.config import ConfigError, TrainConfig, TrainingStopped, XlaConfig, load, to_dict, validate
+from zoo.offload import OffloadConfig
+from zoo.train.xla_flags import GPU_HOST_OFFLOAD_FLAG, known_flag
 
 # The XLA flags this process started JAX with (None: not started by us).
 _APPLIED_XLA_FLAGS: Optional[str] = None
@@ -39,19 +41,29 @@ def _flag_name(flag: str) -> str:
     return flag.split("=", 1)[0]
 
 
-def merged_xla_flags(c: XlaConfig, env: Optional[str]) -> str:
-    """The environment's XLA_FLAGS plus the group's flags; the group wins where both set one flag."""
+def merged_xla_flags(c: XlaConfig, env: Optional[str], host_offload: bool = False) -> str:
+    """The environment's XLA_FLAGS plus the group's flags; the group wins where both set one flag.
+    `host_offload` (some state or tag lives in pinned host memory) adds XLA:GPU's host-offloading
+    switch unless the environment or xla.flags set it; other backends ignore it."""
     ours = list(c.flags)
     if c.cpu_devices is not None:
         ours.append(f"--xla_force_host_platform_device_count={c.cpu_devices}")
     names = {_flag_name(f) for f in ours}
     kept = [f for f in (env or "").split() if _flag_name(f) not in names]
-    if c.cpu_ynn_fusions is not None and YNN_FLAG not in names | {_flag_name(f) for f in kept} and _ynn_flag_known():
+    named = names | {_flag_name(f) for f in kept}
+    if c.cpu_ynn_fusions is not None and YNN_FLAG not in named and _ynn_flag_known():
         ours.append(f"{YNN_FLAG}={c.cpu_ynn_fusions}")  # a default: the environment or xla.flags win
+    if host_offload and GPU_HOST_OFFLOAD_FLAG not in named and known_flag(GPU_HOST_OFFLOAD_FLAG) is not False:
+        ours.append(f"{GPU_HOST_OFFLOAD_FLAG}=true")
     return " ".join(kept + ours)
 
 
-def apply_xla_flags(c: XlaConfig) -> str:
+def uses_host_memory(o: OffloadConfig) -> bool:
+    """Whether the policy keeps anything in pinned host memory: parameters, optimizer state or an offloaded tag."""
+    return "pinned_host" in (o.params, o.opt_state) or "offload" in o.actions().values()
+
+
+def apply_xla_flags(c: XlaConfig, host_offload: bool = False) -> str:
     """Set XLA_FLAGS before JAX starts its backend. Once started, flags cannot change in this process."""
     global _APPLIED_XLA_FLAGS
     from zoo._compat import backends_are_initialized
@@ -60,14 +72,18 @@ def apply_xla_flags(c: XlaConfig) -> str:
         current = _APPLIED_XLA_FLAGS if _APPLIED_XLA_FLAGS is not None else os.environ.get("XLA_FLAGS", "")
         # xla.cpu_ynn_fusions is a CPU speed default, not a request that must hold: a process that
         # started JAX without it (a test, a notebook) runs the job with XLA's own choice.
+        # Nor is the GPU host-offloading switch, which no CPU program depends on.
         wanted = merged_xla_flags(dataclasses.replace(c, cpu_ynn_fusions=None), current)
-        if sorted(wanted.split()) != sorted(current.split()):
+        automatic = {GPU_HOST_OFFLOAD_FLAG}
+        if sorted(f for f in wanted.split() if _flag_name(f) not in automatic) != sorted(
+            f for f in current.split() if _flag_name(f) not in automatic
+        ):
             raise ConfigError(
                 "xla: JAX already started in this process with other XLA flags; "
                 "sweep the xla group with a process-per-job launcher (see README: Sweeps)"
             )
         return current
-    flags = merged_xla_flags(c, os.environ.get("XLA_FLAGS"))
+    flags = merged_xla_flags(c, os.environ.get("XLA_FLAGS"), host_offload)
     os.environ["XLA_FLAGS"] = flags
     _APPLIED_XLA_FLAGS = flags
     return flags
@@ -77,7 +93,7 @@ def start_jax(c: TrainConfig) -> str:
     """What has to happen before anything starts JAX's backends (`jax.devices()`,
     `jax.default_backend()`): the XLA flags, then joining the other processes. Calling it again with
     the same config does nothing more. Returns the XLA flags."""
-    flags = apply_xla_flags(c.xla)
+    flags = apply_xla_flags(c.xla, host_offload=uses_host_memory(c.offload))
     from zoo.train.distributed import initialize
 
     initialize(c.distributed)

@@ -1,0 +1,75 @@
+"""XLA flag groups: every flag a group or train.py sends exists in the installed jaxlib (XLA aborts the
+process on one it does not know), the lookup that says so agrees with XLA itself, and runs that keep
+anything on host get XLA:GPU's host-offloading switch."""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+from omegaconf import OmegaConf
+
+from zoo.train.config import ConfigError, XlaConfig, load_group
+from zoo.train.run import merged_xla_flags, uses_host_memory
+from zoo.train.xla_flags import GPU_HOST_OFFLOAD_FLAG, flag_name, known_flag, unknown_flags
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+XLA_GROUPS = sorted((ROOT / "conf" / "xla").glob("*.yaml"))
+OFFLOAD_PRESETS = sorted((ROOT / "conf" / "offload").glob("*.yaml"))
+MADE_UP = "--xla_gpu_enable_made_up_overlap=true"
+
+
+def _start_xla(flags: list[str]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "XLA_FLAGS": " ".join(flags), "JAX_PLATFORMS": "cpu"}
+    return subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env, capture_output=True, text=True, timeout=120)
+
+
+def _group_flags() -> list[str]:
+    flags = [GPU_HOST_OFFLOAD_FLAG + "=true"]
+    for path in XLA_GROUPS:
+        flags += [f for f in OmegaConf.load(path).flags if f not in flags]
+    return flags
+
+
+def test_every_group_flag_starts_xla():
+    """One XLA start with the flags of every conf/xla group and the host-offloading switch: exit 0. A name
+    XLA does not register would abort it (the next test shows that it does)."""
+    flags = _group_flags()
+    assert len(flags) >= 7, flags  # the gpu_overlap groups' collective pipelining is there
+    assert unknown_flags(flags) == []
+    p = _start_xla(flags)
+    assert p.returncode == 0, p.stderr[-2000:]
+
+
+def test_lookup_agrees_with_xla_on_a_made_up_flag():
+    assert known_flag(flag_name(MADE_UP)) is False
+    assert known_flag("--xla_gpu_enable_pipelined_all_gather") is True
+    assert known_flag("--xla_gpu_enable") is False  # a prefix of real names is not a name
+    p = _start_xla([MADE_UP])
+    assert p.returncode != 0 and "Unknown flag" in p.stderr
+
+
+def test_unknown_flag_is_one_line_before_jax_starts():
+    with pytest.raises(ConfigError, match=r"^xla.flags: --xla_gpu_enable_made_up_overlap is not a flag this jaxlib \(.*\) knows"):
+        XlaConfig(flags=[MADE_UP])
+
+
+@pytest.mark.parametrize("preset", OFFLOAD_PRESETS, ids=lambda p: p.stem)
+def test_host_offloading_switch_follows_the_placement(preset):
+    """On exactly when parameters, optimizer state or an offloaded tag live in pinned host memory."""
+    offload = load_group("offload", OmegaConf.load(preset))
+    on_host = "pinned_host" in (offload.params, offload.opt_state) or "offload" in offload.actions().values()
+    assert uses_host_memory(offload) == on_host
+    flags = merged_xla_flags(XlaConfig(cpu_ynn_fusions=None), "", host_offload=uses_host_memory(offload)).split()
+    assert (f"{GPU_HOST_OFFLOAD_FLAG}=true" in flags) == on_host
+    # The environment's or xla.flags' own setting wins.
+    mine = f"{GPU_HOST_OFFLOAD_FLAG}=false"
+    assert merged_xla_flags(XlaConfig(cpu_ynn_fusions=None, flags=[mine]), "", host_offload=True).split() == [mine]
+    assert merged_xla_flags(XlaConfig(cpu_ynn_fusions=None), mine, host_offload=True).split() == [mine]
+
+
+def test_some_preset_uses_the_host_and_some_does_not():
+    """The parametrized test above sees both cases."""
+    kinds = {uses_host_memory(load_group("offload", OmegaConf.load(p))) for p in OFFLOAD_PRESETS}
+    assert kinds == {True, False}
