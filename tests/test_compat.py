@@ -4,8 +4,11 @@ A release that moves one makes Zoo fall back (or fail) quietly at run time; this
 naming the symbol, so the move is handled when the dependency is upgraded.
 """
 
+import os
 import pathlib
 import re
+import subprocess
+import sys
 
 import jax
 
@@ -99,3 +102,30 @@ def test_linear_call_batching_rule_maps_the_callee_and_its_own_transpose():
     # the transpose's own transpose is the callee again, mapped
     t = jax.vmap(lambda r, x: jax.linear_transpose(lambda x: f(r, x), x)(x)[0])(r, x)
     np.testing.assert_allclose(t, 2 * r * x)
+
+
+def test_importing_zoo_patches_nothing_in_jax():
+    """linear_call's batching rule is registered when a kernel that needs it is first differentiated, not
+    when zoo is imported: in a process that imports every zoo module, vmap of a linear_call behaves as
+    before the imports (it fails on a jax without a rule of its own)."""
+    script = (
+        "import importlib, pkgutil\n"
+        "import jax, jax.numpy as jnp\n"
+        "from jax.custom_derivatives import linear_call\n"
+        "def vmappable():\n"
+        "    try:\n"
+        "        jax.vmap(lambda x: linear_call(lambda r, t: t, lambda r, ct: ct, (), x))(jnp.ones(3))\n"
+        "        return 'yes'\n"
+        "    except NotImplementedError:\n"
+        "        return 'no'\n"
+        "before = vmappable()\n"
+        "import zoo\n"
+        "for m in pkgutil.walk_packages(zoo.__path__, 'zoo.'):\n"
+        "    importlib.import_module(m.name)\n"
+        "print(before, vmappable())\n"
+    )
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    before, after = p.stdout.split()
+    assert after == before, f"importing zoo changed whether linear_call can be vmapped ({before} -> {after})"

@@ -109,7 +109,10 @@ def linear_call_vmappable() -> bool:
     The rule maps the callee and, lazily, the transpose with `batch_jaxpr`; the linear operands and all
     outputs are made mapped (a linear operand that was not is broadcast), so the mapped transpose,
     fed mapped cotangents, returns cotangents shaped as its operands. Constants the transpose closes
-    over are taken as unmapped (Zoo's transposes close over static values only)."""
+    over are taken as unmapped (Zoo's transposes close over static values only).
+
+    Called by the JVP rules that emit a linear_call, when they are first traced, never at import:
+    importing zoo leaves JAX's tables as they were."""
     try:
         from jax._src.custom_derivatives import linear_call_p
         from jax._src.interpreters import batching

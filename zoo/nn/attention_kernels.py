@@ -473,12 +473,11 @@ def _flash_jvp(tiling, primals, tangents):
         grads = _flash_bwd(tiling, res, d_out)
         return tuple(grads[i] for i in live)
 
+    linear_call_vmappable()  # jax.vmap through this reverse mode (per-example gradients) needs a rule jax lacks
     return out, linear_call(forward_tangent, transpose, residuals, tuple(tangents[i] for i in live))
 
 
 _flash.defjvp(_flash_jvp, symbolic_zeros=True)
-# jax.vmap through the blockwise kernel's reverse mode (per-example gradients) needs a rule jax lacks.
-linear_call_vmappable()
 
 
 def _flash_bwd(tiling, residuals, d_out):

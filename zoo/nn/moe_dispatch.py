@@ -198,11 +198,11 @@ def _expert_matmul_jvp(primals, tangents):
             grads[1] = _summed_like(jnp.einsum("ECD,ECF->EDF", h, d_out), w)
         return tuple(grads[i] for i in live)
 
+    linear_call_vmappable()  # jax.vmap through this reverse mode (per-example gradients) needs a rule jax lacks
     return out, linear_call(forward_tangent, transpose, (h, w), tuple(tangents[i] for i in live))
 
 
 expert_matmul.defjvp(_expert_matmul_jvp, symbolic_zeros=True)
-linear_call_vmappable()  # jax.vmap through its reverse mode (per-example gradients)
 
 
 def _summed_like(grad, operand):
