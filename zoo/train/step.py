@@ -34,7 +34,7 @@ from zoo.train.config import OptimizerConfig, Plan, TrainConfig
 from zoo.train.update import UPDATE_SCOPE, accumulate, global_norm, streamed_update, whole_tree_update, zeros_where
 
 # xla.cpu_fast_compile=auto turns LLVM's optimisations on from this many model FLOPs per run (steps x
-# step FLOPs). `python bench/opt_level.py` on the 2-core machine (loaded, docs/benchmarks.md):
+# step FLOPs). bench/opt_level.py (in git at 6966f25) on the 2-core machine (loaded, docs/benchmarks.md):
 # train.py's default run (dsv3_tiny_a, 16 x 64 tokens, 0.8 GFLOP a step) compiled in 4.5 s -> 7.2 s
 # and stepped in 128 -> 52 ms, so the optimised program paid for its compile after ~35 steps (~0.03
 # TFLOP); the 20M and 64M Llamas' steps save seconds each. Below the threshold (a few steps of a tiny
