@@ -40,8 +40,6 @@ LayerTransform = Callable[[PyTree], PyTree]
 
 ACTIONS = ("device", "offload", "remat")
 MEMORY_KINDS = ("device", "pinned_host")
-# Where a tag's value ends up in the backward pass (what zoo.inspect reports).
-PLACEMENTS = ("host", "device", "recomputed", "unread")
 # What `expected_placement` says without a checkpoint: not recomputed, not on host; the inspector
 # finds `device` (the value itself is a residual) or `unread` (a value derived from it is).
 KEPT = "kept"
