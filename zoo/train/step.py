@@ -108,23 +108,6 @@ def make_optimizer(c: OptimizerConfig, total_steps: int, *, clip: bool = True) -
     return tx, schedule
 
 
-def tree_specs(tree, rules, mesh_sizes=None):
-    """PartitionSpecs for any tree whose array leaves are model leaves or mirror them (optimizer
-    moments end with the parameter's path); scalars (step counts) are replicated."""
-
-    def one(path, leaf):
-        if not hasattr(leaf, "shape"):
-            return None
-        if len(leaf.shape) == 0:
-            return PartitionSpec()
-        spec = zs.logical_to_spec(zs.param_logical_axes(path, len(leaf.shape)), rules)
-        if mesh_sizes is not None:
-            zs._check_divisible(zs.path_str(path), leaf.shape, spec, mesh_sizes)
-        return spec
-
-    return jax.tree_util.tree_map_with_path(one, tree)
-
-
 def one_document_per_row(tokens: np.ndarray) -> dict:
     """A packed batch of a plain token array `[..., seq]`: each row one document, every target counted."""
     seq = tokens.shape[-1]
@@ -161,9 +144,9 @@ class Trainer:
         self.layerwise_update = self.params_on_host or self.opt_on_host
 
         sizes = plan.mesh.sizes
-        param_specs = tree_specs(self.abstract_params, rules, sizes)
+        param_specs = zs.param_specs(self.abstract_params, rules, sizes)
         abstract_opt = jax.eval_shape(self.tx.init, self.abstract_params)
-        opt_specs = tree_specs(abstract_opt, rules, sizes)
+        opt_specs = zs.param_specs(abstract_opt, rules, sizes)
         self.param_shardings = zs.named(self.mesh, param_specs, cfg.offload.params)
         self.opt_shardings = zs.named(self.mesh, opt_specs, cfg.offload.opt_state)
         self.state_shardings = {
