@@ -139,7 +139,7 @@ def test_the_trainers_policy_path_runs_the_same_layers():
     """zoo.offload.features (the trainer's remat/offload/host-parameter path) without a policy traces the
     very program of model.features; with one, the forward values are the same bits and every tag is
     still emitted, and its gradients are those of the plain loss."""
-    from zoo.offload import features, load_preset, loss_fn, remat_policy
+    from zoo.offload import features, load_preset, remat_policy
     from zoo.sharding import to_device
 
     c = SIZES["gpt_oss_tiny_a"]  # a period of two blocks, MoE statistics
@@ -169,7 +169,7 @@ def test_the_trainers_policy_path_runs_the_same_layers():
         np.asarray(jnp.concatenate(values))[order], np.asarray(zoo.capture(model, tokens, tags=["query_proj"])["query_proj"])
     )
 
-    grads = eqx.filter_jit(jax.grad(lambda m, t: loss_fn(m, t, remat_policy=rp)))(model, tokens)
+    grads = eqx.filter_jit(jax.grad(lambda m, t: zoo.loss_fn(m, t, remat_policy=rp)))(model, tokens)
     grads0 = eqx.filter_jit(jax.grad(zoo.loss_fn))(model, tokens)
     for g, g0 in zip(jax.tree.leaves(grads), jax.tree.leaves(grads0)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(g0), rtol=1e-5, atol=1e-7)

@@ -519,9 +519,18 @@ def loss_fn(
     *,
     positions: Optional[Int[Array, "*batch seq"]] = None,
     segment_ids: Optional[Int[Array, "batch seq"]] = None,
+    remat_policy: Optional[Callable] = None,
+    layer_transform: Optional[Callable] = None,
 ) -> Float[Array, ""]:
-    """Mean next-token loss of `model(tokens)` (with a remat/offload policy: `zoo.offload.loss_fn`)."""
-    return next_token_loss(model(tokens, positions=positions, segment_ids=segment_ids), tokens)
+    """Mean next-token loss of `model(tokens)`. With a remat/offload policy
+    (`zoo.offload.remat_policy`) or a transform of each layer's parameters, every layer runs as
+    `zoo.offload.features` runs it: the same values, what the backward pass keeps set by the policy."""
+    from zoo import offload
+
+    hidden, _ = offload.features(
+        model, tokens, positions=positions, segment_ids=segment_ids, remat_policy=remat_policy, layer_transform=layer_transform
+    )
+    return next_token_loss(model.logits(hidden), tokens)
 
 
 def count_leaves(model: PyTree) -> int:

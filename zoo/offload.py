@@ -329,20 +329,6 @@ def features(
     return run_layers(model, tokens, positions=positions, segment_ids=segment_ids, wrap_layer=wrap)
 
 
-def loss_fn(
-    model,
-    tokens: Int[Array, "batch seq"],
-    *,
-    remat_policy: Optional[Callable] = None,
-    layer_transform: Optional[LayerTransform] = None,
-) -> Float[Array, ""]:
-    """`zoo.loss_fn(model, tokens)` under a policy (see `features`)."""
-    from zoo.model import next_token_loss
-
-    hidden, _ = features(model, tokens, remat_policy=remat_policy, layer_transform=layer_transform)
-    return next_token_loss(model.logits(hidden), tokens)
-
-
 # --- presets -----------------------------------------------------------------------------------
 
 

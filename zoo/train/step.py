@@ -282,53 +282,46 @@ class Trainer:
 
     # --- the step ------------------------------------------------------------------------------
 
-    def loss_and_aux(self, params, tokens):
-        """Mean next-token loss of one microbatch, and the MoE routing statistics. A packed
-        microbatch's `loss_denominator` (set by `train_step`) replaces its own target count."""
-        if isinstance(tokens, dict):
-            total, count, aux = self.loss_terms(params, tokens, tokens.get("loss_denominator"))
-            return (total if "loss_denominator" in tokens else total / jnp.maximum(count, 1.0)), aux
+    def loss_and_aux(self, params, batch):
+        """Next-token loss of one microbatch and the MoE routing statistics. `batch` is a token array
+        `[microbatch, seq]` (the loss is the mean over its targets) or a packed dict of such fields
+        (`tokens`, `segment_ids`, `positions`, `loss_mask`): attention stays within each document,
+        RoPE reads `positions`, and the loss is the sum of its targets' losses over `loss_denominator`
+        (set by `train_step`; 1.0 gives the plain sum; absent: their count, the mean)."""
         model = eqx.combine(params, self.static)
         layer_transform = zs.to_device if self.params_on_host else None
-        tokens = zs.constrain(tokens, zs.TOKEN_AXES)
-        hidden, aux = offload.features(model, tokens, remat_policy=self.policy, layer_transform=layer_transform)
+        packed = isinstance(batch, dict)
+        if packed:
+            fields = {k: zs.constrain(batch[k], zs.TOKEN_AXES) for k in ("tokens", "segment_ids", "positions", "loss_mask")}
+            tokens, segment_ids = fields["tokens"], fields["segment_ids"]
+            with segments_bound(self.max_segments):
+                hidden, aux = offload.features(
+                    model, tokens, positions=fields["positions"], segment_ids=segment_ids, remat_policy=self.policy,
+                    layer_transform=layer_transform,
+                )
+            weights = target_weights(fields["loss_mask"], segment_ids)
+            count = weights.sum()
+            # Without a denominator the sum over 1.0, then the mean: the unweighted form of the same sum.
+            denominator = batch.get("loss_denominator", jnp.float32(1.0))
+        else:
+            tokens = zs.constrain(batch, zs.TOKEN_AXES)
+            hidden, aux = offload.features(model, tokens, remat_policy=self.policy, layer_transform=layer_transform)
+            weights = denominator = None
         chunk = self.cfg.trainer.loss_chunk_size
         m = self.cfg.model
         if chunk:
             loss = chunked_next_token_loss(
-                hidden, model.head_weight(), tokens, chunk_size=chunk, final_softcap=m.final_logit_softcap, compute_dtype=m.compute_dtype
-            )
-            return loss, aux
-        logits = zs.constrain(model.logits(hidden), zs.LOGIT_AXES)
-        return zoo_model.next_token_loss(logits, tokens), aux
-
-    def loss_terms(self, params, batch: dict, denominator=None):
-        """A packed microbatch (dict of `[microbatch, seq]`): the sum of its targets' losses divided
-        by `denominator` (None: 1, the plain sum), its target count, and the routing statistics.
-        Attention stays within each document; RoPE reads `positions`."""
-        model = eqx.combine(params, self.static)
-        layer_transform = zs.to_device if self.params_on_host else None
-        batch = {k: zs.constrain(batch[k], zs.TOKEN_AXES) for k in ("tokens", "segment_ids", "positions", "loss_mask")}
-        tokens, segment_ids = batch["tokens"], batch["segment_ids"]
-        with segments_bound(self.max_segments):
-            hidden, aux = offload.features(
-                model, tokens, positions=batch["positions"], segment_ids=segment_ids, remat_policy=self.policy,
-                layer_transform=layer_transform,
-            )
-        weights = target_weights(batch["loss_mask"], segment_ids)
-        count = weights.sum()
-        denominator = jnp.float32(1.0) if denominator is None else denominator
-        chunk = self.cfg.trainer.loss_chunk_size
-        m = self.cfg.model
-        if chunk:
-            total = chunked_next_token_loss(
                 hidden, model.head_weight(), tokens, weights, chunk_size=chunk, final_softcap=m.final_logit_softcap,
                 compute_dtype=m.compute_dtype, denominator=denominator,
             )
         else:
             logits = zs.constrain(model.logits(hidden), zs.LOGIT_AXES)
-            total = zoo_model.next_token_loss(logits, tokens, weights) * (jnp.maximum(count, 1.0) / denominator)
-        return total, count, aux
+            loss = zoo_model.next_token_loss(logits, tokens, weights)
+            if packed:
+                loss = loss * (jnp.maximum(count, 1.0) / denominator)
+        if packed and "loss_denominator" not in batch:
+            loss = loss / jnp.maximum(count, 1.0)
+        return loss, aux
 
     def with_loss_denominators(self, batch):
         """A packed step's batch with `loss_denominator` [grad_accum]: each microbatch's loss is its
