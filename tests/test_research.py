@@ -128,9 +128,13 @@ def test_outside_a_capture_the_program_is_unchanged():
 def test_model_api_takes_only_tokens_positions_and_segments():
     import inspect
 
-    for method in (zoo.CausalLM.__call__, zoo.CausalLM.forward_with_aux, zoo.CausalLM.features, zoo.loss_fn):
+    for method in (zoo.CausalLM.__call__, zoo.CausalLM.forward_with_aux, zoo.CausalLM.features):
         params = [p for p in inspect.signature(method).parameters if p not in ("self", "model")]
         assert params == ["tokens", "positions", "segment_ids"], method.__qualname__
+    # The one loss function also runs the layers under a policy (keywords only, default none).
+    params = inspect.signature(zoo.loss_fn).parameters
+    assert list(params)[1:] == ["tokens", "positions", "segment_ids", "remat_policy", "layer_transform"]
+    assert all(params[k].kind == inspect.Parameter.KEYWORD_ONLY and params[k].default is None for k in list(params)[2:])
     with pytest.raises(TypeError, match="remat_policy"):
         zoo.abstract(SIZES["llama_tiny_a"])(jnp.zeros((1, 4), jnp.int32), remat_policy=None)
 
