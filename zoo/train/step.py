@@ -301,7 +301,7 @@ class Trainer:
                 )
             weights = target_weights(fields["loss_mask"], segment_ids)
             count = weights.sum()
-            # Without a denominator the sum over 1.0, then the mean: the unweighted form of the same sum.
+            # Absent, the sum (over 1.0) is divided by the count at the end: the microbatch's own mean.
             denominator = batch.get("loss_denominator", jnp.float32(1.0))
         else:
             tokens = zs.constrain(batch, zs.TOKEN_AXES)
