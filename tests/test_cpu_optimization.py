@@ -38,7 +38,7 @@ def test_default_run_is_optimised_and_a_short_run_is_not():
     c = _config()
     assert c.xla.cpu_fast_compile == "auto"
     # train.py's default run (dsv3_tiny_a, 16 x 64 tokens, 100 steps): 0.08 TFLOP, where the optimised
-    # program paid for its longer compile after ~35 steps (bench/opt_level.py)
+    # program paid for its longer compile after ~35 steps (bench/opt_level.py, in git at 6966f25)
     assert run_model_flops(c) == pytest.approx(0.0815e12, rel=0.01)
     on, why = cpu_optimization(c, "cpu")
     assert on is True and "auto" in why and ">=" in why
@@ -70,7 +70,7 @@ def test_bad_value_is_one_line_naming_the_key():
 
 def test_the_initialiser_is_optimised_from_twenty_million_parameters_per_device():
     # Below INIT_OPTIMIZE_FROM_PARAMS the initialiser's compile is its cost (LLVM off); above, its
-    # random numbers are (level 1: qwen2_100m's init 10 s -> 4 s, bench/init_compile.py).
+    # random numbers are (level 1: qwen2_100m's init 10 s -> 4 s, bench/init_compile.py at 6966f25).
     from zoo.model import INIT_OPTIMIZE_FROM_PARAMS, init_compile_options
 
     assert INIT_OPTIMIZE_FROM_PARAMS == 20e6

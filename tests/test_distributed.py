@@ -183,6 +183,17 @@ def test_resolve_reads_slurm_like_jax(monkeypatch):
         resolve(DistributedConfig(num_processes=2))
 
 
+def test_only_a_joined_process_other_than_0_is_not_main(monkeypatch):
+    # train.py asks this after a failure to decide who writes summary.json: from the join zoo made,
+    # not from JAX (this process's JAX is one process 0 throughout).
+    from zoo.train import distributed
+
+    assert distributed.is_main_process()  # not joined: the only process
+    for pid, main in ((0, True), (1, False), (3, False)):
+        monkeypatch.setattr(distributed, "_JOINED", distributed.Cluster("head:7777", 4, pid, None, "config"))
+        assert distributed.is_main_process() is main
+
+
 def test_slurm_launcher_config_composes(tmp_path):
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     p = subprocess.run([sys.executable, str(ROOT / "train.py"), "hydra/launcher=slurm", "hydra.launcher.nodes=4", "--cfg", "hydra"],

@@ -20,7 +20,7 @@ from test_offload import FAMILIES, PRESETS
 def _placement(config, rp, batch=2, seq=16):
     model = zoo.abstract(config)
     tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
-    return inspect_placement(jax.grad(lambda m, t: zoo.offload.loss_fn(m, t, remat_policy=rp)), model, tokens, stacks=stack_names(model))
+    return inspect_placement(jax.grad(lambda m, t: zoo.loss_fn(m, t, remat_policy=rp)), model, tokens, stacks=stack_names(model))
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -77,7 +77,7 @@ def test_host_bytes_agree_with_jaxs_saved_residuals():
     model = zoo.abstract(config)
     tokens = jax.ShapeDtypeStruct((2, 16), jnp.int32)
     rp = remat_policy(load_preset("deepseek_mla_moe_offload"), config)
-    loss = lambda m, t: zoo.offload.loss_fn(m, t, remat_policy=rp)  # noqa: E731
+    loss = lambda m, t: zoo.loss_fn(m, t, remat_policy=rp)  # noqa: E731
     residuals = saved_residuals(loss, model, tokens)
     jax_host = sum(math.prod(a.shape) * a.dtype.itemsize for a, _ in residuals if "host" in str(a).lower())
     placement = inspect_placement(jax.grad(loss), model, tokens, stacks=stack_names(model))
@@ -106,7 +106,7 @@ def test_compiled_temp_memory_orders_full_minimal_none():
     temp = {}
     for name in ("full", "minimal", "none"):
         rp = remat_policy(load_preset(name), config)
-        grad = jax.jit(jax.grad(lambda m, t, rp=rp: zoo.offload.loss_fn(m, t, remat_policy=rp)))
+        grad = jax.jit(jax.grad(lambda m, t, rp=rp: zoo.loss_fn(m, t, remat_policy=rp)))
         compiled = grad.lower(model, tokens).compile({"xla_backend_optimization_level": 0})
         temp[name] = compiled.memory_analysis().temp_size_in_bytes
     assert temp["full"] < temp["minimal"] < temp["none"], temp
@@ -164,7 +164,7 @@ def test_params_on_host_keep_one_layer_of_weights_on_device():
     tokens = jax.ShapeDtypeStruct((2, 16), jnp.int32)
 
     def kept_transfers(rp):
-        loss = lambda m, t: zoo.offload.loss_fn(m, t, remat_policy=rp, layer_transform=to_device)  # noqa: E731
+        loss = lambda m, t: zoo.loss_fn(m, t, remat_policy=rp, layer_transform=to_device)  # noqa: E731
         placement = inspect_placement(jax.grad(loss), model, tokens, stacks=stack_names(model))
         return [o for o in placement.other if o.source == "device_put"]
 

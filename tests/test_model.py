@@ -22,7 +22,6 @@ from zoo.nn.moe import resolve_moe_impl
 from zoo import tags
 from zoo.config import SIZES, LayerSpec, MLAConfig
 from zoo.model import count_leaves, loss_fn, plan_stacks, stack_layout, trainable_mask
-from zoo.offload import loss_fn as offload_loss_fn
 
 LLAMA = SIZES["llama_tiny_a"]
 DSV3 = SIZES["dsv3_tiny_a"]
@@ -291,7 +290,7 @@ def test_qwen3_moe_dense_and_sparse_blocks_of_one_period_take_the_offload_preset
     policies = {name: remat_policy(load_preset(name), c) for name in presets}
 
     def every_policy(m):  # one compile; each policy from its own barrier copy, so none shares work
-        return [jax.value_and_grad(lambda mm, rp=rp: offload_loss_fn(mm, tokens, remat_policy=rp))(jax.lax.optimization_barrier(m))
+        return [jax.value_and_grad(lambda mm, rp=rp: loss_fn(mm, tokens, remat_policy=rp))(jax.lax.optimization_barrier(m))
                 for rp in policies.values()]
 
     results = dict(zip(presets, jax.jit(every_policy).lower(model).compile(FAST_COMPILE)(model)))
@@ -305,7 +304,7 @@ def test_qwen3_moe_dense_and_sparse_blocks_of_one_period_take_the_offload_preset
     abstract_tokens = jax.ShapeDtypeStruct(tokens.shape, tokens.dtype)
     for name in presets[1:]:
         policy = load_preset(name)
-        grad = jax.grad(lambda m, t, rp=policies[name]: offload_loss_fn(m, t, remat_policy=rp))
+        grad = jax.grad(lambda m, t, rp=policies[name]: loss_fn(m, t, remat_policy=rp))
         found = inspect_placement(grad, zoo.abstract(c), abstract_tokens, stacks=stack_names(model)).by_tag()
         expected = expected_placement(policy, c)
         assert set(found) == set(expected) and {tags.MLPWI_0, tags.MOE_MLPWI_0} <= set(found), name

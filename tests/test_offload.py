@@ -196,7 +196,7 @@ def test_no_checkpoint_recomputes_the_weight_casts_of_a_bfloat16_model():
     tokens = jax.random.randint(jax.random.key(1), (1, 8), 0, config.vocab_size)
 
     def grad(rp):
-        return jax.value_and_grad(lambda m: zoo.offload.loss_fn(m, tokens, remat_policy=rp))
+        return jax.value_and_grad(lambda m: zoo.loss_fn(m, tokens, remat_policy=rp))
 
     def weight_copies(rp):
         placement = inspect_placement(grad(rp), zoo_model.abstract(config), stacks=stack_names(model))
@@ -242,7 +242,7 @@ def test_every_preset_gives_the_loss_and_gradients_of_none(size):
     def every_policy(m):
         outs = []
         for rp in distinct.values():
-            loss = lambda mm, rp=rp: zoo.offload.loss_fn(mm, tokens, remat_policy=rp)  # noqa: E731
+            loss = lambda mm, rp=rp: zoo.loss_fn(mm, tokens, remat_policy=rp)  # noqa: E731
             outs.append(jax.value_and_grad(loss)(jax.lax.optimization_barrier(m)))
         return outs
 

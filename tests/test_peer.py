@@ -1,5 +1,6 @@
-"""bench/peer.py's pieces that need no torch: the FLOP count both systems are measured against, the
-Zoo model it builds, its table, and the one-line refusal without a torch environment."""
+"""bench/peer.py's comparison without torch: the Llama both systems run and the FLOP count both are
+measured against (through zoo.config, which bench/peer.py reads them from), and its one-line refusals,
+run as a command. Nothing here imports bench/."""
 
 import subprocess
 import sys
@@ -7,68 +8,53 @@ from pathlib import Path
 
 import pytest
 
-from bench.peer import CONFIGS, model_flops_per_step, table, zoo_model
-from zoo.config import count_params
+from zoo.config import SIZES, count_params, flops_per_token
 
 ROOT = Path(__file__).resolve().parent.parent
+
+# bench/peer.py's configs (its docstring and docs/benchmarks.md state them): transformers' Llama shapes.
+PEER = {
+    "tiny": dict(vocab_size=32000, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64, intermediate_size=1024),
+    "100m": dict(vocab_size=32000, hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, head_dim=64, intermediate_size=2048),
+}
+BATCH = {"tiny": (8, 256), "100m": (4, 512)}
+
+
+def peer_llama(config: str):
+    return SIZES["llama_tiny_a"].replace(**PEER[config], max_position_embeddings=512)
 
 
 @pytest.mark.parametrize("config, gflop", [("tiny", 152.2), ("100m", 613.6)])
 def test_flop_count_is_the_peers(config, gflop):
     # The peer's count: 6 x matmul weights (LM head in, embedding lookup out) x tokens + causal attention.
-    assert model_flops_per_step(CONFIGS[config]) / 1e9 == pytest.approx(gflop, abs=0.05)
+    batch, seq = BATCH[config]
+    assert flops_per_token(peer_llama(config), seq) * batch * seq / 1e9 == pytest.approx(gflop, abs=0.05)
 
 
-def test_zoo_model_is_the_peers_llama():
-    d = CONFIGS["tiny"]
-    m = zoo_model(d)
-    assert (m.vocab_size, m.hidden_size, m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim, m.intermediate_size) == (
-        d["vocab"], d["hidden"], d["layers"], d["heads"], d["kv_heads"], d["head_dim"], d["mlp"])
-    # transformers' LlamaForCausalLM of this config: untied head, no biases
+@pytest.mark.parametrize("config", ["tiny", "100m"])
+def test_zoo_llama_has_the_peers_parameters(config):
+    # transformers' LlamaForCausalLM of this config: untied head, no biases, two norms a layer and a final one.
+    d, m = PEER[config], peer_llama(config)
     assert not m.tie_word_embeddings
-    assert count_params(m) == 2 * 32000 * 256 + 4 * (256 * (256 + 128 + 128 + 256) + 3 * 256 * 1024 + 2 * 256) + 256
+    h, kv = d["hidden_size"], d["num_kv_heads"] * d["head_dim"]
+    layer = h * (d["num_heads"] * d["head_dim"] + 2 * kv) + d["num_heads"] * d["head_dim"] * h + 3 * h * d["intermediate_size"] + 2 * h
+    assert count_params(m) == 2 * d["vocab_size"] * h + d["num_layers"] * layer + h
 
 
-def test_table_row():
-    r = {"zoo_ms": 1000.0, "torch_ms": 2000.0, "ratio": 0.5, "ratios": [0.4, 0.6], "zoo_fraction": 0.7,
-         "torch_fraction": 0.35, "matmul_gflops": 150.0}
-    row = table({"tiny/none": r}).splitlines()[-1]
-    assert row == "| `tiny` | none | 1000 ms | 2000 ms | **0.50** | 0.40, 0.60 | 70% | 35% | 150 GFLOP/s |"
+def _peer(*args):
+    return subprocess.run([sys.executable, "bench/peer.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 
 def test_without_torch_one_line_exit_2():
-    p = subprocess.run([sys.executable, "bench/peer.py", "--torch-python", "/no/such/python"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
+    p = _peer("--torch-python", "/no/such/python")
     assert p.returncode == 2
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: --torch-python: ") and ";" in lines[0], p.stderr
 
 
-@pytest.mark.parametrize("config", ["tiny", "100m"])
-def test_parts_add_up_to_the_step(config):
-    # bench/peer_parts.py's FLOPs: the layers and the loss of its parts are the whole step's count.
-    from bench.peer_parts import part_flops
-
-    d = CONFIGS[config]
-    f = part_flops(d)
-    assert d["layers"] * f["layer"] + f["loss"] == pytest.approx(model_flops_per_step(d), rel=1e-9)
-    assert f["loss"] == 3 * f["matmul_head"] and f["mlp"] == 9 * f["matmul_mlp"]
-
-
-def test_parts_table_row():
-    from bench.peer_parts import PARTS, table
-
-    zoo = [{"seconds": {p: 0.2 for p in PARTS}}, {"seconds": {p: 0.4 for p in PARTS}}]
-    torch = [{"seconds": {p: 0.1 for p in PARTS}}, {"seconds": {p: 0.1 for p in PARTS}}]
-    lines = table("tiny", zoo, torch).splitlines()
-    assert lines[0] == "**`tiny`** (medians over 2 rounds)"
-    assert lines[4].startswith("| `matmul_mlp` | 300.0 ms | 100.0 ms | **3.00** | 2.00, 4.00 | ")
-    assert lines[-1] == "| `optimizer` | 300.0 ms | 100.0 ms | **3.00** | 2.00, 4.00 |  |  |"
-
-
-def test_parts_without_torch_one_line_exit_2():
-    p = subprocess.run([sys.executable, "bench/peer_parts.py", "--torch-python", "/no/such/python"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
-    assert p.returncode == 2
+def test_unknown_config_one_line_exit_2():
+    # Any existing interpreter passes the --torch-python check; the config is refused before anything runs.
+    p = _peer("--torch-python", sys.executable, "--configs", "tiny,1b")
+    assert p.returncode == 2 and p.stdout == ""
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: --torch-python: "), p.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: --configs/--remats: 1b/none unknown; "), p.stderr

@@ -236,7 +236,7 @@ def test_cli_plan_then_the_inspector_confirms_it(tmp_path, capsys):
     model = zoo.abstract(config)
     rp = remat_policy(policy, config)
     placement = inspect_placement(
-        jax.grad(lambda m, t: zoo.offload.loss_fn(m, t, remat_policy=rp)), model, jax.ShapeDtypeStruct((2, 16), jnp.int32), stacks=stack_names(model)
+        jax.grad(lambda m, t: zoo.loss_fn(m, t, remat_policy=rp)), model, jax.ShapeDtypeStruct((2, 16), jnp.int32), stacks=stack_names(model)
     )
     found = placement.by_tag()
     for tag, want in expected_placement(policy, config).items():

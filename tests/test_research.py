@@ -128,9 +128,13 @@ def test_outside_a_capture_the_program_is_unchanged():
 def test_model_api_takes_only_tokens_positions_and_segments():
     import inspect
 
-    for method in (zoo.CausalLM.__call__, zoo.CausalLM.forward_with_aux, zoo.CausalLM.features, zoo.loss_fn):
+    for method in (zoo.CausalLM.__call__, zoo.CausalLM.forward_with_aux, zoo.CausalLM.features):
         params = [p for p in inspect.signature(method).parameters if p not in ("self", "model")]
         assert params == ["tokens", "positions", "segment_ids"], method.__qualname__
+    # The one loss function also runs the layers under a policy (keywords only, default none).
+    params = inspect.signature(zoo.loss_fn).parameters
+    assert list(params)[1:] == ["tokens", "positions", "segment_ids", "remat_policy", "layer_transform"]
+    assert all(params[k].kind == inspect.Parameter.KEYWORD_ONLY and params[k].default is None for k in list(params)[2:])
     with pytest.raises(TypeError, match="remat_policy"):
         zoo.abstract(SIZES["llama_tiny_a"])(jnp.zeros((1, 4), jnp.int32), remat_policy=None)
 
@@ -139,7 +143,7 @@ def test_the_trainers_policy_path_runs_the_same_layers():
     """zoo.offload.features (the trainer's remat/offload/host-parameter path) without a policy traces the
     very program of model.features; with one, the forward values are the same bits and every tag is
     still emitted, and its gradients are those of the plain loss."""
-    from zoo.offload import features, load_preset, loss_fn, remat_policy
+    from zoo.offload import features, load_preset, remat_policy
     from zoo.sharding import to_device
 
     c = SIZES["gpt_oss_tiny_a"]  # a period of two blocks, MoE statistics
@@ -169,7 +173,7 @@ def test_the_trainers_policy_path_runs_the_same_layers():
         np.asarray(jnp.concatenate(values))[order], np.asarray(zoo.capture(model, tokens, tags=["query_proj"])["query_proj"])
     )
 
-    grads = eqx.filter_jit(jax.grad(lambda m, t: loss_fn(m, t, remat_policy=rp)))(model, tokens)
+    grads = eqx.filter_jit(jax.grad(lambda m, t: zoo.loss_fn(m, t, remat_policy=rp)))(model, tokens)
     grads0 = eqx.filter_jit(jax.grad(zoo.loss_fn))(model, tokens)
     for g, g0 in zip(jax.tree.leaves(grads), jax.tree.leaves(grads0)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(g0), rtol=1e-5, atol=1e-7)

@@ -352,9 +352,7 @@ def test_real_size_state_is_spread_evenly_over_128_devices(size, mesh):
     params = abstract(SIZES[size])
     tx, _ = make_optimizer(OptimizerConfig(), 100)
     state = {"params": params, "opt_state": jax.eval_shape(tx.init, params)}
-    from zoo.train.step import tree_specs
-
-    specs = tree_specs(state, preset.rules, sizes)
+    specs = param_specs(state, preset.rules, sizes)  # the optimizer state's too (its step counts replicated)
     leaves = jax.tree_util.tree_leaves(state)
     spec_leaves = jax.tree_util.tree_leaves(specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
     nbytes = [math.prod(x.shape) * x.dtype.itemsize for x in leaves]
@@ -362,7 +360,7 @@ def test_real_size_state_is_spread_evenly_over_128_devices(size, mesh):
     replicated = [b for b, s in zip(nbytes, spec_leaves) if shard_ways(s, sizes) == 1]
     assert max(replicated) <= 64 * 2**20  # no parameter (or moment) above 64 MB is whole on a device
     assert sum(per_device) == pytest.approx(sum(nbytes) / 128, rel=0.10)  # parameters + AdamW state, evenly spread
-    check_replication(params, tree_specs(params, preset.rules, sizes), sizes, preset.max_replicated_mb * 2**20)
+    check_replication(params, param_specs(params, preset.rules, sizes), sizes, preset.max_replicated_mb * 2**20)
 
 
 def test_a_rule_that_leaves_a_large_leaf_replicated_is_refused():

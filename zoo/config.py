@@ -734,10 +734,6 @@ def get_size(name: str) -> ModelConfig:
     return SIZES[name]
 
 
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def moe_capacity(tokens: int, c: MoEConfig) -> int:
     """Per-expert buffer size of the capacity path: ceil(tokens * top_k / experts * capacity_factor)."""
     return max(1, math.ceil(tokens * c.num_experts_per_tok / c.n_routed_experts * c.capacity_factor))

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 # Sequence positions per chunk (of every row). Any size works (it need not divide the sequence).
-# On the 2-core CPU machine (bench/attention_kernels.py loss, value and gradient) chunks of 512 to
+# On the 2-core CPU machine (bench/attention_kernels.py loss at 6966f25, value and gradient) chunks of 512 to
 # 2048 tokens ran within noise of each other and at 0.62-0.70x of the whole-logits loss's time;
 # 512 positions keep a GPU microbatch of 2 x 4096 at 1024 tokens per chunk.
 DEFAULT_CHUNK = 512
@@ -90,7 +90,7 @@ def head_gradient(h: Float[Array, "rows embed"], d_logits: Float[Array, "rows vo
     On CPU it is a product over a copy of `h` transposed to [embed, rows]. XLA:CPU gives a dot whose
     left operand contracts its major (row) axis to its own Eigen kernel instead of YNNPACK (train.py's
     `xla.cpu_ynn_fusions: dot`): alone, the [512, 512] x [512, 32000] product ran at 165 against 177
-    GFLOP/s on the 2-core machine (bench/weight_grad_dot.py), and in the step, where Eigen's dot
+    GFLOP/s on the 2-core machine (bench/weight_grad_dot.py, in git at 6966f25), and in the step, where Eigen's dot
     shares the cores, the whole step took 1-3% less; the barrier keeps XLA from folding the
     transpose back into the dot. The copy is [rows, embed], small beside the [embed, rows, vocab]
     product. Other backends take the transposed operand as it is, and so does a bfloat16 model on CPU:
@@ -138,7 +138,7 @@ def chunked_next_token_loss(
     `method`: "fused" computes each chunk's gradients (wrt hidden and head) in the forward pass, while
     its logits exist, and the backward only scales them; "recompute" checkpoints each chunk and
     recomputes its logits in the backward (one more [chunk, embed] x [embed, vocab] matmul per chunk).
-    "fused" was faster on CPU (bench/attention_kernels.py loss, at every chunk size from 256 to
+    "fused" was faster on CPU (bench/attention_kernels.py loss at 6966f25, at every chunk size from 256 to
     2048 but one noisy sample: 0.63-0.70x of the whole-logits time at V=32000 against 0.72-0.86x for
     "recompute"). When only the value is asked for (no differentiation) it computes no gradients.
     """

@@ -446,7 +446,7 @@ def run_layers(
 
 # XLA:CPU compiles a model's initialiser (it runs once) with LLVM's optimisations off below this many
 # parameters per device, at level 1 from it: the threefry random numbers run ~5x slower unoptimised.
-# `python bench/init_compile.py` (compile + run, alternated in one process, 2 rounds, the quiet 2-core
+# A one-off A/B (bench/init_compile.py, in git at 6966f25; compile + run, alternated in one process, 2 rounds, the quiet 2-core
 # machine): llama_tiny_a 1.8 s at level 0 / 2.1-2.7 s at level 1 / 4.3-4.5 s at XLA's default (3),
 # dsv3_tiny_a 4.4-5.6 / 4.8-6.5 / 12.3-15.0 s, qwen2_100m (98M) 10.1-10.4 / 3.9-4.5 / 7.5-7.8 s.
 # Level 0 runs ~0.085 s per million parameters, level 1 ~0.017 s; level 1 compiles 0.3-1 s longer.
@@ -501,7 +501,7 @@ def next_token_loss(
     # Every position is scored against the next token (the last against a dummy target) and the last
     # position dropped from the [batch, seq] losses: slicing the [batch, seq, vocab] logits instead
     # copies the largest activation (and pads its gradient back); the head + loss ran 7-8% faster on CPU
-    # (bench/ab_hotpath.py --part head).
+    # (bench/ab_hotpath.py --part head, in git at 6966f25).
     logits = logits.astype(jnp.float32)
     targets = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
     logz = jax.nn.logsumexp(logits, axis=-1)
@@ -519,9 +519,18 @@ def loss_fn(
     *,
     positions: Optional[Int[Array, "*batch seq"]] = None,
     segment_ids: Optional[Int[Array, "batch seq"]] = None,
+    remat_policy: Optional[Callable] = None,
+    layer_transform: Optional[Callable] = None,
 ) -> Float[Array, ""]:
-    """Mean next-token loss of `model(tokens)` (with a remat/offload policy: `zoo.offload.loss_fn`)."""
-    return next_token_loss(model(tokens, positions=positions, segment_ids=segment_ids), tokens)
+    """Mean next-token loss of `model(tokens)`. With a remat/offload policy
+    (`zoo.offload.remat_policy`) or a transform of each layer's parameters, every layer runs as
+    `zoo.offload.features` runs it: the same values, what the backward pass keeps set by the policy."""
+    from zoo import offload
+
+    hidden, _ = offload.features(
+        model, tokens, positions=positions, segment_ids=segment_ids, remat_policy=remat_policy, layer_transform=layer_transform
+    )
+    return next_token_loss(model.logits(hidden), tokens)
 
 
 def count_leaves(model: PyTree) -> int:

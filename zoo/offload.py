@@ -40,8 +40,6 @@ LayerTransform = Callable[[PyTree], PyTree]
 
 ACTIONS = ("device", "offload", "remat")
 MEMORY_KINDS = ("device", "pinned_host")
-# Where a tag's value ends up in the backward pass (what zoo.inspect reports).
-PLACEMENTS = ("host", "device", "recomputed", "unread")
 # What `expected_placement` says without a checkpoint: not recomputed, not on host; the inspector
 # finds `device` (the value itself is a residual) or `unread` (a value derived from it is).
 KEPT = "kept"
@@ -329,20 +327,6 @@ def features(
 
     wrap = layer_wrapper(remat_policy, layer_transform)
     return run_layers(model, tokens, positions=positions, segment_ids=segment_ids, wrap_layer=wrap)
-
-
-def loss_fn(
-    model,
-    tokens: Int[Array, "batch seq"],
-    *,
-    remat_policy: Optional[Callable] = None,
-    layer_transform: Optional[LayerTransform] = None,
-) -> Float[Array, ""]:
-    """`zoo.loss_fn(model, tokens)` under a policy (see `features`)."""
-    from zoo.model import next_token_loss
-
-    hidden, _ = features(model, tokens, remat_policy=remat_policy, layer_transform=layer_transform)
-    return next_token_loss(model.logits(hidden), tokens)
 
 
 # --- presets -----------------------------------------------------------------------------------

@@ -637,7 +637,7 @@ def problem_from_config(c, trainer, opts: PlanConfig, hardware_dir=None, attenti
     from zoo import model as zoo_model
     from zoo.config import flops_per_token
     from zoo.inspect import inspect_placement, stack_names
-    from zoo.offload import loss_fn as offload_loss_fn
+    from zoo.model import loss_fn
     from zoo.offload import remat_policy
     from zoo.tags import emitted_tags
 
@@ -657,7 +657,7 @@ def problem_from_config(c, trainer, opts: PlanConfig, hardware_dir=None, attenti
     policy = remat_policy(keep_all, m)
     abstract = zoo_model.abstract(m)
     tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
-    placement = inspect_placement(jax.grad(lambda mod, tok: offload_loss_fn(mod, tok, remat_policy=policy)), abstract, tokens, stacks=stack_names(abstract))
+    placement = inspect_placement(jax.grad(lambda mod, tok: loss_fn(mod, tok, remat_policy=policy)), abstract, tokens, stacks=stack_names(abstract))
     tags = tag_costs(m, placement.records, batch, seq)
 
     stacks = {}

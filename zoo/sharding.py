@@ -15,7 +15,7 @@ import contextlib
 import contextvars
 import dataclasses
 import math
-from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import jax
 import numpy as np
@@ -200,18 +200,23 @@ def _check_divisible(where: str, shape, spec: PartitionSpec, mesh_sizes: Mapping
             )
 
 
-def param_specs(model, rules: Mapping[str, Sequence[str]], mesh_sizes: Optional[Mapping[str, int]] = None):
-    """A PartitionSpec for every array leaf of `model` (a model or its abstract twin); None elsewhere."""
+def param_specs(tree, rules: Mapping[str, Sequence[str]], mesh_sizes: Optional[Mapping[str, int]] = None):
+    """A PartitionSpec for every array leaf of `tree`, None elsewhere. `tree` is a model (or its
+    abstract twin) or any tree whose leaves mirror a model's (optimizer moments end with the
+    parameter's path); scalars (step counts) are replicated. With `mesh_sizes`, a dim the mesh does
+    not divide is a ShardingError naming the leaf."""
 
     def one(path, leaf):
         if not hasattr(leaf, "shape"):
             return None
+        if len(leaf.shape) == 0:
+            return PartitionSpec()
         spec = logical_to_spec(param_logical_axes(path, len(leaf.shape)), rules)
         if mesh_sizes is not None:
             _check_divisible(path_str(path), leaf.shape, spec, mesh_sizes)
         return spec
 
-    return jax.tree_util.tree_map_with_path(one, model)
+    return jax.tree_util.tree_map_with_path(one, tree)
 
 
 def shard_ways(spec: PartitionSpec, mesh_sizes: Mapping[str, int]) -> int:
@@ -274,21 +279,6 @@ def named(mesh: Mesh, specs, memory_kind: Optional[str] = None):
         specs,
         is_leaf=lambda x: isinstance(x, PartitionSpec),
     )
-
-
-def drop_leading_axis(specs):
-    """Specs of one layer of a stack: the stacked specs without their leading `layers` entry."""
-    return jax.tree.map(lambda s: PartitionSpec(*tuple(s)[1:]), specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
-
-
-def activation_constraint(mesh: Mesh, rules: Mapping[str, Sequence[str]], logical: Sequence[Optional[str]] = ACTIVATION_AXES) -> Callable:
-    """`x -> with_sharding_constraint(x, spec of logical)`: pins activations at block boundaries."""
-    sharding = NamedSharding(mesh, logical_to_spec(logical, rules))
-
-    def constrain(x):
-        return jax.lax.with_sharding_constraint(x, sharding)
-
-    return constrain
 
 
 def to_device(tree):

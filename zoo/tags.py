@@ -35,7 +35,6 @@ FAMILIES = (LLAMA, DEEPSEEK_V3, QWEN2, QWEN3, QWEN3_MOE, MIXTRAL, GEMMA3, GPT_OS
 
 # Block kinds: what a tag belongs to (see the module docstring).
 LAYER, ATTENTION, MLP, MLA, MOE = "layer", "attention", "mlp", "mla", "moe"
-BLOCK_KINDS = (LAYER, ATTENTION, MLP, MLA, MOE)
 # Kinds a model may lack: offload policies name their tags in per-kind sections.
 OPTIONAL_KINDS = (MLP, MLA, MOE)
 
@@ -160,10 +159,6 @@ def block_kinds(config) -> tuple[str, ...]:
     if config.num_moe_layers:
         kinds.append(MOE)
     return tuple(kinds)
-
-
-def tags_of_kind(kind: str) -> tuple[str, ...]:
-    return tuple(t.name for t in _VOCABULARY if t.block == kind)
 
 
 def emitted_tags(config) -> tuple[str, ...]:

@@ -36,6 +36,7 @@ def _hydra_context():
 
 def run_job(cfg: DictConfig) -> None:
     """The body of @hydra.main."""
+    from zoo.train import distributed
     from zoo.train.metrics import write_json
     from zoo.train.run import prepare, train
 
@@ -51,7 +52,7 @@ def run_job(cfg: DictConfig) -> None:
     except Exception as e:  # noqa: BLE001 - every failure is reported, none stops a sweep
         bad_input = isinstance(e, ConfigError)
         stopped = isinstance(e, TrainingStopped)  # the run stopped itself and says why in one line
-        if _is_main_process():
+        if distributed.is_main_process():
             write_json(
                 out_dir / "summary.json",
                 {"status": "failed", "overrides": overrides, "error": one_line(e), "error_type": type(e).__name__, "bad_input": bad_input},
@@ -69,13 +70,6 @@ def run_job(cfg: DictConfig) -> None:
         import jax
 
         jax.clear_caches()  # the default launcher runs the next job in this same process
-
-
-def _is_main_process() -> bool:
-    """False only in a process other than 0 of a joined cluster (which writes no files)."""
-    from zoo.train import distributed
-
-    return distributed._JOINED is None or distributed._JOINED.process_id == 0
 
 
 def one_line(e: BaseException) -> str:

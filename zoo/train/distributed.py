@@ -211,7 +211,7 @@ def initialize(c: DistributedConfig) -> Optional[Cluster]:
 
 
 def is_main_process() -> bool:
-    """Process 0 writes logs, metrics and summaries; the others stay quiet."""
-    import jax
-
-    return jax.process_index() == 0
+    """False only in a process other than 0 of a cluster `initialize` joined: process 0 (or the only
+    one) writes the files. Reads the join, not JAX, so asking starts no backend (train.py asks after a
+    failure, which may come before JAX started)."""
+    return _JOINED is None or _JOINED.process_id == 0

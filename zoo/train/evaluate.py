@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from zoo import sharding as zs
+from zoo.loss import target_weights
 from zoo.train.config import TrainConfig
 
 
@@ -36,7 +37,9 @@ class Evaluator:
             params = trainer._device_params(params)
 
             def micro(carry, mb):
-                total, count, _ = trainer.loss_terms(params, mb)
+                # A denominator of 1: the sum of the targets' losses, which add up over batches.
+                total, _ = trainer.loss_and_aux(params, {**mb, "loss_denominator": jnp.float32(1.0)})
+                count = target_weights(mb["loss_mask"], mb["segment_ids"]).sum()
                 return (carry[0] + total, carry[1] + count), None
 
             (total, count), _ = jax.lax.scan(micro, (jnp.float32(0), jnp.float32(0)), batch)

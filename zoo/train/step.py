@@ -34,7 +34,7 @@ from zoo.train.config import OptimizerConfig, Plan, TrainConfig
 from zoo.train.update import UPDATE_SCOPE, accumulate, global_norm, streamed_update, whole_tree_update, zeros_where
 
 # xla.cpu_fast_compile=auto turns LLVM's optimisations on from this many model FLOPs per run (steps x
-# step FLOPs). `python bench/opt_level.py` on the 2-core machine (loaded, docs/benchmarks.md):
+# step FLOPs). bench/opt_level.py (in git at 6966f25) on the 2-core machine (loaded, docs/benchmarks.md):
 # train.py's default run (dsv3_tiny_a, 16 x 64 tokens, 0.8 GFLOP a step) compiled in 4.5 s -> 7.2 s
 # and stepped in 128 -> 52 ms, so the optimised program paid for its compile after ~35 steps (~0.03
 # TFLOP); the 20M and 64M Llamas' steps save seconds each. Below the threshold (a few steps of a tiny
@@ -108,23 +108,6 @@ def make_optimizer(c: OptimizerConfig, total_steps: int, *, clip: bool = True) -
     return tx, schedule
 
 
-def tree_specs(tree, rules, mesh_sizes=None):
-    """PartitionSpecs for any tree whose array leaves are model leaves or mirror them (optimizer
-    moments end with the parameter's path); scalars (step counts) are replicated."""
-
-    def one(path, leaf):
-        if not hasattr(leaf, "shape"):
-            return None
-        if len(leaf.shape) == 0:
-            return PartitionSpec()
-        spec = zs.logical_to_spec(zs.param_logical_axes(path, len(leaf.shape)), rules)
-        if mesh_sizes is not None:
-            zs._check_divisible(zs.path_str(path), leaf.shape, spec, mesh_sizes)
-        return spec
-
-    return jax.tree_util.tree_map_with_path(one, tree)
-
-
 def one_document_per_row(tokens: np.ndarray) -> dict:
     """A packed batch of a plain token array `[..., seq]`: each row one document, every target counted."""
     seq = tokens.shape[-1]
@@ -161,9 +144,9 @@ class Trainer:
         self.layerwise_update = self.params_on_host or self.opt_on_host
 
         sizes = plan.mesh.sizes
-        param_specs = tree_specs(self.abstract_params, rules, sizes)
+        param_specs = zs.param_specs(self.abstract_params, rules, sizes)
         abstract_opt = jax.eval_shape(self.tx.init, self.abstract_params)
-        opt_specs = tree_specs(abstract_opt, rules, sizes)
+        opt_specs = zs.param_specs(abstract_opt, rules, sizes)
         self.param_shardings = zs.named(self.mesh, param_specs, cfg.offload.params)
         self.opt_shardings = zs.named(self.mesh, opt_specs, cfg.offload.opt_state)
         self.state_shardings = {
@@ -299,53 +282,46 @@ class Trainer:
 
     # --- the step ------------------------------------------------------------------------------
 
-    def loss_and_aux(self, params, tokens):
-        """Mean next-token loss of one microbatch, and the MoE routing statistics. A packed
-        microbatch's `loss_denominator` (set by `train_step`) replaces its own target count."""
-        if isinstance(tokens, dict):
-            total, count, aux = self.loss_terms(params, tokens, tokens.get("loss_denominator"))
-            return (total if "loss_denominator" in tokens else total / jnp.maximum(count, 1.0)), aux
+    def loss_and_aux(self, params, batch):
+        """Next-token loss of one microbatch and the MoE routing statistics. `batch` is a token array
+        `[microbatch, seq]` (the loss is the mean over its targets) or a packed dict of such fields
+        (`tokens`, `segment_ids`, `positions`, `loss_mask`): attention stays within each document,
+        RoPE reads `positions`, and the loss is the sum of its targets' losses over `loss_denominator`
+        (set by `train_step`; 1.0 gives the plain sum; absent: their count, the mean)."""
         model = eqx.combine(params, self.static)
         layer_transform = zs.to_device if self.params_on_host else None
-        tokens = zs.constrain(tokens, zs.TOKEN_AXES)
-        hidden, aux = offload.features(model, tokens, remat_policy=self.policy, layer_transform=layer_transform)
+        packed = isinstance(batch, dict)
+        if packed:
+            fields = {k: zs.constrain(batch[k], zs.TOKEN_AXES) for k in ("tokens", "segment_ids", "positions", "loss_mask")}
+            tokens, segment_ids = fields["tokens"], fields["segment_ids"]
+            with segments_bound(self.max_segments):
+                hidden, aux = offload.features(
+                    model, tokens, positions=fields["positions"], segment_ids=segment_ids, remat_policy=self.policy,
+                    layer_transform=layer_transform,
+                )
+            weights = target_weights(fields["loss_mask"], segment_ids)
+            count = weights.sum()
+            # Absent, the sum (over 1.0) is divided by the count at the end: the microbatch's own mean.
+            denominator = batch.get("loss_denominator", jnp.float32(1.0))
+        else:
+            tokens = zs.constrain(batch, zs.TOKEN_AXES)
+            hidden, aux = offload.features(model, tokens, remat_policy=self.policy, layer_transform=layer_transform)
+            weights = denominator = None
         chunk = self.cfg.trainer.loss_chunk_size
         m = self.cfg.model
         if chunk:
             loss = chunked_next_token_loss(
-                hidden, model.head_weight(), tokens, chunk_size=chunk, final_softcap=m.final_logit_softcap, compute_dtype=m.compute_dtype
-            )
-            return loss, aux
-        logits = zs.constrain(model.logits(hidden), zs.LOGIT_AXES)
-        return zoo_model.next_token_loss(logits, tokens), aux
-
-    def loss_terms(self, params, batch: dict, denominator=None):
-        """A packed microbatch (dict of `[microbatch, seq]`): the sum of its targets' losses divided
-        by `denominator` (None: 1, the plain sum), its target count, and the routing statistics.
-        Attention stays within each document; RoPE reads `positions`."""
-        model = eqx.combine(params, self.static)
-        layer_transform = zs.to_device if self.params_on_host else None
-        batch = {k: zs.constrain(batch[k], zs.TOKEN_AXES) for k in ("tokens", "segment_ids", "positions", "loss_mask")}
-        tokens, segment_ids = batch["tokens"], batch["segment_ids"]
-        with segments_bound(self.max_segments):
-            hidden, aux = offload.features(
-                model, tokens, positions=batch["positions"], segment_ids=segment_ids, remat_policy=self.policy,
-                layer_transform=layer_transform,
-            )
-        weights = target_weights(batch["loss_mask"], segment_ids)
-        count = weights.sum()
-        denominator = jnp.float32(1.0) if denominator is None else denominator
-        chunk = self.cfg.trainer.loss_chunk_size
-        m = self.cfg.model
-        if chunk:
-            total = chunked_next_token_loss(
                 hidden, model.head_weight(), tokens, weights, chunk_size=chunk, final_softcap=m.final_logit_softcap,
                 compute_dtype=m.compute_dtype, denominator=denominator,
             )
         else:
             logits = zs.constrain(model.logits(hidden), zs.LOGIT_AXES)
-            total = zoo_model.next_token_loss(logits, tokens, weights) * (jnp.maximum(count, 1.0) / denominator)
-        return total, count, aux
+            loss = zoo_model.next_token_loss(logits, tokens, weights)
+            if packed:
+                loss = loss * (jnp.maximum(count, 1.0) / denominator)
+        if packed and "loss_denominator" not in batch:
+            loss = loss / jnp.maximum(count, 1.0)
+        return loss, aux
 
     def with_loss_denominators(self, batch):
         """A packed step's batch with `loss_denominator` [grad_accum]: each microbatch's loss is its
