@@ -163,6 +163,13 @@ def _unknown_key_line(key: str, value: Optional[str]) -> str:
             f"{key}: {what}{_closest(group, GROUPS)}; the groups are {', '.join(GROUPS)} (choose an option with "
             f"<group>=<option>, set a key with <group>.<key>=<value>)"
         )
+    if group == "data" and "." not in rest:
+        from zoo.train.config import foreign_data_key_line
+
+        # The chosen option does not list the key: it does not read it, so `+` would be silently ignored.
+        line = foreign_data_key_line(rest, value)
+        if line:
+            return line
     mapped = _map_key_line(key, value)
     if mapped:
         return mapped
