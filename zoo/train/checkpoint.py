@@ -153,10 +153,23 @@ class DirLock:
     """`<checkpoint.dir>/zoo.lock`, created exclusively: which run (host, pid, start time, command)
     owns the directory. Two runs saving into one directory would overwrite each other's steps."""
 
-    def __init__(self, d: pathlib.Path):
+    def __init__(self, d: pathlib.Path, name: str = LOCK_FILE, key: str = "checkpoint.dir"):
         self.dir = d
-        self.path = d / LOCK_FILE
+        self.path = d / name
+        self.key = key  # the setting that chose the directory, named in the error lines
         self.mine: Optional[dict] = None
+
+    def held_by_another(self) -> Optional[dict]:
+        """The live owner of the lock, when it is another process's (read-only)."""
+        owner = self._read()
+        return owner if owner and _alive(owner) and owner.get("pid") != os.getpid() else None
+
+    def in_use_line(self, owner: dict) -> str:
+        return (
+            f"{self.key}: {self.dir} is in use by another run (pid {owner.get('pid')} on {owner.get('host')}, "
+            f"started {owner.get('started')}); wait for it to end or give this run another {self.key} "
+            f"(if that run is gone, delete {self.path})"
+        )
 
     def _read(self) -> Optional[dict]:
         try:
@@ -184,28 +197,24 @@ class DirLock:
                     time.sleep(0.05)
                     continue
                 if owner and _alive(owner):
-                    raise ConfigError(
-                        f"checkpoint.dir: {self.dir} is in use by another run (pid {owner.get('pid')} on {owner.get('host')}, "
-                        f"started {owner.get('started')}); wait for it to end or give this run another checkpoint.dir "
-                        f"(if that run is gone, delete {self.path})"
-                    )
+                    raise ConfigError(self.in_use_line(owner))
                 if owner and self._remove_stale(owner):
-                    echo(f"note: checkpoint.dir: took over the lock of pid {owner.get('pid')} on {owner.get('host')} "
+                    echo(f"note: {self.key}: took over the lock of pid {owner.get('pid')} on {owner.get('host')} "
                          f"(started {owner.get('started')}), which no longer runs")  # fmt: skip
                 continue
             except OSError as e:
-                raise ConfigError(f"checkpoint.dir: cannot create the lock file {self.path} ({e.strerror}); choose a writable directory") from None
+                raise ConfigError(f"{self.key}: cannot create the lock file {self.path} ({e.strerror}); choose a writable directory") from None
             with os.fdopen(fd, "w") as f:
                 json.dump(me, f)
                 f.flush()
                 os.fsync(f.fileno())
             self.mine = me
             return
-        raise ConfigError(f"checkpoint.dir: the lock file {self.path} is unreadable; delete it if no run uses {self.dir}")
+        raise ConfigError(f"{self.key}: the lock file {self.path} is unreadable; delete it if no run uses {self.dir}")
 
     def _remove_stale(self, owner: dict) -> bool:
         """Move the stale lock away atomically (of two runs taking it over, one wins the rename)."""
-        aside = self.path.with_name(f"{LOCK_FILE}.stale-{os.getpid()}")
+        aside = self.path.with_name(f"{self.path.name}.stale-{os.getpid()}")
         try:
             os.rename(self.path, aside)
         except FileNotFoundError:
