@@ -420,7 +420,8 @@ def _stop_for_requeue(c: TrainConfig, stop, log: StepLog, ckpt, start: int, out_
     from zoo.train.stop import EXIT_REQUEUE
 
     done = log.completed
-    when = f"after step {done}" if done > start else f"before step {done + 1}"
+    # XLA cannot be interrupted mid-compile: a signal sent while it compiles is acted on when it ends.
+    when = f"after step {done}" if done > start else f"before step {done + 1} (a signal during compilation is acted on once it ends)"
     if ckpt is None:
         raise TrainingStopped(
             f"stopped by {stop.received} {when}; checkpointing is off (checkpoint.dir=null), so nothing was "
