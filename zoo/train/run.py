@@ -526,7 +526,7 @@ def _kept(ckpt) -> str:
         return "checkpointing is off (checkpoint.dir=null)"
     last = ckpt.latest()
     set_phase(
-        "the checkpoint save in flight completed, after a first Ctrl-C",
+        "waiting for the checkpoint save in flight, after a first Ctrl-C",
         f"the steps saved before it are intact (last: {last} in {ckpt.dir}); a save cut short is left as a temporary "
         "directory no resume reads; run the same command to resume" if last is not None else f"no checkpoint in {ckpt.dir} yet",
     )
