@@ -15,6 +15,7 @@ import argparse
 import json
 import pathlib
 import sys
+import warnings
 from typing import Optional
 
 
@@ -165,7 +166,9 @@ def plot(jobs: list[dict], path: pathlib.Path) -> bool:
     if common:
         fig.text(0.01, 0.01, "all jobs: " + " ".join(common), fontsize=7, color="tab:gray")
     ax.grid(alpha=0.3)
-    fig.tight_layout()
+    with warnings.catch_warnings():  # long job labels: matplotlib warns it cannot fit the margins, and draws the plot anyway
+        warnings.filterwarnings("ignore", message="Tight layout not applied")
+        fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
     return True
