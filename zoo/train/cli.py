@@ -46,15 +46,19 @@ def run_job(cfg: DictConfig) -> None:
     logging.getLogger("absl").setLevel(logging.WARNING)  # and orbax's, one per save
     out_dir, overrides, multirun, num = _hydra_context()
     label = f"job {num} [{' '.join(overrides)}]" if multirun else "run"
-    lock = None
+    lock, refused = None, False
     try:
-        lock = _hold_run_dir(out_dir)
         c, plan, devices, flags = prepare(cfg)
+        try:  # after prepare: the processes of a multi-process run have joined, and only process 0 takes it
+            lock = _hold_run_dir(out_dir)
+        except ConfigError:
+            refused = True  # a live run holds the directory: its summary.json is not ours to write
+            raise
         train(c, plan, devices, out_dir, xla_flags=flags, overrides=overrides)
     except Exception as e:  # noqa: BLE001 - every failure is reported, none stops a sweep
         bad_input = isinstance(e, ConfigError)
         stopped = isinstance(e, TrainingStopped)  # the run stopped itself and says why in one line
-        if _is_main_process() and (lock is not None or not bad_input):  # never over another live run's summary
+        if _is_main_process() and not refused:
             write_json(
                 out_dir / "summary.json",
                 {"status": "failed", "overrides": overrides, "error": one_line(e), "error_type": type(e).__name__, "bad_input": bad_input},
@@ -124,7 +128,9 @@ def _output_dir_line(args: list[str]) -> Optional[str]:
         what = f"cannot write in {existing}" if existing == target else f"cannot create {target} in {existing}"
         where = f" (the working directory: Hydra's default {key} is under it)" if not given and existing == cwd else ""
         return f"{key}: {what} ({e.strerror or e}){where}; {fix}"
-    if given and target.is_dir() and (target / RUN_LOCK).exists():
+    # The processes of one multi-process run share the run directory, and process 0 holds its lock.
+    several = any(a.lstrip("+").startswith("distributed.") for a in args) or int(os.environ.get("SLURM_NTASKS", "1") or 1) > 1
+    if given and not several and target.is_dir() and (target / RUN_LOCK).exists():
         from zoo.train.checkpoint import DirLock
 
         lock = DirLock(target, RUN_LOCK, key)

@@ -103,8 +103,8 @@ def foreign_data_key_line(key: str, value: Any = None, name: Optional[str] = Non
     """The one line for `data.<key>` given to a data option that does not read it (None: it does, or
     the key is not one of DATA_KEYS_OF). `name`: the chosen option, when known."""
     owners = DATA_KEYS_OF.get(key)
-    if owners is None or name in owners:
-        return None
+    if owners is None or name in owners or (name is not None and name not in DATASETS):
+        return None  # (an unknown data.name is DataConfig's to report)
     chosen = f"data={name}" if name else "the chosen data option"
     example = f" data.{key}={value}" if value is not None else ""
     if owners == ("text",):
