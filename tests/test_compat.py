@@ -2,6 +2,13 @@
 
 A release that moves one makes Zoo fall back (or fail) quietly at run time; this test fails instead,
 naming the symbol, so the move is handled when the dependency is upgraded.
+
+Raising pyproject.toml's upper bound on jax and jaxlib (`<0.11` today: the 0.10.x releases are the
+ones tested) is done together with, on the new release: this file passing; tests/test_train_cli.py and
+tests/test_checkpoint.py passing (they reach orbax through `orbax_array_metadata_store`);
+`xla.cpu_ynn_fusions`' flag still known to the new jaxlib (zoo/train/run.py, YNN_FLAG_JAXLIBS: XLA
+refuses to start on an unknown flag); and the residual names `saved_residuals` reports still matched
+by the offload policies (tests/test_offload.py).
 """
 
 import os
@@ -129,3 +136,20 @@ def test_importing_zoo_patches_nothing_in_jax():
     assert p.returncode == 0, p.stderr[-2000:]
     before, after = p.stdout.split()
     assert after == before, f"importing zoo changed whether linear_call can be vmapped ({before} -> {after})"
+
+
+def test_pyproject_bounds_jax_to_the_tested_releases():
+    """An unbounded jax would let pip install a release whose private APIs moved: the bound must be
+    there, and the installed jax must be inside it (else this machine tests a release pyproject refuses)."""
+    import importlib.metadata
+
+    text = (ROOT / "pyproject.toml").read_text()
+    for name in ("jax", "jaxlib"):
+        m = re.search(rf'"{name}>=([\d.]+),<([\d.]+)"', text)
+        assert m, f"pyproject.toml: {name} has no upper bound; bound it to the releases tested (see this file's docstring)"
+        installed = tuple(int(x) for x in importlib.metadata.version(name).split(".")[:2])
+        upper = tuple(int(x) for x in m.group(2).split(".")[:2])
+        assert installed < upper, (
+            f"{name} {importlib.metadata.version(name)} is installed, pyproject.toml allows <{m.group(2)}: run this file "
+            "and the checks its docstring lists on it, then raise the bound"
+        )

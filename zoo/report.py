@@ -15,6 +15,7 @@ import argparse
 import json
 import pathlib
 import sys
+import warnings
 from typing import Optional
 
 
@@ -88,6 +89,16 @@ def analyse(jobs: list[dict]) -> list[dict]:
     return jobs
 
 
+def ran_no_steps(job: dict) -> Optional[str]:
+    """Why a job that ended well has no step time (a resume that found its steps already done), else None."""
+    if job.get("status") != "ok" or job.get("step_time_s") is not None:
+        return None
+    start, steps = job.get("start_step"), job.get("steps")
+    if start is not None and steps is not None:
+        return f"ran no steps (its checkpoint was already at step {start} of trainer.steps={steps})"
+    return "ran no steps"
+
+
 def markdown(jobs: list[dict]) -> str:
     common = tuple(common_overrides(jobs))
     rows = [f"Overrides of every job: `{' '.join(common)}`\n" if common else "",
@@ -97,7 +108,9 @@ def markdown(jobs: list[dict]) -> str:
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | --- | ---: | :---: |",
     ]
     for j in jobs:
-        if j.get("status") == "ok":
+        if ran_no_steps(j):
+            rows.append(f"| {label(j, common)} | {ran_no_steps(j)} | - | - | - | - | - | - | - | - | - | - | - | |")
+        elif j.get("status") == "ok":
             q = j.get("step_time_quantiles_s") or {}
             spread = (
                 (f"{1e3 * q['p25']:.1f}-{1e3 * q['p75']:.1f}", f"{1e3 * q['min']:.1f}-{1e3 * q['max']:.1f}") if q else ("-", "-")
@@ -145,13 +158,17 @@ def plot(jobs: list[dict], path: pathlib.Path) -> bool:
         sources = sorted({j.get("peak_memory_source", "?") for j in ok})
         ax.set_xlabel(f"peak device memory per device (MiB; {', '.join(sources)})")
         ax.legend(loc="best", fontsize=8)
-    failed = len(jobs) - len(ok)
+    idle = sum(1 for j in jobs if ran_no_steps(j))
+    failed = len(jobs) - len(ok) - idle
     ax.set_ylabel("step time (ms; median, bars p25-p75)")
-    ax.set_title(f"step time vs peak memory: {len(ok)} job(s)" + (f", {failed} failed" if failed else ""), fontsize=11)
+    ax.set_title(f"step time vs peak memory: {len(ok)} job(s)" + (f", {failed} failed" if failed else "")
+                 + (f", {idle} ran no steps" if idle else ""), fontsize=11)  # fmt: skip
     if common:
         fig.text(0.01, 0.01, "all jobs: " + " ".join(common), fontsize=7, color="tab:gray")
     ax.grid(alpha=0.3)
-    fig.tight_layout()
+    with warnings.catch_warnings():  # long job labels: matplotlib warns it cannot fit the margins, and draws the plot anyway
+        warnings.filterwarnings("ignore", message="Tight layout not applied")
+        fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
     return True
@@ -192,6 +209,9 @@ def main(argv=None) -> int:
         print(f"error: dir: {e}; run a sweep first (python train.py -m ...)", file=sys.stderr)
         return 2
     print(md.read_text())
+    idle = [j for j in load_summaries(a.dir) if ran_no_steps(j)]
+    if idle:
+        print(f"note: job(s) {', '.join(j['_dir'] for j in idle)} ran no steps, so they have no timing; marked in {md.name}", file=sys.stderr)
     print(f"wrote {md} and {png}")
     return 0
 

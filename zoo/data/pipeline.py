@@ -35,6 +35,7 @@ Each batch is a dict of int32 `[rows, seq_len]` arrays (`BATCH_FIELDS`):
 import dataclasses
 import math
 import pathlib
+import re
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Optional, Union
@@ -386,7 +387,8 @@ def load_text(
         try:
             eval_corpus = read_corpus(eval_path, text_field=text_field, format=format)
         except DataError as e:  # its problems are data.eval_path's
-            raise DataError(str(e).replace("data.path:", "data.eval_path:", 1)) from None
+            # the fix named in the message too ("point data.path at ..."), not only the key in front
+            raise DataError(re.sub(r"\bdata\.path\b", "data.eval_path", str(e))) from None
         eval_windows = Windows(pack(tokenize(tok, eval_corpus.documents), tok.bos_id, tok.eos_id, tok.vocab_size), seq_len)
         _check_fits(len(eval_windows), batch_size, seq_len, "data.eval_path", f"{eval_source} ({len(eval_windows.tokens)} tokens)",
                     "add text to it or lower data.batch_size")

@@ -61,9 +61,18 @@ class SafetensorsFile:
             if len(raw_len) < 8:
                 raise CheckpointError(f"{path}: truncated or not a safetensors file (shorter than its 8-byte header length); download or copy it again")
             header_len = int.from_bytes(raw_len, "little")
+            # A safetensors header is a JSON object: a file whose ninth byte is not `{` is something
+            # else (an HTML error page, a Git LFS pointer, random bytes), whatever length its first 8 bytes read as.
+            if f.read(1) != b"{":
+                lfs = " (a Git LFS pointer: run git lfs pull)" if raw_len == b"version " else ""
+                raise CheckpointError(
+                    f"{path}: not a safetensors file{lfs} (it does not start with a header length and a JSON header); "
+                    "download or copy the model's .safetensors file again"
+                )
             if 8 + header_len > size:
                 raise CheckpointError(f"{path}: truncated: the header claims {header_len} bytes, the file has {size}; download or copy it again")
             try:
+                f.seek(8)
                 header = json.loads(f.read(header_len))
             except (UnicodeDecodeError, json.JSONDecodeError) as e:
                 raise CheckpointError(f"{path}: not a safetensors file (header is not JSON: {e})") from None

@@ -135,6 +135,9 @@ class LeafSource:
     shape: tuple[int, ...]
     dtype: np.dtype
     _read: Callable[[tuple[slice, ...]], np.ndarray]
+    # The checkpoint tensors this leaf (of one layer: an index into `layers`, None for unstacked) is read from.
+    hub_names: Optional[Callable[[Optional[int]], list[str]]] = None
+    layers: Optional[Sequence[int]] = None
 
     def read(self, index: Optional[Sequence[slice]] = None) -> np.ndarray:
         return self._read(_full(() if index is None else index, self.shape))
@@ -173,7 +176,10 @@ def leaf_sources(skeleton: CausalLM, reader: CheckpointReader) -> list[LeafSourc
                         out[i] = view.reshape(shape[1:])[index[1:]] if isinstance(view, np.ndarray) else view[index[1:]]
                     return out
 
-            sources.append(LeafSource(attr + z, tuple(leaf.shape), dtype, read))
+            def hub_names(i, prefix=prefix, rule=rule, layers=layers):
+                return [prefix.format(layer=None if layers is None else layers[i]) + n for n in rule.hub]
+
+            sources.append(LeafSource(attr + z, tuple(leaf.shape), dtype, read, hub_names, layers))
     return sources
 
 
@@ -240,6 +246,27 @@ def from_pretrained(path, dtype="float32", compute_dtype=None, **config_override
     return eqx.tree_at(lambda m: [_get(m, p) for p, _ in leaves], skeleton, values)
 
 
+def _finite(x: np.ndarray, source: LeafSource, index, directory: pathlib.Path) -> np.ndarray:
+    """`x` (a slice of `source` just read), or CheckpointError naming the checkpoint tensor that holds a
+    NaN or an infinity: caught here, not as a "diverged" first step that blames the learning rate."""
+    try:
+        ok = bool(np.isfinite(x).all())
+    except TypeError:  # not a float dtype
+        return x
+    if ok:
+        return x
+    bad = np.argwhere(~np.isfinite(x))[0]
+    names = ""
+    if source.hub_names is not None:
+        start = _full(index, source.shape)[0].start if source.layers is not None else 0
+        names = ", ".join(source.hub_names(start + int(bad[0]) if source.layers is not None else None))
+    where = f"tensor {names}" if names else f"the tensor of zoo parameter {source.path}"
+    raise CheckpointError(
+        f"{directory}: {where} holds non-finite values (NaN or inf); the checkpoint is damaged or was saved from a diverged run: "
+        "download it again or give another model.path"
+    )
+
+
 def load_sharded(path, config: ModelConfig, shardings):
     """The array half of the model `config` (as `eqx.partition(model, eqx.is_array)` gives it) read from
     the checkpoint directory `path`, each leaf built by `jax.make_array_from_callback` in its sharding
@@ -260,7 +287,7 @@ def load_sharded(path, config: ModelConfig, shardings):
         def shard(index, source=source, cache=cache):
             key = tuple((s.start, s.stop) for s in _full(index, source.shape))
             if key not in cache:  # replicas of one slice are read once
-                cache[key] = source.read(index)
+                cache[key] = _finite(source.read(index), source, index, directory)
             return cache[key]
 
         arrays.append(jax.make_array_from_callback(tuple(leaf.shape), sharding, shard))

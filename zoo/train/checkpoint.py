@@ -153,10 +153,23 @@ class DirLock:
     """`<checkpoint.dir>/zoo.lock`, created exclusively: which run (host, pid, start time, command)
     owns the directory. Two runs saving into one directory would overwrite each other's steps."""
 
-    def __init__(self, d: pathlib.Path):
+    def __init__(self, d: pathlib.Path, name: str = LOCK_FILE, key: str = "checkpoint.dir"):
         self.dir = d
-        self.path = d / LOCK_FILE
+        self.path = d / name
+        self.key = key  # the setting that chose the directory, named in the error lines
         self.mine: Optional[dict] = None
+
+    def held_by_another(self) -> Optional[dict]:
+        """The live owner of the lock, when it is another process's (read-only)."""
+        owner = self._read()
+        return owner if owner and _alive(owner) and owner.get("pid") != os.getpid() else None
+
+    def in_use_line(self, owner: dict) -> str:
+        return (
+            f"{self.key}: {self.dir} is in use by another run (pid {owner.get('pid')} on {owner.get('host')}, "
+            f"started {owner.get('started')}); wait for it to end or give this run another {self.key} "
+            f"(if that run is gone, delete {self.path})"
+        )
 
     def _read(self) -> Optional[dict]:
         try:
@@ -184,28 +197,24 @@ class DirLock:
                     time.sleep(0.05)
                     continue
                 if owner and _alive(owner):
-                    raise ConfigError(
-                        f"checkpoint.dir: {self.dir} is in use by another run (pid {owner.get('pid')} on {owner.get('host')}, "
-                        f"started {owner.get('started')}); wait for it to end or give this run another checkpoint.dir "
-                        f"(if that run is gone, delete {self.path})"
-                    )
+                    raise ConfigError(self.in_use_line(owner))
                 if owner and self._remove_stale(owner):
-                    echo(f"note: checkpoint.dir: took over the lock of pid {owner.get('pid')} on {owner.get('host')} "
+                    echo(f"note: {self.key}: took over the lock of pid {owner.get('pid')} on {owner.get('host')} "
                          f"(started {owner.get('started')}), which no longer runs")  # fmt: skip
                 continue
             except OSError as e:
-                raise ConfigError(f"checkpoint.dir: cannot create the lock file {self.path} ({e.strerror}); choose a writable directory") from None
+                raise ConfigError(f"{self.key}: cannot create the lock file {self.path} ({e.strerror}); choose a writable directory") from None
             with os.fdopen(fd, "w") as f:
                 json.dump(me, f)
                 f.flush()
                 os.fsync(f.fileno())
             self.mine = me
             return
-        raise ConfigError(f"checkpoint.dir: the lock file {self.path} is unreadable; delete it if no run uses {self.dir}")
+        raise ConfigError(f"{self.key}: the lock file {self.path} is unreadable; delete it if no run uses {self.dir}")
 
     def _remove_stale(self, owner: dict) -> bool:
         """Move the stale lock away atomically (of two runs taking it over, one wins the rename)."""
-        aside = self.path.with_name(f"{LOCK_FILE}.stale-{os.getpid()}")
+        aside = self.path.with_name(f"{self.path.name}.stale-{os.getpid()}")
         try:
             os.rename(self.path, aside)
         except FileNotFoundError:
@@ -660,14 +669,49 @@ def spread_shardings(params, devices) -> Any:
     return jax.tree.map(one, params)
 
 
-def restore_model(checkpoint_dir, step: Optional[int] = None, *, devices=None):
+def restore_model(checkpoint_dir, step: Optional[int] = None, *, devices=None, echo: Optional[Callable[[str], None]] = None):
     """`(model, metadata)`: the CausalLM saved by train.py in `checkpoint_dir` (a `checkpoint.dir`) at
-    `step` (default: the latest complete one), and that step's metadata (`model`, `optimizer`, ...).
+    `step` (default: the newest complete step that reads), and that step's metadata (`model`,
+    `optimizer`, ...).
 
     Only the parameters are read (not the optimizer state), whatever mesh wrote them, in the dtype they
     were trained in: onto the default device, or with `devices` (e.g. `jax.devices()`) each leaf read
     straight into its slices over them (`spread_shardings`), so a model larger than one device restores
-    without ever being whole on one. Bad input raises ConfigError (one line)."""
+    without ever being whole on one. Without `step`, a damaged newest step is skipped as train.py's
+    resume skips it: `echo` (default: stderr) gets one line naming the step used and why the newer ones
+    were skipped. Bad input raises ConfigError (one line)."""
+    d = pathlib.Path(checkpoint_dir).expanduser().absolute()
+    steps = sorted(int(p.name) for p in d.iterdir() if p.name.isdigit() and p.is_dir()) if d.is_dir() else []
+    if not steps:
+        what = "does not exist" if not d.exists() else "holds no complete checkpoint"
+        raise ConfigError(f"{d}: {what}; give the checkpoint.dir of a train.py run that saved at least one step")
+    if step is not None and step not in steps:
+        raise ConfigError(f"{d}: no complete checkpoint of step {step}; it holds steps {', '.join(map(str, steps))}")
+    if echo is None:
+        echo = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731 - stdout may carry the tool's output
+    skipped: list[tuple[int, str]] = []
+    for s in [step] if step is not None else reversed(steps):
+        _quiet_closed_loop_callbacks()  # before the read: a failed one's abandoned reads report after it
+        try:
+            model, meta = _restore_params(d, s, devices)
+        except Unreadable as e:
+            if step is not None:
+                others = [o for o in steps if o != step]
+                hint = f"give another step ({', '.join(map(str, others))})" if others else "train again to write an intact step"
+                raise ConfigError(f"{d / str(s)}: unreadable ({e}); {hint}") from None
+            skipped.append((s, str(e)))
+            continue
+        if skipped:
+            why = "; ".join(f"step {k}: {r}" for k, r in skipped)
+            echo(f"note: {d}: using step {s}, the newest step that reads; skipped {why}")
+        return model, meta
+    first, why = skipped[-1]
+    newer = f", as are steps {', '.join(str(k) for k, _ in reversed(skipped[:-1]))}" if len(skipped) > 1 else ""
+    raise ConfigError(f"{d}: step {first} is unreadable ({why}){newer}: no intact checkpoint is left; give the checkpoint.dir of another run")
+
+
+def _restore_params(d: pathlib.Path, step: int, devices):
+    """`(model, metadata)` of one step; Unreadable (one clause) when its files are damaged or missing."""
     import logging
 
     import equinox as eqx
@@ -676,42 +720,49 @@ def restore_model(checkpoint_dir, step: Optional[int] = None, *, devices=None):
     from zoo.model import abstract
     from zoo.train.config import load_group
 
-    d = pathlib.Path(checkpoint_dir).expanduser().absolute()
-    steps = sorted(int(p.name) for p in d.iterdir() if p.name.isdigit() and p.is_dir()) if d.is_dir() else []
-    if not steps:
-        what = "does not exist" if not d.exists() else "holds no complete checkpoint"
-        raise ConfigError(f"{d}: {what}; give the checkpoint.dir of a train.py run that saved at least one step")
-    if step is None:
-        step = steps[-1]
-    elif step not in steps:
-        raise ConfigError(f"{d}: no complete checkpoint of step {step}; it holds steps {', '.join(map(str, steps))}")
-    path = d / str(step) / META_FILE
+    step_dir = d / str(step)
+    path = step_dir / META_FILE
     try:
         meta = json.loads(path.read_text())
         config = load_group("model", meta["model"])
     except FileNotFoundError:
-        raise ConfigError(f"{path}: missing, so {d / str(step)} was not written by zoo's train.py; give a train.py checkpoint.dir") from None
+        raise Unreadable(f"{META_FILE} is missing, so it was not written by zoo's train.py") from None
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"{path}: unreadable ({type(e).__name__}: {e}); give a train.py checkpoint.dir") from None
+        raise Unreadable(f"{META_FILE} is unreadable ({type(e).__name__}: {e})") from None
     params, static = eqx.partition(abstract(config), lambda x: isinstance(x, jax.ShapeDtypeStruct))
     absl = logging.getLogger("absl")
     level = absl.level
     absl.setLevel(logging.ERROR)  # orbax warns that a bare item directory has no step metadata
     try:
         ckptr = ocp.PyTreeCheckpointer()
-        saved = ckptr.metadata(d / str(step) / "state").item_metadata.tree["params"]
-        # Orbax restores its own nested dicts here (a partial restore cannot rebuild Equinox modules);
-        # the arrays are put back into the model by their key paths below.
-        if devices is None:
-            device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-            shardings = jax.tree.map(lambda m: device, saved)
-        else:
-            shardings = spread_shardings(saved, devices)
-        args = jax.tree.map(lambda m, sh: ocp.ArrayRestoreArgs(sharding=sh, global_shape=m.shape, dtype=m.dtype), saved, shardings)
-        restored = ckptr.restore(
-            d / str(step) / "state", args=ocp.args.PyTreeRestore(item={"params": saved}, restore_args={"params": args}, partial_restore=True)
-        )["params"]
-        ckptr.close()
+        try:
+            saved = ckptr.metadata(step_dir / "state").item_metadata
+            if saved is None:  # orbax returns no tree, rather than raising, when the manifest is gone
+                missing = [f for f in _ORBAX_FILES if not (step_dir / f).exists()]
+                raise Unreadable(
+                    f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing" if missing else "orbax cannot read its state metadata (damaged files)"
+                )
+            saved = saved.tree["params"]
+            # Orbax restores its own nested dicts here (a partial restore cannot rebuild Equinox modules);
+            # the arrays are put back into the model by their key paths below.
+            if devices is None:
+                device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+                shardings = jax.tree.map(lambda m: device, saved)
+            else:
+                shardings = spread_shardings(saved, devices)
+            args = jax.tree.map(lambda m, sh: ocp.ArrayRestoreArgs(sharding=sh, global_shape=m.shape, dtype=m.dtype), saved, shardings)
+            restored = ckptr.restore(
+                step_dir / "state", args=ocp.args.PyTreeRestore(item={"params": saved}, restore_args={"params": args}, partial_restore=True)
+            )["params"]
+            jax.block_until_ready(restored)
+        except Unreadable:
+            raise
+        except Exception as e:  # noqa: BLE001 - whatever TensorStore and orbax raise on damaged files
+            if "RESOURCE_EXHAUSTED" in str(e):
+                raise  # out of memory: not the files' fault
+            raise Unreadable(unreadable_reason(e, step_dir)) from None
+        finally:
+            ckptr.close()
     finally:
         absl.setLevel(level)
 

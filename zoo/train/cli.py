@@ -22,6 +22,7 @@ from zoo.train.config import GROUPS, ConfigError, TrainingStopped, _known_keys
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command Ctrl-C stopped
 
 _FAILED_JOBS: list[str] = []
 
@@ -46,13 +47,19 @@ def run_job(cfg: DictConfig) -> None:
     logging.getLogger("absl").setLevel(logging.WARNING)  # and orbax's, one per save
     out_dir, overrides, multirun, num = _hydra_context()
     label = f"job {num} [{' '.join(overrides)}]" if multirun else "run"
+    lock, refused = None, False
     try:
         c, plan, devices, flags = prepare(cfg)
+        try:  # after prepare: the processes of a multi-process run have joined, and only process 0 takes it
+            lock = _hold_run_dir(out_dir)
+        except ConfigError:
+            refused = True  # a live run holds the directory: its summary.json is not ours to write
+            raise
         train(c, plan, devices, out_dir, xla_flags=flags, overrides=overrides)
     except Exception as e:  # noqa: BLE001 - every failure is reported, none stops a sweep
         bad_input = isinstance(e, ConfigError)
         stopped = isinstance(e, TrainingStopped)  # the run stopped itself and says why in one line
-        if distributed.is_main_process():
+        if distributed.is_main_process() and not refused:
             write_json(
                 out_dir / "summary.json",
                 {"status": "failed", "overrides": overrides, "error": one_line(e), "error_type": type(e).__name__, "bad_input": bad_input},
@@ -67,9 +74,71 @@ def run_job(cfg: DictConfig) -> None:
         print(f"error: {label} failed: {one_line(e)}", file=sys.stderr, flush=True)
         _FAILED_JOBS.append(label)
     finally:
+        if lock is not None:
+            lock.release()
         import jax
 
         jax.clear_caches()  # the default launcher runs the next job in this same process
+
+
+RUN_LOCK = "zoo.run.lock"
+
+
+def _hold_run_dir(out_dir: pathlib.Path):
+    """Take the run directory's lock (process 0), so that a second run started into the directory of a
+    live one stops in one line instead of writing its summary.json over the live run's."""
+    if not distributed.is_main_process():
+        return None
+    from zoo.train.checkpoint import DirLock
+
+    lock = DirLock(out_dir, RUN_LOCK, "hydra.run.dir")
+    lock.acquire(print)
+    return lock
+
+
+def _output_dir_line(args: list[str]) -> Optional[str]:
+    """Before Hydra creates the output directory (and configures logging, writes .hydra/ into it):
+    one line when it cannot be created or written, or a live run holds it; None when it is fine."""
+    import tempfile
+
+    if any(a in ("-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "-sc", "--shell-completion") or a.startswith("--cfg") for a in args):
+        return None  # nothing is written
+    multirun = any(a in ("-m", "--multirun") for a in args)
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    given = [a.split("=", 1)[1] for a in args if a.lstrip("+").split("=", 1)[0] == key and "=" in a]
+    cwd = pathlib.Path.cwd()
+    if given:
+        text = given[-1].strip("'\"")
+        fixed = text.split("${", 1)[0]  # the part without interpolations (${now:...}) is checked
+        if fixed != text:
+            fixed = fixed.rsplit("/", 1)[0] if "/" in fixed else "."
+        target = (cwd / pathlib.Path(fixed).expanduser()) if fixed else cwd
+        fix = f"choose a writable directory ({key}=<dir>)"
+    else:  # Hydra's default: outputs/<date>/<time> (multirun/... for -m) under the working directory
+        target = cwd / ("multirun" if multirun else "outputs")
+        fix = f"run from a writable directory or set {key}=<a writable directory>"
+    existing = target
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if existing.exists() and not existing.is_dir():
+        return f"{key}: {existing} is a file, not a directory; {fix}"
+    try:
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=".zoo-write-probe-"):
+            pass
+    except OSError as e:
+        what = f"cannot write in {existing}" if existing == target else f"cannot create {target} in {existing}"
+        where = f" (the working directory: Hydra's default {key} is under it)" if not given and existing == cwd else ""
+        return f"{key}: {what} ({e.strerror or e}){where}; {fix}"
+    # The processes of one multi-process run share the run directory, and process 0 holds its lock.
+    several = any(a.lstrip("+").startswith("distributed.") for a in args) or int(os.environ.get("SLURM_NTASKS", "1") or 1) > 1
+    if given and not several and target.is_dir() and (target / RUN_LOCK).exists():
+        from zoo.train.checkpoint import DirLock
+
+        lock = DirLock(target, RUN_LOCK, key)
+        owner = lock.held_by_another()
+        if owner:
+            return lock.in_use_line(owner)
+    return None
 
 
 def one_line(e: BaseException) -> str:
@@ -164,6 +233,13 @@ def _unknown_key_line(key: str, value: Optional[str]) -> str:
             f"{key}: {what}{_closest(group, GROUPS)}; the groups are {', '.join(GROUPS)} (choose an option with "
             f"<group>=<option>, set a key with <group>.<key>=<value>)"
         )
+    if group == "data" and "." not in rest:
+        from zoo.train.config import foreign_data_key_line
+
+        # The chosen option does not list the key: it does not read it, so `+` would be silently ignored.
+        line = foreign_data_key_line(rest, value)
+        if line:
+            return line
     mapped = _map_key_line(key, value)
     if mapped:
         return mapped
@@ -316,8 +392,17 @@ def main(hydra_main: Callable, conf_dir: pathlib.Path) -> int:
     """Run the @hydra.main function; turn every error into one line and an exit code."""
     os.environ["HYDRA_FULL_ERROR"] = "1"  # let errors reach us instead of Hydra's multi-line report
     try:
+        line = _output_dir_line(sys.argv[1:])
+        if line:
+            print(f"error: {line}", file=sys.stderr)
+            return EXIT_BAD_INPUT
         with _argparse_one_line(TRAIN):
             hydra_main()
+    except KeyboardInterrupt:
+        from zoo.train import stop
+
+        print(f"error: interrupted (Ctrl-C) while {stop.PHASE}; {stop.PHASE_AFTER}", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else EXIT_FAILED)
     except Exception as e:  # noqa: BLE001

@@ -93,6 +93,28 @@ class OptimizerConfig:
 DATASETS = ("markov", "uniform", "text")
 
 
+# The data keys only some options read. Given to another option, such a key would be accepted and
+# silently ignored (data.path with the synthetic markov data trains on synthetic tokens): refused instead.
+DATA_KEYS_OF = {
+    **{k: ("text",) for k in ("path", "tokenizer", "text_field", "format", "shuffle", "eval_fraction", "eval_path")},
+    "branching": ("markov", "uniform"),
+}
+
+
+def foreign_data_key_line(key: str, value: Any = None, name: Optional[str] = None) -> Optional[str]:
+    """The one line for `data.<key>` given to a data option that does not read it (None: it does, or
+    the key is not one of DATA_KEYS_OF). `name`: the chosen option, when known."""
+    owners = DATA_KEYS_OF.get(key)
+    if owners is None or name in owners or (name is not None and name not in DATASETS):
+        return None  # (an unknown data.name is DataConfig's to report)
+    chosen = f"data={name}" if name else "the chosen data option"
+    example = f" data.{key}={value}" if value is not None else ""
+    if owners == ("text",):
+        what = "has a held-out split" if key.startswith("eval_") else "reads it"
+        return f"data.{key}: only data=text {what}, and {chosen} is synthetic tokens; set `data=text` (python train.py data=text{example})"
+    return f"data.{key}: only data=markov reads it ({chosen} takes its tokens from the text); drop it, or set `data=markov`"
+
+
 @dataclasses.dataclass
 class DataConfig:
     """Synthetic tokens, or real text. markov: each token has `branching` likely successors (learnable,
@@ -414,6 +436,12 @@ def load(cfg: DictConfig) -> TrainConfig:
     missing = [g for g in GROUPS if g not in cfg or cfg[g] is None]
     if missing:
         raise ConfigError(f"{missing[0]}: the group is missing; choose an option, e.g. {missing[0]}=<name>")
+    data = cfg["data"]
+    if isinstance(data, (DictConfig, dict)):
+        for key in data.keys():
+            line = foreign_data_key_line(str(key), data.get(key), data.get("name"))
+            if line:
+                raise ConfigError(line)
     model, pretrained = load_model(cfg["model"])
     c = TrainConfig(model=model, pretrained=pretrained, **{g: load_group(g, cfg[g]) for g in GROUPS if g != "model"})
     if pretrained is not None:

@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 from zoo.train.config import ConfigError, TrainConfig, TrainingStopped, XlaConfig, load, to_dict, validate
 from zoo.offload import OffloadConfig
 from zoo.train.xla_flags import GPU_HOST_OFFLOAD_FLAG, known_flag
+from zoo.train.stop import set_phase
 
 # The XLA flags this process started JAX with (None: not started by us).
 _APPLIED_XLA_FLAGS: Optional[str] = None
@@ -153,7 +154,7 @@ def _train(c: TrainConfig, plan, devices, out_dir: pathlib.Path, xla_flags: str,
     processes = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
     echo(
         f"model {c.model.family} ({count_params(c.model) / 1e6:.2f}M params, {count_params(c.model, active=True) / 1e6:.2f}M active) "
-        f"mesh {plan.mesh.sizes} on {len(mesh_devices)} {mesh_devices[0].platform} device(s){processes}, offload {c.offload.name}, "
+        f"mesh {plan.mesh.sizes} on {len(mesh_devices)} {mesh_devices[0].platform} device(s){processes}, offload {offload_label(c, overrides)}, "
         f"batch {c.data.batch_size}x{c.data.seq_len}, {steps} steps"
     )
     echo(kernels_line(c, plan))
@@ -188,6 +189,8 @@ def _train(c: TrainConfig, plan, devices, out_dir: pathlib.Path, xla_flags: str,
             echo(f"checkpoints: {ckpt.dir}, none yet: starting from step 0")
 
         t0 = time.perf_counter()
+        set_phase(f"{'restoring step ' + str(start) if start else 'initialising the parameters'}, before any step ran",
+                  "nothing was trained or saved; run the same command again")
         state, start = initial_state(trainer, ckpt, start)
         jax.block_until_ready(state)
         init_s = time.perf_counter() - t0
@@ -196,6 +199,7 @@ def _train(c: TrainConfig, plan, devices, out_dir: pathlib.Path, xla_flags: str,
             echo(f"checkpoints: {ckpt.dir}, resuming from step {start}{set_aside}")
         batches = Batches(data, trainer)
         t0 = time.perf_counter()
+        set_phase(f"compiling the training step, before step {start + 1}", "nothing was trained or saved; run the same command again")
         compiled = trainer.compile(state, batches.prefetch(start))
         compile_s = time.perf_counter() - t0
         mem_compiled = compiled_memory(compiled)
@@ -235,6 +239,14 @@ def _train(c: TrainConfig, plan, devices, out_dir: pathlib.Path, xla_flags: str,
         f"of {c.hardware.name}{' (nominal)' if c.hardware.nominal else ''}; summary: {out_dir / 'summary.json'}"
     )
     return summary
+
+
+def offload_label(c: TrainConfig, overrides=()) -> str:
+    """The offload presets the run composed (`offload=[a,b]`: `a+b`; the merged config keeps only the
+    first one's name, and Hydra records no choice for a list), else the config's name."""
+    given = [o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0] == "offload" and "=" in o]
+    names = [n.strip() for n in given[-1].strip("[]").split(",") if n.strip()] if given else []
+    return "+".join(names) if len(names) > 1 else c.offload.name
 
 
 def initial_state(trainer, ckpt, start: int):
@@ -424,7 +436,8 @@ def _stop_for_requeue(c: TrainConfig, stop, log: StepLog, ckpt, start: int, out_
     from zoo.train.stop import EXIT_REQUEUE
 
     done = log.completed
-    when = f"after step {done}" if done > start else f"before step {done + 1}"
+    # XLA cannot be interrupted mid-compile: a signal sent while it compiles is acted on when it ends.
+    when = f"after step {done}" if done > start else f"before step {done + 1} (a signal during compilation is acted on once it ends)"
     if ckpt is None:
         raise TrainingStopped(
             f"stopped by {stop.received} {when}; checkpointing is off (checkpoint.dir=null), so nothing was "
@@ -527,6 +540,12 @@ def _kept(ckpt) -> str:
     """Which checkpoint a stopped run leaves (after the save in flight completes)."""
     if ckpt is None:
         return "checkpointing is off (checkpoint.dir=null)"
+    last = ckpt.latest()
+    set_phase(
+        "waiting for the checkpoint save in flight, after a first Ctrl-C",
+        f"the steps saved before it are intact (last: {last} in {ckpt.dir}); a save cut short is left as a temporary "
+        "directory no resume reads; run the same command to resume" if last is not None else f"no checkpoint in {ckpt.dir} yet",
+    )
     ckpt.wait()
     last = ckpt.latest()
     return f"last good checkpoint: step {last} in {ckpt.dir}" if last is not None else f"no checkpoint in {ckpt.dir} yet"

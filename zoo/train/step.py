@@ -193,7 +193,13 @@ class Trainer:
         the optimizer state initialised from them, sharded, as `init` does."""
         from zoo.hf import load_sharded
 
-        params = load_sharded(self.cfg.pretrained.path, self.cfg.model, self.param_shardings)
+        from zoo.hf import CheckpointError
+        from zoo.train.config import ConfigError
+
+        try:
+            params = load_sharded(self.cfg.pretrained.path, self.cfg.model, self.param_shardings)
+        except CheckpointError as e:  # bad weights (non-finite values): before anything compiles
+            raise ConfigError(f"model.path: {str(e).splitlines()[0]}") from None
         cpu = self.mesh.devices.flat[0].platform == "cpu"
         opt_init = jax.jit(self.tx.init, out_shardings=self.opt_shardings).lower(params)
         opt_state = opt_init.compile({"xla_backend_optimization_level": 0} if cpu else None)(params)

@@ -22,6 +22,16 @@ import numpy as np
 EXIT_REQUEUE = 75
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 
+# What the run is doing and what a Ctrl-C there leaves: the one line a KeyboardInterrupt that reaches
+# zoo.train.cli ends the process with (exit code 130). Set by zoo.train.run as the run goes on.
+PHASE = "starting"
+PHASE_AFTER = "no step ran; run the command again"
+
+
+def set_phase(doing: str, after: str = PHASE_AFTER) -> None:
+    global PHASE, PHASE_AFTER
+    PHASE, PHASE_AFTER = doing, after
+
 
 class StopSignals:
     """Installed for the length of a run (`with StopSignals() as stop:`); `received` names the first

@@ -1,0 +1,324 @@
+"""A new user's bad inputs, through the real commands: each ends with one line naming the key or file
+and the fix (exit code 2 before anything compiles; 130 for Ctrl-C; 0 with one `note:` line where the
+tool goes on), no traceback, and no file an earlier run wrote changes.
+
+One small run is trained once for the module (llama_tiny_a on one device, 3 steps, a checkpoint each
+step) and exported once as a Hugging Face directory; every case works on copies of them.
+"""
+
+import hashlib
+import json
+import os
+import pathlib
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TINY = ["mesh=single", "xla.cpu_devices=1", "data.batch_size=4", "data.seq_len=16", "xla.cpu_fast_compile=true",
+        "trainer.progress=false"]  # fmt: skip
+EVERY = ["checkpoint.every_n_steps=1", "checkpoint.keep_last=3"]
+LLAMA = "model=llama_tiny_a"
+
+
+def env(**extra) -> dict:
+    e = dict(os.environ)
+    e.pop("ZOO_TRACEBACK", None)
+    e["PYTHONPATH"] = os.pathsep.join([str(ROOT), *([e["PYTHONPATH"]] if e.get("PYTHONPATH") else [])])
+    e["PYTHONUNBUFFERED"] = "1"  # the Ctrl-C cases wait for a line of the run's output
+    e.update(extra)
+    return e
+
+
+def train_cmd(*args) -> list[str]:
+    return [sys.executable, str(ROOT / "train.py"), *args]
+
+
+def tool_cmd(tool: str, *args) -> list[str]:
+    return [sys.executable, "-m", f"zoo.{tool}", *args]
+
+
+def fingerprint(*paths: pathlib.Path) -> dict:
+    out = {}
+    for root in paths:
+        files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+        out.update({str(p): hashlib.sha256(p.read_bytes()).hexdigest() for p in files})
+    return out
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """One finished run (its run directory and checkpoints of steps 1-3) and its step 3 exported."""
+    d = tmp_path_factory.mktemp("base")
+    p = subprocess.run(
+        train_cmd(LLAMA, *TINY, *EVERY, "offload=[llama_qkv_offload,optimizer_host]", "trainer.steps=3", f"checkpoint.dir={d / 'ckpt'}",
+                  f"hydra.run.dir={d / 'run'}"),
+        cwd=d, env=env(), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    from zoo.export import hf_export
+
+    hf_export(d / "ckpt", d / "hf")
+    return d, p.stdout
+
+
+def test_a_run_names_every_offload_preset_and_leaves_no_empty_log(base):
+    d, stdout = base
+    assert stdout.splitlines()[0].split(", offload ")[1].startswith("llama_qkv_offload+optimizer_host, "), stdout.splitlines()[0]
+    assert not (d / "run" / "train.log").exists()  # Hydra's file log was always empty
+    assert sorted(p.name for p in (d / "run").iterdir()) == [".hydra", "metrics.jsonl", "summary.json"]
+
+
+# --- the cases -----------------------------------------------------------------------------------
+# Each setup gets (tmp_path, base dir) and returns (command, working directory, paths that must not
+# change); then (exit code, the regex stderr's one line matches), and for Ctrl-C what to do to the process.
+
+
+def _copy_run(tmp, d):
+    shutil.copytree(d / "run", tmp / "run")
+    shutil.copytree(d / "ckpt", tmp / "ckpt")
+    return tmp / "run", tmp / "ckpt"
+
+
+def _unwritable_dir(tmp) -> pathlib.Path:
+    """A directory this process cannot create files in (root ignores permissions: then /sys, read-only)."""
+    ro = tmp / "read-only"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        (ro / "probe").touch()
+    except OSError:
+        return ro
+    (ro / "probe").unlink()
+    if pathlib.Path("/sys/kernel").is_dir():
+        return pathlib.Path("/sys/kernel")
+    pytest.skip("no directory here is unwritable to this user")
+
+
+def _books(tmp):
+    (tmp / "books.jsonl").write_text('{"text": "a book"}\n')
+    return tmp / "books.jsonl"
+
+
+def _truncate_newest(ckpt):
+    f = max((ckpt / "3" / "state").rglob("d/*"), key=lambda p: p.stat().st_size)
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+
+def _live_lock(d: pathlib.Path, name: str):
+    """A lock file as a live run writes it, owned by this (live) test process."""
+    from zoo.train.checkpoint import _process_start
+
+    (d / name).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "pid_start": _process_start(os.getpid()),
+                                      "started": "now", "command": "python train.py (the live run)"}))  # fmt: skip
+
+
+def _hf_with(tmp, d, weights: bytes = None, nan_tensor: str = None):
+    hf = tmp / "hf"
+    shutil.copytree(d / "hf", hf)
+    if weights is not None:
+        (hf / "model.safetensors").write_bytes(weights)
+    if nan_tensor is not None:
+        from safetensors.numpy import load_file, save_file
+
+        tensors = load_file(hf / "model.safetensors")
+        tensors[nan_tensor][0, 0] = np.nan
+        save_file(tensors, hf / "model.safetensors", metadata={"format": "pt"})
+    return hf
+
+
+def _random_bytes() -> bytes:
+    b = bytearray(np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes())
+    b[8] = ord("x")  # a safetensors header would start with `{` here
+    return bytes(b)
+
+
+def _sweep(tmp, d):
+    """A sweep of two jobs: one trained, one resumed from a checkpoint already at trainer.steps."""
+    sweep = tmp / "sweep"
+    shutil.copytree(d / "run", sweep / "0")
+    (sweep / "1").mkdir()
+    (sweep / "1" / "summary.json").write_text(json.dumps({"status": "ok", "overrides": ["trainer.steps=3"], "steps": 3, "start_step": 3,
+                                                          "steps_run": 0, "checkpoint": {"dir": "ckpt", "steps": [3]}}))  # fmt: skip
+    return sweep
+
+
+def _slow_save_hook(tmp) -> pathlib.Path:
+    """A sitecustomize for the train.py process: the wait for a save in flight takes 30 s and says when it
+    starts, so a second Ctrl-C can be sent during it (a tiny model's save is otherwise over at once)."""
+    hook = tmp / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import os, pathlib, time\n"
+        "def _patch():\n"
+        "    from zoo.train import checkpoint\n"
+        "    wait = checkpoint.Checkpoints.wait\n"
+        "    def slow(self):\n"
+        "        pathlib.Path(os.environ['ZOO_TEST_WAITING']).touch()\n"
+        "        time.sleep(30)\n"
+        "        wait(self)\n"
+        "    checkpoint.Checkpoints.wait = slow\n"
+        "if os.environ.get('ZOO_TEST_WAITING'):\n"
+        "    import builtins\n"
+        "    _import = builtins.__import__\n"
+        "    def _hook(name, *a, **k):\n"
+        "        m = _import(name, *a, **k)\n"
+        "        if name == 'zoo.train.run' and not getattr(builtins, '_zoo_patched', False):\n"
+        "            builtins._zoo_patched = True\n"
+        "            _patch()\n"
+        "        return m\n"
+        "    builtins.__import__ = _hook\n"
+    )
+    return hook
+
+
+def _wait_for(pred, proc, seconds=300):
+    t0 = time.time()
+    while not pred():
+        assert proc.poll() is None, f"the run ended early: {proc.stderr.read() if proc.stderr else ''}"
+        assert time.time() - t0 < seconds, "timed out"
+        time.sleep(0.05)
+
+
+def _ctrl_c_before_first_step(proc, tmp):
+    line = proc.stdout.readline()  # the first line: the model is described, nothing has compiled yet
+    assert line.startswith("model "), line
+    proc.send_signal(signal.SIGINT)
+
+
+def _ctrl_c_twice(proc, tmp):
+    metrics = tmp / "run2" / "metrics.jsonl"
+    _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, proc)
+    proc.send_signal(signal.SIGINT)
+    _wait_for(lambda: (tmp / "waiting").exists(), proc)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+
+
+HF_Q = "model.layers.1.self_attn.q_proj.weight"
+CASES = {
+    # Keys of another data source: refused with "set data=text", never accepted (with + they trained on markov).
+    "data.path with markov data": (
+        lambda t, d: (train_cmd(LLAMA, *TINY, f"data.path={_books(t)}", f"hydra.run.dir={t / 'run'}"), t, [_books(t)]),
+        (2, r"data\.path: only data=text reads it, .*; set `data=text` \(python train\.py data=text data\.path=.*books\.jsonl\)"),
+    ),
+    "+data.path with markov data": (
+        lambda t, d: (train_cmd(LLAMA, *TINY, f"+data.path={_books(t)}", f"hydra.run.dir={t / 'run'}"), t, [_books(t)]),
+        (2, r"data\.path: only data=text reads it, and data=markov is synthetic tokens; set `data=text` .*"),
+    ),
+    "data.eval_fraction with markov data": (
+        lambda t, d: (train_cmd(LLAMA, *TINY, "data.eval_fraction=0.1", f"hydra.run.dir={t / 'run'}"), t, []),
+        (2, r"data\.eval_fraction: only data=text has a held-out split, .*; set `data=text` .*"),
+    ),
+    "missing data.eval_path": (
+        lambda t, d: (train_cmd(LLAMA, *TINY, "data=text", "data.eval_path=no_such.txt", f"hydra.run.dir={t / 'run'}"), t, []),
+        (2, r"data\.eval_path: no_such\.txt does not exist; point data\.eval_path at a \.txt or \.jsonl file .*"),
+    ),
+    # The run directory.
+    "hydra.run.dir is a file": (
+        lambda t, d: (train_cmd(LLAMA, *TINY, f"hydra.run.dir={_books(t)}"), t, [_books(t)]),
+        (2, r"hydra\.run\.dir: .*books\.jsonl is a file, not a directory; choose a writable directory .*"),
+    ),
+    "hydra.run.dir cannot be created": (
+        lambda t, d: (train_cmd(LLAMA, *TINY, "hydra.run.dir=/proc/no_such_dir/run"), t, []),
+        (2, r"hydra\.run\.dir: cannot create /proc/no_such_dir/run in /proc \(.*\); choose a writable directory .*"),
+    ),
+    "hydra.run.dir unwritable": (
+        lambda t, d: (train_cmd(LLAMA, *TINY, f"hydra.run.dir={_unwritable_dir(t)}"), t, []),
+        (2, r"hydra\.run\.dir: cannot write in \S+ \(.*\); choose a writable directory .*"),
+    ),
+    "read-only working directory": (
+        lambda t, d: (train_cmd(LLAMA, *TINY), _unwritable_dir(t), []),
+        (2, r"hydra\.run\.dir: cannot create \S+/outputs in \S+ \(.*\) \(the working directory: .*\); run from a writable directory "
+            r"or set hydra\.run\.dir=.*"),  # fmt: skip
+    ),
+    # A second run into the directories of a live one: refused before Hydra writes into its run directory.
+    "same run dir and checkpoint as a live run": (
+        lambda t, d: (
+            (lambda run, ckpt: (_live_lock(run, "zoo.run.lock"), _live_lock(ckpt, "zoo.lock"))
+             and train_cmd(LLAMA, *TINY, *EVERY, "trainer.steps=6", f"checkpoint.dir={ckpt}", f"hydra.run.dir={run}"))(*_copy_run(t, d)),
+            t, [t / "run", t / "ckpt"],
+        ),  # fmt: skip
+        (2, r"hydra\.run\.dir: \S+/run is in use by another run \(pid \d+ on .*\); wait for it to end or give this run another hydra\.run\.dir .*"),
+    ),
+    # Ctrl-C.
+    "Ctrl-C before the first step": (
+        lambda t, d: (train_cmd(LLAMA, *TINY, "trainer.steps=3", f"hydra.run.dir={t / 'run'}"), t, []),
+        (130, r"interrupted \(Ctrl-C\) while .*; .*run the (same )?command again"),
+        _ctrl_c_before_first_step,
+    ),
+    "a second Ctrl-C during the save": (
+        lambda t, d: (train_cmd(LLAMA, *TINY, *EVERY, "trainer.steps=500", f"checkpoint.dir={t / 'ckpt2'}", f"hydra.run.dir={t / 'run2'}"), t, []),
+        (130, r"interrupted \(Ctrl-C\) while waiting for the checkpoint save in flight, after a first Ctrl-C; the steps saved before it are "
+              r"intact \(last: \d+ in .*\);.* run the same command to resume"),  # fmt: skip
+        _ctrl_c_twice,
+    ),
+    # Checkpoints read by the tools.
+    "zoo.export, newest step damaged": (
+        lambda t, d: ((_copy_run(t, d), _truncate_newest(t / "ckpt")) and tool_cmd("export", str(t / "ckpt"), str(t / "out")), t, [t / "ckpt"]),
+        (0, r"note: \S+/ckpt: using step 2, the newest step that reads; skipped step 3: .*"),
+    ),
+    "zoo.generate, every step without its manifest": (
+        lambda t, d: (
+            (_copy_run(t, d), [m.unlink() for m in (t / "ckpt").glob("*/state/manifest.ocdbt")])
+            and tool_cmd("generate", f"checkpoint.dir={t / 'ckpt'}", "prompt=hi", "tokenizer=bytes"),
+            t, [t / "ckpt"],
+        ),
+        (2, r"\S+/ckpt: step 1 is unreadable \(state/manifest\.ocdbt is missing\), as are steps 2, 3: no intact checkpoint is left; .*"),
+    ),
+    "zoo.report, a job ran no steps": (
+        lambda t, d: (tool_cmd("report", str(_sweep(t, d))), t, [t / "sweep" / "0", t / "sweep" / "1"]),
+        (0, r"note: job\(s\) 1 ran no steps, so they have no timing; marked in report\.md"),
+    ),
+    # Hugging Face weights.
+    "random bytes as model.safetensors": (
+        lambda t, d: (train_cmd(*TINY, "model=hf", f"model.path={_hf_with(t, d, weights=_random_bytes())}", f"hydra.run.dir={t / 'run'}"),
+                      t, [t / "hf"]),  # fmt: skip
+        (2, r"model\.path: \S+/model\.safetensors: not a safetensors file \(it does not start with a header length and a JSON header\); .*"),
+    ),
+    "NaN weights in model.path": (
+        lambda t, d: (train_cmd(*TINY, "model=hf", f"model.path={_hf_with(t, d, nan_tensor=HF_Q)}", "trainer.steps=2", f"hydra.run.dir={t / 'run'}"),
+                      t, [t / "hf"]),  # fmt: skip
+        (2, rf"model\.path: \S+/hf: tensor {re.escape(HF_Q)} holds non-finite values \(NaN or inf\); .*"),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_ends_in_one_line_and_changes_no_file(case, base, tmp_path):
+    setup, (code, line), *interact = CASES[case]
+    cmd, cwd, guarded = setup(tmp_path, base[0])
+    before = fingerprint(*guarded)
+    extra = {"ZOO_TEST_WAITING": str(tmp_path / "waiting"), "PYTHONPATH": os.pathsep.join([str(_slow_save_hook(tmp_path)), str(ROOT)])} if interact and case.startswith("a second") else {}  # noqa: E501
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env(**extra), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        if interact:
+            interact[0](proc, tmp_path)
+        out, err = proc.communicate(timeout=600)
+    finally:
+        proc.kill()
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert proc.returncode == code, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    prefix = "error: " if code else ""
+    assert len(lines) == 1 and re.fullmatch(prefix + line, lines[0]), err[-3000:]
+    if code == 2:
+        assert "s, compile " not in out  # it stopped before compiling anything
+    assert fingerprint(*guarded) == before  # nothing a run had written changed
+    if case == "a second Ctrl-C during the save":
+        from zoo.train.checkpoint import restore_model
+
+        last = int(re.search(r"\(last: (\d+) in ", lines[0]).group(1))
+        assert restore_model(tmp_path / "ckpt2", last)[1]["step"] == last  # the checkpoint it names reads
+    if case == "zoo.report, a job ran no steps":
+        table = (tmp_path / "sweep" / "report.md").read_text()
+        assert "| ran no steps (its checkpoint was already at step 3 of trainer.steps=3) |" in table and "| ok |" in table
+    if case == "zoo.export, newest step damaged":
+        assert "exported step 2 of " in out
