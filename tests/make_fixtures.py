@@ -80,21 +80,23 @@ def _gpt_oss_ties(model, config) -> None:
 _GPT_OSS_EXPERTS = r"mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$"
 _MOE = dict(num_local_experts=4, num_experts_per_tok=2)
 
+_A = dict(max_position_embeddings=256, rms_norm_eps=1e-6)  # as the checked-in *_tiny_a configs have them
+
 RECIPES = {
-    # --- the kind of tests/data/families/*_tiny_a (same configs; not the same bytes) ---
-    "qwen2_tiny_a": Recipe("qwen2", dict(hidden_size=112, num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
+    # --- the kind of tests/data/families/*_tiny_a (the same zoo configs; not the same bytes) ---
+    "qwen2_tiny_a": Recipe("qwen2", dict(_A, hidden_size=112, intermediate_size=160, num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
                                          rope_parameters=dict(rope_type="default", rope_theta=1e6), use_sliding_window=False,
                                          sliding_window=8, max_window_layers=1), 11000,
                            (r"layers\.0\.self_attn\.[qk]_proj\.(weight|bias)$", r"embed_tokens", r"layers\.1\.mlp\.down_proj")),
-    "qwen3_tiny_a": Recipe("qwen3", dict(head_dim=16, tie_word_embeddings=True, rope_parameters=dict(rope_type="default", rope_theta=1e6)),
+    "qwen3_tiny_a": Recipe("qwen3", dict(_A, head_dim=16, tie_word_embeddings=True, rope_parameters=dict(rope_type="default", rope_theta=1e6)),
                            11100, (r"layers\.0\.self_attn\.[qk]_norm", r"embed_tokens", r"layers\.1\.mlp\.up_proj")),
-    "qwen3_moe_tiny_a": Recipe("qwen3_moe", dict(head_dim=24, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+    "qwen3_moe_tiny_a": Recipe("qwen3_moe", dict(_A, head_dim=24, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
                                                  norm_topk_prob=True, rope_parameters=dict(rope_type="default", rope_theta=1e6)),
                                11200, (r"layers\.1\.mlp\.gate\.weight", r"layers\.0\.mlp\.experts\.[0-3]\.down_proj")),
-    "mixtral_tiny_a": Recipe("mixtral", dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=64, sliding_window=None,
+    "mixtral_tiny_a": Recipe("mixtral", dict(max_position_embeddings=256, num_local_experts=8, num_experts_per_tok=2, intermediate_size=64, sliding_window=None,
                                              rope_parameters=dict(rope_type="default", rope_theta=1e6)),
                              11300, (r"layers\.1\.block_sparse_moe\.gate", r"layers\.0\.block_sparse_moe\.experts\.[0-3]\.w1")),
-    "gemma3_tiny_a": Recipe("gemma3_text", dict(num_hidden_layers=4, num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=24,
+    "gemma3_tiny_a": Recipe("gemma3_text", dict(_A, num_hidden_layers=4, num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=24,
                                                 sliding_window=8, tie_word_embeddings=True,
                                                 layer_types=["sliding_attention"] * 3 + ["full_attention"],
                                                 rope_parameters=dict(sliding_attention=dict(rope_type="default", rope_theta=1e4),
