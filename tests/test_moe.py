@@ -361,3 +361,77 @@ def test_correction_bias_stays_float32_whatever_the_load_dtype(ref_dir):
     assert ffn.router.dtype == jnp.bfloat16 and ffn.w_gate.dtype == jnp.bfloat16
     file_bias = load_file(ref_dir("dsv3_tiny_a") / "model.safetensors")["model.layers.1.mlp.gate.e_score_correction_bias"]
     np.testing.assert_array_equal(np.asarray(ffn.e_score_correction_bias)[0], file_bias.astype(np.float32))
+
+
+# --- GPT-OSS's clamped SwiGLU: the clamp's derivative at and beyond the limit ------------------
+
+
+def _clamped_swiglu(limit: float, alpha: float):
+    from zoo.nn.moe import expert_activation
+
+    return expert_activation(MoEConfig(activation="clamped_swiglu", swiglu_limit=limit, swiglu_alpha=alpha))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("path", ["plain", "gated"])
+def test_clamped_swiglu_derivative_at_the_limit_is_torchs(dtype, path):
+    """torch.clamp passes the gradient where x <= limit, the limit included (and x >= -limit for up), and
+    none beyond; jnp.minimum / jnp.clip pass half of it at a tie. bfloat16 values sit on the limit often,
+    so a tie must give the derivative of the unclamped function there, in reverse and forward mode."""
+    from functools import partial
+
+    from zoo.nn.mlp import gated
+
+    limit, alpha = 0.75, 1.702
+    fn = _clamped_swiglu(limit, alpha)
+    f = partial(gated, fn) if path == "gated" else fn
+    # gate: below, on and beyond the one-sided limit, on -limit and below it (not clamped there)
+    g = np.array([0.5, limit, limit, 1.0, -limit, -1.0])
+    u = np.array([0.25, 0.25, limit, -limit, -1.0, 1.0])
+    gate, up = jnp.asarray(g, dtype), jnp.asarray(u, dtype)  # all exact in bfloat16
+
+    @jax.jit
+    def derivatives(gate, up):
+        d_gate, d_up = jax.grad(lambda g, u: f(g, u).astype(jnp.float32).sum(), (0, 1))(gate, up)
+        forward = jax.jvp(f, (gate, up), (jnp.ones_like(gate), jnp.ones_like(up)))[1]
+        return d_gate, d_up, forward
+
+    d_gate, d_up, forward = (np.asarray(a, np.float64) for a in derivatives(gate, up))
+    s = 1 / (1 + np.exp(-alpha * g))
+    want_gate = np.where(g <= limit, (np.clip(u, -limit, limit) + 1) * (s + alpha * g * s * (1 - s)), 0.0)
+    gc = np.minimum(g, limit)
+    want_up = np.where(np.abs(u) <= limit, gc / (1 + np.exp(-alpha * gc)), 0.0)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == "float32" else dict(rtol=2e-2, atol=1e-2)
+    np.testing.assert_allclose(d_gate, want_gate, **tol)
+    np.testing.assert_allclose(d_up, want_up, **tol)
+    np.testing.assert_allclose(forward, want_gate + want_up, **tol)
+    assert d_gate[1] != 0 and d_gate[2] != 0 and d_up[2] != 0 and d_up[3] != 0  # the ties pass the gradient
+    assert d_gate[3] == 0 and d_up[4] == 0 and d_up[5] == 0  # beyond the limit: none
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_clamped_swiglu_gradient_matches_torch(dtype):
+    """The same activation and gradient as transformers' GptOssExperts._apply_gate, on values a third of
+    which sit exactly on +-limit (skipped where torch is not installed: the `hf` extra)."""
+    torch = pytest.importorskip("torch")
+    from zoo.nn.mlp import gated
+
+    limit, alpha = 0.75, 1.702
+    rng = np.random.default_rng(0)
+    values = rng.normal(size=(2, 64, 16)).astype(np.float32)
+    values = np.where(rng.random(values.shape) < 1 / 3, np.sign(values) * limit, values)
+    tdt = dict(float32=torch.float32, bfloat16=torch.bfloat16)[dtype]
+    gate_t, up_t = (torch.tensor(v).to(tdt).requires_grad_() for v in values)
+    g = gate_t.clamp(min=None, max=limit)
+    u = up_t.clamp(min=-limit, max=limit)
+    out_t = (u + 1) * (g * torch.sigmoid(g * alpha))
+    out_t.float().sum().backward()
+
+    fn = _clamped_swiglu(limit, alpha)
+    step = jax.jit(jax.value_and_grad(lambda g, u: gated(fn, g, u).astype(jnp.float32).sum(), (0, 1)))
+    _, grads = step(*(jnp.asarray(v, dtype) for v in values))
+    out = jax.jit(fn)(*(jnp.asarray(v, dtype) for v in values))
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == "float32" else dict(rtol=1e-2, atol=1e-2)
+    np.testing.assert_allclose(np.asarray(out, np.float32), out_t.detach().float().numpy(), **tol)
+    for ours, theirs in zip(grads, (gate_t.grad, up_t.grad)):
+        np.testing.assert_allclose(np.asarray(ours, np.float32), theirs.float().numpy(), **tol)

@@ -110,6 +110,22 @@ def _per_device(route_fn):
     return jax.shard_map(route_fn, mesh=layout.mesh, in_specs=(tokens, P(), P()), out_specs=(tokens, tokens))
 
 
+def clamp(x: Float[Array, "*shape"], lo: Optional[float], hi: Optional[float]) -> Float[Array, "*shape"]:
+    """`x` clamped to [lo, hi] (None: no bound on that side), with torch.clamp's derivative: 1 where
+    lo <= x <= hi, bounds included, 0 beyond.
+
+    jnp.minimum / jnp.clip give the same values but split the derivative 0.5 / 0.5 when x equals the
+    bound. bfloat16 pre-activations land exactly on GPT-OSS's swiglu_limit often, and there halving
+    the gradient moved whole weight columns away from what transformers trains
+    (tests/data/families/gpt_oss_tiny_hard plants such units). A select passes the derivative of the
+    branch it takes, so the rule holds in forward mode and at any order, in every dtype."""
+    if hi is not None:
+        x = jnp.where(x > hi, jnp.asarray(hi, x.dtype), x)
+    if lo is not None:
+        x = jnp.where(x < lo, jnp.asarray(lo, x.dtype), x)
+    return x
+
+
 def expert_activation(c: MoEConfig):
     """`(gate, up) -> hidden` of one expert."""
     if c.activation == "silu":
@@ -118,8 +134,8 @@ def expert_activation(c: MoEConfig):
 
     def clamped_swiglu(gate, up):
         # GPT-OSS: the gate is clamped from above only, up on both sides, and up is shifted by one.
-        gate = jnp.minimum(gate, limit)
-        up = jnp.clip(up, -limit, limit)
+        gate = clamp(gate, None, limit)
+        up = clamp(up, -limit, limit)
         return (up + 1) * (gate * jax.nn.sigmoid(alpha * gate))
 
     return clamped_swiglu
