@@ -2,8 +2,9 @@
 `AutoModelForCausalLM.from_pretrained` (whose config classes validate each field's type strictly) and
 compute Zoo's logits.
 
-transformers and torch are an optional extra (`pip install -e '.[hf]'`): without them this module is
-skipped, and no other test imports them, so the rest of the suite does not pay their import time.
+transformers and torch are an optional extra (`pip install -e '.[hf]'`): without them the tests that
+load an export skip, saying so. Only those tests import them (the `transformers` fixture), so no other
+test, nor collecting this module, pays their import time.
 The families come from `zoo.hf.families()`, each with the fixture under tests/data whose config.json
 names its model_type (tests/data/families/README.md).
 """
@@ -28,11 +29,6 @@ from zoo import hf
 from zoo.config import SIZES, RopeConfig
 from zoo.hf.convert import _architecture_only
 
-transformers = pytest.importorskip(
-    "transformers", reason="transformers is not installed (pip install -e '.[hf]'); the export-loads-in-transformers checks need it"
-)
-torch = pytest.importorskip("torch", reason="torch is not installed (pip install -e '.[hf]'); transformers runs on it")
-
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data"
 MODEL_TYPES = {f.name: f.model_type for f in hf.families()}  # the registry: every family zoo converts
@@ -41,6 +37,16 @@ ATOL = 1e-4
 CLI_FAMILY = "gemma3"  # the family exported by `python -m zoo.export` (the others call hf_export, its code path)  # float32, what the fixtures' README gives a reimplementation
 
 _logits = eqx.filter_jit(lambda model, tokens: model(tokens))
+
+
+@pytest.fixture(scope="module")
+def transformers():
+    """Imported by the tests that use it, not when the module is collected: every test worker collects
+    every module, and torch with transformers take seconds to import."""
+    pytest.importorskip("torch", reason="torch is not installed (pip install -e '.[hf]'); transformers runs on it")
+    return pytest.importorskip(
+        "transformers", reason="transformers is not installed (pip install -e '.[hf]'); loading exports in it needs it"
+    )
 
 
 def fixture(family: str) -> pathlib.Path:
@@ -81,7 +87,10 @@ def train_py_checkpoint(overrides: list, seed: int = 0, step: int = 1):
     return c
 
 
-def transformers_logits(directory: pathlib.Path, tokens: np.ndarray) -> np.ndarray:
+def transformers_logits(transformers, directory: pathlib.Path, tokens: np.ndarray) -> np.ndarray:
+    """float32 logits of the directory as transformers loads it (eager attention, as the fixtures were made)."""
+    import torch
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, attn_implementation="eager")
@@ -98,7 +107,7 @@ def zoo_logits(checkpoint_dir: pathlib.Path, tokens: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_export_of_a_hugging_face_checkpoint_loads_in_transformers(family, tmp_path):
+def test_export_of_a_hugging_face_checkpoint_loads_in_transformers(family, transformers, tmp_path):
     """The family's fixture trained on with `model=hf` (its initial state saved), exported by hf_export:
     transformers loads the directory strictly and computes Zoo's logits on the fixture's tokens; the
     source's bos/eos ids and generation_config.json come through."""
@@ -120,7 +129,7 @@ def test_export_of_a_hugging_face_checkpoint_loads_in_transformers(family, tmp_p
         hf_export(tmp_path / "ckpt", tmp_path / "out")
 
     tokens = np.load(src / "inputs.npy")
-    theirs = transformers_logits(tmp_path / "out", tokens)
+    theirs = transformers_logits(transformers, tmp_path / "out", tokens)
     ours = zoo_logits(tmp_path / "ckpt", tokens)
     np.testing.assert_allclose(theirs, ours, atol=ATOL, rtol=0)
     np.testing.assert_allclose(theirs, np.load(src / "logits.npy"), atol=ATOL, rtol=0)  # and the source's own logits
@@ -157,7 +166,7 @@ def with_options(family: str):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_export_of_a_zoo_model_with_other_options_loads_in_transformers(family, tmp_path):
+def test_export_of_a_zoo_model_with_other_options_loads_in_transformers(family, transformers, tmp_path):
     """A zoo model (its tiny preset with options the fixtures leave out; random weights, biases, norms
     and sinks, not an initialiser's zeros and ones), read by from_pretrained and written by
     save_pretrained as hf_export writes it: transformers loads it and computes Zoo's logits."""
@@ -181,12 +190,12 @@ def test_export_of_a_zoo_model_with_other_options_loads_in_transformers(family, 
 
     tokens = np.random.default_rng(2).integers(0, c.vocab_size, (2, 24))
     ours = np.asarray(_logits(model, jnp.asarray(tokens)))
-    np.testing.assert_allclose(transformers_logits(tmp_path / "out", tokens), ours, atol=ATOL, rtol=0)
+    np.testing.assert_allclose(transformers_logits(transformers, tmp_path / "out", tokens), ours, atol=ATOL, rtol=0)
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["bos_token_id"] is None and config["eos_token_id"] is None  # not transformers' class defaults
 
 
-def test_every_preset_config_loads_strictly_and_reads_back_alike(tmp_path):
+def test_every_preset_config_loads_strictly_and_reads_back_alike(transformers, tmp_path):
     """config_to_hf of every model preset (the real sizes too) and of each family's options above: the
     family's transformers config class loads it (its fields are type-checked strictly: an int field
     refuses 24.0), and what that class writes back reads as the same model in zoo."""
@@ -211,10 +220,17 @@ def test_query_pre_attn_scalar_is_an_int_or_refused():
         hf.config_to_hf(c.replace(query_pre_attn_scalar=24.5))
 
 
-def test_token_ids_of_a_model_trained_from_scratch():
-    """bos/eos of the data's tokenizer (bytes: eos is the NUL document separator, no bos); none for
-    synthetic tokens."""
+def test_token_ids_of_a_model_trained_from_scratch(tmp_path):
+    """bos/eos of the tokenizer the model was trained with (bytes: eos is the NUL document separator, no
+    bos; a tokenizer.json: its own, `--tokenizer` first); none for synthetic tokens or a tokenizer gone."""
+    from tokenizers import Tokenizer, models
+
     from zoo.hf.pretrained import tokenizer_token_ids
 
     assert tokenizer_token_ids({"name": "markov", "tokenizer": None}) == {}
     assert tokenizer_token_ids({"name": "text", "tokenizer": None}) == {"eos_token_id": 0}
+    Tokenizer(models.WordLevel({"<unk>": 0, "<s>": 1, "</s>": 2, "a": 3}, unk_token="<unk>")).save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": True, "bos_token": "<s>"}))
+    assert tokenizer_token_ids({"name": "text", "tokenizer": str(tmp_path)}) == {"bos_token_id": 1, "eos_token_id": 2}
+    assert tokenizer_token_ids({"name": "markov", "tokenizer": None}, str(tmp_path)) == {"bos_token_id": 1, "eos_token_id": 2}
+    assert tokenizer_token_ids({"name": "text", "tokenizer": str(tmp_path / "gone")}) == {}
