@@ -18,6 +18,7 @@ and computes what transformers computes. `use_bidirectional_attention` (Embeddin
 """
 
 import warnings
+from typing import Optional
 
 from zoo.config import LAYER_TYPES, ModelConfig, RopeConfig
 from zoo.hf.convert import (
@@ -77,7 +78,7 @@ def read(k: Keys) -> dict:
     )
 
 
-def _int_scalar(value):
+def _int_scalar(value: Optional[float]) -> Optional[int]:
     """Gemma3TextConfig types query_pre_attn_scalar as an int and refuses 24.0 where 24 is meant; zoo
     keeps a float (it only takes its square root)."""
     if value is None:
