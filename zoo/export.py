@@ -3,7 +3,7 @@
     python -m zoo.export checkpoints/run1 exported/ [--step N] [--dtype bfloat16] [--tokenizer DIR]
 
 Writes `config.json` (what `zoo.hf.config_to_hf` writes for the family, plus the source config's
-`bos_token_id` / `eos_token_id`), the weights as safetensors (sharded with an index past
+`bos_token_id` / `eos_token_id`, else its tokenizer's or null), the safetensors (sharded with an index past
 `--max-shard-gb`) and, for a run that started from a Hugging Face checkpoint (`model=hf`), that
 checkpoint's tokenizer and generation files, which must still be where training read them, unchanged
 (their sha256 is in the checkpoint's metadata); `--tokenizer DIR` takes them from DIR instead, and a
@@ -22,7 +22,7 @@ import shutil
 import sys
 from typing import Optional
 
-from zoo.hf.pretrained import CARRIED_FILES, sha256
+from zoo.hf.pretrained import CARRIED_FILES, sha256, tokenizer_token_ids
 
 EXIT_BAD_INPUT = 2
 
@@ -85,7 +85,7 @@ def hf_export(checkpoint_dir, out_dir, step: Optional[int] = None, dtype=None, t
         raise ConfigError(str(e)) from None
     model, meta = restore_model(checkpoint_dir, step, devices=jax.local_devices() if devices is None else devices)
     carried = _carried(meta, tokenizer)
-    extras = (meta.get("pretrained") or {}).get("config_extras") or {}
+    extras = (meta.get("pretrained") or {}).get("config_extras") or tokenizer_token_ids(meta.get("data") or {}, tokenizer)
     tmp = out.with_name(out.name + ".export-tmp")
     if tmp.exists():
         shutil.rmtree(tmp)  # an earlier export that did not finish

@@ -456,6 +456,8 @@ def block_rules(c: ModelConfig, moe: bool) -> list[Rule]:
 
 # ModelConfig fields that say how zoo runs a model, not what the model is: config.json does not hold them.
 _RUNTIME_FIELDS = ("param_dtype", "compute_dtype", "attention_impl")
+# config.json's special token ids that zoo does not model (generation reads them); pad_token_id it does.
+TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id")
 _RUNTIME_MOE_FIELDS = ("impl", "capacity_factor")
 
 
@@ -604,7 +606,7 @@ def save_pretrained(model: CausalLM, path, dtype=None, max_shard_bytes: int = 5 
 
     `dtype` (a string, jnp or numpy dtype; None: the model's) is the dtype of the tensors written.
     `extra_config`: config.json keys zoo does not model (`bos_token_id`, ...), written where
-    `config_to_hf` writes nothing of its own.
+    `config_to_hf` writes nothing of its own; `TOKEN_ID_KEYS` it does not give are written null.
 
     Leaf by leaf: each zoo leaf comes to the host on its own (gathered from its shards when the model is
     sharded over devices), is converted and its hub tensors written into their files, which were laid
@@ -621,6 +623,9 @@ def save_pretrained(model: CausalLM, path, dtype=None, max_shard_bytes: int = 5 
         config["dtype"] = target.name
     for key, value in (extra_config or {}).items():
         config.setdefault(key, value)
+    for key in TOKEN_ID_KEYS:
+        # Absent, transformers would take its class default (Gemma 3: bos 2, Llama: 1), ids this model never saw.
+        config.setdefault(key, None)
     # Every hub tensor's name, shape and dtype, in the order _hf_tensors gives them, split into files of at
     # most max_shard_bytes (a larger tensor gets a file of its own) as they come.
     files: list[list[tuple[str, tuple[int, ...], np.dtype]]] = [[]]

@@ -18,12 +18,14 @@ and computes what transformers computes. `use_bidirectional_attention` (Embeddin
 """
 
 import warnings
+from typing import Optional
 
 from zoo.config import LAYER_TYPES, ModelConfig, RopeConfig
 from zoo.hf.convert import (
     Family, Keys, common_fields, explicit_layer_types, layer_types_of, rope_from_params, rope_params, rope_to_params,
     window_fields,
 )
+from zoo.hf.files import CheckpointError
 from zoo.tags import GEMMA3
 
 
@@ -76,13 +78,24 @@ def read(k: Keys) -> dict:
     )
 
 
+def _int_scalar(value: Optional[float]) -> Optional[int]:
+    """Gemma3TextConfig types query_pre_attn_scalar as an int and refuses 24.0 where 24 is meant; zoo
+    keeps a float (it only takes its square root)."""
+    if value is None:
+        return None  # config_to_hf's read-back refuses it (transformers' default is 256, not head_dim)
+    if not float(value).is_integer():
+        raise CheckpointError(f"a gemma3_text config.json cannot express query_pre_attn_scalar={value!r}: "
+                              "transformers' Gemma3TextConfig holds an integer there; use a whole number")
+    return int(value)
+
+
 def write(c: ModelConfig) -> dict:
     local = c.rope_local or c.rope
     types = layer_types_of(c)
     out = dict(
         hidden_activation="gelu_pytorch_tanh",
         attention_bias=c.attention_bias,
-        query_pre_attn_scalar=c.query_pre_attn_scalar,
+        query_pre_attn_scalar=_int_scalar(c.query_pre_attn_scalar),
         final_logit_softcapping=c.final_logit_softcap,
         attn_logit_softcapping=None,
         sliding_window=c.sliding_window,

@@ -17,7 +17,7 @@ import pathlib
 from typing import Any, Optional
 
 from zoo.config import ModelConfig
-from zoo.hf.convert import config_from_hf, fp8_block
+from zoo.hf.convert import TOKEN_ID_KEYS, config_from_hf, fp8_block
 from zoo.hf.files import CheckpointError, CheckpointReader
 from zoo.hf.weights import capacity_note, load_config, open_checkpoint
 
@@ -31,7 +31,7 @@ CARRIED_FILES = (
     "added_tokens.json", "chat_template.jinja", "chat_template.json", "generation_config.json",
 )
 # config.json keys zoo does not model that an export writes back (generation reads them).
-CONFIG_EXTRAS = ("bos_token_id", "eos_token_id")
+CONFIG_EXTRAS = TOKEN_ID_KEYS
 _SETTABLE = ", ".join([*RUNTIME, *(f"moe.{k}" for k in RUNTIME_MOE)])
 
 
@@ -127,6 +127,23 @@ def model_from_node(node: dict) -> tuple[ModelConfig, PretrainedSource]:
         config_extras={k: cfg[k] for k in CONFIG_EXTRAS if cfg.get(k) is not None},
     )
     return config, source
+
+
+def tokenizer_token_ids(data: dict, tokenizer: Optional[str] = None) -> dict[str, int]:
+    """The config.json token ids of a model trained from scratch: `bos_token_id` / `eos_token_id` of the
+    tokenizer it read (`tokenizer`, else the run's `data.tokenizer`; byte-level text: eos 0, the
+    document separator). Synthetic data has no tokenizer, and a tokenizer that no longer loads gives
+    nothing: save_pretrained then writes them null rather than guess."""
+    if tokenizer is None and data.get("name") != "text":
+        return {}
+    from zoo.data import DataError, load_tokenizer
+
+    try:
+        tok = load_tokenizer(tokenizer if tokenizer is not None else data.get("tokenizer"))
+    except (DataError, OSError):
+        return {}
+    ids = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id}
+    return {k: int(v) for k, v in ids.items() if v is not None}
 
 
 def check_weights(source: PretrainedSource, skeleton) -> None:
