@@ -254,18 +254,23 @@ class Stack(eqx.Module):
     def decode(
         self, x: Float[Array, "batch 1 embed"], positions: Int[Array, " batch"], caches: tuple[LayerCache, ...]
     ) -> tuple[Float[Array, "batch 1 embed"], tuple[LayerCache, ...]]:
-        """One token per row through the stack, scanning layers and their caches together."""
+        """One token per row through the stack, scanning layers; the caches ride in the scan's carry,
+        each layer's slice updated in place. (As a scan input and output, every token would build a
+        fresh buffer for the whole cache and copy it in: a copy per token that grows with context.)"""
         params, static = eqx.partition(self.layers, eqx.is_array)
+        at = lambda tree, r: jax.tree_util.tree_map(lambda c: jax.lax.dynamic_index_in_dim(c, r, 0, keepdims=False), tree)  # noqa: E731
 
-        def body(h, layer):
-            period_params, period_caches = layer
-            new = []
+        def body(carry, layer):
+            h, caches = carry
+            period_params, r = layer
+            caches = list(caches)
             for j in range(self.period):
-                h, cache = self._block(period_params[j], static, j).decode(h, positions, period_caches[j])
-                new.append(cache)
-            return h, tuple(new)
+                h, cache = self._block(period_params[j], static, j).decode(h, positions, at(caches[j], r))
+                caches[j] = jax.tree_util.tree_map(lambda c, new: jax.lax.dynamic_update_index_in_dim(c, new, r, 0), caches[j], cache)
+            return (h, tuple(caches)), None
 
-        return jax.lax.scan(body, x, (params, caches))
+        (x, caches), _ = jax.lax.scan(body, (x, tuple(caches)), (params, jnp.arange(self.repeats, dtype=jnp.int32)))
+        return x, caches
 
 
 class DecodeCache(eqx.Module):
@@ -348,7 +353,13 @@ class CausalLM(eqx.Module):
 
     def logits(self, hidden: Float[Array, "batch seq embed"]) -> Float[Array, "batch seq vocab"]:
         c = self.config
-        logits = jnp.einsum("BTD,DV->BTV", hidden, self.head_weight(), preferred_element_type=jnp.float32)
+        if self.lm_head is None:
+            # Contract the embedding's own embed axis: its transpose, in a one-token decode step,
+            # became a loop fusion that re-laid the whole [vocab, embed] table out every token.
+            table = zs.cast_for_compute({"embed": self.embed}, c.compute_dtype)["embed"].astype(c.compute_dtype)
+            logits = jnp.einsum("BTD,VD->BTV", hidden, table, preferred_element_type=jnp.float32)
+        else:
+            logits = jnp.einsum("BTD,DV->BTV", hidden, self.head_weight(), preferred_element_type=jnp.float32)
         if c.final_logit_softcap is not None:
             logits = c.final_logit_softcap * jnp.tanh(logits / c.final_logit_softcap)
         return logits
