@@ -134,3 +134,15 @@ def test_ab_variants_bad_input_is_one_line_before_compiling(args, message):
     proc = subprocess.run([sys.executable, "bench/ab_variants.py", *args], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and proc.stderr.startswith(message)
+
+
+@pytest.mark.slow
+def test_sampling_bench_small(tmp_path):
+    """bench/sampling.py --small: Zoo and transformers each in its own process, the same greedy tokens."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "sampling.json"
+    _run(["bench/sampling.py", "--small", "--cache-dir", str(tmp_path), "--json", str(out)], tmp_path, timeout=300)
+    res = json.loads(out.read_text())
+    assert res["same_tokens"] and res["rounds"] == 1 and len(res["runs"][0]["zoo"]["tokens"]) == res["tokens"] == 32
+    assert all(s > 0 for s in res["zoo_s_per_token"] + res["torch_s_per_token"]) and res["median_ratio"] > 0
+    assert (tmp_path / "qwen2.5-0.5b-shape-small" / "config.json").is_file()  # kept for the next run

@@ -131,6 +131,7 @@ def _program(
     max_len: int,
     pad_id: int,
     keep_logits: bool,
+    unstack: bool = False,
 ):
     """Prefill, then decode until every active row stopped or max_new_tokens: ([batch, max_len]
     new tokens, the number of steps run, and with `keep_logits` the [batch, max_len, vocab] logits
@@ -144,6 +145,7 @@ def _program(
         return sample_tokens(logits, keys, temperature, top_k, top_p)
 
     logits, cache = model.prefill(tokens, lengths, max_len)
+    layers = [stack.unstack() for stack in model.stacks] if unstack else None  # once, outside the token loop
     first = pick(logits, 0)
     out = jnp.full((batch, max_len), pad_id, jnp.int32).at[:, 0].set(first)
     seen = jnp.zeros((batch, max_len if keep_logits else 0, logits.shape[-1]), jnp.float32)
@@ -157,7 +159,7 @@ def _program(
 
     def step_once(state):
         step, token, cache, out, seen, done = state
-        logits, cache = model.decode_step(token, cache)
+        logits, cache = model.decode_step(token, cache, layers)
         token = jnp.where(done, pad_id, pick(logits, step))
         out = jax.lax.dynamic_update_index_in_dim(out, token, step, axis=1)
         return step + 1, token, cache, out, record(seen, logits, step), done | is_stop[token]
@@ -189,16 +191,25 @@ def decode_compile_options(platform: str, params: Union[int, float], cpu_fast_co
     return dict(CPU_FAST_COMPILE) if fast else None
 
 
+def decode_unstacks_layers(platform: str) -> bool:
+    """Whether the token loop runs the layers unrolled over weights sliced out of their stacks once
+    per call (`CausalLM.decode_step`'s `layers`), not a scan that slices them out every token: on
+    CPU, where that slicing is a copy of every layer's weights per token (about 1.4 GB of
+    Qwen2.5-0.5B's 2 GB), at the price of that copy held once per call and a longer compile."""
+    return platform == "cpu"
+
+
 def _compiled(model: CausalLM, batch: int, seq: int, max_len: int, keep_logits: bool, cpu_fast_compile, on_compile=None):
     params, static = eqx.partition(model, eqx.is_array)
     leaves = jax.tree_util.tree_leaves(params)
     options = decode_compile_options(jax.default_backend(), sum(x.size for x in leaves), cpu_fast_compile)
     fast = options is not None
-    key = (jax.tree_util.tree_structure(model), tuple((x.shape, str(x.dtype)) for x in leaves), keep_logits, fast, batch, seq, max_len)
+    unstack = decode_unstacks_layers(jax.default_backend())
+    key = (jax.tree_util.tree_structure(model), tuple((x.shape, str(x.dtype)) for x in leaves), keep_logits, fast, unstack, batch, seq, max_len)
     if key not in _PROGRAMS:
         start = time.perf_counter()
         pad_id = model.config.pad_token_id or 0
-        fn = jax.jit(functools.partial(_program, static=static, max_len=max_len, pad_id=pad_id, keep_logits=keep_logits))
+        fn = jax.jit(functools.partial(_program, static=static, max_len=max_len, pad_id=pad_id, keep_logits=keep_logits, unstack=unstack))
         i32, f32 = jnp.int32, jnp.float32
         shapes = (
             jax.ShapeDtypeStruct((batch, seq), i32), jax.ShapeDtypeStruct((batch,), i32), jax.ShapeDtypeStruct((batch,), bool),
