@@ -13,7 +13,11 @@ How a call runs:
   stop token or `max_new_tokens` is reached. Sampling settings and `max_new_tokens` are arguments
   of the program, not part of its shape: changing them compiles nothing.
 - The cache (zoo.nn.cache) keeps keys and values per layer (a ring of `window` slots on sliding
-  layers), or MLA's compressed latent and rope key; the layer stacks scan their params and caches.
+  layers), or MLA's compressed latent and rope key, and is updated in place. The layer stacks scan
+  their params and caches; on CPU the token loop instead runs the layers unrolled over weights
+  sliced out of the stacks once per call (`decode_unstacks_layers`), and programs of models from
+  DECODE_OPTIMIZE_FROM_PARAMS parameters compile with LLVM's optimisations (`decode_compile_options`):
+  the two backend choices of decoding. Greedy decoding (temperature 0) skips the sampling path (a `lax.cond`).
 - MoE layers run the dropless `ragged` kernel whatever `moe.impl` the model was built with
   (`dropless`): a capacity buffer would drop tokens depending on what else is in the batch.
 - Sampling: temperature 0 is greedy (argmax); otherwise logits / temperature, then the `top_k` most
