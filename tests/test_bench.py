@@ -122,3 +122,15 @@ def test_cpu_bench_renders_the_recorded_run():
         for preset, r in fam["presets"].items():
             assert any(ln.startswith(f"| {preset} |") and f"| {r['median_step_s']:.3f} |" in ln for ln in rows), preset
     assert proc.stdout.count("profile of one `none` step") == sum("profile_none" in f for f in res["families"].values()) > 0
+
+
+@pytest.mark.slow
+def test_sampling_bench_small(tmp_path):
+    """bench/sampling.py --small: Zoo and transformers each in its own process, the same greedy tokens."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "sampling.json"
+    _run(["bench/sampling.py", "--small", "--cache-dir", str(tmp_path), "--json", str(out)], tmp_path, timeout=300)
+    res = json.loads(out.read_text())
+    assert res["same_tokens"] and res["rounds"] == 1 and len(res["runs"][0]["zoo"]["tokens"]) == res["tokens"] == 32
+    assert all(s > 0 for s in res["zoo_s_per_token"] + res["torch_s_per_token"]) and res["median_ratio"] > 0
+    assert (tmp_path / "qwen2.5-0.5b-shape-small" / "config.json").is_file()  # kept for the next run

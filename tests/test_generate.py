@@ -9,6 +9,7 @@ serves every test of it (module-scoped; sampling settings are arguments, not sha
 
 import json
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -85,6 +86,51 @@ def test_each_prompt_of_a_batch_gets_its_single_prompt_result(family):
         alone = gen.generate(model_of(family), [prompt], NEW, keep_logits=True)[0]
         assert alone.tokens == together.tokens
         np.testing.assert_allclose(alone.logits, together.logits, rtol=0, atol=1e-5)
+
+
+def _instructions_making(hlo: str, shape: tuple[int, ...], dtype: str, ops: tuple[str, ...]) -> list[str]:
+    """The HLO instructions (fused or not) whose result is a `dtype[shape]` array made by one of `ops`."""
+    made = re.compile(rf"= {dtype}\[{','.join(map(str, shape))}\]\{{[^}}]*\}} ({'|'.join(ops)})\(")
+    return [line.strip()[:160] for line in hlo.splitlines() if made.search(line)]
+
+
+@pytest.mark.parametrize("unstacked", [False, True], ids=["scan", "unstacked"])
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_a_decode_step_updates_the_cache_in_place_without_copying_it_whole(family, unstacked):
+    """The layer scan (or the unrolled layers) carries the cache and writes each layer's slice into
+    it; as a scan output it made a fresh whole-cache buffer (a broadcast) and copied it out (copies)
+    every token. Unrolled over weights sliced out beforehand (what generate's token loop runs on
+    CPU), no layer's weights are sliced out of a stack in the step."""
+    model = model_of(family)
+    params, static = eqx.partition(model, eqx.is_array)
+    _, cache = jax.jit(lambda p: eqx.combine(p, static).prefill(jnp.ones((1, SEQ), jnp.int32), jnp.array([3]), 64))(params)
+    layers = [stack.unstack() for stack in model.stacks] if unstacked else None
+    step = jax.jit(lambda p, t, c, layers: eqx.combine(p, static).decode_step(t, c, layers), donate_argnums=2)
+    hlo = step.lower(params, jnp.zeros((1,), jnp.int32), cache, layers).compile().as_text()
+    # [layers, batch, slots, ...]; a one-layer stack's whole cache has a layer's shape, which the scan reads
+    leaves = [x for x in jax.tree_util.tree_leaves(cache.stacks) if x.shape[0] > 1]
+    assert leaves
+    whole = sorted({line for x in leaves for line in _instructions_making(hlo, x.shape, "f32", ("copy", "broadcast"))})
+    if unstacked:  # XLA still copies one of the keys' / values' caches in and out (an open item), not more
+        assert len(whole) <= 2 and not any("broadcast" in line for line in whole), f"{family}: {whole}"
+    else:
+        assert not whole, f"{family}: the decode step makes a whole cache: {whole}"
+    assert _instructions_making(hlo, leaves[0].shape, "f32", ("dynamic-update-slice",))  # the check sees the cache's ops
+    up = model.stacks[0].layers[0].ffn.w_up  # [layers, embed, mlp]
+    sliced = _instructions_making(hlo, up.shape[1:], "f32", ("dynamic-slice", "slice", "copy", "fusion"))
+    assert bool(sliced) != unstacked, sliced  # the scan slices a layer's w_up out every step, the unrolled step never
+    assert gen.decode_unstacks_layers("cpu") and not gen.decode_unstacks_layers("gpu")
+
+
+def test_decode_compile_options_turn_llvm_optimisations_on_for_large_models_on_cpu():
+    level0 = {"xla_backend_optimization_level": 0}
+    assert gen.decode_compile_options("cpu", 494e6) is None  # Qwen2.5-0.5B: XLA's default level
+    assert gen.decode_compile_options("cpu", 1e5) == level0  # the tiny models: the faster compile
+    assert gen.decode_compile_options("cpu", 494e6, True) == level0
+    assert gen.decode_compile_options("cpu", 1e5, False) is None
+    assert gen.decode_compile_options("gpu", 1e5, True) is None
+    with pytest.raises(gen.GenerationError, match=r"^cpu_fast_compile: got 'sometimes'; give true, false or auto$"):
+        gen.decode_compile_options("cpu", 1e5, "sometimes")
 
 
 # --- sampling rules, stop tokens, one compile per bucket (llama's program) ------------------------

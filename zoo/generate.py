@@ -13,7 +13,11 @@ How a call runs:
   stop token or `max_new_tokens` is reached. Sampling settings and `max_new_tokens` are arguments
   of the program, not part of its shape: changing them compiles nothing.
 - The cache (zoo.nn.cache) keeps keys and values per layer (a ring of `window` slots on sliding
-  layers), or MLA's compressed latent and rope key; the layer stacks scan their params and caches.
+  layers), or MLA's compressed latent and rope key, and is updated in place. The layer stacks scan
+  their params and caches; on CPU the token loop instead runs the layers unrolled over weights
+  sliced out of the stacks once per call (`decode_unstacks_layers`), and programs of models from
+  DECODE_OPTIMIZE_FROM_PARAMS parameters compile with LLVM's optimisations (`decode_compile_options`):
+  the two backend choices of decoding. Greedy decoding (temperature 0) skips the sampling path (a `lax.cond`).
 - MoE layers run the dropless `ragged` kernel whatever `moe.impl` the model was built with
   (`dropless`): a capacity buffer would drop tokens depending on what else is in the batch.
 - Sampling: temperature 0 is greedy (argmax); otherwise logits / temperature, then the `top_k` most
@@ -44,6 +48,11 @@ MIN_PROMPT_BUCKET = 16
 # XLA:CPU with LLVM's optimisations off (train.py's xla.cpu_fast_compile): the tiny models' programs
 # compile about 2x faster.
 CPU_FAST_COMPILE = {"xla_backend_optimization_level": 0}
+# cpu_fast_compile="auto" compiles with LLVM's optimisations from this many parameters: every token
+# runs the whole decode step, and at level 0 its loops (RMSNorm, RoPE, the cache's attention, the
+# argmax over the vocabulary) ran Qwen2.5-0.5B's greedy decoding several times slower, while the
+# compile took about as long at either level at that size.
+DECODE_OPTIMIZE_FROM_PARAMS = 20e6
 
 
 class GenerationError(ValueError):
@@ -89,8 +98,17 @@ def sample_tokens(
 ) -> Int[Array, " batch"]:
     """One token per row (see the module docstring for the rule); `keys` has one key per row."""
     logits = logits.astype(jnp.float32)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)
+    # A branch, not a select: greedy decoding skips the sort, the cumulative sum and the random
+    # draws over the whole vocabulary that sampling needs, every token.
+    return jax.lax.cond(
+        temperature > 0,
+        lambda: _sample(logits, keys, temperature, top_k, top_p),
+        lambda: jnp.argmax(logits, axis=-1).astype(jnp.int32),
+    )
+
+
+def _sample(logits, keys, temperature, top_k, top_p):
+    scaled = logits / temperature
     order = jnp.argsort(-scaled, axis=-1, stable=True)  # most likely first; ties keep the lower id first
     ranked = jnp.take_along_axis(scaled, order, axis=-1)
     rank = jnp.arange(logits.shape[-1])
@@ -98,8 +116,7 @@ def sample_tokens(
     probs = jax.nn.softmax(jnp.where(keep, ranked, -jnp.inf), axis=-1)
     keep &= (jnp.cumsum(probs, axis=-1) - probs) < top_p  # the most likely token always stays
     choice = jax.vmap(jax.random.categorical)(keys, jnp.where(keep, ranked, -jnp.inf))
-    sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
-    return jnp.where(temperature > 0, sampled, greedy)
+    return jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
 
 
 def _program(
@@ -118,6 +135,7 @@ def _program(
     max_len: int,
     pad_id: int,
     keep_logits: bool,
+    unstack: bool = False,
 ):
     """Prefill, then decode until every active row stopped or max_new_tokens: ([batch, max_len]
     new tokens, the number of steps run, and with `keep_logits` the [batch, max_len, vocab] logits
@@ -131,6 +149,7 @@ def _program(
         return sample_tokens(logits, keys, temperature, top_k, top_p)
 
     logits, cache = model.prefill(tokens, lengths, max_len)
+    layers = [stack.unstack() for stack in model.stacks] if unstack else None  # once, outside the token loop
     first = pick(logits, 0)
     out = jnp.full((batch, max_len), pad_id, jnp.int32).at[:, 0].set(first)
     seen = jnp.zeros((batch, max_len if keep_logits else 0, logits.shape[-1]), jnp.float32)
@@ -144,7 +163,7 @@ def _program(
 
     def step_once(state):
         step, token, cache, out, seen, done = state
-        logits, cache = model.decode_step(token, cache)
+        logits, cache = model.decode_step(token, cache, layers)
         token = jnp.where(done, pad_id, pick(logits, step))
         out = jax.lax.dynamic_update_index_in_dim(out, token, step, axis=1)
         return step + 1, token, cache, out, record(seen, logits, step), done | is_stop[token]
@@ -163,15 +182,38 @@ def compiled_buckets() -> list[tuple[int, int, int]]:
     return [k[-3:] for k in _PROGRAMS]
 
 
-def _compiled(model: CausalLM, batch: int, seq: int, max_len: int, keep_logits: bool, cpu_fast_compile: bool, on_compile=None):
+def decode_compile_options(platform: str, params: Union[int, float], cpu_fast_compile: Union[bool, str] = "auto") -> Optional[dict]:
+    """The compile options of a sampling program: the one place decoding's backend-specific choices
+    live. On CPU, `cpu_fast_compile` True compiles with LLVM's optimisations off, False with XLA's
+    default level, "auto" off below DECODE_OPTIMIZE_FROM_PARAMS parameters and on from there;
+    elsewhere XLA's defaults (None)."""
+    if cpu_fast_compile not in (True, False, "auto"):
+        raise GenerationError(f"cpu_fast_compile: got {cpu_fast_compile!r}; give true, false or auto")
+    if platform != "cpu":
+        return None
+    fast = params < DECODE_OPTIMIZE_FROM_PARAMS if cpu_fast_compile == "auto" else cpu_fast_compile
+    return dict(CPU_FAST_COMPILE) if fast else None
+
+
+def decode_unstacks_layers(platform: str) -> bool:
+    """Whether the token loop runs the layers unrolled over weights sliced out of their stacks once
+    per call (`CausalLM.decode_step`'s `layers`), not a scan that slices them out every token: on
+    CPU, where that slicing is a copy of every layer's weights per token (about 1.4 GB of
+    Qwen2.5-0.5B's 2 GB), at the price of that copy held once per call and a longer compile."""
+    return platform == "cpu"
+
+
+def _compiled(model: CausalLM, batch: int, seq: int, max_len: int, keep_logits: bool, cpu_fast_compile, on_compile=None):
     params, static = eqx.partition(model, eqx.is_array)
     leaves = jax.tree_util.tree_leaves(params)
-    fast = cpu_fast_compile and jax.default_backend() == "cpu"
-    key = (jax.tree_util.tree_structure(model), tuple((x.shape, str(x.dtype)) for x in leaves), keep_logits, fast, batch, seq, max_len)
+    options = decode_compile_options(jax.default_backend(), sum(x.size for x in leaves), cpu_fast_compile)
+    fast = options is not None
+    unstack = decode_unstacks_layers(jax.default_backend())
+    key = (jax.tree_util.tree_structure(model), tuple((x.shape, str(x.dtype)) for x in leaves), keep_logits, fast, unstack, batch, seq, max_len)
     if key not in _PROGRAMS:
         start = time.perf_counter()
         pad_id = model.config.pad_token_id or 0
-        fn = jax.jit(functools.partial(_program, static=static, max_len=max_len, pad_id=pad_id, keep_logits=keep_logits))
+        fn = jax.jit(functools.partial(_program, static=static, max_len=max_len, pad_id=pad_id, keep_logits=keep_logits, unstack=unstack))
         i32, f32 = jnp.int32, jnp.float32
         shapes = (
             jax.ShapeDtypeStruct((batch, seq), i32), jax.ShapeDtypeStruct((batch,), i32), jax.ShapeDtypeStruct((batch,), bool),
@@ -179,7 +221,7 @@ def _compiled(model: CausalLM, batch: int, seq: int, max_len: int, keep_logits: 
             jax.ShapeDtypeStruct((), f32), jax.ShapeDtypeStruct((model.config.vocab_size,), bool),
             jax.eval_shape(lambda: jax.random.key(0)),
         )
-        _PROGRAMS[key] = fn.lower(params, *shapes).compile(CPU_FAST_COMPILE if fast else None)
+        _PROGRAMS[key] = fn.lower(params, *shapes).compile(options)
         if on_compile is not None:
             on_compile(batch, seq, max_len, time.perf_counter() - start)
     return _PROGRAMS[key], params
@@ -276,7 +318,7 @@ def generate(
     seed: int = 0,
     max_len: Optional[int] = None,
     keep_logits: bool = False,
-    cpu_fast_compile: bool = True,
+    cpu_fast_compile: Union[bool, str] = "auto",
     on_compile=None,
 ) -> list[Completion]:
     """Continue each prompt by up to `max_new_tokens` tokens (see the module docstring).
@@ -285,7 +327,8 @@ def generate(
     `stop_tokens`: ids that end a row (default: the tokenizer's `eos_id`, if any). `max_len` caps the
     cache's positions (default: the model's `max_position_embeddings`). `keep_logits`: each
     Completion also holds the float32 logits every new token was drawn from (`[new tokens, vocab]`).
-    `cpu_fast_compile`: on CPU, compile with LLVM's optimisations off. `on_compile(batch, seq, cache,
+    `cpu_fast_compile`: on CPU, compile with LLVM's optimisations off (True), on (False), or off only
+    below DECODE_OPTIMIZE_FROM_PARAMS parameters ("auto"; `decode_compile_options`). `on_compile(batch, seq, cache,
     seconds)` is called after a shape bucket compiled. Bad input raises GenerationError (one line).
     """
     tokens = encode_prompts(prompts, tokenizer)
@@ -357,7 +400,9 @@ class GenerateOptions:
     seed: int = 0
     stop_tokens: Optional[list[int]] = None  # null: config.json's eos_token_id, else the tokenizer's eos
     max_len: Optional[int] = None  # cache positions (null: the model's max_position_embeddings)
-    cpu_fast_compile: bool = True
+    # CPU only: true compiles with LLVM's optimisations off (faster compile, slower tokens), false on,
+    # auto off below DECODE_OPTIMIZE_FROM_PARAMS parameters
+    cpu_fast_compile: Any = "auto"
 
 
 def parse_args(argv: Sequence[str]) -> tuple[GenerateOptions, list[str]]:
@@ -491,6 +536,7 @@ def run(argv: Sequence[str]) -> int:
         stop = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
     tokens = encode_prompts(prompts, tokenizer)
     check_request(config, tokens, opts.max_new_tokens, opts.temperature, opts.top_k, opts.top_p, stop, opts.max_len)
+    decode_compile_options("cpu", 0, opts.cpu_fast_compile)  # a bad value stops here, before loading
 
     t0 = time.perf_counter()
     model = load()

@@ -254,18 +254,45 @@ class Stack(eqx.Module):
     def decode(
         self, x: Float[Array, "batch 1 embed"], positions: Int[Array, " batch"], caches: tuple[LayerCache, ...]
     ) -> tuple[Float[Array, "batch 1 embed"], tuple[LayerCache, ...]]:
-        """One token per row through the stack, scanning layers and their caches together."""
+        """One token per row through the stack, scanning layers; the caches ride in the scan's carry,
+        each layer's slice updated in place. (As a scan input and output, every token would build a
+        fresh buffer for the whole cache and copy it in: a copy per token that grows with context.)"""
         params, static = eqx.partition(self.layers, eqx.is_array)
+        at = lambda tree, r: jax.tree_util.tree_map(lambda c: jax.lax.dynamic_index_in_dim(c, r, 0, keepdims=False), tree)  # noqa: E731
 
-        def body(h, layer):
-            period_params, period_caches = layer
-            new = []
+        def body(carry, layer):
+            h, caches = carry
+            period_params, r = layer
+            caches = list(caches)
             for j in range(self.period):
-                h, cache = self._block(period_params[j], static, j).decode(h, positions, period_caches[j])
-                new.append(cache)
-            return h, tuple(new)
+                h, cache = self._block(period_params[j], static, j).decode(h, positions, at(caches[j], r))
+                caches[j] = jax.tree_util.tree_map(lambda c, new: jax.lax.dynamic_update_index_in_dim(c, new, r, 0), caches[j], cache)
+            return (h, tuple(caches)), None
 
-        return jax.lax.scan(body, x, (params, caches))
+        (x, caches), _ = jax.lax.scan(body, (x, tuple(caches)), (params, jnp.arange(self.repeats, dtype=jnp.int32)))
+        return x, caches
+
+    def unstack(self) -> list:
+        """Each layer period's parameters sliced out of the stack, for `decode_layers`."""
+        params = eqx.partition(self.layers, eqx.is_array)[0]
+        return [jax.tree_util.tree_map(lambda p: p[r], params) for r in range(self.repeats)]
+
+    def decode_layers(
+        self, x: Float[Array, "batch 1 embed"], positions: Int[Array, " batch"], caches: tuple[LayerCache, ...], layers: Sequence
+    ) -> tuple[Float[Array, "batch 1 embed"], tuple[LayerCache, ...]]:
+        """`decode` with the layers unrolled over parameters `unstack` sliced out once (before a decode
+        loop): a scan slices every layer's weights out of the stack, a copy of all of them per token."""
+        static = eqx.partition(self.layers, eqx.is_array)[1]
+        caches = list(caches)
+        for r, period_params in enumerate(layers):
+            # A traced layer index, as the scan has: with a constant one XLA copied both the keys' and
+            # the values' whole caches in and out of the step (one of them still is; see the tests).
+            i = jax.lax.optimization_barrier(jnp.int32(r))
+            for j in range(self.period):
+                layer_cache = jax.tree_util.tree_map(lambda c: jax.lax.dynamic_index_in_dim(c, i, 0, keepdims=False), caches[j])
+                x, cache = self._block(period_params[j], static, j).decode(x, positions, layer_cache)
+                caches[j] = jax.tree_util.tree_map(lambda c, new: jax.lax.dynamic_update_index_in_dim(c, new, i, 0), caches[j], cache)
+        return x, tuple(caches)
 
 
 class DecodeCache(eqx.Module):
@@ -348,7 +375,13 @@ class CausalLM(eqx.Module):
 
     def logits(self, hidden: Float[Array, "batch seq embed"]) -> Float[Array, "batch seq vocab"]:
         c = self.config
-        logits = jnp.einsum("BTD,DV->BTV", hidden, self.head_weight(), preferred_element_type=jnp.float32)
+        if self.lm_head is None:
+            # Contract the embedding's own embed axis: its transpose, in a one-token decode step,
+            # became a loop fusion that re-laid the whole [vocab, embed] table out every token.
+            table = zs.cast_for_compute({"embed": self.embed}, c.compute_dtype)["embed"].astype(c.compute_dtype)
+            logits = jnp.einsum("BTD,VD->BTV", hidden, table, preferred_element_type=jnp.float32)
+        else:
+            logits = jnp.einsum("BTD,DV->BTV", hidden, self.head_weight(), preferred_element_type=jnp.float32)
         if c.final_logit_softcap is not None:
             logits = c.final_logit_softcap * jnp.tanh(logits / c.final_logit_softcap)
         return logits
@@ -405,13 +438,19 @@ class CausalLM(eqx.Module):
         last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)
         return self.logits(self.final_norm(last))[:, 0], DecodeCache(lengths, tuple(caches))
 
-    def decode_step(self, tokens: Int[Array, " batch"], cache: DecodeCache) -> tuple[Float[Array, "batch vocab"], DecodeCache]:
-        """Feed one token per row at position `cache.lengths`; the logits of the token after it."""
+    def decode_step(
+        self, tokens: Int[Array, " batch"], cache: DecodeCache, layers: Optional[Sequence] = None
+    ) -> tuple[Float[Array, "batch vocab"], DecodeCache]:
+        """Feed one token per row at position `cache.lengths`; the logits of the token after it.
+        `layers`: per stack, its `Stack.unstack()` (the layers then run unrolled; see `decode_layers`)."""
         positions = cache.lengths
         x = self.embed_tokens(tokens[:, None])
         caches = []
-        for stack, stack_cache in zip(self.stacks, cache.stacks):
-            x, stack_cache = stack.decode(x, positions, stack_cache)
+        for i, (stack, stack_cache) in enumerate(zip(self.stacks, cache.stacks)):
+            if layers is None:
+                x, stack_cache = stack.decode(x, positions, stack_cache)
+            else:
+                x, stack_cache = stack.decode_layers(x, positions, stack_cache, layers[i])
             caches.append(stack_cache)
         return self.logits(self.final_norm(x))[:, 0], DecodeCache(positions + 1, tuple(caches))
 
