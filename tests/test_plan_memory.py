@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from zoo import plan as zp
-from zoo.plan import GB, Infeasible, Problem, StackCost, TagCost, best_changes, evaluate, holders, search
+from zoo.plan import GB, Infeasible, Problem, StackCost, TagCost, evaluate, search
 
 MB = 1e6
 LAYERS = 10
@@ -112,11 +112,11 @@ def test_holders_rank_the_biggest_first_and_the_best_change_saves_what_the_estim
     with pytest.raises(Infeasible) as e:
         search(dataclasses.replace(p, tags=[dataclasses.replace(t, choices=("device",)) for t in p.tags]))
     kept = e.value.best  # everything on device: 3.5 GB of tags + 2.5 GB of state
-    held = holders(p, kept)
+    held = zp.holders(p, kept)
     assert held[0].name == "tag big (s, layers 3-12)" and held[0].bytes == pytest.approx(300 * MB * LAYERS)
     assert [h.bytes for h in held] == sorted((h.bytes for h in held), reverse=True)
     assert sum(h.bytes for h in held) == pytest.approx(kept.peak_bytes)  # every byte of the peak has a holder
-    first = best_changes(p, kept)[0]
+    first = zp.best_changes(p, kept)[0]
     assert first.action.startswith("recompute tag big")
     assert first.saving == pytest.approx(kept.peak_bytes - evaluate(p, {**kept.assignment, "big": "remat"}).peak_bytes)
     assert first.saving == pytest.approx(300 * MB * LAYERS)
@@ -127,8 +127,8 @@ def test_a_state_preset_is_named_when_it_frees_the_most():
     p.opt_bytes = p.stack_opt_bytes = 10 * GB
     p.stacks["s"].opt_bytes_per_layer = 1 * GB
     e = evaluate(p, {"a": "remat"})
-    assert holders(p, e)[0].name == "optimizer state"
-    first = best_changes(p, e)[0]
+    assert zp.holders(p, e)[0].name == "optimizer state"
+    first = zp.best_changes(p, e)[0]
     assert first.action == "offload.opt_state=pinned_host"
     assert first.saving == pytest.approx(e.peak_bytes - evaluate(dataclasses.replace(p, opt_on_host=True), e.assignment).peak_bytes)
     assert "what would free the most" in zp.holders_table(p, e)
@@ -139,9 +139,9 @@ def test_host_holders_and_what_frees_host_memory():
     p.opt_bytes = 0.5 * GB
     p.opt_on_host = True
     e = evaluate(p, {"x": "offload", "y": "offload"})
-    held = holders(p, e, "host")
+    held = zp.holders(p, e, "host")
     assert [h.name for h in held] == ["tag x (s, layers 3-12)", "optimizer state", "tag y (s, layers 3-12)"]
-    changes = {c.action: c.saving for c in best_changes(p, e, "host")}
+    changes = {c.action: c.saving for c in zp.best_changes(p, e, "host")}
     assert changes["offload.opt_state=device"] == pytest.approx(0.5 * GB)
     assert changes["recompute tag y (tags.y: remat)"] == pytest.approx(0.3 * GB)
     assert changes["keep on device tag x (tags.x: device)"] == pytest.approx(1 * GB)
