@@ -415,7 +415,7 @@ def search(p: Problem, inner_tags: int = 9, rel_tolerance: float = 1e-3) -> Esti
         peak, host = arrays["peak_bytes"], arrays["host_bytes"]
         hbm_ok, host_ok = peak <= p.budget, host <= p.host_budget
         min_peak.offer(peak, host, digits)
-        min_peak_host_ok.offer(peak, host, digits, host_ok)
+        min_peak_host_ok.offer(peak, arrays["time_s"], digits, host_ok)  # the fastest of the smallest
         min_host_hbm_ok.offer(host, peak, digits, hbm_ok)
         ok = np.nonzero(hbm_ok & host_ok)[0]
         if not ok.size:
