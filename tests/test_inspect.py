@@ -200,3 +200,72 @@ def test_inspector_sees_into_the_expert_parallel_kernel(preset):
     bytes_of = lambda p: {r.tag: r.bytes_per_layer for r in p.records if r.tag in moe_tags}  # noqa: E731
     assert bytes_of(sharded) == bytes_of(single)
     assert sharded.other_bytes("host") == single.other_bytes("host") == 0
+
+
+# A buffer-assignment dump and the compiled module's text, as XLA:CPU writes them (cut down from the
+# llama_tiny_a step's): two argument allocations, an output, a temp allocation with three values.
+BUFFER_ASSIGNMENT = """BufferAssignment:
+allocation 0: size 65536, parameter 1, shape |f32[256,64]| at ShapeIndex {}, maybe-live-out:
+ value: <10 state__params__embed.1 @0> (size=65536,offset=0): f32[256,64]{1,0}
+allocation 1: size 512, parameter 0, shape |f32[2,64]| at ShapeIndex {}, maybe-live-out:
+ value: <11 state__opt_state__mu.1 @0> (size=512,offset=0): f32[2,64]{1,0}
+allocation 2: size 16, output shape is |(s32[], f32[])|, maybe-live-out:
+ value: <13 tuple.9 @{}> (size=16,offset=0): (s32[], f32[])
+allocation 3: size 98304, preallocated-temp:
+ value: <2405 copy.212 @0> (size=8192,offset=0): f32[2,16,64]{2,1,0}
+ value: <2411 dot_fusion.1 @0> (size=65536,offset=8192): f32[256,64]{1,0}
+ value: <2412 wrapped_reduce @0> (size=128,offset=8192): f32[2,16]{1,0}
+"""
+MODULE = """HloModule jit_train_step
+
+%fused_computation (param_0: f32[256,64]) -> f32[256,64] {
+  %param_0 = f32[256,64]{1,0} parameter(0)
+  ROOT %dot.1 = f32[256,64]{1,0} multiply(%param_0, %param_0), metadata={op_name="jit(train_step)/inner/mul"}
+}
+
+ENTRY %main.94 (state__opt_state__mu.1: f32[2,64], state__params__embed.1: f32[256,64]) -> (s32[], f32[]) {
+  %state__opt_state__mu.1 = f32[2,64]{1,0} parameter(0), sharding={replicated}, metadata={op_name="state[\\'opt_state\\'].inner_states[\\'train\\'].inner_state[1][0].mu.w"}
+  %state__params__embed.1 = f32[256,64]{1,0} parameter(1), metadata={op_name="state[\\'params\\'].embed"}
+  %dot_fusion.1 = f32[256,64]{1,0} fusion(%state__params__embed.1), kind=kLoop, calls=%fused_computation, metadata={op_name="jit(train_step)/transpose(jvp())/dot_general"}
+  %copy.212 = f32[2,16,64]{2,1,0} copy(%x)
+}
+"""
+
+
+def test_buffer_assignment_names_arguments_by_path_and_values_by_op():
+    from zoo.hlo import buffer_assignment
+    from zoo.inspect import compiled_holders
+
+    found = buffer_assignment(BUFFER_ASSIGNMENT, MODULE)
+    by_name = {b.name: b for b in found}
+    assert by_name["parameter 1"].op_name == "state['params'].embed" and by_name["parameter 1"].kind == "argument"
+    assert by_name["parameter 0"].op_name == "state['opt_state'].inner_states['train'].inner_state[1][0].mu.w"
+    assert by_name["dot_fusion.1"].kind == "temp" and by_name["dot_fusion.1"].bytes == 65536 and by_name["dot_fusion.1"].shape == "f32[256,64]"
+    assert by_name["dot_fusion.1"].op_name == "jit(train_step)/transpose(jvp())/dot_general"
+    assert by_name["copy.212"].op_name == ""  # no metadata
+    mem = {"estimated_peak_bytes": 200_000, "temp_size_in_bytes": 98304}
+    h = compiled_holders(found, mem, hbm_bytes=100_000)
+    assert h["over_budget"] and h["arguments_by_kind"] == {"params": 65536, "opt_state": 512}
+    assert [b["name"] for b in h["largest_temp"]] == ["dot_fusion.1", "copy.212", "wrapped_reduce"]
+    assert not compiled_holders(found, mem, hbm_bytes=0)["over_budget"]  # no budget given: nothing is over it
+
+
+def test_cli_over_the_hbm_budget_says_who_holds_it(tmp_path, capsys):
+    """hardware.hbm_bytes below XLA's estimated peak: the inspector lists the compiled step's largest
+    arguments (by their paths) and temporaries, largest first, and points to the planner."""
+    out = tmp_path / "inspect.json"
+    args = ["model=llama_tiny_a", "mesh=single", "data.batch_size=2", "data.seq_len=16", "hardware.hbm_bytes=100000", f"inspect.out={out}"]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    rep = json.loads(out.read_text())
+    h, mem = rep["holders"], rep["compiled_memory"]
+    assert h["over_budget"] and h["estimated_peak_bytes"] == mem["estimated_peak_bytes"] > 100000
+    # Every argument byte has a holder; parameters and AdamW moments are what the state is made of.
+    assert sum(h["arguments_by_kind"].values()) == mem["argument_size_in_bytes"]
+    # (AdamW's two moments, and its step counts: a few scalars)
+    assert h["arguments_by_kind"]["opt_state"] == pytest.approx(2 * h["arguments_by_kind"]["params"], abs=64)
+    temp = [b["bytes"] for b in h["largest_temp"]]
+    assert temp == sorted(temp, reverse=True) and 0 < temp[0] <= mem["temp_size_in_bytes"]
+    assert h["largest_arguments"][0]["op_name"].startswith("state[")
+    assert "who holds the HBM: the compiled step's buffers, XLA's estimated peak" in printed and "over hardware.hbm_bytes 100.00 kB" in printed
+    assert "python -m zoo.plan model=llama_tiny_a" in printed and "plan.holders=true" in printed

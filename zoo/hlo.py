@@ -303,12 +303,13 @@ def by_kind_and_dtype(found: Iterable[Collective], include_trivial: bool = False
     return {k: dict(sorted(table[k].items())) for k in KINDS if k in table}
 
 
-def compile_with_partitioned_hlo(lowered, compiler_options: Optional[dict] = None):
-    """`(compiled, text)`: `lowered` (a `jax.stages.Lowered`) compiled once, and its HLO text right
-    after SPMD partitioning (read from XLA's dump into a temporary directory): the collectives and
-    their dtypes as the partitioner chose them, before any backend-specific rewrite. (XLA:CPU later
-    widens bf16 collectives to float32, which a GPU does not: the dtypes a GPU would move are read
-    here.) A single-device program is not partitioned: RuntimeError."""
+def compile_with_dumps(lowered, compiler_options: Optional[dict] = None, partitioned: bool = True):
+    """`(compiled, partitioned text or None, buffer assignment text or None)`: `lowered` (a
+    `jax.stages.Lowered`) compiled once with XLA dumping into a temporary directory, and two of its
+    dumps read back: the HLO right after SPMD partitioning (`partitioned`; the collectives and their
+    dtypes as the partitioner chose them, before any backend-specific rewrite: XLA:CPU later widens
+    bf16 collectives to float32, which a GPU does not) and the buffer assignment of the optimised
+    program (`buffer_assignment` reads it). None for a dump XLA did not write."""
     import pathlib
     import tempfile
 
@@ -316,14 +317,95 @@ def compile_with_partitioned_hlo(lowered, compiler_options: Optional[dict] = Non
 
     with tempfile.TemporaryDirectory() as d:
         options = dict(compiler_options or {})
-        options.update({"xla_dump_to": d, "xla_dump_hlo_pass_re": "spmd-partitioning"})
+        # The pass filter only limits the per-pass dumps; the buffer assignment is written regardless.
+        options.update({"xla_dump_to": d, "xla_dump_hlo_pass_re": "spmd-partitioning" if partitioned else "^$"})
         # A program served from JAX's persistent compilation cache would not be compiled, and so dump nothing.
         with persistent_cache_bypassed():
             compiled = lowered.compile(options)
-        found = sorted(pathlib.Path(d).glob("*after_spmd-partitioning*.txt"))
-        if not found:
-            raise RuntimeError("XLA wrote no HLO after SPMD partitioning (a single-device program is not partitioned)")
-        return compiled, found[-1].read_text()
+        texts = []
+        for pattern in ("*after_spmd-partitioning*.txt", "*after_optimizations-buffer-assignment.txt"):
+            found = sorted(pathlib.Path(d).glob(pattern))
+            texts.append(found[-1].read_text() if found else None)
+        return compiled, texts[0] if partitioned else None, texts[1]
+
+
+def compile_with_partitioned_hlo(lowered, compiler_options: Optional[dict] = None):
+    """`(compiled, text)`: `lowered` compiled once, and its HLO text right after SPMD partitioning
+    (`compile_with_dumps`). A single-device program is not partitioned: RuntimeError."""
+    compiled, text, _ = compile_with_dumps(lowered, compiler_options)
+    if text is None:
+        raise RuntimeError("XLA wrote no HLO after SPMD partitioning (a single-device program is not partitioned)")
+    return compiled, text
+
+
+@dataclasses.dataclass(frozen=True)
+class Buffer:
+    """One value of a compiled program's buffer assignment: where it lives and what made it."""
+
+    name: str  # the instruction's name in the module (for an argument: its parameter's)
+    bytes: int
+    kind: str  # "argument", "output", "temp", "thread-local", "constant" or "other"
+    shape: str
+    op_name: str  # jax's metadata op_name: an argument's path (state['params']...) or the op's scope
+    memory_space: int = 0  # XLA's colour: 0 is device memory; host memory has its own (S(5) on GPU)
+
+
+_ALLOCATION = re.compile(r"^allocation (\d+): size (\d+), (.*):\s*$")
+_VALUE = re.compile(r"^\s*value: <\d+ ([\w.\-]+)(?: @[^>]*)?> \(size=(\d+),offset=(\d+)\): (\S+)")
+_OP_NAME = re.compile(r'^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?\bmetadata=\{[^}]*?op_name="((?:[^"\\]|\\.)*)"')
+_PARAMETER = re.compile(r"^\s*%?([\w.\-]+)\s*=.*?\bparameter\((\d+)\)")
+
+
+def op_names(hlo_text: str) -> tuple[dict[str, str], dict[int, str]]:
+    """(instruction name -> jax's op_name, entry parameter number -> op_name) of a module's text."""
+    names, params = {}, {}
+    in_entry = False
+    for line in hlo_text.splitlines():
+        if line.startswith("ENTRY"):
+            in_entry = True
+        elif line and not line.startswith(" ") and line.strip() != "}":
+            in_entry = False
+        m = _OP_NAME.match(line)
+        if m:
+            names[m.group(1)] = m.group(2).replace("\\'", "'").replace('\\"', '"')
+        p = _PARAMETER.match(line) if in_entry else None
+        if p:
+            params[int(p.group(2))] = names.get(p.group(1), p.group(1))
+    return names, params
+
+
+def buffer_assignment(text: str, hlo_text: str = "") -> list[Buffer]:
+    """The values of XLA's buffer-assignment dump (`compile_with_dumps`), named by `hlo_text` (the
+    compiled module's text: `compiled.as_text()`): one Buffer per argument allocation (named by its
+    path), and one per value of every other allocation (values of one temp allocation at different
+    offsets or times share its bytes: the allocation's size is the true total)."""
+    names, params = op_names(hlo_text)
+    out: list[Buffer] = []
+    current = None
+    for line in text.splitlines():
+        a = _ALLOCATION.match(line)
+        if a:
+            size, attrs = int(a.group(2)), a.group(3)
+            colour = re.search(r"\bcolor (\d+)", attrs)
+            param = re.search(r"\bparameter (\d+)", attrs)
+            if param:
+                kind = "argument"
+            elif "preallocated-temp" in attrs:
+                kind = "temp"
+            else:
+                kind = next((k for k in ("output", "thread-local", "constant") if k in attrs), "other")
+            current = (kind, int(colour.group(1)) if colour else 0)
+            if param:
+                n = int(param.group(1))
+                shape = re.search(r"shape \|([^|]*)\|", attrs)
+                out.append(Buffer(f"parameter {n}", size, kind, shape.group(1) if shape else "", params.get(n, ""), current[1]))
+                current = None  # its values are the parameter itself
+            continue
+        v = _VALUE.match(line)
+        if v and current is not None:
+            name = v.group(1)
+            out.append(Buffer(name, int(v.group(2)), current[0], re.sub(r"\{[^}]*\}$", "", v.group(4)), names.get(name, ""), current[1]))
+    return out
 
 
 def partitioned_hlo(lowered, compiler_options: Optional[dict] = None) -> str:

@@ -20,6 +20,7 @@ Nothing here reads the offload config: placement is what the program does. `pyth
 
 import dataclasses
 import math
+import re
 from collections import defaultdict
 from typing import Any, Callable, Optional, Sequence
 
@@ -410,6 +411,9 @@ class InspectOptions:
     measure: bool = True
     # Exit 1 when a tag is not where the policy says it should be.
     strict: bool = True
+    # Print who holds the HBM (the compiled step's largest buffers) even when XLA's estimated peak is
+    # within hardware.hbm_bytes (it is printed whenever it is not).
+    holders: bool = False
 
 
 def output_path(explicit: Optional[str], key: str, tool: str, relative: str):
@@ -639,19 +643,79 @@ def render(rep: dict) -> str:
     return "\n".join(out)
 
 
-def inspect_step(trainer, measure: bool = True, on_compiled: Optional[Callable] = None):
+def _state_kind(op_name: str) -> str:
+    """`state['params'].embed` -> params; `state['opt_state']...` -> opt_state; `tokens` -> tokens."""
+    m = re.match(r"^(\w+)(?:\['(\w+)'\])?", op_name)
+    return (m.group(2) or m.group(1)) if m else "other"
+
+
+def compiled_holders(buffers, compiled_mem: Optional[dict], hbm_bytes: int, top: int = 8) -> dict:
+    """Who holds the compiled step's device memory: its arguments by kind (params, opt_state, tokens)
+    and their largest leaves, and the largest values of the temp allocation; with XLA's estimated
+    peak against `hardware.hbm_bytes` (0: none given)."""
+    device = [b for b in buffers if b.memory_space == 0]
+    args = sorted((b for b in device if b.kind == "argument"), key=lambda b: -b.bytes)
+    by_kind: dict[str, int] = {}
+    for b in args:
+        k = _state_kind(b.op_name)
+        by_kind[k] = by_kind.get(k, 0) + b.bytes
+    temp = sorted((b for b in device if b.kind == "temp"), key=lambda b: -b.bytes)
+    peak = (compiled_mem or {}).get("estimated_peak_bytes")
+
+    def row(b):
+        return {"name": b.name, "bytes": b.bytes, "shape": b.shape, "op_name": b.op_name}
+
+    return {
+        "estimated_peak_bytes": peak,
+        "hbm_bytes": hbm_bytes,
+        "over_budget": bool(hbm_bytes and peak is not None and peak > hbm_bytes),
+        "arguments_by_kind": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
+        "largest_arguments": [row(b) for b in args[:top]],
+        "temp_bytes": (compiled_mem or {}).get("temp_size_in_bytes"),
+        "largest_temp": [row(b) for b in temp[:top]],
+    }
+
+
+def render_holders(h: dict, overrides: Sequence[str] = ()) -> str:
+    peak, hbm = h["estimated_peak_bytes"], h["hbm_bytes"]
+    against = f"over hardware.hbm_bytes {_fmt(hbm)}" if h["over_budget"] else (f"within hardware.hbm_bytes {_fmt(hbm)}" if hbm else "no hardware.hbm_bytes")
+    out = [f"who holds the HBM: the compiled step's buffers, XLA's estimated peak {_fmt(peak)} per device, {against}"]
+    kinds = ", ".join(f"{k} {_fmt(v)}" for k, v in h["arguments_by_kind"].items())
+    out.append(f"  arguments {_fmt(sum(h['arguments_by_kind'].values()))}: {kinds}")
+    # optax's wrappers (inner_states['train'].inner_state[1][0]...) say nothing about the leaf.
+    rows = [(re.sub(r"\]\..*?\.(mu|nu)\.", r"].\1.", b["op_name"]) or b["name"], _fmt(b["bytes"]), b["shape"]) for b in h["largest_arguments"]]
+    if rows:
+        out.append("  largest arguments:")
+        out += ["    " + ln for ln in _table(rows).splitlines()]
+    if h["largest_temp"]:
+        out.append(f"  temporaries {_fmt(h['temp_bytes'])} in all; the largest values (they share that allocation over the step):")
+        rows = [(b["name"], _fmt(b["bytes"]), b["shape"], b["op_name"]) for b in h["largest_temp"]]
+        out += ["    " + ln for ln in _table(rows).splitlines()]
+    if h["over_budget"]:
+        args = " ".join(a for a in overrides if not a.startswith(("hydra.run.", "hydra.sweep.")))
+        out.append(
+            f"  to find what frees the most: python -m zoo.plan {args} plan.holders=true (per-tag offload / remat and state presets, "
+            "with the saving of each)"
+        )
+    return "\n".join(out)
+
+
+def inspect_step(trainer, measure: bool = True, on_compiled: Optional[Callable] = None, on_buffers: Optional[Callable] = None):
     """Trace, compile and (optionally) run the train step: placement, compiled memory, measured peak.
-    `on_compiled(compiled, partitioned_hlo_text)` sees the executable (the text is None on one device)."""
+    `on_compiled(compiled, partitioned_hlo_text)` sees the executable (the text is None on one device);
+    `on_buffers(buffers)` its buffer assignment (`zoo.hlo.buffer_assignment`; None where XLA wrote none)."""
+    from zoo import hlo
     from zoo import model as zoo_model
-    from zoo.scale import compile_step
     from zoo.train.metrics import compiled_memory, device_memory
 
     state, tokens = trainer.abstract_state(), trainer.abstract_tokens()
     traced = trainer.jitted_step().trace(state, tokens)
     placement = placement_from_jaxpr(traced.jaxpr, stack_names(zoo_model.abstract(trainer.cfg.model)))
-    compiled, partitioned = compile_step(trainer, traced.lower())
+    compiled, partitioned, assignment = hlo.compile_with_dumps(traced.lower(), partitioned=trainer.mesh.devices.size > 1)
     if on_compiled is not None:
         on_compiled(compiled, partitioned)
+    if on_buffers is not None:
+        on_buffers(None if assignment is None else hlo.buffer_assignment(assignment, compiled.as_text()))
     compiled_mem = compiled_memory(compiled)
     devices = list(trainer.mesh.devices.flat)
     measured = None
@@ -685,13 +749,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         seen = {}
         placement, compiled_mem, measured = inspect_step(
-            trainer, opts.measure, on_compiled=lambda compiled, text: seen.update(scale=scale.scale_report(trainer, compiled, text))
+            trainer, opts.measure, on_compiled=lambda compiled, text: seen.update(scale=scale.scale_report(trainer, compiled, text)),
+            on_buffers=lambda buffers: seen.update(buffers=buffers),
         )
         update = update_buffers(trainer.jitted_step().trace(trainer.abstract_state(), trainer.abstract_tokens()).jaxpr)
         rep = report(c, trainer, placement, compiled_mem, measured, overrides, update)
         rep["scale"] = seen["scale"]
+        rep["holders"] = None if seen.get("buffers") is None else compiled_holders(seen["buffers"], compiled_mem, c.hardware.hbm_bytes)
         print(render(rep))
         print(scale.render(rep["scale"]))
+        if rep["holders"] and (rep["holders"]["over_budget"] or opts.holders):
+            print(render_holders(rep["holders"], overrides))
         out.write_text(json.dumps(rep, indent=2) + "\n")
         print(f"wrote {out}")
         if rep["mismatches"] and opts.strict:

@@ -24,15 +24,25 @@ The cost model (per device, per step; every number it uses is printed in the est
 - Parameters in host memory move one layer at a time inside the scan (forward and backward, hidden
   behind compute like offloaded tags), their gradients stay on host; host-resident state moves in
   and out for the update, exposed.
+- Host memory (pinned, per device) is the offloaded tags (their bytes per layer times the layers, for
+  one microbatch: the microbatches run one after another and each one's backward frees what its
+  forward offloaded), the host-resident parameters and the stacks' gradients (plus one microbatch's
+  gradients arriving to be summed in, with several microbatches), the host-resident optimizer state,
+  and the staging of the input: the step's token batch and the next one's, built a step ahead. The
+  budget is `hardware.host_bytes_per_device` (or `plan.host_budget_gb`); the per-node figure is that
+  times the devices sharing a node's memory (`hardware.devices_per_node`).
 
 The search is exhaustive over every assignment of device / offload / remat to the tags that can take
 them (3^15 for DeepSeek-V3, vectorised in chunks); ties go to less host traffic, so with a budget to
-spare everything stays on device. If nothing fits, the error names the smallest budget that would.
+spare everything stays on device. An assignment must fit both budgets, HBM and host. If nothing
+fits, the one-line error names the budget that failed and the smallest of each that would do, and
+`holders` / `best_changes` say who holds the memory and which single change frees the most.
 """
 
 import dataclasses
 import itertools
 import math
+import re
 from typing import Optional, Sequence, Union
 
 import numpy as np
@@ -62,6 +72,7 @@ class PlanConfig:
     """`plan.*` keys of `python -m zoo.plan`."""
 
     hbm_budget_gb: Optional[float] = None  # null: the hardware profile's hbm_bytes
+    host_budget_gb: Optional[float] = None  # pinned host memory per device; null: hardware.host_bytes_per_device (0 there: no budget)
     link: Optional[str] = None  # GB/s per direction, a name of LINKS, or a conf/hardware profile; null: hardware.host_link_gbps
     flops_efficiency: float = 0.5  # fraction of hardware.peak_flops matmuls reach
     transfer_latency_us: float = 10.0  # fixed cost of one host transfer
@@ -70,10 +81,13 @@ class PlanConfig:
     out: Optional[str] = None
     name: str = "planned"
     json: Optional[str] = None  # also write the estimates as JSON here
+    holders: bool = False  # also print who holds the memory for a plan that fits (always printed when none does)
 
     def __post_init__(self):
         if self.hbm_budget_gb is not None and self.hbm_budget_gb <= 0:
             raise PlanError(f"plan.hbm_budget_gb: must be positive, got {self.hbm_budget_gb}; e.g. plan.hbm_budget_gb=80")
+        if self.host_budget_gb is not None and self.host_budget_gb <= 0:
+            raise PlanError(f"plan.host_budget_gb: must be positive GB per device, got {self.host_budget_gb}; e.g. plan.host_budget_gb=240")
         if not 0 < self.flops_efficiency <= 1:
             raise PlanError(f"plan.flops_efficiency: must be in (0, 1], got {self.flops_efficiency}")
         if self.transfer_latency_us < 0:
@@ -130,6 +144,7 @@ class StackCost:
     forward_flops_per_layer: float  # one device's forward FLOPs of one layer
     param_bytes_per_layer: float = 0.0  # moved per layer when parameters live on host
     opt_bytes_per_layer: float = 0.0  # optimizer state of one layer (moved per layer when it lives on host)
+    layer_range: str = ""  # the model's layer indices of this stack, for the holders listing ("3-60")
 
 
 @dataclasses.dataclass
@@ -153,6 +168,14 @@ class Problem:
     opt_on_host: bool = False
     other_bytes: float = 0.0  # untagged residuals (per microbatch)
     working_bytes: float = 0.0  # transient peak on top of residuals
+    working_label: str = "working set"  # what sets the working set, for the holders listing
+    host_budget: float = math.inf  # pinned host bytes per device; inf: no budget
+    devices_per_node: int = 1  # devices sharing a node's host memory (per-node figure)
+    staging_bytes: float = 0.0  # host bytes per device for input batches (this step's and the next)
+    per_device_batch: int = 1  # sequences per device and microbatch (whether more devices shrink the activations)
+    # The largest state leaves per device, (kind, path, bytes), kind "params" or "opt_state"; for the
+    # holders listing only.
+    largest_leaves: list = dataclasses.field(default_factory=list)
 
     def __post_init__(self):
         for t in self.tags:
@@ -177,16 +200,25 @@ class Estimate:
     update_phase_bytes: float
     device_tag_bytes: float
     host_tag_bytes: float
+    host_bytes: float  # pinned host memory per device (tags, host-resident state, staging)
+    host_node_bytes: float  # host_bytes times the devices sharing a node
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
 
 
 class Infeasible(PlanError):
-    def __init__(self, message: str, min_bytes: float, best: Estimate):
+    """No assignment fits. `budget`: which one failed ("hbm" or "host"); `min_bytes`: the smallest
+    HBM that would do (within the host budget where any assignment is); `min_host_bytes`: the
+    smallest host memory per device that would do (within the HBM budget where any assignment is);
+    `best`: the assignment those figures belong to (the one the holders listing is about)."""
+
+    def __init__(self, message: str, min_bytes: float, best: Estimate, budget: str = "hbm", min_host_bytes: float = math.nan):
         super().__init__(message)
         self.min_bytes = min_bytes
         self.best = best
+        self.budget = budget
+        self.min_host_bytes = min_host_bytes
 
 
 def _tag_totals(p: Problem, t: TagCost) -> float:
@@ -222,6 +254,27 @@ def _fixed_bytes(p: Problem) -> tuple[float, float]:
     resident = (0.0 if p.params_on_host else p.param_bytes + p.grad_bytes) + (0.0 if p.opt_on_host else p.opt_bytes)
     outside = (2 * outside_params if p.params_on_host else 0.0) + (p.opt_bytes - p.stack_opt_bytes if p.opt_on_host else 0.0)
     return backward, resident + outside + 2 * _biggest_layer(p, p.params_on_host, p.opt_on_host)
+
+
+def _devices_on_node(p: Problem) -> int:
+    return max(1, int(p.devices_per_node))
+
+
+def _host_fixed_parts(p: Problem) -> dict[str, float]:
+    """Host bytes per device that do not depend on the tags, by holder."""
+    parts = {}
+    if p.params_on_host:
+        parts["parameters"] = p.param_bytes
+        # The stacks' gradients come back from the backward pass into host memory (zoo.train.update);
+        # with several microbatches one microbatch's arrive while the sum is held.
+        parts["gradients"] = p.stack_param_bytes
+        if p.microbatches > 1:
+            parts["gradients of the microbatch being summed in"] = p.stack_param_bytes
+    if p.opt_on_host:
+        parts["optimizer state"] = p.opt_bytes
+    if p.staging_bytes:
+        parts["input staging (this step's and the next step's tokens)"] = p.staging_bytes
+    return parts
 
 
 def _state_transfer_s(p: Problem) -> float:
@@ -278,6 +331,7 @@ def _evaluate_arrays(p: Problem, digits: np.ndarray) -> dict[str, np.ndarray]:
     fixed_backward, update = _fixed_bytes(p)
     backward_phase = fixed_backward + device_bytes
     peak = np.maximum(backward_phase, update)
+    host = sum(_host_fixed_parts(p).values()) + host_bytes
     compute_s = p.step_flops / p.rate
     recompute_s = mb * recompute_flops / p.rate
     exposed_s = mb * exposed
@@ -293,6 +347,8 @@ def _evaluate_arrays(p: Problem, digits: np.ndarray) -> dict[str, np.ndarray]:
         "update_phase_bytes": np.full(n, update),
         "device_tag_bytes": device_bytes,
         "host_tag_bytes": host_bytes,
+        "host_bytes": host,
+        "host_node_bytes": host * _devices_on_node(p),
     }
 
 
@@ -320,13 +376,29 @@ def _all_assignments(choices: Sequence[Sequence[int]]) -> np.ndarray:
     return np.asarray(list(itertools.product(*choices)), dtype=np.int8).reshape(-1, len(choices))
 
 
-def search(p: Problem, inner_tags: int = 9, rel_tolerance: float = 1e-3) -> Estimate:
-    """The fastest assignment within the budget. Step times within `rel_tolerance` of the compute
-    time count as equal; among those, less host traffic wins, then the faster, then less HBM (so a
-    cheap norm is recomputed rather than offloaded for a saving of microseconds, and with budget to
-    spare everything stays on device).
+class _Lowest:
+    """The lowest value of one quantity seen over the chunks of a search, and its assignment."""
 
-    Raises Infeasible (with the smallest peak any assignment reaches) when nothing fits.
+    def __init__(self):
+        self.value, self.digits = math.inf, None
+
+    def offer(self, value: np.ndarray, tiebreak: np.ndarray, digits: np.ndarray, mask: Optional[np.ndarray] = None):
+        idx = np.arange(len(value)) if mask is None else np.nonzero(mask)[0]
+        if not idx.size:
+            return
+        i = idx[int(np.lexsort((tiebreak[idx], value[idx]))[0])]
+        if value[i] < self.value:
+            self.value, self.digits = float(value[i]), digits[i].copy()
+
+
+def search(p: Problem, inner_tags: int = 9, rel_tolerance: float = 1e-3) -> Estimate:
+    """The fastest assignment within both budgets (HBM and host). Step times within `rel_tolerance`
+    of the compute time count as equal; among those, less host traffic wins, then the faster, then
+    less HBM (so a cheap norm is recomputed rather than offloaded for a saving of microseconds, and
+    with budget to spare everything stays on device).
+
+    Raises Infeasible when nothing fits: its message names the budget that failed and the smallest
+    of each that would do.
     """
     tolerance = max(rel_tolerance * p.step_flops / p.rate, 1e-12)
     choice_idx = [[CHOICES.index(c) for c in t.choices] for t in p.tags]
@@ -334,15 +406,18 @@ def search(p: Problem, inner_tags: int = 9, rel_tolerance: float = 1e-3) -> Esti
     outer = _all_assignments(choice_idx[:k])
     inner = _all_assignments(choice_idx[k:])
     best_key, best_digits = None, None
-    min_peak, min_digits = math.inf, None
+    # The smallest HBM of all, of those within the host budget; the smallest host memory of those
+    # within the HBM budget.
+    min_peak, min_peak_host_ok, min_host_hbm_ok = _Lowest(), _Lowest(), _Lowest()
     for o in outer:
         digits = np.concatenate([np.broadcast_to(o, (inner.shape[0], k)), inner], axis=1)
         arrays = _evaluate_arrays(p, digits)
-        peak = arrays["peak_bytes"]
-        i_min = int(np.lexsort((arrays["time_s"], peak))[0])  # the fastest of the smallest
-        if peak[i_min] < min_peak:
-            min_peak, min_digits = float(peak[i_min]), digits[i_min].copy()
-        ok = np.nonzero(peak <= p.budget)[0]
+        peak, host = arrays["peak_bytes"], arrays["host_bytes"]
+        hbm_ok, host_ok = peak <= p.budget, host <= p.host_budget
+        min_peak.offer(peak, host, digits)
+        min_peak_host_ok.offer(peak, arrays["time_s"], digits, host_ok)  # the fastest of the smallest
+        min_host_hbm_ok.offer(host, peak, digits, hbm_ok)
+        ok = np.nonzero(hbm_ok & host_ok)[0]
         if not ok.size:
             continue
         exact = arrays["time_s"][ok]
@@ -353,16 +428,63 @@ def search(p: Problem, inner_tags: int = 9, rel_tolerance: float = 1e-3) -> Esti
         if best_key is None or key < best_key:
             best_key, best_digits = key, digits[i].copy()
     if best_digits is None:
-        best = evaluate(p, {t.tag: CHOICES[int(min_digits[j])] for j, t in enumerate(p.tags)})
-        raise Infeasible(
-            f"plan.hbm_budget_gb: no policy fits {p.budget / GB:.3f} GB; the smallest HBM any policy needs is "
-            f"{min_peak / GB:.3f} GB ({_describe(best.assignment)}); raise plan.hbm_budget_gb to at least "
-            f"{math.ceil(min_peak / GB * 1000) / 1000:.3f}"
-            + _state_hint(p),
-            min_peak,
-            best,
+        raise _infeasible(p, min_peak, min_peak_host_ok, min_host_hbm_ok)
+    return evaluate(p, _assignment_of(p, best_digits))
+
+
+def _assignment_of(p: Problem, digits: np.ndarray) -> dict[str, str]:
+    return {t.tag: CHOICES[int(digits[j])] for j, t in enumerate(p.tags)}
+
+
+def _at_least(b: float) -> str:
+    return f"{math.ceil(b / GB * 1000) / 1000:.3f}"
+
+
+def _host_budget_text(p: Problem) -> str:
+    n = _devices_on_node(p)
+    return f"{p.host_budget / GB:.3f} GB per device ({n * p.host_budget / GB:.3f} GB per node of {n})"
+
+
+def _infeasible(p: Problem, min_peak: "_Lowest", min_peak_host_ok: "_Lowest", min_host_hbm_ok: "_Lowest") -> Infeasible:
+    if min_host_hbm_ok.digits is None:
+        # HBM failed: no assignment fits it whatever the host holds.
+        if min_peak_host_ok.digits is not None:
+            best = evaluate(p, _assignment_of(p, min_peak_host_ok.digits))
+            within = " within the host budget" if min_peak_host_ok.value > min_peak.value else ""
+            return Infeasible(
+                f"plan.hbm_budget_gb: no policy fits {p.budget / GB:.3f} GB; the smallest HBM any policy{within} needs is "
+                f"{best.peak_bytes / GB:.3f} GB ({_describe(best.assignment)}); raise plan.hbm_budget_gb to at least "
+                f"{_at_least(best.peak_bytes)}" + _state_hint(p),
+                best.peak_bytes, best, "hbm", best.host_bytes,
+            )
+        # Neither budget can be met by any one assignment: the smallest HBM, with its host memory.
+        best = evaluate(p, _assignment_of(p, min_peak.digits))
+        return Infeasible(
+            f"plan.hbm_budget_gb: no policy fits {p.budget / GB:.3f} GB, and none of the smallest fits the host budget of "
+            f"{_host_budget_text(p)}; the smallest HBM any policy needs is {best.peak_bytes / GB:.3f} GB "
+            f"({_describe(best.assignment)}) with {best.host_bytes / GB:.3f} GB of host memory per device; raise "
+            f"plan.hbm_budget_gb to at least {_at_least(best.peak_bytes)} and plan.host_budget_gb to at least "
+            f"{_at_least(best.host_bytes)}, or shard over more devices",
+            best.peak_bytes, best, "hbm", best.host_bytes,
         )
-    return evaluate(p, {t.tag: CHOICES[int(best_digits[j])] for j, t in enumerate(p.tags)})
+    # HBM can be met, but not together with the host budget.
+    best = evaluate(p, _assignment_of(p, min_host_hbm_ok.digits))
+    n = _devices_on_node(p)
+    other = ""
+    if min_peak_host_ok.digits is not None:
+        other = f", or plan.hbm_budget_gb to at least {_at_least(min_peak_host_ok.value)} (the smallest HBM within the host budget)"
+    hints = ["shard over more devices"]
+    if p.opt_on_host:
+        hints.insert(0, "keep the optimizer state on device (offload.opt_state=device)")
+    if p.params_on_host:
+        hints.insert(0, "keep the parameters on device (offload.params=device)")
+    return Infeasible(
+        f"plan.host_budget_gb: no policy within the HBM budget of {p.budget / GB:.3f} GB fits the host budget of "
+        f"{_host_budget_text(p)}; the smallest host memory such a policy needs is {best.host_bytes / GB:.3f} GB per device "
+        f"({n * best.host_bytes / GB:.3f} GB per node; {_describe(best.assignment)}); raise plan.host_budget_gb to at least "
+        f"{_at_least(best.host_bytes)}{other}, or {', or '.join(hints)}",
+        min_peak_host_ok.value, best, "host", best.host_bytes,
+    )
 
 
 def _describe(assignment: dict[str, str]) -> str:
@@ -379,6 +501,172 @@ def _state_hint(p: Problem) -> str:
     if not hints:
         return ", or shrink the batch / sequence or shard over more devices"
     return f", or shrink the batch / sequence, or try {' '.join(hints)} (the update then streams that state layer by layer)"
+
+
+# --- who holds the memory ----------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Holder:
+    """One holder of memory in an estimate: `name` (a tag with its stack and layers, a state kind, the
+    working set...), its bytes per device, and `detail` (e.g. the largest leaves of a state kind)."""
+
+    name: str
+    bytes: float
+    detail: str = ""
+
+
+@dataclasses.dataclass
+class Change:
+    """One change to a plan and the bytes per device it frees (`saving`: the estimate's figure
+    before minus after), with the estimate after it."""
+
+    action: str
+    saving: float
+    after: Estimate
+    fits: bool  # whether the estimate after it fits both budgets
+
+
+def _tag_holders(p: Problem, e: Estimate, where: str) -> list[Holder]:
+    out = []
+    for t in p.tags:
+        if e.assignment[t.tag] != where:
+            continue
+        for s, b in t.bytes_per_layer.items():
+            sc = p.stacks[s]
+            if b:
+                layers = f"layers {sc.layer_range}" if sc.layer_range else f"{sc.layers} layers"
+                out.append(Holder(f"tag {t.tag} ({s}, {layers})", b * sc.layers, f"{_fmt_bytes(b)} per layer"))
+    return out
+
+
+def _leaves_detail(p: Problem, kind: str, n: int = 3) -> str:
+    leaves = sorted((x for x in p.largest_leaves if x[0] == kind), key=lambda x: -x[2])[:n]
+    return ", ".join(f"{path} {_fmt_bytes(b)}" for _, path, b in leaves)
+
+
+def holders(p: Problem, e: Estimate, memory: str = "hbm") -> list[Holder]:
+    """Who holds the memory of estimate `e` per device, largest first: `memory` "hbm" (the phase that
+    sets the peak) or "host"."""
+    if memory == "host":
+        out = _tag_holders(p, e, "offload")
+        details = {"parameters": _leaves_detail(p, "params"), "optimizer state": _leaves_detail(p, "opt_state")}
+        out += [Holder(k, v, details.get(k, "")) for k, v in _host_fixed_parts(p).items() if v]
+    elif e.backward_phase_bytes >= e.update_phase_bytes:
+        out = _tag_holders(p, e, "device")
+        outside = p.param_bytes - p.stack_param_bytes
+        layer = max((s.param_bytes_per_layer for s in p.stacks.values()), default=0.0)
+        if p.params_on_host:
+            out.append(Holder("parameters (outside the stacks, and two layers in flight)", outside + 2 * layer))
+            out.append(Holder("gradients (outside the stacks, and two layers in flight)", p.grad_bytes - p.stack_param_bytes + 2 * layer))
+        else:
+            out.append(Holder("parameters", p.param_bytes, _leaves_detail(p, "params")))
+            out.append(Holder("gradients", p.grad_bytes))
+        if not p.opt_on_host:
+            out.append(Holder("optimizer state", p.opt_bytes, _leaves_detail(p, "opt_state")))
+        out.append(Holder("untagged residuals", p.other_bytes))
+        out.append(Holder(p.working_label, p.working_bytes))
+    else:
+        # The update phase: zoo.plan's _fixed_bytes, by holder.
+        if not _streamed(p):
+            out = [
+                Holder("parameters (update)", p.param_bytes, _leaves_detail(p, "params")), Holder("gradients (update)", p.grad_bytes),
+                Holder("optimizer state (update)", p.opt_bytes, _leaves_detail(p, "opt_state")),
+            ]
+        else:
+            out = []
+            if not p.params_on_host:
+                out += [Holder("parameters (update)", p.param_bytes), Holder("gradients (update)", p.grad_bytes)]
+            else:
+                out.append(Holder("parameters and gradients outside the stacks (update)", 2 * (p.param_bytes - p.stack_param_bytes)))
+            if not p.opt_on_host:
+                out.append(Holder("optimizer state (update)", p.opt_bytes))
+            else:
+                out.append(Holder("optimizer state outside the stacks (update)", p.opt_bytes - p.stack_opt_bytes))
+            out.append(Holder("two layers of host-resident state in flight (update)", 2 * _biggest_layer(p, p.params_on_host, p.opt_on_host)))
+    return sorted((h for h in out if h.bytes > 0), key=lambda h: -h.bytes)
+
+
+def _more_devices(p: Problem) -> tuple[Problem, str]:
+    """The problem on twice the devices along FSDP: the state sharded twice as thin and, where the
+    per-device batch can halve, the activations and working set with it. An estimate: the real
+    figure needs the plan redone with the new mesh."""
+    halve = p.per_device_batch >= 2
+    a = 0.5 if halve else 1.0
+    q = dataclasses.replace(
+        p,
+        tags=[dataclasses.replace(t, bytes_per_layer={s: b * a for s, b in t.bytes_per_layer.items()}) for t in p.tags],
+        stacks={s: dataclasses.replace(sc, param_bytes_per_layer=sc.param_bytes_per_layer / 2, opt_bytes_per_layer=sc.opt_bytes_per_layer / 2)
+                for s, sc in p.stacks.items()},
+        param_bytes=p.param_bytes / 2, stack_param_bytes=p.stack_param_bytes / 2, grad_bytes=p.grad_bytes / 2,
+        opt_bytes=p.opt_bytes / 2, stack_opt_bytes=p.stack_opt_bytes / 2, other_bytes=p.other_bytes * a,
+        working_bytes=p.working_bytes * a, staging_bytes=p.staging_bytes / 2, per_device_batch=max(1, p.per_device_batch // 2),
+    )
+    what = "state and per-device batch halved" if halve else "state halved; the per-device batch of 1 cannot halve"
+    return q, f"twice the devices, along fsdp ({what})"
+
+
+def best_changes(p: Problem, e: Estimate, memory: str = "hbm", top: int = 4) -> list[Change]:
+    """Single changes to estimate `e` that free `memory` ("hbm": the peak; "host": host bytes per
+    device), the most first: a tag recomputed (or, where it cannot be, moved), a state preset, or
+    twice the devices. Each saving is the estimate before minus after."""
+    key = "peak_bytes" if memory == "hbm" else "host_bytes"
+    candidates: list[tuple[str, Problem, dict]] = []
+    for t in p.tags:
+        now = e.assignment[t.tag]
+        frees = now == ("device" if memory == "hbm" else "offload")
+        if not frees:
+            continue
+        to = "remat" if "remat" in t.choices else ("offload" if memory == "hbm" else "device")
+        if to in t.choices and to != now:
+            verb = {"remat": "recompute", "offload": "offload", "device": "keep on device"}[to]
+            candidates.append((f"{verb} tag {t.tag} (tags.{t.tag}: {to})", p, {**e.assignment, t.tag: to}))
+    if memory == "hbm":
+        if not p.opt_on_host and p.opt_bytes:
+            candidates.append(("offload.opt_state=pinned_host", dataclasses.replace(p, opt_on_host=True), e.assignment))
+        if not p.params_on_host and p.stack_param_bytes:
+            candidates.append(("offload.params=pinned_host", dataclasses.replace(p, params_on_host=True), e.assignment))
+    else:
+        if p.opt_on_host:
+            candidates.append(("offload.opt_state=device", dataclasses.replace(p, opt_on_host=False), e.assignment))
+        if p.params_on_host:
+            candidates.append(("offload.params=device", dataclasses.replace(p, params_on_host=False), e.assignment))
+    q, what = _more_devices(p)
+    candidates.append((what, q, e.assignment))
+    out = []
+    for action, problem, assignment in candidates:
+        after = evaluate(problem, assignment)
+        saving = getattr(e, key) - getattr(after, key)
+        if saving > 0:
+            fits = after.peak_bytes <= problem.budget and after.host_bytes <= problem.host_budget
+            out.append(Change(action, saving, after, fits))
+    return sorted(out, key=lambda c: -c.saving)[:top]
+
+
+def holders_table(p: Problem, e: Estimate, memory: str = "hbm", top: int = 8) -> str:
+    """Who holds `memory` in estimate `e` (the largest `top`), and what would free the most."""
+    if memory == "hbm":
+        title = f"who holds the HBM: {_fmt_bytes(e.peak_bytes)} per device; budget {_fmt_bytes(p.budget)}"
+    else:
+        n = _devices_on_node(p)
+        budget = f"; budget {_fmt_bytes(p.host_budget)} per device, {_fmt_bytes(n * p.host_budget)} per node" if math.isfinite(p.host_budget) else " (no host budget)"
+        title = f"who holds the host memory: {_fmt_bytes(e.host_bytes)} per device, {_fmt_bytes(e.host_node_bytes)} per node of {n}{budget}"
+    hs = holders(p, e, memory)
+    rows = [("holder", "bytes", "share", "")] + [
+        (h.name, _fmt_bytes(h.bytes), f"{100 * h.bytes / max(sum(x.bytes for x in hs), 1.0):.1f}%", h.detail) for h in hs[:top]
+    ]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    out = [title] + ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    if len(hs) > top:
+        out.append(f"  ... and {len(hs) - top} more holding {_fmt_bytes(sum(h.bytes for h in hs[top:]))}")
+    changes = best_changes(p, e, memory)
+    if changes:
+        key = "peak_bytes" if memory == "hbm" else "host_bytes"
+        out.append("what would free the most (estimated saving per device; the figure after it):")
+        for c in changes:
+            fits = "fits both budgets" if c.fits else "still over a budget"
+            out.append(f"  {c.action}: frees {_fmt_bytes(c.saving)} -> {_fmt_bytes(getattr(c.after, key))} ({fits})")
+    return "\n".join(out)
 
 
 # --- from a model config ----------------------------------------------------------------------
@@ -527,6 +815,16 @@ def estimates_table(p: Problem, chosen: Estimate) -> str:
         f"estimated HBM peak {_fmt_bytes(e.peak_bytes)} of {_fmt_bytes(p.budget)} (forward/backward {_fmt_bytes(e.backward_phase_bytes)}, "
         f"update {_fmt_bytes(e.update_phase_bytes)}); tags on device {_fmt_bytes(e.device_tag_bytes)}, on host {_fmt_bytes(e.host_tag_bytes)}"
     )
+    n = _devices_on_node(p)
+    parts = {"tags": e.host_tag_bytes, **_host_fixed_parts(p)}
+    budget = (
+        f"; budget {_fmt_bytes(p.host_budget)} per device, {_fmt_bytes(n * p.host_budget)} per node" if math.isfinite(p.host_budget) else " (no host budget)"
+    )
+    out.append(
+        f"estimated host memory {_fmt_bytes(e.host_bytes)} per device, {_fmt_bytes(e.host_node_bytes)} per node of {n}{budget} ("
+        + ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in parts.items() if v or k == "tags")
+        + ")"
+    )
     return "\n".join(out)
 
 
@@ -628,6 +926,27 @@ def _ways(c, trainer, logical: str) -> int:
     return math.prod(sizes[a] for a in dict.fromkeys(c.mesh.rules.get(logical, [])) if a in sizes) or 1
 
 
+def largest_leaves(abstract_tree, shardings, kind: str, n: int = 3) -> list[tuple[str, str, float]]:
+    """The `n` largest leaves per device of a tree under its shardings: (kind, path, bytes)."""
+    import jax
+
+    out = []
+    for (path, leaf), sh in zip(jax.tree_util.tree_leaves_with_path(abstract_tree), jax.tree_util.tree_leaves(shardings)):
+        shape = sh.shard_shape(leaf.shape) if hasattr(sh, "shard_shape") else leaf.shape
+        name = jax.tree_util.keystr(path).lstrip(".")
+        # optax's wrappers (inner_states['train'].inner_state[1][0]...) say nothing about the leaf.
+        name = re.sub(r"^.*?\.(mu|nu)\.", r"\1.", name)
+        out.append((kind, name, float(math.prod(shape) * np.dtype(leaf.dtype).itemsize)))
+    return sorted(out, key=lambda x: -x[2])[:n]
+
+
+def host_budget_bytes(opts: PlanConfig, hardware) -> float:
+    """Pinned host bytes per device: `plan.host_budget_gb`, else the profile's; inf where neither gives one."""
+    if opts.host_budget_gb is not None:
+        return opts.host_budget_gb * GB
+    return float(hardware.host_bytes_per_device) if hardware.host_bytes_per_device else math.inf
+
+
 def problem_from_config(c, trainer, opts: PlanConfig, hardware_dir=None, attention_impl: Optional[str] = None) -> tuple[Problem, dict]:
     """The planning problem for a composed, validated train config (sizes per device);
     `attention_impl`: the implementation the target runs (default: `target_attention_impl(c)`)."""
@@ -665,11 +984,13 @@ def problem_from_config(c, trainer, opts: PlanConfig, hardware_dir=None, attenti
     abstract_opt = jax.eval_shape(trainer.tx.init, trainer.abstract_params)
     opt_bytes, stack_opt = per_device_bytes(abstract_opt, trainer.opt_shardings, stack_names(abstract))
     for s in placement.stacks:
+        indices = _stack_layers(m, s["name"])
         stacks[s["name"]] = StackCost(
             layers=s["layers"],
             forward_flops_per_layer=layer_forward_flops(m, s["name"], batch, seq),
             param_bytes_per_layer=stack_params.get(s["name"], 0.0) / s["layers"],
             opt_bytes_per_layer=stack_opt.get(s["name"], 0.0) / s["layers"],
+            layer_range=f"{indices[0]}-{indices[-1]}" if len(indices) == s["layers"] else "",
         )
 
     hw = c.hardware
@@ -701,7 +1022,15 @@ def problem_from_config(c, trainer, opts: PlanConfig, hardware_dir=None, attenti
     loss = loss_working_bytes(
         batch=batch, seq=seq, vocab=vocab, embed=m.hidden_size, chunk=c.trainer.loss_chunk_size, compute_bytes=compute_bytes, head_cast_bytes=head_cast,
     )
-    working = max(2.0 * (per_layer + mlpwo_bytes) + attention, loss)
+    layers_working = 2.0 * (per_layer + mlpwo_bytes) + attention
+    working = max(layers_working, loss)
+    working_label = (
+        f"working set: two layers' intermediates + one layer's {attention_impl} attention" if layers_working >= loss
+        else "working set: the head + loss" + (f" (chunks of {c.trainer.loss_chunk_size})" if c.trainer.loss_chunk_size else " (whole logits)")
+    )
+    host_budget = host_budget_bytes(opts, hw)
+    # The step's token batch and the next one's (built a step ahead, zoo.train.run.Batches), int32.
+    staging = 2.0 * c.data.batch_size * seq * 4 / num_devices
     other = float(sum(o.total_bytes for o in placement.other))
 
     p = Problem(
@@ -722,6 +1051,13 @@ def problem_from_config(c, trainer, opts: PlanConfig, hardware_dir=None, attenti
         opt_on_host=c.offload.opt_state == "pinned_host",
         other_bytes=other,
         working_bytes=float(working),
+        working_label=working_label,
+        host_budget=host_budget,
+        devices_per_node=min(int(hw.devices_per_node), num_devices),
+        staging_bytes=staging,
+        per_device_batch=batch,
+        largest_leaves=largest_leaves(trainer.abstract_params, trainer.param_shardings, "params")
+        + largest_leaves(abstract_opt, trainer.opt_shardings, "opt_state"),
     )
     info = {
         "per_device_batch": batch,
@@ -732,6 +1068,9 @@ def problem_from_config(c, trainer, opts: PlanConfig, hardware_dir=None, attenti
         "rate_source": rate_source,
         "link_gbps_per_direction": link_gbps,
         "budget_bytes": budget,
+        "host_budget_bytes": host_budget if math.isfinite(host_budget) else None,
+        "devices_per_node": p.devices_per_node,
+        "host_staging_bytes": staging,
         "param_bytes": param_bytes,
         "opt_bytes": opt_bytes,
         "working_bytes": working,
@@ -771,6 +1110,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from zoo.train.run import start_jax
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    after_error: list[str] = []  # printed after the one error line: who holds the memory
 
     def body() -> int:
         opts, overrides = split_tool_args(argv, "plan", PlanConfig)
@@ -792,8 +1132,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(
             f"planning {c.model.family} ({c.model.num_layers} layers), per device batch {info['per_device_batch']} x {info['seq_len']} "
             f"on {info['devices']} device(s); matmul rate {info['rate_flops'] / 1e12:.1f} TFLOP/s ({info['rate_source']}), "
-            f"host link {info['link_gbps_per_direction']:g} GB/s per direction, HBM budget {_fmt_bytes(info['budget_bytes'])}; "
-            f"params {c.offload.params}, optimizer state {c.offload.opt_state}"
+            f"host link {info['link_gbps_per_direction']:g} GB/s per direction, HBM budget {_fmt_bytes(info['budget_bytes'])}, "
+            + (f"host budget {_fmt_bytes(p.host_budget)} per device ({_fmt_bytes(p.devices_per_node * p.host_budget)} per node of {p.devices_per_node}); "
+               if math.isfinite(p.host_budget) else "no host budget (hardware.host_bytes_per_device 0); ")
+            + f"params {c.offload.params}, optimizer state {c.offload.opt_state}"
         )
         chunk = c.trainer.loss_chunk_size
         print(
@@ -807,12 +1149,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             best = search(p)
         except Infeasible as e:
             print(estimates_table(p, e.best))
+            after_error.append(holders_table(p, e.best, e.budget))
             raise
         policy = to_offload_config(best, opts.name, c.offload.params, c.offload.opt_state)
         print(estimates_table(p, best))
+        if opts.holders:
+            print(holders_table(p, best, "hbm"))
+            if best.host_bytes:
+                print(holders_table(p, best, "host"))
         header = (
             f"Planned by: python -m zoo.plan {' '.join(argv)}\n"
-            f"Estimated step {1e3 * best.time_s:.3f} ms, HBM peak {_fmt_bytes(best.peak_bytes)} of {_fmt_bytes(p.budget)} per device.\n"
+            f"Estimated step {1e3 * best.time_s:.3f} ms, HBM peak {_fmt_bytes(best.peak_bytes)} of {_fmt_bytes(p.budget)} per device,\n"
+            f"host memory {_fmt_bytes(best.host_bytes)} per device ({_fmt_bytes(best.host_node_bytes)} per node of {p.devices_per_node}).\n"
             f"Tags left out are recomputed."
         )
         out.write_text(to_yaml(policy, header))
@@ -822,10 +1170,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for line in use_plan_lines(out, kept):
             print(line)
         if opts.json:
-            pathlib.Path(opts.json).write_text(json.dumps({"info": info, "estimate": best.as_dict(), "policy": dataclasses.asdict(policy)}, indent=2) + "\n")
+            held = {m: [dataclasses.asdict(h) for h in holders(p, best, m)] for m in ("hbm", "host")}
+            pathlib.Path(opts.json).write_text(
+                json.dumps({"info": info, "estimate": best.as_dict(), "holders": held, "policy": dataclasses.asdict(policy)}, indent=2) + "\n"
+            )
         return 0
 
-    return run_tool(body, "python -m zoo.plan", argv)
+    rc = run_tool(body, "python -m zoo.plan", argv)
+    for text in after_error:
+        print(text)
+    return rc
 
 
 if __name__ == "__main__":

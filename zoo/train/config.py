@@ -258,10 +258,22 @@ class HardwareConfig:
     # platform ("cpu", "gpu"; null: this machine's) and a GPU's CUDA compute capability ("9.0").
     platform: Optional[str] = None
     compute_capability: Optional[str] = None
+    # Pinned host memory one device may use (offloaded activations, host-resident state, staging),
+    # zoo.plan's host budget; 0: no budget (the planner refuses nothing for host memory). Profiles
+    # derive it from datasheets (the CPU memory of a node shared by its GPUs), not measurements.
+    host_bytes_per_device: int = 0
+    devices_per_node: int = 1  # devices sharing one node's host memory (zoo.plan's per-node figure)
 
     def __post_init__(self):
         if self.peak_flops <= 0:
             raise ConfigError(f"hardware.peak_flops: must be positive, got {self.peak_flops}")
+        if self.host_bytes_per_device < 0:
+            raise ConfigError(
+                f"hardware.host_bytes_per_device: must be >= 0 (0: no host budget), got {self.host_bytes_per_device}; "
+                "e.g. hardware.host_bytes_per_device=240000000000"
+            )
+        if self.devices_per_node < 1:
+            raise ConfigError(f"hardware.devices_per_node: must be >= 1, got {self.devices_per_node}; e.g. hardware.devices_per_node=8")
         if self.platform not in (None, "cpu", "gpu"):
             raise ConfigError(f"hardware.platform: got {self.platform!r}; choose cpu, gpu or null (this machine's)")
         if self.compute_capability is not None:

@@ -1,0 +1,218 @@
+"""The planner's host memory (budget, per-device and per-node figures) and its account of who holds
+the memory when a plan does not fit: constructed problems, then the command line."""
+
+import dataclasses
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from zoo import plan as zp
+from zoo.plan import GB, Infeasible, Problem, StackCost, TagCost, evaluate, search
+
+MB = 1e6
+LAYERS = 10
+
+
+def make_problem(tags, *, budget_gb=100.0, host_budget_gb=float("inf"), link_gbps=900.0, layer_flops=1e12, devices_per_node=1):
+    """One stack of LAYERS layers; `tags`: name -> (MB per layer, recompute FLOPs per layer, choices)."""
+    return Problem(
+        tags=[TagCost(t, {"s": b * MB}, {"s": f}, choices) for t, (b, f, choices) in tags.items()],
+        stacks={"s": StackCost(layers=LAYERS, forward_flops_per_layer=layer_flops, layer_range="3-12")},
+        rate=1e14,
+        link=link_gbps * GB,
+        budget=budget_gb * GB,
+        step_flops=3 * layer_flops * LAYERS,
+        param_bytes=1 * GB,
+        grad_bytes=1 * GB,
+        host_budget=host_budget_gb * GB,
+        devices_per_node=devices_per_node,
+    )
+
+
+KEEP_OR_OFFLOAD = ("device", "offload")  # like the layer input: it cannot be recomputed
+
+
+def test_host_budget_refuses_the_only_assignment_that_fits_hbm():
+    # 1 GB of a tag that cannot be recomputed; 2 GB of fixed state. HBM 2.5 GB: only offloading fits it,
+    # and that puts 1 GB per device in host memory, over the 0.5 GB budget.
+    p = make_problem({"x": (100, 0.0, KEEP_OR_OFFLOAD)}, budget_gb=2.5, host_budget_gb=0.5, devices_per_node=4)
+    offloaded = evaluate(p, {"x": "offload"})
+    assert offloaded.peak_bytes <= p.budget and offloaded.host_bytes == pytest.approx(1 * GB)
+    with pytest.raises(Infeasible) as e:
+        search(p)
+    msg = str(e.value)
+    assert len(msg.splitlines()) == 1
+    assert msg.startswith(
+        "plan.host_budget_gb: no policy within the HBM budget of 2.500 GB fits the host budget of 0.500 GB per device "
+        "(2.000 GB per node of 4); the smallest host memory such a policy needs is 1.000 GB per device (4.000 GB per node; offload: x)"
+    ), msg
+    # ... and the smallest of each budget that would do: host 1 GB with this HBM, or HBM 3 GB with this host budget.
+    assert "raise plan.host_budget_gb to at least 1.000, or plan.hbm_budget_gb to at least 3.000" in msg
+    assert e.value.budget == "host" and e.value.min_host_bytes == pytest.approx(1 * GB) and e.value.min_bytes == pytest.approx(3 * GB)
+    for fix in (dataclasses.replace(p, host_budget=e.value.min_host_bytes), dataclasses.replace(p, budget=e.value.min_bytes)):
+        best = search(fix)
+        assert best.peak_bytes <= fix.budget and best.host_bytes <= fix.host_budget
+
+
+def test_host_budget_turns_offloads_into_recomputation():
+    # A fast link hides the transfers: without a host budget the tags go to host (no recompute);
+    # with one that holds only one of them, the other is recomputed.
+    tags = {"a": (100, 1e12, zp.CHOICES), "b": (100, 1e12, zp.CHOICES)}
+    free = search(make_problem(tags, budget_gb=2.0))
+    assert free.assignment == {"a": "offload", "b": "offload"} and free.host_bytes == pytest.approx(2 * GB)
+    tight = search(make_problem(tags, budget_gb=2.0, host_budget_gb=1.5))
+    assert sorted(tight.assignment.values()) == ["offload", "remat"] and tight.host_bytes == pytest.approx(1 * GB)
+    assert tight.recompute_s > 0
+
+
+def test_both_budgets_failing_names_both():
+    # 1 GB of optimizer state on host (the stacks', 0.1 GB a layer): no assignment fits 0.5 GB of host
+    # memory; the parameters and gradients need 2 GB of HBM, the streamed update 0.2 GB more.
+    p = make_problem({"x": (100, 0.0, KEEP_OR_OFFLOAD)}, budget_gb=1.0, host_budget_gb=0.5)
+    p.opt_bytes = p.stack_opt_bytes = 1 * GB
+    p.stacks["s"].opt_bytes_per_layer = 0.1 * GB
+    p.opt_on_host = True
+    with pytest.raises(Infeasible) as e:
+        search(p)
+    msg = str(e.value)
+    assert msg.startswith("plan.hbm_budget_gb: no policy fits 1.000 GB, and none of the smallest fits the host budget of 0.500 GB per device")
+    # the smallest HBM (the tag offloaded) and the host memory that assignment needs (tag + state)
+    assert "raise plan.hbm_budget_gb to at least 2.200 and plan.host_budget_gb to at least 2.000" in msg
+    assert e.value.budget == "hbm"
+
+
+def test_host_bytes_per_device_and_per_node():
+    """Offloaded tags for one microbatch, host-resident parameters with the stacks' gradients (and one
+    microbatch's arriving to be summed in), host-resident optimizer state, the input staging; a node
+    holds devices_per_node times that."""
+    p = make_problem({"a": (100, 1e12, zp.CHOICES), "b": (50, 1e12, zp.CHOICES)}, devices_per_node=4)
+    p.stack_param_bytes = 0.8 * GB
+    p.stacks["s"].param_bytes_per_layer = 0.08 * GB
+    p.opt_bytes, p.stack_opt_bytes = 2 * GB, 1.6 * GB
+    p.staging_bytes = 3 * MB
+    p.microbatches = 4
+    on_device = evaluate(p, {"a": "offload", "b": "remat"})
+    assert on_device.host_bytes == pytest.approx(100 * MB * LAYERS + 3 * MB)  # one microbatch's tags, not four
+    p.params_on_host = p.opt_on_host = True
+    e = evaluate(p, {"a": "offload", "b": "offload"})
+    want = 150 * MB * LAYERS + 1 * GB + 0.8 * GB + 0.8 * GB + 2 * GB + 3 * MB
+    assert e.host_bytes == pytest.approx(want)
+    assert e.host_node_bytes == pytest.approx(4 * want)
+    table = zp.estimates_table(p, e)
+    assert f"estimated host memory {zp._fmt_bytes(want)} per device, {zp._fmt_bytes(4 * want)} per node of 4" in table
+
+
+def test_holders_rank_the_biggest_first_and_the_best_change_saves_what_the_estimates_say():
+    p = make_problem({"small": (10, 1e9, zp.CHOICES), "big": (300, 1e9, zp.CHOICES), "mid": (40, 1e9, zp.CHOICES)}, budget_gb=1.0)
+    p.opt_bytes = 0.5 * GB
+    with pytest.raises(Infeasible) as e:
+        search(dataclasses.replace(p, tags=[dataclasses.replace(t, choices=("device",)) for t in p.tags]))
+    kept = e.value.best  # everything on device: 3.5 GB of tags + 2.5 GB of state
+    held = zp.holders(p, kept)
+    assert held[0].name == "tag big (s, layers 3-12)" and held[0].bytes == pytest.approx(300 * MB * LAYERS)
+    assert [h.bytes for h in held] == sorted((h.bytes for h in held), reverse=True)
+    assert sum(h.bytes for h in held) == pytest.approx(kept.peak_bytes)  # every byte of the peak has a holder
+    first = zp.best_changes(p, kept)[0]
+    assert first.action.startswith("recompute tag big")
+    assert first.saving == pytest.approx(kept.peak_bytes - evaluate(p, {**kept.assignment, "big": "remat"}).peak_bytes)
+    assert first.saving == pytest.approx(300 * MB * LAYERS)
+
+
+def test_a_state_preset_is_named_when_it_frees_the_most():
+    p = make_problem({"a": (10, 1e9, zp.CHOICES)}, budget_gb=1.0)
+    p.opt_bytes = p.stack_opt_bytes = 10 * GB
+    p.stacks["s"].opt_bytes_per_layer = 1 * GB
+    e = evaluate(p, {"a": "remat"})
+    assert zp.holders(p, e)[0].name == "optimizer state"
+    first = zp.best_changes(p, e)[0]
+    assert first.action == "offload.opt_state=pinned_host"
+    assert first.saving == pytest.approx(e.peak_bytes - evaluate(dataclasses.replace(p, opt_on_host=True), e.assignment).peak_bytes)
+    assert "what would free the most" in zp.holders_table(p, e)
+
+
+def test_host_holders_and_what_frees_host_memory():
+    p = make_problem({"x": (100, 0.0, KEEP_OR_OFFLOAD), "y": (30, 1e9, zp.CHOICES)}, host_budget_gb=0.1)
+    p.opt_bytes = 0.5 * GB
+    p.opt_on_host = True
+    e = evaluate(p, {"x": "offload", "y": "offload"})
+    held = zp.holders(p, e, "host")
+    assert [h.name for h in held] == ["tag x (s, layers 3-12)", "optimizer state", "tag y (s, layers 3-12)"]
+    changes = {c.action: c.saving for c in zp.best_changes(p, e, "host")}
+    assert changes["offload.opt_state=device"] == pytest.approx(0.5 * GB)
+    assert changes["recompute tag y (tags.y: remat)"] == pytest.approx(0.3 * GB)
+    assert changes["keep on device tag x (tags.x: device)"] == pytest.approx(1 * GB)
+
+
+# --- the command line ----------------------------------------------------------------------------
+
+BASE = ["model=llama_tiny_a", "mesh=single", "data.batch_size=2", "data.seq_len=16", "hardware=h100_pcie"]
+
+
+def test_cli_host_overrun_is_one_line_then_the_holders(tmp_path, capsys):
+    ample = tmp_path / "ample.json"
+    assert zp.main([*BASE, "plan.hbm_budget_gb=80", f"plan.out={tmp_path / 'a.yaml'}", f"plan.json={ample}"]) == 0
+    got = json.loads(ample.read_text())
+    assert got["info"]["host_budget_bytes"] == 250e9 and got["info"]["devices_per_node"] == 1  # one device of an 8-GPU node
+    est = got["estimate"]
+    # HBM for the state alone (just above): the layer input, which cannot be recomputed, has to go to host,
+    # where a budget of 1 kB does not hold it.
+    fixed = est["peak_bytes"] - est["device_tag_bytes"]
+    capsys.readouterr()
+    args = [*BASE, f"plan.hbm_budget_gb={(fixed + 1) / GB}", "plan.host_budget_gb=0.000001", f"plan.out={tmp_path / 'x.yaml'}"]
+    assert zp.main(args) == 2
+    out, err = capsys.readouterr()
+    err = err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: plan.host_budget_gb: no policy within the HBM budget of"), err
+    assert "decoder_layer_input" in err[0] and "raise plan.host_budget_gb to at least" in err[0]
+    assert "who holds the host memory" in out and "  tag decoder_layer_input (dense_layers, layers 0-1)" in out
+    assert "keep on device tag decoder_layer_input" in out
+    assert not (tmp_path / "x.yaml").exists()
+
+
+def test_cli_prints_the_holders_when_asked(tmp_path, capsys):
+    assert zp.main([*BASE, "plan.hbm_budget_gb=80", "plan.holders=true", f"plan.out={tmp_path / 'a.yaml'}"]) == 0
+    out = capsys.readouterr().out
+    assert "who holds the HBM" in out and "estimated host memory" in out and "per node of 1" in out
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["plan.host_budget_gb=-1"], "error: plan.host_budget_gb: must be positive GB per device"),
+        (["plan.host_budget_gb=lots"], "error: plan.host_budget_gb: Value 'lots'"),
+        (["hardware.host_bytes_per_device=-5"], "error: hardware.host_bytes_per_device: must be >= 0"),
+        (["hardware.devices_per_node=0"], "error: hardware.devices_per_node: must be >= 1"),
+    ],
+)
+def test_cli_bad_host_settings_are_one_line(args, message, capsys):
+    assert zp.main([*BASE, *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(message), err
+
+
+def test_llama_405b_on_gb200_stays_within_the_host_memory_of_a_compute_tray(tmp_path):
+    """The issue's command (abstract shapes: nothing is allocated or compiled), with no host budget
+    and with GB200's. It used to 'fit' by putting 1.4 TB of tags per device on host: a GB200 tray has
+    2 x 480 GB of Grace memory for 4 GPUs, 240 GB each. One process for both plans, its own, since
+    xla.cpu_devices=128 has to reach XLA before JAX starts."""
+    args = ["model=llama3.1_405b", "xla.cpu_devices=128", "mesh=llama3.1_405b_128", "data.batch_size=1024", "data.seq_len=4096",
+            "trainer.grad_accum=8", "hardware=gb200", f"plan.out={tmp_path / 'p.yaml'}"]
+    runs = {"unlimited": [*args, "plan.host_budget_gb=100000", f"plan.json={tmp_path / 'unlimited.json'}"],
+            "gb200": [*args, f"plan.json={tmp_path / 'gb200.json'}"]}
+    script = f"import sys; from zoo.plan import main; sys.exit(max(main(a) for a in {list(runs.values())!r}))"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    p = subprocess.run([sys.executable, "-c", script], cwd=pathlib.Path(zp.__file__).parent.parent, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    unlimited = json.loads((tmp_path / "unlimited.json").read_text())
+    assert unlimited["estimate"]["host_bytes"] > 1000e9  # what the planner picks with no host budget
+    got = json.loads((tmp_path / "gb200.json").read_text())
+    assert got["info"]["host_budget_bytes"] == 240e9 and got["info"]["devices_per_node"] == 4
+    est = got["estimate"]
+    assert 0 < est["host_bytes"] <= 240e9 and est["host_node_bytes"] == pytest.approx(4 * est["host_bytes"])
+    assert est["peak_bytes"] <= got["info"]["budget_bytes"]
+    assert "per node of 4; budget 240.000 GB per device, 960.000 GB per node" in p.stdout
