@@ -7,8 +7,9 @@ process from copies of one state, so a busy machine slows both alike.
 
 Overrides are train.py's (Hydra); `mesh=single` and `trainer.moe_metrics` are set here. Compiled as
 train.py compiles (`xla.cpu_fast_compile`, default auto: set `xla.cpu_fast_compile=false` for the
-optimised program of a long run). Prints each side's median step, the ratio of the medians, and the
-median and quartiles of the per-round ratios (on / off; each round runs both, the order alternating).
+optimised program of a long run). Prints XLA's FLOP count of each program, each side's median step,
+the ratio of the medians, and the median and quartiles of the per-round ratios (on / off; each round
+runs both, the order alternating).
 The step's own timing here includes neither the TensorBoard histograms (host side, only with
 trainer.tensorboard=true) nor the progress line's check (a max over a list, per logged step).
 """
@@ -65,6 +66,9 @@ def main() -> int:
     print(f"model {c.model.family} ({c.model.num_moe_layers} MoE layers x {c.model.moe.n_routed_experts} experts), "
           f"batch {c.data.batch_size} x {c.data.seq_len}, {a.rounds} rounds, compile {compile_s[True]:.1f}s on / {compile_s[False]:.1f}s off")
     print(f"metrics only with moe_metrics on: {', '.join(sorted(keys[True] - keys[False]))}")
+    cost = {on: C.compiled_flops(compiled[on]) for on in (True, False)}
+    if cost[True] and cost[False]:
+        print(f"XLA cost analysis FLOPs per step: on {cost[True]:.4g}, off {cost[False]:.4g}, ratio {cost[True] / cost[False]:.4f}")
     print(f"median step: moe_metrics on {1e3 * on_s:.2f} ms, off {1e3 * off_s:.2f} ms, ratio {on_s / off_s:.3f}")
     print(f"per-round ratio on/off: median {statistics.median(ratios):.3f} (p25 {q[0]:.3f}, p75 {q[2]:.3f})")
     return 0
