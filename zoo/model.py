@@ -479,7 +479,8 @@ def run_layers(
         inverse = np.argsort(rows)
         counts = jnp.concatenate([per_stack[s][j].tokens_per_expert for s, j, _ in order])[inverse]
         dropped = jnp.concatenate([per_stack[s][j].dropped for s, j, _ in order])[inverse]
-        aux = MoEAux(counts, dropped)
+        entropy = jnp.concatenate([per_stack[s][j].router_entropy for s, j, _ in order])[inverse]
+        aux = MoEAux(counts, dropped, entropy)
     return model.final_norm(x), aux
 
 

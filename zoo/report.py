@@ -2,6 +2,7 @@
 
     python -m zoo.report multirun/2026-11-30/12-00-00            # writes report.md and report.png there
     python -m zoo.report <dir> --out /tmp/report                  # elsewhere
+    python -m zoo.report outputs/2026-11-30/12-00-00             # one run: its expert load over steps (expert_load.png)
 
 Every `summary.json` under the directory is one job (train.py writes one per job, failed jobs too).
 Step times on a shared machine are noisy, so each job's time is its interquartile range over the
@@ -186,16 +187,120 @@ def report(root: pathlib.Path, out: Optional[pathlib.Path] = None) -> tuple[path
     return md_path, png_path
 
 
+RUN_PLOT = "expert_load.png"
+
+
+def load_metrics(run_dir: pathlib.Path) -> list[dict]:
+    """The records of a run's metrics.jsonl, in step order (a line cut short by a kill is skipped)."""
+    records = []
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        try:
+            r = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(r, dict) and isinstance(r.get("step"), int):
+            records.append(r)
+    return sorted(records, key=lambda r: r["step"])
+
+
+def _per_layer(records: list[dict], key: str) -> tuple[list[int], list[list[float]]]:
+    """(steps, series per MoE layer) of a per-layer metric; steps that lack it are left out."""
+    rows = [(r["step"], r[key]) for r in records if isinstance(r.get(key), list) and r[key]]
+    if not rows:
+        return [], []
+    layers = max(len(v) for _, v in rows)
+    series = [[(v[i] if i < len(v) and v[i] is not None else float("nan")) for _, v in rows] for i in range(layers)]
+    return [s + 1 for s, _ in rows], series
+
+
+def run_report(run_dir: pathlib.Path, out: Optional[pathlib.Path] = None) -> Optional[pathlib.Path]:
+    """One training run's MoE routing over its steps, plotted from `run_dir/metrics.jsonl`: expert
+    load max/mean per MoE layer, the fraction of assignments dropped per layer, and (when logged) the
+    router entropy and the correction bias's range (max - min) per layer. Writes `expert_load.png` in `out` (default `run_dir`) and returns it;
+    None for a run without MoE metrics (a dense model). Layers are labelled by their model index
+    (summary.json's `moe_layers`) where the run finished, else by their row among the MoE layers."""
+    records = load_metrics(run_dir)
+    steps, load = _per_layer(records, "expert_load_max_over_mean")
+    if not steps:
+        return None
+    drop_steps, drops = _per_layer(records, "moe_dropped_fraction")
+    ent_steps, entropy = _per_layer(records, "router_entropy")
+    try:
+        names = json.loads((run_dir / "summary.json").read_text()).get("moe_layers")
+    except (OSError, ValueError, AttributeError):
+        names = None
+    if not isinstance(names, list) or len(names) != len(load):
+        names, prefix = list(range(len(load))), "MoE layer "
+    else:
+        prefix = "layer "
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [("expert load max/mean", steps, load), ("dropped fraction of assignments", drop_steps, drops)]
+    if ent_steps:
+        panels.append(("router entropy (nats)", ent_steps, entropy))
+    bias_steps, bias_max = _per_layer(records, "moe_bias_max")
+    _, bias_min = _per_layer(records, "moe_bias_min")
+    if bias_steps and len(bias_min) == len(bias_max):
+        panels.append(("correction bias max - min", bias_steps, [[hi - lo for lo, hi in zip(a, b)] for a, b in zip(bias_min, bias_max)]))
+    fig, axes = plt.subplots(len(panels), 1, figsize=(9, 2.8 * len(panels)), dpi=110, sharex=True, squeeze=False)
+    colors = plt.get_cmap("viridis")
+    n = len(load)
+    for ax, (title, xs, series) in zip(axes[:, 0], panels):
+        for i, ys in enumerate(series):
+            ax.plot(xs, ys, color=colors(i / max(n - 1, 1)), lw=1.2, label=f"{prefix}{names[i]}")
+        ax.set_ylabel(title, fontsize=9)
+        ax.grid(alpha=0.3)
+    axes[0, 0].axhline(1.0, color="tab:gray", lw=0.8, ls="--")  # perfectly balanced
+    if n <= 12:
+        axes[0, 0].legend(loc="upper right", fontsize=7, ncol=min(n, 4))
+    else:
+        fig.colorbar(plt.cm.ScalarMappable(cmap=colors, norm=plt.Normalize(names[0], names[-1])), ax=axes[:, 0].tolist(), label="layer")
+    axes[-1, 0].set_xlabel("step")
+    axes[0, 0].set_title(f"MoE routing over steps: {run_dir}", fontsize=10)
+    path = (out or run_dir) / RUN_PLOT
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def _main_run(run_dir: pathlib.Path, out: Optional[pathlib.Path]) -> int:
+    """`python -m zoo.report RUN_DIR`: the run's expert-load plot, one line on stdout naming it."""
+    from zoo.train.cli import ConfigError, check_writable
+
+    try:
+        check_writable((out or run_dir) / RUN_PLOT, "--out" if out else "dir")
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    png = run_report(run_dir, out)
+    if png is None:
+        print(f"no MoE data in {run_dir / 'metrics.jsonl'} (a dense model, or no step logged); nothing to plot")
+    else:
+        print(f"wrote {png}")
+    return 0
+
+
 def main(argv=None) -> int:
     from zoo.train.cli import ArgumentParser
 
     p = ArgumentParser(prog="python -m zoo.report", description=__doc__.splitlines()[0])
-    p.add_argument("dir", type=pathlib.Path, help="a multirun directory (or any directory holding summary.json files)")
-    p.add_argument("--out", type=pathlib.Path, default=None, help="where report.md and report.png go (default: dir)")
+    p.add_argument(
+        "dir", type=pathlib.Path,
+        help="a multirun directory (or any directory holding summary.json files), or one run's directory "
+        f"(it holds metrics.jsonl): its MoE routing over steps, plotted to {RUN_PLOT}",
+    )
+    p.add_argument("--out", type=pathlib.Path, default=None, help="where report.md and report.png (or a run's plot) go (default: dir)")
     a = p.parse_args(argv)
     if not a.dir.is_dir():
         print(f"error: dir: {a.dir} is not a directory; pass the multirun output directory", file=sys.stderr)
         return 2
+    if (a.dir / "metrics.jsonl").is_file():
+        return _main_run(a.dir, a.out)
     from zoo.train.cli import ConfigError, check_writable
 
     try:

@@ -8,6 +8,10 @@ router can pick other experts than the reference):
 - `softmax` (Mixtral, Qwen3-MoE): softmax over all experts, top-k, renormalised when norm_topk_prob.
 - `topk_softmax` (GPT-OSS): top-k of the raw logits (plus a router bias), softmax over those k.
 
+Each layer also reports its router entropy (`MoEAux.router_entropy`, see `router_entropy`), computed
+under stop_gradient from the logits the router already has, so nothing extra is kept for the
+backward pass; `router_statistics(False)` leaves it out of the traced program.
+
 The routed experts run in `zoo.nn.moe_dispatch.routed_experts` and never run every expert on every token:
 - `ragged` (dropless, exact): assignments sorted by expert, three `lax.ragged_dot`s. Note XLA:CPU
   (and XLA:GPU today) lower ragged_dot to a dense padded product whose cost grows with the expert count.
@@ -19,8 +23,10 @@ The routed experts run in `zoo.nn.moe_dispatch.routed_experts` and never run eve
 - `auto`: `capacity` on every backend today (see `resolve_moe_impl`).
 """
 
+import contextlib
+import contextvars
 import math
-from typing import Optional
+from typing import Iterator, Optional
 
 import equinox as eqx
 import jax
@@ -47,6 +53,50 @@ class MoEAux(eqx.Module):
 
     tokens_per_expert: Int[Array, "*layers experts"]  # assignments routed to each expert, before any drop
     dropped: Int[Array, "*layers"]  # assignments dropped by the capacity path (0 for ragged)
+    # Mean over tokens of the router's entropy (nats, float32; see `router_entropy`); 0 when
+    # `router_statistics(False)` is active.
+    router_entropy: Float[Array, "*layers"]
+
+
+_ROUTER_STATISTICS = contextvars.ContextVar("zoo_router_statistics", default=True)
+
+
+@contextlib.contextmanager
+def router_statistics(enabled: bool) -> Iterator[None]:
+    """Whether MoE layers traced inside compute their router entropy (the trainer's
+    `trainer.moe_metrics`); off, `MoEAux.router_entropy` is a constant 0 and costs nothing."""
+    token = _ROUTER_STATISTICS.set(bool(enabled))
+    try:
+        yield
+    finally:
+        _ROUTER_STATISTICS.reset(token)
+
+
+def router_entropy(
+    logits: Float[Array, "tokens experts"], bias: Optional[Float[Array, " experts"]], c: MoEConfig
+) -> Float[Array, " tokens"]:
+    """Per token, the entropy (nats, float32) of the router's probability distribution over ALL
+    experts, as each router kind defines its probabilities:
+
+    - `softmax`: softmax(logits), the distribution top-k is taken from.
+    - `topk_softmax`: softmax(logits + router bias) over all experts; the combine weights are this
+      distribution restricted to the top k and renormalised.
+    - `sigmoid_grouped`: the unbiased sigmoid scores normalised to sum to one, s_e / sum(s); the
+      combine weights are these restricted to the selected experts and renormalised. The correction
+      bias only steers selection, so it is left out.
+
+    Between 0 (one expert takes all) and log(experts) (uniform). Computed under stop_gradient: it is
+    a metric, and no [tokens, experts] buffer of it is kept for the backward pass.
+    """
+    logits = jax.lax.stop_gradient(logits.astype(jnp.float32))
+    if c.router == "sigmoid_grouped":
+        log_s = jax.nn.log_sigmoid(logits)
+        log_p = log_s - jax.nn.logsumexp(log_s, axis=-1, keepdims=True)
+    else:
+        if c.router == "topk_softmax" and bias is not None:
+            logits = logits + jax.lax.stop_gradient(bias.astype(jnp.float32))
+        log_p = jax.nn.log_softmax(logits, axis=-1)
+    return -(jnp.exp(log_p) * log_p).sum(-1)
 
 
 def router_logits(x: Float[Array, "tokens embed"], router: Float[Array, "embed experts"]) -> Float[Array, "tokens experts"]:
@@ -63,7 +113,13 @@ def route(
 
     `bias` is the correction bias of `sigmoid_grouped` and the router bias of `topk_softmax`.
     """
-    logits = router_logits(x, router)
+    return route_logits(router_logits(x, router), bias, c)
+
+
+def route_logits(
+    logits: Float[Array, "tokens experts"], bias: Optional[Float[Array, " experts"]], c: MoEConfig
+) -> tuple[Int[Array, "tokens k"], Float[Array, "tokens k"]]:
+    """`route` from the router logits already computed."""
     k = c.num_experts_per_tok
     if c.router == "softmax":
         probs = jax.nn.softmax(logits, axis=-1)
@@ -99,15 +155,17 @@ def route(
 
 
 def _per_device(route_fn):
-    """Run a per-token routing function on each device's own tokens when the batch is sharded: left to
-    the partitioner, the (grouped) top-k over experts gathers every device's router scores. The router
-    weight and bias enter whole (they are small, and stay float32)."""
+    """Run a per-token routing function (-> expert ids, weights, a per-token statistic) on each
+    device's own tokens when the batch is sharded: left to the partitioner, the (grouped) top-k over
+    experts gathers every device's router scores. The router weight and bias enter whole (they are
+    small, and stay float32)."""
     layout = zs.active()
     batch_axes = layout.mesh_axes("batch") if layout is not None else ()
     if layout is None or math.prod(layout.axis_size(a) for a in batch_axes) <= 1:
         return route_fn
     tokens = P(batch_axes, None)
-    return jax.shard_map(route_fn, mesh=layout.mesh, in_specs=(tokens, P(), P()), out_specs=(tokens, tokens))
+    per_token = P(batch_axes)
+    return jax.shard_map(route_fn, mesh=layout.mesh, in_specs=(tokens, P(), P()), out_specs=(tokens, tokens, per_token))
 
 
 def clamp(x: Float[Array, "*shape"], lo: Optional[float], hi: Optional[float]) -> Float[Array, "*shape"]:
@@ -185,7 +243,15 @@ class MoE(eqx.Module):
         b, t, d = x.shape
         flat = x.reshape(b * t, d)
         bias = self.e_score_correction_bias if self.config.router == "sigmoid_grouped" else self.router_bias
-        expert_ids, weights = _per_device(lambda x, r, b: route(x, r, b, self.config))(flat, self.router, bias)
+        stats = _ROUTER_STATISTICS.get()
+
+        def route_fn(x, r, b):
+            logits = router_logits(x, r)
+            ids, w = route_logits(logits, b, self.config)
+            entropy = router_entropy(logits, b, self.config) if stats else jnp.zeros(x.shape[:1], jnp.float32)
+            return ids, w, entropy
+
+        expert_ids, weights, entropy = _per_device(route_fn)(flat, self.router, bias)
         experts = ExpertWeights(self.w_gate, self.w_up, self.w_down, self.b_gate, self.b_up, self.b_down)
         routed, counts, dropped = routed_experts(
             flat, expert_ids, weights, experts, activation=expert_activation(self.config),
@@ -194,4 +260,4 @@ class MoE(eqx.Module):
         y = routed.reshape(b, t, d)
         if self.shared is not None:
             y = y + self.shared(x)
-        return y, MoEAux(counts, dropped)
+        return y, MoEAux(counts, dropped, entropy.mean() if stats else jnp.zeros((), jnp.float32))

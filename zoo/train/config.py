@@ -211,6 +211,11 @@ class TrainerConfig:
     log_every: int = 10  # progress line every n steps (metrics.jsonl gets every step)
     # DeepSeek's aux-loss-free balancing: bias += rate * sign(mean_load - load) each step; 0 disables.
     moe_bias_update_rate: float = 0.001
+    # Router entropy and correction-bias range per MoE layer in metrics.jsonl, expert token-share
+    # histograms in TensorBoard; false leaves them out of the step (the A/B of their cost).
+    moe_metrics: bool = True
+    # The progress line names the most imbalanced MoE layer while its expert load max/mean exceeds this; 0 disables.
+    moe_imbalance_warn: float = 2.0
     progress: bool = True
     tensorboard: bool = False  # event files in the output dir (needs tensorboardX: pip install -e '.[tensorboard]')
     # The head + loss run over chunks of this many sequence positions (of every row), so the float32
@@ -230,6 +235,11 @@ class TrainerConfig:
             raise ConfigError(f"trainer.log_every: must be positive, got {self.log_every}")
         if self.moe_bias_update_rate < 0:
             raise ConfigError(f"trainer.moe_bias_update_rate: must be >= 0 (0 disables), got {self.moe_bias_update_rate}")
+        if self.moe_imbalance_warn < 0 or (0 < self.moe_imbalance_warn <= 1):
+            raise ConfigError(
+                f"trainer.moe_imbalance_warn: the max/mean expert load is >= 1, so a threshold must be > 1 "
+                f"(e.g. 2.0) or 0 to disable, got {self.moe_imbalance_warn}"
+            )
         if self.eval_every < 0:
             raise ConfigError(f"trainer.eval_every: must be >= 0 (0: evaluate at the end only), got {self.eval_every}")
         if self.eval_batches <= 0:

@@ -105,14 +105,36 @@ def compiled_flops(compiled) -> Optional[float]:
     return float(ca["flops"]) if ca and "flops" in ca else None
 
 
-class Progress:
-    """A one-line progress bar on a TTY; a plain line every `every` steps otherwise."""
+def most_imbalanced(m: dict, threshold: float, moe_layers: Optional[list[int]] = None) -> Optional[tuple[int, float]]:
+    """`(model layer index, max/mean)` of the MoE layer whose expert load max/mean is highest, when
+    it exceeds `threshold` (0 disables); None otherwise or for a dense model. `moe_layers[r]` is the
+    model layer of row r of the per-MoE-layer metrics (None: the rows are the layers)."""
+    loads = m.get("expert_load_max_over_mean")
+    if not threshold or not loads:
+        return None
+    row = max(range(len(loads)), key=lambda r: loads[r])
+    if not loads[row] > threshold:
+        return None
+    return (moe_layers[row] if moe_layers is not None else row), loads[row]
 
-    def __init__(self, total: int, every: int, enabled: bool = True, stream=None):
+
+class Progress:
+    """A one-line progress bar on a TTY; a plain line every `every` steps otherwise.
+
+    While some MoE layer's expert load max/mean exceeds `moe_imbalance_warn` (0: never), the line
+    ends with `moe: layer L max/mean X` naming the worst one; the step at which it first crosses is
+    printed even off the `every` grid, so a drift is not missed between lines."""
+
+    def __init__(
+        self, total: int, every: int, enabled: bool = True, stream=None, *,
+        moe_imbalance_warn: float = 0.0, moe_layers: Optional[list[int]] = None,
+    ):
         self.total, self.every, self.enabled = total, every, enabled
         self.stream = stream or sys.stdout
         self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
         self.start = time.perf_counter()
+        self.moe_imbalance_warn, self.moe_layers = moe_imbalance_warn, moe_layers
+        self._imbalanced = False
 
     def update(self, step: int, m: dict) -> None:
         if not self.enabled:
@@ -124,6 +146,11 @@ class Progress:
         evaluated = m.get("eval_loss") is not None
         if evaluated:
             text += f" eval loss {m['eval_loss']:.4f} ppl {m['eval_perplexity']:.2f}"
+        worst = most_imbalanced(m, self.moe_imbalance_warn, self.moe_layers)
+        crossed = worst is not None and not self._imbalanced
+        self._imbalanced = worst is not None
+        if worst is not None:
+            text += f" moe: layer {worst[0]} max/mean {worst[1]:.1f}"
         if self.tty:
             width = 24
             filled = int(width * done / self.total)
@@ -131,7 +158,7 @@ class Progress:
             if done == self.total or evaluated:  # an eval result stays on screen
                 self.stream.write("\n")
             self.stream.flush()
-        elif done % self.every == 0 or done == self.total or step == 0 or evaluated:
+        elif done % self.every == 0 or done == self.total or step == 0 or evaluated or crossed:
             print(text, file=self.stream, flush=True)
 
 
@@ -143,8 +170,12 @@ class MetricsWriter:
     own; records of `start_step` and later (an earlier attempt that got past its last checkpoint)
     are dropped, since this run computes those steps again. So the file holds each step once."""
 
-    def __init__(self, out_dir: pathlib.Path, tensorboard: bool = False, start_step: int = 0):
+    # Per-step arrays that go to TensorBoard only (too large for a line of metrics.jsonl at scale).
+    TENSORBOARD_ONLY = ("expert_token_share",)
+
+    def __init__(self, out_dir: pathlib.Path, tensorboard: bool = False, start_step: int = 0, moe_layers: Optional[list[int]] = None):
         out_dir.mkdir(parents=True, exist_ok=True)
+        self.moe_layers = moe_layers
         self.path = out_dir / "metrics.jsonl"
         self._keep_before(start_step)
         self.file = open(self.path, "a")
@@ -172,9 +203,15 @@ class MetricsWriter:
 
     def write(self, step: int, m: dict) -> None:
         record = {"step": step, **to_python(m)}
+        tb_only = {k: record.pop(k) for k in self.TENSORBOARD_ONLY if k in record}
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
         if self.tb is not None:
+            for row, share in enumerate(tb_only.get("expert_token_share") or []):
+                # The distribution of the experts' shares of this layer's assignments: a spike at
+                # 1/experts when balanced, a long right tail when a few experts take the tokens.
+                layer = self.moe_layers[row] if self.moe_layers is not None else row
+                self.tb.add_histogram(f"expert_token_share/layer_{layer}", np.asarray(share, np.float64), step)
             for k, v in record.items():
                 if k == "step" or v is None:
                     continue

@@ -308,8 +308,12 @@ class StepLog:
         from zoo.train.metrics import MetricsWriter, Progress, Throughput
 
         self.throughput = Throughput(c.model, c.data.seq_len, c.data.batch_size * c.data.seq_len, num_devices, c.hardware.peak_flops)
-        self.writer = MetricsWriter(out_dir, c.trainer.tensorboard, start_step=start) if out_dir is not None else None
-        self.progress = Progress(c.trainer.steps, c.trainer.log_every, c.trainer.progress and show)
+        moe_layers = moe_layer_indices(c)
+        self.writer = MetricsWriter(out_dir, c.trainer.tensorboard, start_step=start, moe_layers=moe_layers) if out_dir is not None else None
+        self.progress = Progress(
+            c.trainer.steps, c.trainer.log_every, c.trainer.progress and show,
+            moe_imbalance_warn=c.trainer.moe_imbalance_warn, moe_layers=moe_layers,
+        )
         self.local_devices = local_devices
         self.losses: list[float] = []
         self.times: list[float] = []
@@ -503,9 +507,16 @@ def _summary(c: TrainConfig, plan, trainer, state, data, log: StepLog, ckpt, sta
         "peak_memory_bytes": log.peak_device if log.peak_device is not None else estimated,
         "peak_memory_source": "device.memory_stats" if log.peak_device is not None else "compiled.memory_analysis",
         "kernels": kernels(c, plan),
+        # The model layer of each row of metrics.jsonl's per-MoE-layer lists (zoo.report labels by it).
+        "moe_layers": moe_layer_indices(c),
         "xla_flags": xla_flags,
         "config": to_dict(c),
     }
+
+
+def moe_layer_indices(c: TrainConfig) -> list[int]:
+    """The model layers that are MoE layers, in order: row r of a per-MoE-layer metric is layer [r]."""
+    return [i for i in range(c.model.num_layers) if c.model.is_moe_layer(i)]
 
 
 def step_quantiles(times: list[float]) -> dict:

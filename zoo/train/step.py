@@ -23,12 +23,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
+from jaxtyping import Array, Float
 
 from zoo import model as zoo_model
 from zoo import offload
 from zoo import sharding as zs
 from zoo.loss import chunked_next_token_loss, target_weights
 from zoo.nn.attention_kernels import segments_bound
+from zoo.nn.moe import router_statistics
 from zoo.offload import remat_policy
 from zoo.train.config import OptimizerConfig, Plan, TrainConfig
 from zoo.train.update import UPDATE_SCOPE, accumulate, global_norm, streamed_update, whole_tree_update, zeros_where
@@ -349,7 +351,7 @@ class Trainer:
 
     def train_step(self, state, tokens):
         # Modules read the mesh and the logical-axis rules from the active layout while traced.
-        with zs.activate(self.mesh, self.rules):
+        with zs.activate(self.mesh, self.rules), router_statistics(self.cfg.trainer.moe_metrics):
             return self._train_step(state, self.with_loss_denominators(tokens))
 
     def _train_step(self, state, tokens):
@@ -365,21 +367,23 @@ class Trainer:
             (loss, aux), grads = grad_fn(loss_params, mb)
             load = aux.tokens_per_expert.astype(jnp.float32) if aux is not None else jnp.zeros((0, 0), jnp.float32)
             dropped = aux.dropped.astype(jnp.float32) if aux is not None else jnp.zeros((0,), jnp.float32)
-            return loss, grads, load, dropped
+            entropy = aux.router_entropy.astype(jnp.float32) if aux is not None else jnp.zeros((0,), jnp.float32)
+            return loss, grads, load, dropped, entropy
 
         first = jax.tree.map(lambda x: x[0], tokens)  # microbatch 0 (of every field of a packed batch)
         if accum == 1:
-            loss, grads, load, dropped = micro(first)
+            loss, grads, load, dropped, entropy = micro(first)
         else:
 
             def body(carry, mb):
-                loss, grads, load, dropped = micro(mb)
-                return (carry[0] + loss, accumulate(carry[1], grads), carry[2] + load, carry[3] + dropped), None
+                loss, grads, load, dropped, entropy = micro(mb)
+                return (carry[0] + loss, accumulate(carry[1], grads), carry[2] + load, carry[3] + dropped, carry[4] + entropy), None
 
             zero = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(micro, first))
-            zero = (zero[0], zeros_where(loss_params), zero[2], zero[3])  # gradients sum where they arrive
-            (loss, grads, load, dropped), _ = jax.lax.scan(body, zero, tokens)
+            zero = (zero[0], zeros_where(loss_params), zero[2], zero[3], zero[4])  # gradients sum where they arrive
+            (loss, grads, load, dropped, entropy), _ = jax.lax.scan(body, zero, tokens)
             loss = loss / accum  # load and dropped are counts: they add up over microbatches
+            entropy = entropy / accum  # each microbatch's is a mean over its tokens
 
         new_params, opt_state, grad_norm = self._update(state, grads, accum)
 
@@ -392,6 +396,14 @@ class Trainer:
             metrics["expert_load_max_over_mean"] = load.max(axis=-1) / jnp.maximum(load.mean(axis=-1), 1e-9)
             metrics["expert_load_min_over_mean"] = load.min(axis=-1) / jnp.maximum(load.mean(axis=-1), 1e-9)
             metrics["moe_dropped_fraction"] = dropped / jnp.maximum(load.sum(axis=-1), 1.0)
+            if c.trainer.moe_metrics:
+                metrics["router_entropy"] = entropy
+                bias_range = self._bias_range(params)
+                if bias_range is not None:
+                    metrics["moe_bias_min"], metrics["moe_bias_max"] = bias_range
+                if c.trainer.tensorboard:
+                    # Histograms only: [MoE layers, experts] per step is too much for metrics.jsonl at scale.
+                    metrics["expert_token_share"] = load / jnp.maximum(load.sum(axis=-1, keepdims=True), 1.0)
         new_state = {"params": new_params, "opt_state": opt_state, "step": state["step"] + 1}
         return new_state, metrics
 
@@ -412,6 +424,22 @@ class Trainer:
             return whole_tree_update(
                 self.tx, grads, opt_state, params, trainable=trainable, max_norm=self.cfg.optimizer.grad_clip, divide=accum
             )
+
+    def _bias_range(self, params) -> Optional[tuple[Float[Array, " moe_layers"], Float[Array, " moe_layers"]]]:
+        """Per MoE layer (model order), the min and max of the correction bias that routed this step
+        (`sigmoid_grouped`); None for routers without one."""
+        model = eqx.combine(params, self.static)
+        order = model.moe_aux_order()
+        lows, highs = [], []
+        for s, j, _ in order:
+            bias = params.stacks[s].layers[j].ffn.e_score_correction_bias
+            if bias is None:
+                return None
+            bias = zs.to_device(bias) if self.params_on_host else bias
+            lows.append(bias.min(axis=-1))
+            highs.append(bias.max(axis=-1))
+        inverse = np.argsort(np.concatenate([r for _, _, r in order]))
+        return jnp.concatenate(lows)[inverse], jnp.concatenate(highs)[inverse]
 
     def _balance_experts(self, params, load, rate):
         """DeepSeek-V3's auxiliary-loss-free balancing: push overloaded experts' correction bias down
