@@ -284,7 +284,7 @@ def test_cli_bad_input_exits_2_with_one_line_before_compiling():
             proc = _cli(*args)
             out, err = proc.returncode, proc.stderr
             assert proc.stdout == "" and err.count("\n") == 1, err
-            assert "\n  " + err.strip() + "\n" in (ROOT / "README.md").read_text()  # the line README's Sampling shows
+            assert "\n  " + err.strip() + "\n" in (ROOT / "docs" / "sampling.md").read_text()  # the line docs/sampling.md shows
         else:
             _, err = _captured.pop()
         assert out == 2 and message in err, (args, err)
@@ -328,7 +328,7 @@ def test_cli_samples_from_a_hugging_face_directory_as_the_readme_shows(monkeypat
     monkeypatch.chdir(ROOT)
     assert gen.main(README_COMMAND) == 0  # in process: the exit code and stderr through a shell are checked above
     out, err = _captured.pop()
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "sampling.md").read_text()
     command = "$ python -m zoo.generate " + " ".join(a if " " not in a else a.replace("=", '="', 1) + '"' for a in README_COMMAND)
     assert command in readme
     shown = readme.split(command + "\n", 1)[1].split("```", 1)[0]
@@ -364,8 +364,8 @@ def test_cli_samples_from_a_train_py_checkpoint(tmp_path):
 
 
 def test_the_readme_python_example_runs(capsys, monkeypatch):
-    readme = (ROOT / "README.md").read_text()
-    code = readme.split("## Sampling", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    readme = (ROOT / "docs" / "sampling.md").read_text()
+    code = readme.split("```python\n", 1)[1].split("```", 1)[0]
     monkeypatch.chdir(ROOT)
     exec(code, {})
     texts, tokens, stopped = zip(*eval(capsys.readouterr().out))

@@ -1,5 +1,5 @@
 """Pretrained weights in train.py: Hugging Face checkpoints in (`model=hf`), train.py checkpoints back
-out (`zoo.export`), and the README's fine-tuning walk-through run as written."""
+out (`zoo.export`), and docs/models.md's fine-tuning walk-through run as written."""
 
 import dataclasses
 import hashlib
@@ -322,11 +322,11 @@ def test_restore_onto_8_devices_and_export_leaf_by_leaf(tmp_path):
     assert peak < 3 * max(leaf_bytes) < sum(leaf_bytes), (peak, max(leaf_bytes), sum(leaf_bytes))
 
 
-# --- the README's walk-through, as written ------------------------------------------------------------------
+# --- docs/models.md's walk-through, as written ------------------------------------------------------------------
 
 
 def readme_section(title: str) -> str:
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "models.md").read_text()
     start = text.index(f"## {title}\n")
     end = text.find("\n## ", start + 1)
     return text[start : end if end != -1 else None]
@@ -349,10 +349,10 @@ def workdir(tmp_path: pathlib.Path) -> pathlib.Path:
 
 @pytest.fixture(scope="module")
 def walkthrough(tmp_path_factory):
-    """Runs the bash block of the README's "Fine-tuning a Hugging Face model" section as written."""
+    """Runs the bash block of docs/models.md's "Fine-tuning a Hugging Face model" section as written."""
     section = readme_section("Fine-tuning a Hugging Face model")
     blocks = re.findall(r"```bash\n(.*?)```", section, re.S)
-    assert blocks, "the README section has no bash block"
+    assert blocks, "the docs/models.md section has no bash block"
     d = workdir(tmp_path_factory.mktemp("walkthrough"))
     env = {k: v for k, v in clean_env().items() if k != "XLA_FLAGS"}  # a default CPU (one device), as the README says
     env["PYTHONUNBUFFERED"] = "1"  # stdout and stderr in the order a terminal shows them
@@ -401,21 +401,21 @@ def test_readme_walkthrough_fine_tunes_from_the_step_0_loss_from_pretrained_give
 
     # The run records its source, in summary.json and in the checkpoint's metadata.
     assert summary["config"]["pretrained"]["path"] == str(d / "tests" / "data" / "llama_tiny_a")
-    model, meta = restore_model(d / "checkpoints" / "finetune")
+    model, meta = restore_model(d / "outputs" / "finetune" / "checkpoints")
     assert meta["step"] == 20 and meta["pretrained"] == summary["config"]["pretrained"]
 
     # Sampling from the checkpoint printed the greedy continuation of the trained model, in UTF-8 bytes.
     from zoo.data.tokenizer import ByteTokenizer
     from zoo.generate import generate
 
-    command = next(ln for ln in section.splitlines() if ln.startswith("python -m zoo.generate checkpoint.dir=checkpoints/finetune"))
+    command = next(ln for ln in section.splitlines() if ln.startswith("python -m zoo.generate checkpoint.dir=outputs/finetune/checkpoints"))
     prompt = re.search(r'prompt="([^"]*)"', command).group(1)
     n = int(re.search(r"max_new_tokens=(\d+)", command).group(1))
     expected = generate(model, [prompt], n, tokenizer=ByteTokenizer())[0]
     assert prompt + expected.text in p.stdout.splitlines()
 
     # The export loads back with the trained weights: logits equal; its files are the hub's layout.
-    exported = d / "exported" / "finetune"
+    exported = d / "outputs" / "finetune" / "exported"
     back = hf.from_pretrained(exported)
     tokens = jnp.asarray((batch["tokens"] if isinstance(batch, dict) else batch)[:2])
     np.testing.assert_array_equal(np.asarray(_logits(back, tokens)), np.asarray(_logits(model, tokens)))
