@@ -1,6 +1,6 @@
 """Train any zoo model on any mesh with any offload policy: `python train.py [group=option ...] [key=value ...]`.
 
-Hydra composes conf/ (see README.md); `-m` sweeps. Bad input exits 2 with one `error:` line.
+Hydra composes conf/ (docs/training.md); `-m` sweeps. Bad input exits 2 with one `error:` line.
 """
 
 import importlib.util

@@ -11,7 +11,7 @@ builds train.py's own step (`zoo.train.step.Trainer`) from the dataclasses, and 
 - what the backward pass keeps, by tag (read from the traced program by `zoo.inspect`): on device,
   on host, recomputed, plus untagged residuals;
 - XLA's compiled memory analysis (device temp and host temp bytes; on CPU host temp is always 0 and
-  offloaded residuals count as device temp: XLA:CPU moves no bytes, see README "The inspector");
+  offloaded residuals count as device temp: XLA:CPU moves no bytes, see docs/offload.md, "The inspector");
 - the step time, timed round-robin: every round runs one step of every preset in a rotated order,
   so load from other processes hits all presets alike; the ratio to `none` is the median over rounds
   of (this preset's step / `none`'s step in the same round);

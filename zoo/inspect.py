@@ -503,7 +503,7 @@ def _table(rows: list[tuple]) -> str:
 
 
 def report(c, trainer, placement: Placement, compiled_mem: Optional[dict], measured: Optional[dict], overrides=(), update: Optional[dict] = None) -> dict:
-    """inspect.json's content (schema in README.md: "The inspector"); `update`: `update_buffers`
+    """inspect.json's content (schema in docs/offload.md: "The inspector"); `update`: `update_buffers`
     of the traced step."""
     from zoo.config import count_params
     from zoo.offload import expected_placement, placement_matches, resolve

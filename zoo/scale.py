@@ -84,7 +84,7 @@ def collective_report(text: str) -> dict:
 
 
 def scale_report(trainer, compiled, partitioned_text: Optional[str]) -> dict:
-    """inspect.json's `scale` (README: "The scale report")."""
+    """inspect.json's `scale` (docs/offload.md, "The scale report")."""
     sizes = trainer.plan.mesh.sizes
     return {
         "devices": int(trainer.mesh.devices.size),

@@ -370,7 +370,7 @@ def run_tool(body: Callable[[], int], tool: str, argv=(), doc: Optional[str] = N
             import importlib
 
             doc = importlib.import_module(tool.removeprefix("python -m ")).__doc__
-        print(f"usage: {tool} [key=value ...]  (README.md describes the keys)\n\n{doc or ''}".rstrip())
+        print(f"usage: {tool} [key=value ...]  (docs/training.md describes the keys)\n\n{doc or ''}".rstrip())
         return 0
     try:
         return body()
