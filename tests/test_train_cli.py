@@ -120,6 +120,7 @@ FUZZ = [
     ("train", ["--cfg", "bogus"], "command line: argument --cfg/-c: invalid choice: 'bogus'"),
     ("train", ["trainer.steps"], "trainer.steps: no value; write trainer.steps=<value>"),
     ("train", ["trainer.steps=[1,2"], "trainer.steps: cannot parse 'trainer.steps=[1,2'"),
+    ("train", ["data=text", "data.path=~/notes/"], "data.path: '~/notes/' starts with ~, which neither bash (after key=) nor Hydra expands; write data.path=$HOME/notes/"),
     # the tools
     ("zoo.inspect", ["inspect.foo=1"], "inspect.foo: unknown key; the keys are out, measure, strict"),
     ("zoo.inspect", ["inspect.strict"], "inspect.strict: give a value"),

@@ -196,7 +196,11 @@ def _parse_error_line(args, tool: str) -> str:
         return f"{arg}: not a flag of {tool} nor an override; arguments are key=value (e.g. trainer.steps=20); see {tool} --help"
     if "=" not in arg:
         return f"{arg}: no value; write {arg}=<value> (+{arg}=<value> adds a key, ~{arg} deletes one)"
-    key = arg.split("=", 1)[0].lstrip("+~")
+    key, value = arg.split("=", 1)
+    key = key.lstrip("+~")
+    if value.startswith("~"):  # bash leaves ~ unexpanded after `key=`, and Hydra's grammar has no ~
+        home = "$HOME" + value[1:] if value[1:2] in ("", "/") else "an absolute path"
+        return f"{key}: {value!r} starts with ~, which neither bash (after key=) nor Hydra expands; write {key}={home} (the shell expands $HOME)"
     return f"{key}: cannot parse {arg!r} ({why}); quote the value, e.g. {key}='<value>', or see https://hydra.cc/docs/advanced/override_grammar/basic"
 
 
