@@ -103,6 +103,7 @@ GROUPS = {
     "planner": [r"^python -m zoo\.plan model=llama_1b"],
     "measure_hardware": [r"^python -m zoo\.measure_hardware"],
     "divergence": [r"optimizer\.lr=1e30"],
+    "moe_routing": [r"trainer\.moe_imbalance_warn=1\.5 hydra\.run\.dir=outputs/moe$", r"^python -m zoo\.report outputs/moe$"],
     # The recorded ~100M runs (docs/models.md), 26-37 s each on the quiet 2-core machine: two per group, so they spread.
     "recorded_100m_qwen": [r"^python train\.py model=(qwen2|qwen3)_100m mesh=single"],
     "recorded_100m_gemma3_qwen3_moe": [r"^python train\.py model=(gemma3|qwen3_moe)_100m mesh=single"],
@@ -489,7 +490,9 @@ def _after(name: str, cmd: str, out: list[str], d: pathlib.Path, env: dict, fail
         statuses = [json.loads(p.read_text())["status"] for p in jobs]
         if statuses != ["ok"] * 3:
             failures.append(f"$ {cmd}\n  job statuses {statuses}, expected three ok")
-    if "zoo.report" in cmd:
+    if name == "moe_routing" and "zoo.report" in cmd and not (d / "outputs" / "moe" / "expert_load.png").is_file():
+        failures.append(f"$ {cmd}\n  wrote no outputs/moe/expert_load.png")
+    if "zoo.report" in cmd and "multirun" in cmd:  # a sweep's report (a run directory gets expert_load.png, above)
         table = next(d.glob("multirun/**/report.md"), None)
         rows = [ln for ln in table.read_text().splitlines() if ln.startswith("| ")] if table else []
         if len(rows) < 2 + 3:
