@@ -69,6 +69,9 @@ NOT_RUN = {
     r"bench/gpu\.py(?! --plan-only)|bench/gpu_wheels\.sh": "the GPU benchmark: needs a GPU (tests/test_bench.py runs `--toy` on CPU, slow tier)",
     r"^XLA_FLAGS= python bench/cpu\.py|bench/cpu\.py --models": "the CPU benchmark at full size (7 min; tests/test_bench.py runs --quick, slow tier)",
     r"bench/peer\.py|^python3 -m venv /tmp/torchpeer": "the PyTorch comparison: needs torch in another Python and 14 min (tests/test_peer.py checks its parts)",
+    r"bench/sampling\.py": "Zoo's sampling against transformers' generate: needs torch and transformers and about 9 min (tests/test_bench.py runs --small, slow tier)",
+    r"bench/moe_metrics\.py": "a timing A/B of the MoE metrics, 40 rounds of step pairs (tests/test_moe_metrics.py checks the metrics and the switch it times)",
+    r"tests/make_fixtures\.py": "writes transformers fixtures: needs torch and transformers, the hf extra (tests/test_hf_families.py checks the fixtures it wrote)",
     r"model=hf model\.path=tests/data/llama_tiny_a data=text|^python -m zoo\.(export |generate checkpoint\.dir=)outputs/finetune": (
         "the fine-tuning walk-through: tests/test_hf_train.py runs its bash block as written and checks what it wrote"
     ),
