@@ -23,7 +23,7 @@ import pytest
 from omegaconf import OmegaConf
 
 import zoo
-from zoo.config import MoEConfig
+from zoo.config import SIZES, MoEConfig
 from zoo.nn.moe import MoE, router_statistics
 from zoo.offload import OffloadConfig
 from zoo.train.config import ConfigError, DataConfig, HardwareConfig, OptimizerConfig, TrainConfig, TrainerConfig, XlaConfig, load_group, validate
@@ -100,13 +100,19 @@ def test_router_entropy_keeps_nothing_for_the_backward_pass():
 # --- the training step on a tiny model ------------------------------------------------------------
 
 
+def _mesh_preset(name: str):
+    node = OmegaConf.load(CONF / "mesh" / f"{name}.yaml")
+    node.pop("defaults", None)  # a preset is a delta on mesh/_defaults, MeshConfig's own defaults, where load_group starts
+    return load_group("mesh", node)
+
+
 def _config(mesh: str, **trainer) -> TrainConfig:
-    m = load_group("model", OmegaConf.load(CONF / "model" / "dsv3_tiny_a.yaml"))
+    m = SIZES["dsv3_tiny_a"]  # what model=dsv3_tiny_a composes (zoo.train.config registers every size)
     # Capacity for every assignment: a sharded batch then routes exactly as one program does.
     m = m.replace(moe=dataclasses.replace(m.moe, capacity_factor=float(m.moe.n_routed_experts)))
     return TrainConfig(
         model=m,
-        mesh=load_group("mesh", OmegaConf.load(CONF / "mesh" / f"{mesh}.yaml")),
+        mesh=_mesh_preset(mesh),
         offload=OffloadConfig(),
         optimizer=OptimizerConfig(),
         data=DataConfig(batch_size=8, seq_len=16),
