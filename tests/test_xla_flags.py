@@ -73,3 +73,37 @@ def test_some_preset_uses_the_host_and_some_does_not():
     """The parametrized test above sees both cases."""
     kinds = {uses_host_memory(load_group("offload", OmegaConf.load(p))) for p in OFFLOAD_PRESETS}
     assert kinds == {True, False}
+
+
+HARDWARE = sorted((ROOT / "conf" / "hardware").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("profile", HARDWARE, ids=lambda p: p.stem)
+def test_gpu_host_pool_is_the_profiles_node_budget_when_anything_is_on_host(profile):
+    """XLA:GPU caps its pinned-host pool at 64 GiB unless XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB says more: a run
+    with host-resident state or offloaded tags gets the node's host budget from its hardware profile."""
+    from zoo.offload import OffloadConfig
+    from zoo.train.run import gpu_host_pool_gib
+
+    hw = load_group("hardware", OmegaConf.load(profile))
+    expected = hw.host_bytes_per_device * hw.devices_per_node // 2**30 if hw.host_bytes_per_device else None
+    assert gpu_host_pool_gib(OffloadConfig(opt_state="pinned_host"), hw) == expected
+    assert gpu_host_pool_gib(OffloadConfig(), hw) is None  # nothing on host: XLA's default
+    if profile.stem == "gb200":
+        assert expected == 894  # 4 x 240 GB, in GiB: well over XLA's 64
+
+
+def test_gpu_host_pool_set_before_jax_starts_and_the_environment_wins(tmp_path):
+    """train.py's startup sets the cap before JAX reads it and records it in summary.json; a value the
+    environment already holds is left alone."""
+    import json
+
+    base = [sys.executable, str(ROOT / "train.py"), "model=llama_tiny_a", "mesh=single", "xla.cpu_devices=1", "data.batch_size=2",
+            "data.seq_len=16", "trainer.steps=1", "trainer.progress=false", "xla.cpu_fast_compile=true", "offload=optimizer_host",
+            "hardware=gb200"]  # fmt: skip
+    for name, extra in (("planned", {}), ("mine", {"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB": "100"})):
+        env = {k: v for k, v in os.environ.items() if k != "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"} | extra
+        p = subprocess.run([*base, f"hydra.run.dir={tmp_path / name}"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr[-3000:]
+        pool = json.loads((tmp_path / name / "summary.json").read_text())["gpu_host_pool_gib"]
+        assert pool == ("894" if name == "planned" else "100"), (name, pool)

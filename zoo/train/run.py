@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional
 
 from omegaconf import DictConfig
 
-from zoo.train.config import ConfigError, TrainConfig, TrainingStopped, XlaConfig, load, to_dict, validate
+from zoo.train.config import ConfigError, HardwareConfig, TrainConfig, TrainingStopped, XlaConfig, load, to_dict, validate
 from zoo.offload import OffloadConfig
 from zoo.train.xla_flags import GPU_HOST_OFFLOAD_FLAG, known_flag
 from zoo.train.stop import set_phase
@@ -90,11 +90,37 @@ def apply_xla_flags(c: XlaConfig, host_offload: bool = False) -> str:
     return flags
 
 
+# XLA:GPU's pinned-host pool (one per process; host-resident state and offloaded activations live in it)
+# is capped at this many GiB, 64 unless the variable is set, and read once when the GPU client starts.
+GPU_HOST_POOL_ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
+
+
+def gpu_host_pool_gib(offload: OffloadConfig, hardware: HardwareConfig) -> Optional[int]:
+    """The pinned-host pool cap for a run that keeps something on host: the host memory the hardware
+    profile gives a node (hardware.host_bytes_per_device x devices_per_node, the budget zoo.plan holds
+    a plan to), so a plan that fits its host budget is not stopped by XLA's 64 GiB default. None: nothing
+    on host, or a profile without a host budget (hardware=cpu), where XLA's default stays."""
+    if not uses_host_memory(offload) or hardware.host_bytes_per_device <= 0:
+        return None
+    return max(1, int(hardware.host_bytes_per_device * hardware.devices_per_node // 2**30))
+
+
+def apply_gpu_host_pool(c: TrainConfig) -> Optional[str]:
+    """Set the pool's cap before JAX starts unless the environment sets it; the value in effect (None: XLA's default)."""
+    from zoo._compat import backends_are_initialized
+
+    gib = gpu_host_pool_gib(c.offload, c.hardware)
+    if gib is not None and GPU_HOST_POOL_ENV not in os.environ and not backends_are_initialized():
+        os.environ[GPU_HOST_POOL_ENV] = str(gib)
+    return os.environ.get(GPU_HOST_POOL_ENV)
+
+
 def start_jax(c: TrainConfig) -> str:
     """What has to happen before anything starts JAX's backends (`jax.devices()`,
     `jax.default_backend()`): the XLA flags, then joining the other processes. Calling it again with
     the same config does nothing more. Returns the XLA flags."""
     flags = apply_xla_flags(c.xla, host_offload=uses_host_memory(c.offload))
+    apply_gpu_host_pool(c)
     from zoo.train.distributed import initialize
 
     initialize(c.distributed)
@@ -510,6 +536,7 @@ def _summary(c: TrainConfig, plan, trainer, state, data, log: StepLog, ckpt, sta
         # The model layer of each row of metrics.jsonl's per-MoE-layer lists (zoo.report labels by it).
         "moe_layers": moe_layer_indices(c),
         "xla_flags": xla_flags,
+        "gpu_host_pool_gib": os.environ.get(GPU_HOST_POOL_ENV),  # XLA:GPU's pinned-host cap (null: XLA's 64 GiB default)
         "config": to_dict(c),
     }
 
