@@ -81,7 +81,7 @@ def apply_xla_flags(c: XlaConfig, host_offload: bool = False) -> str:
         ):
             raise ConfigError(
                 "xla: JAX already started in this process with other XLA flags; "
-                "sweep the xla group with a process-per-job launcher (docs/training.md, "Sweeps")"
+                "sweep the xla group with a process-per-job launcher (docs/training.md, 'Sweeps')"
             )
         return current
     flags = merged_xla_flags(c, os.environ.get("XLA_FLAGS"), host_offload)
