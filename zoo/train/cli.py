@@ -87,6 +87,8 @@ RUN_LOCK = "zoo.run.lock"
 def _hold_run_dir(out_dir: pathlib.Path):
     """Take the run directory's lock (process 0), so that a second run started into the directory of a
     live one stops in one line instead of writing its summary.json over the live run's."""
+    from zoo.train import distributed
+
     if not distributed.is_main_process():
         return None
     from zoo.train.checkpoint import DirLock
