@@ -1,0 +1,278 @@
+"""A remat/offload policy per layer range (`offload.ranges`): the config, its validation, the cut
+scans, what the traced program keeps on host per range, and the inspector's per-range view.
+
+Ranges count the model's layers 0-based across its stacks; a range's layers run as scans of their own
+(the stacks are cut at the ranges' boundaries) under the range's preset. The maths must not change:
+the loss and gradients of any split equal those of `none`.
+"""
+
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import zoo
+from zoo import offload
+from zoo.config import SIZES
+from zoo.inspect import _analyse_forward_scan, _names_in, _walk, inspect_placement, range_sections, scan_names
+from zoo.offload import OffloadConfig, load_preset, remat_policy, resolve, scan_policies
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+LLAMA4 = SIZES["llama_tiny_a"].replace(num_layers=4)  # one stack of 4 layers
+DSV3 = SIZES["dsv3_tiny_a"]  # dense layer 0, then MoE layers 1-2: two stacks
+GEMMA3 = SIZES["gemma3_tiny_a"]  # stacks of layers 0-2 and 3 (sliding, then global)
+GPT_OSS = SIZES["gpt_oss_tiny_a"]  # one stack, a period of two blocks repeated twice
+
+
+def _compose(*overrides):
+    from zoo.inspect import compose
+    from zoo.train.config import load
+
+    return load(compose(overrides))
+
+
+# --- the config ------------------------------------------------------------------------------------
+
+
+def test_ranges_are_parsed_sorted_and_named_in_the_description():
+    p = load_preset("full", ranges={5: "none", "0-3": "llama_qkv_offload"})
+    assert p.ranges == {"5": "none", "0-3": "llama_qkv_offload"}  # Hydra reads `{5: none}` with an int key
+    assert [(r.first, r.last, r.preset) for r in offload.parse_ranges(p.ranges)] == [(0, 3, "llama_qkv_offload"), (5, 5, "none")]
+    assert p.describe() == "full + layers 0-3 llama_qkv_offload + layers 5 none"
+    segs = offload.layer_policies(p, 8)
+    assert [(s.first, s.stop, s.config.name, s.label) for s in segs] == [
+        (0, 4, "llama_qkv_offload", "offload.ranges.0-3"), (4, 5, "full", "offload"), (5, 6, "none", "offload.ranges.5"), (6, 8, "full", "offload"),
+    ]  # fmt: skip
+    # A range's preset is loaded as the top-level one is; where state lives stays the top level's.
+    host = load_preset("full", "params_host", ranges={"0": "none"})
+    (_, config), = offload.range_configs(host)
+    assert config.params == "pinned_host" and not config.checkpoint and config.tags == {}
+
+
+def test_hydra_composes_ranges_from_the_command_line():
+    c = _compose("model=llama_tiny_a", "offload=full", "+offload.ranges={0:llama_qkv_offload}")
+    assert c.offload.name == "full" and c.offload.ranges == {"0": "llama_qkv_offload"}
+    c = _compose("model=dsv3_tiny_a", "offload=[full,optimizer_host]", "+offload.ranges={0-1:minimal,2:none}")
+    assert c.offload.ranges == {"0-1": "minimal", "2": "none"} and c.offload.opt_state == "pinned_host"
+    rp = remat_policy(c.offload, c.model)
+    assert [(a, b) for a, b, _ in rp.segments] == [(0, 2), (2, 3)]
+
+
+def test_the_xla_host_offload_switch_sees_a_range_that_offloads():
+    from zoo.train.run import uses_host_memory
+
+    assert not uses_host_memory(load_preset("full"))
+    assert uses_host_memory(load_preset("full", ranges={"0": "qkv_proj_offloaded"}))
+    assert not uses_host_memory(load_preset("full", ranges={"0": "save_qkv_proj"}))
+
+
+# --- validation: one line naming the key and the fix ---------------------------------------------------
+
+BAD = {
+    "{1-0:full}": r"^offload.ranges.1-0: not a layer range; write first-last \(0-based, inclusive, first <= last\) or one layer, e\.g\. \+offload",
+    "{a-b:full}": r"^offload.ranges.a-b: not a layer range; ",
+    "{0-1:full,1:none}": r"^offload.ranges.1: overlaps offload.ranges.0-1 \(layer 1\); make the ranges disjoint",
+    "{0:nope}": r"^offload.ranges.0: unknown preset 'nope'; choose one of custom, .*full.*",
+    "{0:params_host}": r"^offload.ranges.0: params_host only sets where parameters or optimizer state live.*set offload.params",
+    "{0-5:full}": r"^offload.ranges.0-5: layer 5 is past the model's last layer \(the llama model has 2 layers, 0-1\); keep every range within 0-1$",
+}
+
+
+@pytest.mark.parametrize("ranges", list(BAD))
+def test_bad_ranges_are_one_line_before_any_compile(ranges):
+    from zoo.train.config import ConfigError, validate
+
+    with pytest.raises(ConfigError) as e:
+        c = _compose("model=llama_tiny_a", f"+offload.ranges={ranges}")
+        validate(c, len(jax.devices()))
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert __import__("re").match(BAD[ranges], msg), msg
+
+
+@pytest.fixture
+def extra_presets(tmp_path, monkeypatch):
+    """conf/offload plus presets a whole-model policy would refuse on Llama."""
+    conf = tmp_path / "conf"
+    shutil.copytree(offload.conf_dir() / "offload", conf / "offload")
+    (conf / "offload" / "keep_mlpwo.yaml").write_text("name: keep_mlpwo\ncheckpoint: true\ntags:\n  mlpwo: offload\n")
+    (conf / "offload" / "mla_only.yaml").write_text("name: mla_only\ncheckpoint: true\ntags:\n  mla_q: device\n")
+    (conf / "offload" / "nested.yaml").write_text("name: nested\ncheckpoint: true\nranges:\n  0: full\n")
+    (conf / "offload" / "typo.yaml").write_text("name: typo\ncheckpoint: true\ntags:\n  query_proj: host\n")
+    monkeypatch.setattr(offload, "conf_dir", lambda: conf)
+    return conf
+
+
+def test_a_range_is_refused_what_the_whole_model_policy_would_be(extra_presets):
+    llama = SIZES["llama_tiny_a"]
+    # As whole-model policies, both are refused on Llama ...
+    for name, why in (("keep_mlpwo", "the backward pass never reads mlpwo"), ("mla_only", "the llama model never emits this tag")):
+        with pytest.raises(ValueError, match=why):
+            resolve(load_preset(name), llama)
+        # ... and so is a range that uses them, naming the range and its preset.
+        with pytest.raises(ValueError) as e:
+            resolve(load_preset("full", ranges={"1": name}), llama)
+        assert str(e.value).startswith(f"offload.ranges.1: preset {name}: offload.tags.") and why in str(e.value)
+        resolve(load_preset("full", ranges={"1": name}), GEMMA3 if name == "keep_mlpwo" else DSV3)  # where the tag is read / emitted
+    with pytest.raises(ValueError, match=r"^offload.ranges.0: preset typo: offload.tags.query_proj: 'host' is not an action"):
+        load_preset("none", ranges={"0": "typo"})
+    with pytest.raises(ValueError, match=r"^offload.ranges.0: preset nested has ranges of its own"):
+        load_preset("none", ranges={"0": "nested"})
+
+
+def test_train_py_refuses_a_bad_range_in_one_line_with_exit_2(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("ZOO_TRACEBACK", None)
+    base = [sys.executable, str(ROOT / "train.py"), "model=llama_tiny_a", "trainer.steps=1", f"hydra.run.dir={tmp_path / 'run'}"]
+    for arg, line in (
+        ("+offload.ranges={0-5:full}", "error: offload.ranges.0-5: layer 5 is past the model's last layer (the llama model has 2 layers, 0-1); keep every range within 0-1"),
+        ("offload.ranges={0:full}", "error: offload.ranges: the chosen offload option does not list it; add it with +offload.ranges={0:full}"),
+    ):  # fmt: skip
+        p = subprocess.run([*base, arg], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 2, p.stderr[-2000:]
+        assert p.stderr.strip().splitlines() == [line]
+
+
+def test_a_ranged_policy_needs_the_model():
+    with pytest.raises(ValueError, match="offload.ranges: the policy of a layer range needs the model"):
+        remat_policy(load_preset("full", ranges={"0": "none"}))
+
+
+# --- the cut: the maths does not change -------------------------------------------------------------
+
+SPLITS = {
+    "llama": (LLAMA4, "none", {"0-1": "llama_qkv_offload", "3": "full"}),
+    # a range across the stack boundary (dense layer 0, MoE layer 1), the rest under minimal_offloaded
+    "dsv3": (DSV3, "minimal_offloaded", {"0-1": "full"}),
+    # a range cutting the first stack (layers 0-2) inside
+    "gemma3": (GEMMA3, "full", {"1": "qkv_proj_offloaded", "2-3": "none"}),
+    # cuts inside the repeating period (layers 0-1 are one scan step)
+    "gpt_oss": (GPT_OSS, "none", {"1-2": "minimal_offloaded"}),
+}
+
+
+@pytest.mark.parametrize("name", list(SPLITS))
+def test_a_split_policy_gives_the_loss_and_gradients_of_none(name):
+    config, top, ranges = SPLITS[name]
+    model = zoo.build(config, key=jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, config.vocab_size)
+    split = remat_policy(load_preset(top, ranges=ranges), config)
+    assert isinstance(split, offload.RangedPolicy) and len(split.segments) >= 2
+
+    def both(m):
+        return [jax.value_and_grad(lambda mm, rp=rp: zoo.loss_fn(mm, tokens, remat_policy=rp))(jax.lax.optimization_barrier(m)) for rp in (None, split)]
+
+    (loss0, grads0), (loss, grads) = jax.jit(both).lower(model).compile({"xla_backend_optimization_level": 0})(model)
+    np.testing.assert_allclose(float(loss), float(loss0), rtol=1e-6)
+    # The gradients land in the model's own stacked parameters, every layer of every stack.
+    assert jax.tree.structure(grads) == jax.tree.structure(model)
+    for g, g0 in zip(jax.tree.leaves(grads), jax.tree.leaves(grads0)):
+        assert g.shape == g0.shape
+        scale = float(jnp.max(jnp.abs(g0))) or 1.0
+        assert float(jnp.max(jnp.abs(g - g0))) <= 4e-6 * scale
+    # Not trivially equal: each stack's gradient is non-zero in every layer.
+    for stack in grads.stacks:
+        q = stack.layers[0].attn_norm.weight
+        assert bool(jnp.all(jnp.abs(q).reshape(q.shape[0], -1).max(axis=1) > 0))
+
+
+def test_the_cut_keeps_moe_statistics_in_model_order():
+    from zoo.model import run_layers
+
+    model = zoo.build(GPT_OSS, key=jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, GPT_OSS.vocab_size)
+    _, aux0 = jax.jit(lambda m, t: run_layers(m, t))(model, tokens)
+    segments = [(0, 1, None), (1, 3, None), (3, 4, None)]
+    _, aux = jax.jit(lambda m, t: run_layers(m, t, segments=segments))(model, tokens)
+    assert aux.tokens_per_expert.shape[0] == 4
+    np.testing.assert_array_equal(np.asarray(aux.tokens_per_expert), np.asarray(aux0.tokens_per_expert))
+    # Layers differ in their routing: a permuted order would not pass.
+    assert not np.array_equal(np.asarray(aux0.tokens_per_expert[0]), np.asarray(aux0.tokens_per_expert[1]))
+
+
+def test_pieces_count_layers_across_stacks():
+    model = zoo.abstract(GEMMA3)
+    names = scan_names(model, load_preset("full", ranges={"1": "none", "3": "none"}))
+    assert names == ["dense_layers_0_2[0-0]", "dense_layers_0_2[1-1]", "dense_layers_0_2[2-2]", "dense_layers_3_3"]
+    pieces = model.stacks[0].cut(1, 3)
+    assert [(p.first, p.num_layers) for p in pieces] == [(1, 2)]
+    gpt = zoo.abstract(GPT_OSS).stacks[0]  # period 2: layers (0, 1) and (2, 3) are its two scan steps
+    assert [(p.first, p.period, p.repeats) for p in gpt.cut(1, 4)] == [(1, 1, 1), (2, 2, 1)]
+    assert [(p.first, p.period, p.repeats) for p in gpt.cut(1, 3)] == [(1, 1, 1), (2, 1, 1)]
+    assert gpt.cut(0, 4) == [gpt]
+
+
+# --- what the program keeps on host, per scan -----------------------------------------------------------
+
+
+def _forward_scans(fn, *args):
+    """(scan length, per-layer outputs on host) of each forward scan of the traced program, in order:
+    the residuals that scan saves for the backward pass, read straight from the jaxpr."""
+    scans = []
+
+    def visit(eqn):
+        if eqn.primitive.name == "scan" and not eqn.params["reverse"] and _names_in(eqn.params["jaxpr"].jaxpr):
+            scans.append(eqn)
+
+    _walk(jax.make_jaxpr(fn)(*args).jaxpr, visit)
+    out = []
+    for eqn in scans:
+        records, other, _ = _analyse_forward_scan(eqn, "")
+        host = sorted(r.tag for r in records if r.placement in ("host", "host+device"))
+        out.append((int(eqn.params["length"]), host, [o for o in other if o.memory == "host"]))
+    return out
+
+
+@pytest.mark.parametrize(
+    "config, top, ranges, expected",
+    [
+        # Llama, 4 layers: the middle two offload Q/K/V and the layer input, the others none.
+        (LLAMA4, "full", {"1-2": "llama_qkv_offload"},
+         [(1, []), (2, ["decoder_layer_input", "key_proj", "query_proj", "value_proj"]), (1, [])]),
+        # DeepSeek-V3: layers 0-1 (the dense stack and the first MoE layer) offload Q/K/V; layer 2 keeps all.
+        (DSV3, "none", {"0-1": "qkv_proj_offloaded"},
+         [(1, ["key_proj", "query_proj", "value_proj"]), (1, ["key_proj", "query_proj", "value_proj"]), (1, [])]),
+        # The same preset at the top level, a range with none: host residuals everywhere but layer 2.
+        (DSV3, "qkv_proj_offloaded", {"2": "none"},
+         [(1, ["key_proj", "query_proj", "value_proj"]), (1, ["key_proj", "query_proj", "value_proj"]), (1, [])]),
+    ],
+)  # fmt: skip
+def test_host_residuals_only_in_the_ranges_asked_for(config, top, ranges, expected):
+    policy = load_preset(top, ranges=ranges)
+    rp = remat_policy(policy, config)
+    tokens = jax.ShapeDtypeStruct((2, 16), jnp.int32)
+    found = _forward_scans(jax.grad(lambda m, t: zoo.loss_fn(m, t, remat_policy=rp)), zoo.abstract(config), tokens)
+    assert [(n, host) for n, host, _ in found] == expected
+    assert all(not other for _, _, other in found)  # nothing untagged went to host
+
+
+def test_the_inspector_reports_placement_per_range():
+    """Each scan's tags against its own range's policy: none of the `none` range's tags counts as
+    recomputed although the other ranges' backward scans recompute the same tags."""
+    from zoo.offload import expected_placement, placement_matches
+
+    policy = load_preset("full", ranges={"0": "qkv_proj_offloaded", "2": "none"})
+    config = DSV3
+    rp = remat_policy(policy, config)
+    names = scan_names(zoo.abstract(config), policy)
+    assert names == ["dense_layers", "moe_layers[1-1]", "moe_layers[2-2]"]
+    placement = inspect_placement(
+        jax.grad(lambda m, t: zoo.loss_fn(m, t, remat_policy=rp)), zoo.abstract(config), jax.ShapeDtypeStruct((2, 16), jnp.int32), stacks=names
+    )
+    scans = dict(scan_policies(policy, zoo.abstract(config)))
+    for r in placement.records:
+        assert placement_matches(expected_placement(scans[r.stack].config, config)[r.tag], r.placement), (r.stack, r.tag, r.placement)
+    c = type("C", (), {"offload": policy, "model": config})
+    sections = range_sections(c, placement, scans)
+    assert [(s["layers"], s["source"], s["preset"]) for s in sections] == [
+        ("0-0", "offload.ranges.0", "qkv_proj_offloaded"), ("1-1", "offload", "full"), ("2-2", "offload.ranges.2", "none"),
+    ]  # fmt: skip
+    assert sections[0]["host"] == ["key_proj", "query_proj", "value_proj"]
+    assert sections[1]["host"] == [] and "query_proj" in sections[1]["recomputed"]
+    assert sections[2]["host"] == [] and sections[2]["recomputed"] == [] and "value_proj" in sections[2]["device"]
