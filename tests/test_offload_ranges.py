@@ -276,3 +276,15 @@ def test_the_inspector_reports_placement_per_range():
     assert sections[0]["host"] == ["key_proj", "query_proj", "value_proj"]
     assert sections[1]["host"] == [] and "query_proj" in sections[1]["recomputed"]
     assert sections[2]["host"] == [] and sections[2]["recomputed"] == [] and "value_proj" in sections[2]["device"]
+
+
+def test_the_planner_says_it_leaves_the_ranges_out(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    args = ["model=llama_tiny_a", "mesh=single", "data.batch_size=2", "data.seq_len=16", "hardware=h100_pcie", f"plan.out={tmp_path / 'offload' / 'p.yaml'}"]
+    p = subprocess.run([sys.executable, "-m", "zoo.plan", *args, "+offload.ranges={0:full}"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.splitlines()[0] == (
+        "note: offload.ranges: the planner plans one policy for every layer and leaves the ranges out of its estimate; "
+        "the commands it prints keep them, over the planned policy"
+    )
+    assert "+offload.ranges={0:full}" in p.stdout.splitlines()[-2]  # the train command

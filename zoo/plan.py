@@ -1128,6 +1128,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         c, _, _, trainer, notes = prepare_step(overrides, cfg)
         for n in notes:
             print(f"note: {n}")
+        if c.offload.ranges:
+            print(
+                "note: offload.ranges: the planner plans one policy for every layer and leaves the ranges out of its "
+                "estimate; the commands it prints keep them, over the planned policy"
+            )
         p, info = problem_from_config(c, trainer, opts, conf_dir() / "hardware", attention_impl)
         print(
             f"planning {c.model.family} ({c.model.num_layers} layers), per device batch {info['per_device_batch']} x {info['seq_len']} "
