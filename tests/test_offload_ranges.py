@@ -139,6 +139,20 @@ def test_train_py_refuses_a_bad_range_in_one_line_with_exit_2(tmp_path):
         assert p.stderr.strip().splitlines() == [line]
 
 
+def test_train_py_trains_with_ranges_and_records_them(tmp_path):
+    import json
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    args = ["model=llama_tiny_a", "mesh=single", "xla.cpu_devices=1", "data.batch_size=4", "data.seq_len=16", "xla.cpu_fast_compile=true",
+            "trainer.progress=false", "trainer.steps=2", "offload=full", "+offload.ranges={0:llama_qkv_offload}",
+            f"hydra.run.dir={tmp_path / 'run'}"]  # fmt: skip
+    p = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert ", offload full, layers 0 llama_qkv_offload, " in p.stdout.splitlines()[0]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["offload"] == "full" and summary["offload_ranges"] == {"0": "llama_qkv_offload"}
+
+
 def test_a_ranged_policy_needs_the_model():
     with pytest.raises(ValueError, match="offload.ranges: the policy of a layer range needs the model"):
         remat_policy(load_preset("full", ranges={"0": "none"}))

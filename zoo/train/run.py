@@ -486,6 +486,7 @@ def _summary(c: TrainConfig, plan, trainer, state, data, log: StepLog, ckpt, sta
         "num_devices": len(mesh_devices),
         "platform": mesh_devices[0].platform,
         "offload": c.offload.name,
+        "offload_ranges": dict(c.offload.ranges),  # layer range -> preset (offload.ranges); {}: one policy
         "memory_kinds": kinds,
         "steps": c.trainer.steps,
         "start_step": start,
