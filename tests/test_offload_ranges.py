@@ -292,13 +292,42 @@ def test_the_inspector_reports_placement_per_range():
     assert sections[2]["host"] == [] and sections[2]["recomputed"] == [] and "value_proj" in sections[2]["device"]
 
 
-def test_the_planner_says_it_leaves_the_ranges_out(tmp_path):
+def test_the_planner_counts_each_range_with_its_own_policy():
+    """Layers 1-2 of a 6-layer model (two stacks: 0-1, 2-5) offload the layer input and query_proj
+    (llama_qkv_offload); the search assigns the other four layers. The estimate adds both parts."""
+    from zoo.plan import Problem, StackCost, TagCost, evaluate, free_layers, with_ranges
+
+    tags = [
+        TagCost("decoder_layer_input", {"a": 100.0, "b": 100.0}, {}, ("device", "offload")),
+        TagCost("query_proj", {"a": 50.0, "b": 60.0}, {"a": 1e9, "b": 2e9}),
+    ]
+    stacks = {"a": StackCost(layers=2, forward_flops_per_layer=1e10, layer_range="0-1"), "b": StackCost(layers=4, forward_flops_per_layer=1e10, layer_range="2-5")}
+    p = Problem(tags=tags, stacks=stacks, rate=1e12, link=1e9, budget=1e12, step_flops=1e12, latency=0.0)
+    llama6 = SIZES["llama_tiny_a"].replace(num_layers=6)
+    ranged = with_ranges(p, load_preset("full", ranges={"1-2": "llama_qkv_offload"}), llama6)
+    (f,) = ranged.fixed
+    assert f.layers == {"a": 1, "b": 1} and f.assignment == {"decoder_layer_input": "offload", "query_proj": "offload"}
+    assert free_layers(ranged) == {"a": 1, "b": 3}
+    e = evaluate(ranged, {"decoder_layer_input": "device", "query_proj": "remat"})
+    assert e.device_tag_bytes == 100 * 1 + 100 * 3  # the free layers' inputs
+    assert e.host_tag_bytes == (100 + 50) * 1 + (100 + 60) * 1  # the range's layers
+    assert e.recompute_s == pytest.approx((1e9 * 1 + 2e9 * 3) / 1e12)  # query_proj of the free layers only
+    # A range over every layer: the estimate of its preset's assignment, whatever the free one.
+    whole = with_ranges(p, load_preset("none", ranges={"0-5": "llama_qkv_offload"}), llama6)
+    assert free_layers(whole) == {"a": 0, "b": 0}
+    got = evaluate(whole, {"decoder_layer_input": "device", "query_proj": "device"}).as_dict()
+    want = evaluate(p, {"decoder_layer_input": "offload", "query_proj": "offload"}).as_dict()
+    assert {k: v for k, v in got.items() if k != "assignment"} == pytest.approx({k: v for k, v in want.items() if k != "assignment"})
+
+
+def test_the_planner_plans_the_layers_outside_the_ranges(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     args = ["model=llama_tiny_a", "mesh=single", "data.batch_size=2", "data.seq_len=16", "hardware=h100_pcie", f"plan.out={tmp_path / 'offload' / 'p.yaml'}"]
-    p = subprocess.run([sys.executable, "-m", "zoo.plan", *args, "+offload.ranges={0:full}"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    p = subprocess.run([sys.executable, "-m", "zoo.plan", *args, "+offload.ranges={0:llama_qkv_offload}"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.splitlines()[0] == (
-        "note: offload.ranges: the planner plans one policy for every layer and leaves the ranges out of its estimate; "
-        "the commands it prints keep them, over the planned policy"
+        "note: offload.ranges: layers 0 llama_qkv_offload (1 layer) counted as given; the plan is the policy of the other 1 layer "
+        "(the YAML it writes; the commands below keep the ranges)"
     )
-    assert "+offload.ranges={0:full}" in p.stdout.splitlines()[-2]  # the train command
+    assert "tags on device 73.728 kB, on host 24.576 kB" in p.stdout  # layer 0's q/k/v and input on host, layer 1's kept
+    assert "+offload.ranges={0:llama_qkv_offload}" in p.stdout.splitlines()[-2]  # the train command

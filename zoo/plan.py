@@ -37,6 +37,10 @@ them (3^15 for DeepSeek-V3, vectorised in chunks); ties go to less host traffic,
 spare everything stays on device. An assignment must fit both budgets, HBM and host. If nothing
 fits, the one-line error names the budget that failed and the smallest of each that would do, and
 `holders` / `best_changes` say who holds the memory and which single change frees the most.
+
+With `offload.ranges`, each range's layers count under their preset's actions (`FixedRange`,
+`with_ranges`) and the search assigns the tags of the other layers: the plan is the top-level policy
+that goes with the ranges. (The holders listing counts every layer under the searched assignment.)
 """
 
 import dataclasses
@@ -148,6 +152,16 @@ class StackCost:
 
 
 @dataclasses.dataclass
+class FixedRange:
+    """Layers of a range of `offload.ranges`: how many of each stack's layers it holds, and the choice
+    of every tag there (its preset's actions)."""
+
+    label: str  # "layers 0-3 llama_qkv_offload"
+    layers: dict[str, int]
+    assignment: dict[str, str]
+
+
+@dataclasses.dataclass
 class Problem:
     """Everything the search needs, per device and per microbatch unless said otherwise."""
 
@@ -176,6 +190,9 @@ class Problem:
     # The largest state leaves per device, (kind, path, bytes), kind "params" or "opt_state"; for the
     # holders listing only.
     largest_leaves: list = dataclasses.field(default_factory=list)
+    # Layers whose policy is given (offload.ranges), `FixedRange` each: counted with their own
+    # assignment; the search assigns the tags of the other layers.
+    fixed: list = dataclasses.field(default_factory=list)
 
     def __post_init__(self):
         for t in self.tags:
@@ -291,8 +308,25 @@ def _state_transfer_s(p: Problem) -> float:
     return max(into, out) / p.link
 
 
+def free_layers(p: Problem) -> dict[str, int]:
+    """Per stack, its layers outside every fixed range (the ones the search assigns)."""
+    return {s: sc.layers - sum(f.layers.get(s, 0) for f in p.fixed) for s, sc in p.stacks.items()}
+
+
 def _evaluate_arrays(p: Problem, digits: np.ndarray) -> dict[str, np.ndarray]:
-    """Vectorised estimates: `digits[i, j]` is the CHOICES index of tag j in assignment i."""
+    """Vectorised estimates: `digits[i, j]` is the CHOICES index of tag j in assignment i (for the
+    layers outside `p.fixed`; the fixed ranges' layers count with their own assignment)."""
+    n = digits.shape[0]
+    recompute_flops, device_bytes, host_bytes, exposed = _layer_parts(p, digits, free_layers(p))
+    for f in p.fixed:
+        parts = _layer_parts(p, _digits_of(p, f.assignment), f.layers)
+        recompute_flops, device_bytes, host_bytes, exposed = (a + b for a, b in zip((recompute_flops, device_bytes, host_bytes, exposed), parts))
+    return _totals(p, n, recompute_flops, device_bytes, host_bytes, exposed)
+
+
+def _layer_parts(p: Problem, digits: np.ndarray, layers_of: dict[str, int]) -> tuple[np.ndarray, ...]:
+    """(recompute FLOPs, device tag bytes, host tag bytes, exposed transfer seconds) of `layers_of[s]`
+    layers of each stack s under the assignments `digits`, per microbatch."""
     n = digits.shape[0]
     stacks = list(p.stacks)
     recompute_flops = np.zeros(n)
@@ -306,7 +340,7 @@ def _evaluate_arrays(p: Problem, digits: np.ndarray) -> dict[str, np.ndarray]:
         for s in stacks:
             b = float(t.bytes_per_layer.get(s, 0.0))
             f = float(t.recompute_flops_per_layer.get(s, 0.0))
-            layers = p.stacks[s].layers
+            layers = layers_of.get(s, 0)
             if b:
                 device_bytes += (d == 0) * b * layers
                 host_bytes += (d == 1) * b * layers
@@ -326,7 +360,11 @@ def _evaluate_arrays(p: Problem, digits: np.ndarray) -> dict[str, np.ndarray]:
         fwd = np.maximum(offload_time, params_time)
         # backward: activations and weights in, the layer's weight gradients out
         bwd = np.maximum(offload_time + params_time, params_time)
-        exposed += sc.layers * (np.maximum(0.0, fwd - fwd_compute) + np.maximum(0.0, bwd - bwd_compute))
+        exposed += layers_of.get(s, 0) * (np.maximum(0.0, fwd - fwd_compute) + np.maximum(0.0, bwd - bwd_compute))
+    return recompute_flops, device_bytes, host_bytes, exposed
+
+
+def _totals(p: Problem, n: int, recompute_flops, device_bytes, host_bytes, exposed) -> dict[str, np.ndarray]:
     mb = p.microbatches
     fixed_backward, update = _fixed_bytes(p)
     backward_phase = fixed_backward + device_bytes
@@ -670,6 +708,34 @@ def holders_table(p: Problem, e: Estimate, memory: str = "hbm", top: int = 8) ->
 
 
 # --- from a model config ----------------------------------------------------------------------
+
+
+def _layers(n: int) -> str:
+    return f"{n} layer" if n == 1 else f"{n} layers"
+
+
+def with_ranges(p: Problem, policy, model_config) -> Problem:
+    """`p` with the layers of `policy.ranges` fixed to their presets' actions (`FixedRange`): the
+    estimate counts them so, and the search assigns the other layers' tags. A tag a preset leaves at
+    `remat` that cannot be recomputed (the layer input) is kept on device, as the scan keeps it."""
+    from zoo.offload import range_configs, resolve
+
+    bounds = {}
+    for s, sc in p.stacks.items():
+        if not sc.layer_range:
+            raise PlanError(f"offload.ranges: the planner does not know the layers of stack {s}; plan without offload.ranges")
+        lo, hi = (int(x) for x in sc.layer_range.split("-"))
+        bounds[s] = (lo, hi)
+    fixed = []
+    for r, config in range_configs(policy):
+        layers = {s: min(hi, r.last) - max(lo, r.first) + 1 for s, (lo, hi) in bounds.items() if min(hi, r.last) >= max(lo, r.first)}
+        actions = resolve(config, model_config)
+        assignment = {}
+        for t in p.tags:
+            a = actions.get(t.tag, "remat")
+            assignment[t.tag] = a if a in t.choices else "device"
+        fixed.append(FixedRange(f"layers {r.key} {r.preset}", layers, assignment))
+    return dataclasses.replace(p, fixed=fixed)
 
 
 def _stack_layers(config, stack: str) -> list[int]:
@@ -1059,6 +1125,8 @@ def problem_from_config(c, trainer, opts: PlanConfig, hardware_dir=None, attenti
         largest_leaves=largest_leaves(trainer.abstract_params, trainer.param_shardings, "params")
         + largest_leaves(abstract_opt, trainer.opt_shardings, "opt_state"),
     )
+    if c.offload.ranges:
+        p = with_ranges(p, c.offload, m)
     info = {
         "per_device_batch": batch,
         "seq_len": seq,
@@ -1128,12 +1196,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         c, _, _, trainer, notes = prepare_step(overrides, cfg)
         for n in notes:
             print(f"note: {n}")
-        if c.offload.ranges:
-            print(
-                "note: offload.ranges: the planner plans one policy for every layer and leaves the ranges out of its "
-                "estimate; the commands it prints keep them, over the planned policy"
-            )
         p, info = problem_from_config(c, trainer, opts, conf_dir() / "hardware", attention_impl)
+        if p.fixed:
+            free = sum(free_layers(p).values())
+            print(
+                "note: offload.ranges: " + "; ".join(f"{f.label} ({_layers(sum(f.layers.values()))}) counted as given" for f in p.fixed)
+                + f"; the plan is the policy of the other {_layers(free)} (the YAML it writes; the commands below keep the ranges)"
+            )
         print(
             f"planning {c.model.family} ({c.model.num_layers} layers), per device batch {info['per_device_batch']} x {info['seq_len']} "
             f"on {info['devices']} device(s); matmul rate {info['rate_flops'] / 1e12:.1f} TFLOP/s ({info['rate_source']}), "
