@@ -8,6 +8,7 @@ the loss and gradients of any split equal those of `none`.
 
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -93,7 +94,7 @@ def test_bad_ranges_are_one_line_before_any_compile(ranges):
         validate(c, len(jax.devices()))
     msg = str(e.value)
     assert "\n" not in msg
-    assert __import__("re").match(BAD[ranges], msg), msg
+    assert re.match(BAD[ranges], msg), msg
 
 
 @pytest.fixture
@@ -331,3 +332,32 @@ def test_the_planner_plans_the_layers_outside_the_ranges(tmp_path):
     )
     assert "tags on device 73.728 kB, on host 24.576 kB" in p.stdout  # layer 0's q/k/v and input on host, layer 1's kept
     assert "+offload.ranges={0:llama_qkv_offload}" in p.stdout.splitlines()[-2]  # the train command
+    # plan.split=true: the best head/tail split of two presets, with its command line.
+    p = subprocess.run([sys.executable, "-m", "zoo.plan", *args, "plan.split=true"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    line = p.stdout.splitlines()[-1]
+    assert re.match(r"^split: layers 0 \w+, 1 \w+: estimated step .*; train with it: python train\.py model=llama_tiny_a .* offload=\w+ '\+offload\.ranges=\{0:\w+\}'$", line), line
+    p = subprocess.run([sys.executable, "-m", "zoo.plan", *args, "plan.split=true", "+offload.ranges={0:full}"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2 and p.stderr.strip().splitlines() == ["error: plan.split: it searches the ranges itself; drop offload.ranges or plan.split=true"]
+
+
+def test_the_planner_finds_the_split_point_that_beats_one_policy():
+    """Six uniform layers, HBM for three layers' tag: keeping it everywhere does not fit, recomputing
+    it everywhere costs six recomputes, offloading it is slow (a slow link); the best split keeps it
+    in three layers and recomputes it in the other three."""
+    from zoo.plan import Problem, StackCost, TagCost, search, search_split
+
+    p = Problem(
+        tags=[TagCost("query_proj", {"a": 100.0}, {"a": 1e9})],
+        stacks={"a": StackCost(layers=6, forward_flops_per_layer=1e10, layer_range="0-5")},
+        rate=1e12, link=1e3, budget=350.0, step_flops=1e9, latency=0.0,
+    )  # fmt: skip
+    presets = {"keep": {"query_proj": "device"}, "recompute": {"query_proj": "remat"}, "offload": {"query_proj": "offload"}}
+    whole = search(p)  # one assignment for every layer
+    assert whole.assignment == {"query_proj": "remat"} and whole.recompute_s == pytest.approx(6e-3)
+    split = search_split(p, presets, 6)
+    assert split.at == 3 and {split.head, split.tail} == {"keep", "recompute"}
+    assert split.estimate.recompute_s == pytest.approx(3e-3) and split.estimate.device_tag_bytes == 300.0
+    assert split.estimate.time_s < whole.time_s
+    # With HBM for no layer's tag, no split keeps it anywhere.
+    assert search_split(p.__class__(**{**p.__dict__, "budget": 50.0}), presets, 6).estimate.device_tag_bytes == 0.0

@@ -84,6 +84,9 @@ class PlanConfig:
     # named offload, so train.py finds it with hydra.searchpath=[file://<the folder above>]).
     out: Optional[str] = None
     name: str = "planned"
+    # Also search one split point: layers 0..b-1 under one conf/offload preset, the rest under another
+    # (offload.ranges), and print the fastest that fits with its command line.
+    split: bool = False
     json: Optional[str] = None  # also write the estimates as JSON here
     holders: bool = False  # also print who holds the memory for a plan that fits (always printed when none does)
 
@@ -714,28 +717,109 @@ def _layers(n: int) -> str:
     return f"{n} layer" if n == 1 else f"{n} layers"
 
 
-def with_ranges(p: Problem, policy, model_config) -> Problem:
-    """`p` with the layers of `policy.ranges` fixed to their presets' actions (`FixedRange`): the
-    estimate counts them so, and the search assigns the other layers' tags. A tag a preset leaves at
-    `remat` that cannot be recomputed (the layer input) is kept on device, as the scan keeps it."""
-    from zoo.offload import range_configs, resolve
-
+def _stack_bounds(p: Problem) -> dict[str, tuple[int, int]]:
     bounds = {}
     for s, sc in p.stacks.items():
         if not sc.layer_range:
             raise PlanError(f"offload.ranges: the planner does not know the layers of stack {s}; plan without offload.ranges")
         lo, hi = (int(x) for x in sc.layer_range.split("-"))
         bounds[s] = (lo, hi)
-    fixed = []
-    for r, config in range_configs(policy):
-        layers = {s: min(hi, r.last) - max(lo, r.first) + 1 for s, (lo, hi) in bounds.items() if min(hi, r.last) >= max(lo, r.first)}
-        actions = resolve(config, model_config)
-        assignment = {}
-        for t in p.tags:
-            a = actions.get(t.tag, "remat")
-            assignment[t.tag] = a if a in t.choices else "device"
-        fixed.append(FixedRange(f"layers {r.key} {r.preset}", layers, assignment))
+    return bounds
+
+
+def _layers_in(bounds: dict[str, tuple[int, int]], first: int, last: int) -> dict[str, int]:
+    """Per stack, how many of layers first..last (inclusive) it holds."""
+    return {s: min(hi, last) - max(lo, first) + 1 for s, (lo, hi) in bounds.items() if min(hi, last) >= max(lo, first)}
+
+
+def preset_assignment(p: Problem, config, model_config) -> dict[str, str]:
+    """An OffloadConfig's action for every tag of `p`; a tag left at `remat` that cannot be
+    recomputed (the layer input) is kept on device, as the scan keeps it."""
+    from zoo.offload import resolve
+
+    actions = resolve(config, model_config)
+    out = {}
+    for t in p.tags:
+        a = actions.get(t.tag, "remat")
+        out[t.tag] = a if a in t.choices else "device"
+    return out
+
+
+def with_ranges(p: Problem, policy, model_config) -> Problem:
+    """`p` with the layers of `policy.ranges` fixed to their presets' actions (`FixedRange`): the
+    estimate counts them so, and the search assigns the other layers' tags."""
+    from zoo.offload import range_configs
+
+    bounds = _stack_bounds(p)
+    fixed = [
+        FixedRange(f"layers {r.key} {r.preset}", _layers_in(bounds, r.first, r.last), preset_assignment(p, config, model_config))
+        for r, config in range_configs(policy)
+    ]
     return dataclasses.replace(p, fixed=fixed)
+
+
+@dataclasses.dataclass
+class Split:
+    """Layers 0..at-1 under preset `head`, at..n-1 under `tail`, and the estimate."""
+
+    at: int
+    head: str
+    tail: str
+    estimate: Estimate
+
+
+def search_split(p: Problem, presets: dict[str, dict[str, str]], num_layers: int, rel_tolerance: float = 1e-3) -> Optional[Split]:
+    """The fastest split of the layers into a head and a tail under two different presets (`presets`:
+    name -> `preset_assignment`) within both budgets, over every split point; None if none fits.
+    Ties (step times within `rel_tolerance` of the compute time) go to less host traffic, then less HBM."""
+    bounds = _stack_bounds(p)
+    unit = max(rel_tolerance * p.step_flops / p.rate, 1e-12)
+    best, best_key = None, None
+    for at in range(1, num_layers):
+        head, tail = _layers_in(bounds, 0, at - 1), _layers_in(bounds, at, num_layers - 1)
+        for a, assign_a in presets.items():
+            for b, assign_b in presets.items():
+                if a == b:
+                    continue
+                q = dataclasses.replace(p, fixed=[FixedRange(a, head, assign_a), FixedRange(b, tail, assign_b)])
+                e = evaluate(q, {})
+                if e.peak_bytes > p.budget or e.host_bytes > p.host_budget:
+                    continue
+                key = (round(e.time_s / unit), e.host_tag_bytes, e.peak_bytes)
+                if best_key is None or key < best_key:
+                    best, best_key = Split(at, a, b, e), key
+    return best
+
+
+def split_line(p: Problem, c, best: Estimate, args: Sequence[str]) -> str:
+    """`plan.split=true`: the fastest head/tail split over the activation presets of conf/offload,
+    against the plan, with the train.py command that runs it."""
+    from zoo.offload import load_preset, preset_names, range_configs
+
+    presets = {}
+    for name in sorted(preset_names(), key=lambda n: n == "custom"):  # custom (= full until edited) last
+        try:  # loaded as a range's preset is: modifiers (params_host, optimizer_host) are refused
+            (_, config), = range_configs(load_preset("none", params=c.offload.params, opt_state=c.offload.opt_state, ranges={"0": name}))
+            presets[name] = preset_assignment(p, config, c.model)
+        except ValueError:
+            continue  # not an activation policy, or not one this model takes
+    # One name per distinct assignment (custom is full; deepseek_mla_moe_offload is qkv_proj_offloaded on Llama).
+    distinct = {}
+    for name, a in presets.items():
+        distinct.setdefault(tuple(sorted(a.items())), name)
+    presets = {name: presets[name] for name in distinct.values()}
+    split = search_split(p, presets, c.model.num_layers)
+    if split is None:
+        return "split: no split of two presets fits the budgets"
+    e, n = split.estimate, c.model.num_layers
+    head = f"0-{split.at - 1}" if split.at > 1 else "0"
+    tail = f"{split.at}-{n - 1}" if n - 1 > split.at else f"{split.at}"
+    command = " ".join(["python train.py", *args, f"offload={split.tail}", f"'+offload.ranges={{{head}:{split.head}}}'"])
+    return (
+        f"split: layers {head} {split.head}, {tail} {split.tail}: estimated step {1e3 * e.time_s:.3f} ms, "
+        f"HBM peak {_fmt_bytes(e.peak_bytes)}, host {_fmt_bytes(e.host_bytes)} (the plan: {1e3 * best.time_s:.3f} ms, "
+        f"{_fmt_bytes(best.peak_bytes)}); train with it: {command}"
+    )
 
 
 def _stack_layers(config, stack: str) -> list[int]:
@@ -1197,6 +1281,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for n in notes:
             print(f"note: {n}")
         p, info = problem_from_config(c, trainer, opts, conf_dir() / "hardware", attention_impl)
+        if opts.split and p.fixed:
+            raise PlanError("plan.split: it searches the ranges itself; drop offload.ranges or plan.split=true")
         if p.fixed:
             free = sum(free_layers(p).values())
             print(
@@ -1243,6 +1329,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         kept = [a for a in overrides if not a.startswith(("offload=", "hydra.run.", "hydra.sweep."))]
         for line in use_plan_lines(out, kept):
             print(line)
+        if opts.split:
+            print(split_line(p, c, best, kept))
         if opts.json:
             held = {m: [dataclasses.asdict(h) for h in holders(p, best, m)] for m in ("hbm", "host")}
             pathlib.Path(opts.json).write_text(
