@@ -92,6 +92,7 @@ GROUPS = {
     "quickstart": [r"^python train\.py$"],
     "offload_composition": [r"^python train\.py (model=llama_tiny_a )?'?offload=\[?(llama_qkv_offload|full,params_host)"],
     "custom_policy": [r"^python train\.py model=dsv3_tiny_a offload=custom offload\.tags\.query_proj=offload"],
+    "offload_ranges": [r"^python train\.py model=llama_tiny_a mesh=single trainer\.steps=10 offload=full '\+offload\.ranges="],
     "xla_sweep_loop": [r"^for x in default latency_hiding", r"^python -m zoo\.report multirun/xla$"],
     "sweep_and_report": [r"^python train\.py -m model=llama_tiny_a trainer\.steps=20 offload=none,full", r"^python -m zoo\.report multirun/<date>/<time>"],
     "checkpoint_ctrl_c_and_resume": [r"checkpoint\.dir=ckpt/run1"],
@@ -120,7 +121,8 @@ EXIT = {r"optimizer\.lr=1e30": 1}  # a diverged run: one error line, exit code 1
 FIGURE = re.compile(
     r"^(error: |note: checkpoint|loss \S+ -> |step \d+/\d+ loss |checkpoints: |stopped by |estimated |counted: |"
     r"scale: |per device: |tags on host |update: |policy |model \w+ \(|wrote |cpu: matmul |"
-    r"[a-z][a-z0-9_]*\s+(dense_layers|moe_layers|layers)\s|[a-z][a-z0-9_]*\s+[\d.]+ [kMG]?B\s|\| \w+ \(\w+\) \|)"
+    r"[a-z][a-z0-9_]*\s+(dense_layers|moe_layers|layers)(\[\d+-\d+\])?\s|[a-z][a-z0-9_]*\s+[\d.]+ [kMG]?B\s|\| \w+ \(\w+\) \||"
+    r"  layers \d+-\d+ \()"
 )
 
 

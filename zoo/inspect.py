@@ -270,15 +270,46 @@ def placement_from_jaxpr(closed, stack_names: Optional[Sequence[str]] = None) ->
         other += o
         stacks.append(s)
     recomputed = {e.params["name"] for b in backward for e in _names_in(b.params["jaxpr"].jaxpr)}
+    # A model cut into pieces (a policy per layer range) names each piece's scans after it
+    # (zoo.model.run_layers): the backward scans of a piece tell what that piece recomputes.
+    per_scope: dict[str, set] = defaultdict(set)
+    if stack_names is not None:
+        for b in backward:
+            scope = _scope_of(b, stack_names)
+            if scope is not None:
+                per_scope[scope] |= {e.params["name"] for e in _names_in(b.params["jaxpr"].jaxpr)}
+    scopes = [_scope_of(eqn, stack_names) if stack_names is not None else None for eqn in forward]
+    by_stack = {}
+    if scopes and all(s is not None and s == stack_names[i] for i, s in enumerate(scopes)):
+        by_stack = {n: per_scope.get(n, set()) for n in stack_names}
     for r in records:
         if not r.placement:
-            r.placement = "recomputed" if r.tag in recomputed else "unread"
+            found = by_stack.get(r.stack, recomputed)
+            r.placement = "recomputed" if r.tag in found else "unread"
     return Placement(records, other, stacks)
+
+
+def _scope_of(eqn, names: Sequence[str]) -> Optional[str]:
+    """The longest of `names` in the equation's name stack (a `jax.named_scope` around it), or None."""
+    text = str(eqn.source_info.name_stack)
+    hits = [n for n in names if n in text]
+    return max(hits, key=len) if hits else None
 
 
 def stack_names(model) -> list[str]:
     """Names of a CausalLM's layer stacks in program order."""
     return [s.name for s in model.stacks]
+
+
+def scan_names(model, policy=None) -> list[str]:
+    """Names of the forward scans the trainer's step runs, in program order: the stacks', or with a
+    policy per layer range (`offload.ranges` of the OffloadConfig `policy`) the pieces' the stacks are
+    cut into (`<stack>[<first>-<last>]`)."""
+    from zoo.offload import scan_policies
+
+    if policy is None or not policy.ranges:
+        return stack_names(model)
+    return [name for name, _ in scan_policies(policy, model)]
 
 
 def inspect_placement(fn: Callable, *args, stacks: Optional[Sequence[str]] = None) -> Placement:
@@ -508,14 +539,26 @@ def report(c, trainer, placement: Placement, compiled_mem: Optional[dict], measu
     from zoo.config import count_params
     from zoo.offload import expected_placement, placement_matches, resolve
 
+    from zoo import model as zoo_model
+    from zoo.offload import scan_policies
+
     expected = expected_placement(c.offload, c.model)
     actions = resolve(c.offload, c.model)
+    # Per forward scan, the policy its layers run under (a policy per layer range: offload.ranges).
+    scans = dict(scan_policies(c.offload, zoo_model.abstract(c.model)))
+    top = c.offload.without_ranges()
+
+    def policy_of(stack: str):
+        return scans[stack].config if stack in scans else top
+
     tags = []
     for r in placement.records:
+        policy = policy_of(r.stack)
+        want = expected_placement(policy, c.model).get(r.tag)
         d = r.as_dict()
-        d["configured"] = actions.get(r.tag)
-        d["expected"] = expected.get(r.tag)
-        d["ok"] = placement_matches(expected.get(r.tag, ""), r.placement)
+        d["configured"] = resolve(policy, c.model).get(r.tag)
+        d["expected"] = want
+        d["ok"] = placement_matches(want or "", r.placement)
         tags.append(d)
     found = {r.tag for r in placement.records}
     missing = sorted(set(expected) - found)
@@ -523,10 +566,11 @@ def report(c, trainer, placement: Placement, compiled_mem: Optional[dict], measu
     totals["untagged_device"] = placement.other_bytes("device")
     totals["untagged_host"] = placement.other_bytes("host")
     notes = []
-    if any(r.tag == "decoder_layer_input" and actions.get(r.tag) == "remat" and r.placement == "device" for r in placement.records):
+    if any(r.tag == "decoder_layer_input" and t["configured"] == "remat" and r.placement == "device" for r, t in zip(placement.records, tags)):
         notes.append("decoder_layer_input: the checkpointed layer's input is kept by the scan, so remat leaves it on device (offload moves it to host)")
-    if c.offload.checkpoint and any(r.placement == "unread" for r in placement.records):
-        unread = sorted({r.tag for r in placement.records if r.placement == "unread"})
+    checkpointed = [r for r in placement.records if policy_of(r.stack).checkpoint]
+    if any(r.placement == "unread" for r in checkpointed):
+        unread = sorted({r.tag for r in checkpointed if r.placement == "unread"})
         notes.append(f"{', '.join(unread)}: the backward pass never reads it, so there is nothing to keep or recompute")
     weights = sum(o.total_bytes for o in placement.other if o.source == "device_put" and o.memory == "device")
     if weights:
@@ -559,6 +603,7 @@ def report(c, trainer, placement: Placement, compiled_mem: Optional[dict], measu
         },
         "state_memory_kinds": kinds,
         "stacks": placement.stacks,
+        "ranges": range_sections(c, placement, scans) if c.offload.ranges else None,
         "tags": tags,
         "untagged_residuals": [o.as_dict() for o in placement.other],
         "totals_bytes": totals,
@@ -568,6 +613,42 @@ def report(c, trainer, placement: Placement, compiled_mem: Optional[dict], measu
         "mismatches": [t["tag"] + "@" + t["stack"] for t in tags if not t["ok"]] + [f"{t}: not found in the program" for t in missing],
         "notes": notes,
     }
+
+
+def range_sections(c, placement: Placement, scans: dict) -> list[dict]:
+    """inspect.json's `ranges` (with `offload.ranges`): per consecutive layer segment, where its
+    policy comes from (`offload.ranges.<key>` or the top-level `offload`), its preset, its scans, and
+    the tags found on host, kept on device, recomputed or unread there."""
+    from zoo.offload import layer_policies
+
+    out = []
+    for seg in layer_policies(c.offload, c.model.num_layers):
+        names = [n for n, p in scans.items() if (p.first, p.stop) == (seg.first, seg.stop)]
+        found: dict[str, set] = {k: set() for k in ("host", "device", "recomputed", "unread")}
+        for r in placement.records:
+            if r.stack in names:
+                found.setdefault(r.placement, set()).add(r.tag)
+        out.append(
+            {
+                "layers": f"{seg.first}-{seg.stop - 1}",
+                "source": seg.label,
+                "preset": seg.config.name,
+                "scans": names,
+                **{k: sorted(v) for k, v in found.items()},
+            }
+        )
+    return out
+
+
+def render_ranges(ranges: Optional[list]) -> list[str]:
+    """One line per layer segment of `range_sections`."""
+    if not ranges:
+        return []
+    lines = ["per layer range (offload.ranges; the other layers run under the top-level policy):"]
+    for r in ranges:
+        where = "; ".join(f"{k} {', '.join(r[k])}" for k in ("host", "device", "recomputed", "unread") if r.get(k)) or "no tags found"
+        lines.append(f"  layers {r['layers']} ({r['source']}: {r['preset']}, {len(r['scans'])} scan(s)): {where}")
+    return lines
 
 
 def memory_sections(c, trainer, update: Optional[dict]) -> dict:
@@ -617,6 +698,7 @@ def render(rep: dict) -> str:
         )
     out = [f"policy {rep['policy']['describe']}; params in {', '.join(rep['state_memory_kinds']['params'])}, "
            f"optimizer state in {', '.join(rep['state_memory_kinds']['opt_state'])}", _table(rows)]
+    out += render_ranges(rep.get("ranges"))
     tot = rep["totals_bytes"]
     out.append(
         f"tags on host {_fmt(tot['host'])}, kept on device {_fmt(tot['device'])}, recomputed {_fmt(tot['recomputed'])}; "
@@ -710,7 +792,7 @@ def inspect_step(trainer, measure: bool = True, on_compiled: Optional[Callable] 
 
     state, tokens = trainer.abstract_state(), trainer.abstract_tokens()
     traced = trainer.jitted_step().trace(state, tokens)
-    placement = placement_from_jaxpr(traced.jaxpr, stack_names(zoo_model.abstract(trainer.cfg.model)))
+    placement = placement_from_jaxpr(traced.jaxpr, scan_names(zoo_model.abstract(trainer.cfg.model), trainer.cfg.offload))
     compiled, partitioned, assignment = hlo.compile_with_dumps(traced.lower(), partitioned=trainer.mesh.devices.size > 1)
     if on_compiled is not None:
         on_compiled(compiled, partitioned)

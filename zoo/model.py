@@ -13,9 +13,10 @@ scans its period (Gemma 3's five sliding layers and one global layer, GPT-OSS's 
 one block per position, each block checkpointed on its own so remat/offload policies act per layer.
 """
 
+import contextlib
 import functools
 import math
-from typing import Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import equinox as eqx
 import jax
@@ -29,6 +30,7 @@ from zoo.config import LayerSpec, ModelConfig, count_params
 from zoo.nn import GatedMLP, GQAttention, MLAttention, MoE, MoEAux, RMSNorm
 from zoo.nn._init import normal
 from zoo.nn.cache import KVCache, LatentCache
+from zoo.offload import RangedPolicy
 
 # How a stack's scan body runs one layer: `(h, block_params, j) -> ((h, aux), kept tags)`, where j is the
 # layer's position in the stack's period (static) and `block_params` its array leaves.
@@ -272,6 +274,49 @@ class Stack(eqx.Module):
         (x, caches), _ = jax.lax.scan(body, (x, tuple(caches)), (params, jnp.arange(self.repeats, dtype=jnp.int32)))
         return x, caches
 
+    def cut(self, start: int, stop: int) -> list["Stack"]:
+        """Layers `start .. stop - 1` (model layer numbers, within this stack) as stacks of their own,
+        in order, for scans of their own (a remat/offload policy per layer range, `run_layers`). The
+        array leaves are sliced along the layer (repeats) axis, so gradients flow back into this
+        stack's. A cut inside the repeating period gives a stack of the period's remaining positions,
+        one repeat long; whole repeats in between stay one stack. The whole stack is `[self]`; a piece
+        is named `<stack>[<first>-<last>]`. Works on an abstract model too (shapes only)."""
+        if not self.first <= start < stop <= self.first + self.num_layers:
+            raise ValueError(f"{self.name}: cannot cut layers {start}-{stop - 1} out of layers {self.first}-{self.first + self.num_layers - 1}")
+        if (start, stop) == (self.first, self.first + self.num_layers):
+            return [self]
+        p, out = self.period, []
+        i, hi = start - self.first, stop - self.first  # positions in this stack
+        while i < hi:
+            r, j = divmod(i, p)
+            if j or hi - i < p:  # part of one period: positions j .. k - 1 of repeat r
+                k = min(p, j + hi - i)
+                out.append(self._piece(j, k, r, r + 1))
+                i += k - j
+            else:  # whole periods
+                n = (hi - i) // p
+                out.append(self._piece(0, p, r, r + n))
+                i += n * p
+        return out
+
+    def _piece(self, j0: int, j1: int, r0: int, r1: int) -> "Stack":
+        """Positions j0 .. j1 - 1 of repeats r0 .. r1 - 1 as a Stack (its period is j1 - j0)."""
+
+        def rows(x):
+            if isinstance(x, jax.ShapeDtypeStruct):
+                return jax.ShapeDtypeStruct((r1 - r0, *x.shape[1:]), x.dtype)
+            return x[r0:r1] if eqx.is_array(x) else x
+
+        piece = object.__new__(Stack)
+        first, last = self.layer_index(r0, j0), self.layer_index(r1 - 1, j1 - 1)
+        fields = dict(
+            layers=tuple(jax.tree_util.tree_map(rows, b) for b in self.layers[j0:j1]),
+            name=f"{self.name}[{first}-{last}]", first=first, repeats=r1 - r0, compute_dtype=self.compute_dtype,
+        )
+        for k, v in fields.items():
+            object.__setattr__(piece, k, v)
+        return piece
+
     def unstack(self) -> list:
         """Each layer period's parameters sliced out of the stack, for `decode_layers`."""
         params = eqx.partition(self.layers, eqx.is_array)[0]
@@ -341,14 +386,7 @@ class CausalLM(eqx.Module):
     def moe_aux_order(self) -> list[tuple[int, int, np.ndarray]]:
         """For each MoE block position `(stack index, position)`, the rows of `forward_with_aux`'s
         per-MoE-layer statistics that its repeats fill (layers in model order)."""
-        moe_layers = [i for i in range(self.config.num_layers) if self.config.is_moe_layer(i)]
-        row = {layer: r for r, layer in enumerate(moe_layers)}
-        out = []
-        for s_idx, s in enumerate(self.stacks):
-            for j in range(s.period):
-                if self.config.is_moe_layer(s.first + j):
-                    out.append((s_idx, j, np.asarray([row[s.layer_index(r, j)] for r in range(s.repeats)])))
-        return out
+        return _moe_aux_order(self.config, self.stacks)
 
     def embed_tokens(self, tokens: Int[Array, "batch seq"]) -> Float[Array, "batch seq embed"]:
         c = self.config
@@ -455,6 +493,41 @@ class CausalLM(eqx.Module):
         return self.logits(self.final_norm(x))[:, 0], DecodeCache(positions + 1, tuple(caches))
 
 
+def _moe_aux_order(config: ModelConfig, stacks: Sequence[Stack]) -> list[tuple[int, int, np.ndarray]]:
+    """`CausalLM.moe_aux_order` over these stacks (the model's, or the pieces `split_stacks` cut)."""
+    moe_layers = [i for i in range(config.num_layers) if config.is_moe_layer(i)]
+    row = {layer: r for r, layer in enumerate(moe_layers)}
+    out = []
+    for s_idx, s in enumerate(stacks):
+        for j in range(s.period):
+            if config.is_moe_layer(s.first + j):
+                out.append((s_idx, j, np.asarray([row[s.layer_index(r, j)] for r in range(s.repeats)])))
+    return out
+
+
+# Layers `first .. stop - 1` (model layer numbers, 0-based across the stacks) run with this wrapper.
+LayerSegment = tuple[int, int, Optional[LayerWrapper]]
+
+
+def split_stacks(stacks: Sequence[Stack], segments: Sequence[tuple[int, int, Any]]) -> list[tuple[Stack, Any]]:
+    """The stacks cut at every segment boundary (`Stack.cut`), each piece with its segment's third
+    item (a `LayerWrapper` for `run_layers`; zoo.offload passes its policies): one scan per piece, so
+    a segment's layers stay one flat loop under their own policy. The segments cover the layers in
+    order, without gaps."""
+    out = []
+    for stack in stacks:
+        lo, hi = stack.first, stack.first + stack.num_layers
+        for first, stop, wrap in segments:
+            a, b = max(lo, first), min(hi, stop)
+            if a < b:
+                out += [(piece, wrap) for piece in stack.cut(a, b)]
+    covered = sum(p.num_layers for p, _ in out)
+    total = sum(s.num_layers for s in stacks)
+    if covered != total:
+        raise ValueError(f"the layer segments {[(f, s) for f, s, _ in segments]} cover {covered} of the {total} layers")
+    return out
+
+
 def run_layers(
     model: CausalLM,
     tokens: Int[Array, "batch seq"],
@@ -462,17 +535,28 @@ def run_layers(
     positions: Optional[Int[Array, "*batch seq"]] = None,
     segment_ids: Optional[Int[Array, "batch seq"]] = None,
     wrap_layer: Optional[LayerWrapper] = None,
+    segments: Optional[Sequence[LayerSegment]] = None,
 ) -> tuple[Float[Array, "batch seq embed"], Optional[MoEAux]]:
     """`model.features` with each layer's call wrapped by `wrap_layer` (see `LayerWrapper`): the one
-    forward loop that `CausalLM.features` (no wrapper) and the trainer's `zoo.offload.features` share."""
+    forward loop that `CausalLM.features` (no wrapper) and the trainer's `zoo.offload.features` share.
+
+    `segments` (instead of `wrap_layer`): `(first, stop, wrapper)` per layer range, covering every
+    layer; the stacks are cut at their boundaries (`split_stacks`) and each piece scans on its own
+    under its range's wrapper (a remat/offload policy per layer range, zoo.offload)."""
     if positions is None:
         positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)
+    if segments is not None and wrap_layer is not None:
+        raise ValueError("run_layers: give wrap_layer or segments, not both")
+    pieces = [(s, wrap_layer) for s in model.stacks] if segments is None else split_stacks(model.stacks, segments)
     x = zs.constrain(model.embed_tokens(tokens), zs.ACTIVATION_AXES)
     per_stack = []
-    for stack in model.stacks:
-        x, auxes = stack(x, positions, segment_ids, wrap_layer=wrap_layer)
+    for stack, wrap in pieces:
+        # A cut model names each piece's scans (forward and backward) after it, so that zoo.inspect
+        # can tell which backward scan recomputes which piece's tags.
+        with jax.named_scope(stack.name) if segments is not None else contextlib.nullcontext():
+            x, auxes = stack(x, positions, segment_ids, wrap_layer=wrap)
         per_stack.append(auxes)
-    order = model.moe_aux_order()
+    order = _moe_aux_order(model.config, [s for s, _ in pieces])
     aux = None
     if order:
         rows = np.concatenate([r for _, _, r in order])
@@ -559,11 +643,12 @@ def loss_fn(
     *,
     positions: Optional[Int[Array, "*batch seq"]] = None,
     segment_ids: Optional[Int[Array, "batch seq"]] = None,
-    remat_policy: Optional[Callable] = None,
+    remat_policy: Optional[Union[Callable, RangedPolicy]] = None,
     layer_transform: Optional[Callable] = None,
 ) -> Float[Array, ""]:
     """Mean next-token loss of `model(tokens)`. With a remat/offload policy
-    (`zoo.offload.remat_policy`) or a transform of each layer's parameters, every layer runs as
+    (`zoo.offload.remat_policy`: a `jax.checkpoint` policy, or a `RangedPolicy`, one per layer range)
+    or a transform of each layer's parameters, every layer runs as
     `zoo.offload.features` runs it: the same values, what the backward pass keeps set by the policy."""
     from zoo import offload
 

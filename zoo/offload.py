@@ -1,7 +1,8 @@
 """Offload policies: per named intermediate keep on device, offload to pinned host, or recompute;
 parameters and optimizer state in device or pinned host memory.
 
-A policy becomes one `jax.checkpoint` policy applied to every decoder layer of the scanned stacks.
+A policy becomes one `jax.checkpoint` policy applied to every decoder layer of the scanned stacks;
+`ranges` gives layer ranges a preset of their own (`layer_policies`), each range then scanned on its own.
 
 Two maps name the tags:
 - `tags`: tag -> action, for tags every model emits (the layer input and the attention tags).
@@ -27,7 +28,8 @@ Placement rules, which `zoo.inspect` reads back from the traced program and the 
 """
 
 import dataclasses
-from typing import Callable, Optional
+import re
+from typing import Any, Callable, NamedTuple, Optional, Union
 
 import jax
 from jaxtyping import Array, Float, Int, PyTree
@@ -92,8 +94,14 @@ class OffloadConfig:
     block_tags: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
     params: str = "device"
     opt_state: str = "device"
+    # Layer range ("first-last", 0-based, inclusive; or one layer "n") -> the name of a conf/offload
+    # preset whose activation policy those layers run under (`parse_ranges`); other layers run under
+    # this config's. Keys may be ints (Hydra reads `{4: full}` so), hence Any.
+    ranges: dict[Any, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
+        self.ranges = {str(k): v for k, v in (self.ranges or {}).items()}
+        range_configs(self)  # the ranges' syntax, overlaps and presets (no model needed)
         for tag_name, action in self.tags.items():
             _check_action(f"offload.tags.{tag_name}", tag_name, action)
         for kind, section in self.block_tags.items():
@@ -135,7 +143,135 @@ class OffloadConfig:
 
     def describe(self) -> str:
         memory = [f"{f} on {getattr(self, f)}" for f in ("params", "opt_state") if getattr(self, f) != "device"]
-        return " + ".join([self.name, *memory])
+        ranged = [f"layers {r.key} {r.preset}" for r in parse_ranges(self.ranges)]
+        return " + ".join([self.name, *ranged, *memory])
+
+    def without_ranges(self) -> "OffloadConfig":
+        """This config's own policy, for the layers outside every range."""
+        return dataclasses.replace(self, ranges={})
+
+
+# --- a policy per layer range ------------------------------------------------------------------
+
+
+class LayerRange(NamedTuple):
+    """One entry of `offload.ranges`: layers first .. last (inclusive) run under `preset`."""
+
+    key: str  # as written: "0-3", "5"
+    first: int
+    last: int
+    preset: str
+
+
+_RANGE = re.compile(r"^\s*(\d+)\s*(?:-\s*(\d+)\s*)?$")
+
+
+def parse_ranges(ranges: dict) -> list[LayerRange]:
+    """`offload.ranges` -> its ranges sorted by first layer; ValueError (one line naming the key) on
+    a malformed range, a preset that is not a name, or overlapping ranges."""
+    out = []
+    for key, preset in (ranges or {}).items():
+        key = str(key)
+        m = _RANGE.match(key)
+        if not m or (m.group(2) is not None and int(m.group(2)) < int(m.group(1))):
+            raise ValueError(
+                f"offload.ranges.{key}: not a layer range; write first-last (0-based, inclusive, first <= last) or one layer, "
+                f"e.g. +offload.ranges={{0-3:llama_qkv_offload}}"
+            )
+        if not isinstance(preset, str) or not preset:
+            raise ValueError(f"offload.ranges.{key}: {preset!r} is not a preset name; give one of {', '.join(preset_names())}")
+        first = int(m.group(1))
+        last = first if m.group(2) is None else int(m.group(2))
+        out.append(LayerRange(key, first, last, preset))
+    out.sort(key=lambda r: r.first)
+    for a, b in zip(out, out[1:]):
+        if b.first <= a.last:
+            raise ValueError(
+                f"offload.ranges.{b.key}: overlaps offload.ranges.{a.key} (layer {b.first}); make the ranges disjoint, "
+                f"e.g. {a.key}: {a.preset} and {max(a.last + 1, b.first)}-{max(a.last + 1, b.last)}: {b.preset}"
+            )
+    return out
+
+
+def range_configs(policy: OffloadConfig) -> list[tuple[LayerRange, OffloadConfig]]:
+    """Each range of `policy.ranges` with the OffloadConfig of its preset, loaded from conf/offload as
+    the top-level one is (`load_preset`: unknown keys, tags and actions are errors). Only the
+    activation policy is the range's: parameters and optimizer state live where the top level says
+    (`offload.params`, `offload.opt_state`: one choice for the whole model), so a preset that sets only
+    those (a modifier: `params_host`, `optimizer_host`) is refused, as is a preset with ranges of its own."""
+    from omegaconf import OmegaConf
+
+    if not policy.ranges:
+        return []
+    out = []
+    available = preset_names()
+    for r in parse_ranges(policy.ranges):
+        if r.preset not in available:
+            raise ValueError(f"offload.ranges.{r.key}: unknown preset {r.preset!r}; choose one of {', '.join(available)}")
+        raw = OmegaConf.to_container(OmegaConf.load(conf_dir() / "offload" / f"{r.preset}.yaml")) or {}
+        if "checkpoint" not in raw:
+            raise ValueError(
+                f"offload.ranges.{r.key}: {r.preset} only sets where parameters or optimizer state live, one choice for the "
+                f"whole model; give the range an activation preset (e.g. full) and set offload.params / offload.opt_state instead"
+            )
+        if raw.get("ranges"):
+            raise ValueError(f"offload.ranges.{r.key}: preset {r.preset} has ranges of its own; give the range a preset without offload.ranges")
+        try:
+            config = load_preset(r.preset, params=policy.params, opt_state=policy.opt_state)
+        except ValueError as e:
+            raise ValueError(f"offload.ranges.{r.key}: preset {r.preset}: {str(e).splitlines()[0]}") from None
+        out.append((r, config))
+    return out
+
+
+def check_ranges(policy: OffloadConfig, model_config) -> None:
+    """The ranges against the model: each within its layers, and each range's policy valid for it
+    (`check_tags_emitted`, as for a whole-model policy)."""
+    n = model_config.num_layers
+    for r, config in range_configs(policy):
+        if r.last >= n:
+            raise ValueError(
+                f"offload.ranges.{r.key}: layer {r.last} is past the model's last layer (the {model_config.family} model has "
+                f"{n} layers, 0-{n - 1}); keep every range within 0-{n - 1}"
+            )
+        try:
+            check_tags_emitted(config, model_config)
+        except ValueError as e:
+            raise ValueError(f"offload.ranges.{r.key}: preset {r.preset}: {str(e).splitlines()[0]}") from None
+
+
+class LayerPolicy(NamedTuple):
+    """The layers first .. stop - 1 run under `config` (its `jax.checkpoint` policy: `remat`);
+    `label` says where it comes from: `offload.ranges.<key>` or `offload` (the top level)."""
+
+    first: int
+    stop: int
+    config: OffloadConfig
+    label: str
+
+
+def layer_policies(policy: OffloadConfig, num_layers: int) -> list[LayerPolicy]:
+    """Every layer's policy, as consecutive segments covering 0 .. num_layers - 1: the ranges' and,
+    between them, the top level's. Without ranges, one segment."""
+    out, at = [], 0
+    top = policy.without_ranges()
+    for r, config in range_configs(policy):
+        if r.first > at:
+            out.append(LayerPolicy(at, r.first, top, "offload"))
+        out.append(LayerPolicy(r.first, min(r.last + 1, num_layers), config, f"offload.ranges.{r.key}"))
+        at = r.last + 1
+    if at < num_layers:
+        out.append(LayerPolicy(at, num_layers, top, "offload"))
+    return [p for p in out if p.first < p.stop]
+
+
+@dataclasses.dataclass(frozen=True)
+class RangedPolicy:
+    """What `remat_policy` returns for a config with `offload.ranges`: a `jax.checkpoint` policy per
+    consecutive layer segment, `(first, stop, policy)` covering every layer. `features` cuts the
+    scanned stacks at the segments' boundaries and runs each piece under its segment's policy."""
+
+    segments: tuple[tuple[int, int, Optional[Callable]], ...]
 
 
 def check_tags_emitted(policy: OffloadConfig, model_config) -> None:
@@ -159,6 +295,8 @@ def check_tags_emitted(policy: OffloadConfig, model_config) -> None:
             f"offload.tags.{t}: the {model_config.family} model never emits this tag; "
             f"it emits: {', '.join(emitted)}{hint}"
         )
+    if policy.ranges:
+        check_ranges(policy, model_config)
 
 
 def dropped_block_tags(policy: OffloadConfig, model_config) -> list[str]:
@@ -251,14 +389,29 @@ def keep_all_but_weight_casts(weight_shapes: frozenset) -> Callable:
     return policy
 
 
-def remat_policy(policy: OffloadConfig, model_config=None, *, weights_of=None) -> Optional[Callable]:
+def remat_policy(policy: OffloadConfig, model_config=None, *, weights_of=None) -> Optional[Union[Callable, RangedPolicy]]:
     """The `jax.checkpoint` policy for the scanned layer body (None: no checkpoint, keep everything;
     with parameters in host memory, `keep_all_but_transfers`; for a model that casts its weights to
     another compute dtype, `keep_all_but_weight_casts`).
 
     With `model_config`, the policy is validated against the model first (`resolve`). `weights_of`
     (default: `model_config`) is the model whose weight casts `checkpoint: false` recomputes.
+
+    With `offload.ranges`, a `RangedPolicy`: each layer segment's policy (`layer_policies`); it needs
+    the model (`model_config` or `weights_of`) for the layer count.
     """
+    if policy.ranges:
+        model = model_config if model_config is not None else weights_of
+        if model is None:
+            raise ValueError("offload.ranges: the policy of a layer range needs the model; pass model_config or weights_of")
+        if model_config is not None:
+            resolve(policy, model_config)
+        return RangedPolicy(
+            tuple(
+                (p.first, p.stop, remat_policy(p.config, model_config, weights_of=weights_of))
+                for p in layer_policies(policy, model.num_layers)
+            )
+        )
     if not policy.checkpoint:
         if policy.params == "pinned_host":
             return keep_all_but_transfers
@@ -317,16 +470,33 @@ def features(
     *,
     positions: Optional[Int[Array, "*batch seq"]] = None,
     segment_ids: Optional[Int[Array, "batch seq"]] = None,
-    remat_policy: Optional[Callable] = None,
+    remat_policy: Optional[Union[Callable, RangedPolicy]] = None,
     layer_transform: Optional[LayerTransform] = None,
 ):
     """`model.features(tokens, positions=, segment_ids=)` (hidden states, MoE statistics) with every
     layer run under `remat_policy` and `layer_transform` (see `layer_wrapper`): the same forward
-    values, what the backward pass keeps, offloads or recomputes set by the policy."""
+    values, what the backward pass keeps, offloads or recomputes set by the policy. A `RangedPolicy`
+    (a config with `offload.ranges`) runs each layer segment as scans of its own under its policy."""
     from zoo.model import run_layers
 
+    if isinstance(remat_policy, RangedPolicy):  # a policy per layer range: a scan per piece
+        segments = [(first, stop, layer_wrapper(p, layer_transform)) for first, stop, p in remat_policy.segments]
+        return run_layers(model, tokens, positions=positions, segment_ids=segment_ids, segments=segments)
     wrap = layer_wrapper(remat_policy, layer_transform)
     return run_layers(model, tokens, positions=positions, segment_ids=segment_ids, wrap_layer=wrap)
+
+
+def scan_policies(policy: OffloadConfig, model) -> list[tuple[str, LayerPolicy]]:
+    """Per forward scan of the trainer's step, in program order: its name (the stack's, or a cut
+    piece's `<stack>[<first>-<last>]`) and the policy its layers run under. `model`: a CausalLM,
+    abstract or not."""
+    from zoo.model import split_stacks
+
+    segments = layer_policies(policy, model.config.num_layers)
+    if len(segments) == 1:
+        return [(s.name, segments[0]) for s in model.stacks]
+    pieces = split_stacks(model.stacks, [(p.first, p.stop, p) for p in segments])
+    return [(piece.name, p) for piece, p in pieces]
 
 
 # --- presets -----------------------------------------------------------------------------------

@@ -37,6 +37,10 @@ them (3^15 for DeepSeek-V3, vectorised in chunks); ties go to less host traffic,
 spare everything stays on device. An assignment must fit both budgets, HBM and host. If nothing
 fits, the one-line error names the budget that failed and the smallest of each that would do, and
 `holders` / `best_changes` say who holds the memory and which single change frees the most.
+
+With `offload.ranges`, each range's layers count under their preset's actions (`FixedRange`,
+`with_ranges`) and the search assigns the tags of the other layers: the plan is the top-level policy
+that goes with the ranges. (The holders listing counts every layer under the searched assignment.)
 """
 
 import dataclasses
@@ -80,6 +84,9 @@ class PlanConfig:
     # named offload, so train.py finds it with hydra.searchpath=[file://<the folder above>]).
     out: Optional[str] = None
     name: str = "planned"
+    # Also search one split point: layers 0..b-1 under one conf/offload preset, the rest under another
+    # (offload.ranges), and print the fastest that fits with its command line.
+    split: bool = False
     json: Optional[str] = None  # also write the estimates as JSON here
     holders: bool = False  # also print who holds the memory for a plan that fits (always printed when none does)
 
@@ -148,6 +155,16 @@ class StackCost:
 
 
 @dataclasses.dataclass
+class FixedRange:
+    """Layers of a range of `offload.ranges`: how many of each stack's layers it holds, and the choice
+    of every tag there (its preset's actions)."""
+
+    label: str  # "layers 0-3 llama_qkv_offload"
+    layers: dict[str, int]
+    assignment: dict[str, str]
+
+
+@dataclasses.dataclass
 class Problem:
     """Everything the search needs, per device and per microbatch unless said otherwise."""
 
@@ -176,6 +193,9 @@ class Problem:
     # The largest state leaves per device, (kind, path, bytes), kind "params" or "opt_state"; for the
     # holders listing only.
     largest_leaves: list = dataclasses.field(default_factory=list)
+    # Layers whose policy is given (offload.ranges), `FixedRange` each: counted with their own
+    # assignment; the search assigns the tags of the other layers.
+    fixed: list = dataclasses.field(default_factory=list)
 
     def __post_init__(self):
         for t in self.tags:
@@ -291,8 +311,25 @@ def _state_transfer_s(p: Problem) -> float:
     return max(into, out) / p.link
 
 
+def free_layers(p: Problem) -> dict[str, int]:
+    """Per stack, its layers outside every fixed range (the ones the search assigns)."""
+    return {s: sc.layers - sum(f.layers.get(s, 0) for f in p.fixed) for s, sc in p.stacks.items()}
+
+
 def _evaluate_arrays(p: Problem, digits: np.ndarray) -> dict[str, np.ndarray]:
-    """Vectorised estimates: `digits[i, j]` is the CHOICES index of tag j in assignment i."""
+    """Vectorised estimates: `digits[i, j]` is the CHOICES index of tag j in assignment i (for the
+    layers outside `p.fixed`; the fixed ranges' layers count with their own assignment)."""
+    n = digits.shape[0]
+    recompute_flops, device_bytes, host_bytes, exposed = _layer_parts(p, digits, free_layers(p))
+    for f in p.fixed:
+        parts = _layer_parts(p, _digits_of(p, f.assignment), f.layers)
+        recompute_flops, device_bytes, host_bytes, exposed = (a + b for a, b in zip((recompute_flops, device_bytes, host_bytes, exposed), parts))
+    return _totals(p, n, recompute_flops, device_bytes, host_bytes, exposed)
+
+
+def _layer_parts(p: Problem, digits: np.ndarray, layers_of: dict[str, int]) -> tuple[np.ndarray, ...]:
+    """(recompute FLOPs, device tag bytes, host tag bytes, exposed transfer seconds) of `layers_of[s]`
+    layers of each stack s under the assignments `digits`, per microbatch."""
     n = digits.shape[0]
     stacks = list(p.stacks)
     recompute_flops = np.zeros(n)
@@ -306,7 +343,7 @@ def _evaluate_arrays(p: Problem, digits: np.ndarray) -> dict[str, np.ndarray]:
         for s in stacks:
             b = float(t.bytes_per_layer.get(s, 0.0))
             f = float(t.recompute_flops_per_layer.get(s, 0.0))
-            layers = p.stacks[s].layers
+            layers = layers_of.get(s, 0)
             if b:
                 device_bytes += (d == 0) * b * layers
                 host_bytes += (d == 1) * b * layers
@@ -326,7 +363,11 @@ def _evaluate_arrays(p: Problem, digits: np.ndarray) -> dict[str, np.ndarray]:
         fwd = np.maximum(offload_time, params_time)
         # backward: activations and weights in, the layer's weight gradients out
         bwd = np.maximum(offload_time + params_time, params_time)
-        exposed += sc.layers * (np.maximum(0.0, fwd - fwd_compute) + np.maximum(0.0, bwd - bwd_compute))
+        exposed += layers_of.get(s, 0) * (np.maximum(0.0, fwd - fwd_compute) + np.maximum(0.0, bwd - bwd_compute))
+    return recompute_flops, device_bytes, host_bytes, exposed
+
+
+def _totals(p: Problem, n: int, recompute_flops, device_bytes, host_bytes, exposed) -> dict[str, np.ndarray]:
     mb = p.microbatches
     fixed_backward, update = _fixed_bytes(p)
     backward_phase = fixed_backward + device_bytes
@@ -670,6 +711,115 @@ def holders_table(p: Problem, e: Estimate, memory: str = "hbm", top: int = 8) ->
 
 
 # --- from a model config ----------------------------------------------------------------------
+
+
+def _layers(n: int) -> str:
+    return f"{n} layer" if n == 1 else f"{n} layers"
+
+
+def _stack_bounds(p: Problem) -> dict[str, tuple[int, int]]:
+    bounds = {}
+    for s, sc in p.stacks.items():
+        if not sc.layer_range:
+            raise PlanError(f"offload.ranges: the planner does not know the layers of stack {s}; plan without offload.ranges")
+        lo, hi = (int(x) for x in sc.layer_range.split("-"))
+        bounds[s] = (lo, hi)
+    return bounds
+
+
+def _layers_in(bounds: dict[str, tuple[int, int]], first: int, last: int) -> dict[str, int]:
+    """Per stack, how many of layers first..last (inclusive) it holds."""
+    return {s: min(hi, last) - max(lo, first) + 1 for s, (lo, hi) in bounds.items() if min(hi, last) >= max(lo, first)}
+
+
+def preset_assignment(p: Problem, config, model_config) -> dict[str, str]:
+    """An OffloadConfig's action for every tag of `p`; a tag left at `remat` that cannot be
+    recomputed (the layer input) is kept on device, as the scan keeps it."""
+    from zoo.offload import resolve
+
+    actions = resolve(config, model_config)
+    out = {}
+    for t in p.tags:
+        a = actions.get(t.tag, "remat")
+        out[t.tag] = a if a in t.choices else "device"
+    return out
+
+
+def with_ranges(p: Problem, policy, model_config) -> Problem:
+    """`p` with the layers of `policy.ranges` fixed to their presets' actions (`FixedRange`): the
+    estimate counts them so, and the search assigns the other layers' tags."""
+    from zoo.offload import range_configs
+
+    bounds = _stack_bounds(p)
+    fixed = [
+        FixedRange(f"layers {r.key} {r.preset}", _layers_in(bounds, r.first, r.last), preset_assignment(p, config, model_config))
+        for r, config in range_configs(policy)
+    ]
+    return dataclasses.replace(p, fixed=fixed)
+
+
+@dataclasses.dataclass
+class Split:
+    """Layers 0..at-1 under preset `head`, at..n-1 under `tail`, and the estimate."""
+
+    at: int
+    head: str
+    tail: str
+    estimate: Estimate
+
+
+def search_split(p: Problem, presets: dict[str, dict[str, str]], num_layers: int, rel_tolerance: float = 1e-3) -> Optional[Split]:
+    """The fastest split of the layers into a head and a tail under two different presets (`presets`:
+    name -> `preset_assignment`) within both budgets, over every split point; None if none fits.
+    Ties (step times within `rel_tolerance` of the compute time) go to less host traffic, then less HBM."""
+    bounds = _stack_bounds(p)
+    unit = max(rel_tolerance * p.step_flops / p.rate, 1e-12)
+    best, best_key = None, None
+    for at in range(1, num_layers):
+        head, tail = _layers_in(bounds, 0, at - 1), _layers_in(bounds, at, num_layers - 1)
+        for a, assign_a in presets.items():
+            for b, assign_b in presets.items():
+                if a == b:
+                    continue
+                q = dataclasses.replace(p, fixed=[FixedRange(a, head, assign_a), FixedRange(b, tail, assign_b)])
+                e = evaluate(q, {})
+                if e.peak_bytes > p.budget or e.host_bytes > p.host_budget:
+                    continue
+                key = (round(e.time_s / unit), e.host_tag_bytes, e.peak_bytes)
+                if best_key is None or key < best_key:
+                    best, best_key = Split(at, a, b, e), key
+    return best
+
+
+def split_line(p: Problem, c, best: Estimate, args: Sequence[str]) -> str:
+    """`plan.split=true`: the fastest head/tail split over the activation presets of conf/offload,
+    against the plan, with the train.py command that runs it."""
+    from zoo.offload import load_preset, preset_names, range_configs
+
+    presets = {}
+    for name in sorted(preset_names(), key=lambda n: n == "custom"):  # custom (= full until edited) last
+        try:  # loaded as a range's preset is: modifiers (params_host, optimizer_host) are refused
+            (_, config), = range_configs(load_preset("none", params=c.offload.params, opt_state=c.offload.opt_state, ranges={"0": name}))
+            presets[name] = preset_assignment(p, config, c.model)
+        except ValueError:
+            continue  # not an activation policy, or not one this model takes
+    # One name per distinct assignment (custom is full; deepseek_mla_moe_offload is qkv_proj_offloaded on Llama).
+    distinct = {}
+    for name, a in presets.items():
+        distinct.setdefault(tuple(sorted(a.items())), name)
+    presets = {name: presets[name] for name in distinct.values()}
+    split = search_split(p, presets, c.model.num_layers)
+    if split is None:
+        return "split: no split of two presets fits the budgets"
+    e, n = split.estimate, c.model.num_layers
+    head = f"0-{split.at - 1}" if split.at > 1 else "0"
+    tail = f"{split.at}-{n - 1}" if n - 1 > split.at else f"{split.at}"
+    command = " ".join(["python train.py", *args, f"offload={split.tail}", f"'+offload.ranges={{{head}:{split.head}}}'"])
+    return (
+        f"split: layers {head} {split.head}, {tail} {split.tail}: estimated step {1e3 * e.time_s:.3f} ms, "
+        f"HBM peak {_fmt_bytes(e.peak_bytes)}, host {_fmt_bytes(e.host_bytes)} (the plan: {1e3 * best.time_s:.3f} ms, "
+        f"{_fmt_bytes(best.peak_bytes)}); train with it: {command}"
+    )
 
 
 def _stack_layers(config, stack: str) -> list[int]:
@@ -1059,6 +1209,8 @@ def problem_from_config(c, trainer, opts: PlanConfig, hardware_dir=None, attenti
         largest_leaves=largest_leaves(trainer.abstract_params, trainer.param_shardings, "params")
         + largest_leaves(abstract_opt, trainer.opt_shardings, "opt_state"),
     )
+    if c.offload.ranges:
+        p = with_ranges(p, c.offload, m)
     info = {
         "per_device_batch": batch,
         "seq_len": seq,
@@ -1129,6 +1281,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for n in notes:
             print(f"note: {n}")
         p, info = problem_from_config(c, trainer, opts, conf_dir() / "hardware", attention_impl)
+        if opts.split and p.fixed:
+            raise PlanError("plan.split: it searches the ranges itself; drop offload.ranges or plan.split=true")
+        if p.fixed:
+            free = sum(free_layers(p).values())
+            print(
+                "note: offload.ranges: " + "; ".join(f"{f.label} ({_layers(sum(f.layers.values()))}) counted as given" for f in p.fixed)
+                + f"; the plan is the policy of the other {_layers(free)} (the YAML it writes; the commands below keep the ranges)"
+            )
         print(
             f"planning {c.model.family} ({c.model.num_layers} layers), per device batch {info['per_device_batch']} x {info['seq_len']} "
             f"on {info['devices']} device(s); matmul rate {info['rate_flops'] / 1e12:.1f} TFLOP/s ({info['rate_source']}), "
@@ -1169,6 +1329,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         kept = [a for a in overrides if not a.startswith(("offload=", "hydra.run.", "hydra.sweep."))]
         for line in use_plan_lines(out, kept):
             print(line)
+        if opts.split:
+            print(split_line(p, c, best, kept))
         if opts.json:
             held = {m: [dataclasses.asdict(h) for h in holders(p, best, m)] for m in ("hbm", "host")}
             pathlib.Path(opts.json).write_text(

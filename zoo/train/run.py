@@ -61,7 +61,10 @@ def merged_xla_flags(c: XlaConfig, env: Optional[str], host_offload: bool = Fals
 
 def uses_host_memory(o: OffloadConfig) -> bool:
     """Whether the policy keeps anything in pinned host memory: parameters, optimizer state or an offloaded tag."""
-    return "pinned_host" in (o.params, o.opt_state) or "offload" in o.actions().values()
+    from zoo.offload import range_configs
+
+    actions = [o.actions(), *(r.actions() for _, r in range_configs(o))]
+    return "pinned_host" in (o.params, o.opt_state) or any("offload" in a.values() for a in actions)
 
 
 def apply_xla_flags(c: XlaConfig, host_offload: bool = False) -> str:
@@ -269,10 +272,14 @@ def _train(c: TrainConfig, plan, devices, out_dir: pathlib.Path, xla_flags: str,
 
 def offload_label(c: TrainConfig, overrides=()) -> str:
     """The offload presets the run composed (`offload=[a,b]`: `a+b`; the merged config keeps only the
-    first one's name, and Hydra records no choice for a list), else the config's name."""
+    first one's name, and Hydra records no choice for a list), else the config's name; then the layer
+    ranges' presets (`, layers 0-3 llama_qkv_offload`)."""
+    from zoo.offload import parse_ranges
+
     given = [o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0] == "offload" and "=" in o]
     names = [n.strip() for n in given[-1].strip("[]").split(",") if n.strip()] if given else []
-    return "+".join(names) if len(names) > 1 else c.offload.name
+    label = "+".join(names) if len(names) > 1 else c.offload.name
+    return ", ".join([label, *(f"layers {r.key} {r.preset}" for r in parse_ranges(c.offload.ranges))])
 
 
 def initial_state(trainer, ckpt, start: int):
@@ -505,6 +512,7 @@ def _summary(c: TrainConfig, plan, trainer, state, data, log: StepLog, ckpt, sta
         "num_devices": len(mesh_devices),
         "platform": mesh_devices[0].platform,
         "offload": c.offload.name,
+        "offload_ranges": dict(c.offload.ranges),  # layer range -> preset (offload.ranges); {}: one policy
         "memory_kinds": kinds,
         "steps": c.trainer.steps,
         "start_step": start,
