@@ -35,6 +35,7 @@ import contextlib
 import dataclasses
 import importlib.metadata
 import json
+import logging
 import os
 import pathlib
 import re
@@ -287,6 +288,15 @@ def _quiet_closed_loop_callbacks() -> None:
 
     hook._zoo_quiet = True
     sys.unraisablehook = hook
+    # Or an abandoned read's task is collected with its error unretrieved, which asyncio logs
+    # ("Task exception was never retrieved", seen once in a few hundred damaged-step restores).
+    logging.getLogger("asyncio").addFilter(_not_an_abandoned_read_task)
+
+
+def _not_an_abandoned_read_task(record) -> bool:
+    e = record.exc_info[1] if record.exc_info else None
+    text = record.getMessage() + (str(e) if e is not None else "")
+    return "Encountered error while reading array index" not in text
 
 
 def unreadable_reason(e: BaseException, step_dir: pathlib.Path) -> str:
