@@ -292,18 +292,21 @@ def is_figure(cmd: str, line: str) -> bool:
     return bool(FIGURE.match(line)) or bool(prompt and line.startswith(prompt.group(1)))
 
 
-def figures_found(shown: list[str], out: list[str], loose_from: int | None = None, cmd: str = "") -> str | None:
+def figures_found(shown: list[str], out: list[str], loose_from: int | None = None, cmd: str = "", streams: list[str] | None = None) -> str | None:
     """None if every figure line of `shown` is an output line, in the shown order (other lines may
-    come between), else the first one missing. Shown lines from index `loose_from` on compare loosely."""
-    j = 0
+    come between), else the first one missing. Shown lines from index `loose_from` on compare loosely.
+    With `streams` (each output line's stream), the order is held within each stream only: a reader
+    of two pipes sees lines written to both within an instant in either order."""
+    streams = streams or ["out"] * len(out)
+    after = dict.fromkeys(streams, 0)  # per stream: the first output line a later figure may match
     for i, line in enumerate(shown):
         if not is_figure(cmd, line):
             continue
         loose = loose_from is not None and i >= loose_from
-        k = next((k for k in range(j, len(out)) if match_line(line, out[k], loose)), None)
+        k = next((k for k in range(len(out)) if k >= after[streams[k]] and match_line(line, out[k], loose)), None)
         if k is None:
             return line
-        j = k + 1
+        after[streams[k]] = k + 1
     return None
 
 
@@ -323,6 +326,8 @@ def test_the_output_comparison_can_fail():
     assert figures_found(shown, [ok[1].replace("1/100", "2/100"), ok[3]]) is not None
     assert figures_found(shown, [ok[1], ok[3].replace("inspect.json", "plan.json")]) is not None
     assert figures_found(shown, [ok[3], ok[1]]) is not None  # out of order
+    assert figures_found(shown, [ok[3], ok[1]], streams=["stdout", "stdout"]) is not None  # out of order in one stream
+    assert figures_found(shown, [ok[3], ok[1]], streams=["stderr", "stdout"]) is None  # two pipes: read in either order
     assert figures_found(["error: offload: unknown option 'fastest'; choose one of custom, ..."], ["error: offload: unknown option 'fast'; choose one of custom"]) is not None
     plan = "mlpwi_1              2.147 GB     11.635 ms  67.429 ms     remat"
     assert FIGURE.match(plan) and figures_found([plan], [plan.replace("remat", "offload")]) is not None  # the planner's verdict
@@ -438,6 +443,7 @@ def run_group(name: str, base: pathlib.Path) -> tuple[list[str], float]:
         err = any(ln.startswith("error: ") for ln in shown)
         want = stop[2] if stop else next((c for p, c in EXIT.items() if re.search(p, cmd)), 2 if err else 0)
         rc, out, secs = run_shell(line, d, env, signal_after=(shown[stop[0]], stop[1]) if stop else None)
+        streams = [name for name, ln in out if ln.strip()]
         out = [ln for _, ln in out if ln.strip()]
         last_rc = rc
         text = "\n".join(out[-40:])
@@ -449,7 +455,7 @@ def run_group(name: str, base: pathlib.Path) -> tuple[list[str], float]:
         rose = _loss_rose(out)
         if rose:
             failures.append(f"$ {cmd}\n  the loss did not fall: {rose}")
-        missing = figures_found([ln for ln in shown if ln.strip() != "^C"], out, stop[0] if stop else None, cmd)
+        missing = figures_found([ln for ln in shown if ln.strip() != "^C"], out, stop[0] if stop else None, cmd, streams)
         if missing is not None:
             failures.append(f"$ {cmd}\n  a figure the docs show was not printed (in order): {missing}\n  output ends:\n{text}")
         _after(name, cmd, out, d, env, failures)
