@@ -201,8 +201,9 @@ def _parse_error_line(args, tool: str) -> str:
     key, value = arg.split("=", 1)
     key = key.lstrip("+~")
     if value.startswith("~"):  # bash leaves ~ unexpanded after `key=`, and Hydra's grammar has no ~
-        home = "$HOME" + value[1:] if value[1:2] in ("", "/") else "an absolute path"
-        return f"{key}: {value!r} starts with ~, which neither bash (after key=) nor Hydra expands; write {key}={home} (the shell expands $HOME)"
+        if value[1:2] in ("", "/"):
+            return f"{key}: {value!r} starts with ~, which neither bash (after key=) nor Hydra expands; write {key}=$HOME{value[1:]} (the shell expands $HOME)"
+        return f"{key}: {value!r} starts with ~, which neither bash (after key=) nor Hydra expands; write {key}=<the absolute path>"
     return f"{key}: cannot parse {arg!r} ({why}); quote the value, e.g. {key}='<value>', or see https://hydra.cc/docs/advanced/override_grammar/basic"
 
 
