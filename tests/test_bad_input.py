@@ -108,8 +108,10 @@ def _books(tmp):
 
 
 def _truncate_newest(ckpt):
-    f = max((ckpt / "3" / "state").rglob("d/*"), key=lambda p: p.stat().st_size)
-    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    # Every data file, not only the largest: a reader of the parameters alone (zoo.export) need not
+    # open the file that holds the optimizer state, and which file is largest varies between runs.
+    for f in (ckpt / "3" / "state").rglob("d/*"):
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
 
 
 def _live_lock(d: pathlib.Path, name: str):
