@@ -358,8 +358,15 @@ def sequence_gathered(x, logical: Sequence[Optional[str]] = GATHERED_AXES):
     """Under sequence parallelism, pin `x` to `logical` (whose sequence dim is None: whole), so that
     the partitioner all-gathers the sequence once here (forward) and reduce-scatters the gradient
     (backward), rather than leaving sequence shards inside attention, where the blockwise kernel
-    would gather q/k/v at every tile. A no-op otherwise, so the other layouts' programs are unchanged."""
-    return constrain(x, logical) if sequence_parallel() else x
+    would gather q/k/v at every tile. A no-op otherwise, so the other layouts' programs are unchanged.
+
+    An activation `[batch seq embed]` is first pinned to its sequence shards as it is: left free,
+    the partitioner gathered a norm's float32 input and cast it after, moving twice the bytes."""
+    if not sequence_parallel():
+        return x
+    if tuple(logical) == GATHERED_AXES:
+        x = constrain(x, ACTIVATION_AXES)
+    return constrain(x, logical)
 
 
 def sequence_scattered(x):
