@@ -7,6 +7,9 @@ CPU devices). Per device:
 - state: parameter, gradient and optimizer-state bytes, from the abstract state and the step's
   shardings (nothing allocated). Gradients mirror the parameters (same dtypes and shardings: the
   backward pass reduce-scatters them to the parameters' layout before the update).
+- the kept layer inputs: the layer scans' `[layers, batch, positions, embed]` arrays as the
+  partitioned program holds them (`kept_layer_inputs`; positions are seq_len / tensor under
+  sequence parallelism), the figure the planner's `decoder_layer_input` models.
 - the compiled memory analysis (`zoo.train.metrics.compiled_memory`, as inspect reports it).
 - every collective of the step by kind, with its instructions, executions per step (loop trip
   counts multiplied in: a collective inside the layer scan runs once per layer) and bytes per
