@@ -449,8 +449,9 @@ for f in (lambda a: optax.tree.norm(a, squared=True), sum_of_squares):
 
 # --- sequence parallelism ------------------------------------------------------------------------
 
-# Qwen3 (q/k norms over the gathered heads) in the slow tier: Llama's case covers the default tier's budget.
-SP_MODELS = ("llama_tiny_a", pytest.param("qwen3_tiny_a", marks=pytest.mark.slow))
+# Qwen3 (q/k norms over the gathered heads) and DeepSeek-V3 (MLA, routed experts on gathered tokens) in
+# the slow tier: Llama's case covers the default tier's budget.
+SP_MODELS = ("llama_tiny_a", *(pytest.param(m, marks=pytest.mark.slow) for m in ("qwen3_tiny_a", "dsv3_tiny_a")))
 
 
 def sequence_parallel_config(model: str, **data):
