@@ -343,7 +343,9 @@ class _Tiling:
         to the scores' shape, in a loop of its own, hoist it out of the layer scan as a loop
         invariant, and keep all of them at once: pred[tiles, batch, kv_heads, group, block_q,
         block_k] (8.5 GiB per device at DeepSeek-V3 671B). Tied to the scores, the indices are
-        unknown wherever the scores are, so the mask stays inside the tile loop."""
+        unknown wherever the scores are, so the mask stays inside the tile loop. The barrier costs
+        nothing measurable on CPU: value and gradient at T=4096 (batch 1, 8 heads over 2, head dim
+        64, float32) took 0.83 s with it and 0.88 s without (medians of 4, alternated; 2026-12-04)."""
         s, i, j = jax.lax.optimization_barrier((s, i, j))
         keep = self.tile_keep(i, j, _block(q_seg, i), _block(kv_seg, j))
         return jnp.where(keep, s, -jnp.inf)
