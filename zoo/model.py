@@ -556,6 +556,12 @@ def run_layers(
         raise ValueError("run_layers: give wrap_layer or segments, not both")
     pieces = [(s, wrap_layer) for s in model.stacks] if segments is None else split_stacks(model.stacks, segments)
     x = zs.constrain(model.embed_tokens(tokens), zs.ACTIVATION_AXES)
+    # Under sequence parallelism every layer reads whole rows of these (rope on the gathered q/k, the
+    # attention mask): gathered once here, not in every layer (or, for the blockwise kernel, every tile).
+    if positions.ndim == 2:
+        positions = zs.sequence_gathered(positions, ("batch", None))
+    if segment_ids is not None:
+        segment_ids = zs.sequence_gathered(segment_ids, ("batch", None))
     per_stack = []
     for stack, wrap in pieces:
         # A cut model names each piece's scans (forward and backward) after it, so that zoo.inspect
