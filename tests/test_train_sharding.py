@@ -495,6 +495,7 @@ def collective_executions(seq_len: int) -> int:
     return sum(row["executions"] for row in hlo.summarize(hlo.collectives(text)).values())
 
 
+@pytest.mark.slow  # the default tier checks the same on packed rows (test_sequence_parallel_packed_rows_...)
 def test_sequence_parallel_attention_gathers_do_not_scale_with_tiles():
     # 512 positions are 3 visible 256-tiles per sequence, 1024 are 10: a collective per tile (a gather of
     # q/k/v, an all-to-all of the output gradient) would add 7 executions per layer and pass.
