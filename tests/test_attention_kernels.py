@@ -199,6 +199,31 @@ def test_gradients_inside_a_checkpointed_scan():
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
 
 
+def test_the_tile_mask_is_built_per_tile_inside_a_layer_scan():
+    """The mask depends on the tile indices and segment ids alone, never on q/k/v: in a layer scan's
+    backward, partial evaluation once built it for every tile at once, hoisted out of the layers
+    (pred[tiles, batch, kv_heads, group, block_q, block_k])."""
+    import re
+
+    q, k, v = make(q_len=64)
+    segments = packed_segments(2, 64)
+    tiles = len(A._Tiling(64, 64, 8, 8, SCALE, True, None, 0).pairs()[0])  # 36 of the 8 x 8
+
+    def f(x, ks):
+        def body(x, layer_k):
+            return jnp.tanh(attend(x, layer_k, v, scale=SCALE, impl="blockwise", segment_ids=segments, block_q=8, block_k=8) + x), None
+
+        return jax.lax.scan(jax.checkpoint(body), x, ks)[0].sum()
+
+    grad = jax.grad(f, argnums=(0, 1))
+    ks = jnp.stack([k, -0.5 * k])
+    traced = str(jax.make_jaxpr(grad)(q, ks))
+    compiled = jax.jit(grad).lower(q, ks).compile().as_text()
+    assert "bool[" in traced and "pred[" in compiled  # the per-tile masks are there, and readable
+    assert not re.search(rf"bool\[{tiles},", traced)
+    assert not re.search(rf"pred\[{tiles},", compiled)
+
+
 # --- against numpy -------------------------------------------------------------------------------
 
 NUMPY_CASES = ["gqa", "mla_dims", "window_unaligned", "sinks", "segments", "not_causal", "non_divisible", "everything", "offset_chunk"]

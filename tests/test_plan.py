@@ -388,3 +388,25 @@ def test_cli_unwritable_output_is_one_line_before_planning(key, capsys):
     err = capsys.readouterr()
     assert err.err.strip().startswith(f"error: {key}: cannot write /proc/zoo") and len(err.err.strip().splitlines()) == 1
     assert "planning" not in err.out
+
+
+def test_planner_counts_the_layer_inputs_the_sequence_parallel_program_keeps(tmp_path, capsys):
+    # Sequence parallelism splits the kept layer inputs along the sequence over tensor (2 here): the
+    # planner's decoder_layer_input is what the partitioned program holds per device (zoo.scale reads
+    # it there), half of what the same mesh holds without it.
+    import re
+
+    from zoo import hlo, scale
+    from zoo.inspect import prepare_step
+
+    args = ["model=llama_tiny_a", "mesh=fsdp_tp", "data.batch_size=8", "data.seq_len=32", "offload=full"]
+    printed = {}
+    for sp in ("true", "false"):
+        assert zp.main([*args, f"mesh.sequence_parallel={sp}", "hardware=h100_pcie", f"plan.out={tmp_path / sp}.yaml"]) == 0
+        printed[sp] = re.search(r"^decoder_layer_input\s+(\S+ \S+)", capsys.readouterr().out, re.M).group(1)
+    _, _, _, trainer, _ = prepare_step([*args, "mesh.sequence_parallel=true"])
+    _, text = hlo.compile_with_partitioned_hlo(trainer.lower(), trainer.compiler_options)
+    kept = scale.kept_layer_inputs(trainer, text, per_device_batch=2)  # 8 sequences over fsdp 4
+    assert kept["stacks"][0]["shape"].endswith("[2,2,16,64]"), kept  # 2 layers, 2 sequences, 16 of 32 positions
+    assert printed["true"] == zp._fmt_bytes(float(kept["bytes"]))
+    assert printed["false"] == zp._fmt_bytes(2.0 * kept["bytes"])

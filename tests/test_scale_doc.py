@@ -37,7 +37,7 @@ def _env() -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("heading", ["## DeepSeek-V3 671B: fsdp 16 x expert 8", "## Llama 3.1 405B: fsdp 16 x tensor 8"])
+@pytest.mark.parametrize("heading", ["## DeepSeek-V3 671B: fsdp 16 x expert 8", "## Llama 3.1 405B: fsdp 16 x tensor 8, sequence parallel"])
 def test_the_scale_reports_of_docs_scale_print_what_the_doc_shows(heading, tmp_path):
     (command,), shown = commands_and_output(DOC.read_text(), heading)
     assert command[:3] == ["python", "-m", "zoo.inspect"], command

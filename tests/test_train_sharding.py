@@ -445,3 +445,101 @@ for f in (lambda a: optax.tree.norm(a, squared=True), sum_of_squares):
         found = {c.kind for c in collectives(jax.jit(sum_of_squares).lower(sharded).compile().as_text())}
         assert found == {"all-reduce"}, (axis_type, found)
         assert abs(float(jax.jit(sum_of_squares)(sharded)) - exact) <= 1e-6 * exact
+
+
+# --- sequence parallelism ------------------------------------------------------------------------
+
+# Qwen3 (q/k norms over the gathered heads) and DeepSeek-V3 (MLA, routed experts on gathered tokens) in
+# the slow tier: Llama's case covers the default tier's budget.
+SP_MODELS = ("llama_tiny_a", *(pytest.param(m, marks=pytest.mark.slow) for m in ("qwen3_tiny_a", "dsv3_tiny_a")))
+
+
+def sequence_parallel_config(model: str, **data):
+    c = make_config(model, "fsdp_tp")
+    c.mesh = dataclasses.replace(c.mesh, sequence_parallel=True)
+    if data:
+        c.data = dataclasses.replace(c.data, **data)
+    return c
+
+
+@pytest.mark.parametrize("model", SP_MODELS)
+def test_sequence_parallel_step_matches_single_device(model):
+    ref = reference(model, dropless=True)
+    run = train(sequence_parallel_config(model), partitioned=True)
+    assert run.trainer.rules["seq"] == ("tensor",) or list(run.trainer.rules["seq"]) == ["tensor"]
+    np.testing.assert_allclose(run.losses, ref.losses, atol=1e-4, rtol=0)
+    # Five steps of AdamW on the same batch: the parameters agree only if every step's gradients did.
+    for a, b in zip(jax.tree.leaves(run.state["params"]), jax.tree.leaves(ref.state["params"])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-4, rtol=0)
+    # The partitioned program gathers the sequence whole (20 positions from halves of 10) before the
+    # projections, inside the layer scan, forward and backward.
+    from zoo import hlo
+
+    seq_gathers = [
+        c for c in hlo.collectives(run.partitioned)
+        if c.kind == "all-gather" and c.operands[0].dims[1:2] == (SEQ // 2,) and c.results[0].dims[1:2] == (SEQ,) and "while" in c.op_name
+    ]  # fmt: skip
+    assert len(seq_gathers) >= 2
+
+
+def collective_executions(seq_len: int) -> int:
+    """Collective executions per step of llama_tiny_a on fsdp_tp with sequence parallelism (blockwise
+    attention, 256-tiles) at `seq_len`, in the program right after SPMD partitioning."""
+    from zoo import hlo
+
+    c = sequence_parallel_config("llama_tiny_a", seq_len=seq_len)
+    c.model = c.model.replace(attention_impl="blockwise", max_position_embeddings=max(seq_len, c.model.max_position_embeddings))
+    c.trainer = dataclasses.replace(c.trainer, loss_chunk_size=0)  # the loss's chunk loop would scale with the length
+    trainer = Trainer(c, validate(c, len(jax.devices()), None))
+    _, text = hlo.compile_with_partitioned_hlo(trainer.lower(), trainer.compiler_options)
+    return sum(row["executions"] for row in hlo.summarize(hlo.collectives(text)).values())
+
+
+@pytest.mark.slow  # the default tier checks the same on packed rows (test_sequence_parallel_packed_rows_...)
+def test_sequence_parallel_attention_gathers_do_not_scale_with_tiles():
+    # 512 positions are 3 visible 256-tiles per sequence, 1024 are 10: a collective per tile (a gather of
+    # q/k/v, an all-to-all of the output gradient) would add 7 executions per layer and pass.
+    assert collective_executions(512) == collective_executions(1024)
+
+
+def packed_sequence_parallel_step(seq_len: int):
+    """Loss and gradients of llama_tiny_a (blockwise attention) on packed rows (segment ids), jitted
+    under the fsdp_tp layout with sequence parallelism, and the program after SPMD partitioning."""
+    import equinox as eqx
+
+    from zoo import hlo
+    from zoo import model as zoo_model
+    from zoo import sharding as zs
+
+    config = SIZES["llama_tiny_a"].replace(attention_impl="blockwise", max_position_embeddings=seq_len)
+    model = zoo_model.build(config, key=jax.random.key(0))
+    rng = np.random.default_rng(0)
+    tokens = jax.numpy.asarray(rng.integers(0, config.vocab_size, (4, seq_len)), jax.numpy.int32)
+    segments = jax.numpy.asarray(np.sort(rng.integers(0, 3, (4, seq_len)), axis=1), jax.numpy.int32)
+
+    def loss(params, static, tokens, segments):
+        return zoo_model.loss_fn(eqx.combine(params, static), tokens, segment_ids=segments)
+
+    params, static = eqx.partition(model, eqx.is_array)
+    grad = jax.value_and_grad(loss)
+    want = jax.jit(grad, static_argnums=1)(params, static, tokens, segments)
+    mesh_cfg = dataclasses.replace(mesh_preset("fsdp_tp"), sequence_parallel=True)
+    mesh = zs.make_mesh(resolve_mesh_shape(mesh_cfg.axes, 8))
+    with zs.activate(mesh, mesh_cfg.rules) as layout:
+        params = jax.device_put(params, zs.named(mesh, param_specs(params, mesh_cfg.rules)))
+        tokens, segments = (jax.device_put(t, layout.sharding(zs.TOKEN_AXES)) for t in (tokens, segments))
+        lowered = jax.jit(grad, static_argnums=1).lower(params, static, tokens, segments)
+    compiled, text = hlo.compile_with_partitioned_hlo(lowered)
+    return want, compiled(params, tokens, segments), text
+
+
+def test_sequence_parallel_packed_rows_match_and_exchange_nothing_per_tile():
+    runs = {n: packed_sequence_parallel_step(n) for n in (512, 1024)}
+    for want, got, _ in runs.values():
+        np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=1e-5)
+        for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1])):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-4)
+    from zoo import hlo
+
+    executions = {n: sum(r["executions"] for r in hlo.summarize(hlo.collectives(text)).values()) for n, (_, _, text) in runs.items()}
+    assert executions[512] == executions[1024], executions  # 3 visible 256-tiles per row against 10

@@ -62,12 +62,19 @@ class DecoderBlock(eqx.Module):
 
     def _forward(self, x, attention):
         """The block around `attention(normed x) -> (h, cache)`: residuals, norms, feed-forward."""
+        # Under sequence parallelism (zoo.sharding.sequence_parallel) the residual stream, the norms and
+        # the kept layer input stay split along the sequence over the tensor axis; the normed input is
+        # gathered whole before the q/k/v and MLP-in projections, and each out-projection's partial
+        # sums are reduce-scattered back to sequence shards.
         x = tags.tag(x, tags.DECODER_LAYER_INPUT)
-        h, cache = attention(self.attn_norm(x))
+        h, cache = attention(zs.sequence_gathered(self.attn_norm(x)))
+        h = zs.sequence_scattered(h)
         if self.post_attn_norm is not None:
             h = self.post_attn_norm(h)
         x = x + h
-        h, aux = self.ffn(self.ffn_norm(x)) if isinstance(self.ffn, MoE) else (self.ffn(self.ffn_norm(x)), None)
+        normed = zs.sequence_gathered(self.ffn_norm(x))
+        h, aux = self.ffn(normed) if isinstance(self.ffn, MoE) else (self.ffn(normed), None)
+        h = zs.sequence_scattered(h)
         if self.post_ffn_norm is not None:
             h = self.post_ffn_norm(h)
         return x + h, aux, cache
@@ -549,6 +556,12 @@ def run_layers(
         raise ValueError("run_layers: give wrap_layer or segments, not both")
     pieces = [(s, wrap_layer) for s in model.stacks] if segments is None else split_stacks(model.stacks, segments)
     x = zs.constrain(model.embed_tokens(tokens), zs.ACTIVATION_AXES)
+    # Under sequence parallelism every layer reads whole rows of these (rope on the gathered q/k, the
+    # attention mask): gathered once here, not in every layer (or, for the blockwise kernel, every tile).
+    if positions.ndim == 2:
+        positions = zs.sequence_gathered(positions, ("batch", None))
+    if segment_ids is not None:
+        segment_ids = zs.sequence_gathered(segment_ids, ("batch", None))
     per_stack = []
     for stack, wrap in pieces:
         # A cut model names each piece's scans (forward and backward) after it, so that zoo.inspect
@@ -565,7 +578,8 @@ def run_layers(
         dropped = jnp.concatenate([per_stack[s][j].dropped for s, j, _ in order])[inverse]
         entropy = jnp.concatenate([per_stack[s][j].router_entropy for s, j, _ in order])[inverse]
         aux = MoEAux(counts, dropped, entropy)
-    return model.final_norm(x), aux
+    # Whole sequences for the head (its logits stay split over the vocabulary, as without sequence parallelism).
+    return zs.sequence_gathered(model.final_norm(x)), aux
 
 
 # XLA:CPU compiles a model's initialiser (it runs once) with LLVM's optimisations off below this many

@@ -905,17 +905,19 @@ def layer_forward_flops(config, stack: str, batch: int, seq: int) -> float:
     return sum(producer_flops(config, t, stack, batch, seq) for t in emitted_tags(config))
 
 
-def tag_costs(config, records, batch: int, seq: int, divide: float = 1.0) -> list[TagCost]:
+def tag_costs(config, records, batch: int, seq: int, divide: float = 1.0, sequence_ways: int = 1) -> list[TagCost]:
     """TagCosts from the inspector's records (traced shapes and dtypes; `divide`: how many devices
-    the traced activations are split over). Tags the backward never reads are left out; the layer
-    input can be kept or offloaded, not recomputed."""
+    the traced activations are split over; `sequence_ways`: how many ways sequence parallelism splits
+    the layer input, which it keeps split along the sequence). Tags the backward never reads are left
+    out; the layer input can be kept or offloaded, not recomputed."""
     by_tag: dict[str, TagCost] = {}
     for r in records:
         if r.tag in backward_never_reads(config):
             continue
         choices = ("device", "offload") if r.tag in CHECKPOINT_INPUTS else CHOICES
         t = by_tag.setdefault(r.tag, TagCost(r.tag, {}, {}, choices))
-        t.bytes_per_layer[r.stack] = t.bytes_per_layer.get(r.stack, 0.0) + r.bytes_per_layer / divide
+        split = divide * (sequence_ways if r.tag in CHECKPOINT_INPUTS else 1)
+        t.bytes_per_layer[r.stack] = t.bytes_per_layer.get(r.stack, 0.0) + r.bytes_per_layer / split
         t.recompute_flops_per_layer[r.stack] = 0.0 if r.tag in CHECKPOINT_INPUTS else producer_flops(config, r.tag, r.stack, batch, seq)
     return list(by_tag.values())
 
@@ -1127,7 +1129,10 @@ def problem_from_config(c, trainer, opts: PlanConfig, hardware_dir=None, attenti
     abstract = zoo_model.abstract(m)
     tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
     placement = inspect_placement(jax.grad(lambda mod, tok: loss_fn(mod, tok, remat_policy=policy)), abstract, tokens, stacks=stack_names(abstract))
-    tags = tag_costs(m, placement.records, batch, seq)
+    # Under sequence parallelism the kept layer inputs are split along the sequence (zoo.model.DecoderBlock);
+    # the traced records are whole sequences.
+    sequence_ways = _ways(c, trainer, "seq")
+    tags = tag_costs(m, placement.records, batch, seq, sequence_ways=sequence_ways)
 
     stacks = {}
     param_bytes, stack_params = per_device_bytes(trainer.abstract_params, trainer.param_shardings, stack_names(abstract))
@@ -1214,6 +1219,7 @@ def problem_from_config(c, trainer, opts: PlanConfig, hardware_dir=None, attenti
     info = {
         "per_device_batch": batch,
         "seq_len": seq,
+        "sequence_parallel": sequence_ways,
         "devices": num_devices,
         "data_parallel": dp,
         "rate_flops": rate,
@@ -1291,7 +1297,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             )
         print(
             f"planning {c.model.family} ({c.model.num_layers} layers), per device batch {info['per_device_batch']} x {info['seq_len']} "
-            f"on {info['devices']} device(s); matmul rate {info['rate_flops'] / 1e12:.1f} TFLOP/s ({info['rate_source']}), "
+            + (f"(layer inputs split {info['sequence_parallel']} ways along the sequence) " if info["sequence_parallel"] > 1 else "")
+            + f"on {info['devices']} device(s); matmul rate {info['rate_flops'] / 1e12:.1f} TFLOP/s ({info['rate_source']}), "
             f"host link {info['link_gbps_per_direction']:g} GB/s per direction, HBM budget {_fmt_bytes(info['budget_bytes'])}, "
             + (f"host budget {_fmt_bytes(p.host_budget)} per device ({_fmt_bytes(p.devices_per_node * p.host_budget)} per node of {p.devices_per_node}); "
                if math.isfinite(p.host_budget) else "no host budget (hardware.host_bytes_per_device 0); ")

@@ -7,6 +7,9 @@ CPU devices). Per device:
 - state: parameter, gradient and optimizer-state bytes, from the abstract state and the step's
   shardings (nothing allocated). Gradients mirror the parameters (same dtypes and shardings: the
   backward pass reduce-scatters them to the parameters' layout before the update).
+- the kept layer inputs: the layer scans' `[layers, batch, positions, embed]` arrays as the
+  partitioned program holds them (`kept_layer_inputs`; positions are seq_len / tensor under
+  sequence parallelism), the figure the planner's `decoder_layer_input` models.
 - the compiled memory analysis (`zoo.train.metrics.compiled_memory`, as inspect reports it).
 - every collective of the step by kind, with its instructions, executions per step (loop trip
   counts multiplied in: a collective inside the layer scan runs once per layer) and bytes per
@@ -23,6 +26,7 @@ would move, and the compiled one what XLA:CPU's combiners and rewrites made of t
 """
 
 import math
+import re
 from typing import Optional
 
 import jax
@@ -83,13 +87,40 @@ def collective_report(text: str) -> dict:
     }
 
 
+def kept_layer_inputs(trainer, text: str, per_device_batch: int) -> Optional[dict]:
+    """The layer inputs the step keeps for the backward, as one device holds them in `text` (an HLO
+    module, per-device shapes): per stack, the largest array `[layers, batch, positions, embed]` of the
+    layer scan, times the stack's period (one such array per position in the period). Its
+    `positions` dim says whether sequence parallelism splits it (seq_len / tensor) or not (seq_len).
+    None where the program holds no such array (nothing kept, or one device with the batch of 1
+    folded away)."""
+    from zoo.model import stack_layout
+
+    embed = trainer.cfg.model.hidden_size
+    stacks, total = [], 0
+    for name, _, period, repeats in stack_layout(trainer.cfg.model):
+        pattern = re.compile(rf"\b([a-z]+[0-9]*)\[{repeats},{per_device_batch},(\d+),{embed}\]")
+        found = {(dtype, int(positions)) for dtype, positions in pattern.findall(text)}
+        if not found:
+            continue
+        dtype, positions = max(found, key=lambda f: f[1] * hlo.dtype_bytes(f[0]))
+        nbytes = period * repeats * per_device_batch * positions * embed * hlo.dtype_bytes(dtype)
+        stacks.append({"stack": name, "shape": f"{dtype}[{repeats},{per_device_batch},{positions},{embed}]", "arrays": period, "bytes": nbytes})
+        total += nbytes
+    return {"stacks": stacks, "bytes": total} if stacks else None
+
+
 def scale_report(trainer, compiled, partitioned_text: Optional[str]) -> dict:
     """inspect.json's `scale` (docs/offload.md, "The scale report")."""
     sizes = trainer.plan.mesh.sizes
+    per_device_batch = trainer.plan.microbatch // max(1, _batch_ways(trainer))
     return {
         "devices": int(trainer.mesh.devices.size),
         "mesh": dict(sizes),
-        "per_device_batch": trainer.plan.microbatch // max(1, _batch_ways(trainer)),
+        "sequence_parallel": bool(trainer.cfg.mesh.sequence_parallel),
+        "per_device_batch": per_device_batch,
+        # Read from the partitioned program: its dtypes are a GPU's (XLA:CPU widens bf16 later).
+        "kept_layer_inputs": kept_layer_inputs(trainer, partitioned_text or compiled.as_text(), per_device_batch),
         "state_bytes_per_device": state_bytes(trainer),
         "dtypes": state_dtypes(trainer),
         "collectives": {
@@ -125,6 +156,11 @@ def render(rep: dict) -> str:
         f"optimizer state {_fmt(s['opt_state'])} ({'/'.join(d['opt_state'])}), total {_fmt(s['total'])}; "
         f"compute in {d['compute']}; all parameters {_fmt(s['global_params'])}",
     ]
+    kept = rep.get("kept_layer_inputs")
+    if kept:
+        shapes = ", ".join(f"{k['arrays']} x {k['shape']}" if k["arrays"] > 1 else k["shape"] for k in kept["stacks"])
+        split = ", split along the sequence (sequence parallelism)" if rep.get("sequence_parallel") else ""
+        out.append(f"kept layer inputs per device: {_fmt(kept['bytes'])} ({shapes}){split}")
     for name, title in (("partitioned", "after SPMD partitioning"), ("compiled", "compiled")):
         section = rep["collectives"][name]
         if section is None:

@@ -76,6 +76,8 @@ _PARAM_AXES: dict[Any, tuple[Optional[str], ...]] = {
 }
 
 ACTIVATION_AXES = ("batch", "seq", "embed")
+# An activation whose sequence is whole on every device (sequence parallelism gathers it here).
+GATHERED_AXES = ("batch", None, "embed")
 TOKEN_AXES = ("batch", "seq")
 LOGIT_AXES = ("batch", "seq", "vocab")
 
@@ -343,3 +345,32 @@ def constrain(x, logical: Sequence[Optional[str]]):
     if layout is None:
         return x
     return jax.lax.with_sharding_constraint(x, layout.sharding(logical))
+
+
+def sequence_parallel() -> bool:
+    """Whether the active layout splits the sequence of the activations between blocks (rules `seq`
+    mapped to a mesh axis of size > 1): sequence parallelism, Megatron-style."""
+    layout = active()
+    return layout is not None and any(layout.axis_size(a) > 1 for a in layout.mesh_axes("seq"))
+
+
+def sequence_gathered(x, logical: Sequence[Optional[str]] = GATHERED_AXES):
+    """Under sequence parallelism, pin `x` to `logical` (whose sequence dim is None: whole), so that
+    the partitioner all-gathers the sequence once here (forward) and reduce-scatters the gradient
+    (backward), rather than leaving sequence shards inside attention, where the blockwise kernel
+    would gather q/k/v at every tile. A no-op otherwise, so the other layouts' programs are unchanged.
+
+    An activation `[batch seq embed]` is first pinned to its sequence shards as it is: left free,
+    the partitioner gathered a norm's float32 input and cast it after, moving twice the bytes."""
+    if not sequence_parallel():
+        return x
+    if tuple(logical) == GATHERED_AXES:
+        x = constrain(x, ACTIVATION_AXES)
+    return constrain(x, logical)
+
+
+def sequence_scattered(x):
+    """Under sequence parallelism, pin a block's out-projection output `[batch seq embed]` back to
+    sequence shards: the partial sums over the tensor axis become one reduce-scatter rather than an
+    all-reduce. A no-op otherwise."""
+    return constrain(x, ACTIVATION_AXES) if sequence_parallel() else x

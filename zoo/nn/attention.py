@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from zoo import sharding as zs
 from zoo import tags
 from zoo.config import DTypeLike, RopeConfig, dtype_name
 from zoo.nn._init import normal
@@ -119,7 +120,13 @@ class GQAttention(eqx.Module):
 
     def _forward(self, x, positions, segment_ids):
         q, k, v = self._queries_keys_values(x, positions)
+        # Whole sequences into the kernel (split over heads): never sequence shards, which the
+        # blockwise kernel's tiles would gather one by one.
+        q = zs.sequence_gathered(q, ("batch", None, "heads", None))
+        k = zs.sequence_gathered(k, ("batch", None, "kv_heads", None))
+        v = zs.sequence_gathered(v, ("batch", None, "kv_heads", None))
         context = attend(q, k, v, scale=self.scale, impl=self.impl, window=self.window, sinks=self.sinks, segment_ids=segment_ids)
+        context = zs.sequence_gathered(context, ("batch", None, "heads", None))  # and so its gradient, in the backward
         return self._output(context), k, v
 
     def __call__(

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from zoo import sharding as zs
 from zoo import tags
 from zoo.config import DTypeLike, MLAConfig, RopeConfig, dtype_name
 from zoo.nn._init import normal
@@ -112,7 +113,10 @@ class MLAttention(eqx.Module):
         v = tags.tag(jnp.einsum("BTL,LNV->BTNV", kv_latent, self.wv_b.astype(cdt)), tags.VALUE_PROJ)
         q = jnp.concatenate([q_nope, q_rope], axis=-1)
         k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope[:, :, None, :], (*k_nope.shape[:-1], self.rope.dim))], axis=-1)
+        # Whole sequences into the kernel under sequence parallelism (see GQAttention._forward).
+        q, k, v = (zs.sequence_gathered(t, ("batch", None, "heads", None)) for t in (q, k, v))
         context = attend(q, k, v, scale=self.softmax_scale, impl=self.impl, segment_ids=segment_ids)
+        context = zs.sequence_gathered(context, ("batch", None, "heads", None))  # and so its gradient, in the backward
         return self._output(context), jnp.concatenate([kv_latent, k_rope], axis=-1)
 
     def __call__(

@@ -45,8 +45,15 @@ class MeshConfig:
     # With fsdp > 1, a parameter larger than this left whole on every device is refused (it would cost
     # 4x its size per device with its gradient and AdamW moments).
     max_replicated_mb: float = 16.0
+    # Sequence parallelism over the tensor axis (Megatron-style): adds tensor to rules.seq, so the
+    # activations between blocks (residual, norms, kept layer inputs) are split along the sequence
+    # over the tensor ranks instead of replicated on them (zoo.model.DecoderBlock says where they
+    # are gathered and scattered). Needs mesh.tensor > 1 and a sequence the seq axes divide.
+    sequence_parallel: bool = False
 
     def __post_init__(self):
+        if self.sequence_parallel and "tensor" not in self.rules.get("seq", []):
+            self.rules = {**self.rules, "seq": [*self.rules.get("seq", []), "tensor"]}
         for logical, axes in self.rules.items():
             for a in axes:
                 if a not in MESH_AXES:
@@ -523,6 +530,19 @@ def validate(c: TrainConfig, available_devices: int, abstract_model=None) -> Pla
             + f" (batch is split over {desc}); use a multiple of {need}"
         )
     m = c.model
+    if c.mesh.sequence_parallel and shape.tensor == 1:
+        raise ConfigError(
+            f"mesh.sequence_parallel: splits the sequence over the tensor axis, but mesh.tensor is 1 (mesh={c.mesh.name}); "
+            f"set mesh.tensor to 2 or more, or mesh.sequence_parallel=false"
+        )
+    seq_axes = list(dict.fromkeys(a for a in rules.get("seq", []) if a in MESH_AXES))
+    seq_ways = math.prod(shape.sizes[a] for a in seq_axes) if seq_axes else 1
+    if c.data.seq_len % seq_ways:
+        desc = "*".join(f"{a}={shape.sizes[a]}" for a in seq_axes)
+        raise ConfigError(
+            f"data.seq_len: {c.data.seq_len} is not divisible by the sequence-parallel size {seq_ways} "
+            f"(mesh.rules.seq splits it over {desc}); use a multiple of {seq_ways}"
+        )
     if c.data.seq_len > m.max_position_embeddings:
         raise ConfigError(
             f"data.seq_len: {c.data.seq_len} exceeds model.max_position_embeddings={m.max_position_embeddings}; "
