@@ -7,8 +7,11 @@ import pytest
 
 from zoo.gpu_lowering import HOST, host_placements, preset_row
 
-TINY = ["model=dsv3_tiny_a", "mesh=fsdp", "data.batch_size=8", "data.seq_len=16", "model.attention_impl=blockwise"]
-ACTIVATION_PRESETS = ("minimal_offloaded", "deepseek_mla_moe_offload")
+# One device and Llama for the presets whose placements do not depend on the family (a trace and two
+# lowerings in ~3 s each); DeepSeek-V3 on the fsdp mesh for its own preset (MLA and MoE tags, ~7 s).
+LLAMA = ["model=llama_tiny_a", "mesh=single", "data.batch_size=2", "data.seq_len=16", "model.attention_impl=blockwise"]
+DSV3 = ["model=dsv3_tiny_a", "mesh=fsdp", "data.batch_size=8", "data.seq_len=16", "model.attention_impl=blockwise"]
+ACTIVATION_PRESETS = ("llama_qkv_offload", "deepseek_mla_moe_offload")
 
 
 def test_host_placements_reads_annotations_and_memory_kinds():
@@ -22,10 +25,17 @@ def test_host_placements_reads_annotations_and_memory_kinds():
     assert found.memory_kinds == {HOST: 2, "device": 1}
 
 
-@pytest.mark.parametrize("preset", ["none", *ACTIVATION_PRESETS, "optimizer_host", "params_host"])
-def test_cuda_lowering_keeps_every_host_placement_the_traced_step_makes(preset):
-    row = preset_row(TINY, preset)
+@pytest.mark.parametrize(
+    "overrides,preset",
+    [(LLAMA, "none"), (LLAMA, "llama_qkv_offload"), (DSV3, "deepseek_mla_moe_offload"), (LLAMA, "optimizer_host"), (LLAMA, "params_host")],
+    ids=lambda v: v if isinstance(v, str) else v[0].split("=")[1],
+)
+def test_cuda_lowering_keeps_every_host_placement_the_traced_step_makes(overrides, preset):
+    row = preset_row(overrides, preset)
     cpu, cuda = row["cpu"], row["cuda"]
+    # Every placement of the CPU program (either memory) is in the GPU one: XLA:CPU's lowering only drops.
+    for kind in ("annotations", "memory_kinds"):
+        assert all(cuda[kind].get(k, 0) >= n for k, n in cpu[kind].items()), (kind, cpu[kind], cuda[kind])
     if preset in ACTIVATION_PRESETS:
         assert row["offloaded_tags"] and row["traced_host_residuals"] > 0
         # One host placement per residual the traced program offloads, in the GPU program only.

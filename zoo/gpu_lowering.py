@@ -98,7 +98,7 @@ def preset_row(overrides: Sequence[str], preset: str) -> dict:
     for platform in ("cpu", "cuda"):
         found = host_placements(traced.lower(lowering_platforms=(platform,)).as_text())
         row[platform] = {"host_annotations": found.host_annotations, "host_memory_kinds": found.host_memory_kinds,
-                         "annotations": found.annotations}
+                         "annotations": found.annotations, "memory_kinds": found.memory_kinds}
     return row
 
 
