@@ -1,6 +1,6 @@
 """zoo.gpu_lowering: train.py's step lowered for the `cuda` platform on this CPU-only machine, and the
 host placements that survive in it (the CPU lowering of the same step drops the offloaded residuals'
-ones). Tiny DeepSeek-V3 on the 8 simulated devices here; the real widths at reduced depth, on 128
+ones, and the placements inside the layer loops). Tiny Llama and DeepSeek-V3 here; the real widths at reduced depth, on 128
 simulated devices, are docs/scale.md's commands (tests/test_scale_doc.py, slow tier)."""
 
 import pytest
