@@ -60,10 +60,14 @@ def host_placements(text: str) -> HostPlacements:
     return HostPlacements(count(_PLACEMENT), count(_MEMORY_KIND))
 
 
+def trace_step(trainer):
+    """train.py's step (the jitted one the trainer runs) traced from abstract inputs: nothing allocated."""
+    return trainer.jitted_step().trace(trainer.abstract_state(), trainer.abstract_tokens())
+
+
 def lower_step(trainer, platforms: Sequence[str] = ("cuda",)):
-    """train.py's step traced from abstract inputs and lowered for `platforms` (a `jax.stages.Lowered`)."""
-    traced = trainer.jitted_step().trace(trainer.abstract_state(), trainer.abstract_tokens())
-    return traced.lower(lowering_platforms=tuple(platforms))
+    """train.py's step lowered for `platforms` (a `jax.stages.Lowered`); no device of them is needed."""
+    return trace_step(trainer).lower(lowering_platforms=tuple(platforms))
 
 
 def offloaded_tags(trainer) -> list[str]:
@@ -85,7 +89,7 @@ def preset_row(overrides: Sequence[str], preset: str) -> dict:
     from zoo import model as zoo_model
     from zoo.inspect import placement_from_jaxpr, scan_names
 
-    traced = trainer.jitted_step().trace(trainer.abstract_state(), trainer.abstract_tokens())
+    traced = trace_step(trainer)
     placement = placement_from_jaxpr(traced.jaxpr, scan_names(zoo_model.abstract(trainer.cfg.model), trainer.cfg.offload))
     row = {
         "preset": preset,
