@@ -75,3 +75,25 @@ def test_the_planner_commands_of_docs_scale_print_what_the_doc_quotes(tmp_path):
         plan_json = next(a.split("=", 1)[1] for a in command if a.startswith("plan.json="))
         info = json.loads((tmp_path / plan_json).read_text())["info"]
         assert f"{info['working_bytes'] / 1e9:.3f}" == work, (shlex.join(command), info["working_bytes"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("heading", ["### DeepSeek-V3 671B, 4 layers", "### Llama 3.1 405B, 2 layers"])
+def test_the_gpu_lowering_tables_of_docs_scale_print_what_the_doc_shows(heading, tmp_path):
+    """Every offloaded residual of the traced step keeps its host placement in the cuda lowering (and
+    none in the CPU one); host-resident state is marked in both; the table is the one the doc shows."""
+    (command,), shown = commands_and_output(DOC.read_text(), heading)
+    assert command[:3] == ["python", "-m", "zoo.gpu_lowering"], command
+    p = subprocess.run([sys.executable, *command[1:]], cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, f"$ {shlex.join(command)}\n{p.stderr[-2000:]}"
+    printed = [line.split() for line in p.stdout.splitlines()]
+    assert [line.split() for line in shown] == printed, f"$ {shlex.join(command)} prints another table than docs/scale.md (re-measure it):\n{p.stdout}"
+    rows = {r[0]: r for r in printed[1:]}
+    for preset in ("minimal_offloaded", "qkv_proj_offloaded", "llama_qkv_offload", "deepseek_mla_moe_offload"):
+        _, tags, traced, state, cpu, cuda, cpu_kinds, cuda_kinds = rows[preset]
+        assert int(tags) > 0 and int(cuda) == int(traced) > 0 and int(cpu) == 0 and state == "-", rows[preset]
+    for preset in ("none", "full", "minimal", "save_qkv_proj", "custom"):
+        assert rows[preset][1:] == ["0", "0", "-", "0", "0", "0", "0"], rows[preset]
+    for preset in ("optimizer_host", "params_host"):
+        _, _, traced, _, cpu, cuda, cpu_kinds, cuda_kinds = rows[preset]
+        assert int(cuda_kinds) == int(cpu_kinds) > 0 and int(cuda) >= int(cpu) > 0, rows[preset]
