@@ -435,3 +435,29 @@ def test_clamped_swiglu_gradient_matches_torch(dtype):
     np.testing.assert_allclose(np.asarray(out, np.float32), out_t.detach().float().numpy(), **tol)
     for ours, theirs in zip(grads, (gate_t.grad, up_t.grad)):
         np.testing.assert_allclose(np.asarray(ours, np.float32), theirs.float().numpy(), **tol)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe", "mixtral", "gpt_oss"])
+def test_capacity_on_a_family_trained_dropless_is_a_note(family):
+    from zoo.nn.moe import capacity_note
+
+    note = capacity_note(family, "capacity")
+    assert note.startswith(f"model.moe.impl=capacity: {family} is trained dropless;") and "\n" not in note
+    assert capacity_note(family, "ragged") is None and capacity_note(family, "auto") is None
+
+
+def test_startup_names_the_fixed_block_exchange_and_the_capacity_note():
+    """train.py's startup lines, from the validated config (nothing compiled): the dropless kernel under
+    expert parallelism says how it exchanges; an explicit capacity kernel on DeepSeek-V3 gets the note."""
+    from zoo.inspect import compose
+    from zoo.train.run import kernels_line, prepare
+
+    def startup(*overrides):
+        c, plan, _, _ = prepare(compose(["model=dsv3_tiny_a", "mesh=fsdp_ep", "data.batch_size=8", "data.seq_len=16", *overrides]))
+        return c, plan
+
+    c, plan = startup("model.moe.impl=ragged")
+    assert plan.mesh.sizes["expert"] > 1
+    assert "routed experts ragged (model.moe.impl=ragged), exchanged over the expert axis in fixed worst-case blocks" in kernels_line(c, plan)
+    c, plan = startup("model.moe.impl=capacity")
+    assert "routed experts capacity (model.moe.impl=capacity)," in kernels_line(c, plan)

@@ -187,6 +187,12 @@ def _train(c: TrainConfig, plan, devices, out_dir: pathlib.Path, xla_flags: str,
         f"batch {c.data.batch_size}x{c.data.seq_len}, {steps} steps"
     )
     echo(kernels_line(c, plan))
+    if plan.moe_impl is not None:
+        from zoo.nn.moe import capacity_note
+
+        note = capacity_note(c.model.family, c.model.moe.impl)
+        if note:
+            echo(f"note: {note}")
     optimize, why = trainer.cpu_optimization()
     if optimize is not None:
         echo(f"XLA:CPU compile: LLVM optimisations {'on (slower compile, faster steps)' if optimize else 'off (faster compile, slower steps)'}; {why}")
@@ -573,7 +579,12 @@ def kernels_line(c: TrainConfig, plan) -> str:
     k = kernels(c, plan)
     parts = [f"attention {k['attention']} (model.attention_impl={c.model.attention_impl})"]
     if k["moe"] is not None:
-        parts.append(f"routed experts {k['moe']} (model.moe.impl={c.model.moe.impl})")
+        exchange = ""
+        if k["moe"] == "ragged" and plan.mesh.sizes.get("expert", 1) > 1:
+            # Dropless expert parallelism sends worst-case blocks: lax.ragged_all_to_all, which would send
+            # only the assignments, does not compile on XLA:CPU (zoo.nn.moe_dispatch._ragged_exchange).
+            exchange = ", exchanged over the expert axis in fixed worst-case blocks"
+        parts.append(f"routed experts {k['moe']} (model.moe.impl={c.model.moe.impl}){exchange}")
     parts.append(f"loss over chunks of {k['loss_chunk_size']} positions" if k["loss_chunk_size"] else "loss over the whole logits")
     return "kernels: " + ", ".join(parts)
 
