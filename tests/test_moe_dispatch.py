@@ -8,6 +8,7 @@ Expert parallelism runs on the 8 simulated CPU devices of conftest.py, on the me
 """
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -471,3 +472,39 @@ def test_check_expert_parallel_accepts_good_configs():
     check_expert_parallel(8, 4, 16, 8, grad_accum=2)
     check_expert_parallel(0, 1, 3, 1)  # dense model, no expert axis
     check_expert_parallel(8, 4, 8, 8)  # either kernel: both run under expert parallelism
+
+
+def _ragged_all_to_alls(text: str) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """(operand shape, output buffer shape) of each ragged_all_to_all of a lowered StableHLO module."""
+    found = []
+    for line in text.splitlines():
+        if "@ragged_all_to_all(" in line:
+            types = re.findall(r"tensor<([\dx]+)x[a-z]+\d*>", line.split(" : (", 1)[1])
+            found.append((tuple(map(int, types[0].split("x"))), tuple(map(int, types[1].split("x")))))
+    return found
+
+
+def test_dropless_exchange_lowered_for_gpu_sends_only_the_assignments():
+    """Lowered for cuda (no GPU needed), the dropless expert-parallel step exchanges with
+    ragged_all_to_all: what each device sends there and back is its own assignments, [tokens*k, D]
+    (the CPU program's all_to_all sends ep worst-case blocks, ep * tokens * min(k, E/ep) rows)."""
+    tokens, ep = 64, EP_MESH.expert
+    w = random_experts(6, biases=True)
+    ids, weights = random_routing(7, tokens, skew=0.8)
+    x, cot = random_x(8, tokens), random_x(9, tokens)
+    kw = dict(capacity_factor=float(E), activation=clamped_swiglu, impl="ragged")
+    with zs.activate(ep_mesh(EP_MESH), zs.DEFAULT_RULES) as layout:
+        grad = jax.jit(jax.grad(loss_fn(cot, **kw), argnums=GRAD_ARGS))
+        args = place(layout, x, ids, weights, w)
+        args = (args[0], args[2], args[3], args[1])
+        traced = grad.trace(*args)
+        cuda, cpu = (traced.lower(lowering_platforms=(p,)).as_text() for p in ("cuda", "cpu"))
+    local_tokens = tokens // (EP_MESH.fsdp * EP_MESH.expert)
+    assignments = local_tokens * K
+    exchanged = _ragged_all_to_alls(cuda)
+    worst = ep * local_tokens * min(K, E // ep)  # the receiving buffer: any routing fits, nothing drops
+    there, back = ((assignments, D), (worst, D)), ((worst, D), (assignments, D))
+    # Forward there and back, and their transposes in the backward pass. Sizes are the real counts, so
+    # the rows that travel are the assignments; the CPU lowering sends the whole worst-case buffer.
+    assert sorted(exchanged) == sorted([there, back, there, back]), exchanged
+    assert "ragged_all_to_all" not in cpu and "all_to_all" in cpu

@@ -65,6 +65,20 @@ def trace_step(trainer):
     return trainer.jitted_step().trace(trainer.abstract_state(), trainer.abstract_tokens())
 
 
+_RAGGED = re.compile(r"@ragged_all_to_all\(.*? : \(tensor<([\dx]+)x(\w+)>, tensor<([\dx]+)x\w+>")
+
+
+def ragged_exchanges(text: str) -> dict:
+    """`{(operand, output buffer, dtype): count}` of the module's ragged_all_to_all custom calls: a
+    dropless expert exchange sends at most its operand's rows (its sizes are the real counts) into
+    the receiving buffer."""
+    out: dict = {}
+    for m in _RAGGED.finditer(text):
+        key = (m.group(1), m.group(3), m.group(2))
+        out[key] = out.get(key, 0) + 1
+    return out
+
+
 def lower_step(trainer, platforms: Sequence[str] = ("cuda",)):
     """train.py's step lowered for `platforms` (a `jax.stages.Lowered`); no device of them is needed."""
     return trace_step(trainer).lower(lowering_platforms=tuple(platforms))
@@ -100,9 +114,11 @@ def preset_row(overrides: Sequence[str], preset: str) -> dict:
         "opt_state": trainer.cfg.offload.opt_state,
     }
     for platform in ("cpu", "cuda"):
-        found = host_placements(traced.lower(lowering_platforms=(platform,)).as_text())
+        text = traced.lower(lowering_platforms=(platform,)).as_text()
+        found = host_placements(text)
         row[platform] = {"host_annotations": found.host_annotations, "host_memory_kinds": found.host_memory_kinds,
-                         "annotations": found.annotations, "memory_kinds": found.memory_kinds}
+                         "annotations": found.annotations, "memory_kinds": found.memory_kinds,
+                         "ragged_exchanges": ragged_exchanges(text)}
     return row
 
 
@@ -126,6 +142,10 @@ def render(rows: list[dict]) -> str:
         state = ", ".join(k for k in ("params", "opt_state") if r[k] == HOST) or "-"
         table.append((r["preset"], len(r["offloaded_tags"]), r["traced_host_residuals"], state, r["cpu"]["host_annotations"], r["cuda"]["host_annotations"],
                       r["cpu"]["host_memory_kinds"], r["cuda"]["host_memory_kinds"]))
+    for r in rows:
+        for (operand, buffer, dtype), n in sorted(r.get("cuda", {}).get("ragged_exchanges", {}).items()):
+            notes.append(f"{r['preset']}: cuda: {n} ragged_all_to_all sending from {dtype}[{operand.replace('x', ',')}] "
+                         f"into {dtype}[{buffer.replace('x', ',')}]")
     return "\n".join([_table(table), *notes])
 
 

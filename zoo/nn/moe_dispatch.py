@@ -18,11 +18,13 @@ experts stay in zoo.nn.moe. It is pure and reads the mesh only from the active l
     and the reverse `all_to_all` returns the outputs, which are combined where the tokens live. The
     global batch never travels.
   * Expert parallelism, `ragged` (dropless, exact): the local assignments sorted by expert go to
-    their shards in blocks of the worst case, `local_tokens * min(k, E/ep)` rows per shard (see
-    `_ragged_exchange`), so the exchange moves `ep * min(k, E/ep) / k` times the assignments' bytes
-    (8x for DeepSeek-V3 on 8 expert shards): `lax.ragged_all_to_all` would move only the assignments,
-    but XLA:CPU cannot compile it ("not supported by XLA:CPU ThunkEmitter"), so it could not be
-    tested here. The shard runs `ragged_dot`s over its local experts.
+    their shards (see `_ragged_exchange`). Lowered for GPU, `lax.ragged_all_to_all` sends only the
+    assignments, into a receiving buffer of the worst case (`ep` blocks of `local_tokens * min(k, E/ep)`
+    rows, so that no routing drops). XLA:CPU cannot compile ragged_all_to_all ("not supported by
+    XLA:CPU ThunkEmitter"), so there the whole worst-case blocks travel: `ep * min(k, E/ep) / k` times
+    the assignments' bytes (8x for DeepSeek-V3 on 8 expert shards). `lax.platform_dependent` picks
+    the exchange when the step is lowered; both fill the same block layout, so everything after it is
+    one code path, the one the CPU tests run. The shard runs `ragged_dot`s over its local experts.
   * `ep` == 1 (data parallel / FSDP): each device runs every expert on its own buffers (`capacity`)
     or its own sorted tokens (`ragged`, dropless).
   Weights enter as their shards (`[E/ep, D/fsdp, I/tensor]`); the `embed` shards are gathered inside,
@@ -295,10 +297,18 @@ def ragged_exchange_rows(tokens: int, top_k: int, local_experts: int) -> int:
     return tokens * min(top_k, local_experts)
 
 
+def _varying_like(buffer, like):
+    """`buffer` (a fresh constant) marked as varying over the shard_map axes `like` varies over: a
+    ragged_all_to_all's result takes its output buffer's, and must match the CPU branch's all_to_all."""
+    axes = tuple(sorted(varying_axes(like) - varying_axes(buffer)))
+    return jax.lax.pcast(buffer, axes, to="varying") if axes else buffer
+
+
 def _ragged_exchange(x, expert_ids, weights, w: ExpertWeights, *, ep: int, ep_axis, activation, tag, reduce_mlp):
     """Dropless expert parallelism inside the shard_map body (`ragged`): this device's assignments,
-    sorted by expert, go to their expert shards in blocks of the worst-case size (all_to_all needs
-    static shapes; XLA:CPU cannot compile `ragged_all_to_all`), with per-expert counts alongside. Each
+    sorted by expert, go to their expert shards (GPU: `ragged_all_to_all`, the real rows only; XLA:CPU,
+    which cannot compile it: all_to_all of blocks of the worst-case size), landing in block s of the
+    receiving shard's worst-case buffer, with per-expert counts alongside. Each
     shard sorts what it received by local expert, runs three `ragged_dot`s over its E/ep experts (rows
     past the counts, the blocks' padding, come out zero and carry no gradient), and sends the rows
     back where they came from."""
@@ -310,10 +320,35 @@ def _ragged_exchange(x, expert_ids, weights, w: ExpertWeights, *, ep: int, ep_ax
     sorted_experts = flat_experts[order]
     shard = sorted_experts // local_experts  # the expert shard each sorted assignment goes to
     per_shard = counts.reshape(ep, local_experts).sum(-1)
-    position = jnp.arange(order.shape[0], dtype=jnp.int32) - (jnp.cumsum(per_shard) - per_shard)[shard]
-    send = jnp.zeros((ep, rows, d), x.dtype).at[shard, position].set(x[order // k], unique_indices=True)
-    received = jax.lax.all_to_all(send, ep_axis, 0, 0, tiled=True)  # [ep rows D]: block s from source s
+    send_offsets = jnp.cumsum(per_shard) - per_shard
+    position = jnp.arange(order.shape[0], dtype=jnp.int32) - send_offsets[shard]
+    sorted_x = x[order // k]  # [A D]: shard s's rows are contiguous, from send_offsets[s]
     received_counts = jax.lax.all_to_all(counts.reshape(ep, local_experts), ep_axis, 0, 0, tiled=True)  # [ep E/ep]
+    recv_sizes = received_counts.sum(-1)
+    # Where this device's rows sit in each shard's [A D] sorted order, as seen by that shard.
+    their_offsets = jax.lax.all_to_all(send_offsets, ep_axis, 0, 0, tiled=True)
+
+    def blocks_there(sorted_x):  # XLA:CPU: worst-case blocks
+        send = jnp.zeros((ep, rows, d), sorted_x.dtype).at[shard, position].set(sorted_x, unique_indices=True)
+        return jax.lax.all_to_all(send, ep_axis, 0, 0, tiled=True)  # [ep rows D]: block s from source s
+
+    def ragged_there(sorted_x):  # GPU: only the assignments travel, into the same block layout
+        me = jax.lax.axis_index(ep_axis)
+        out = _varying_like(jnp.zeros((ep * rows, d), sorted_x.dtype), sorted_x)
+        landing = jnp.full((ep,), me * rows, dtype=jnp.int32)
+        got = jax.lax.ragged_all_to_all(sorted_x, out, send_offsets, per_shard, landing, recv_sizes, axis_name=ep_axis)
+        return got.reshape(ep, rows, d)
+
+    def blocks_back(out):
+        back = jax.lax.all_to_all(out, ep_axis, 0, 0, tiled=True)  # [ep rows D]: block s from expert shard s
+        return back[shard, position]
+
+    def ragged_back(out):
+        block_starts = jnp.arange(ep, dtype=jnp.int32) * rows
+        into = _varying_like(jnp.zeros((order.shape[0], d), out.dtype), out)
+        return jax.lax.ragged_all_to_all(out.reshape(ep * rows, d), into, block_starts, recv_sizes, their_offsets, per_shard, axis_name=ep_axis)
+
+    received = jax.lax.platform_dependent(sorted_x, default=blocks_there, cuda=ragged_there)
     # A received row's local expert: how many of its block's per-expert ends it is past (E/ep: padding).
     ends = jnp.cumsum(received_counts, axis=-1)
     row_expert = (jnp.arange(rows, dtype=jnp.int32)[None, :, None] >= ends[:, None, :]).sum(-1).reshape(-1)
@@ -330,8 +365,7 @@ def _ragged_exchange(x, expert_ids, weights, w: ExpertWeights, *, ep: int, ep_ax
 
     out = _ffn(grouped, w, matmul, add_bias, activation, tag, reduce_mlp)
     out = jnp.zeros_like(out).at[by_expert].set(out, unique_indices=True).reshape(ep, rows, d)
-    back = jax.lax.all_to_all(out, ep_axis, 0, 0, tiled=True)  # [ep rows D]: block s from expert shard s
-    sorted_out = back[shard, position]
+    sorted_out = jax.lax.platform_dependent(out, default=blocks_back, cuda=ragged_back)
     per_assignment = jnp.zeros_like(sorted_out).at[order].set(sorted_out, unique_indices=True)
     return combine(per_assignment, weights), counts, jnp.zeros((), jnp.int32)
 

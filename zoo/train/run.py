@@ -581,9 +581,12 @@ def kernels_line(c: TrainConfig, plan) -> str:
     if k["moe"] is not None:
         exchange = ""
         if k["moe"] == "ragged" and plan.mesh.sizes.get("expert", 1) > 1:
-            # Dropless expert parallelism sends worst-case blocks: lax.ragged_all_to_all, which would send
-            # only the assignments, does not compile on XLA:CPU (zoo.nn.moe_dispatch._ragged_exchange).
-            exchange = ", exchanged over the expert axis in fixed worst-case blocks"
+            # zoo.nn.moe_dispatch._ragged_exchange: lax.ragged_all_to_all (only the assignments travel)
+            # on GPU; XLA:CPU cannot compile it, so there the exchange sends fixed worst-case blocks.
+            import jax
+
+            exchange = (", exchanged over the expert axis in fixed worst-case blocks" if jax.default_backend() == "cpu"
+                        else ", exchanged over the expert axis with ragged_all_to_all")
         parts.append(f"routed experts {k['moe']} (model.moe.impl={c.model.moe.impl}){exchange}")
     parts.append(f"loss over chunks of {k['loss_chunk_size']} positions" if k["loss_chunk_size"] else "loss over the whole logits")
     return "kernels: " + ", ".join(parts)
