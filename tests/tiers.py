@@ -9,7 +9,10 @@ under every preset (tests/test_inspect.py) stay in the default run.
 
 import pytest
 
-REPEAT_FAMILIES = ("qwen2", "qwen3", "mixtral")
+from zoo import families
+
+# And every registered family that says which family's blocks it reuses (zoo.families.FamilyDef.like).
+REPEAT_FAMILIES = ("qwen2", "qwen3", "mixtral") + tuple(f.name for f in families.registered() if f.like)
 
 
 def family_of(name: str) -> str:
