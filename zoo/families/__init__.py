@@ -44,16 +44,16 @@ class FamilyDef:
             raise ValueError(f"family {self.name}: mla without moe is not a combination zoo builds")
 
 
-# The built-in families' flags: (name, moe, mla).
+# The built-in families' flags: (name, moe, mla, like).
 _BUILTIN = (
-    (tags.LLAMA, False, False),
-    (tags.DEEPSEEK_V3, True, True),
-    (tags.QWEN2, False, False),
-    (tags.QWEN3, False, False),
-    (tags.QWEN3_MOE, True, False),
-    (tags.MIXTRAL, True, False),
-    (tags.GEMMA3, False, False),
-    (tags.GPT_OSS, True, False),
+    (tags.LLAMA, False, False, None),
+    (tags.DEEPSEEK_V3, True, True, None),
+    (tags.QWEN2, False, False, tags.LLAMA),  # + q/k/v biases
+    (tags.QWEN3, False, False, tags.LLAMA),  # + q/k norms
+    (tags.QWEN3_MOE, True, False, None),
+    (tags.MIXTRAL, True, False, tags.QWEN3_MOE),  # the same softmax routing and SwiGLU experts, no q/k norm
+    (tags.GEMMA3, False, False, None),
+    (tags.GPT_OSS, True, False, None),
 )
 
 
@@ -64,14 +64,14 @@ def _module_names() -> tuple[str, ...]:
 
 def names() -> tuple[str, ...]:
     """Every family, the built-in ones first; listing them imports nothing."""
-    return tuple(n for n, _, _ in _BUILTIN) + _module_names()
+    return tuple(n for n, *_ in _BUILTIN) + _module_names()
 
 
 def get(name: str) -> FamilyDef:
     """The family `name` (importing its module); KeyError when there is none."""
-    for n, moe, mla in _BUILTIN:
+    for n, moe, mla, like in _BUILTIN:
         if n == name:
-            return FamilyDef(n, moe=moe, mla=mla)
+            return FamilyDef(n, moe=moe, mla=mla, like=like)
     if name not in _module_names():
         raise KeyError(name)
     family = importlib.import_module(f"{__name__}.{name}").FAMILY
