@@ -154,6 +154,11 @@ RECIPES = {
              use_sliding_window=True, sliding_window=8, rope_parameters=dict(rope_type="default", rope_theta=1e4)),
         21500, (r"mlp\.", r"self_attn\.v_proj"),
         what="use_sliding_window (every layer) window 8 < 32, norm_topk_prob false, head_dim 12"),
+    "mistral_tiny_hard": Recipe(
+        "mistral",
+        dict(SMALL, num_hidden_layers=3, head_dim=10, sliding_window=5, rope_parameters=dict(rope_type="default", rope_theta=1e4)),
+        21700, (r"self_attn\.[qo]_proj\.weight$", r"mlp\.gate_proj", r"embed_tokens"),
+        what="sliding_window 5 < 32 on every layer, head_dim 10 (not hidden / heads = 8; 5 rotated pairs)"),
     "dsv3_tiny_hard": Recipe(
         "deepseek_v3",
         dict(SMALL, num_hidden_layers=3, num_key_value_heads=4, max_position_embeddings=64, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8,

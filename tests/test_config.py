@@ -5,6 +5,7 @@ import re
 
 import pytest
 
+from zoo import families
 from zoo.config import SIZES, MLAConfig, ModelConfig, MoEConfig, RopeConfig, count_params, get_size, moe_capacity
 from zoo.model import abstract, count_leaves
 
@@ -159,6 +160,7 @@ PUBLISHED = {
     # 128 x 128 block of every quantised matrix), which a float model does not have.
     "kimi_k2_1t": (1.03e12, 32e9, (0.01, 0.03), "hub (moonshotai/Kimi-K2-Instruct): 1.03T total; Kimi K2 model card: '32B' activated (2 significant figures)"),
 }
+PUBLISHED.update({name: count for f in families.registered() for name, count in f.published.items()})
 # OpenAI counts active parameters without the embedding table (a lookup touches one row), so its
 # active figures are compared with that convention.
 ACTIVE_WITHOUT_EMBEDDING = {"gpt_oss_20b", "gpt_oss_120b"}

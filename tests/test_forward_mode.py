@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from tests.test_attention_kernels import case_inputs
+from zoo import families
 from zoo.config import SIZES
 from zoo.loss import chunked_next_token_loss
 from zoo.model import build
@@ -50,8 +51,8 @@ def _direction(params, scale=1e-3, seed=2):
     return jax.tree.map(draw, params)
 
 
-def test_eight_families():
-    assert len(TINY) == 8, TINY
+def test_every_family_has_a_tiny_size():
+    assert sorted({SIZES[n].family for n in TINY}) == sorted(families.names()), TINY
 
 
 @pytest.mark.parametrize("name", by_family(TINY))

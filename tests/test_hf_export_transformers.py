@@ -53,10 +53,9 @@ def fixture(family: str) -> pathlib.Path:
     """The fixture directory of `family`: the one whose config.json has the family's model_type (the
     *_tiny_hard fixtures, made to stress the parity tests, are left out: one export per family)."""
     model_type = MODEL_TYPES[family]
-    found = [
-        p.parent for p in sorted(DATA.glob("**/config.json"))
-        if json.loads(p.read_text()).get("model_type") == model_type and not p.parent.name.endswith("_tiny_hard")
-    ]  # fmt: skip
+    typed = [p.parent for p in sorted(DATA.glob("**/config.json")) if json.loads(p.read_text()).get("model_type") == model_type]
+    # a family added since tests/make_fixtures.py has only the fixtures it writes: the first of them
+    found = [d for d in typed if not d.name.endswith("_tiny_hard")] or typed[:1]
     assert len(found) == 1, f"family {family} ({model_type}) has {len(found)} fixtures under tests/data: {found}"
     return found[0]
 

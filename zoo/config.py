@@ -15,10 +15,9 @@ from typing import Any, Optional
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, so np.dtype("bfloat16") resolves)
 import numpy as np
 
-from zoo.tags import DEEPSEEK_V3, FAMILIES, GEMMA3, GPT_OSS, LLAMA, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE
+from zoo import families
+from zoo.tags import DEEPSEEK_V3, GEMMA3, GPT_OSS, LLAMA, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE
 
-MLA_FAMILIES = (DEEPSEEK_V3,)
-MOE_FAMILIES = (DEEPSEEK_V3, QWEN3_MOE, MIXTRAL, GPT_OSS)
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 MOE_IMPLS = ("auto", "ragged", "capacity")
 # sigmoid_grouped: DeepSeek-V3 (sigmoid scores + correction bias, group-limited top-k, renormalised, scaled).
@@ -267,7 +266,8 @@ class ModelConfig:
         _as_list(self, "mlp_only_layers")
         _as_list(self, "layer_types")
         fam = self.family
-        _require(fam in FAMILIES, "family", f"got {fam!r}; choose one of {_choices(FAMILIES)}")
+        _require(fam in families.names(), "family", f"got {fam!r}; choose one of {_choices(families.names())}")
+        kind = families.get(fam)
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size", "max_position_embeddings"):
             _require(getattr(self, name) > 0, name, f"must be positive, got {getattr(self, name)}")
         _require(self.rms_norm_eps > 0, "rms_norm_eps", "must be positive")
@@ -286,7 +286,7 @@ class ModelConfig:
             "mlp_activation",
             f"got {self.mlp_activation!r}; choose one of {_choices(MLP_ACTIVATIONS)}",
         )
-        if fam in MLA_FAMILIES:
+        if kind.mla:
             _require(self.mla is not None, "mla", f"{fam} needs an mla section")
             for flag in ("attention_bias", "attention_out_bias", "qk_norm", "attention_sinks"):
                 _require(not getattr(self, flag), flag, f"belongs to grouped-query attention; {fam} uses MLA")
@@ -299,10 +299,10 @@ class ModelConfig:
                 f"num_heads={self.num_heads} must be divisible by num_kv_heads={self.num_kv_heads}",
             )
             _require(self.head_dim > 0 and self.head_dim % 2 == 0, "head_dim", f"RoPE needs an even head_dim, got {self.head_dim}")
-        if fam in MOE_FAMILIES:
+        if kind.moe:
             _require(self.moe is not None, "moe", f"{fam} needs a moe section")
         else:
-            _require(self.moe is None, "family", f"{fam} has no moe section; choose a mixture-of-experts family ({_choices(MOE_FAMILIES)})")
+            _require(self.moe is None, "family", f"{fam} has no moe section; choose a mixture-of-experts family ({_choices(families.moe_families())})")
             _require(self.first_k_dense_replace == 0, "first_k_dense_replace", f"{fam} has no MoE layers, so no dense prefix")
             _require(not self.mlp_only_layers, "mlp_only_layers", f"{fam} has no MoE layers")
         _require(
@@ -314,7 +314,7 @@ class ModelConfig:
         bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_layers]
         _require(not bad, "mlp_only_layers", f"layer {bad[0] if bad else ''} is not in 0..{self.num_layers - 1}")
         if self.rope.interleaved:
-            _require(fam in MLA_FAMILIES, "rope.interleaved", f"{fam} rotates halves; set rope.interleaved=false")
+            _require(kind.mla, "rope.interleaved", f"{fam} rotates halves; set rope.interleaved=false")
         if self.pad_token_id is not None:
             _require(0 <= self.pad_token_id < self.vocab_size, "pad_token_id", f"must be in 0..{self.vocab_size - 1} or null, got {self.pad_token_id}")
         if self.sliding_window is not None:
@@ -726,6 +726,13 @@ SIZES: dict[str, ModelConfig] = {
         moe=_gpt_oss_moe(128, 2880), pad_token_id=199999, compute_dtype="bfloat16", **_GPT_OSS,
     ),
 }
+
+# The registered families' named sizes (zoo/families/<name>.py), after the built-in ones.
+for _family in families.registered():
+    for _name, _size in _family.sizes().items():
+        if _name in SIZES:
+            raise ValueError(f"zoo/families/{_family.name}.py: size {_name!r} is already defined")
+        SIZES[_name] = _size
 
 
 def get_size(name: str) -> ModelConfig:

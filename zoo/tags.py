@@ -31,7 +31,6 @@ QWEN3_MOE = "qwen3_moe"
 MIXTRAL = "mixtral"
 GEMMA3 = "gemma3"
 GPT_OSS = "gpt_oss"
-FAMILIES = (LLAMA, DEEPSEEK_V3, QWEN2, QWEN3, QWEN3_MOE, MIXTRAL, GEMMA3, GPT_OSS)
 
 # Block kinds: what a tag belongs to (see the module docstring).
 LAYER, ATTENTION, MLP, MLA, MOE = "layer", "attention", "mlp", "mla", "moe"

@@ -432,9 +432,11 @@ class Family:
 
 
 def families() -> tuple[Family, ...]:
+    from zoo import families as registry
     from zoo.hf import deepseek_v3, gemma3, gpt_oss, llama, mixtral, qwen
 
-    return (llama.FAMILY, deepseek_v3.FAMILY, *qwen.FAMILIES, mixtral.FAMILY, gemma3.FAMILY, gpt_oss.FAMILY)
+    builtin = (llama.FAMILY, deepseek_v3.FAMILY, *qwen.FAMILIES, mixtral.FAMILY, gemma3.FAMILY, gpt_oss.FAMILY)
+    return builtin + tuple(f.hf for f in registry.registered() if f.hf is not None)
 
 
 def supported_model_types() -> tuple[str, ...]:
