@@ -543,3 +543,46 @@ def test_sequence_parallel_packed_rows_match_and_exchange_nothing_per_tile():
 
     executions = {n: sum(r["executions"] for r in hlo.summarize(hlo.collectives(text)).values()) for n, (_, _, text) in runs.items()}
     assert executions[512] == executions[1024], executions  # 3 visible 256-tiles per row against 10
+
+
+# 40-90 s each on the 2-core machine: the slow tier. The default tier has the loss-level check
+# (tests/test_loss.py::test_vocab_parallel_loss_matches_unsharded) and the sharded steps' losses above.
+@pytest.mark.slow
+@pytest.mark.parametrize("model, mesh", [("llama_tiny_a", "fsdp_tp"), ("gemma3_tiny_a", "fsdp")])
+def test_vocab_parallel_loss_and_gradients_match_single_device(model, mesh):
+    # Under a mesh the chunked loss runs vocabulary-parallel (zoo/loss.py): on fsdp_tp the head's columns
+    # are split over tensor and the logsumexp combined across them; Gemma 3 ties the head to the
+    # embedding (one kv head: no tensor axis), so it runs on fsdp, its gradient reduce-scattered once.
+    from zoo import sharding as zs
+
+    def loss_and_grads(c):
+        trainer = Trainer(c, validate(c, len(jax.devices()), None))
+        params = trainer.init()["params"]
+        tokens = jax.device_get(SyntheticData(c.data, c.model.vocab_size).batch(0))
+        with zs.activate(trainer.mesh, trainer.rules):
+            return jax.jit(jax.value_and_grad(lambda p, t: trainer.loss_and_aux(p, t)[0]))(params, tokens)
+
+    (ref_loss, ref_grads), (loss, grads) = (loss_and_grads(make_config(model, m)) for m in ("single", mesh))
+    np.testing.assert_allclose(loss, ref_loss, atol=1e-5, rtol=0)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-4)
+
+
+def test_vocab_parallel_head_gradient_is_one_bf16_reduce_scatter():
+    from zoo import hlo
+
+    c = make_config("llama_tiny_a", "fsdp_tp")
+    c.model = c.model.replace(compute_dtype="bfloat16")
+    trainer = Trainer(c, validate(c, len(jax.devices()), None))
+    _, text = hlo.compile_with_partitioned_hlo(trainer.lower(), trainer.compiler_options)
+    embed, vocab = c.model.hidden_size, c.model.vocab_size
+    tensor, fsdp = trainer.mesh.shape["tensor"], trainer.mesh.shape["fsdp"]
+    found = [x for x in hlo.collectives(text) if not x.trivial]
+    # the head's gradient: its [embed, vocab / tensor] per-device partial sums, reduce-scattered onto
+    # the embed shards once per step, in bf16
+    head = [x for x in found if x.operands[0].dims == (embed, vocab // tensor)]
+    assert [(x.kind, x.operands[0].dtype, x.results[0].dims, x.executions) for x in head if x.kind != "all-gather"] == [
+        ("reduce-scatter", "bf16", (embed // fsdp, vocab // tensor), 1)
+    ]
+    # no float32 collective carries a vocabulary-sized buffer (the chunked loss all-reduced f32[embed, vocab])
+    assert not [x for x in found if x.operands[0].dtype == "f32" and any(d in (vocab, vocab // tensor) for d in x.operands[0].dims)]

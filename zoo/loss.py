@@ -13,11 +13,15 @@ for nothing, and the EOS itself is the last target of its document.
 """
 
 import functools
+import math
 from typing import Optional, Union
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
+
+from zoo import sharding as zs
 
 # Sequence positions per chunk (of every row). Any size works (it need not divide the sequence).
 # On the 2-core CPU machine (bench/attention_kernels.py loss at 6966f25, value and gradient) chunks of 512 to
@@ -150,6 +154,9 @@ def chunked_next_token_loss(
     h = _chunked(hidden, chunk)
     targets, weights = _chunked(targets, chunk), _chunked(weights, chunk)
     softcap = None if final_softcap is None else float(final_softcap)
+    plan = _vocab_parallel_plan(head.shape, hidden.shape[0] * chunk) if method == "fused" else None
+    if plan is not None:
+        return _vp_loss(softcap, cdt, plan, h, head, targets, weights)
     if method == "fused":
         return _fused_loss(softcap, cdt, head.dtype, h, head, targets, weights)
     return _recompute_loss(h, head, targets, weights, softcap, cdt)
@@ -248,3 +255,127 @@ def chunked_next_token_nll(
 
     nll = jax.lax.map(lambda xs: chunk_nll(*xs), (h, _chunked(targets, chunk)))
     return _unchunked(nll, batch, seq)[:, :-1]
+
+
+
+# ---- vocabulary-parallel fused loss ------------------------------------------------------------------
+# Under a mesh, the fused loss runs as one shard_map over the whole mesh: each device takes its own rows
+# (split over the batch axes) and its own columns of the head (split over the vocab axes, those that do
+# not also split the batch), and the logsumexp is combined across the vocab shards (a max and a sum of
+# [rows] per chunk). The head's gradient stays per device, unreduced, in float32 across the chunks and
+# is summed over the batch axes once, after the last chunk, in the compute dtype: a reduce-scatter onto
+# the head's own embed shards (a psum over any batch axis that does not shard the embed dim). Without
+# this the partitioner gathered the head whole and all-reduced a float32 [embed, vocab] partial
+# gradient in every chunk (44 GB of float32 all-reduces per step at 671B).
+
+
+@functools.lru_cache(maxsize=None)
+def _plan_for(mesh, rules_items, head_shape, rows):
+    rules = dict(rules_items)
+    sizes = dict(mesh.shape)
+
+    def axes(name, exclude=()):
+        return tuple(a for a in rules.get(name, ()) if a in sizes and sizes[a] > 1 and a not in exclude)
+
+    batch = axes("batch")
+    vocab = axes("vocab", exclude=batch)
+    # The head's embed dim splits over these (the param's spec); only those that also split the rows can
+    # take a reduce-scatter of the gradient.
+    embed = axes("embed", exclude=vocab)
+    scatter = tuple(a for a in embed if a in batch)
+    if not batch and not vocab:
+        return None
+    n_batch, n_vocab, n_scatter = (math.prod(sizes[a] for a in t) for t in (batch, vocab, scatter))
+    if rows % n_batch or head_shape[1] % n_vocab:
+        return None  # (the config check names the key: a vocabulary must divide its shards)
+    if head_shape[0] % n_scatter:
+        scatter = ()
+    return mesh, batch, vocab, scatter
+
+
+def _vocab_parallel_plan(head_shape, rows):
+    """(mesh, batch axes, vocab axes, scatter axes) for the active layout, or None (no mesh: the
+    single-device path, unchanged)."""
+    layout = zs.active()
+    if layout is None:
+        return None
+    rules = tuple((k, tuple(v)) for k, v in sorted(layout.rules.items()))
+    return _plan_for(layout.mesh, rules, tuple(head_shape), rows)
+
+
+def _vp_body(softcap, cdt, vocab_axes, batch_axes, scatter_axes, grads, h, w, targets, weights):
+    """One device's chunks: `w` is its [embed, vocab / shards] columns, `h` its rows."""
+    v_local = w.shape[1]
+    offset = jax.lax.axis_index(vocab_axes) * v_local if vocab_axes else 0
+    cols = jnp.arange(v_local)[None, :]
+
+    def vsum(x):
+        return jax.lax.psum(x, vocab_axes) if vocab_axes else x
+
+    def step(carry, xs):
+        total, d_head = carry
+        h_c, t_c, w_c = xs
+        h_c = h_c.astype(cdt)
+        logits, d_cap = _logits(h_c, w, softcap)
+        m = jax.lax.stop_gradient(logits.max(axis=-1))
+        if vocab_axes:
+            m = jax.lax.pmax(m, vocab_axes)
+        lse = m + jnp.log(vsum(jnp.exp(logits - m[:, None]).sum(axis=-1)))
+        t_local = t_c - offset
+        hit = cols == t_local[:, None]
+        nll = lse - vsum(jnp.where(hit, logits, 0.0).sum(axis=-1))
+        total = total + (nll * w_c).sum()
+        if not grads:
+            return (total, d_head), None
+        d_logits = (jnp.exp(logits - lse[:, None]) - hit) * w_c[:, None]
+        if d_cap is not None:
+            d_logits = d_logits * d_cap
+        d_logits = d_logits.astype(cdt)
+        d_h = jnp.einsum("CV,DV->CD", d_logits, w, preferred_element_type=jnp.float32).astype(h.dtype)
+        d_head = d_head + head_gradient(h_c, d_logits)
+        return (total, d_head), vsum(d_h)
+
+    init = (jnp.float32(0), jnp.zeros(w.shape if grads else (0,), jnp.float32))
+    (total, d_head), d_h = jax.lax.scan(step, init, (h, targets, weights))
+    total = jax.lax.psum(total, batch_axes) if batch_axes else total
+    if not grads:
+        return total
+    # Once per step, in the compute dtype: the rows' partial gradients summed onto the head's shards.
+    d_head = d_head.astype(cdt)
+    rest = tuple(a for a in batch_axes if a not in scatter_axes)
+    if rest:
+        d_head = jax.lax.psum(d_head, rest)
+    if scatter_axes:
+        d_head = jax.lax.psum_scatter(d_head, scatter_axes, scatter_dimension=0, tiled=True)
+    return total, d_h, d_head
+
+
+def _vp_specs(plan):
+    mesh, batch, vocab, scatter = plan
+    rows = P(None, batch or None)
+    return mesh, (P(None, batch or None, None), P(None, vocab or None), rows, rows), P(scatter or None, vocab or None)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2))
+def _vp_loss(softcap, cdt, plan, h, head, targets, weights):
+    mesh, in_specs, _ = _vp_specs(plan)
+    body = functools.partial(_vp_body, softcap, cdt, plan[2], plan[1], plan[3], False)
+    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=P(), check_vma=False)(
+        h, head.astype(cdt), targets, weights
+    )
+
+
+@_vp_loss.defjvp
+def _vp_loss_jvp(softcap, cdt, plan, primals, tangents):
+    # As _fused_loss_jvp: the gradients come out of the forward pass, the tangent is linear in them.
+    h, head, targets, weights = primals
+    dh, dhead = tangents[0], tangents[1]
+    mesh, in_specs, head_spec = _vp_specs(plan)
+    body = functools.partial(_vp_body, softcap, cdt, plan[2], plan[1], plan[3], True)
+    total, d_h, d_head = jax.shard_map(
+        body, mesh=mesh, in_specs=in_specs, out_specs=(P(), in_specs[0], head_spec), check_vma=False
+    )(h, head.astype(cdt), targets, weights)
+    tangent = (d_h.astype(jnp.float32) * dh.astype(jnp.float32)).sum() + (
+        d_head.astype(jnp.float32) * dhead.astype(jnp.float32)
+    ).sum()
+    return total, tangent
