@@ -13,7 +13,10 @@ The cost model (per device, per step; every number it uses is printed in the est
   tensors gain nothing). The link is full duplex, `link` GB/s each way. Within a layer, transfers
   overlap the layer's compute (forward: its forward FLOPs; backward: twice those plus what it
   recomputes), so only the excess `max(0, transfer - compute)` is exposed.
-- `device` costs HBM: the tag's bytes per layer times the layers.
+- `device` costs HBM: the tag's bytes per layer times the layers. A tag's bytes are one device's:
+  its traced array's logical axes (`zoo.tags.TagInfo.axes`) under the run's sharding rules
+  (`per_device_shape`: tensor parallelism splits the heads and the MLP hidden dim, sequence
+  parallelism the kept layer input).
 - HBM is the larger of two phases: forward/backward (parameters on device, gradients, optimizer
   state if on device, the kept tags, untagged residuals and a working set: two layers'
   intermediates with one layer's attention transient, or the head + loss, whichever is larger;
