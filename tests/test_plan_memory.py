@@ -217,3 +217,19 @@ def test_llama_405b_on_gb200_stays_within_the_host_memory_of_a_compute_tray(tmp_
     tight = json.loads((tmp_path / "tight.json").read_text())["estimate"]
     assert 0 < tight["host_bytes"] <= 100e9 and tight["peak_bytes"] <= got["info"]["budget_bytes"]
     assert "per node of 4; budget 240.000 GB per device, 960.000 GB per node" in p.stdout
+
+
+def test_holders_count_each_layer_range_under_its_own_preset():
+    # offload.ranges: layers 3-6 (4 of the stack's 10) offload both tags, the other 6 keep them. The
+    # holders' tag bytes add up to the estimate's, on device and on host, and name the range.
+    p = make_problem({"a": (100, 1e9, KEEP_OR_OFFLOAD), "b": (300, 1e9, zp.CHOICES)})
+    p = dataclasses.replace(p, fixed=[zp.FixedRange("layers 3-6 qkv", {"s": 4}, {"a": "offload", "b": "offload"})])
+    e = evaluate(p, {"a": "device", "b": "device"})
+    for memory, total, where in (("hbm", e.device_tag_bytes, "device"), ("host", e.host_tag_bytes, "offload")):
+        tags = [h for h in zp.holders(p, e, memory) if h.name.startswith("tag ")]
+        assert sum(h.bytes for h in tags) == pytest.approx(total) and total > 0, (memory, tags)
+    held = {h.name: h.bytes for h in zp.holders(p, e, "host") if h.name.startswith("tag ")}
+    assert held == {"tag a (s, layers 3-6 qkv)": pytest.approx(400 * MB), "tag b (s, layers 3-6 qkv)": pytest.approx(1200 * MB)}
+    held = {h.name: h.bytes for h in zp.holders(p, e, "hbm") if h.name.startswith("tag ")}
+    assert held == {"tag a (s, 6 layers outside the ranges)": pytest.approx(600 * MB), "tag b (s, 6 layers outside the ranges)": pytest.approx(1800 * MB)}
+    assert "layers 3-6 qkv" in zp.holders_table(p, e, "host")

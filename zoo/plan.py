@@ -43,7 +43,7 @@ fits, the one-line error names the budget that failed and the smallest of each t
 
 With `offload.ranges`, each range's layers count under their preset's actions (`FixedRange`,
 `with_ranges`) and the search assigns the tags of the other layers: the plan is the top-level policy
-that goes with the ranges. (The holders listing counts every layer under the searched assignment.)
+that goes with the ranges; the holders listing counts each range under its preset too.
 """
 
 import dataclasses
@@ -572,15 +572,26 @@ class Change:
 
 
 def _tag_holders(p: Problem, e: Estimate, where: str) -> list[Holder]:
+    """The tags held `where` (device or offload): the searched layers' under `e.assignment`, each
+    range of `offload.ranges` under its own preset's (`p.fixed`)."""
+    free = free_layers(p)
+    groups = [(e.assignment, free, None)] + [(f.assignment, f.layers, f.label) for f in p.fixed]
     out = []
-    for t in p.tags:
-        if e.assignment[t.tag] != where:
-            continue
-        for s, b in t.bytes_per_layer.items():
-            sc = p.stacks[s]
-            if b:
-                layers = f"layers {sc.layer_range}" if sc.layer_range else f"{sc.layers} layers"
-                out.append(Holder(f"tag {t.tag} ({s}, {layers})", b * sc.layers, f"{_fmt_bytes(b)} per layer"))
+    for assignment, layers_of, label in groups:
+        for t in p.tags:
+            if assignment.get(t.tag) != where:
+                continue
+            for s, b in t.bytes_per_layer.items():
+                sc, n = p.stacks[s], layers_of.get(s, 0)
+                if not b or not n:
+                    continue
+                if label is not None:
+                    layers = label
+                elif n == sc.layers and sc.layer_range:
+                    layers = f"layers {sc.layer_range}"
+                else:
+                    layers = f"{n} layers" + (" outside the ranges" if p.fixed else "")
+                out.append(Holder(f"tag {t.tag} ({s}, {layers})", b * n, f"{_fmt_bytes(b)} per layer"))
     return out
 
 
