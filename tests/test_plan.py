@@ -4,6 +4,7 @@
 import dataclasses
 import itertools
 import json
+import math
 
 import jax
 import jax.numpy as jnp
@@ -410,3 +411,45 @@ def test_planner_counts_the_layer_inputs_the_sequence_parallel_program_keeps(tmp
     assert kept["stacks"][0]["shape"].endswith("[2,2,16,64]"), kept  # 2 layers, 2 sequences, 16 of 32 positions
     assert printed["true"] == zp._fmt_bytes(float(kept["bytes"]))
     assert printed["false"] == zp._fmt_bytes(2.0 * kept["bytes"])
+
+
+def test_planner_sizes_each_tag_as_the_partitioned_program_keeps_it():
+    # Tensor parallelism (2 ways, fsdp 4) splits the heads and the MLP hidden dim: every tag kept on
+    # device, each tag's per-device bytes in the planner are those of the array the partitioned program
+    # stacks over the layers for it ([layers, per-device batch, seq, ...]), not the traced whole size.
+    import re
+
+    from zoo import hlo
+    from zoo.inspect import prepare_step
+
+    keep = [f"offload.tags.{t}=device" for t in ("decoder_layer_input", "query_proj", "key_proj", "value_proj", "context", "out_proj", "mlpwi_0", "mlpwi_1")]
+    args = ["model=llama_tiny_a", "model.intermediate_size=96", "mesh=fsdp_tp", "data.batch_size=8", "data.seq_len=32", "hardware=h100_pcie", "offload=custom", *keep]
+    c, _, _, trainer, _ = prepare_step(args)
+    p, _ = zp.problem_from_config(c, trainer, zp.PlanConfig())
+    (stack,) = p.stacks
+    planned = {t.tag: t.bytes_per_layer[stack] for t in p.tags}
+    _, text = hlo.compile_with_partitioned_hlo(trainer.lower(), trainer.compiler_options)
+    kept = {tuple(map(int, dims.split(","))): hlo.dtype_bytes(dtype) for dtype, dims in re.findall(r"\b([a-z]+[0-9]*)\[(2,2,32,[\d,]+)\]", text)}
+    # 2 layers x 2 sequences x 32 positions x: 4 heads / 2 of 16, 2 kv heads / 2, 96 hidden / 2, embed 64.
+    per_device = {"query_proj": (2, 16), "key_proj": (1, 16), "value_proj": (1, 16), "context": (2, 16), "out_proj": (64,),
+                  "mlpwi_0": (48,), "mlpwi_1": (48,), "decoder_layer_input": (64,)}
+    whole = {"query_proj": (4, 16), "context": (4, 16), "mlpwi_0": (96,), "mlpwi_1": (96,)}  # whole k/v: the queries' per-device shape
+    assert set(planned) == set(per_device), planned
+    for tag, rest in per_device.items():
+        shape = (2, 2, 32, *rest)
+        assert shape in kept, (tag, shape, sorted(kept))
+        assert planned[tag] == math.prod(shape[1:]) * kept[shape], (tag, planned[tag])
+    for tag, rest in whole.items():
+        assert (2, 2, 32, *rest) not in kept, (tag, "the program keeps no whole-size copy")
+
+
+def test_per_device_shape_follows_the_rules_and_refuses_an_unknown_layout():
+    rules = {"batch": ["data", "fsdp"], "seq": ["tensor"], "embed": ["fsdp"], "heads": ["tensor"], "kv_heads": ["tensor"], "mlp": ["tensor"], "experts": ["expert"]}
+    sizes = {"data": 1, "fsdp": 4, "tensor": 8, "expert": 1}
+    assert zp.per_device_shape("query_proj", (2, 64, 16, 8), rules, sizes) == (2, 64, 2, 8)
+    assert zp.per_device_shape("key_proj", (2, 64, 4, 8), rules, sizes) == (2, 64, 1, 8)  # 4 kv heads over 8: padded to 1
+    assert zp.per_device_shape("decoder_layer_input", (2, 64, 32), rules, sizes) == (2, 8, 32)  # embed's fsdp taken by batch
+    assert zp.per_device_shape("moe_mlpwi_0", (96, 40), rules, sizes) == (96, 5)  # routed rows as traced, mlp over tensor
+    assert zp.per_device_shape("query_proj", (2, 64, 16, 8)) == (2, 64, 16, 8)  # no rules: as traced
+    with pytest.raises(PlanError, match="query_proj"):
+        zp.per_device_shape("query_proj", (2, 64, 128), rules, sizes)

@@ -195,24 +195,41 @@ def test_cli_bad_host_settings_are_one_line(args, message, capsys):
 
 
 def test_llama_405b_on_gb200_stays_within_the_host_memory_of_a_compute_tray(tmp_path):
-    """The issue's command (abstract shapes: nothing is allocated or compiled), with no host budget
-    and with GB200's. It used to 'fit' by putting 1.4 TB of tags per device on host: a GB200 tray has
-    2 x 480 GB of Grace memory for 4 GPUs, 240 GB each. One process for both plans, its own, since
-    xla.cpu_devices=128 has to reach XLA before JAX starts."""
+    """The issue's command (abstract shapes: nothing is allocated or compiled), with GB200's host budget
+    and a tighter one. It used to 'fit' by putting 1.4 TB of tags per device on host (the tags counted
+    whole, not split over tensor): a GB200 tray has 2 x 480 GB of Grace memory for 4 GPUs, 240 GB each.
+    The tight budget is below what the GB200 plan puts on host, so it has to bind. One process for both
+    plans, its own, since xla.cpu_devices=128 has to reach XLA before JAX starts."""
     args = ["model=llama3.1_405b", "xla.cpu_devices=128", "mesh=llama3.1_405b_128", "data.batch_size=1024", "data.seq_len=4096",
             "trainer.grad_accum=8", "hardware=gb200", f"plan.out={tmp_path / 'p.yaml'}"]
-    runs = {"unlimited": [*args, "plan.host_budget_gb=100000", f"plan.json={tmp_path / 'unlimited.json'}"],
+    runs = {"tight": [*args, "plan.host_budget_gb=100", f"plan.json={tmp_path / 'tight.json'}"],
             "gb200": [*args, f"plan.json={tmp_path / 'gb200.json'}"]}
     script = f"import sys; from zoo.plan import main; sys.exit(max(main(a) for a in {list(runs.values())!r}))"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     p = subprocess.run([sys.executable, "-c", script], cwd=pathlib.Path(zp.__file__).parent.parent, env=env,
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
-    unlimited = json.loads((tmp_path / "unlimited.json").read_text())
-    assert unlimited["estimate"]["host_bytes"] > 1000e9  # what the planner picks with no host budget
     got = json.loads((tmp_path / "gb200.json").read_text())
     assert got["info"]["host_budget_bytes"] == 240e9 and got["info"]["devices_per_node"] == 4
     est = got["estimate"]
-    assert 0 < est["host_bytes"] <= 240e9 and est["host_node_bytes"] == pytest.approx(4 * est["host_bytes"])
+    assert 100e9 < est["host_bytes"] <= 240e9 and est["host_node_bytes"] == pytest.approx(4 * est["host_bytes"])
     assert est["peak_bytes"] <= got["info"]["budget_bytes"]
+    tight = json.loads((tmp_path / "tight.json").read_text())["estimate"]
+    assert 0 < tight["host_bytes"] <= 100e9 and tight["peak_bytes"] <= got["info"]["budget_bytes"]
     assert "per node of 4; budget 240.000 GB per device, 960.000 GB per node" in p.stdout
+
+
+def test_holders_count_each_layer_range_under_its_own_preset():
+    # offload.ranges: layers 3-6 (4 of the stack's 10) offload both tags, the other 6 keep them. The
+    # holders' tag bytes add up to the estimate's, on device and on host, and name the range.
+    p = make_problem({"a": (100, 1e9, KEEP_OR_OFFLOAD), "b": (300, 1e9, zp.CHOICES)})
+    p = dataclasses.replace(p, fixed=[zp.FixedRange("layers 3-6 qkv", {"s": 4}, {"a": "offload", "b": "offload"})])
+    e = evaluate(p, {"a": "device", "b": "device"})
+    for memory, total, where in (("hbm", e.device_tag_bytes, "device"), ("host", e.host_tag_bytes, "offload")):
+        tags = [h for h in zp.holders(p, e, memory) if h.name.startswith("tag ")]
+        assert sum(h.bytes for h in tags) == pytest.approx(total) and total > 0, (memory, tags)
+    held = {h.name: h.bytes for h in zp.holders(p, e, "host") if h.name.startswith("tag ")}
+    assert held == {"tag a (s, layers 3-6 qkv)": pytest.approx(400 * MB), "tag b (s, layers 3-6 qkv)": pytest.approx(1200 * MB)}
+    held = {h.name: h.bytes for h in zp.holders(p, e, "hbm") if h.name.startswith("tag ")}
+    assert held == {"tag a (s, 6 layers outside the ranges)": pytest.approx(600 * MB), "tag b (s, 6 layers outside the ranges)": pytest.approx(1800 * MB)}
+    assert "layers 3-6 qkv" in zp.holders_table(p, e, "host")

@@ -13,7 +13,10 @@ The cost model (per device, per step; every number it uses is printed in the est
   tensors gain nothing). The link is full duplex, `link` GB/s each way. Within a layer, transfers
   overlap the layer's compute (forward: its forward FLOPs; backward: twice those plus what it
   recomputes), so only the excess `max(0, transfer - compute)` is exposed.
-- `device` costs HBM: the tag's bytes per layer times the layers.
+- `device` costs HBM: the tag's bytes per layer times the layers. A tag's bytes are one device's:
+  its traced array's logical axes (`zoo.tags.TagInfo.axes`) under the run's sharding rules
+  (`per_device_shape`: tensor parallelism splits the heads and the MLP hidden dim, sequence
+  parallelism the kept layer input).
 - HBM is the larger of two phases: forward/backward (parameters on device, gradients, optimizer
   state if on device, the kept tags, untagged residuals and a working set: two layers'
   intermediates with one layer's attention transient, or the head + loss, whichever is larger;
@@ -40,7 +43,7 @@ fits, the one-line error names the budget that failed and the smallest of each t
 
 With `offload.ranges`, each range's layers count under their preset's actions (`FixedRange`,
 `with_ranges`) and the search assigns the tags of the other layers: the plan is the top-level policy
-that goes with the ranges. (The holders listing counts every layer under the searched assignment.)
+that goes with the ranges; the holders listing counts each range under its preset too.
 """
 
 import dataclasses
@@ -569,15 +572,26 @@ class Change:
 
 
 def _tag_holders(p: Problem, e: Estimate, where: str) -> list[Holder]:
+    """The tags held `where` (device or offload): the searched layers' under `e.assignment`, each
+    range of `offload.ranges` under its own preset's (`p.fixed`)."""
+    free = free_layers(p)
+    groups = [(e.assignment, free, None)] + [(f.assignment, f.layers, f.label) for f in p.fixed]
     out = []
-    for t in p.tags:
-        if e.assignment[t.tag] != where:
-            continue
-        for s, b in t.bytes_per_layer.items():
-            sc = p.stacks[s]
-            if b:
-                layers = f"layers {sc.layer_range}" if sc.layer_range else f"{sc.layers} layers"
-                out.append(Holder(f"tag {t.tag} ({s}, {layers})", b * sc.layers, f"{_fmt_bytes(b)} per layer"))
+    for assignment, layers_of, label in groups:
+        for t in p.tags:
+            if assignment.get(t.tag) != where:
+                continue
+            for s, b in t.bytes_per_layer.items():
+                sc, n = p.stacks[s], layers_of.get(s, 0)
+                if not b or not n:
+                    continue
+                if label is not None:
+                    layers = label
+                elif n == sc.layers and sc.layer_range:
+                    layers = f"layers {sc.layer_range}"
+                else:
+                    layers = f"{n} layers" + (" outside the ranges" if p.fixed else "")
+                out.append(Holder(f"tag {t.tag} ({s}, {layers})", b * n, f"{_fmt_bytes(b)} per layer"))
     return out
 
 
@@ -905,19 +919,46 @@ def layer_forward_flops(config, stack: str, batch: int, seq: int) -> float:
     return sum(producer_flops(config, t, stack, batch, seq) for t in emitted_tags(config))
 
 
-def tag_costs(config, records, batch: int, seq: int, divide: float = 1.0, sequence_ways: int = 1) -> list[TagCost]:
-    """TagCosts from the inspector's records (traced shapes and dtypes; `divide`: how many devices
-    the traced activations are split over; `sequence_ways`: how many ways sequence parallelism splits
-    the layer input, which it keeps split along the sequence). Tags the backward never reads are left
-    out; the layer input can be kept or offloaded, not recomputed."""
+def per_device_shape(tag: str, shape: Sequence[int], rules=None, sizes=None) -> tuple[int, ...]:
+    """The shape one device holds of a tag's traced array `shape` (traced per data-parallel rank:
+    batch and routed rows already split), under the logical-axis `rules` on a mesh of axis `sizes`:
+    each dim of the tag's logical axes (`zoo.tags.TagInfo.axes`) divided by the mesh axes its rule
+    gives it (rounded up, as the partitioner pads), a mesh axis used by an earlier dim skipped as in
+    `zoo.sharding.logical_to_spec`. No rules: the traced shape."""
+    from zoo.sharding import logical_to_spec
+    from zoo.tags import TAGS
+
+    layouts = [a for a in TAGS[tag].axes if len(a) == len(shape)] if tag in TAGS else []
+    if not layouts:
+        raise PlanError(
+            f"model: tag {tag!r} traced as shape {tuple(shape)}, which none of its logical axes in zoo.tags "
+            f"({TAGS[tag].axes if tag in TAGS else 'none'}) describes; give the tag its layout there"
+        )
+    if rules is None:
+        return tuple(shape)
+    logical = tuple("batch" if a == "rows" else a for a in layouts[0])
+    spec = logical_to_spec(logical, {k: list(v) for k, v in rules.items()})
+    out = []
+    for dim, name, entry in zip(shape, logical, spec):
+        axes = () if name == "batch" or entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        out.append(-(-int(dim) // math.prod(int(sizes.get(a, 1)) for a in axes)))
+    return tuple(out)
+
+
+def tag_costs(config, records, batch: int, seq: int, rules=None, sizes=None) -> list[TagCost]:
+    """TagCosts from the inspector's records (traced shapes and dtypes, per data-parallel rank), each
+    tag's bytes per device as `per_device_shape` splits it under `rules` on a mesh of axis `sizes`
+    (tensor parallelism: the heads and the MLP hidden dim; sequence parallelism: the kept layer input).
+    Tags the backward never reads are left out; the layer input can be kept or offloaded, not
+    recomputed."""
     by_tag: dict[str, TagCost] = {}
     for r in records:
         if r.tag in backward_never_reads(config):
             continue
         choices = ("device", "offload") if r.tag in CHECKPOINT_INPUTS else CHOICES
         t = by_tag.setdefault(r.tag, TagCost(r.tag, {}, {}, choices))
-        split = divide * (sequence_ways if r.tag in CHECKPOINT_INPUTS else 1)
-        t.bytes_per_layer[r.stack] = t.bytes_per_layer.get(r.stack, 0.0) + r.bytes_per_layer / split
+        share = math.prod(per_device_shape(r.tag, r.shape, rules, sizes)) / max(1, math.prod(r.shape))
+        t.bytes_per_layer[r.stack] = t.bytes_per_layer.get(r.stack, 0.0) + r.bytes_per_layer * share
         t.recompute_flops_per_layer[r.stack] = 0.0 if r.tag in CHECKPOINT_INPUTS else producer_flops(config, r.tag, r.stack, batch, seq)
     return list(by_tag.values())
 
@@ -1129,10 +1170,10 @@ def problem_from_config(c, trainer, opts: PlanConfig, hardware_dir=None, attenti
     abstract = zoo_model.abstract(m)
     tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
     placement = inspect_placement(jax.grad(lambda mod, tok: loss_fn(mod, tok, remat_policy=policy)), abstract, tokens, stacks=stack_names(abstract))
-    # Under sequence parallelism the kept layer inputs are split along the sequence (zoo.model.DecoderBlock);
-    # the traced records are whole sequences.
+    # The traced records are whole sequences, heads and MLP hidden dims: each tag sized as the mesh
+    # splits it (tensor parallelism; sequence parallelism for the kept layer input, zoo.model.DecoderBlock).
     sequence_ways = _ways(c, trainer, "seq")
-    tags = tag_costs(m, placement.records, batch, seq, sequence_ways=sequence_ways)
+    tags = tag_costs(m, placement.records, batch, seq, rules=c.mesh.rules, sizes=sizes)
 
     stacks = {}
     param_bytes, stack_params = per_device_bytes(trainer.abstract_params, trainer.param_shardings, stack_names(abstract))
@@ -1165,7 +1206,11 @@ def problem_from_config(c, trainer, opts: PlanConfig, hardware_dir=None, attenti
     # Working set: two layers' intermediates (the one in backward, the next in flight) with one
     # layer's attention transient, or the head + loss, whichever is larger (they do not overlap).
     per_layer = max((sum(t.bytes_per_layer.get(s, 0.0) for t in tags) for s in stacks), default=0.0)
-    mlpwo_bytes = max((r.bytes_per_layer for r in placement.records if r.tag in backward_never_reads(m)), default=0)
+    mlpwo_bytes = max(
+        (r.bytes_per_layer * math.prod(per_device_shape(r.tag, r.shape, c.mesh.rules, sizes)) / max(1, math.prod(r.shape))
+         for r in placement.records if r.tag in backward_never_reads(m)),
+        default=0,
+    )
     heads_ways = _ways(c, trainer, "heads")
     attention = attention_working_bytes(
         attention_impl, batch=batch, seq=seq, heads=max(1, m.num_heads // heads_ways), kv_heads=max(1, (m.num_kv_heads if not m.uses_mla else m.num_heads) // heads_ways),

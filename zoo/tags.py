@@ -38,31 +38,43 @@ LAYER, ATTENTION, MLP, MLA, MOE = "layer", "attention", "mlp", "mla", "moe"
 OPTIONAL_KINDS = (MLP, MLA, MOE)
 
 
+# The logical axes (zoo.sharding) of a tag's array, one tuple per layout it can have (MoE tags: the
+# ragged rows `A ...` or the capacity buffers `E C ...`), read by the planner to size each tag per
+# device under the run's sharding rules. `batch` and `rows` are the dims the planner traces per
+# data-parallel rank already (rows: routed assignments or the experts x capacity buffers, as many per
+# device whichever rank computes them: expert parallelism trades experts for capacity); `None` is a
+# dim no rule splits. Inside a block the sequence is whole (sequence parallelism
+# gathers it before the projections, zoo.sharding.sequence_gathered); only the layer input, between
+# blocks, has `seq`.
+_IN_BLOCK = ("batch", None)
+
+
 @dataclasses.dataclass(frozen=True)
 class TagInfo:
     name: str
     shape: str
     doc: str
     block: str
+    axes: tuple[tuple[Optional[str], ...], ...] = ()
 
 
 _VOCABULARY = (
-    TagInfo("decoder_layer_input", "B T D", "residual stream entering a decoder layer", LAYER),
-    TagInfo("query_proj", "B T N H", "queries after the q projection (and its bias), before q-norm and RoPE (MLA: q_b_proj output)", ATTENTION),
-    TagInfo("key_proj", "B T K H", "keys after the k projection (and its bias), before k-norm and RoPE (MLA: per-head nope keys from kv_b_proj)", ATTENTION),
-    TagInfo("value_proj", "B T K H", "values after the v projection (MLA: per-head values from kv_b_proj)", ATTENTION),
-    TagInfo("context", "B T N V", "attention output, before the out projection", ATTENTION),
-    TagInfo("out_proj", "B T D", "attention output after the out projection", ATTENTION),
-    TagInfo("mlpwi_0", "B T F", "dense MLP gate projection (before the activation); DeepSeek-V3: dense layers and shared experts", MLP),
-    TagInfo("mlpwi_1", "B T F", "dense MLP up projection", MLP),
-    TagInfo("mlpwo", "B T D", "dense MLP down projection output", MLP),
-    TagInfo("query_wa_proj", "B T R", "MLA q down-projection (q_a_proj) output; absent when q_lora_rank is null", MLA),
-    TagInfo("mla_q", "B T R", "MLA q latent after its RMSNorm; absent when q_lora_rank is null", MLA),
-    TagInfo("kv_wa_proj", "B T L+P", "MLA kv down-projection (kv_a_proj_with_mqa) output: kv latent and the shared rope key", MLA),
-    TagInfo("mla_kv", "B T L", "MLA kv latent after its RMSNorm", MLA),
-    TagInfo("moe_mlpwi_0", "A I | E C I", "routed experts' gate projection (and bias), tokens sorted or dispatched by expert", MOE),
-    TagInfo("moe_mlpwi_1", "A I | E C I", "routed experts' up projection (and bias)", MOE),
-    TagInfo("moe_mlpwo", "A D | E C D", "routed experts' down projection output (and bias), before combining", MOE),
+    TagInfo("decoder_layer_input", "B T D", "residual stream entering a decoder layer", LAYER, (("batch", "seq", "embed"),)),
+    TagInfo("query_proj", "B T N H", "queries after the q projection (and its bias), before q-norm and RoPE (MLA: q_b_proj output)", ATTENTION, ((*_IN_BLOCK, "heads", None),)),
+    TagInfo("key_proj", "B T K H", "keys after the k projection (and its bias), before k-norm and RoPE (MLA: per-head nope keys from kv_b_proj)", ATTENTION, ((*_IN_BLOCK, "kv_heads", None),)),
+    TagInfo("value_proj", "B T K H", "values after the v projection (MLA: per-head values from kv_b_proj)", ATTENTION, ((*_IN_BLOCK, "kv_heads", None),)),
+    TagInfo("context", "B T N V", "attention output, before the out projection", ATTENTION, ((*_IN_BLOCK, "heads", None),)),
+    TagInfo("out_proj", "B T D", "attention output after the out projection", ATTENTION, ((*_IN_BLOCK, "embed"),)),
+    TagInfo("mlpwi_0", "B T F", "dense MLP gate projection (before the activation); DeepSeek-V3: dense layers and shared experts", MLP, ((*_IN_BLOCK, "mlp"),)),
+    TagInfo("mlpwi_1", "B T F", "dense MLP up projection", MLP, ((*_IN_BLOCK, "mlp"),)),
+    TagInfo("mlpwo", "B T D", "dense MLP down projection output", MLP, ((*_IN_BLOCK, "embed"),)),
+    TagInfo("query_wa_proj", "B T R", "MLA q down-projection (q_a_proj) output; absent when q_lora_rank is null", MLA, ((*_IN_BLOCK, None),)),
+    TagInfo("mla_q", "B T R", "MLA q latent after its RMSNorm; absent when q_lora_rank is null", MLA, ((*_IN_BLOCK, None),)),
+    TagInfo("kv_wa_proj", "B T L+P", "MLA kv down-projection (kv_a_proj_with_mqa) output: kv latent and the shared rope key", MLA, ((*_IN_BLOCK, None),)),
+    TagInfo("mla_kv", "B T L", "MLA kv latent after its RMSNorm", MLA, ((*_IN_BLOCK, None),)),
+    TagInfo("moe_mlpwi_0", "A I | E C I", "routed experts' gate projection (and bias), tokens sorted or dispatched by expert", MOE, (("rows", "mlp"), ("rows", "rows", "mlp"))),
+    TagInfo("moe_mlpwi_1", "A I | E C I", "routed experts' up projection (and bias)", MOE, (("rows", "mlp"), ("rows", "rows", "mlp"))),
+    TagInfo("moe_mlpwo", "A D | E C D", "routed experts' down projection output (and bias), before combining", MOE, (("rows", "embed"), ("rows", "rows", "embed"))),
 )
 
 TAGS: dict[str, TagInfo] = {t.name: t for t in _VOCABULARY}
