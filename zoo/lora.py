@@ -40,7 +40,7 @@ class LoraConfig:
     rank: int = 0
     alpha: float = 16.0
     dropout: float = 0.0
-    targets: list = dataclasses.field(default_factory=lambda: ["wq", "wv"])
+    targets: list[str] = dataclasses.field(default_factory=lambda: ["wq", "wv"])
     base_on_host: bool = False  # the frozen base in pinned host memory, brought to the device per layer
 
     def __post_init__(self):

@@ -187,6 +187,8 @@ def _train(c: TrainConfig, plan, devices, out_dir: pathlib.Path, xla_flags: str,
         f"batch {c.data.batch_size}x{c.data.seq_len}, {steps} steps"
     )
     echo(kernels_line(c, plan))
+    if trainer.lora is not None:
+        echo(lora_line(c, trainer))
     optimize, why = trainer.cpu_optimization()
     if optimize is not None:
         echo(f"XLA:CPU compile: LLVM optimisations {'on (slower compile, faster steps)' if optimize else 'off (faster compile, slower steps)'}; {why}")
@@ -268,6 +270,25 @@ def _train(c: TrainConfig, plan, devices, out_dir: pathlib.Path, xla_flags: str,
         f"of {c.hardware.name}{' (nominal)' if c.hardware.nominal else ''}; summary: {out_dir / 'summary.json'}"
     )
     return summary
+
+
+def lora_line(c: TrainConfig, trainer) -> str:
+    """Trainable parameters and optimizer-state bytes with the adapters against full fine-tuning."""
+    import jax
+
+    def nbytes(tree):
+        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+    full_opt = nbytes(jax.eval_shape(trainer.tx.init, trainer.abstract_base))
+    lora_opt = nbytes(jax.eval_shape(trainer.tx.init, trainer.abstract_params))
+    trainable = sum(x.size for x in jax.tree.leaves(trainer.abstract_params))
+    total = sum(x.size for x in jax.tree.leaves(trainer.abstract_base))
+    where = "pinned host memory, streamed per layer" if trainer.params_on_host else "device memory"
+    return (
+        f"lora: rank {c.lora.rank}, alpha {c.lora.alpha:g} on {','.join(c.lora.targets)}; trainable {trainable:,} of {total:,} "
+        f"parameters ({100 * trainable / total:.2f}%), optimizer state {lora_opt / 2**20:.2f} MiB vs {full_opt / 2**20:.2f} MiB "
+        f"full fine-tuning; frozen base in {where}"
+    )
 
 
 def offload_label(c: TrainConfig, overrides=()) -> str:
