@@ -521,6 +521,8 @@ def _summary(c: TrainConfig, plan, trainer, state, data, log: StepLog, ckpt, sta
     from zoo.train.metrics import compiled_flops
 
     kinds = {"params": sorted(memory_kinds(state["params"])), "opt_state": sorted(memory_kinds(state["opt_state"]))}
+    if "base" in state:  # LoRA's frozen base
+        kinds["base"] = sorted(memory_kinds(state["base"]))
     timed = log.times[1:] if len(log.times) > 1 else log.times  # the first call also pays one-off dispatch costs
     step_time = statistics.median(timed)
     perf = log.throughput(step_time)
