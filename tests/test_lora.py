@@ -174,3 +174,9 @@ def test_train_py_lora_base_on_host_checkpoints_only_adapters_and_resumes(tmp_pa
     assert params and all(p[-1] in ("a", "b") for p in params)
     out, summary = run(8, "b")
     assert "resuming from step 6" in out and summary["start_step"] == 6 and summary["steps_run"] == 2
+    # The same checkpoint.dir without adapters: one line, exit 2, before compiling.
+    p = subprocess.run([a for a in args if not a.startswith("lora")] + ["trainer.steps=10", f"hydra.run.dir={tmp_path / 'c'}"],
+                       cwd=tmp_path, env=dict(os.environ), capture_output=True, text=True, timeout=600)  # fmt: skip
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert p.returncode == 2 and len(lines) == 1, p.stderr[-2000:]
+    assert "holds lora.rank=8 lora.targets=[wq,wk,wv,wo,w_gate,w_up,w_down], this run trains no adapters;" in lines[0]

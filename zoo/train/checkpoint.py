@@ -489,6 +489,14 @@ class Checkpoints:
                 f"checkpoint.dir: {path} is from another model (model.{k}={_show(a)} there, {_show(b)} here{more}); "
                 "train that model to resume it, or give this run a new checkpoint.dir"
             )
+        if there.get("lora") != here["lora"]:  # adapters there and a whole model here, or other adapters
+            def show(x):
+                return "no adapters" if not x else f"lora.rank={x['rank']} lora.targets=[{','.join(x['targets'])}]"
+
+            raise ConfigError(
+                f"checkpoint.dir: {path} holds {show(there.get('lora'))}, this run trains {show(here['lora'])}; "
+                "use the checkpoint's lora settings, or give this run a new checkpoint.dir"
+            )
         sig_here = here["state"]
         for key in list(dict.fromkeys([*sig_here, *there_state])):
             a, b = there_state.get(key), sig_here.get(key)
@@ -633,8 +641,9 @@ class Checkpoints:
         if step in self.saved:  # (decided alike in every process: they must all call save, or none)
             return
         meta = {**self.meta(), "step": step}
+        saved = {k: v for k, v in state.items() if k != "base"}  # LoRA's frozen base is rebuilt, not saved
         with ctrl_c_deferred():  # a Ctrl-C here would abandon the copy half done, and with it this step
-            self._manager().save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(self.trainer.saved(state)), meta=ocp.args.JsonSave(meta)), force=True)
+            self._manager().save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(saved), meta=ocp.args.JsonSave(meta)), force=True)
             self.saved.append(step)
 
     def wait(self) -> None:
