@@ -107,6 +107,7 @@ GROUPS = {
     "planner": [r"^python -m zoo\.plan model=llama_1b"],
     "measure_hardware": [r"^python -m zoo\.measure_hardware"],
     "divergence": [r"optimizer\.lr=1e30"],
+    "lora_finetune": [r"^python train\.py data=text lora=default lora\.base_on_host=true model=hf"],
     "moe_routing": [r"trainer\.moe_imbalance_warn=1\.5 hydra\.run\.dir=outputs/moe$", r"^python -m zoo\.report outputs/moe$"],
     # The recorded ~100M runs (docs/models.md), 26-37 s each on the quiet 2-core machine: two per group, so they spread.
     "recorded_100m_qwen": [r"^python train\.py model=(qwen2|qwen3)_100m mesh=single"],
@@ -119,7 +120,7 @@ EXIT = {r"optimizer\.lr=1e30": 1}  # a diverged run: one error line, exit code 1
 # The shown lines a command is held to: the figures that say it did what the docs claim. Everything
 # else shown under a command is illustration and may differ (or be edited) freely.
 FIGURE = re.compile(
-    r"^(error: |note: checkpoint|loss \S+ -> |step \d+/\d+ loss |checkpoints: |stopped by |estimated |counted: |"
+    r"^(error: |note: checkpoint|lora: rank |loss \S+ -> |step \d+/\d+ loss |checkpoints: |stopped by |estimated |counted: |"
     r"scale: |per device: |tags on host |update: |policy |model \w+ \(|wrote |cpu: matmul |"
     r"[a-z][a-z0-9_]*\s+(dense_layers|moe_layers|layers)(\[\d+-\d+\])?\s|[a-z][a-z0-9_]*\s+[\d.]+ [kMG]?B\s|\| \w+ \(\w+\) \||"
     r"  layers \d+-\d+ \()"

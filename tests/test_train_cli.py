@@ -148,6 +148,12 @@ FUZZ = [
     ("zoo.report", ["{tmp}", "--out", OUT], f"--out: cannot write {OUT}/report.md"),
     ("zoo.report", ["{tmp}/empty_dir"], "dir: no summary.json under {tmp}/empty_dir"),
     ("zoo.sizes", ["nosuch"], "nosuch: no such size; choose from llama_tiny_a, "),
+    # LoRA (issue 32 part 4): a target the family lacks, a rank larger than the projection, a bad key.
+    ("train", ["model=llama_tiny_a", "lora=default", "lora.targets=[wq,wkv_a]"], "lora.targets: this model has no 'wkv_a' projection; its projections are "),
+    ("train", ["lora=default", "lora.targets=[wk]"], "lora.targets: this model has no 'wk' projection"),
+    ("train", ["model=llama_tiny_a", "lora=default", "lora.rank=100000"], "lora.rank: 100000 exceeds the "),
+    ("train", ["lora=default", "lora.targets=[q_proj]"], "lora.targets: unknown projection 'q_proj'; choose from wq, "),
+    ("train", ["lora=default", "lora.rank=-2"], "lora.rank: must be >= 0"),
 ]
 
 

@@ -27,6 +27,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 from zoo import sharding as zs
 from zoo import tags
 from zoo.config import LayerSpec, ModelConfig, count_params
+from zoo.lora import merge_block
 from zoo.nn import GatedMLP, GQAttention, MLAttention, MoE, MoEAux, RMSNorm
 from zoo.nn._init import normal
 from zoo.nn.cache import KVCache, LatentCache
@@ -243,7 +244,8 @@ class Stack(eqx.Module):
 
     def _block(self, block_params, static, j: int) -> DecoderBlock:
         block_params = zs.cast_for_compute(block_params, self.compute_dtype)  # before FSDP gathers them
-        return eqx.combine(block_params, static[j])
+        # LoRA adapters (zoo.lora) are folded into this one layer's weights here, inside the scan.
+        return merge_block(eqx.combine(block_params, static[j]))
 
     def prefill(
         self, x: Float[Array, "batch seq embed"], lengths: Int[Array, " batch"], max_len: int

@@ -379,7 +379,8 @@ class Checkpoints:
             "data": dataclasses.asdict(c.data),
             "trainer": dataclasses.asdict(c.trainer),
             "pretrained": dataclasses.asdict(c.pretrained) if c.pretrained is not None else None,  # model=hf: the initial weights
-            "state": state_signature(self.trainer.abstract_state()),
+            "lora": dataclasses.asdict(c.lora) if c.lora.enabled else None,  # the state's params are its adapters
+            "state": state_signature(self.trainer.saved(self.trainer.abstract_state())),
         }
         return self._meta
 
@@ -488,6 +489,14 @@ class Checkpoints:
                 f"checkpoint.dir: {path} is from another model (model.{k}={_show(a)} there, {_show(b)} here{more}); "
                 "train that model to resume it, or give this run a new checkpoint.dir"
             )
+        if there.get("lora") != here["lora"]:  # adapters there and a whole model here, or other adapters
+            def show(x):
+                return "no adapters" if not x else f"lora.rank={x['rank']} lora.targets=[{','.join(x['targets'])}]"
+
+            raise ConfigError(
+                f"checkpoint.dir: {path} holds {show(there.get('lora'))}, this run trains {show(here['lora'])}; "
+                "use the checkpoint's lora settings, or give this run a new checkpoint.dir"
+            )
         sig_here = here["state"]
         for key in list(dict.fromkeys([*sig_here, *there_state])):
             a, b = there_state.get(key), sig_here.get(key)
@@ -560,11 +569,17 @@ class Checkpoints:
         """The state saved at `step`, read into this run's shardings and memory kinds."""
         import orbax.checkpoint as ocp
 
-        abstract = self.trainer.abstract_state()
+        abstract = self.trainer.saved(self.trainer.abstract_state())  # LoRA: no frozen base on disk
         args = ocp.args.Composite(
             state=ocp.args.PyTreeRestore(item=abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract))
         )
-        return self._manager().restore(step, args=args)["state"]
+        state = self._manager().restore(step, args=args)["state"]
+        return self._with_base(state)
+
+    def _with_base(self, state):
+        if self.trainer.lora is None:
+            return state
+        return self.trainer.with_base(state, self.trainer.fresh_base())
 
     def restore_newest(self, step: int) -> tuple[int, Any]:
         """`(step, state)`: the state saved at `step` (what `check()` chose), or, where that cannot be
@@ -626,8 +641,9 @@ class Checkpoints:
         if step in self.saved:  # (decided alike in every process: they must all call save, or none)
             return
         meta = {**self.meta(), "step": step}
+        saved = {k: v for k, v in state.items() if k != "base"}  # LoRA's frozen base is rebuilt, not saved
         with ctrl_c_deferred():  # a Ctrl-C here would abandon the copy half done, and with it this step
-            self._manager().save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(meta)), force=True)
+            self._manager().save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(saved), meta=ocp.args.JsonSave(meta)), force=True)
             self.saved.append(step)
 
     def wait(self) -> None:

@@ -18,6 +18,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 
 from zoo.config import ModelConfig
 from zoo.hf.pretrained import PretrainedSource
+from zoo.lora import LoraConfig
 from zoo.offload import OffloadConfig, check_tags_emitted
 from zoo.train.xla_flags import flag_name, unknown_flags
 from zoo.sharding import DEFAULT_RULES, MESH_AXES, MeshShape, ShardingError, resolve_mesh_shape
@@ -377,6 +378,7 @@ class TrainConfig:
     hardware: HardwareConfig
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
+    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
     # Not a group: where the initial weights come from when the model group names a path (model=hf).
     pretrained: Optional[PretrainedSource] = dataclasses.field(default=None, metadata={"group": False})
 
@@ -565,6 +567,12 @@ def validate(c: TrainConfig, available_devices: int, abstract_model=None) -> Pla
             check_weights(c.pretrained, abstract_model)
         except ValueError as e:
             raise ConfigError(str(e).splitlines()[0]) from None
+    if abstract_model is not None and c.lora.enabled:
+        from zoo.lora import check as check_lora
+
+        problem = check_lora(abstract_model, c.lora)  # a target the family lacks, a rank over a projection
+        if problem:
+            raise ConfigError(problem)
     if abstract_model is not None:
         from zoo.sharding import param_specs
 

@@ -193,6 +193,8 @@ def _train(c: TrainConfig, plan, devices, out_dir: pathlib.Path, xla_flags: str,
         note = capacity_note(c.model.family, c.model.moe.impl)
         if note:
             echo(f"note: {note}")
+    if trainer.lora is not None:
+        echo(lora_line(c, trainer))
     optimize, why = trainer.cpu_optimization()
     if optimize is not None:
         echo(f"XLA:CPU compile: LLVM optimisations {'on (slower compile, faster steps)' if optimize else 'off (faster compile, slower steps)'}; {why}")
@@ -274,6 +276,25 @@ def _train(c: TrainConfig, plan, devices, out_dir: pathlib.Path, xla_flags: str,
         f"of {c.hardware.name}{' (nominal)' if c.hardware.nominal else ''}; summary: {out_dir / 'summary.json'}"
     )
     return summary
+
+
+def lora_line(c: TrainConfig, trainer) -> str:
+    """Trainable parameters and optimizer-state bytes with the adapters against full fine-tuning."""
+    import jax
+
+    def nbytes(tree):
+        return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+    full_opt = nbytes(jax.eval_shape(trainer.tx.init, trainer.abstract_base))
+    lora_opt = nbytes(jax.eval_shape(trainer.tx.init, trainer.abstract_params))
+    trainable = sum(x.size for x in jax.tree.leaves(trainer.abstract_params))
+    total = sum(x.size for x in jax.tree.leaves(trainer.abstract_base))
+    where = "pinned host memory, streamed per layer" if trainer.params_on_host else "device memory"
+    return (
+        f"lora: rank {c.lora.rank}, alpha {c.lora.alpha:g} on {','.join(c.lora.targets)}; trainable {trainable:,} of {total:,} "
+        f"parameters ({100 * trainable / total:.2f}%), optimizer state {lora_opt / 2**20:.2f} MiB vs {full_opt / 2**20:.2f} MiB "
+        f"full fine-tuning; frozen base in {where}"
+    )
 
 
 def offload_label(c: TrainConfig, overrides=()) -> str:
@@ -506,6 +527,8 @@ def _summary(c: TrainConfig, plan, trainer, state, data, log: StepLog, ckpt, sta
     from zoo.train.metrics import compiled_flops
 
     kinds = {"params": sorted(memory_kinds(state["params"])), "opt_state": sorted(memory_kinds(state["opt_state"]))}
+    if "base" in state:  # LoRA's frozen base
+        kinds["base"] = sorted(memory_kinds(state["base"]))
     timed = log.times[1:] if len(log.times) > 1 else log.times  # the first call also pays one-off dispatch costs
     step_time = statistics.median(timed)
     perf = log.throughput(step_time)

@@ -25,6 +25,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array, Float
 
+from zoo import lora
 from zoo import model as zoo_model
 from zoo import offload
 from zoo import sharding as zs
@@ -136,26 +137,43 @@ class Trainer:
         self.rules = rules
         abstract = zoo_model.abstract(cfg.model)
         self.abstract_params, self.static = eqx.partition(abstract, is_array_like)
+        # LoRA: the trainable `params` are the adapters (zoo.lora); the frozen base is the state's
+        # `base`, which gets no gradient, no optimizer state and is not checkpointed.
+        self.lora = cfg.lora if cfg.lora.enabled else None
+        self.abstract_base = None
+        if self.lora is not None:
+            self.abstract_base = self.abstract_params
+            self.abstract_params = lora.init_shapes(abstract, self.lora)
         # Unclipped: the step clips by the norm it computes itself (zoo.train.update.global_norm, also
         # its grad_norm metric) on both update paths; the state is the same as the clipped chain's.
         self.tx, self.schedule = make_optimizer(cfg.optimizer, cfg.trainer.steps, clip=False)
         self.policy = remat_policy(cfg.offload, weights_of=cfg.model)
-        self.params_on_host = cfg.offload.params == "pinned_host"
+        # With LoRA, offload.params is read as the base's place (lora.base_on_host sets it too): the
+        # adapters are small and stay on the device.
+        base_kind = "pinned_host" if self.lora is not None and self.lora.base_on_host else cfg.offload.params
+        self.params_on_host = base_kind == "pinned_host"
         self.opt_on_host = cfg.offload.opt_state == "pinned_host"
         # Host-resident state is updated layer by layer (zoo.train.update), not brought to the device whole.
-        self.layerwise_update = self.params_on_host or self.opt_on_host
+        self.layerwise_update = (self.params_on_host and self.lora is None) or self.opt_on_host
 
         sizes = plan.mesh.sizes
-        param_specs = zs.param_specs(self.abstract_params, rules, sizes)
         abstract_opt = jax.eval_shape(self.tx.init, self.abstract_params)
-        opt_specs = zs.param_specs(abstract_opt, rules, sizes)
-        self.param_shardings = zs.named(self.mesh, param_specs, cfg.offload.params)
+        if self.lora is None:
+            param_specs = zs.param_specs(self.abstract_params, rules, sizes)
+            opt_specs = zs.param_specs(abstract_opt, rules, sizes)
+        else:  # adapters and their moments: a few MB at most, replicated
+            param_specs = jax.tree.map(lambda _: PartitionSpec(), self.abstract_params)
+            opt_specs = jax.tree.map(lambda _: PartitionSpec(), abstract_opt)
+        self.param_shardings = zs.named(self.mesh, param_specs, None if self.lora is not None else cfg.offload.params)
         self.opt_shardings = zs.named(self.mesh, opt_specs, cfg.offload.opt_state)
         self.state_shardings = {
             "params": self.param_shardings,
             "opt_state": self.opt_shardings,
             "step": NamedSharding(self.mesh, PartitionSpec()),
         }
+        if self.lora is not None:
+            self.base_shardings = zs.named(self.mesh, zs.param_specs(self.abstract_base, rules, sizes), base_kind)
+            self.state_shardings["base"] = self.base_shardings
         token_spec = zs.logical_to_spec(zs.TOKEN_AXES, rules)
         # Tokens arrive as [grad_accum, microbatch, seq]: the microbatch dim is the sharded batch.
         self.token_sharding = NamedSharding(self.mesh, PartitionSpec(None, *token_spec))
@@ -170,7 +188,26 @@ class Trainer:
     def _init(self, key):
         model = zoo_model.build(self.cfg.model, key=key)
         params, _ = eqx.partition(model, eqx.is_array)
+        if self.lora is not None:
+            return self._lora_state(params, key)
         return {"params": params, "opt_state": self.tx.init(params), "step": jnp.zeros((), jnp.int32)}
+
+    def _lora_state(self, base, key):
+        adapters = lora.init(eqx.combine(base, self.static), self.lora, key=jax.random.fold_in(key, 1))
+        return {"params": adapters, "opt_state": self.tx.init(adapters), "step": jnp.zeros((), jnp.int32), "base": base}
+
+    def saved(self, state):
+        """What a checkpoint holds of `state`: everything but the frozen LoRA base (rebuilt from
+        trainer.seed or model.path on resume)."""
+        return {k: v for k, v in state.items() if k != "base"}
+
+    def with_base(self, saved, base):
+        """A restored (saved) state with the frozen base put back."""
+        return saved if self.lora is None else {**saved, "base": base}
+
+    def fresh_base(self):
+        """The frozen base as `init` makes it (for a resumed LoRA run)."""
+        return self.init()["base"]
 
     def init(self, seed: Optional[int] = None):
         """Parameters and optimizer state created already sharded (and in their memory kind); read from
@@ -199,13 +236,22 @@ class Trainer:
         from zoo.train.config import ConfigError
 
         try:
-            params = load_sharded(self.cfg.pretrained.path, self.cfg.model, self.param_shardings)
+            params = load_sharded(self.cfg.pretrained.path, self.cfg.model, self.base_shardings if self.lora is not None else self.param_shardings)
         except CheckpointError as e:  # bad weights (non-finite values): before anything compiles
             raise ConfigError(f"model.path: {str(e).splitlines()[0]}") from None
         cpu = self.mesh.devices.flat[0].platform == "cpu"
+        if self.lora is not None:
+            key = jax.random.key(self.cfg.trainer.seed)
+            shardings = {k: v for k, v in self.state_shardings.items() if k != "base"}
+            init = jax.jit(lambda k: {k2: v for k2, v in self._lora_state(self.abstract_zero_base(), k).items() if k2 != "base"}, out_shardings=shardings)
+            return {**init.lower(key).compile({"xla_backend_optimization_level": 0} if cpu else None)(key), "base": params}
         opt_init = jax.jit(self.tx.init, out_shardings=self.opt_shardings).lower(params)
         opt_state = opt_init.compile({"xla_backend_optimization_level": 0} if cpu else None)(params)
         return {"params": params, "opt_state": opt_state, "step": jax.device_put(jnp.zeros((), jnp.int32), self.state_shardings["step"])}
+
+    def abstract_zero_base(self):
+        """Base-shaped zeros: the adapters' shapes depend only on the base's (traced inside jit)."""
+        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self.abstract_base)
 
     def abstract_state(self):
         """The state as ShapeDtypeStructs carrying their shardings: lower/compile without allocating."""
@@ -290,13 +336,16 @@ class Trainer:
 
     # --- the step ------------------------------------------------------------------------------
 
-    def loss_and_aux(self, params, batch):
+    def loss_and_aux(self, params, batch, base=None):
         """Next-token loss of one microbatch and the MoE routing statistics. `batch` is a token array
         `[microbatch, seq]` (the loss is the mean over its targets) or a packed dict of such fields
         (`tokens`, `segment_ids`, `positions`, `loss_mask`): attention stays within each document,
         RoPE reads `positions`, and the loss is the sum of its targets' losses over `loss_denominator`
         (set by `train_step`; 1.0 gives the plain sum; absent: their count, the mean)."""
-        model = eqx.combine(params, self.static)
+        if base is not None:  # LoRA: `params` are the adapters, merged per layer inside the scan
+            model = lora.attach(eqx.combine(base, self.static), params, self.lora)
+        else:
+            model = eqx.combine(params, self.static)
         layer_transform = zs.to_device if self.params_on_host else None
         packed = isinstance(batch, dict)
         if packed:
@@ -358,8 +407,13 @@ class Trainer:
         c = self.cfg
         accum = c.trainer.grad_accum
         params = state["params"]
-        loss_params = self._device_params(params)
-        grad_fn = jax.value_and_grad(self.loss_and_aux, has_aux=True)
+        if self.lora is not None:
+            loss_params = params
+            base = self._device_params(state["base"])
+            grad_fn = jax.value_and_grad(lambda p, mb: self.loss_and_aux(p, mb, base), has_aux=True)
+        else:
+            loss_params = self._device_params(params)
+            grad_fn = jax.value_and_grad(self.loss_and_aux, has_aux=True)
 
         def micro(mb):
             # With params on host the stacks' gradients come back in host memory and stay there: the
@@ -388,7 +442,10 @@ class Trainer:
         new_params, opt_state, grad_norm = self._update(state, grads, accum)
 
         rate = c.trainer.moe_bias_update_rate
-        if rate > 0:
+        new_base = state.get("base")
+        if rate > 0 and self.lora is not None:
+            new_base = self._balance_experts(new_base, load, rate)  # the correction bias is the base's buffer
+        elif rate > 0:
             new_params = self._balance_experts(new_params, load, rate)
 
         metrics = {"loss": loss, "grad_norm": grad_norm, "lr": self.schedule(state["step"])}
@@ -398,13 +455,15 @@ class Trainer:
             metrics["moe_dropped_fraction"] = dropped / jnp.maximum(load.sum(axis=-1), 1.0)
             if c.trainer.moe_metrics:
                 metrics["router_entropy"] = entropy
-                bias_range = self._bias_range(params)
+                bias_range = self._bias_range(state["base"] if self.lora is not None else params)
                 if bias_range is not None:
                     metrics["moe_bias_min"], metrics["moe_bias_max"] = bias_range
                 if c.trainer.tensorboard:
                     # Histograms only: [MoE layers, experts] per step is too much for metrics.jsonl at scale.
                     metrics["expert_token_share"] = load / jnp.maximum(load.sum(axis=-1, keepdims=True), 1.0)
         new_state = {"params": new_params, "opt_state": opt_state, "step": state["step"] + 1}
+        if self.lora is not None:
+            new_state["base"] = new_base
         return new_state, metrics
 
     def _update(self, state, grads, accum: int):

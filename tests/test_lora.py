@@ -1,0 +1,182 @@
+"""LoRA (zoo.lora): an adapted model with B = 0 is its base, only the adapters get gradients and they
+match a plain-JAX W + (alpha/r) A @ B reference, training lowers the loss, and bad adapters are refused."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from zoo import lora
+from zoo import model as zoo_model
+from zoo.config import SIZES
+from zoo.train.config import ConfigError
+
+TOKENS = jax.random.randint(jax.random.key(1), (2, 16), 0, 64)
+
+
+@pytest.fixture(scope="module")
+def llama():
+    c = SIZES["llama_tiny_a"]
+    return zoo_model.build(c, key=jax.random.key(0))
+
+
+def cfg(**kw):
+    return lora.LoraConfig(**{"rank": 4, "alpha": 8.0, "targets": ["wq", "wv", "wo", "w_up"], **kw})
+
+
+def tokens_for(model):
+    return TOKENS % model.config.vocab_size
+
+
+def test_zero_b_is_the_base_model(llama):
+    c = cfg()
+    adapters = lora.init(llama, c, key=jax.random.key(2))
+    assert lora.count(adapters) > 0
+    toks = tokens_for(llama)
+    base = zoo_model.loss_fn(llama, toks)
+    adapted = lora.adapted_loss(adapters, llama, c, toks)
+    assert float(adapted) == float(base)
+
+
+def _reference_model(model, adapters, c):
+    """The adapted weights built by hand, outside the scan: W + (alpha/r) A @ B per layer."""
+    for s, per_pos in enumerate(adapters):
+        for j, sites in enumerate(per_pos):
+            for key, ab in sites.items():
+                path = key.split(".")
+
+                def where(m, path=path, s=s, j=j):
+                    x = m.stacks[s].layers[j]
+                    for p in path:
+                        x = getattr(x, p)
+                    return x
+
+                w = where(model)
+                delta = jnp.einsum("lir,lro->lio", ab["a"], ab["b"])
+                model = eqx.tree_at(where, model, w + c.scale * delta.reshape(w.shape))
+    return model
+
+
+def test_gradients_only_for_adapters_and_match_reference(llama):
+    c = cfg()
+    adapters = lora.init(llama, c, key=jax.random.key(2))
+    # Non-zero B so that the A gradients are non-zero too.
+    adapters = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.key(3), x.shape), adapters)
+    toks = tokens_for(llama)
+    loss, grads = jax.jit(jax.value_and_grad(lambda ad: lora.adapted_loss(ad, llama, c, toks)))(adapters)
+    ref_loss, ref_grads = jax.jit(jax.value_and_grad(lambda ad: zoo_model.loss_fn(_reference_model(llama, ad, c), toks)))(adapters)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+        assert float(jnp.abs(r).max()) > 0
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-3, atol=1e-6)
+    # The frozen base gets no gradient through the adapted model.
+    base_grads = jax.jit(jax.grad(lambda m: zoo_model.loss_fn(lora.attach(m, adapters, c), toks)))(llama)
+    attn = base_grads.stacks[0].layers[0].attn
+    assert float(jnp.abs(attn.wq).max()) == 0.0 and float(jnp.abs(attn.wk).max()) > 0
+
+
+def test_a_few_steps_lower_the_loss(llama):
+    c = cfg()
+    adapters = lora.init(llama, c, key=jax.random.key(2))
+    tx = optax.adam(1e-2)
+    opt = tx.init(adapters)
+    toks = tokens_for(llama)
+
+    @jax.jit
+    def step(ad, opt):
+        loss, g = jax.value_and_grad(lora.adapted_loss)(ad, llama, c, toks)
+        upd, opt = tx.update(g, opt, ad)
+        return optax.apply_updates(ad, upd), opt, loss
+
+    losses = []
+    for _ in range(8):
+        adapters, opt, loss = step(adapters, opt)
+        losses.append(float(loss))
+    assert losses[-1] < losses[0] - 0.05, losses
+    # Merged weights give the attached model's logits (export / generate with adapters merged).
+    attached = lora.attach(llama, adapters, c)
+    merged = lora.merge(attached)
+    assert not any(isinstance(x, lora.LoRAWeight) for x in jax.tree.leaves(merged, is_leaf=lambda x: isinstance(x, lora.LoRAWeight)))
+    np.testing.assert_allclose(np.asarray(merged(toks)), np.asarray(attached(toks)), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "model_name, kw, message",
+    [
+        ("llama_tiny_a", {"targets": ["wkv_a"]}, "lora.targets: this model has no 'wkv_a' projection"),
+        ("dsv3_tiny_a", {"targets": ["wk"]}, "lora.targets: this model has no 'wk' projection"),
+        ("llama_tiny_a", {"rank": 100000}, "lora.rank: 100000 exceeds"),
+    ],
+)
+def test_check_refuses(model_name, kw, message):
+    abstract = zoo_model.abstract(SIZES[model_name])
+    assert lora.check(abstract, cfg(**kw)).startswith(message)
+
+
+def test_check_accepts_latent_attention():
+    abstract = zoo_model.abstract(SIZES["dsv3_tiny_a"])
+    assert lora.check(abstract, cfg(targets=["wkv_a", "wo", "w_up"])) is None
+    adapters = lora.init_shapes(abstract, cfg(targets=["wkv_a", "wo", "w_up"]))
+    assert lora.count(adapters) > 0
+
+
+def test_adapters_of_another_family_are_refused(llama):
+    c = cfg()
+    adapters = lora.init(llama, c, key=jax.random.key(2))
+    assert lora.check_family(adapters, llama, c, llama.config.family) is None
+    # Same shapes, another family: refused by the family the adapters were saved with.
+    same_shapes = zoo_model.abstract(SIZES["qwen3_tiny_a"])
+    assert lora.check_family(adapters, same_shapes, c, llama.config.family).startswith("lora: the saved adapters were made for")
+    other = zoo_model.abstract(SIZES["dsv3_tiny_a"])
+    assert lora.check_family(adapters, other, cfg(targets=["wo"])).startswith("lora: the saved adapters do not fit")
+
+
+@pytest.mark.parametrize("kw, key", [({"rank": -1}, "lora.rank"), ({"dropout": 0.1}, "lora.dropout"), ({"targets": ["q_proj"]}, "lora.targets")])
+def test_config_errors(kw, key):
+    with pytest.raises(ConfigError, match=f"^{key}:"):
+        cfg(**kw)
+
+
+@pytest.mark.slow  # two train.py processes: ~100 s on the loaded 2-core machine
+def test_train_py_lora_base_on_host_checkpoints_only_adapters_and_resumes(tmp_path):
+    """Through train.py (8 simulated devices): a real checkpoint (model=hf) fine-tuned with adapters on
+    the shipped text, the frozen base in pinned host memory; the loss falls, the checkpoint holds
+    only the adapters and their optimizer state, and a second run resumes from it."""
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    args = [
+        sys.executable, str(root / "train.py"), "model=hf", f"model.path={root / 'tests/data/llama_tiny_a'}", "data=text",
+        f"data.path={root / 'zoo/data/corpus/shakespeare'}", "lora=default", "lora.base_on_host=true", "data.batch_size=8",
+        "data.seq_len=32", "optimizer.lr=1e-2", "optimizer.warmup_steps=2", f"checkpoint.dir={tmp_path / 'ck'}",
+    ]  # fmt: skip
+
+    def run(steps, name):
+        p = subprocess.run([*args, f"trainer.steps={steps}", f"hydra.run.dir={tmp_path / name}"], cwd=tmp_path,
+                           env=dict(os.environ), capture_output=True, text=True, timeout=600)  # fmt: skip
+        assert p.returncode == 0, p.stderr[-3000:]
+        return p.stdout, json.loads((tmp_path / name / "summary.json").read_text())
+
+    out, summary = run(6, "a")
+    assert "lora: rank 8" in out and "frozen base in pinned host memory" in out
+    assert summary["memory_kinds"]["base"] == ["pinned_host"] and summary["memory_kinds"]["params"] == ["device"]
+    assert summary["last_loss"] < summary["first_loss"] - 0.3, summary
+    saved = json.loads((tmp_path / "ck" / "6" / "state" / "_METADATA").read_text())["tree_metadata"]
+    tops = {eval(k)[0] for k in saved}  # noqa: S307 - orbax writes tuple reprs of the paths
+    assert tops == {"params", "opt_state", "step"}, tops
+    params = [eval(k) for k in saved if eval(k)[0] == "params"]  # noqa: S307
+    assert params and all(p[-1] in ("a", "b") for p in params)
+    out, summary = run(8, "b")
+    assert "resuming from step 6" in out and summary["start_step"] == 6 and summary["steps_run"] == 2
+    # The same checkpoint.dir without adapters: one line, exit 2, before compiling.
+    p = subprocess.run([a for a in args if not a.startswith("lora")] + ["trainer.steps=10", f"hydra.run.dir={tmp_path / 'c'}"],
+                       cwd=tmp_path, env=dict(os.environ), capture_output=True, text=True, timeout=600)  # fmt: skip
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert p.returncode == 2 and len(lines) == 1, p.stderr[-2000:]
+    assert "holds lora.rank=8 lora.targets=[wq,wk,wv,wo,w_gate,w_up,w_down], this run trains no adapters;" in lines[0]

@@ -1,0 +1,233 @@
+"""Low-rank adapters (LoRA) over a frozen base model.
+
+A projection `W` (any shape; its input axes first, output axes last) becomes `W + (alpha / rank) * A @ B`
+with `A: [in, rank]` drawn at random and `B: [rank, out]` zero, so an adapted model starts equal to
+its base. The adapters are their own small pytree, mirroring the model's stacks: per stack, per
+position of its period, a dict `{"attn.wq": {"a": [repeats, in, rank], "b": [repeats, rank, out]}}`,
+every leaf with the stack's leading `repeats` axis, so the layer scan slices them with the base.
+
+`attach(model, adapters, config)` puts a `LoRAWeight` (base, a, b) where each adapted projection was;
+`Stack._block` merges it per layer inside the scan (`merge_block`), so training, prefill and decode all
+see the adapted weights and the base is never merged whole. Only the adapters are differentiated:
+callers take gradients with respect to `adapters` with the base closed over (`adapted_loss`).
+
+Targets are the projection names the family's modules use: `wq wk wv wo` (grouped-query attention),
+`wq wq_a wq_b wkv_a wk_b wv_b wo` (latent attention, DeepSeek), `w_gate w_up w_down` (the gated MLP,
+and a MoE's shared experts). Routed experts are not adapted.
+"""
+
+import dataclasses
+import math
+from typing import Any, Optional
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, PRNGKeyArray, PyTree
+
+from zoo.config import ModelConfig
+
+# Adapter name -> (module attribute path inside a block, number of input axes of the per-layer weight).
+_ATTN = ("wq", "wk", "wv", "wo", "wq_a", "wq_b", "wkv_a", "wk_b", "wv_b")
+_MLP = ("w_gate", "w_up", "w_down")
+TARGETS = _ATTN + _MLP
+
+
+@dataclasses.dataclass
+class LoraConfig:
+    """The `lora` group. `rank: 0` (lora=none) trains the whole model as before."""
+
+    rank: int = 0
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: list[str] = dataclasses.field(default_factory=lambda: ["wq", "wv"])
+    base_on_host: bool = False  # the frozen base in pinned host memory, brought to the device per layer
+
+    def __post_init__(self):
+        from zoo.train.config import ConfigError
+
+        if self.rank < 0:
+            raise ConfigError(f"lora.rank: must be >= 0 (0 turns LoRA off), got {self.rank}")
+        if self.rank and self.alpha <= 0:
+            raise ConfigError(f"lora.alpha: must be positive, got {self.alpha}")
+        if self.dropout != 0.0:
+            # The adapters are merged into each layer's weight inside the scan; dropout on the adapter
+            # input needs the unmerged path through every projection, which is not built yet.
+            raise ConfigError(f"lora.dropout: {self.dropout} is not supported yet (adapters are merged per layer); set lora.dropout=0")
+        if self.rank and not self.targets:
+            raise ConfigError("lora.targets: empty; name at least one projection, e.g. lora.targets=[wq,wv]")
+        unknown = [t for t in self.targets if t not in TARGETS]
+        if unknown:
+            raise ConfigError(f"lora.targets: unknown projection {unknown[0]!r}; choose from {', '.join(TARGETS)}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
+class LoRAWeight(eqx.Module):
+    """A frozen base weight and its adapter; `merge()` is the weight the projection uses."""
+
+    base: Float[Array, "..."]
+    a: Float[Array, "*layers fan_in rank"]
+    b: Float[Array, "*layers rank fan_out"]
+    scale: float = eqx.field(static=True)
+
+    def merge(self) -> Array:
+        # The base gets no gradient: only the adapters train, and no [in, out] cotangent is built for it.
+        base = jax.lax.stop_gradient(self.base)
+        delta = jnp.matmul(self.a.astype(jnp.float32), self.b.astype(jnp.float32)) * self.scale
+        return (base.astype(jnp.float32) + delta.reshape(base.shape)).astype(base.dtype)
+
+
+def _is_lora(x) -> bool:
+    return isinstance(x, LoRAWeight)
+
+
+def merge_block(tree: PyTree) -> PyTree:
+    """Every `LoRAWeight` in `tree` replaced by its merged weight (a no-op without adapters)."""
+    return jax.tree.map(lambda x: x.merge() if _is_lora(x) else x, tree, is_leaf=_is_lora)
+
+
+def _fan_in_axes(name: str) -> int:
+    # Out-projections read the heads' outputs (all axes but the last); the rest read their first axis.
+    return 0 if name is None else (2 if name == "wo" else 1)
+
+
+def _sites(block) -> dict[str, tuple[str, ...]]:
+    """Adapter name -> attribute path, for the projections this (stacked) block has."""
+    out = {}
+    for name in _ATTN:
+        if getattr(block.attn, name, None) is not None:
+            out[f"attn.{name}"] = ("attn", name)
+    ffn = block.ffn
+    mlp, prefix = (ffn, "ffn") if hasattr(ffn, "w_gate") and not hasattr(ffn, "router") else (getattr(ffn, "shared", None), "ffn.shared")
+    if mlp is not None:
+        for name in _MLP:
+            out[f"{prefix}.{name}"] = tuple(prefix.split(".")) + (name,)
+    return out
+
+
+def _get(block, path):
+    for p in path:
+        block = getattr(block, p)
+    return block
+
+
+def family_targets(model) -> set[str]:
+    """The projection names any layer of `model` (concrete or abstract) can adapt."""
+    return {key.rsplit(".", 1)[1] for stack in model.stacks for block in stack.layers for key in _sites(block)}
+
+
+def _wo_in(shape, name) -> int:
+    return math.prod(shape[: _fan_in_axes(name)])
+
+
+def projection_shapes(model, config: LoraConfig) -> list[list[dict[str, tuple[int, int, int]]]]:
+    """Per stack, per period position: adapter key -> (repeats, fan_in, fan_out)."""
+    out = []
+    for stack in model.stacks:
+        per_pos = []
+        for block in stack.layers:
+            sites = {}
+            for key, path in _sites(block).items():
+                name = path[-1]
+                if name not in config.targets:
+                    continue
+                shape = _get(block, path).shape  # [repeats, ...]
+                fan_in = _wo_in(shape[1:], name)
+                sites[key] = (shape[0], fan_in, math.prod(shape[1:]) // fan_in)
+            per_pos.append(sites)
+        out.append(per_pos)
+    return out
+
+
+def check(model, config: LoraConfig) -> Optional[str]:
+    """The one-line problem with adapting `model` (concrete or abstract) this way, or None."""
+    if not config.enabled:
+        return None
+    have = family_targets(model)
+    for t in config.targets:
+        if t not in have:
+            return f"lora.targets: this model has no {t!r} projection; its projections are {', '.join(sorted(have))}"
+    for per_pos in projection_shapes(model, config):
+        for sites in per_pos:
+            for key, (_, fan_in, fan_out) in sites.items():
+                if config.rank > min(fan_in, fan_out):
+                    return (
+                        f"lora.rank: {config.rank} exceeds the {key} projection's smaller side "
+                        f"({fan_in} -> {fan_out}); use lora.rank<={min(fan_in, fan_out)}"
+                    )
+    return None
+
+
+def init(model, config: LoraConfig, *, key: PRNGKeyArray, dtype=jnp.float32) -> PyTree:
+    """Adapters for `model`: A ~ N(0, 1/fan_in), B = 0 (the adapted model equals the base)."""
+    shapes = projection_shapes(model, config)
+    keys = iter(jax.random.split(key, max(1, sum(len(s) for p in shapes for s in p))))
+    out = []
+    for per_pos in shapes:
+        pos_out = []
+        for sites in per_pos:
+            d = {}
+            for name, (repeats, fan_in, fan_out) in sorted(sites.items()):
+                a = jax.random.normal(next(keys), (repeats, fan_in, config.rank), dtype) / math.sqrt(fan_in)
+                d[name] = {"a": a, "b": jnp.zeros((repeats, config.rank, fan_out), dtype)}
+            pos_out.append(d)
+        out.append(tuple(pos_out))
+    return tuple(out)
+
+
+def attach(model, adapters: PyTree, config: LoraConfig):
+    """`model` with each adapted projection a `LoRAWeight` (merged per layer inside the scan)."""
+    stacks = []
+    for stack, per_pos in zip(model.stacks, adapters):
+        layers = []
+        for block, sites in zip(stack.layers, per_pos):
+            for key, ab in sites.items():
+                path = tuple(key.split("."))
+                base = _get(block, path)
+                block = eqx.tree_at(lambda b, p=path: _get(b, p), block, LoRAWeight(base, ab["a"], ab["b"], config.scale))
+            layers.append(block)
+        stacks.append(eqx.tree_at(lambda s: s.layers, stack, tuple(layers)))
+    return eqx.tree_at(lambda m: m.stacks, model, tuple(stacks))
+
+
+def merge(model) -> Any:
+    """An attached model with every adapter folded into its base weight: a plain model again."""
+    return merge_block(model)
+
+
+def count(adapters: PyTree) -> int:
+    """Trainable parameters: the adapters' elements."""
+    return int(sum(x.size for x in jax.tree.leaves(adapters)))
+
+
+def adapted_loss(adapters: PyTree, base_model, config: LoraConfig, tokens, **loss_kwargs) -> Float[Array, ""]:
+    """The model's next-token loss with the adapters attached; differentiate with respect to `adapters`."""
+    from zoo.model import loss_fn
+
+    return loss_fn(attach(base_model, adapters, config), tokens, **loss_kwargs)
+
+
+def check_family(adapters: PyTree, model, config: LoraConfig, family: Optional[str] = None) -> Optional[str]:
+    """The one-line problem with putting saved `adapters` (made for a model of `family`, where known) on
+    `model` (a model of another family or size, other targets or rank), or None."""
+    if family is not None and family != model.config.family:
+        return (
+            f"lora: the saved adapters were made for a {family} model, not {model.config.family}; "
+            "train new adapters or load the model they were made for"
+        )
+    want = jax.tree.map(lambda x: x.shape, init_shapes(model, config))
+    got = jax.tree.map(lambda x: tuple(x.shape), adapters)
+    if jax.tree.structure(want) != jax.tree.structure(got) or want != got:
+        return "lora: the saved adapters do not fit this model (another family, size, targets or rank); train new adapters or load the model they were made for"
+    return None
+
+
+def init_shapes(model, config: LoraConfig) -> PyTree:
+    return jax.eval_shape(lambda k: init(model, config, key=k), jax.random.key(0))
