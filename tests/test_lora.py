@@ -180,3 +180,70 @@ def test_train_py_lora_base_on_host_checkpoints_only_adapters_and_resumes(tmp_pa
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert p.returncode == 2 and len(lines) == 1, p.stderr[-2000:]
     assert "holds lora.rank=8 lora.targets=[wq,wk,wv,wo,w_gate,w_up,w_down], this run trains no adapters;" in lines[0]
+
+
+@pytest.mark.slow  # a train.py run, an export and a sampling run: ~60 s on the 2-core machine
+def test_a_lora_checkpoint_exports_and_samples_merged(tmp_path):
+    """A LoRA checkpoint (adapters only) restores as the merged model: each adapted weight is the
+    base checkpoint's plus alpha/r * A @ B of the saved adapters, an untouched weight is the base's;
+    zoo.export writes it (transformers' layout, loaded back with the same logits) and zoo.generate
+    samples from it. With the base checkpoint gone, one line, exit 2."""
+    import json
+    import os
+    import pathlib
+    import shutil
+    import subprocess
+    import sys
+
+    import numpy as np
+    import orbax.checkpoint as ocp
+
+    from zoo.hf import from_pretrained
+    from zoo.model import CausalLM
+    from zoo.train.checkpoint import restore_model
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    base_dir = tmp_path / "base"
+    shutil.copytree(root / "tests/data/llama_tiny_a", base_dir)
+    ck = tmp_path / "ck"
+    train = [
+        sys.executable, str(root / "train.py"), "model=hf", f"model.path={base_dir}", "data=text",
+        f"data.path={root / 'zoo/data/corpus/shakespeare'}", "lora=default", "lora.rank=4", "lora.targets=[wq,w_down]",
+        "data.batch_size=4", "data.seq_len=32", "optimizer.lr=1e-2", "trainer.steps=3", f"checkpoint.dir={ck}",
+        f"hydra.run.dir={tmp_path / 'run'}", "mesh=single", "xla.cpu_devices=1",
+    ]  # fmt: skip
+    p = subprocess.run(train, cwd=tmp_path, env=dict(os.environ), capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+
+    merged, meta = restore_model(ck)
+    assert meta["lora"]["rank"] == 4
+    raw = ocp.PyTreeCheckpointer().restore(ck / "3" / "state")["params"]
+    base = from_pretrained(base_dir)
+    scale = meta["lora"]["alpha"] / meta["lora"]["rank"]
+    sites = raw[0][0]
+    for site, pick in (("attn.wq", lambda b: b.attn.wq), ("ffn.w_down", lambda b: b.ffn.w_down)):
+        a, b = np.asarray(sites[site]["a"]), np.asarray(sites[site]["b"])
+        assert np.abs(b).max() > 0, "the adapters did not train"
+        w0 = np.asarray(pick(base.stacks[0].layers[0]), np.float32)
+        want = w0 + (scale * np.matmul(a, b)).reshape(w0.shape)
+        np.testing.assert_allclose(np.asarray(pick(merged.stacks[0].layers[0]), np.float32), want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(merged.stacks[0].layers[0].attn.wk), np.asarray(base.stacks[0].layers[0].attn.wk))
+
+    out = tmp_path / "out"
+    p = subprocess.run([sys.executable, "-m", "zoo.export", str(ck), str(out)], cwd=root, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    tokens = jnp.arange(16, dtype=jnp.int32)[None] % merged.config.vocab_size
+    exported = from_pretrained(out)
+    assert isinstance(exported, CausalLM)
+    np.testing.assert_allclose(np.asarray(exported(tokens)), np.asarray(merged(tokens)), rtol=1e-5, atol=1e-5)
+    assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
+
+    p = subprocess.run([sys.executable, "-m", "zoo.generate", f"checkpoint.dir={ck}", "prompt=to be", "tokenizer=bytes", "max_new_tokens=4"],
+                       cwd=root, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert p.returncode == 0 and p.stdout.strip(), p.stderr[-3000:]
+
+    shutil.rmtree(base_dir)
+    p = subprocess.run([sys.executable, "-m", "zoo.export", str(ck), str(tmp_path / "out2")], cwd=root, capture_output=True, text=True, timeout=600)
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert p.returncode == 2 and len(lines) == 1 and "holds LoRA adapters over the base model" in lines[0], p.stderr[-2000:]
+    assert not (tmp_path / "out2").exists()

@@ -756,6 +756,13 @@ def _restore_params(d: pathlib.Path, step: int, devices):
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise Unreadable(f"{META_FILE} is unreadable ({type(e).__name__}: {e})") from None
     params, static = eqx.partition(abstract(config), lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    adapters_config = _lora_config(meta, path)
+    if adapters_config is not None:  # the state's params are the adapters (zoo.lora), not the model
+        from zoo import lora
+
+        wanted = lora.init_shapes(abstract(config), adapters_config)
+    else:
+        wanted = params
     absl = logging.getLogger("absl")
     level = absl.level
     absl.setLevel(logging.ERROR)  # orbax warns that a bare item directory has no step metadata
@@ -803,4 +810,49 @@ def _restore_params(d: pathlib.Path, step: int, devices):
             )
         return node
 
-    return eqx.combine(jax.tree_util.tree_map_with_path(take, params), static), meta
+    if adapters_config is None:
+        return eqx.combine(jax.tree_util.tree_map_with_path(take, params), static), meta
+    adapters = jax.tree_util.tree_map_with_path(take, wanted)
+    base = eqx.combine(_lora_base(meta, config, params, devices, step_dir), static)
+    return lora.merge(lora.attach(base, adapters, adapters_config)), meta
+
+
+def _lora_config(meta: dict, path: pathlib.Path):
+    """The LoraConfig a LoRA run saved in its metadata, or None for a whole model."""
+    if not meta.get("lora"):
+        return None
+    from zoo.lora import LoraConfig
+
+    try:
+        return LoraConfig(**meta["lora"])
+    except (TypeError, ValueError) as e:
+        raise Unreadable(f"{META_FILE}'s lora entry is unreadable ({type(e).__name__}: {e})") from None
+
+
+def _lora_base(meta: dict, config, params, devices, step_dir: pathlib.Path):
+    """The frozen base a LoRA checkpoint's adapters were trained on (checkpoints leave it out): read
+    again from the run's `model.path` (model=hf), or built from its `trainer.seed` as train.py built it."""
+    import equinox as eqx
+
+    from zoo import model as zoo_model
+
+    source = meta.get("pretrained")
+    if not source:
+        return eqx.filter(zoo_model.build(config, key=jax.random.key(int(meta["trainer"]["seed"]))), eqx.is_array)
+    from zoo.hf import CheckpointError, load_sharded
+
+    base_dir = pathlib.Path(source["path"])
+    if not all((base_dir / f).is_file() for f in source.get("weight_files") or []) or not (base_dir / "config.json").is_file():
+        raise ConfigError(
+            f"{step_dir}: holds LoRA adapters over the base model {base_dir}, which is gone or incomplete; "
+            "put the base checkpoint back at that path (checkpoints keep only the adapters)"
+        )
+    if devices is None:
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        shardings = jax.tree.map(lambda _: device, params)
+    else:
+        shardings = spread_shardings(params, devices)
+    try:
+        return load_sharded(base_dir, config, shardings)
+    except (CheckpointError, ValueError, OSError) as e:
+        raise ConfigError(f"{base_dir}: the LoRA base model does not load ({str(e).splitlines()[0]})") from None
