@@ -453,3 +453,33 @@ def test_per_device_shape_follows_the_rules_and_refuses_an_unknown_layout():
     assert zp.per_device_shape("query_proj", (2, 64, 16, 8)) == (2, 64, 16, 8)  # no rules: as traced
     with pytest.raises(PlanError, match="query_proj"):
         zp.per_device_shape("query_proj", (2, 64, 128), rules, sizes)
+
+
+def test_planner_counts_the_lora_adapters_as_state_and_the_frozen_base_where_it_lives():
+    # LoRA: the trainable state is the adapters (their AdamW moments the optimizer state); the frozen
+    # base is counted once, with no gradient and no moments, on device or, with lora.base_on_host, in
+    # host memory with two layers in flight on device and streamed in per layer (forward and backward).
+    from zoo.inspect import prepare_step
+    from zoo.plan import _fixed_bytes, _host_fixed_parts, _state_transfer_s
+
+    base = ["model=llama_tiny_a", "mesh=single", "data.batch_size=4", "data.seq_len=32", "hardware=h100_pcie"]
+    problems = {}
+    for name, extra in (("full", []), ("lora", ["lora=default", "lora.rank=2"]), ("host", ["lora=default", "lora.rank=2", "lora.base_on_host=true"])):
+        c, _, _, trainer, _ = prepare_step([*base, *extra])
+        problems[name] = (zp.problem_from_config(c, trainer, zp.PlanConfig())[0], trainer)
+    full, _ = problems["full"]
+    lora_p, trainer = problems["lora"]
+    host, _ = problems["host"]
+    adapters = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(trainer.abstract_params))
+    assert lora_p.param_bytes == adapters < full.param_bytes / 8
+    assert lora_p.frozen_bytes == full.param_bytes and not lora_p.frozen_on_host
+    assert 2 * adapters <= lora_p.opt_bytes <= 2 * adapters + 16  # AdamW's two moments of the adapters (and its step count)
+    # On device: the base once, no gradient or moments for it.
+    assert _fixed_bytes(lora_p)[0] - lora_p.other_bytes - lora_p.working_bytes == full.param_bytes + 2 * adapters + lora_p.opt_bytes
+    # On host: the host holds the base; the device two layers of it in flight and what lies outside the stacks.
+    assert host.frozen_on_host and _host_fixed_parts(host)["frozen LoRA base"] == full.param_bytes
+    layer = host.frozen_layer_bytes
+    assert 0 < layer and host.stack_frozen_bytes == 2 * layer  # llama_tiny_a: 2 equal layers
+    assert _fixed_bytes(host)[0] == _fixed_bytes(lora_p)[0] - host.stack_frozen_bytes + 2 * layer
+    assert _state_transfer_s(host) * host.link == pytest.approx(2 * host.stack_frozen_bytes + host.frozen_bytes - host.stack_frozen_bytes)
+    assert _state_transfer_s(lora_p) == 0.0

@@ -199,6 +199,13 @@ class Problem:
     # Layers whose policy is given (offload.ranges), `FixedRange` each: counted with their own
     # assignment; the search assigns the tags of the other layers.
     fixed: list = dataclasses.field(default_factory=list)
+    # LoRA (zoo.lora): the frozen base, per device. It has no gradient and no optimizer state (the
+    # adapters are param_bytes); on host (lora.base_on_host) it comes to the device one layer at a
+    # time in the forward and again in the backward of every microbatch.
+    frozen_bytes: float = 0.0
+    stack_frozen_bytes: float = 0.0  # the part of frozen_bytes inside layer stacks
+    frozen_layer_bytes: float = 0.0  # the largest one layer's frozen base
+    frozen_on_host: bool = False
 
     def __post_init__(self):
         for t in self.tags:
@@ -258,8 +265,22 @@ def _biggest_layer(p: Problem, params: bool, opt: bool) -> float:
     return max((2 * s.param_bytes_per_layer * params + s.opt_bytes_per_layer * opt for s in p.stacks.values()), default=0.0)
 
 
+def _frozen_on_device(p: Problem) -> float:
+    """The LoRA base's device bytes in the backward phase: all of it, or, on host, what lies outside
+    the stacks and two layers in flight (this one and the next)."""
+    if not p.frozen_on_host:
+        return p.frozen_bytes
+    return p.frozen_bytes - p.stack_frozen_bytes + 2 * p.frozen_layer_bytes
+
+
 def _fixed_bytes(p: Problem) -> tuple[float, float]:
     """(backward-phase bytes that do not depend on the tags, update-phase bytes)."""
+    backward, update = _fixed_state_bytes(p)
+    # The update touches only the adapters; a device-resident base stays where it is through it.
+    return backward + _frozen_on_device(p), update + (0.0 if p.frozen_on_host else p.frozen_bytes)
+
+
+def _fixed_state_bytes(p: Problem) -> tuple[float, float]:
     outside_params = p.param_bytes - p.stack_param_bytes
     if p.params_on_host:
         # Weights: this layer and the next in flight. Their gradients leave for host memory per layer.
@@ -295,6 +316,8 @@ def _host_fixed_parts(p: Problem) -> dict[str, float]:
             parts["gradients of the microbatch being summed in"] = p.stack_param_bytes
     if p.opt_on_host:
         parts["optimizer state"] = p.opt_bytes
+    if p.frozen_on_host:
+        parts["frozen LoRA base"] = p.frozen_bytes
     if p.staging_bytes:
         parts["input staging (this step's and the next step's tokens)"] = p.staging_bytes
     return parts
@@ -306,10 +329,13 @@ def _state_transfer_s(p: Problem) -> float:
     norm, then the update) and, with several microbatches, are summed in place once per microbatch
     (in twice, out once)."""
     opt = p.opt_bytes if p.opt_on_host else 0.0
+    # A host-resident LoRA base comes in per layer in the forward and again in the backward of each
+    # microbatch (counted as exposed, like the state here: the planner does not model its overlap).
+    frozen = (2 * p.stack_frozen_bytes * p.microbatches + p.frozen_bytes - p.stack_frozen_bytes) if p.frozen_on_host else 0.0
     if not p.params_on_host:
-        return opt / p.link
+        return (opt + frozen) / p.link
     grads = p.stack_param_bytes
-    into = opt + p.param_bytes + 2 * grads + (2 * grads * p.microbatches if p.microbatches > 1 else 0.0)
+    into = frozen + opt + p.param_bytes + 2 * grads + (2 * grads * p.microbatches if p.microbatches > 1 else 0.0)
     out = opt + p.param_bytes + (grads * p.microbatches if p.microbatches > 1 else 0.0)
     return max(into, out) / p.link
 
@@ -619,6 +645,9 @@ def holders(p: Problem, e: Estimate, memory: str = "hbm") -> list[Holder]:
             out.append(Holder("gradients", p.grad_bytes))
         if not p.opt_on_host:
             out.append(Holder("optimizer state", p.opt_bytes, _leaves_detail(p, "opt_state")))
+        if p.frozen_bytes:
+            where = " (outside the stacks, and two layers in flight)" if p.frozen_on_host else ""
+            out.append(Holder(f"frozen LoRA base{where}", _frozen_on_device(p)))
         out.append(Holder("untagged residuals", p.other_bytes))
         out.append(Holder(p.working_label, p.working_bytes))
     else:
@@ -639,6 +668,8 @@ def holders(p: Problem, e: Estimate, memory: str = "hbm") -> list[Holder]:
             else:
                 out.append(Holder("optimizer state outside the stacks (update)", p.opt_bytes - p.stack_opt_bytes))
             out.append(Holder("two layers of host-resident state in flight (update)", 2 * _biggest_layer(p, p.params_on_host, p.opt_on_host)))
+        if p.frozen_bytes and not p.frozen_on_host:
+            out.append(Holder("frozen LoRA base (update)", p.frozen_bytes))
     return sorted((h for h in out if h.bytes > 0), key=lambda h: -h.bytes)
 
 
@@ -1179,6 +1210,11 @@ def problem_from_config(c, trainer, opts: PlanConfig, hardware_dir=None, attenti
     param_bytes, stack_params = per_device_bytes(trainer.abstract_params, trainer.param_shardings, stack_names(abstract))
     abstract_opt = jax.eval_shape(trainer.tx.init, trainer.abstract_params)
     opt_bytes, stack_opt = per_device_bytes(abstract_opt, trainer.opt_shardings, stack_names(abstract))
+    frozen_bytes, stack_frozen, frozen_layer = 0.0, {}, 0.0
+    if trainer.lora is not None:
+        frozen_bytes, stack_frozen = per_device_bytes(trainer.abstract_base, trainer.base_shardings, stack_names(abstract))
+        layers_of = {s["name"]: s["layers"] for s in placement.stacks}
+        frozen_layer = max((b / layers_of[n] for n, b in stack_frozen.items() if layers_of.get(n)), default=0.0)
     for s in placement.stacks:
         indices = _stack_layers(m, s["name"])
         stacks[s["name"]] = StackCost(
@@ -1243,11 +1279,12 @@ def problem_from_config(c, trainer, opts: PlanConfig, hardware_dir=None, attenti
         microbatches=c.trainer.grad_accum,
         latency=opts.transfer_latency_us * 1e-6,
         param_bytes=param_bytes,
-        stack_param_bytes=sum(stack_params.values()),
+        stack_param_bytes=float(sum(stack_params.values())),
         grad_bytes=param_bytes,
         opt_bytes=opt_bytes,
-        stack_opt_bytes=sum(stack_opt.values()),
-        params_on_host=c.offload.params == "pinned_host",
+        stack_opt_bytes=float(sum(stack_opt.values())),
+        # With LoRA, offload.params places the frozen base (zoo.train.step.Trainer), not the adapters.
+        params_on_host=c.offload.params == "pinned_host" and trainer.lora is None,
         opt_on_host=c.offload.opt_state == "pinned_host",
         other_bytes=other,
         working_bytes=float(working),
@@ -1256,6 +1293,10 @@ def problem_from_config(c, trainer, opts: PlanConfig, hardware_dir=None, attenti
         devices_per_node=min(int(hw.devices_per_node), num_devices),
         staging_bytes=staging,
         per_device_batch=batch,
+        frozen_bytes=float(frozen_bytes),
+        stack_frozen_bytes=float(sum(stack_frozen.values())),
+        frozen_layer_bytes=float(frozen_layer),
+        frozen_on_host=trainer.lora is not None and trainer.params_on_host,
         largest_leaves=largest_leaves(trainer.abstract_params, trainer.param_shardings, "params")
         + largest_leaves(abstract_opt, trainer.opt_shardings, "opt_state"),
     )
@@ -1347,7 +1388,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             f"host link {info['link_gbps_per_direction']:g} GB/s per direction, HBM budget {_fmt_bytes(info['budget_bytes'])}, "
             + (f"host budget {_fmt_bytes(p.host_budget)} per device ({_fmt_bytes(p.devices_per_node * p.host_budget)} per node of {p.devices_per_node}); "
                if math.isfinite(p.host_budget) else "no host budget (hardware.host_bytes_per_device 0); ")
-            + f"params {c.offload.params}, optimizer state {c.offload.opt_state}"
+            + (f"params {c.offload.params}, optimizer state {c.offload.opt_state}" if p.frozen_bytes == 0 else
+               f"LoRA adapters {_fmt_bytes(p.param_bytes)} trainable (optimizer state {_fmt_bytes(p.opt_bytes)}, {c.offload.opt_state}), "
+               f"frozen base {_fmt_bytes(p.frozen_bytes)} per device on {'host, streamed per layer' if p.frozen_on_host else 'device'}")
         )
         chunk = c.trainer.loss_chunk_size
         print(
