@@ -107,7 +107,7 @@ GROUPS = {
     "planner": [r"^python -m zoo\.plan model=llama_1b"],
     "measure_hardware": [r"^python -m zoo\.measure_hardware"],
     "divergence": [r"optimizer\.lr=1e30"],
-    "lora_finetune": [r"^python train\.py data=text lora=default lora\.base_on_host=true model=hf"],
+    "lora_finetune": [r"^python train\.py data=text lora=default lora\.base_on_host=true model=hf", r"^python -m zoo\.plan model=llama3\.1_70b .*lora=default"],
     "moe_routing": [r"trainer\.moe_imbalance_warn=1\.5 hydra\.run\.dir=outputs/moe$", r"^python -m zoo\.report outputs/moe$"],
     # The recorded ~100M runs (docs/models.md), 26-37 s each on the quiet 2-core machine: two per group, so they spread.
     "recorded_100m_qwen": [r"^python train\.py model=(qwen2|qwen3)_100m mesh=single"],
