@@ -247,3 +247,23 @@ def test_a_lora_checkpoint_exports_and_samples_merged(tmp_path):
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert p.returncode == 2 and len(lines) == 1 and "holds LoRA adapters over the base model" in lines[0], p.stderr[-2000:]
     assert not (tmp_path / "out2").exists()
+
+
+def test_the_inspector_counts_the_adapters_and_the_frozen_base_where_it_lives(tmp_path, capsys):
+    """zoo.inspect of a LoRA run: params are the adapters (their bytes), the frozen base is reported
+    with its own bytes and memory kind (pinned_host with lora.base_on_host), and the total counts it."""
+    import json
+    import re
+
+    from zoo.config import count_params
+    from zoo.inspect import main
+
+    args = ["model=llama_tiny_a", "mesh=single", "lora=default", "lora.rank=2", "lora.base_on_host=true", f"inspect.out={tmp_path / 'inspect.json'}"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^policy .*; LoRA: params are the adapters, the frozen base in pinned_host$", out, re.M), out
+    rep = json.loads((tmp_path / "inspect.json").read_text())
+    state = rep["scale"]["state_bytes_per_device"]
+    assert state["frozen_base"] == 4 * count_params(SIZES["llama_tiny_a"]) and state["frozen_base_memory"] == "pinned_host"
+    assert state["params"] < state["frozen_base"] / 10 and state["total"] == 2 * state["params"] + state["opt_state"] + state["frozen_base"]
+    assert "frozen LoRA base per device: " in out and " in pinned_host (no gradient, no optimizer state; in the total)" in out

@@ -583,6 +583,8 @@ def report(c, trainer, placement: Placement, compiled_mem: Optional[dict], measu
         "params": sorted({s.memory_kind for s in jax.tree.leaves(trainer.param_shardings)}),
         "opt_state": sorted({s.memory_kind for s in jax.tree.leaves(trainer.opt_shardings)}),
     }
+    if trainer.lora is not None:  # params are the adapters; the frozen base is state of its own
+        kinds["frozen_base"] = sorted({s.memory_kind for s in jax.tree.leaves(trainer.base_shardings)})
     return {
         "schema": "zoo.inspect/1",
         "overrides": list(overrides),
@@ -697,7 +699,9 @@ def render(rep: dict) -> str:
             )
         )
     out = [f"policy {rep['policy']['describe']}; params in {', '.join(rep['state_memory_kinds']['params'])}, "
-           f"optimizer state in {', '.join(rep['state_memory_kinds']['opt_state'])}", _table(rows)]
+           f"optimizer state in {', '.join(rep['state_memory_kinds']['opt_state'])}"
+           + (f"; LoRA: params are the adapters, the frozen base in {', '.join(rep['state_memory_kinds']['frozen_base'])}"
+              if "frozen_base" in rep["state_memory_kinds"] else ""), _table(rows)]
     out += render_ranges(rep.get("ranges"))
     tot = rep["totals_bytes"]
     out.append(

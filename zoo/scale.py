@@ -44,7 +44,13 @@ def state_bytes(trainer) -> dict:
     abstract_opt = jax.eval_shape(trainer.tx.init, trainer.abstract_params)
     opt, _ = per_device_bytes(abstract_opt, trainer.opt_shardings)
     whole = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(trainer.abstract_params))
-    return {"params": int(params), "grads": int(params), "opt_state": int(opt), "total": int(2 * params + opt), "global_params": int(whole)}
+    out = {"params": int(params), "grads": int(params), "opt_state": int(opt), "total": int(2 * params + opt), "global_params": int(whole)}
+    if getattr(trainer, "lora", None) is not None:
+        # LoRA: `params` are the adapters; the frozen base has no gradient and no optimizer state.
+        base, _ = per_device_bytes(trainer.abstract_base, trainer.base_shardings)
+        kinds = sorted({sh.memory_kind or "device" for sh in jax.tree.leaves(trainer.base_shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))})
+        out.update(frozen_base=int(base), frozen_base_memory="/".join(kinds), total=int(2 * params + opt + base))
+    return out
 
 
 def state_dtypes(trainer) -> dict:
@@ -156,6 +162,9 @@ def render(rep: dict) -> str:
         f"optimizer state {_fmt(s['opt_state'])} ({'/'.join(d['opt_state'])}), total {_fmt(s['total'])}; "
         f"compute in {d['compute']}; all parameters {_fmt(s['global_params'])}",
     ]
+    if "frozen_base" in s:
+        out[-1] = out[-1].replace("per device: params", "per device: LoRA adapters", 1).replace("; all parameters", "; all adapters", 1)
+        out.append(f"frozen LoRA base per device: {_fmt(s['frozen_base'])} in {s['frozen_base_memory']} (no gradient, no optimizer state; in the total)")
     kept = rep.get("kept_layer_inputs")
     if kept:
         shapes = ", ".join(f"{k['arrays']} x {k['shape']}" if k["arrays"] > 1 else k["shape"] for k in kept["stacks"])
