@@ -99,7 +99,7 @@ def trace_lower(trainer):
     """Trace the step on abstract inputs (nothing allocated), read where every tag went (`kept_by_tag`),
     and lower it. Returns (lowered, kept, seconds)."""
     from zoo import model as zoo_model
-    from zoo.inspect import placement_from_jaxpr, stack_names
+    from zoo.placement import placement_from_jaxpr, stack_names
 
     t0 = time.perf_counter()
     traced = trainer.jitted_step().trace(trainer.abstract_state(), trainer.abstract_tokens())

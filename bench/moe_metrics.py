@@ -34,7 +34,7 @@ def main() -> int:
     import jax
     import jax.numpy as jnp
 
-    from zoo.inspect import compose
+    from zoo.toolkit import compose
     from zoo.train.config import load
 
     compiled, trainers, compile_s = {}, {}, {}

@@ -289,7 +289,9 @@ def test_checkpoint_that_does_not_fit_one_line_exit_2_untouched(case, uninterrup
     assert re.search(expected, lines[0]), lines[0]
     assert ";" in lines[0] and "s, compile " not in p.stdout
     assert fingerprint(ckpt) == before  # nothing saved was touched
-    assert time.perf_counter() - t0 < 30
+    # Refused before compiling is what the stdout check above proves; the wall time is only a loose
+    # guard (a 2-core machine shared with other jobs took 30 s for the process start alone).
+    assert time.perf_counter() - t0 < 120
 
 
 def test_checkpoint_dir_that_is_a_file(tmp_path):
@@ -514,7 +516,7 @@ def test_step_times_stay_honest_when_a_save_drains_two_steps_at_once(tmp_path):
             time.sleep(0.05)
             return state + 1, {"loss": np.float32(1.0), "grad_norm": np.float32(1.0)}
 
-    from zoo.inspect import compose
+    from zoo.toolkit import compose
     from zoo.train.config import load
 
     c = load(compose(["model=llama_tiny_a", "data.batch_size=2", "data.seq_len=8", "trainer.steps=12", "trainer.progress=false"]))

@@ -11,7 +11,8 @@ import pytest
 
 import zoo
 from zoo import offload
-from zoo.inspect import inspect_placement, main, stack_names
+from zoo.inspect import main
+from zoo.placement import inspect_placement, stack_names
 from zoo.offload import expected_placement, load_preset, placement_matches, remat_policy
 
 from test_offload import FAMILIES, PRESETS

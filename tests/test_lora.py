@@ -1,6 +1,8 @@
 """LoRA (zoo.lora): an adapted model with B = 0 is its base, only the adapters get gradients and they
 match a plain-JAX W + (alpha/r) A @ B reference, training lowers the loss, and bad adapters are refused."""
 
+import dataclasses
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -36,7 +38,7 @@ def test_zero_b_is_the_base_model(llama):
     assert lora.count(adapters) > 0
     toks = tokens_for(llama)
     base = zoo_model.loss_fn(llama, toks)
-    adapted = lora.adapted_loss(adapters, llama, c, toks)
+    adapted = zoo_model.loss_fn(lora.attach(llama, adapters, c), toks)
     assert float(adapted) == float(base)
 
 
@@ -65,7 +67,7 @@ def test_gradients_only_for_adapters_and_match_reference(llama):
     # Non-zero B so that the A gradients are non-zero too.
     adapters = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.key(3), x.shape), adapters)
     toks = tokens_for(llama)
-    loss, grads = jax.jit(jax.value_and_grad(lambda ad: lora.adapted_loss(ad, llama, c, toks)))(adapters)
+    loss, grads = jax.jit(jax.value_and_grad(lambda ad: zoo_model.loss_fn(lora.attach(llama, ad, c), toks)))(adapters)
     ref_loss, ref_grads = jax.jit(jax.value_and_grad(lambda ad: zoo_model.loss_fn(_reference_model(llama, ad, c), toks)))(adapters)
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
     for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
@@ -86,7 +88,7 @@ def test_a_few_steps_lower_the_loss(llama):
 
     @jax.jit
     def step(ad, opt):
-        loss, g = jax.value_and_grad(lora.adapted_loss)(ad, llama, c, toks)
+        loss, g = jax.value_and_grad(lambda ad: zoo_model.loss_fn(lora.attach(llama, ad, c), toks))(ad)
         upd, opt = tx.update(g, opt, ad)
         return optax.apply_updates(ad, upd), opt, loss
 
@@ -133,16 +135,62 @@ def test_adapters_of_another_family_are_refused(llama):
     assert lora.check_family(adapters, other, cfg(targets=["wo"])).startswith("lora: the saved adapters do not fit")
 
 
-@pytest.mark.parametrize("kw, key", [({"rank": -1}, "lora.rank"), ({"dropout": 0.1}, "lora.dropout"), ({"targets": ["q_proj"]}, "lora.targets")])
+@pytest.mark.parametrize("kw, key", [({"rank": -1}, "lora.rank"), ({"dropout": 1.0}, "lora.dropout"), ({"dropout": -0.1}, "lora.dropout"), ({"targets": ["q_proj"]}, "lora.targets")])
 def test_config_errors(kw, key):
     with pytest.raises(ConfigError, match=f"^{key}:"):
         cfg(**kw)
 
 
+@pytest.mark.parametrize("fan_in_axes, spec, x_shape, w_shape", [(1, "BTD,DKH->BTKH", (2, 5, 12), (12, 3, 4)), (2, "BTNH,NHD->BTD", (2, 5, 3, 4), (3, 4, 12))])
+def test_dropout_runs_the_adapter_on_a_dropped_input(fan_in_axes, spec, x_shape, w_shape):
+    """`project` with dropout: x @ W + s * (mask * x / (1 - p)) @ A @ B, mask ~ Bernoulli(1 - p) from
+    the weight's key; without a key, the merged weight; averaged over keys, the merged result."""
+    k = iter(jax.random.split(jax.random.key(0), 4))
+    x = jax.random.normal(next(k), x_shape)
+    fan_in = int(np.prod(w_shape[:fan_in_axes]))
+    fan_out = int(np.prod(w_shape[fan_in_axes:]))
+    base, a, b = (jax.random.normal(next(k), s) for s in (w_shape, (fan_in, 3), (3, fan_out)))
+    p, scale = 0.3, 2.0
+    keyed = lora.LoRAWeight(base, a, b, jax.random.key(7), scale, fan_in_axes, p)
+    rows = x.reshape(*x.shape[: x.ndim - fan_in_axes], fan_in)
+    mask = jax.random.bernoulli(jax.random.key(7), 1 - p, rows.shape)
+    want = jnp.einsum(spec, x, base) + (scale * (jnp.where(mask, rows / (1 - p), 0) @ a @ b)).reshape(jnp.einsum(spec, x, base).shape)
+    np.testing.assert_allclose(lora.project(spec, x, keyed, jnp.float32), want, rtol=1e-5, atol=1e-5)
+    merged = jnp.einsum(spec, x, base + scale * (a @ b).reshape(w_shape))
+    unkeyed = lora.LoRAWeight(base, a, b, None, scale, fan_in_axes, p)
+    np.testing.assert_allclose(lora.project(spec, x, unkeyed, jnp.float32), merged, rtol=1e-5, atol=1e-5)
+    # Inverted dropout is unbiased: the mean over masks is the merged projection.
+    mean = jax.vmap(lambda kk: lora.project(spec, x, eqx.tree_at(lambda w: w.key, keyed, kk), jnp.float32))(
+        jax.random.split(jax.random.key(8), 4000)
+    ).mean(0)
+    assert float(jnp.abs(mean - merged).max()) < 0.05 * float(jnp.abs(merged).max())
+
+
+@pytest.mark.parametrize("name", ["llama_tiny_a", "dsv3_tiny_a"])
+def test_dropout_is_on_only_with_a_key_and_otherwise_the_merged_model(name):
+    """Every projection the family can adapt, with B != 0: attached with a key and dropout, the loss
+    moves and changes with the key; with a dropout too small to drop anything (the unmerged path),
+    it is the merged model's; without a key (evaluation, sampling), exactly the merged model's."""
+    model = zoo_model.build(SIZES[name], key=jax.random.key(0))
+    c = cfg(targets=sorted(lora.family_targets(model)), dropout=0.5)
+    adapters = jax.tree.map(lambda x: x + 0.05, lora.init(model, c, key=jax.random.key(2)))
+    toks = tokens_for(model)
+    loss = lambda m: float(zoo_model.loss_fn(m, toks))  # noqa: E731
+    merged = loss(lora.merge(lora.attach(model, adapters, c)))
+    assert loss(lora.attach(model, adapters, c)) == merged
+    one, two = (loss(lora.attach(model, adapters, c, key=jax.random.key(k))) for k in (3, 4))
+    assert one != merged and two != one
+    tiny = dataclasses.replace(c, dropout=1e-9)  # 1 - 1e-9 is 1.0 in float32: every unit kept
+    np.testing.assert_allclose(loss(lora.attach(model, adapters, tiny, key=jax.random.key(3))), merged, rtol=2e-6)
+    grads = jax.grad(lambda ad: zoo_model.loss_fn(lora.attach(model, ad, c, key=jax.random.key(3)), toks))(adapters)
+    assert all(bool(jnp.isfinite(g).all()) and float(jnp.abs(g).max()) > 0 for g in jax.tree.leaves(grads))
+
+
 @pytest.mark.slow  # two train.py processes: ~100 s on the loaded 2-core machine
 def test_train_py_lora_base_on_host_checkpoints_only_adapters_and_resumes(tmp_path):
     """Through train.py (8 simulated devices): a real checkpoint (model=hf) fine-tuned with adapters on
-    the shipped text, the frozen base in pinned host memory; the loss falls, the checkpoint holds
+    the shipped text, the frozen base in pinned host memory, dropout on the adapters' inputs and two
+    microbatches per step; the loss falls, the checkpoint holds
     only the adapters and their optimizer state, and a second run resumes from it."""
     import json
     import os
@@ -153,8 +201,8 @@ def test_train_py_lora_base_on_host_checkpoints_only_adapters_and_resumes(tmp_pa
     root = pathlib.Path(__file__).resolve().parents[1]
     args = [
         sys.executable, str(root / "train.py"), "model=hf", f"model.path={root / 'tests/data/llama_tiny_a'}", "data=text",
-        f"data.path={root / 'zoo/data/corpus/shakespeare'}", "lora=default", "lora.base_on_host=true", "data.batch_size=8",
-        "data.seq_len=32", "optimizer.lr=1e-2", "optimizer.warmup_steps=2", f"checkpoint.dir={tmp_path / 'ck'}",
+        f"data.path={root / 'zoo/data/corpus/shakespeare'}", "lora=default", "lora.base_on_host=true", "lora.dropout=0.05", "data.batch_size=8",
+        "data.seq_len=32", "trainer.grad_accum=2", "optimizer.lr=1e-2", "optimizer.warmup_steps=2", f"checkpoint.dir={tmp_path / 'ck'}",
     ]  # fmt: skip
 
     def run(steps, name):

@@ -281,7 +281,7 @@ def test_qwen3_moe_dense_and_sparse_blocks_of_one_period_take_the_offload_preset
     """A period holding a dense-MLP block and a MoE block: presets that place the mlp and moe tags
     differently give the loss and gradients of `none`, and the inspector finds every tag where each
     policy puts it (the mlp tags in the dense block, the moe tags in the sparse one)."""
-    from zoo.inspect import inspect_placement, stack_names
+    from zoo.placement import inspect_placement, stack_names
     from zoo.offload import expected_placement, load_preset, placement_matches, remat_policy
 
     c = QWEN3_MOE_MIXED

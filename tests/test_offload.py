@@ -131,7 +131,7 @@ def test_modifiers_compose_with_an_activation_policy():
 
 
 def _compose(*overrides):
-    from zoo.inspect import compose
+    from zoo.toolkit import compose
     from zoo.train.config import load
 
     return load(compose(overrides))
@@ -182,7 +182,7 @@ def test_no_checkpoint_recomputes_the_weight_casts_of_a_bfloat16_model():
     compiled temp memory shrinks by at least their size, and the loss and gradients are those of the
     step with no checkpoint at all."""
     from zoo import model as zoo_model
-    from zoo.inspect import inspect_placement, stack_names
+    from zoo.placement import inspect_placement, stack_names
 
     f32 = zoo.get_size("llama_tiny_a").replace(num_layers=2, hidden_size=128, intermediate_size=512)
     config = f32.replace(compute_dtype="bfloat16")
@@ -423,7 +423,8 @@ def test_streamed_step_equals_the_device_step_with_accumulation():
 
 
 def _update_buffers(*overrides):
-    from zoo.inspect import prepare_step, update_buffers
+    from zoo.placement import update_buffers
+    from zoo.toolkit import prepare_step
 
     trainer = prepare_step(["mesh=single", "data.batch_size=2", "data.seq_len=16", *overrides])[3]
     return trainer, update_buffers(trainer.jitted_step().trace(trainer.abstract_state(), trainer.abstract_tokens()).jaxpr)

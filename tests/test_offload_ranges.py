@@ -21,7 +21,8 @@ import pytest
 import zoo
 from zoo import offload
 from zoo.config import SIZES
-from zoo.inspect import _analyse_forward_scan, _names_in, _walk, inspect_placement, range_sections, scan_names
+from zoo.inspect import range_sections
+from zoo.placement import _analyse_forward_scan, _names_in, _walk, inspect_placement, scan_names
 from zoo.offload import OffloadConfig, load_preset, remat_policy, resolve, scan_policies
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -32,7 +33,7 @@ GPT_OSS = SIZES["gpt_oss_tiny_a"]  # one stack, a period of two blocks repeated 
 
 
 def _compose(*overrides):
-    from zoo.inspect import compose
+    from zoo.toolkit import compose
     from zoo.train.config import load
 
     return load(compose(overrides))
@@ -178,7 +179,7 @@ def test_a_split_policy_gives_the_loss_and_gradients_of_none(name):
     model = zoo.build(config, key=jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, config.vocab_size)
     split = remat_policy(load_preset(top, ranges=ranges), config)
-    assert isinstance(split, offload.RangedPolicy) and len(split.segments) >= 2
+    assert isinstance(split, zoo.model.RangedPolicy) and len(split.segments) >= 2
 
     def both(m):
         return [jax.value_and_grad(lambda mm, rp=rp: zoo.loss_fn(mm, tokens, remat_policy=rp))(jax.lax.optimization_barrier(m)) for rp in (None, split)]

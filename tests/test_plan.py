@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 import zoo
 from zoo import plan as zp
-from zoo.inspect import inspect_placement, stack_names
+from zoo.placement import inspect_placement, stack_names
 from zoo.offload import expected_placement, from_mapping, placement_matches, remat_policy, resolve
 from zoo.plan import GB, Infeasible, PlanError, Problem, StackCost, TagCost, evaluate, search
 
@@ -367,7 +367,7 @@ def test_measure_hardware_writes_a_profile_train_py_accepts(tmp_path, capsys):
 
 
 def test_cli_writes_under_outputs_and_prints_how_to_train_with_the_plan(tmp_path, monkeypatch, capsys):
-    from zoo.inspect import compose
+    from zoo.toolkit import compose
     from zoo.offload import conf_dir
 
     monkeypatch.chdir(tmp_path)
@@ -398,7 +398,7 @@ def test_planner_counts_the_layer_inputs_the_sequence_parallel_program_keeps(tmp
     import re
 
     from zoo import hlo, scale
-    from zoo.inspect import prepare_step
+    from zoo.toolkit import prepare_step
 
     args = ["model=llama_tiny_a", "mesh=fsdp_tp", "data.batch_size=8", "data.seq_len=32", "offload=full"]
     printed = {}
@@ -420,7 +420,7 @@ def test_planner_sizes_each_tag_as_the_partitioned_program_keeps_it():
     import re
 
     from zoo import hlo
-    from zoo.inspect import prepare_step
+    from zoo.toolkit import prepare_step
 
     keep = [f"offload.tags.{t}=device" for t in ("decoder_layer_input", "query_proj", "key_proj", "value_proj", "context", "out_proj", "mlpwi_0", "mlpwi_1")]
     args = ["model=llama_tiny_a", "model.intermediate_size=96", "mesh=fsdp_tp", "data.batch_size=8", "data.seq_len=32", "hardware=h100_pcie", "offload=custom", *keep]
@@ -459,7 +459,7 @@ def test_planner_counts_the_lora_adapters_as_state_and_the_frozen_base_where_it_
     # LoRA: the trainable state is the adapters (their AdamW moments the optimizer state); the frozen
     # base is counted once, with no gradient and no moments, on device or, with lora.base_on_host, in
     # host memory with two layers in flight on device and streamed in per layer (forward and backward).
-    from zoo.inspect import prepare_step
+    from zoo.toolkit import prepare_step
     from zoo.plan import _fixed_bytes, _host_fixed_parts, _state_transfer_s
 
     base = ["model=llama_tiny_a", "mesh=single", "data.batch_size=4", "data.seq_len=32", "hardware=h100_pcie"]

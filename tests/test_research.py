@@ -140,10 +140,11 @@ def test_model_api_takes_only_tokens_positions_and_segments():
 
 
 def test_the_trainers_policy_path_runs_the_same_layers():
-    """zoo.offload.features (the trainer's remat/offload/host-parameter path) without a policy traces the
+    """zoo.model.features (the trainer's remat/offload/host-parameter path) without a policy traces the
     very program of model.features; with one, the forward values are the same bits and every tag is
     still emitted, and its gradients are those of the plain loss."""
-    from zoo.offload import features, load_preset, remat_policy
+    from zoo.model import features
+    from zoo.offload import load_preset, remat_policy
     from zoo.sharding import to_device
 
     c = SIZES["gpt_oss_tiny_a"]  # a period of two blocks, MoE statistics

@@ -336,7 +336,7 @@ def test_indivisible_dim_names_the_mesh_axis():
 @pytest.mark.parametrize("size", sorted(SIZES))
 def test_model_options_are_the_named_sizes(size):
     """`model=<size>` composes (through the ConfigStore node zoo.train.config registers) to SIZES[size]."""
-    from zoo.inspect import compose
+    from zoo.toolkit import compose
 
     assert load_group("model", compose([f"model={size}"]).model) == SIZES[size]
 

@@ -94,14 +94,14 @@ def offloaded_tags(trainer) -> list[str]:
 def preset_row(overrides: Sequence[str], preset: str) -> dict:
     """One preset's step lowered for cpu and for cuda: the host placements of each, the offloaded tags
     and where the state lives. A preset the model cannot take (a tag it never emits) gives `error`."""
-    from zoo.inspect import prepare_step
+    from zoo.toolkit import prepare_step
 
     try:
         trainer = prepare_step([*overrides, f"offload={preset}"])[3]
     except ValueError as e:
         return {"preset": preset, "error": str(e).splitlines()[0]}
     from zoo import model as zoo_model
-    from zoo.inspect import placement_from_jaxpr, scan_names
+    from zoo.placement import placement_from_jaxpr, scan_names
 
     traced = trace_step(trainer)
     placement = placement_from_jaxpr(traced.jaxpr, scan_names(zoo_model.abstract(trainer.cfg.model), trainer.cfg.offload))
@@ -130,7 +130,7 @@ class LowerOptions:
 
 
 def render(rows: list[dict]) -> str:
-    from zoo.inspect import _table
+    from zoo.toolkit import table
 
     table = [("preset", "offloaded tags", "traced host residuals", "state on host", "cpu: host annotations", "cuda: host annotations",
               "cpu: host memory kinds", "cuda: host memory kinds")]
@@ -146,11 +146,11 @@ def render(rows: list[dict]) -> str:
         for (operand, buffer, dtype), n in sorted(r.get("cuda", {}).get("ragged_exchanges", {}).items()):
             notes.append(f"{r['preset']}: cuda: {n} ragged_all_to_all sending from {dtype}[{operand.replace('x', ',')}] "
                          f"into {dtype}[{buffer.replace('x', ',')}]")
-    return "\n".join([_table(table), *notes])
+    return "\n".join([table(table), *notes])
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from zoo.inspect import run_tool, split_tool_args
+    from zoo.toolkit import run_tool, split_tool_args
     from zoo.offload import preset_names
 
     argv = list(sys.argv[1:] if argv is None else argv)

@@ -8,8 +8,12 @@ every leaf with the stack's leading `repeats` axis, so the layer scan slices the
 
 `attach(model, adapters, config)` puts a `LoRAWeight` (base, a, b) where each adapted projection was;
 `Stack._block` merges it per layer inside the scan (`merge_block`), so training, prefill and decode all
-see the adapted weights and the base is never merged whole. Only the adapters are differentiated:
-callers take gradients with respect to `adapters` with the base closed over (`adapted_loss`).
+see the adapted weights and the base is never merged whole. With `lora.dropout` and a key
+(`attach(..., key=)`, the trainer's per step and microbatch), each weight also carries a per-layer
+key and stays unmerged: its projection (`project`) runs the base and the adapter apart, the adapter
+on a dropped-out copy of its input, as LoRA defines dropout. Evaluation and sampling attach no key. Only the adapters are differentiated:
+callers take gradients with respect to `adapters` with the base closed over
+(`zoo.loss_fn(attach(base, adapters, config), tokens)`).
 
 Targets are the projection names the family's modules use: `wq wk wv wo` (grouped-query attention),
 `wq wq_a wq_b wkv_a wk_b wv_b wo` (latent attention, DeepSeek), `w_gate w_up w_down` (the gated MLP,
@@ -23,9 +27,9 @@ from typing import Any, Optional
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, PRNGKeyArray, PyTree
+from jaxtyping import Array, Float, Key, PRNGKeyArray, PyTree
 
-from zoo.config import ModelConfig
+from zoo.errors import ConfigError
 
 # Adapter name -> (module attribute path inside a block, number of input axes of the per-layer weight).
 _ATTN = ("wq", "wk", "wv", "wo", "wq_a", "wq_b", "wkv_a", "wk_b", "wv_b")
@@ -44,16 +48,12 @@ class LoraConfig:
     base_on_host: bool = False  # the frozen base in pinned host memory, brought to the device per layer
 
     def __post_init__(self):
-        from zoo.train.config import ConfigError
-
         if self.rank < 0:
             raise ConfigError(f"lora.rank: must be >= 0 (0 turns LoRA off), got {self.rank}")
         if self.rank and self.alpha <= 0:
             raise ConfigError(f"lora.alpha: must be positive, got {self.alpha}")
-        if self.dropout != 0.0:
-            # The adapters are merged into each layer's weight inside the scan; dropout on the adapter
-            # input needs the unmerged path through every projection, which is not built yet.
-            raise ConfigError(f"lora.dropout: {self.dropout} is not supported yet (adapters are merged per layer); set lora.dropout=0")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"lora.dropout: {self.dropout} is not a probability in [0, 1); e.g. lora.dropout=0.05")
         if self.rank and not self.targets:
             raise ConfigError("lora.targets: empty; name at least one projection, e.g. lora.targets=[wq,wv]")
         unknown = [t for t in self.targets if t not in TARGETS]
@@ -70,12 +70,24 @@ class LoraConfig:
 
 
 class LoRAWeight(eqx.Module):
-    """A frozen base weight and its adapter; `merge()` is the weight the projection uses."""
+    """A frozen base weight and its adapter; `merge()` is the weight the projection uses. With a
+    dropout `key` (one per layer while stacked), the projection applies the parts apart (`project`)."""
 
     base: Float[Array, "..."]
     a: Float[Array, "*layers fan_in rank"]
     b: Float[Array, "*layers rank fan_out"]
-    scale: float = eqx.field(static=True)
+    key: Optional[Key[Array, "*layers"]] = None
+    scale: float = eqx.field(static=True, default=1.0)
+    fan_in_axes: int = eqx.field(static=True, default=1)  # how many input axes the base weight has
+    dropout: float = eqx.field(static=True, default=0.0)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.base.shape
+
+    @property
+    def dropping(self) -> bool:
+        return self.key is not None and self.dropout > 0.0
 
     def merge(self) -> Array:
         # The base gets no gradient: only the adapters train, and no [in, out] cotangent is built for it.
@@ -89,8 +101,28 @@ def _is_lora(x) -> bool:
 
 
 def merge_block(tree: PyTree) -> PyTree:
-    """Every `LoRAWeight` in `tree` replaced by its merged weight (a no-op without adapters)."""
-    return jax.tree.map(lambda x: x.merge() if _is_lora(x) else x, tree, is_leaf=_is_lora)
+    """Every `LoRAWeight` in `tree` replaced by its merged weight (a no-op without adapters), except
+    those training with dropout, which their projections apply unmerged (`project`)."""
+    return jax.tree.map(lambda x: x.merge() if _is_lora(x) and not x.dropping else x, tree, is_leaf=_is_lora)
+
+
+def project(spec: str, x: Array, w, dtype) -> Array:
+    """`einsum(spec, x, w)` in `dtype`, for a plain weight or a `LoRAWeight`. Every projection of the
+    blocks goes through here; for a plain weight it is exactly `jnp.einsum(spec, x, w.astype(dtype))`.
+
+    Training with dropout: `x @ base + scale * dropout(x) @ A @ B`, the adapter reading `x`'s
+    `fan_in_axes` trailing axes flattened and its output reshaped to the projection's (every spec
+    here puts `x`'s other axes first and the weight's output axes last)."""
+    if not _is_lora(w):
+        return jnp.einsum(spec, x, w.astype(dtype))
+    if not w.dropping:
+        return jnp.einsum(spec, x, w.merge().astype(dtype))
+    y = jnp.einsum(spec, x, jax.lax.stop_gradient(w.base).astype(dtype))
+    rows = x.reshape(*x.shape[: x.ndim - w.fan_in_axes], -1)
+    keep = jax.random.bernoulli(w.key, 1.0 - w.dropout, rows.shape)
+    rows = jnp.where(keep, rows / (1.0 - w.dropout), 0).astype(dtype)
+    delta = (rows @ w.a.astype(dtype)) @ w.b.astype(dtype)
+    return y + (w.scale * delta).reshape(y.shape).astype(y.dtype)
 
 
 def _fan_in_axes(name: str) -> int:
@@ -182,16 +214,24 @@ def init(model, config: LoraConfig, *, key: PRNGKeyArray, dtype=jnp.float32) -> 
     return tuple(out)
 
 
-def attach(model, adapters: PyTree, config: LoraConfig):
-    """`model` with each adapted projection a `LoRAWeight` (merged per layer inside the scan)."""
+def attach(model, adapters: PyTree, config: LoraConfig, *, key: Optional[PRNGKeyArray] = None):
+    """`model` with each adapted projection a `LoRAWeight` (merged per layer inside the scan). With
+    `key` and `config.dropout`, each weight gets a key per layer (split from `key`) and trains with
+    dropout on its adapter's input; without, there is no dropout (evaluation, sampling)."""
     stacks = []
+    site = 0
     for stack, per_pos in zip(model.stacks, adapters):
         layers = []
         for block, sites in zip(stack.layers, per_pos):
-            for key, ab in sites.items():
-                path = tuple(key.split("."))
+            for name, ab in sites.items():
+                path = tuple(name.split("."))
                 base = _get(block, path)
-                block = eqx.tree_at(lambda b, p=path: _get(b, p), block, LoRAWeight(base, ab["a"], ab["b"], config.scale))
+                layer_keys = None
+                if key is not None and config.dropout > 0.0:
+                    layer_keys = jax.random.split(jax.random.fold_in(key, site), ab["a"].shape[0])
+                site += 1
+                weight = LoRAWeight(base, ab["a"], ab["b"], layer_keys, config.scale, _fan_in_axes(path[-1]), config.dropout)
+                block = eqx.tree_at(lambda b, p=path: _get(b, p), block, weight)
             layers.append(block)
         stacks.append(eqx.tree_at(lambda s: s.layers, stack, tuple(layers)))
     return eqx.tree_at(lambda m: m.stacks, model, tuple(stacks))
@@ -205,13 +245,6 @@ def merge(model) -> Any:
 def count(adapters: PyTree) -> int:
     """Trainable parameters: the adapters' elements."""
     return int(sum(x.size for x in jax.tree.leaves(adapters)))
-
-
-def adapted_loss(adapters: PyTree, base_model, config: LoraConfig, tokens, **loss_kwargs) -> Float[Array, ""]:
-    """The model's next-token loss with the adapters attached; differentiate with respect to `adapters`."""
-    from zoo.model import loss_fn
-
-    return loss_fn(attach(base_model, adapters, config), tokens, **loss_kwargs)
 
 
 def check_family(adapters: PyTree, model, config: LoraConfig, family: Optional[str] = None) -> Optional[str]:

@@ -144,7 +144,7 @@ def to_yaml(profile: dict) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from zoo.inspect import run_tool, split_tool_args
+    from zoo.toolkit import run_tool, split_tool_args
     from zoo.train.cli import check_writable
     from zoo.offload import conf_dir
 

@@ -14,6 +14,7 @@ one block per position, each block checkpointed on its own so remat/offload poli
 """
 
 import contextlib
+import dataclasses
 import functools
 import math
 from typing import Any, Callable, Optional, Sequence, Union
@@ -31,13 +32,12 @@ from zoo.lora import merge_block
 from zoo.nn import GatedMLP, GQAttention, MLAttention, MoE, MoEAux, RMSNorm
 from zoo.nn._init import normal
 from zoo.nn.cache import KVCache, LatentCache
-from zoo.offload import RangedPolicy
 
 # How a stack's scan body runs one layer: `(h, block_params, j) -> ((h, aux), kept tags)`, where j is the
 # layer's position in the stack's period (static) and `block_params` its array leaves.
 LayerFn = Callable[..., tuple]
 # Wraps that function, e.g. in `jax.checkpoint` with a remat/offload policy, or with a move of
-# host-resident weights to the device (zoo.offload.layer_wrapper builds the trainer's). The forward
+# host-resident weights to the device (`layer_wrapper` below builds the trainer's). The forward
 # values are unchanged; only what the program keeps, recomputes or moves is.
 LayerWrapper = Callable[[LayerFn], LayerFn]
 # One attention layer's decode-time cache (zoo.nn.cache).
@@ -444,7 +444,7 @@ class CausalLM(eqx.Module):
         layer in model order (None without MoE layers).
 
         `positions` (default 0..seq-1) feed RoPE; `segment_ids` confine attention to a document.
-        (The trainer runs the same layers under its remat/offload policy through `zoo.offload.features`.)
+        (The trainer runs the same layers under its remat/offload policy through `zoo.model.features`.)
         """
         return run_layers(self, tokens, positions=positions, segment_ids=segment_ids)
 
@@ -520,7 +520,7 @@ LayerSegment = tuple[int, int, Optional[LayerWrapper]]
 
 def split_stacks(stacks: Sequence[Stack], segments: Sequence[tuple[int, int, Any]]) -> list[tuple[Stack, Any]]:
     """The stacks cut at every segment boundary (`Stack.cut`), each piece with its segment's third
-    item (a `LayerWrapper` for `run_layers`; zoo.offload passes its policies): one scan per piece, so
+    item (a `LayerWrapper` for `run_layers`; `features` passes its policies): one scan per piece, so
     a segment's layers stay one flat loop under their own policy. The segments cover the layers in
     order, without gaps."""
     out = []
@@ -547,7 +547,7 @@ def run_layers(
     segments: Optional[Sequence[LayerSegment]] = None,
 ) -> tuple[Float[Array, "batch seq embed"], Optional[MoEAux]]:
     """`model.features` with each layer's call wrapped by `wrap_layer` (see `LayerWrapper`): the one
-    forward loop that `CausalLM.features` (no wrapper) and the trainer's `zoo.offload.features` share.
+    forward loop that `CausalLM.features` (no wrapper) and the trainer's `features` share.
 
     `segments` (instead of `wrap_layer`): `(first, stop, wrapper)` per layer range, covering every
     layer; the stacks are cut at their boundaries (`split_stacks`) and each piece scans on its own
@@ -653,6 +653,69 @@ def next_token_loss(
     return (nll * weights).sum() / jnp.maximum(weights.sum(), 1.0)
 
 
+# A function applied to one layer's parameters inside the scan body, before use: the trainer's
+# `zoo.sharding.to_device`, which moves host-resident weights to the device one layer at a time.
+LayerTransform = Callable[[PyTree], PyTree]
+
+
+@dataclasses.dataclass(frozen=True)
+class RangedPolicy:
+    """What `remat_policy` returns for a config with `offload.ranges`: a `jax.checkpoint` policy per
+    consecutive layer segment, `(first, stop, policy)` covering every layer. `features` cuts the
+    scanned stacks at the segments' boundaries and runs each piece under its segment's policy."""
+
+    segments: tuple[tuple[int, int, Optional[Callable]], ...]
+
+
+# --- running the model under a remat/offload policy ---------------------------------------------
+#
+# The model's own API (`model(tokens, positions=, segment_ids=)`, `model.features`) knows nothing of
+# policies; these run the same layers (`run_layers`) with each layer's call wrapped. The policies
+# themselves are built from a config by `zoo.offload.remat_policy`.
+
+
+def layer_wrapper(remat_policy: Optional[Callable] = None, layer_transform: Optional[LayerTransform] = None):
+    """The `zoo.model.LayerWrapper` of a `jax.checkpoint` policy (`remat_policy(...)`; None: no
+    checkpoint) and a transform of each layer's parameters (None: use them where they are), or None
+    when there is neither. Each layer is checkpointed on its own, the transform inside the checkpoint,
+    so the backward pass moves a host-resident layer's weights again rather than keeping them."""
+    if remat_policy is None and layer_transform is None:
+        return None
+
+    def wrap(run_block):
+        def run(h, block_params, j):
+            if layer_transform is not None:
+                block_params = layer_transform(block_params)
+            return run_block(h, block_params, j)
+
+        if remat_policy is not None:
+            # The policy decides, per tagged intermediate, what the backward pass keeps, offloads or recomputes.
+            run = jax.checkpoint(run, policy=remat_policy, prevent_cse=False, static_argnums=(2,))
+        return run
+
+    return wrap
+
+
+def features(
+    model,
+    tokens: Int[Array, "batch seq"],
+    *,
+    positions: Optional[Int[Array, "*batch seq"]] = None,
+    segment_ids: Optional[Int[Array, "batch seq"]] = None,
+    remat_policy: Optional[Union[Callable, RangedPolicy]] = None,
+    layer_transform: Optional[LayerTransform] = None,
+):
+    """`model.features(tokens, positions=, segment_ids=)` (hidden states, MoE statistics) with every
+    layer run under `remat_policy` and `layer_transform` (see `layer_wrapper`): the same forward
+    values, what the backward pass keeps, offloads or recomputes set by the policy. A `RangedPolicy`
+    (a config with `offload.ranges`) runs each layer segment as scans of its own under its policy."""
+    if isinstance(remat_policy, RangedPolicy):  # a policy per layer range: a scan per piece
+        segments = [(first, stop, layer_wrapper(p, layer_transform)) for first, stop, p in remat_policy.segments]
+        return run_layers(model, tokens, positions=positions, segment_ids=segment_ids, segments=segments)
+    wrap = layer_wrapper(remat_policy, layer_transform)
+    return run_layers(model, tokens, positions=positions, segment_ids=segment_ids, wrap_layer=wrap)
+
+
 def loss_fn(
     model: CausalLM,
     tokens: Int[Array, "batch seq"],
@@ -665,10 +728,8 @@ def loss_fn(
     """Mean next-token loss of `model(tokens)`. With a remat/offload policy
     (`zoo.offload.remat_policy`: a `jax.checkpoint` policy, or a `RangedPolicy`, one per layer range)
     or a transform of each layer's parameters, every layer runs as
-    `zoo.offload.features` runs it: the same values, what the backward pass keeps set by the policy."""
-    from zoo import offload
-
-    hidden, _ = offload.features(
+    `features` runs it: the same values, what the backward pass keeps set by the policy."""
+    hidden, _ = features(
         model, tokens, positions=positions, segment_ids=segment_ids, remat_policy=remat_policy, layer_transform=layer_transform
     )
     return next_token_loss(model.logits(hidden), tokens)

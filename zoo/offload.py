@@ -32,13 +32,10 @@ import re
 from typing import Any, Callable, NamedTuple, Optional, Union
 
 import jax
-from jaxtyping import Array, Float, Int, PyTree
 
+from zoo.model import RangedPolicy, abstract, split_stacks
 from zoo.tags import DECODER_LAYER_INPUT, MLPWO, OPTIONAL_KINDS, TAGS, block_kinds, emitted_tags
 
-# A function applied to one layer's parameters inside the scan body, before use: the trainer's
-# `zoo.sharding.to_device`, which moves host-resident weights to the device one layer at a time.
-LayerTransform = Callable[[PyTree], PyTree]
 
 ACTIONS = ("device", "offload", "remat")
 MEMORY_KINDS = ("device", "pinned_host")
@@ -265,15 +262,6 @@ def layer_policies(policy: OffloadConfig, num_layers: int) -> list[LayerPolicy]:
     return [p for p in out if p.first < p.stop]
 
 
-@dataclasses.dataclass(frozen=True)
-class RangedPolicy:
-    """What `remat_policy` returns for a config with `offload.ranges`: a `jax.checkpoint` policy per
-    consecutive layer segment, `(first, stop, policy)` covering every layer. `features` cuts the
-    scanned stacks at the segments' boundaries and runs each piece under its segment's policy."""
-
-    segments: tuple[tuple[int, int, Optional[Callable]], ...]
-
-
 def check_tags_emitted(policy: OffloadConfig, model_config) -> None:
     """A policy naming a tag the model never emits would silently do nothing: refuse it.
 
@@ -363,12 +351,11 @@ def layer_weight_shapes(model_config) -> frozenset:
     parameters' dtype (nothing is cast)."""
     import numpy as np
 
-    from zoo import model as zoo_model
     from zoo.sharding import COMPUTE_LEAVES
 
     if np.dtype(model_config.compute_dtype) == np.dtype(model_config.param_dtype):
         return frozenset()
-    stacks = zoo_model.abstract(model_config).stacks
+    stacks = abstract(model_config).stacks
     leaves = jax.tree_util.tree_leaves_with_path(tuple(s.layers for s in stacks))
     return frozenset(tuple(x.shape[1:]) for path, x in leaves if getattr(path[-1], "name", None) in COMPUTE_LEAVES)
 
@@ -436,62 +423,10 @@ def remat_policy(policy: OffloadConfig, model_config=None, *, weights_of=None) -
     return cp.nothing_saveable
 
 
-# --- running the model under a policy ------------------------------------------------------------
-#
-# The model's own API (`model(tokens, positions=, segment_ids=)`, `model.features`) knows nothing of
-# policies; these run the same layers (`zoo.model.run_layers`) with each layer's call wrapped.
-
-
-def layer_wrapper(remat_policy: Optional[Callable] = None, layer_transform: Optional[LayerTransform] = None):
-    """The `zoo.model.LayerWrapper` of a `jax.checkpoint` policy (`remat_policy(...)`; None: no
-    checkpoint) and a transform of each layer's parameters (None: use them where they are), or None
-    when there is neither. Each layer is checkpointed on its own, the transform inside the checkpoint,
-    so the backward pass moves a host-resident layer's weights again rather than keeping them."""
-    if remat_policy is None and layer_transform is None:
-        return None
-
-    def wrap(run_block):
-        def run(h, block_params, j):
-            if layer_transform is not None:
-                block_params = layer_transform(block_params)
-            return run_block(h, block_params, j)
-
-        if remat_policy is not None:
-            # The policy decides, per tagged intermediate, what the backward pass keeps, offloads or recomputes.
-            run = jax.checkpoint(run, policy=remat_policy, prevent_cse=False, static_argnums=(2,))
-        return run
-
-    return wrap
-
-
-def features(
-    model,
-    tokens: Int[Array, "batch seq"],
-    *,
-    positions: Optional[Int[Array, "*batch seq"]] = None,
-    segment_ids: Optional[Int[Array, "batch seq"]] = None,
-    remat_policy: Optional[Union[Callable, RangedPolicy]] = None,
-    layer_transform: Optional[LayerTransform] = None,
-):
-    """`model.features(tokens, positions=, segment_ids=)` (hidden states, MoE statistics) with every
-    layer run under `remat_policy` and `layer_transform` (see `layer_wrapper`): the same forward
-    values, what the backward pass keeps, offloads or recomputes set by the policy. A `RangedPolicy`
-    (a config with `offload.ranges`) runs each layer segment as scans of its own under its policy."""
-    from zoo.model import run_layers
-
-    if isinstance(remat_policy, RangedPolicy):  # a policy per layer range: a scan per piece
-        segments = [(first, stop, layer_wrapper(p, layer_transform)) for first, stop, p in remat_policy.segments]
-        return run_layers(model, tokens, positions=positions, segment_ids=segment_ids, segments=segments)
-    wrap = layer_wrapper(remat_policy, layer_transform)
-    return run_layers(model, tokens, positions=positions, segment_ids=segment_ids, wrap_layer=wrap)
-
-
 def scan_policies(policy: OffloadConfig, model) -> list[tuple[str, LayerPolicy]]:
     """Per forward scan of the trainer's step, in program order: its name (the stack's, or a cut
     piece's `<stack>[<first>-<last>]`) and the policy its layers run under. `model`: a CausalLM,
     abstract or not."""
-    from zoo.model import split_stacks
-
     segments = layer_policies(policy, model.config.num_layers)
     if len(segments) == 1:
         return [(s.name, segments[0]) for s in model.stacks]

@@ -1179,7 +1179,7 @@ def problem_from_config(c, trainer, opts: PlanConfig, hardware_dir=None, attenti
 
     from zoo import model as zoo_model
     from zoo.config import flops_per_token
-    from zoo.inspect import inspect_placement, stack_names
+    from zoo.placement import inspect_placement, stack_names
     from zoo.model import loss_fn
     from zoo.offload import remat_policy
     from zoo.tags import emitted_tags
@@ -1348,7 +1348,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     import pathlib
     import sys
 
-    from zoo.inspect import compose, output_path, prepare_step, run_tool, split_tool_args
+    from zoo.toolkit import compose, output_path, prepare_step, run_tool, split_tool_args
     from zoo.offload import conf_dir
     from zoo.train.config import load
     from zoo.train.run import start_jax

@@ -151,42 +151,42 @@ def _batch_ways(trainer) -> int:
 
 def render(rep: dict) -> str:
     """The scale report as printed by `python -m zoo.inspect`."""
-    from zoo.inspect import _fmt, _table
+    from zoo.toolkit import fmt_bytes, table
 
     s = rep["state_bytes_per_device"]
     d = rep["dtypes"]
     mesh = " x ".join(f"{a} {n}" for a, n in rep["mesh"].items() if n > 1) or "one device"
     out = [
         f"scale: {rep['devices']} devices ({mesh}), {rep['per_device_batch']} sequences per device",
-        f"per device: params {_fmt(s['params'])} ({'/'.join(d['params'])}), grads {_fmt(s['grads'])}, "
-        f"optimizer state {_fmt(s['opt_state'])} ({'/'.join(d['opt_state'])}), total {_fmt(s['total'])}; "
-        f"compute in {d['compute']}; all parameters {_fmt(s['global_params'])}",
+        f"per device: params {fmt_bytes(s['params'])} ({'/'.join(d['params'])}), grads {fmt_bytes(s['grads'])}, "
+        f"optimizer state {fmt_bytes(s['opt_state'])} ({'/'.join(d['opt_state'])}), total {fmt_bytes(s['total'])}; "
+        f"compute in {d['compute']}; all parameters {fmt_bytes(s['global_params'])}",
     ]
     if "frozen_base" in s:
         out[-1] = out[-1].replace("per device: params", "per device: LoRA adapters", 1).replace("; all parameters", "; all adapters", 1)
-        out.append(f"frozen LoRA base per device: {_fmt(s['frozen_base'])} in {s['frozen_base_memory']} (no gradient, no optimizer state; in the total)")
+        out.append(f"frozen LoRA base per device: {fmt_bytes(s['frozen_base'])} in {s['frozen_base_memory']} (no gradient, no optimizer state; in the total)")
     kept = rep.get("kept_layer_inputs")
     if kept:
         shapes = ", ".join(f"{k['arrays']} x {k['shape']}" if k["arrays"] > 1 else k["shape"] for k in kept["stacks"])
         split = ", split along the sequence (sequence parallelism)" if rep.get("sequence_parallel") else ""
-        out.append(f"kept layer inputs per device: {_fmt(kept['bytes'])} ({shapes}){split}")
+        out.append(f"kept layer inputs per device: {fmt_bytes(kept['bytes'])} ({shapes}){split}")
     for name, title in (("partitioned", "after SPMD partitioning"), ("compiled", "compiled")):
         section = rep["collectives"][name]
         if section is None:
             continue
-        rows = [(kind, dtype, r["count"], r["executions"], _fmt(r["bytes"])) for kind, by_dtype in section["by_kind_and_dtype"].items() for dtype, r in by_dtype.items()]
+        rows = [(kind, dtype, r["count"], r["executions"], fmt_bytes(r["bytes"])) for kind, by_dtype in section["by_kind_and_dtype"].items() for dtype, r in by_dtype.items()]
         if not rows:
             out.append(f"collectives per step ({title}): none")
             continue
         total = sum(r["bytes"] for r in section["by_kind"].values())
-        out.append(f"collectives per step ({title}), bytes per device, {_fmt(total)} in all:")
-        out.append(_table([("kind", "dtype", "instructions", "executions", "bytes/step")] + rows))
+        out.append(f"collectives per step ({title}), bytes per device, {fmt_bytes(total)} in all:")
+        out.append(table([("kind", "dtype", "instructions", "executions", "bytes/step")] + rows))
         if section["unknown_trip_counts"]:
             out.append(f"note: {section['unknown_trip_counts']} collective(s) sit in loops of unknown trip count, counted once")
     section = rep["collectives"]["partitioned"] or rep["collectives"]["compiled"]
     if section["largest"]:
         out.append("largest collectives per step (" + ("after SPMD partitioning" if rep["collectives"]["partitioned"] else "compiled") + "):")
         rows = [("kind", "shape", "group", "executions", "bytes/exec", "bytes/step")]
-        rows += [(c["kind"], c["shape"], c["group_size"] or "?", c["executions"], _fmt(c["bytes_per_execution"]), _fmt(c["bytes"])) for c in section["largest"]]
-        out.append(_table(rows))
+        rows += [(c["kind"], c["shape"], c["group_size"] or "?", c["executions"], fmt_bytes(c["bytes_per_execution"]), fmt_bytes(c["bytes"])) for c in section["largest"]]
+        out.append(table(rows))
     return "\n".join(out)

@@ -2,7 +2,7 @@
 
 A module `zoo/families/<name>.py` defines `FAMILY = FamilyDef(...)`: the family's name (`ModelConfig.family`),
 whether it has routed experts (`moe`) or latent attention (`mla`), its Hugging Face mapping (a
-`zoo.hf.convert.Family`: model_type, architecture, config.json defaults, read/write, tensor rules) and its
+`zoo.hf.rules.Family`: model_type, architecture, config.json defaults, read/write, tensor rules) and its
 named sizes. Every module here is found by name, so nothing else lists it: `zoo.config` validates
 `family` and merges the sizes into `SIZES` (hence Hydra's `model=<size>` options and `python -m zoo.sizes`),
 `zoo.hf` loads and saves its checkpoints (`model=hf` included), and the tests parametrize over
@@ -24,7 +24,7 @@ from zoo import tags
 
 @dataclasses.dataclass(frozen=True)
 class FamilyDef:
-    """One family. `hf` is a `zoo.hf.convert.Family` (or None: no checkpoint mapping); `sizes()` returns
+    """One family. `hf` is a `zoo.hf.rules.Family` (or None: no checkpoint mapping); `sizes()` returns
     the named `ModelConfig`s, built on demand because building one validates it against this registry."""
 
     name: str

@@ -12,9 +12,10 @@ Qwen3-MoE), `mixtral`, `gemma3`, `gpt_oss`.
 """
 
 from zoo.hf.convert import (
-    Family, Rule, block_rules, config_from_hf, config_to_hf, dtype_name, families, family_of, fp8_block, save_pretrained,
-    supported_model_types, to_hf_state_dict, top_rules,
+    block_rules, config_from_hf, config_to_hf, dtype_name, families, family_of, fp8_block, save_pretrained, supported_model_types,
+    to_hf_state_dict,
 )
+from zoo.hf.rules import Family, Rule, top_rules
 from zoo.hf.files import CheckpointError, CheckpointReader, SafetensorsFile, SafetensorsStream, dequantize_blocks, write_safetensors
 from zoo.hf.weights import LeafSource, capacity_note, from_pretrained, leaf_sources, load_config, load_sharded, open_checkpoint
 

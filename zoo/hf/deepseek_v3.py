@@ -9,7 +9,7 @@ as transformers skips them.
 import numpy as np
 
 from zoo.config import MLAConfig, ModelConfig, MoEConfig
-from zoo.hf.convert import (
+from zoo.hf.rules import (
     SILU, Family, Keys, Rule, expert_list_rules, linear, mlp_rules, pad_token_id, rope_from_params, rope_hf, rope_params, same,
 )
 from zoo.tags import DEEPSEEK_V3

@@ -21,7 +21,7 @@ import warnings
 from typing import Optional
 
 from zoo.config import LAYER_TYPES, ModelConfig, RopeConfig
-from zoo.hf.convert import (
+from zoo.hf.rules import (
     Family, Keys, common_fields, explicit_layer_types, layer_types_of, rope_from_params, rope_params, rope_to_params,
     window_fields,
 )

@@ -13,7 +13,7 @@ interleaved columns (gate = [..., ::2], up = [..., 1::2]) and its bias `[E, 2I]`
 import numpy as np
 
 from zoo.config import ModelConfig, MoEConfig
-from zoo.hf.convert import (
+from zoo.hf.rules import (
     Family, Keys, Rule, common_fields, explicit_layer_types, layer_types_of, linear, rope_from_params, rope_hf, rope_params,
     same, window_fields,
 )

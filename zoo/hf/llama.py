@@ -5,7 +5,7 @@ and is refused.
 """
 
 from zoo.config import ModelConfig
-from zoo.hf.convert import SILU, Family, Keys, common_fields, rope_from_params, rope_hf, rope_params
+from zoo.hf.rules import SILU, Family, Keys, common_fields, rope_from_params, rope_hf, rope_params
 from zoo.tags import LLAMA
 
 

@@ -10,7 +10,7 @@ jitter, so a non-zero value is accepted with a warning (inference is unaffected)
 import warnings
 
 from zoo.config import ModelConfig, MoEConfig
-from zoo.hf.convert import (
+from zoo.hf.rules import (
     SILU, Family, Keys, Rule, common_fields, every_layer_window, expert_list_rules, linear, rope_from_params, rope_hf, rope_params,
 )
 from zoo.tags import MIXTRAL

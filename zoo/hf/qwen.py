@@ -13,7 +13,7 @@
 """
 
 from zoo.config import ModelConfig, MoEConfig
-from zoo.hf.convert import (
+from zoo.hf.rules import (
     SILU, Family, Keys, Rule, common_fields, every_layer_window, explicit_layer_types, expert_list_rules, layer_types_of, linear,
     rope_from_params, rope_hf, rope_params, window_fields,
 )

@@ -24,9 +24,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zoo.config import ModelConfig
-from zoo.hf.convert import Family, Rule, _get, _positions, config_from_hf, dtype_name, family_of, fp8_block, top_rules
+from zoo.config import ModelConfig, dtype_name
+from zoo.hf.convert import _get, config_from_hf, family_of, fp8_block, rules_and_shapes
 from zoo.hf.files import CheckpointError, CheckpointReader
+from zoo.hf.rules import Family
 from zoo.model import CausalLM, abstract
 
 
@@ -47,32 +48,6 @@ def load_config(path) -> dict:
     if not isinstance(cfg, dict):
         raise CheckpointError(f"{config_path}: not a JSON object; download or copy it again")
     return cfg
-
-
-def _shape_only(shape, dtype) -> np.ndarray:
-    """An array of `shape` that takes no memory (zero strides), to run a Rule for its shapes."""
-    return np.broadcast_to(np.zeros((), dtype), shape)
-
-
-def _hub_shapes(rule: Rule, zoo_shapes: Sequence[tuple[int, ...]]) -> list[tuple[int, ...]]:
-    if rule.hub_shapes is not None:
-        return [tuple(s) for s in rule.hub_shapes(zoo_shapes)]
-    return [tuple(a.shape) for a in rule.to_hub(*[_shape_only(s, np.float32) for s in zoo_shapes])]
-
-
-def _rules_and_shapes(skeleton: CausalLM):
-    """(rule, prefix of its hub names, zoo attribute prefix, layer indices or None, zoo per-layer shapes,
-    hub shapes) for every rule of the model: the top-level ones, then each stacked block position's."""
-    config = skeleton.config
-    family = family_of(config)
-    for rule in top_rules(config):
-        shapes = [_get(skeleton, z).shape for z in rule.zoo]
-        yield rule, "", "", None, shapes, _hub_shapes(rule, shapes)
-    for attr, layers, moe in _positions(skeleton):
-        block = _get(skeleton, attr)
-        for rule in family.block_rules(config, moe):
-            shapes = [_get(block, z).shape[1:] for z in rule.zoo]
-            yield rule, "model.layers.{layer}.", attr + ".", layers, shapes, _hub_shapes(rule, shapes)
 
 
 def _check_leftovers(reader: CheckpointReader, config: ModelConfig, cfg: dict, family: Family) -> None:
@@ -112,7 +87,7 @@ def open_checkpoint(directory, config: ModelConfig, cfg: dict, skeleton: Optiona
     directory = pathlib.Path(directory)
     reader = CheckpointReader(directory, fp8_block(cfg, str(directory / "config.json")))
     skeleton = abstract(config) if skeleton is None else skeleton
-    for rule, prefix, _, layers, _, hub_shapes in _rules_and_shapes(skeleton):
+    for rule, prefix, _, layers, _, hub_shapes in rules_and_shapes(skeleton):
         for layer in [None] if layers is None else layers:
             for name, shape in zip(rule.hub, hub_shapes):
                 reader.check(prefix.format(layer=layer) + name, shape)
@@ -147,7 +122,7 @@ def leaf_sources(skeleton: CausalLM, reader: CheckpointReader) -> list[LeafSourc
     """A LeafSource for every array leaf of `skeleton` (a model, abstract or not, whose dtypes are the
     ones to load into)."""
     sources = []
-    for rule, prefix, attr, layers, shapes, hub_shapes in _rules_and_shapes(skeleton):
+    for rule, prefix, attr, layers, shapes, hub_shapes in rules_and_shapes(skeleton):
 
         def layer_views(layer, rule=rule, prefix=prefix, shapes=shapes, hub_shapes=hub_shapes):
             names = [prefix.format(layer=layer) + n for n in rule.hub]

@@ -14,6 +14,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from zoo import sharding as zs
 from zoo import tags
 from zoo.config import DTypeLike, RopeConfig, dtype_name
+from zoo.lora import project
 from zoo.nn._init import normal
 from zoo.nn.attention_kernels import attend
 from zoo.nn.cache import KVCache, cache_slots, from_prompt, visible_slots, write
@@ -97,7 +98,7 @@ class GQAttention(eqx.Module):
 
     def _project(self, x, w, b, name: str):
         cdt = self.compute_dtype
-        y = jnp.einsum("BTD,DKH->BTKH", x, w.astype(cdt))
+        y = project("BTD,DKH->BTKH", x, w, cdt)
         if b is not None:
             y = y + b.astype(cdt)
         return tags.tag(y, name)
@@ -113,7 +114,7 @@ class GQAttention(eqx.Module):
 
     def _output(self, context):
         context = tags.tag(context, tags.CONTEXT)
-        out = jnp.einsum("BTNH,NHD->BTD", context, self.wo.astype(self.compute_dtype))
+        out = project("BTNH,NHD->BTD", context, self.wo, self.compute_dtype)
         if self.bo is not None:
             out = out + self.bo.astype(self.compute_dtype)
         return tags.tag(out, tags.OUT_PROJ)

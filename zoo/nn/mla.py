@@ -10,6 +10,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from zoo import sharding as zs
 from zoo import tags
 from zoo.config import DTypeLike, MLAConfig, RopeConfig, dtype_name
+from zoo.lora import project
 from zoo.nn._init import normal
 from zoo.nn.attention_kernels import attend
 from zoo.nn.cache import LatentCache, from_prompt, visible_slots, write
@@ -85,32 +86,32 @@ class MLAttention(eqx.Module):
         """(q_nope, rotated q_rope) per head."""
         cdt = self.compute_dtype
         if self.wq_a is None:
-            q = jnp.einsum("BTD,DNH->BTNH", x, self.wq_b.astype(cdt))
+            q = project("BTD,DNH->BTNH", x, self.wq_b, cdt)
         else:
-            q_latent = tags.tag(jnp.einsum("BTD,DR->BTR", x, self.wq_a.astype(cdt)), tags.QUERY_WA_PROJ)
+            q_latent = tags.tag(project("BTD,DR->BTR", x, self.wq_a, cdt), tags.QUERY_WA_PROJ)
             q_latent = tags.tag(self.q_norm(q_latent), tags.MLA_Q)
-            q = jnp.einsum("BTR,RNH->BTNH", q_latent, self.wq_b.astype(cdt))
+            q = project("BTR,RNH->BTNH", q_latent, self.wq_b, cdt)
         q = tags.tag(q, tags.QUERY_PROJ)
         rope_dim = self.rope.dim
         return q[..., :-rope_dim], self.rope(q[..., -rope_dim:], positions)
 
     def _latent(self, x, positions):
         """(normed kv latent [B T L], rotated shared rope key [B T P]): what the cache keeps."""
-        kv = tags.tag(jnp.einsum("BTD,DC->BTC", x, self.wkv_a.astype(self.compute_dtype)), tags.KV_WA_PROJ)
+        kv = tags.tag(project("BTD,DC->BTC", x, self.wkv_a, self.compute_dtype), tags.KV_WA_PROJ)
         kv_latent, k_rope = kv[..., : self.kv_lora_rank], kv[..., self.kv_lora_rank :]
         kv_latent = tags.tag(self.kv_norm(kv_latent), tags.MLA_KV)
         return kv_latent, self.rope(k_rope[:, :, None, :], positions)[:, :, 0]  # one rope key for all heads
 
     def _output(self, context):
         context = tags.tag(context, tags.CONTEXT)
-        return tags.tag(jnp.einsum("BTNV,NVD->BTD", context, self.wo.astype(self.compute_dtype)), tags.OUT_PROJ)
+        return tags.tag(project("BTNV,NVD->BTD", context, self.wo, self.compute_dtype), tags.OUT_PROJ)
 
     def _forward(self, x, positions, segment_ids):
         cdt = self.compute_dtype
         q_nope, q_rope = self._queries(x, positions)
         kv_latent, k_rope = self._latent(x, positions)
-        k_nope = tags.tag(jnp.einsum("BTL,LNH->BTNH", kv_latent, self.wk_b.astype(cdt)), tags.KEY_PROJ)
-        v = tags.tag(jnp.einsum("BTL,LNV->BTNV", kv_latent, self.wv_b.astype(cdt)), tags.VALUE_PROJ)
+        k_nope = tags.tag(project("BTL,LNH->BTNH", kv_latent, self.wk_b, cdt), tags.KEY_PROJ)
+        v = tags.tag(project("BTL,LNV->BTNV", kv_latent, self.wv_b, cdt), tags.VALUE_PROJ)
         q = jnp.concatenate([q_nope, q_rope], axis=-1)
         k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope[:, :, None, :], (*k_nope.shape[:-1], self.rope.dim))], axis=-1)
         # Whole sequences into the kernel under sequence parallelism (see GQAttention._forward).

@@ -8,6 +8,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 from zoo import tags
 from zoo.config import DTypeLike, dtype_name
+from zoo.lora import LoRAWeight, project
 from zoo.nn._init import normal
 
 
@@ -104,9 +105,16 @@ class GatedMLP(eqx.Module):
         cdt = self.compute_dtype
         # One [tokens, embed] view for both projections: each reshape of x would be a residual of its own.
         rows, per_token = jnp.reshape(x, (-1, x.shape[-1])), x.shape[:-1]
-        gate = tags.tag(dense(rows, self.w_gate.astype(cdt)).reshape(*per_token, -1), tags.MLPWI_0)
-        up = tags.tag(dense(rows, self.w_up.astype(cdt)).reshape(*per_token, -1), tags.MLPWI_1)
-        return tags.tag(dense(gated(ACTIVATIONS[self.activation], gate, up), self.w_down.astype(cdt)), tags.MLPWO)
+        gate = tags.tag(_dense(rows, self.w_gate, cdt).reshape(*per_token, -1), tags.MLPWI_0)
+        up = tags.tag(_dense(rows, self.w_up, cdt).reshape(*per_token, -1), tags.MLPWI_1)
+        return tags.tag(_dense(gated(ACTIVATIONS[self.activation], gate, up), self.w_down, cdt), tags.MLPWO)
+
+
+def _dense(x, w, dtype):
+    # A LoRA weight training with dropout (zoo.lora) runs its adapter apart; every other weight is `dense`.
+    if not isinstance(w, LoRAWeight):
+        return dense(x, w.astype(dtype))
+    return project("CD,DF->CF", x.reshape(-1, x.shape[-1]), w, dtype).reshape(*x.shape[:-1], -1)
 
 
 # The name of the Llama-style default (activation "silu").

@@ -17,15 +17,12 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from zoo.config import ModelConfig
+from zoo.errors import ConfigError  # noqa: F401 (re-exported: every tool catches it from here)
 from zoo.hf.pretrained import PretrainedSource
 from zoo.lora import LoraConfig
 from zoo.offload import OffloadConfig, check_tags_emitted
 from zoo.train.xla_flags import flag_name, unknown_flags
 from zoo.sharding import DEFAULT_RULES, MESH_AXES, MeshShape, ShardingError, resolve_mesh_shape
-
-
-class ConfigError(ValueError):
-    """One line: `<key>: <what is wrong>; <fix>`."""
 
 
 class TrainingStopped(RuntimeError):

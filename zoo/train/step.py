@@ -336,14 +336,15 @@ class Trainer:
 
     # --- the step ------------------------------------------------------------------------------
 
-    def loss_and_aux(self, params, batch, base=None):
+    def loss_and_aux(self, params, batch, base=None, dropout_key=None):
         """Next-token loss of one microbatch and the MoE routing statistics. `batch` is a token array
         `[microbatch, seq]` (the loss is the mean over its targets) or a packed dict of such fields
         (`tokens`, `segment_ids`, `positions`, `loss_mask`): attention stays within each document,
         RoPE reads `positions`, and the loss is the sum of its targets' losses over `loss_denominator`
-        (set by `train_step`; 1.0 gives the plain sum; absent: their count, the mean)."""
+        (set by `train_step`; 1.0 gives the plain sum; absent: their count, the mean). With LoRA,
+        `dropout_key` (one per step and microbatch) turns on `lora.dropout`."""
         if base is not None:  # LoRA: `params` are the adapters, merged per layer inside the scan
-            model = lora.attach(eqx.combine(base, self.static), params, self.lora)
+            model = lora.attach(eqx.combine(base, self.static), params, self.lora, key=dropout_key)
         else:
             model = eqx.combine(params, self.static)
         layer_transform = zs.to_device if self.params_on_host else None
@@ -352,7 +353,7 @@ class Trainer:
             fields = {k: zs.constrain(batch[k], zs.TOKEN_AXES) for k in ("tokens", "segment_ids", "positions", "loss_mask")}
             tokens, segment_ids = fields["tokens"], fields["segment_ids"]
             with segments_bound(self.max_segments):
-                hidden, aux = offload.features(
+                hidden, aux = zoo_model.features(
                     model, tokens, positions=fields["positions"], segment_ids=segment_ids, remat_policy=self.policy,
                     layer_transform=layer_transform,
                 )
@@ -362,7 +363,7 @@ class Trainer:
             denominator = batch.get("loss_denominator", jnp.float32(1.0))
         else:
             tokens = zs.constrain(batch, zs.TOKEN_AXES)
-            hidden, aux = offload.features(model, tokens, remat_policy=self.policy, layer_transform=layer_transform)
+            hidden, aux = zoo_model.features(model, tokens, remat_policy=self.policy, layer_transform=layer_transform)
             weights = denominator = None
         chunk = self.cfg.trainer.loss_chunk_size
         m = self.cfg.model
@@ -407,18 +408,22 @@ class Trainer:
         c = self.cfg
         accum = c.trainer.grad_accum
         params = state["params"]
+        dropping = self.lora is not None and self.lora.dropout > 0
         if self.lora is not None:
             loss_params = params
             base = self._device_params(state["base"])
-            grad_fn = jax.value_and_grad(lambda p, mb: self.loss_and_aux(p, mb, base), has_aux=True)
+            grad_fn = jax.value_and_grad(lambda p, mb, k=None: self.loss_and_aux(p, mb, base, k), has_aux=True)
         else:
             loss_params = self._device_params(params)
             grad_fn = jax.value_and_grad(self.loss_and_aux, has_aux=True)
+        # LoRA dropout masks: new for every step and microbatch, the same after a resume.
+        step_key = jax.random.fold_in(jax.random.key(c.trainer.seed), state["step"]) if dropping else None
 
-        def micro(mb):
+        def micro(mb, i=0):
             # With params on host the stacks' gradients come back in host memory and stay there: the
             # streamed update reads them one layer at a time.
-            (loss, aux), grads = grad_fn(loss_params, mb)
+            args = (loss_params, mb) + ((jax.random.fold_in(step_key, i),) if dropping else ())
+            (loss, aux), grads = grad_fn(*args)
             load = aux.tokens_per_expert.astype(jnp.float32) if aux is not None else jnp.zeros((0, 0), jnp.float32)
             dropped = aux.dropped.astype(jnp.float32) if aux is not None else jnp.zeros((0,), jnp.float32)
             entropy = aux.router_entropy.astype(jnp.float32) if aux is not None else jnp.zeros((0,), jnp.float32)
@@ -429,13 +434,14 @@ class Trainer:
             loss, grads, load, dropped, entropy = micro(first)
         else:
 
-            def body(carry, mb):
-                loss, grads, load, dropped, entropy = micro(mb)
+            def body(carry, xs):
+                loss, grads, load, dropped, entropy = micro(*xs) if dropping else micro(xs)
                 return (carry[0] + loss, accumulate(carry[1], grads), carry[2] + load, carry[3] + dropped, carry[4] + entropy), None
 
             zero = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(micro, first))
             zero = (zero[0], zeros_where(loss_params), zero[2], zero[3], zero[4])  # gradients sum where they arrive
-            (loss, grads, load, dropped, entropy), _ = jax.lax.scan(body, zero, tokens)
+            xs = (tokens, jnp.arange(accum)) if dropping else tokens
+            (loss, grads, load, dropped, entropy), _ = jax.lax.scan(body, zero, xs)
             loss = loss / accum  # load and dropped are counts: they add up over microbatches
             entropy = entropy / accum  # each microbatch's is a mean over its tokens
 

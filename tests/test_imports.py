@@ -1,0 +1,130 @@
+"""The shape of the package, read from its source: no import cycle (module-level or inside a function),
+and no library module imports a command-line tool or the tools' kit.
+
+A tool is a module that runs as `python -m zoo.<name>` (it has a `__main__` block), the modules only
+the tools import (`zoo.scale`, the scale report of zoo.inspect) and the tools' kit (`zoo.toolkit`,
+`zoo.train.cli`). Everything else is the library, which research code imports; it must stand without
+the tools, so a tool can be renamed or removed without touching it.
+"""
+
+import ast
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "zoo"
+KIT = {"zoo.toolkit", "zoo.train.cli"}
+TOOL_ONLY = {"zoo.scale"}
+# Modules with a __main__ block that are library all the same: zoo.sizes prints the named sizes.
+LIBRARY_WITH_MAIN = {"zoo.sizes"}
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _resolve(name: str) -> str:
+    """The zoo module an imported dotted name lives in (`zoo.hf.convert.Family` -> zoo.hf.convert)."""
+    while name not in MODULES and "." in name:
+        name = name.rsplit(".", 1)[0]
+    return name if name in MODULES else ""
+
+
+def _imports(module: str) -> dict[str, int]:
+    """zoo module -> line of its first import in `module`, at any depth (functions included)."""
+    path = MODULES[module]
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    found = {}
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package
+                for _ in range(node.level - 1):
+                    anchor = anchor.rsplit(".", 1)[0]
+                base = f"{anchor}.{base}" if base else anchor
+            # `from zoo import tags` imports the submodule zoo.tags, not the package's __init__ alone.
+            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names]
+        else:
+            continue
+        for name in names:
+            target = _resolve(name) if name.startswith("zoo") else ""
+            if target and target != module:
+                found.setdefault(target, node.lineno)
+    return found
+
+
+GRAPH = {m: _imports(m) for m in MODULES}
+
+
+def _is_tool(module: str) -> bool:
+    if module in KIT | TOOL_ONLY:
+        return True
+    if module in LIBRARY_WITH_MAIN:
+        return False
+    return '__name__ == "__main__"' in MODULES[module].read_text()
+
+
+def _cycle() -> list[str]:
+    """One import cycle as a path of modules, or [] (depth-first search, edges in source order)."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(m: str) -> list[str]:
+        state[m] = 1
+        path.append(m)
+        for nxt in GRAPH[m]:
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        path.pop()
+        state[m] = 2
+        return []
+
+    for m in sorted(GRAPH):
+        if m not in state:
+            found = visit(m)
+            if found:
+                return found
+    return []
+
+
+def test_the_walk_sees_the_package():
+    # A walk that found nothing would pass everything below: the known edges must be there.
+    assert len(MODULES) > 40
+    assert "zoo.model" in GRAPH["zoo.offload"] and "zoo.placement" in GRAPH["zoo.inspect"]
+    assert "zoo.hf.llama" in GRAPH["zoo.hf.convert"]  # a from-import of a submodule
+    assert {"zoo.inspect", "zoo.plan", "zoo.export", "zoo.generate", "zoo.report"} <= {m for m in MODULES if _is_tool(m)}
+
+
+def test_no_import_cycle():
+    cycle = _cycle()
+    assert not cycle, "import cycle: " + " -> ".join(
+        f"{m} ({MODULES[m].relative_to(ROOT)}:{GRAPH[m][n]})" for m, n in zip(cycle, cycle[1:])
+    )
+
+
+def test_the_library_never_imports_a_tool():
+    wrong = [
+        f"{MODULES[m].relative_to(ROOT)}:{line} imports the tool {t}"
+        for m in sorted(MODULES) if not _is_tool(m)
+        for t, line in GRAPH[m].items() if _is_tool(t)
+    ]
+    assert not wrong, "; ".join(wrong)
+
+
+def test_the_cycle_check_can_fail(monkeypatch):
+    monkeypatch.setitem(GRAPH, "zoo.tags", {**GRAPH["zoo.tags"], "zoo.model": 1})
+    assert _cycle()[0] == _cycle()[-1]
