@@ -805,40 +805,176 @@ def with_ranges(p: Problem, policy, model_config) -> Problem:
 
 @dataclasses.dataclass
 class Split:
-    """Layers 0..at-1 under preset `head`, at..n-1 under `tail`, and the estimate."""
+    """Layers 0..at-1 (the head) under one assignment, at..n-1 (the tail) under another, and the
+    estimate. `head` / `tail`: the conf/offload preset each assignment is, "" where it is none."""
 
     at: int
     head: str
     tail: str
     estimate: Estimate
+    head_assignment: dict = dataclasses.field(default_factory=dict)
+    tail_assignment: dict = dataclasses.field(default_factory=dict)
+
+
+def _split_problem(p: Problem, at: int, num_layers: int, head: dict, tail: dict, head_label: str = "head", tail_label: str = "tail") -> Problem:
+    """`p` with layers 0..at-1 fixed to `head` and the rest to `tail` (no free layers left)."""
+    bounds = _stack_bounds(p)
+    first, last = f"0-{at - 1}" if at > 1 else "0", f"{at}-{num_layers - 1}" if num_layers - 1 > at else f"{at}"
+    return dataclasses.replace(p, fixed=[
+        FixedRange(f"layers {first} {head_label}", _layers_in(bounds, 0, at - 1), head),
+        FixedRange(f"layers {last} {tail_label}", _layers_in(bounds, at, num_layers - 1), tail),
+    ])  # fmt: skip
 
 
 def search_split(p: Problem, presets: dict[str, dict[str, str]], num_layers: int, rel_tolerance: float = 1e-3) -> Optional[Split]:
     """The fastest split of the layers into a head and a tail under two different presets (`presets`:
     name -> `preset_assignment`) within both budgets, over every split point; None if none fits.
     Ties (step times within `rel_tolerance` of the compute time) go to less host traffic, then less HBM."""
-    bounds = _stack_bounds(p)
     unit = max(rel_tolerance * p.step_flops / p.rate, 1e-12)
     best, best_key = None, None
     for at in range(1, num_layers):
-        head, tail = _layers_in(bounds, 0, at - 1), _layers_in(bounds, at, num_layers - 1)
         for a, assign_a in presets.items():
             for b, assign_b in presets.items():
                 if a == b:
                     continue
-                q = dataclasses.replace(p, fixed=[FixedRange(a, head, assign_a), FixedRange(b, tail, assign_b)])
-                e = evaluate(q, {})
+                e = evaluate(_split_problem(p, at, num_layers, assign_a, assign_b), {})
                 if e.peak_bytes > p.budget or e.host_bytes > p.host_budget:
                     continue
                 key = (round(e.time_s / unit), e.host_tag_bytes, e.peak_bytes)
                 if best_key is None or key < best_key:
-                    best, best_key = Split(at, a, b, e), key
+                    best, best_key = Split(at, a, b, e, assign_a, assign_b), key
     return best
 
 
-def split_line(p: Problem, c, best: Estimate, args: Sequence[str]) -> str:
-    """`plan.split=true`: the fastest head/tail split over the activation presets of conf/offload,
-    against the plan, with the train.py command that runs it."""
+def _pareto(x: np.ndarray) -> np.ndarray:
+    """Indices of the rows of `x` that no other row dominates (<= in every column); of equal rows, one."""
+    remaining = np.lexsort(x.T[::-1])  # the lexicographically first row is dominated by no later one
+    keep = []
+    while remaining.size:
+        i = remaining[0]
+        keep.append(i)
+        remaining = remaining[~np.all(x[remaining] >= x[i], axis=1)]
+    return np.asarray(keep, dtype=np.int64)
+
+
+def _per_layer_costs(p: Problem, digits: np.ndarray) -> np.ndarray:
+    """[assignments, stacks, 3]: one layer of each stack under each assignment: its step seconds
+    (recompute and exposed transfers, all microbatches), device tag bytes, host tag bytes. A range's
+    costs are these times its layers per stack, so they add up over the ranges."""
+    out = np.zeros((digits.shape[0], len(p.stacks), 3))
+    for k, s in enumerate(p.stacks):
+        flops, device, host, exposed = _layer_parts(p, digits, {s: 1})
+        out[:, k] = np.stack([p.microbatches * (flops / p.rate + exposed), device, host], axis=1)
+    return out
+
+
+def split_candidates(p: Problem, inner_tags: int = 9) -> tuple[np.ndarray, np.ndarray]:
+    """(digits, per-layer costs) of the assignments that can be part of a best split: those no other
+    assignment beats in every stack's per-layer seconds, device bytes and host bytes together (a
+    dominated one, swapped for its dominator in any range, leaves the step no slower and both
+    budgets no fuller). Enumerates every assignment once, in chunks like `search`."""
+    choice_idx = [[CHOICES.index(c) for c in t.choices] for t in p.tags]
+    k = max(0, len(p.tags) - inner_tags)
+    outer, inner = _all_assignments(choice_idx[:k]), _all_assignments(choice_idx[k:])
+    keep_digits, keep_costs = np.zeros((0, len(p.tags)), dtype=np.int8), np.zeros((0, len(p.stacks), 3))
+    for o in outer:
+        digits = np.concatenate([np.broadcast_to(o, (inner.shape[0], k)), inner], axis=1)
+        costs = _per_layer_costs(p, digits)
+        front = _pareto(costs.reshape(len(costs), -1))
+        keep_digits = np.concatenate([keep_digits, digits[front]])
+        keep_costs = np.concatenate([keep_costs, costs[front]])
+        if len(outer) > 1:
+            front = _pareto(keep_costs.reshape(len(keep_costs), -1))
+            keep_digits, keep_costs = keep_digits[front], keep_costs[front]
+    return keep_digits, keep_costs
+
+
+def _best_pair(p: Problem, costs: np.ndarray, head: dict[str, int], tail: dict[str, int], unit: float, chunk: int = 512):
+    """The best (key, head index, tail index) over every pair of candidates for a head of `head`
+    layers per stack and a tail of `tail`, within both budgets; None if no pair fits."""
+    order = list(p.stacks)
+    lh = np.asarray([head.get(s, 0) for s in order], dtype=float)
+    lt = np.asarray([tail.get(s, 0) for s in order], dtype=float)
+    h = np.einsum("nsc,s->nc", costs, lh)  # [candidates, (seconds, device, host)]
+    t = np.einsum("nsc,s->nc", costs, lt)
+    fixed_backward, update = _fixed_bytes(p)
+    if update > p.budget:
+        return None
+    const_s = p.step_flops / p.rate + _state_transfer_s(p)
+    host_fixed = sum(_host_fixed_parts(p).values())
+    best = None
+    for lo in range(0, len(h), chunk):
+        hc = h[lo:lo + chunk, None, :]
+        seconds = const_s + hc[..., 0] + t[None, :, 0]
+        device = hc[..., 1] + t[None, :, 1]
+        host = hc[..., 2] + t[None, :, 2]
+        peak = np.maximum(fixed_backward + device, update)
+        ok = np.nonzero((peak <= p.budget) & (host_fixed + host <= p.host_budget))
+        if not ok[0].size:
+            continue
+        sec, hb, pk = seconds[ok], host[ok], peak[ok]
+        i = int(np.lexsort((pk, sec, hb, np.floor(sec / unit)))[0])
+        key = (float(np.floor(sec[i] / unit)), float(hb[i]), float(sec[i]), float(pk[i]))
+        if best is None or key < best[0]:
+            best = (key, lo + int(ok[0][i]), int(ok[1][i]))
+    return best
+
+
+def split_points(num_layers: int, coarse: int = 16) -> list[int]:
+    """The split points tried first: every one for up to `coarse` of them, else about `coarse`
+    evenly spaced (a multiple of a step); `search_split_tags` then refines around the best."""
+    if num_layers - 1 <= coarse:
+        return list(range(1, num_layers))
+    step = -(-(num_layers - 1) // coarse)
+    return list(range(step, num_layers, step))
+
+
+def search_split_tags(p: Problem, num_layers: int, rel_tolerance: float = 1e-3, coarse: int = 16) -> Optional[Split]:
+    """The fastest split of the layers into a head (0..b-1) and a tail (b..n-1), each with its own
+    per-tag assignment, within both budgets; None if none fits.
+
+    Exact for each split point tried: the estimate is a sum over layers, so a range's seconds, device
+    and host bytes are its layers per stack times one layer's (`_per_layer_costs`); only the
+    assignments no other beats in all of those can be part of a best split (`split_candidates`,
+    found once in one pass over every assignment, as `search` makes), and every pair of them is
+    tried at each split point. The same assignment on both sides is the unsplit plan, so the result
+    is never slower than `search`'s. The split points: every one for models of up to `coarse` + 1
+    layers; deeper ones first at about `coarse` evenly spaced points (a multiple of a step), then at
+    every point within a step of the best of those (126 layers: 16 + 16 points, not 125). Ties, as
+    in `search`: step times within `rel_tolerance` of the compute time count as equal, then less
+    host traffic wins, then the faster, then less HBM."""
+    if p.fixed:
+        raise ValueError("search_split_tags: the problem has fixed ranges; it places every layer itself")
+    unit = max(rel_tolerance * p.step_flops / p.rate, 1e-12)
+    bounds = _stack_bounds(p)
+    digits, costs = split_candidates(p)
+    tried: dict[int, tuple] = {}
+
+    def at(b: int):
+        if b not in tried:
+            tried[b] = _best_pair(p, costs, _layers_in(bounds, 0, b - 1), _layers_in(bounds, b, num_layers - 1), unit)
+        return tried[b]
+
+    points = split_points(num_layers, coarse)
+    for b in points:
+        at(b)
+    found = {b: r for b, r in tried.items() if r is not None}
+    if found and len(points) < num_layers - 1:
+        step = points[1] - points[0] if len(points) > 1 else 1
+        b0 = min(found, key=lambda b: found[b][0])
+        for b in range(max(1, b0 - step + 1), min(num_layers, b0 + step)):
+            at(b)
+    found = {b: r for b, r in tried.items() if r is not None}
+    if not found:
+        return None
+    b = min(found, key=lambda b: (found[b][0], b))
+    _, i, j = found[b]
+    head, tail = _assignment_of(p, digits[i]), _assignment_of(p, digits[j])
+    return Split(b, "", "", evaluate(_split_problem(p, b, num_layers, head, tail), {}), head, tail)
+
+
+def _offload_presets(p: Problem, c) -> dict[str, dict[str, str]]:
+    """The activation presets of conf/offload this model takes, one name per distinct assignment."""
     from zoo.offload import load_preset, preset_names, range_configs
 
     presets = {}
@@ -852,19 +988,57 @@ def split_line(p: Problem, c, best: Estimate, args: Sequence[str]) -> str:
     distinct = {}
     for name, a in presets.items():
         distinct.setdefault(tuple(sorted(a.items())), name)
-    presets = {name: presets[name] for name in distinct.values()}
-    split = search_split(p, presets, c.model.num_layers)
+    return {name: presets[name] for name in distinct.values()}
+
+
+def split_line(p: Problem, c, best: Estimate, args: Sequence[str], out=None, name: str = "planned") -> str:
+    """`plan.split=true`: the fastest head/tail split with per-tag assignments for each side
+    (`search_split_tags`), against the plan and the best split of two conf/offload presets, with
+    the train.py command that runs it. A side whose assignment is no preset's is written as a
+    policy YAML next to the plan's (`out`: the plan's YAML; `<name>_head.yaml`, `<name>_tail.yaml`),
+    which `offload.ranges` takes by path. Returns the lines to print."""
+    import pathlib
+    import shlex
+
+    n = c.model.num_layers
+    presets = _offload_presets(p, c)
+    split = search_split_tags(p, n)
     if split is None:
-        return "split: no split of two presets fits the budgets"
-    e, n = split.estimate, c.model.num_layers
-    head = f"0-{split.at - 1}" if split.at > 1 else "0"
-    tail = f"{split.at}-{n - 1}" if n - 1 > split.at else f"{split.at}"
-    command = " ".join(["python train.py", *args, f"offload={split.tail}", f"'+offload.ranges={{{head}:{split.head}}}'"])
-    return (
-        f"split: layers {head} {split.head}, {tail} {split.tail}: estimated step {1e3 * e.time_s:.3f} ms, "
+        return "split: no split fits the budgets"
+    if split.head_assignment == split.tail_assignment:
+        return f"split: no split is faster than the plan's one policy for every layer ({1e3 * best.time_s:.3f} ms)"
+    at = split.at
+    head = f"0-{at - 1}" if at > 1 else "0"
+    tail = f"{at}-{n - 1}" if n - 1 > at else f"{at}"
+    by_assignment = {tuple(sorted(a.items())): k for k, a in presets.items()}
+    folder = (out.parent if out is not None else pathlib.Path(".")).resolve()
+    lines, values = [], []
+    for side, layers, assignment in (("head", head, split.head_assignment), ("tail", tail, split.tail_assignment)):
+        preset = by_assignment.get(tuple(sorted(assignment.items())))
+        setattr(split, side, preset or "")
+        if preset is not None:
+            values.append((preset, preset))
+            continue
+        path = folder / f"{name}_{side}.yaml"
+        policy = to_offload_config(dataclasses.replace(split.estimate, assignment=assignment), f"{name}_{side}", c.offload.params, c.offload.opt_state)
+        header = f"The policy of layers {layers} of a split planned by python -m zoo.plan plan.split=true,\nfor offload.ranges (a value ending in .yaml is a file). Tags left out are recomputed."
+        path.write_text(to_yaml(policy, header))
+        lines.append(f"wrote {path}")
+        values.append((path.stem, f'"{path}"'))  # quoted for Hydra: a path may hold characters its grammar reserves
+    e = split.estimate
+    # The ranges cover every layer; where state lives is the top level's (offload.params / opt_state).
+    state = [f"offload.{k}={v}" for k, v in (("params", c.offload.params), ("opt_state", c.offload.opt_state))
+             if v != "device" and not any(a.startswith(f"offload.{k}=") for a in args)]
+    command = " ".join(["python train.py", *(shlex.quote(a) for a in args), "offload=none", *state,
+                        shlex.quote(f"+offload.ranges={{{head}:{values[0][1]},{tail}:{values[1][1]}}}")])
+    preset_split = search_split(p, presets, n)
+    against = f"the best split of two presets: {1e3 * preset_split.estimate.time_s:.3f} ms" if preset_split else "no split of two presets fits"
+    lines.append(
+        f"split: layers {head} {values[0][0]}, {tail} {values[1][0]}: estimated step {1e3 * e.time_s:.3f} ms, "
         f"HBM peak {_fmt_bytes(e.peak_bytes)}, host {_fmt_bytes(e.host_bytes)} (the plan: {1e3 * best.time_s:.3f} ms, "
-        f"{_fmt_bytes(best.peak_bytes)}); train with it: {command}"
+        f"{_fmt_bytes(best.peak_bytes)}; {against}); train with it: {command}"
     )
+    return "\n".join(lines)
 
 
 def _stack_layers(config, stack: str) -> list[int]:
@@ -1425,7 +1599,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for line in use_plan_lines(out, kept):
             print(line)
         if opts.split:
-            print(split_line(p, c, best, kept))
+            print(split_line(p, c, best, kept, out, opts.name))
         if opts.json:
             held = {m: [dataclasses.asdict(h) for h in holders(p, best, m)] for m in ("hbm", "host")}
             pathlib.Path(opts.json).write_text(
