@@ -1005,7 +1005,8 @@ def split_line(p: Problem, c, best: Estimate, args: Sequence[str], out=None, nam
     split = search_split_tags(p, n)
     if split is None:
         return "split: no split fits the budgets"
-    if split.head_assignment == split.tail_assignment:
+    unit = max(1e-3 * p.step_flops / p.rate, 1e-12)  # search's tolerance: within it, step times count as equal
+    if (math.floor(split.estimate.time_s / unit), split.estimate.host_tag_bytes) >= (math.floor(best.time_s / unit), best.host_tag_bytes):
         return f"split: no split is faster than the plan's one policy for every layer ({1e3 * best.time_s:.3f} ms)"
     at = split.at
     head = f"0-{at - 1}" if at > 1 else "0"
