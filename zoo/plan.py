@@ -44,6 +44,11 @@ fits, the one-line error names the budget that failed and the smallest of each t
 With `offload.ranges`, each range's layers count under their preset's actions (`FixedRange`,
 `with_ranges`) and the search assigns the tags of the other layers: the plan is the top-level policy
 that goes with the ranges; the holders listing counts each range under its preset too.
+
+With `plan.split=true` the search also places every layer itself as a head (layers 0..b-1) and a tail,
+each with its own per-tag assignment (`search_split_tags`: exact per split point, over the
+assignments no other beats in every per-layer cost), and writes the sides that are no preset as
+policy files that `offload.ranges` takes by path.
 """
 
 import dataclasses
@@ -87,8 +92,8 @@ class PlanConfig:
     # named offload, so train.py finds it with hydra.searchpath=[file://<the folder above>]).
     out: Optional[str] = None
     name: str = "planned"
-    # Also search one split point: layers 0..b-1 under one conf/offload preset, the rest under another
-    # (offload.ranges), and print the fastest that fits with its command line.
+    # Also search one split point: layers 0..b-1 under one per-tag assignment, the rest under another
+    # (offload.ranges; `search_split_tags`), and print the fastest that fits with its command line.
     split: bool = False
     json: Optional[str] = None  # also write the estimates as JSON here
     holders: bool = False  # also print who holds the memory for a plan that fits (always printed when none does)
@@ -940,7 +945,8 @@ def search_split_tags(p: Problem, num_layers: int, rel_tolerance: float = 1e-3, 
     tried at each split point. The same assignment on both sides is the unsplit plan, so the result
     is never slower than `search`'s. The split points: every one for models of up to `coarse` + 1
     layers; deeper ones first at about `coarse` evenly spaced points (a multiple of a step), then at
-    every point within a step of the best of those (126 layers: 16 + 16 points, not 125). Ties, as
+    every point within a step of the best of those (126 layers: 15 points, a step of 8, then at
+    most 14 more; not 125): a best point far from the best coarse one can be missed there. Ties, as
     in `search`: step times within `rel_tolerance` of the compute time count as equal, then less
     host traffic wins, then the faster, then less HBM."""
     if p.fixed:
