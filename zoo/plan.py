@@ -853,7 +853,12 @@ def search_split(p: Problem, presets: dict[str, dict[str, str]], num_layers: int
 
 def _pareto(x: np.ndarray) -> np.ndarray:
     """Indices of the rows of `x` that no other row dominates (<= in every column); of equal rows, one."""
-    remaining = np.lexsort(x.T[::-1])  # the lexicographically first row is dominated by no later one
+    # In order of the columns' sum (each scaled to its range), ties lexicographically: a row that
+    # dominates another comes first. The early rows dominate the most, so the rest shrinks fast.
+    if not len(x):
+        return np.zeros(0, dtype=np.int64)
+    span = np.ptp(x, axis=0)
+    remaining = np.lexsort((*x.T[::-1], (x / np.where(span > 0, span, 1.0)).sum(axis=1)))
     keep = []
     while remaining.size:
         i = remaining[0]
@@ -873,35 +878,35 @@ def _per_layer_costs(p: Problem, digits: np.ndarray) -> np.ndarray:
     return out
 
 
-def split_candidates(p: Problem, inner_tags: int = 9) -> tuple[np.ndarray, np.ndarray]:
-    """(digits, per-layer costs) of the assignments that can be part of a best split: those no other
-    assignment beats in every stack's per-layer seconds, device bytes and host bytes together (a
-    dominated one, swapped for its dominator in any range, leaves the step no slower and both
-    budgets no fuller). Enumerates every assignment once, in chunks like `search`."""
+def split_costs(p: Problem, inner_tags: int = 9) -> tuple[np.ndarray, np.ndarray]:
+    """(digits, per-layer costs `_per_layer_costs`) of every assignment, enumerated in chunks like
+    `search` (3^9 for Llama: 13k rows; the whole table is held, 48 bytes a row per stack)."""
     choice_idx = [[CHOICES.index(c) for c in t.choices] for t in p.tags]
     k = max(0, len(p.tags) - inner_tags)
     outer, inner = _all_assignments(choice_idx[:k]), _all_assignments(choice_idx[k:])
-    keep_digits, keep_costs = np.zeros((0, len(p.tags)), dtype=np.int8), np.zeros((0, len(p.stacks), 3))
-    for o in outer:
-        digits = np.concatenate([np.broadcast_to(o, (inner.shape[0], k)), inner], axis=1)
-        costs = _per_layer_costs(p, digits)
-        front = _pareto(costs.reshape(len(costs), -1))
-        keep_digits = np.concatenate([keep_digits, digits[front]])
-        keep_costs = np.concatenate([keep_costs, costs[front]])
-        if len(outer) > 1:
-            front = _pareto(keep_costs.reshape(len(keep_costs), -1))
-            keep_digits, keep_costs = keep_digits[front], keep_costs[front]
-    return keep_digits, keep_costs
+    digits = [np.concatenate([np.broadcast_to(o, (inner.shape[0], k)), inner], axis=1) for o in outer]
+    return np.concatenate(digits), np.concatenate([_per_layer_costs(p, d) for d in digits])
 
 
-def _best_pair(p: Problem, costs: np.ndarray, head: dict[str, int], tail: dict[str, int], unit: float, chunk: int = 512):
-    """The best (key, head index, tail index) over every pair of candidates for a head of `head`
-    layers per stack and a tail of `tail`, within both budgets; None if no pair fits."""
+def _best_pair(p: Problem, costs: np.ndarray, head: dict[str, int], tail: dict[str, int], unit: float, fronts: dict, chunk: int = 512):
+    """The best (key, head index, tail index) over every pair of assignments for a head of `head`
+    layers per stack and a tail of `tail`, within both budgets; None if no pair fits. Only each
+    side's Pareto front in (seconds, device bytes, host bytes) is paired: an assignment another
+    beats in all three, swapped for it, leaves the step no slower and both budgets no fuller.
+    `fronts` caches them by the side's layers per stack (a front is the same for any multiple)."""
     order = list(p.stacks)
     lh = np.asarray([head.get(s, 0) for s in order], dtype=float)
     lt = np.asarray([tail.get(s, 0) for s in order], dtype=float)
-    h = np.einsum("nsc,s->nc", costs, lh)  # [candidates, (seconds, device, host)]
-    t = np.einsum("nsc,s->nc", costs, lt)
+
+    def front(layers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        key = tuple(np.round(layers / max(layers.max(), 1.0), 12))
+        side = np.einsum("nsc,s->nc", costs, layers)  # [assignments, (seconds, device, host)]
+        if key not in fronts:
+            fronts[key] = _pareto(side)
+        return fronts[key], side[fronts[key]]
+
+    hi, h = front(lh)
+    ti, t = front(lt)
     fixed_backward, update = _fixed_bytes(p)
     if update > p.budget:
         return None
@@ -921,7 +926,7 @@ def _best_pair(p: Problem, costs: np.ndarray, head: dict[str, int], tail: dict[s
         i = int(np.lexsort((pk, sec, hb, np.floor(sec / unit)))[0])
         key = (float(np.floor(sec[i] / unit)), float(hb[i]), float(sec[i]), float(pk[i]))
         if best is None or key < best[0]:
-            best = (key, lo + int(ok[0][i]), int(ok[1][i]))
+            best = (key, int(hi[lo + int(ok[0][i])]), int(ti[int(ok[1][i])]))
     return best
 
 
@@ -939,10 +944,12 @@ def search_split_tags(p: Problem, num_layers: int, rel_tolerance: float = 1e-3, 
     per-tag assignment, within both budgets; None if none fits.
 
     Exact for each split point tried: the estimate is a sum over layers, so a range's seconds, device
-    and host bytes are its layers per stack times one layer's (`_per_layer_costs`); only the
-    assignments no other beats in all of those can be part of a best split (`split_candidates`,
-    found once in one pass over every assignment, as `search` makes), and every pair of them is
-    tried at each split point. The same assignment on both sides is the unsplit plan, so the result
+    and host bytes are its layers per stack times one layer's (`_per_layer_costs`, tabled once for
+    every assignment: `split_costs`); only the assignments no other beats in all three for that range
+    can be part of a best split, and every pair of those of the head and the tail is tried
+    (`_best_pair`; one stack: one front serves every split point). The enumeration is `search`'s
+    (3^k assignments of k tags, held whole: fine to about 12 tags; DeepSeek-V3's 15 take minutes
+    and gigabytes). The same assignment on both sides is the unsplit plan, so the result
     is never slower than `search`'s. The split points: every one for models of up to `coarse` + 1
     layers; deeper ones first at about `coarse` evenly spaced points (a multiple of a step), then at
     every point within a step of the best of those (126 layers: 15 points, a step of 8, then at
@@ -953,12 +960,13 @@ def search_split_tags(p: Problem, num_layers: int, rel_tolerance: float = 1e-3, 
         raise ValueError("search_split_tags: the problem has fixed ranges; it places every layer itself")
     unit = max(rel_tolerance * p.step_flops / p.rate, 1e-12)
     bounds = _stack_bounds(p)
-    digits, costs = split_candidates(p)
+    digits, costs = split_costs(p)
     tried: dict[int, tuple] = {}
+    fronts: dict = {}
 
     def at(b: int):
         if b not in tried:
-            tried[b] = _best_pair(p, costs, _layers_in(bounds, 0, b - 1), _layers_in(bounds, b, num_layers - 1), unit)
+            tried[b] = _best_pair(p, costs, _layers_in(bounds, 0, b - 1), _layers_in(bounds, b, num_layers - 1), unit, fronts)
         return tried[b]
 
     points = split_points(num_layers, coarse)
