@@ -170,3 +170,18 @@ def test_train_py_runs_the_printed_split(tmp_path, capsys):
                        capture_output=True, text=True, timeout=600)  # fmt: skip
     assert p.returncode == 0, p.stderr[-3000:]
     assert "layers 1 " + str(tmp_path / "offload" / "planned_tail.yaml") in p.stdout.splitlines()[0]
+
+
+def test_many_tags_alternate_at_one_point_and_never_lose_to_the_starts():
+    """Above `exact_rows` assignments the sides are searched in turn from the best preset split and
+    from the unsplit plan: within budget, no slower than either start, no faster than exact."""
+    p = _problem({"a": 2, "b": 4}, extra_kept=1)
+    exact = search_split_tags(p, 6)
+    start = search_split(p, PRESETS, 6)
+    found = search_split_tags(p, 6, start=start, exact_rows=0)
+    e = found.estimate
+    assert found.at == start.at and e.peak_bytes <= p.budget and e.host_bytes <= p.host_budget
+    assert exact.estimate.time_s - 1e-9 <= e.time_s <= min(start.estimate.time_s, search(p).time_s) + 1e-9
+    # Here the alternation stops at the unsplit plan's 6 recomputes (each side alone cannot use the
+    # HBM the other frees); the exact search's 5 needs both sides changed at once.
+    assert e.recompute_s == pytest.approx(6e-3) and exact.estimate.recompute_s == pytest.approx(5e-3)

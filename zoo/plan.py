@@ -939,7 +939,27 @@ def split_points(num_layers: int, coarse: int = 16) -> list[int]:
     return list(range(step, num_layers, step))
 
 
-def search_split_tags(p: Problem, num_layers: int, rel_tolerance: float = 1e-3, coarse: int = 16) -> Optional[Split]:
+def _alternate(p: Problem, num_layers: int, at: int, head: dict[str, str], tail: dict[str, str], rounds: int = 4) -> Optional[Split]:
+    """From a split at `at` that fits, `search` the tail's assignment with the head's fixed, then the
+    head's with the tail's, until neither changes (at most `rounds` times). Each step keeps what
+    fits and is never slower, but it can stop short of the best split."""
+    for _ in range(rounds):
+        try:
+            q = _split_problem(p, at, num_layers, head, tail)
+            new_tail = search(dataclasses.replace(q, fixed=q.fixed[:1])).assignment
+            q = _split_problem(p, at, num_layers, head, new_tail)
+            new_head = search(dataclasses.replace(q, fixed=q.fixed[1:])).assignment
+        except Infeasible:
+            return None
+        if (new_head, new_tail) == (head, tail):
+            break
+        head, tail = new_head, new_tail
+    return Split(at, "", "", evaluate(_split_problem(p, at, num_layers, head, tail), {}), head, tail)
+
+
+def search_split_tags(
+    p: Problem, num_layers: int, rel_tolerance: float = 1e-3, coarse: int = 16, start: Optional[Split] = None, exact_rows: int = 200_000
+) -> Optional[Split]:
     """The fastest split of the layers into a head (0..b-1) and a tail (b..n-1), each with its own
     per-tag assignment, within both budgets; None if none fits.
 
@@ -948,8 +968,11 @@ def search_split_tags(p: Problem, num_layers: int, rel_tolerance: float = 1e-3, 
     every assignment: `split_costs`); only the assignments no other beats in all three for that range
     can be part of a best split, and every pair of those of the head and the tail is tried
     (`_best_pair`; one stack: one front serves every split point). The enumeration is `search`'s
-    (3^k assignments of k tags, held whole: fine to about 12 tags; DeepSeek-V3's 15 take minutes
-    and gigabytes). The same assignment on both sides is the unsplit plan, so the result
+    (3^k assignments of k tags, held whole). Above `exact_rows` assignments (DeepSeek-V3's 16 tags:
+    9.6M; Llama's 9: 13k) that would take minutes and gigabytes, so the split is searched by
+    alternating (`_alternate`) at one point only, `start`'s (the best split of two presets) and
+    from the unsplit plan's assignment on both sides, the better kept: never worse than either, but
+    not exact. The same assignment on both sides is the unsplit plan, so the result
     is never slower than `search`'s. The split points: every one for models of up to `coarse` + 1
     layers; deeper ones first at about `coarse` evenly spaced points (a multiple of a step), then at
     every point within a step of the best of those (126 layers: 15 points, a step of 8, then at
@@ -960,6 +983,17 @@ def search_split_tags(p: Problem, num_layers: int, rel_tolerance: float = 1e-3, 
         raise ValueError("search_split_tags: the problem has fixed ranges; it places every layer itself")
     unit = max(rel_tolerance * p.step_flops / p.rate, 1e-12)
     bounds = _stack_bounds(p)
+    if math.prod(len(t.choices) for t in p.tags) > exact_rows:
+        try:
+            whole = search(p, rel_tolerance=rel_tolerance).assignment
+        except Infeasible:
+            return None
+        at = start.at if start is not None else num_layers // 2
+        tries = [_alternate(p, num_layers, at, whole, whole)]
+        if start is not None:
+            tries.append(_alternate(p, num_layers, at, start.head_assignment, start.tail_assignment))
+        tries = [t for t in tries if t is not None]
+        return min(tries, key=lambda t: (math.floor(t.estimate.time_s / unit), t.estimate.host_tag_bytes, t.estimate.time_s, t.estimate.peak_bytes), default=None)
     digits, costs = split_costs(p)
     tried: dict[int, tuple] = {}
     fronts: dict = {}
@@ -1016,7 +1050,8 @@ def split_line(p: Problem, c, best: Estimate, args: Sequence[str], out=None, nam
 
     n = c.model.num_layers
     presets = _offload_presets(p, c)
-    split = search_split_tags(p, n)
+    preset_split = search_split(p, presets, n)
+    split = search_split_tags(p, n, start=preset_split)
     if split is None:
         return "split: no split fits the budgets"
     unit = max(1e-3 * p.step_flops / p.rate, 1e-12)  # search's tolerance: within it, step times count as equal
@@ -1046,7 +1081,6 @@ def split_line(p: Problem, c, best: Estimate, args: Sequence[str], out=None, nam
              if v != "device" and not any(a.startswith(f"offload.{k}=") for a in args)]
     command = " ".join(["python train.py", *(shlex.quote(a) for a in args), "offload=none", *state,
                         shlex.quote(f"+offload.ranges={{{head}:{values[0][1]},{tail}:{values[1][1]}}}")])
-    preset_split = search_split(p, presets, n)
     against = f"the best split of two presets: {1e3 * preset_split.estimate.time_s:.3f} ms" if preset_split else "no split of two presets fits"
     lines.append(
         f"split: layers {head} {values[0][0]}, {tail} {values[1][0]}: estimated step {1e3 * e.time_s:.3f} ms, "
