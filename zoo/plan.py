@@ -1049,6 +1049,8 @@ def split_line(p: Problem, c, best: Estimate, args: Sequence[str], out=None, nam
     import shlex
 
     n = c.model.num_layers
+    if n < 2:
+        return "split: a model of one layer has no split point"
     presets = _offload_presets(p, c)
     preset_split = search_split(p, presets, n)
     split = search_split_tags(p, n, start=preset_split)
