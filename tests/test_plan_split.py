@@ -124,9 +124,12 @@ def test_cli_split_writes_the_sides_and_its_command_runs(tmp_path, capsys):
     """llama_tiny_a with HBM for one of its two layers' inputs: the plan offloads both, the split
     keeps one; its tail is no preset, so it is written next to the plan and named by path."""
     out = tmp_path / "offload" / "p.yaml"
-    assert zp.main([*BASE, "plan.hbm_budget_gb=0.0019", "plan.split=true", f"plan.out={out}"]) == 0
+    assert zp.main([*BASE, "plan.hbm_budget_gb=0.0019", "plan.split=true", "plan.holders=true", f"plan.out={out}"]) == 0
     printed = capsys.readouterr().out
     assert f"wrote {tmp_path / 'offload' / 'planned_tail.yaml'}" in printed
+    # plan.holders=true: the split's holders name each range with its policy.
+    split_holders = printed.split("the split's who holds the HBM: ")[1]
+    assert "tag decoder_layer_input (dense_layers, layers 0 full)" in split_holders and "(dense_layers, layers 1 planned_tail)" in split_holders
     line = next(ln for ln in printed.splitlines() if ln.startswith("split: "))
     plan_ms, split_ms, presets_ms = (float(x) for x in (line.split("(the plan: ")[1].split(" ms")[0], line.split("estimated step ")[1].split(" ms")[0],
                                                         line.split("the best split of two presets: ")[1].split(" ms")[0]))  # fmt: skip

@@ -1039,7 +1039,7 @@ def _offload_presets(p: Problem, c) -> dict[str, dict[str, str]]:
     return {name: presets[name] for name in distinct.values()}
 
 
-def split_line(p: Problem, c, best: Estimate, args: Sequence[str], out=None, name: str = "planned") -> str:
+def split_line(p: Problem, c, best: Estimate, args: Sequence[str], out=None, name: str = "planned", show_holders: bool = False) -> str:
     """`plan.split=true`: the fastest head/tail split with per-tag assignments for each side
     (`search_split_tags`), against the plan and the best split of two conf/offload presets, with
     the train.py command that runs it. A side whose assignment is no preset's is written as a
@@ -1089,6 +1089,11 @@ def split_line(p: Problem, c, best: Estimate, args: Sequence[str], out=None, nam
         f"HBM peak {_fmt_bytes(e.peak_bytes)}, host {_fmt_bytes(e.host_bytes)} (the plan: {1e3 * best.time_s:.3f} ms, "
         f"{_fmt_bytes(best.peak_bytes)}; {against}); train with it: {command}"
     )
+    if show_holders:  # the split's own estimate, each range's tags under its name
+        q = _split_problem(p, at, n, split.head_assignment, split.tail_assignment, values[0][0], values[1][0])
+        lines.append("the split's " + holders_table(q, e, "hbm"))
+        if e.host_tag_bytes:
+            lines.append("the split's " + holders_table(q, e, "host"))
     return "\n".join(lines)
 
 
@@ -1650,7 +1655,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for line in use_plan_lines(out, kept):
             print(line)
         if opts.split:
-            print(split_line(p, c, best, kept, out, opts.name))
+            print(split_line(p, c, best, kept, out, opts.name, opts.holders))
         if opts.json:
             held = {m: [dataclasses.asdict(h) for h in holders(p, best, m)] for m in ("hbm", "host")}
             pathlib.Path(opts.json).write_text(
