@@ -82,6 +82,7 @@ BAD = {
     "{0-1:full,1:none}": r"^offload.ranges.1: overlaps offload.ranges.0-1 \(layer 1\); make the ranges disjoint",
     "{0:nope}": r"^offload.ranges.0: unknown preset 'nope'; choose one of custom, .*full.*",
     "{0:params_host}": r"^offload.ranges.0: params_host only sets where parameters or optimizer state live.*set offload.params",
+    "{0:/nonexistent/mine.yaml}": r"^offload.ranges.0: no file /nonexistent/mine.yaml; give an existing offload policy YAML \(e\.g\. one zoo\.plan wrote\) or a preset name$",
     "{0-5:full}": r"^offload.ranges.0-5: layer 5 is past the model's last layer \(the llama model has 2 layers, 0-1\); keep every range within 0-1$",
 }
 
@@ -128,6 +129,24 @@ def test_a_range_is_refused_what_the_whole_model_policy_would_be(extra_presets):
         load_preset("none", ranges={"0": "nested"})
 
 
+def test_a_range_takes_a_policy_file_as_it_takes_a_preset(tmp_path):
+    """A value ending in .yaml is a file (zoo.plan plan.split=true writes them), loaded and checked as
+    a preset is; where state lives stays the top level's."""
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("name: mine\ncheckpoint: true\ntags:\n  query_proj: offload\nparams: device\n")
+    (_, config), = offload.range_configs(load_preset("full", "params_host", ranges={"0": str(mine)}))
+    assert config.name == "mine" and config.tags == {"query_proj": "offload"} and config.params == "pinned_host"
+    for text, message in (
+        ("params: pinned_host\n", "only sets where parameters or optimizer state live"),
+        ("name: x\ncheckpoint: true\nranges:\n  0: full\n", "has ranges of its own"),
+        ("name: x\ncheckpoint: true\ntags:\n  query_proj: host\n", "offload.tags.query_proj: 'host' is not an action"),
+        ("- a list\n", "is not a YAML mapping"),
+    ):  # fmt: skip
+        mine.write_text(text)
+        with pytest.raises(ValueError, match=rf"^offload.ranges.0: .*{re.escape(message)}"):
+            load_preset("none", ranges={"0": str(mine)})
+
+
 def test_train_py_refuses_a_bad_range_in_one_line_with_exit_2(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env.pop("ZOO_TRACEBACK", None)
@@ -135,6 +154,7 @@ def test_train_py_refuses_a_bad_range_in_one_line_with_exit_2(tmp_path):
     for arg, line in (
         ("+offload.ranges={0-5:full}", "error: offload.ranges.0-5: layer 5 is past the model's last layer (the llama model has 2 layers, 0-1); keep every range within 0-1"),
         ("offload.ranges={0:full}", "error: offload.ranges: the chosen offload option does not list it; add it with +offload.ranges={0:full}"),
+        ("+offload.ranges={0:nope/mine.yaml}", "error: offload.ranges.0: no file nope/mine.yaml; give an existing offload policy YAML (e.g. one zoo.plan wrote) or a preset name"),
     ):  # fmt: skip
         p = subprocess.run([*base, arg], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
         assert p.returncode == 2, p.stderr[-2000:]
@@ -333,11 +353,11 @@ def test_the_planner_plans_the_layers_outside_the_ranges(tmp_path):
     )
     assert "tags on device 73.728 kB, on host 24.576 kB" in p.stdout  # layer 0's q/k/v and input on host, layer 1's kept
     assert "+offload.ranges={0:llama_qkv_offload}" in p.stdout.splitlines()[-2]  # the train command
-    # plan.split=true: the best head/tail split of two presets, with its command line.
-    p = subprocess.run([sys.executable, "-m", "zoo.plan", *args, "plan.split=true"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    # plan.split=true with HBM for one layer's input: the best head/tail split (tests/test_plan_split.py), with its command line.
+    p = subprocess.run([sys.executable, "-m", "zoo.plan", *args, "plan.split=true", "plan.hbm_budget_gb=0.0019"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     line = p.stdout.splitlines()[-1]
-    assert re.match(r"^split: layers 0 \w+, 1 \w+: estimated step .*; train with it: python train\.py model=llama_tiny_a .* offload=\w+ '\+offload\.ranges=\{0:\w+\}'$", line), line
+    assert re.match(r"^split: layers 0 \w+, 1 \w+: estimated step .*; train with it: python train\.py model=llama_tiny_a .* offload=none '\+offload\.ranges=\{0:\S+,1:\S+\}'$", line), line
     p = subprocess.run([sys.executable, "-m", "zoo.plan", *args, "plan.split=true", "+offload.ranges={0:full}"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 2 and p.stderr.strip().splitlines() == ["error: plan.split: it searches the ranges itself; drop offload.ranges or plan.split=true"]
 

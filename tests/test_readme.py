@@ -121,7 +121,7 @@ EXIT = {r"optimizer\.lr=1e30": 1}  # a diverged run: one error line, exit code 1
 # else shown under a command is illustration and may differ (or be edited) freely.
 FIGURE = re.compile(
     r"^(error: |note: checkpoint|lora: rank |loss \S+ -> |step \d+/\d+ loss |checkpoints: |stopped by |estimated |counted: |"
-    r"scale: |per device: |tags on host |update: |policy |model \w+ \(|wrote |cpu: matmul |"
+    r"scale: |per device: |tags on host |update: |policy |model \w+ \(|wrote |cpu: matmul |split: |"
     r"[a-z][a-z0-9_]*\s+(dense_layers|moe_layers|layers)(\[\d+-\d+\])?\s|[a-z][a-z0-9_]*\s+[\d.]+ [kMG]?B\s|\| \w+ \(\w+\) \||"
     r"  layers \d+-\d+ \()"
 )

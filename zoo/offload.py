@@ -92,7 +92,8 @@ class OffloadConfig:
     params: str = "device"
     opt_state: str = "device"
     # Layer range ("first-last", 0-based, inclusive; or one layer "n") -> the name of a conf/offload
-    # preset whose activation policy those layers run under (`parse_ranges`); other layers run under
+    # preset, or the path of a policy file ending in .yaml (`range_file`), whose activation policy
+    # those layers run under (`parse_ranges`); other layers run under
     # this config's. Keys may be ints (Hydra reads `{4: full}` so), hence Any.
     ranges: dict[Any, Any] = dataclasses.field(default_factory=dict)
 
@@ -203,9 +204,18 @@ def range_configs(policy: OffloadConfig) -> list[tuple[LayerRange, OffloadConfig
     out = []
     available = preset_names()
     for r in parse_ranges(policy.ranges):
-        if r.preset not in available:
-            raise ValueError(f"offload.ranges.{r.key}: unknown preset {r.preset!r}; choose one of {', '.join(available)}")
-        raw = OmegaConf.to_container(OmegaConf.load(conf_dir() / "offload" / f"{r.preset}.yaml")) or {}
+        path = range_file(r)
+        if path is None and r.preset not in available:
+            raise ValueError(
+                f"offload.ranges.{r.key}: unknown preset {r.preset!r}; choose one of {', '.join(available)}, "
+                f"or give a policy file ending in .yaml"
+            )
+        try:
+            raw = OmegaConf.to_container(OmegaConf.load(path or conf_dir() / "offload" / f"{r.preset}.yaml")) or {}
+        except Exception as e:  # a file that is not YAML, or not a mapping
+            raise ValueError(f"offload.ranges.{r.key}: {r.preset} is not a YAML mapping ({type(e).__name__}); give an offload policy file") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"offload.ranges.{r.key}: {r.preset} is not a YAML mapping; give an offload policy file")
         if "checkpoint" not in raw:
             raise ValueError(
                 f"offload.ranges.{r.key}: {r.preset} only sets where parameters or optimizer state live, one choice for the "
@@ -214,11 +224,27 @@ def range_configs(policy: OffloadConfig) -> list[tuple[LayerRange, OffloadConfig
         if raw.get("ranges"):
             raise ValueError(f"offload.ranges.{r.key}: preset {r.preset} has ranges of its own; give the range a preset without offload.ranges")
         try:
-            config = load_preset(r.preset, params=policy.params, opt_state=policy.opt_state)
+            if path is None:
+                config = load_preset(r.preset, params=policy.params, opt_state=policy.opt_state)
+            else:
+                config = from_mapping({k: v for k, v in raw.items() if k != "defaults"} | {"params": policy.params, "opt_state": policy.opt_state})
         except ValueError as e:
             raise ValueError(f"offload.ranges.{r.key}: preset {r.preset}: {str(e).splitlines()[0]}") from None
         out.append((r, config))
     return out
+
+
+def range_file(r: LayerRange):
+    """The policy file a range names (a value ending in `.yaml`: a path, e.g. one `python -m zoo.plan
+    plan.split=true` wrote), or None for a preset name. A missing file is a ValueError naming the key."""
+    import pathlib
+
+    if not r.preset.endswith(".yaml"):
+        return None
+    path = pathlib.Path(r.preset).expanduser()
+    if not path.is_file():
+        raise ValueError(f"offload.ranges.{r.key}: no file {r.preset}; give an existing offload policy YAML (e.g. one zoo.plan wrote) or a preset name")
+    return path
 
 
 def check_ranges(policy: OffloadConfig, model_config) -> None:
