@@ -197,6 +197,36 @@ def attach(model, adapters: PyTree, config: LoraConfig):
     return eqx.tree_at(lambda m: m.stacks, model, tuple(stacks))
 
 
+def detach(model) -> tuple[Any, PyTree, LoraConfig]:
+    """The inverse of `attach`: (the base model, its adapters, a LoraConfig with their rank, alpha and
+    targets). A model without adapters raises ValueError."""
+    stacks, adapters, targets, found = [], [], set(), None
+    for stack in model.stacks:
+        layers, per_pos = [], []
+        for block in stack.layers:
+            sites = {}
+            for key, path in _sites(block).items():
+                w = _get(block, path)
+                if _is_lora(w):
+                    sites[key] = {"a": w.a, "b": w.b}
+                    targets.add(path[-1])
+                    found = (w.a.shape[-1], w.scale)
+                    block = eqx.tree_at(lambda b, p=path: _get(b, p), block, w.base)
+            layers.append(block)
+            per_pos.append(sites)
+        stacks.append(eqx.tree_at(lambda s: s.layers, stack, tuple(layers)))
+        adapters.append(tuple(per_pos))
+    if found is None:
+        raise ValueError("lora.detach: the model has no adapters attached")
+    rank, scale = found
+    config = LoraConfig(rank=rank, alpha=scale * rank, targets=sorted(targets))
+    return eqx.tree_at(lambda m: m.stacks, model, tuple(stacks)), tuple(adapters), config
+
+
+def has_adapters(model) -> bool:
+    return any(_is_lora(x) for x in jax.tree.leaves(model, is_leaf=_is_lora))
+
+
 def merge(model) -> Any:
     """An attached model with every adapter folded into its base weight: a plain model again."""
     return merge_block(model)

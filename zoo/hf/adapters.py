@@ -103,6 +103,33 @@ def peft_state(model, dtype=None) -> tuple[dict[str, np.ndarray], dict[str, int]
     return tensors, ranks
 
 
+def check_names(model, ranks: dict[str, int]) -> None:
+    """PEFT picks modules by their last name (`target_modules`): refuse when another Linear of the model
+    has the name of an adapted one (DeepSeek's and Qwen3-MoE's routed experts have `gate_proj`,
+    `up_proj`, `down_proj` like the dense MLP; peft with transformers 5 even maps those names to the
+    fused experts alone), since the adapters would then not land where they were trained."""
+    c = model.config
+    family = family_of(c)
+    adapted = {path.rsplit(".", 1)[1] for path in ranks}
+    zoo_names: dict[str, set[str]] = {}  # hub module name -> the zoo projections it holds
+    clash = None
+    for attr, layers, moe in _positions(model):
+        for rule in family.block_rules(c, moe):
+            for hub in rule.hub:
+                module = hub[: -len(".weight")] if hub.endswith(".weight") else hub
+                name = module.rsplit(".", 1)[-1]
+                if f"model.layers.{layers[0]}.{module}" in ranks:
+                    zoo_names.setdefault(name, set()).update(z.rsplit(".", 1)[-1] for z in rule.zoo)
+                elif name in adapted and clash is None:
+                    clash = (module, name)
+    if clash is not None:
+        module, name = clash
+        raise CheckpointError(
+            f"lora.targets: this {family.model_type} model's {module} shares the name {name} with adapted projections but is "
+            f"not adapted, and peft picks modules by name; export the merged model, or train without {', '.join(sorted(zoo_names[name]))} in lora.targets"
+        )
+
+
 def adapter_config(ranks: dict[str, int], rank: int, alpha: float, dropout: float, base_model: Optional[str]) -> dict:
     """adapter_config.json: the projections by their hub module names; a module whose rank is a multiple
     of `rank` (several zoo leaves in one hub Linear) keeps `alpha / rank` through rank_pattern/alpha_pattern."""
@@ -143,6 +170,7 @@ def save_adapters(model, directory, *, rank: int, alpha: float, dropout: float =
 
     target = None if dtype is None else np.dtype(jnp.dtype(dtype_name(dtype)))
     tensors, ranks = peft_state(model, target)
+    check_names(model, ranks)
     config = adapter_config(ranks, rank, alpha, dropout, base_model)
     d = pathlib.Path(directory)
     d.mkdir(parents=True, exist_ok=True)
