@@ -131,7 +131,7 @@ def _run(cmd, **kw):
 
 
 @pytest.mark.slow  # a train.py run, two exports, transformers, and two decode compiles: ~60 s on the 2-core machine
-def test_a_lora_run_exports_adapters_peft_loads_and_samples_attached(peft_lib, tmp_path):
+def test_a_lora_run_exports_adapters_peft_loads_and_samples_attached(peft_lib, tmp_path, capsys):
     """train.py (model=hf, lora=default) -> `zoo.export --adapters-only` and the merged export: peft over
     the run's model.path computes the merged logits; `zoo.generate checkpoint.lora=attached` gives the
     merged model's greedy tokens."""
@@ -147,8 +147,10 @@ def test_a_lora_run_exports_adapters_peft_loads_and_samples_attached(peft_lib, t
         "optimizer.lr=3e-2", "trainer.steps=4", f"checkpoint.dir={ck}", f"hydra.run.dir={tmp_path / 'run'}", "mesh=single",
         "xla.cpu_devices=1",
     ], env=dict(os.environ))  # fmt: skip
-    p = _run([sys.executable, "-m", "zoo.export", str(ck), str(tmp_path / "adapters"), "--adapters-only"])
-    assert "exported the LoRA adapters (peft layout) of step 4" in p.stdout
+    from zoo.export import main as export_main
+
+    assert export_main([str(ck), str(tmp_path / "adapters"), "--adapters-only"]) == 0  # in this process: shape-checked
+    assert "exported the LoRA adapters (peft layout) of step 4" in capsys.readouterr().out
     _run([sys.executable, "-m", "zoo.export", str(ck), str(tmp_path / "merged")])
     assert sorted(os.listdir(tmp_path / "adapters")) == ["adapter_config.json", "adapter_model.safetensors"]
     config = json.loads((tmp_path / "adapters" / ADAPTER_CONFIG).read_text())
@@ -177,3 +179,22 @@ def test_generate_refuses_a_bad_lora_form():
         run(["checkpoint.dir=/nonexistent", "checkpoint.lora=both", "prompt=hi", "tokenizer=bytes"])
     with pytest.raises(GenerationError, match=r"^checkpoint\.lora: applies to a LoRA run's checkpoint\.dir, not to model\.path"):
         run([f"model.path={DATA / 'llama_tiny_a'}", "checkpoint.lora=attached", "prompt=hi", "tokenizer=bytes"])
+
+
+def test_dropless_keeps_the_adapters_attached():
+    """zoo.generate puts MoE layers on the ragged kernel (`dropless`); an attached model keeps its adapters.
+    (Shapes only: dropless moves leaves, it computes nothing.)"""
+    from zoo.config import SIZES
+    from zoo.generate import dropless
+    from zoo.model import abstract
+
+    base = abstract(SIZES["dsv3_tiny_a"])
+    assert base.config.moe.impl != "ragged"
+    cfg = lora.LoraConfig(rank=RANK, alpha=ALPHA, targets=["wk_b", "w_up"])
+    on = lora.attach(base, jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), lora.init_shapes(base, cfg)), cfg)
+    out = dropless(on)
+    assert out.config.moe.impl == "ragged" and lora.has_adapters(out)
+    plain, adapters, back = lora.detach(out)
+    assert jax.tree.structure(plain) == jax.tree.structure(dropless(base))
+    assert (back.rank, back.alpha, sorted(back.targets)) == (RANK, ALPHA, ["w_up", "wk_b"])
+    assert jax.tree.map(lambda x: x.shape, adapters) == jax.tree.map(lambda x: x.shape, lora.init_shapes(base, cfg))

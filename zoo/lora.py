@@ -18,7 +18,7 @@ and a MoE's shared experts). Routed experts are not adapted.
 
 import dataclasses
 import math
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import equinox as eqx
 import jax
@@ -72,7 +72,7 @@ class LoraConfig:
 class LoRAWeight(eqx.Module):
     """A frozen base weight and its adapter; `merge()` is the weight the projection uses."""
 
-    base: Float[Array, "..."]
+    base: Union[Float[Array, "..."], jax.ShapeDtypeStruct]  # abstract: an adapters-only restore (shapes, no base read)
     a: Float[Array, "*layers fan_in rank"]
     b: Float[Array, "*layers rank fan_out"]
     scale: float = eqx.field(static=True)
