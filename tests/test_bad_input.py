@@ -267,6 +267,10 @@ CASES = {
         lambda t, d: ((_copy_run(t, d), _truncate_newest(t / "ckpt")) and tool_cmd("export", str(t / "ckpt"), str(t / "out")), t, [t / "ckpt"]),
         (0, r"note: \S+/ckpt: using step 2, the newest step that reads; skipped step 3: .*"),
     ),
+    "zoo.export --adapters-only of a run without LoRA": (
+        lambda t, d: (tool_cmd("export", str(_copy_run(t, d)[1]), str(t / "out"), "--adapters-only"), t, [t / "ckpt"]),
+        (2, r"\S+/ckpt: not a LoRA run \(its checkpoint holds the whole model, no adapters\); export it without --adapters-only"),
+    ),
     "zoo.generate, every step without its manifest": (
         lambda t, d: (
             (_copy_run(t, d), [m.unlink() for m in (t / "ckpt").glob("*/state/manifest.ocdbt")])

@@ -107,6 +107,8 @@ GROUPS = {
     "planner": [r"^python -m zoo\.plan model=llama_1b"],
     "measure_hardware": [r"^python -m zoo\.measure_hardware"],
     "divergence": [r"optimizer\.lr=1e30"],
+    "lora_peft": [r"^python train\.py data=text lora=default model=hf .*hydra\.run\.dir=outputs/lora$", r"^python -m zoo\.export outputs/lora/",
+                  r"^python -c \"import torch; from peft import", r"^python -m zoo\.generate checkpoint\.dir=outputs/lora/checkpoints checkpoint\.lora=attached"],
     "lora_finetune": [r"^python train\.py data=text lora=default lora\.base_on_host=true model=hf", r"^python -m zoo\.plan model=llama3\.1_70b .*lora=default"],
     "moe_routing": [r"trainer\.moe_imbalance_warn=1\.5 hydra\.run\.dir=outputs/moe$", r"^python -m zoo\.report outputs/moe$"],
     # The recorded ~100M runs (docs/models.md), 26-37 s each on the quiet 2-core machine: two per group, so they spread.
@@ -121,7 +123,7 @@ EXIT = {r"optimizer\.lr=1e30": 1}  # a diverged run: one error line, exit code 1
 # else shown under a command is illustration and may differ (or be edited) freely.
 FIGURE = re.compile(
     r"^(error: |note: checkpoint|lora: rank |loss \S+ -> |step \d+/\d+ loss |checkpoints: |stopped by |estimated |counted: |"
-    r"scale: |per device: |tags on host |update: |policy |model \w+ \(|wrote |cpu: matmul |split: |"
+    r"scale: |per device: |tags on host |update: |policy |model \w+ \(|wrote |exported |peft: |cpu: matmul |split: |"
     r"[a-z][a-z0-9_]*\s+(dense_layers|moe_layers|layers)(\[\d+-\d+\])?\s|[a-z][a-z0-9_]*\s+[\d.]+ [kMG]?B\s|\| \w+ \(\w+\) \||"
     r"  layers \d+-\d+ \()"
 )
@@ -603,6 +605,7 @@ SLOW_GROUPS = {
     "two_processes": "tests/test_distributed.py (two real processes, the one-process losses within 1e-5)",
     "preemption": "tests/test_checkpoint.py::test_sigterm_mid_run_then_the_same_command_resumes_bit_for_bit",
     "scale_report_671b": "tests/test_train_sharding.py (the scale report at small size); at real size tests/test_scale_doc.py (slow)",
+    "lora_peft": "tests/test_lora_peft.py (the PEFT layout against the merged weights, peft over the base in transformers; slow: train.py -> export -> peft -> generate attached)",
     "xla_sweep_loop": "tests/test_train_cli.py (the xla group's flags); a sweep's report: the sweep_and_report group",
 }
 

@@ -1,6 +1,7 @@
 """A train.py checkpoint as a Hugging Face directory: `python -m zoo.export <checkpoint dir> <out dir>`.
 
     python -m zoo.export checkpoints/run1 exported/ [--step N] [--dtype bfloat16] [--tokenizer DIR]
+    python -m zoo.export checkpoints/lora_run adapters/ --adapters-only [--step N] [--dtype bfloat16]
 
 Writes `config.json` (what `zoo.hf.config_to_hf` writes for the family, plus the source config's
 `bos_token_id` / `eos_token_id`, else its tokenizer's or null), the safetensors (sharded with an index past
@@ -11,6 +12,14 @@ run trained on `data.tokenizer` carries that tokenizer.json. `zoo.hf.from_pretra
 transformers) load the result. The weights keep the checkpoint's dtype unless `--dtype` is given.
 The parameters are restored split over the process's devices and written leaf by leaf, so neither a
 device nor the host ever holds the whole model (`hf_export`).
+
+A LoRA run (train.py `lora=default`) exports as its merged model: base + alpha/r A@B in every adapted
+weight. `--adapters-only` writes the adapters alone, in the layout of the `peft` library
+(`adapter_config.json`, `adapter_model.safetensors`; `zoo.hf.adapters`), without reading the base:
+`peft.PeftModel.from_pretrained(<the base in transformers>, <out dir>)` then computes what the merged
+export computes. `base_model_name_or_path` is the run's `model.path` (model=hf), else null (a base
+built from the run's seed: export one with `zoo.hf.save_pretrained`). A checkpoint without adapters
+is refused ("not a LoRA run").
 
 The directory is written under a temporary name and renamed when complete; an existing non-empty
 `<out dir>` is refused (an export never writes over files). Bad input: one line, exit code 2.
@@ -61,7 +70,7 @@ def _carried(meta: dict, tokenizer: Optional[str]) -> dict[str, pathlib.Path]:
 
 
 def hf_export(checkpoint_dir, out_dir, step: Optional[int] = None, dtype=None, tokenizer: Optional[str] = None,
-              max_shard_bytes: int = 5 * 2**30, devices=None) -> dict:
+              max_shard_bytes: int = 5 * 2**30, devices=None, adapters_only: bool = False) -> dict:
     """Write the train.py checkpoint `checkpoint_dir` (a `checkpoint.dir`; `step`: default the latest)
     as a Hugging Face directory `out_dir`; returns what was written (`step`, `files`, `dtype`). Bad input
     raises ConfigError (one line) before anything is written.
@@ -83,7 +92,12 @@ def hf_export(checkpoint_dir, out_dir, step: Optional[int] = None, dtype=None, t
         target = None if dtype is None else dtype_name(dtype, "--dtype")
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    model, meta = restore_model(checkpoint_dir, step, devices=jax.local_devices() if devices is None else devices)
+    if adapters_only and tokenizer is not None:
+        raise ConfigError("--tokenizer: an adapters-only export carries no tokenizer (the base model's directory has it); drop --tokenizer")
+    devices = jax.local_devices() if devices is None else devices
+    if adapters_only:
+        return _export_adapters(checkpoint_dir, out, step, target, devices)
+    model, meta = restore_model(checkpoint_dir, step, devices=devices)
     carried = _carried(meta, tokenizer)
     extras = (meta.get("pretrained") or {}).get("config_extras") or tokenizer_token_ids(meta.get("data") or {}, tokenizer)
     tmp = out.with_name(out.name + ".export-tmp")
@@ -106,6 +120,48 @@ def hf_export(checkpoint_dir, out_dir, step: Optional[int] = None, dtype=None, t
     return {"step": meta["step"], "files": sorted(p.name for p in out.iterdir()), "dtype": written_dtype, "out": str(out)}
 
 
+def _export_adapters(checkpoint_dir, out: pathlib.Path, step: Optional[int], dtype: Optional[str], devices) -> dict:
+    """The adapters of a LoRA run's checkpoint in the PEFT layout; the base is never read."""
+    from zoo.hf import CheckpointError
+    from zoo.hf.adapters import save_adapters
+    from zoo.train.checkpoint import restore_model
+    from zoo.train.config import ConfigError
+
+    model, meta = restore_model(checkpoint_dir, step, devices=devices, lora_form="adapters")
+    cfg = meta.get("lora")
+    if not cfg or not cfg.get("rank"):
+        raise ConfigError(
+            f"{pathlib.Path(checkpoint_dir)}: not a LoRA run (its checkpoint holds the whole model, no adapters); export it without --adapters-only"
+        )
+    source = (meta.get("pretrained") or {}).get("path")
+    tmp = out.with_name(out.name + ".export-tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    try:
+        files = save_adapters(model, tmp, rank=int(cfg["rank"]), alpha=float(cfg.get("alpha", 16.0)),
+                              dropout=float(cfg.get("dropout", 0.0)), base_model=source, dtype=dtype)
+        if out.exists():
+            out.rmdir()
+        tmp.rename(out)
+    except CheckpointError as e:  # adapters on a tensor PEFT cannot adapt
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ConfigError(str(e)) from None
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ConfigError(f"{out}: cannot write the export ({e.strerror or e}); choose a writable directory") from None
+    dtypes = {str(leaf.a.dtype) for leaf in _lora_leaves(model)}
+    return {"step": meta["step"], "files": sorted(files), "dtype": dtype or ", ".join(sorted(dtypes)), "out": str(out)}
+
+
+def _lora_leaves(model) -> list:
+    import jax
+
+    from zoo.lora import LoRAWeight
+
+    is_lora = lambda x: isinstance(x, LoRAWeight)  # noqa: E731
+    return [x for x in jax.tree.leaves(model, is_leaf=is_lora) if is_lora(x)]
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, not argparse's usage block
         print(f"error: command line: {message}; see python -m zoo.export --help", file=sys.stderr)
@@ -120,15 +176,20 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's)")
     p.add_argument("--tokenizer", default=None, help="a folder of tokenizer files to include (default: the source checkpoint's)")
     p.add_argument("--max-shard-gb", type=float, default=5.0, help="split the weights into files of at most this size")
+    p.add_argument("--adapters-only", action="store_true",
+                   help="a LoRA run: write its adapters alone in the peft layout (adapter_config.json, adapter_model.safetensors), "
+                        "for peft.PeftModel.from_pretrained over the base; default: the merged model")
     args = p.parse_args(argv)
     from zoo.train.config import ConfigError
 
     try:
-        done = hf_export(args.checkpoint_dir, args.out_dir, args.step, args.dtype, args.tokenizer, int(args.max_shard_gb * 2**30))
+        done = hf_export(args.checkpoint_dir, args.out_dir, args.step, args.dtype, args.tokenizer, int(args.max_shard_gb * 2**30),
+                         adapters_only=args.adapters_only)
     except ConfigError as e:
         print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    print(f"exported step {done['step']} of {pathlib.Path(args.checkpoint_dir)} as {done['dtype']} to {done['out']}: {', '.join(done['files'])}")
+    what = "the LoRA adapters (peft layout) of step" if args.adapters_only else "step"
+    print(f"exported {what} {done['step']} of {pathlib.Path(args.checkpoint_dir)} as {done['dtype']} to {done['out']}: {', '.join(done['files'])}")
     return 0
 
 

@@ -25,6 +25,11 @@ How a call runs:
   renormalised and sampled. Row i draws from `fold_in(fold_in(key(seed), i), step)`.
 
 A stop token ends its row: it is the last token of that row's result (`Completion.stopped`).
+
+A LoRA run's checkpoint samples its merged model (`checkpoint.lora=merged`, the default: base +
+alpha/r A@B folded into each weight once), or the base with the adapters attached
+(`checkpoint.lora=attached`: `zoo.lora.attach`, each layer's weights merged inside the scan, the base
+never merged whole); both give the same greedy tokens.
 """
 
 import dataclasses
@@ -55,6 +60,9 @@ CPU_FAST_COMPILE = {"xla_backend_optimization_level": 0}
 DECODE_OPTIMIZE_FROM_PARAMS = 20e6
 
 
+LORA_FORMS = ("merged", "attached")  # checkpoint.lora: how a LoRA run's adapters meet the base
+
+
 class GenerationError(ValueError):
     """Bad generation input, in one line: `<key>: <what is wrong>; <fix>`."""
 
@@ -81,10 +89,16 @@ def _treedef(config):
 def dropless(model: CausalLM) -> CausalLM:
     """The same weights with every MoE layer on the `ragged` kernel (dropless, exact): a capacity
     buffer drops assignments depending on the other tokens of the batch, so a prompt's tokens would
-    depend on its neighbours. Models without MoE, or already ragged, come back as they are."""
+    depend on its neighbours. Models without MoE, or already ragged, come back as they are; LoRA
+    adapters (zoo.lora.attach) stay attached."""
     c = model.config
     if c.moe is None or c.moe.impl == "ragged":
         return model
+    from zoo import lora
+
+    if lora.has_adapters(model):
+        base, adapters, config = lora.detach(model)
+        return lora.attach(dropless(base), adapters, config)
     target = c.replace(moe=dataclasses.replace(c.moe, impl="ragged"))
     return jax.tree_util.tree_unflatten(_treedef(target), jax.tree_util.tree_leaves(model))
 
@@ -382,6 +396,9 @@ class ModelSource:
 class CheckpointSource:
     dir: Optional[str] = None  # a train.py checkpoint.dir
     step: Optional[int] = None  # null: the latest complete step
+    # A LoRA run's checkpoint: `merged` samples base + alpha/r A@B folded into each weight once;
+    # `attached` keeps the base and the adapters apart and merges them per layer inside the scan.
+    lora: str = "merged"
 
 
 @dataclasses.dataclass
@@ -499,8 +516,13 @@ def _checkpoint_source(opts: GenerateOptions):
     """(config, load model, tokenizer, default stop tokens) of checkpoint.dir."""
     from zoo.train.checkpoint import restore_model
 
-    restored = restore_model(opts.checkpoint.dir, step=opts.checkpoint.step)  # reads the parameters: small next to compiling
-    model, meta = restored
+    form = opts.checkpoint.lora
+    if form not in LORA_FORMS:
+        raise GenerationError(f"checkpoint.lora: got {form!r}; choose {' or '.join(LORA_FORMS)}")
+    # reads the parameters: small next to compiling
+    model, meta = restore_model(opts.checkpoint.dir, step=opts.checkpoint.step, lora_form=form)
+    if form == "attached" and not (meta.get("lora") or {}).get("rank"):
+        raise GenerationError(f"checkpoint.lora: {opts.checkpoint.dir} is not a LoRA run (no adapters to attach); drop checkpoint.lora=attached")
     data = meta.get("data", {})
     if opts.tokenizer is not None:
         tokenizer = _load_tokenizer(opts.tokenizer)
@@ -522,6 +544,8 @@ def run(argv: Sequence[str]) -> int:
     opts, prompts = parse_args(argv)
     if (opts.model.path is None) == (opts.checkpoint.dir is None):
         raise GenerationError("model.path: give exactly one of model.path=<Hugging Face directory> and checkpoint.dir=<train.py checkpoint>")
+    if opts.model.path is not None and opts.checkpoint.lora != "merged":
+        raise GenerationError("checkpoint.lora: applies to a LoRA run's checkpoint.dir, not to model.path; drop it")
     if not prompts:
         raise GenerationError('prompt: no prompt given; add prompt="..." (repeat it for several prompts)')
     config, load, tokenizer, stop = _hf_source(opts) if opts.model.path is not None else _checkpoint_source(opts)

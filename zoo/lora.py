@@ -22,7 +22,7 @@ and a MoE's shared experts). Routed experts are not adapted.
 
 import dataclasses
 import math
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import equinox as eqx
 import jax
@@ -73,7 +73,7 @@ class LoRAWeight(eqx.Module):
     """A frozen base weight and its adapter; `merge()` is the weight the projection uses. With a
     dropout `key` (one per layer while stacked), the projection applies the parts apart (`project`)."""
 
-    base: Float[Array, "..."]
+    base: Union[Float[Array, "..."], jax.ShapeDtypeStruct]  # abstract: an adapters-only restore (shapes, no base read)
     a: Float[Array, "*layers fan_in rank"]
     b: Float[Array, "*layers rank fan_out"]
     key: Optional[Key[Array, "*layers"]] = None
@@ -235,6 +235,36 @@ def attach(model, adapters: PyTree, config: LoraConfig, *, key: Optional[PRNGKey
             layers.append(block)
         stacks.append(eqx.tree_at(lambda s: s.layers, stack, tuple(layers)))
     return eqx.tree_at(lambda m: m.stacks, model, tuple(stacks))
+
+
+def detach(model) -> tuple[Any, PyTree, LoraConfig]:
+    """The inverse of `attach`: (the base model, its adapters, a LoraConfig with their rank, alpha and
+    targets). A model without adapters raises ValueError."""
+    stacks, adapters, targets, found = [], [], set(), None
+    for stack in model.stacks:
+        layers, per_pos = [], []
+        for block in stack.layers:
+            sites = {}
+            for key, path in _sites(block).items():
+                w = _get(block, path)
+                if _is_lora(w):
+                    sites[key] = {"a": w.a, "b": w.b}
+                    targets.add(path[-1])
+                    found = (w.a.shape[-1], w.scale)
+                    block = eqx.tree_at(lambda b, p=path: _get(b, p), block, w.base)
+            layers.append(block)
+            per_pos.append(sites)
+        stacks.append(eqx.tree_at(lambda s: s.layers, stack, tuple(layers)))
+        adapters.append(tuple(per_pos))
+    if found is None:
+        raise ValueError("lora.detach: the model has no adapters attached")
+    rank, scale = found
+    config = LoraConfig(rank=rank, alpha=scale * rank, targets=sorted(targets))
+    return eqx.tree_at(lambda m: m.stacks, model, tuple(stacks)), tuple(adapters), config
+
+
+def has_adapters(model) -> bool:
+    return any(_is_lora(x) for x in jax.tree.leaves(model, is_leaf=_is_lora))
 
 
 def merge(model) -> Any:

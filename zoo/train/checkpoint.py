@@ -695,7 +695,8 @@ def spread_shardings(params, devices) -> Any:
     return jax.tree.map(one, params)
 
 
-def restore_model(checkpoint_dir, step: Optional[int] = None, *, devices=None, echo: Optional[Callable[[str], None]] = None):
+def restore_model(checkpoint_dir, step: Optional[int] = None, *, devices=None, echo: Optional[Callable[[str], None]] = None,
+                  lora_form: str = "merged"):
     """`(model, metadata)`: the CausalLM saved by train.py in `checkpoint_dir` (a `checkpoint.dir`) at
     `step` (default: the newest complete step that reads), and that step's metadata (`model`,
     `optimizer`, ...).
@@ -705,7 +706,14 @@ def restore_model(checkpoint_dir, step: Optional[int] = None, *, devices=None, e
     straight into its slices over them (`spread_shardings`), so a model larger than one device restores
     without ever being whole on one. Without `step`, a damaged newest step is skipped as train.py's
     resume skips it: `echo` (default: stderr) gets one line naming the step used and why the newer ones
-    were skipped. Bad input raises ConfigError (one line)."""
+    were skipped. Bad input raises ConfigError (one line).
+
+    A LoRA run's checkpoint (adapters only) comes back by `lora_form`: "merged" (a plain model, each
+    adapted weight plus alpha/r A@B), "attached" (the base with `zoo.lora.LoRAWeight`s, merged per layer
+    in the scan) or "adapters" (LoRAWeights over the abstract model: the base is not read). With
+    "adapters", a whole model's checkpoint comes back abstract (nothing read): check `meta["lora"]`."""
+    if lora_form not in ("merged", "attached", "adapters"):
+        raise ValueError(f"lora_form: {lora_form!r}; choose merged, attached or adapters")
     d = pathlib.Path(checkpoint_dir).expanduser().absolute()
     steps = sorted(int(p.name) for p in d.iterdir() if p.name.isdigit() and p.is_dir()) if d.is_dir() else []
     if not steps:
@@ -719,7 +727,7 @@ def restore_model(checkpoint_dir, step: Optional[int] = None, *, devices=None, e
     for s in [step] if step is not None else reversed(steps):
         _quiet_closed_loop_callbacks()  # before the read: a failed one's abandoned reads report after it
         try:
-            model, meta = _restore_params(d, s, devices)
+            model, meta = _restore_params(d, s, devices, lora_form)
         except Unreadable as e:
             if step is not None:
                 others = [o for o in steps if o != step]
@@ -736,7 +744,7 @@ def restore_model(checkpoint_dir, step: Optional[int] = None, *, devices=None, e
     raise ConfigError(f"{d}: step {first} is unreadable ({why}){newer}: no intact checkpoint is left; give the checkpoint.dir of another run")
 
 
-def _restore_params(d: pathlib.Path, step: int, devices):
+def _restore_params(d: pathlib.Path, step: int, devices, lora_form: str = "merged"):
     """`(model, metadata)` of one step; Unreadable (one clause) when its files are damaged or missing."""
     import logging
 
@@ -761,6 +769,8 @@ def _restore_params(d: pathlib.Path, step: int, devices):
         from zoo import lora
 
         wanted = lora.init_shapes(abstract(config), adapters_config)
+    elif lora_form == "adapters":  # no adapters to read, and the caller wants nothing else
+        return abstract(config), meta
     else:
         wanted = params
     absl = logging.getLogger("absl")
@@ -813,8 +823,9 @@ def _restore_params(d: pathlib.Path, step: int, devices):
     if adapters_config is None:
         return eqx.combine(jax.tree_util.tree_map_with_path(take, params), static), meta
     adapters = jax.tree_util.tree_map_with_path(take, wanted)
-    base = eqx.combine(_lora_base(meta, config, params, devices, step_dir), static)
-    return lora.merge(lora.attach(base, adapters, adapters_config)), meta
+    base = abstract(config) if lora_form == "adapters" else eqx.combine(_lora_base(meta, config, params, devices, step_dir), static)
+    attached = lora.attach(base, adapters, adapters_config)
+    return (lora.merge(attached) if lora_form == "merged" else attached), meta
 
 
 def _lora_config(meta: dict, path: pathlib.Path):
