@@ -137,7 +137,7 @@ def test_cli_split_writes_the_sides_and_its_command_runs(tmp_path, capsys):
     command = _printed_command(printed)
     assert command[:2] == ["python", "train.py"] and "offload=none" in command
     # The ranges parse, the files load, and the step traces under them.
-    from zoo.inspect import compose
+    from zoo.toolkit import compose
     from zoo.offload import parse_ranges, range_configs, remat_policy
     from zoo.train.config import load
 
