@@ -331,6 +331,7 @@ def test_nan_loss_stops_with_one_line_and_keeps_the_last_good_checkpoint(tmp_pat
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["status"] == "failed"
 
 
+@pytest.mark.slow  # a run killed while it saves, then two more: ~170 s on the loaded 2-core machine
 def test_save_killed_midway_leaves_the_latest_checkpoint_loadable(tmp_path):
     """kill -9 while orbax is writing a step (its temporary directory exists): the previous step stays
     complete, the next run resumes from it and recomputes the killed run's logged loss bit for bit."""

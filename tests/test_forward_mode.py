@@ -26,7 +26,7 @@ from zoo.loss import chunked_next_token_loss
 from zoo.model import build
 from zoo.nn.attention_kernels import attend
 
-from tiers import by_family
+from tiers import by_core_family
 
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
 TINY = sorted(n for n in SIZES if n.endswith("_tiny_a"))
@@ -55,7 +55,7 @@ def test_every_family_has_a_tiny_size():
     assert sorted({SIZES[n].family for n in TINY}) == sorted(families.names()), TINY
 
 
-@pytest.mark.parametrize("name", by_family(TINY))
+@pytest.mark.parametrize("name", by_core_family(TINY))
 def test_jvp_through_each_family_matches_finite_differences_and_linearize(name):
     # Blockwise attention (the custom-JVP flash kernel) even at this short length; on CPU `auto`
     # picks it from 256 positions on.

@@ -14,7 +14,7 @@ from zoo import families, offload
 from zoo.config import SIZES
 from zoo.offload import OffloadConfig, load_preset, remat_policy, resolve
 
-from tiers import by_family
+from tiers import by_core_family
 
 # Each family's tiny size, in the registry's order.
 FAMILIES = tuple(n for f in families.names() for n, c in SIZES.items() if n.endswith("_tiny_a") and c.family == f)
@@ -223,7 +223,7 @@ def _policy_key(policy: OffloadConfig, config) -> tuple:
     return tuple(sorted((t, a) for t, a in actions.items() if a != "remat"))
 
 
-@pytest.mark.parametrize("size", by_family(FAMILIES))
+@pytest.mark.parametrize("size", by_core_family(FAMILIES))
 def test_every_preset_gives_the_loss_and_gradients_of_none(size):
     """One jit holds every distinct policy's loss and gradients (one compile instead of eight: XLA:CPU
     compiles are slow); each starts from its own optimization_barrier copy of the parameters, so XLA

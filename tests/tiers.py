@@ -23,3 +23,18 @@ def family_of(name: str) -> str:
 def by_family(names):
     """`names` as pytest parameters, the repeat families' marked slow."""
     return [pytest.param(n, marks=pytest.mark.slow) if family_of(n) in REPEAT_FAMILIES else n for n in names]
+
+
+# A check of a policy or of one of JAX's transforms rather than of a family's maths (every preset
+# equals `none`, forward-mode derivatives) runs on the two kinds of block in the default tier:
+# Llama (grouped-query attention, dense MLP) and DeepSeek-V3 (latent attention, routed and shared
+# experts); every family in the slow tier. Each family's own maths is checked against transformers
+# in the default tier (tests/test_hf_families.py).
+CORE_FAMILIES = ("llama", "deepseek_v3")
+
+
+def by_core_family(names):
+    """`names` (tiny size names) as pytest parameters, all but the core families' marked slow."""
+    from zoo.config import SIZES
+
+    return [n if SIZES[n].family in CORE_FAMILIES else pytest.param(n, marks=pytest.mark.slow) for n in names]
