@@ -104,7 +104,7 @@ GROUPS = {
     "gpu_plan_only": [r"bench/gpu\.py --plan-only"],
     "text_with_eval": [r"^python train\.py data=text model=llama_tiny_a mesh=single trainer\.steps=20 data\.eval_fraction"],
     "preemption": [r"checkpoint\.dir=/tmp/loop/ck4", r"^echo \$\?$"],
-    "planner": [r"^python -m zoo\.plan model=llama_1b"],
+    "planner": [r"^python -m zoo\.plan model=llama_1b", r"^python -m zoo\.plan model=gemma3_tiny_a .*plan\.split=true"],
     "measure_hardware": [r"^python -m zoo\.measure_hardware"],
     "divergence": [r"optimizer\.lr=1e30"],
     "lora_peft": [r"^python train\.py data=text lora=default model=hf .*hydra\.run\.dir=outputs/lora$", r"^python -m zoo\.export outputs/lora/",

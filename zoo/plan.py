@@ -211,6 +211,10 @@ class Problem:
     stack_frozen_bytes: float = 0.0  # the part of frozen_bytes inside layer stacks
     frozen_layer_bytes: float = 0.0  # the largest one layer's frozen base
     frozen_on_host: bool = False
+    # Parameter bytes of the layer stacks that layer ranges cut (a range boundary strictly inside a
+    # stack): the step slices those stacks into pieces, a copy, and joins their gradients
+    # (`RANGE_CUT_COPIES`).
+    cut_bytes: float = 0.0
 
     def __post_init__(self):
         for t in self.tags:
@@ -285,6 +289,24 @@ def _fixed_bytes(p: Problem) -> tuple[float, float]:
     return backward + _frozen_on_device(p), update + (0.0 if p.frozen_on_host else p.frozen_bytes)
 
 
+# What cutting a scanned stack into pieces (offload.ranges, `zoo.model.Stack.cut`) costs in the
+# backward phase, in copies of the cut stacks' parameters: the pieces are slices of the stacked
+# leaves (a copy each) and their gradients are joined back (another, partly overlapping). Measured
+# on XLA:CPU's compiled gradient of llama_100m (8 layers, 125.86 MB of stacked float32 weights) cut
+# once or twice: 1.28-1.47 copies (docs/offload.md, "A policy per layer range"); counted as 1.5.
+RANGE_CUT_COPIES = 1.5
+
+
+def cut_bytes(p: Problem, boundaries) -> float:
+    """Parameter bytes (per device) of the stacks that a range starting at any of `boundaries` (layer
+    indices) cuts: a boundary strictly inside a stack's layers."""
+    out = 0.0
+    for s, (lo, hi) in _stack_bounds(p).items():
+        if any(lo < b <= hi for b in boundaries):
+            out += p.stacks[s].param_bytes_per_layer * p.stacks[s].layers
+    return out
+
+
 def _fixed_state_bytes(p: Problem) -> tuple[float, float]:
     outside_params = p.param_bytes - p.stack_param_bytes
     if p.params_on_host:
@@ -295,7 +317,9 @@ def _fixed_state_bytes(p: Problem) -> tuple[float, float]:
     else:
         params, grads = p.param_bytes, p.grad_bytes
     opt = 0.0 if p.opt_on_host else p.opt_bytes
-    backward = params + grads + opt + p.other_bytes + p.working_bytes
+    # Host-resident stacks are sliced in host memory: the cut's copies are on device only otherwise.
+    cut = 0.0 if p.params_on_host else RANGE_CUT_COPIES * p.cut_bytes
+    backward = params + grads + opt + p.other_bytes + p.working_bytes + cut
     if not _streamed(p):
         return backward, p.param_bytes + p.grad_bytes + p.opt_bytes
     # Streamed: what lives on device stays; the host-resident leaves outside the stacks come whole;
@@ -655,6 +679,8 @@ def holders(p: Problem, e: Estimate, memory: str = "hbm") -> list[Holder]:
             out.append(Holder(f"frozen LoRA base{where}", _frozen_on_device(p)))
         out.append(Holder("untagged residuals", p.other_bytes))
         out.append(Holder(p.working_label, p.working_bytes))
+        if p.cut_bytes and not p.params_on_host:
+            out.append(Holder("the stacks the layer ranges cut (their parameters' slices and joined gradients)", RANGE_CUT_COPIES * p.cut_bytes))
     else:
         # The update phase: zoo.plan's _fixed_bytes, by holder.
         if not _streamed(p):
@@ -801,11 +827,13 @@ def with_ranges(p: Problem, policy, model_config) -> Problem:
     from zoo.offload import range_configs
 
     bounds = _stack_bounds(p)
+    ranges = range_configs(policy)
     fixed = [
         FixedRange(f"layers {r.key} {r.preset}", _layers_in(bounds, r.first, r.last), preset_assignment(p, config, model_config))
-        for r, config in range_configs(policy)
+        for r, config in ranges
     ]
-    return dataclasses.replace(p, fixed=fixed)
+    boundaries = [b for r, _ in ranges for b in (r.first, r.last + 1)]
+    return dataclasses.replace(p, fixed=fixed, cut_bytes=cut_bytes(p, boundaries))
 
 
 @dataclasses.dataclass
@@ -825,7 +853,7 @@ def _split_problem(p: Problem, at: int, num_layers: int, head: dict, tail: dict,
     """`p` with layers 0..at-1 fixed to `head` and the rest to `tail` (no free layers left)."""
     bounds = _stack_bounds(p)
     first, last = f"0-{at - 1}" if at > 1 else "0", f"{at}-{num_layers - 1}" if num_layers - 1 > at else f"{at}"
-    return dataclasses.replace(p, fixed=[
+    return dataclasses.replace(p, cut_bytes=cut_bytes(p, [at]), fixed=[
         FixedRange(f"layers {first} {head_label}", _layers_in(bounds, 0, at - 1), head),
         FixedRange(f"layers {last} {tail_label}", _layers_in(bounds, at, num_layers - 1), tail),
     ])  # fmt: skip
@@ -1000,7 +1028,8 @@ def search_split_tags(
 
     def at(b: int):
         if b not in tried:
-            tried[b] = _best_pair(p, costs, _layers_in(bounds, 0, b - 1), _layers_in(bounds, b, num_layers - 1), unit, fronts)
+            cut = dataclasses.replace(p, cut_bytes=cut_bytes(p, [b]))  # the split's own copies of the stacks it cuts
+            tried[b] = _best_pair(cut, costs, _layers_in(bounds, 0, b - 1), _layers_in(bounds, b, num_layers - 1), unit, fronts)
         return tried[b]
 
     points = split_points(num_layers, coarse)
@@ -1055,7 +1084,9 @@ def split_line(p: Problem, c, best: Estimate, args: Sequence[str], out=None, nam
     preset_split = search_split(p, presets, n)
     split = search_split_tags(p, n, start=preset_split)
     if split is None:
-        return "split: no split fits the budgets"
+        stacks = max(((s, sc.param_bytes_per_layer * sc.layers) for s, sc in p.stacks.items()), key=lambda x: x[1], default=("", 0.0))
+        cost = f" (a split inside {stacks[0]} costs {_fmt_bytes(RANGE_CUT_COPIES * stacks[1])} of HBM: copies of its parameters)" if stacks[1] and not p.params_on_host else ""
+        return f"split: no split fits the budgets{cost}"
     unit = max(1e-3 * p.step_flops / p.rate, 1e-12)  # search's tolerance: within it, step times count as equal
     if (math.floor(split.estimate.time_s / unit), split.estimate.host_tag_bytes) >= (math.floor(best.time_s / unit), best.host_tag_bytes):
         return f"split: no split is faster than the plan's one policy for every layer ({1e3 * best.time_s:.3f} ms)"
