@@ -279,6 +279,7 @@ def _histogram_tags(event_dir: pathlib.Path) -> set:
     return tags
 
 
+@pytest.mark.slow  # a train.py run and a report; docs/training.md's moe_routing group (tests/test_readme.py) runs the same two commands in the default tier
 def test_train_writes_moe_metrics_then_report_plots_them(tmp_path):
     try:
         import tensorboardX  # noqa: F401
