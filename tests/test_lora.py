@@ -205,7 +205,7 @@ def test_train_py_lora_base_on_host_checkpoints_only_adapters_and_resumes(tmp_pa
     root = pathlib.Path(__file__).resolve().parents[1]
     args = [
         sys.executable, str(root / "train.py"), "model=hf", f"model.path={root / 'tests/data/llama_tiny_a'}", "data=text",
-        f"data.path={root / 'zoo/data/corpus/shakespeare'}", "lora=default", "lora.base_on_host=true", "lora.dropout=0.05", "data.batch_size=8",
+        f"data.path={root / 'zoo/data/corpus/shakespeare'}", "lora=default", "lora.base_on_host=true", "lora.dropout=0.05", "data.batch_size=16",
         "data.seq_len=32", "trainer.grad_accum=2", "optimizer.lr=1e-2", "optimizer.warmup_steps=2", f"checkpoint.dir={tmp_path / 'ck'}",
     ]  # fmt: skip
 
@@ -216,7 +216,7 @@ def test_train_py_lora_base_on_host_checkpoints_only_adapters_and_resumes(tmp_pa
         return p.stdout, json.loads((tmp_path / name / "summary.json").read_text())
 
     out, summary = run(6, "a")
-    assert "lora: rank 8" in out and "frozen base in pinned host memory" in out
+    assert "lora: rank 8, alpha 16, dropout 0.05 (adapters unmerged while training) on " in out and "frozen base in pinned host memory" in out
     assert summary["memory_kinds"]["base"] == ["pinned_host"] and summary["memory_kinds"]["params"] == ["device"]
     assert summary["last_loss"] < summary["first_loss"] - 0.3, summary
     saved = json.loads((tmp_path / "ck" / "6" / "state" / "_METADATA").read_text())["tree_metadata"]

@@ -291,7 +291,8 @@ def lora_line(c: TrainConfig, trainer) -> str:
     total = sum(x.size for x in jax.tree.leaves(trainer.abstract_base))
     where = "pinned host memory, streamed per layer" if trainer.params_on_host else "device memory"
     return (
-        f"lora: rank {c.lora.rank}, alpha {c.lora.alpha:g} on {','.join(c.lora.targets)}; trainable {trainable:,} of {total:,} "
+        f"lora: rank {c.lora.rank}, alpha {c.lora.alpha:g}{f', dropout {c.lora.dropout:g} (adapters unmerged while training)' if c.lora.dropout else ''} "
+        f"on {','.join(c.lora.targets)}; trainable {trainable:,} of {total:,} "
         f"parameters ({100 * trainable / total:.2f}%), optimizer state {lora_opt / 2**20:.2f} MiB vs {full_opt / 2**20:.2f} MiB "
         f"full fine-tuning; frozen base in {where}"
     )
