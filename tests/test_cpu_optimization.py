@@ -1,4 +1,4 @@
-"""xla.cpu_fast_compile: true / false / auto (LLVM's optimisations on from CPU_OPTIMIZE_FROM_FLOPS of
+"""xla.cpu_fast_compile: true / false / auto (LLVM's optimisations on from `zoo.backend.CPU.step_llvm_from_run_flops` of
 model FLOPs per run), the line train.py prints, and the error for anything else."""
 
 import dataclasses
@@ -11,7 +11,8 @@ from zoo.config import SIZES, count_params
 from zoo.offload import load_preset
 from zoo.train.config import (ConfigError, DataConfig, HardwareConfig, MeshConfig, OptimizerConfig, TrainConfig,
                               TrainerConfig, XlaConfig)
-from zoo.train.step import CPU_OPTIMIZE_FROM_FLOPS, cpu_optimization, run_model_flops
+from zoo.backend import CPU
+from zoo.train.step import cpu_optimization, run_model_flops
 
 CONF = pathlib.Path(__file__).resolve().parent.parent / "conf"
 
@@ -53,7 +54,7 @@ def test_auto_turns_optimisation_on_for_a_long_run_of_a_bigger_model():
     assert run_model_flops(c) == pytest.approx(12 * run_model_flops(dataclasses.replace(c, trainer=dataclasses.replace(c.trainer, steps=1))))
     on, why = cpu_optimization(c, "cpu")
     assert on is True and ">=" in why
-    assert run_model_flops(c) > CPU_OPTIMIZE_FROM_FLOPS
+    assert run_model_flops(c) > CPU.step_llvm_from_run_flops
 
 
 @pytest.mark.parametrize("value, on", [(True, False), (False, True)])
@@ -69,13 +70,36 @@ def test_bad_value_is_one_line_naming_the_key():
 
 
 def test_the_initialiser_is_optimised_from_twenty_million_parameters_per_device():
-    # Below INIT_OPTIMIZE_FROM_PARAMS the initialiser's compile is its cost (LLVM off); above, its
+    # Below `init_llvm_from_params` (zoo.backend) the initialiser's compile is its cost (LLVM off); above, its
     # random numbers are (level 1: qwen2_100m's init 10 s -> 4 s, bench/init_compile.py at 6966f25).
-    from zoo.model import INIT_OPTIMIZE_FROM_PARAMS, init_compile_options
+    from zoo.model import init_compile_options
 
-    assert INIT_OPTIMIZE_FROM_PARAMS == 20e6
+    assert CPU.init_llvm_from_params == 20e6
     level = lambda n: init_compile_options("cpu", n)["xla_backend_optimization_level"]  # noqa: E731
     assert level(count_params(SIZES["dsv3_tiny_a"])) == 0 and level(19.9e6) == 0
     assert level(20e6) == 1 and level(count_params(SIZES["qwen2_100m"])) == 1
     assert level(count_params(SIZES["qwen2_100m"]) / 8) == 0  # the size per device decides
     assert init_compile_options("gpu", 1e9) is None
+
+
+def test_backend_choices_live_in_one_record_that_train_py_prints():
+    """zoo.backend holds every backend-specific choice: no block, loss, sampling or step module tests
+    for the CPU itself, and the startup line names the record's CPU figures."""
+    import ast
+    import pathlib
+
+    from zoo import backend
+
+    root = pathlib.Path(__file__).resolve().parents[1] / "zoo"
+    modules = [*root.glob("nn/*.py"), root / "model.py", root / "loss.py", root / "lora.py", root / "generate.py", root / "train" / "step.py"]
+    found = [
+        f"{m.relative_to(root.parent)}:{node.lineno}"
+        for m in modules
+        for node in ast.walk(ast.parse(m.read_text()))
+        if isinstance(node, ast.Compare) and any(isinstance(x, ast.Constant) and x.value == "cpu" for x in [node.left, *node.comparators])
+    ]
+    assert not found, found
+    assert backend.choices("cpu") is backend.CPU and backend.choices("gpu").step_llvm_from_run_flops is None
+    line = backend.CPU.describe()
+    assert line.startswith("backend cpu (zoo.backend): ") and "from 0.05 TFLOP per run" in line and "from 256 positions" in line
+    assert backend.choices("gpu").describe().startswith("backend gpu (zoo.backend): XLA's default compile options")

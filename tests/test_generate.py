@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from zoo import families, hf
+from zoo import backend, families, hf
 from zoo import generate as gen
 from zoo.data.tokenizer import ByteTokenizer
 
@@ -127,7 +127,7 @@ def test_a_decode_step_updates_the_cache_in_place_without_copying_it_whole(famil
     up = model.stacks[0].layers[0].ffn.w_up  # [layers, embed, mlp]
     sliced = _instructions_making(hlo, up.shape[1:], "f32", ("dynamic-slice", "slice", "copy", "fusion"))
     assert bool(sliced) != unstacked, sliced  # the scan slices a layer's w_up out every step, the unrolled step never
-    assert gen.decode_unstacks_layers("cpu") and not gen.decode_unstacks_layers("gpu")
+    assert backend.choices("cpu").decode_unstacks_layers and not backend.choices("gpu").decode_unstacks_layers
 
 
 def test_decode_compile_options_turn_llvm_optimisations_on_for_large_models_on_cpu():

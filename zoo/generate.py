@@ -15,8 +15,8 @@ How a call runs:
 - The cache (zoo.nn.cache) keeps keys and values per layer (a ring of `window` slots on sliding
   layers), or MLA's compressed latent and rope key, and is updated in place. The layer stacks scan
   their params and caches; on CPU the token loop instead runs the layers unrolled over weights
-  sliced out of the stacks once per call (`decode_unstacks_layers`), and programs of models from
-  DECODE_OPTIMIZE_FROM_PARAMS parameters compile with LLVM's optimisations (`decode_compile_options`):
+  sliced out of the stacks once per call (`zoo.backend`'s `decode_unstacks_layers`), and programs of models from
+  20M parameters compile with LLVM's optimisations (`decode_compile_options`):
   the two backend choices of decoding. Greedy decoding (temperature 0) skips the sampling path (a `lax.cond`).
 - MoE layers run the dropless `ragged` kernel whatever `moe.impl` the model was built with
   (`dropless`): a capacity buffer would drop tokens depending on what else is in the batch.
@@ -47,17 +47,10 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int, Key, PRNGKeyArray
 
+from zoo import backend
 from zoo.model import CausalLM, abstract
 
 MIN_PROMPT_BUCKET = 16
-# XLA:CPU with LLVM's optimisations off (train.py's xla.cpu_fast_compile): the tiny models' programs
-# compile about 2x faster.
-CPU_FAST_COMPILE = {"xla_backend_optimization_level": 0}
-# cpu_fast_compile="auto" compiles with LLVM's optimisations from this many parameters: every token
-# runs the whole decode step, and at level 0 its loops (RMSNorm, RoPE, the cache's attention, the
-# argmax over the vocabulary) ran Qwen2.5-0.5B's greedy decoding several times slower, while the
-# compile took about as long at either level at that size.
-DECODE_OPTIMIZE_FROM_PARAMS = 20e6
 
 
 LORA_FORMS = ("merged", "attached")  # checkpoint.lora: how a LoRA run's adapters meet the base
@@ -199,22 +192,15 @@ def compiled_buckets() -> list[tuple[int, int, int]]:
 def decode_compile_options(platform: str, params: Union[int, float], cpu_fast_compile: Union[bool, str] = "auto") -> Optional[dict]:
     """The compile options of a sampling program: the one place decoding's backend-specific choices
     live. On CPU, `cpu_fast_compile` True compiles with LLVM's optimisations off, False with XLA's
-    default level, "auto" off below DECODE_OPTIMIZE_FROM_PARAMS parameters and on from there;
+    default level, "auto" off below `zoo.backend`'s `decode_llvm_from_params` and on from there;
     elsewhere XLA's defaults (None)."""
     if cpu_fast_compile not in (True, False, "auto"):
         raise GenerationError(f"cpu_fast_compile: got {cpu_fast_compile!r}; give true, false or auto")
-    if platform != "cpu":
+    threshold = backend.choices(platform).decode_llvm_from_params
+    if threshold is None:
         return None
-    fast = params < DECODE_OPTIMIZE_FROM_PARAMS if cpu_fast_compile == "auto" else cpu_fast_compile
-    return dict(CPU_FAST_COMPILE) if fast else None
-
-
-def decode_unstacks_layers(platform: str) -> bool:
-    """Whether the token loop runs the layers unrolled over weights sliced out of their stacks once
-    per call (`CausalLM.decode_step`'s `layers`), not a scan that slices them out every token: on
-    CPU, where that slicing is a copy of every layer's weights per token (about 1.4 GB of
-    Qwen2.5-0.5B's 2 GB), at the price of that copy held once per call and a longer compile."""
-    return platform == "cpu"
+    fast = params < threshold if cpu_fast_compile == "auto" else cpu_fast_compile
+    return dict(backend.LLVM_OFF) if fast else None
 
 
 def _compiled(model: CausalLM, batch: int, seq: int, max_len: int, keep_logits: bool, cpu_fast_compile, on_compile=None):
@@ -222,7 +208,7 @@ def _compiled(model: CausalLM, batch: int, seq: int, max_len: int, keep_logits: 
     leaves = jax.tree_util.tree_leaves(params)
     options = decode_compile_options(jax.default_backend(), sum(x.size for x in leaves), cpu_fast_compile)
     fast = options is not None
-    unstack = decode_unstacks_layers(jax.default_backend())
+    unstack = backend.choices().decode_unstacks_layers
     key = (jax.tree_util.tree_structure(model), tuple((x.shape, str(x.dtype)) for x in leaves), keep_logits, fast, unstack, batch, seq, max_len)
     if key not in _PROGRAMS:
         start = time.perf_counter()
@@ -342,7 +328,7 @@ def generate(
     cache's positions (default: the model's `max_position_embeddings`). `keep_logits`: each
     Completion also holds the float32 logits every new token was drawn from (`[new tokens, vocab]`).
     `cpu_fast_compile`: on CPU, compile with LLVM's optimisations off (True), on (False), or off only
-    below DECODE_OPTIMIZE_FROM_PARAMS parameters ("auto"; `decode_compile_options`). `on_compile(batch, seq, cache,
+    below 20M parameters ("auto"; `decode_compile_options`, `zoo.backend`). `on_compile(batch, seq, cache,
     seconds)` is called after a shape bucket compiled. Bad input raises GenerationError (one line).
     """
     tokens = encode_prompts(prompts, tokenizer)
@@ -418,7 +404,7 @@ class GenerateOptions:
     stop_tokens: Optional[list[int]] = None  # null: config.json's eos_token_id, else the tokenizer's eos
     max_len: Optional[int] = None  # cache positions (null: the model's max_position_embeddings)
     # CPU only: true compiles with LLVM's optimisations off (faster compile, slower tokens), false on,
-    # auto off below DECODE_OPTIMIZE_FROM_PARAMS parameters
+    # auto off below 20M parameters (zoo.backend)
     cpu_fast_compile: Any = "auto"
 
 

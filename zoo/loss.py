@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
+from zoo import backend
 from zoo import sharding as zs
 
 # Sequence positions per chunk (of every row). Any size works (it need not divide the sequence).
@@ -101,7 +102,7 @@ def head_gradient(h: Float[Array, "rows embed"], d_logits: Float[Array, "rows vo
     for bfloat16 operands XLA:CPU first writes the [rows, vocab] gradient out in float32 for YNNPACK
     (33 MB more temp in bench/cpu.py's MoE step, for 0-3% of its time). docs/benchmarks.md, "The
     head's gradient through YNNPACK", has the step-level A/B."""
-    if jax.default_backend() == "cpu" and h.dtype == d_logits.dtype == jnp.float32:
+    if backend.choices().head_grad_rows_last and h.dtype == d_logits.dtype == jnp.float32:
         rows_last = jax.lax.optimization_barrier(h.T)
         return jnp.einsum("DC,CV->DV", rows_last, d_logits, preferred_element_type=jnp.float32)
     return jnp.einsum("CD,CV->DV", h, d_logits, preferred_element_type=jnp.float32)

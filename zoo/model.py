@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 
+from zoo import backend
 from zoo import sharding as zs
 from zoo import tags
 from zoo.config import LayerSpec, ModelConfig, count_params
@@ -584,21 +585,13 @@ def run_layers(
     return zs.sequence_gathered(model.final_norm(x)), aux
 
 
-# XLA:CPU compiles a model's initialiser (it runs once) with LLVM's optimisations off below this many
-# parameters per device, at level 1 from it: the threefry random numbers run ~5x slower unoptimised.
-# A one-off A/B (bench/init_compile.py, in git at 6966f25; compile + run, alternated in one process, 2 rounds, the quiet 2-core
-# machine): llama_tiny_a 1.8 s at level 0 / 2.1-2.7 s at level 1 / 4.3-4.5 s at XLA's default (3),
-# dsv3_tiny_a 4.4-5.6 / 4.8-6.5 / 12.3-15.0 s, qwen2_100m (98M) 10.1-10.4 / 3.9-4.5 / 7.5-7.8 s.
-# Level 0 runs ~0.085 s per million parameters, level 1 ~0.017 s; level 1 compiles 0.3-1 s longer.
-INIT_OPTIMIZE_FROM_PARAMS = 20e6
-
-
 def init_compile_options(platform: str, params_per_device: Union[int, float]) -> Optional[dict]:
-    """The compile options of a model's initialiser: on CPU, the LLVM level INIT_OPTIMIZE_FROM_PARAMS
-    picks for this many parameters per device; elsewhere XLA's defaults (None)."""
-    if platform != "cpu":
+    """The compile options of a model's initialiser on `platform` (`zoo.backend`): on CPU, LLVM level
+    1 from `init_llvm_from_params` parameters per device, else 0; elsewhere XLA's defaults (None)."""
+    threshold = backend.choices(platform).init_llvm_from_params
+    if threshold is None:
         return None
-    return {"xla_backend_optimization_level": 1 if params_per_device >= INIT_OPTIMIZE_FROM_PARAMS else 0}
+    return {"xla_backend_optimization_level": 1 if params_per_device >= threshold else 0}
 
 
 # (config, key shape, key dtype) -> the compiled initialiser and the model's non-array part.

@@ -26,6 +26,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from zoo._compat import linear_call_vmappable
+from zoo.backend import choices as backend_choices
 
 IMPLS = ("auto", "xla", "blockwise", "cudnn")
 
@@ -34,13 +35,6 @@ IMPLS = ("auto", "xla", "blockwise", "cudnn")
 # 512, 2x faster than 1024), within 8% of 128 at T=8192 and within noise of 64-128 at T<=1024.
 DEFAULT_BLOCK_Q = 256
 DEFAULT_BLOCK_K = 256
-# `auto` takes the blockwise path from this many query positions on, per backend. CPU (measured,
-# same bench, 256-tiles): blockwise took 0.87x of the XLA path's time at T=128 (one tile: the same
-# work), 0.50x at 256, 0.27x at 1024 and 0.19x at 4096. Elsewhere (not measured: on a GPU every
-# scan step per tile costs kernel launches) from 1024 on, where the XLA path's float32 scores
-# reach 4 MiB per head and sequence.
-BLOCKWISE_MIN_SEQ = {"cpu": 256}
-BLOCKWISE_MIN_SEQ_OTHER = 1024
 
 _HALF = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _MASKED = -1e30  # the XLA path's score for a masked pair: far below any real one, and finite
@@ -121,8 +115,8 @@ def resolve_impl(
 
 
 def min_blockwise_seq(backend: str) -> int:
-    """The query length from which `auto` prefers the blockwise path to the XLA one."""
-    return BLOCKWISE_MIN_SEQ.get(backend, BLOCKWISE_MIN_SEQ_OTHER)
+    """The query length from which `auto` prefers the blockwise path to the XLA one (`zoo.backend`)."""
+    return backend_choices(backend).blockwise_from_seq
 
 
 def _cudnn_refusal(backend, dtype, qk_dim, v_dim, has_sinks, has_segments, max_segments, capability) -> Optional[str]:

@@ -182,7 +182,7 @@ class XlaConfig:
     cpu_devices: Optional[int] = None
     # On CPU only: true compiles with xla_backend_optimization_level=0 (LLVM optimisations off: faster
     # compiles, slower steps), false with XLA's default level; auto picks by what pays: LLVM's
-    # optimisations when the run's model FLOPs reach CPU_OPTIMIZE_FROM_FLOPS (zoo.train.step).
+    # optimisations when the run's model FLOPs reach `step_llvm_from_run_flops` (zoo.backend).
     cpu_fast_compile: Any = "auto"
     # On CPU only: which fused ops XLA:CPU hands to its YNNPACK library
     # (--xla_cpu_experimental_ynn_fusion_type): "dot" (matmuls only) keeps elementwise and reduce

@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional
 
 from omegaconf import DictConfig
 
+from zoo import backend
 from zoo.train.config import ConfigError, HardwareConfig, TrainConfig, TrainingStopped, XlaConfig, load, to_dict, validate
 from zoo.offload import OffloadConfig
 from zoo.train.xla_flags import GPU_HOST_OFFLOAD_FLAG, known_flag
@@ -195,6 +196,7 @@ def _train(c: TrainConfig, plan, devices, out_dir: pathlib.Path, xla_flags: str,
             echo(f"note: {note}")
     if trainer.lora is not None:
         echo(lora_line(c, trainer))
+    echo(backend.choices(trainer.mesh.devices.flat[0].platform).describe())
     optimize, why = trainer.cpu_optimization()
     if optimize is not None:
         echo(f"XLA:CPU compile: LLVM optimisations {'on (slower compile, faster steps)' if optimize else 'off (faster compile, slower steps)'}; {why}")

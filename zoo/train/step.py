@@ -25,6 +25,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array, Float
 
+from zoo import backend
 from zoo import lora
 from zoo import model as zoo_model
 from zoo import offload
@@ -36,29 +37,23 @@ from zoo.offload import remat_policy
 from zoo.train.config import OptimizerConfig, Plan, TrainConfig
 from zoo.train.update import UPDATE_SCOPE, accumulate, global_norm, streamed_update, whole_tree_update, zeros_where
 
-# xla.cpu_fast_compile=auto turns LLVM's optimisations on from this many model FLOPs per run (steps x
-# step FLOPs). bench/opt_level.py (in git at 6966f25) on the 2-core machine (loaded, docs/benchmarks.md):
-# train.py's default run (dsv3_tiny_a, 16 x 64 tokens, 0.8 GFLOP a step) compiled in 4.5 s -> 7.2 s
-# and stepped in 128 -> 52 ms, so the optimised program paid for its compile after ~35 steps (~0.03
-# TFLOP); the 20M and 64M Llamas' steps save seconds each. Below the threshold (a few steps of a tiny
-# model: most tests) the compile is the run, and LLVM's optimisations stay off.
-CPU_OPTIMIZE_FROM_FLOPS = 5e10
 
 
 def cpu_optimization(c: TrainConfig, platform: str) -> tuple[Optional[bool], str]:
     """Whether XLA:CPU compiles the step with LLVM's optimisations (None off CPU), and why:
     `xla.cpu_fast_compile` true / false, or auto: on when the run's model FLOPs (steps x step FLOPs)
-    reach CPU_OPTIMIZE_FROM_FLOPS, where the faster steps repay the longer compile."""
-    if platform != "cpu":
+    reach `zoo.backend`'s `step_llvm_from_run_flops`, where the faster steps repay the longer compile."""
+    threshold = backend.choices(platform).step_llvm_from_run_flops
+    if threshold is None:
         return None, "not on CPU"
     fast = c.xla.cpu_fast_compile
     if fast != "auto":
         return (not fast), f"xla.cpu_fast_compile={str(fast).lower()}"
     run_flops = run_model_flops(c)
-    on = run_flops >= CPU_OPTIMIZE_FROM_FLOPS
+    on = run_flops >= threshold
     return on, (
         f"xla.cpu_fast_compile=auto: the run's {run_flops / 1e12:.2g} TFLOP of model FLOPs "
-        f"{'>=' if on else '<'} {CPU_OPTIMIZE_FROM_FLOPS / 1e12:g} TFLOP"
+        f"{'>=' if on else '<'} {threshold / 1e12:g} TFLOP"
     )
 
 
@@ -239,14 +234,14 @@ class Trainer:
             params = load_sharded(self.cfg.pretrained.path, self.cfg.model, self.base_shardings if self.lora is not None else self.param_shardings)
         except CheckpointError as e:  # bad weights (non-finite values): before anything compiles
             raise ConfigError(f"model.path: {str(e).splitlines()[0]}") from None
-        cpu = self.mesh.devices.flat[0].platform == "cpu"
+        llvm_off = backend.LLVM_OFF if backend.choices(self.mesh.devices.flat[0].platform).state_init_llvm_off else None
         if self.lora is not None:
             key = jax.random.key(self.cfg.trainer.seed)
             shardings = {k: v for k, v in self.state_shardings.items() if k != "base"}
             init = jax.jit(lambda k: {k2: v for k2, v in self._lora_state(self.abstract_zero_base(), k).items() if k2 != "base"}, out_shardings=shardings)
-            return {**init.lower(key).compile({"xla_backend_optimization_level": 0} if cpu else None)(key), "base": params}
+            return {**init.lower(key).compile(llvm_off)(key), "base": params}
         opt_init = jax.jit(self.tx.init, out_shardings=self.opt_shardings).lower(params)
-        opt_state = opt_init.compile({"xla_backend_optimization_level": 0} if cpu else None)(params)
+        opt_state = opt_init.compile(llvm_off)(params)
         return {"params": params, "opt_state": opt_state, "step": jax.device_put(jnp.zeros((), jnp.int32), self.state_shardings["step"])}
 
     def abstract_zero_base(self):
