@@ -16,7 +16,7 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, so np.dtype("bfl
 import numpy as np
 
 from zoo import families
-from zoo.tags import DEEPSEEK_V3, GEMMA3, GPT_OSS, LLAMA, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE
+from zoo.tags import DEEPSEEK_V3, GEMMA3, LLAMA, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 MOE_IMPLS = ("auto", "ragged", "capacity")
@@ -535,17 +535,6 @@ def _softmax_moe(experts: int, top_k: int, inter: int, norm_topk_prob: bool = Tr
                      router="softmax", n_group=1, topk_group=1, norm_topk_prob=norm_topk_prob, routed_scaling_factor=1.0)
 
 
-def _gpt_oss_moe(experts: int, inter: int, top_k: int = 4, limit: float = 7.0) -> MoEConfig:
-    return MoEConfig(n_routed_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=inter, n_shared_experts=0,
-                     router="topk_softmax", n_group=1, topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.0,
-                     router_bias=True, expert_bias=True, activation="clamped_swiglu", swiglu_limit=limit, swiglu_alpha=1.702)
-
-
-def _alternating(layers: int) -> list[str]:
-    """GPT-OSS: sliding and full attention alternate, starting with sliding."""
-    return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
-
-
 def _gemma_pattern(layers: int, period: int = 6) -> list[str]:
     """Gemma 3: every `period`-th layer global, the rest sliding (5 local : 1 global)."""
     return ["full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(layers)]
@@ -554,12 +543,6 @@ def _gemma_pattern(layers: int, period: int = 6) -> list[str]:
 _GEMMA3 = dict(family=GEMMA3, qk_norm=True, norm_weight_offset=1.0, sandwich_norms=True, scale_embeddings=True,
                mlp_activation="gelu_tanh", tie_word_embeddings=True, rms_norm_eps=1e-6)
 _QWEN3 = dict(qk_norm=True, rms_norm_eps=1e-6, rope=RopeConfig(theta=1000000.0))
-_GPT_OSS = dict(family=GPT_OSS, attention_bias=True, attention_out_bias=True, attention_sinks=True, rms_norm_eps=1e-5)
-
-
-def _gpt_oss_rope(original: int) -> RopeConfig:
-    return RopeConfig(type="yarn", theta=150000.0, factor=32.0, original_max_position_embeddings=original,
-                      beta_fast=32.0, beta_slow=1.0, truncate=False)
 
 
 SIZES: dict[str, ModelConfig] = {
@@ -599,11 +582,6 @@ SIZES: dict[str, ModelConfig] = {
         max_position_embeddings=256, query_pre_attn_scalar=24.0, sliding_window=8, layer_types=_gemma_pattern(4, 4),
         rope=RopeConfig(theta=1000000.0), rope_local=RopeConfig(theta=10000.0), **_GEMMA3,
     ),
-    "gpt_oss_tiny_a": ModelConfig(
-        vocab_size=256, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=64,
-        max_position_embeddings=2048, sliding_window=8, layer_types=_alternating(4), rope=_gpt_oss_rope(64),
-        moe=_gpt_oss_moe(4, 64, top_k=2, limit=1.5), **_GPT_OSS,
-    ),
     # ~1.2B Llama shaped like Llama 3.2 1B (tied embeddings); fits one GPU with room for activations.
     "llama_1b": ModelConfig(
         family=LLAMA, vocab_size=128256, hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,
@@ -638,11 +616,6 @@ SIZES: dict[str, ModelConfig] = {
         vocab_size=32000, hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=4, head_dim=64, intermediate_size=2048,
         max_position_embeddings=4096, query_pre_attn_scalar=64.0, sliding_window=512, layer_types=_gemma_pattern(12),
         rope=RopeConfig(theta=1000000.0), rope_local=RopeConfig(theta=10000.0), **_GEMMA3,
-    ),
-    "gpt_oss_100m": ModelConfig(
-        vocab_size=32000, hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=2, head_dim=64, intermediate_size=448,
-        max_position_embeddings=4096, sliding_window=128, layer_types=_alternating(6), rope=_gpt_oss_rope(4096),
-        moe=_gpt_oss_moe(16, 448), **_GPT_OSS,
     ),
     "llama3.1_8b": _llama31(4096, 32, 32, 14336),
     "llama3.1_70b": _llama31(8192, 80, 64, 28672),
@@ -714,16 +687,6 @@ SIZES: dict[str, ModelConfig] = {
         intermediate_size=21504, max_position_embeddings=131072, query_pre_attn_scalar=168.0, sliding_window=1024,
         layer_types=_gemma_pattern(62), rope=RopeConfig(type="linear", theta=1000000.0, factor=8.0),
         rope_local=RopeConfig(theta=10000.0), pad_token_id=0, compute_dtype="bfloat16", **_GEMMA3,
-    ),
-    "gpt_oss_20b": ModelConfig(
-        vocab_size=201088, hidden_size=2880, num_layers=24, num_heads=64, num_kv_heads=8, head_dim=64, intermediate_size=2880,
-        max_position_embeddings=131072, sliding_window=128, layer_types=_alternating(24), rope=_gpt_oss_rope(4096),
-        moe=_gpt_oss_moe(32, 2880), pad_token_id=199999, compute_dtype="bfloat16", **_GPT_OSS,
-    ),
-    "gpt_oss_120b": ModelConfig(
-        vocab_size=201088, hidden_size=2880, num_layers=36, num_heads=64, num_kv_heads=8, head_dim=64, intermediate_size=2880,
-        max_position_embeddings=131072, sliding_window=128, layer_types=_alternating(36), rope=_gpt_oss_rope(4096),
-        moe=_gpt_oss_moe(128, 2880), pad_token_id=199999, compute_dtype="bfloat16", **_GPT_OSS,
     ),
 }
 

@@ -38,22 +38,27 @@ class FamilyDef:
     # The family whose blocks it reuses with a flag or two: checks repeated per family run it in the
     # slow tier only (tests/tiers.py), its transformers parity stays in the default one.
     like: Optional[str] = None
+    # Its published training routes every token (no capacity drops): `model.moe.impl=capacity` on it
+    # prints a note (zoo.nn.moe.capacity_note).
+    dropless: bool = False
+    # Its published active parameter counts leave out the embedding table (OpenAI's convention).
+    active_without_embedding: bool = False
 
     def __post_init__(self):
         if self.mla and not self.moe:
             raise ValueError(f"family {self.name}: mla without moe is not a combination zoo builds")
 
 
-# The built-in families' flags: (name, moe, mla, like).
+# The built-in families' flags: (name, moe, mla, like, dropless). The families moved into a file of
+# their own (gpt_oss.py, mistral.py) follow them in `names()`.
 _BUILTIN = (
-    (tags.LLAMA, False, False, None),
-    (tags.DEEPSEEK_V3, True, True, None),
-    (tags.QWEN2, False, False, tags.LLAMA),  # + q/k/v biases
-    (tags.QWEN3, False, False, tags.LLAMA),  # + q/k norms
-    (tags.QWEN3_MOE, True, False, None),
-    (tags.MIXTRAL, True, False, tags.QWEN3_MOE),  # the same softmax routing and SwiGLU experts, no q/k norm
-    (tags.GEMMA3, False, False, None),
-    (tags.GPT_OSS, True, False, None),
+    (tags.LLAMA, False, False, None, False),
+    (tags.DEEPSEEK_V3, True, True, None, True),
+    (tags.QWEN2, False, False, tags.LLAMA, False),  # + q/k/v biases
+    (tags.QWEN3, False, False, tags.LLAMA, False),  # + q/k norms
+    (tags.QWEN3_MOE, True, False, None, True),
+    (tags.MIXTRAL, True, False, tags.QWEN3_MOE, True),  # the same softmax routing and SwiGLU experts, no q/k norm
+    (tags.GEMMA3, False, False, None, False),
 )
 
 
@@ -69,9 +74,9 @@ def names() -> tuple[str, ...]:
 
 def get(name: str) -> FamilyDef:
     """The family `name` (importing its module); KeyError when there is none."""
-    for n, moe, mla, like in _BUILTIN:
+    for n, moe, mla, like, dropless in _BUILTIN:
         if n == name:
-            return FamilyDef(n, moe=moe, mla=mla, like=like)
+            return FamilyDef(n, moe=moe, mla=mla, like=like, dropless=dropless)
     if name not in _module_names():
         raise KeyError(name)
     family = importlib.import_module(f"{__name__}.{name}").FAMILY

@@ -6,9 +6,11 @@ legacy keys) and one or many `*.safetensors` files (with the index json of a sha
 float or DeepSeek-V3's FP8 blocks (dequantised). Tensors are memory-mapped and each leaf of the zoo
 model is read from them in its stacked layout, whole (`from_pretrained`) or one device's slice at a
 time (`load_sharded`, which train.py uses), so a checkpoint is never held twice. Layout: `files`
-(safetensors), `convert` (config keys, tensor rules, save), `weights` (load), `pretrained` (train.py's
-`model=hf` group), `adapters` (LoRA adapters in the peft layout, `zoo.export --adapters-only`) and one module per family: `llama`, `deepseek_v3`, `qwen` (Qwen2, Qwen3,
-Qwen3-MoE), `mixtral`, `gemma3`, `gpt_oss`.
+(safetensors), `rules` (the kit a family's mapping is written with), `convert` (which family, config
+keys, save), `weights` (load), `pretrained` (train.py's `model=hf` group), `adapters` (LoRA adapters in
+the peft layout, `zoo.export --adapters-only`) and one module per built-in family: `llama`,
+`deepseek_v3`, `qwen` (Qwen2, Qwen3, Qwen3-MoE), `mixtral`, `gemma3`. The families in a file of their
+own (`zoo/families/`: GPT-OSS, Mistral) hold their mapping there.
 """
 
 from zoo.hf.convert import (

@@ -34,9 +34,9 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from zoo import families
 from zoo import sharding as zs
 from zoo.config import DTypeLike, MoEConfig, dtype_name
-from zoo.tags import DEEPSEEK_V3, GPT_OSS, MIXTRAL, QWEN3_MOE
 from zoo.nn._init import normal
 from zoo.nn.mlp import GatedMLP, swiglu
 from zoo.nn.moe_dispatch import ExpertWeights, routed_experts
@@ -49,15 +49,14 @@ def resolve_moe_impl(impl: str) -> str:
     return "capacity" if impl == "auto" else impl
 
 
-# Families whose published training routes every token (no capacity, no drops): DeepSeek-V3 (its
-# report: "no token-dropping"), Qwen3-MoE, Mixtral, GPT-OSS.
-DROPLESS_FAMILIES = (DEEPSEEK_V3, QWEN3_MOE, MIXTRAL, GPT_OSS)
 
 
 def capacity_note(family: str, impl: str) -> Optional[str]:
     """One line for a run that asked for the capacity kernel on a family trained dropless (not an
     error: a capacity run is a legitimate, cheaper approximation), else None."""
-    if impl != "capacity" or family not in DROPLESS_FAMILIES:
+    # The family's own flag (zoo.families: DeepSeek-V3, whose report says "no token-dropping",
+    # Qwen3-MoE, Mixtral, GPT-OSS).
+    if impl != "capacity" or family not in families.names() or not families.get(family).dropless:
         return None
     return (f"model.moe.impl=capacity: {family} is trained dropless; this run drops the assignments past each expert's "
             f"capacity (counted as `dropped`); model.moe.impl=ragged routes every token")

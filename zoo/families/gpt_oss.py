@@ -1,4 +1,4 @@
-"""GPT-OSS (`GptOssForCausalLM`, float checkpoints; MXFP4-quantised ones are refused).
+"""GPT-OSS (`GptOssForCausalLM`, float checkpoints; MXFP4-quantised ones are refused): the family in one file.
 
 Attention: biases on q, k, v and o (`attention_bias`, default true), one learned sink logit per head
 (`self_attn.sinks`) that joins each softmax denominator, sliding and full layers per `layer_types`
@@ -10,9 +10,11 @@ interleaved columns (gate = [..., ::2], up = [..., 1::2]) and its bias `[E, 2I]`
 (`swiglu_limit`, `swiglu_alpha`). `hidden_act` is not read: the experts' activation is fixed.
 """
 
+
 import numpy as np
 
-from zoo.config import ModelConfig, MoEConfig
+from zoo.config import ModelConfig, MoEConfig, RopeConfig
+from zoo.families import FamilyDef
 from zoo.hf.rules import (
     Family, Keys, Rule, common_fields, explicit_layer_types, layer_types_of, linear, rope_from_params, rope_hf, rope_params,
     same, window_fields,
@@ -77,7 +79,10 @@ def moe_rules(c: ModelConfig) -> list[Rule]:
     ]
 
 
-FAMILY = Family(
+
+# --- the Hugging Face mapping --------------------------------------------------------------------
+
+HF = Family(
     name=GPT_OSS,
     model_type="gpt_oss",
     architecture="GptOssForCausalLM",
@@ -87,4 +92,67 @@ FAMILY = Family(
     read=read,
     write=write,
     moe_rules=moe_rules,
+)
+
+# --- the named sizes -------------------------------------------------------------------------------
+
+
+def _moe(experts: int, inter: int, top_k: int = 4, limit: float = 7.0) -> MoEConfig:
+    return MoEConfig(n_routed_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=inter, n_shared_experts=0,
+                     router="topk_softmax", n_group=1, topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.0,
+                     router_bias=True, expert_bias=True, activation="clamped_swiglu", swiglu_limit=limit, swiglu_alpha=1.702)
+
+
+def _alternating(layers: int) -> list[str]:
+    """Sliding and full attention alternate, starting with sliding."""
+    return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+
+
+def _rope(original: int) -> RopeConfig:
+    return RopeConfig(type="yarn", theta=150000.0, factor=32.0, original_max_position_embeddings=original,
+                      beta_fast=32.0, beta_slow=1.0, truncate=False)
+
+
+_COMMON = dict(family=GPT_OSS, attention_bias=True, attention_out_bias=True, attention_sinks=True, rms_norm_eps=1e-5)
+
+
+def sizes() -> dict[str, ModelConfig]:
+    return {
+        # The reference model of tests/data (transformers computed its outputs).
+        "gpt_oss_tiny_a": ModelConfig(
+            vocab_size=256, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=64,
+            max_position_embeddings=2048, sliding_window=8, layer_types=_alternating(4), rope=_rope(64),
+            moe=_moe(4, 64, top_k=2, limit=1.5), **_COMMON,
+        ),
+        # ~100M for a CPU run (docs/models.md records one).
+        "gpt_oss_100m": ModelConfig(
+            vocab_size=32000, hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=2, head_dim=64, intermediate_size=448,
+            max_position_embeddings=4096, sliding_window=128, layer_types=_alternating(6), rope=_rope(4096),
+            moe=_moe(16, 448), **_COMMON,
+        ),
+        "gpt_oss_20b": ModelConfig(
+            vocab_size=201088, hidden_size=2880, num_layers=24, num_heads=64, num_kv_heads=8, head_dim=64, intermediate_size=2880,
+            max_position_embeddings=131072, sliding_window=128, layer_types=_alternating(24), rope=_rope(4096),
+            moe=_moe(32, 2880), pad_token_id=199999, compute_dtype="bfloat16", **_COMMON,
+        ),
+        "gpt_oss_120b": ModelConfig(
+            vocab_size=201088, hidden_size=2880, num_layers=36, num_heads=64, num_kv_heads=8, head_dim=64, intermediate_size=2880,
+            max_position_embeddings=131072, sliding_window=128, layer_types=_alternating(36), rope=_rope(4096),
+            moe=_moe(128, 2880), pad_token_id=199999, compute_dtype="bfloat16", **_COMMON,
+        ),
+    }
+
+
+FAMILY = FamilyDef(
+    name=GPT_OSS,
+    moe=True,
+    hf=HF,
+    sizes=sizes,
+    # OpenAI counts active parameters without the embedding table (a lookup touches one row).
+    published={
+        "gpt_oss_20b": (20.91e9, 3.61e9, 0.01, "OpenAI gpt-oss model card: 20.91B total, 3.61B active"),
+        "gpt_oss_120b": (116.83e9, 5.13e9, 0.01, "OpenAI gpt-oss model card: 116.83B total, 5.13B active"),
+    },
+    active_without_embedding=True,
+    dropless=True,
 )
