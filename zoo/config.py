@@ -16,7 +16,7 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, so np.dtype("bfl
 import numpy as np
 
 from zoo import families
-from zoo.tags import DEEPSEEK_V3, GEMMA3, LLAMA, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE
+from zoo.tags import DEEPSEEK_V3, LLAMA, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 MOE_IMPLS = ("auto", "ragged", "capacity")
@@ -535,13 +535,6 @@ def _softmax_moe(experts: int, top_k: int, inter: int, norm_topk_prob: bool = Tr
                      router="softmax", n_group=1, topk_group=1, norm_topk_prob=norm_topk_prob, routed_scaling_factor=1.0)
 
 
-def _gemma_pattern(layers: int, period: int = 6) -> list[str]:
-    """Gemma 3: every `period`-th layer global, the rest sliding (5 local : 1 global)."""
-    return ["full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(layers)]
-
-
-_GEMMA3 = dict(family=GEMMA3, qk_norm=True, norm_weight_offset=1.0, sandwich_norms=True, scale_embeddings=True,
-               mlp_activation="gelu_tanh", tie_word_embeddings=True, rms_norm_eps=1e-6)
 _QWEN3 = dict(qk_norm=True, rms_norm_eps=1e-6, rope=RopeConfig(theta=1000000.0))
 
 
@@ -577,11 +570,6 @@ SIZES: dict[str, ModelConfig] = {
         intermediate_size=64, rms_norm_eps=1e-5, max_position_embeddings=256, rope=RopeConfig(theta=1000000.0),
         moe=_softmax_moe(8, 2, 64),
     ),
-    "gemma3_tiny_a": ModelConfig(
-        vocab_size=256, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=1, head_dim=32, intermediate_size=128,
-        max_position_embeddings=256, query_pre_attn_scalar=24.0, sliding_window=8, layer_types=_gemma_pattern(4, 4),
-        rope=RopeConfig(theta=1000000.0), rope_local=RopeConfig(theta=10000.0), **_GEMMA3,
-    ),
     # ~1.2B Llama shaped like Llama 3.2 1B (tied embeddings); fits one GPU with room for activations.
     "llama_1b": ModelConfig(
         family=LLAMA, vocab_size=128256, hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,
@@ -611,11 +599,6 @@ SIZES: dict[str, ModelConfig] = {
     "mixtral_100m": ModelConfig(
         family=MIXTRAL, vocab_size=32000, hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=4, head_dim=64,
         intermediate_size=896, max_position_embeddings=4096, rope=RopeConfig(theta=1000000.0), moe=_softmax_moe(8, 2, 896),
-    ),
-    "gemma3_100m": ModelConfig(
-        vocab_size=32000, hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=4, head_dim=64, intermediate_size=2048,
-        max_position_embeddings=4096, query_pre_attn_scalar=64.0, sliding_window=512, layer_types=_gemma_pattern(12),
-        rope=RopeConfig(theta=1000000.0), rope_local=RopeConfig(theta=10000.0), **_GEMMA3,
     ),
     "llama3.1_8b": _llama31(4096, 32, 32, 14336),
     "llama3.1_70b": _llama31(8192, 80, 64, 28672),
@@ -681,12 +664,6 @@ SIZES: dict[str, ModelConfig] = {
         family=MIXTRAL, vocab_size=32768, hidden_size=6144, num_layers=56, num_heads=48, num_kv_heads=8, head_dim=128,
         intermediate_size=16384, rms_norm_eps=1e-5, max_position_embeddings=65536, rope=RopeConfig(theta=1000000.0),
         moe=_softmax_moe(8, 2, 16384), compute_dtype="bfloat16",
-    ),
-    "gemma3_27b": ModelConfig(
-        vocab_size=262208, hidden_size=5376, num_layers=62, num_heads=32, num_kv_heads=16, head_dim=128,
-        intermediate_size=21504, max_position_embeddings=131072, query_pre_attn_scalar=168.0, sliding_window=1024,
-        layer_types=_gemma_pattern(62), rope=RopeConfig(type="linear", theta=1000000.0, factor=8.0),
-        rope_local=RopeConfig(theta=10000.0), pad_token_id=0, compute_dtype="bfloat16", **_GEMMA3,
     ),
 }
 

@@ -1,4 +1,4 @@
-"""Gemma 3 text (`Gemma3ForCausalLM`, model_type `gemma3_text`).
+"""Gemma 3 text (`Gemma3ForCausalLM`, model_type `gemma3_text`): the family in one file.
 
 Norms scale by (1 + w) (the file stores w) and wrap both branches: `input_layernorm` and
 `post_attention_layernorm` around attention (the latter on its output, before the residual add),
@@ -17,6 +17,7 @@ transformers' Gemma 3 stores `attn_logit_softcapping` but never applies it: zoo 
 and computes what transformers computes. `use_bidirectional_attention` (EmbeddingGemma) is refused.
 """
 
+
 import warnings
 from typing import Optional
 
@@ -26,6 +27,7 @@ from zoo.hf.rules import (
     window_fields,
 )
 from zoo.hf.files import CheckpointError
+from zoo.families import FamilyDef
 from zoo.tags import GEMMA3
 
 
@@ -113,7 +115,9 @@ def write(c: ModelConfig) -> dict:
     return out
 
 
-FAMILY = Family(
+# --- the Hugging Face mapping --------------------------------------------------------------------
+
+HF = Family(
     name=GEMMA3,
     model_type="gemma3_text",
     architecture="Gemma3ForCausalLM",
@@ -123,4 +127,45 @@ FAMILY = Family(
                   tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh", attention_bias=False),
     read=read,
     write=write,
+)
+
+
+# --- the named sizes -------------------------------------------------------------------------------
+
+
+def _pattern(layers: int, period: int = 6) -> list[str]:
+    """Every `period`-th layer global, the rest sliding (5 local : 1 global)."""
+    return ["full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(layers)]
+
+
+_COMMON = dict(family=GEMMA3, qk_norm=True, norm_weight_offset=1.0, sandwich_norms=True, scale_embeddings=True,
+               mlp_activation="gelu_tanh", tie_word_embeddings=True, rms_norm_eps=1e-6)
+
+
+def sizes() -> dict[str, ModelConfig]:
+    return {
+        "gemma3_tiny_a": ModelConfig(
+            vocab_size=256, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=1, head_dim=32, intermediate_size=128,
+            max_position_embeddings=256, query_pre_attn_scalar=24.0, sliding_window=8, layer_types=_pattern(4, 4),
+            rope=RopeConfig(theta=1000000.0), rope_local=RopeConfig(theta=10000.0), **_COMMON,
+        ),
+        "gemma3_100m": ModelConfig(
+            vocab_size=32000, hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=4, head_dim=64, intermediate_size=2048,
+            max_position_embeddings=4096, query_pre_attn_scalar=64.0, sliding_window=512, layer_types=_pattern(12),
+            rope=RopeConfig(theta=1000000.0), rope_local=RopeConfig(theta=10000.0), **_COMMON,
+        ),
+        "gemma3_27b": ModelConfig(
+            vocab_size=262208, hidden_size=5376, num_layers=62, num_heads=32, num_kv_heads=16, head_dim=128,
+            intermediate_size=21504, max_position_embeddings=131072, query_pre_attn_scalar=168.0, sliding_window=1024,
+            layer_types=_pattern(62), rope=RopeConfig(type="linear", theta=1000000.0, factor=8.0),
+            rope_local=RopeConfig(theta=10000.0), pad_token_id=0, compute_dtype="bfloat16", **_COMMON,
+        ),
+    }
+
+
+FAMILY = FamilyDef(
+    name=GEMMA3,
+    hf=HF,
+    sizes=sizes,
+    published={"gemma3_27b": (27.016e9, None, 0.01, "Gemma 3 report, table 1: 1,416M embedding + 25,600M non-embedding (text)")},
 )
