@@ -151,8 +151,6 @@ PUBLISHED = {
     "qwen3_8b": (8.2e9, None, 0.01, "Qwen3-8B model card: 8.2B"),
     "qwen3_30b_a3b": (30.5e9, 3.3e9, 0.02, "Qwen3-30B-A3B model card: 30.5B total, 3.3B activated (2 significant figures)"),
     "qwen3_235b_a22b": (235e9, 22e9, 0.01, "Qwen3-235B-A22B model card: 235B total, 22B activated"),
-    "mixtral_8x7b": (46.7e9, 12.9e9, 0.01, "Mistral AI, 'Mixtral of experts': 46.7B total, 12.9B per token"),
-    "mixtral_8x22b": (141e9, 39e9, 0.01, "Mistral AI, 'Cheaper, Better, Faster, Stronger': 141B total, 39B active"),
     # The hub's 1026.5B includes the FP8 checkpoint's weight_scale_inv blocks (62.5M scales, one per
     # 128 x 128 block of every quantised matrix), which a float model does not have.
     "kimi_k2_1t": (1.03e12, 32e9, (0.01, 0.03), "hub (moonshotai/Kimi-K2-Instruct): 1.03T total; Kimi K2 model card: '32B' activated (2 significant figures)"),

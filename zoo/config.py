@@ -16,7 +16,7 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, so np.dtype("bfl
 import numpy as np
 
 from zoo import families
-from zoo.tags import DEEPSEEK_V3, LLAMA, MIXTRAL, QWEN2, QWEN3, QWEN3_MOE
+from zoo.tags import DEEPSEEK_V3, LLAMA, QWEN2, QWEN3, QWEN3_MOE
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 MOE_IMPLS = ("auto", "ragged", "capacity")
@@ -530,7 +530,7 @@ def _dsv3_like(**kw) -> ModelConfig:
 
 
 def _softmax_moe(experts: int, top_k: int, inter: int, norm_topk_prob: bool = True) -> MoEConfig:
-    """Mixtral's and Qwen3-MoE's router: no groups, no shared experts, no scaling."""
+    """Qwen3-MoE's router (Mixtral's: zoo/families/mixtral.py): no groups, no shared experts, no scaling."""
     return MoEConfig(n_routed_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=inter, n_shared_experts=0,
                      router="softmax", n_group=1, topk_group=1, norm_topk_prob=norm_topk_prob, routed_scaling_factor=1.0)
 
@@ -565,11 +565,6 @@ SIZES: dict[str, ModelConfig] = {
         family=QWEN3_MOE, vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=24,
         intermediate_size=128, max_position_embeddings=256, moe=_softmax_moe(8, 2, 32), **_QWEN3,
     ),
-    "mixtral_tiny_a": ModelConfig(
-        family=MIXTRAL, vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-        intermediate_size=64, rms_norm_eps=1e-5, max_position_embeddings=256, rope=RopeConfig(theta=1000000.0),
-        moe=_softmax_moe(8, 2, 64),
-    ),
     # ~1.2B Llama shaped like Llama 3.2 1B (tied embeddings); fits one GPU with room for activations.
     "llama_1b": ModelConfig(
         family=LLAMA, vocab_size=128256, hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,
@@ -595,10 +590,6 @@ SIZES: dict[str, ModelConfig] = {
     "qwen3_moe_100m": ModelConfig(
         family=QWEN3_MOE, vocab_size=32000, hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=4, head_dim=64,
         intermediate_size=2048, max_position_embeddings=4096, moe=_softmax_moe(16, 4, 416), **_QWEN3,
-    ),
-    "mixtral_100m": ModelConfig(
-        family=MIXTRAL, vocab_size=32000, hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=4, head_dim=64,
-        intermediate_size=896, max_position_embeddings=4096, rope=RopeConfig(theta=1000000.0), moe=_softmax_moe(8, 2, 896),
     ),
     "llama3.1_8b": _llama31(4096, 32, 32, 14336),
     "llama3.1_70b": _llama31(8192, 80, 64, 28672),
@@ -654,16 +645,6 @@ SIZES: dict[str, ModelConfig] = {
     "qwen3_235b_a22b": ModelConfig(
         family=QWEN3_MOE, vocab_size=151936, hidden_size=4096, num_layers=94, num_heads=64, num_kv_heads=4, head_dim=128,
         intermediate_size=12288, max_position_embeddings=40960, moe=_softmax_moe(128, 8, 1536), compute_dtype="bfloat16", **_QWEN3,
-    ),
-    "mixtral_8x7b": ModelConfig(
-        family=MIXTRAL, vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
-        intermediate_size=14336, rms_norm_eps=1e-5, max_position_embeddings=32768, rope=RopeConfig(theta=1000000.0),
-        moe=_softmax_moe(8, 2, 14336), compute_dtype="bfloat16",
-    ),
-    "mixtral_8x22b": ModelConfig(
-        family=MIXTRAL, vocab_size=32768, hidden_size=6144, num_layers=56, num_heads=48, num_kv_heads=8, head_dim=128,
-        intermediate_size=16384, rms_norm_eps=1e-5, max_position_embeddings=65536, rope=RopeConfig(theta=1000000.0),
-        moe=_softmax_moe(8, 2, 16384), compute_dtype="bfloat16",
     ),
 }
 

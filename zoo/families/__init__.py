@@ -50,14 +50,13 @@ class FamilyDef:
 
 
 # The built-in families' flags: (name, moe, mla, like, dropless). The families moved into a file of
-# their own (gemma3.py, gpt_oss.py, mistral.py) follow them in `names()`.
+# their own (gemma3.py, gpt_oss.py, mistral.py, mixtral.py) follow them in `names()`.
 _BUILTIN = (
     (tags.LLAMA, False, False, None, False),
     (tags.DEEPSEEK_V3, True, True, None, True),
     (tags.QWEN2, False, False, tags.LLAMA, False),  # + q/k/v biases
     (tags.QWEN3, False, False, tags.LLAMA, False),  # + q/k norms
     (tags.QWEN3_MOE, True, False, None, True),
-    (tags.MIXTRAL, True, False, tags.QWEN3_MOE, True),  # the same softmax routing and SwiGLU experts, no q/k norm
 )
 
 

@@ -20,14 +20,14 @@ import numpy as np
 
 from zoo import families as registry
 from zoo.config import ModelConfig, dtype_name
-from zoo.hf import deepseek_v3, llama, mixtral, qwen
+from zoo.hf import deepseek_v3, llama, qwen
 from zoo.hf.files import CheckpointError, SafetensorsStream
 from zoo.hf.rules import Family, Keys, Rule, common_hf, layer_types_of, top_rules
 from zoo.model import CausalLM
 
 
 def families() -> tuple[Family, ...]:
-    builtin = (llama.FAMILY, deepseek_v3.FAMILY, *qwen.FAMILIES, mixtral.FAMILY)
+    builtin = (llama.FAMILY, deepseek_v3.FAMILY, *qwen.FAMILIES)
     return builtin + tuple(f.hf for f in registry.registered() if f.hf is not None)
 
 
