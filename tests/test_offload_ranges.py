@@ -407,11 +407,7 @@ def test_the_planner_plans_the_layers_outside_the_ranges(tmp_path):
     )
     assert "tags on device 73.728 kB, on host 24.576 kB" in p.stdout  # layer 0's q/k/v and input on host, layer 1's kept
     assert "+offload.ranges={0:llama_qkv_offload}" in p.stdout.splitlines()[-2]  # the train command
-    # plan.split=true with HBM for one layer's input: the best head/tail split (tests/test_plan_split.py), with its command line.
-    p = subprocess.run([sys.executable, "-m", "zoo.plan", *args, "plan.split=true", "plan.hbm_budget_gb=0.0019"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stderr[-2000:]
-    line = p.stdout.splitlines()[-1]
-    assert re.match(r"^split: layers 0 \w+, 1 \w+: estimated step .*; train with it: python train\.py model=llama_tiny_a .* offload=none '\+offload\.ranges=\{0:\S+,1:\S+\}'$", line), line
+    # plan.split=true (its search and its lines: tests/test_plan_split.py) places every layer itself.
     p = subprocess.run([sys.executable, "-m", "zoo.plan", *args, "plan.split=true", "+offload.ranges={0:full}"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 2 and p.stderr.strip().splitlines() == ["error: plan.split: it searches the ranges itself; drop offload.ranges or plan.split=true"]
 
