@@ -93,7 +93,6 @@ GROUPS = {
     "offload_composition": [r"^python train\.py (model=llama_tiny_a )?'?offload=\[?(llama_qkv_offload|full,params_host)"],
     "custom_policy": [r"^python train\.py model=dsv3_tiny_a offload=custom offload\.tags\.query_proj=offload"],
     "offload_ranges": [r"^python train\.py model=llama_tiny_a mesh=single trainer\.steps=10 offload=full '\+offload\.ranges="],
-    "inspector": "tests/test_inspect.py (the CLI's table and inspect.json, the placements under the presets, the holders) and tests/test_offload_ranges.py (placement per range)",
     "xla_sweep_loop": [r"^for x in default latency_hiding", r"^python -m zoo\.report multirun/xla$"],
     "sweep_and_report": [r"^python train\.py -m model=llama_tiny_a trainer\.steps=20 offload=none,full", r"^python -m zoo\.report multirun/<date>/<time>"],
     "checkpoint_ctrl_c_and_resume": [r"checkpoint\.dir=ckpt/run1"],
@@ -608,6 +607,7 @@ SLOW_GROUPS = {
     "scale_report_671b": "tests/test_train_sharding.py (the scale report at small size); at real size tests/test_scale_doc.py (slow)",
     "lora_peft": "tests/test_lora_peft.py (the PEFT layout against the merged weights, peft over the base in transformers; slow: train.py -> export -> peft -> generate attached)",
     "xla_sweep_loop": "tests/test_train_cli.py (the xla group's flags); a sweep's report: the sweep_and_report group",
+    "inspector": "tests/test_inspect.py (the CLI's table and inspect.json, the placements under the presets, the holders) and tests/test_offload_ranges.py (placement per range)",
 }
 
 
