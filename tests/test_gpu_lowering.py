@@ -58,3 +58,16 @@ def test_unknown_preset_is_one_line_before_anything_is_traced(capsys):
     assert main(["model=llama_tiny_a", "mesh=single", "lower.presets=[full,nope]"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: lower.presets: nope is not a preset of conf/offload; choose from custom,"), err
+
+
+def test_the_table_renders_each_rows_counts():
+    from zoo.gpu_lowering import render
+
+    def row(preset, cuda_host):
+        counts = {"host_annotations": cuda_host, "host_memory_kinds": 0}
+        return {"preset": preset, "offloaded_tags": ["query_proj"], "traced_host_residuals": cuda_host, "params": "device",
+                "opt_state": "pinned_host", "cpu": {"host_annotations": 0, "host_memory_kinds": 0}, "cuda": counts}
+
+    lines = render([row("none", 0), row("llama_qkv_offload", 6)]).splitlines()
+    assert lines[0].split()[:2] == ["preset", "offloaded"]
+    assert lines[2].split() == ["llama_qkv_offload", "1", "6", "opt_state", "0", "6", "0", "0"], lines

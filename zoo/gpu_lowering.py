@@ -130,7 +130,7 @@ class LowerOptions:
 
 
 def render(rows: list[dict]) -> str:
-    from zoo.toolkit import table
+    from zoo.toolkit import text_table
 
     table = [("preset", "offloaded tags", "traced host residuals", "state on host", "cpu: host annotations", "cuda: host annotations",
               "cpu: host memory kinds", "cuda: host memory kinds")]
@@ -146,7 +146,7 @@ def render(rows: list[dict]) -> str:
         for (operand, buffer, dtype), n in sorted(r.get("cuda", {}).get("ragged_exchanges", {}).items()):
             notes.append(f"{r['preset']}: cuda: {n} ragged_all_to_all sending from {dtype}[{operand.replace('x', ',')}] "
                          f"into {dtype}[{buffer.replace('x', ',')}]")
-    return "\n".join([table(table), *notes])
+    return "\n".join([text_table(table), *notes])
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -13,7 +13,7 @@ from typing import Callable, Optional, Sequence
 import jax
 
 from zoo.placement import Placement, placement_from_jaxpr, scan_names, update_buffers
-from zoo.toolkit import fmt_bytes, output_path, prepare_step, run_tool, split_tool_args, table
+from zoo.toolkit import fmt_bytes, output_path, prepare_step, run_tool, split_tool_args, text_table
 
 EXIT_MISMATCH = 1
 
@@ -200,7 +200,7 @@ def render(rep: dict) -> str:
     out = [f"policy {rep['policy']['describe']}; params in {', '.join(rep['state_memory_kinds']['params'])}, "
            f"optimizer state in {', '.join(rep['state_memory_kinds']['opt_state'])}"
            + (f"; LoRA: params are the adapters, the frozen base in {', '.join(rep['state_memory_kinds']['frozen_base'])}"
-              if "frozen_base" in rep["state_memory_kinds"] else ""), table(rows)]
+              if "frozen_base" in rep["state_memory_kinds"] else ""), text_table(rows)]
     out += render_ranges(rep.get("ranges"))
     tot = rep["totals_bytes"]
     out.append(
@@ -271,11 +271,11 @@ def render_holders(h: dict, overrides: Sequence[str] = ()) -> str:
     rows = [(re.sub(r"\]\..*?\.(mu|nu)\.", r"].\1.", b["op_name"]) or b["name"], fmt_bytes(b["bytes"]), b["shape"]) for b in h["largest_arguments"]]
     if rows:
         out.append("  largest arguments:")
-        out += ["    " + ln for ln in table(rows).splitlines()]
+        out += ["    " + ln for ln in text_table(rows).splitlines()]
     if h["largest_temp"]:
         out.append(f"  temporaries {fmt_bytes(h['temp_bytes'])} in all; the largest values (they share that allocation over the step):")
         rows = [(b["name"], fmt_bytes(b["bytes"]), b["shape"], b["op_name"]) for b in h["largest_temp"]]
-        out += ["    " + ln for ln in table(rows).splitlines()]
+        out += ["    " + ln for ln in text_table(rows).splitlines()]
     if h["over_budget"]:
         args = " ".join(a for a in overrides if not a.startswith(("hydra.run.", "hydra.sweep.")))
         out.append(

@@ -151,7 +151,7 @@ def _batch_ways(trainer) -> int:
 
 def render(rep: dict) -> str:
     """The scale report as printed by `python -m zoo.inspect`."""
-    from zoo.toolkit import fmt_bytes, table
+    from zoo.toolkit import fmt_bytes, text_table
 
     s = rep["state_bytes_per_device"]
     d = rep["dtypes"]
@@ -180,7 +180,7 @@ def render(rep: dict) -> str:
             continue
         total = sum(r["bytes"] for r in section["by_kind"].values())
         out.append(f"collectives per step ({title}), bytes per device, {fmt_bytes(total)} in all:")
-        out.append(table([("kind", "dtype", "instructions", "executions", "bytes/step")] + rows))
+        out.append(text_table([("kind", "dtype", "instructions", "executions", "bytes/step")] + rows))
         if section["unknown_trip_counts"]:
             out.append(f"note: {section['unknown_trip_counts']} collective(s) sit in loops of unknown trip count, counted once")
     section = rep["collectives"]["partitioned"] or rep["collectives"]["compiled"]
@@ -188,5 +188,5 @@ def render(rep: dict) -> str:
         out.append("largest collectives per step (" + ("after SPMD partitioning" if rep["collectives"]["partitioned"] else "compiled") + "):")
         rows = [("kind", "shape", "group", "executions", "bytes/exec", "bytes/step")]
         rows += [(c["kind"], c["shape"], c["group_size"] or "?", c["executions"], fmt_bytes(c["bytes_per_execution"]), fmt_bytes(c["bytes"])) for c in section["largest"]]
-        out.append(table(rows))
+        out.append(text_table(rows))
     return "\n".join(out)

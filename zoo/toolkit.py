@@ -80,6 +80,6 @@ def fmt_bytes(b) -> str:
     return f"{b} B"
 
 
-def table(rows: list[tuple]) -> str:
+def text_table(rows: list[tuple]) -> str:
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
