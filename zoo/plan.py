@@ -291,9 +291,10 @@ def _fixed_bytes(p: Problem) -> tuple[float, float]:
 
 # What cutting a scanned stack into pieces (offload.ranges, `zoo.model.Stack.cut`) costs in the
 # backward phase, in copies of the cut stacks' parameters: the pieces are slices of the stacked
-# leaves (a copy each) and their gradients are joined back (another, partly overlapping). Measured
-# on XLA:CPU's compiled gradient of llama_100m (8 layers, 125.86 MB of stacked float32 weights) cut
-# once or twice: 1.28-1.47 copies (docs/offload.md, "A policy per layer range"); counted as 1.5.
+# leaves (a copy each) and their gradients are joined back (another, partly overlapping). On XLA:CPU's
+# compiled gradient of llama_100m (125.86 MB of stacked float32 weights) a range of layers 0-3 under
+# the top-level policy itself costs 184.61 MB more temp than no range: 1.47 copies (docs/offload.md's
+# table, `tests/test_offload_ranges.py -k compiled_memory`); counted as 1.5.
 RANGE_CUT_COPIES = 1.5
 
 
