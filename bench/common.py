@@ -40,13 +40,15 @@ def xla_group_flags(name: str) -> list[str]:
 
 
 def bench_model(name: str, **changes):
-    """A zoo.config.SIZES entry with `changes` applied; `moe_impl=...` sets model.moe.impl."""
+    """A zoo.config.SIZES entry with `changes` applied; `moe_impl=...` sets model.moe.impl and
+    `moe_experts=...` model.moe.n_routed_experts (a model cut to fit one device)."""
     from zoo.config import SIZES
 
-    moe_impl = changes.pop("moe_impl", None)
+    moe = {k: changes.pop(f"moe_{k}") for k in ("impl", "experts") if f"moe_{k}" in changes}
     m = SIZES[name].replace(**changes)
-    if moe_impl is not None and m.moe is not None:
-        m = m.replace(moe=dataclasses.replace(m.moe, impl=moe_impl))
+    if moe and m.moe is not None:
+        fields = {"impl": moe.get("impl", m.moe.impl), "n_routed_experts": moe.get("experts", m.moe.n_routed_experts)}
+        m = m.replace(moe=dataclasses.replace(m.moe, **fields))
     return m
 
 

@@ -3,6 +3,7 @@ XLA group, the largest batch each policy fits, and how much of the transfer time
 
     python bench/gpu.py --out bench_gpu.json --plot bench_gpu.png          # one H200: < 8 minutes (--budget-s 420)
     python bench/gpu.py --toy --out /tmp/g.json --plot /tmp/g.png          # any CPU: toy sizes (tests)
+    python bench/gpu.py --scale --out bench_scale.json                     # the two scale runs, cut to one GPU
 
 What it runs (each part in its own process: XLA reads its flags once per process):
 
@@ -25,6 +26,17 @@ What it runs (each part in its own process: XLA reads its flags once per process
    and one more (it should run out of memory). On a backend without memory statistics (CPU) only the
    prediction is made, against --memory-limit-gb.
 
+4. `--scale` instead of 2 and 3: the seed's two runs at their real widths and sequence, cut to fit one
+   device (`SCALE`: Llama 3.1 405B at one layer, DeepSeek-V3 671B at one dense and one MoE layer with
+   32 of its 256 experts, both with a 32,768-token vocabulary, micro-batch 2 x 4096), under every
+   preset of conf/offload but `custom` (which alone equals `full`), in the GPU recipe's XLA group
+   (`gpu_overlap_pipelined_offload`); DeepSeek-V3 also dropless (`moe.impl=ragged`) under `none` and
+   `full`.
+
+Every group process also gets `--xla_gpu_enable_host_memory_offloading=true` (what train.py adds to a
+run that keeps anything on host) and a 100 GiB pinned-host pool unless the environment sets one; a
+flag the installed jaxlib does not know is dropped and recorded (XLA would refuse to start).
+
 Derived: step time ratios to `none` and `full` in the same group, and the exposed part of the transfer
 time: (t_policy - t_none) / (bytes to host / D2H bandwidth + bytes from host / H2D bandwidth).
 
@@ -41,6 +53,7 @@ import pathlib
 import subprocess
 import sys
 import time
+from typing import Optional
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -76,6 +89,46 @@ TOY = {
 }
 
 
+# The two runs of the mission at their real widths and sequence length, cut to fit one H200 with float32
+# parameters and AdamW on device (about 68 and 43 GB of state). A model's optional third element is the
+# presets it runs (default: all of them).
+SCALE = {
+    "models": {
+        "llama405b": ["llama3.1_405b", {"num_layers": 1, "vocab_size": 32768}],
+        "dsv3_671b": ["deepseek_v3_671b", {"num_layers": 2, "first_k_dense_replace": 1, "vocab_size": 32768, "moe_experts": 32}],
+        "dsv3_671b_dropless": ["deepseek_v3_671b", {"num_layers": 2, "first_k_dense_replace": 1, "vocab_size": 32768, "moe_experts": 32,
+                                                    "moe_impl": "ragged"}, ["none", "full"]],
+    },
+    "batch": 2,
+    "seq": 4096,
+    "warmup": 1,
+    "steps": 3,
+    "transfer_mb": 1024.0,
+    "matmul_n": 8192,
+    "matmul_dtype": "bfloat16",
+    "fast_compile": False,
+    "budget_s": 300.0,
+    "groups": ["gpu_overlap_pipelined_offload"],
+}
+TOY_SCALE = {
+    **SCALE,
+    "models": {
+        "llama405b": ["llama_tiny_a", {"num_layers": 1}],
+        "dsv3_671b": ["dsv3_tiny_a", {"num_layers": 2, "first_k_dense_replace": 1}],
+        "dsv3_671b_dropless": ["dsv3_tiny_a", {"num_layers": 2, "first_k_dense_replace": 1, "moe_impl": "ragged"}, ["none", "full"]],
+    },
+    "batch": 2, "seq": 64, "warmup": 1, "steps": 2, "transfer_mb": 16.0, "matmul_n": 256, "fast_compile": True, "budget_s": 900.0,
+}
+HOST_POOL_GIB = "100"
+
+
+def all_presets() -> list[str]:
+    """conf/offload's presets but `custom`, which alone equals `full`."""
+    from zoo.offload import preset_names
+
+    return [p for p in preset_names() if p != "custom"]
+
+
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
@@ -84,11 +137,20 @@ def preset_name(model_key: str, p: str) -> str:
     return OFFLOAD_PRESET[model_key] if p == "offload" else p
 
 
-def merged_flags(env_flags: str, ours: list[str]) -> str:
-    """The environment's XLA_FLAGS plus the group's; the group wins where both set a flag (as train.py)."""
+def merged_flags(env_flags: str, ours: list[str], dropped: Optional[list] = None) -> str:
+    """The environment's XLA_FLAGS plus the group's plus the host-offload flag; the group wins where both
+    set a flag (as train.py). Flags the installed jaxlib does not know are left out and appended to
+    `dropped` (XLA aborts on an unknown flag)."""
+    from zoo.train.xla_flags import GPU_HOST_OFFLOAD_FLAG, unknown_flags
+
+    ours = [*ours, f"{GPU_HOST_OFFLOAD_FLAG}=true"]
     names = {f.split("=", 1)[0] for f in ours}
     kept = [f for f in (env_flags or "").split() if f.split("=", 1)[0] not in names]
-    return " ".join(kept + ours)
+    flags = kept + ours
+    unknown = set(unknown_flags(flags))
+    if dropped is not None:
+        dropped.extend(f for f in flags if f in unknown and f not in dropped)
+    return " ".join(f for f in flags if f not in unknown)
 
 
 def is_oom(e: BaseException) -> bool:
@@ -179,9 +241,9 @@ def child_group(spec: dict, result_path: pathlib.Path) -> dict:
 
     runs, trainers, lowered = [], {}, {}
     for key in spec["model_keys"]:
-        name, changes = spec["models"][key]
+        name, changes, *own = spec["models"][key]
         model = C.bench_model(name, **changes)
-        for p in spec["presets"]:
+        for p in (own[0] if own else spec["presets"]):
             preset = preset_name(key, p)
             if time.time() > deadline - 30:
                 runs.append({"model": key, "preset": preset, "status": "skipped", "reason": "budget"})
@@ -212,7 +274,7 @@ def child_group(spec: dict, result_path: pathlib.Path) -> dict:
         run["compiled_memory"] = C.compiled_memory(exe)
         run["xla_flops_per_step"] = C.compiled_flops(exe)
         run["status"] = "compiled"
-        if spec.get("planner") and run["preset"] in ("none", *OFFLOAD_PRESET.values()):
+        if spec.get("planner") and run["preset"] in spec.get("planner_presets", ("none", *OFFLOAD_PRESET.values())):
             try:
                 run["planner"] = C.planner_estimate(trainers[k].cfg, trainers[k], float(spec.get("limit_bytes") or 1e12))
             except Exception as e:  # noqa: BLE001
@@ -313,7 +375,7 @@ def child_probe(spec: dict, result_path: pathlib.Path) -> dict:
     b1 = 2 * b0
     items, trainers, probes = [], {}, []
     for key in spec["model_keys"]:
-        name, changes = spec["models"][key]
+        name, changes, *_ = spec["models"][key]
         model = C.bench_model(name, **changes)
         for p in spec["presets"]:
             preset = preset_name(key, p)
@@ -480,8 +542,8 @@ def markdown(res: dict) -> str:
                      f"device->host {hw['link']['d2h_gbps']:.2f} GB/s; matmul {hw['matmul']['n']}^3 {hw['matmul']['dtype']}: "
                      f"{hw['matmul']['flops_per_s'] / 1e12:.2f} TFLOP/s")
         lines.append("")
-    lines += ["| group | model | preset | status | step (ms) | TFLOP/s/dev | MFU vs matmul | / none | / full | compiled peak (GiB) | host temp (GiB) | measured peak (GiB) | to host / step (GB) | exposed | planner hides |",
-              "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines += ["| group | model | preset | status | step (ms) | TFLOP/s/dev | MFU vs matmul | / none | / full | compiled peak (GiB) | host temp (GiB) | measured peak (GiB) | to host / step (GB) | exposed | planner step (ms) | planner peak (GiB) | planner hides |",
+              "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
 
     def f(x, spec, scale=1.0):
         return "-" if x is None else format(x * scale, spec)
@@ -494,7 +556,8 @@ def markdown(res: dict) -> str:
                 f"{f(r.get('mfu_vs_matmul'), '.1%')} | {f(r.get('ratio_to_none'), '.3f')} | {f(r.get('ratio_to_full'), '.3f')} | "
                 f"{f(mem.get('estimated_peak_bytes'), '.2f', 2**-30)} | {f(mem.get('host_temp_size_in_bytes'), '.2f', 2**-30)} | "
                 f"{f(r.get('process_peak_bytes'), '.2f', 2**-30)} | {f((r.get('transfer') or {}).get('to_host_bytes'), '.3f', 1e-9)} | "
-                f"{f(r.get('exposed_fraction_vs_none'), '.2f')} | {(r.get('planner') or {}).get('hides', '-')} |"
+                f"{f(r.get('exposed_fraction_vs_none'), '.2f')} | {f((r.get('planner') or {}).get('time_s'), '.1f', 1e3)} | "
+                f"{f((r.get('planner') or {}).get('peak_bytes'), '.2f', 2**-30)} | {(r.get('planner') or {}).get('hides', '-')} |"
             )
     probes = (res.get("probe") or {}).get("probes", [])
     if probes:
@@ -559,6 +622,9 @@ def plot(res: dict, path: pathlib.Path) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--toy", action="store_true", help="tiny models: a CPU smoke test of the whole pipeline")
+    ap.add_argument("--scale", action="store_true", help="the 405B and 671B runs cut to one device, every preset (see SCALE)")
+    ap.add_argument("--hw-json", default=None, help="take the hw part from this earlier --out instead of measuring it again")
+    ap.add_argument("--workdir", default=None, help="the children's specs and results (default: beside --out)")
     ap.add_argument("--out", default="bench_gpu.json")
     ap.add_argument("--plot", default=None)
     ap.add_argument("--md", default=None, help="also write the markdown tables here")
@@ -600,12 +666,16 @@ def main(argv=None) -> int:
         return plan_only(args)
 
     t_start = time.time()
-    base = dict(TOY if args.toy else REAL)
+    if args.scale:
+        base = dict(TOY_SCALE if args.toy else SCALE)
+        args.no_probe = True
+    else:
+        base = dict(TOY if args.toy else REAL)
     budget = args.budget_s or base["budget_s"]
     deadline = t_start + budget
     model_keys = args.models.split(",") if args.models else list(base["models"])
-    presets = args.presets.split(",") if args.presets else list(PRESETS)
-    groups = args.groups.split(",") if args.groups else list(GROUPS)
+    presets = args.presets.split(",") if args.presets else (all_presets() if args.scale else list(PRESETS))
+    groups = args.groups.split(",") if args.groups else list(base.get("groups", GROUPS))
     for g in groups:
         C.xla_group_flags(g)  # a bad group name fails here, before anything starts
     spec = {
@@ -616,17 +686,26 @@ def main(argv=None) -> int:
         "memory_limit_bytes": int(args.memory_limit_gb * 1e9) if args.memory_limit_gb else None,
         "probe_runs": args.probe_runs,
     }
+    if args.scale:
+        spec["planner_presets"] = ["none", "full", *OFFLOAD_PRESET.values()]
+    dropped: list[str] = []
     res = {"schema": SCHEMA, "command": " ".join(["python", "bench/gpu.py", *(argv if argv is not None else sys.argv[1:])]), "toy": args.toy,
-           "spec": {k: v for k, v in spec.items() if k != "deadline"}, "budget_s": budget, "groups": {}}
+           "scale": args.scale, "spec": {k: v for k, v in spec.items() if k != "deadline"}, "budget_s": budget, "groups": {},
+           "dropped_xla_flags": dropped}
     out = pathlib.Path(args.out)
-    workdir = out.parent / (out.stem + "_work")
+    workdir = pathlib.Path(args.workdir) if args.workdir else out.parent / (out.stem + "_work")
     workdir.mkdir(parents=True, exist_ok=True)
     env_flags = os.environ.get("XLA_FLAGS", "")
     common_env = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "XLA_PYTHON_CLIENT_MEM_FRACTION": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95"),
-                  "PYTHONUNBUFFERED": "1"}
+                  "PYTHONUNBUFFERED": "1", "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB": os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", HOST_POOL_GIB)}
 
-    log(f"bench/gpu.py{' --toy' if args.toy else ''}: models {model_keys}, presets {presets}, groups {groups}, budget {budget:.0f}s")
-    res["hw"] = run_child("hw", spec, workdir, deadline, {**common_env, "XLA_FLAGS": env_flags})
+    log(f"bench/gpu.py{' --toy' if args.toy else ''}{' --scale' if args.scale else ''}: models {model_keys}, presets {presets}, groups {groups}, "
+        f"budget {budget:.0f}s")
+    earlier = json.loads(pathlib.Path(args.hw_json).read_text()).get("hw") if args.hw_json and pathlib.Path(args.hw_json).exists() else None
+    if earlier and earlier.get("link"):
+        res["hw"] = earlier
+    else:
+        res["hw"] = run_child("hw", spec, workdir, deadline, {**common_env, "XLA_FLAGS": env_flags})
     spec["hw"] = res["hw"]
     spec["limit_bytes"] = spec["memory_limit_bytes"] or res["hw"].get("bytes_limit")
     C.write_json(out, res)
@@ -638,8 +717,10 @@ def main(argv=None) -> int:
         if time.time() > deadline - 30:
             res["groups"][g] = {"status": "skipped", "reason": "budget", "runs": []}
             continue
-        gspec = dict(spec, group=g, planner=(g == "default"))
-        res["groups"][g] = run_child("group", gspec, workdir, deadline, {**common_env, "XLA_FLAGS": merged_flags(env_flags, C.xla_group_flags(g))})
+        gspec = dict(spec, group=g, planner=(g == "default" or (args.scale and i == 0)))
+        res["groups"][g] = run_child("group", gspec, workdir, deadline, {**common_env, "XLA_FLAGS": merged_flags(env_flags, C.xla_group_flags(g), dropped)})
+        if dropped:
+            log(f"flags the installed jaxlib does not know, left out: {' '.join(dropped)}")
         derive(res)
         C.write_json(out, res)
     if probe_at >= len(groups) and not args.no_probe:
@@ -692,7 +773,7 @@ def _probe(args, spec, res, workdir, deadline, common_env, env_flags, out) -> No
         res["probe"] = {"status": "skipped", "reason": "budget"}
         return
     pspec = dict(spec, presets=args.probe_presets.split(",") if args.probe_presets else spec["presets"], group="default")
-    res["probe"] = run_child("probe", pspec, workdir, deadline, {**common_env, "XLA_FLAGS": merged_flags(env_flags, C.xla_group_flags("default"))})
+    res["probe"] = run_child("probe", pspec, workdir, deadline, {**common_env, "XLA_FLAGS": merged_flags(env_flags, C.xla_group_flags("default"), res["dropped_xla_flags"])})
     derive(res)
     C.write_json(out, res)
 
