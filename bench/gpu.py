@@ -249,8 +249,13 @@ def child_group(spec: dict, result_path: pathlib.Path) -> dict:
                 runs.append({"model": key, "preset": preset, "status": "skipped", "reason": "budget"})
                 continue
             c = C.train_config(model, [preset], spec["batch"], spec["seq"], hardware=hardware, xla_name=group, fast_compile=spec["fast_compile"])
-            tr = C.make_trainer(c, devices)
-            low, kept, secs = C.trace_lower(tr)
+            try:
+                tr = C.make_trainer(c, devices)
+                low, kept, secs = C.trace_lower(tr)
+            except Exception as e:  # noqa: BLE001 - recorded; the other runs go on
+                runs.append({"model": key, "size": name, "preset": preset, "status": "error", "error": f"trace: {type(e).__name__}: {str(e).splitlines()[0][:300]}"})
+                log(f"{group} {key} {preset}: trace failed: {runs[-1]['error'][:200]}")
+                continue
             trace_s = secs["trace_s"] + secs["lower_s"]
             run = {"model": key, "size": name, "preset": preset, "policy": c.offload.describe(), "batch": spec["batch"], "seq": spec["seq"],
                    "kept": kept, "transfer": transfer_bytes(tr, kept), "trace_s": trace_s, "status": "compiling"}

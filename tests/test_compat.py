@@ -153,3 +153,20 @@ def test_pyproject_bounds_jax_to_the_tested_releases():
             f"{name} {importlib.metadata.version(name)} is installed, pyproject.toml allows <{m.group(2)}: run this file "
             "and the checks its docstring lists on it, then raise the bound"
         )
+
+
+def test_scan_counts_reads_both_scan_layouts():
+    """A scan's (constants, carries): from this JAX's params, and from the flat tree (`ft_in`) that
+    jax 0.11 records instead (zoo.placement reads it to find what a layer stack keeps)."""
+    import types
+
+    import jax.numpy as jnp
+
+    def f(w, c0, xs):
+        return jax.lax.scan(lambda c, x: (c * w + x, c), c0, xs)
+
+    jaxpr = jax.make_jaxpr(f)(jnp.ones(()), jnp.ones(3), jnp.ones((4, 3)))
+    (eqn,) = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
+    assert _compat.scan_counts(eqn.params) == (1, 1)
+    flat = types.SimpleNamespace(unpack=lambda: ([0, 1], [2, 3, 4], [5]))
+    assert _compat.scan_counts({"ft_in": flat, "jaxpr": None}) == (2, 3)

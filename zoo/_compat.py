@@ -159,3 +159,13 @@ def varying_axes(x) -> frozenset:
     if vma is not None:  # pragma: no cover - older jax
         return frozenset(vma)
     raise RuntimeError("zoo._compat.varying_axes: jax's abstract values carry neither .mat.varying nor .vma; see tests/test_compat.py")
+
+
+def scan_counts(params: dict) -> tuple[int, int]:
+    """(constants, carries) of a `scan` equation's inputs. JAX 0.10 records them as `num_consts` and
+    `num_carry`; later releases structure the inputs as a flat tree `ft_in` = (consts, carry, xs)
+    (seen on the GPU image's jax 0.11.2)."""
+    if "num_carry" in params:
+        return int(params["num_consts"]), int(params["num_carry"])
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(consts), len(carry)

@@ -29,6 +29,8 @@ import jax
 import numpy as np
 from jax.extend import core
 
+from zoo._compat import scan_counts
+
 # Ops that pass a value through unchanged (as far as placement goes).
 _ALIAS_OPS = ("reduce_precision", "sharding_constraint", "copy", "copy_p", "optimization_barrier")
 
@@ -196,8 +198,7 @@ def _analyse_forward_scan(eqn, stack: str) -> tuple[list[TagRecord], list[OtherR
     """Records for the tags of one forward scan (placement host/device, or None if not a residual)."""
     body = eqn.params["jaxpr"].jaxpr
     layers = int(eqn.params["length"])
-    num_carry = int(eqn.params["num_carry"])
-    num_consts = int(eqn.params["num_consts"])
+    num_consts, num_carry = scan_counts(eqn.params)
     producers = {v: e for e in body.eqns for v in e.outvars}
     tag_of_var = _tag_vars(body)
     sites: dict[str, list] = defaultdict(list)
