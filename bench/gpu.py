@@ -286,6 +286,9 @@ def child_group(spec: dict, result_path: pathlib.Path) -> dict:
                 run["planner"] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
     C.write_json(result_path, res)
 
+    # Compiling real-width steps takes minutes on XLA:GPU (70-120 s each, 10 at once, on the H200 of
+    # docs/benchmarks.md) while a run takes seconds: the runs get run_reserve_s past the budget.
+    deadline = max(deadline, time.time() + spec.get("run_reserve_s", 0.0)) if spec.get("run_reserve_s") else deadline
     for key in spec["model_keys"]:
         mine = [r for r in runs if r["model"] == key and r.get("status") == "compiled"]
         mine.sort(key=lambda r: (r.get("compiled_memory") or {}).get("estimated_peak_bytes") or 0)
@@ -473,7 +476,8 @@ def run_child(kind: str, spec: dict, workdir: pathlib.Path, deadline: float, ext
     env = dict(os.environ)
     env.update(extra_env)
     cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), "--child", kind, "--spec", str(spec_path), "--result", str(result_path)]
-    timeout = max(30.0, deadline - time.time() + 30)  # a child past the deadline is stopped; what it wrote stays
+    # A child past the deadline (plus its runs' reserve) is stopped; what it wrote stays.
+    timeout = max(30.0, deadline - time.time() + 30 + spec.get("run_reserve_s", 0.0))
     t = time.perf_counter()
     try:
         proc = subprocess.run(cmd, env=env, timeout=timeout)
@@ -628,6 +632,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--toy", action="store_true", help="tiny models: a CPU smoke test of the whole pipeline")
     ap.add_argument("--scale", action="store_true", help="the 405B and 671B runs cut to one device, every preset (see SCALE)")
+    ap.add_argument("--render", default=None,
+                    help="print the tables of recorded runs (a --out JSON, or a record of several: docs/gpu_h200.json); nothing runs")
+    ap.add_argument("--run-reserve-s", type=float, default=None,
+                    help="seconds the runs of a group may take past the budget once its steps are compiled (default 60; toy 0)")
     ap.add_argument("--hw-json", default=None, help="take the hw part from this earlier --out instead of measuring it again")
     ap.add_argument("--workdir", default=None, help="the children's specs and results (default: beside --out)")
     ap.add_argument("--out", default="bench_gpu.json")
@@ -667,6 +675,9 @@ def main(argv=None) -> int:
 
     from bench import common as C  # no JAX import in this process: every backend starts in a child
 
+    if args.render:
+        print(render_record(json.loads(pathlib.Path(args.render).read_text())))
+        return 0
     if args.plan_only:
         return plan_only(args)
 
@@ -690,6 +701,7 @@ def main(argv=None) -> int:
         "workers": args.workers or min(8, os.cpu_count() or 1), "deadline": deadline,
         "memory_limit_bytes": int(args.memory_limit_gb * 1e9) if args.memory_limit_gb else None,
         "probe_runs": args.probe_runs,
+        "run_reserve_s": args.run_reserve_s if args.run_reserve_s is not None else (0.0 if args.toy else 60.0),
     }
     if args.scale:
         spec["planner_presets"] = ["none", "full", *OFFLOAD_PRESET.values()]
@@ -741,6 +753,20 @@ def main(argv=None) -> int:
         plot(res, pathlib.Path(args.plot))
     log(f"wrote {out}" + (f" and {args.plot}" if args.plot else "") + f"; {res['wall_s']:.0f}s in all")
     return 0
+
+
+def render_record(record: dict) -> str:
+    """The tables of one `--out` JSON, or of a record holding several (`{"calls": [{"command", "results": [...]}]}`,
+    as docs/gpu_h200.json keeps the calls of one GPU session)."""
+    if "calls" not in record:
+        return markdown(record)
+    parts = []
+    for call in record["calls"]:
+        parts.append(f"### {call['title']}\n\n`{call['command']}`")
+        for res in call["results"]:
+            derive(res)
+            parts.append(markdown(res))
+    return "\n\n".join(parts)
 
 
 def plan_only(args) -> int:

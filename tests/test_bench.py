@@ -134,3 +134,24 @@ def test_sampling_bench_small(tmp_path):
     assert res["same_tokens"] and res["rounds"] == 1 and len(res["runs"][0]["zoo"]["tokens"]) == res["tokens"] == 32
     assert all(s > 0 for s in res["zoo_s_per_token"] + res["torch_s_per_token"]) and res["median_ratio"] > 0
     assert (tmp_path / "qwen2.5-0.5b-shape-small" / "config.json").is_file()  # kept for the next run
+
+
+def test_gpu_bench_renders_the_recorded_h200_session():
+    """`bench/gpu.py --render docs/gpu_h200.json` (nothing runs) prints every recorded run with its
+    measured step and compiled peak, and the record holds what docs/benchmarks.md quotes from it."""
+    record = json.loads((ROOT / "docs" / "gpu_h200.json").read_text())
+    proc = _run(["bench/gpu.py", "--render", "docs/gpu_h200.json"], None, timeout=120)
+    rows = [ln for ln in proc.stdout.splitlines() if ln.startswith("| ") and not ln.startswith("| group")]
+    results = [res for call in record["calls"] for res in call["results"]]
+    runs = [r for res in results for g in res["groups"].values() for r in g["runs"]]
+    assert len(rows) == len(runs) > 0
+    for r in runs:
+        peak = (r.get("compiled_memory") or {}).get("estimated_peak_bytes")
+        step = f"| {1e3 * r['median_step_s']:.1f} |" if r.get("median_step_s") else "| - |"
+        assert any(f"| {r['model']} | {r['preset']} | {r['status']} {step}" in ln and (peak is None or f"| {peak / 2**30:.2f} |" in ln)
+                   for ln in rows), (r["model"], r["preset"])
+    ok = {(r["model"], r["preset"]): r for r in runs if r["status"] == "ok"}
+    none, full, off = (ok[("llama", p)] for p in ("none", "full", "llama_qkv_offload"))
+    assert round(100 * none["tflops_per_device"] * 1e12 / results[0]["hw"]["matmul"]["flops_per_s"], 1) == 71.2  # docs: 71.2% of the rate
+    assert round(off["median_step_s"] / full["median_step_s"], 3) == 1.225
+    assert all(res["dropped_xla_flags"] == [] for res in results)
