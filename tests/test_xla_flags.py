@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from zoo.train.config import ConfigError, XlaConfig, load_group
 from zoo.train.run import merged_xla_flags, uses_host_memory
-from zoo.train.xla_flags import GPU_HOST_OFFLOAD_FLAG, flag_name, known_flag, unknown_flags
+from zoo.train.xla_flags import GPU_HOST_OFFLOAD_FLAG, GPU_HOST_OFFLOAD_FLAGS, flag_name, known_flag, unknown_flags
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 XLA_GROUPS = sorted((ROOT / "conf" / "xla").glob("*.yaml"))
@@ -57,16 +57,19 @@ def test_unknown_flag_is_one_line_before_jax_starts():
 
 @pytest.mark.parametrize("preset", OFFLOAD_PRESETS, ids=lambda p: p.stem)
 def test_host_offloading_switch_follows_the_placement(preset):
-    """On exactly when parameters, optimizer state or an offloaded tag live in pinned host memory."""
+    """On exactly when parameters, optimizer state or an offloaded tag live in pinned host memory: the
+    host-offloading switch and the latency hiding scheduler that overlaps the copies."""
     offload = load_group("offload", OmegaConf.load(preset))
     on_host = "pinned_host" in (offload.params, offload.opt_state) or "offload" in offload.actions().values()
     assert uses_host_memory(offload) == on_host
     flags = merged_xla_flags(XlaConfig(cpu_ynn_fusions=None), "", host_offload=uses_host_memory(offload)).split()
-    assert (f"{GPU_HOST_OFFLOAD_FLAG}=true" in flags) == on_host
+    assert all((f"{flag}=true" in flags) == on_host for flag in GPU_HOST_OFFLOAD_FLAGS)
     # The environment's or xla.flags' own setting wins.
     mine = f"{GPU_HOST_OFFLOAD_FLAG}=false"
-    assert merged_xla_flags(XlaConfig(cpu_ynn_fusions=None, flags=[mine]), "", host_offload=True).split() == [mine]
-    assert merged_xla_flags(XlaConfig(cpu_ynn_fusions=None), mine, host_offload=True).split() == [mine]
+    scheduler = "--xla_gpu_enable_latency_hiding_scheduler=false"
+    assert merged_xla_flags(XlaConfig(cpu_ynn_fusions=None, flags=[mine, scheduler]), "", host_offload=True).split() == [mine, scheduler]
+    assert merged_xla_flags(XlaConfig(cpu_ynn_fusions=None), f"{mine} {scheduler}", host_offload=True).split() == [mine, scheduler]
+    assert merged_xla_flags(XlaConfig(cpu_ynn_fusions=None), mine, host_offload=True).split() == [mine, scheduler.replace("false", "true")]
 
 
 def test_some_preset_uses_the_host_and_some_does_not():

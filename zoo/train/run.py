@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 from zoo import backend
 from zoo.train.config import ConfigError, HardwareConfig, TrainConfig, TrainingStopped, XlaConfig, load, to_dict, validate
 from zoo.offload import OffloadConfig
-from zoo.train.xla_flags import GPU_HOST_OFFLOAD_FLAG, known_flag
+from zoo.train.xla_flags import GPU_HOST_OFFLOAD_FLAGS, known_flag
 from zoo.train.stop import set_phase
 
 # The XLA flags this process started JAX with (None: not started by us).
@@ -46,7 +46,8 @@ def _flag_name(flag: str) -> str:
 def merged_xla_flags(c: XlaConfig, env: Optional[str], host_offload: bool = False) -> str:
     """The environment's XLA_FLAGS plus the group's flags; the group wins where both set one flag.
     `host_offload` (some state or tag lives in pinned host memory) adds XLA:GPU's host-offloading
-    switch unless the environment or xla.flags set it; other backends ignore it."""
+    switch and its latency hiding scheduler (`GPU_HOST_OFFLOAD_FLAGS`), each unless the environment
+    or xla.flags set it; other backends ignore them."""
     ours = list(c.flags)
     if c.cpu_devices is not None:
         ours.append(f"--xla_force_host_platform_device_count={c.cpu_devices}")
@@ -55,8 +56,9 @@ def merged_xla_flags(c: XlaConfig, env: Optional[str], host_offload: bool = Fals
     named = names | {_flag_name(f) for f in kept}
     if c.cpu_ynn_fusions is not None and YNN_FLAG not in named and _ynn_flag_known():
         ours.append(f"{YNN_FLAG}={c.cpu_ynn_fusions}")  # a default: the environment or xla.flags win
-    if host_offload and GPU_HOST_OFFLOAD_FLAG not in named and known_flag(GPU_HOST_OFFLOAD_FLAG) is not False:
-        ours.append(f"{GPU_HOST_OFFLOAD_FLAG}=true")
+    for flag in GPU_HOST_OFFLOAD_FLAGS if host_offload else ():
+        if flag not in named and known_flag(flag) is not False:
+            ours.append(f"{flag}=true")
     return " ".join(kept + ours)
 
 
@@ -77,9 +79,9 @@ def apply_xla_flags(c: XlaConfig, host_offload: bool = False) -> str:
         current = _APPLIED_XLA_FLAGS if _APPLIED_XLA_FLAGS is not None else os.environ.get("XLA_FLAGS", "")
         # xla.cpu_ynn_fusions is a CPU speed default, not a request that must hold: a process that
         # started JAX without it (a test, a notebook) runs the job with XLA's own choice.
-        # Nor is the GPU host-offloading switch, which no CPU program depends on.
+        # Nor are the GPU host-offloading switches, which no CPU program depends on.
         wanted = merged_xla_flags(dataclasses.replace(c, cpu_ynn_fusions=None), current)
-        automatic = {GPU_HOST_OFFLOAD_FLAG}
+        automatic = set(GPU_HOST_OFFLOAD_FLAGS)
         if sorted(f for f in wanted.split() if _flag_name(f) not in automatic) != sorted(
             f for f in current.split() if _flag_name(f) not in automatic
         ):

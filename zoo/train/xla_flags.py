@@ -14,6 +14,12 @@ from typing import Optional
 # XLA:GPU's rematerialization counts host-resident buffers as device memory unless this is on, and then
 # recomputes to make room that offloading already made (a public GB200 run: 143 extra clones, 0.63 s/step).
 GPU_HOST_OFFLOAD_FLAG = "--xla_gpu_enable_host_memory_offloading"
+# Without the latency hiding scheduler XLA:GPU does not schedule host copies under compute: on an H200
+# (docs/benchmarks.md, "GPU") llama_1b's Q/K/V offload left 92% of its transfer time exposed, 1.225x
+# the step of full remat, where the planner (which assumes the overlap) expected it to hide.
+GPU_SCHEDULER_FLAG = "--xla_gpu_enable_latency_hiding_scheduler"
+# What a run that keeps anything in pinned host memory gets, unless XLA_FLAGS or xla.flags set the flag.
+GPU_HOST_OFFLOAD_FLAGS = (GPU_HOST_OFFLOAD_FLAG, GPU_SCHEDULER_FLAG)
 
 
 def flag_name(flag: str) -> str:
