@@ -190,10 +190,12 @@ def test_a_denominator_replaces_the_masks_count(method):
         assert rel_err(grad, want_grad) < 1e-5
 
 
-@pytest.mark.parametrize("axes", [{"fsdp": 2, "tensor": 4}, {"fsdp": 8}])
-def test_vocab_parallel_loss_matches_unsharded(axes):
+@pytest.mark.parametrize("axes, vocab_rule", [({"fsdp": 2, "tensor": 4}, None), ({"fsdp": 8}, None), ({"fsdp": 2, "expert": 4}, ["expert"]),
+                                               ({"fsdp": 2, "tensor": 2, "expert": 2}, ["tensor", "expert"])])
+def test_vocab_parallel_loss_matches_unsharded(axes, vocab_rule):
     # Under a mesh the fused loss is a shard_map: rows split over the batch axes, the head's columns over
     # tensor (the logsumexp and the target logit combined across them), the head gradient summed once.
+    # A vocab axis that also splits the rows (expert here) gathers its group's rows chunk by chunk.
     from zoo import sharding as zs
 
     rng = np.random.default_rng(1)
@@ -207,10 +209,35 @@ def test_vocab_parallel_loss_matches_unsharded(axes):
         return chunked_next_token_loss(h, w, tokens, mask, chunk_size=5, final_softcap=3.0)
 
     want = jax.value_and_grad(f, argnums=(0, 1))(hidden, head)
-    with zs.activate(zs.make_mesh(zs.resolve_mesh_shape(axes, 8)), zs.DEFAULT_RULES):
+    rules = {**zs.DEFAULT_RULES, **({"vocab": vocab_rule} if vocab_rule else {})}
+    with zs.activate(zs.make_mesh(zs.resolve_mesh_shape(axes, 8)), rules):
         fn = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))
         assert "manual_computation" in fn.lower(hidden, head).as_text()  # the vocabulary-parallel shard_map ran
         got = fn(hidden, head)
     np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
     for a, b in zip(got[1], want[1]):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("axes, vocab_rule", [({"fsdp": 2, "expert": 4}, ["expert"]), ({"fsdp": 2, "tensor": 2, "expert": 2}, ["tensor", "expert"])])
+def test_vocab_parallel_lookup_matches_take(axes, vocab_rule):
+    """Where a vocab axis also splits the batch, the embedding lookup runs split over the vocabulary
+    (zoo.loss.vocab_parallel_lookup): the same rows and the same table gradient as jnp.take, and no
+    such lookup under the default rules (the partitioner's, as before)."""
+    from zoo import sharding as zs
+    from zoo.loss import vocab_parallel_lookup
+
+    rng = np.random.default_rng(2)
+    vocab, embed, batch = 48, 16, 8
+    table = jnp.asarray(rng.normal(size=(vocab, embed)), jnp.float32)
+    tokens = jnp.asarray(rng.integers(0, vocab, (batch, SEQ)), jnp.int32).at[0, :3].set(vocab - 1)  # last row of the last shard
+    probe = jnp.asarray(rng.normal(size=(batch, SEQ, embed)), jnp.float32)
+    want = jax.value_and_grad(lambda t: (jnp.take(t, tokens, axis=0) * probe).sum())(table)
+    mesh = zs.make_mesh(zs.resolve_mesh_shape(axes, 8))
+    with zs.activate(mesh, {**zs.DEFAULT_RULES, "vocab": vocab_rule}):
+        fn = jax.jit(jax.value_and_grad(lambda t: (vocab_parallel_lookup(t, tokens) * probe).sum()))
+        got = fn(table)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), atol=1e-6)
+    with zs.activate(mesh, zs.DEFAULT_RULES):
+        assert vocab_parallel_lookup(table, tokens) is None

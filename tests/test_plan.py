@@ -177,6 +177,10 @@ def test_loss_working_set_counts_the_chunks_and_what_the_fused_backward_keeps():
     assert zp.loss_working_bytes(batch=1, seq=64, vocab=10, embed=4, chunk=512, compute_bytes=4) == pytest.approx(
         3 * 64 * 10 * 4 + 4 * 10 * 4 + 64 * 4 * 4
     )
+    # A vocab axis shared with the batch (8 devices): each chunk's logits cover the group's rows, over
+    # the device's 1/8 of the vocabulary, and the group's chunk of hidden states is gathered.
+    shared = zp.loss_working_bytes(batch=2, seq=4096, vocab=128256 // 8, embed=2048, chunk=512, compute_bytes=2, row_group=8)
+    assert shared == 3 * 16 * 512 * 16032 * 4 + 2048 * 16032 * 4 + 2 * 4096 * 2048 * 2 + 16 * 512 * 2048 * 2
 
 
 def test_links():

@@ -548,11 +548,13 @@ def test_sequence_parallel_packed_rows_match_and_exchange_nothing_per_tile():
 # 40-90 s each on the 2-core machine: the slow tier. The default tier has the loss-level check
 # (tests/test_loss.py::test_vocab_parallel_loss_matches_unsharded) and the sharded steps' losses above.
 @pytest.mark.slow
-@pytest.mark.parametrize("model, mesh", [("llama_tiny_a", "fsdp_tp"), ("gemma3_tiny_a", "fsdp")])
-def test_vocab_parallel_loss_and_gradients_match_single_device(model, mesh):
+@pytest.mark.parametrize("model, mesh, vocab_rule", [("llama_tiny_a", "fsdp_tp", None), ("gemma3_tiny_a", "fsdp", None), ("dsv3_tiny_a", "fsdp_ep", ["expert"])])
+def test_vocab_parallel_loss_and_gradients_match_single_device(model, mesh, vocab_rule):
     # Under a mesh the chunked loss runs vocabulary-parallel (zoo/loss.py): on fsdp_tp the head's columns
     # are split over tensor and the logsumexp combined across them; Gemma 3 ties the head to the
-    # embedding (one kv head: no tensor axis), so it runs on fsdp, its gradient reduce-scattered once.
+    # embedding (one kv head: no tensor axis), so it runs on fsdp, its gradient reduce-scattered once;
+    # DeepSeek-V3 with the vocabulary over expert (an axis that also splits the batch, as the 671B
+    # preset) gathers each expert group's rows in the loss and in the embedding lookup.
     from zoo import sharding as zs
 
     def loss_and_grads(c):
@@ -562,7 +564,10 @@ def test_vocab_parallel_loss_and_gradients_match_single_device(model, mesh):
         with zs.activate(trainer.mesh, trainer.rules):
             return jax.jit(jax.value_and_grad(lambda p, t: trainer.loss_and_aux(p, t)[0]))(params, tokens)
 
-    (ref_loss, ref_grads), (loss, grads) = (loss_and_grads(make_config(model, m)) for m in ("single", mesh))
+    sharded = make_config(model, mesh)
+    if vocab_rule:
+        sharded.mesh.rules = {**sharded.mesh.rules, "vocab": vocab_rule}
+    (ref_loss, ref_grads), (loss, grads) = (loss_and_grads(c) for c in (make_config(model, "single"), sharded))
     np.testing.assert_allclose(loss, ref_loss, atol=1e-5, rtol=0)
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-4)

@@ -268,6 +268,10 @@ def chunked_next_token_nll(
 # the head's own embed shards (a psum over any batch axis that does not shard the embed dim). Without
 # this the partitioner gathered the head whole and all-reduced a float32 [embed, vocab] partial
 # gradient in every chunk (44 GB of float32 all-reduces per step at 671B).
+# A vocab axis that also splits the batch ("shared": DeepSeek-V3 671B's preset splits the vocabulary
+# over `expert`, whose devices hold different rows) gathers the chunk's rows of its group first, so
+# each device holds 1/n of the head and of its gradient instead of all of it; the rows' hidden-state
+# gradients are reduce-scattered back to their devices.
 
 
 @functools.lru_cache(maxsize=None)
@@ -279,7 +283,8 @@ def _plan_for(mesh, rules_items, head_shape, rows):
         return tuple(a for a in rules.get(name, ()) if a in sizes and sizes[a] > 1 and a not in exclude)
 
     batch = axes("batch")
-    vocab = axes("vocab", exclude=batch)
+    shared = tuple(a for a in axes("vocab") if a in batch)
+    vocab = axes("vocab", exclude=batch) + shared
     # The head's embed dim splits over these (the param's spec); only those that also split the rows can
     # take a reduce-scatter of the gradient.
     embed = axes("embed", exclude=vocab)
@@ -291,12 +296,12 @@ def _plan_for(mesh, rules_items, head_shape, rows):
         return None  # (the config check names the key: a vocabulary must divide its shards)
     if head_shape[0] % n_scatter:
         scatter = ()
-    return mesh, batch, vocab, scatter
+    return mesh, batch, vocab, scatter, shared, embed
 
 
 def _vocab_parallel_plan(head_shape, rows):
-    """(mesh, batch axes, vocab axes, scatter axes) for the active layout, or None (no mesh: the
-    single-device path, unchanged)."""
+    """(mesh, batch axes, vocab axes, scatter axes, shared axes) for the active layout, or None (no
+    mesh: the single-device path, unchanged). Shared axes split both the rows and the vocabulary."""
     layout = zs.active()
     if layout is None:
         return None
@@ -304,18 +309,52 @@ def _vocab_parallel_plan(head_shape, rows):
     return _plan_for(layout.mesh, rules, tuple(head_shape), rows)
 
 
-def _vp_body(softcap, cdt, vocab_axes, batch_axes, scatter_axes, grads, h, w, targets, weights):
-    """One device's chunks: `w` is its [embed, vocab / shards] columns, `h` its rows."""
+def vocab_parallel_lookup(table: Float[Array, "vocab embed"], tokens: Int[Array, "batch seq"]) -> Optional[Float[Array, "batch seq embed"]]:
+    """The embedding lookup split over the vocabulary where a vocab axis also splits the batch (a
+    shared axis, as the loss's): each device gathers its group's tokens, looks up those in its
+    `[vocab / n, embed]` rows (zeros elsewhere), and the rows are summed across the vocab shards and
+    reduce-scattered back to their devices; the gradient lands in each device's own rows, never a
+    whole `[vocab, embed]` table. None where no axis is shared (the partitioner's own lookup, over a
+    table constrained to its vocab shards, is then the caller's)."""
+    vocab_size, embed = table.shape
+    plan = _vocab_parallel_plan((embed, vocab_size), tokens.shape[0])
+    if plan is None or not plan[4]:
+        return None
+    mesh, batch, vocab, _, shared, _ = plan
+    own = tuple(a for a in vocab if a not in shared)
+
+    def body(rows, tok):
+        tok = jax.lax.all_gather(tok, shared, axis=0, tiled=True)
+        v_local = rows.shape[0]
+        idx = tok - jax.lax.axis_index(vocab) * v_local
+        hit = (idx >= 0) & (idx < v_local)
+        x = jnp.where(hit[..., None], jnp.take(rows, jnp.clip(idx, 0, v_local - 1), axis=0), jnp.zeros((), rows.dtype))
+        x = jax.lax.psum(x, own) if own else x
+        return jax.lax.psum_scatter(x, shared, scatter_dimension=0, tiled=True)
+
+    return jax.shard_map(body, mesh=mesh, in_specs=(P(vocab, None), P(batch, None)), out_specs=P(batch, None, None), check_vma=False)(
+        table, tokens
+    )
+
+
+def _vp_body(softcap, cdt, vocab_axes, batch_axes, scatter_axes, shared_axes, grads, h, w, targets, weights):
+    """One device's chunks: `w` is its [embed, vocab / shards] columns, `h` its rows (with shared
+    axes, the rows of its group are gathered chunk by chunk)."""
     v_local = w.shape[1]
     offset = jax.lax.axis_index(vocab_axes) * v_local if vocab_axes else 0
     cols = jnp.arange(v_local)[None, :]
+    own_vocab = tuple(a for a in vocab_axes if a not in shared_axes)
+    group = math.prod(jax.lax.axis_size(a) for a in shared_axes) if shared_axes else 1
 
     def vsum(x):
         return jax.lax.psum(x, vocab_axes) if vocab_axes else x
 
+    def gather(x):
+        return jax.lax.all_gather(x, shared_axes, axis=0, tiled=True) if shared_axes else x
+
     def step(carry, xs):
         total, d_head = carry
-        h_c, t_c, w_c = xs
+        h_c, t_c, w_c = (gather(x) for x in xs)
         h_c = h_c.astype(cdt)
         logits, d_cap = _logits(h_c, w, softcap)
         m = jax.lax.stop_gradient(logits.max(axis=-1))
@@ -334,16 +373,20 @@ def _vp_body(softcap, cdt, vocab_axes, batch_axes, scatter_axes, grads, h, w, ta
         d_logits = d_logits.astype(cdt)
         d_h = jnp.einsum("CV,DV->CD", d_logits, w, preferred_element_type=jnp.float32).astype(h.dtype)
         d_head = d_head + head_gradient(h_c, d_logits)
-        return (total, d_head), vsum(d_h)
+        d_h = jax.lax.psum(d_h, own_vocab) if own_vocab else d_h
+        if shared_axes:  # the group's rows: summed over the shared vocab shards, each device its own rows
+            d_h = jax.lax.psum_scatter(d_h, shared_axes, scatter_dimension=0, tiled=True)
+        return (total, d_head), d_h
 
     init = (jnp.float32(0), jnp.zeros(w.shape if grads else (0,), jnp.float32))
     (total, d_head), d_h = jax.lax.scan(step, init, (h, targets, weights))
     total = jax.lax.psum(total, batch_axes) if batch_axes else total
+    total = total / group  # each member of a shared group counted the group's rows
     if not grads:
         return total
     # Once per step, in the compute dtype: the rows' partial gradients summed onto the head's shards.
     d_head = d_head.astype(cdt)
-    rest = tuple(a for a in batch_axes if a not in scatter_axes)
+    rest = tuple(a for a in batch_axes if a not in scatter_axes and a not in shared_axes)
     if rest:
         d_head = jax.lax.psum(d_head, rest)
     if scatter_axes:
@@ -351,8 +394,20 @@ def _vp_body(softcap, cdt, vocab_axes, batch_axes, scatter_axes, grads, h, w, ta
     return total, d_h, d_head
 
 
+def _head_for_loss(plan, head, cdt):
+    """The head in the compute dtype, moved to its loss layout in two steps where a shared axis splits
+    both its embed dim (the parameter's spec) and its vocab dim (the loss's): first the vocab dim onto
+    the shared axes (an all-to-all), then the embed dim gathered. In one step the partitioner gathered
+    the whole [embed, vocab] head on every device."""
+    mesh, _, vocab, _, shared, embed = plan
+    head = head.astype(cdt)
+    if shared:
+        head = jax.lax.with_sharding_constraint(head, jax.sharding.NamedSharding(mesh, P(embed or None, vocab)))
+    return head
+
+
 def _vp_specs(plan):
-    mesh, batch, vocab, scatter = plan
+    mesh, batch, vocab, scatter, *_ = plan
     rows = P(None, batch or None)
     return mesh, (P(None, batch or None, None), P(None, vocab or None), rows, rows), P(scatter or None, vocab or None)
 
@@ -360,9 +415,9 @@ def _vp_specs(plan):
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2))
 def _vp_loss(softcap, cdt, plan, h, head, targets, weights):
     mesh, in_specs, _ = _vp_specs(plan)
-    body = functools.partial(_vp_body, softcap, cdt, plan[2], plan[1], plan[3], False)
+    body = functools.partial(_vp_body, softcap, cdt, plan[2], plan[1], plan[3], plan[4], False)
     return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=P(), check_vma=False)(
-        h, head.astype(cdt), targets, weights
+        h, _head_for_loss(plan, head, cdt), targets, weights
     )
 
 
@@ -372,10 +427,10 @@ def _vp_loss_jvp(softcap, cdt, plan, primals, tangents):
     h, head, targets, weights = primals
     dh, dhead = tangents[0], tangents[1]
     mesh, in_specs, head_spec = _vp_specs(plan)
-    body = functools.partial(_vp_body, softcap, cdt, plan[2], plan[1], plan[3], True)
+    body = functools.partial(_vp_body, softcap, cdt, plan[2], plan[1], plan[3], plan[4], True)
     total, d_h, d_head = jax.shard_map(
         body, mesh=mesh, in_specs=in_specs, out_specs=(P(), in_specs[0], head_spec), check_vma=False
-    )(h, head.astype(cdt), targets, weights)
+    )(h, _head_for_loss(plan, head, cdt), targets, weights)
     tangent = (d_h.astype(jnp.float32) * dh.astype(jnp.float32)).sum() + (
         d_head.astype(jnp.float32) * dhead.astype(jnp.float32)
     ).sum()

@@ -30,6 +30,7 @@ from zoo import sharding as zs
 from zoo import tags
 from zoo.config import LayerSpec, ModelConfig, count_params
 from zoo.lora import merge_block
+from zoo.loss import vocab_parallel_lookup
 from zoo.nn import GatedMLP, GQAttention, MLAttention, MoE, MoEAux, RMSNorm
 from zoo.nn._init import normal
 from zoo.nn.cache import KVCache, LatentCache
@@ -403,10 +404,12 @@ class CausalLM(eqx.Module):
         table = self.embed
         if not c.scale_embeddings:
             table = zs.cast_for_compute({"embed": table}, c.compute_dtype)["embed"]  # gathered in the compute dtype
-        # The lookup reads whole rows: give it the table gathered over its embed dim, so each device
-        # looks up its own tokens (otherwise the partitioner gathers the batch instead).
-        table = zs.constrain(table, ("vocab", None))
-        x = jnp.take(table, tokens, axis=0)
+        x = vocab_parallel_lookup(table, tokens)
+        if x is None:
+            # The lookup reads whole rows: give it the table gathered over its embed dim, so each device
+            # looks up its own tokens (otherwise the partitioner gathers the batch instead).
+            table = zs.constrain(table, ("vocab", None))
+            x = jnp.take(table, tokens, axis=0)
         if c.pad_token_id is not None:
             x = jnp.where((tokens == c.pad_token_id)[..., None], jax.lax.stop_gradient(x), x)
         if c.scale_embeddings:

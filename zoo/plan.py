@@ -1393,8 +1393,10 @@ def attention_working_bytes(impl: str, *, batch: int, seq: int, heads: int, kv_h
     raise ValueError(f"attention_working_bytes: unknown implementation {impl!r}")
 
 
-def loss_working_bytes(*, batch: int, seq: int, vocab: int, embed: int, chunk: int, compute_bytes: int, head_cast_bytes: float = 0.0) -> float:
-    """The transient bytes of the head + loss, per device (`vocab` is the device's share).
+def loss_working_bytes(*, batch: int, seq: int, vocab: int, embed: int, chunk: int, compute_bytes: int, head_cast_bytes: float = 0.0,
+                       row_group: int = 1) -> float:
+    """The transient bytes of the head + loss, per device (`vocab` is the device's share; `row_group`
+    devices share a vocab axis that also splits the batch, so each chunk's logits cover their rows).
 
     Whole logits (`chunk` 0): the float32 logits, their softmax and their gradient [batch, T, vocab].
     Chunked (zoo.loss, fused): the same three for [batch, chunk, vocab] at a time, plus what the
@@ -1404,7 +1406,8 @@ def loss_working_bytes(*, batch: int, seq: int, vocab: int, embed: int, chunk: i
     if not chunk:
         return 3.0 * batch * seq * vocab * 4
     rows = min(chunk, seq)
-    return 3.0 * batch * rows * vocab * 4 + 4.0 * embed * vocab + float(batch * seq * embed * compute_bytes) + head_cast_bytes
+    gathered = float(batch * row_group * rows * embed * compute_bytes) if row_group > 1 else 0.0
+    return 3.0 * batch * row_group * rows * vocab * 4 + 4.0 * embed * vocab + float(batch * seq * embed * compute_bytes) + head_cast_bytes + gathered
 
 
 def _ways(c, trainer, logical: str) -> int:
@@ -1517,8 +1520,12 @@ def problem_from_config(c, trainer, opts: PlanConfig, hardware_dir=None, attenti
     vocab = -(-m.vocab_size // _ways(c, trainer, "vocab"))
     compute_bytes = np.dtype(m.compute_dtype).itemsize
     head_cast = 0.0 if m.compute_dtype == m.param_dtype else float(m.hidden_size * vocab * compute_bytes)
+    sizes = trainer.plan.mesh.sizes
+    batch_axes = set(c.mesh.rules.get("batch", []))
+    row_group = math.prod(sizes[a] for a in dict.fromkeys(c.mesh.rules.get("vocab", [])) if a in sizes and a in batch_axes) or 1
     loss = loss_working_bytes(
         batch=batch, seq=seq, vocab=vocab, embed=m.hidden_size, chunk=c.trainer.loss_chunk_size, compute_bytes=compute_bytes, head_cast_bytes=head_cast,
+        row_group=row_group,
     )
     layers_working = 2.0 * (per_layer + mlpwo_bytes) + attention
     working = max(layers_working, loss)

@@ -116,6 +116,21 @@ def kept_layer_inputs(trainer, text: str, per_device_batch: int) -> Optional[dic
     return {"stacks": stacks, "bytes": total} if stacks else None
 
 
+def whole_vocabulary_buffers(text: str, vocab_size: int) -> Optional[dict]:
+    """The largest array of `text` (an HLO module, per-device shapes) that holds the whole vocabulary
+    dim: the embedding, the head or a gradient of either not split over the vocabulary on this
+    device. None where every vocabulary-sized dim is split."""
+    found: dict[str, int] = {}
+    for dtype, dims in re.findall(r"\b([a-z]+[0-9]*)\[([\d,]+)\]", text):
+        shape = tuple(int(d) for d in dims.split(","))
+        if vocab_size in shape:
+            found[f"{dtype}[{dims}]"] = math.prod(shape) * hlo.dtype_bytes(dtype)
+    if not found:
+        return None
+    shape, nbytes = max(found.items(), key=lambda kv: kv[1])
+    return {"largest": shape, "bytes": nbytes, "shapes": len(found)}
+
+
 def scale_report(trainer, compiled, partitioned_text: Optional[str]) -> dict:
     """inspect.json's `scale` (docs/offload.md, "The scale report")."""
     sizes = trainer.plan.mesh.sizes
@@ -127,6 +142,7 @@ def scale_report(trainer, compiled, partitioned_text: Optional[str]) -> dict:
         "per_device_batch": per_device_batch,
         # Read from the partitioned program: its dtypes are a GPU's (XLA:CPU widens bf16 later).
         "kept_layer_inputs": kept_layer_inputs(trainer, partitioned_text or compiled.as_text(), per_device_batch),
+        "whole_vocabulary": whole_vocabulary_buffers(partitioned_text or compiled.as_text(), trainer.cfg.model.vocab_size),
         "state_bytes_per_device": state_bytes(trainer),
         "dtypes": state_dtypes(trainer),
         "collectives": {
@@ -170,6 +186,10 @@ def render(rep: dict) -> str:
         shapes = ", ".join(f"{k['arrays']} x {k['shape']}" if k["arrays"] > 1 else k["shape"] for k in kept["stacks"])
         split = ", split along the sequence (sequence parallelism)" if rep.get("sequence_parallel") else ""
         out.append(f"kept layer inputs per device: {fmt_bytes(kept['bytes'])} ({shapes}){split}")
+    if "whole_vocabulary" in rep and rep["devices"] > 1:
+        v = rep["whole_vocabulary"]
+        out.append("whole vocabulary per device: none (every vocabulary-sized dim is split)" if v is None else
+                   f"whole vocabulary per device: largest {v['largest']} {fmt_bytes(v['bytes'])} ({v['shapes']} such shapes)")
     for name, title in (("partitioned", "after SPMD partitioning"), ("compiled", "compiled")):
         section = rep["collectives"][name]
         if section is None:
