@@ -137,25 +137,12 @@ def test_moe_capacity():
 
 # --- parameter counts ------------------------------------------------------------------------
 
-# Published sizes, total and active, with where each figure is published. Tolerance 1% unless the
+# Published sizes, total and active, with where each figure is published: each family's `published`
+# (zoo/families/<name>.py), name -> (total, active or None, tolerance, source). Tolerance 1% unless the
 # published figure is rounded coarser than that (then the rounding's width, said per entry); a pair
-# is (total's, active's).
-# "hub" = the parameter count the Hugging Face hub shows from the checkpoint's safetensors headers.
-PUBLISHED = {
-    # name: (total, active or None, tolerance, source)
-    "llama3.1_8b": (8.03e9, None, 0.005, "Meta model card (8.03B, hub)"),
-    "llama3.1_70b": (70.6e9, None, 0.005, "Meta model card / hub"),
-    "llama3.1_405b": (405.9e9, None, 0.005, "Meta model card / hub"),
-    "deepseek_v3_671b": (671e9, None, 0.01, "DeepSeek-V3 report: 671B total without the 14B MTP module"),
-    "qwen2.5_7b": (7.61e9, None, 0.01, "Qwen2.5-7B model card: 7.61B"),
-    "qwen3_8b": (8.2e9, None, 0.01, "Qwen3-8B model card: 8.2B"),
-    "qwen3_30b_a3b": (30.5e9, 3.3e9, 0.02, "Qwen3-30B-A3B model card: 30.5B total, 3.3B activated (2 significant figures)"),
-    "qwen3_235b_a22b": (235e9, 22e9, 0.01, "Qwen3-235B-A22B model card: 235B total, 22B activated"),
-    # The hub's 1026.5B includes the FP8 checkpoint's weight_scale_inv blocks (62.5M scales, one per
-    # 128 x 128 block of every quantised matrix), which a float model does not have.
-    "kimi_k2_1t": (1.03e12, 32e9, (0.01, 0.03), "hub (moonshotai/Kimi-K2-Instruct): 1.03T total; Kimi K2 model card: '32B' activated (2 significant figures)"),
-}
-PUBLISHED.update({name: count for f in families.registered() for name, count in f.published.items()})
+# is (total's, active's). "hub" = the parameter count the Hugging Face hub shows from the checkpoint's
+# safetensors headers.
+PUBLISHED = {name: count for f in families.registered() for name, count in f.published.items()}
 # Families that publish active parameters without the embedding table (OpenAI: a lookup touches one
 # row) are compared with that convention (zoo.families.FamilyDef.active_without_embedding).
 ACTIVE_WITHOUT_EMBEDDING = {name for f in families.registered() if f.active_without_embedding for name in f.published}

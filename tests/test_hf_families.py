@@ -522,7 +522,7 @@ def test_llama_attention_bias(tmp_path):
 @pytest.mark.parametrize(
     "name,edit,match",
     [
-        ("qwen3", lambda c: c.update(model_type="falcon"), r"model_type 'falcon' is not supported; supported: llama, deepseek_v3, qwen2, .*gemma3_text"),
+        ("qwen3", lambda c: c.update(model_type="falcon"), r"model_type 'falcon' is not supported; supported: llama, deepseek_v3, gemma3_text, .*qwen2, qwen3, qwen3_moe"),
         ("gemma3", lambda c: c.update(model_type="gemma3"), r"model_type 'gemma3' is not supported \(the multimodal Gemma 3"),
         ("qwen2", lambda c: c.update(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6}),
          r"rope type 'dynamic' is not supported; supported: default, linear, llama3, yarn"),

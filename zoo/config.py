@@ -16,7 +16,7 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, so np.dtype("bfl
 import numpy as np
 
 from zoo import families
-from zoo.tags import DEEPSEEK_V3, LLAMA, QWEN2, QWEN3, QWEN3_MOE
+from zoo.tags import LLAMA
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 MOE_IMPLS = ("auto", "ragged", "capacity")
@@ -502,153 +502,8 @@ def flops_per_token(c: ModelConfig, seq_len: int, causal: bool = True) -> float:
 
 # --- named sizes -----------------------------------------------------------------------------
 
-
-def _llama31(hidden, layers, heads, ffn) -> ModelConfig:
-    return ModelConfig(
-        family=LLAMA,
-        vocab_size=128256,
-        hidden_size=hidden,
-        num_layers=layers,
-        num_heads=heads,
-        num_kv_heads=8,
-        head_dim=128,
-        intermediate_size=ffn,
-        rms_norm_eps=1e-5,
-        max_position_embeddings=131072,
-        rope=RopeConfig(type="llama3", theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192),
-        param_dtype="float32",
-        compute_dtype="bfloat16",
-    )
-
-
-def _dsv3_like(**kw) -> ModelConfig:
-    mla = kw.pop("mla")
-    moe = kw.pop("moe")
-    base = dict(family=DEEPSEEK_V3, rms_norm_eps=1e-6, num_kv_heads=kw.get("num_heads", 1), param_dtype="float32", compute_dtype="bfloat16")
-    base.update(kw)
-    return ModelConfig(mla=mla, moe=moe, **base)
-
-
-def _softmax_moe(experts: int, top_k: int, inter: int, norm_topk_prob: bool = True) -> MoEConfig:
-    """Qwen3-MoE's router (Mixtral's: zoo/families/mixtral.py): no groups, no shared experts, no scaling."""
-    return MoEConfig(n_routed_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=inter, n_shared_experts=0,
-                     router="softmax", n_group=1, topk_group=1, norm_topk_prob=norm_topk_prob, routed_scaling_factor=1.0)
-
-
-_QWEN3 = dict(qk_norm=True, rms_norm_eps=1e-6, rope=RopeConfig(theta=1000000.0))
-
-
-SIZES: dict[str, ModelConfig] = {
-    # The reference models of tests/data (Hugging Face transformers computed their outputs).
-    "llama_tiny_a": ModelConfig(
-        family=LLAMA, vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-        intermediate_size=128, rms_norm_eps=1e-5, max_position_embeddings=128, rope=RopeConfig(theta=10000.0),
-    ),
-    "dsv3_tiny_a": ModelConfig(
-        family=DEEPSEEK_V3, vocab_size=256, hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=4,
-        intermediate_size=128, rms_norm_eps=1e-6, max_position_embeddings=128, first_k_dense_replace=1,
-        rope=RopeConfig(theta=10000.0, interleaved=True),
-        mla=MLAConfig(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16),
-        moe=MoEConfig(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
-                      n_group=2, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5),
-    ),
-    "qwen2_tiny_a": ModelConfig(
-        family=QWEN2, vocab_size=256, hidden_size=112, num_layers=2, num_heads=14, num_kv_heads=2, head_dim=8,
-        intermediate_size=160, rms_norm_eps=1e-6, max_position_embeddings=256, tie_word_embeddings=True,
-        attention_bias=True, rope=RopeConfig(theta=1000000.0),
-    ),
-    "qwen3_tiny_a": ModelConfig(
-        family=QWEN3, vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-        intermediate_size=128, max_position_embeddings=256, tie_word_embeddings=True, **_QWEN3,
-    ),
-    "qwen3_moe_tiny_a": ModelConfig(
-        family=QWEN3_MOE, vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=24,
-        intermediate_size=128, max_position_embeddings=256, moe=_softmax_moe(8, 2, 32), **_QWEN3,
-    ),
-    # ~1.2B Llama shaped like Llama 3.2 1B (tied embeddings); fits one GPU with room for activations.
-    "llama_1b": ModelConfig(
-        family=LLAMA, vocab_size=128256, hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,
-        intermediate_size=8192, rms_norm_eps=1e-5, max_position_embeddings=131072, tie_word_embeddings=True,
-        rope=RopeConfig(type="llama3", theta=500000.0, factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192),
-        compute_dtype="bfloat16",
-    ),
-    # A 64M Llama (its name is the size class): big enough on CPU that matmuls dominate (benchmarks, memory ordering tests).
-    "llama_100m": ModelConfig(
-        family=LLAMA, vocab_size=32000, hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, head_dim=64,
-        intermediate_size=2048, max_position_embeddings=4096, rope=RopeConfig(theta=500000.0),
-    ),
-    # ~100M total of each newer family, for CPU runs (the MoE ones ~50M active).
-    "qwen2_100m": ModelConfig(
-        family=QWEN2, vocab_size=32000, hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=2, head_dim=64,
-        intermediate_size=2048, rms_norm_eps=1e-6, max_position_embeddings=4096, tie_word_embeddings=True,
-        attention_bias=True, rope=RopeConfig(theta=1000000.0),
-    ),
-    "qwen3_100m": ModelConfig(
-        family=QWEN3, vocab_size=32000, hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=4, head_dim=64,
-        intermediate_size=2048, max_position_embeddings=4096, tie_word_embeddings=True, **_QWEN3,
-    ),
-    "qwen3_moe_100m": ModelConfig(
-        family=QWEN3_MOE, vocab_size=32000, hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=4, head_dim=64,
-        intermediate_size=2048, max_position_embeddings=4096, moe=_softmax_moe(16, 4, 416), **_QWEN3,
-    ),
-    "llama3.1_8b": _llama31(4096, 32, 32, 14336),
-    "llama3.1_70b": _llama31(8192, 80, 64, 28672),
-    "llama3.1_405b": _llama31(16384, 126, 128, 53248),
-    # ~2B total / ~0.6B active DeepSeek-V3-shaped MoE (MLA, 64 experts, group-limited top-6).
-    "dsv3_2b": _dsv3_like(
-        vocab_size=32000, hidden_size=1024, num_layers=12, num_heads=16, intermediate_size=4096,
-        max_position_embeddings=8192, first_k_dense_replace=1, rope=RopeConfig(theta=10000.0, interleaved=True),
-        mla=MLAConfig(q_lora_rank=512, kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64),
-        moe=MoEConfig(n_routed_experts=64, num_experts_per_tok=6, moe_intermediate_size=704, n_shared_experts=2,
-                      n_group=8, topk_group=4, routed_scaling_factor=2.5),
-    ),
-    # ~90M DeepSeek-V3-shaped MoE for CPU benchmarks.
-    "dsv3_100m": _dsv3_like(
-        vocab_size=32000, hidden_size=512, num_layers=6, num_heads=8, intermediate_size=2048,
-        max_position_embeddings=4096, first_k_dense_replace=1, rope=RopeConfig(theta=10000.0, interleaved=True),
-        mla=MLAConfig(q_lora_rank=256, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64),
-        moe=MoEConfig(n_routed_experts=16, num_experts_per_tok=2, moe_intermediate_size=512, n_shared_experts=1,
-                      n_group=4, topk_group=2, routed_scaling_factor=2.5),
-    ),
-    "deepseek_v3_671b": _dsv3_like(
-        vocab_size=129280, hidden_size=7168, num_layers=61, num_heads=128, intermediate_size=18432,
-        max_position_embeddings=163840, first_k_dense_replace=3,
-        rope=RopeConfig(type="yarn", theta=10000.0, interleaved=True, factor=40.0, original_max_position_embeddings=4096,
-                        beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
-        mla=MLAConfig(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
-        moe=MoEConfig(n_routed_experts=256, num_experts_per_tok=8, moe_intermediate_size=2048, n_shared_experts=1,
-                      n_group=8, topk_group=4, routed_scaling_factor=2.5),
-    ),
-    # Kimi K2: DeepSeek-V3's architecture with 384 experts, 64 heads, one dense layer, no expert groups.
-    "kimi_k2_1t": _dsv3_like(
-        vocab_size=163840, hidden_size=7168, num_layers=61, num_heads=64, intermediate_size=18432,
-        max_position_embeddings=131072, first_k_dense_replace=1,
-        rope=RopeConfig(type="yarn", theta=50000.0, interleaved=True, factor=64.0, original_max_position_embeddings=4096,
-                        beta_fast=1.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
-        mla=MLAConfig(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
-        moe=MoEConfig(n_routed_experts=384, num_experts_per_tok=8, moe_intermediate_size=2048, n_shared_experts=1,
-                      n_group=1, topk_group=1, routed_scaling_factor=2.827),
-    ),
-    "qwen2.5_7b": ModelConfig(
-        family=QWEN2, vocab_size=152064, hidden_size=3584, num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128,
-        intermediate_size=18944, rms_norm_eps=1e-6, max_position_embeddings=131072, attention_bias=True,
-        rope=RopeConfig(theta=1000000.0), compute_dtype="bfloat16",
-    ),
-    "qwen3_8b": ModelConfig(
-        family=QWEN3, vocab_size=151936, hidden_size=4096, num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128,
-        intermediate_size=12288, max_position_embeddings=40960, compute_dtype="bfloat16", **_QWEN3,
-    ),
-    "qwen3_30b_a3b": ModelConfig(
-        family=QWEN3_MOE, vocab_size=151936, hidden_size=2048, num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128,
-        intermediate_size=6144, max_position_embeddings=40960, moe=_softmax_moe(128, 8, 768), compute_dtype="bfloat16", **_QWEN3,
-    ),
-    "qwen3_235b_a22b": ModelConfig(
-        family=QWEN3_MOE, vocab_size=151936, hidden_size=4096, num_layers=94, num_heads=64, num_kv_heads=4, head_dim=128,
-        intermediate_size=12288, max_position_embeddings=40960, moe=_softmax_moe(128, 8, 1536), compute_dtype="bfloat16", **_QWEN3,
-    ),
-}
-
-# The registered families' named sizes (zoo/families/<name>.py), after the built-in ones.
+# Every family's named sizes (zoo/families/<name>.py), in the order of `families.names()`.
+SIZES: dict[str, ModelConfig] = {}
 for _family in families.registered():
     for _name, _size in _family.sizes().items():
         if _name in SIZES:

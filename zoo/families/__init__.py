@@ -1,4 +1,4 @@
-"""The registry of model families: a family outside the built-in eight is one module of this package.
+"""The registry of model families: every family is one module of this package.
 
 A module `zoo/families/<name>.py` defines `FAMILY = FamilyDef(...)`: the family's name (`ModelConfig.family`),
 whether it has routed experts (`moe`) or latent attention (`mla`), its Hugging Face mapping (a
@@ -7,10 +7,7 @@ named sizes. Every module here is found by name, so nothing else lists it: `zoo.
 `family` and merges the sizes into `SIZES` (hence Hydra's `model=<size>` options and `python -m zoo.sizes`),
 `zoo.hf` loads and saves its checkpoints (`model=hf` included), and the tests parametrize over
 `names()` and over the fixtures tests/make_fixtures.py writes. docs/models.md "Adding a family" says how.
-
-The eight families that came before the registry keep their flags below, their Hugging Face mapping in
-`zoo/hf/<family>.py` and their sizes in `zoo.config.SIZES`; they are moved here one at a time, each move
-changing no traced program.
+A module whose name starts with `_` is no family: families that share code keep it there (`_qwen.py`).
 """
 
 import dataclasses
@@ -49,32 +46,24 @@ class FamilyDef:
             raise ValueError(f"family {self.name}: mla without moe is not a combination zoo builds")
 
 
-# The built-in families' flags: (name, moe, mla, like, dropless). The families moved into a file of
-# their own (gemma3.py, gpt_oss.py, mistral.py, mixtral.py) follow them in `names()`.
-_BUILTIN = (
-    (tags.LLAMA, False, False, None, False),
-    (tags.DEEPSEEK_V3, True, True, None, True),
-    (tags.QWEN2, False, False, tags.LLAMA, False),  # + q/k/v biases
-    (tags.QWEN3, False, False, tags.LLAMA, False),  # + q/k norms
-    (tags.QWEN3_MOE, True, False, None, True),
-)
+# Listed first: Llama and DeepSeek-V3, the two kinds of block the others vary (grouped-query attention
+# with a dense MLP; latent attention with routed and shared experts). The rest follow by name.
+_FIRST = (tags.LLAMA, tags.DEEPSEEK_V3)
 
 
 @functools.cache
 def _module_names() -> tuple[str, ...]:
-    return tuple(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_"))
+    found = [m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_")]
+    return tuple(sorted(found, key=lambda n: (_FIRST.index(n) if n in _FIRST else len(_FIRST), n)))
 
 
 def names() -> tuple[str, ...]:
-    """Every family, the built-in ones first; listing them imports nothing."""
-    return tuple(n for n, *_ in _BUILTIN) + _module_names()
+    """Every family, Llama and DeepSeek-V3 first, then by name; listing them imports nothing."""
+    return _module_names()
 
 
 def get(name: str) -> FamilyDef:
     """The family `name` (importing its module); KeyError when there is none."""
-    for n, moe, mla, like, dropless in _BUILTIN:
-        if n == name:
-            return FamilyDef(n, moe=moe, mla=mla, like=like, dropless=dropless)
     if name not in _module_names():
         raise KeyError(name)
     family = importlib.import_module(f"{__name__}.{name}").FAMILY
@@ -84,7 +73,7 @@ def get(name: str) -> FamilyDef:
 
 
 def registered() -> tuple[FamilyDef, ...]:
-    """The families defined by modules of this package (the built-in ones are not among them)."""
+    """Every family's definition, in the order of `names()` (importing their modules)."""
     return tuple(get(n) for n in _module_names())
 
 

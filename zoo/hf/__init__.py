@@ -8,9 +8,8 @@ model is read from them in its stacked layout, whole (`from_pretrained`) or one 
 time (`load_sharded`, which train.py uses), so a checkpoint is never held twice. Layout: `files`
 (safetensors), `rules` (the kit a family's mapping is written with), `convert` (which family, config
 keys, save), `weights` (load), `pretrained` (train.py's `model=hf` group), `adapters` (LoRA adapters in
-the peft layout, `zoo.export --adapters-only`) and one module per built-in family: `llama`,
-`deepseek_v3`, `qwen` (Qwen2, Qwen3, Qwen3-MoE). The families in a file of their own
-(`zoo/families/`: Gemma 3, GPT-OSS, Mistral, Mixtral) hold their mapping there.
+the peft layout, `zoo.export --adapters-only`). Each family's own mapping (its config.json keys,
+defaults and tensor names) is in its file, `zoo/families/<name>.py`.
 """
 
 from zoo.hf.convert import (

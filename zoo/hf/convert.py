@@ -2,7 +2,7 @@
 config.json <-> ModelConfig, `to_hf_state_dict` and `save_pretrained` (reading the weights:
 `zoo.hf.weights`).
 
-A family module (`zoo.hf.llama`, `.qwen`, ..., or a registered `zoo.families` file) is a `Family`:
+A family's mapping (the `hf` of its `zoo/families/<name>.py`) is a `Family`:
 its `model_type`, the defaults of its transformers config class, how its config.json keys become
 ModelConfig fields and back, and the names of the tensors only it has; it is written with the kit in
 `zoo.hf.rules`, where everything shared lives once.
@@ -20,15 +20,14 @@ import numpy as np
 
 from zoo import families as registry
 from zoo.config import ModelConfig, dtype_name
-from zoo.hf import deepseek_v3, llama, qwen
 from zoo.hf.files import CheckpointError, SafetensorsStream
 from zoo.hf.rules import Family, Keys, Rule, common_hf, layer_types_of, top_rules
 from zoo.model import CausalLM
 
 
 def families() -> tuple[Family, ...]:
-    builtin = (llama.FAMILY, deepseek_v3.FAMILY, *qwen.FAMILIES)
-    return builtin + tuple(f.hf for f in registry.registered() if f.hf is not None)
+    """The Hugging Face mapping of every family that has one (zoo/families/<name>.py's `hf`)."""
+    return tuple(f.hf for f in registry.registered() if f.hf is not None)
 
 
 def supported_model_types() -> tuple[str, ...]:

@@ -2,8 +2,8 @@
 keys, both rope styles (transformers 5's `rope_parameters` and the hub's legacy `rope_theta` +
 `rope_scaling`), per-layer attention types, the `Rule`s pairing hub tensors with zoo leaves (q/k/v/o
 with optional biases, q/k norms, sinks, the norms around each block, the gated MLP, per-expert tensor
-lists) and the `Family` record. Family modules (`zoo.hf.llama`, `zoo.families.mistral`, ...) import
-this; `zoo.hf.convert` imports the families and dispatches on them.
+lists) and the `Family` record. Family modules (`zoo.families.llama`, `zoo.families.mistral`, ...) import
+this; `zoo.hf.convert` finds the families through `zoo.families` and dispatches on them.
 
 Hub linear weights are `[out, in]`; zoo weights are einsum layouts `[in, ..., out]`. A `Rule` converts
 both ways by transposing, reshaping, splitting or stacking only, so a round trip is exact.

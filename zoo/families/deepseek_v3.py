@@ -1,5 +1,6 @@
-"""DeepSeek-V3 (`DeepseekV3ForCausalLM`): multi-head latent attention, a dense prefix, then MoE layers
-with a sigmoid router over expert groups, a correction bias and shared experts.
+"""DeepSeek-V3 (`DeepseekV3ForCausalLM`), the family in one file: multi-head latent attention, a dense
+prefix, then MoE layers with a sigmoid router over expert groups, a correction bias and shared experts.
+Kimi K2 is this architecture (`kimi_k2_1t`).
 
 In its config.json `head_dim` is the rope dim (`qk_rope_head_dim`); the MLA dims have their own keys.
 Multi-token-prediction layers stored past num_hidden_layers (`num_nextn_predict_layers`) are skipped,
@@ -8,7 +9,8 @@ as transformers skips them.
 
 import numpy as np
 
-from zoo.config import MLAConfig, ModelConfig, MoEConfig
+from zoo.config import MLAConfig, ModelConfig, MoEConfig, RopeConfig
+from zoo.families import FamilyDef
 from zoo.hf.rules import (
     SILU, Family, Keys, Rule, expert_list_rules, linear, mlp_rules, pad_token_id, rope_from_params, rope_hf, rope_params, same,
 )
@@ -110,7 +112,9 @@ def moe_rules(c: ModelConfig) -> list[Rule]:
     return rules
 
 
-FAMILY = Family(
+# --- the Hugging Face mapping --------------------------------------------------------------------
+
+HF = Family(
     name=DEEPSEEK_V3,
     model_type="deepseek_v3",
     architecture="DeepseekV3ForCausalLM",
@@ -125,4 +129,80 @@ FAMILY = Family(
     attention_rules=attention_rules,
     moe_rules=moe_rules,
     extra_layers_key="num_nextn_predict_layers",
+)
+
+
+# --- the named sizes -------------------------------------------------------------------------------
+
+
+def _dsv3_like(**kw) -> ModelConfig:
+    mla = kw.pop("mla")
+    moe = kw.pop("moe")
+    base = dict(family=DEEPSEEK_V3, rms_norm_eps=1e-6, num_kv_heads=kw.get("num_heads", 1), param_dtype="float32", compute_dtype="bfloat16")
+    base.update(kw)
+    return ModelConfig(mla=mla, moe=moe, **base)
+
+
+def sizes() -> dict[str, ModelConfig]:
+    return {
+        # The reference model of tests/data (Hugging Face transformers computed its outputs).
+        "dsv3_tiny_a": ModelConfig(
+            family=DEEPSEEK_V3, vocab_size=256, hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=4,
+            intermediate_size=128, rms_norm_eps=1e-6, max_position_embeddings=128, first_k_dense_replace=1,
+            rope=RopeConfig(theta=10000.0, interleaved=True),
+            mla=MLAConfig(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16),
+            moe=MoEConfig(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+                          n_group=2, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5),
+        ),
+        # ~2B total / ~0.6B active DeepSeek-V3-shaped MoE (MLA, 64 experts, group-limited top-6).
+        "dsv3_2b": _dsv3_like(
+            vocab_size=32000, hidden_size=1024, num_layers=12, num_heads=16, intermediate_size=4096,
+            max_position_embeddings=8192, first_k_dense_replace=1, rope=RopeConfig(theta=10000.0, interleaved=True),
+            mla=MLAConfig(q_lora_rank=512, kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64),
+            moe=MoEConfig(n_routed_experts=64, num_experts_per_tok=6, moe_intermediate_size=704, n_shared_experts=2,
+                          n_group=8, topk_group=4, routed_scaling_factor=2.5),
+        ),
+        # ~90M DeepSeek-V3-shaped MoE for CPU benchmarks.
+        "dsv3_100m": _dsv3_like(
+            vocab_size=32000, hidden_size=512, num_layers=6, num_heads=8, intermediate_size=2048,
+            max_position_embeddings=4096, first_k_dense_replace=1, rope=RopeConfig(theta=10000.0, interleaved=True),
+            mla=MLAConfig(q_lora_rank=256, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64),
+            moe=MoEConfig(n_routed_experts=16, num_experts_per_tok=2, moe_intermediate_size=512, n_shared_experts=1,
+                          n_group=4, topk_group=2, routed_scaling_factor=2.5),
+        ),
+        "deepseek_v3_671b": _dsv3_like(
+            vocab_size=129280, hidden_size=7168, num_layers=61, num_heads=128, intermediate_size=18432,
+            max_position_embeddings=163840, first_k_dense_replace=3,
+            rope=RopeConfig(type="yarn", theta=10000.0, interleaved=True, factor=40.0, original_max_position_embeddings=4096,
+                            beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
+            mla=MLAConfig(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
+            moe=MoEConfig(n_routed_experts=256, num_experts_per_tok=8, moe_intermediate_size=2048, n_shared_experts=1,
+                          n_group=8, topk_group=4, routed_scaling_factor=2.5),
+        ),
+        # Kimi K2: DeepSeek-V3's architecture with 384 experts, 64 heads, one dense layer, no expert groups.
+        "kimi_k2_1t": _dsv3_like(
+            vocab_size=163840, hidden_size=7168, num_layers=61, num_heads=64, intermediate_size=18432,
+            max_position_embeddings=131072, first_k_dense_replace=1,
+            rope=RopeConfig(type="yarn", theta=50000.0, interleaved=True, factor=64.0, original_max_position_embeddings=4096,
+                            beta_fast=1.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
+            mla=MLAConfig(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
+            moe=MoEConfig(n_routed_experts=384, num_experts_per_tok=8, moe_intermediate_size=2048, n_shared_experts=1,
+                          n_group=1, topk_group=1, routed_scaling_factor=2.827),
+        ),
+    }
+
+
+FAMILY = FamilyDef(
+    name=DEEPSEEK_V3,
+    moe=True,
+    mla=True,
+    hf=HF,
+    sizes=sizes,
+    published={
+        "deepseek_v3_671b": (671e9, None, 0.01, "DeepSeek-V3 report: 671B total without the 14B MTP module"),
+        # The hub's 1026.5B includes the FP8 checkpoint's weight_scale_inv blocks (62.5M scales, one per
+        # 128 x 128 block of every quantised matrix), which a float model does not have.
+        "kimi_k2_1t": (1.03e12, 32e9, (0.01, 0.03), "hub (moonshotai/Kimi-K2-Instruct): 1.03T total; Kimi K2 model card: '32B' activated (2 significant figures)"),
+    },
+    dropless=True,
 )
