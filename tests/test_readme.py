@@ -607,6 +607,8 @@ SLOW_GROUPS = {
     "scale_report_671b": "tests/test_train_sharding.py (the scale report at small size); at real size tests/test_scale_doc.py (slow)",
     "lora_peft": "tests/test_lora_peft.py (the PEFT layout against the merged weights, peft over the base in transformers; slow: train.py -> export -> peft -> generate attached)",
     "xla_sweep_loop": "tests/test_train_cli.py (the xla group's flags); a sweep's report: the sweep_and_report group",
+    "offload_composition": "tests/test_offload.py::test_hydra_composes_a_policy_plus_optimizer_on_host_in_one_command_line (the composed preset list) and the quickstart group (train.py end to end)",
+    "own_text_home": "the text_with_eval group (train.py on data=text from a folder) and tests/test_data.py (folder reading order, packing)",
     "inspector": "tests/test_inspect.py (the CLI's table and inspect.json, the placements under the presets, the holders) and tests/test_offload_ranges.py (placement per range)",
 }
 
