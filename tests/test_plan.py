@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 
 import zoo
 from zoo import plan as zp
+from zoo.config import SIZES
 from zoo.placement import inspect_placement, stack_names
 from zoo.offload import expected_placement, from_mapping, placement_matches, remat_policy, resolve
 from zoo.plan import GB, Infeasible, PlanError, Problem, StackCost, TagCost, evaluate, search
@@ -487,3 +488,21 @@ def test_planner_counts_the_lora_adapters_as_state_and_the_frozen_base_where_it_
     assert _fixed_bytes(host)[0] == _fixed_bytes(lora_p)[0] - host.stack_frozen_bytes + 2 * layer
     assert _state_transfer_s(host) * host.link == pytest.approx(2 * host.stack_frozen_bytes + host.frozen_bytes - host.stack_frozen_bytes)
     assert _state_transfer_s(lora_p) == 0.0
+
+
+def test_a_tag_without_a_flop_formula_is_an_error_not_free():
+    """producer_flops names a tag it has no formula for instead of costing its recomputation 0 FLOPs;
+    every tag each family's stacks emit has one."""
+    from zoo.model import stack_layout
+    from zoo.tags import MOE, TAGS, emitted_tags
+
+    with pytest.raises(ValueError, match="no FLOP count for tag 'made_up'"):
+        zp.producer_flops(SIZES["llama_tiny_a"], "made_up", "layers", 2, 16)
+    for name in ("llama_tiny_a", "dsv3_tiny_a", "gemma3_tiny_a", "gpt_oss_tiny_a"):
+        c = SIZES[name]
+        for stack, *_ in stack_layout(c):
+            assert zp.layer_forward_flops(c, stack, 2, 16) > 0
+            moe = any(c.is_moe_layer(i) for i in zp._stack_layers(c, stack))
+            for t in emitted_tags(c):
+                if moe or TAGS[t].block != MOE:
+                    assert zp.producer_flops(c, t, stack, 2, 16) >= 0

@@ -324,6 +324,21 @@ def test_every_leaf_of_every_size_has_a_spec(size):
     for path, spec in jax.tree_util.tree_leaves_with_path(specs, is_leaf=is_spec):
         if any(getattr(k, "name", None) == "layers" for k in path):
             assert spec[0] is None
+    # Every leaf says its dtype in use: cast to the compute dtype before a gather, or kept in float32.
+    from zoo.sharding import COMPUTE_LEAVES, FLOAT32_LEAVES
+
+    for path, _ in jax.tree_util.tree_leaves_with_path(model):
+        name = getattr(path[-1], "name", None)
+        assert (name in COMPUTE_LEAVES) != (name in FLOAT32_LEAVES), f"{jax.tree_util.keystr(path)}: declare it in exactly one of COMPUTE_LEAVES, FLOAT32_LEAVES"
+
+
+def test_every_declared_leaf_says_its_dtype_in_use():
+    """zoo.sharding's leaf table and its two dtype sets name the same leaves, each in one set: a weight
+    added to the table but to neither set would be gathered in float32, silently."""
+    from zoo.sharding import _PARAM_AXES, COMPUTE_LEAVES, FLOAT32_LEAVES
+
+    declared = {k if isinstance(k, str) else k[0] for k in _PARAM_AXES}
+    assert declared == COMPUTE_LEAVES | FLOAT32_LEAVES and not COMPUTE_LEAVES & FLOAT32_LEAVES
 
 
 def test_indivisible_dim_names_the_mesh_axis():

@@ -1202,14 +1202,20 @@ def producer_flops(config, tag: str, stack: str, batch: int, seq: int) -> float:
     if c.moe is not None and any(c.is_moe_layer(i) for i in layers):
         i = c.moe.moe_intermediate_size
         table.update({"moe_mlpwi_0": 2 * rows * d * i, "moe_mlpwi_1": 2 * rows * d * i, "moe_mlpwo": 2 * rows * i * d})
-    return float(table.get(tag, 0.0))
+    if tag not in table:
+        # A tag this stack emits that no formula here covers would cost 0 FLOPs to recompute.
+        raise ValueError(f"zoo.plan.producer_flops: no FLOP count for tag {tag!r} on stack {stack!r}; add its producer to the table")
+    return float(table[tag])
 
 
 def layer_forward_flops(config, stack: str, batch: int, seq: int) -> float:
     """Forward FLOPs of one layer on one device: the sum of its producers (mlpwo included)."""
-    from zoo.tags import emitted_tags
+    from zoo.tags import MOE, TAGS, emitted_tags
 
-    return sum(producer_flops(config, t, stack, batch, seq) for t in emitted_tags(config))
+    moe_stack = all(config.is_moe_layer(i) for i in _stack_layers(config, stack))
+    # A dense stack of an MoE model emits no routed-expert tags.
+    tags = [t for t in emitted_tags(config) if moe_stack or TAGS[t].block != MOE]
+    return sum(producer_flops(config, t, stack, batch, seq) for t in tags)
 
 
 def per_device_shape(tag: str, shape: Sequence[int], rules=None, sizes=None) -> tuple[int, ...]:

@@ -253,6 +253,9 @@ COMPUTE_LEAVES = frozenset(
     ("embed", "lm_head", "wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo", "wq_a", "wq_b", "wkv_a", "wk_b", "wv_b",
      "w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")
 )
+# The leaves that stay in float32 where they are used. Every leaf of _PARAM_AXES is in exactly one of
+# the two sets (tests/test_sharding.py): a new weight declared in neither would be gathered in float32.
+FLOAT32_LEAVES = frozenset(("sinks", "router", "e_score_correction_bias", "router_bias", "weight"))
 
 
 def cast_for_compute(tree, compute_dtype):
