@@ -443,7 +443,9 @@ def test_capacity_on_a_family_trained_dropless_is_a_note(family):
 
     note = capacity_note(family, "capacity")
     assert note.startswith(f"model.moe.impl=capacity: {family} is trained dropless;") and "\n" not in note
-    assert capacity_note(family, "ragged") is None and capacity_note(family, "auto") is None
+    assert capacity_note(family, "ragged") is None
+    # the default, `auto`, is the capacity kernel too, and says so
+    assert capacity_note(family, "auto").startswith(f"model.moe.impl=auto (the capacity kernel): {family} is trained dropless;")
 
 
 def test_startup_names_the_fixed_block_exchange_and_the_capacity_note():
