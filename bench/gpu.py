@@ -636,6 +636,8 @@ def main(argv=None) -> int:
                     help="print the tables of recorded runs (a --out JSON, or a record of several: docs/gpu_h200.json); nothing runs")
     ap.add_argument("--run-reserve-s", type=float, default=None,
                     help="seconds the runs of a group may take past the budget once its steps are compiled (default 60; toy 0)")
+    ap.add_argument("--jax-config", action="append", default=[], metavar="NAME=true|false",
+                    help="a boolean jax.config option set in every child before anything traces (repeatable)")
     ap.add_argument("--hw-json", default=None, help="take the hw part from this earlier --out instead of measuring it again")
     ap.add_argument("--workdir", default=None, help="the children's specs and results (default: beside --out)")
     ap.add_argument("--out", default="bench_gpu.json")
@@ -668,6 +670,10 @@ def main(argv=None) -> int:
         result = pathlib.Path(args.result)
         from bench import common as C
 
+        import jax
+
+        for name, value in (spec.get("jax_config") or {}).items():  # e.g. jax_ragged_dot_use_gpu_pallas_triton_lowering
+            jax.config.update(name, value)
         out = {"hw": child_hw, "group": child_group, "probe": child_probe}[args.child]
         res = out(spec) if args.child == "hw" else out(spec, result)
         C.write_json(result, res)
@@ -702,6 +708,7 @@ def main(argv=None) -> int:
         "memory_limit_bytes": int(args.memory_limit_gb * 1e9) if args.memory_limit_gb else None,
         "probe_runs": args.probe_runs,
         "run_reserve_s": args.run_reserve_s if args.run_reserve_s is not None else (0.0 if args.toy else 60.0),
+        "jax_config": _jax_config(args.jax_config),
     }
     if args.scale:
         spec["planner_presets"] = ["none", "full", *OFFLOAD_PRESET.values()]
@@ -753,6 +760,16 @@ def main(argv=None) -> int:
         plot(res, pathlib.Path(args.plot))
     log(f"wrote {out}" + (f" and {args.plot}" if args.plot else "") + f"; {res['wall_s']:.0f}s in all")
     return 0
+
+
+def _jax_config(items: list[str]) -> dict:
+    out = {}
+    for item in items:
+        name, _, value = item.partition("=")
+        if not name.startswith("jax_") or value not in ("true", "false"):
+            raise SystemExit(f"error: --jax-config {item}: give NAME=true or NAME=false, NAME a jax.config option (jax_...)")
+        out[name] = value == "true"
+    return out
 
 
 def render_record(record: dict) -> str:
