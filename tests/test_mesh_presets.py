@@ -43,6 +43,7 @@ def test_preset_states_only_what_differs(preset):
 def test_a_rule_override_changes_that_rule_only():
     mesh = _mesh("deepseek_v3_128", "mesh.rules.seq=[tensor]")
     assert mesh.rules["seq"] == ["tensor"] and mesh.rules["embed"] == ["fsdp", "expert"]
-    assert {k: v for k, v in mesh.rules.items() if k not in ("seq", "embed", "latent")} == {
-        k: v for k, v in DEFAULT_RULES.items() if k not in ("seq", "embed", "latent")
+    assert mesh.rules["vocab"] == ["expert"]  # the preset's own delta stays
+    assert {k: v for k, v in mesh.rules.items() if k not in ("seq", "embed", "latent", "vocab")} == {
+        k: v for k, v in DEFAULT_RULES.items() if k not in ("seq", "embed", "latent", "vocab")
     }
