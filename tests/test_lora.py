@@ -165,6 +165,7 @@ def test_dropout_runs_the_adapter_on_a_dropped_input(fan_in_axes, spec, x_shape,
     assert float(jnp.abs(mean - merged).max()) < 0.05 * float(jnp.abs(merged).max())
 
 
+@pytest.mark.slow  # ~34 s: every adaptable projection of DeepSeek-V3; the definition: test_dropout_runs_the_adapter_on_a_dropped_input
 def test_dropout_is_on_only_with_a_key_and_otherwise_the_merged_model():
     """DeepSeek-V3's every adaptable projection (latent attention, the dense MLP, the shared experts),
     B != 0: attached with a key and dropout, the loss moves and changes with the key; with a dropout
