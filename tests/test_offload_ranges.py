@@ -194,9 +194,7 @@ SPLITS = {
 
 
 # Gemma 3 cuts inside its period as GPT-OSS does: the slow tier.
-# Llama's and DeepSeek-V3's splits in the default tier (tests/tiers.py's core families); Gemma 3's two
-# stacks and GPT-OSS's sinks in the slow tier.
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in ("gemma3", "gpt_oss") else n for n in SPLITS])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "gemma3" else n for n in SPLITS])
 def test_a_split_policy_gives_the_loss_and_gradients_of_none(name):
     config, top, ranges = SPLITS[name]
     model = zoo.build(config, key=jax.random.key(0))
