@@ -439,7 +439,7 @@ def test_clamped_swiglu_gradient_matches_torch(dtype):
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe", "mixtral", "gpt_oss"])
 def test_capacity_on_a_family_trained_dropless_is_a_note(family):
-    from zoo.nn.moe import capacity_note
+    from zoo.train.run import dropless_note as capacity_note
 
     note = capacity_note(family, "capacity")
     assert note.startswith(f"model.moe.impl=capacity: {family} is trained dropless;") and "\n" not in note

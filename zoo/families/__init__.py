@@ -36,7 +36,7 @@ class FamilyDef:
     # slow tier only (tests/tiers.py), its transformers parity stays in the default one.
     like: Optional[str] = None
     # Its published training routes every token (no capacity drops): `model.moe.impl=capacity` on it
-    # prints a note (zoo.nn.moe.capacity_note).
+    # prints a note (zoo.train.run.dropless_note).
     dropless: bool = False
     # Its published active parameter counts leave out the embedding table (OpenAI's convention).
     active_without_embedding: bool = False

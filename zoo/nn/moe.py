@@ -34,7 +34,6 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from zoo import families
 from zoo import sharding as zs
 from zoo.config import DTypeLike, MoEConfig, dtype_name
 from zoo.nn._init import normal
@@ -49,19 +48,6 @@ def resolve_moe_impl(impl: str) -> str:
     return "capacity" if impl == "auto" else impl
 
 
-
-
-def capacity_note(family: str, impl: str) -> Optional[str]:
-    """One line for a run of the capacity kernel (asked for, or `auto`, which resolves to it) on a
-    family trained dropless (not an error: a capacity run is a legitimate, cheaper approximation),
-    else None."""
-    # The family's own flag (zoo.families: DeepSeek-V3, whose report says "no token-dropping",
-    # Qwen3-MoE, Mixtral, GPT-OSS).
-    if resolve_moe_impl(impl) != "capacity" or family not in families.names() or not families.get(family).dropless:
-        return None
-    asked = "model.moe.impl=capacity" if impl == "capacity" else f"model.moe.impl={impl} (the capacity kernel)"
-    return (f"{asked}: {family} is trained dropless; this run drops the assignments past each expert's "
-            f"capacity (counted as `dropped`); model.moe.impl=ragged routes every token")
 
 
 class MoEAux(eqx.Module):

@@ -13,7 +13,8 @@ from typing import Any, Callable, Optional
 
 from omegaconf import DictConfig
 
-from zoo import backend
+from zoo import backend, families
+from zoo.nn.moe import resolve_moe_impl
 from zoo.train.config import ConfigError, HardwareConfig, TrainConfig, TrainingStopped, XlaConfig, load, to_dict, validate
 from zoo.offload import OffloadConfig
 from zoo.train.xla_flags import GPU_HOST_OFFLOAD_FLAGS, known_flag
@@ -60,6 +61,19 @@ def merged_xla_flags(c: XlaConfig, env: Optional[str], host_offload: bool = Fals
         if flag not in named and known_flag(flag) is not False:
             ours.append(f"{flag}=true")
     return " ".join(kept + ours)
+
+
+def dropless_note(family: str, impl: str) -> Optional[str]:
+    """One line for a run of the capacity kernel (asked for, or `auto`, which resolves to it) on a
+    family trained dropless (not an error: a capacity run is a legitimate, cheaper approximation),
+    else None."""
+    # The family's own flag (zoo.families: DeepSeek-V3, whose report says "no token-dropping",
+    # Qwen3-MoE, Mixtral, GPT-OSS).
+    if resolve_moe_impl(impl) != "capacity" or family not in families.names() or not families.get(family).dropless:
+        return None
+    asked = "model.moe.impl=capacity" if impl == "capacity" else f"model.moe.impl={impl} (the capacity kernel)"
+    return (f"{asked}: {family} is trained dropless; this run drops the assignments past each expert's "
+            f"capacity (counted as `dropped`); model.moe.impl=ragged routes every token")
 
 
 def uses_host_memory(o: OffloadConfig) -> bool:
@@ -191,9 +205,7 @@ def _train(c: TrainConfig, plan, devices, out_dir: pathlib.Path, xla_flags: str,
     )
     echo(kernels_line(c, plan))
     if plan.moe_impl is not None:
-        from zoo.nn.moe import capacity_note
-
-        note = capacity_note(c.model.family, c.model.moe.impl)
+        note = dropless_note(c.model.family, c.model.moe.impl)
         if note:
             echo(f"note: {note}")
     if trainer.lora is not None:
