@@ -567,7 +567,7 @@ def run_layers(
     if positions.ndim == 2:
         positions = zs.sequence_gathered(positions, ("batch", None))
     if segment_ids is not None:
-        segment_ids = zs.sequence_gathered(segment_ids, ("batch", None))
+        segment_ids = zs.sequence_gathered(segment_ids, ("batch", None), whole=True)
     per_stack = []
     for stack, wrap in pieces:
         # A cut model names each piece's scans (forward and backward) after it, so that zoo.inspect

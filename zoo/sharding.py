@@ -75,6 +75,11 @@ _PARAM_AXES: dict[Any, tuple[Optional[str], ...]] = {
     "weight": (None,),  # RMSNorm
 }
 
+# Under context parallelism (zoo.train.config.MeshConfig.context_parallel) the rules carry this key too:
+# the mesh axes that keep the sequence split through the whole layer, attention included (a subset of
+# rules.seq, never of rules.batch). Not a logical axis of LOGICAL_AXES: only that option sets it.
+CONTEXT = "context"
+
 ACTIVATION_AXES = ("batch", "seq", "embed")
 # An activation whose sequence is whole on every device (sequence parallelism gathers it here).
 GATHERED_AXES = ("batch", None, "embed")
@@ -357,11 +362,32 @@ def sequence_parallel() -> bool:
     return layout is not None and any(layout.axis_size(a) > 1 for a in layout.mesh_axes("seq"))
 
 
-def sequence_gathered(x, logical: Sequence[Optional[str]] = GATHERED_AXES):
+def context_axes() -> tuple[str, ...]:
+    """The mesh axes (of size > 1) that split the sequence inside attention under the active layout:
+    context parallelism (rules[CONTEXT]); () without it."""
+    layout = active()
+    if layout is None:
+        return ()
+    return tuple(a for a in layout.rules.get(CONTEXT, ()) if a in layout.mesh.shape and layout.axis_size(a) > 1)
+
+
+def context_spec(logical: Sequence[Optional[str]]) -> PartitionSpec:
+    """The spec of `logical` (dim 1 the sequence, None) under the active layout with the sequence split
+    over the context axes: what each device holds under context parallelism."""
+    layout = active()
+    rules = {**layout.rules, "_context": context_axes()}
+    return logical_to_spec((logical[0], "_context", *logical[2:]), rules)
+
+
+def sequence_gathered(x, logical: Sequence[Optional[str]] = GATHERED_AXES, *, whole: bool = False):
     """Under sequence parallelism, pin `x` to `logical` (whose sequence dim is None: whole), so that
     the partitioner all-gathers the sequence once here (forward) and reduce-scatters the gradient
     (backward), rather than leaving sequence shards inside attention, where the blockwise kernel
     would gather q/k/v at every tile. A no-op otherwise, so the other layouts' programs are unchanged.
+
+    Under context parallelism the sequence stays split over the context axes (only the other seq
+    axes, tensor's, are gathered): attention takes its chunks as they are (zoo.nn.context_parallel).
+    `whole=True` gathers it over those too (the segment ids that every chunk's keys need).
 
     An activation `[batch seq embed]` is first pinned to its sequence shards as it is: left free,
     the partitioner gathered a norm's float32 input and cast it after, moving twice the bytes."""
@@ -369,7 +395,9 @@ def sequence_gathered(x, logical: Sequence[Optional[str]] = GATHERED_AXES):
         return x
     if tuple(logical) == GATHERED_AXES:
         x = constrain(x, ACTIVATION_AXES)
-    return constrain(x, logical)
+    if whole or not context_axes():
+        return constrain(x, logical)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(active().mesh, context_spec(logical)))
 
 
 def sequence_scattered(x):
