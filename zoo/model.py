@@ -245,7 +245,7 @@ class Stack(eqx.Module):
         return x, auxes
 
     def _block(self, block_params, static, j: int) -> DecoderBlock:
-        block_params = zs.cast_for_compute(block_params, self.compute_dtype)  # before FSDP gathers them
+        block_params = zs.cast_for_compute(block_params, self.compute_dtype, gather_context=True)  # before FSDP gathers them
         # LoRA adapters (zoo.lora) are folded into this one layer's weights here, inside the scan.
         return merge_block(eqx.combine(block_params, static[j]))
 

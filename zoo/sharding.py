@@ -263,19 +263,33 @@ COMPUTE_LEAVES = frozenset(
 FLOAT32_LEAVES = frozenset(("sinks", "router", "e_score_correction_bias", "router_bias", "weight"))
 
 
-def cast_for_compute(tree, compute_dtype):
+def cast_for_compute(tree, compute_dtype, *, gather_context: bool = False):
     """Cast the matmul weights of `tree` (a block's or the model's parameters) to the compute dtype
     where they lie, before any all-gather: under an active layout each cast is pinned to the leaf's
     own sharding, so FSDP gathers carry the compute dtype (bf16), not the float32 master weights.
-    Without a layout, or when the dtypes agree, the tree is returned as it is."""
+    Without a layout, or when the dtypes agree, the tree is returned as it is. `gather_context`
+    (a layer's weights, under context parallelism): each is also pinned whole over the context axes."""
     layout = active()
     compute_dtype = np.dtype(compute_dtype)
+    ctx = context_axes() if gather_context else ()
+    # Under context parallelism an axis that splits the weights (fsdp) may split the sequence too: a
+    # weight left split over it let the partitioner keep the weight split and gather whole sequences
+    # of the activations instead (the out- and down-projections of Llama 3.1 405B, every layer).
+    # Pinned gathered over the context axes here, the weights move once per layer, as FSDP's do.
+    gathered = {k: [a for a in v if a not in ctx] for k, v in layout.rules.items()} if ctx else None
 
     def one(path, x):
-        if not isinstance(x, jax.Array) or _key_name(path[-1]) not in COMPUTE_LEAVES or x.dtype == compute_dtype:
+        if not isinstance(x, jax.Array) or _key_name(path[-1]) not in COMPUTE_LEAVES:
             return x
         logical = param_logical_axes(path, x.ndim)
-        return jax.lax.with_sharding_constraint(x.astype(compute_dtype), layout.sharding(logical))
+        regather = ctx and "experts" not in logical  # (routed experts gather their own, zoo.nn.moe_dispatch)
+        if x.dtype == compute_dtype and not regather:
+            return x
+        if x.dtype != compute_dtype:
+            x = jax.lax.with_sharding_constraint(x.astype(compute_dtype), layout.sharding(logical))
+        if regather:
+            x = jax.lax.with_sharding_constraint(x, NamedSharding(layout.mesh, logical_to_spec(logical, gathered)))
+        return x
 
     if layout is None:
         return tree
@@ -397,6 +411,14 @@ def sequence_gathered(x, logical: Sequence[Optional[str]] = GATHERED_AXES, *, wh
         x = constrain(x, ACTIVATION_AXES)
     if whole or not context_axes():
         return constrain(x, logical)
+    return context_constrain(x, logical)
+
+
+def context_constrain(x, logical: Sequence[Optional[str]]):
+    """Under context parallelism, pin `x` (dim 1 its sequence, None in `logical`) to its chunk over
+    the context axes and the rest of `logical` as the rules say; a no-op otherwise."""
+    if not context_axes():
+        return x
     return jax.lax.with_sharding_constraint(x, NamedSharding(active().mesh, context_spec(logical)))
 
 

@@ -112,6 +112,11 @@ class GatedMLP(eqx.Module):
         rows, per_token = (x if zs.context_axes() else jnp.reshape(x, (-1, x.shape[-1]))), x.shape[:-1]  # (see `dense`)
         gate = tags.tag(_dense(rows, self.w_gate, cdt).reshape(*per_token, -1), tags.MLPWI_0)
         up = tags.tag(_dense(rows, self.w_up, cdt).reshape(*per_token, -1), tags.MLPWI_1)
+        if zs.context_axes():
+            # Pinned to [chunk, mlp shard] (and so their gradients): left free, the partitioner chose
+            # the sequence split over every axis in the backward and then gathered whole sequences
+            # of the MLP hidden to reach the tensor split (Llama 3.1 405B with sequence parallelism).
+            gate, up = (zs.context_constrain(t, ("batch", None, "mlp")) for t in (gate, up))
         return tags.tag(_dense(gated(ACTIVATIONS[self.activation], gate, up), self.w_down, cdt), tags.MLPWO)
 
 
