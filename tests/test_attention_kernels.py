@@ -356,7 +356,7 @@ def test_bad_blocks_and_shapes_are_refused():
         attend(q, k[:, :5], v[:, :5], scale=SCALE, impl="xla", segment_ids=jnp.zeros(q.shape[:2], jnp.int32))
 
 
-@pytest.mark.parametrize("impl", ["xla", "blockwise"])
+@pytest.mark.parametrize("impl", [pytest.param("xla", marks=pytest.mark.slow), "blockwise"])  # xla: 11 s on the 2-core machine
 def test_context_shards_match_the_whole_sequence(impl):
     # Context parallelism's kernel: 4 chunks of 12 queries, each against all 48 keys, with a window,
     # sinks and packed segments. Blocks of 5 x 7 give several tiles per chunk, unaligned with the chunks,
