@@ -356,6 +356,49 @@ def test_bad_blocks_and_shapes_are_refused():
         attend(q, k[:, :5], v[:, :5], scale=SCALE, impl="xla", segment_ids=jnp.zeros(q.shape[:2], jnp.int32))
 
 
+@pytest.mark.parametrize("impl", [pytest.param("xla", marks=pytest.mark.slow), "blockwise"])  # xla: 11 s on the 2-core machine
+def test_context_shards_match_the_whole_sequence(impl):
+    # Context parallelism's kernel: 4 chunks of 12 queries, each against all 48 keys, with a window,
+    # sinks and packed segments. Blocks of 5 x 7 give several tiles per chunk, unaligned with the chunks,
+    # and the shards see different tile counts (the shorter rows padded with tiles that count for
+    # nothing). The shard index is traced, as a device's axis index is. Each chunk's rows, and the
+    # gradients summed over the chunks, equal attention over the whole sequence.
+    shards, chunk = 4, 12
+    q, k, v = make(q_len=shards * chunk)
+    sinks, segments = sinks_for(q.shape[2]), packed_segments(q.shape[0], q.shape[1])
+    kw = dict(scale=SCALE, window=15)
+
+    @jax.jit
+    def one_chunk(q_chunk, k, v, sinks, shard):
+        seg = jax.lax.dynamic_slice_in_dim(segments, shard * chunk, chunk, axis=1)
+        return A.context_shard_attention(q_chunk, k, v, shard=shard, shards=shards, impl=impl, sinks=sinks, segment_ids=seg,
+                                         kv_segment_ids=segments, block_q=5, block_k=7, **kw)
+
+    def chunked(q, k, v, sinks):
+        return jnp.concatenate([one_chunk(q[:, r * chunk : (r + 1) * chunk], k, v, sinks, jnp.int32(r)) for r in range(shards)], axis=1)
+
+    def whole(q, k, v, sinks):
+        return attend(q, k, v, impl="xla", sinks=sinks, segment_ids=segments, **kw)
+
+    def loss(f):
+        def scalar(*args):  # weighs every output element differently, so the gradients see each
+            out = f(*args)
+            return (out * jnp.cos(jnp.arange(out.size, dtype=jnp.float32)).reshape(out.shape)).sum()
+
+        return scalar
+
+    np.testing.assert_allclose(chunked(q, k, v, sinks), whole(q, k, v, sinks), atol=1e-5)
+    got, want = (jax.grad(loss(f), argnums=(0, 1, 2, 3))(q, k, v, sinks) for f in (chunked, whole))
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, atol=2e-5)
+
+
+def test_context_shards_refuse_cudnn():
+    q, k, v = make(q_len=8, kv_len=16)
+    with pytest.raises(ValueError, match=r"^model.attention_impl: cudnn cannot run context-parallel attention"):
+        A.context_shard_attention(q, k, v, shard=jnp.int32(1), shards=2, scale=SCALE, impl="cudnn")
+
+
 @pytest.mark.parametrize("dims", [(8, 8), (16, 8)])
 def test_cudnn_plumbing_with_xla_in_place_of_cudnn(monkeypatch, dims):
     """What cudnn_attention passes on (the window as jax.nn's (left, 0) window, v zero-padded to the

@@ -506,3 +506,36 @@ def test_a_tag_without_a_flop_formula_is_an_error_not_free():
             for t in emitted_tags(c):
                 if moe or TAGS[t].block != MOE:
                     assert zp.producer_flops(c, t, stack, 2, 16) >= 0
+
+
+def test_planner_sizes_each_tag_as_the_context_parallel_program_keeps_it():
+    # Context parallelism over data (2 ways; the batch over fsdp 4): every tag, inside attention and the
+    # MLP too, is a chunk of 16 of the 32 positions per device; the planner's per-device bytes are those
+    # of the arrays the partitioned program stacks over the layers, and no whole-sequence copy is kept.
+    import re
+
+    from zoo import hlo
+    from zoo.sharding import CONTEXT
+    from zoo.toolkit import prepare_step
+
+    rules = {"batch": ["fsdp"], "seq": ["data"], CONTEXT: ["data"], "embed": ["fsdp"], "heads": ["tensor"], "mlp": ["tensor"]}
+    sizes = {"data": 2, "fsdp": 4, "tensor": 1, "expert": 1}
+    assert zp.per_device_shape("moe_mlpwi_0", (96, 40), rules, sizes) == (48, 40)  # the routed rows of a chunk's tokens
+    assert zp.per_device_shape("moe_mlpwi_0", (8, 12, 40), rules, sizes) == (8, 6, 40)  # capacity buffers: [experts, rows, mlp]
+    keep = [f"offload.tags.{t}=device" for t in ("decoder_layer_input", "query_proj", "key_proj", "value_proj", "context", "out_proj", "mlpwi_0", "mlpwi_1")]
+    args = ["model=llama_tiny_a", "model.intermediate_size=96", "mesh=fsdp", "mesh.data=2", "mesh.context_parallel=data", "data.batch_size=8",
+            "data.seq_len=32", "hardware=h100_pcie", "offload=custom", *keep]  # fmt: skip
+    c, _, _, trainer, _ = prepare_step(args)
+    p, _ = zp.problem_from_config(c, trainer, zp.PlanConfig())
+    (stack,) = p.stacks
+    planned = {t.tag: t.bytes_per_layer[stack] for t in p.tags}
+    _, text = hlo.compile_with_partitioned_hlo(trainer.lower(), trainer.compiler_options)
+    kept = {tuple(map(int, dims.split(","))): hlo.dtype_bytes(dtype) for dtype, dims in re.findall(r"\b([a-z]+[0-9]*)\[(2,2,(?:16|32),[\d,]+)\]", text)}
+    per_device = {"query_proj": (4, 16), "key_proj": (2, 16), "value_proj": (2, 16), "context": (4, 16), "out_proj": (64,),
+                  "mlpwi_0": (96,), "mlpwi_1": (96,), "decoder_layer_input": (64,)}
+    assert set(planned) == set(per_device), planned
+    for tag, rest in per_device.items():
+        shape = (2, 2, 16, *rest)
+        assert shape in kept, (tag, shape, sorted(kept))
+        assert planned[tag] == math.prod(shape[1:]) * kept[shape], (tag, planned[tag])
+        assert (2, 2, 32, *rest) not in kept, (tag, "the program keeps no whole-sequence copy")

@@ -517,9 +517,10 @@ def test_sequence_parallel_attention_gathers_do_not_scale_with_tiles():
     assert collective_executions(512) == collective_executions(1024)
 
 
-def packed_sequence_parallel_step(seq_len: int):
+def packed_sequence_parallel_step(seq_len: int, mesh_cfg=None):
     """Loss and gradients of llama_tiny_a (blockwise attention) on packed rows (segment ids), jitted
-    under the fsdp_tp layout with sequence parallelism, and the program after SPMD partitioning."""
+    under the fsdp_tp layout with sequence parallelism (or under `mesh_cfg`), and the program after
+    SPMD partitioning."""
     import equinox as eqx
 
     from zoo import hlo
@@ -538,7 +539,7 @@ def packed_sequence_parallel_step(seq_len: int):
     params, static = eqx.partition(model, eqx.is_array)
     grad = jax.value_and_grad(loss)
     want = jax.jit(grad, static_argnums=1)(params, static, tokens, segments)
-    mesh_cfg = dataclasses.replace(mesh_preset("fsdp_tp"), sequence_parallel=True)
+    mesh_cfg = mesh_cfg or dataclasses.replace(mesh_preset("fsdp_tp"), sequence_parallel=True)
     mesh = zs.make_mesh(resolve_mesh_shape(mesh_cfg.axes, 8))
     with zs.activate(mesh, mesh_cfg.rules) as layout:
         params = jax.device_put(params, zs.named(mesh, param_specs(params, mesh_cfg.rules)))
@@ -606,3 +607,72 @@ def test_vocab_parallel_head_gradient_is_one_bf16_reduce_scatter():
     ]
     # no float32 collective carries a vocabulary-sized buffer (the chunked loss all-reduced f32[embed, vocab])
     assert not [x for x in found if x.operands[0].dtype == "f32" and any(d in (vocab, vocab // tensor) for d in x.operands[0].dims)]
+
+
+# --- context parallelism (mesh.context_parallel) ---------------------------------------------------
+
+
+def context_parallel_mesh(axis: str = "data", **sizes):
+    """fsdp 4 x data 2 (by default) with the sequence split over `axis` (context parallelism)."""
+    return dataclasses.replace(mesh_preset("fsdp"), **({"data": 2} | sizes), context_parallel=axis)
+
+
+def test_context_parallel_packed_rows_match_and_gather_keys_once_per_layer():
+    # The sequence split in 2 over data: 256 query positions per device at 512 (1 query tile, up to 2
+    # key tiles), 512 at 1024 (2 query tiles against up to 4 key tiles: 7 visible tiles on the second
+    # shard). The keys and values are gathered once per layer and their gradients reduce-scattered once,
+    # whatever the tiles; any per-tile collective would raise the executions at 1024.
+    from zoo import hlo
+
+    layers = SIZES["llama_tiny_a"].num_layers
+    runs = {n: packed_sequence_parallel_step(n, context_parallel_mesh()) for n in (512, 1024)}
+    executions = {}
+    for n, (want, got, text) in runs.items():
+        np.testing.assert_allclose(float(got[0]), float(want[0]), rtol=1e-5)
+        for a, b in zip(jax.tree.leaves(got[1]), jax.tree.leaves(want[1])):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-4)
+        found = hlo.collectives(text)
+        kv = {
+            kind: sum(c.executions for c in found if c.kind == kind and len(c.operands[0].dims) == 4 and (c.operands[0].dims[1], c.results[0].dims[1]) == dims)
+            for kind, dims in (("all-gather", (n // 2, n)), ("reduce-scatter", (n, n // 2)))
+        }  # fmt: skip
+        assert kv == {"all-gather": 2 * layers, "reduce-scatter": 2 * layers}, kv  # k and v, each layer once
+        executions[n] = sum(r["executions"] for r in hlo.summarize(found).values())
+    assert executions[512] == executions[1024], executions
+
+
+CP_CASES = [
+    # (model, mesh preset, context axis, sequence parallel, attention impl); 64 positions in 8 or 2 chunks
+    ("llama_tiny_a", "fsdp", "fsdp", False, "blockwise"),
+    ("dsv3_tiny_a", "fsdp_ep", "fsdp", False, "blockwise"),  # MLA, and the experts' tokens chunk-major
+    ("gemma3_tiny_a", "fsdp", "fsdp", False, "blockwise"),  # sliding windows (8) across the chunks
+    ("gpt_oss_tiny_a", "fsdp_tp", "fsdp", True, "xla"),  # sinks and windows, with sequence parallelism over tensor
+]
+
+
+# 10-20 s each on the 2-core machine: the slow tier (the default tier has the packed-rows check above).
+@pytest.mark.slow
+@pytest.mark.parametrize("model, mesh, axis, sp, impl", CP_CASES)
+def test_context_parallel_loss_and_gradients_match_single_device(model, mesh, axis, sp, impl):
+    from zoo import sharding as zs
+
+    def loss_and_grads(c):
+        trainer = Trainer(c, validate(c, len(jax.devices()), None))
+        params = trainer.init()["params"]
+        tokens = jax.device_get(SyntheticData(c.data, c.model.vocab_size).batch(0))
+        with zs.activate(trainer.mesh, trainer.rules):
+            return jax.jit(jax.value_and_grad(lambda p, t: trainer.loss_and_aux(p, t)[0]))(params, tokens)
+
+    def config(mesh, **options):
+        c = make_config(model, mesh)
+        c.model = c.model.replace(attention_impl=impl)
+        c.data = dataclasses.replace(c.data, seq_len=64)
+        c.mesh = dataclasses.replace(c.mesh, **options)
+        return c
+
+    sharded = config(mesh, context_parallel=axis, sequence_parallel=sp)
+    assert sharded.mesh.rules["seq"][0] == axis and axis not in sharded.mesh.rules["batch"]
+    (ref_loss, ref_grads), (loss, grads) = (loss_and_grads(c) for c in (config("single"), sharded))
+    np.testing.assert_allclose(loss, ref_loss, atol=1e-5, rtol=0)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-4)

@@ -245,7 +245,7 @@ class Stack(eqx.Module):
         return x, auxes
 
     def _block(self, block_params, static, j: int) -> DecoderBlock:
-        block_params = zs.cast_for_compute(block_params, self.compute_dtype)  # before FSDP gathers them
+        block_params = zs.cast_for_compute(block_params, self.compute_dtype, gather_context=True)  # before FSDP gathers them
         # LoRA adapters (zoo.lora) are folded into this one layer's weights here, inside the scan.
         return merge_block(eqx.combine(block_params, static[j]))
 
@@ -567,7 +567,7 @@ def run_layers(
     if positions.ndim == 2:
         positions = zs.sequence_gathered(positions, ("batch", None))
     if segment_ids is not None:
-        segment_ids = zs.sequence_gathered(segment_ids, ("batch", None))
+        segment_ids = zs.sequence_gathered(segment_ids, ("batch", None), whole=True)
     per_stack = []
     for stack, wrap in pieces:
         # A cut model names each piece's scans (forward and backward) after it, so that zoo.inspect

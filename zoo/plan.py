@@ -1224,7 +1224,7 @@ def per_device_shape(tag: str, shape: Sequence[int], rules=None, sizes=None) -> 
     each dim of the tag's logical axes (`zoo.tags.TagInfo.axes`) divided by the mesh axes its rule
     gives it (rounded up, as the partitioner pads), a mesh axis used by an earlier dim skipped as in
     `zoo.sharding.logical_to_spec`. No rules: the traced shape."""
-    from zoo.sharding import logical_to_spec
+    from zoo.sharding import CONTEXT, logical_to_spec
     from zoo.tags import TAGS
 
     layouts = [a for a in TAGS[tag].axes if len(a) == len(shape)] if tag in TAGS else []
@@ -1235,12 +1235,24 @@ def per_device_shape(tag: str, shape: Sequence[int], rules=None, sizes=None) -> 
         )
     if rules is None:
         return tuple(shape)
+    rules = {k: list(v) for k, v in rules.items()}
     logical = tuple("batch" if a == "rows" else a for a in layouts[0])
-    spec = logical_to_spec(logical, {k: list(v) for k, v in rules.items()})
+    # Context parallelism (rules[CONTEXT]) keeps the sequence split inside the blocks too: a block's
+    # whole-sequence dim (None after batch) is its chunk there, and routed rows (the flattened
+    # tokens, traced per data-parallel rank) are the chunk's tokens (zoo.nn.moe.MoE).
+    context = rules.get(CONTEXT, [])
+    rows_ways = 1
+    if context and logical[:2] == ("batch", None):
+        rules["_context"] = context
+        logical = ("batch", "_context", *logical[2:])
+    elif context and TAGS[tag].axes[0][0] == "rows":
+        rows_ways = math.prod(int(sizes.get(a, 1)) for a in context)
+    spec = logical_to_spec(logical, rules)
     out = []
-    for dim, name, entry in zip(shape, logical, spec):
+    for i, (dim, name, entry) in enumerate(zip(shape, logical, spec)):
         axes = () if name == "batch" or entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-        out.append(-(-int(dim) // math.prod(int(sizes.get(a, 1)) for a in axes)))
+        ways = math.prod(int(sizes.get(a, 1)) for a in axes) * (rows_ways if i == len(shape) - 2 else 1)
+        out.append(-(-int(dim) // ways))
     return tuple(out)
 
 

@@ -139,6 +139,7 @@ def scale_report(trainer, compiled, partitioned_text: Optional[str]) -> dict:
         "devices": int(trainer.mesh.devices.size),
         "mesh": dict(sizes),
         "sequence_parallel": bool(trainer.cfg.mesh.sequence_parallel),
+        "context_parallel": trainer.cfg.mesh.context_parallel,  # its mesh axis, or None
         "per_device_batch": per_device_batch,
         # Read from the partitioned program: its dtypes are a GPU's (XLA:CPU widens bf16 later).
         "kept_layer_inputs": kept_layer_inputs(trainer, partitioned_text or compiled.as_text(), per_device_batch),
@@ -184,7 +185,8 @@ def render(rep: dict) -> str:
     kept = rep.get("kept_layer_inputs")
     if kept:
         shapes = ", ".join(f"{k['arrays']} x {k['shape']}" if k["arrays"] > 1 else k["shape"] for k in kept["stacks"])
-        split = ", split along the sequence (sequence parallelism)" if rep.get("sequence_parallel") else ""
+        how = [w for w, on in (("context parallelism", rep.get("context_parallel")), ("sequence parallelism", rep.get("sequence_parallel"))) if on]
+        split = f", split along the sequence ({' and '.join(how)})" if how else ""
         out.append(f"kept layer inputs per device: {fmt_bytes(kept['bytes'])} ({shapes}){split}")
     if "whole_vocabulary" in rep and rep["devices"] > 1:
         v = rep["whole_vocabulary"]

@@ -75,6 +75,11 @@ _PARAM_AXES: dict[Any, tuple[Optional[str], ...]] = {
     "weight": (None,),  # RMSNorm
 }
 
+# Under context parallelism (zoo.train.config.MeshConfig.context_parallel) the rules carry this key too:
+# the mesh axes that keep the sequence split through the whole layer, attention included (a subset of
+# rules.seq, never of rules.batch). Not a logical axis of LOGICAL_AXES: only that option sets it.
+CONTEXT = "context"
+
 ACTIVATION_AXES = ("batch", "seq", "embed")
 # An activation whose sequence is whole on every device (sequence parallelism gathers it here).
 GATHERED_AXES = ("batch", None, "embed")
@@ -258,19 +263,33 @@ COMPUTE_LEAVES = frozenset(
 FLOAT32_LEAVES = frozenset(("sinks", "router", "e_score_correction_bias", "router_bias", "weight"))
 
 
-def cast_for_compute(tree, compute_dtype):
+def cast_for_compute(tree, compute_dtype, *, gather_context: bool = False):
     """Cast the matmul weights of `tree` (a block's or the model's parameters) to the compute dtype
     where they lie, before any all-gather: under an active layout each cast is pinned to the leaf's
     own sharding, so FSDP gathers carry the compute dtype (bf16), not the float32 master weights.
-    Without a layout, or when the dtypes agree, the tree is returned as it is."""
+    Without a layout, or when the dtypes agree, the tree is returned as it is. `gather_context`
+    (a layer's weights, under context parallelism): each is also pinned whole over the context axes."""
     layout = active()
     compute_dtype = np.dtype(compute_dtype)
+    ctx = context_axes() if gather_context else ()
+    # Under context parallelism an axis that splits the weights (fsdp) may split the sequence too: a
+    # weight left split over it let the partitioner keep the weight split and gather whole sequences
+    # of the activations instead (the out- and down-projections of Llama 3.1 405B, every layer).
+    # Pinned gathered over the context axes here, the weights move once per layer, as FSDP's do.
+    gathered = {k: [a for a in v if a not in ctx] for k, v in layout.rules.items()} if ctx else None
 
     def one(path, x):
-        if not isinstance(x, jax.Array) or _key_name(path[-1]) not in COMPUTE_LEAVES or x.dtype == compute_dtype:
+        if not isinstance(x, jax.Array) or _key_name(path[-1]) not in COMPUTE_LEAVES:
             return x
         logical = param_logical_axes(path, x.ndim)
-        return jax.lax.with_sharding_constraint(x.astype(compute_dtype), layout.sharding(logical))
+        regather = ctx and "experts" not in logical  # (routed experts gather their own, zoo.nn.moe_dispatch)
+        if x.dtype == compute_dtype and not regather:
+            return x
+        if x.dtype != compute_dtype:
+            x = jax.lax.with_sharding_constraint(x.astype(compute_dtype), layout.sharding(logical))
+        if regather:
+            x = jax.lax.with_sharding_constraint(x, NamedSharding(layout.mesh, logical_to_spec(logical, gathered)))
+        return x
 
     if layout is None:
         return tree
@@ -357,11 +376,32 @@ def sequence_parallel() -> bool:
     return layout is not None and any(layout.axis_size(a) > 1 for a in layout.mesh_axes("seq"))
 
 
-def sequence_gathered(x, logical: Sequence[Optional[str]] = GATHERED_AXES):
+def context_axes() -> tuple[str, ...]:
+    """The mesh axes (of size > 1) that split the sequence inside attention under the active layout:
+    context parallelism (rules[CONTEXT]); () without it."""
+    layout = active()
+    if layout is None:
+        return ()
+    return tuple(a for a in layout.rules.get(CONTEXT, ()) if a in layout.mesh.shape and layout.axis_size(a) > 1)
+
+
+def context_spec(logical: Sequence[Optional[str]]) -> PartitionSpec:
+    """The spec of `logical` (dim 1 the sequence, None) under the active layout with the sequence split
+    over the context axes: what each device holds under context parallelism."""
+    layout = active()
+    rules = {**layout.rules, "_context": context_axes()}
+    return logical_to_spec((logical[0], "_context", *logical[2:]), rules)
+
+
+def sequence_gathered(x, logical: Sequence[Optional[str]] = GATHERED_AXES, *, whole: bool = False):
     """Under sequence parallelism, pin `x` to `logical` (whose sequence dim is None: whole), so that
     the partitioner all-gathers the sequence once here (forward) and reduce-scatters the gradient
     (backward), rather than leaving sequence shards inside attention, where the blockwise kernel
     would gather q/k/v at every tile. A no-op otherwise, so the other layouts' programs are unchanged.
+
+    Under context parallelism the sequence stays split over the context axes (only the other seq
+    axes, tensor's, are gathered): attention takes its chunks as they are (zoo.nn.context_parallel).
+    `whole=True` gathers it over those too (the segment ids that every chunk's keys need).
 
     An activation `[batch seq embed]` is first pinned to its sequence shards as it is: left free,
     the partitioner gathered a norm's float32 input and cast it after, moving twice the bytes."""
@@ -369,7 +409,17 @@ def sequence_gathered(x, logical: Sequence[Optional[str]] = GATHERED_AXES):
         return x
     if tuple(logical) == GATHERED_AXES:
         x = constrain(x, ACTIVATION_AXES)
-    return constrain(x, logical)
+    if whole or not context_axes():
+        return constrain(x, logical)
+    return context_constrain(x, logical)
+
+
+def context_constrain(x, logical: Sequence[Optional[str]]):
+    """Under context parallelism, pin `x` (dim 1 its sequence, None in `logical`) to its chunk over
+    the context axes and the rest of `logical` as the rules say; a no-op otherwise."""
+    if not context_axes():
+        return x
+    return jax.lax.with_sharding_constraint(x, NamedSharding(active().mesh, context_spec(logical)))
 
 
 def sequence_scattered(x):

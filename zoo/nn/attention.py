@@ -18,6 +18,7 @@ from zoo.lora import project
 from zoo.nn._init import normal
 from zoo.nn.attention_kernels import attend
 from zoo.nn.cache import KVCache, cache_slots, from_prompt, visible_slots, write
+from zoo.nn.context_parallel import context_attention, context_parallel
 from zoo.nn.norm import RMSNorm
 from zoo.nn.rope import Rope
 
@@ -121,6 +122,10 @@ class GQAttention(eqx.Module):
 
     def _forward(self, x, positions, segment_ids):
         q, k, v = self._queries_keys_values(x, positions)
+        if context_parallel():  # each device its own query chunk, the keys and values gathered once
+            context = context_attention(q, k, v, kv_logical="kv_heads", scale=self.scale, impl=self.impl, window=self.window,
+                                        sinks=self.sinks, segment_ids=segment_ids)
+            return self._output(context), k, v
         # Whole sequences into the kernel (split over heads): never sequence shards, which the
         # blockwise kernel's tiles would gather one by one.
         q = zs.sequence_gathered(q, ("batch", None, "heads", None))

@@ -292,6 +292,10 @@ class _Tiling:
     causal: bool
     window: Optional[int]
     q_offset: int
+    # Context parallelism (`context_shard_attention`): the queries are shard r of `shards` equal
+    # chunks of the sequence, at q_offset + r * q_len, with r known only when traced (the device's
+    # axis index). 1: the queries' position is q_offset, as everywhere else.
+    shards: int = 1
 
     @property
     def n_q(self) -> int:
@@ -301,13 +305,14 @@ class _Tiling:
     def n_k(self) -> int:
         return -(-self.kv_len // self.block_k)
 
-    def pairs(self) -> tuple[np.ndarray, np.ndarray]:
+    def pairs(self, q_offset: Optional[int] = None) -> tuple[np.ndarray, np.ndarray]:
         """(query block, key block) of every tile with at least one pair that causality and the
-        window keep, query block major."""
+        window keep, query block major (queries at `q_offset`, default the tiling's)."""
+        q_offset = self.q_offset if q_offset is None else q_offset
         i = np.arange(self.n_q)[:, None]
         j = np.arange(self.n_k)[None, :]
-        q_first = self.q_offset + i * self.block_q
-        q_last = self.q_offset + np.minimum((i + 1) * self.block_q, self.q_len) - 1
+        q_first = q_offset + i * self.block_q
+        q_last = q_offset + np.minimum((i + 1) * self.block_q, self.q_len) - 1
         k_first = j * self.block_k
         k_last = np.minimum((j + 1) * self.block_k, self.kv_len) - 1
         keep = np.ones((self.n_q, self.n_k), bool)
@@ -318,9 +323,31 @@ class _Tiling:
         ii, jj = np.nonzero(keep)
         return ii.astype(np.int32), jj.astype(np.int32)
 
-    def tile_keep(self, i, j, q_seg, kv_seg):
+    def shard_pairs(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Under context parallelism: (query block, key block, counts) tables [shards, steps], row r
+        the visible tiles of shard r, padded to the longest row with tiles that `counts` (False)
+        masks whole. Each device scans its own row (picked by its traced shard index), so that it
+        visits only the tiles its queries see; the steps are those of the busiest shard (the last,
+        under causality), which every device waits for anyway."""
+        rows = [self.pairs(self.q_offset + r * self.q_len) for r in range(self.shards)]
+        steps = max(len(ii) for ii, _ in rows)
+        ii, jj, ok = (np.zeros((self.shards, steps), dtype) for dtype in (np.int32, np.int32, bool))
+        for r, (i, j) in enumerate(rows):
+            ii[r, : len(i)], jj[r, : len(j)], ok[r, : len(i)] = i, j, True
+        return ii, jj, ok
+
+    def schedule(self, shard):
+        """The scan's inputs: (i, j) per visible tile, and with shards a third, whether it counts."""
+        if self.shards == 1:
+            ii, jj = self.pairs()
+            return jnp.asarray(ii), jnp.asarray(jj)
+        ii, jj, ok = (jnp.asarray(t)[shard] for t in self.shard_pairs())
+        return ii, jj, ok
+
+    def tile_keep(self, i, j, q_seg, kv_seg, q_offset=None):
         """[batch or 1, 1, 1, block_q, block_k]: the pairs of tile (i, j) that count."""
-        q_pos = self.q_offset + i * self.block_q + jnp.arange(self.block_q, dtype=jnp.int32)
+        q_offset = self.q_offset if q_offset is None else q_offset
+        q_pos = q_offset + i * self.block_q + jnp.arange(self.block_q, dtype=jnp.int32)
         k_pos = j * self.block_k + jnp.arange(self.block_k, dtype=jnp.int32)
         keep = _positions_mask(q_pos, k_pos, self.causal, self.window) & (k_pos < self.kv_len)[None, :]
         keep = keep[None]
@@ -328,8 +355,8 @@ class _Tiling:
             keep = keep & (q_seg[:, :, None] == kv_seg[:, None, :])
         return keep[:, None, None]
 
-    def masked(self, s, i, j, q_seg, kv_seg):
-        """The tile (i, j) of scores `s` with the pairs that do not count at -inf.
+    def masked(self, s, ij, q_seg, kv_seg, shard=None):
+        """The tile `ij` = (i, j[, counts]) of scores `s` with the pairs that do not count at -inf.
 
         The mask is built here, per tile, from the tile's indices. Those indices (and the segment
         ids) do not depend on q, k or v, so without the barrier JAX's partial evaluation (under
@@ -340,8 +367,14 @@ class _Tiling:
         unknown wherever the scores are, so the mask stays inside the tile loop. The barrier costs
         nothing measurable on CPU: value and gradient at T=4096 (batch 1, 8 heads over 2, head dim
         64, float32) took 0.83 s with it and 0.88 s without (medians of 4, alternated; 2026-12-04)."""
-        s, i, j = jax.lax.optimization_barrier((s, i, j))
-        keep = self.tile_keep(i, j, _block(q_seg, i), _block(kv_seg, j))
+        if len(ij) == 2:
+            s, i, j = jax.lax.optimization_barrier((s, *ij))
+            keep = self.tile_keep(i, j, _block(q_seg, i), _block(kv_seg, j))
+            return jnp.where(keep, s, -jnp.inf)
+        # Context parallelism: the queries' global position from the shard index (so the causal
+        # mask and the window hold across shards), and a padding step (counts False) masked whole.
+        s, i, j, counts, shard = jax.lax.optimization_barrier((s, *ij, shard))
+        keep = self.tile_keep(i, j, _block(q_seg, i), _block(kv_seg, j), self.q_offset + shard * self.q_len) & counts
         return jnp.where(keep, s, -jnp.inf)
 
 
@@ -359,16 +392,23 @@ def blockwise_attention(
     q_offset: int = 0,
     block_q: int = DEFAULT_BLOCK_Q,
     block_k: int = DEFAULT_BLOCK_K,
+    shard: Optional[Int[Array, ""]] = None,
+    shards: int = 1,
 ) -> Float[Array, "batch q_len heads v"]:
     """Flash-style attention in pure JAX: neither the forward nor the backward keeps more than one
     [batch, heads, block_q, block_k] tile of scores. Lengths that the blocks do not divide are
-    padded (padded keys masked, padded queries dropped); blocks longer than a sequence shrink to it."""
+    padded (padded keys masked, padded queries dropped); blocks longer than a sequence shrink to it.
+
+    `shard` (traced) of `shards`: the queries are that chunk of a sequence split in `shards` equal
+    chunks, at q_offset + shard * q_len (context parallelism, `context_shard_attention`)."""
     if block_q < 1 or block_k < 1:
         raise ValueError(f"attention: block_q and block_k must be positive, got {block_q}, {block_k}")
+    if (shard is None) != (shards == 1):
+        raise ValueError(f"attention: a shard index comes with shards > 1 (got shards={shards})")
     batch, q_len, heads, qk_dim = q.shape
     kv_len, kv_heads = k.shape[1], k.shape[2]
     group = heads // kv_heads
-    tiling = _Tiling(q_len, kv_len, min(block_q, q_len), min(block_k, kv_len), float(scale), causal, window, int(q_offset))
+    tiling = _Tiling(q_len, kv_len, min(block_q, q_len), min(block_k, kv_len), float(scale), causal, window, int(q_offset), shards)
     q_pad, k_pad = tiling.n_q * tiling.block_q - q_len, tiling.n_k * tiling.block_k - kv_len
 
     def blocks(x, pad, size, groups):
@@ -392,12 +432,51 @@ def blockwise_attention(
         kv_seg = jnp.pad(kv_segment_ids, ((0, 0), (0, k_pad))).reshape(batch, tiling.n_k, tiling.block_k).transpose(1, 0, 2)
     sink = None if sinks is None else sinks.astype(jnp.float32).reshape(kv_heads, group)
 
-    out = _flash(tiling, qb, kb, vb, sink, q_seg, kv_seg)  # [n_q, batch, kv_heads, group, block_q, v]
+    out = _flash(tiling, qb, kb, vb, sink, q_seg, kv_seg, shard)  # [n_q, batch, kv_heads, group, block_q, v]
     out = out.transpose(1, 0, 4, 2, 3, 5).reshape(batch, tiling.n_q * tiling.block_q, heads, v.shape[-1])
     return out[:, :q_len]
 
 
-def _flash_forward(tiling: _Tiling, qb, kb, vb, sink, q_seg, kv_seg):
+def context_shard_attention(
+    q: Float[Array, "batch q_chunk heads qk"],
+    k: Float[Array, "batch kv_len kv_heads qk"],
+    v: Float[Array, "batch kv_len kv_heads v"],
+    *,
+    shard: Int[Array, ""],
+    shards: int,
+    scale: float,
+    impl: str = "auto",
+    window: Optional[int] = None,
+    sinks: Optional[Float[Array, " heads"]] = None,
+    segment_ids: Optional[Int[Array, "batch q_chunk"]] = None,
+    kv_segment_ids: Optional[Int[Array, "batch kv_len"]] = None,
+    block_q: int = DEFAULT_BLOCK_Q,
+    block_k: int = DEFAULT_BLOCK_K,
+) -> Float[Array, "batch q_chunk heads v"]:
+    """Causal attention of one device's query chunk under context parallelism: the sequence is cut in
+    `shards` equal chunks, this device holds chunk `shard` (traced: its axis index) of the queries
+    and the keys/values of the whole sequence, so the chunk's queries sit at shard * q_chunk. Same
+    semantics as `attend` on the whole sequence, restricted to the chunk's rows.
+
+    `impl`: xla or blockwise (auto picks between them as `attend` would); cuDNN's kernel aligns its
+    queries with the keys from position 0, so it cannot run a chunk: a ValueError."""
+    q_len, kv_len = q.shape[1], k.shape[1]
+    if q_len * shards != kv_len:
+        raise ValueError(f"attention: {shards} query chunks of {q_len} do not make the {kv_len} keys")
+    if impl == "cudnn":
+        raise _bad("cudnn cannot run context-parallel attention (mesh.context_parallel: its queries start at key 0); use blockwise or xla")
+    if impl not in IMPLS:
+        raise _bad(f"got {impl!r}")
+    if impl == "auto":
+        impl = "blockwise" if kv_len >= min_blockwise_seq(jax.default_backend()) else "xla"
+    if impl == "xla":
+        return xla_attention(q, k, v, scale=scale, window=window, sinks=sinks, segment_ids=segment_ids,
+                             kv_segment_ids=kv_segment_ids, q_offset=shard * q_len)
+    return blockwise_attention(q, k, v, scale=scale, window=window, sinks=sinks, segment_ids=segment_ids,
+                               kv_segment_ids=kv_segment_ids, block_q=block_q, block_k=block_k, shard=shard, shards=shards)
+
+
+def _flash_forward(tiling: _Tiling, qb, kb, vb, sink, q_seg, kv_seg, shard):
     """Output [n_q, batch, kv_heads, group, block_q, v] and logsumexp (sink included) [n_q, batch,
     kv_heads, group, block_q], one scan step per visible tile."""
     n_q, batch, kv_heads, group, block_q, _ = qb.shape
@@ -414,12 +493,12 @@ def _flash_forward(tiling: _Tiling, qb, kb, vb, sink, q_seg, kv_seg):
 
     def step(carry, ij):
         row_max, denom, acc = carry
-        i, j = ij
+        i, j = ij[:2]
         qi = jax.lax.dynamic_index_in_dim(qb, i, keepdims=False)
         kj = jax.lax.dynamic_index_in_dim(kb, j, keepdims=False)
         vj = jax.lax.dynamic_index_in_dim(vb, j, keepdims=False)
         s = jnp.einsum("bkgqd,bksd->bkgqs", qi, kj, preferred_element_type=jnp.float32) * tiling.scale
-        s = tiling.masked(s, i, j, q_seg, kv_seg)
+        s = tiling.masked(s, ij, q_seg, kv_seg, shard)
         m_old = jax.lax.dynamic_index_in_dim(row_max, i, keepdims=False)
         m_new = jnp.maximum(m_old, s.max(axis=-1))
         shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # no key seen yet: keep exp() finite
@@ -434,8 +513,7 @@ def _flash_forward(tiling: _Tiling, qb, kb, vb, sink, q_seg, kv_seg):
             jax.lax.dynamic_update_index_in_dim(acc, a_new, i, 0),
         ), None
 
-    ii, jj = tiling.pairs()
-    (row_max, denom, acc), _ = jax.lax.scan(step, (row_max, denom, acc), (jnp.asarray(ii), jnp.asarray(jj)))
+    (row_max, denom, acc), _ = jax.lax.scan(step, (row_max, denom, acc), tiling.schedule(shard))
     empty = denom == 0
     out = (acc / jnp.where(empty, 1.0, denom)[..., None]).astype(vb.dtype)
     # An empty row's probabilities are all masked to 0 in the backward whatever this value is.
@@ -448,8 +526,8 @@ def _block(x, i):
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
-def _flash(tiling, qb, kb, vb, sink, q_seg, kv_seg):
-    return _flash_forward(tiling, qb, kb, vb, sink, q_seg, kv_seg)[0]
+def _flash(tiling, qb, kb, vb, sink, q_seg, kv_seg, shard):
+    return _flash_forward(tiling, qb, kb, vb, sink, q_seg, kv_seg, shard)[0]
 
 
 def _flash_jvp(tiling, primals, tangents):
@@ -459,22 +537,22 @@ def _flash_jvp(tiling, primals, tangents):
     # would, keeping one tile of scores at a time, instead of transposing the forward scan (which
     # would keep every tile's probabilities). Only the inputs that have a tangent (not a symbolic
     # zero: a constant key or value, say) are linear operands: a transpose needs all of them unknown.
-    qb, kb, vb, sink, q_seg, kv_seg = primals
-    out, lse = _flash_forward(tiling, qb, kb, vb, sink, q_seg, kv_seg)
-    residuals = (qb, kb, vb, sink, q_seg, kv_seg, out, lse)
+    qb, kb, vb, sink, q_seg, kv_seg, shard = primals
+    out, lse = _flash_forward(tiling, qb, kb, vb, sink, q_seg, kv_seg, shard)
+    residuals = (qb, kb, vb, sink, q_seg, kv_seg, shard, out, lse)
     live = tuple(i for i in range(4) if primals[i] is not None and not isinstance(tangents[i], SymbolicZero))
     if not live:
         return out, jnp.zeros_like(out)
 
     def forward_tangent(res, lin):
-        qb, kb, vb, sink, q_seg, kv_seg = res[:6]
+        qb, kb, vb, sink, q_seg, kv_seg, shard = res[:7]
         args = (qb, kb, vb, sink)
         full = [None if x is None else jnp.zeros_like(x) for x in args]
         for i, t in zip(live, lin):
             full[i] = t
 
         def f(*a):
-            return _flash_forward(tiling, *a, q_seg, kv_seg)[0]
+            return _flash_forward(tiling, *a, q_seg, kv_seg, shard)[0]
 
         return jax.jvp(f, args, tuple(full))[1]
 
@@ -492,19 +570,19 @@ _flash.defjvp(_flash_jvp, symbolic_zeros=True)
 def _flash_bwd(tiling, residuals, d_out):
     """FlashAttention-2's backward: per tile, the probabilities from the saved logsumexp, then
     dS = P * (dO V^T - rowsum(dO * O)); dQ, dK, dV accumulate in float32."""
-    qb, kb, vb, sink, q_seg, kv_seg, out, lse = residuals
+    qb, kb, vb, sink, q_seg, kv_seg, shard, out, lse = residuals
     delta = jnp.einsum("...v,...v->...", d_out.astype(jnp.float32), out.astype(jnp.float32))
     d_out = d_out.astype(vb.dtype)
 
     def step(carry, ij):
         dq, dk, dv = carry
-        i, j = ij
+        i, j = ij[:2]
         qi = jax.lax.dynamic_index_in_dim(qb, i, keepdims=False)
         kj = jax.lax.dynamic_index_in_dim(kb, j, keepdims=False)
         vj = jax.lax.dynamic_index_in_dim(vb, j, keepdims=False)
         doi = jax.lax.dynamic_index_in_dim(d_out, i, keepdims=False)
         s = jnp.einsum("bkgqd,bksd->bkgqs", qi, kj, preferred_element_type=jnp.float32) * tiling.scale
-        s = tiling.masked(s, i, j, q_seg, kv_seg)
+        s = tiling.masked(s, ij, q_seg, kv_seg, shard)
         p = jnp.exp(s - jax.lax.dynamic_index_in_dim(lse, i, keepdims=False)[..., None])
         dp = jnp.einsum("bkgqv,bksv->bkgqs", doi, vj, preferred_element_type=jnp.float32)
         ds = p * (dp - jax.lax.dynamic_index_in_dim(delta, i, keepdims=False)[..., None]) * tiling.scale
@@ -518,14 +596,13 @@ def _flash_bwd(tiling, residuals, d_out):
         return (add(dq, dq_i, i), add(dk, dk_j, j), add(dv, dv_j, j)), None
 
     zeros = functools.partial(jnp.zeros, dtype=jnp.float32)
-    ii, jj = tiling.pairs()
-    (dq, dk, dv), _ = jax.lax.scan(step, (zeros(qb.shape), zeros(kb.shape), zeros(vb.shape)), (jnp.asarray(ii), jnp.asarray(jj)))
+    (dq, dk, dv), _ = jax.lax.scan(step, (zeros(qb.shape), zeros(kb.shape), zeros(vb.shape)), tiling.schedule(shard))
     d_sink = None
     if sink is not None:
         # d out / d sink = -p_sink * out, so dL/d sink = -sum over rows of p_sink * rowsum(dO * O).
         p_sink = jnp.exp(sink[None, None, :, :, None] - lse)
         d_sink = -(p_sink * delta).sum(axis=(0, 1, 4))
-    return dq.astype(qb.dtype), dk.astype(kb.dtype), dv.astype(vb.dtype), d_sink, None, None
+    return dq.astype(qb.dtype), dk.astype(kb.dtype), dv.astype(vb.dtype), d_sink, None, None, None
 
 
 

@@ -14,6 +14,7 @@ from zoo.lora import project
 from zoo.nn._init import normal
 from zoo.nn.attention_kernels import attend
 from zoo.nn.cache import LatentCache, from_prompt, visible_slots, write
+from zoo.nn.context_parallel import context_attention, context_parallel
 from zoo.nn.norm import RMSNorm
 from zoo.nn.rope import Rope, softmax_scale_multiplier
 
@@ -114,6 +115,9 @@ class MLAttention(eqx.Module):
         v = tags.tag(project("BTL,LNV->BTNV", kv_latent, self.wv_b, cdt), tags.VALUE_PROJ)
         q = jnp.concatenate([q_nope, q_rope], axis=-1)
         k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope[:, :, None, :], (*k_nope.shape[:-1], self.rope.dim))], axis=-1)
+        if context_parallel():  # see GQAttention._forward
+            context = context_attention(q, k, v, kv_logical="heads", scale=self.softmax_scale, impl=self.impl, segment_ids=segment_ids)
+            return self._output(context), jnp.concatenate([kv_latent, k_rope], axis=-1)
         # Whole sequences into the kernel under sequence parallelism (see GQAttention._forward).
         q, k, v = (zs.sequence_gathered(t, ("batch", None, "heads", None)) for t in (q, k, v))
         context = attend(q, k, v, scale=self.softmax_scale, impl=self.impl, segment_ids=segment_ids)

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
+from zoo import sharding as zs
 from zoo import tags
 from zoo.config import DTypeLike, dtype_name
 from zoo.lora import LoRAWeight, project
@@ -25,6 +26,10 @@ def dense(x: Float[Array, "*batch d_in"], w: Float[Array, "d_in d_out"]) -> Floa
 
     (On CPU this was once a custom VJP that transposed the activations for the weight gradient; the
     plain product was 10% faster under train.py's CPU defaults and needs no rule for forward-mode AD.)"""
+    if zs.context_axes():
+        # Context parallelism splits the sequence as well as the batch: merged, each device's rows would
+        # not be one block of them, and the partitioner gathered the whole sequence for the reshape.
+        return jnp.einsum("...D,DF->...F", x, w)
     rows = jnp.reshape(x, (-1, x.shape[-1]))
     return jnp.einsum("CD,DF->CF", rows, w).reshape(*x.shape[:-1], w.shape[-1])
 
@@ -104,9 +109,14 @@ class GatedMLP(eqx.Module):
     def __call__(self, x: Float[Array, "batch seq embed"]) -> Float[Array, "batch seq embed"]:
         cdt = self.compute_dtype
         # One [tokens, embed] view for both projections: each reshape of x would be a residual of its own.
-        rows, per_token = jnp.reshape(x, (-1, x.shape[-1])), x.shape[:-1]
+        rows, per_token = (x if zs.context_axes() else jnp.reshape(x, (-1, x.shape[-1]))), x.shape[:-1]  # (see `dense`)
         gate = tags.tag(_dense(rows, self.w_gate, cdt).reshape(*per_token, -1), tags.MLPWI_0)
         up = tags.tag(_dense(rows, self.w_up, cdt).reshape(*per_token, -1), tags.MLPWI_1)
+        if zs.context_axes():
+            # Pinned to [chunk, mlp shard] (and so their gradients): left free, the partitioner chose
+            # the sequence split over every axis in the backward and then gathered whole sequences
+            # of the MLP hidden to reach the tensor split (Llama 3.1 405B with sequence parallelism).
+            gate, up = (zs.context_constrain(t, ("batch", None, "mlp")) for t in (gate, up))
         return tags.tag(_dense(gated(ACTIVATIONS[self.activation], gate, up), self.w_down, cdt), tags.MLPWO)
 
 

@@ -162,7 +162,7 @@ def _per_device(route_fn):
     experts gathers every device's router scores. The router weight and bias enter whole (they are
     small, and stay float32)."""
     layout = zs.active()
-    batch_axes = layout.mesh_axes("batch") if layout is not None else ()
+    batch_axes = zs.context_axes() + layout.mesh_axes("batch") if layout is not None else ()
     if layout is None or math.prod(layout.axis_size(a) for a in batch_axes) <= 1:
         return route_fn
     tokens = P(batch_axes, None)
@@ -243,7 +243,12 @@ class MoE(eqx.Module):
 
     def __call__(self, x: Float[Array, "batch seq embed"]) -> tuple[Float[Array, "batch seq embed"], MoEAux]:
         b, t, d = x.shape
-        flat = x.reshape(b * t, d)
+        # Under context parallelism (zoo.nn.context_parallel) each device holds a chunk of every
+        # sequence of its batch shard: the tokens are flattened chunk-major, so that each device's
+        # tokens are one contiguous block of them (the dispatch splits them over the context axes,
+        # then the batch axes) and the flattening moves no data between devices.
+        chunks = math.prod(zs.active().axis_size(a) for a in zs.context_axes()) if zs.context_axes() else 1
+        flat = x.reshape(b * t, d) if chunks == 1 else x.reshape(b, chunks, t // chunks, d).transpose(1, 0, 2, 3).reshape(b * t, d)
         bias = self.e_score_correction_bias if self.config.router == "sigmoid_grouped" else self.router_bias
         stats = _ROUTER_STATISTICS.get()
 
@@ -259,7 +264,7 @@ class MoE(eqx.Module):
             flat, expert_ids, weights, experts, activation=expert_activation(self.config),
             impl=self.impl, capacity_factor=self.config.capacity_factor, compute_dtype=self.compute_dtype,
         )
-        y = routed.reshape(b, t, d)
+        y = routed.reshape(b, t, d) if chunks == 1 else routed.reshape(chunks, b, t // chunks, d).transpose(1, 0, 2, 3).reshape(b, t, d)
         if self.shared is not None:
             y = y + self.shared(x)
         return y, MoEAux(counts, dropped, entropy.mean() if stats else jnp.zeros((), jnp.float32))

@@ -282,7 +282,9 @@ class _EPLayout:
 def _ep_layout(layout: zs.Layout) -> _EPLayout:
     spec = layout.spec(EXPERT_AXES["w_gate"])
     ep_axes, _, mlp_axes = (_entry_axes(e) for e in spec)
-    batch_axes = _entry_axes(layout.spec(("batch",))[0])
+    # Under context parallelism the tokens are split over the context axes too (zoo.nn.moe.MoE puts
+    # them first in its flattened token order).
+    batch_axes = zs.context_axes() + _entry_axes(layout.spec(("batch",))[0])
     return _EPLayout(layout, ep_axes, mlp_axes, batch_axes)
 
 

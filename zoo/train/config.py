@@ -22,7 +22,11 @@ from zoo.hf.pretrained import PretrainedSource
 from zoo.lora import LoraConfig
 from zoo.offload import OffloadConfig, check_tags_emitted
 from zoo.train.xla_flags import flag_name, unknown_flags
-from zoo.sharding import DEFAULT_RULES, MESH_AXES, MeshShape, ShardingError, resolve_mesh_shape
+from zoo.sharding import CONTEXT, DEFAULT_RULES, MESH_AXES, MeshShape, ShardingError, resolve_mesh_shape
+
+# The mesh axes mesh.context_parallel may split the sequence over: tensor splits the heads inside
+# attention, expert the tokens' routes to their experts.
+CONTEXT_AXES = ("data", "fsdp")
 
 
 class TrainingStopped(RuntimeError):
@@ -48,8 +52,25 @@ class MeshConfig:
     # over the tensor ranks instead of replicated on them (zoo.model.DecoderBlock says where they
     # are gathered and scattered). Needs mesh.tensor > 1 and a sequence the seq axes divide.
     sequence_parallel: bool = False
+    # Context parallelism over this mesh axis (data or fsdp; null: off): the sequence, rather than the
+    # batch, is split over it through the whole layer, attention included. Each device keeps its
+    # chunk's queries and all-gathers the keys and values of the whole sequence once per layer
+    # (zoo.nn.context_parallel). The axis leaves rules.batch and heads rules.seq (before tensor,
+    # which sequence parallelism may add); rules[zoo.sharding.CONTEXT] records it for the model.
+    context_parallel: Optional[str] = None
 
     def __post_init__(self):
+        if self.context_parallel is not None:
+            axis = self.context_parallel
+            if axis not in CONTEXT_AXES:
+                why = "splits the heads inside attention (mesh.sequence_parallel splits the sequence over it between the blocks)" if axis == "tensor" else (
+                    "routes the tokens to their experts" if axis == "expert" else "is not a mesh axis")
+                raise ConfigError(f"mesh.context_parallel: {axis!r} {why}; use one of {', '.join(CONTEXT_AXES)} (or null: off)")
+            rules = {k: list(v) for k, v in self.rules.items()}
+            rules["batch"] = [a for a in rules.get("batch", []) if a != axis]
+            rules["seq"] = [axis, *(a for a in rules.get("seq", []) if a != axis)]
+            rules[CONTEXT] = [axis]
+            self.rules = rules
         if self.sequence_parallel and "tensor" not in self.rules.get("seq", []):
             self.rules = {**self.rules, "seq": [*self.rules.get("seq", []), "tensor"]}
         for logical, axes in self.rules.items():
@@ -534,13 +555,19 @@ def validate(c: TrainConfig, available_devices: int, abstract_model=None) -> Pla
             f"mesh.sequence_parallel: splits the sequence over the tensor axis, but mesh.tensor is 1 (mesh={c.mesh.name}); "
             f"set mesh.tensor to 2 or more, or mesh.sequence_parallel=false"
         )
+    cp = c.mesh.context_parallel
+    if cp is not None and shape.sizes[cp] == 1:
+        raise ConfigError(
+            f"mesh.context_parallel: splits the sequence over the {cp} axis, but mesh.{cp} is 1 (mesh={c.mesh.name}); "
+            f"set mesh.{cp} to 2 or more, or mesh.context_parallel=null"
+        )
     seq_axes = list(dict.fromkeys(a for a in rules.get("seq", []) if a in MESH_AXES))
     seq_ways = math.prod(shape.sizes[a] for a in seq_axes) if seq_axes else 1
     if c.data.seq_len % seq_ways:
         desc = "*".join(f"{a}={shape.sizes[a]}" for a in seq_axes)
         raise ConfigError(
             f"data.seq_len: {c.data.seq_len} is not divisible by the sequence-parallel size {seq_ways} "
-            f"(mesh.rules.seq splits it over {desc}); use a multiple of {seq_ways}"
+            f"({'mesh.context_parallel and ' if cp else ''}mesh.rules.seq split{'' if cp else 's'} it over {desc}); use a multiple of {seq_ways}"
         )
     if c.data.seq_len > m.max_position_embeddings:
         raise ConfigError(
@@ -555,6 +582,18 @@ def validate(c: TrainConfig, available_devices: int, abstract_model=None) -> Pla
         raise ConfigError(str(e).splitlines()[0]) from None
     _check_expert_parallel(c, shape, dp)
     attention_impl, moe_impl = resolve_kernels(c)
+    if cp is not None and attention_impl == "cudnn":
+        if m.attention_impl == "cudnn":
+            raise ConfigError(
+                f"model.attention_impl: cudnn cannot run context-parallel attention (mesh.context_parallel={cp}): its queries "
+                f"start at key 0, not at their chunk; use blockwise, xla or auto"
+            )
+        import jax
+
+        from zoo.nn.attention_kernels import min_blockwise_seq
+
+        # what auto runs there (zoo.nn.attention_kernels.context_shard_attention)
+        attention_impl = "blockwise" if c.data.seq_len >= min_blockwise_seq(jax.default_backend()) else "xla"
     if c.trainer.tensorboard and importlib.util.find_spec("tensorboardX") is None:
         raise ConfigError("trainer.tensorboard: needs the tensorboardX package; pip install -e '.[tensorboard]' or set trainer.tensorboard=false")
     if abstract_model is not None and c.pretrained is not None:
