@@ -37,7 +37,8 @@ def _env() -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("heading", ["## DeepSeek-V3 671B: fsdp 16 x expert 8", "## Llama 3.1 405B: fsdp 16 x tensor 8, sequence parallel"])
+@pytest.mark.parametrize("heading", ["## DeepSeek-V3 671B: fsdp 16 x expert 8", "## Llama 3.1 405B: fsdp 16 x tensor 8, sequence parallel",
+                                     "## Context parallelism: Llama 3.1 405B at 131,072 positions"])
 def test_the_scale_reports_of_docs_scale_print_what_the_doc_shows(heading, tmp_path):
     (command,), shown = commands_and_output(DOC.read_text(), heading)
     assert command[:3] == ["python", "-m", "zoo.inspect"], command
