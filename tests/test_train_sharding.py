@@ -561,6 +561,17 @@ def test_sequence_parallel_packed_rows_match_and_exchange_nothing_per_tile():
     assert executions[512] == executions[1024], executions  # 3 visible 256-tiles per row against 10
 
 
+def _loss_and_grads(c):
+    """The trainer's loss and its gradients on the first synthetic batch, under the config's mesh."""
+    from zoo import sharding as zs
+
+    trainer = Trainer(c, validate(c, len(jax.devices()), None))
+    params = trainer.init()["params"]
+    tokens = jax.device_get(SyntheticData(c.data, c.model.vocab_size).batch(0))
+    with zs.activate(trainer.mesh, trainer.rules):
+        return jax.jit(jax.value_and_grad(lambda p, t: trainer.loss_and_aux(p, t)[0]))(params, tokens)
+
+
 # 40-90 s each on the 2-core machine: the slow tier. The default tier has the loss-level check
 # (tests/test_loss.py::test_vocab_parallel_loss_matches_unsharded) and the sharded steps' losses above.
 @pytest.mark.slow
@@ -571,19 +582,12 @@ def test_vocab_parallel_loss_and_gradients_match_single_device(model, mesh, voca
     # embedding (one kv head: no tensor axis), so it runs on fsdp, its gradient reduce-scattered once;
     # DeepSeek-V3 with the vocabulary over expert (an axis that also splits the batch, as the 671B
     # preset) gathers each expert group's rows in the loss and in the embedding lookup.
-    from zoo import sharding as zs
 
-    def loss_and_grads(c):
-        trainer = Trainer(c, validate(c, len(jax.devices()), None))
-        params = trainer.init()["params"]
-        tokens = jax.device_get(SyntheticData(c.data, c.model.vocab_size).batch(0))
-        with zs.activate(trainer.mesh, trainer.rules):
-            return jax.jit(jax.value_and_grad(lambda p, t: trainer.loss_and_aux(p, t)[0]))(params, tokens)
 
     sharded = make_config(model, mesh)
     if vocab_rule:
         sharded.mesh.rules = {**sharded.mesh.rules, "vocab": vocab_rule}
-    (ref_loss, ref_grads), (loss, grads) = (loss_and_grads(c) for c in (make_config(model, "single"), sharded))
+    (ref_loss, ref_grads), (loss, grads) = (_loss_and_grads(c) for c in (make_config(model, "single"), sharded))
     np.testing.assert_allclose(loss, ref_loss, atol=1e-5, rtol=0)
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-4)
@@ -654,14 +658,7 @@ CP_CASES = [
 @pytest.mark.slow
 @pytest.mark.parametrize("model, mesh, axis, sp, impl", CP_CASES)
 def test_context_parallel_loss_and_gradients_match_single_device(model, mesh, axis, sp, impl):
-    from zoo import sharding as zs
 
-    def loss_and_grads(c):
-        trainer = Trainer(c, validate(c, len(jax.devices()), None))
-        params = trainer.init()["params"]
-        tokens = jax.device_get(SyntheticData(c.data, c.model.vocab_size).batch(0))
-        with zs.activate(trainer.mesh, trainer.rules):
-            return jax.jit(jax.value_and_grad(lambda p, t: trainer.loss_and_aux(p, t)[0]))(params, tokens)
 
     def config(mesh, **options):
         c = make_config(model, mesh)
@@ -672,7 +669,7 @@ def test_context_parallel_loss_and_gradients_match_single_device(model, mesh, ax
 
     sharded = config(mesh, context_parallel=axis, sequence_parallel=sp)
     assert sharded.mesh.rules["seq"][0] == axis and axis not in sharded.mesh.rules["batch"]
-    (ref_loss, ref_grads), (loss, grads) = (loss_and_grads(c) for c in (config("single"), sharded))
+    (ref_loss, ref_grads), (loss, grads) = (_loss_and_grads(c) for c in (config("single"), sharded))
     np.testing.assert_allclose(loss, ref_loss, atol=1e-5, rtol=0)
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-4)
