@@ -582,8 +582,6 @@ def test_vocab_parallel_loss_and_gradients_match_single_device(model, mesh, voca
     # embedding (one kv head: no tensor axis), so it runs on fsdp, its gradient reduce-scattered once;
     # DeepSeek-V3 with the vocabulary over expert (an axis that also splits the batch, as the 671B
     # preset) gathers each expert group's rows in the loss and in the embedding lookup.
-
-
     sharded = make_config(model, mesh)
     if vocab_rule:
         sharded.mesh.rules = {**sharded.mesh.rules, "vocab": vocab_rule}
