@@ -767,7 +767,8 @@ def _jax_config(items: list[str]) -> dict:
     for item in items:
         name, _, value = item.partition("=")
         if not name.startswith("jax_") or value not in ("true", "false"):
-            raise SystemExit(f"error: --jax-config {item}: give NAME=true or NAME=false, NAME a jax.config option (jax_...)")
+            print(f"error: --jax-config {item}: give NAME=true or NAME=false, NAME a jax.config option (jax_...)", file=sys.stderr)
+            raise SystemExit(2)
         out[name] = value == "true"
     return out
 

@@ -14,7 +14,7 @@ for nothing, and the EOS itself is the last target of its document.
 
 import functools
 import math
-from typing import Optional, Union
+from typing import Any, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -274,6 +274,17 @@ def chunked_next_token_nll(
 # gradients are reduce-scattered back to their devices.
 
 
+class VocabPlan(NamedTuple):
+    """How the vocabulary-parallel loss and lookup split their work over the mesh (mesh axis names)."""
+
+    mesh: Any
+    batch: tuple  # split the rows
+    vocab: tuple  # split the head's columns (own axes first, then the shared ones)
+    scatter: tuple  # batch axes the head's gradient is reduce-scattered over (its embed shards)
+    shared: tuple  # split both the rows and the vocabulary: each group's rows are gathered
+    embed: tuple  # the head's embed axes left when the vocabulary takes its own
+
+
 @functools.lru_cache(maxsize=None)
 def _plan_for(mesh, rules_items, head_shape, rows):
     rules = dict(rules_items)
@@ -296,12 +307,11 @@ def _plan_for(mesh, rules_items, head_shape, rows):
         return None  # (the config check names the key: a vocabulary must divide its shards)
     if head_shape[0] % n_scatter:
         scatter = ()
-    return mesh, batch, vocab, scatter, shared, embed
+    return VocabPlan(mesh, batch, vocab, scatter, shared, embed)
 
 
 def _vocab_parallel_plan(head_shape, rows):
-    """(mesh, batch axes, vocab axes, scatter axes, shared axes) for the active layout, or None (no
-    mesh: the single-device path, unchanged). Shared axes split both the rows and the vocabulary."""
+    """The `VocabPlan` of the active layout, or None (no mesh: the single-device path, unchanged)."""
     layout = zs.active()
     if layout is None:
         return None
@@ -318,9 +328,9 @@ def vocab_parallel_lookup(table: Float[Array, "vocab embed"], tokens: Int[Array,
     table constrained to its vocab shards, is then the caller's)."""
     vocab_size, embed = table.shape
     plan = _vocab_parallel_plan((embed, vocab_size), tokens.shape[0])
-    if plan is None or not plan[4]:
+    if plan is None or not plan.shared:
         return None
-    mesh, batch, vocab, _, shared, _ = plan
+    mesh, batch, vocab, shared = plan.mesh, plan.batch, plan.vocab, plan.shared
     own = tuple(a for a in vocab if a not in shared)
 
     def body(rows, tok):
@@ -399,7 +409,7 @@ def _head_for_loss(plan, head, cdt):
     both its embed dim (the parameter's spec) and its vocab dim (the loss's): first the vocab dim onto
     the shared axes (an all-to-all), then the embed dim gathered. In one step the partitioner gathered
     the whole [embed, vocab] head on every device."""
-    mesh, _, vocab, _, shared, embed = plan
+    mesh, vocab, shared, embed = plan.mesh, plan.vocab, plan.shared, plan.embed
     head = head.astype(cdt)
     if shared:
         head = jax.lax.with_sharding_constraint(head, jax.sharding.NamedSharding(mesh, P(embed or None, vocab)))
@@ -407,7 +417,7 @@ def _head_for_loss(plan, head, cdt):
 
 
 def _vp_specs(plan):
-    mesh, batch, vocab, scatter, *_ = plan
+    mesh, batch, vocab, scatter = plan.mesh, plan.batch, plan.vocab, plan.scatter
     rows = P(None, batch or None)
     return mesh, (P(None, batch or None, None), P(None, vocab or None), rows, rows), P(scatter or None, vocab or None)
 
@@ -415,7 +425,7 @@ def _vp_specs(plan):
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2))
 def _vp_loss(softcap, cdt, plan, h, head, targets, weights):
     mesh, in_specs, _ = _vp_specs(plan)
-    body = functools.partial(_vp_body, softcap, cdt, plan[2], plan[1], plan[3], plan[4], False)
+    body = functools.partial(_vp_body, softcap, cdt, plan.vocab, plan.batch, plan.scatter, plan.shared, False)
     return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=P(), check_vma=False)(
         h, _head_for_loss(plan, head, cdt), targets, weights
     )
@@ -427,7 +437,7 @@ def _vp_loss_jvp(softcap, cdt, plan, primals, tangents):
     h, head, targets, weights = primals
     dh, dhead = tangents[0], tangents[1]
     mesh, in_specs, head_spec = _vp_specs(plan)
-    body = functools.partial(_vp_body, softcap, cdt, plan[2], plan[1], plan[3], plan[4], True)
+    body = functools.partial(_vp_body, softcap, cdt, plan.vocab, plan.batch, plan.scatter, plan.shared, True)
     total, d_h, d_head = jax.shard_map(
         body, mesh=mesh, in_specs=in_specs, out_specs=(P(), in_specs[0], head_spec), check_vma=False
     )(h, _head_for_loss(plan, head, cdt), targets, weights)
