@@ -241,3 +241,75 @@ def test_vocab_parallel_lookup_matches_take(axes, vocab_rule):
     np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), atol=1e-6)
     with zs.activate(mesh, zs.DEFAULT_RULES):
         assert vocab_parallel_lookup(table, tokens) is None
+
+
+# Context parallelism (mesh.context_parallel): the sequence split over `ctx`, which leaves the batch rules.
+CONTEXT_CASES = [({"fsdp": 4, "data": 2}, "data"), ({"fsdp": 4, "tensor": 2}, "fsdp")]
+
+
+def _context_rules(ctx):
+    from zoo import sharding as zs
+
+    return {**zs.DEFAULT_RULES, "batch": [a for a in zs.DEFAULT_RULES["batch"] if a != ctx], "seq": [ctx], zs.CONTEXT: [ctx]}
+
+
+@pytest.mark.parametrize("axes, ctx", CONTEXT_CASES)
+def test_context_parallel_loss_works_on_each_devices_chunk(axes, ctx):
+    # Each device's sequence chunk becomes rows of its own (zoo.loss._fold_context): the same loss and
+    # gradients, and the hidden states never cross devices (chunked as they came, the partitioner
+    # all-gathered the whole sequence and every context rank computed the whole loss). 24 positions:
+    # local chunks of 12 or 6 against loss chunks of 5, so the last loss chunk is padded.
+    from zoo import hlo
+    from zoo import sharding as zs
+
+    rng = np.random.default_rng(3)
+    batch, seq, vocab = 4, 24, 48
+    hidden = jnp.asarray(rng.normal(size=(batch, seq, EMBED)), jnp.float32)
+    head = jnp.asarray(rng.normal(size=(EMBED, vocab)), jnp.float32)
+    tokens = jnp.asarray(rng.integers(0, vocab, (batch, seq)), jnp.int32)
+    mask = jnp.asarray(rng.integers(0, 2, (batch, seq)), jnp.float32)
+
+    def f(h, w):
+        return chunked_next_token_loss(h, w, tokens, mask, chunk_size=5, final_softcap=3.0)
+
+    want = jax.value_and_grad(f, argnums=(0, 1))(hidden, head)
+    with zs.activate(zs.make_mesh(zs.resolve_mesh_shape(axes, 8)), _context_rules(ctx)) as layout:
+        h = jax.device_put(hidden, layout.sharding(zs.ACTIVATION_AXES))
+        compiled, text = hlo.compile_with_partitioned_hlo(jax.jit(jax.value_and_grad(f, argnums=(0, 1))).lower(h, head))
+        got = compiled(h, head)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+    for a, b in zip(got[1], want[1]):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-5)
+    moved = [c for c in hlo.collectives(text) if c.kind in ("all-gather", "all-to-all", "collective-permute") and c.operands[0].dims[-1:] == (EMBED,)]
+    assert not moved, [(c.kind, c.operands[0].dims, c.results[0].dims) for c in moved]
+
+
+@pytest.mark.parametrize("axes, ctx", CONTEXT_CASES)
+def test_context_parallel_lookup_keeps_each_devices_tokens(axes, ctx):
+    # The embedding lookup under context parallelism (zoo.loss.vocab_parallel_lookup): each device its
+    # own chunk of tokens in its own vocabulary rows; the same rows and table gradient as jnp.take
+    # (the partitioner's lookup gathered the whole table on every device).
+    from zoo import hlo
+    from zoo import sharding as zs
+    from zoo.loss import vocab_parallel_lookup
+
+    rng = np.random.default_rng(4)
+    vocab, batch, seq = 48, 4, 24
+    table = jnp.asarray(rng.normal(size=(vocab, EMBED)), jnp.float32)
+    tokens = jnp.asarray(rng.integers(0, vocab, (batch, seq)), jnp.int32).at[0, :3].set(vocab - 1)
+    probe = jnp.asarray(rng.normal(size=(batch, seq, EMBED)), jnp.float32)
+    want = jax.value_and_grad(lambda t: (jnp.take(t, tokens, axis=0) * probe).sum())(table)
+    with zs.activate(zs.make_mesh(zs.resolve_mesh_shape(axes, 8)), _context_rules(ctx)) as layout:
+        tok = jax.device_put(tokens, layout.sharding(zs.TOKEN_AXES))
+        fn = jax.jit(jax.value_and_grad(lambda t, tok: (vocab_parallel_lookup(t, tok) * probe).sum()))
+        compiled, text = hlo.compile_with_partitioned_hlo(fn.lower(table, tok))
+        got = compiled(table, tok)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), atol=1e-6)
+    # Each device gathers only its own vocabulary rows' embed shards, and their gradient goes back as a
+    # reduce-scatter, never an all-reduce of those rows (nor the whole table, where tensor splits it).
+    own_rows = (vocab // axes.get("tensor", 1), EMBED)
+    found = [(c.kind, c.operands[0].dims, c.results[0].dims) for c in hlo.collectives(text) if not c.trivial]
+    assert not [f for f in found if f[2] == (vocab, EMBED) and own_rows != (vocab, EMBED)], found
+    assert not [f for f in found if f[0] == "all-reduce" and f[1] == own_rows], found
+    assert ("reduce-scatter", own_rows, (own_rows[0], EMBED // axes["fsdp"])) in found, found

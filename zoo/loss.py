@@ -72,6 +72,28 @@ def _chunked(x, chunk: int):
     return x.reshape(x.shape[0], batch * chunk, *x.shape[3:])
 
 
+def _context_axes(seq: int) -> tuple[str, ...]:
+    """The active layout's context axes (`zoo.sharding.context_axes`) when they divide `seq`, else ()."""
+    axes = zs.context_axes()
+    shards = math.prod(zs.active().axis_size(a) for a in axes) if axes else 1
+    return axes if axes and seq % shards == 0 else ()
+
+
+def _fold_context(x, context: tuple[str, ...]):
+    """[batch, seq, ...] split along seq over the context axes -> [shards * batch, seq / shards, ...],
+    sequence chunk major: each device's own chunk of the sequence becomes rows of its own, split over
+    the context axes and then the batch axes, so the fold moves no data. Under context parallelism the
+    loss then works on the chunks each device holds; chunked as they came, the whole sequence was
+    all-gathered on every device and its loss computed once per context rank."""
+    layout = zs.active()
+    shards = _shards(context)
+    batch, seq = x.shape[:2]
+    x = jnp.moveaxis(x.reshape(batch, shards, seq // shards, *x.shape[2:]), 1, 0)
+    x = x.reshape(shards * batch, seq // shards, *x.shape[3:])
+    rows = context + tuple(a for a in layout.mesh_axes("batch") if a not in context)
+    return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(layout.mesh, P(rows, *[None] * (x.ndim - 1))))
+
+
 def _unchunked(x, batch: int, seq: int):
     """The inverse of `_chunked` (padding dropped)."""
     chunks, rows = x.shape[:2]
@@ -148,14 +170,17 @@ def chunked_next_token_loss(
     "recompute"). When only the value is asked for (no differentiation) it computes no gradients.
     """
     _check(chunk_size, method)
-    batch, seq, embed = hidden.shape
     cdt = hidden.dtype if compute_dtype is None else jnp.dtype(compute_dtype)
-    chunk = min(chunk_size, seq)
     targets, weights = _targets_and_weights(tokens, mask, denominator)
+    context = _context_axes(hidden.shape[1])
+    if context:
+        hidden, targets, weights = (_fold_context(x, context) for x in (hidden, targets, weights))
+    batch, seq, embed = hidden.shape
+    chunk = min(chunk_size, seq)
     h = _chunked(hidden, chunk)
     targets, weights = _chunked(targets, chunk), _chunked(weights, chunk)
     softcap = None if final_softcap is None else float(final_softcap)
-    plan = _vocab_parallel_plan(head.shape, hidden.shape[0] * chunk) if method == "fused" else None
+    plan = _vocab_parallel_plan(head.shape, batch * chunk, context) if method == "fused" else None
     if plan is not None:
         return _vp_loss(softcap, cdt, plan, h, head, targets, weights)
     if method == "fused":
@@ -286,14 +311,14 @@ class VocabPlan(NamedTuple):
 
 
 @functools.lru_cache(maxsize=None)
-def _plan_for(mesh, rules_items, head_shape, rows):
+def _plan_for(mesh, rules_items, head_shape, rows, context):
     rules = dict(rules_items)
     sizes = dict(mesh.shape)
 
     def axes(name, exclude=()):
         return tuple(a for a in rules.get(name, ()) if a in sizes and sizes[a] > 1 and a not in exclude)
 
-    batch = axes("batch")
+    batch = context + axes("batch", exclude=context)  # folded sequence chunks are rows too, major (_fold_context)
     shared = tuple(a for a in axes("vocab") if a in batch)
     vocab = axes("vocab", exclude=batch) + shared
     # The head's embed dim splits over these (the param's spec); only those that also split the rows can
@@ -310,13 +335,14 @@ def _plan_for(mesh, rules_items, head_shape, rows):
     return VocabPlan(mesh, batch, vocab, scatter, shared, embed)
 
 
-def _vocab_parallel_plan(head_shape, rows):
-    """The `VocabPlan` of the active layout, or None (no mesh: the single-device path, unchanged)."""
+def _vocab_parallel_plan(head_shape, rows, context=()):
+    """The `VocabPlan` of the active layout, or None (no mesh: the single-device path, unchanged).
+    `context`: the context axes whose sequence chunks are folded into the rows (`_fold_context`)."""
     layout = zs.active()
     if layout is None:
         return None
     rules = tuple((k, tuple(v)) for k, v in sorted(layout.rules.items()))
-    return _plan_for(layout.mesh, rules, tuple(head_shape), rows)
+    return _plan_for(layout.mesh, rules, tuple(head_shape), rows, tuple(context))
 
 
 def vocab_parallel_lookup(table: Float[Array, "vocab embed"], tokens: Int[Array, "batch seq"]) -> Optional[Float[Array, "batch seq embed"]]:
@@ -324,27 +350,42 @@ def vocab_parallel_lookup(table: Float[Array, "vocab embed"], tokens: Int[Array,
     shared axis, as the loss's): each device gathers its group's tokens, looks up those in its
     `[vocab / n, embed]` rows (zeros elsewhere), and the rows are summed across the vocab shards and
     reduce-scattered back to their devices; the gradient lands in each device's own rows, never a
-    whole `[vocab, embed]` table. None where no axis is shared (the partitioner's own lookup, over a
-    table constrained to its vocab shards, is then the caller's)."""
+    whole `[vocab, embed]` table. Under context parallelism (tokens split along the sequence over the
+    context axes) each device looks up its own chunk in its vocabulary rows the same way; left to the
+    partitioner, that lookup gathered the whole table on every device. None where neither applies
+    (the partitioner's own lookup, over a table constrained to its vocab shards, is then the caller's)."""
     vocab_size, embed = table.shape
-    plan = _vocab_parallel_plan((embed, vocab_size), tokens.shape[0])
-    if plan is None or not plan.shared:
+    batch_size, seq = tokens.shape
+    context = _context_axes(seq)
+    plan = _vocab_parallel_plan((embed, vocab_size), batch_size * _shards(context), context)
+    if plan is None or not (plan.shared or context) or set(plan.shared) & set(context):
         return None
-    mesh, batch, vocab, shared = plan.mesh, plan.batch, plan.vocab, plan.shared
+    mesh, vocab, shared, embed_axes = plan.mesh, plan.vocab, plan.shared, plan.embed
+    batch = tuple(a for a in plan.batch if a not in context)
     own = tuple(a for a in vocab if a not in shared)
 
     def body(rows, tok):
-        tok = jax.lax.all_gather(tok, shared, axis=0, tiled=True)
+        # The table's embed shards gathered here: the gradient's way back is then one reduce-scatter onto
+        # them, not an all-reduce of the device's whole vocabulary rows.
+        rows = jax.lax.all_gather(rows, embed_axes, axis=1, tiled=True) if embed_axes else rows
+        tok = jax.lax.all_gather(tok, shared, axis=0, tiled=True) if shared else tok
         v_local = rows.shape[0]
-        idx = tok - jax.lax.axis_index(vocab) * v_local
+        idx = tok - jax.lax.axis_index(vocab) * v_local if vocab else tok
         hit = (idx >= 0) & (idx < v_local)
         x = jnp.where(hit[..., None], jnp.take(rows, jnp.clip(idx, 0, v_local - 1), axis=0), jnp.zeros((), rows.dtype))
         x = jax.lax.psum(x, own) if own else x
-        return jax.lax.psum_scatter(x, shared, scatter_dimension=0, tiled=True)
+        return jax.lax.psum_scatter(x, shared, scatter_dimension=0, tiled=True) if shared else x
 
-    return jax.shard_map(body, mesh=mesh, in_specs=(P(vocab, None), P(batch, None)), out_specs=P(batch, None, None), check_vma=False)(
-        table, tokens
-    )
+    seq_spec = context or None
+    return jax.shard_map(
+        body, mesh=mesh, in_specs=(P(vocab or None, embed_axes or None), P(batch or None, seq_spec)), out_specs=P(batch or None, seq_spec, None),
+        check_vma=False,
+    )(table, tokens)
+
+
+def _shards(axes: tuple[str, ...]) -> int:
+    layout = zs.active()
+    return math.prod(layout.axis_size(a) for a in axes) if axes else 1
 
 
 def _vp_body(softcap, cdt, vocab_axes, batch_axes, scatter_axes, shared_axes, grads, h, w, targets, weights):
