@@ -356,26 +356,35 @@ def test_bad_blocks_and_shapes_are_refused():
         attend(q, k[:, :5], v[:, :5], scale=SCALE, impl="xla", segment_ids=jnp.zeros(q.shape[:2], jnp.int32))
 
 
-@pytest.mark.parametrize("impl", [pytest.param("xla", marks=pytest.mark.slow), "blockwise"])  # xla: 11 s on the 2-core machine
-def test_context_shards_match_the_whole_sequence(impl):
+@pytest.mark.parametrize("impl, balanced", [pytest.param("xla", False, marks=pytest.mark.slow), ("blockwise", False),  # xla: 11 s
+                                            pytest.param("xla", True, marks=pytest.mark.slow), ("blockwise", True)])
+def test_context_shards_match_the_whole_sequence(impl, balanced):
     # Context parallelism's kernel: 4 chunks of 12 queries, each against all 48 keys, with a window,
     # sinks and packed segments. Blocks of 5 x 7 give several tiles per chunk, unaligned with the chunks,
     # and the shards see different tile counts (the shorter rows padded with tiles that count for
     # nothing). The shard index is traced, as a device's axis index is. Each chunk's rows, and the
-    # gradients summed over the chunks, equal attention over the whole sequence.
+    # gradients summed over the chunks, equal attention over the whole sequence. Balanced: shard r's
+    # queries are the pieces r and 7 - r of 6 positions (blocks of 5 shrink to 3, dividing a piece).
     shards, chunk = 4, 12
     q, k, v = make(q_len=shards * chunk)
     sinks, segments = sinks_for(q.shape[2]), packed_segments(q.shape[0], q.shape[1])
     kw = dict(scale=SCALE, window=15)
+    half = chunk // 2
+
+    def rows(r):  # the sequence positions of shard r's queries, in its order
+        if not balanced:
+            return np.arange(r * chunk, (r + 1) * chunk)
+        return np.concatenate([np.arange(r * half, (r + 1) * half), np.arange((2 * shards - 1 - r) * half, (2 * shards - r) * half)])
 
     @jax.jit
-    def one_chunk(q_chunk, k, v, sinks, shard):
-        seg = jax.lax.dynamic_slice_in_dim(segments, shard * chunk, chunk, axis=1)
+    def one_chunk(q_chunk, seg, k, v, sinks, shard):
         return A.context_shard_attention(q_chunk, k, v, shard=shard, shards=shards, impl=impl, sinks=sinks, segment_ids=seg,
-                                         kv_segment_ids=segments, block_q=5, block_k=7, **kw)
+                                         kv_segment_ids=segments, block_q=5, block_k=7, balanced=balanced, **kw)
 
     def chunked(q, k, v, sinks):
-        return jnp.concatenate([one_chunk(q[:, r * chunk : (r + 1) * chunk], k, v, sinks, jnp.int32(r)) for r in range(shards)], axis=1)
+        outs = [one_chunk(q[:, rows(r)], segments[:, rows(r)], k, v, sinks, jnp.int32(r)) for r in range(shards)]
+        order = np.argsort(np.concatenate([rows(r) for r in range(shards)]))
+        return jnp.concatenate(outs, axis=1)[:, order]
 
     def whole(q, k, v, sinks):
         return attend(q, k, v, impl="xla", sinks=sinks, segment_ids=segments, **kw)
@@ -391,6 +400,21 @@ def test_context_shards_match_the_whole_sequence(impl):
     got, want = (jax.grad(loss(f), argnums=(0, 1, 2, 3))(q, k, v, sinks) for f in (chunked, whole))
     for a, b in zip(got, want):
         np.testing.assert_allclose(a, b, atol=2e-5)
+
+
+def test_balanced_context_shards_share_the_causal_work():
+    # 131,072 positions over 16 context ranks in 256 x 256 tiles (docs/scale.md's long-context run):
+    # contiguous chunks make every device wait for the last one's tiles, about twice the average;
+    # the balanced pieces (r and 31 - r) give every device nearly the same count.
+    def steps(pieces):
+        t = A._Tiling(8192, 131072, 256, 256, 1.0, True, None, 0, 16, pieces)
+        ii, _, ok = t.shard_pairs()
+        return ii.shape[1], ok.sum(axis=1)
+
+    (plain, plain_rows), (balanced, balanced_rows) = steps(1), steps(2)
+    assert plain_rows.sum() == balanced_rows.sum()  # the same tiles, dealt out differently
+    assert plain == plain_rows.max() > 1.9 * plain_rows.mean()
+    assert balanced == balanced_rows.max() < 1.01 * balanced_rows.mean()
 
 
 def test_context_shards_refuse_cudnn():

@@ -111,6 +111,7 @@ FUZZ = [
     ("train", ["model=llama_tiny_a", "mesh.context_parallel=tensor"], "mesh.context_parallel: 'tensor' splits the heads inside attention"),
     ("train", ["model=llama_tiny_a", "mesh.context_parallel=data"], "mesh.context_parallel: splits the sequence over the data axis, but mesh.data is 1"),
     ("train", ["model=llama_tiny_a", "mesh.context_parallel=fsdp", "data.seq_len=33"], "data.seq_len: 33 is not divisible by the sequence-parallel size 8 (mesh.context_parallel"),
+    ("train", ["model=llama_tiny_a", "mesh.context_parallel=fsdp", "data.seq_len=40"], "data.seq_len: 40 does not cut into 2 x 8 equal chunks, which balanced context parallelism deals out"),
     ("zoo.plan", ["model=llama_tiny_a", "mesh=fsdp_tp", "mesh.rules.seq=[tensor]", "data.seq_len=33"], "data.seq_len: 33 is not divisible by the sequence-parallel size 2"),
     ("train", ["model=llama_tiny_a", "mesh=fsdp_ep"], "mesh.expert: 4 devices on the expert axis, but the model has no MoE layers"),
     ("train", ["model.moe.impl=dense"], "model.moe.impl: got 'dense'; choose one of auto, ragged, capacity"),

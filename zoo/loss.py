@@ -153,6 +153,7 @@ def chunked_next_token_loss(
     compute_dtype: DType = None,
     method: str = "fused",
     denominator: Union[float, Float[Array, ""], None] = None,
+    context_order: bool = False,
 ) -> Float[Array, ""]:
     """Mean cross-entropy of predicting tokens[:, t+1] from `hidden[:, t] @ head`, in float32.
 
@@ -160,7 +161,9 @@ def chunked_next_token_loss(
     accumulation, then `c * tanh(logits / c)` for `final_softcap` c. `mask` (1 = count) weights the
     target positions as in next_token_loss; no gradient flows to it. `denominator` replaces the
     mean's (the mask's sum): the weighted sum over a count taken elsewhere (all of a step's
-    microbatches), or with 1.0 the plain sum.
+    microbatches), or with 1.0 the plain sum. `context_order`: under balanced context parallelism,
+    `hidden` comes in the balanced order (`zoo.model.run_layers(..., context_order=True)`); the
+    targets and weights are taken into it (the loss is a sum over positions, whatever their order).
 
     `method`: "fused" computes each chunk's gradients (wrt hidden and head) in the forward pass, while
     its logits exist, and the backward only scales them; "recompute" checkpoints each chunk and
@@ -172,6 +175,9 @@ def chunked_next_token_loss(
     _check(chunk_size, method)
     cdt = hidden.dtype if compute_dtype is None else jnp.dtype(compute_dtype)
     targets, weights = _targets_and_weights(tokens, mask, denominator)
+    shards = zs.context_balanced() if context_order else 0
+    if shards:
+        targets, weights = (zs.to_context_order(x, shards) for x in (targets, weights))
     context = _context_axes(hidden.shape[1])
     if context:
         hidden, targets, weights = (_fold_context(x, context) for x in (hidden, targets, weights))

@@ -549,15 +549,26 @@ def run_layers(
     segment_ids: Optional[Int[Array, "batch seq"]] = None,
     wrap_layer: Optional[LayerWrapper] = None,
     segments: Optional[Sequence[LayerSegment]] = None,
+    context_order: bool = False,
 ) -> tuple[Float[Array, "batch seq embed"], Optional[MoEAux]]:
     """`model.features` with each layer's call wrapped by `wrap_layer` (see `LayerWrapper`): the one
     forward loop that `CausalLM.features` (no wrapper) and the trainer's `features` share.
 
     `segments` (instead of `wrap_layer`): `(first, stop, wrapper)` per layer range, covering every
     layer; the stacks are cut at their boundaries (`split_stacks`) and each piece scans on its own
-    under its range's wrapper (a remat/offload policy per layer range, zoo.offload)."""
+    under its range's wrapper (a remat/offload policy per layer range, zoo.offload).
+
+    Under balanced context parallelism (`zoo.sharding.context_balanced`) the layers run on the
+    sequence in its balanced order: the tokens, positions and segment ids are taken into it here, and
+    the hidden states come back in sequence order, or with `context_order=True` as they are (the
+    trainer's loss takes its targets into that order instead: no exchange of the hidden states)."""
     if positions is None:
         positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)
+    shards = zs.context_balanced()
+    if shards:
+        tokens = zs.to_context_order(tokens, shards)
+        positions = zs.to_context_order(positions, shards, axis=positions.ndim - 1)
+        segment_ids = None if segment_ids is None else zs.to_context_order(segment_ids, shards)
     if segments is not None and wrap_layer is not None:
         raise ValueError("run_layers: give wrap_layer or segments, not both")
     pieces = [(s, wrap_layer) for s in model.stacks] if segments is None else split_stacks(model.stacks, segments)
@@ -585,7 +596,10 @@ def run_layers(
         entropy = jnp.concatenate([per_stack[s][j].router_entropy for s, j, _ in order])[inverse]
         aux = MoEAux(counts, dropped, entropy)
     # Whole sequences for the head (its logits stay split over the vocabulary, as without sequence parallelism).
-    return zs.sequence_gathered(model.final_norm(x)), aux
+    hidden = zs.sequence_gathered(model.final_norm(x))
+    if shards and not context_order:
+        hidden = zs.from_context_order(hidden, shards)
+    return hidden, aux
 
 
 def init_compile_options(platform: str, params_per_device: Union[int, float]) -> Optional[dict]:
@@ -700,16 +714,18 @@ def features(
     segment_ids: Optional[Int[Array, "batch seq"]] = None,
     remat_policy: Optional[Union[Callable, RangedPolicy]] = None,
     layer_transform: Optional[LayerTransform] = None,
+    context_order: bool = False,
 ):
     """`model.features(tokens, positions=, segment_ids=)` (hidden states, MoE statistics) with every
     layer run under `remat_policy` and `layer_transform` (see `layer_wrapper`): the same forward
     values, what the backward pass keeps, offloads or recomputes set by the policy. A `RangedPolicy`
-    (a config with `offload.ranges`) runs each layer segment as scans of its own under its policy."""
+    (a config with `offload.ranges`) runs each layer segment as scans of its own under its policy.
+    `context_order`: see `run_layers`."""
     if isinstance(remat_policy, RangedPolicy):  # a policy per layer range: a scan per piece
         segments = [(first, stop, layer_wrapper(p, layer_transform)) for first, stop, p in remat_policy.segments]
-        return run_layers(model, tokens, positions=positions, segment_ids=segment_ids, segments=segments)
+        return run_layers(model, tokens, positions=positions, segment_ids=segment_ids, segments=segments, context_order=context_order)
     wrap = layer_wrapper(remat_policy, layer_transform)
-    return run_layers(model, tokens, positions=positions, segment_ids=segment_ids, wrap_layer=wrap)
+    return run_layers(model, tokens, positions=positions, segment_ids=segment_ids, wrap_layer=wrap, context_order=context_order)
 
 
 def loss_fn(

@@ -18,6 +18,7 @@ import math
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
@@ -79,6 +80,11 @@ _PARAM_AXES: dict[Any, tuple[Optional[str], ...]] = {
 # the mesh axes that keep the sequence split through the whole layer, attention included (a subset of
 # rules.seq, never of rules.batch). Not a logical axis of LOGICAL_AXES: only that option sets it.
 CONTEXT = "context"
+# With it, the context axes whose devices hold balanced pieces of the sequence (MeshConfig.context_balance):
+# the sequence cut in 2 x shards chunks, device r holding chunks r and 2 x shards - 1 - r, so that
+# under causal attention every device has about the same work (contiguous chunks leave the last
+# device about twice the average). The model takes its inputs into that order (`to_context_order`).
+CONTEXT_BALANCED = "context_balanced"
 
 ACTIVATION_AXES = ("batch", "seq", "embed")
 # An activation whose sequence is whole on every device (sequence parallelism gathers it here).
@@ -383,6 +389,35 @@ def context_axes() -> tuple[str, ...]:
     if layout is None:
         return ()
     return tuple(a for a in layout.rules.get(CONTEXT, ()) if a in layout.mesh.shape and layout.axis_size(a) > 1)
+
+
+def context_balanced() -> int:
+    """Under balanced context parallelism, the number of context shards; 0 otherwise."""
+    layout = active()
+    axes = context_axes()
+    if not axes or not layout.rules.get(CONTEXT_BALANCED):
+        return 0
+    return math.prod(layout.axis_size(a) for a in axes)
+
+
+def to_context_order(x, shards: int, axis: int = 1):
+    """`x` with its sequence dim (`axis`) in the balanced order of `shards` context shards: cut in
+    2 x shards chunks, ordered 0, 2s-1, 1, 2s-2, ..., so that contiguous shards hold chunks r and
+    2s-1-r. A reshape and a flip, no gather."""
+    x = jnp.moveaxis(x, axis, -1)
+    lead, seq = x.shape[:-1], x.shape[-1]
+    halves = x.reshape(*lead, 2, shards, seq // (2 * shards))
+    pairs = jnp.stack([halves[..., 0, :, :], jnp.flip(halves[..., 1, :, :], axis=-2)], axis=-2)  # [..., shards, 2, chunk]
+    return jnp.moveaxis(pairs.reshape(*lead, seq), -1, axis)
+
+
+def from_context_order(x, shards: int, axis: int = 1):
+    """The inverse of `to_context_order`: the sequence back in order."""
+    x = jnp.moveaxis(x, axis, -1)
+    lead, seq = x.shape[:-1], x.shape[-1]
+    pairs = x.reshape(*lead, shards, 2, seq // (2 * shards))
+    halves = jnp.stack([pairs[..., :, 0, :], jnp.flip(pairs[..., :, 1, :], axis=-2)], axis=-3)  # [..., 2, shards, chunk]
+    return jnp.moveaxis(halves.reshape(*lead, seq), -1, axis)
 
 
 def context_spec(logical: Sequence[Optional[str]]) -> PartitionSpec:

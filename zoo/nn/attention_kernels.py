@@ -241,8 +241,11 @@ def xla_attention(
     kv_segment_ids: Optional[Int[Array, "batch kv_len"]] = None,
     q_offset: Union[int, Int[Array, ""], Int[Array, " batch"]] = 0,
     kv_valid_len: Optional[Int[Array, " batch"]] = None,
+    q_positions: Optional[Int[Array, " q_len"]] = None,
 ) -> Float[Array, "batch q_len heads v"]:
-    """The reference: whole [batch, heads, q_len, kv_len] float32 scores, plain autodiff."""
+    """The reference: whole [batch, heads, q_len, kv_len] float32 scores, plain autodiff.
+    `q_positions`: each query's position, where they are not consecutive (balanced context
+    parallelism); otherwise query t sits at q_offset + t."""
     batch, q_len, heads, qk_dim = q.shape
     kv_len, kv_heads = k.shape[1], k.shape[2]
     group = heads // kv_heads
@@ -250,7 +253,7 @@ def xla_attention(
     scores = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32) * scale
 
     offset = jnp.asarray(q_offset, jnp.int32).reshape(-1, 1)  # [1 or batch, 1]
-    q_pos = offset + jnp.arange(q_len, dtype=jnp.int32)
+    q_pos = offset + jnp.arange(q_len, dtype=jnp.int32) if q_positions is None else q_positions[None, :]
     k_pos = jnp.arange(kv_len, dtype=jnp.int32)
     keep = _positions_mask(q_pos, k_pos, causal, window)  # [1 or batch, q_len, kv_len]
     if kv_valid_len is not None:
@@ -296,6 +299,9 @@ class _Tiling:
     # chunks of the sequence, at q_offset + r * q_len, with r known only when traced (the device's
     # axis index). 1: the queries' position is q_offset, as everywhere else.
     shards: int = 1
+    # 2: balanced context parallelism: shard r's queries are two pieces, chunks r and 2 * shards - 1 - r
+    # of the sequence cut in 2 * shards (`block_q` divides a piece).
+    pieces: int = 1
 
     @property
     def n_q(self) -> int:
@@ -305,14 +311,24 @@ class _Tiling:
     def n_k(self) -> int:
         return -(-self.kv_len // self.block_k)
 
-    def pairs(self, q_offset: Optional[int] = None) -> tuple[np.ndarray, np.ndarray]:
+    def block_starts(self, shard: int) -> np.ndarray:
+        """[n_q]: the global position of each query block's first query on shard `shard`."""
+        local = np.arange(self.n_q) * self.block_q
+        if self.pieces == 1:
+            return self.q_offset + shard * self.q_len + local
+        piece = self.q_len // self.pieces
+        second = local // piece
+        chunk = np.where(second == 0, shard, 2 * self.shards - 1 - shard)
+        return self.q_offset + chunk * piece + local - second * piece
+
+    def pairs(self, starts: Optional[np.ndarray] = None) -> tuple[np.ndarray, np.ndarray]:
         """(query block, key block) of every tile with at least one pair that causality and the
-        window keep, query block major (queries at `q_offset`, default the tiling's)."""
-        q_offset = self.q_offset if q_offset is None else q_offset
+        window keep, query block major (query block i starting at `starts[i]`; default: the
+        tiling's queries from q_offset on)."""
         i = np.arange(self.n_q)[:, None]
         j = np.arange(self.n_k)[None, :]
-        q_first = q_offset + i * self.block_q
-        q_last = q_offset + np.minimum((i + 1) * self.block_q, self.q_len) - 1
+        q_first = self.q_offset + i * self.block_q if starts is None else np.asarray(starts)[:, None]
+        q_last = q_first + np.minimum((i + 1) * self.block_q, self.q_len) - i * self.block_q - 1
         k_first = j * self.block_k
         k_last = np.minimum((j + 1) * self.block_k, self.kv_len) - 1
         keep = np.ones((self.n_q, self.n_k), bool)
@@ -327,9 +343,10 @@ class _Tiling:
         """Under context parallelism: (query block, key block, counts) tables [shards, steps], row r
         the visible tiles of shard r, padded to the longest row with tiles that `counts` (False)
         masks whole. Each device scans its own row (picked by its traced shard index), so that it
-        visits only the tiles its queries see; the steps are those of the busiest shard (the last,
-        under causality), which every device waits for anyway."""
-        rows = [self.pairs(self.q_offset + r * self.q_len) for r in range(self.shards)]
+        visits only the tiles its queries see; the steps are those of the busiest shard, which every
+        device waits for anyway: under causality the last of contiguous chunks (about twice the
+        average), about the average with balanced pieces."""
+        rows = [self.pairs(self.block_starts(r)) for r in range(self.shards)]
         steps = max(len(ii) for ii, _ in rows)
         ii, jj, ok = (np.zeros((self.shards, steps), dtype) for dtype in (np.int32, np.int32, bool))
         for r, (i, j) in enumerate(rows):
@@ -344,10 +361,11 @@ class _Tiling:
         ii, jj, ok = (jnp.asarray(t)[shard] for t in self.shard_pairs())
         return ii, jj, ok
 
-    def tile_keep(self, i, j, q_seg, kv_seg, q_offset=None):
-        """[batch or 1, 1, 1, block_q, block_k]: the pairs of tile (i, j) that count."""
-        q_offset = self.q_offset if q_offset is None else q_offset
-        q_pos = q_offset + i * self.block_q + jnp.arange(self.block_q, dtype=jnp.int32)
+    def tile_keep(self, i, j, q_seg, kv_seg, q_start=None):
+        """[batch or 1, 1, 1, block_q, block_k]: the pairs of tile (i, j) that count (query block i
+        starting at global position `q_start`, default the tiling's q_offset + i * block_q)."""
+        q_start = self.q_offset + i * self.block_q if q_start is None else q_start
+        q_pos = q_start + jnp.arange(self.block_q, dtype=jnp.int32)
         k_pos = j * self.block_k + jnp.arange(self.block_k, dtype=jnp.int32)
         keep = _positions_mask(q_pos, k_pos, self.causal, self.window) & (k_pos < self.kv_len)[None, :]
         keep = keep[None]
@@ -374,7 +392,8 @@ class _Tiling:
         # Context parallelism: the queries' global position from the shard index (so the causal
         # mask and the window hold across shards), and a padding step (counts False) masked whole.
         s, i, j, counts, shard = jax.lax.optimization_barrier((s, *ij, shard))
-        keep = self.tile_keep(i, j, _block(q_seg, i), _block(kv_seg, j), self.q_offset + shard * self.q_len) & counts
+        starts = jnp.asarray(np.stack([self.block_starts(r) for r in range(self.shards)]), jnp.int32)
+        keep = self.tile_keep(i, j, _block(q_seg, i), _block(kv_seg, j), starts[shard, i]) & counts
         return jnp.where(keep, s, -jnp.inf)
 
 
@@ -394,13 +413,16 @@ def blockwise_attention(
     block_k: int = DEFAULT_BLOCK_K,
     shard: Optional[Int[Array, ""]] = None,
     shards: int = 1,
+    pieces: int = 1,
 ) -> Float[Array, "batch q_len heads v"]:
     """Flash-style attention in pure JAX: neither the forward nor the backward keeps more than one
     [batch, heads, block_q, block_k] tile of scores. Lengths that the blocks do not divide are
     padded (padded keys masked, padded queries dropped); blocks longer than a sequence shrink to it.
 
     `shard` (traced) of `shards`: the queries are that chunk of a sequence split in `shards` equal
-    chunks, at q_offset + shard * q_len (context parallelism, `context_shard_attention`)."""
+    chunks, at q_offset + shard * q_len (context parallelism, `context_shard_attention`); with
+    `pieces=2`, its two halves are chunks shard and 2 * shards - 1 - shard of the sequence cut in
+    2 * shards (balanced context parallelism)."""
     if block_q < 1 or block_k < 1:
         raise ValueError(f"attention: block_q and block_k must be positive, got {block_q}, {block_k}")
     if (shard is None) != (shards == 1):
@@ -408,7 +430,10 @@ def blockwise_attention(
     batch, q_len, heads, qk_dim = q.shape
     kv_len, kv_heads = k.shape[1], k.shape[2]
     group = heads // kv_heads
-    tiling = _Tiling(q_len, kv_len, min(block_q, q_len), min(block_k, kv_len), float(scale), causal, window, int(q_offset), shards)
+    block_q = min(block_q, q_len)
+    if pieces > 1:  # every query block within one piece: the largest block size that divides a piece
+        block_q = max(b for b in range(1, min(block_q, q_len // pieces) + 1) if (q_len // pieces) % b == 0)
+    tiling = _Tiling(q_len, kv_len, block_q, min(block_k, kv_len), float(scale), causal, window, int(q_offset), shards, pieces)
     q_pad, k_pad = tiling.n_q * tiling.block_q - q_len, tiling.n_k * tiling.block_k - kv_len
 
     def blocks(x, pad, size, groups):
@@ -452,11 +477,15 @@ def context_shard_attention(
     kv_segment_ids: Optional[Int[Array, "batch kv_len"]] = None,
     block_q: int = DEFAULT_BLOCK_Q,
     block_k: int = DEFAULT_BLOCK_K,
+    balanced: bool = False,
 ) -> Float[Array, "batch q_chunk heads v"]:
     """Causal attention of one device's query chunk under context parallelism: the sequence is cut in
     `shards` equal chunks, this device holds chunk `shard` (traced: its axis index) of the queries
     and the keys/values of the whole sequence, so the chunk's queries sit at shard * q_chunk. Same
-    semantics as `attend` on the whole sequence, restricted to the chunk's rows.
+    semantics as `attend` on the whole sequence, restricted to the chunk's rows. `balanced`: the
+    sequence is cut in 2 * shards and this device's queries are its chunks shard and
+    2 * shards - 1 - shard, one half each, so that every device has about the same causal work; the
+    keys and values stay in sequence order.
 
     `impl`: xla or blockwise (auto picks between them as `attend` would); cuDNN's kernel aligns its
     queries with the keys from position 0, so it cannot run a chunk: a ValueError."""
@@ -469,11 +498,18 @@ def context_shard_attention(
         raise _bad(f"got {impl!r}")
     if impl == "auto":
         impl = "blockwise" if kv_len >= min_blockwise_seq(jax.default_backend()) else "xla"
+    if balanced and q_len % 2:
+        raise ValueError(f"attention: balanced context parallelism cuts each device's {q_len} queries in two halves")
     if impl == "xla":
+        if balanced:
+            half = jnp.arange(q_len // 2, dtype=jnp.int32)
+            q_positions = jnp.concatenate([shard * (q_len // 2) + half, (2 * shards - 1 - shard) * (q_len // 2) + half])
+            return xla_attention(q, k, v, scale=scale, window=window, sinks=sinks, segment_ids=segment_ids,
+                                 kv_segment_ids=kv_segment_ids, q_positions=q_positions)
         return xla_attention(q, k, v, scale=scale, window=window, sinks=sinks, segment_ids=segment_ids,
                              kv_segment_ids=kv_segment_ids, q_offset=shard * q_len)
-    return blockwise_attention(q, k, v, scale=scale, window=window, sinks=sinks, segment_ids=segment_ids,
-                               kv_segment_ids=kv_segment_ids, block_q=block_q, block_k=block_k, shard=shard, shards=shards)
+    return blockwise_attention(q, k, v, scale=scale, window=window, sinks=sinks, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
+                               block_q=block_q, block_k=block_k, shard=shard, shards=shards, pieces=2 if balanced else 1)
 
 
 def _flash_forward(tiling: _Tiling, qb, kb, vb, sink, q_seg, kv_seg, shard):

@@ -38,6 +38,7 @@ def context_attention(
     layout = zs.active()
     ctx = zs.context_axes()
     shards = math.prod(layout.axis_size(a) for a in ctx)
+    balanced = zs.context_balanced() > 0  # the sequence in balanced order (zoo.sharding.to_context_order)
     q_spec = zs.context_spec(("batch", None, "heads", None))
     kv_spec = zs.context_spec(("batch", None, kv_logical, None))
     # The segment ids come whole (gathered once per step, zoo.model.run_layers): every chunk's keys
@@ -58,9 +59,12 @@ def context_attention(
         k = jax.lax.all_gather(k, ctx, axis=1, tiled=True)
         v = jax.lax.all_gather(v, ctx, axis=1, tiled=True)
         q_seg = None if seg is None else jax.lax.dynamic_slice_in_dim(seg, shard * q.shape[1], q.shape[1], axis=1)
+        if balanced:  # the gathered keys back in sequence order (a local reshape), as the kernel reads them
+            k, v = (zs.from_context_order(x, shards) for x in (k, v))
+            seg = None if seg is None else zs.from_context_order(seg, shards)
         return context_shard_attention(
             q, k, v, shard=shard, shards=shards, scale=scale, impl=impl, window=window, sinks=sink,
-            segment_ids=q_seg, kv_segment_ids=seg,
+            segment_ids=q_seg, kv_segment_ids=seg, balanced=balanced,
         )
 
     return jax.shard_map(body, mesh=layout.mesh, in_specs=tuple(specs), out_specs=q_spec, check_vma=False)(*args)

@@ -22,7 +22,7 @@ from zoo.hf.pretrained import PretrainedSource
 from zoo.lora import LoraConfig
 from zoo.offload import OffloadConfig, check_tags_emitted
 from zoo.train.xla_flags import flag_name, unknown_flags
-from zoo.sharding import CONTEXT, DEFAULT_RULES, MESH_AXES, MeshShape, ShardingError, resolve_mesh_shape
+from zoo.sharding import CONTEXT, CONTEXT_BALANCED, DEFAULT_RULES, MESH_AXES, MeshShape, ShardingError, resolve_mesh_shape
 
 # The mesh axes mesh.context_parallel may split the sequence over: tensor splits the heads inside
 # attention, expert the tokens' routes to their experts.
@@ -58,6 +58,11 @@ class MeshConfig:
     # (zoo.nn.context_parallel). The axis leaves rules.batch and heads rules.seq (before tensor,
     # which sequence parallelism may add); rules[zoo.sharding.CONTEXT] records it for the model.
     context_parallel: Optional[str] = None
+    # Under context parallelism, deal the causal work out evenly: the sequence is cut in 2 x shards
+    # chunks and device r keeps chunks r and 2 x shards - 1 - r (zoo.sharding.CONTEXT_BALANCED), so
+    # no device waits with the last chunk's keys (about twice the average work with contiguous chunks).
+    # Needs a sequence that 2 x the context shards divide.
+    context_balance: bool = True
 
     def __post_init__(self):
         if self.context_parallel is not None:
@@ -70,6 +75,8 @@ class MeshConfig:
             rules["batch"] = [a for a in rules.get("batch", []) if a != axis]
             rules["seq"] = [axis, *(a for a in rules.get("seq", []) if a != axis)]
             rules[CONTEXT] = [axis]
+            if self.context_balance:
+                rules[CONTEXT_BALANCED] = [axis]
             self.rules = rules
         if self.sequence_parallel and "tensor" not in self.rules.get("seq", []):
             self.rules = {**self.rules, "seq": [*self.rules.get("seq", []), "tensor"]}
@@ -568,6 +575,11 @@ def validate(c: TrainConfig, available_devices: int, abstract_model=None) -> Pla
         raise ConfigError(
             f"data.seq_len: {c.data.seq_len} is not divisible by the sequence-parallel size {seq_ways} "
             f"({'mesh.context_parallel and ' if cp else ''}mesh.rules.seq split{'' if cp else 's'} it over {desc}); use a multiple of {seq_ways}"
+        )
+    if cp is not None and c.mesh.context_balance and c.data.seq_len % (2 * shape.sizes[cp]):
+        raise ConfigError(
+            f"data.seq_len: {c.data.seq_len} does not cut into 2 x {shape.sizes[cp]} equal chunks, which balanced context "
+            f"parallelism deals out (mesh.context_parallel={cp}); use a multiple of {2 * shape.sizes[cp]}, or mesh.context_balance=false"
         )
     if c.data.seq_len > m.max_position_embeddings:
         raise ConfigError(

@@ -343,6 +343,8 @@ class Trainer:
         else:
             model = eqx.combine(params, self.static)
         layer_transform = zs.to_device if self.params_on_host else None
+        # The chunked loss takes the hidden states in the balanced context order, if any (zoo.model.run_layers).
+        chunk = self.cfg.trainer.loss_chunk_size
         packed = isinstance(batch, dict)
         if packed:
             fields = {k: zs.constrain(batch[k], zs.TOKEN_AXES) for k in ("tokens", "segment_ids", "positions", "loss_mask")}
@@ -350,7 +352,7 @@ class Trainer:
             with segments_bound(self.max_segments):
                 hidden, aux = zoo_model.features(
                     model, tokens, positions=fields["positions"], segment_ids=segment_ids, remat_policy=self.policy,
-                    layer_transform=layer_transform,
+                    layer_transform=layer_transform, context_order=bool(chunk),
                 )
             weights = target_weights(fields["loss_mask"], segment_ids)
             count = weights.sum()
@@ -358,14 +360,13 @@ class Trainer:
             denominator = batch.get("loss_denominator", jnp.float32(1.0))
         else:
             tokens = zs.constrain(batch, zs.TOKEN_AXES)
-            hidden, aux = zoo_model.features(model, tokens, remat_policy=self.policy, layer_transform=layer_transform)
+            hidden, aux = zoo_model.features(model, tokens, remat_policy=self.policy, layer_transform=layer_transform, context_order=bool(chunk))
             weights = denominator = None
-        chunk = self.cfg.trainer.loss_chunk_size
         m = self.cfg.model
         if chunk:
             loss = chunked_next_token_loss(
                 hidden, model.head_weight(), tokens, weights, chunk_size=chunk, final_softcap=m.final_logit_softcap,
-                compute_dtype=m.compute_dtype, denominator=denominator,
+                compute_dtype=m.compute_dtype, denominator=denominator, context_order=True,
             )
         else:
             logits = zs.constrain(model.logits(hidden), zs.LOGIT_AXES)
