@@ -22,13 +22,14 @@ and a MoE's shared experts). Routed experts are not adapted.
 
 import dataclasses
 import math
-from typing import Any, Optional, Union
+from typing import Any, ClassVar, Optional, Union
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Key, PRNGKeyArray, PyTree
 
+from zoo import sharding as zs
 from zoo.errors import ConfigError
 
 # Adapter name -> (module attribute path inside a block, number of input axes of the per-layer weight).
@@ -80,6 +81,11 @@ class LoRAWeight(eqx.Module):
     scale: float = eqx.field(static=True, default=1.0)
     fan_in_axes: int = eqx.field(static=True, default=1)  # how many input axes the base weight has
     dropout: float = eqx.field(static=True, default=0.0)
+
+    # zoo.sharding: none is cast where it lies (the projection casts the merged weight, `project`),
+    # and none is sharded by its field: the adapters are replicated and the base is sharded as the
+    # plain model's weight, before `attach`.
+    PARAMS: ClassVar[dict[str, zs.Leaf]] = {f: zs.Leaf(None, False) for f in ("base", "a", "b", "key")}
 
     @property
     def shape(self) -> tuple[int, ...]:
