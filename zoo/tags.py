@@ -88,7 +88,7 @@ class Emit:
     (`zoo.plan.producer_flops`: what recomputing it costs)."""
 
     tag: TagInfo
-    flops: Callable[[FlopShape], float]
+    flops: Callable[[FlopShape], int | float]  # an int for exact counts; producer_flops makes it a float
 
 
 # The vocabulary: every tag some block declares (`declares`), kind by kind. Filled as the blocks are

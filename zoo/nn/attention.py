@@ -31,14 +31,14 @@ CONTEXT = tags.TagInfo(tags.CONTEXT, "B T N V", "attention output, before the ou
 OUT_PROJ = tags.TagInfo(tags.OUT_PROJ, "B T D", "attention output after the out projection", tags.ATTENTION, ((*tags.IN_BLOCK, "embed"),))
 
 
-def context_flops(s: tags.FlopShape) -> float:
+def context_flops(s: tags.FlopShape) -> int | float:
     """Scores and context products over the keys a query attends (causal: T/2; sliding: the window,
     as `zoo.config.flops_per_token` counts them)."""
     c = s.config
     return 2 * s.batch * c.num_heads * s.seq * s.keys * (c.qk_head_dim + c.v_head_dim)
 
 
-def out_proj_flops(s: tags.FlopShape) -> float:
+def out_proj_flops(s: tags.FlopShape) -> int | float:
     c = s.config
     return 2 * s.tokens * c.num_heads * c.v_head_dim * c.hidden_size
 

@@ -23,7 +23,7 @@ from zoo.nn.rope import Rope, softmax_scale_multiplier
 LATENT_NORM_EPS = 1e-6
 
 
-def _query_flops(s: tags.FlopShape) -> float:
+def _query_flops(s: tags.FlopShape) -> int | float:
     c = s.config
     return 2 * s.tokens * (c.mla.q_lora_rank or c.hidden_size) * (c.num_heads * c.qk_head_dim)
 

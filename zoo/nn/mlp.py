@@ -74,7 +74,7 @@ def geglu_tanh(gate: Float[Array, "*rows mlp"], up: Float[Array, "*rows mlp"]) -
 ACTIVATIONS = {"silu": swiglu, "gelu_tanh": geglu_tanh}
 
 
-def _ffn_flops(s: tags.FlopShape) -> float:
+def _ffn_flops(s: tags.FlopShape) -> int | float:
     return 2 * s.tokens * s.config.hidden_size * s.ffn
 
 

@@ -202,7 +202,7 @@ def expert_activation(c: MoEConfig):
     return clamped_swiglu
 
 
-def _rows_flops(s: tags.FlopShape) -> float:
+def _rows_flops(s: tags.FlopShape) -> int | float:
     return 2 * s.rows * s.config.hidden_size * s.config.moe.moe_intermediate_size
 
 
