@@ -1201,7 +1201,7 @@ def per_device_shape(tag: str, shape: Sequence[int], rules=None, sizes=None) -> 
     if not layouts:
         raise PlanError(
             f"model: tag {tag!r} traced as shape {tuple(shape)}, which none of its logical axes in zoo.tags "
-            f"({TAGS[tag].axes if tag in TAGS else 'none'}) describes; give the tag its layout there"
+            f"({TAGS[tag].axes if tag in TAGS else 'none'}) describes; give the tag its layout in its block's EMITS"
         )
     if rules is None:
         return tuple(shape)
