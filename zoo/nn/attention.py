@@ -14,7 +14,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from zoo import sharding as zs
 from zoo import tags
 from zoo.config import DTypeLike, RopeConfig, dtype_name
-from zoo.lora import project
+from zoo.nn.lora_weight import project
 from zoo.nn._init import normal
 from zoo.nn.attention_kernels import attend
 from zoo.nn.cache import KVCache, cache_slots, from_prompt, visible_slots, write

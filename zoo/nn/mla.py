@@ -10,7 +10,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from zoo import sharding as zs
 from zoo import tags
 from zoo.config import DTypeLike, MLAConfig, RopeConfig, dtype_name
-from zoo.lora import project
+from zoo.nn.lora_weight import project
 from zoo.nn import attention as gqa
 from zoo.nn._init import normal
 from zoo.nn.attention_kernels import attend

@@ -9,7 +9,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 from zoo import sharding as zs
 from zoo import tags
 from zoo.config import DTypeLike, dtype_name
-from zoo.lora import LoRAWeight, project
+from zoo.nn.lora_weight import LoRAWeight, project
 from zoo.nn._init import normal
 
 
