@@ -17,7 +17,7 @@ import contextlib
 import contextvars
 import dataclasses
 import math
-from typing import Any, Iterator, Mapping, Optional, Sequence
+from typing import Iterator, Mapping, Optional, Sequence
 
 import jax
 import numpy as np
