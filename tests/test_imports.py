@@ -128,3 +128,13 @@ def test_the_library_never_imports_a_tool():
 def test_the_cycle_check_can_fail(monkeypatch):
     monkeypatch.setitem(GRAPH, "zoo.tags", {**GRAPH["zoo.tags"], "zoo.model": 1})
     assert _cycle()[0] == _cycle()[-1]
+
+
+def test_the_blocks_import_nothing_built_on_them():
+    """zoo.nn (the blocks) stands below the model and the adapters: the LoRA weight the blocks project
+    through lives in zoo.nn.lora_weight, and zoo.lora builds on it, not the other way round."""
+    above = {"zoo.model", "zoo.lora"}
+    wrong = [f"{MODULES[m].relative_to(ROOT)}:{line} imports {t}" for m in sorted(MODULES) if m.startswith("zoo.nn")
+             for t, line in GRAPH[m].items() if t in above]
+    assert not wrong, "; ".join(wrong)
+    assert "zoo.nn.lora_weight" in GRAPH["zoo.lora"]

@@ -121,6 +121,51 @@ def test_unknown_tag_is_refused():
         tags.tag(jnp.zeros(2), "mlp_out")
 
 
+def test_the_vocabulary_is_what_the_blocks_declare():
+    """zoo.tags.TAGS is the union of the blocks' EMITS, kind by kind; GQA and MLA share the attention
+    tags' records (with their own FLOPs)."""
+    from zoo.model import DecoderBlock
+    from zoo.nn import GatedMLP, GQAttention, MLAttention, MoE
+
+    declared = [e.tag for b in (DecoderBlock, GQAttention, GatedMLP, MLAttention, MoE) for e in b.EMITS]
+    assert list(tags.TAGS.values()) == list(dict.fromkeys(declared))
+    assert [t.block for t in tags.TAGS.values()] == sorted((t.block for t in tags.TAGS.values()), key=tags.KINDS.index)
+    assert {e.tag.name for e in MLAttention.EMITS} > {e.tag.name for e in GQAttention.EMITS}
+
+
+def test_a_block_emitting_an_undeclared_tag_fails(monkeypatch):
+    """A block that tags a tensor under a name no block declares fails when traced; declared (its
+    record and its FLOPs in EMITS), the same block traces; two records of one name are refused."""
+    from typing import ClassVar
+
+    from zoo.nn import GatedMLP
+
+    monkeypatch.setattr(tags, "TAGS", dict(tags.TAGS))  # declarations below stay in this test
+
+    class TaggedMLP(GatedMLP):
+        def __call__(self, x):
+            return tags.tag(super().__call__(x), "mlp_residual")
+
+    block = TaggedMLP(8, 16, key=jax.random.key(0))
+    x = jax.ShapeDtypeStruct((1, 4, 8), jnp.float32)
+    with pytest.raises(ValueError, match="^unknown tag 'mlp_residual': no block declares it"):
+        jax.eval_shape(block, x)
+
+    residual = tags.TagInfo("mlp_residual", "B T D", "the MLP's output, again", tags.MLP, ((*tags.IN_BLOCK, "embed"),))
+
+    @tags.declares
+    class DeclaredMLP(TaggedMLP):
+        EMITS: ClassVar[tuple] = (*GatedMLP.EMITS, tags.Emit(residual, lambda s: 0.0))
+
+    assert jax.eval_shape(DeclaredMLP(8, 16, key=jax.random.key(0)), x).shape == (1, 4, 8)
+    assert list(tags.TAGS)[list(tags.TAGS).index(tags.MLPWO) + 1] == "mlp_residual"  # with its kind's tags
+    with pytest.raises(ValueError, match="tag 'mlp_residual' declared twice, differently"):
+
+        @tags.declares
+        class Conflicting(TaggedMLP):
+            EMITS: ClassVar[tuple] = (tags.Emit(dataclasses.replace(residual, shape="B T F"), lambda s: 0.0),)
+
+
 # --- (b) compile time does not grow with depth -----------------------------------------------
 
 

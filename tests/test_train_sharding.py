@@ -324,21 +324,76 @@ def test_every_leaf_of_every_size_has_a_spec(size):
     for path, spec in jax.tree_util.tree_leaves_with_path(specs, is_leaf=is_spec):
         if any(getattr(k, "name", None) == "layers" for k in path):
             assert spec[0] is None
-    # Every leaf says its dtype in use: cast to the compute dtype before a gather, or kept in float32.
-    from zoo.sharding import COMPUTE_LEAVES, FLOAT32_LEAVES
+    # Every leaf is declared by the block that holds it: its axes, and its dtype in use.
+    from zoo.sharding import Leaf, leaf_declaration
 
     for path, _ in jax.tree_util.tree_leaves_with_path(model):
-        name = getattr(path[-1], "name", None)
-        assert (name in COMPUTE_LEAVES) != (name in FLOAT32_LEAVES), f"{jax.tree_util.keystr(path)}: declare it in exactly one of COMPUTE_LEAVES, FLOAT32_LEAVES"
+        assert isinstance(leaf_declaration(model, path), Leaf), jax.tree_util.keystr(path)
 
 
-def test_every_declared_leaf_says_its_dtype_in_use():
-    """zoo.sharding's leaf table and its two dtype sets name the same leaves, each in one set: a weight
-    added to the table but to neither set would be gathered in float32, silently."""
-    from zoo.sharding import _PARAM_AXES, COMPUTE_LEAVES, FLOAT32_LEAVES
+def test_every_block_declares_its_leaves_with_axes_and_a_dtype_in_use():
+    """Each block's PARAMS names real array fields, each with logical axes and a dtype in use (cast to
+    the compute dtype, or kept float32). The matmul weights are the ones cast: a router or a norm
+    scale cast to bf16 would change the routing, a weight left in float32 would be gathered in float32."""
+    import dataclasses
 
-    declared = {k if isinstance(k, str) else k[0] for k in _PARAM_AXES}
-    assert declared == COMPUTE_LEAVES | FLOAT32_LEAVES and not COMPUTE_LEAVES & FLOAT32_LEAVES
+    from zoo.model import CausalLM
+    from zoo.nn import GatedMLP, GQAttention, MLAttention, MoE, RMSNorm
+    from zoo.nn.moe_dispatch import EXPERT_AXES, ExpertWeights
+    from zoo.sharding import LOGICAL_AXES, Leaf
+
+    blocks = (CausalLM, GQAttention, MLAttention, GatedMLP, MoE, ExpertWeights, RMSNorm)
+    cast = set()
+    for cls in blocks:
+        fields = {f.name for f in dataclasses.fields(cls)}
+        for name, leaf in cls.PARAMS.items():
+            assert name in fields, f"{cls.__name__}.PARAMS declares {name!r}, which is no field"
+            assert isinstance(leaf, Leaf) and isinstance(leaf.compute, bool)
+            assert all(a is None or a in LOGICAL_AXES for a in leaf.axes), f"{cls.__name__}.{name}: {leaf.axes}"
+            if leaf.compute:
+                cast.add(name)
+    assert cast == {"embed", "lm_head", "wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo", "wq_a", "wq_b", "wkv_a", "wk_b",
+                    "wv_b", "w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down"}
+    # The routed experts' axes the dispatch reads are the MoE block's declaration, not a copy.
+    assert EXPERT_AXES == {k: v.axes for k, v in ExpertWeights.PARAMS.items()}
+    assert all(MoE.PARAMS[k] is ExpertWeights.PARAMS[k] for k in EXPERT_AXES)
+
+
+def test_an_undeclared_leaf_is_an_error_naming_it():
+    """A block with a weight its PARAMS does not declare is refused, in one line naming the class and
+    the field, by the specs and by the compute cast: never sharded or gathered by a guess."""
+    from typing import ClassVar
+
+    import equinox as eqx
+    import jax.numpy as jnp
+
+    from zoo import sharding as zs
+    from zoo.nn import GatedMLP
+
+    class GatedMLPWithScale(GatedMLP):
+        w_scale: jax.Array
+
+        def __init__(self):
+            super().__init__(8, 16, key=jax.random.key(0))
+            self.w_scale = jnp.ones((8,))
+
+    block = GatedMLPWithScale()
+    rules = mesh_preset("fsdp_tp").rules
+    message = r"^sharding: GatedMLPWithScale.w_scale \(leaf w_scale\) is not declared; add 'w_scale' to GatedMLPWithScale.PARAMS[^\n]*$"
+    with pytest.raises(ShardingError, match=message):
+        param_specs(block, rules)
+    mesh = zs.make_mesh(zs.MeshShape(1, 1, 1, 1))
+    with zs.activate(mesh, rules), pytest.raises(ShardingError, match=message):
+        zs.cast_for_compute(block, "bfloat16")
+
+    class Declared(GatedMLPWithScale):
+        PARAMS: ClassVar[dict] = {**GatedMLP.PARAMS, "w_scale": zs.float32("embed")}
+
+    assert tuple(param_specs(Declared(), rules).w_scale) == ("fsdp",)
+    with zs.activate(mesh, rules):
+        cast = zs.cast_for_compute(Declared(), "bfloat16")
+    assert cast.w_scale.dtype == jnp.float32 and cast.w_gate.dtype == jnp.bfloat16
+    assert eqx.is_array(cast.w_up)
 
 
 def test_indivisible_dim_names_the_mesh_axis():

@@ -17,7 +17,7 @@ import contextlib
 import dataclasses
 import functools
 import math
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, ClassVar, Optional, Sequence, Union
 
 import equinox as eqx
 import jax
@@ -46,6 +46,7 @@ LayerWrapper = Callable[[LayerFn], LayerFn]
 LayerCache = Union[KVCache, LatentCache]
 
 
+@tags.declares
 class DecoderBlock(eqx.Module):
     attn_norm: RMSNorm
     attn: Union[GQAttention, MLAttention]
@@ -53,6 +54,12 @@ class DecoderBlock(eqx.Module):
     ffn_norm: RMSNorm
     ffn: Union[GatedMLP, MoE]
     post_ffn_norm: Optional[RMSNorm]
+
+    # zoo.tags: the layer input, which no recomputation can produce (0 FLOPs). Its parameters are its
+    # blocks', which declare them.
+    EMITS: ClassVar[tuple[tags.Emit, ...]] = (
+        tags.Emit(tags.TagInfo(tags.DECODER_LAYER_INPUT, "B T D", "residual stream entering a decoder layer", tags.LAYER, (("batch", "seq", "embed"),)), lambda s: 0.0),
+    )
 
     def __call__(
         self,
@@ -368,6 +375,9 @@ class CausalLM(eqx.Module):
     lm_head: Optional[Float[Array, "embed vocab"]]  # None when tied to the embedding
     config: ModelConfig = eqx.field(static=True)
 
+    # zoo.sharding: the embedding and the output head, both cast to the compute dtype before a gather.
+    PARAMS: ClassVar[dict[str, zs.Leaf]] = {"embed": zs.compute("vocab", "embed"), "lm_head": zs.compute("embed", "vocab")}
+
     def __init__(self, config: ModelConfig, *, key: PRNGKeyArray):
         ke, ks, kh = jax.random.split(key, 3)
         c = config
@@ -403,7 +413,7 @@ class CausalLM(eqx.Module):
         c = self.config
         table = self.embed
         if not c.scale_embeddings:
-            table = zs.cast_for_compute({"embed": table}, c.compute_dtype)["embed"]  # gathered in the compute dtype
+            table = zs.cast_for_compute(table, c.compute_dtype, declared=self.PARAMS["embed"])  # gathered in the compute dtype
         x = vocab_parallel_lookup(table, tokens)
         if x is None:
             # The lookup reads whole rows: give it the table gathered over its embed dim, so each device
@@ -421,15 +431,15 @@ class CausalLM(eqx.Module):
         """The output projection `[embed, vocab]` in the compute dtype (the embedding's transpose when tied)."""
         cdt = self.config.compute_dtype
         if self.lm_head is None:
-            return zs.cast_for_compute({"embed": self.embed}, cdt)["embed"].T.astype(cdt)
-        return zs.cast_for_compute({"lm_head": self.lm_head}, cdt)["lm_head"].astype(cdt)
+            return zs.cast_for_compute(self.embed, cdt, declared=self.PARAMS["embed"]).T.astype(cdt)
+        return zs.cast_for_compute(self.lm_head, cdt, declared=self.PARAMS["lm_head"]).astype(cdt)
 
     def logits(self, hidden: Float[Array, "batch seq embed"]) -> Float[Array, "batch seq vocab"]:
         c = self.config
         if self.lm_head is None:
             # Contract the embedding's own embed axis: its transpose, in a one-token decode step,
             # became a loop fusion that re-laid the whole [vocab, embed] table out every token.
-            table = zs.cast_for_compute({"embed": self.embed}, c.compute_dtype)["embed"].astype(c.compute_dtype)
+            table = zs.cast_for_compute(self.embed, c.compute_dtype, declared=self.PARAMS["embed"]).astype(c.compute_dtype)
             logits = jnp.einsum("BTD,VD->BTV", hidden, table, preferred_element_type=jnp.float32)
         else:
             logits = jnp.einsum("BTD,DV->BTV", hidden, self.head_weight(), preferred_element_type=jnp.float32)

@@ -372,18 +372,18 @@ def keep_all_but_transfers(prim, *_, **__) -> bool:
 
 
 def layer_weight_shapes(model_config) -> frozenset:
-    """The shapes of one layer's matmul weights (`zoo.sharding.COMPUTE_LEAVES`, the ones cast to the
-    compute dtype), without the stacks' leading layer axis; empty when the model computes in its
+    """The shapes of one layer's matmul weights (the leaves their blocks declare `zoo.sharding.compute`,
+    the ones cast to the compute dtype), without the stacks' leading layer axis; empty when the model computes in its
     parameters' dtype (nothing is cast)."""
     import numpy as np
 
-    from zoo.sharding import COMPUTE_LEAVES
+    from zoo.sharding import leaf_declaration
 
     if np.dtype(model_config.compute_dtype) == np.dtype(model_config.param_dtype):
         return frozenset()
-    stacks = abstract(model_config).stacks
-    leaves = jax.tree_util.tree_leaves_with_path(tuple(s.layers for s in stacks))
-    return frozenset(tuple(x.shape[1:]) for path, x in leaves if getattr(path[-1], "name", None) in COMPUTE_LEAVES)
+    layers = tuple(s.layers for s in abstract(model_config).stacks)
+    leaves = jax.tree_util.tree_leaves_with_path(layers)
+    return frozenset(tuple(x.shape[1:]) for path, x in leaves if leaf_declaration(layers, path).compute)
 
 
 def keep_all_but_weight_casts(weight_shapes: frozenset) -> Callable:

@@ -1140,33 +1140,22 @@ def _stack_layers(config, stack: str) -> list[int]:
 
 
 def producer_flops(config, tag: str, stack: str, batch: int, seq: int) -> float:
-    """Forward FLOPs, per layer and device, of the op that produces `tag` from its inputs.
-
-    Matmuls: 2 * output elements * contraction. Attention (`context`): scores and context products
-    over the keys a query attends (causal: T/2; sliding: the window, as `zoo.config.flops_per_token`
-    counts them), averaged over the stack's layers. Norms (`mla_q`, `mla_kv`): about 5 FLOPs per
-    element. The layer input cannot be recomputed: 0.
+    """Forward FLOPs, per layer and device, of the op that produces `tag` from its inputs: the formula
+    its block declares beside its maths (`EMITS` of the blocks in zoo.nn and zoo.model.DecoderBlock),
+    given this stack's shapes (`zoo.tags.FlopShape`). Matmuls: 2 * output elements * contraction;
+    attention (`context`) over the keys a query attends, averaged over the stack's layers; the layer
+    input cannot be recomputed: 0.
     """
     from zoo.config import attended_keys
+    from zoo.model import DecoderBlock
+    from zoo.nn import GatedMLP, GQAttention, MLAttention, MoE
+    from zoo.tags import FlopShape
 
     c = config
     n = batch * seq
-    d = c.hidden_size
     layers = _stack_layers(c, stack)
     moe_stack = all(c.is_moe_layer(i) for i in layers)
     keys = sum(attended_keys(seq, c.layer_spec(i).window) for i in layers) / len(layers)
-    nh = c.num_heads
-    qk, v = c.qk_head_dim, c.v_head_dim
-    if not c.uses_mla:
-        kh, h = c.num_kv_heads, c.head_dim
-        q_in, k_flops, v_flops = d, 2 * n * d * kh * h, 2 * n * d * kh * h
-        q_out = nh * h
-    else:
-        m = c.mla
-        q_in = m.q_lora_rank or d
-        q_out = nh * qk
-        k_flops = 2 * n * m.kv_lora_rank * nh * m.qk_nope_head_dim
-        v_flops = 2 * n * m.kv_lora_rank * nh * v
     if moe_stack:
         mo = c.moe
         ffn = mo.moe_intermediate_size * mo.n_shared_experts
@@ -1178,34 +1167,15 @@ def producer_flops(config, tag: str, stack: str, batch: int, seq: int) -> float:
             rows = n * mo.num_experts_per_tok
     else:
         ffn, rows = c.intermediate_size, 0
-    table = {
-        "decoder_layer_input": 0.0,
-        "query_proj": 2 * n * q_in * q_out,
-        "key_proj": k_flops,
-        "value_proj": v_flops,
-        "context": 2 * batch * nh * seq * keys * (qk + v),
-        "out_proj": 2 * n * nh * v * d,
-        "mlpwi_0": 2 * n * d * ffn,
-        "mlpwi_1": 2 * n * d * ffn,
-        "mlpwo": 2 * n * ffn * d,
-    }
-    if c.uses_mla:
-        m = c.mla
-        table.update(
-            {
-                "query_wa_proj": 2 * n * d * (m.q_lora_rank or 0),
-                "mla_q": 5 * n * (m.q_lora_rank or 0),
-                "kv_wa_proj": 2 * n * d * (m.kv_lora_rank + m.qk_rope_head_dim),
-                "mla_kv": 5 * n * m.kv_lora_rank,
-            }
-        )
+    # The blocks of this stack's layers (the dense MLP's formula serves the shared experts too).
+    blocks = [DecoderBlock, MLAttention if c.uses_mla else GQAttention, GatedMLP]
     if c.moe is not None and any(c.is_moe_layer(i) for i in layers):
-        i = c.moe.moe_intermediate_size
-        table.update({"moe_mlpwi_0": 2 * rows * d * i, "moe_mlpwi_1": 2 * rows * d * i, "moe_mlpwo": 2 * rows * i * d})
+        blocks.append(MoE)
+    table = {e.tag.name: e.flops for b in blocks for e in b.EMITS}
     if tag not in table:
-        # A tag this stack emits that no formula here covers would cost 0 FLOPs to recompute.
-        raise ValueError(f"zoo.plan.producer_flops: no FLOP count for tag {tag!r} on stack {stack!r}; add its producer to the table")
-    return float(table[tag])
+        # A tag this stack emits that no block declares a formula for would cost 0 FLOPs to recompute.
+        raise ValueError(f"zoo.plan.producer_flops: no FLOP count for tag {tag!r} on stack {stack!r}; declare it in its block's EMITS")
+    return float(table[tag](FlopShape(c, batch, seq, n, keys, ffn, rows)))
 
 
 def layer_forward_flops(config, stack: str, batch: int, seq: int) -> float:
@@ -1231,7 +1201,7 @@ def per_device_shape(tag: str, shape: Sequence[int], rules=None, sizes=None) -> 
     if not layouts:
         raise PlanError(
             f"model: tag {tag!r} traced as shape {tuple(shape)}, which none of its logical axes in zoo.tags "
-            f"({TAGS[tag].axes if tag in TAGS else 'none'}) describes; give the tag its layout there"
+            f"({TAGS[tag].axes if tag in TAGS else 'none'}) describes; give the tag its layout in its block's EMITS"
         )
     if rules is None:
         return tuple(shape)

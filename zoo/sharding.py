@@ -7,15 +7,17 @@ an earlier dim of the same array is skipped (so `batch -> [data, fsdp]` and `emb
 activations `[batch seq embed]` the spec `((data, fsdp), None, None)` and weights `[embed mlp]` the
 spec `(fsdp, tensor)`).
 
-Parameters get their logical axes from their field name (`param_logical_axes`); leaves of a
-scanned layer stack carry a leading `layers` axis that is never sharded.
+Parameters get their logical axes and their dtype in use from the block that holds them: each
+block class declares its array fields in `PARAMS` (field -> `Leaf`, beside its maths), and
+`param_logical_axes` / `cast_for_compute` ask the owning module of each leaf; an undeclared field is
+an error. Leaves of a scanned layer stack carry a leading `layers` axis that is never sharded.
 """
 
 import contextlib
 import contextvars
 import dataclasses
 import math
-from typing import Any, Iterator, Mapping, Optional, Sequence
+from typing import Iterator, Mapping, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -39,42 +41,29 @@ DEFAULT_RULES: dict[str, list[str]] = {
     "latent": ["fsdp"],  # MLA's q/kv latent dims (the up-projections' inputs)
 }
 
-# Field name -> logical axes of the leaf (without the stacked `layers` axis). Fields whose shape
-# differs between blocks are keyed by (name, ndim). `None` stands for a dim that is never sharded.
-_PARAM_AXES: dict[Any, tuple[Optional[str], ...]] = {
-    "embed": ("vocab", "embed"),
-    "lm_head": ("embed", "vocab"),
-    # Llama GQA
-    "wq": ("embed", "heads", None),
-    "wk": ("embed", "kv_heads", None),
-    "wv": ("embed", "kv_heads", None),
-    "wo": ("heads", None, "embed"),  # also MLA's
-    "bq": ("heads", None),
-    "bk": ("kv_heads", None),
-    "bv": ("kv_heads", None),
-    "bo": (None,),
-    "sinks": ("heads",),
-    # DeepSeek-V3 MLA
-    "wq_a": ("embed", None),
-    "wq_b": ("latent", "heads", None),  # [q_lora (or embed without a q LoRA), heads, qk]
-    "wkv_a": ("embed", None),
-    "wk_b": ("latent", "heads", None),
-    "wv_b": ("latent", "heads", None),
-    # SwiGLU (dense layers, shared experts) and routed experts
-    ("w_gate", 2): ("embed", "mlp"),
-    ("w_up", 2): ("embed", "mlp"),
-    ("w_down", 2): ("mlp", "embed"),
-    ("w_gate", 3): ("experts", "embed", "mlp"),
-    ("w_up", 3): ("experts", "embed", "mlp"),
-    ("w_down", 3): ("experts", "mlp", "embed"),
-    "router": ("embed", None),
-    "e_score_correction_bias": (None,),
-    "router_bias": (None,),
-    "b_gate": ("experts", "mlp"),
-    "b_up": ("experts", "mlp"),
-    "b_down": ("experts", "embed"),
-    "weight": (None,),  # RMSNorm
-}
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    """What one array field of a block is, declared beside the block's maths (its `PARAMS`, a dict
+    field name -> Leaf): its logical axes (without a stack's leading `layers` axis; `None` a dim never
+    sharded) and its dtype in use. `compute`: a matmul weight, or a bias added to its output, cast to
+    the compute dtype where it lies, before any gather (`cast_for_compute`); otherwise it stays in its
+    own (float32) dtype where it is used: norm scales, routers, correction biases, sinks.
+    `axes=None`: a leaf that is never sharded by `param_specs` (asking for its axes is an error)."""
+
+    axes: Optional[tuple[Optional[str], ...]]
+    compute: bool
+
+
+def compute(*axes: Optional[str]) -> Leaf:
+    """A leaf cast to the compute dtype before it is gathered (a matmul weight or its output bias)."""
+    return Leaf(tuple(axes), True)
+
+
+def float32(*axes: Optional[str]) -> Leaf:
+    """A leaf used in its own dtype (float32): never cast, gathered as it is."""
+    return Leaf(tuple(axes), False)
+
 
 # Under context parallelism (zoo.train.config.MeshConfig.context_parallel) the rules carry this key too:
 # the mesh axes that keep the sequence split through the whole layer, attention included (a subset of
@@ -186,16 +175,49 @@ def path_str(path) -> str:
     return ".".join(_key_name(k) for k in path)
 
 
-def param_logical_axes(path, ndim: int) -> tuple[Optional[str], ...]:
-    """Logical axes of one model leaf from its field name; stacked layer leaves get a leading `layers`."""
-    names = [_key_name(k) for k in path]
-    stacked = "layers" in names
+def _child(node, key):
+    """The child of pytree node `node` under one path key."""
+    if isinstance(key, jax.tree_util.GetAttrKey):
+        return getattr(node, key.name)
+    if isinstance(key, jax.tree_util.DictKey):
+        return node[key.key]
+    if isinstance(key, jax.tree_util.SequenceKey):
+        return node[key.idx]
+    children = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda x: x is not node)[0]
+    return next(c for p, c in children if p == (key,))
+
+
+def leaf_declaration(tree, path) -> Leaf:
+    """The declaration of the leaf of `tree` at `path`: its owner's (the module holding it) `PARAMS`
+    entry for its field. A leaf whose owner declares no such field is a ShardingError naming both:
+    no weight is sharded, cast or gathered by a guess."""
+    owner = tree
+    for key in path[:-1]:
+        owner = _child(owner, key)
+    field = _key_name(path[-1])
+    declared = getattr(type(owner), "PARAMS", None)
+    if declared is None or field not in declared:
+        raise ShardingError(
+            f"sharding: {type(owner).__name__}.{field} (leaf {path_str(path)}) is not declared; "
+            f"add {field!r} to {type(owner).__name__}.PARAMS (zoo.sharding.compute or float32, with its logical axes)"
+        )
+    return declared[field]
+
+
+def param_logical_axes(tree, path, ndim: int) -> tuple[Optional[str], ...]:
+    """Logical axes of the leaf of `tree` at `path`, as its block declares them (`leaf_declaration`);
+    stacked layer leaves get a leading `layers`."""
+    return _logical(leaf_declaration(tree, path), path, ndim)
+
+
+def _logical(leaf: Leaf, path, ndim: int) -> tuple[Optional[str], ...]:
+    stacked = any(_key_name(k) == "layers" for k in path)
     inner = ndim - 1 if stacked else ndim
-    field = names[-1]
-    axes = _PARAM_AXES.get((field, inner), _PARAM_AXES.get(field))
+    axes = leaf.axes
     if axes is None or len(axes) != inner:
         raise ShardingError(
-            f"sharding: no logical axes for leaf {path_str(path)} (ndim {ndim}); add its field name to zoo.sharding._PARAM_AXES"
+            f"sharding: leaf {path_str(path)} (ndim {ndim}) does not match its declared logical axes {axes}; "
+            f"fix its owner's PARAMS entry"
         )
     return ((LAYERS,) if stacked else ()) + tuple(axes)
 
@@ -224,7 +246,7 @@ def param_specs(tree, rules: Mapping[str, Sequence[str]], mesh_sizes: Optional[M
             return None
         if len(leaf.shape) == 0:
             return PartitionSpec()
-        spec = logical_to_spec(param_logical_axes(path, len(leaf.shape)), rules)
+        spec = logical_to_spec(param_logical_axes(tree, path, len(leaf.shape)), rules)
         if mesh_sizes is not None:
             _check_divisible(path_str(path), leaf.shape, spec, mesh_sizes)
         return spec
@@ -251,30 +273,21 @@ def check_replication(model, specs, mesh_sizes: Mapping[str, int], limit_bytes: 
     for (path, leaf), spec in zip(leaves, spec_leaves):
         nbytes = math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize
         if nbytes > limit_bytes and shard_ways(spec, mesh_sizes) == 1:
-            axes = param_logical_axes(path, len(leaf.shape))
+            axes = param_logical_axes(model, path, len(leaf.shape))
             raise ShardingError(
                 f"mesh.rules: parameter {path_str(path)} ({nbytes / 2**20:.0f} MiB, logical axes {', '.join(a or '-' for a in axes)}) would be "
                 f"replicated on every device; map one of its axes to fsdp in mesh.rules (or raise mesh.max_replicated_mb)"
             )
 
 
-# Matmul weights and the biases added to their outputs: the leaves modules use in the compute dtype.
-# (Norm scales, routers, correction biases and sinks stay in float32 where they are used.)
-COMPUTE_LEAVES = frozenset(
-    ("embed", "lm_head", "wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo", "wq_a", "wq_b", "wkv_a", "wk_b", "wv_b",
-     "w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")
-)
-# The leaves that stay in float32 where they are used. Every leaf of _PARAM_AXES is in exactly one of
-# the two sets (tests/test_sharding.py): a new weight declared in neither would be gathered in float32.
-FLOAT32_LEAVES = frozenset(("sinks", "router", "e_score_correction_bias", "router_bias", "weight"))
-
-
-def cast_for_compute(tree, compute_dtype, *, gather_context: bool = False):
+def cast_for_compute(tree, compute_dtype, *, gather_context: bool = False, declared: Optional[Leaf] = None):
     """Cast the matmul weights of `tree` (a block's or the model's parameters) to the compute dtype
     where they lie, before any all-gather: under an active layout each cast is pinned to the leaf's
     own sharding, so FSDP gathers carry the compute dtype (bf16), not the float32 master weights.
     Without a layout, or when the dtypes agree, the tree is returned as it is. `gather_context`
-    (a layer's weights, under context parallelism): each is also pinned whole over the context axes."""
+    (a layer's weights, under context parallelism): each is also pinned whole over the context axes.
+    `declared`: `tree` is one array taken out of its module, which declares it so (e.g.
+    `CausalLM.PARAMS["embed"]`); otherwise each leaf's owner declares it (`leaf_declaration`)."""
     layout = active()
     compute_dtype = np.dtype(compute_dtype)
     ctx = context_axes() if gather_context else ()
@@ -285,9 +298,12 @@ def cast_for_compute(tree, compute_dtype, *, gather_context: bool = False):
     gathered = {k: [a for a in v if a not in ctx] for k, v in layout.rules.items()} if ctx else None
 
     def one(path, x):
-        if not isinstance(x, jax.Array) or _key_name(path[-1]) not in COMPUTE_LEAVES:
+        if not isinstance(x, jax.Array):
             return x
-        logical = param_logical_axes(path, x.ndim)
+        leaf = declared if declared is not None else leaf_declaration(tree, path)
+        if not leaf.compute:
+            return x
+        logical = _logical(leaf, path, x.ndim)
         regather = ctx and "experts" not in logical  # (routed experts gather their own, zoo.nn.moe_dispatch)
         if x.dtype == compute_dtype and not regather:
             return x

@@ -1,9 +1,13 @@
 """The vocabulary of named intermediates.
 
 Every tensor that a remat/offload policy may keep, offload or recompute is tagged with
-`jax.ad_checkpoint.checkpoint_name` under one of the names below, and only through `tag()`, so
+`jax.ad_checkpoint.checkpoint_name` under one of the names of `TAGS`, and only through `tag()`, so
 a policy can never name a tensor that does not exist (see `emitted_tags`). The names follow
 MaxText so its users feel at home.
+
+Each block declares the tags it emits beside its maths (`EMITS`, a tuple of `Emit`: the tag's record
+and the FLOPs of the op producing it) and registers them with `@declares`; `TAGS` is the union of
+those declarations, and `tag()` refuses a name no block declares.
 
 Each tag belongs to one kind of block, and a model emits the tags of the blocks it has: every model
 has `layer` and `attention`; `mlp` needs a dense MLP (dense layers, or DeepSeek's shared experts),
@@ -19,7 +23,7 @@ buffers) on the capacity path; I moe intermediate.
 import contextlib
 import contextvars
 import dataclasses
-from typing import Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from jax.ad_checkpoint import checkpoint_name
 
@@ -38,6 +42,10 @@ LAYER, ATTENTION, MLP, MLA, MOE = "layer", "attention", "mlp", "mla", "moe"
 OPTIONAL_KINDS = (MLP, MLA, MOE)
 
 
+# Block kinds in vocabulary order: `TAGS` lists the tags kind by kind, whatever order the blocks
+# declaring them were defined in.
+KINDS = (LAYER, ATTENTION, MLP, MLA, MOE)
+
 # The logical axes (zoo.sharding) of a tag's array, one tuple per layout it can have (MoE tags: the
 # ragged rows `A ...` or the capacity buffers `E C ...`), read by the planner to size each tag per
 # device under the run's sharding rules. `batch` and `rows` are the dims the planner traces per
@@ -46,7 +54,7 @@ OPTIONAL_KINDS = (MLP, MLA, MOE)
 # dim no rule splits. Inside a block the sequence is whole (sequence parallelism
 # gathers it before the projections, zoo.sharding.sequence_gathered); only the layer input, between
 # blocks, has `seq`.
-_IN_BLOCK = ("batch", None)
+IN_BLOCK = ("batch", None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,27 +66,37 @@ class TagInfo:
     axes: tuple[tuple[Optional[str], ...], ...] = ()
 
 
-_VOCABULARY = (
-    TagInfo("decoder_layer_input", "B T D", "residual stream entering a decoder layer", LAYER, (("batch", "seq", "embed"),)),
-    TagInfo("query_proj", "B T N H", "queries after the q projection (and its bias), before q-norm and RoPE (MLA: q_b_proj output)", ATTENTION, ((*_IN_BLOCK, "heads", None),)),
-    TagInfo("key_proj", "B T K H", "keys after the k projection (and its bias), before k-norm and RoPE (MLA: per-head nope keys from kv_b_proj)", ATTENTION, ((*_IN_BLOCK, "kv_heads", None),)),
-    TagInfo("value_proj", "B T K H", "values after the v projection (MLA: per-head values from kv_b_proj)", ATTENTION, ((*_IN_BLOCK, "kv_heads", None),)),
-    TagInfo("context", "B T N V", "attention output, before the out projection", ATTENTION, ((*_IN_BLOCK, "heads", None),)),
-    TagInfo("out_proj", "B T D", "attention output after the out projection", ATTENTION, ((*_IN_BLOCK, "embed"),)),
-    TagInfo("mlpwi_0", "B T F", "dense MLP gate projection (before the activation); DeepSeek-V3: dense layers and shared experts", MLP, ((*_IN_BLOCK, "mlp"),)),
-    TagInfo("mlpwi_1", "B T F", "dense MLP up projection", MLP, ((*_IN_BLOCK, "mlp"),)),
-    TagInfo("mlpwo", "B T D", "dense MLP down projection output", MLP, ((*_IN_BLOCK, "embed"),)),
-    TagInfo("query_wa_proj", "B T R", "MLA q down-projection (q_a_proj) output; absent when q_lora_rank is null", MLA, ((*_IN_BLOCK, None),)),
-    TagInfo("mla_q", "B T R", "MLA q latent after its RMSNorm; absent when q_lora_rank is null", MLA, ((*_IN_BLOCK, None),)),
-    TagInfo("kv_wa_proj", "B T L+P", "MLA kv down-projection (kv_a_proj_with_mqa) output: kv latent and the shared rope key", MLA, ((*_IN_BLOCK, None),)),
-    TagInfo("mla_kv", "B T L", "MLA kv latent after its RMSNorm", MLA, ((*_IN_BLOCK, None),)),
-    TagInfo("moe_mlpwi_0", "A I | E C I", "routed experts' gate projection (and bias), tokens sorted or dispatched by expert", MOE, (("rows", "mlp"), ("rows", "rows", "mlp"))),
-    TagInfo("moe_mlpwi_1", "A I | E C I", "routed experts' up projection (and bias)", MOE, (("rows", "mlp"), ("rows", "rows", "mlp"))),
-    TagInfo("moe_mlpwo", "A D | E C D", "routed experts' down projection output (and bias), before combining", MOE, (("rows", "embed"), ("rows", "rows", "embed"))),
-)
+@dataclasses.dataclass(frozen=True)
+class FlopShape:
+    """What a tag's FLOP formula reads (`Emit.flops`), for one layer of a stack on one device:
+    `tokens` = batch * seq; `keys` the keys a query attends, averaged over the stack's layers
+    (`zoo.config.attended_keys`); `ffn` the dense MLP's width on this stack (the shared experts' on an
+    MoE stack); `rows` the routed experts' rows (assignments, or experts x capacity), 0 on a dense stack."""
 
-TAGS: dict[str, TagInfo] = {t.name: t for t in _VOCABULARY}
+    config: Any
+    batch: int
+    seq: int
+    tokens: int
+    keys: float
+    ffn: int
+    rows: int
 
+
+@dataclasses.dataclass(frozen=True)
+class Emit:
+    """A tag a block emits, and the forward FLOPs of the op that produces it from its inputs
+    (`zoo.plan.producer_flops`: what recomputing it costs)."""
+
+    tag: TagInfo
+    flops: Callable[[FlopShape], int | float]  # an int for exact counts; producer_flops makes it a float
+
+
+# The vocabulary: every tag some block declares (`declares`), kind by kind. Filled as the blocks are
+# defined; `import zoo` defines them all (zoo.model), before anything can read it.
+TAGS: dict[str, TagInfo] = {}
+
+
+# The tag names, for the modules that name a tag (each block declares its tags' records, `EMITS`).
 DECODER_LAYER_INPUT = "decoder_layer_input"
 QUERY_PROJ = "query_proj"
 KEY_PROJ = "key_proj"
@@ -97,13 +115,27 @@ MOE_MLPWI_1 = "moe_mlpwi_1"
 MOE_MLPWO = "moe_mlpwo"
 
 
+def declares(cls):
+    """Class decorator of a block: add the tags of its `EMITS` (a tuple of `Emit`) to the vocabulary.
+    Two blocks may emit one tag (GQA and MLA both emit the attention tags) with one TagInfo."""
+    found = dict(TAGS)
+    for e in cls.EMITS:
+        if e.tag.block not in KINDS:
+            raise ValueError(f"{cls.__name__}: tag {e.tag.name!r} has block kind {e.tag.block!r}; the kinds are {KINDS}")
+        if found.setdefault(e.tag.name, e.tag) != e.tag:
+            raise ValueError(f"{cls.__name__}: tag {e.tag.name!r} declared twice, differently")
+    TAGS.clear()
+    TAGS.update(sorted(found.items(), key=lambda kv: KINDS.index(kv[1].block)))  # stable within a kind
+    return cls
+
+
 def tag(x, name: str):
     """Name an intermediate for checkpoint policies. Only names of the vocabulary are allowed.
 
     While `zoo.capture` traces a model and asks for `name`, the value is also kept for it (see
     `layer_scope`)."""
     if name not in TAGS:
-        raise ValueError(f"unknown tag {name!r}; the vocabulary is {sorted(TAGS)}")
+        raise ValueError(f"unknown tag {name!r}: no block declares it (a block's EMITS); the vocabulary is {sorted(TAGS)}")
     scope = _LAYER_SCOPE.get()
     if scope is not None and name in _WANTED.get():
         if name in scope:
@@ -175,7 +207,7 @@ def block_kinds(config) -> tuple[str, ...]:
 def emitted_tags(config) -> tuple[str, ...]:
     """The tags a model built from `config` emits in its forward pass, in vocabulary order."""
     kinds = block_kinds(config)
-    names = [t.name for t in _VOCABULARY if t.block in kinds]
+    names = [t.name for t in TAGS.values() if t.block in kinds]
     if config.uses_mla and config.mla.q_lora_rank is None:
         names = [n for n in names if n not in (QUERY_WA_PROJ, MLA_Q)]
     return tuple(names)

@@ -4,7 +4,7 @@ output biases, per-head q/k RMSNorm, a sliding window, attention sinks, the soft
 their rope. The softmax(q k^T) v core is `zoo.nn.attention_kernels.attend` (XLA, blockwise, cuDNN).
 """
 
-from typing import Optional
+from typing import ClassVar, Optional
 
 import equinox as eqx
 import jax
@@ -14,7 +14,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from zoo import sharding as zs
 from zoo import tags
 from zoo.config import DTypeLike, RopeConfig, dtype_name
-from zoo.lora import project
+from zoo.nn.lora_weight import project
 from zoo.nn._init import normal
 from zoo.nn.attention_kernels import attend
 from zoo.nn.cache import KVCache, cache_slots, from_prompt, visible_slots, write
@@ -23,6 +23,27 @@ from zoo.nn.norm import RMSNorm
 from zoo.nn.rope import Rope
 
 
+# The attention tags; MLA emits them too, with its own FLOPs (zoo.nn.mla).
+QUERY_PROJ = tags.TagInfo(tags.QUERY_PROJ, "B T N H", "queries after the q projection (and its bias), before q-norm and RoPE (MLA: q_b_proj output)", tags.ATTENTION, ((*tags.IN_BLOCK, "heads", None),))
+KEY_PROJ = tags.TagInfo(tags.KEY_PROJ, "B T K H", "keys after the k projection (and its bias), before k-norm and RoPE (MLA: per-head nope keys from kv_b_proj)", tags.ATTENTION, ((*tags.IN_BLOCK, "kv_heads", None),))
+VALUE_PROJ = tags.TagInfo(tags.VALUE_PROJ, "B T K H", "values after the v projection (MLA: per-head values from kv_b_proj)", tags.ATTENTION, ((*tags.IN_BLOCK, "kv_heads", None),))
+CONTEXT = tags.TagInfo(tags.CONTEXT, "B T N V", "attention output, before the out projection", tags.ATTENTION, ((*tags.IN_BLOCK, "heads", None),))
+OUT_PROJ = tags.TagInfo(tags.OUT_PROJ, "B T D", "attention output after the out projection", tags.ATTENTION, ((*tags.IN_BLOCK, "embed"),))
+
+
+def context_flops(s: tags.FlopShape) -> int | float:
+    """Scores and context products over the keys a query attends (causal: T/2; sliding: the window,
+    as `zoo.config.flops_per_token` counts them)."""
+    c = s.config
+    return 2 * s.batch * c.num_heads * s.seq * s.keys * (c.qk_head_dim + c.v_head_dim)
+
+
+def out_proj_flops(s: tags.FlopShape) -> int | float:
+    c = s.config
+    return 2 * s.tokens * c.num_heads * c.v_head_dim * c.hidden_size
+
+
+@tags.declares
 class GQAttention(eqx.Module):
     """Grouped-query attention: query head n reads kv head n // (heads / kv_heads).
 
@@ -47,6 +68,28 @@ class GQAttention(eqx.Module):
     window: Optional[int] = eqx.field(static=True)
     compute_dtype: str = eqx.field(static=True)
     impl: str = eqx.field(static=True)
+
+    # zoo.sharding: each array field's logical axes and dtype in use (matmul weights and their biases
+    # are cast to the compute dtype; the sinks stay float32).
+    PARAMS: ClassVar[dict[str, zs.Leaf]] = {
+        "wq": zs.compute("embed", "heads", None),
+        "wk": zs.compute("embed", "kv_heads", None),
+        "wv": zs.compute("embed", "kv_heads", None),
+        "wo": zs.compute("heads", None, "embed"),
+        "bq": zs.compute("heads", None),
+        "bk": zs.compute("kv_heads", None),
+        "bv": zs.compute("kv_heads", None),
+        "bo": zs.compute(None),
+        "sinks": zs.float32("heads"),
+    }
+    # zoo.tags: the tags it emits, each with its producer's forward FLOPs (matmuls: 2 * outputs * contraction).
+    EMITS: ClassVar[tuple[tags.Emit, ...]] = (
+        tags.Emit(QUERY_PROJ, lambda s: 2 * s.tokens * s.config.hidden_size * (s.config.num_heads * s.config.head_dim)),
+        tags.Emit(KEY_PROJ, lambda s: 2 * s.tokens * s.config.hidden_size * s.config.num_kv_heads * s.config.head_dim),
+        tags.Emit(VALUE_PROJ, lambda s: 2 * s.tokens * s.config.hidden_size * s.config.num_kv_heads * s.config.head_dim),
+        tags.Emit(CONTEXT, context_flops),
+        tags.Emit(OUT_PROJ, out_proj_flops),
+    )
 
     def __init__(
         self,

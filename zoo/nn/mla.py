@@ -1,6 +1,6 @@
 """DeepSeek-V3 multi-head latent attention (MLA)."""
 
-from typing import Optional
+from typing import ClassVar, Optional
 
 import equinox as eqx
 import jax
@@ -10,7 +10,8 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from zoo import sharding as zs
 from zoo import tags
 from zoo.config import DTypeLike, MLAConfig, RopeConfig, dtype_name
-from zoo.lora import project
+from zoo.nn.lora_weight import project
+from zoo.nn import attention as gqa
 from zoo.nn._init import normal
 from zoo.nn.attention_kernels import attend
 from zoo.nn.cache import LatentCache, from_prompt, visible_slots, write
@@ -22,6 +23,12 @@ from zoo.nn.rope import Rope, softmax_scale_multiplier
 LATENT_NORM_EPS = 1e-6
 
 
+def _query_flops(s: tags.FlopShape) -> int | float:
+    c = s.config
+    return 2 * s.tokens * (c.mla.q_lora_rank or c.hidden_size) * (c.num_heads * c.qk_head_dim)
+
+
+@tags.declares
 class MLAttention(eqx.Module):
     """Queries through a low-rank latent (or a plain projection), keys and values through a shared
     compressed latent, and one rope key shared by all heads.
@@ -42,6 +49,42 @@ class MLAttention(eqx.Module):
     softmax_scale: float = eqx.field(static=True)
     compute_dtype: str = eqx.field(static=True)
     impl: str = eqx.field(static=True)
+
+    # zoo.sharding: each weight's logical axes; all are cast to the compute dtype (the latent norms
+    # are RMSNorms, which declare their own). `latent`: the up-projections' inputs.
+    PARAMS: ClassVar[dict[str, zs.Leaf]] = {
+        "wq_a": zs.compute("embed", None),
+        "wq_b": zs.compute("latent", "heads", None),  # [q_lora (or embed without a q LoRA), heads, qk]
+        "wkv_a": zs.compute("embed", None),
+        "wk_b": zs.compute("latent", "heads", None),
+        "wv_b": zs.compute("latent", "heads", None),
+        "wo": zs.compute("heads", None, "embed"),
+    }
+    # zoo.tags: the attention tags (GQA's records, MLA's FLOPs) and the latent ones; the norms cost
+    # about 5 FLOPs per element. The q latent's are 0 when q_lora_rank is null (they are not emitted).
+    EMITS: ClassVar[tuple[tags.Emit, ...]] = (
+        tags.Emit(gqa.QUERY_PROJ, _query_flops),
+        tags.Emit(gqa.KEY_PROJ, lambda s: 2 * s.tokens * s.config.mla.kv_lora_rank * s.config.num_heads * s.config.mla.qk_nope_head_dim),
+        tags.Emit(gqa.VALUE_PROJ, lambda s: 2 * s.tokens * s.config.mla.kv_lora_rank * s.config.num_heads * s.config.v_head_dim),
+        tags.Emit(gqa.CONTEXT, gqa.context_flops),
+        tags.Emit(gqa.OUT_PROJ, gqa.out_proj_flops),
+        tags.Emit(
+            tags.TagInfo(tags.QUERY_WA_PROJ, "B T R", "MLA q down-projection (q_a_proj) output; absent when q_lora_rank is null", tags.MLA, ((*tags.IN_BLOCK, None),)),
+            lambda s: 2 * s.tokens * s.config.hidden_size * (s.config.mla.q_lora_rank or 0),
+        ),
+        tags.Emit(
+            tags.TagInfo(tags.MLA_Q, "B T R", "MLA q latent after its RMSNorm; absent when q_lora_rank is null", tags.MLA, ((*tags.IN_BLOCK, None),)),
+            lambda s: 5 * s.tokens * (s.config.mla.q_lora_rank or 0),
+        ),
+        tags.Emit(
+            tags.TagInfo(tags.KV_WA_PROJ, "B T L+P", "MLA kv down-projection (kv_a_proj_with_mqa) output: kv latent and the shared rope key", tags.MLA, ((*tags.IN_BLOCK, None),)),
+            lambda s: 2 * s.tokens * s.config.hidden_size * (s.config.mla.kv_lora_rank + s.config.mla.qk_rope_head_dim),
+        ),
+        tags.Emit(
+            tags.TagInfo(tags.MLA_KV, "B T L", "MLA kv latent after its RMSNorm", tags.MLA, ((*tags.IN_BLOCK, None),)),
+            lambda s: 5 * s.tokens * s.config.mla.kv_lora_rank,
+        ),
+    )
 
     def __init__(
         self,

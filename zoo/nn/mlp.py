@@ -1,5 +1,5 @@
 import functools
-from typing import Callable
+from typing import Callable, ClassVar
 
 import equinox as eqx
 import jax
@@ -9,7 +9,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 from zoo import sharding as zs
 from zoo import tags
 from zoo.config import DTypeLike, dtype_name
-from zoo.lora import LoRAWeight, project
+from zoo.nn.lora_weight import LoRAWeight, project
 from zoo.nn._init import normal
 
 
@@ -74,6 +74,11 @@ def geglu_tanh(gate: Float[Array, "*rows mlp"], up: Float[Array, "*rows mlp"]) -
 ACTIVATIONS = {"silu": swiglu, "gelu_tanh": geglu_tanh}
 
 
+def _ffn_flops(s: tags.FlopShape) -> int | float:
+    return 2 * s.tokens * s.config.hidden_size * s.ffn
+
+
+@tags.declares
 class GatedMLP(eqx.Module):
     """down(act(gate(x)) * up(x)): SwiGLU with `silu` (Llama, Qwen, DeepSeek-V3's dense layers and
     shared experts), GeGLU with `gelu_tanh` (Gemma 3)."""
@@ -83,6 +88,20 @@ class GatedMLP(eqx.Module):
     w_down: Float[Array, "mlp embed"]
     compute_dtype: str = eqx.field(static=True)
     activation: str = eqx.field(static=True)
+
+    # zoo.sharding: each weight's logical axes; all three are cast to the compute dtype.
+    PARAMS: ClassVar[dict[str, zs.Leaf]] = {
+        "w_gate": zs.compute("embed", "mlp"),
+        "w_up": zs.compute("embed", "mlp"),
+        "w_down": zs.compute("mlp", "embed"),
+    }
+    # zoo.tags: the tags it emits and their producers' forward FLOPs (F: `FlopShape.ffn`, the
+    # dense layers' width, or the shared experts' on an MoE stack).
+    EMITS: ClassVar[tuple[tags.Emit, ...]] = (
+        tags.Emit(tags.TagInfo(tags.MLPWI_0, "B T F", "dense MLP gate projection (before the activation); DeepSeek-V3: dense layers and shared experts", tags.MLP, ((*tags.IN_BLOCK, "mlp"),)), _ffn_flops),
+        tags.Emit(tags.TagInfo(tags.MLPWI_1, "B T F", "dense MLP up projection", tags.MLP, ((*tags.IN_BLOCK, "mlp"),)), _ffn_flops),
+        tags.Emit(tags.TagInfo(tags.MLPWO, "B T D", "dense MLP down projection output", tags.MLP, ((*tags.IN_BLOCK, "embed"),)), lambda s: 2 * s.tokens * s.ffn * s.config.hidden_size),
+    )
 
     def __init__(
         self,

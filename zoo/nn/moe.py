@@ -26,7 +26,7 @@ The routed experts run in `zoo.nn.moe_dispatch.routed_experts` and never run eve
 import contextlib
 import contextvars
 import math
-from typing import Iterator, Optional
+from typing import ClassVar, Iterator, Optional
 
 import equinox as eqx
 import jax
@@ -35,6 +35,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from zoo import sharding as zs
+from zoo import tags
 from zoo.config import DTypeLike, MoEConfig, dtype_name
 from zoo.nn._init import normal
 from zoo.nn.mlp import GatedMLP, swiglu
@@ -201,6 +202,11 @@ def expert_activation(c: MoEConfig):
     return clamped_swiglu
 
 
+def _rows_flops(s: tags.FlopShape) -> int | float:
+    return 2 * s.rows * s.config.hidden_size * s.config.moe.moe_intermediate_size
+
+
+@tags.declares
 class MoE(eqx.Module):
     router: Float[Array, "embed experts"]
     # sigmoid_grouped: the correction bias, a float32 buffer (no gradient, excluded from the optimizer);
@@ -217,6 +223,31 @@ class MoE(eqx.Module):
     config: MoEConfig = eqx.field(static=True)
     compute_dtype: str = eqx.field(static=True)
     impl: str = eqx.field(static=True)
+
+    # zoo.sharding: the router and its biases stay float32 where they are used; the routed experts'
+    # leaves are declared by ExpertWeights (the shared experts are a GatedMLP, which declares its own).
+    PARAMS: ClassVar[dict[str, zs.Leaf]] = {
+        "router": zs.float32("embed", None),
+        "e_score_correction_bias": zs.float32(None),
+        "router_bias": zs.float32(None),
+        **ExpertWeights.PARAMS,
+    }
+    # zoo.tags: the routed experts' tags (emitted in zoo.nn.moe_dispatch) and their producers' FLOPs
+    # over `FlopShape.rows`, the routed rows.
+    EMITS: ClassVar[tuple[tags.Emit, ...]] = (
+        tags.Emit(
+            tags.TagInfo(tags.MOE_MLPWI_0, "A I | E C I", "routed experts' gate projection (and bias), tokens sorted or dispatched by expert", tags.MOE, (("rows", "mlp"), ("rows", "rows", "mlp"))),
+            _rows_flops,
+        ),
+        tags.Emit(
+            tags.TagInfo(tags.MOE_MLPWI_1, "A I | E C I", "routed experts' up projection (and bias)", tags.MOE, (("rows", "mlp"), ("rows", "rows", "mlp"))),
+            _rows_flops,
+        ),
+        tags.Emit(
+            tags.TagInfo(tags.MOE_MLPWO, "A D | E C D", "routed experts' down projection output (and bias), before combining", tags.MOE, (("rows", "embed"), ("rows", "rows", "embed"))),
+            _rows_flops,
+        ),
+    )
 
     def __init__(self, embed: int, c: MoEConfig, *, param_dtype: DTypeLike = "float32", compute_dtype: DTypeLike = "float32", key: PRNGKeyArray):
         kr, kg, ku, kd, ks = jax.random.split(key, 5)

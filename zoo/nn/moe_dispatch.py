@@ -45,7 +45,7 @@ inputs), which tests/test_moe_dispatch.py reads back from the jaxpr.
 
 import dataclasses
 import math
-from typing import Callable, Literal, Optional, Union
+from typing import Callable, ClassVar, Literal, Optional, Union
 
 import equinox as eqx
 import jax
@@ -63,18 +63,6 @@ Impl = Literal["capacity", "ragged"]
 Activation = Callable[[Array, Array], Array]
 Tagger = Callable[[Array, str], Array]
 
-# Logical axes of the routed-expert leaves (the weights as zoo.sharding._PARAM_AXES names them; the
-# biases as GPT-OSS lays them out: one row per expert).
-EXPERT_AXES: dict[str, tuple[str, ...]] = {
-    "w_gate": ("experts", "embed", "mlp"),
-    "w_up": ("experts", "embed", "mlp"),
-    "w_down": ("experts", "mlp", "embed"),
-    "b_gate": ("experts", "mlp"),
-    "b_up": ("experts", "mlp"),
-    "b_down": ("experts", "embed"),
-}
-
-
 class ExpertWeights(eqx.Module):
     """The routed experts' parameters, stacked over experts (biases optional: GPT-OSS has them).
     A stack of layers may add leading dims; the kernel takes one layer's."""
@@ -86,9 +74,24 @@ class ExpertWeights(eqx.Module):
     b_up: Optional[Float[Array, "*layers experts moe_mlp"]] = None
     b_down: Optional[Float[Array, "*layers experts embed"]] = None
 
+    # zoo.sharding: the routed experts' leaves (zoo.nn.moe.MoE declares its own as these), all cast to
+    # the compute dtype; the biases as GPT-OSS lays them out, one row per expert.
+    PARAMS: ClassVar[dict[str, zs.Leaf]] = {
+        "w_gate": zs.compute("experts", "embed", "mlp"),
+        "w_up": zs.compute("experts", "embed", "mlp"),
+        "w_down": zs.compute("experts", "mlp", "embed"),
+        "b_gate": zs.compute("experts", "mlp"),
+        "b_up": zs.compute("experts", "mlp"),
+        "b_down": zs.compute("experts", "embed"),
+    }
+
     @property
     def n_experts(self) -> int:
         return self.w_gate.shape[-3]
+
+
+# Logical axes of the routed-expert leaves, as ExpertWeights (and so the MoE block) declares them.
+EXPERT_AXES: dict[str, tuple[Optional[str], ...]] = {name: leaf.axes for name, leaf in ExpertWeights.PARAMS.items()}
 
 
 def expert_capacity(tokens: int, top_k: int, n_experts: int, capacity_factor: float) -> int:

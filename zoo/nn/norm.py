@@ -1,8 +1,11 @@
+from typing import ClassVar
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from zoo import sharding as zs
 from zoo.config import dtype_name
 
 
@@ -15,6 +18,9 @@ class RMSNorm(eqx.Module):
     weight: Float[Array, " dim"]
     eps: float = eqx.field(static=True)
     weight_offset: float = eqx.field(static=True)
+
+    # zoo.sharding: the scale is small and stays float32 where it is used.
+    PARAMS: ClassVar[dict[str, zs.Leaf]] = {"weight": zs.float32(None)}
 
     def __init__(self, dim: int, *, eps: float = 1e-5, weight_offset: float = 0.0, dtype=jnp.float32):
         self.weight = jnp.full((dim,), 1.0 - weight_offset, dtype_name(dtype, "dtype"))
