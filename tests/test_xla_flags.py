@@ -96,17 +96,24 @@ def test_gpu_host_pool_is_the_profiles_node_budget_when_anything_is_on_host(prof
         assert expected == 894  # 4 x 240 GB, in GiB: well over XLA's 64
 
 
-def test_gpu_host_pool_set_before_jax_starts_and_the_environment_wins(tmp_path):
-    """train.py's startup sets the cap before JAX reads it and records it in summary.json; a value the
-    environment already holds is left alone."""
+def test_gpu_host_pool_set_before_jax_starts(tmp_path):
+    """train.py's startup sets the cap before JAX reads it and records it in summary.json."""
     import json
 
-    base = [sys.executable, str(ROOT / "train.py"), "model=llama_tiny_a", "mesh=single", "xla.cpu_devices=1", "data.batch_size=2",
+    argv = [sys.executable, str(ROOT / "train.py"), "model=llama_tiny_a", "mesh=single", "xla.cpu_devices=1", "data.batch_size=2",
             "data.seq_len=16", "trainer.steps=1", "trainer.progress=false", "xla.cpu_fast_compile=true", "offload=optimizer_host",
-            "hardware=gb200"]  # fmt: skip
-    for name, extra in (("planned", {}), ("mine", {"XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB": "100"})):
-        env = {k: v for k, v in os.environ.items() if k != "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"} | extra
-        p = subprocess.run([*base, f"hydra.run.dir={tmp_path / name}"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-        assert p.returncode == 0, p.stderr[-3000:]
-        pool = json.loads((tmp_path / name / "summary.json").read_text())["gpu_host_pool_gib"]
-        assert pool == ("894" if name == "planned" else "100"), (name, pool)
+            "hardware=gb200", f"hydra.run.dir={tmp_path / 'run'}"]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"}
+    p = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["gpu_host_pool_gib"] == "894"
+
+
+def test_gpu_host_pool_the_environment_wins():
+    """A cap the environment already holds is left alone, and nothing is set once JAX has started."""
+    from zoo.train.run import GPU_HOST_POOL_ENV, set_gpu_host_pool
+
+    assert set_gpu_host_pool(894, environ := {GPU_HOST_POOL_ENV: "100"}, started=False) == "100" and environ == {GPU_HOST_POOL_ENV: "100"}
+    assert set_gpu_host_pool(894, environ := {}, started=False) == "894" and environ == {GPU_HOST_POOL_ENV: "894"}
+    assert set_gpu_host_pool(894, environ := {}, started=True) is None and environ == {}
+    assert set_gpu_host_pool(None, environ := {}, started=False) is None and environ == {}

@@ -129,10 +129,15 @@ def apply_gpu_host_pool(c: TrainConfig) -> Optional[str]:
     """Set the pool's cap before JAX starts unless the environment sets it; the value in effect (None: XLA's default)."""
     from zoo._compat import backends_are_initialized
 
-    gib = gpu_host_pool_gib(c.offload, c.hardware)
-    if gib is not None and GPU_HOST_POOL_ENV not in os.environ and not backends_are_initialized():
-        os.environ[GPU_HOST_POOL_ENV] = str(gib)
-    return os.environ.get(GPU_HOST_POOL_ENV)
+    return set_gpu_host_pool(gpu_host_pool_gib(c.offload, c.hardware), os.environ, started=backends_are_initialized())
+
+
+def set_gpu_host_pool(gib: Optional[int], environ, *, started: bool) -> Optional[str]:
+    """Put `gib` in `environ` unless it holds a cap already (the user's wins) or JAX has started (too
+    late: XLA read it); the value in effect."""
+    if gib is not None and GPU_HOST_POOL_ENV not in environ and not started:
+        environ[GPU_HOST_POOL_ENV] = str(gib)
+    return environ.get(GPU_HOST_POOL_ENV)
 
 
 def start_jax(c: TrainConfig) -> str:
