@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 
 from zoo.config import SIZES, count_params
 from zoo.offload import load_preset
-from zoo.train.config import (ConfigError, DataConfig, HardwareConfig, MeshConfig, OptimizerConfig, TrainConfig,
+from zoo.train.run_config import (ConfigError, DataConfig, HardwareConfig, MeshConfig, OptimizerConfig, TrainConfig,
                               TrainerConfig, XlaConfig)
 from zoo.backend import CPU
 from zoo.train.step import cpu_optimization, run_model_flops

@@ -10,7 +10,7 @@ import sys
 import pytest
 from omegaconf import OmegaConf
 
-from zoo.train.config import ConfigError, XlaConfig, load_group
+from zoo.train.run_config import ConfigError, XlaConfig, load_group
 from zoo.train.run import merged_xla_flags, uses_host_memory
 from zoo.train.xla_flags import GPU_HOST_OFFLOAD_FLAG, GPU_HOST_OFFLOAD_FLAGS, flag_name, known_flag, unknown_flags
 

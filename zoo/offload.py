@@ -14,7 +14,7 @@ Two maps name the tags:
   own kind's tags, so a misspelled or misplaced name is still an error, never a no-op. Entries of
   `tags` win over `block_tags`.
 
-Placement rules, which `zoo.inspect` reads back from the traced program and the tests hold it to:
+Placement rules, which `zoo.tools.inspect_step` reads back from the traced program and the tests hold it to:
 - `offload` -> the forward pass copies the tag to pinned host and the backward pass copies it back;
 - `device` -> the tag is a residual of the forward scan on device;
 - `remat` (and tags left out) -> the backward pass recomputes the tag;
@@ -235,7 +235,7 @@ def range_configs(policy: OffloadConfig) -> list[tuple[LayerRange, OffloadConfig
 
 
 def range_file(r: LayerRange):
-    """The policy file a range names (a value ending in `.yaml`: a path, e.g. one `python -m zoo.plan
+    """The policy file a range names (a value ending in `.yaml`: a path, e.g. one `python -m zoo.tools.plan
     plan.split=true` wrote), or None for a preset name. A missing file is a ValueError naming the key."""
     import pathlib
 
@@ -243,7 +243,7 @@ def range_file(r: LayerRange):
         return None
     path = pathlib.Path(r.preset).expanduser()
     if not path.is_file():
-        raise ValueError(f"offload.ranges.{r.key}: no file {r.preset}; give an existing offload policy YAML (e.g. one zoo.plan wrote) or a preset name")
+        raise ValueError(f"offload.ranges.{r.key}: no file {r.preset}; give an existing offload policy YAML (e.g. one zoo.tools.plan wrote) or a preset name")
     return path
 
 

@@ -15,8 +15,8 @@ and walks the program, sub-programs included (pjit, remat, custom derivatives, s
   not read them, or reads a value derived from them that the forward pass kept).
 
 Nothing here reads the offload config: placement is what the program does. The tools read it through
-this module: `python -m zoo.inspect` (the table and the scale report), `zoo.plan` (the placement a
-plan's policy produces), `zoo.gpu_lowering`. Also here: the optimizer update's buffers
+this module: `python -m zoo.tools.inspect_step` (the table and the scale report), `zoo.tools.plan` (the placement a
+plan's policy produces), `zoo.tools.gpu_lowering`. Also here: the optimizer update's buffers
 (`update_buffers`) and the compiled program's memory (`memory_analysis`).
 """
 

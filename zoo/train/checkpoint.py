@@ -11,7 +11,7 @@ A checkpoint is one orbax step directory `<checkpoint.dir>/<step>/` with two ite
 Orbax writes a step into `<step>.orbax-checkpoint-tmp` and renames it to `<step>` only when every
 item is complete, so a process killed mid-save leaves the previous steps as they were and a
 half-written temporary directory that no restore picks. The data loader needs no state of its own:
-batch k depends on k alone (zoo.train.data, zoo.data), so the step number is the data position.
+batch k depends on k alone (zoo.train.batches, zoo.data), so the step number is the data position.
 
 Before anything compiles, `open()` writes (and deletes) a probe file in the directory, so one that
 cannot be written is refused now rather than at the first save, and takes the directory's lock
@@ -50,7 +50,7 @@ from typing import Any, Callable, Optional
 import jax
 import numpy as np
 
-from zoo.train.config import ConfigError, TrainConfig
+from zoo.train.run_config import ConfigError, TrainConfig
 
 # Model fields that change how the step computes, not what the state holds: a checkpoint may be
 # resumed with other values (the losses then differ from the uninterrupted run's).
@@ -752,7 +752,7 @@ def _restore_params(d: pathlib.Path, step: int, devices, lora_form: str = "merge
     import orbax.checkpoint as ocp
 
     from zoo.model import abstract
-    from zoo.train.config import load_group
+    from zoo.train.run_config import load_group
 
     step_dir = d / str(step)
     path = step_dir / META_FILE

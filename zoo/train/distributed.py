@@ -23,7 +23,7 @@ import threading
 import time
 from typing import Optional
 
-from zoo.train.config import ConfigError, DistributedConfig
+from zoo.train.run_config import ConfigError, DistributedConfig
 
 EXIT_BAD_INPUT = 2
 _SLURM_VARS = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")

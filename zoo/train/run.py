@@ -15,7 +15,7 @@ from omegaconf import DictConfig
 
 from zoo import backend, families
 from zoo.nn.moe import resolve_moe_impl
-from zoo.train.config import ConfigError, HardwareConfig, TrainConfig, TrainingStopped, XlaConfig, load, to_dict, validate
+from zoo.train.run_config import ConfigError, HardwareConfig, TrainConfig, TrainingStopped, XlaConfig, load, to_dict, validate
 from zoo.offload import OffloadConfig
 from zoo.train.xla_flags import GPU_HOST_OFFLOAD_FLAGS, known_flag
 from zoo.train.stop import set_phase
@@ -117,7 +117,7 @@ GPU_HOST_POOL_ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
 
 def gpu_host_pool_gib(offload: OffloadConfig, hardware: HardwareConfig) -> Optional[int]:
     """The pinned-host pool cap for a run that keeps something on host: the host memory the hardware
-    profile gives a node (hardware.host_bytes_per_device x devices_per_node, the budget zoo.plan holds
+    profile gives a node (hardware.host_bytes_per_device x devices_per_node, the budget zoo.tools.plan holds
     a plan to), so a plan that fits its host budget is not stopped by XLA's 64 GiB default. None: nothing
     on host, or a profile without a host budget (hardware=cpu), where XLA's default stays."""
     if not uses_host_memory(offload) or hardware.host_bytes_per_device <= 0:
@@ -177,7 +177,7 @@ def _train(c: TrainConfig, plan, devices, out_dir: pathlib.Path, xla_flags: str,
     from zoo.config import count_params
     from zoo.sharding import ShardingError
     from zoo.train.checkpoint import Checkpoints, probe_writable
-    from zoo.train.data import make_data
+    from zoo.train.batches import make_data
     from zoo.train.evaluate import attach_data
     from zoo.train.metrics import compiled_memory
     from zoo.train.step import Trainer
@@ -587,7 +587,7 @@ def _summary(c: TrainConfig, plan, trainer, state, data, log: StepLog, ckpt, sta
         "peak_memory_bytes": log.peak_device if log.peak_device is not None else estimated,
         "peak_memory_source": "device.memory_stats" if log.peak_device is not None else "compiled.memory_analysis",
         "kernels": kernels(c, plan),
-        # The model layer of each row of metrics.jsonl's per-MoE-layer lists (zoo.report labels by it).
+        # The model layer of each row of metrics.jsonl's per-MoE-layer lists (zoo.tools.report labels by it).
         "moe_layers": moe_layer_indices(c),
         "xla_flags": xla_flags,
         "gpu_host_pool_gib": os.environ.get(GPU_HOST_POOL_ENV),  # XLA:GPU's pinned-host cap (null: XLA's 64 GiB default)

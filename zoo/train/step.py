@@ -2,7 +2,7 @@
 
 `Trainer(cfg, plan)` derives everything from the validated config: the mesh, the NamedShardings of
 params / optimizer state (memory kind from `offload.params` / `offload.opt_state`), the optimizer,
-the remat/offload policy, the sharded init and the jitted step. `zoo.inspect` / `zoo.plan` can lower
+the remat/offload policy, the sharded init and the jitted step. `zoo.tools.inspect_step` / `zoo.tools.plan` can lower
 the same step on abstract inputs (`Trainer.abstract_state`, `Trainer.lower`) without allocating.
 
 The state is a dict `{"params", "opt_state", "step"}`; `params` is the array half of the model
@@ -34,7 +34,7 @@ from zoo.loss import chunked_next_token_loss, target_weights
 from zoo.nn.attention_kernels import segments_bound
 from zoo.nn.moe import router_statistics
 from zoo.offload import remat_policy
-from zoo.train.config import OptimizerConfig, Plan, TrainConfig
+from zoo.train.run_config import OptimizerConfig, Plan, TrainConfig
 from zoo.train.update import UPDATE_SCOPE, accumulate, global_norm, streamed_update, whole_tree_update, zeros_where
 
 
@@ -228,7 +228,7 @@ class Trainer:
         from zoo.hf import load_sharded
 
         from zoo.hf import CheckpointError
-        from zoo.train.config import ConfigError
+        from zoo.train.run_config import ConfigError
 
         try:
             params = load_sharded(self.cfg.pretrained.path, self.cfg.model, self.base_shardings if self.lora is not None else self.param_shardings)

@@ -1,8 +1,8 @@
-"""`python -m zoo.inspect <train.py overrides>`: what went where in train.py's step, per tagged
+"""`python -m zoo.tools.inspect_step <train.py overrides>`: what went where in train.py's step, per tagged
 intermediate, read from the traced program (`zoo.placement`), against what the offload policy asks;
-the compiled step's memory, who holds the HBM, and the scale report (`zoo.scale`).
+the compiled step's memory, who holds the HBM, and the scale report (`zoo.tools.scale`).
 
-It composes the same Hydra config as train.py, builds the same step (`zoo.toolkit.prepare_step`) and
+It composes the same Hydra config as train.py, builds the same step (`zoo.tools.kit.prepare_step`) and
 prints a table; `inspect.json` holds the same. Exit 1 when a tag is not where the policy says.
 """
 
@@ -13,14 +13,14 @@ from typing import Callable, Optional, Sequence
 import jax
 
 from zoo.placement import Placement, placement_from_jaxpr, scan_names, update_buffers
-from zoo.toolkit import fmt_bytes, output_path, prepare_step, run_tool, split_tool_args, text_table
+from zoo.tools.kit import fmt_bytes, output_path, prepare_step, run_tool, split_tool_args, text_table
 
 EXIT_MISMATCH = 1
 
 
 @dataclasses.dataclass
 class InspectOptions:
-    """`inspect.*` keys of `python -m zoo.inspect` (the other arguments are train.py's overrides)."""
+    """`inspect.*` keys of `python -m zoo.tools.inspect_step` (the other arguments are train.py's overrides)."""
 
     out: Optional[str] = None  # null: outputs/inspect/<date>_<time>/inspect.json (under the current directory)
     # Run one real step to read the device's peak memory, where the backend reports it (not CPU).
@@ -279,7 +279,7 @@ def render_holders(h: dict, overrides: Sequence[str] = ()) -> str:
     if h["over_budget"]:
         args = " ".join(a for a in overrides if not a.startswith(("hydra.run.", "hydra.sweep.")))
         out.append(
-            f"  to find what frees the most: python -m zoo.plan {args} plan.holders=true (per-tag offload / remat and state presets, "
+            f"  to find what frees the most: python -m zoo.tools.plan {args} plan.holders=true (per-tag offload / remat and state presets, "
             "with the saving of each)"
         )
     return "\n".join(out)
@@ -305,7 +305,7 @@ def inspect_step(trainer, measure: bool = True, on_compiled: Optional[Callable] 
     devices = list(trainer.mesh.devices.flat)
     measured = None
     if measure and device_memory(devices) is not None:
-        from zoo.train.data import SyntheticData
+        from zoo.train.batches import SyntheticData
 
         data = SyntheticData(trainer.cfg.data, trainer.cfg.model.vocab_size)
         real_state = trainer.init()
@@ -330,7 +330,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         c, plan, devices, trainer, notes = prepare_step(overrides)
         for n in notes:
             print(f"note: {n}")
-        from zoo import scale
+        from zoo.tools import scale
 
         seen = {}
         placement, compiled_mem, measured = inspect_step(
@@ -352,7 +352,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return EXIT_MISMATCH
         return 0
 
-    return run_tool(body, "python -m zoo.inspect", argv)
+    return run_tool(body, "python -m zoo.tools.inspect_step", argv)
 
 
 if __name__ == "__main__":

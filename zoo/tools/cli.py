@@ -18,7 +18,7 @@ from typing import Callable, Optional
 
 from omegaconf import DictConfig
 
-from zoo.train.config import GROUPS, ConfigError, TrainingStopped, _known_keys
+from zoo.train.run_config import GROUPS, ConfigError, TrainingStopped, _known_keys
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
@@ -152,7 +152,7 @@ TRAIN = "python train.py"
 
 
 def _group_options(conf_dir: pathlib.Path, group: str) -> list[str]:
-    """The group's YAML files and the options Python registers (zoo.train.config), base nodes left out."""
+    """The group's YAML files and the options Python registers (zoo.train.run_config), base nodes left out."""
     from hydra.core.config_store import ConfigStore
 
     try:
@@ -241,7 +241,7 @@ def _unknown_key_line(key: str, value: Optional[str]) -> str:
             f"<group>=<option>, set a key with <group>.<key>=<value>)"
         )
     if group == "data" and "." not in rest:
-        from zoo.train.config import foreign_data_key_line
+        from zoo.train.run_config import foreign_data_key_line
 
         # The chosen option does not list the key: it does not read it, so `+` would be silently ignored.
         line = foreign_data_key_line(rest, value)

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zoo.train.config import ConfigError, DataConfig, TrainConfig
+from zoo.train.run_config import ConfigError, DataConfig, TrainConfig
 
 
 def _float64_halves(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

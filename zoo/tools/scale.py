@@ -1,6 +1,6 @@
 """The scale report: what one device holds and moves in the compiled train step.
 
-`python -m zoo.inspect` adds it to its output and to inspect.json (key `scale`), at any size; at the
+`python -m zoo.tools.inspect_step` adds it to its output and to inspect.json (key `scale`), at any size; at the
 real sizes it is the point (`docs/scale.md`: DeepSeek-V3 671B and Llama 3.1 405B on 128 simulated
 CPU devices). Per device:
 
@@ -38,7 +38,7 @@ LARGEST = 12  # collectives listed one by one (by bytes per step)
 
 def state_bytes(trainer) -> dict:
     """Per device: `params`, `grads`, `opt_state`, their `total`; and `global_params` (all devices)."""
-    from zoo.plan import per_device_bytes
+    from zoo.tools.plan import per_device_bytes
 
     params, _ = per_device_bytes(trainer.abstract_params, trainer.param_shardings)
     abstract_opt = jax.eval_shape(trainer.tx.init, trainer.abstract_params)
@@ -167,8 +167,8 @@ def _batch_ways(trainer) -> int:
 
 
 def render(rep: dict) -> str:
-    """The scale report as printed by `python -m zoo.inspect`."""
-    from zoo.toolkit import fmt_bytes, text_table
+    """The scale report as printed by `python -m zoo.tools.inspect_step`."""
+    from zoo.tools.kit import fmt_bytes, text_table
 
     s = rep["state_bytes_per_device"]
     d = rep["dtypes"]

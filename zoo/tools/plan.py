@@ -81,7 +81,7 @@ class PlanError(ValueError):
 
 @dataclasses.dataclass
 class PlanConfig:
-    """`plan.*` keys of `python -m zoo.plan`."""
+    """`plan.*` keys of `python -m zoo.tools.plan`."""
 
     hbm_budget_gb: Optional[float] = None  # null: the hardware profile's hbm_bytes
     host_budget_gb: Optional[float] = None  # pinned host memory per device; null: hardware.host_bytes_per_device (0 there: no budget)
@@ -683,7 +683,7 @@ def holders(p: Problem, e: Estimate, memory: str = "hbm") -> list[Holder]:
         if p.cut_bytes and not p.params_on_host:
             out.append(Holder("the stacks the layer ranges cut (their parameters' slices and joined gradients)", RANGE_CUT_COPIES * p.cut_bytes))
     else:
-        # The update phase: zoo.plan's _fixed_bytes, by holder.
+        # The update phase: zoo.tools.plan's _fixed_bytes, by holder.
         if not _streamed(p):
             out = [
                 Holder("parameters (update)", p.param_bytes, _leaves_detail(p, "params")), Holder("gradients (update)", p.grad_bytes),
@@ -1105,7 +1105,7 @@ def split_line(p: Problem, c, best: Estimate, args: Sequence[str], out=None, nam
             continue
         path = folder / f"{name}_{side}.yaml"
         policy = to_offload_config(dataclasses.replace(split.estimate, assignment=assignment), f"{name}_{side}", c.offload.params, c.offload.opt_state)
-        header = f"The policy of layers {layers} of a split planned by python -m zoo.plan plan.split=true,\nfor offload.ranges (a value ending in .yaml is a file). Tags left out are recomputed."
+        header = f"The policy of layers {layers} of a split planned by python -m zoo.tools.plan plan.split=true,\nfor offload.ranges (a value ending in .yaml is a file). Tags left out are recomputed."
         path.write_text(to_yaml(policy, header))
         lines.append(f"wrote {path}")
         values.append((path.stem, f'"{path}"'))  # quoted for Hydra: a path may hold characters its grammar reserves
@@ -1204,7 +1204,7 @@ def producer_flops(config, tag: str, stack: str, batch: int, seq: int) -> float:
         table.update({"moe_mlpwi_0": 2 * rows * d * i, "moe_mlpwi_1": 2 * rows * d * i, "moe_mlpwo": 2 * rows * i * d})
     if tag not in table:
         # A tag this stack emits that no formula here covers would cost 0 FLOPs to recompute.
-        raise ValueError(f"zoo.plan.producer_flops: no FLOP count for tag {tag!r} on stack {stack!r}; add its producer to the table")
+        raise ValueError(f"zoo.tools.plan.producer_flops: no FLOP count for tag {tag!r} on stack {stack!r}; add its producer to the table")
     return float(table[tag])
 
 
@@ -1626,7 +1626,7 @@ def use_plan_lines(out, overrides: Sequence[str]) -> list[str]:
     search = shlex.quote(f"hydra.searchpath=[file://{out.parent.parent}]")
     return [
         f"train with it: python train.py {args} {search} offload={out.stem}",
-        f"confirm the placement: python -m zoo.inspect {args} {search} offload={out.stem}",
+        f"confirm the placement: python -m zoo.tools.inspect_step {args} {search} offload={out.stem}",
     ]
 
 
@@ -1635,9 +1635,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     import pathlib
     import sys
 
-    from zoo.toolkit import compose, output_path, prepare_step, run_tool, split_tool_args
+    from zoo.tools.kit import compose, output_path, prepare_step, run_tool, split_tool_args
     from zoo.offload import conf_dir
-    from zoo.train.config import load
+    from zoo.train.run_config import load
     from zoo.train.run import start_jax
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -1700,7 +1700,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if best.host_bytes:
                 print(holders_table(p, best, "host"))
         header = (
-            f"Planned by: python -m zoo.plan {' '.join(argv)}\n"
+            f"Planned by: python -m zoo.tools.plan {' '.join(argv)}\n"
             f"Estimated step {1e3 * best.time_s:.3f} ms, HBM peak {_fmt_bytes(best.peak_bytes)} of {_fmt_bytes(p.budget)} per device,\n"
             f"host memory {_fmt_bytes(best.host_bytes)} per device ({_fmt_bytes(best.host_node_bytes)} per node of {p.devices_per_node}).\n"
             f"Tags left out are recomputed."
@@ -1720,7 +1720,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             )
         return 0
 
-    rc = run_tool(body, "python -m zoo.plan", argv)
+    rc = run_tool(body, "python -m zoo.tools.plan", argv)
     for text in after_error:
         print(text)
     return rc

@@ -285,20 +285,20 @@ class HardwareConfig:
     peak_flops: float = 1e12  # dense bf16 FLOP/s per device
     hbm_bytes: int = 0  # device memory
     host_link_gbps: float = 0.0  # host <-> device bandwidth, GB/s per direction
-    # Measured dense matmul FLOP/s (python -m zoo.measure_hardware); the planner prefers it to
+    # Measured dense matmul FLOP/s (python -m zoo.tools.measure_hardware); the planner prefers it to
     # peak_flops * plan.flops_efficiency. null: not measured.
     matmul_flops: Optional[float] = None
     nominal: bool = False  # true: peak_flops is a round number, not a datasheet figure
     note: str = ""
-    # What zoo.plan resolves model.attention_impl for when it plans on another machine: the
+    # What zoo.tools.plan resolves model.attention_impl for when it plans on another machine: the
     # platform ("cpu", "gpu"; null: this machine's) and a GPU's CUDA compute capability ("9.0").
     platform: Optional[str] = None
     compute_capability: Optional[str] = None
     # Pinned host memory one device may use (offloaded activations, host-resident state, staging),
-    # zoo.plan's host budget; 0: no budget (the planner refuses nothing for host memory). Profiles
+    # zoo.tools.plan's host budget; 0: no budget (the planner refuses nothing for host memory). Profiles
     # derive it from datasheets (the CPU memory of a node shared by its GPUs), not measurements.
     host_bytes_per_device: int = 0
-    devices_per_node: int = 1  # devices sharing one node's host memory (zoo.plan's per-node figure)
+    devices_per_node: int = 1  # devices sharing one node's host memory (zoo.tools.plan's per-node figure)
 
     def __post_init__(self):
         if self.peak_flops <= 0:
