@@ -17,6 +17,8 @@ import math
 import re
 from typing import Iterable, Optional
 
+from zoo._compat import persistent_cache_bypassed
+
 KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "ragged-all-to-all", "collective-permute")
 
 _BYTES = {
@@ -312,8 +314,6 @@ def compile_with_dumps(lowered, compiler_options: Optional[dict] = None, partiti
     program (`buffer_assignment` reads it). None for a dump XLA did not write."""
     import pathlib
     import tempfile
-
-    from zoo._compat import persistent_cache_bypassed
 
     with tempfile.TemporaryDirectory() as d:
         options = dict(compiler_options or {})

@@ -34,6 +34,7 @@ from typing import Any, Callable, NamedTuple, Optional, Union
 import jax
 
 from zoo.model import RangedPolicy, abstract, split_stacks
+from zoo.sharding import COMPUTE_LEAVES
 from zoo.tags import DECODER_LAYER_INPUT, MLPWO, OPTIONAL_KINDS, TAGS, block_kinds, emitted_tags
 
 
@@ -376,8 +377,6 @@ def layer_weight_shapes(model_config) -> frozenset:
     compute dtype), without the stacks' leading layer axis; empty when the model computes in its
     parameters' dtype (nothing is cast)."""
     import numpy as np
-
-    from zoo.sharding import COMPUTE_LEAVES
 
     if np.dtype(model_config.compute_dtype) == np.dtype(model_config.param_dtype):
         return frozenset()

@@ -30,6 +30,8 @@ import numpy as np
 from jax.extend import core
 
 from zoo._compat import scan_counts
+from zoo.offload import scan_policies
+from zoo.train.update import UPDATE_SCOPE
 
 # Ops that pass a value through unchanged (as far as placement goes).
 _ALIAS_OPS = ("reduce_precision", "sharding_constraint", "copy", "copy_p", "optimization_barrier")
@@ -307,8 +309,6 @@ def scan_names(model, policy=None) -> list[str]:
     """Names of the forward scans the trainer's step runs, in program order: the stacks', or with a
     policy per layer range (`offload.ranges` of the OffloadConfig `policy`) the pieces' the stacks are
     cut into (`<stack>[<first>-<last>]`)."""
-    from zoo.offload import scan_policies
-
     if policy is None or not policy.ranges:
         return stack_names(model)
     return [name for name, _ in scan_policies(policy, model)]
@@ -357,8 +357,6 @@ def update_buffers(closed, scope: Optional[str] = None) -> dict:
 
     Sizes are of the traced values (per device under a sharded step's shardings they are global
     shapes: divide by the ways a leaf is split)."""
-    from zoo.train.update import UPDATE_SCOPE
-
     scope = scope or UPDATE_SCOPE
     found = {"in_loops": [], "outside_loops": [], "moved": [], "loops": 0}
 

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int, Key, PRNGKeyArray
 
-from zoo import backend
+from zoo import backend, lora
 from zoo.model import CausalLM, abstract
 
 MIN_PROMPT_BUCKET = 16
@@ -77,7 +77,6 @@ def dropless(model: CausalLM) -> CausalLM:
     c = model.config
     if c.moe is None or c.moe.impl == "ragged":
         return model
-    from zoo import lora
 
     if lora.has_adapters(model):
         base, adapters, config = lora.detach(model)

@@ -18,7 +18,14 @@ from typing import Callable, Optional
 
 from omegaconf import DictConfig
 
-from zoo.train.run_config import GROUPS, ConfigError, TrainingStopped, _known_keys
+from zoo.offload import ACTIONS, conf_dir
+from zoo.sharding import LOGICAL_AXES
+from zoo.tags import OPTIONAL_KINDS, TAGS
+from zoo.train import distributed, stop
+from zoo.train.checkpoint import DirLock
+from zoo.train.metrics import write_json
+from zoo.train.run import prepare, train
+from zoo.train.run_config import GROUPS, ConfigError, TrainingStopped, _known_keys, foreign_data_key_line
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
@@ -37,10 +44,6 @@ def _hydra_context():
 
 def run_job(cfg: DictConfig) -> None:
     """The body of @hydra.main."""
-    from zoo.train import distributed
-    from zoo.train.metrics import write_json
-    from zoo.train.run import prepare, train
-
     import logging
 
     logging.getLogger("jax").setLevel(logging.WARNING)  # Hydra's logging config would show JAX's INFO lines
@@ -87,11 +90,8 @@ RUN_LOCK = "zoo.run.lock"
 def _hold_run_dir(out_dir: pathlib.Path):
     """Take the run directory's lock (process 0), so that a second run started into the directory of a
     live one stops in one line instead of writing its summary.json over the live run's."""
-    from zoo.train import distributed
-
     if not distributed.is_main_process():
         return None
-    from zoo.train.checkpoint import DirLock
 
     lock = DirLock(out_dir, RUN_LOCK, "hydra.run.dir")
     lock.acquire(print)
@@ -134,8 +134,6 @@ def _output_dir_line(args: list[str]) -> Optional[str]:
     # The processes of one multi-process run share the run directory, and process 0 holds its lock.
     several = any(a.lstrip("+").startswith("distributed.") for a in args) or int(os.environ.get("SLURM_NTASKS", "1") or 1) > 1
     if given and not several and target.is_dir() and (target / RUN_LOCK).exists():
-        from zoo.train.checkpoint import DirLock
-
         lock = DirLock(target, RUN_LOCK, key)
         owner = lock.held_by_another()
         if owner:
@@ -210,10 +208,6 @@ def _parse_error_line(args, tool: str) -> str:
 def _map_key_line(key: str, value: Optional[str]) -> Optional[str]:
     """A key of a map-valued field (offload.tags, offload.block_tags.<kind>, mesh.rules) that the chosen
     option does not list: adding it with `+` works exactly when the name and the value are valid."""
-    from zoo.offload import ACTIONS
-    from zoo.sharding import LOGICAL_AXES
-    from zoo.tags import OPTIONAL_KINDS, TAGS
-
     parts = key.split(".")
     add = f"the chosen {parts[0]} option does not list it; add it with +{key}={value}"
     if parts[:2] == ["offload", "tags"] and len(parts) == 3 or parts[:2] == ["offload", "block_tags"] and len(parts) == 4:
@@ -241,8 +235,6 @@ def _unknown_key_line(key: str, value: Optional[str]) -> str:
             f"<group>=<option>, set a key with <group>.<key>=<value>)"
         )
     if group == "data" and "." not in rest:
-        from zoo.train.run_config import foreign_data_key_line
-
         # The chosen option does not list the key: it does not read it, so `+` would be silently ignored.
         line = foreign_data_key_line(rest, value)
         if line:
@@ -390,8 +382,6 @@ def run_tool(body: Callable[[], int], tool: str, argv=(), doc: Optional[str] = N
 
 
 def _conf_dir() -> pathlib.Path:
-    from zoo.offload import conf_dir
-
     return conf_dir()
 
 
@@ -406,8 +396,6 @@ def main(hydra_main: Callable, conf_dir: pathlib.Path) -> int:
         with _argparse_one_line(TRAIN):
             hydra_main()
     except KeyboardInterrupt:
-        from zoo.train import stop
-
         print(f"error: interrupted (Ctrl-C) while {stop.PHASE}; {stop.PHASE_AFTER}", file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
     except SystemExit as e:

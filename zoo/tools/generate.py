@@ -16,7 +16,11 @@ import sys
 import time
 from typing import Any, Optional, Sequence
 
+from zoo import hf
+from zoo.config import DTYPES, dtype_name
 from zoo.sampling import GenerationError, check_request, decode_compile_options, encode_prompts, generate
+from zoo.tools.cli import run_tool
+from zoo.train.checkpoint import restore_model
 
 LORA_FORMS = ("merged", "attached")  # checkpoint.lora: how a LoRA run's adapters meet the base
 
@@ -99,6 +103,7 @@ def _keys(schema=GenerateOptions, prefix: str = "") -> list[str]:
 
 
 def _load_tokenizer(spec: str, key: str = "tokenizer"):
+    # Not at the top: zoo.data imports grain (about 1.1 s), which a bad command line need not wait for.
     from zoo.data.tokenizer import ByteTokenizer, HFTokenizer
 
     if spec == "bytes":
@@ -125,9 +130,6 @@ def _hf_stop_tokens(directory: pathlib.Path) -> Optional[list[int]]:
 
 def _hf_source(opts: GenerateOptions):
     """(config, load model, tokenizer, default stop tokens) of model.path; the weights load later."""
-    from zoo import hf
-    from zoo.config import DTYPES, dtype_name
-
     directory = pathlib.Path(opts.model.path).expanduser()
     dtypes = {}
     for key in ("dtype", "compute_dtype"):  # named by the user's key, not by the ModelConfig field it sets
@@ -153,8 +155,6 @@ def _hf_source(opts: GenerateOptions):
 
 def _checkpoint_source(opts: GenerateOptions):
     """(config, load model, tokenizer, default stop tokens) of checkpoint.dir."""
-    from zoo.train.checkpoint import restore_model
-
     form = opts.checkpoint.lora
     if form not in LORA_FORMS:
         raise GenerationError(f"checkpoint.lora: got {form!r}; choose {' or '.join(LORA_FORMS)}")
@@ -188,7 +188,7 @@ def run(argv: Sequence[str]) -> int:
     if not prompts:
         raise GenerationError('prompt: no prompt given; add prompt="..." (repeat it for several prompts)')
     config, load, tokenizer, stop = _hf_source(opts) if opts.model.path is not None else _checkpoint_source(opts)
-    from zoo.data.tokenizer import ByteTokenizer
+    from zoo.data.tokenizer import ByteTokenizer  # loaded by now (the tokenizer above)
 
     if tokenizer.vocab_size > config.vocab_size:
         what = "UTF-8 bytes need 256 ids" if isinstance(tokenizer, ByteTokenizer) else f"{tokenizer.name} has {tokenizer.vocab_size} token ids"
@@ -227,8 +227,6 @@ def run(argv: Sequence[str]) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from zoo.tools.cli import run_tool
-
     args = list(sys.argv[1:] if argv is None else argv)
     return run_tool(lambda: run(args), "python -m zoo.tools.generate", args)
 

@@ -26,6 +26,11 @@ import re
 import sys
 from typing import Optional, Sequence
 
+from zoo import model as zoo_model
+from zoo.offload import preset_names, resolve
+from zoo.placement import placement_from_jaxpr, scan_names
+from zoo.tools.kit import prepare_step, run_tool, split_tool_args, text_table
+
 _PLACEMENT = re.compile(r'@annotate_device_placement\([^)]*\)\s*\{[^}]*_xla_buffer_placement = "(\w+)"')
 _MEMORY_KIND = re.compile(r'mhlo\.memory_kind = "(\w+)"')
 HOST = "pinned_host"
@@ -86,23 +91,16 @@ def lower_step(trainer, platforms: Sequence[str] = ("cuda",)):
 
 def offloaded_tags(trainer) -> list[str]:
     """The tags the step's policy sends to host (`offload` actions for tags the model emits)."""
-    from zoo.offload import resolve
-
     return sorted(t for t, a in resolve(trainer.cfg.offload, trainer.cfg.model).items() if a == "offload")
 
 
 def preset_row(overrides: Sequence[str], preset: str) -> dict:
     """One preset's step lowered for cpu and for cuda: the host placements of each, the offloaded tags
     and where the state lives. A preset the model cannot take (a tag it never emits) gives `error`."""
-    from zoo.tools.kit import prepare_step
-
     try:
         trainer = prepare_step([*overrides, f"offload={preset}"])[3]
     except ValueError as e:
         return {"preset": preset, "error": str(e).splitlines()[0]}
-    from zoo import model as zoo_model
-    from zoo.placement import placement_from_jaxpr, scan_names
-
     traced = trace_step(trainer)
     placement = placement_from_jaxpr(traced.jaxpr, scan_names(zoo_model.abstract(trainer.cfg.model), trainer.cfg.offload))
     row = {
@@ -130,8 +128,6 @@ class LowerOptions:
 
 
 def render(rows: list[dict]) -> str:
-    from zoo.tools.kit import text_table
-
     table = [("preset", "offloaded tags", "traced host residuals", "state on host", "cpu: host annotations", "cuda: host annotations",
               "cpu: host memory kinds", "cuda: host memory kinds")]
     notes = []
@@ -150,9 +146,6 @@ def render(rows: list[dict]) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from zoo.tools.kit import run_tool, split_tool_args
-    from zoo.offload import preset_names
-
     argv = list(sys.argv[1:] if argv is None else argv)
 
     def body() -> int:

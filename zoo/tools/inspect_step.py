@@ -12,8 +12,16 @@ from typing import Callable, Optional, Sequence
 
 import jax
 
+from zoo import hlo
+from zoo import model as zoo_model
+from zoo.config import count_params
+from zoo.offload import expected_placement, layer_policies, placement_matches, resolve, scan_policies
 from zoo.placement import Placement, placement_from_jaxpr, scan_names, update_buffers
+from zoo.tools import scale
 from zoo.tools.kit import fmt_bytes, output_path, prepare_step, run_tool, split_tool_args, text_table
+from zoo.train.batches import SyntheticData
+from zoo.train.metrics import compiled_memory, device_memory
+from zoo.train.run import kernels
 
 EXIT_MISMATCH = 1
 
@@ -35,12 +43,6 @@ class InspectOptions:
 def report(c, trainer, placement: Placement, compiled_mem: Optional[dict], measured: Optional[dict], overrides=(), update: Optional[dict] = None) -> dict:
     """inspect.json's content (schema in docs/offload.md: "The inspector"); `update`: `update_buffers`
     of the traced step."""
-    from zoo.config import count_params
-    from zoo.offload import expected_placement, placement_matches, resolve
-
-    from zoo import model as zoo_model
-    from zoo.offload import scan_policies
-
     expected = expected_placement(c.offload, c.model)
     actions = resolve(c.offload, c.model)
     # Per forward scan, the policy its layers run under (a policy per layer range: offload.ranges).
@@ -120,8 +122,6 @@ def range_sections(c, placement: Placement, scans: dict) -> list[dict]:
     """inspect.json's `ranges` (with `offload.ranges`): per consecutive layer segment, where its
     policy comes from (`offload.ranges.<key>` or the top-level `offload`), its preset, its scans, and
     the tags found on host, kept on device, recomputed or unread there."""
-    from zoo.offload import layer_policies
-
     out = []
     for seg in layer_policies(c.offload, c.model.num_layers):
         names = [n for n, p in scans.items() if (p.first, p.stop) == (seg.first, seg.stop)]
@@ -155,8 +155,6 @@ def render_ranges(ranges: Optional[list]) -> list[str]:
 def memory_sections(c, trainer, update: Optional[dict]) -> dict:
     """inspect.json's `kernels` (what this machine runs: attention implementation, routed-expert
     kernel, loss chunk) and `update` (`update_buffers`, with whether the update is streamed)."""
-    from zoo.train.run import kernels
-
     out = {"kernels": kernels(c, trainer.plan)}
     if update is not None:
         out["update"] = {"streamed": trainer.layerwise_update, **update}
@@ -289,10 +287,6 @@ def inspect_step(trainer, measure: bool = True, on_compiled: Optional[Callable] 
     """Trace, compile and (optionally) run the train step: placement, compiled memory, measured peak.
     `on_compiled(compiled, partitioned_hlo_text)` sees the executable (the text is None on one device);
     `on_buffers(buffers)` its buffer assignment (`zoo.hlo.buffer_assignment`; None where XLA wrote none)."""
-    from zoo import hlo
-    from zoo import model as zoo_model
-    from zoo.train.metrics import compiled_memory, device_memory
-
     state, tokens = trainer.abstract_state(), trainer.abstract_tokens()
     traced = trainer.jitted_step().trace(state, tokens)
     placement = placement_from_jaxpr(traced.jaxpr, scan_names(zoo_model.abstract(trainer.cfg.model), trainer.cfg.offload))
@@ -305,8 +299,6 @@ def inspect_step(trainer, measure: bool = True, on_compiled: Optional[Callable] 
     devices = list(trainer.mesh.devices.flat)
     measured = None
     if measure and device_memory(devices) is not None:
-        from zoo.train.batches import SyntheticData
-
         data = SyntheticData(trainer.cfg.data, trainer.cfg.model.vocab_size)
         real_state = trainer.init()
         for step in range(2):
@@ -330,7 +322,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         c, plan, devices, trainer, notes = prepare_step(overrides)
         for n in notes:
             print(f"note: {n}")
-        from zoo.tools import scale
 
         seen = {}
         placement, compiled_mem, measured = inspect_step(

@@ -18,6 +18,10 @@ import sys
 import time
 from typing import Optional, Sequence
 
+from zoo.offload import conf_dir
+from zoo.tools.cli import check_writable
+from zoo.tools.kit import run_tool, split_tool_args
+
 
 @dataclasses.dataclass
 class MeasureOptions:
@@ -144,10 +148,6 @@ def to_yaml(profile: dict) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from zoo.tools.kit import run_tool, split_tool_args
-    from zoo.tools.cli import check_writable
-    from zoo.offload import conf_dir
-
     argv = list(sys.argv[1:] if argv is None else argv)
 
     def body() -> int:

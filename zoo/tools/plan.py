@@ -59,8 +59,21 @@ from typing import Optional, Sequence, Union
 
 import numpy as np
 
+from zoo import model as zoo_model
+from zoo.config import attended_keys, flops_per_token, moe_capacity
+from zoo.model import loss_fn, stack_layout
+from zoo.nn.attention_kernels import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, resolve_impl
 from zoo.nn.moe import resolve_moe_impl
-from zoo.offload import CHECKPOINT_INPUTS, OffloadConfig, backward_never_reads
+from zoo.offload import (
+    CHECKPOINT_INPUTS, OffloadConfig, backward_never_reads, conf_dir, load_preset, preset_names,
+    range_configs, remat_policy, resolve,
+)
+from zoo.placement import inspect_placement, stack_names
+from zoo.sharding import CONTEXT, logical_to_spec
+from zoo.tags import MOE, TAGS, emitted_tags
+from zoo.tools.kit import compose, output_path, prepare_step, run_tool, split_tool_args
+from zoo.train.run import start_jax
+from zoo.train.run_config import load
 
 CHOICES = ("device", "offload", "remat")
 GB = 1e9
@@ -812,8 +825,6 @@ def _layers_in(bounds: dict[str, tuple[int, int]], first: int, last: int) -> dic
 def preset_assignment(p: Problem, config, model_config) -> dict[str, str]:
     """An OffloadConfig's action for every tag of `p`; a tag left at `remat` that cannot be
     recomputed (the layer input) is kept on device, as the scan keeps it."""
-    from zoo.offload import resolve
-
     actions = resolve(config, model_config)
     out = {}
     for t in p.tags:
@@ -825,8 +836,6 @@ def preset_assignment(p: Problem, config, model_config) -> dict[str, str]:
 def with_ranges(p: Problem, policy, model_config) -> Problem:
     """`p` with the layers of `policy.ranges` fixed to their presets' actions (`FixedRange`): the
     estimate counts them so, and the search assigns the other layers' tags."""
-    from zoo.offload import range_configs
-
     bounds = _stack_bounds(p)
     ranges = range_configs(policy)
     fixed = [
@@ -1053,8 +1062,6 @@ def search_split_tags(
 
 def _offload_presets(p: Problem, c) -> dict[str, dict[str, str]]:
     """The activation presets of conf/offload this model takes, one name per distinct assignment."""
-    from zoo.offload import load_preset, preset_names, range_configs
-
     presets = {}
     for name in sorted(preset_names(), key=lambda n: n == "custom"):  # custom (= full until edited) last
         try:  # loaded as a range's preset is: modifiers (params_host, optimizer_host) are refused
@@ -1131,8 +1138,6 @@ def split_line(p: Problem, c, best: Estimate, args: Sequence[str], out=None, nam
 
 def _stack_layers(config, stack: str) -> list[int]:
     """The layer indices of a named stack of the model `config` builds."""
-    from zoo.model import stack_layout
-
     for name, first, period, repeats in stack_layout(config):
         if name == stack:
             return list(range(first, first + period * repeats))
@@ -1147,8 +1152,6 @@ def producer_flops(config, tag: str, stack: str, batch: int, seq: int) -> float:
     counts them), averaged over the stack's layers. Norms (`mla_q`, `mla_kv`): about 5 FLOPs per
     element. The layer input cannot be recomputed: 0.
     """
-    from zoo.config import attended_keys
-
     c = config
     n = batch * seq
     d = c.hidden_size
@@ -1171,8 +1174,6 @@ def producer_flops(config, tag: str, stack: str, batch: int, seq: int) -> float:
         mo = c.moe
         ffn = mo.moe_intermediate_size * mo.n_shared_experts
         if resolve_moe_impl(mo.impl) == "capacity":
-            from zoo.config import moe_capacity
-
             rows = mo.n_routed_experts * moe_capacity(n, mo)
         else:
             rows = n * mo.num_experts_per_tok
@@ -1210,8 +1211,6 @@ def producer_flops(config, tag: str, stack: str, batch: int, seq: int) -> float:
 
 def layer_forward_flops(config, stack: str, batch: int, seq: int) -> float:
     """Forward FLOPs of one layer on one device: the sum of its producers (mlpwo included)."""
-    from zoo.tags import MOE, TAGS, emitted_tags
-
     moe_stack = all(config.is_moe_layer(i) for i in _stack_layers(config, stack))
     # A dense stack of an MoE model emits no routed-expert tags.
     tags = [t for t in emitted_tags(config) if moe_stack or TAGS[t].block != MOE]
@@ -1224,9 +1223,6 @@ def per_device_shape(tag: str, shape: Sequence[int], rules=None, sizes=None) -> 
     each dim of the tag's logical axes (`zoo.tags.TagInfo.axes`) divided by the mesh axes its rule
     gives it (rounded up, as the partitioner pads), a mesh axis used by an earlier dim skipped as in
     `zoo.sharding.logical_to_spec`. No rules: the traced shape."""
-    from zoo.sharding import CONTEXT, logical_to_spec
-    from zoo.tags import TAGS
-
     layouts = [a for a in TAGS[tag].axes if len(a) == len(shape)] if tag in TAGS else []
     if not layouts:
         raise PlanError(
@@ -1369,8 +1365,6 @@ def target_attention_impl(c) -> str:
     the target cannot run is a PlanError naming the key and the choices."""
     import jax
 
-    from zoo.nn.attention_kernels import resolve_impl
-
     m, hw = c.model, c.hardware
     try:
         return resolve_impl(
@@ -1397,8 +1391,6 @@ def attention_working_bytes(impl: str, *, batch: int, seq: int, heads: int, kv_h
       their gradients), the float32 dq / dk / dv accumulators and the per-row statistics;
     - cudnn: the float32 dq accumulator and the softmax statistics (the tiles live in on-chip memory).
     """
-    from zoo.nn.attention_kernels import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q
-
     rows = 3.0 * batch * heads * seq * 4  # logsumexp, delta, running max
     if impl == "xla":
         return 2.0 * batch * heads * seq * seq * 4
@@ -1459,13 +1451,6 @@ def problem_from_config(c, trainer, opts: PlanConfig, hardware_dir=None, attenti
     `attention_impl`: the implementation the target runs (default: `target_attention_impl(c)`)."""
     import jax
     import jax.numpy as jnp
-
-    from zoo import model as zoo_model
-    from zoo.config import flops_per_token
-    from zoo.placement import inspect_placement, stack_names
-    from zoo.model import loss_fn
-    from zoo.offload import remat_policy
-    from zoo.tags import emitted_tags
 
     m = c.model
     attention_impl = attention_impl or target_attention_impl(c)
@@ -1634,11 +1619,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     import json
     import pathlib
     import sys
-
-    from zoo.tools.kit import compose, output_path, prepare_step, run_tool, split_tool_args
-    from zoo.offload import conf_dir
-    from zoo.train.run_config import load
-    from zoo.train.run import start_jax
 
     argv = list(sys.argv[1:] if argv is None else argv)
     after_error: list[str] = []  # printed after the one error line: who holds the memory

@@ -19,6 +19,8 @@ import sys
 import warnings
 from typing import Optional
 
+from zoo.tools.cli import ArgumentParser, ConfigError, check_writable
+
 
 def load_summaries(root: pathlib.Path) -> list[dict]:
     jobs = []
@@ -270,8 +272,6 @@ def run_report(run_dir: pathlib.Path, out: Optional[pathlib.Path] = None) -> Opt
 
 def _main_run(run_dir: pathlib.Path, out: Optional[pathlib.Path]) -> int:
     """`python -m zoo.tools.report RUN_DIR`: the run's expert-load plot, one line on stdout naming it."""
-    from zoo.tools.cli import ConfigError, check_writable
-
     try:
         check_writable((out or run_dir) / RUN_PLOT, "--out" if out else "dir")
     except ConfigError as e:
@@ -286,8 +286,6 @@ def _main_run(run_dir: pathlib.Path, out: Optional[pathlib.Path]) -> int:
 
 
 def main(argv=None) -> int:
-    from zoo.tools.cli import ArgumentParser
-
     p = ArgumentParser(prog="python -m zoo.tools.report", description=__doc__.splitlines()[0])
     p.add_argument(
         "dir", type=pathlib.Path,
@@ -301,7 +299,6 @@ def main(argv=None) -> int:
         return 2
     if (a.dir / "metrics.jsonl").is_file():
         return _main_run(a.dir, a.out)
-    from zoo.tools.cli import ConfigError, check_writable
 
     try:
         check_writable((a.out or a.dir) / "report.md", "--out" if a.out else "dir")
