@@ -138,19 +138,22 @@ def preset_name(model_key: str, p: str) -> str:
 
 
 def merged_flags(env_flags: str, ours: list[str], dropped: Optional[list] = None) -> str:
-    """The environment's XLA_FLAGS plus the group's plus the host-offload flag; the group wins where both
-    set a flag (as train.py). Flags the installed jaxlib does not know are left out and appended to
-    `dropped` (XLA aborts on an unknown flag)."""
-    from zoo.train.xla_flags import GPU_HOST_OFFLOAD_FLAG, unknown_flags
+    """The environment's XLA_FLAGS plus the group's plus the host-offload flag, merged as train.py merges
+    them (`zoo.train.run.merged_xla_flags`: the group wins where both set a flag, the environment's
+    host-offload flag where it sets one) but without the latency hiding scheduler train.py adds to an
+    offloading run: the default group is the baseline without it. Flags the installed jaxlib does not
+    know are left out and appended to `dropped` (XLA aborts on an unknown flag)."""
+    from zoo.train.run import merged_xla_flags
+    from zoo.train.run_config import XlaConfig
+    from zoo.train.xla_flags import GPU_HOST_OFFLOAD_FLAG, flag_name, unknown_flags
 
-    ours = [*ours, f"{GPU_HOST_OFFLOAD_FLAG}=true"]
-    names = {f.split("=", 1)[0] for f in ours}
-    kept = [f for f in (env_flags or "").split() if f.split("=", 1)[0] not in names]
-    flags = kept + ours
-    unknown = set(unknown_flags(flags))
+    names = {flag_name(f) for f in ours}
+    env = [f for f in (env_flags or "").split() if flag_name(f) not in names]
+    unknown = set(unknown_flags([*env, *ours, f"{GPU_HOST_OFFLOAD_FLAG}=true"]))
     if dropped is not None:
-        dropped.extend(f for f in flags if f in unknown and f not in dropped)
-    return " ".join(f for f in flags if f not in unknown)
+        dropped.extend(f for f in [*env, *ours, f"{GPU_HOST_OFFLOAD_FLAG}=true"] if f in unknown and f not in dropped)
+    group = XlaConfig(flags=[f for f in ours if f not in unknown], cpu_ynn_fusions=None)  # a GPU run: no XLA:CPU default
+    return merged_xla_flags(group, " ".join(f for f in env if f not in unknown), host_offload=True, scheduler=False)
 
 
 def is_oom(e: BaseException) -> bool:

@@ -34,7 +34,7 @@ from zoo.train.run_config import (
 )
 from zoo.train.step import Trainer
 from zoo.train.stop import EXIT_REQUEUE, StopSignals, set_phase
-from zoo.train.xla_flags import GPU_HOST_OFFLOAD_FLAGS, known_flag
+from zoo.train.xla_flags import GPU_HOST_OFFLOAD_FLAG, GPU_HOST_OFFLOAD_FLAGS, known_flag
 
 # The XLA flags this process started JAX with (None: not started by us).
 _APPLIED_XLA_FLAGS: Optional[str] = None
@@ -60,11 +60,12 @@ def _flag_name(flag: str) -> str:
     return flag.split("=", 1)[0]
 
 
-def merged_xla_flags(c: XlaConfig, env: Optional[str], host_offload: bool = False) -> str:
+def merged_xla_flags(c: XlaConfig, env: Optional[str], host_offload: bool = False, scheduler: bool = True) -> str:
     """The environment's XLA_FLAGS plus the group's flags; the group wins where both set one flag.
     `host_offload` (some state or tag lives in pinned host memory) adds XLA:GPU's host-offloading
     switch and its latency hiding scheduler (`GPU_HOST_OFFLOAD_FLAGS`), each unless the environment
-    or xla.flags set it; other backends ignore them."""
+    or xla.flags set it; other backends ignore them. `scheduler=False` adds the switch alone: bench/gpu.py's
+    groups, whose default group is the baseline without the scheduler."""
     ours = list(c.flags)
     if c.cpu_devices is not None:
         ours.append(f"--xla_force_host_platform_device_count={c.cpu_devices}")
@@ -73,7 +74,7 @@ def merged_xla_flags(c: XlaConfig, env: Optional[str], host_offload: bool = Fals
     named = names | {_flag_name(f) for f in kept}
     if c.cpu_ynn_fusions is not None and YNN_FLAG not in named and _ynn_flag_known():
         ours.append(f"{YNN_FLAG}={c.cpu_ynn_fusions}")  # a default: the environment or xla.flags win
-    for flag in GPU_HOST_OFFLOAD_FLAGS if host_offload else ():
+    for flag in (GPU_HOST_OFFLOAD_FLAGS if scheduler else (GPU_HOST_OFFLOAD_FLAG,)) if host_offload else ():
         if flag not in named and known_flag(flag) is not False:
             ours.append(f"{flag}=true")
     return " ".join(kept + ours)
