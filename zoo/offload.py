@@ -28,6 +28,7 @@ Placement rules, which `zoo.tools.inspect_step` reads back from the traced progr
 """
 
 import dataclasses
+import pathlib
 import re
 from typing import Any, Callable, NamedTuple, Optional, Union
 
@@ -238,8 +239,6 @@ def range_configs(policy: OffloadConfig) -> list[tuple[LayerRange, OffloadConfig
 def range_file(r: LayerRange):
     """The policy file a range names (a value ending in `.yaml`: a path, e.g. one `python -m zoo.tools.plan
     plan.split=true` wrote), or None for a preset name. A missing file is a ValueError naming the key."""
-    import pathlib
-
     if not r.preset.endswith(".yaml"):
         return None
     path = pathlib.Path(r.preset).expanduser()
@@ -464,8 +463,6 @@ def scan_policies(policy: OffloadConfig, model) -> list[tuple[str, LayerPolicy]]
 
 def conf_dir():
     """The repository's Hydra config directory (`conf/`)."""
-    import pathlib
-
     return pathlib.Path(__file__).resolve().parent.parent / "conf"
 
 

@@ -136,7 +136,7 @@ def tokenizer_token_ids(data: dict, tokenizer: Optional[str] = None) -> dict[str
     nothing: save_pretrained then writes them null rather than guess."""
     if tokenizer is None and data.get("name") != "text":
         return {}
-    from zoo.data import DataError, load_tokenizer  # here, not at the top: zoo.data imports grain (about 1.1 s), wanted only for text data
+    from zoo.data import DataError, load_tokenizer  # not at the top: zoo.data imports grain (about 1.1 s)
 
     try:
         tok = load_tokenizer(tokenizer if tokenizer is not None else data.get("tokenizer"))

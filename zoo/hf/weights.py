@@ -14,6 +14,7 @@ for; train.py runs it before anything compiles.
 """
 
 import dataclasses
+import json
 import pathlib
 import warnings
 from collections.abc import Callable, Sequence
@@ -34,8 +35,6 @@ from zoo.nn.moe import resolve_moe_impl
 
 def load_config(path) -> dict:
     """The parsed config.json of a checkpoint directory; a CheckpointError naming the file otherwise."""
-    import json
-
     directory = pathlib.Path(path)
     if not directory.is_dir():
         raise CheckpointError(f"{directory}: not a directory; pass a Hugging Face checkpoint directory (config.json + *.safetensors)")

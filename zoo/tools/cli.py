@@ -13,6 +13,7 @@ import os
 import pathlib
 import re
 import sys
+import tempfile
 import traceback
 from typing import Callable, Optional
 
@@ -101,8 +102,6 @@ def _hold_run_dir(out_dir: pathlib.Path):
 def _output_dir_line(args: list[str]) -> Optional[str]:
     """Before Hydra creates the output directory (and configures logging, writes .hydra/ into it):
     one line when it cannot be created or written, or a live run holds it; None when it is fine."""
-    import tempfile
-
     if any(a in ("-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "-sc", "--shell-completion") or a.startswith("--cfg") for a in args):
         return None  # nothing is written
     multirun = any(a in ("-m", "--multirun") for a in args)
@@ -343,8 +342,6 @@ class ArgumentParser(argparse.ArgumentParser):
 def check_writable(path, key: str) -> pathlib.Path:
     """Probe, before any long compile, that a file can be written at `path` (creating its folder);
     ConfigError naming `key` otherwise. For tools' output keys (inspect.out, plan.out, ...)."""
-    import tempfile
-
     out = pathlib.Path(path).expanduser()
     if out.is_dir():
         raise ConfigError(f"{key}: {out} is a directory; give a file path, e.g. {key}={out / 'out.json'}")

@@ -7,7 +7,9 @@ prints a table; `inspect.json` holds the same. Exit 1 when a tag is not where th
 """
 
 import dataclasses
+import json
 import re
+import sys
 from typing import Callable, Optional, Sequence
 
 import jax
@@ -310,10 +312,6 @@ def inspect_step(trainer, measure: bool = True, on_compiled: Optional[Callable] 
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    import json
-    import pathlib
-    import sys
-
     argv = list(sys.argv[1:] if argv is None else argv)
 
     def body() -> int:

@@ -53,8 +53,11 @@ policy files that `offload.ranges` takes by path.
 
 import dataclasses
 import itertools
+import json
 import math
+import pathlib
 import re
+import sys
 from typing import Optional, Sequence, Union
 
 import numpy as np
@@ -1082,7 +1085,6 @@ def split_line(p: Problem, c, best: Estimate, args: Sequence[str], out=None, nam
     the train.py command that runs it. A side whose assignment is no preset's is written as a
     policy YAML next to the plan's (`out`: the plan's YAML; `<name>_head.yaml`, `<name>_tail.yaml`),
     which `offload.ranges` takes by path. Returns the lines to print."""
-    import pathlib
     import shlex
 
     n = c.model.num_layers
@@ -1616,10 +1618,6 @@ def use_plan_lines(out, overrides: Sequence[str]) -> list[str]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    import json
-    import pathlib
-    import sys
-
     argv = list(sys.argv[1:] if argv is None else argv)
     after_error: list[str] = []  # printed after the one error line: who holds the memory
 

@@ -12,7 +12,6 @@ successful job uses at most as much memory without being measurably slower, and 
 or uses strictly less memory. Jobs whose ranges overlap are ties, so noise draws no front.
 """
 
-import argparse
 import json
 import pathlib
 import sys

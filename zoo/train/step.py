@@ -25,7 +25,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array, Float
 
-from zoo import backend, lora, offload
+from zoo import backend, lora
 from zoo import model as zoo_model
 from zoo import sharding as zs
 from zoo.config import flops_per_token
