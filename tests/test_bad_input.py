@@ -42,7 +42,7 @@ def train_cmd(*args) -> list[str]:
 
 
 def tool_cmd(tool: str, *args) -> list[str]:
-    return [sys.executable, "-m", f"zoo.{tool}", *args]
+    return [sys.executable, "-m", f"zoo.tools.{tool}", *args]
 
 
 def fingerprint(*paths: pathlib.Path) -> dict:
