@@ -23,8 +23,8 @@ if __name__ == "__main__":
 import hydra
 from omegaconf import DictConfig
 
-from zoo.train.cli import main as cli_main
-from zoo.train.cli import run_job
+from zoo.tools.cli import main as cli_main
+from zoo.tools.cli import run_job
 
 CONF = pathlib.Path(__file__).resolve().parent / "conf"
 

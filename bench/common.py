@@ -3,7 +3,7 @@ project's own train step (`zoo.train.step.Trainer`), what each tag costs the bac
 machine's description, and a per-op profile of one compiled step.
 
 Nothing here imports Hydra, so the GPU image (which has no hydra-core) only needs omegaconf and its
-antlr4 runtime carried as wheels (zoo.train.config reads configs through omegaconf); see
+antlr4 runtime carried as wheels (zoo.train.run_config reads configs through omegaconf); see
 bench/gpu_wheels.sh.
 """
 
@@ -59,7 +59,7 @@ def train_config(model, presets: Sequence[str], batch: int, seq: int, *, steps: 
     `presets`: conf/offload presets merged in order, as `offload=[a,b]` does. Uniform tokens (nothing
     to learn: throughput only), full LLVM optimisation on CPU unless `fast_compile` (smoke tests)."""
     from zoo.offload import load_preset
-    from zoo.train.config import DataConfig, HardwareConfig, MeshConfig, OptimizerConfig, TrainConfig, TrainerConfig, XlaConfig
+    from zoo.train.run_config import DataConfig, HardwareConfig, MeshConfig, OptimizerConfig, TrainConfig, TrainerConfig, XlaConfig
 
     return TrainConfig(
         model=model,
@@ -79,7 +79,7 @@ def make_trainer(c, devices=None):
 
     from zoo.model import abstract
     from zoo.offload import resolve
-    from zoo.train.config import validate
+    from zoo.train.run_config import validate
     from zoo.train.step import Trainer
 
     devices = devices or jax.devices()[:1]
@@ -385,11 +385,11 @@ def profile_step(compiled, state, tokens, steps: int = 2, trace_dir: Optional[st
 
 
 def planner_estimate(c, trainer, budget_bytes: float) -> dict:
-    """zoo.plan's estimate for the policy of `c` (its hardware profile gives the matmul rate and the
+    """zoo.tools.plan's estimate for the policy of `c` (its hardware profile gives the matmul rate and the
     link): step time split into compute / recompute / exposed transfers / state transfers, and the
     HBM peak. A tag the planner cannot recompute (the checkpointed layer's input) counts as kept."""
     from zoo.offload import resolve
-    from zoo.plan import PlanConfig, evaluate, problem_from_config
+    from zoo.tools.plan import PlanConfig, evaluate, problem_from_config
 
     p, info = problem_from_config(c, trainer, PlanConfig(hbm_budget_gb=budget_bytes / 1e9))
     actions = resolve(c.offload, c.model)

@@ -8,7 +8,7 @@ machine's own measured float32 matmul rate, plus compile time against depth.
 For each model and every preset of conf/offload (`custom` left out: it is `full` until set) it
 builds train.py's own step (`zoo.train.step.Trainer`) from the dataclasses, and reports
 
-- what the backward pass keeps, by tag (read from the traced program by `zoo.inspect`): on device,
+- what the backward pass keeps, by tag (read from the traced program by `zoo.tools.inspect_step`): on device,
   on host, recomputed, plus untagged residuals;
 - XLA's compiled memory analysis (device temp and host temp bytes; on CPU host temp is always 0 and
   offloaded residuals count as device temp: XLA:CPU moves no bytes, see docs/offload.md, "The inspector");
@@ -79,7 +79,7 @@ def log(msg: str) -> None:
 
 
 def measure_matmuls(sizes) -> list[dict]:
-    from zoo.measure_hardware import measure_matmul
+    from zoo.tools.measure_hardware import measure_matmul
 
     out = []
     for n in sizes:
@@ -90,7 +90,7 @@ def measure_matmuls(sizes) -> list[dict]:
 
 
 def measure_matmul(n, dtype, repeats, chain):
-    from zoo.measure_hardware import measure_matmul as mm
+    from zoo.tools.measure_hardware import measure_matmul as mm
 
     return mm(n, dtype, repeats=repeats, chain=chain)
 

@@ -8,7 +8,7 @@ XLA group, the largest batch each policy fits, and how much of the transfer time
 What it runs (each part in its own process: XLA reads its flags once per process):
 
 1. `hw`: host<->device bandwidth of one large pinned-host array in each direction, and the dense
-   matmul rate (bf16 8192^3 chains on a GPU), by zoo.measure_hardware's functions.
+   matmul rate (bf16 8192^3 chains on a GPU), by zoo.tools.measure_hardware's functions.
 2. one process per XLA group (conf/xla: `default`, `latency_hiding_pipelined_offload`,
    `latency_hiding`): for a ~1B Llama (`llama_1b`) and a ~1.7B DeepSeek-V3-shaped MoE (`dsv3_2b`,
    routed experts through the capacity kernel) at sequence 4096, the presets none, the family's offload
@@ -19,7 +19,7 @@ What it runs (each part in its own process: XLA reads its flags once per process
    and host temp), the process's device-memory high-water mark (runs go in ascending order of XLA's
    estimate, so it is the run's own peak unless an earlier run peaked higher), the bytes moved to and
    from the host per step (offloaded residuals read from the traced program, plus host-resident state),
-   and the planner's estimate (zoo.plan with the measured rate and link) for none and the offload
+   and the planner's estimate (zoo.tools.plan with the measured rate and link) for none and the offload
    presets in the default group.
 3. `probe` (default flags): for each policy and model, XLA's estimated peak at two batch sizes gives
    bytes per sequence; the predicted largest batch under the device's limit is then run (it should fit)
@@ -138,19 +138,22 @@ def preset_name(model_key: str, p: str) -> str:
 
 
 def merged_flags(env_flags: str, ours: list[str], dropped: Optional[list] = None) -> str:
-    """The environment's XLA_FLAGS plus the group's plus the host-offload flag; the group wins where both
-    set a flag (as train.py). Flags the installed jaxlib does not know are left out and appended to
-    `dropped` (XLA aborts on an unknown flag)."""
-    from zoo.train.xla_flags import GPU_HOST_OFFLOAD_FLAG, unknown_flags
+    """The environment's XLA_FLAGS plus the group's plus the host-offload flag, merged as train.py merges
+    them (`zoo.train.run.merged_xla_flags`: the group wins where both set a flag, the environment's
+    host-offload flag where it sets one) but without the latency hiding scheduler train.py adds to an
+    offloading run: the default group is the baseline without it. Flags the installed jaxlib does not
+    know are left out and appended to `dropped` (XLA aborts on an unknown flag)."""
+    from zoo.train.run import merged_xla_flags
+    from zoo.train.run_config import XlaConfig
+    from zoo.train.xla_flags import GPU_HOST_OFFLOAD_FLAG, flag_name, unknown_flags
 
-    ours = [*ours, f"{GPU_HOST_OFFLOAD_FLAG}=true"]
-    names = {f.split("=", 1)[0] for f in ours}
-    kept = [f for f in (env_flags or "").split() if f.split("=", 1)[0] not in names]
-    flags = kept + ours
-    unknown = set(unknown_flags(flags))
+    names = {flag_name(f) for f in ours}
+    env = [f for f in (env_flags or "").split() if flag_name(f) not in names]
+    unknown = set(unknown_flags([*env, *ours, f"{GPU_HOST_OFFLOAD_FLAG}=true"]))
     if dropped is not None:
-        dropped.extend(f for f in flags if f in unknown and f not in dropped)
-    return " ".join(f for f in flags if f not in unknown)
+        dropped.extend(f for f in [*env, *ours, f"{GPU_HOST_OFFLOAD_FLAG}=true"] if f in unknown and f not in dropped)
+    group = XlaConfig(flags=[f for f in ours if f not in unknown], cpu_ynn_fusions=None)  # a GPU run: no XLA:CPU default
+    return merged_xla_flags(group, " ".join(f for f in env if f not in unknown), host_offload=True, scheduler=False)
 
 
 def is_oom(e: BaseException) -> bool:
@@ -165,7 +168,7 @@ def child_hw(spec: dict) -> dict:
     import jax
 
     from bench import common as C
-    from zoo.measure_hardware import measure_link, measure_matmul
+    from zoo.tools.measure_hardware import measure_link, measure_matmul
 
     dev = jax.devices()[0]
     out = {"env": C.env_info(jax.devices()[:1])}
@@ -187,7 +190,7 @@ def child_hw(spec: dict) -> dict:
 
 
 def _hardware(spec: dict):
-    from zoo.train.config import HardwareConfig
+    from zoo.train.run_config import HardwareConfig
 
     hw = spec.get("hw") or {}
     rate = (hw.get("matmul") or {}).get("flops_per_s")
@@ -656,7 +659,7 @@ def main(argv=None) -> int:
     ap.add_argument("--memory-limit-gb", type=float, default=None, help="the memory limit for the largest-batch prediction (default: the device's)")
     ap.add_argument("--workers", type=int, default=None, help="compile threads (default min(8, cores))")
     ap.add_argument("--plan-only", action="store_true",
-                    help="no runs: zoo.plan's estimate of every (model, preset) at --link-gbps and --matmul-tflops, in this process (CPU is fine)")
+                    help="no runs: zoo.tools.plan's estimate of every (model, preset) at --link-gbps and --matmul-tflops, in this process (CPU is fine)")
     ap.add_argument("--link-gbps", type=float, default=64.0, help="with --plan-only: host link GB/s per direction (default 64, PCIe Gen5)")
     ap.add_argument("--matmul-tflops", type=float, default=None, help="with --plan-only: matmul rate (default: h200_pcie peak x 0.5)")
     ap.add_argument("--hbm-gb", type=float, default=139.0, help="with --plan-only: device memory (default 139, an H200's usable)")
@@ -788,17 +791,17 @@ def render_record(record: dict) -> str:
 
 
 def plan_only(args) -> int:
-    """zoo.plan's estimate for each model and preset of the GPU benchmark (abstract: nothing runs)."""
+    """zoo.tools.plan's estimate for each model and preset of the GPU benchmark (abstract: nothing runs)."""
     import jax
 
     from bench import common as C
-    from zoo.train.config import HardwareConfig
+    from zoo.train.run_config import HardwareConfig
 
     base = TOY if args.toy else REAL
     rate = (args.matmul_tflops or 835.5 * 0.5) * 1e12
     hw = HardwareConfig(name="plan_only", peak_flops=rate, matmul_flops=rate, hbm_bytes=int(args.hbm_gb * 1e9), host_link_gbps=args.link_gbps)
     batch, seq = args.batch or base["batch"], args.seq or base["seq"]
-    print(f"zoo.plan estimates at {rate / 1e12:.0f} TFLOP/s, host link {args.link_gbps:g} GB/s per direction, HBM {args.hbm_gb:g} GB; batch {batch} x {seq}")
+    print(f"zoo.tools.plan estimates at {rate / 1e12:.0f} TFLOP/s, host link {args.link_gbps:g} GB/s per direction, HBM {args.hbm_gb:g} GB; batch {batch} x {seq}")
     print("| model | preset | estimated step (ms) | compute | recompute | exposed transfers | state transfers | HBM peak (GB) | on host (GB) | offload hides |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
     keys = args.models.split(",") if args.models else list(base["models"])

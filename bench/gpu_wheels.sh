@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Wheels bench/gpu.py needs on the GPU image, which has JAX, equinox, optax, jaxtyping, PyYAML and
-# matplotlib but not hydra-core (zoo.train.config registers its groups in Hydra's ConfigStore), omegaconf
+# matplotlib but not hydra-core (zoo.train.run_config registers its groups in Hydra's ConfigStore), omegaconf
 # (configs are read through it) nor its antlr4 runtime.
 # Run here, in the repository root; the wheels land in .whl/ (git-ignored through .git/info/exclude).
 # Then carry .whl to the GPU machine and install them first (see docs/benchmarks.md, "GPU").

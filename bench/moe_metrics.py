@@ -34,8 +34,8 @@ def main() -> int:
     import jax
     import jax.numpy as jnp
 
-    from zoo.toolkit import compose
-    from zoo.train.config import load
+    from zoo.tools.kit import compose
+    from zoo.train.run_config import load
 
     compiled, trainers, compile_s = {}, {}, {}
     for on in (True, False):

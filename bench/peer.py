@@ -51,7 +51,7 @@ def zoo_train_config(d: dict, remat: str, **xla_changes):
     import dataclasses
 
     from bench.common import train_config
-    from zoo.train.config import XlaConfig
+    from zoo.train.run_config import XlaConfig
 
     c = train_config(zoo_model(d), [remat], d["batch"], d["seq"])
     return dataclasses.replace(c, xla=dataclasses.replace(XlaConfig(), **xla_changes))
@@ -110,7 +110,7 @@ def zoo_one(config: str, remat: str, steps: int, json_path=None) -> dict:
 
 
 def matmul_one(json_path) -> dict:
-    from zoo.measure_hardware import measure_matmul
+    from zoo.tools.measure_hardware import measure_matmul
 
     rate = max(measure_matmul(n, "float32", repeats=5, chain=4) for n in (1024, 2048))
     from zoo.train import huge_pages

@@ -1,4 +1,4 @@
-"""Greedy sampling speed, Zoo (`zoo.generate.generate`) against transformers' `generate` (eager,
+"""Greedy sampling speed, Zoo (`zoo.sampling.generate`) against transformers' `generate` (eager,
 float32, greedy, use_cache=True) on the same Qwen2.5-0.5B-sized checkpoint and prompt, on CPU: each
 run in its own process pinned to the same `--threads` cores (torch.set_num_threads for torch), the
 two alternated over rounds (the machine is shared and its speed drifts: compare within a round).
@@ -57,7 +57,7 @@ def build(directory: Path, small: bool) -> None:
 
 def run_zoo(directory: Path, tokens: int, reps: int) -> dict:
     sys.path.insert(0, str(ROOT))
-    from zoo import generate as gen
+    from zoo import sampling as gen
     from zoo import hf
 
     model = hf.from_pretrained(directory)

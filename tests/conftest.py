@@ -30,7 +30,7 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 
 # Start JAX's backend now, with the flags above, so that every in-process test of a worker computes
 # with the same XLA options. Left to the first caller, a test running a command's entry point in-process
-# (zoo.inspect.main, zoo.plan.main) would start it with train.py's CPU defaults (xla.cpu_ynn_fusions),
+# (zoo.tools.inspect_step.main, zoo.tools.plan.main) would start it with train.py's CPU defaults (xla.cpu_ynn_fusions),
 # and the later tests of that worker would compute with YNNPACK's fused dots: in bfloat16 their results
 # then depend on the program, so an exact comparison passed or failed by test order. The commands the
 # tests start as processes still run with train.py's defaults.
@@ -39,9 +39,9 @@ import jax  # noqa: E402
 jax.devices()
 
 # The Hydra options Python defines (every named model size, model=hf, mesh/_defaults) are registered when
-# zoo.train.config is imported, as every Zoo command does before composing; tests that compose conf/ with
+# zoo.train.run_config is imported, as every Zoo command does before composing; tests that compose conf/ with
 # Hydra's API directly get them from here.
-import zoo.train.config  # noqa: E402, F401
+import zoo.train.run_config  # noqa: E402, F401
 
 # Python's cyclic garbage collector at its defaults (a young collection every 700 net allocations, a
 # full one every ~100 of those) spent ~4% of a test worker's CPU: tracing allocates millions of

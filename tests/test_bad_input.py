@@ -42,7 +42,7 @@ def train_cmd(*args) -> list[str]:
 
 
 def tool_cmd(tool: str, *args) -> list[str]:
-    return [sys.executable, "-m", f"zoo.{tool}", *args]
+    return [sys.executable, "-m", f"zoo.tools.{tool}", *args]
 
 
 def fingerprint(*paths: pathlib.Path) -> dict:
@@ -63,7 +63,7 @@ def base(tmp_path_factory):
         cwd=d, env=env(), capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert p.returncode == 0, p.stderr[-3000:]
-    from zoo.export import hf_export
+    from zoo.train.hf_export import hf_export
 
     hf_export(d / "ckpt", d / "hf")
     return d, p.stdout
@@ -108,7 +108,7 @@ def _books(tmp):
 
 
 def _truncate_newest(ckpt):
-    # Every data file, not only the largest: a reader of the parameters alone (zoo.export) need not
+    # Every data file, not only the largest: a reader of the parameters alone (zoo.tools.export) need not
     # open the file that holds the optimizer state, and which file is largest varies between runs.
     for f in (ckpt / "3" / "state").rglob("d/*"):
         f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
@@ -263,15 +263,15 @@ CASES = {
         _ctrl_c_twice,
     ),
     # Checkpoints read by the tools.
-    "zoo.export, newest step damaged": (
+    "zoo.tools.export, newest step damaged": (
         lambda t, d: ((_copy_run(t, d), _truncate_newest(t / "ckpt")) and tool_cmd("export", str(t / "ckpt"), str(t / "out")), t, [t / "ckpt"]),
         (0, r"note: \S+/ckpt: using step 2, the newest step that reads; skipped step 3: .*"),
     ),
-    "zoo.export --adapters-only of a run without LoRA": (
+    "zoo.tools.export --adapters-only of a run without LoRA": (
         lambda t, d: (tool_cmd("export", str(_copy_run(t, d)[1]), str(t / "out"), "--adapters-only"), t, [t / "ckpt"]),
         (2, r"\S+/ckpt: not a LoRA run \(its checkpoint holds the whole model, no adapters\); export it without --adapters-only"),
     ),
-    "zoo.generate, every step without its manifest": (
+    "zoo.tools.generate, every step without its manifest": (
         lambda t, d: (
             (_copy_run(t, d), [m.unlink() for m in (t / "ckpt").glob("*/state/manifest.ocdbt")])
             and tool_cmd("generate", f"checkpoint.dir={t / 'ckpt'}", "prompt=hi", "tokenizer=bytes"),
@@ -279,7 +279,7 @@ CASES = {
         ),
         (2, r"\S+/ckpt: step 1 is unreadable \(state/manifest\.ocdbt is missing\), as are steps 2, 3: no intact checkpoint is left; .*"),
     ),
-    "zoo.report, a job ran no steps": (
+    "zoo.tools.report, a job ran no steps": (
         lambda t, d: (tool_cmd("report", str(_sweep(t, d))), t, [t / "sweep" / "0", t / "sweep" / "1"]),
         (0, r"note: job\(s\) 1 ran no steps, so they have no timing; marked in report\.md"),
     ),
@@ -323,8 +323,8 @@ def test_bad_input_ends_in_one_line_and_changes_no_file(case, base, tmp_path):
 
         last = int(re.search(r"\(last: (\d+) in ", lines[0]).group(1))
         assert restore_model(tmp_path / "ckpt2", last)[1]["step"] == last  # the checkpoint it names reads
-    if case == "zoo.report, a job ran no steps":
+    if case == "zoo.tools.report, a job ran no steps":
         table = (tmp_path / "sweep" / "report.md").read_text()
         assert "| ran no steps (its checkpoint was already at step 3 of trainer.steps=3) |" in table and "| ok |" in table
-    if case == "zoo.export, newest step damaged":
+    if case == "zoo.tools.export, newest step damaged":
         assert "exported step 2 of " in out

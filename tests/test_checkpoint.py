@@ -386,7 +386,7 @@ def test_save_killed_leaves_a_stale_lock_that_the_next_run_takes_over(tmp_path):
     """(In process.) A lock whose process is gone, or whose pid now belongs to a younger process, is
     stale; a live owner's is not, and names it."""
     from zoo.train.checkpoint import DirLock, _process_start
-    from zoo.train.config import ConfigError
+    from zoo.train.run_config import ConfigError
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
@@ -517,8 +517,8 @@ def test_step_times_stay_honest_when_a_save_drains_two_steps_at_once(tmp_path):
             time.sleep(0.05)
             return state + 1, {"loss": np.float32(1.0), "grad_norm": np.float32(1.0)}
 
-    from zoo.toolkit import compose
-    from zoo.train.config import load
+    from zoo.tools.kit import compose
+    from zoo.train.run_config import load
 
     c = load(compose(["model=llama_tiny_a", "data.batch_size=2", "data.seq_len=8", "trainer.steps=12", "trainer.progress=false"]))
     run = Run()

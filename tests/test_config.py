@@ -200,7 +200,7 @@ def test_count_params_tied_and_without_q_lora(name):
 
 
 def test_sizes_table_lists_every_size_with_its_counts(capsys):
-    from zoo import sizes
+    from zoo.tools import sizes
 
     assert sizes.main([]) == 0
     out = capsys.readouterr().out

@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 
 from zoo.config import SIZES, count_params
 from zoo.offload import load_preset
-from zoo.train.config import (ConfigError, DataConfig, HardwareConfig, MeshConfig, OptimizerConfig, TrainConfig,
+from zoo.train.run_config import (ConfigError, DataConfig, HardwareConfig, MeshConfig, OptimizerConfig, TrainConfig,
                               TrainerConfig, XlaConfig)
 from zoo.backend import CPU
 from zoo.train.step import cpu_optimization, run_model_flops
@@ -91,7 +91,7 @@ def test_backend_choices_live_in_one_record_that_train_py_prints():
     from zoo import backend
 
     root = pathlib.Path(__file__).resolve().parents[1] / "zoo"
-    modules = [*root.glob("nn/*.py"), root / "model.py", root / "loss.py", root / "lora.py", root / "generate.py", root / "train" / "step.py"]
+    modules = [*root.glob("nn/*.py"), root / "model.py", root / "loss.py", root / "lora.py", root / "sampling.py", root / "train" / "step.py"]
     found = [
         f"{m.relative_to(root.parent)}:{node.lineno}"
         for m in modules

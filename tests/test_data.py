@@ -562,8 +562,8 @@ def markov_by_steps(d, step: int) -> np.ndarray:
 
 @pytest.mark.parametrize("vocab, branching", [(256, 4), (50, 50)])
 def test_vectorised_markov_batches_equal_the_step_by_step_chain(vocab, branching):
-    from zoo.train.config import DataConfig
-    from zoo.train.data import SyntheticData
+    from zoo.train.run_config import DataConfig
+    from zoo.train.batches import SyntheticData
 
     c = DataConfig(batch_size=8, seq_len=33, branching=branching, seed=7)
     whole = SyntheticData(c, vocab)
@@ -688,7 +688,7 @@ def text_trainer(tiny_llama):
     import jax
 
     from zoo.offload import OffloadConfig
-    from zoo.train.config import DataConfig, HardwareConfig, MeshConfig, OptimizerConfig, TrainConfig, TrainerConfig, XlaConfig, validate
+    from zoo.train.run_config import DataConfig, HardwareConfig, MeshConfig, OptimizerConfig, TrainConfig, TrainerConfig, XlaConfig, validate
     from zoo.train.step import Trainer
 
     cfg, model = tiny_llama
@@ -789,6 +789,6 @@ def test_trainer_takes_packed_batches_and_plain_rows(text_trainer):
     np.testing.assert_array_equal(np.asarray(sharded["tokens"])[0], rows)
     np.testing.assert_array_equal(np.asarray(sharded["positions"])[0], np.broadcast_to(np.arange(24), (4, 24)))
     assert not np.asarray(sharded["segment_ids"]).any() and np.asarray(sharded["loss_mask"]).all()
-    # zoo.inspect and zoo.plan lower the step on these abstract inputs
+    # zoo.tools.inspect_step and zoo.tools.plan lower the step on these abstract inputs
     text = trainer.lower().as_text()
     assert text.count("tensor<1x4x24xi32>") >= len(BATCH_FIELDS)

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from zoo.train.config import ConfigError, DistributedConfig
+from zoo.train.run_config import ConfigError, DistributedConfig
 from zoo.train.distributed import resolve
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

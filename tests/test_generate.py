@@ -1,4 +1,4 @@
-"""Sampling with a KV cache (zoo.generate, CausalLM.prefill / decode_step, zoo.nn.cache).
+"""Sampling with a KV cache (zoo.tools.generate, CausalLM.prefill / decode_step, zoo.nn.cache).
 
 Every family's reference checkpoint (tests/data) generates greedily from two prompts of different
 lengths, one longer than the sliding windows (8) of Gemma 3 and GPT-OSS, so the ring caches wrap;
@@ -20,8 +20,9 @@ import numpy as np
 import pytest
 
 from zoo import backend, families, hf
-from zoo import generate as gen
+from zoo import sampling as gen
 from zoo.data.tokenizer import ByteTokenizer
+from zoo.tools import generate as gen_cli
 
 from tiers import by_family
 
@@ -270,7 +271,7 @@ def test_bad_requests_are_refused_in_one_line_before_compiling(kwargs, message):
 
 
 def _cli(*args, timeout=600):
-    return subprocess.run([sys.executable, "-m", "zoo.generate", *args], capture_output=True, text=True, cwd=ROOT, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "zoo.tools.generate", *args], capture_output=True, text=True, cwd=ROOT, timeout=timeout)
 
 
 def test_cli_bad_input_exits_2_with_one_line_before_compiling():
@@ -287,7 +288,7 @@ def test_cli_bad_input_exits_2_with_one_line_before_compiling():
         (("model.path=tests/data/nowhere", "prompt=hi"), "error: tests/data/nowhere: not a directory"),
         (("checkpoint.dir=tests/data/nowhere", "prompt=hi"), "does not exist; give the checkpoint.dir of a train.py run"),
     ]:
-        out = gen.main(list(args)) if args[0] != llama or "x" * 130 not in args[-1] else None
+        out = gen_cli.main(list(args)) if args[0] != llama or "x" * 130 not in args[-1] else None
         if out is None:  # one through a real process: the exit code and stderr as a shell sees them
             proc = _cli(*args)
             out, err = proc.returncode, proc.stderr
@@ -302,7 +303,7 @@ def test_cli_refuses_a_tokenizer_larger_than_the_models_vocabulary(tmp_path):
     from test_hf_train import write_tokenizer
 
     big = write_tokenizer(tmp_path / "big.json", 300)
-    code = gen.main(["model.path=tests/data/llama_tiny_a", f"tokenizer={big}", "prompt=hi"])
+    code = gen_cli.main(["model.path=tests/data/llama_tiny_a", f"tokenizer={big}", "prompt=hi"])
     _, err = _captured.pop()
     assert code == 2 and err.count("\n") == 1, err
     assert err.startswith("error: tokenizer: ") and "has 300 token ids but the model's vocabulary has 256; give the model's own tokenizer" in err
@@ -313,8 +314,8 @@ _captured: list = []
 
 @pytest.fixture(autouse=True)
 def _capture(capsys):
-    """gen.main's (stdout, stderr), one entry per call, for the in-process CLI checks."""
-    real = gen.main
+    """gen_cli.main's (stdout, stderr), one entry per call, for the in-process CLI checks."""
+    real = gen_cli.main
 
     def main(argv):
         code = real(argv)
@@ -322,9 +323,9 @@ def _capture(capsys):
         _captured.append((out.out, out.err))
         return code
 
-    gen.main = main
+    gen_cli.main = main
     yield
-    gen.main = real
+    gen_cli.main = real
 
 
 # --- the command line ---------------------------------------------------------------------------
@@ -334,10 +335,10 @@ README_COMMAND = ["model.path=tests/data/llama_tiny_a", "tokenizer=bytes", "prom
 
 def test_cli_samples_from_a_hugging_face_directory_as_the_readme_shows(monkeypatch):
     monkeypatch.chdir(ROOT)
-    assert gen.main(README_COMMAND) == 0  # in process: the exit code and stderr through a shell are checked above
+    assert gen_cli.main(README_COMMAND) == 0  # in process: the exit code and stderr through a shell are checked above
     out, err = _captured.pop()
     readme = (ROOT / "docs" / "sampling.md").read_text()
-    command = "$ python -m zoo.generate " + " ".join(a if " " not in a else a.replace("=", '="', 1) + '"' for a in README_COMMAND)
+    command = "$ python -m zoo.tools.generate " + " ".join(a if " " not in a else a.replace("=", '="', 1) + '"' for a in README_COMMAND)
     assert command in readme
     shown = readme.split(command + "\n", 1)[1].split("```", 1)[0]
     assert shown.splitlines()[-1] == out.rstrip("\n")  # the completion, as pasted there
@@ -363,11 +364,11 @@ def test_cli_samples_from_a_train_py_checkpoint(tmp_path):
     model, _ = restore_model(tmp_path / "ckpt")
     expected = gen.generate(model, ["ROMEO:"], 5, tokenizer=ByteTokenizer())[0]  # text data: UTF-8 bytes, eos 0
 
-    assert gen.main([f"checkpoint.dir={tmp_path / 'ckpt'}", "prompt=ROMEO:", "max_new_tokens=5"]) == 0
+    assert gen_cli.main([f"checkpoint.dir={tmp_path / 'ckpt'}", "prompt=ROMEO:", "max_new_tokens=5"]) == 0
     out, err = _captured.pop()
     assert out == "ROMEO:" + expected.text + "\n"
     assert f"model llama from {tmp_path / 'ckpt'}" in err and "ByteTokenizer" in err
-    assert gen.main([f"checkpoint.dir={tmp_path / 'ckpt'}", "checkpoint.step=2", "prompt=ROMEO:"]) == 2
+    assert gen_cli.main([f"checkpoint.dir={tmp_path / 'ckpt'}", "checkpoint.step=2", "prompt=ROMEO:"]) == 2
     assert "no complete checkpoint of step 2; it holds steps 3" in _captured.pop()[1]
 
 

@@ -1,11 +1,11 @@
-"""zoo.gpu_lowering: train.py's step lowered for the `cuda` platform on this CPU-only machine, and the
+"""zoo.tools.gpu_lowering: train.py's step lowered for the `cuda` platform on this CPU-only machine, and the
 host placements that survive in it (the CPU lowering of the same step drops the offloaded residuals'
 ones, and the placements inside the layer loops). Tiny Llama and DeepSeek-V3 here; the real widths at reduced depth, on 128
 simulated devices, are docs/scale.md's commands (tests/test_scale_doc.py, slow tier)."""
 
 import pytest
 
-from zoo.gpu_lowering import HOST, host_placements, preset_row
+from zoo.tools.gpu_lowering import HOST, host_placements, preset_row
 
 # One device and Llama for the presets whose placements do not depend on the family (a trace and two
 # lowerings in ~3 s each); DeepSeek-V3 on the fsdp mesh for its own preset (MLA and MoE tags, ~7 s).
@@ -53,7 +53,7 @@ def test_cuda_lowering_keeps_every_host_placement_the_traced_step_makes(override
 
 
 def test_unknown_preset_is_one_line_before_anything_is_traced(capsys):
-    from zoo.gpu_lowering import main
+    from zoo.tools.gpu_lowering import main
 
     assert main(["model=llama_tiny_a", "mesh=single", "lower.presets=[full,nope]"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -61,7 +61,7 @@ def test_unknown_preset_is_one_line_before_anything_is_traced(capsys):
 
 
 def test_the_table_renders_each_rows_counts():
-    from zoo.gpu_lowering import render
+    from zoo.tools.gpu_lowering import render
 
     def row(preset, cuda_host):
         counts = {"host_annotations": cuda_host, "host_memory_kinds": 0}

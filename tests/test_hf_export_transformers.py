@@ -1,4 +1,4 @@
-"""What `zoo.export` writes, loaded by Hugging Face transformers: every family's export must load with
+"""What `zoo.tools.export` writes, loaded by Hugging Face transformers: every family's export must load with
 `AutoModelForCausalLM.from_pretrained` (whose config classes validate each field's type strictly) and
 compute Zoo's logits.
 
@@ -34,7 +34,7 @@ DATA = ROOT / "tests" / "data"
 MODEL_TYPES = {f.name: f.model_type for f in hf.families()}  # the registry: every family zoo converts
 FAMILIES = list(MODEL_TYPES)
 ATOL = 1e-4
-CLI_FAMILY = "gemma3"  # the family exported by `python -m zoo.export` (the others call hf_export, its code path)  # float32, what the fixtures' README gives a reimplementation
+CLI_FAMILY = "gemma3"  # the family exported by `python -m zoo.tools.export` (the others call hf_export, its code path)  # float32, what the fixtures' README gives a reimplementation
 
 _logits = eqx.filter_jit(lambda model, tokens: model(tokens))
 
@@ -114,7 +114,7 @@ def test_export_of_a_hugging_face_checkpoint_loads_in_transformers(family, trans
     """The family's fixture trained on with `model=hf` (its initial state saved), exported by hf_export:
     transformers loads the directory strictly and computes Zoo's logits on the fixture's tokens; the
     source's bos/eos ids and generation_config.json come through."""
-    from zoo.export import hf_export
+    from zoo.train.hf_export import hf_export
 
     src = tmp_path / "source"
     shutil.copytree(fixture(family), src)
@@ -125,7 +125,7 @@ def test_export_of_a_hugging_face_checkpoint_loads_in_transformers(family, trans
     train_py_checkpoint(["model=hf", f"model.path={src}", f"checkpoint.dir={tmp_path / 'ckpt'}"])
     if family == CLI_FAMILY:  # once through the command, as a user runs it
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-        p = subprocess.run([sys.executable, "-m", "zoo.export", str(tmp_path / "ckpt"), str(tmp_path / "out")],
+        p = subprocess.run([sys.executable, "-m", "zoo.tools.export", str(tmp_path / "ckpt"), str(tmp_path / "out")],
                            capture_output=True, text=True, env=env, timeout=300)
         assert p.returncode == 0 and "exported step 1" in p.stdout, p.stderr
     else:

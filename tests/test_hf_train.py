@@ -1,5 +1,5 @@
 """Pretrained weights in train.py: Hugging Face checkpoints in (`model=hf`), train.py checkpoints back
-out (`zoo.export`), and docs/models.md's fine-tuning walk-through run as written."""
+out (`zoo.tools.export`), and docs/models.md's fine-tuning walk-through run as written."""
 
 import dataclasses
 import hashlib
@@ -95,7 +95,7 @@ def test_hf_option_leaves_every_architecture_field_to_config_json():
 
 
 def test_model_group_takes_the_architecture_from_config_json_and_runtime_fields_from_the_command_line():
-    from zoo.train.config import ConfigError, load
+    from zoo.train.run_config import ConfigError, load
 
     llama, dsv3 = DATA / "llama_tiny_a", DATA / "dsv3_tiny_a"
     c = load(compose(["model=hf", f"model.path={llama}", "model.compute_dtype=bfloat16", "model.attention_impl=blockwise",
@@ -122,7 +122,7 @@ def test_model_group_takes_the_architecture_from_config_json_and_runtime_fields_
 
 
 def test_data_tokenizer_defaults_to_the_checkpoints_own_and_must_agree_with_it(tmp_path):
-    from zoo.train.config import ConfigError, load
+    from zoo.train.run_config import ConfigError, load
 
     ckpt = tmp_path / "hf"
     shutil.copytree(DATA / "llama_tiny_a", ckpt, ignore=shutil.ignore_patterns("*.npy", "*.npz", "*.json"))
@@ -155,10 +155,10 @@ def dsv3_sharded(tmp_path_factory):
 
 def test_sharded_checkpoint_loads_slice_by_slice_into_8_devices_then_exports(dsv3_sharded, monkeypatch, tmp_path):
     from zoo import sharding as zs
-    from zoo.export import hf_export
+    from zoo.train.hf_export import hf_export
     from zoo.hf import weights
     from zoo.train.checkpoint import Checkpoints
-    from zoo.train.data import make_data
+    from zoo.train.batches import make_data
     from zoo.train.run import prepare
     from zoo.train.step import Trainer
 
@@ -261,7 +261,7 @@ def saved_checkpoint(overrides: list, seed: int, step: int):
 
 def test_restore_model_reads_the_parameters_train_py_saved(tmp_path):
     from zoo.train.checkpoint import restore_model
-    from zoo.train.config import ConfigError
+    from zoo.train.run_config import ConfigError
 
     c, state = saved_checkpoint(["model=llama_tiny_a", "mesh=fsdp_tp", "mesh.devices=4", "mesh.tensor=2", "data.batch_size=4",
                                  "data.seq_len=16", f"checkpoint.dir={tmp_path / 'ckpt'}"], seed=3, step=5)
@@ -287,7 +287,7 @@ def test_restore_onto_8_devices_and_export_leaf_by_leaf(tmp_path):
     the single-device export writes; and writing holds about one leaf on the host, not the model."""
     import tracemalloc
 
-    from zoo.export import hf_export
+    from zoo.train.hf_export import hf_export
     from zoo.train.checkpoint import restore_model
 
     c, state = saved_checkpoint(["model=dsv3_tiny_a", "mesh=fsdp", "mesh.devices=2", "data.batch_size=2", "data.seq_len=16",
@@ -365,8 +365,8 @@ def walkthrough(tmp_path_factory):
 
 def test_readme_walkthrough_fine_tunes_from_the_step_0_loss_from_pretrained_gives_and_exports(walkthrough, monkeypatch):
     from zoo.train.checkpoint import Checkpoints, restore_model
-    from zoo.train.config import load, validate
-    from zoo.train.data import make_data
+    from zoo.train.run_config import load, validate
+    from zoo.train.batches import make_data
     from zoo.train.step import Trainer
 
     d, p, _ = walkthrough
@@ -406,9 +406,9 @@ def test_readme_walkthrough_fine_tunes_from_the_step_0_loss_from_pretrained_give
 
     # Sampling from the checkpoint printed the greedy continuation of the trained model, in UTF-8 bytes.
     from zoo.data.tokenizer import ByteTokenizer
-    from zoo.generate import generate
+    from zoo.sampling import generate
 
-    command = next(ln for ln in section.splitlines() if ln.startswith("python -m zoo.generate checkpoint.dir=outputs/finetune/checkpoints"))
+    command = next(ln for ln in section.splitlines() if ln.startswith("python -m zoo.tools.generate checkpoint.dir=outputs/finetune/checkpoints"))
     prompt = re.search(r'prompt="([^"]*)"', command).group(1)
     n = int(re.search(r"max_new_tokens=(\d+)", command).group(1))
     expected = generate(model, [prompt], n, tokenizer=ByteTokenizer())[0]

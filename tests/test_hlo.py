@@ -126,7 +126,7 @@ def test_collectives_of_a_compiled_scan():
 
 
 def test_partitioned_hlo_of_a_program_the_persistent_cache_already_holds(tmp_path):
-    """`python -m zoo.inspect` run twice with JAX_COMPILATION_CACHE_DIR set: the second compile of the
+    """`python -m zoo.tools.inspect_step` run twice with JAX_COMPILATION_CACHE_DIR set: the second compile of the
     same program came from the cache, so XLA dumped nothing and the scale report stopped with "XLA
     wrote no HLO after SPMD partitioning". The partitioned HLO is now read from a real compile."""
     import os

@@ -2,8 +2,8 @@
 and no library module imports a command-line tool or the tools' kit.
 
 A tool is a module that runs as `python -m zoo.<name>` (it has a `__main__` block), the modules only
-the tools import (`zoo.scale`, the scale report of zoo.inspect) and the tools' kit (`zoo.toolkit`,
-`zoo.train.cli`). Everything else is the library, which research code imports; it must stand without
+the tools import (`zoo.tools.scale`, the scale report of zoo.tools.inspect_step) and the tools' kit (`zoo.tools.kit`,
+`zoo.tools.cli`). Everything else is the library, which research code imports; it must stand without
 the tools, so a tool can be renamed or removed without touching it.
 """
 
@@ -12,10 +12,9 @@ import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "zoo"
-KIT = {"zoo.toolkit", "zoo.train.cli"}
-TOOL_ONLY = {"zoo.scale"}
-# Modules with a __main__ block that are library all the same: zoo.sizes prints the named sizes.
-LIBRARY_WITH_MAIN = {"zoo.sizes"}
+TOOLS = "zoo.tools"
+# Library modules with a __main__ block (a command outside zoo.tools): none.
+LIBRARY_WITH_MAIN: set[str] = set()
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -67,10 +66,10 @@ GRAPH = {m: _imports(m) for m in MODULES}
 
 
 def _is_tool(module: str) -> bool:
-    if module in KIT | TOOL_ONLY:
-        return True
-    if module in LIBRARY_WITH_MAIN:
-        return False
+    return module == TOOLS or module.startswith(TOOLS + ".")
+
+
+def _has_main(module: str) -> bool:
     return '__name__ == "__main__"' in MODULES[module].read_text()
 
 
@@ -104,9 +103,27 @@ def _cycle() -> list[str]:
 def test_the_walk_sees_the_package():
     # A walk that found nothing would pass everything below: the known edges must be there.
     assert len(MODULES) > 40
-    assert "zoo.model" in GRAPH["zoo.offload"] and "zoo.placement" in GRAPH["zoo.inspect"]
-    assert "zoo.families" in GRAPH["zoo.config"] and "zoo.tags" in GRAPH["zoo.families"]  # from-imports of a submodule
-    assert {"zoo.inspect", "zoo.plan", "zoo.export", "zoo.generate", "zoo.report"} <= {m for m in MODULES if _is_tool(m)}
+    assert "zoo.model" in GRAPH["zoo.offload"] and "zoo.placement" in GRAPH["zoo.tools.inspect_step"]
+    assert "zoo.tags" in GRAPH["zoo.families"] and "zoo.tools.cli" in GRAPH["zoo.tools.kit"]  # from-imports of a submodule
+    commands = {"zoo.tools.inspect_step", "zoo.tools.plan", "zoo.tools.export", "zoo.tools.generate", "zoo.tools.report"}
+    assert commands <= {m for m in MODULES if _is_tool(m) and _has_main(m)}
+    assert not _is_tool("zoo.sampling") and not _is_tool("zoo.toolsy") and _is_tool("zoo.tools")
+
+
+def test_only_the_tools_run_as_commands():
+    # A `python -m zoo.<name>` outside zoo.tools would be a command the library carries: it belongs in
+    # zoo.tools, over a library function.
+    wrong = sorted(m for m in MODULES if not _is_tool(m) and _has_main(m) and m not in LIBRARY_WITH_MAIN)
+    assert not wrong, f"__main__ blocks outside zoo.tools: {wrong}"
+
+
+def test_no_module_shadows_the_standard_library():
+    # `zoo/tools/inspect.py` would shadow the standard library's `inspect` for a script run from its folder
+    # and read as the same module in tracebacks and docs; so would a `zoo/<x>/json.py`.
+    import sys
+
+    wrong = sorted(m for m in MODULES if m.rsplit(".", 1)[-1] in sys.stdlib_module_names)
+    assert not wrong, f"modules named like the standard library's: {wrong}"
 
 
 def test_no_import_cycle():
@@ -114,6 +131,17 @@ def test_no_import_cycle():
     assert not cycle, "import cycle: " + " -> ".join(
         f"{m} ({MODULES[m].relative_to(ROOT)}:{GRAPH[m][n]})" for m, n in zip(cycle, cycle[1:])
     )
+
+
+def test_no_two_modules_share_a_name():
+    # `zoo.config` beside a `zoo.train.config`, or `zoo.data` beside `zoo.train.data`, read as one module in
+    # prose, tracebacks and `from ... import config`. The exception: each `errors` module holds its own
+    # package's one exception (zoo.errors.ConfigError, zoo.data.errors.DataError; zoo.data stands alone).
+    seen: dict[str, list[str]] = {}
+    for m in MODULES:
+        seen.setdefault(m.rsplit(".", 1)[-1], []).append(m)
+    wrong = {name: sorted(ms) for name, ms in seen.items() if len(ms) > 1 and name != "errors"}
+    assert not wrong, f"modules sharing a name: {wrong}"
 
 
 def test_the_library_never_imports_a_tool():

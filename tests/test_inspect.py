@@ -11,7 +11,7 @@ import pytest
 
 import zoo
 from zoo import offload
-from zoo.inspect import main
+from zoo.tools.inspect_step import main
 from zoo.placement import inspect_placement, stack_names
 from zoo.offload import expected_placement, load_preset, placement_matches, remat_policy
 
@@ -235,7 +235,7 @@ ENTRY %main.94 (state__opt_state__mu.1: f32[2,64], state__params__embed.1: f32[2
 
 def test_buffer_assignment_names_arguments_by_path_and_values_by_op():
     from zoo.hlo import buffer_assignment
-    from zoo.inspect import compiled_holders
+    from zoo.tools.inspect_step import compiled_holders
 
     found = buffer_assignment(BUFFER_ASSIGNMENT, MODULE)
     by_name = {b.name: b for b in found}
@@ -269,4 +269,4 @@ def test_cli_over_the_hbm_budget_says_who_holds_it(tmp_path, capsys):
     assert temp == sorted(temp, reverse=True) and 0 < temp[0] <= mem["temp_size_in_bytes"]
     assert h["largest_arguments"][0]["op_name"].startswith("state[")
     assert "who holds the HBM: the compiled step's buffers, XLA's estimated peak" in printed and "over hardware.hbm_bytes 100.00 kB" in printed
-    assert "python -m zoo.plan model=llama_tiny_a" in printed and "plan.holders=true" in printed
+    assert "python -m zoo.tools.plan model=llama_tiny_a" in printed and "plan.holders=true" in printed

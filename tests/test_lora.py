@@ -13,7 +13,7 @@ import pytest
 from zoo import lora
 from zoo import model as zoo_model
 from zoo.config import SIZES
-from zoo.train.config import ConfigError
+from zoo.train.run_config import ConfigError
 
 TOKENS = jax.random.randint(jax.random.key(1), (2, 16), 0, 64)
 
@@ -239,7 +239,7 @@ def test_train_py_lora_base_on_host_checkpoints_only_adapters_and_resumes(tmp_pa
 def test_a_lora_checkpoint_exports_and_samples_merged(tmp_path):
     """A LoRA checkpoint (adapters only) restores as the merged model: each adapted weight is the
     base checkpoint's plus alpha/r * A @ B of the saved adapters, an untouched weight is the base's;
-    zoo.export writes it (transformers' layout, loaded back with the same logits) and zoo.generate
+    zoo.tools.export writes it (transformers' layout, loaded back with the same logits) and zoo.tools.generate
     samples from it. With the base checkpoint gone, one line, exit 2."""
     import json
     import os
@@ -283,7 +283,7 @@ def test_a_lora_checkpoint_exports_and_samples_merged(tmp_path):
     np.testing.assert_array_equal(np.asarray(merged.stacks[0].layers[0].attn.wk), np.asarray(base.stacks[0].layers[0].attn.wk))
 
     out = tmp_path / "out"
-    p = subprocess.run([sys.executable, "-m", "zoo.export", str(ck), str(out)], cwd=root, capture_output=True, text=True, timeout=600)
+    p = subprocess.run([sys.executable, "-m", "zoo.tools.export", str(ck), str(out)], cwd=root, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     tokens = jnp.arange(16, dtype=jnp.int32)[None] % merged.config.vocab_size
     exported = from_pretrained(out)
@@ -291,25 +291,25 @@ def test_a_lora_checkpoint_exports_and_samples_merged(tmp_path):
     np.testing.assert_allclose(np.asarray(exported(tokens)), np.asarray(merged(tokens)), rtol=1e-5, atol=1e-5)
     assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
 
-    p = subprocess.run([sys.executable, "-m", "zoo.generate", f"checkpoint.dir={ck}", "prompt=to be", "tokenizer=bytes", "max_new_tokens=4"],
+    p = subprocess.run([sys.executable, "-m", "zoo.tools.generate", f"checkpoint.dir={ck}", "prompt=to be", "tokenizer=bytes", "max_new_tokens=4"],
                        cwd=root, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert p.returncode == 0 and p.stdout.strip(), p.stderr[-3000:]
 
     shutil.rmtree(base_dir)
-    p = subprocess.run([sys.executable, "-m", "zoo.export", str(ck), str(tmp_path / "out2")], cwd=root, capture_output=True, text=True, timeout=600)
+    p = subprocess.run([sys.executable, "-m", "zoo.tools.export", str(ck), str(tmp_path / "out2")], cwd=root, capture_output=True, text=True, timeout=600)
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert p.returncode == 2 and len(lines) == 1 and "holds LoRA adapters over the base model" in lines[0], p.stderr[-2000:]
     assert not (tmp_path / "out2").exists()
 
 
 def test_the_inspector_counts_the_adapters_and_the_frozen_base_where_it_lives(tmp_path, capsys):
-    """zoo.inspect of a LoRA run: params are the adapters (their bytes), the frozen base is reported
+    """zoo.tools.inspect_step of a LoRA run: params are the adapters (their bytes), the frozen base is reported
     with its own bytes and memory kind (pinned_host with lora.base_on_host), and the total counts it."""
     import json
     import re
 
     from zoo.config import count_params
-    from zoo.inspect import main
+    from zoo.tools.inspect_step import main
 
     args = ["model=llama_tiny_a", "mesh=single", "lora=default", "lora.rank=2", "lora.base_on_host=true", f"inspect.out={tmp_path / 'inspect.json'}"]
     assert main(args) == 0

@@ -1,5 +1,5 @@
-"""LoRA adapters in the PEFT layout (zoo.hf.adapters, `zoo.export --adapters-only`) and sampling with them
-attached (`zoo.generate checkpoint.lora=attached`).
+"""LoRA adapters in the PEFT layout (zoo.hf.adapters, `zoo.tools.export --adapters-only`) and sampling with them
+attached (`zoo.tools.generate checkpoint.lora=attached`).
 
 The layout is held to the conversion it must agree with: for every adapted hub Linear, `scale * lora_B
 @ lora_A` equals the merged model's hub weight minus the base's (`to_hf_state_dict` of both), exactly
@@ -132,10 +132,10 @@ def _run(cmd, **kw):
 
 @pytest.mark.slow  # a train.py run, two exports, transformers, and two decode compiles: ~60 s on the 2-core machine
 def test_a_lora_run_exports_adapters_peft_loads_and_samples_attached(peft_lib, tmp_path, capsys):
-    """train.py (model=hf, lora=default) -> `zoo.export --adapters-only` and the merged export: peft over
-    the run's model.path computes the merged logits; `zoo.generate checkpoint.lora=attached` gives the
+    """train.py (model=hf, lora=default) -> `zoo.tools.export --adapters-only` and the merged export: peft over
+    the run's model.path computes the merged logits; `zoo.tools.generate checkpoint.lora=attached` gives the
     merged model's greedy tokens."""
-    from zoo.generate import generate
+    from zoo.sampling import generate
     from zoo.train.checkpoint import restore_model
 
     base_dir = tmp_path / "base"
@@ -147,11 +147,11 @@ def test_a_lora_run_exports_adapters_peft_loads_and_samples_attached(peft_lib, t
         "optimizer.lr=3e-2", "trainer.steps=4", f"checkpoint.dir={ck}", f"hydra.run.dir={tmp_path / 'run'}", "mesh=single",
         "xla.cpu_devices=1",
     ], env=dict(os.environ))  # fmt: skip
-    from zoo.export import main as export_main
+    from zoo.tools.export import main as export_main
 
     assert export_main([str(ck), str(tmp_path / "adapters"), "--adapters-only"]) == 0  # in this process: shape-checked
     assert "exported the LoRA adapters (peft layout) of step 4" in capsys.readouterr().out
-    _run([sys.executable, "-m", "zoo.export", str(ck), str(tmp_path / "merged")])
+    _run([sys.executable, "-m", "zoo.tools.export", str(ck), str(tmp_path / "merged")])
     assert sorted(os.listdir(tmp_path / "adapters")) == ["adapter_config.json", "adapter_model.safetensors"]
     config = json.loads((tmp_path / "adapters" / ADAPTER_CONFIG).read_text())
     assert {k: config[k] for k in ("peft_type", "task_type", "r", "lora_alpha", "bias", "fan_in_fan_out", "base_model_name_or_path")} == {
@@ -173,7 +173,7 @@ def test_a_lora_run_exports_adapters_peft_loads_and_samples_attached(peft_lib, t
 
 
 def test_generate_refuses_a_bad_lora_form():
-    from zoo.generate import GenerationError, run
+    from zoo.tools.generate import GenerationError, run
 
     with pytest.raises(GenerationError, match=r"^checkpoint\.lora: got 'both'; choose merged or attached$"):
         run(["checkpoint.dir=/nonexistent", "checkpoint.lora=both", "prompt=hi", "tokenizer=bytes"])
@@ -182,10 +182,10 @@ def test_generate_refuses_a_bad_lora_form():
 
 
 def test_dropless_keeps_the_adapters_attached():
-    """zoo.generate puts MoE layers on the ragged kernel (`dropless`); an attached model keeps its adapters.
+    """zoo.tools.generate puts MoE layers on the ragged kernel (`dropless`); an attached model keeps its adapters.
     (Shapes only: dropless moves leaves, it computes nothing.)"""
     from zoo.config import SIZES
-    from zoo.generate import dropless
+    from zoo.sampling import dropless
     from zoo.model import abstract
 
     base = abstract(SIZES["dsv3_tiny_a"])

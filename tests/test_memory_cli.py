@@ -47,7 +47,7 @@ def test_loss_chunk_size_from_the_command_line(tmp_path):
 
 
 def test_inspect_unwritable_output_is_one_line_before_compiling(capsys):
-    from zoo.inspect import main
+    from zoo.tools.inspect_step import main
 
     assert main(["model=llama_tiny_a", "mesh=single", "inspect.out=/proc/zoo/inspect.json"]) == 2
     captured = capsys.readouterr()
@@ -56,7 +56,7 @@ def test_inspect_unwritable_output_is_one_line_before_compiling(capsys):
 
 
 def test_inspect_writes_under_outputs_by_default(tmp_path, monkeypatch, capsys):
-    from zoo.inspect import main
+    from zoo.tools.inspect_step import main
 
     monkeypatch.chdir(tmp_path)
     assert main(["model=llama_tiny_a", "mesh=single", "data.batch_size=2", "data.seq_len=16", "offload=[full,optimizer_host]"]) == 0

@@ -8,7 +8,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from zoo.sharding import DEFAULT_RULES
-from zoo.train.config import MESH_DEFAULTS_NAME, MeshConfig, load_group
+from zoo.train.run_config import MESH_DEFAULTS_NAME, MeshConfig, load_group
 
 CONF = pathlib.Path(__file__).resolve().parents[1] / "conf"
 PRESETS = sorted(p.stem for p in (CONF / "mesh").glob("*.yaml"))

@@ -451,7 +451,7 @@ def test_capacity_on_a_family_trained_dropless_is_a_note(family):
 def test_startup_names_the_fixed_block_exchange_and_the_capacity_note():
     """train.py's startup lines, from the validated config (nothing compiled): the dropless kernel under
     expert parallelism says how it exchanges; an explicit capacity kernel on DeepSeek-V3 gets the note."""
-    from zoo.toolkit import compose
+    from zoo.tools.kit import compose
     from zoo.train.run import kernels_line, prepare
 
     def startup(*overrides):

@@ -1,5 +1,5 @@
 """The MoE metrics a person reads: router entropy and correction-bias range per layer (against NumPy),
-the progress line's imbalance warning, TensorBoard's token-share histograms, and `zoo.report RUN_DIR`.
+the progress line's imbalance warning, TensorBoard's token-share histograms, and `zoo.tools.report RUN_DIR`.
 
 The NumPy references recompute from the model's own inputs (the MoE layer's input rebuilt from the
 captured residual stream and attention output) in float64, independently of zoo.nn.moe's code.
@@ -26,7 +26,7 @@ import zoo
 from zoo.config import SIZES, MoEConfig
 from zoo.nn.moe import MoE, router_statistics
 from zoo.offload import OffloadConfig
-from zoo.train.config import ConfigError, DataConfig, HardwareConfig, OptimizerConfig, TrainConfig, TrainerConfig, XlaConfig, load_group, validate
+from zoo.train.run_config import ConfigError, DataConfig, HardwareConfig, OptimizerConfig, TrainConfig, TrainerConfig, XlaConfig, load_group, validate
 from zoo.train.metrics import Progress
 from zoo.train.step import Trainer
 
@@ -107,7 +107,7 @@ def _mesh_preset(name: str):
 
 
 def _config(mesh: str, **trainer) -> TrainConfig:
-    m = SIZES["dsv3_tiny_a"]  # what model=dsv3_tiny_a composes (zoo.train.config registers every size)
+    m = SIZES["dsv3_tiny_a"]  # what model=dsv3_tiny_a composes (zoo.train.run_config registers every size)
     # Capacity for every assignment: a sharded batch then routes exactly as one program does.
     m = m.replace(moe=dataclasses.replace(m.moe, capacity_factor=float(m.moe.n_routed_experts)))
     return TrainConfig(
@@ -224,7 +224,7 @@ def test_progress_line_names_the_most_imbalanced_layer_past_the_threshold():
         TrainerConfig(moe_imbalance_warn=0.5)
 
 
-# --- zoo.report on one run's directory -----------------------------------------------------------
+# --- zoo.tools.report on one run's directory -----------------------------------------------------------
 
 
 def _write_run(run_dir: pathlib.Path, moe: bool) -> None:
@@ -243,7 +243,7 @@ def _write_run(run_dir: pathlib.Path, moe: bool) -> None:
 
 def _report(run_dir: pathlib.Path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "zoo.report", str(run_dir)], capture_output=True, text=True, env=env, timeout=300)
+    return subprocess.run([sys.executable, "-m", "zoo.tools.report", str(run_dir)], capture_output=True, text=True, env=env, timeout=300)
 
 
 def test_report_on_a_run_dir_plots_expert_load(tmp_path):
@@ -261,7 +261,7 @@ def test_report_on_a_run_dir_plots_expert_load(tmp_path):
     assert "no MoE data" in r.stdout and not (tmp_path / "dense" / "expert_load.png").exists()
 
 
-# --- end to end: train.py -> metrics.jsonl, progress line, TensorBoard -> zoo.report ---------------
+# --- end to end: train.py -> metrics.jsonl, progress line, TensorBoard -> zoo.tools.report ---------------
 
 
 def _histogram_tags(event_dir: pathlib.Path) -> set:

@@ -18,7 +18,7 @@ from tiers import by_core_family
 
 # Each family's tiny size, in the registry's order.
 FAMILIES = tuple(n for f in families.names() for n, c in SIZES.items() if n.endswith("_tiny_a") and c.family == f)
-# Every preset of conf/offload (zoo.plan writes its plans under outputs/, never into conf/): a preset
+# Every preset of conf/offload (zoo.tools.plan writes its plans under outputs/, never into conf/): a preset
 # added there is under test without editing a list. The issue's presets must be among them.
 PRESETS = tuple(offload.preset_names())
 ISSUE_PRESETS = (
@@ -133,8 +133,8 @@ def test_modifiers_compose_with_an_activation_policy():
 
 
 def _compose(*overrides):
-    from zoo.toolkit import compose
-    from zoo.train.config import load
+    from zoo.tools.kit import compose
+    from zoo.train.run_config import load
 
     return load(compose(overrides))
 
@@ -153,7 +153,7 @@ def test_hydra_custom_from_the_command_line():
 
 
 def test_hydra_custom_tag_the_model_never_emits_fails_before_compiling():
-    from zoo.train.config import ConfigError, validate
+    from zoo.train.run_config import ConfigError, validate
 
     c = _compose("model=llama_tiny_a", "offload=custom", "offload.tags.mla_q=offload")
     with pytest.raises(ConfigError, match=r"^offload.tags.mla_q: the llama model never emits this tag"):
@@ -161,7 +161,7 @@ def test_hydra_custom_tag_the_model_never_emits_fails_before_compiling():
 
 
 def test_hydra_unknown_action_is_one_line():
-    from zoo.train.config import ConfigError
+    from zoo.train.run_config import ConfigError
 
     with pytest.raises(ConfigError, match=r"^offload.tags.query_proj: 'keep' is not an action; choose one of device, offload, remat$"):
         _compose("model=llama_tiny_a", "offload=custom", "offload.tags.query_proj=keep")
@@ -267,8 +267,8 @@ def test_every_preset_gives_the_loss_and_gradients_of_none(size):
 def _train(offload_config, steps=2):
     from omegaconf import OmegaConf
 
-    from zoo.train.config import DataConfig, HardwareConfig, OptimizerConfig, TrainConfig, TrainerConfig, XlaConfig, load_group, validate
-    from zoo.train.data import SyntheticData
+    from zoo.train.run_config import DataConfig, HardwareConfig, OptimizerConfig, TrainConfig, TrainerConfig, XlaConfig, load_group, validate
+    from zoo.train.batches import SyntheticData
     from zoo.train.step import Trainer
 
     conf = offload.conf_dir()
@@ -326,7 +326,7 @@ def test_streamed_update_is_optax_update_slice_by_slice():
     import optax
 
     from zoo.sharding import memory_kinds
-    from zoo.train.config import OptimizerConfig
+    from zoo.train.run_config import OptimizerConfig
     from zoo.train.step import is_array_like, make_optimizer, trainable_labels
     from zoo.train.update import global_norm, streamed_update
 
@@ -378,8 +378,8 @@ def test_streamed_step_equals_the_device_step_with_accumulation():
     from omegaconf import OmegaConf
 
     from zoo import sharding as zs
-    from zoo.train.config import DataConfig, HardwareConfig, OptimizerConfig, TrainConfig, TrainerConfig, XlaConfig, load_group, validate
-    from zoo.train.data import SyntheticData
+    from zoo.train.run_config import DataConfig, HardwareConfig, OptimizerConfig, TrainConfig, TrainerConfig, XlaConfig, load_group, validate
+    from zoo.train.batches import SyntheticData
     from zoo.train.step import Trainer
 
     conf = offload.conf_dir()
@@ -426,7 +426,7 @@ def test_streamed_step_equals_the_device_step_with_accumulation():
 
 def _update_buffers(*overrides):
     from zoo.placement import update_buffers
-    from zoo.toolkit import prepare_step
+    from zoo.tools.kit import prepare_step
 
     trainer = prepare_step(["mesh=single", "data.batch_size=2", "data.seq_len=16", *overrides])[3]
     return trainer, update_buffers(trainer.jitted_step().trace(trainer.abstract_state(), trainer.abstract_tokens()).jaxpr)

@@ -21,7 +21,7 @@ import pytest
 import zoo
 from zoo import offload
 from zoo.config import SIZES
-from zoo.inspect import range_sections
+from zoo.tools.inspect_step import range_sections
 from zoo.placement import _analyse_forward_scan, _names_in, _walk, inspect_placement, scan_names
 from zoo.offload import OffloadConfig, load_preset, remat_policy, resolve, scan_policies
 
@@ -33,8 +33,8 @@ GPT_OSS = SIZES["gpt_oss_tiny_a"]  # one stack, a period of two blocks repeated 
 
 
 def _compose(*overrides):
-    from zoo.toolkit import compose
-    from zoo.train.config import load
+    from zoo.tools.kit import compose
+    from zoo.train.run_config import load
 
     return load(compose(overrides))
 
@@ -82,14 +82,14 @@ BAD = {
     "{0-1:full,1:none}": r"^offload.ranges.1: overlaps offload.ranges.0-1 \(layer 1\); make the ranges disjoint",
     "{0:nope}": r"^offload.ranges.0: unknown preset 'nope'; choose one of custom, .*full.*",
     "{0:params_host}": r"^offload.ranges.0: params_host only sets where parameters or optimizer state live.*set offload.params",
-    "{0:/nonexistent/mine.yaml}": r"^offload.ranges.0: no file /nonexistent/mine.yaml; give an existing offload policy YAML \(e\.g\. one zoo\.plan wrote\) or a preset name$",
+    "{0:/nonexistent/mine.yaml}": r"^offload.ranges.0: no file /nonexistent/mine.yaml; give an existing offload policy YAML \(e\.g\. one zoo\.tools\.plan wrote\) or a preset name$",
     "{0-5:full}": r"^offload.ranges.0-5: layer 5 is past the model's last layer \(the llama model has 2 layers, 0-1\); keep every range within 0-1$",
 }
 
 
 @pytest.mark.parametrize("ranges", list(BAD))
 def test_bad_ranges_are_one_line_before_any_compile(ranges):
-    from zoo.train.config import ConfigError, validate
+    from zoo.train.run_config import ConfigError, validate
 
     with pytest.raises(ConfigError) as e:
         c = _compose("model=llama_tiny_a", f"+offload.ranges={ranges}")
@@ -130,7 +130,7 @@ def test_a_range_is_refused_what_the_whole_model_policy_would_be(extra_presets):
 
 
 def test_a_range_takes_a_policy_file_as_it_takes_a_preset(tmp_path):
-    """A value ending in .yaml is a file (zoo.plan plan.split=true writes them), loaded and checked as
+    """A value ending in .yaml is a file (zoo.tools.plan plan.split=true writes them), loaded and checked as
     a preset is; where state lives stays the top level's."""
     mine = tmp_path / "mine.yaml"
     mine.write_text("name: mine\ncheckpoint: true\ntags:\n  query_proj: offload\nparams: device\n")
@@ -154,7 +154,7 @@ def test_train_py_refuses_a_bad_range_in_one_line_with_exit_2(tmp_path):
     for arg, line in (
         ("+offload.ranges={0-5:full}", "error: offload.ranges.0-5: layer 5 is past the model's last layer (the llama model has 2 layers, 0-1); keep every range within 0-1"),
         ("offload.ranges={0:full}", "error: offload.ranges: the chosen offload option does not list it; add it with +offload.ranges={0:full}"),
-        ("+offload.ranges={0:nope/mine.yaml}", "error: offload.ranges.0: no file nope/mine.yaml; give an existing offload policy YAML (e.g. one zoo.plan wrote) or a preset name"),
+        ("+offload.ranges={0:nope/mine.yaml}", "error: offload.ranges.0: no file nope/mine.yaml; give an existing offload policy YAML (e.g. one zoo.tools.plan wrote) or a preset name"),
     ):  # fmt: skip
         p = subprocess.run([*base, arg], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
         assert p.returncode == 2, p.stderr[-2000:]
@@ -318,7 +318,7 @@ def test_the_inspector_reports_placement_per_range():
 def test_the_planner_counts_each_range_with_its_own_policy():
     """Layers 1-2 of a 6-layer model (two stacks: 0-1, 2-5) offload the layer input and query_proj
     (llama_qkv_offload); the search assigns the other four layers. The estimate adds both parts."""
-    from zoo.plan import Problem, StackCost, TagCost, evaluate, free_layers, with_ranges
+    from zoo.tools.plan import Problem, StackCost, TagCost, evaluate, free_layers, with_ranges
 
     tags = [
         TagCost("decoder_layer_input", {"a": 100.0, "b": 100.0}, {}, ("device", "offload")),
@@ -346,7 +346,7 @@ def test_the_planner_counts_each_range_with_its_own_policy():
 def test_the_planner_counts_the_copies_of_the_stacks_a_range_cuts():
     """A range boundary strictly inside a stack costs RANGE_CUT_COPIES of that stack's parameters in
     the backward phase (slices and joined gradients); a boundary on a stack's edge costs nothing."""
-    from zoo.plan import RANGE_CUT_COPIES, Problem, StackCost, TagCost, cut_bytes, evaluate, with_ranges
+    from zoo.tools.plan import RANGE_CUT_COPIES, Problem, StackCost, TagCost, cut_bytes, evaluate, with_ranges
 
     tags = [TagCost("query_proj", {"a": 50.0, "b": 60.0}, {"a": 1e9, "b": 2e9})]
     stacks = {
@@ -370,8 +370,8 @@ def test_the_planners_range_estimates_follow_the_compiled_memory():
     memory less under `full` (XLA:CPU, optimisation level 0). The ranged policies' difference is
     mostly the copies of the cut stack (`RANGE_CUT_COPIES`); without them the planner would say 46 MB
     where the program takes 231 MB. Prints the table docs/offload.md quotes."""
-    from zoo.plan import PlanConfig, evaluate, preset_assignment, problem_from_config
-    from zoo.toolkit import prepare_step
+    from zoo.tools.plan import PlanConfig, evaluate, preset_assignment, problem_from_config
+    from zoo.tools.kit import prepare_step
     from zoo.offload import conf_dir
 
     base = ["model=llama_100m", "model.vocab_size=1024", "mesh=single", "data.batch_size=2", "data.seq_len=256"]
@@ -399,7 +399,7 @@ def test_the_planners_range_estimates_follow_the_compiled_memory():
 def test_the_planner_plans_the_layers_outside_the_ranges(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     args = ["model=llama_tiny_a", "mesh=single", "data.batch_size=2", "data.seq_len=16", "hardware=h100_pcie", f"plan.out={tmp_path / 'offload' / 'p.yaml'}"]
-    p = subprocess.run([sys.executable, "-m", "zoo.plan", *args, "+offload.ranges={0:llama_qkv_offload}"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    p = subprocess.run([sys.executable, "-m", "zoo.tools.plan", *args, "+offload.ranges={0:llama_qkv_offload}"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.splitlines()[0] == (
         "note: offload.ranges: layers 0 llama_qkv_offload (1 layer) counted as given; the plan is the policy of the other 1 layer "
@@ -408,7 +408,7 @@ def test_the_planner_plans_the_layers_outside_the_ranges(tmp_path):
     assert "tags on device 73.728 kB, on host 24.576 kB" in p.stdout  # layer 0's q/k/v and input on host, layer 1's kept
     assert "+offload.ranges={0:llama_qkv_offload}" in p.stdout.splitlines()[-2]  # the train command
     # plan.split=true (its search and its lines: tests/test_plan_split.py) places every layer itself.
-    p = subprocess.run([sys.executable, "-m", "zoo.plan", *args, "plan.split=true", "+offload.ranges={0:full}"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    p = subprocess.run([sys.executable, "-m", "zoo.tools.plan", *args, "plan.split=true", "+offload.ranges={0:full}"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 2 and p.stderr.strip().splitlines() == ["error: plan.split: it searches the ranges itself; drop offload.ranges or plan.split=true"]
 
 
@@ -416,7 +416,7 @@ def test_the_planner_finds_the_split_point_that_beats_one_policy():
     """Six uniform layers, HBM for three layers' tag: keeping it everywhere does not fit, recomputing
     it everywhere costs six recomputes, offloading it is slow (a slow link); the best split keeps it
     in three layers and recomputes it in the other three."""
-    from zoo.plan import Problem, StackCost, TagCost, search, search_split
+    from zoo.tools.plan import Problem, StackCost, TagCost, search, search_split
 
     p = Problem(
         tags=[TagCost("query_proj", {"a": 100.0}, {"a": 1e9})],

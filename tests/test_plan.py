@@ -12,11 +12,11 @@ import pytest
 from omegaconf import OmegaConf
 
 import zoo
-from zoo import plan as zp
+from zoo.tools import plan as zp
 from zoo.config import SIZES
 from zoo.placement import inspect_placement, stack_names
 from zoo.offload import expected_placement, from_mapping, placement_matches, remat_policy, resolve
-from zoo.plan import GB, Infeasible, PlanError, Problem, StackCost, TagCost, evaluate, search
+from zoo.tools.plan import GB, Infeasible, PlanError, Problem, StackCost, TagCost, evaluate, search
 
 MB = 1e6
 LAYERS = 10
@@ -263,7 +263,7 @@ def test_cli_in_its_own_process_takes_the_xla_group_before_jax_starts(tmp_path):
     # bfloat16 on a GPU profile: cuDNN's attention, whose stand-in here is chosen by this machine's backend
     args = ["model=llama_tiny_a", "mesh=fsdp", "xla.cpu_devices=2", "data.batch_size=2", "data.seq_len=64", "hardware=gb200",
             "model.compute_dtype=bfloat16", f"plan.out={out}"]
-    p = subprocess.run([sys.executable, "-m", "zoo.plan", *args], cwd=pathlib.Path(zp.__file__).parent.parent, env=env,
+    p = subprocess.run([sys.executable, "-m", "zoo.tools.plan", *args], cwd=pathlib.Path(zp.__file__).parent.parent, env=env,
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "on 2 device(s)" in p.stdout and "counted: attention cudnn" in p.stdout and out.exists()
@@ -360,8 +360,8 @@ def test_cli_bad_kernel_settings_are_one_line(args, message, capsys):
 
 
 def test_measure_hardware_writes_a_profile_train_py_accepts(tmp_path, capsys):
-    from zoo.measure_hardware import main as measure_main
-    from zoo.train.config import load_group
+    from zoo.tools.measure_hardware import main as measure_main
+    from zoo.train.run_config import load_group
 
     out = tmp_path / "here.yaml"
     assert measure_main(["name=here", f"out={out}", "n=128", "transfer_mb=4", "repeats=2", "chain=2"]) == 0
@@ -372,7 +372,7 @@ def test_measure_hardware_writes_a_profile_train_py_accepts(tmp_path, capsys):
 
 
 def test_cli_writes_under_outputs_and_prints_how_to_train_with_the_plan(tmp_path, monkeypatch, capsys):
-    from zoo.toolkit import compose
+    from zoo.tools.kit import compose
     from zoo.offload import conf_dir
 
     monkeypatch.chdir(tmp_path)
@@ -398,12 +398,12 @@ def test_cli_unwritable_output_is_one_line_before_planning(key, capsys):
 
 def test_planner_counts_the_layer_inputs_the_sequence_parallel_program_keeps(tmp_path, capsys):
     # Sequence parallelism splits the kept layer inputs along the sequence over tensor (2 here): the
-    # planner's decoder_layer_input is what the partitioned program holds per device (zoo.scale reads
+    # planner's decoder_layer_input is what the partitioned program holds per device (zoo.tools.scale reads
     # it there), half of what the same mesh holds without it.
     import re
 
     from zoo import hlo, scale
-    from zoo.toolkit import prepare_step
+    from zoo.tools.kit import prepare_step
 
     args = ["model=llama_tiny_a", "mesh=fsdp_tp", "data.batch_size=8", "data.seq_len=32", "offload=full"]
     printed = {}
@@ -425,7 +425,7 @@ def test_planner_sizes_each_tag_as_the_partitioned_program_keeps_it():
     import re
 
     from zoo import hlo
-    from zoo.toolkit import prepare_step
+    from zoo.tools.kit import prepare_step
 
     keep = [f"offload.tags.{t}=device" for t in ("decoder_layer_input", "query_proj", "key_proj", "value_proj", "context", "out_proj", "mlpwi_0", "mlpwi_1")]
     args = ["model=llama_tiny_a", "model.intermediate_size=96", "mesh=fsdp_tp", "data.batch_size=8", "data.seq_len=32", "hardware=h100_pcie", "offload=custom", *keep]
@@ -464,8 +464,8 @@ def test_planner_counts_the_lora_adapters_as_state_and_the_frozen_base_where_it_
     # LoRA: the trainable state is the adapters (their AdamW moments the optimizer state); the frozen
     # base is counted once, with no gradient and no moments, on device or, with lora.base_on_host, in
     # host memory with two layers in flight on device and streamed in per layer (forward and backward).
-    from zoo.toolkit import prepare_step
-    from zoo.plan import _fixed_bytes, _host_fixed_parts, _state_transfer_s
+    from zoo.tools.kit import prepare_step
+    from zoo.tools.plan import _fixed_bytes, _host_fixed_parts, _state_transfer_s
 
     base = ["model=llama_tiny_a", "mesh=single", "data.batch_size=4", "data.seq_len=32", "hardware=h100_pcie"]
     problems = {}
@@ -516,7 +516,7 @@ def test_planner_sizes_each_tag_as_the_context_parallel_program_keeps_it():
 
     from zoo import hlo
     from zoo.sharding import CONTEXT
-    from zoo.toolkit import prepare_step
+    from zoo.tools.kit import prepare_step
 
     rules = {"batch": ["fsdp"], "seq": ["data"], CONTEXT: ["data"], "embed": ["fsdp"], "heads": ["tensor"], "mlp": ["tensor"]}
     sizes = {"data": 2, "fsdp": 4, "tensor": 1, "expert": 1}

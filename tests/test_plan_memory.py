@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from zoo import plan as zp
-from zoo.plan import GB, Infeasible, Problem, StackCost, TagCost, evaluate, search
+from zoo.tools import plan as zp
+from zoo.tools.plan import GB, Infeasible, Problem, StackCost, TagCost, evaluate, search
 
 MB = 1e6
 LAYERS = 10
@@ -204,7 +204,7 @@ def test_llama_405b_on_gb200_stays_within_the_host_memory_of_a_compute_tray(tmp_
             "trainer.grad_accum=8", "hardware=gb200", f"plan.out={tmp_path / 'p.yaml'}"]
     runs = {"tight": [*args, "plan.host_budget_gb=100", f"plan.json={tmp_path / 'tight.json'}"],
             "gb200": [*args, f"plan.json={tmp_path / 'gb200.json'}"]}
-    script = f"import sys; from zoo.plan import main; sys.exit(max(main(a) for a in {list(runs.values())!r}))"
+    script = f"import sys; from zoo.tools.plan import main; sys.exit(max(main(a) for a in {list(runs.values())!r}))"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     p = subprocess.run([sys.executable, "-c", script], cwd=pathlib.Path(zp.__file__).parent.parent, env=env,
                        capture_output=True, text=True, timeout=600)

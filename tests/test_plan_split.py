@@ -1,5 +1,5 @@
 """`plan.split=true`: the planner searches the split point and each side's per-tag actions
-(`zoo.plan.search_split_tags`), and the command it prints runs the split (`offload.ranges` values
+(`zoo.tools.plan.search_split_tags`), and the command it prints runs the split (`offload.ranges` values
 that are policy files)."""
 
 import itertools
@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import pytest
 
 import zoo
-from zoo import plan as zp
-from zoo.plan import Infeasible, Problem, StackCost, TagCost, evaluate, holders, search, search_split, search_split_tags
+from zoo.tools import plan as zp
+from zoo.tools.plan import Infeasible, Problem, StackCost, TagCost, evaluate, holders, search, search_split, search_split_tags
 
 BASE = ["model=llama_tiny_a", "mesh=single", "data.batch_size=2", "data.seq_len=16", "hardware=h100_pcie"]
 
@@ -143,9 +143,9 @@ def test_cli_split_writes_the_sides_and_its_command_runs(tmp_path, capsys):
     command = _printed_command(printed)
     assert command[:2] == ["python", "train.py"] and "offload=none" in command
     # The ranges parse, the files load, and the step traces under them.
-    from zoo.toolkit import compose
+    from zoo.tools.kit import compose
     from zoo.offload import parse_ranges, range_configs, remat_policy
-    from zoo.train.config import load
+    from zoo.train.run_config import load
 
     c = load(compose(command[2:]))
     ranges = parse_ranges(c.offload.ranges)

@@ -62,7 +62,7 @@ NOT_RUN = {
     r"hydra/launcher=joblib": "needs the hydra-joblib-launcher plugin, which the project does not install",
     r"data\.path=(books\.jsonl|corpus/|pairs\.jsonl)": "placeholder paths for the user's own text (the `$HOME/notes/` line runs, on a copy of the shipped text)",
     r"<train\.py overrides>": "a placeholder, not a command",
-    r"^python -m zoo\.inspect model=llama_1b hardware=h100_pcie data\.batch_size=2 data\.seq_len=4096 'hydra\.searchpath=\[file:///<plan dir>\]' offload=planned$": (
+    r"^python -m zoo\.tools\.inspect_step model=llama_1b hardware=h100_pcie data\.batch_size=2 data\.seq_len=4096 'hydra\.searchpath=\[file:///<plan dir>\]' offload=planned$": (
         "a recorded run of an earlier plan (`<plan dir>` is a placeholder), and a llama_1b step at 2 x 4096 compiles for "
         "many minutes on CPU; tests/test_plan.py runs plan -> YAML -> inspector at tiny size"
     ),
@@ -72,7 +72,7 @@ NOT_RUN = {
     r"bench/sampling\.py": "Zoo's sampling against transformers' generate: needs torch and transformers and about 9 min (tests/test_bench.py runs --small, slow tier)",
     r"bench/moe_metrics\.py": "a timing A/B of the MoE metrics, 40 rounds of step pairs (tests/test_moe_metrics.py checks the metrics and the switch it times)",
     r"tests/make_fixtures\.py": "writes transformers fixtures: needs torch and transformers, the hf extra (tests/test_hf_families.py checks the fixtures it wrote)",
-    r"model=hf model\.path=tests/data/llama_tiny_a data=text|^python -m zoo\.(export |generate checkpoint\.dir=)outputs/finetune": (
+    r"model=hf model\.path=tests/data/llama_tiny_a data=text|^python -m zoo\.tools\.(export |generate checkpoint\.dir=)outputs/finetune": (
         "the fine-tuning walk-through: tests/test_hf_train.py runs its bash block as written and checks what it wrote"
     ),
 }
@@ -93,24 +93,24 @@ GROUPS = {
     "offload_composition": [r"^python train\.py (model=llama_tiny_a )?'?offload=\[?(llama_qkv_offload|full,params_host)"],
     "custom_policy": [r"^python train\.py model=dsv3_tiny_a offload=custom offload\.tags\.query_proj=offload"],
     "offload_ranges": [r"^python train\.py model=llama_tiny_a mesh=single trainer\.steps=10 offload=full '\+offload\.ranges="],
-    "xla_sweep_loop": [r"^for x in default latency_hiding", r"^python -m zoo\.report multirun/xla$"],
-    "sweep_and_report": [r"^python train\.py -m model=llama_tiny_a trainer\.steps=20 offload=none,full", r"^python -m zoo\.report multirun/<date>/<time>"],
+    "xla_sweep_loop": [r"^for x in default latency_hiding", r"^python -m zoo\.tools\.report multirun/xla$"],
+    "sweep_and_report": [r"^python train\.py -m model=llama_tiny_a trainer\.steps=20 offload=none,full", r"^python -m zoo\.tools\.report multirun/<date>/<time>"],
     "checkpoint_ctrl_c_and_resume": [r"checkpoint\.dir=ckpt/run1"],
     "scale_report_671b": [r"model=deepseek_v3_671b xla\.cpu_devices=128"],
-    "sampling": [r"^python -m zoo\.generate model\.path=tests/data/llama_tiny_a tokenizer=bytes prompt=\"To be"],
-    "inspector": [r"^python -m zoo\.inspect model=(dsv3|llama)_tiny_a mesh=single"],
+    "sampling": [r"^python -m zoo\.tools\.generate model\.path=tests/data/llama_tiny_a tokenizer=bytes prompt=\"To be"],
+    "inspector": [r"^python -m zoo\.tools\.inspect_step model=(dsv3|llama)_tiny_a mesh=single"],
     "two_processes": [r"distributed\.coordinator_address=127\.0\.0\.1:12355"],
     "own_text_home": [r"^python train\.py data=text data\.path=\$HOME/notes/"],
     "gpu_plan_only": [r"bench/gpu\.py --plan-only"],
     "text_with_eval": [r"^python train\.py data=text model=llama_tiny_a mesh=single trainer\.steps=20 data\.eval_fraction"],
     "preemption": [r"checkpoint\.dir=/tmp/loop/ck4", r"^echo \$\?$"],
-    "planner": [r"^python -m zoo\.plan model=llama_1b", r"^python -m zoo\.plan model=gemma3_tiny_a .*plan\.split=true"],
-    "measure_hardware": [r"^python -m zoo\.measure_hardware"],
+    "planner": [r"^python -m zoo\.tools\.plan model=llama_1b", r"^python -m zoo\.tools\.plan model=gemma3_tiny_a .*plan\.split=true"],
+    "measure_hardware": [r"^python -m zoo\.tools\.measure_hardware"],
     "divergence": [r"optimizer\.lr=1e30"],
-    "lora_peft": [r"^python train\.py data=text lora=default model=hf .*hydra\.run\.dir=outputs/lora$", r"^python -m zoo\.export outputs/lora/",
-                  r"^python -c \"import torch; from peft import", r"^python -m zoo\.generate checkpoint\.dir=outputs/lora/checkpoints checkpoint\.lora=attached"],
-    "lora_finetune": [r"^python train\.py data=text lora=default lora\.base_on_host=true model=hf", r"^python -m zoo\.plan model=llama3\.1_70b .*lora=default"],
-    "moe_routing": [r"trainer\.moe_imbalance_warn=1\.5 hydra\.run\.dir=outputs/moe$", r"^python -m zoo\.report outputs/moe$"],
+    "lora_peft": [r"^python train\.py data=text lora=default model=hf .*hydra\.run\.dir=outputs/lora$", r"^python -m zoo\.tools\.export outputs/lora/",
+                  r"^python -c \"import torch; from peft import", r"^python -m zoo\.tools\.generate checkpoint\.dir=outputs/lora/checkpoints checkpoint\.lora=attached"],
+    "lora_finetune": [r"^python train\.py data=text lora=default lora\.base_on_host=true model=hf", r"^python -m zoo\.tools\.plan model=llama3\.1_70b .*lora=default"],
+    "moe_routing": [r"trainer\.moe_imbalance_warn=1\.5 hydra\.run\.dir=outputs/moe$", r"^python -m zoo\.tools\.report outputs/moe$"],
     # The recorded ~100M runs (docs/models.md), 26-37 s each on the quiet 2-core machine: two per group, so they spread.
     "recorded_100m_qwen": [r"^python train\.py model=(qwen2|qwen3)_100m mesh=single"],
     "recorded_100m_gemma3_qwen3_moe": [r"^python train\.py model=(gemma3|qwen3_moe)_100m mesh=single"],
@@ -341,7 +341,7 @@ def test_the_output_comparison_can_fail():
     assert not match_line("(0.21M params, 0.13M active)", "(0.25M params, 0.13M active)")
     assert _loss_rose(["loss 6.0619 -> 2.1504 (floor 1.074); step 24.4 ms"]) is None
     assert _loss_rose(["loss 6.0619 -> 6.1504 (floor 1.074); step 24.4 ms"]) is not None
-    sample = 'python -m zoo.generate model.path=x prompt="To be" max_new_tokens=3'
+    sample = 'python -m zoo.tools.generate model.path=x prompt="To be" max_new_tokens=3'
     assert figures_found(["To be, or"], ["To be, or not"], cmd=sample) is not None  # the sampled text
     assert figures_found(["To be, or"], ["To be, or"], cmd=sample) is None
 
@@ -504,9 +504,9 @@ def _after(name: str, cmd: str, out: list[str], d: pathlib.Path, env: dict, fail
         statuses = [json.loads(p.read_text())["status"] for p in jobs]
         if statuses != ["ok"] * 3:
             failures.append(f"$ {cmd}\n  job statuses {statuses}, expected three ok")
-    if name == "moe_routing" and "zoo.report" in cmd and not (d / "outputs" / "moe" / "expert_load.png").is_file():
+    if name == "moe_routing" and "zoo.tools.report" in cmd and not (d / "outputs" / "moe" / "expert_load.png").is_file():
         failures.append(f"$ {cmd}\n  wrote no outputs/moe/expert_load.png")
-    if "zoo.report" in cmd and "multirun" in cmd:  # a sweep's report (a run directory gets expert_load.png, above)
+    if "zoo.tools.report" in cmd and "multirun" in cmd:  # a sweep's report (a run directory gets expert_load.png, above)
         table = next(d.glob("multirun/**/report.md"), None)
         rows = [ln for ln in table.read_text().splitlines() if ln.startswith("| ")] if table else []
         if len(rows) < 2 + 3:

@@ -1,8 +1,8 @@
-"""zoo.report on constructed summaries: spread and step count shown, no Pareto front from noise."""
+"""zoo.tools.report on constructed summaries: spread and step count shown, no Pareto front from noise."""
 
 import json
 
-from zoo import report
+from zoo.tools import report
 
 
 def _job(path, overrides, memory_mib, p25_ms, p75_ms, steps=19):

@@ -1,9 +1,9 @@
-"""Expert-parallel bad input on the command line (`python -m zoo.inspect`, the same composition and
+"""Expert-parallel bad input on the command line (`python -m zoo.tools.inspect_step`, the same composition and
 validation as train.py): one `error:` line naming the key and the fix, exit 2, nothing compiled."""
 
 import pytest
 
-from zoo.inspect import main
+from zoo.tools.inspect_step import main
 
 EP_BAD_INPUTS = {
     "expert_axis_does_not_divide_the_experts": (

@@ -41,7 +41,7 @@ def _env() -> dict:
                                      "## Context parallelism: Llama 3.1 405B at 131,072 positions"])
 def test_the_scale_reports_of_docs_scale_print_what_the_doc_shows(heading, tmp_path):
     (command,), shown = commands_and_output(DOC.read_text(), heading)
-    assert command[:3] == ["python", "-m", "zoo.inspect"], command
+    assert command[:3] == ["python", "-m", "zoo.tools.inspect_step"], command
     # The doc's state bytes and the collectives SPMD partitioning chose. Not what XLA:CPU's own passes
     # made of them afterwards (compiled memory, compiled collectives), which may differ between the
     # CPUs this suite runs on; nor the largest collectives, abridged in the doc by hand.
@@ -66,7 +66,7 @@ def test_the_planner_commands_of_docs_scale_print_what_the_doc_quotes(tmp_path):
     assert quoted, "docs/scale.md no longer quotes the planner's layer inputs and working sets in the form this test reads"
     layer_inputs, working = quoted.groups()[:2], quoted.groups()[2:]
     commands = planner_commands(text)
-    assert len(commands) == 2 and all(c[:3] == ["python", "-m", "zoo.plan"] for c in commands), commands
+    assert len(commands) == 2 and all(c[:3] == ["python", "-m", "zoo.tools.plan"] for c in commands), commands
     env = _env()
     for command, layer_input, work in zip(commands, layer_inputs, working):
         # Run where the relative plan.json and outputs/ land in tmp_path.
@@ -84,7 +84,7 @@ def test_the_gpu_lowering_tables_of_docs_scale_print_what_the_doc_shows(heading,
     """Every offloaded residual of the traced step keeps its host placement in the cuda lowering (and
     none in the CPU one); host-resident state is marked in both; the table is the one the doc shows."""
     (command,), shown = commands_and_output(DOC.read_text(), heading)
-    assert command[:3] == ["python", "-m", "zoo.gpu_lowering"], command
+    assert command[:3] == ["python", "-m", "zoo.tools.gpu_lowering"], command
     p = subprocess.run([sys.executable, *command[1:]], cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, f"$ {shlex.join(command)}\n{p.stderr[-2000:]}"
     printed = [line.split() for line in p.stdout.splitlines()]
@@ -105,7 +105,7 @@ def test_the_dropless_exchange_lowered_for_gpu_prints_what_the_doc_shows(tmp_pat
     """The 671B dropless step lowered for cuda sends from the [tokens * k, D] sorted assignments with
     ragged_all_to_all; the lines are the doc's."""
     (command,), shown = commands_and_output(DOC.read_text(), "### DeepSeek-V3 671B's dropless exchange, lowered for GPU")
-    assert command[:3] == ["python", "-m", "zoo.gpu_lowering"] and "model.moe.impl=ragged" in command, command
+    assert command[:3] == ["python", "-m", "zoo.tools.gpu_lowering"] and "model.moe.impl=ragged" in command, command
     p = subprocess.run([sys.executable, *command[1:]], cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, f"$ {shlex.join(command)}\n{p.stderr[-2000:]}"
     assert [line.split() for line in shown] == [line.split() for line in p.stdout.splitlines()], p.stdout

@@ -46,16 +46,16 @@ def test_bad_input_one_line_nonzero_exit_before_compile(case, tmp_path):
 
 
 # The fuzz list: (tool, arguments, what the one `error:` line starts with after `error: `). Every case
-# runs in this process through the tool's own entry point (train.py's is zoo.train.cli.main around its
+# runs in this process through the tool's own entry point (train.py's is zoo.tools.cli.main around its
 # @hydra.main function), with conftest.py's 8 CPU devices. The first block is issue 13's list.
 OUT = "/proc/no_such_dir/out"  # a path nobody can write
 FUZZ = [
     ("train", ["offload=[full,qkv_proj_offloaded,nonexistent]"], "offload: unknown option 'nonexistent'; choose one of custom, "),
     ("train", ["foo=bar"], "foo: not a config group; the groups are model, mesh, "),
     ("train", ["offload=full", "offload.tags.query_proj=sideways"], "offload.tags.query_proj: 'sideways' is not an action; choose one of device, offload, remat"),
-    ("zoo.inspect", [f"inspect.out={OUT}/inspect.json", "model=llama_tiny_a"], f"inspect.out: cannot write {OUT}/inspect.json"),
-    ("zoo.inspect", ["bogus"], "bogus: no value; write bogus=<value>"),
-    ("zoo.plan", ["--bogus"], "--bogus: not a flag of python -m zoo.plan nor an override"),
+    ("zoo.tools.inspect_step", [f"inspect.out={OUT}/inspect.json", "model=llama_tiny_a"], f"inspect.out: cannot write {OUT}/inspect.json"),
+    ("zoo.tools.inspect_step", ["bogus"], "bogus: no value; write bogus=<value>"),
+    ("zoo.tools.plan", ["--bogus"], "--bogus: not a flag of python -m zoo.tools.plan nor an override"),
     ("train", ["mesh.tensor=3"], "mesh.tensor: 3 (mesh=fsdp) needs a multiple of 3 devices, and 8 are available"),
     ("train", ["offload.tags.query_proj=offload"], "offload.tags.query_proj: the chosen offload option does not list it; add it with +offload.tags.query_proj=offload"),
     ("train", ["offload=custom", "offload.tags.query_projection=offload"], "offload.tags.query_projection: unknown tag (did you mean query_proj?); valid tags: "),
@@ -112,7 +112,7 @@ FUZZ = [
     ("train", ["model=llama_tiny_a", "mesh.context_parallel=data"], "mesh.context_parallel: splits the sequence over the data axis, but mesh.data is 1"),
     ("train", ["model=llama_tiny_a", "mesh.context_parallel=fsdp", "data.seq_len=33"], "data.seq_len: 33 is not divisible by the sequence-parallel size 8 (mesh.context_parallel"),
     ("train", ["model=llama_tiny_a", "mesh.context_parallel=fsdp", "data.seq_len=40"], "data.seq_len: 40 does not cut into 2 x 8 equal chunks, which balanced context parallelism deals out"),
-    ("zoo.plan", ["model=llama_tiny_a", "mesh=fsdp_tp", "mesh.rules.seq=[tensor]", "data.seq_len=33"], "data.seq_len: 33 is not divisible by the sequence-parallel size 2"),
+    ("zoo.tools.plan", ["model=llama_tiny_a", "mesh=fsdp_tp", "mesh.rules.seq=[tensor]", "data.seq_len=33"], "data.seq_len: 33 is not divisible by the sequence-parallel size 2"),
     ("train", ["model=llama_tiny_a", "mesh=fsdp_ep"], "mesh.expert: 4 devices on the expert axis, but the model has no MoE layers"),
     ("train", ["model.moe.impl=dense"], "model.moe.impl: got 'dense'; choose one of auto, ragged, capacity"),
     ("train", ["model.attention_impl=cudnn"], "model.attention_impl: cudnn needs a GPU"),
@@ -129,29 +129,29 @@ FUZZ = [
     ("train", ["trainer.steps=[1,2"], "trainer.steps: cannot parse 'trainer.steps=[1,2'"),
     ("train", ["data=text", "data.path=~/notes/"], "data.path: '~/notes/' starts with ~, which neither bash (after key=) nor Hydra expands; write data.path=$HOME/notes/"),
     # the tools
-    ("zoo.inspect", ["inspect.foo=1"], "inspect.foo: unknown key; the keys are out, measure, strict"),
-    ("zoo.inspect", ["inspect.strict"], "inspect.strict: give a value"),
-    ("zoo.inspect", ["inspect.out=/tmp"], "inspect.out: /tmp is a directory"),
-    ("zoo.inspect", ["offload=nope"], "offload: unknown option 'nope'"),
-    ("zoo.inspect", ["--help-me"], "--help-me: not a flag of python -m zoo.inspect nor an override"),
-    ("zoo.inspect", ["trainer.stepz=1"], "trainer.stepz: unknown key"),
-    ("zoo.plan", ["plan.hbm_budget_gb=-1", "plan.link=64"], "plan.hbm_budget_gb: must be positive"),
-    ("zoo.plan", ["plan.link=warp"], "plan.link: unknown link 'warp'"),
-    ("zoo.plan", ["plan.foo=1"], "plan.foo: unknown key"),
-    ("zoo.plan", ["foo=bar"], "foo: not a config group"),
-    ("zoo.plan", [f"plan.out={OUT}/planned.yaml", "model=llama_tiny_a", "plan.link=64"], f"plan.out: cannot write {OUT}/planned.yaml"),
-    ("zoo.plan", [f"plan.json={OUT}/plan.json", "plan.link=64"], f"plan.json: cannot write {OUT}/plan.json"),
-    ("zoo.measure_hardware", ["n=abc"], "n: Value 'abc'"),
-    ("zoo.measure_hardware", ["foo=1"], "foo: unknown key; the keys are name, out, "),
-    ("zoo.measure_hardware", ["bare"], "bare: arguments are key=value"),
-    ("zoo.measure_hardware", ["dtype=int4"], "dtype: choose bfloat16, float16 or float32"),
-    ("zoo.measure_hardware", [f"out={OUT}/m.yaml"], f"out: cannot write {OUT}/m.yaml"),
-    ("zoo.report", ["/no/such/multirun"], "dir: /no/such/multirun is not a directory"),
-    ("zoo.report", [], "command line: the following arguments are required: dir"),
-    ("zoo.report", ["{tmp}", "--bogus"], "command line: unrecognized arguments: --bogus"),
-    ("zoo.report", ["{tmp}", "--out", OUT], f"--out: cannot write {OUT}/report.md"),
-    ("zoo.report", ["{tmp}/empty_dir"], "dir: no summary.json under {tmp}/empty_dir"),
-    ("zoo.sizes", ["nosuch"], "nosuch: no such size; choose from llama_tiny_a, "),
+    ("zoo.tools.inspect_step", ["inspect.foo=1"], "inspect.foo: unknown key; the keys are out, measure, strict"),
+    ("zoo.tools.inspect_step", ["inspect.strict"], "inspect.strict: give a value"),
+    ("zoo.tools.inspect_step", ["inspect.out=/tmp"], "inspect.out: /tmp is a directory"),
+    ("zoo.tools.inspect_step", ["offload=nope"], "offload: unknown option 'nope'"),
+    ("zoo.tools.inspect_step", ["--help-me"], "--help-me: not a flag of python -m zoo.tools.inspect_step nor an override"),
+    ("zoo.tools.inspect_step", ["trainer.stepz=1"], "trainer.stepz: unknown key"),
+    ("zoo.tools.plan", ["plan.hbm_budget_gb=-1", "plan.link=64"], "plan.hbm_budget_gb: must be positive"),
+    ("zoo.tools.plan", ["plan.link=warp"], "plan.link: unknown link 'warp'"),
+    ("zoo.tools.plan", ["plan.foo=1"], "plan.foo: unknown key"),
+    ("zoo.tools.plan", ["foo=bar"], "foo: not a config group"),
+    ("zoo.tools.plan", [f"plan.out={OUT}/planned.yaml", "model=llama_tiny_a", "plan.link=64"], f"plan.out: cannot write {OUT}/planned.yaml"),
+    ("zoo.tools.plan", [f"plan.json={OUT}/plan.json", "plan.link=64"], f"plan.json: cannot write {OUT}/plan.json"),
+    ("zoo.tools.measure_hardware", ["n=abc"], "n: Value 'abc'"),
+    ("zoo.tools.measure_hardware", ["foo=1"], "foo: unknown key; the keys are name, out, "),
+    ("zoo.tools.measure_hardware", ["bare"], "bare: arguments are key=value"),
+    ("zoo.tools.measure_hardware", ["dtype=int4"], "dtype: choose bfloat16, float16 or float32"),
+    ("zoo.tools.measure_hardware", [f"out={OUT}/m.yaml"], f"out: cannot write {OUT}/m.yaml"),
+    ("zoo.tools.report", ["/no/such/multirun"], "dir: /no/such/multirun is not a directory"),
+    ("zoo.tools.report", [], "command line: the following arguments are required: dir"),
+    ("zoo.tools.report", ["{tmp}", "--bogus"], "command line: unrecognized arguments: --bogus"),
+    ("zoo.tools.report", ["{tmp}", "--out", OUT], f"--out: cannot write {OUT}/report.md"),
+    ("zoo.tools.report", ["{tmp}/empty_dir"], "dir: no summary.json under {tmp}/empty_dir"),
+    ("zoo.tools.sizes", ["nosuch"], "nosuch: no such size; choose from llama_tiny_a, "),
     # LoRA (issue 32 part 4): a target the family lacks, a rank larger than the projection, a bad key.
     ("train", ["model=llama_tiny_a", "lora=default", "lora.targets=[wq,wkv_a]"], "lora.targets: this model has no 'wkv_a' projection; its projections are "),
     ("train", ["lora=default", "lora.targets=[wk]"], "lora.targets: this model has no 'wk' projection"),
@@ -175,7 +175,7 @@ def _cli(tool: str, argv: list[str], out_dir: pathlib.Path) -> int:
         import train
     finally:
         sys.path.remove(str(ROOT))
-    from zoo.train.cli import main
+    from zoo.tools.cli import main
 
     saved = sys.argv
     sys.argv = ["train.py", *argv, f"hydra.run.dir={out_dir / 'run'}", "hydra.job.chdir=false"]
@@ -250,7 +250,7 @@ def test_sweep_reports_failed_job_and_continues_then_report(tmp_path):
     failed_lines = [ln for ln in p.stderr.splitlines() if ln.startswith("error: job")]
     assert len(failed_lines) == 2 and "data.seq_len=999" in failed_lines[0]
 
-    r = subprocess.run([sys.executable, "-m", "zoo.report", str(sweep)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-m", "zoo.tools.report", str(sweep)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     table = (sweep / "report.md").read_text()
     rows = [ln for ln in table.splitlines() if ln.startswith("| offload=")]
@@ -260,7 +260,7 @@ def test_sweep_reports_failed_job_and_continues_then_report(tmp_path):
 
 
 def test_xla_flags_merge_with_environment():
-    from zoo.train.config import XlaConfig
+    from zoo.train.run_config import XlaConfig
     from zoo.train.run import merged_xla_flags
 
     c = XlaConfig(flags=["--xla_gpu_enable_latency_hiding_scheduler=true"], cpu_devices=4)
@@ -283,7 +283,7 @@ def test_ynn_default_only_on_the_jaxlibs_it_was_measured_with(monkeypatch):
     """XLA refuses to start on an unknown flag: the experimental YNN default is added only on a jaxlib
     release it was measured with (an explicit xla.flags entry is the user's choice and always passes)."""
     from zoo.train import run
-    from zoo.train.config import XlaConfig
+    from zoo.train.run_config import XlaConfig
 
     assert run.merged_xla_flags(XlaConfig(), None) == "--xla_cpu_experimental_ynn_fusion_type=dot"  # this jaxlib
     monkeypatch.setattr(run, "YNN_FLAG_JAXLIBS", ("0.0.",))

@@ -18,8 +18,8 @@ from omegaconf import OmegaConf
 from zoo.config import SIZES
 from zoo.offload import OffloadConfig
 from zoo.sharding import ShardingError, logical_to_spec, param_specs, resolve_mesh_shape
-from zoo.train.config import DataConfig, HardwareConfig, OptimizerConfig, TrainConfig, TrainerConfig, XlaConfig, load_group, validate
-from zoo.train.data import SyntheticData
+from zoo.train.run_config import DataConfig, HardwareConfig, OptimizerConfig, TrainConfig, TrainerConfig, XlaConfig, load_group, validate
+from zoo.train.batches import SyntheticData
 from zoo.train.step import Trainer
 
 CONF = pathlib.Path(__file__).resolve().parents[1] / "conf"
@@ -183,9 +183,9 @@ def test_expert_parallel_train_step_is_local(impl):
 
 
 def test_scale_report_of_the_expert_parallel_step():
-    """zoo.scale on the compiled EP step: per-device state bytes equal what the devices hold, and
+    """zoo.tools.scale on the compiled EP step: per-device state bytes equal what the devices hold, and
     the all-to-all traffic is the capacity buffers' bytes times their executions."""
-    from zoo import scale
+    from zoo.tools import scale
     from zoo.nn.moe_dispatch import expert_capacity
 
     run = expert_parallel_run("capacity")
@@ -405,8 +405,8 @@ def test_indivisible_dim_names_the_mesh_axis():
 
 @pytest.mark.parametrize("size", sorted(SIZES))
 def test_model_options_are_the_named_sizes(size):
-    """`model=<size>` composes (through the ConfigStore node zoo.train.config registers) to SIZES[size]."""
-    from zoo.toolkit import compose
+    """`model=<size>` composes (through the ConfigStore node zoo.train.run_config registers) to SIZES[size]."""
+    from zoo.tools.kit import compose
 
     assert load_group("model", compose([f"model={size}"]).model) == SIZES[size]
 

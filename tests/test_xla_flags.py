@@ -10,7 +10,7 @@ import sys
 import pytest
 from omegaconf import OmegaConf
 
-from zoo.train.config import ConfigError, XlaConfig, load_group
+from zoo.train.run_config import ConfigError, XlaConfig, load_group
 from zoo.train.run import merged_xla_flags, uses_host_memory
 from zoo.train.xla_flags import GPU_HOST_OFFLOAD_FLAG, GPU_HOST_OFFLOAD_FLAGS, flag_name, known_flag, unknown_flags
 
@@ -70,6 +70,10 @@ def test_host_offloading_switch_follows_the_placement(preset):
     assert merged_xla_flags(XlaConfig(cpu_ynn_fusions=None, flags=[mine, scheduler]), "", host_offload=True).split() == [mine, scheduler]
     assert merged_xla_flags(XlaConfig(cpu_ynn_fusions=None), f"{mine} {scheduler}", host_offload=True).split() == [mine, scheduler]
     assert merged_xla_flags(XlaConfig(cpu_ynn_fusions=None), mine, host_offload=True).split() == [mine, scheduler.replace("false", "true")]
+    # scheduler=False: the switch alone (bench/gpu.py's groups, whose default is the no-scheduler baseline).
+    assert merged_xla_flags(XlaConfig(cpu_ynn_fusions=None), "", host_offload=True, scheduler=False).split() == [mine.replace("false", "true")]
+    assert merged_xla_flags(XlaConfig(cpu_ynn_fusions=None, flags=[scheduler]), "", host_offload=True, scheduler=False).split() == [
+        scheduler, mine.replace("false", "true")]
 
 
 def test_some_preset_uses_the_host_and_some_does_not():

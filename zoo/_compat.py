@@ -92,7 +92,7 @@ def orbax_array_metadata_store() -> Optional[Any]:
 
 def saved_residuals():
     """`saved_residuals(f, *args)`: what a function's backward pass keeps (JAX's own count; the public
-    API only prints it, `jax.ad_checkpoint.print_saved_residuals`). Tests hold zoo.inspect to it."""
+    API only prints it, `jax.ad_checkpoint.print_saved_residuals`). Tests hold zoo.tools.inspect_step to it."""
     from jax._src.ad_checkpoint import saved_residuals as fn
 
     return fn

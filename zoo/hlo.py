@@ -14,8 +14,12 @@ keeps some, e.g. a psum over an axis of size 1) and are marked `trivial`.
 
 import dataclasses
 import math
+import pathlib
 import re
+import tempfile
 from typing import Iterable, Optional
+
+from zoo._compat import persistent_cache_bypassed
 
 KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "ragged-all-to-all", "collective-permute")
 
@@ -310,11 +314,6 @@ def compile_with_dumps(lowered, compiler_options: Optional[dict] = None, partiti
     dtypes as the partitioner chose them, before any backend-specific rewrite: XLA:CPU later widens
     bf16 collectives to float32, which a GPU does not) and the buffer assignment of the optimised
     program (`buffer_assignment` reads it). None for a dump XLA did not write."""
-    import pathlib
-    import tempfile
-
-    from zoo._compat import persistent_cache_bypassed
-
     with tempfile.TemporaryDirectory() as d:
         options = dict(compiler_options or {})
         # The pass filter only limits the per-pass dumps; the buffer assignment is written regardless.

@@ -591,7 +591,7 @@ def run_layers(
         segment_ids = zs.sequence_gathered(segment_ids, ("batch", None), whole=True)
     per_stack = []
     for stack, wrap in pieces:
-        # A cut model names each piece's scans (forward and backward) after it, so that zoo.inspect
+        # A cut model names each piece's scans (forward and backward) after it, so that zoo.tools.inspect_step
         # can tell which backward scan recomputes which piece's tags.
         with jax.named_scope(stack.name) if segments is not None else contextlib.nullcontext():
             x, auxes = stack(x, positions, segment_ids, wrap_layer=wrap)

@@ -14,7 +14,7 @@ Two maps name the tags:
   own kind's tags, so a misspelled or misplaced name is still an error, never a no-op. Entries of
   `tags` win over `block_tags`.
 
-Placement rules, which `zoo.inspect` reads back from the traced program and the tests hold it to:
+Placement rules, which `zoo.tools.inspect_step` reads back from the traced program and the tests hold it to:
 - `offload` -> the forward pass copies the tag to pinned host and the backward pass copies it back;
 - `device` -> the tag is a residual of the forward scan on device;
 - `remat` (and tags left out) -> the backward pass recomputes the tag;
@@ -28,12 +28,14 @@ Placement rules, which `zoo.inspect` reads back from the traced program and the 
 """
 
 import dataclasses
+import pathlib
 import re
 from typing import Any, Callable, NamedTuple, Optional, Union
 
 import jax
 
 from zoo.model import RangedPolicy, abstract, split_stacks
+from zoo.sharding import leaf_declaration
 from zoo.tags import DECODER_LAYER_INPUT, MLPWO, OPTIONAL_KINDS, TAGS, block_kinds, emitted_tags
 
 
@@ -235,15 +237,13 @@ def range_configs(policy: OffloadConfig) -> list[tuple[LayerRange, OffloadConfig
 
 
 def range_file(r: LayerRange):
-    """The policy file a range names (a value ending in `.yaml`: a path, e.g. one `python -m zoo.plan
+    """The policy file a range names (a value ending in `.yaml`: a path, e.g. one `python -m zoo.tools.plan
     plan.split=true` wrote), or None for a preset name. A missing file is a ValueError naming the key."""
-    import pathlib
-
     if not r.preset.endswith(".yaml"):
         return None
     path = pathlib.Path(r.preset).expanduser()
     if not path.is_file():
-        raise ValueError(f"offload.ranges.{r.key}: no file {r.preset}; give an existing offload policy YAML (e.g. one zoo.plan wrote) or a preset name")
+        raise ValueError(f"offload.ranges.{r.key}: no file {r.preset}; give an existing offload policy YAML (e.g. one zoo.tools.plan wrote) or a preset name")
     return path
 
 
@@ -377,8 +377,6 @@ def layer_weight_shapes(model_config) -> frozenset:
     parameters' dtype (nothing is cast)."""
     import numpy as np
 
-    from zoo.sharding import leaf_declaration
-
     if np.dtype(model_config.compute_dtype) == np.dtype(model_config.param_dtype):
         return frozenset()
     layers = tuple(s.layers for s in abstract(model_config).stacks)
@@ -465,8 +463,6 @@ def scan_policies(policy: OffloadConfig, model) -> list[tuple[str, LayerPolicy]]
 
 def conf_dir():
     """The repository's Hydra config directory (`conf/`)."""
-    import pathlib
-
     return pathlib.Path(__file__).resolve().parent.parent / "conf"
 
 

@@ -15,8 +15,8 @@ and walks the program, sub-programs included (pjit, remat, custom derivatives, s
   not read them, or reads a value derived from them that the forward pass kept).
 
 Nothing here reads the offload config: placement is what the program does. The tools read it through
-this module: `python -m zoo.inspect` (the table and the scale report), `zoo.plan` (the placement a
-plan's policy produces), `zoo.gpu_lowering`. Also here: the optimizer update's buffers
+this module: `python -m zoo.tools.inspect_step` (the table and the scale report), `zoo.tools.plan` (the placement a
+plan's policy produces), `zoo.tools.gpu_lowering`. Also here: the optimizer update's buffers
 (`update_buffers`) and the compiled program's memory (`memory_analysis`).
 """
 
@@ -30,6 +30,8 @@ import numpy as np
 from jax.extend import core
 
 from zoo._compat import scan_counts
+from zoo.offload import scan_policies
+from zoo.train.update import UPDATE_SCOPE
 
 # Ops that pass a value through unchanged (as far as placement goes).
 _ALIAS_OPS = ("reduce_precision", "sharding_constraint", "copy", "copy_p", "optimization_barrier")
@@ -307,8 +309,6 @@ def scan_names(model, policy=None) -> list[str]:
     """Names of the forward scans the trainer's step runs, in program order: the stacks', or with a
     policy per layer range (`offload.ranges` of the OffloadConfig `policy`) the pieces' the stacks are
     cut into (`<stack>[<first>-<last>]`)."""
-    from zoo.offload import scan_policies
-
     if policy is None or not policy.ranges:
         return stack_names(model)
     return [name for name, _ in scan_policies(policy, model)]
@@ -357,8 +357,6 @@ def update_buffers(closed, scope: Optional[str] = None) -> dict:
 
     Sizes are of the traced values (per device under a sharded step's shardings they are global
     shapes: divide by the ways a leaf is split)."""
-    from zoo.train.update import UPDATE_SCOPE
-
     scope = scope or UPDATE_SCOPE
     found = {"in_loops": [], "outside_loops": [], "moved": [], "loops": 0}
 

@@ -65,7 +65,7 @@ def float32(*axes: Optional[str]) -> Leaf:
     return Leaf(tuple(axes), False)
 
 
-# Under context parallelism (zoo.train.config.MeshConfig.context_parallel) the rules carry this key too:
+# Under context parallelism (zoo.train.run_config.MeshConfig.context_parallel) the rules carry this key too:
 # the mesh axes that keep the sequence split through the whole layer, attention included (a subset of
 # rules.seq, never of rules.batch). Not a logical axis of LOGICAL_AXES: only that option sets it.
 CONTEXT = "context"

@@ -85,7 +85,7 @@ class FlopShape:
 @dataclasses.dataclass(frozen=True)
 class Emit:
     """A tag a block emits, and the forward FLOPs of the op that produces it from its inputs
-    (`zoo.plan.producer_flops`: what recomputing it costs)."""
+    (`zoo.tools.plan.producer_flops`: what recomputing it costs)."""
 
     tag: TagInfo
     flops: Callable[[FlopShape], int | float]  # an int for exact counts; producer_flops makes it a float

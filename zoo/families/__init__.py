@@ -4,7 +4,7 @@ A module `zoo/families/<name>.py` defines `FAMILY = FamilyDef(...)`: the family'
 whether it has routed experts (`moe`) or latent attention (`mla`), its Hugging Face mapping (a
 `zoo.hf.rules.Family`: model_type, architecture, config.json defaults, read/write, tensor rules) and its
 named sizes. Every module here is found by name, so nothing else lists it: `zoo.config` validates
-`family` and merges the sizes into `SIZES` (hence Hydra's `model=<size>` options and `python -m zoo.sizes`),
+`family` and merges the sizes into `SIZES` (hence Hydra's `model=<size>` options and `python -m zoo.tools.sizes`),
 `zoo.hf` loads and saves its checkpoints (`model=hf` included), and the tests parametrize over
 `names()` and over the fixtures tests/make_fixtures.py writes. docs/models.md "Adding a family" says how.
 A module whose name starts with `_` is no family: families that share code keep it there (`_qwen.py`).

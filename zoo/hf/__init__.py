@@ -8,7 +8,7 @@ model is read from them in its stacked layout, whole (`from_pretrained`) or one 
 time (`load_sharded`, which train.py uses), so a checkpoint is never held twice. Layout: `files`
 (safetensors), `rules` (the kit a family's mapping is written with), `convert` (which family, config
 keys, save), `weights` (load), `pretrained` (train.py's `model=hf` group), `adapters` (LoRA adapters in
-the peft layout, `zoo.export --adapters-only`). Each family's own mapping (its config.json keys,
+the peft layout, `zoo.tools.export --adapters-only`). Each family's own mapping (its config.json keys,
 defaults and tensor names) is in its file, `zoo/families/<name>.py`.
 """
 

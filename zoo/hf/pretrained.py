@@ -2,7 +2,7 @@
 
 `python train.py model=hf model.path=<dir>` takes the architecture from `<dir>/config.json` and the
 weights from its safetensors. The option (`hf_option`, registered in Hydra's ConfigStore by
-zoo.train.config) lists `path`, the fields that say how zoo runs the model (`RUNTIME`: dtypes, kernels) and every other
+zoo.train.run_config) lists `path`, the fields that say how zoo runs the model (`RUNTIME`: dtypes, kernels) and every other
 ModelConfig field as null: null is config.json's value, and a value given on the command line must
 agree with it, so an override cannot contradict the weights. `model_from_node` resolves the group
 into the full ModelConfig and a `PretrainedSource` (what train.py records in summary.json and in its
@@ -136,7 +136,7 @@ def tokenizer_token_ids(data: dict, tokenizer: Optional[str] = None) -> dict[str
     nothing: save_pretrained then writes them null rather than guess."""
     if tokenizer is None and data.get("name") != "text":
         return {}
-    from zoo.data import DataError, load_tokenizer
+    from zoo.data import DataError, load_tokenizer  # not at the top: zoo.data imports grain (about 1.1 s)
 
     try:
         tok = load_tokenizer(tokenizer if tokenizer is not None else data.get("tokenizer"))
@@ -169,7 +169,7 @@ def fit_tokenizer(data, source: PretrainedSource, config: ModelConfig) -> None:
         if own is not None:
             data.tokenizer = str(directory)
         return
-    from zoo.data import load_tokenizer
+    from zoo.data import load_tokenizer  # not at the top: zoo.data imports grain (about 1.1 s)
 
     given = load_tokenizer(data.tokenizer)
     fix = f"leave data.tokenizer null to use the checkpoint's own ({own})" if own else "give the tokenizer the checkpoint was trained with"

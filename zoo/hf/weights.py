@@ -14,6 +14,7 @@ for; train.py runs it before anything compiles.
 """
 
 import dataclasses
+import json
 import pathlib
 import warnings
 from collections.abc import Callable, Sequence
@@ -29,12 +30,11 @@ from zoo.hf.convert import _get, config_from_hf, family_of, fp8_block, rules_and
 from zoo.hf.files import CheckpointError, CheckpointReader
 from zoo.hf.rules import Family
 from zoo.model import CausalLM, abstract
+from zoo.nn.moe import resolve_moe_impl
 
 
 def load_config(path) -> dict:
     """The parsed config.json of a checkpoint directory; a CheckpointError naming the file otherwise."""
-    import json
-
     directory = pathlib.Path(path)
     if not directory.is_dir():
         raise CheckpointError(f"{directory}: not a directory; pass a Hugging Face checkpoint directory (config.json + *.safetensors)")
@@ -177,8 +177,6 @@ def _by_leaf(skeleton: CausalLM, sources: list[LeafSource]) -> tuple[object, lis
 def capacity_note(c: ModelConfig, impl_key: str = "moe_impl", factor_key: str = "moe_capacity_factor") -> Optional[str]:
     """What a checkpoint loaded with the capacity MoE kernel computes differently (None: nothing): tokens
     routed to an expert past its capacity are dropped, which transformers never does."""
-    from zoo.nn.moe import resolve_moe_impl
-
     m = c.moe
     if m is None or not c.num_moe_layers or resolve_moe_impl(m.impl) != "capacity":
         return None

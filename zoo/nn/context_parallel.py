@@ -1,5 +1,5 @@
 """Context-parallel attention: the sequence split over a mesh axis through the whole layer, attention
-included (zoo.train.config.MeshConfig.context_parallel).
+included (zoo.train.run_config.MeshConfig.context_parallel).
 
 Each device keeps the queries of its own chunk of the sequence and receives the keys and values of
 the whole sequence, all-gathered over the context axes once per layer (as Llama 3's long-context

@@ -11,7 +11,7 @@ A checkpoint is one orbax step directory `<checkpoint.dir>/<step>/` with two ite
 Orbax writes a step into `<step>.orbax-checkpoint-tmp` and renames it to `<step>` only when every
 item is complete, so a process killed mid-save leaves the previous steps as they were and a
 half-written temporary directory that no restore picks. The data loader needs no state of its own:
-batch k depends on k alone (zoo.train.data, zoo.data), so the step number is the data position.
+batch k depends on k alone (zoo.train.batches, zoo.data), so the step number is the data position.
 
 Before anything compiles, `open()` writes (and deletes) a probe file in the directory, so one that
 cannot be written is refused now rather than at the first save, and takes the directory's lock
@@ -50,7 +50,13 @@ from typing import Any, Callable, Optional
 import jax
 import numpy as np
 
-from zoo.train.config import ConfigError, TrainConfig
+from zoo import lora
+from zoo import model as zoo_model
+from zoo._compat import orbax_array_metadata_store
+from zoo.hf import CheckpointError, load_sharded
+from zoo.lora import LoraConfig
+from zoo.model import abstract
+from zoo.train.run_config import ConfigError, TrainConfig, load_group
 
 # Model fields that change how the step computes, not what the state holds: a checkpoint may be
 # resumed with other values (the losses then differ from the uninterrupted run's).
@@ -539,8 +545,6 @@ class Checkpoints:
             import orbax.checkpoint as ocp
             from orbax.checkpoint import type_handlers
 
-            from zoo._compat import orbax_array_metadata_store
-
             store = orbax_array_metadata_store()  # what orbax's default jax.Array handler keeps per-array metadata in
 
             try:
@@ -751,9 +755,6 @@ def _restore_params(d: pathlib.Path, step: int, devices, lora_form: str = "merge
     import equinox as eqx
     import orbax.checkpoint as ocp
 
-    from zoo.model import abstract
-    from zoo.train.config import load_group
-
     step_dir = d / str(step)
     path = step_dir / META_FILE
     try:
@@ -766,8 +767,6 @@ def _restore_params(d: pathlib.Path, step: int, devices, lora_form: str = "merge
     params, static = eqx.partition(abstract(config), lambda x: isinstance(x, jax.ShapeDtypeStruct))
     adapters_config = _lora_config(meta, path)
     if adapters_config is not None:  # the state's params are the adapters (zoo.lora), not the model
-        from zoo import lora
-
         wanted = lora.init_shapes(abstract(config), adapters_config)
     elif lora_form == "adapters":  # no adapters to read, and the caller wants nothing else
         return abstract(config), meta
@@ -832,7 +831,6 @@ def _lora_config(meta: dict, path: pathlib.Path):
     """The LoraConfig a LoRA run saved in its metadata, or None for a whole model."""
     if not meta.get("lora"):
         return None
-    from zoo.lora import LoraConfig
 
     try:
         return LoraConfig(**meta["lora"])
@@ -845,12 +843,9 @@ def _lora_base(meta: dict, config, params, devices, step_dir: pathlib.Path):
     again from the run's `model.path` (model=hf), or built from its `trainer.seed` as train.py built it."""
     import equinox as eqx
 
-    from zoo import model as zoo_model
-
     source = meta.get("pretrained")
     if not source:
         return eqx.filter(zoo_model.build(config, key=jax.random.key(int(meta["trainer"]["seed"]))), eqx.is_array)
-    from zoo.hf import CheckpointError, load_sharded
 
     base_dir = pathlib.Path(source["path"])
     if not all((base_dir / f).is_file() for f in source.get("weight_files") or []) or not (base_dir / "config.json").is_file():

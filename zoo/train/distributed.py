@@ -23,7 +23,8 @@ import threading
 import time
 from typing import Optional
 
-from zoo.train.config import ConfigError, DistributedConfig
+from zoo._compat import backends_are_initialized, cluster_env
+from zoo.train.run_config import ConfigError, DistributedConfig
 
 EXIT_BAD_INPUT = 2
 _SLURM_VARS = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
@@ -51,8 +52,6 @@ def slurm_present() -> bool:
 
 def _jax_cluster_defaults(c: DistributedConfig, local_device_ids):
     """Fill the unset values from the cluster environment the way jax.distributed.initialize does."""
-    from zoo._compat import cluster_env
-
     ClusterEnv = cluster_env()  # JAX's own detection (SLURM, Open MPI, ...)
     if ClusterEnv is None:  # pragma: no cover - JAX moved it: fall back to SLURM's variables
         return (
@@ -171,8 +170,6 @@ def initialize(c: DistributedConfig) -> Optional[Cluster]:
     global _JOINED
     cluster = resolve(c)
     import jax
-
-    from zoo._compat import backends_are_initialized
 
     if cluster is None:
         if _JOINED is not None:

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 
 from zoo import sharding as zs
 from zoo.loss import target_weights
-from zoo.train.config import TrainConfig
+from zoo.train.run_config import TrainConfig
 
 
 class Evaluator:

@@ -14,11 +14,27 @@ from typing import Any, Callable, Optional
 from omegaconf import DictConfig
 
 from zoo import backend, families
+from zoo._compat import backends_are_initialized
+from zoo.config import count_params
+from zoo.hf.pretrained import describe as describe_pretrained
+from zoo.model import abstract
 from zoo.nn.moe import resolve_moe_impl
-from zoo.train.config import ConfigError, HardwareConfig, TrainConfig, TrainingStopped, XlaConfig, load, to_dict, validate
-from zoo.offload import OffloadConfig
-from zoo.train.xla_flags import GPU_HOST_OFFLOAD_FLAGS, known_flag
-from zoo.train.stop import set_phase
+from zoo.offload import OffloadConfig, parse_ranges, range_configs
+from zoo.sharding import ShardingError, memory_kinds
+from zoo.train import huge_pages
+from zoo.train.batches import make_data
+from zoo.train.checkpoint import Checkpoints, probe_writable
+from zoo.train.distributed import initialize
+from zoo.train.evaluate import attach_data
+from zoo.train.metrics import (
+    MetricsWriter, Progress, Throughput, compiled_flops, compiled_memory, device_memory, write_json,
+)
+from zoo.train.run_config import (
+    ConfigError, HardwareConfig, TrainConfig, TrainingStopped, XlaConfig, load, to_dict, validate,
+)
+from zoo.train.step import Trainer
+from zoo.train.stop import EXIT_REQUEUE, StopSignals, set_phase
+from zoo.train.xla_flags import GPU_HOST_OFFLOAD_FLAG, GPU_HOST_OFFLOAD_FLAGS, known_flag
 
 # The XLA flags this process started JAX with (None: not started by us).
 _APPLIED_XLA_FLAGS: Optional[str] = None
@@ -44,11 +60,12 @@ def _flag_name(flag: str) -> str:
     return flag.split("=", 1)[0]
 
 
-def merged_xla_flags(c: XlaConfig, env: Optional[str], host_offload: bool = False) -> str:
+def merged_xla_flags(c: XlaConfig, env: Optional[str], host_offload: bool = False, scheduler: bool = True) -> str:
     """The environment's XLA_FLAGS plus the group's flags; the group wins where both set one flag.
     `host_offload` (some state or tag lives in pinned host memory) adds XLA:GPU's host-offloading
     switch and its latency hiding scheduler (`GPU_HOST_OFFLOAD_FLAGS`), each unless the environment
-    or xla.flags set it; other backends ignore them."""
+    or xla.flags set it; other backends ignore them. `scheduler=False` adds the switch alone: bench/gpu.py's
+    groups, whose default group is the baseline without the scheduler."""
     ours = list(c.flags)
     if c.cpu_devices is not None:
         ours.append(f"--xla_force_host_platform_device_count={c.cpu_devices}")
@@ -57,7 +74,7 @@ def merged_xla_flags(c: XlaConfig, env: Optional[str], host_offload: bool = Fals
     named = names | {_flag_name(f) for f in kept}
     if c.cpu_ynn_fusions is not None and YNN_FLAG not in named and _ynn_flag_known():
         ours.append(f"{YNN_FLAG}={c.cpu_ynn_fusions}")  # a default: the environment or xla.flags win
-    for flag in GPU_HOST_OFFLOAD_FLAGS if host_offload else ():
+    for flag in (GPU_HOST_OFFLOAD_FLAGS if scheduler else (GPU_HOST_OFFLOAD_FLAG,)) if host_offload else ():
         if flag not in named and known_flag(flag) is not False:
             ours.append(f"{flag}=true")
     return " ".join(kept + ours)
@@ -78,8 +95,6 @@ def dropless_note(family: str, impl: str) -> Optional[str]:
 
 def uses_host_memory(o: OffloadConfig) -> bool:
     """Whether the policy keeps anything in pinned host memory: parameters, optimizer state or an offloaded tag."""
-    from zoo.offload import range_configs
-
     actions = [o.actions(), *(r.actions() for _, r in range_configs(o))]
     return "pinned_host" in (o.params, o.opt_state) or any("offload" in a.values() for a in actions)
 
@@ -87,8 +102,6 @@ def uses_host_memory(o: OffloadConfig) -> bool:
 def apply_xla_flags(c: XlaConfig, host_offload: bool = False) -> str:
     """Set XLA_FLAGS before JAX starts its backend. Once started, flags cannot change in this process."""
     global _APPLIED_XLA_FLAGS
-    from zoo._compat import backends_are_initialized
-
     if backends_are_initialized():
         current = _APPLIED_XLA_FLAGS if _APPLIED_XLA_FLAGS is not None else os.environ.get("XLA_FLAGS", "")
         # xla.cpu_ynn_fusions is a CPU speed default, not a request that must hold: a process that
@@ -117,7 +130,7 @@ GPU_HOST_POOL_ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
 
 def gpu_host_pool_gib(offload: OffloadConfig, hardware: HardwareConfig) -> Optional[int]:
     """The pinned-host pool cap for a run that keeps something on host: the host memory the hardware
-    profile gives a node (hardware.host_bytes_per_device x devices_per_node, the budget zoo.plan holds
+    profile gives a node (hardware.host_bytes_per_device x devices_per_node, the budget zoo.tools.plan holds
     a plan to), so a plan that fits its host budget is not stopped by XLA's 64 GiB default. None: nothing
     on host, or a profile without a host budget (hardware=cpu), where XLA's default stays."""
     if not uses_host_memory(offload) or hardware.host_bytes_per_device <= 0:
@@ -127,8 +140,6 @@ def gpu_host_pool_gib(offload: OffloadConfig, hardware: HardwareConfig) -> Optio
 
 def apply_gpu_host_pool(c: TrainConfig) -> Optional[str]:
     """Set the pool's cap before JAX starts unless the environment sets it; the value in effect (None: XLA's default)."""
-    from zoo._compat import backends_are_initialized
-
     return set_gpu_host_pool(gpu_host_pool_gib(c.offload, c.hardware), os.environ, started=backends_are_initialized())
 
 
@@ -146,8 +157,6 @@ def start_jax(c: TrainConfig) -> str:
     the same config does nothing more. Returns the XLA flags."""
     flags = apply_xla_flags(c.xla, host_offload=uses_host_memory(c.offload))
     apply_gpu_host_pool(c)
-    from zoo.train.distributed import initialize
-
     initialize(c.distributed)
     return flags
 
@@ -159,8 +168,6 @@ def prepare(cfg: DictConfig):
     flags = start_jax(c)
     import jax
 
-    from zoo.model import abstract
-
     devices = jax.devices()
     plan = validate(c, len(devices), abstract(c.model))
     return c, plan, devices, flags
@@ -169,8 +176,6 @@ def prepare(cfg: DictConfig):
 def train(c: TrainConfig, plan, devices, out_dir: pathlib.Path, xla_flags: str = "", overrides=(), echo=print) -> dict:
     import jax
 
-    from zoo.train.stop import StopSignals
-
     # From here on SIGTERM / SIGUSR1 stop the run after a step, with a checkpoint (zoo.train.stop).
     with StopSignals(jax.process_count()) as stop:
         return _train(c, plan, devices, out_dir, xla_flags, overrides, echo, stop)
@@ -178,14 +183,6 @@ def train(c: TrainConfig, plan, devices, out_dir: pathlib.Path, xla_flags: str =
 
 def _train(c: TrainConfig, plan, devices, out_dir: pathlib.Path, xla_flags: str, overrides, echo, stop) -> dict:
     import jax
-
-    from zoo.config import count_params
-    from zoo.sharding import ShardingError
-    from zoo.train.checkpoint import Checkpoints, probe_writable
-    from zoo.train.data import make_data
-    from zoo.train.evaluate import attach_data
-    from zoo.train.metrics import compiled_memory
-    from zoo.train.step import Trainer
 
     t_start = time.perf_counter()
     main = jax.process_index() == 0  # process 0 prints and writes metrics and the summary
@@ -219,13 +216,9 @@ def _train(c: TrainConfig, plan, devices, out_dir: pathlib.Path, xla_flags: str,
     optimize, why = trainer.cpu_optimization()
     if optimize is not None:
         echo(f"XLA:CPU compile: LLVM optimisations {'on (slower compile, faster steps)' if optimize else 'off (faster compile, slower steps)'}; {why}")
-        from zoo.train import huge_pages
-
         echo(huge_pages.describe())
     if c.pretrained is not None:
-        from zoo.hf.pretrained import describe
-
-        for line in describe(c.pretrained, c.model):
+        for line in describe_pretrained(c.pretrained, c.model):
             echo(line)
     if hasattr(data, "describe"):
         echo(data.describe())
@@ -323,8 +316,6 @@ def offload_label(c: TrainConfig, overrides=()) -> str:
     """The offload presets the run composed (`offload=[a,b]`: `a+b`; the merged config keeps only the
     first one's name, and Hydra records no choice for a list), else the config's name; then the layer
     ranges' presets (`, layers 0-3 llama_qkv_offload`)."""
-    from zoo.offload import parse_ranges
-
     given = [o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0] == "offload" and "=" in o]
     names = [n.strip() for n in given[-1].strip("[]").split(",") if n.strip()] if given else []
     label = "+".join(names) if len(names) > 1 else c.offload.name
@@ -340,8 +331,6 @@ def initial_state(trainer, ckpt, start: int):
 
 
 def write_summary(out_dir: pathlib.Path, summary: dict) -> None:
-    from zoo.train.metrics import write_json
-
     write_json(out_dir / "summary.json", summary)
 
 
@@ -387,8 +376,6 @@ class StepLog:
     write metrics.jsonl and the progress line, and stop on a non-finite loss or gradient norm."""
 
     def __init__(self, c: TrainConfig, out_dir: Optional[pathlib.Path], start: int, num_devices: int, local_devices, show: bool):
-        from zoo.train.metrics import MetricsWriter, Progress, Throughput
-
         self.throughput = Throughput(c.model, c.data.seq_len, c.data.batch_size * c.data.seq_len, num_devices, c.hardware.peak_flops)
         moe_layers = moe_layer_indices(c)
         self.writer = MetricsWriter(out_dir, c.trainer.tensorboard, start_step=start, moe_layers=moe_layers) if out_dir is not None else None
@@ -413,8 +400,6 @@ class StepLog:
         call), so timing each from its own read would give it the later one's time and the later one
         almost none."""
         import jax
-
-        from zoo.train.metrics import device_memory
 
         ms = jax.device_get([d.metrics for d in ds])  # waits for the steps
         ready = time.perf_counter()
@@ -519,8 +504,6 @@ def _stop_for_requeue(c: TrainConfig, stop, log: StepLog, ckpt, start: int, out_
     """After a stop signal (the last completed step saved, the save complete): one line naming the
     step and the checkpoint, the summary, the handler that was there before ours (submitit's
     requeues), and the exit code a requeue script reads (zoo.train.stop.EXIT_REQUEUE)."""
-    from zoo.train.stop import EXIT_REQUEUE
-
     done = log.completed
     # XLA cannot be interrupted mid-compile: a signal sent while it compiles is acted on when it ends.
     when = f"after step {done}" if done > start else f"before step {done + 1} (a signal during compilation is acted on once it ends)"
@@ -544,10 +527,6 @@ def _stop_for_requeue(c: TrainConfig, stop, log: StepLog, ckpt, start: int, out_
 
 def _summary(c: TrainConfig, plan, trainer, state, data, log: StepLog, ckpt, start, mesh_devices, init_s, compile_s, mem_compiled,
              compiled, t_start, xla_flags, overrides, evaluator=None) -> dict:  # fmt: skip
-    from zoo.config import count_params
-    from zoo.sharding import memory_kinds
-    from zoo.train.metrics import compiled_flops
-
     kinds = {"params": sorted(memory_kinds(state["params"])), "opt_state": sorted(memory_kinds(state["opt_state"]))}
     if "base" in state:  # LoRA's frozen base
         kinds["base"] = sorted(memory_kinds(state["base"]))
@@ -592,7 +571,7 @@ def _summary(c: TrainConfig, plan, trainer, state, data, log: StepLog, ckpt, sta
         "peak_memory_bytes": log.peak_device if log.peak_device is not None else estimated,
         "peak_memory_source": "device.memory_stats" if log.peak_device is not None else "compiled.memory_analysis",
         "kernels": kernels(c, plan),
-        # The model layer of each row of metrics.jsonl's per-MoE-layer lists (zoo.report labels by it).
+        # The model layer of each row of metrics.jsonl's per-MoE-layer lists (zoo.tools.report labels by it).
         "moe_layers": moe_layer_indices(c),
         "xla_flags": xla_flags,
         "gpu_host_pool_gib": os.environ.get(GPU_HOST_POOL_ENV),  # XLA:GPU's pinned-host cap (null: XLA's 64 GiB default)

@@ -2,7 +2,7 @@
 
 `Trainer(cfg, plan)` derives everything from the validated config: the mesh, the NamedShardings of
 params / optimizer state (memory kind from `offload.params` / `offload.opt_state`), the optimizer,
-the remat/offload policy, the sharded init and the jitted step. `zoo.inspect` / `zoo.plan` can lower
+the remat/offload policy, the sharded init and the jitted step. `zoo.tools.inspect_step` / `zoo.tools.plan` can lower
 the same step on abstract inputs (`Trainer.abstract_state`, `Trainer.lower`) without allocating.
 
 The state is a dict `{"params", "opt_state", "step"}`; `params` is the array half of the model
@@ -25,16 +25,16 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array, Float
 
-from zoo import backend
-from zoo import lora
+from zoo import backend, lora
 from zoo import model as zoo_model
-from zoo import offload
 from zoo import sharding as zs
+from zoo.config import flops_per_token
+from zoo.hf import CheckpointError, load_sharded
 from zoo.loss import chunked_next_token_loss, target_weights
 from zoo.nn.attention_kernels import segments_bound
 from zoo.nn.moe import router_statistics
 from zoo.offload import remat_policy
-from zoo.train.config import OptimizerConfig, Plan, TrainConfig
+from zoo.train.run_config import ConfigError, OptimizerConfig, Plan, TrainConfig
 from zoo.train.update import UPDATE_SCOPE, accumulate, global_norm, streamed_update, whole_tree_update, zeros_where
 
 
@@ -59,8 +59,6 @@ def cpu_optimization(c: TrainConfig, platform: str) -> tuple[Optional[bool], str
 
 def run_model_flops(c: TrainConfig) -> float:
     """The model FLOPs (zoo.config.flops_per_token: forward + backward, no recomputation) of the run's steps."""
-    from zoo.config import flops_per_token
-
     tokens = c.data.batch_size * c.data.seq_len * c.trainer.grad_accum
     return float(flops_per_token(c.model, c.data.seq_len)) * tokens * c.trainer.steps
 
@@ -225,11 +223,6 @@ class Trainer:
         """The parameters read from `cfg.pretrained`'s safetensors straight into their shardings and
         memory kinds, in param_dtype (each process reads only its devices' slices: zoo.hf.load_sharded);
         the optimizer state initialised from them, sharded, as `init` does."""
-        from zoo.hf import load_sharded
-
-        from zoo.hf import CheckpointError
-        from zoo.train.config import ConfigError
-
         try:
             params = load_sharded(self.cfg.pretrained.path, self.cfg.model, self.base_shardings if self.lora is not None else self.param_shardings)
         except CheckpointError as e:  # bad weights (non-finite values): before anything compiles
@@ -260,7 +253,7 @@ class Trainer:
         one = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=self.token_sharding)
         if not self.packed:
             return one
-        from zoo.data.pipeline import BATCH_FIELDS
+        from zoo.data.pipeline import BATCH_FIELDS  # packed text only; zoo.data imports grain (about 1.1 s)
 
         return {k: one for k in BATCH_FIELDS}
 

@@ -23,7 +23,7 @@ EXIT_REQUEUE = 75
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 
 # What the run is doing and what a Ctrl-C there leaves: the one line a KeyboardInterrupt that reaches
-# zoo.train.cli ends the process with (exit code 130). Set by zoo.train.run as the run goes on.
+# zoo.tools.cli ends the process with (exit code 130). Set by zoo.train.run as the run goes on.
 PHASE = "starting"
 PHASE_AFTER = "no step ran; run the command again"
 

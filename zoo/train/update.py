@@ -32,7 +32,7 @@ import optax
 
 from zoo import sharding as zs
 
-# The update's ops carry this name (jax.named_scope), so zoo.inspect can find them in the program.
+# The update's ops carry this name (jax.named_scope), so zoo.tools.inspect_step can find them in the program.
 UPDATE_SCOPE = "optimizer_update"
 
 Group = Optional[tuple[int, int]]  # (stack index, block position), None outside the stacks

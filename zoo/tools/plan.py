@@ -53,14 +53,31 @@ policy files that `offload.ranges` takes by path.
 
 import dataclasses
 import itertools
+import json
 import math
+import pathlib
 import re
+import sys
 from typing import Optional, Sequence, Union
 
 import numpy as np
 
+from zoo import model as zoo_model
+from zoo.config import attended_keys, flops_per_token, moe_capacity
+from zoo.model import DecoderBlock, loss_fn, stack_layout
+from zoo.nn import GatedMLP, GQAttention, MLAttention, MoE
+from zoo.nn.attention_kernels import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, resolve_impl
 from zoo.nn.moe import resolve_moe_impl
-from zoo.offload import CHECKPOINT_INPUTS, OffloadConfig, backward_never_reads
+from zoo.offload import (
+    CHECKPOINT_INPUTS, OffloadConfig, backward_never_reads, conf_dir, load_preset, preset_names,
+    range_configs, remat_policy, resolve,
+)
+from zoo.placement import inspect_placement, stack_names
+from zoo.sharding import CONTEXT, logical_to_spec
+from zoo.tags import MOE, TAGS, FlopShape, emitted_tags
+from zoo.tools.kit import compose, output_path, prepare_step, run_tool, split_tool_args
+from zoo.train.run import start_jax
+from zoo.train.run_config import load
 
 CHOICES = ("device", "offload", "remat")
 GB = 1e9
@@ -81,7 +98,7 @@ class PlanError(ValueError):
 
 @dataclasses.dataclass
 class PlanConfig:
-    """`plan.*` keys of `python -m zoo.plan`."""
+    """`plan.*` keys of `python -m zoo.tools.plan`."""
 
     hbm_budget_gb: Optional[float] = None  # null: the hardware profile's hbm_bytes
     host_budget_gb: Optional[float] = None  # pinned host memory per device; null: hardware.host_bytes_per_device (0 there: no budget)
@@ -683,7 +700,7 @@ def holders(p: Problem, e: Estimate, memory: str = "hbm") -> list[Holder]:
         if p.cut_bytes and not p.params_on_host:
             out.append(Holder("the stacks the layer ranges cut (their parameters' slices and joined gradients)", RANGE_CUT_COPIES * p.cut_bytes))
     else:
-        # The update phase: zoo.plan's _fixed_bytes, by holder.
+        # The update phase: zoo.tools.plan's _fixed_bytes, by holder.
         if not _streamed(p):
             out = [
                 Holder("parameters (update)", p.param_bytes, _leaves_detail(p, "params")), Holder("gradients (update)", p.grad_bytes),
@@ -812,8 +829,6 @@ def _layers_in(bounds: dict[str, tuple[int, int]], first: int, last: int) -> dic
 def preset_assignment(p: Problem, config, model_config) -> dict[str, str]:
     """An OffloadConfig's action for every tag of `p`; a tag left at `remat` that cannot be
     recomputed (the layer input) is kept on device, as the scan keeps it."""
-    from zoo.offload import resolve
-
     actions = resolve(config, model_config)
     out = {}
     for t in p.tags:
@@ -825,8 +840,6 @@ def preset_assignment(p: Problem, config, model_config) -> dict[str, str]:
 def with_ranges(p: Problem, policy, model_config) -> Problem:
     """`p` with the layers of `policy.ranges` fixed to their presets' actions (`FixedRange`): the
     estimate counts them so, and the search assigns the other layers' tags."""
-    from zoo.offload import range_configs
-
     bounds = _stack_bounds(p)
     ranges = range_configs(policy)
     fixed = [
@@ -1053,8 +1066,6 @@ def search_split_tags(
 
 def _offload_presets(p: Problem, c) -> dict[str, dict[str, str]]:
     """The activation presets of conf/offload this model takes, one name per distinct assignment."""
-    from zoo.offload import load_preset, preset_names, range_configs
-
     presets = {}
     for name in sorted(preset_names(), key=lambda n: n == "custom"):  # custom (= full until edited) last
         try:  # loaded as a range's preset is: modifiers (params_host, optimizer_host) are refused
@@ -1075,7 +1086,6 @@ def split_line(p: Problem, c, best: Estimate, args: Sequence[str], out=None, nam
     the train.py command that runs it. A side whose assignment is no preset's is written as a
     policy YAML next to the plan's (`out`: the plan's YAML; `<name>_head.yaml`, `<name>_tail.yaml`),
     which `offload.ranges` takes by path. Returns the lines to print."""
-    import pathlib
     import shlex
 
     n = c.model.num_layers
@@ -1105,7 +1115,7 @@ def split_line(p: Problem, c, best: Estimate, args: Sequence[str], out=None, nam
             continue
         path = folder / f"{name}_{side}.yaml"
         policy = to_offload_config(dataclasses.replace(split.estimate, assignment=assignment), f"{name}_{side}", c.offload.params, c.offload.opt_state)
-        header = f"The policy of layers {layers} of a split planned by python -m zoo.plan plan.split=true,\nfor offload.ranges (a value ending in .yaml is a file). Tags left out are recomputed."
+        header = f"The policy of layers {layers} of a split planned by python -m zoo.tools.plan plan.split=true,\nfor offload.ranges (a value ending in .yaml is a file). Tags left out are recomputed."
         path.write_text(to_yaml(policy, header))
         lines.append(f"wrote {path}")
         values.append((path.stem, f'"{path}"'))  # quoted for Hydra: a path may hold characters its grammar reserves
@@ -1131,8 +1141,6 @@ def split_line(p: Problem, c, best: Estimate, args: Sequence[str], out=None, nam
 
 def _stack_layers(config, stack: str) -> list[int]:
     """The layer indices of a named stack of the model `config` builds."""
-    from zoo.model import stack_layout
-
     for name, first, period, repeats in stack_layout(config):
         if name == stack:
             return list(range(first, first + period * repeats))
@@ -1146,11 +1154,6 @@ def producer_flops(config, tag: str, stack: str, batch: int, seq: int) -> float:
     attention (`context`) over the keys a query attends, averaged over the stack's layers; the layer
     input cannot be recomputed: 0.
     """
-    from zoo.config import attended_keys
-    from zoo.model import DecoderBlock
-    from zoo.nn import GatedMLP, GQAttention, MLAttention, MoE
-    from zoo.tags import FlopShape
-
     c = config
     n = batch * seq
     layers = _stack_layers(c, stack)
@@ -1160,8 +1163,6 @@ def producer_flops(config, tag: str, stack: str, batch: int, seq: int) -> float:
         mo = c.moe
         ffn = mo.moe_intermediate_size * mo.n_shared_experts
         if resolve_moe_impl(mo.impl) == "capacity":
-            from zoo.config import moe_capacity
-
             rows = mo.n_routed_experts * moe_capacity(n, mo)
         else:
             rows = n * mo.num_experts_per_tok
@@ -1174,14 +1175,12 @@ def producer_flops(config, tag: str, stack: str, batch: int, seq: int) -> float:
     table = {e.tag.name: e.flops for b in blocks for e in b.EMITS}
     if tag not in table:
         # A tag this stack emits that no block declares a formula for would cost 0 FLOPs to recompute.
-        raise ValueError(f"zoo.plan.producer_flops: no FLOP count for tag {tag!r} on stack {stack!r}; declare it in its block's EMITS")
+        raise ValueError(f"zoo.tools.plan.producer_flops: no FLOP count for tag {tag!r} on stack {stack!r}; declare it in its block's EMITS")
     return float(table[tag](FlopShape(c, batch, seq, n, keys, ffn, rows)))
 
 
 def layer_forward_flops(config, stack: str, batch: int, seq: int) -> float:
     """Forward FLOPs of one layer on one device: the sum of its producers (mlpwo included)."""
-    from zoo.tags import MOE, TAGS, emitted_tags
-
     moe_stack = all(config.is_moe_layer(i) for i in _stack_layers(config, stack))
     # A dense stack of an MoE model emits no routed-expert tags.
     tags = [t for t in emitted_tags(config) if moe_stack or TAGS[t].block != MOE]
@@ -1194,9 +1193,6 @@ def per_device_shape(tag: str, shape: Sequence[int], rules=None, sizes=None) -> 
     each dim of the tag's logical axes (`zoo.tags.TagInfo.axes`) divided by the mesh axes its rule
     gives it (rounded up, as the partitioner pads), a mesh axis used by an earlier dim skipped as in
     `zoo.sharding.logical_to_spec`. No rules: the traced shape."""
-    from zoo.sharding import CONTEXT, logical_to_spec
-    from zoo.tags import TAGS
-
     layouts = [a for a in TAGS[tag].axes if len(a) == len(shape)] if tag in TAGS else []
     if not layouts:
         raise PlanError(
@@ -1339,8 +1335,6 @@ def target_attention_impl(c) -> str:
     the target cannot run is a PlanError naming the key and the choices."""
     import jax
 
-    from zoo.nn.attention_kernels import resolve_impl
-
     m, hw = c.model, c.hardware
     try:
         return resolve_impl(
@@ -1367,8 +1361,6 @@ def attention_working_bytes(impl: str, *, batch: int, seq: int, heads: int, kv_h
       their gradients), the float32 dq / dk / dv accumulators and the per-row statistics;
     - cudnn: the float32 dq accumulator and the softmax statistics (the tiles live in on-chip memory).
     """
-    from zoo.nn.attention_kernels import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q
-
     rows = 3.0 * batch * heads * seq * 4  # logsumexp, delta, running max
     if impl == "xla":
         return 2.0 * batch * heads * seq * seq * 4
@@ -1429,13 +1421,6 @@ def problem_from_config(c, trainer, opts: PlanConfig, hardware_dir=None, attenti
     `attention_impl`: the implementation the target runs (default: `target_attention_impl(c)`)."""
     import jax
     import jax.numpy as jnp
-
-    from zoo import model as zoo_model
-    from zoo.config import flops_per_token
-    from zoo.placement import inspect_placement, stack_names
-    from zoo.model import loss_fn
-    from zoo.offload import remat_policy
-    from zoo.tags import emitted_tags
 
     m = c.model
     attention_impl = attention_impl or target_attention_impl(c)
@@ -1596,20 +1581,11 @@ def use_plan_lines(out, overrides: Sequence[str]) -> list[str]:
     search = shlex.quote(f"hydra.searchpath=[file://{out.parent.parent}]")
     return [
         f"train with it: python train.py {args} {search} offload={out.stem}",
-        f"confirm the placement: python -m zoo.inspect {args} {search} offload={out.stem}",
+        f"confirm the placement: python -m zoo.tools.inspect_step {args} {search} offload={out.stem}",
     ]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    import json
-    import pathlib
-    import sys
-
-    from zoo.toolkit import compose, output_path, prepare_step, run_tool, split_tool_args
-    from zoo.offload import conf_dir
-    from zoo.train.config import load
-    from zoo.train.run import start_jax
-
     argv = list(sys.argv[1:] if argv is None else argv)
     after_error: list[str] = []  # printed after the one error line: who holds the memory
 
@@ -1670,7 +1646,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if best.host_bytes:
                 print(holders_table(p, best, "host"))
         header = (
-            f"Planned by: python -m zoo.plan {' '.join(argv)}\n"
+            f"Planned by: python -m zoo.tools.plan {' '.join(argv)}\n"
             f"Estimated step {1e3 * best.time_s:.3f} ms, HBM peak {_fmt_bytes(best.peak_bytes)} of {_fmt_bytes(p.budget)} per device,\n"
             f"host memory {_fmt_bytes(best.host_bytes)} per device ({_fmt_bytes(best.host_node_bytes)} per node of {p.devices_per_node}).\n"
             f"Tags left out are recomputed."
@@ -1690,7 +1666,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             )
         return 0
 
-    rc = run_tool(body, "python -m zoo.plan", argv)
+    rc = run_tool(body, "python -m zoo.tools.plan", argv)
     for text in after_error:
         print(text)
     return rc

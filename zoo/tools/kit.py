@@ -1,7 +1,7 @@
-"""The kit the command-line tools share (zoo.inspect, zoo.plan, zoo.scale, zoo.gpu_lowering,
-zoo.measure_hardware): compose train.py's Hydra config and build its step without training, split a
+"""The kit the command-line tools share (zoo.tools.inspect_step, zoo.tools.plan, zoo.tools.scale, zoo.tools.gpu_lowering,
+zoo.tools.measure_hardware): compose train.py's Hydra config and build its step without training, split a
 tool's own `<tool>.key=value` options from the Hydra overrides, choose and probe where a tool writes,
-format bytes and tables. With `zoo.train.cli` (one-line errors, exit codes, `run_tool`), which
+format bytes and tables. With `zoo.tools.cli` (one-line errors, exit codes, `run_tool`), which
 train.py shares. Library modules never import this: it sits above them.
 """
 
@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from zoo.offload import conf_dir, dropped_block_tags, resolve
-from zoo.train.cli import EXIT_BAD_INPUT, check_writable, run_tool  # noqa: F401 (the kit's other half)
+from zoo.tools.cli import EXIT_BAD_INPUT, check_writable, run_tool  # noqa: F401 (the kit's other half)
 from zoo.train.run import prepare
 from zoo.train.step import Trainer
 
@@ -24,7 +24,7 @@ from zoo.train.step import Trainer
 def output_path(explicit: Optional[str], key: str, tool: str, relative: str):
     """Where a tool writes: `explicit`, or `outputs/<tool>/<date>_<time>/<relative>` under the current
     directory (as train.py's Hydra runs go under outputs/). The folder is created and probed now
-    (`zoo.train.cli.check_writable`), so an unwritable path is one line before anything compiles."""
+    (`zoo.tools.cli.check_writable`), so an unwritable path is one line before anything compiles."""
     path = pathlib.Path(explicit) if explicit else pathlib.Path("outputs") / tool / time.strftime("%Y-%m-%d_%H-%M-%S") / relative
     return check_writable(path, key)
 

@@ -16,13 +16,20 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from zoo.config import ModelConfig
+from zoo.config import SIZES, ModelConfig
 from zoo.errors import ConfigError  # noqa: F401 (re-exported: every tool catches it from here)
-from zoo.hf.pretrained import PretrainedSource
+from zoo.hf.pretrained import PretrainedSource, check_weights, fit_tokenizer, hf_option, model_from_node
 from zoo.lora import LoraConfig
+from zoo.lora import check as check_lora
+from zoo.nn.attention_kernels import min_blockwise_seq, resolve_impl
+from zoo.nn.moe import resolve_moe_impl
+from zoo.nn.moe_dispatch import check_expert_parallel
 from zoo.offload import OffloadConfig, check_tags_emitted
+from zoo.sharding import (
+    CONTEXT, CONTEXT_BALANCED, DEFAULT_RULES, MESH_AXES, MeshShape, ShardingError, check_replication, param_specs,
+    resolve_mesh_shape,
+)
 from zoo.train.xla_flags import flag_name, unknown_flags
-from zoo.sharding import CONTEXT, CONTEXT_BALANCED, DEFAULT_RULES, MESH_AXES, MeshShape, ShardingError, resolve_mesh_shape
 
 # The mesh axes mesh.context_parallel may split the sequence over: tensor splits the heads inside
 # attention, expert the tokens' routes to their experts.
@@ -178,7 +185,7 @@ class DataConfig:
         if self.seq_len < 2:
             raise ConfigError(f"data.seq_len: next-token loss needs at least 2 tokens, got {self.seq_len}")
         if self.name == "text":
-            from zoo.data.text import FORMATS  # zoo.data (grain, tokenizers) only for text runs
+            from zoo.data.text import FORMATS  # zoo.data (grain, about 1.1 s; tokenizers) only for text runs
 
             if self.format not in FORMATS:
                 raise ConfigError(f"data.format: unknown format {self.format!r}; choose one of {', '.join(FORMATS)}")
@@ -292,20 +299,20 @@ class HardwareConfig:
     peak_flops: float = 1e12  # dense bf16 FLOP/s per device
     hbm_bytes: int = 0  # device memory
     host_link_gbps: float = 0.0  # host <-> device bandwidth, GB/s per direction
-    # Measured dense matmul FLOP/s (python -m zoo.measure_hardware); the planner prefers it to
+    # Measured dense matmul FLOP/s (python -m zoo.tools.measure_hardware); the planner prefers it to
     # peak_flops * plan.flops_efficiency. null: not measured.
     matmul_flops: Optional[float] = None
     nominal: bool = False  # true: peak_flops is a round number, not a datasheet figure
     note: str = ""
-    # What zoo.plan resolves model.attention_impl for when it plans on another machine: the
+    # What zoo.tools.plan resolves model.attention_impl for when it plans on another machine: the
     # platform ("cpu", "gpu"; null: this machine's) and a GPU's CUDA compute capability ("9.0").
     platform: Optional[str] = None
     compute_capability: Optional[str] = None
     # Pinned host memory one device may use (offloaded activations, host-resident state, staging),
-    # zoo.plan's host budget; 0: no budget (the planner refuses nothing for host memory). Profiles
+    # zoo.tools.plan's host budget; 0: no budget (the planner refuses nothing for host memory). Profiles
     # derive it from datasheets (the CPU memory of a node shared by its GPUs), not measurements.
     host_bytes_per_device: int = 0
-    devices_per_node: int = 1  # devices sharing one node's host memory (zoo.plan's per-node figure)
+    devices_per_node: int = 1  # devices sharing one node's host memory (zoo.tools.plan's per-node figure)
 
     def __post_init__(self):
         if self.peak_flops <= 0:
@@ -443,7 +450,6 @@ def load_model(node: Any) -> tuple[ModelConfig, Optional[PretrainedSource]]:
     directory resolved into the full ModelConfig and the source of the run's initial weights."""
     if not _names_path(node):
         return load_group("model", node), None
-    from zoo.hf.pretrained import model_from_node
 
     values = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
     try:
@@ -501,8 +507,6 @@ def load(cfg: DictConfig) -> TrainConfig:
     model, pretrained = load_model(cfg["model"])
     c = TrainConfig(model=model, pretrained=pretrained, **{g: load_group(g, cfg[g]) for g in GROUPS if g != "model"})
     if pretrained is not None:
-        from zoo.hf.pretrained import fit_tokenizer
-
         try:
             fit_tokenizer(c.data, pretrained, model)  # data.tokenizer null: the checkpoint's own
         except ValueError as e:
@@ -602,30 +606,20 @@ def validate(c: TrainConfig, available_devices: int, abstract_model=None) -> Pla
             )
         import jax
 
-        from zoo.nn.attention_kernels import min_blockwise_seq
-
         # what auto runs there (zoo.nn.attention_kernels.context_shard_attention)
         attention_impl = "blockwise" if c.data.seq_len >= min_blockwise_seq(jax.default_backend()) else "xla"
     if c.trainer.tensorboard and importlib.util.find_spec("tensorboardX") is None:
         raise ConfigError("trainer.tensorboard: needs the tensorboardX package; pip install -e '.[tensorboard]' or set trainer.tensorboard=false")
     if abstract_model is not None and c.pretrained is not None:
-        from zoo.hf.pretrained import check_weights
-
         try:  # every tensor's name, shape and dtype, from the safetensors headers
             check_weights(c.pretrained, abstract_model)
         except ValueError as e:
             raise ConfigError(str(e).splitlines()[0]) from None
     if abstract_model is not None and c.lora.enabled:
-        from zoo.lora import check as check_lora
-
         problem = check_lora(abstract_model, c.lora)  # a target the family lacks, a rank over a projection
         if problem:
             raise ConfigError(problem)
     if abstract_model is not None:
-        from zoo.sharding import param_specs
-
-        from zoo.sharding import check_replication
-
         try:
             specs = param_specs(abstract_model, rules, shape.sizes)
             check_replication(abstract_model, specs, shape.sizes, c.mesh.max_replicated_mb * 2**20)
@@ -665,9 +659,6 @@ def resolve_kernels(c: TrainConfig) -> tuple[str, Optional[str]]:
     attention_impl the backend cannot run for the model's head dims is a ConfigError."""
     import jax
 
-    from zoo.nn.attention_kernels import resolve_impl
-    from zoo.nn.moe import resolve_moe_impl
-
     m = c.model
     packed = c.data.name == "text"  # segment ids; the data's bound on them (>= 2) reaches attend when traced
     try:
@@ -683,8 +674,6 @@ def resolve_kernels(c: TrainConfig) -> tuple[str, Optional[str]]:
 
 def _check_expert_parallel(c: TrainConfig, shape: MeshShape, batch_ways: int) -> None:
     """An expert axis the model or the batch cannot use: one line naming the key (see zoo.nn.moe_dispatch)."""
-    from zoo.nn.moe_dispatch import check_expert_parallel
-
     m, rules = c.model, c.mesh.rules
     try:
         if not m.num_moe_layers:
@@ -717,9 +706,6 @@ def _field_default(f: dataclasses.Field) -> Any:
 
 
 def _register_python_options() -> None:
-    from zoo.config import SIZES
-    from zoo.hf.pretrained import hf_option
-
     store = ConfigStore.instance()
     store.store(group="mesh", name=MESH_DEFAULTS_NAME, node={f.name: _field_default(f) for f in dataclasses.fields(MeshConfig)})
     for name, size in SIZES.items():

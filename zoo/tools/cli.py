@@ -13,12 +13,20 @@ import os
 import pathlib
 import re
 import sys
+import tempfile
 import traceback
 from typing import Callable, Optional
 
 from omegaconf import DictConfig
 
-from zoo.train.config import GROUPS, ConfigError, TrainingStopped, _known_keys
+from zoo.offload import ACTIONS, conf_dir
+from zoo.sharding import LOGICAL_AXES
+from zoo.tags import OPTIONAL_KINDS, TAGS
+from zoo.train import distributed, stop
+from zoo.train.checkpoint import DirLock
+from zoo.train.metrics import write_json
+from zoo.train.run import prepare, train
+from zoo.train.run_config import GROUPS, ConfigError, TrainingStopped, _known_keys, foreign_data_key_line
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
@@ -37,10 +45,6 @@ def _hydra_context():
 
 def run_job(cfg: DictConfig) -> None:
     """The body of @hydra.main."""
-    from zoo.train import distributed
-    from zoo.train.metrics import write_json
-    from zoo.train.run import prepare, train
-
     import logging
 
     logging.getLogger("jax").setLevel(logging.WARNING)  # Hydra's logging config would show JAX's INFO lines
@@ -87,11 +91,8 @@ RUN_LOCK = "zoo.run.lock"
 def _hold_run_dir(out_dir: pathlib.Path):
     """Take the run directory's lock (process 0), so that a second run started into the directory of a
     live one stops in one line instead of writing its summary.json over the live run's."""
-    from zoo.train import distributed
-
     if not distributed.is_main_process():
         return None
-    from zoo.train.checkpoint import DirLock
 
     lock = DirLock(out_dir, RUN_LOCK, "hydra.run.dir")
     lock.acquire(print)
@@ -101,8 +102,6 @@ def _hold_run_dir(out_dir: pathlib.Path):
 def _output_dir_line(args: list[str]) -> Optional[str]:
     """Before Hydra creates the output directory (and configures logging, writes .hydra/ into it):
     one line when it cannot be created or written, or a live run holds it; None when it is fine."""
-    import tempfile
-
     if any(a in ("-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "-sc", "--shell-completion") or a.startswith("--cfg") for a in args):
         return None  # nothing is written
     multirun = any(a in ("-m", "--multirun") for a in args)
@@ -134,8 +133,6 @@ def _output_dir_line(args: list[str]) -> Optional[str]:
     # The processes of one multi-process run share the run directory, and process 0 holds its lock.
     several = any(a.lstrip("+").startswith("distributed.") for a in args) or int(os.environ.get("SLURM_NTASKS", "1") or 1) > 1
     if given and not several and target.is_dir() and (target / RUN_LOCK).exists():
-        from zoo.train.checkpoint import DirLock
-
         lock = DirLock(target, RUN_LOCK, key)
         owner = lock.held_by_another()
         if owner:
@@ -152,7 +149,7 @@ TRAIN = "python train.py"
 
 
 def _group_options(conf_dir: pathlib.Path, group: str) -> list[str]:
-    """The group's YAML files and the options Python registers (zoo.train.config), base nodes left out."""
+    """The group's YAML files and the options Python registers (zoo.train.run_config), base nodes left out."""
     from hydra.core.config_store import ConfigStore
 
     try:
@@ -210,10 +207,6 @@ def _parse_error_line(args, tool: str) -> str:
 def _map_key_line(key: str, value: Optional[str]) -> Optional[str]:
     """A key of a map-valued field (offload.tags, offload.block_tags.<kind>, mesh.rules) that the chosen
     option does not list: adding it with `+` works exactly when the name and the value are valid."""
-    from zoo.offload import ACTIONS
-    from zoo.sharding import LOGICAL_AXES
-    from zoo.tags import OPTIONAL_KINDS, TAGS
-
     parts = key.split(".")
     add = f"the chosen {parts[0]} option does not list it; add it with +{key}={value}"
     if parts[:2] == ["offload", "tags"] and len(parts) == 3 or parts[:2] == ["offload", "block_tags"] and len(parts) == 4:
@@ -241,8 +234,6 @@ def _unknown_key_line(key: str, value: Optional[str]) -> str:
             f"<group>=<option>, set a key with <group>.<key>=<value>)"
         )
     if group == "data" and "." not in rest:
-        from zoo.train.config import foreign_data_key_line
-
         # The chosen option does not list the key: it does not read it, so `+` would be silently ignored.
         line = foreign_data_key_line(rest, value)
         if line:
@@ -351,8 +342,6 @@ class ArgumentParser(argparse.ArgumentParser):
 def check_writable(path, key: str) -> pathlib.Path:
     """Probe, before any long compile, that a file can be written at `path` (creating its folder);
     ConfigError naming `key` otherwise. For tools' output keys (inspect.out, plan.out, ...)."""
-    import tempfile
-
     out = pathlib.Path(path).expanduser()
     if out.is_dir():
         raise ConfigError(f"{key}: {out} is a directory; give a file path, e.g. {key}={out / 'out.json'}")
@@ -390,8 +379,6 @@ def run_tool(body: Callable[[], int], tool: str, argv=(), doc: Optional[str] = N
 
 
 def _conf_dir() -> pathlib.Path:
-    from zoo.offload import conf_dir
-
     return conf_dir()
 
 
@@ -406,8 +393,6 @@ def main(hydra_main: Callable, conf_dir: pathlib.Path) -> int:
         with _argparse_one_line(TRAIN):
             hydra_main()
     except KeyboardInterrupt:
-        from zoo.train import stop
-
         print(f"error: interrupted (Ctrl-C) while {stop.PHASE}; {stop.PHASE_AFTER}", file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
     except SystemExit as e:

@@ -1,8 +1,8 @@
 """Sweep results -> a markdown table and a PNG: step time against peak device memory, Pareto front marked.
 
-    python -m zoo.report multirun/2026-11-30/12-00-00            # writes report.md and report.png there
-    python -m zoo.report <dir> --out /tmp/report                  # elsewhere
-    python -m zoo.report outputs/2026-11-30/12-00-00             # one run: its expert load over steps (expert_load.png)
+    python -m zoo.tools.report multirun/2026-11-30/12-00-00            # writes report.md and report.png there
+    python -m zoo.tools.report <dir> --out /tmp/report                  # elsewhere
+    python -m zoo.tools.report outputs/2026-11-30/12-00-00             # one run: its expert load over steps (expert_load.png)
 
 Every `summary.json` under the directory is one job (train.py writes one per job, failed jobs too).
 Step times on a shared machine are noisy, so each job's time is its interquartile range over the
@@ -12,12 +12,13 @@ successful job uses at most as much memory without being measurably slower, and 
 or uses strictly less memory. Jobs whose ranges overlap are ties, so noise draws no front.
 """
 
-import argparse
 import json
 import pathlib
 import sys
 import warnings
 from typing import Optional
+
+from zoo.tools.cli import ArgumentParser, ConfigError, check_writable
 
 
 def load_summaries(root: pathlib.Path) -> list[dict]:
@@ -269,9 +270,7 @@ def run_report(run_dir: pathlib.Path, out: Optional[pathlib.Path] = None) -> Opt
 
 
 def _main_run(run_dir: pathlib.Path, out: Optional[pathlib.Path]) -> int:
-    """`python -m zoo.report RUN_DIR`: the run's expert-load plot, one line on stdout naming it."""
-    from zoo.train.cli import ConfigError, check_writable
-
+    """`python -m zoo.tools.report RUN_DIR`: the run's expert-load plot, one line on stdout naming it."""
     try:
         check_writable((out or run_dir) / RUN_PLOT, "--out" if out else "dir")
     except ConfigError as e:
@@ -286,9 +285,7 @@ def _main_run(run_dir: pathlib.Path, out: Optional[pathlib.Path]) -> int:
 
 
 def main(argv=None) -> int:
-    from zoo.train.cli import ArgumentParser
-
-    p = ArgumentParser(prog="python -m zoo.report", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog="python -m zoo.tools.report", description=__doc__.splitlines()[0])
     p.add_argument(
         "dir", type=pathlib.Path,
         help="a multirun directory (or any directory holding summary.json files), or one run's directory "
@@ -301,7 +298,6 @@ def main(argv=None) -> int:
         return 2
     if (a.dir / "metrics.jsonl").is_file():
         return _main_run(a.dir, a.out)
-    from zoo.train.cli import ConfigError, check_writable
 
     try:
         check_writable((a.out or a.dir) / "report.md", "--out" if a.out else "dir")

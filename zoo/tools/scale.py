@@ -1,6 +1,6 @@
 """The scale report: what one device holds and moves in the compiled train step.
 
-`python -m zoo.inspect` adds it to its output and to inspect.json (key `scale`), at any size; at the
+`python -m zoo.tools.inspect_step` adds it to its output and to inspect.json (key `scale`), at any size; at the
 real sizes it is the point (`docs/scale.md`: DeepSeek-V3 671B and Llama 3.1 405B on 128 simulated
 CPU devices). Per device:
 
@@ -32,14 +32,15 @@ from typing import Optional
 import jax
 
 from zoo import hlo
+from zoo.model import stack_layout
+from zoo.tools.kit import fmt_bytes, text_table
+from zoo.tools.plan import per_device_bytes
 
 LARGEST = 12  # collectives listed one by one (by bytes per step)
 
 
 def state_bytes(trainer) -> dict:
     """Per device: `params`, `grads`, `opt_state`, their `total`; and `global_params` (all devices)."""
-    from zoo.plan import per_device_bytes
-
     params, _ = per_device_bytes(trainer.abstract_params, trainer.param_shardings)
     abstract_opt = jax.eval_shape(trainer.tx.init, trainer.abstract_params)
     opt, _ = per_device_bytes(abstract_opt, trainer.opt_shardings)
@@ -100,8 +101,6 @@ def kept_layer_inputs(trainer, text: str, per_device_batch: int) -> Optional[dic
     `positions` dim says whether sequence parallelism splits it (seq_len / tensor) or not (seq_len).
     None where the program holds no such array (nothing kept, or one device with the batch of 1
     folded away)."""
-    from zoo.model import stack_layout
-
     embed = trainer.cfg.model.hidden_size
     stacks, total = [], 0
     for name, _, period, repeats in stack_layout(trainer.cfg.model):
@@ -167,9 +166,7 @@ def _batch_ways(trainer) -> int:
 
 
 def render(rep: dict) -> str:
-    """The scale report as printed by `python -m zoo.inspect`."""
-    from zoo.toolkit import fmt_bytes, text_table
-
+    """The scale report as printed by `python -m zoo.tools.inspect_step`."""
     s = rep["state_bytes_per_device"]
     d = rep["dtypes"]
     mesh = " x ".join(f"{a} {n}" for a, n in rep["mesh"].items() if n > 1) or "one device"

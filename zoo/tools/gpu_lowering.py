@@ -13,11 +13,11 @@ XLA as two things in the lowered StableHLO module:
 
 The CPU lowering of the same traced step turns every offloaded residual's host placement into a
 device one (XLA:CPU has one memory space): an offload test run on CPU proves what JAX traced
-(`zoo.inspect`), not what XLA:GPU receives. This module counts both lowerings, so that a policy whose
+(`zoo.tools.inspect_step`), not what XLA:GPU receives. This module counts both lowerings, so that a policy whose
 host placements vanish on the way to the GPU program is caught without a GPU. It stops at the lowered
 module: XLA:GPU's own passes (host offloader, rematerialisation) need the CUDA backend to run.
 
-`python -m zoo.gpu_lowering <train.py overrides> [lower.presets=[a,b]]` prints one row per preset of
+`python -m zoo.tools.gpu_lowering <train.py overrides> [lower.presets=[a,b]]` prints one row per preset of
 conf/offload (or those given).
 """
 
@@ -25,6 +25,11 @@ import dataclasses
 import re
 import sys
 from typing import Optional, Sequence
+
+from zoo import model as zoo_model
+from zoo.offload import preset_names, resolve
+from zoo.placement import placement_from_jaxpr, scan_names
+from zoo.tools.kit import prepare_step, run_tool, split_tool_args, text_table
 
 _PLACEMENT = re.compile(r'@annotate_device_placement\([^)]*\)\s*\{[^}]*_xla_buffer_placement = "(\w+)"')
 _MEMORY_KIND = re.compile(r'mhlo\.memory_kind = "(\w+)"')
@@ -86,23 +91,16 @@ def lower_step(trainer, platforms: Sequence[str] = ("cuda",)):
 
 def offloaded_tags(trainer) -> list[str]:
     """The tags the step's policy sends to host (`offload` actions for tags the model emits)."""
-    from zoo.offload import resolve
-
     return sorted(t for t, a in resolve(trainer.cfg.offload, trainer.cfg.model).items() if a == "offload")
 
 
 def preset_row(overrides: Sequence[str], preset: str) -> dict:
     """One preset's step lowered for cpu and for cuda: the host placements of each, the offloaded tags
     and where the state lives. A preset the model cannot take (a tag it never emits) gives `error`."""
-    from zoo.toolkit import prepare_step
-
     try:
         trainer = prepare_step([*overrides, f"offload={preset}"])[3]
     except ValueError as e:
         return {"preset": preset, "error": str(e).splitlines()[0]}
-    from zoo import model as zoo_model
-    from zoo.placement import placement_from_jaxpr, scan_names
-
     traced = trace_step(trainer)
     placement = placement_from_jaxpr(traced.jaxpr, scan_names(zoo_model.abstract(trainer.cfg.model), trainer.cfg.offload))
     row = {
@@ -124,14 +122,12 @@ def preset_row(overrides: Sequence[str], preset: str) -> dict:
 
 @dataclasses.dataclass
 class LowerOptions:
-    """`lower.*` keys of `python -m zoo.gpu_lowering` (the other arguments are train.py's overrides)."""
+    """`lower.*` keys of `python -m zoo.tools.gpu_lowering` (the other arguments are train.py's overrides)."""
 
     presets: Optional[list] = None  # null: every preset of conf/offload
 
 
 def render(rows: list[dict]) -> str:
-    from zoo.toolkit import text_table
-
     table = [("preset", "offloaded tags", "traced host residuals", "state on host", "cpu: host annotations", "cuda: host annotations",
               "cpu: host memory kinds", "cuda: host memory kinds")]
     notes = []
@@ -150,9 +146,6 @@ def render(rows: list[dict]) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from zoo.toolkit import run_tool, split_tool_args
-    from zoo.offload import preset_names
-
     argv = list(sys.argv[1:] if argv is None else argv)
 
     def body() -> int:
@@ -164,7 +157,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(render([preset_row(overrides, p) for p in presets]))
         return 0
 
-    return run_tool(body, "python -m zoo.gpu_lowering", argv)
+    return run_tool(body, "python -m zoo.tools.gpu_lowering", argv)
 
 
 if __name__ == "__main__":

@@ -1,21 +1,19 @@
-"""A train.py checkpoint as a Hugging Face directory: `python -m zoo.export <checkpoint dir> <out dir>`.
-
-    python -m zoo.export checkpoints/run1 exported/ [--step N] [--dtype bfloat16] [--tokenizer DIR]
-    python -m zoo.export checkpoints/lora_run adapters/ --adapters-only [--step N] [--dtype bfloat16]
+"""A train.py checkpoint as a Hugging Face directory (`hf_export`); `python -m zoo.tools.export` is its
+command line (zoo/tools/export.py).
 
 Writes `config.json` (what `zoo.hf.config_to_hf` writes for the family, plus the source config's
 `bos_token_id` / `eos_token_id`, else its tokenizer's or null), the safetensors (sharded with an index past
-`--max-shard-gb`) and, for a run that started from a Hugging Face checkpoint (`model=hf`), that
+`max_shard_bytes`, `--max-shard-gb`) and, for a run that started from a Hugging Face checkpoint (`model=hf`), that
 checkpoint's tokenizer and generation files, which must still be where training read them, unchanged
 (their sha256 is in the checkpoint's metadata); `--tokenizer DIR` takes them from DIR instead, and a
-run trained on `data.tokenizer` carries that tokenizer.json. `zoo.hf.from_pretrained` (and
-transformers) load the result. The weights keep the checkpoint's dtype unless `--dtype` is given.
+run trained on `data.tokenizer` carries that tokenizer.json (`tokenizer=`: `--tokenizer` on the command
+line). `zoo.hf.from_pretrained` (and transformers) load the result. The weights keep the checkpoint's dtype unless `--dtype` is given.
 The parameters are restored split over the process's devices and written leaf by leaf, so neither a
 device nor the host ever holds the whole model (`hf_export`).
 
 A LoRA run (train.py `lora=default`) exports as its merged model: base + alpha/r A@B in every adapted
 weight. `--adapters-only` writes the adapters alone, in the layout of the `peft` library
-(`adapter_config.json`, `adapter_model.safetensors`; `zoo.hf.adapters`), without reading the base:
+(`adapters_only=True`; `adapter_config.json`, `adapter_model.safetensors`; `zoo.hf.adapters`), without reading the base:
 `peft.PeftModel.from_pretrained(<the base in transformers>, <out dir>)` then computes what the merged
 export computes. `base_model_name_or_path` is the run's `model.path` (model=hf), else null (a base
 built from the run's seed: export one with `zoo.hf.save_pretrained`). A checkpoint without adapters
@@ -25,21 +23,23 @@ The directory is written under a temporary name and renamed when complete; an ex
 `<out dir>` is refused (an export never writes over files). Bad input: one line, exit code 2.
 """
 
-import argparse
 import pathlib
 import shutil
-import sys
 from typing import Optional
 
-from zoo.hf.pretrained import CARRIED_FILES, sha256, tokenizer_token_ids
+import jax
 
-EXIT_BAD_INPUT = 2
+from zoo.errors import ConfigError
+from zoo.hf import CheckpointError, save_pretrained
+from zoo.hf.adapters import save_adapters
+from zoo.hf.convert import dtype_name
+from zoo.hf.pretrained import CARRIED_FILES, sha256, tokenizer_token_ids
+from zoo.lora import LoRAWeight
+from zoo.train.checkpoint import restore_model
 
 
 def _carried(meta: dict, tokenizer: Optional[str]) -> dict[str, pathlib.Path]:
     """name -> file to copy into the export, checked before anything is written."""
-    from zoo.train.config import ConfigError
-
     if tokenizer is not None:
         d = pathlib.Path(tokenizer).expanduser()
         d = d.parent if d.is_file() else d
@@ -78,13 +78,6 @@ def hf_export(checkpoint_dir, out_dir, step: Optional[int] = None, dtype=None, t
     The parameters are restored split over `devices` (default: this process's devices), never whole
     on one, and written leaf by leaf: each leaf is gathered to the host on its own, converted and
     written (`save_pretrained`), so the host holds about one leaf at a time."""
-    import jax
-
-    from zoo.hf import CheckpointError, save_pretrained
-    from zoo.hf.convert import dtype_name
-    from zoo.train.checkpoint import restore_model
-    from zoo.train.config import ConfigError
-
     out = pathlib.Path(out_dir).expanduser().absolute()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(f"{out}: exists and is not an empty directory; choose a new one (an export never writes over files)")
@@ -122,11 +115,6 @@ def hf_export(checkpoint_dir, out_dir, step: Optional[int] = None, dtype=None, t
 
 def _export_adapters(checkpoint_dir, out: pathlib.Path, step: Optional[int], dtype: Optional[str], devices) -> dict:
     """The adapters of a LoRA run's checkpoint in the PEFT layout; the base is never read."""
-    from zoo.hf import CheckpointError
-    from zoo.hf.adapters import save_adapters
-    from zoo.train.checkpoint import restore_model
-    from zoo.train.config import ConfigError
-
     model, meta = restore_model(checkpoint_dir, step, devices=devices, lora_form="adapters")
     cfg = meta.get("lora")
     if not cfg or not cfg.get("rank"):
@@ -154,44 +142,5 @@ def _export_adapters(checkpoint_dir, out: pathlib.Path, step: Optional[int], dty
 
 
 def _lora_leaves(model) -> list:
-    import jax
-
-    from zoo.lora import LoRAWeight
-
     is_lora = lambda x: isinstance(x, LoRAWeight)  # noqa: E731
     return [x for x in jax.tree.leaves(model, is_leaf=is_lora) if is_lora(x)]
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, not argparse's usage block
-        print(f"error: command line: {message}; see python -m zoo.export --help", file=sys.stderr)
-        raise SystemExit(EXIT_BAD_INPUT)
-
-
-def main(argv=None) -> int:
-    p = _Parser(prog="python -m zoo.export", description="Write a train.py checkpoint as a Hugging Face directory.")
-    p.add_argument("checkpoint_dir", help="the checkpoint.dir of a train.py run")
-    p.add_argument("out_dir", help="the Hugging Face directory to write (new, or empty)")
-    p.add_argument("--step", type=int, default=None, help="the step to export (default: the latest complete one)")
-    p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's)")
-    p.add_argument("--tokenizer", default=None, help="a folder of tokenizer files to include (default: the source checkpoint's)")
-    p.add_argument("--max-shard-gb", type=float, default=5.0, help="split the weights into files of at most this size")
-    p.add_argument("--adapters-only", action="store_true",
-                   help="a LoRA run: write its adapters alone in the peft layout (adapter_config.json, adapter_model.safetensors), "
-                        "for peft.PeftModel.from_pretrained over the base; default: the merged model")
-    args = p.parse_args(argv)
-    from zoo.train.config import ConfigError
-
-    try:
-        done = hf_export(args.checkpoint_dir, args.out_dir, args.step, args.dtype, args.tokenizer, int(args.max_shard_gb * 2**30),
-                         adapters_only=args.adapters_only)
-    except ConfigError as e:
-        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    what = "the LoRA adapters (peft layout) of step" if args.adapters_only else "step"
-    print(f"exported {what} {done['step']} of {pathlib.Path(args.checkpoint_dir)} as {done['dtype']} to {done['out']}: {', '.join(done['files'])}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

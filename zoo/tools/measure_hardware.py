@@ -1,7 +1,7 @@
 """Measure this machine's first device: dense matmul rate and host <-> device bandwidth (pinned host
 memory), and write a conf/hardware profile the planner and train.py can use.
 
-    python -m zoo.measure_hardware [name=measured] [out=conf/hardware/<name>.yaml] [n=...] [dtype=...]
+    python -m zoo.tools.measure_hardware [name=measured] [out=conf/hardware/<name>.yaml] [n=...] [dtype=...]
                                    [transfer_mb=256] [repeats=5]
 
 On CPU the "device" and "pinned host" memories are both host RAM: the transfer figure is a memory copy,
@@ -17,6 +17,10 @@ import statistics
 import sys
 import time
 from typing import Optional, Sequence
+
+from zoo.offload import conf_dir
+from zoo.tools.cli import check_writable
+from zoo.tools.kit import run_tool, split_tool_args
 
 
 @dataclasses.dataclass
@@ -114,7 +118,7 @@ def measure(opts: MeasureOptions) -> dict:
     kind = getattr(device, "device_kind", device.platform)
     when = datetime.date.today().isoformat()
     note = (
-        f"measured {when} on {kind} ({device.platform}) by zoo.measure_hardware: {n}x{n} {dtype} matmul x{opts.chain} "
+        f"measured {when} on {kind} ({device.platform}) by zoo.tools.measure_hardware: {n}x{n} {dtype} matmul x{opts.chain} "
         f"-> {flops / 1e12:.3f} TFLOP/s; {opts.transfer_mb:g} MB pinned_host<->device: host->device {h2d:.2f} GB/s, "
         f"device->host {d2h:.2f} GB/s (host_link_gbps is the smaller); medians of {opts.repeats}; "
         + ("hbm_bytes from memory_stats bytes_limit" if hbm else "no device memory statistics (hbm_bytes 0)")
@@ -137,17 +141,13 @@ def to_yaml(profile: dict) -> str:
 
     body = {k: v for k, v in profile.items() if not k.startswith("_")}
     header = (
-        "# Measured by python -m zoo.measure_hardware (see note). peak_flops is the measured matmul rate, not a\n"
+        "# Measured by python -m zoo.tools.measure_hardware (see note). peak_flops is the measured matmul rate, not a\n"
         "# datasheet peak, so MFU against this profile is relative to what matmuls reach on this machine.\n"
     )
     return header + yaml.safe_dump(body, sort_keys=False, width=200)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from zoo.toolkit import run_tool, split_tool_args
-    from zoo.train.cli import check_writable
-    from zoo.offload import conf_dir
-
     argv = list(sys.argv[1:] if argv is None else argv)
 
     def body() -> int:
@@ -172,7 +172,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"wrote {out}; use it with hardware={out.stem}" if out.parent == conf_dir() / "hardware" else f"wrote {out}")
         return 0
 
-    return run_tool(body, "python -m zoo.measure_hardware", argv)
+    return run_tool(body, "python -m zoo.tools.measure_hardware", argv)
 
 
 if __name__ == "__main__":

@@ -1,26 +1,36 @@
-"""`python -m zoo.inspect <train.py overrides>`: what went where in train.py's step, per tagged
+"""`python -m zoo.tools.inspect_step <train.py overrides>`: what went where in train.py's step, per tagged
 intermediate, read from the traced program (`zoo.placement`), against what the offload policy asks;
-the compiled step's memory, who holds the HBM, and the scale report (`zoo.scale`).
+the compiled step's memory, who holds the HBM, and the scale report (`zoo.tools.scale`).
 
-It composes the same Hydra config as train.py, builds the same step (`zoo.toolkit.prepare_step`) and
+It composes the same Hydra config as train.py, builds the same step (`zoo.tools.kit.prepare_step`) and
 prints a table; `inspect.json` holds the same. Exit 1 when a tag is not where the policy says.
 """
 
 import dataclasses
+import json
 import re
+import sys
 from typing import Callable, Optional, Sequence
 
 import jax
 
+from zoo import hlo
+from zoo import model as zoo_model
+from zoo.config import count_params
+from zoo.offload import expected_placement, layer_policies, placement_matches, resolve, scan_policies
 from zoo.placement import Placement, placement_from_jaxpr, scan_names, update_buffers
-from zoo.toolkit import fmt_bytes, output_path, prepare_step, run_tool, split_tool_args, text_table
+from zoo.tools import scale
+from zoo.tools.kit import fmt_bytes, output_path, prepare_step, run_tool, split_tool_args, text_table
+from zoo.train.batches import SyntheticData
+from zoo.train.metrics import compiled_memory, device_memory
+from zoo.train.run import kernels
 
 EXIT_MISMATCH = 1
 
 
 @dataclasses.dataclass
 class InspectOptions:
-    """`inspect.*` keys of `python -m zoo.inspect` (the other arguments are train.py's overrides)."""
+    """`inspect.*` keys of `python -m zoo.tools.inspect_step` (the other arguments are train.py's overrides)."""
 
     out: Optional[str] = None  # null: outputs/inspect/<date>_<time>/inspect.json (under the current directory)
     # Run one real step to read the device's peak memory, where the backend reports it (not CPU).
@@ -35,12 +45,6 @@ class InspectOptions:
 def report(c, trainer, placement: Placement, compiled_mem: Optional[dict], measured: Optional[dict], overrides=(), update: Optional[dict] = None) -> dict:
     """inspect.json's content (schema in docs/offload.md: "The inspector"); `update`: `update_buffers`
     of the traced step."""
-    from zoo.config import count_params
-    from zoo.offload import expected_placement, placement_matches, resolve
-
-    from zoo import model as zoo_model
-    from zoo.offload import scan_policies
-
     expected = expected_placement(c.offload, c.model)
     actions = resolve(c.offload, c.model)
     # Per forward scan, the policy its layers run under (a policy per layer range: offload.ranges).
@@ -120,8 +124,6 @@ def range_sections(c, placement: Placement, scans: dict) -> list[dict]:
     """inspect.json's `ranges` (with `offload.ranges`): per consecutive layer segment, where its
     policy comes from (`offload.ranges.<key>` or the top-level `offload`), its preset, its scans, and
     the tags found on host, kept on device, recomputed or unread there."""
-    from zoo.offload import layer_policies
-
     out = []
     for seg in layer_policies(c.offload, c.model.num_layers):
         names = [n for n, p in scans.items() if (p.first, p.stop) == (seg.first, seg.stop)]
@@ -155,8 +157,6 @@ def render_ranges(ranges: Optional[list]) -> list[str]:
 def memory_sections(c, trainer, update: Optional[dict]) -> dict:
     """inspect.json's `kernels` (what this machine runs: attention implementation, routed-expert
     kernel, loss chunk) and `update` (`update_buffers`, with whether the update is streamed)."""
-    from zoo.train.run import kernels
-
     out = {"kernels": kernels(c, trainer.plan)}
     if update is not None:
         out["update"] = {"streamed": trainer.layerwise_update, **update}
@@ -279,7 +279,7 @@ def render_holders(h: dict, overrides: Sequence[str] = ()) -> str:
     if h["over_budget"]:
         args = " ".join(a for a in overrides if not a.startswith(("hydra.run.", "hydra.sweep.")))
         out.append(
-            f"  to find what frees the most: python -m zoo.plan {args} plan.holders=true (per-tag offload / remat and state presets, "
+            f"  to find what frees the most: python -m zoo.tools.plan {args} plan.holders=true (per-tag offload / remat and state presets, "
             "with the saving of each)"
         )
     return "\n".join(out)
@@ -289,10 +289,6 @@ def inspect_step(trainer, measure: bool = True, on_compiled: Optional[Callable] 
     """Trace, compile and (optionally) run the train step: placement, compiled memory, measured peak.
     `on_compiled(compiled, partitioned_hlo_text)` sees the executable (the text is None on one device);
     `on_buffers(buffers)` its buffer assignment (`zoo.hlo.buffer_assignment`; None where XLA wrote none)."""
-    from zoo import hlo
-    from zoo import model as zoo_model
-    from zoo.train.metrics import compiled_memory, device_memory
-
     state, tokens = trainer.abstract_state(), trainer.abstract_tokens()
     traced = trainer.jitted_step().trace(state, tokens)
     placement = placement_from_jaxpr(traced.jaxpr, scan_names(zoo_model.abstract(trainer.cfg.model), trainer.cfg.offload))
@@ -305,8 +301,6 @@ def inspect_step(trainer, measure: bool = True, on_compiled: Optional[Callable] 
     devices = list(trainer.mesh.devices.flat)
     measured = None
     if measure and device_memory(devices) is not None:
-        from zoo.train.data import SyntheticData
-
         data = SyntheticData(trainer.cfg.data, trainer.cfg.model.vocab_size)
         real_state = trainer.init()
         for step in range(2):
@@ -318,10 +312,6 @@ def inspect_step(trainer, measure: bool = True, on_compiled: Optional[Callable] 
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    import json
-    import pathlib
-    import sys
-
     argv = list(sys.argv[1:] if argv is None else argv)
 
     def body() -> int:
@@ -330,7 +320,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         c, plan, devices, trainer, notes = prepare_step(overrides)
         for n in notes:
             print(f"note: {n}")
-        from zoo import scale
 
         seen = {}
         placement, compiled_mem, measured = inspect_step(
@@ -352,7 +341,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return EXIT_MISMATCH
         return 0
 
-    return run_tool(body, "python -m zoo.inspect", argv)
+    return run_tool(body, "python -m zoo.tools.inspect_step", argv)
 
 
 if __name__ == "__main__":

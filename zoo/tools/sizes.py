@@ -1,5 +1,5 @@
-"""`python -m zoo.sizes`: every named size with its family, shape and parameter counts (total and
-active per token), as a Markdown table. `python -m zoo.sizes <name> ...` prints only those rows."""
+"""`python -m zoo.tools.sizes`: every named size with its family, shape and parameter counts (total and
+active per token), as a Markdown table. `python -m zoo.tools.sizes <name> ...` prints only those rows."""
 
 import sys
 
