@@ -212,6 +212,10 @@ def test_scale_report_of_the_expert_parallel_step():
     assert "all-to-all" in text and "per device: params" in text
 
 
+# 25 s of CPU: the slow tier. Its parts each have a default-tier test: test_sharded_losses_match_single_device
+# (fsdp_ep), test_gradient_accumulation_matches_one_big_batch, test_params_and_opt_state_live_on_pinned_host_between_steps,
+# and tests/test_moe_dispatch.py::test_checkpoint_policies_reach_tags_inside_the_shard_map.
+@pytest.mark.slow
 def test_expert_parallel_with_gradient_accumulation_and_host_offload():
     """fsdp_ep through the Trainer with 2 microbatches, the MoE tags offloaded from inside the
     shard_map, parameters and optimizer state in pinned host memory: the losses of one 16-sequence
