@@ -77,6 +77,23 @@ def test_capture_gives_each_layers_values_in_model_order(name):
             np.testing.assert_allclose(got[tags.MLPWI_0][row], gate, rtol=2e-4, atol=2e-5, err_msg=f"layer {i}")
 
 
+def test_capture_under_balanced_context_parallelism_is_in_sequence_order():
+    # The layers run on the sequence in its balanced order (chunks r and 2s-1-r per device): the
+    # captured values, like the hidden states, come back in sequence order, equal to one device's.
+    from zoo import sharding as zs
+
+    c = SIZES["llama_tiny_a"]
+    model, tokens = filled(c, std=0.2), random_tokens(c, batch=4, seq=32)
+    wanted = [tags.DECODER_LAYER_INPUT, tags.QUERY_PROJ, tags.MLPWO]
+    want = zoo.capture(model, tokens, tags=wanted)
+    rules = {**zs.DEFAULT_RULES, "batch": ["fsdp"], "seq": ["data"], zs.CONTEXT: ["data"], zs.CONTEXT_BALANCED: ["data"]}
+    with zs.activate(zs.make_mesh(zs.resolve_mesh_shape({"data": 2, "fsdp": 4}, 8)), rules):
+        assert zs.context_balanced() == 2
+        got = zoo.capture(model, tokens, tags=wanted)
+    for name in wanted:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-4, err_msg=name)  # float32 sums in another order
+
+
 def test_capture_layers_of_each_block_kind():
     mixed = QWEN3_MOE_MIXED  # dense, MoE, dense, MoE
     assert zoo.capture_layers(mixed, tags.QUERY_PROJ) == (0, 1, 2, 3)

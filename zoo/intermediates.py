@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Int
 
+from zoo import sharding as zs
 from zoo import tags as zoo_tags
 from zoo.config import ModelConfig
 
@@ -68,20 +69,37 @@ def capture(
             raise ValueError(f"unknown tag {name!r}; the vocabulary is {sorted(zoo_tags.TAGS)}")
         if name not in emitted:
             raise ValueError(f"tag {name!r}: this {model.config.family} model never emits it; it emits {', '.join(emitted)}")
-    pieces = _capture(model, tokens, names, positions, segment_ids)
+    pieces = _capture(model, tokens, names, positions, segment_ids, _layout_key())
     return pieces if not stitch else {name: _stitch(name, entries) for name, entries in pieces.items()}
 
 
+def _layout_key():
+    """The active layout (zoo.sharding.activate) as a hashable value: the traced program depends on it,
+    so it is part of `_capture`'s cache key (a capture under a mesh is not the one traced without)."""
+    layout = zs.active()
+    return None if layout is None else (layout.mesh, tuple(sorted((k, tuple(v)) for k, v in layout.rules.items())))
+
+
 @eqx.filter_jit
-def _capture(model, tokens, names: tuple[str, ...], positions, segment_ids) -> dict[str, list]:
+def _capture(model, tokens, names: tuple[str, ...], positions, segment_ids, layout) -> dict[str, list]:
     with zoo_tags.capturing(names) as record:
         model.features(tokens, positions=positions, segment_ids=segment_ids)  # XLA drops what no tag needs
-    pieces = {name: [(layers, values) for n, layers, values in record if n == name] for name in names}
+    shards = zs.context_balanced()
+    pieces = {name: [(layers, _in_sequence_order(name, values, shards)) for n, layers, values in record if n == name] for name in names}
     for name, entries in pieces.items():
         found = sorted(i for layers, _ in entries for i in layers)
         if tuple(found) != capture_layers(model.config, name):
             raise AssertionError(f"tag {name!r} came from layers {found}, not {capture_layers(model.config, name)}")
     return pieces
+
+
+def _in_sequence_order(name: str, values, shards: int):
+    """Under balanced context parallelism the layers run on the sequence in its balanced order
+    (`zoo.model.run_layers`): a tag's `[layers, batch, seq, ...]` values are put back in sequence
+    order. The routed experts' tags hold assignment rows, in no sequence order to restore."""
+    if not shards or zoo_tags.TAGS[name].block == zoo_tags.MOE:
+        return values
+    return zs.from_context_order(values, shards, axis=2)
 
 
 def _stitch(name: str, entries: list) -> Array:
