@@ -13,16 +13,9 @@ transformers) load the result. The weights keep the checkpoint's dtype unless `-
 The parameters are restored split over the process's devices and written leaf by leaf, so neither a
 device nor the host ever holds the whole model (`zoo.train.hf_export`, which this command line calls).
 
-A LoRA run (train.py `lora=default`) exports as its merged model: base + alpha/r A@B in every adapted
-weight. `--adapters-only` writes the adapters alone, in the layout of the `peft` library
-(`adapter_config.json`, `adapter_model.safetensors`; `zoo.hf.adapters`), without reading the base:
-`peft.PeftModel.from_pretrained(<the base in transformers>, <out dir>)` then computes what the merged
-export computes. `base_model_name_or_path` is the run's `model.path` (model=hf), else null (a base
-built from the run's seed: export one with `zoo.hf.save_pretrained`). A checkpoint without adapters
-is refused ("not a LoRA run").
-
-The directory is written under a temporary name and renamed when complete; an existing non-empty
-`<out dir>` is refused (an export never writes over files). Bad input: one line, exit code 2.
+A LoRA run exports as its merged model, or with `--adapters-only` as the adapters alone in the `peft`
+library's layout; the output directory is written under a temporary name and renamed when complete,
+never over files (`zoo.train.hf_export` says how). Bad input: one line, exit code 2.
 """
 
 import argparse
