@@ -402,7 +402,8 @@ def test_planner_counts_the_layer_inputs_the_sequence_parallel_program_keeps(tmp
     # it there), half of what the same mesh holds without it.
     import re
 
-    from zoo import hlo, scale
+    from zoo import hlo
+    from zoo.tools import scale
     from zoo.tools.kit import prepare_step
 
     args = ["model=llama_tiny_a", "mesh=fsdp_tp", "data.batch_size=8", "data.seq_len=32", "offload=full"]
