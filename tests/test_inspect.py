@@ -138,6 +138,19 @@ def test_cli_writes_inspect_json(tmp_path, capsys):
     assert rep["measured"] is None  # the CPU backend reports no memory statistics
 
 
+def test_the_update_line_says_its_shapes_are_traced_where_a_mesh_splits_them():
+    # update_buffers reads the traced program: on a mesh its shapes are global, not one device's part
+    # (at Llama 3.1 405B, the whole float32 embedding table: 8.41 GB, where a device holds 1/128 of it).
+    from zoo.tools.inspect_step import render_memory_sections
+
+    table = {"shape": [128256, 16384], "dtype": "float32", "bytes": 128256 * 16384 * 4}
+    for devices, qualified in ((1, False), (128, True)):
+        update = {"streamed": False, "devices": devices, "layer_loops": 0, "device_in_loops": None, "device_outside_loops": table, "moved_to_device": None}
+        (line,) = render_memory_sections({"update": update})
+        assert line.startswith("update: whole tree on device; largest device value 8.41 GB (128256x16384 float32)")
+        assert ("traced shapes: each split over the 128 devices" in line) == qualified, line
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

@@ -159,7 +159,7 @@ def memory_sections(c, trainer, update: Optional[dict]) -> dict:
     kernel, loss chunk) and `update` (`update_buffers`, with whether the update is streamed)."""
     out = {"kernels": kernels(c, trainer.plan)}
     if update is not None:
-        out["update"] = {"streamed": trainer.layerwise_update, **update}
+        out["update"] = {"streamed": trainer.layerwise_update, "devices": int(trainer.mesh.size), **update}
     return out
 
 
@@ -185,6 +185,10 @@ def render_memory_sections(rep: dict) -> list[str]:
             )
         else:
             lines.append(f"update: whole tree on device; largest device value {buf(u['device_outside_loops'])}")
+        if u.get("devices", 1) > 1:
+            # update_buffers reads the traced program, whose shapes are global: a sharded leaf's
+            # part on one device is that divided by the ways it is split.
+            lines[-1] += f" (traced shapes: each split over the {u['devices']} devices as its leaf is)"
     return lines
 
 
