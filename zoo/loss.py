@@ -75,8 +75,7 @@ def _chunked(x, chunk: int):
 def _context_axes(seq: int) -> tuple[str, ...]:
     """The active layout's context axes (`zoo.sharding.context_axes`) when they divide `seq`, else ()."""
     axes = zs.context_axes()
-    shards = math.prod(zs.active().axis_size(a) for a in axes) if axes else 1
-    return axes if axes and seq % shards == 0 else ()
+    return axes if axes and seq % zs.context_shards() == 0 else ()
 
 
 def _fold_context(x, context: tuple[str, ...]):
@@ -86,7 +85,7 @@ def _fold_context(x, context: tuple[str, ...]):
     loss then works on the chunks each device holds; chunked as they came, the whole sequence was
     all-gathered on every device and its loss computed once per context rank."""
     layout = zs.active()
-    shards = _shards(context)
+    shards = zs.context_shards()
     batch, seq = x.shape[:2]
     x = jnp.moveaxis(x.reshape(batch, shards, seq // shards, *x.shape[2:]), 1, 0)
     x = x.reshape(shards * batch, seq // shards, *x.shape[3:])
@@ -363,7 +362,7 @@ def vocab_parallel_lookup(table: Float[Array, "vocab embed"], tokens: Int[Array,
     vocab_size, embed = table.shape
     batch_size, seq = tokens.shape
     context = _context_axes(seq)
-    plan = _vocab_parallel_plan((embed, vocab_size), batch_size * _shards(context), context)
+    plan = _vocab_parallel_plan((embed, vocab_size), batch_size * (zs.context_shards() if context else 1), context)
     if plan is None or not (plan.shared or context) or set(plan.shared) & set(context):
         return None
     mesh, vocab, shared, embed_axes = plan.mesh, plan.vocab, plan.shared, plan.embed
@@ -387,11 +386,6 @@ def vocab_parallel_lookup(table: Float[Array, "vocab embed"], tokens: Int[Array,
         body, mesh=mesh, in_specs=(P(vocab or None, embed_axes or None), P(batch or None, seq_spec)), out_specs=P(batch or None, seq_spec, None),
         check_vma=False,
     )(table, tokens)
-
-
-def _shards(axes: tuple[str, ...]) -> int:
-    layout = zs.active()
-    return math.prod(layout.axis_size(a) for a in axes) if axes else 1
 
 
 def _vp_body(softcap, cdt, vocab_axes, batch_axes, scatter_axes, shared_axes, grads, h, w, targets, weights):

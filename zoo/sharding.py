@@ -407,13 +407,15 @@ def context_axes() -> tuple[str, ...]:
     return tuple(a for a in layout.rules.get(CONTEXT, ()) if a in layout.mesh.shape and layout.axis_size(a) > 1)
 
 
+def context_shards() -> int:
+    """How many chunks the context axes cut the sequence in under the active layout (1 without)."""
+    layout = active()
+    return math.prod(layout.axis_size(a) for a in context_axes()) if layout is not None else 1
+
+
 def context_balanced() -> int:
     """Under balanced context parallelism, the number of context shards; 0 otherwise."""
-    layout = active()
-    axes = context_axes()
-    if not axes or not layout.rules.get(CONTEXT_BALANCED):
-        return 0
-    return math.prod(layout.axis_size(a) for a in axes)
+    return context_shards() if context_axes() and active().rules.get(CONTEXT_BALANCED) else 0
 
 
 def to_context_order(x, shards: int, axis: int = 1):

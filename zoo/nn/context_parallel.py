@@ -9,7 +9,6 @@ left split for the partitioner to handle gathered q/k/v at every tile step). The
 window and the segment ids use global positions: chunk r's queries sit at r * chunk.
 """
 
-import math
 from typing import Optional
 
 import jax
@@ -37,7 +36,7 @@ def context_attention(
     axes, along the heads as the rules say."""
     layout = zs.active()
     ctx = zs.context_axes()
-    shards = math.prod(layout.axis_size(a) for a in ctx)
+    shards = zs.context_shards()
     balanced = zs.context_balanced() > 0  # the sequence in balanced order (zoo.sharding.to_context_order)
     q_spec = zs.context_spec(("batch", None, "heads", None))
     kv_spec = zs.context_spec(("batch", None, kv_logical, None))

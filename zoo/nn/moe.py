@@ -278,7 +278,7 @@ class MoE(eqx.Module):
         # sequence of its batch shard: the tokens are flattened chunk-major, so that each device's
         # tokens are one contiguous block of them (the dispatch splits them over the context axes,
         # then the batch axes) and the flattening moves no data between devices.
-        chunks = math.prod(zs.active().axis_size(a) for a in zs.context_axes()) if zs.context_axes() else 1
+        chunks = zs.context_shards()
         flat = x.reshape(b * t, d) if chunks == 1 else x.reshape(b, chunks, t // chunks, d).transpose(1, 0, 2, 3).reshape(b * t, d)
         bias = self.e_score_correction_bias if self.config.router == "sigmoid_grouped" else self.router_bias
         stats = _ROUTER_STATISTICS.get()
