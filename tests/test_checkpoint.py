@@ -688,6 +688,27 @@ def test_an_abandoned_read_task_collected_unretrieved_is_not_logged():
     def stderr(how, msg):
         return subprocess.run([sys.executable, "-c", script, how, msg], capture_output=True, text=True, env=env, timeout=120).stderr
 
+    # A read of a step without its manifest, which CI once printed that way (orbax-checkpoint 0.12.8).
+    missing = 'NOT_FOUND: Error opening "zarr" driver: Metadata at "params.embed/.zarray" in OCDBT database does not exist'
     assert "Task exception was never retrieved" in stderr("loud", read_error)  # the premise: asyncio logs it
     assert stderr("quiet", read_error) == ""
+    assert stderr("quiet", missing) == ""
     assert "something else" in stderr("quiet", "something else")
+
+
+def test_a_step_without_an_orbax_file_is_refused_before_orbax_reads_it(uninterrupted, tmp_path, monkeypatch):
+    # A restore orbax starts and abandons leaves reads behind that can report after the one line.
+    import orbax.checkpoint as ocp
+
+    from zoo.train.checkpoint import Unreadable, _restore_params
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(uninterrupted / "ckpt" / "8", ckpt / "8")
+    delete_the_manifest(ckpt / "8")
+
+    def untouchable(*args, **kwargs):
+        raise AssertionError("orbax was asked to read a step that lacks its manifest")
+
+    monkeypatch.setattr(ocp, "PyTreeCheckpointer", untouchable)
+    with pytest.raises(Unreadable, match=r"^state/manifest\.ocdbt is missing$"):
+        _restore_params(ckpt, 8, None)

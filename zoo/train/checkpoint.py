@@ -302,7 +302,18 @@ def _quiet_closed_loop_callbacks() -> None:
 def _not_an_abandoned_read_task(record) -> bool:
     e = record.exc_info[1] if record.exc_info else None
     text = record.getMessage() + (str(e) if e is not None else "")
-    return "Encountered error while reading array index" not in text
+    if "Encountered error while reading array index" in text:
+        return False
+    # A TensorStore read error (it carries a status code) in a task nobody awaited: an abandoned read.
+    return not (text.startswith("Task exception was never retrieved") and _STATUS.search(text))
+
+
+def _require_orbax_files(step_dir: pathlib.Path) -> None:
+    """Unreadable when a file orbax writes into every step is gone: said before any read starts, so
+    no half-started restore leaves reads behind to report after the one line."""
+    missing = [f for f in _ORBAX_FILES if not (step_dir / f).exists()]
+    if missing:
+        raise Unreadable(f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing")
 
 
 def unreadable_reason(e: BaseException, step_dir: pathlib.Path) -> str:
@@ -573,6 +584,7 @@ class Checkpoints:
         """The state saved at `step`, read into this run's shardings and memory kinds."""
         import orbax.checkpoint as ocp
 
+        _require_orbax_files(self.dir / str(step))
         abstract = self.trainer.saved(self.trainer.abstract_state())  # LoRA: no frozen base on disk
         args = ocp.args.Composite(
             state=ocp.args.PyTreeRestore(item=abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract))
@@ -772,6 +784,7 @@ def _restore_params(d: pathlib.Path, step: int, devices, lora_form: str = "merge
         return abstract(config), meta
     else:
         wanted = params
+    _require_orbax_files(step_dir)
     absl = logging.getLogger("absl")
     level = absl.level
     absl.setLevel(logging.ERROR)  # orbax warns that a bare item directory has no step metadata
