@@ -13,8 +13,9 @@ under stop_gradient from the logits the router already has, so nothing extra is 
 backward pass; `router_statistics(False)` leaves it out of the traced program.
 
 The routed experts run in `zoo.nn.moe_dispatch.routed_experts` and never run every expert on every token:
-- `ragged` (dropless, exact): assignments sorted by expert, three `lax.ragged_dot`s. Note XLA:CPU
-  (and XLA:GPU today) lower ragged_dot to a dense padded product whose cost grows with the expert count.
+- `ragged` (dropless, exact): assignments sorted by expert, three grouped matmuls
+  (`zoo.nn.grouped_matmul`, `lax.ragged_dot`'s contract computed a tile of rows at a time: FLOPs and
+  memory grow with the routed rows, not with the expert count, as XLA's lowering of ragged_dot does).
 - `capacity`: assignments scattered into per-expert buffers of `moe_capacity(tokens)` rows and
   multiplied as one batched matmul, so FLOPs grow with top_k * capacity_factor, not with the expert
   count. Assignments beyond an expert's capacity are dropped (earlier tokens win) and counted. Under

@@ -8,8 +8,9 @@ experts stay in zoo.nn.moe. It is pure and reads the mesh only from the active l
   * `capacity`: assignments scattered into per-expert buffers of `expert_capacity(tokens)` rows and
     multiplied as one batched matmul, so FLOPs grow with top_k * capacity_factor, not with the expert
     count. Assignments past an expert's capacity are dropped (earlier tokens win) and counted.
-  * `ragged` (dropless, exact): assignments sorted by expert, three `lax.ragged_dot`s. XLA:CPU (and
-    XLA:GPU today) lower ragged_dot to a dense product whose cost grows with the expert count.
+  * `ragged` (dropless, exact): assignments sorted by expert, three grouped matmuls
+    (`zoo.nn.grouped_matmul`: tiles of rows, each times its expert's weight; XLA's own lowering of
+    `lax.ragged_dot` is a dense product whose cost grows with the expert count).
 - Tokens split over devices: a `shard_map` over the whole mesh, every device routing only its own
   tokens (left to GSPMD, the sorts and scatters over tokens gather every device's assignments).
   * Expert parallelism (the `experts` dim sharded over `ep` > 1 devices), `capacity`: capacity
@@ -24,7 +25,7 @@ experts stay in zoo.nn.moe. It is pure and reads the mesh only from the active l
     XLA:CPU ThunkEmitter"), so there the whole worst-case blocks travel: `ep * min(k, E/ep) / k` times
     the assignments' bytes (8x for DeepSeek-V3 on 8 expert shards). `lax.platform_dependent` picks
     the exchange when the step is lowered; both fill the same block layout, so everything after it is
-    one code path, the one the CPU tests run. The shard runs `ragged_dot`s over its local experts.
+    one code path, the one the CPU tests run. The shard runs grouped matmuls over its local experts.
   * `ep` == 1 (data parallel / FSDP): each device runs every expert on its own buffers (`capacity`)
     or its own sorted tokens (`ragged`, dropless).
   Weights enter as their shards (`[E/ep, D/fsdp, I/tensor]`); the `embed` shards are gathered inside,
@@ -57,6 +58,8 @@ from jaxtyping import Array, Bool, Float, Int
 from zoo import sharding as zs
 from zoo import tags as zoo_tags
 from zoo._compat import linear_call_vmappable, varying_axes
+from zoo.backend import choices as backend_choices
+from zoo.nn.grouped_matmul import grouped_matmul
 from zoo.nn.mlp import gated, swiglu
 
 Impl = Literal["capacity", "ragged"]
@@ -226,6 +229,10 @@ def _buffer_bias(v, b):
     return v + b[:, None, :]
 
 
+def grouped_matmul_tile() -> int:
+    return backend_choices().grouped_matmul_tile
+
+
 # --- one program ------------------------------------------------------------------------------
 
 
@@ -249,7 +256,7 @@ def _ragged_local(x, expert_ids, weights, w: ExpertWeights, *, activation, tag, 
     sorted_experts = flat_experts[order]
 
     def matmul(h, wt):
-        return jax.lax.ragged_dot(h, wt, counts)
+        return grouped_matmul(h, wt, counts, tile=grouped_matmul_tile())
 
     def add_bias(v, b):
         return v + b[sorted_experts]
@@ -314,7 +321,7 @@ def _ragged_exchange(x, expert_ids, weights, w: ExpertWeights, *, ep: int, ep_ax
     sorted by expert, go to their expert shards (GPU: `ragged_all_to_all`, the real rows only; XLA:CPU,
     which cannot compile it: all_to_all of blocks of the worst-case size), landing in block s of the
     receiving shard's worst-case buffer, with per-expert counts alongside. Each
-    shard sorts what it received by local expert, runs three `ragged_dot`s over its E/ep experts (rows
+    shard sorts what it received by local expert, runs three grouped matmuls over its E/ep experts (rows
     past the counts, the blocks' padding, come out zero and carry no gradient), and sends the rows
     back where they came from."""
     tokens, k = expert_ids.shape
@@ -363,7 +370,7 @@ def _ragged_exchange(x, expert_ids, weights, w: ExpertWeights, *, ep: int, ep_ax
     grouped_experts = row_expert[by_expert]
 
     def matmul(h, wt):
-        return jax.lax.ragged_dot(h, wt, group_sizes)
+        return grouped_matmul(h, wt, group_sizes, tile=grouped_matmul_tile())
 
     def add_bias(v, b):
         return v + b.at[grouped_experts].get(mode="fill", fill_value=0)
