@@ -112,3 +112,28 @@ def test_a_non_positive_tile_is_refused():
     h, w, gs = operands(4, [4])
     with pytest.raises(ValueError, match="tile=0"):
         grouped_matmul(h, w, gs, tile=0)
+
+
+def test_groups_that_share_a_weight_or_have_none():
+    # The exchange's layout: per source block, one group per expert and one skipped group of padding.
+    rng = np.random.default_rng(3)
+    w = jnp.asarray(rng.normal(size=(2, 8, 6)), jnp.float32)
+    sizes = jnp.asarray([3, 2, 4, 1, 0, 5], jnp.int32)  # block 0: experts 0, 1, padding; block 1: the same
+    weights = jnp.asarray([0, 1, -1, 0, 1, 2], jnp.int32)  # -1 and 2 (= the number of weights): skipped
+    h = jnp.asarray(rng.normal(size=(15, 8)), jnp.float32)
+    h = h.at[5:9].set(jnp.nan).at[10:15].set(jnp.nan)  # the skipped groups' rows are never read
+    which = np.repeat(np.asarray(weights), np.asarray(sizes))
+
+    def reference(h, w):
+        rows = [jnp.zeros(6) if e not in (0, 1) else h[r] @ w[e] for r, e in enumerate(which)]
+        return jnp.stack(rows)
+
+    out = grouped_matmul(h, w, sizes, weights, tile=4)
+    np.testing.assert_allclose(out, reference(h, w), rtol=1e-5, atol=1e-5)
+    clean = jnp.where(jnp.isnan(h), 0.0, h)
+    got = jax.grad(loss(lambda h, w, gs: grouped_matmul(h, w, gs, weights, tile=4)), argnums=(0, 1))(clean, w, sizes)
+    want = jax.grad(lambda h, w: jnp.sum(jnp.sin(reference(h, w))), argnums=(0, 1))(clean, w)
+    for g, r in zip(got, want):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
+    with pytest.raises(Exception, match="group_weights"):  # jaxtyping's check in the tests, ValueError without it
+        grouped_matmul(h, w, sizes, weights[:3])

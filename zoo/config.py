@@ -150,8 +150,8 @@ class MoEConfig:
     activation: str = "silu"  # silu: silu(gate) * up; clamped_swiglu: GPT-OSS's clamped variant
     swiglu_limit: float = 7.0  # clamped_swiglu: gate <= limit, |up| <= limit
     swiglu_alpha: float = 1.702  # clamped_swiglu: gate * sigmoid(alpha * gate)
-    # ragged: dropless, sorted tokens through lax.ragged_dot. capacity: per-expert buffers, one batched
-    # matmul whose FLOPs grow with top_k, not with the expert count. auto: capacity (see zoo.nn.moe).
+    # ragged: dropless, sorted tokens through a grouped matmul (zoo.nn.grouped_matmul). capacity:
+    # per-expert buffers of capacity_factor x the mean load, drops the rest. auto: ragged (zoo.nn.moe).
     impl: str = "auto"
     capacity_factor: float = 1.25
 

@@ -18,6 +18,7 @@ letting JAX differentiate the loop would stack every visit's weight slice as a r
 """
 
 import functools
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -31,29 +32,32 @@ from zoo._compat import linear_call_vmappable, varying_axes
 DEFAULT_TILE = 256
 
 
-def _visits(group_sizes, tile: int):
+def _visits(group_sizes, group_weights, n_weights: int, tile: int):
     """Per group: its rows [start, end), its first tile, where its visits start and end in the visit
-    order (groups in order, each over its tiles in order); and the total number of visits."""
+    order (groups in order, each over its tiles in order; a group without a weight has none), its
+    weight; and the total number of visits."""
     sizes = group_sizes.astype(jnp.int32)
+    weight = group_weights.astype(jnp.int32)
     ends = jnp.cumsum(sizes)
     starts = ends - sizes
     first = starts // tile
-    count = jnp.where(sizes > 0, (ends - 1) // tile - first + 1, 0)
+    visited = (sizes > 0) & (weight >= 0) & (weight < n_weights)
+    count = jnp.where(visited, (ends - 1) // tile - first + 1, 0)
     visit_end = jnp.cumsum(count)
-    return starts, ends, first, visit_end - count, visit_end, visit_end[-1]
+    return starts, ends, first, visit_end - count, visit_end, weight, visit_end[-1]
 
 
 def _visit(v, schedule, tile: int, rows: int):
-    """Visit v: its group, the first row of the tile it reads (kept inside the array: the last tile of
+    """Visit v: its weight, the first row of the tile it reads (kept inside the array: the last tile of
     an array whose length is not a multiple of the tile starts early), and its rows' mask."""
-    starts, ends, first, visit_start, visit_end, _ = schedule
+    starts, ends, first, visit_start, visit_end, weight, _ = schedule
     group = jnp.searchsorted(visit_end, v, side="right").astype(jnp.int32)
     tile_start = (first[group] + v - visit_start[group]) * tile
     lo = jnp.maximum(starts[group], tile_start)
     hi = jnp.minimum(ends[group], tile_start + tile)
     at = jnp.minimum(tile_start, rows - tile)
     row = at + jnp.arange(tile, dtype=jnp.int32)
-    return group, at, (row >= lo) & (row < hi)
+    return weight[group], at, (row >= lo) & (row < hi)
 
 
 def _varying_over(x, *likes):
@@ -70,11 +74,11 @@ def _summed_like(grad, operand):
     return jax.lax.psum(grad, extra) if extra else grad
 
 
-def _products(h, w, group_sizes, tile: int, *, w_transposed: bool):
+def _products(h, w, group_sizes, group_weights, tile: int, *, w_transposed: bool):
     """out[r] = h[r] @ w[g] (or `h[r] @ w[g].T` with `w_transposed`) over the visits."""
     rows = h.shape[0]
     tile = min(tile, rows)
-    schedule = _visits(group_sizes, tile)
+    schedule = _visits(group_sizes, group_weights, w.shape[0], tile)
     d_out = w.shape[1] if w_transposed else w.shape[2]
     dtype = jnp.result_type(h.dtype, w.dtype)
     contract = ((1,), (1,)) if w_transposed else ((1,), (0,))
@@ -87,15 +91,15 @@ def _products(h, w, group_sizes, tile: int, *, w_transposed: bool):
         kept = jax.lax.dynamic_slice_in_dim(out, at, tile)
         return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(mask[:, None], y, kept), at, 0)
 
-    out = _varying_over(jnp.zeros((rows, d_out), dtype), h, w, group_sizes)
+    out = _varying_over(jnp.zeros((rows, d_out), dtype), h, w, group_sizes, group_weights)
     return jax.lax.fori_loop(0, schedule[-1], visit, out)
 
 
-def _weight_grad(h, d_out, group_sizes, n_groups: int, tile: int, dtype):
-    """dw[g] = sum over g's rows r of outer(h[r], d_out[r]), accumulated in float32."""
+def _weight_grad(h, d_out, group_sizes, group_weights, n_weights: int, tile: int, dtype):
+    """dw[e] = sum over the rows r of the groups of weight e of outer(h[r], d_out[r]), in float32."""
     rows = h.shape[0]
     tile = min(tile, rows)
-    schedule = _visits(group_sizes, tile)
+    schedule = _visits(group_sizes, group_weights, n_weights, tile)
 
     def visit(v, dw):
         group, at, mask = _visit(v, schedule, tile, rows)
@@ -105,43 +109,43 @@ def _weight_grad(h, d_out, group_sizes, n_groups: int, tile: int, dtype):
         row = jax.lax.dynamic_index_in_dim(dw, group, keepdims=False)
         return jax.lax.dynamic_update_index_in_dim(dw, row + part, group, 0)
 
-    dw = _varying_over(jnp.zeros((n_groups, h.shape[1], d_out.shape[1]), jnp.float32), h, d_out, group_sizes)
+    dw = _varying_over(jnp.zeros((n_weights, h.shape[1], d_out.shape[1]), jnp.float32), h, d_out, group_sizes, group_weights)
     return jax.lax.fori_loop(0, schedule[-1], visit, dw).astype(dtype)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
-def _grouped(h, w, group_sizes, tile):
-    return _products(h, w, group_sizes, tile, w_transposed=False)
+@functools.partial(jax.custom_jvp, nondiff_argnums=(4,))
+def _grouped(h, w, group_sizes, group_weights, tile):
+    return _products(h, w, group_sizes, group_weights, tile, w_transposed=False)
 
 
 def _grouped_jvp(tile, primals, tangents):
-    h, w, group_sizes = primals
-    out = _grouped(h, w, group_sizes, tile)
+    h, w, group_sizes, group_weights = primals
+    out = _grouped(h, w, group_sizes, group_weights, tile)
     live = tuple(i for i in range(2) if not isinstance(tangents[i], SymbolicZero))
     if not live:
         return out, jnp.zeros_like(out)
 
     def forward_tangent(res, lin):
-        h, w, group_sizes = res
+        h, w, group_sizes, group_weights = res
         given = dict(zip(live, lin))
         parts = []
         if 0 in given:
-            parts.append(_products(given[0], w, group_sizes, tile, w_transposed=False))
+            parts.append(_products(given[0], w, group_sizes, group_weights, tile, w_transposed=False))
         if 1 in given:
-            parts.append(_products(h, given[1], group_sizes, tile, w_transposed=False))
+            parts.append(_products(h, given[1], group_sizes, group_weights, tile, w_transposed=False))
         return sum(parts[1:], parts[0])
 
     def transpose(res, d_out):
-        h, w, group_sizes = res
+        h, w, group_sizes, group_weights = res
         grads = {}
         if 0 in live:
-            grads[0] = _summed_like(_products(d_out, w, group_sizes, tile, w_transposed=True).astype(h.dtype), h)
+            grads[0] = _summed_like(_products(d_out, w, group_sizes, group_weights, tile, w_transposed=True).astype(h.dtype), h)
         if 1 in live:
-            grads[1] = _summed_like(_weight_grad(h, d_out, group_sizes, w.shape[0], tile, w.dtype), w)
+            grads[1] = _summed_like(_weight_grad(h, d_out, group_sizes, group_weights, w.shape[0], tile, w.dtype), w)
         return tuple(grads[i] for i in live)
 
     linear_call_vmappable()  # jax.vmap through this reverse mode (per-example gradients) needs a rule jax lacks
-    return out, linear_call(forward_tangent, transpose, (h, w, group_sizes), tuple(tangents[i] for i in live))
+    return out, linear_call(forward_tangent, transpose, (h, w, group_sizes, group_weights), tuple(tangents[i] for i in live))
 
 
 _grouped.defjvp(_grouped_jvp, symbolic_zeros=True)
@@ -149,13 +153,23 @@ _grouped.defjvp(_grouped_jvp, symbolic_zeros=True)
 
 def grouped_matmul(
     h: Float[Array, "rows d_in"],
-    w: Float[Array, "groups d_in d_out"],
+    w: Float[Array, "weights d_in d_out"],
     group_sizes: Int[Array, " groups"],
+    group_weights: Optional[Int[Array, " groups"]] = None,
     *,
     tile: int = DEFAULT_TILE,
 ) -> Float[Array, "rows d_out"]:
     """`lax.ragged_dot(h, w, group_sizes)` computed over the rows the groups hold, a tile at a time
-    (see the module docstring): the sum of `group_sizes` must not exceed the rows."""
+    (see the module docstring): the sum of `group_sizes` must not exceed the rows.
+
+    With `group_weights`, group g's rows take weight `w[group_weights[g]]` (a weight may serve several
+    groups), and a group whose index is outside `[0, weights)` is skipped: its rows come out zero and
+    are never read. The expert-parallel exchange uses that to run the blocks it received in place, one
+    group per (source, expert) and one skipped group per block's padding."""
     if tile < 1:
         raise ValueError(f"grouped_matmul: tile={tile}; give a positive number of rows")
-    return _grouped(h, w, group_sizes, int(tile))
+    if group_weights is None:
+        group_weights = jnp.arange(w.shape[0], dtype=jnp.int32)
+    if group_weights.shape != group_sizes.shape:
+        raise ValueError(f"grouped_matmul: group_weights {group_weights.shape} and group_sizes {group_sizes.shape} differ; give one weight index per group")
+    return _grouped(h, w, group_sizes, group_weights, int(tile))

@@ -21,7 +21,7 @@ The routed experts run in `zoo.nn.moe_dispatch.routed_experts` and never run eve
   count. Assignments beyond an expert's capacity are dropped (earlier tokens win) and counted. Under
   an active layout whose expert axis is > 1 this is the expert-parallel kernel (per-device capacity
   from its own tokens, all_to_all to the experts' devices and back).
-- `auto`: `capacity` on every backend today (see `resolve_moe_impl`).
+- `auto`: `ragged` (see `resolve_moe_impl`).
 """
 
 import contextlib
@@ -44,10 +44,10 @@ from zoo.nn.moe_dispatch import ExpertWeights, routed_experts
 
 
 def resolve_moe_impl(impl: str) -> str:
-    """`auto` -> the kernel whose FLOPs grow with top-k: `capacity`. `lax.ragged_dot` is lowered to a
-    dense product over every expert by XLA:CPU and by XLA:GPU in the jax versions this runs on
-    (`cost_analysis` counts all experts), so it is chosen only on request (exact, dropless)."""
-    return "capacity" if impl == "auto" else impl
+    """`auto` -> `ragged`: dropless, as every MoE family Zoo has was trained (`zoo.families`'
+    `dropless`), now that its grouped matmul costs the routed rows only (zoo.nn.grouped_matmul).
+    `capacity` (cheaper, drops what overflows an expert) is an explicit choice."""
+    return "ragged" if impl == "auto" else impl
 
 
 

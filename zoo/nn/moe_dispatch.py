@@ -321,9 +321,9 @@ def _ragged_exchange(x, expert_ids, weights, w: ExpertWeights, *, ep: int, ep_ax
     sorted by expert, go to their expert shards (GPU: `ragged_all_to_all`, the real rows only; XLA:CPU,
     which cannot compile it: all_to_all of blocks of the worst-case size), landing in block s of the
     receiving shard's worst-case buffer, with per-expert counts alongside. Each
-    shard sorts what it received by local expert, runs three grouped matmuls over its E/ep experts (rows
-    past the counts, the blocks' padding, come out zero and carry no gradient), and sends the rows
-    back where they came from."""
+    shard runs three grouped matmuls over its E/ep experts on the blocks where they landed (each block
+    is sorted by expert; the blocks' padding is never read, comes out zero and carries no gradient),
+    and sends the rows back where they came from."""
     tokens, k = expert_ids.shape
     n_experts, d = w.n_experts * ep, x.shape[-1]
     local_experts = w.n_experts
@@ -361,22 +361,21 @@ def _ragged_exchange(x, expert_ids, weights, w: ExpertWeights, *, ep: int, ep_ax
         return jax.lax.ragged_all_to_all(out.reshape(ep * rows, d), into, block_starts, recv_sizes, their_offsets, per_shard, axis_name=ep_axis)
 
     received = jax.lax.platform_dependent(sorted_x, default=blocks_there, cuda=ragged_there)
-    # A received row's local expert: how many of its block's per-expert ends it is past (E/ep: padding).
-    ends = jnp.cumsum(received_counts, axis=-1)
-    row_expert = (jnp.arange(rows, dtype=jnp.int32)[None, :, None] >= ends[:, None, :]).sum(-1).reshape(-1)
-    by_expert = jnp.argsort(row_expert, stable=True)
-    grouped = received.reshape(ep * rows, d)[by_expert]
-    group_sizes = received_counts.sum(0)
-    grouped_experts = row_expert[by_expert]
+    # The blocks run where they landed: block s holds, sorted, its rows for each local expert, then
+    # padding. One group per (block, expert) and one skipped group per block's padding, so nothing is
+    # regrouped or copied and the padding is never read.
+    padding = rows - received_counts.sum(-1, keepdims=True)
+    group_sizes = jnp.concatenate([received_counts, padding], axis=-1).reshape(-1)  # [ep*(E/ep+1)]
+    group_experts = jnp.tile(jnp.arange(local_experts + 1, dtype=jnp.int32), ep)  # E/ep: padding, no weight
+    row_experts = jnp.repeat(group_experts, group_sizes, total_repeat_length=ep * rows)
 
     def matmul(h, wt):
-        return grouped_matmul(h, wt, group_sizes, tile=grouped_matmul_tile())
+        return grouped_matmul(h, wt, group_sizes, group_experts, tile=grouped_matmul_tile())
 
     def add_bias(v, b):
-        return v + b.at[grouped_experts].get(mode="fill", fill_value=0)
+        return v + b.at[row_experts].get(mode="fill", fill_value=0)
 
-    out = _ffn(grouped, w, matmul, add_bias, activation, tag, reduce_mlp)
-    out = jnp.zeros_like(out).at[by_expert].set(out, unique_indices=True).reshape(ep, rows, d)
+    out = _ffn(received.reshape(ep * rows, d), w, matmul, add_bias, activation, tag, reduce_mlp).reshape(ep, rows, d)
     sorted_out = jax.lax.platform_dependent(out, default=blocks_back, cuda=ragged_back)
     per_assignment = jnp.zeros_like(sorted_out).at[order].set(sorted_out, unique_indices=True)
     return combine(per_assignment, weights), counts, jnp.zeros((), jnp.int32)

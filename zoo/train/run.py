@@ -81,15 +81,13 @@ def merged_xla_flags(c: XlaConfig, env: Optional[str], host_offload: bool = Fals
 
 
 def dropless_note(family: str, impl: str) -> Optional[str]:
-    """One line for a run of the capacity kernel (asked for, or `auto`, which resolves to it) on a
-    family trained dropless (not an error: a capacity run is a legitimate, cheaper approximation),
+    """One line for a run of the capacity kernel (asked for) on a family trained dropless (not an error: a capacity run is a legitimate, cheaper approximation),
     else None."""
     # The family's own flag (zoo.families: DeepSeek-V3, whose report says "no token-dropping",
     # Qwen3-MoE, Mixtral, GPT-OSS).
     if resolve_moe_impl(impl) != "capacity" or family not in families.names() or not families.get(family).dropless:
         return None
-    asked = "model.moe.impl=capacity" if impl == "capacity" else f"model.moe.impl={impl} (the capacity kernel)"
-    return (f"{asked}: {family} is trained dropless; this run drops the assignments past each expert's "
+    return (f"model.moe.impl=capacity: {family} is trained dropless; this run drops the assignments past each expert's "
             f"capacity (counted as `dropped`); model.moe.impl=ragged routes every token")
 
 
