@@ -46,8 +46,8 @@ PRESETS = (
     "params_host",
 )
 
-# The benchmark models: the zoo's ~100M sizes. The routed experts use the capacity kernel on CPU
-# (XLA:CPU runs ragged_dot as a dense product over all experts; see docs/notes.md).
+# The benchmark models: the zoo's ~100M sizes. The routed experts use the capacity kernel, with which
+# docs/benchmarks.md's CPU figures were measured (the default became dropless after them).
 FULL = {
     "models": {"llama": ("llama_100m", {}), "dsv3": ("dsv3_100m", {"moe_impl": "capacity"})},
     "batch": 1,

@@ -95,7 +95,8 @@ TOY = {
 SCALE = {
     "models": {
         "llama405b": ["llama3.1_405b", {"num_layers": 1, "vocab_size": 32768}],
-        "dsv3_671b": ["deepseek_v3_671b", {"num_layers": 2, "first_k_dense_replace": 1, "vocab_size": 32768, "moe_experts": 32}],
+        "dsv3_671b": ["deepseek_v3_671b", {"num_layers": 2, "first_k_dense_replace": 1, "vocab_size": 32768, "moe_experts": 32,
+                                           "moe_impl": "capacity"}],
         "dsv3_671b_dropless": ["deepseek_v3_671b", {"num_layers": 2, "first_k_dense_replace": 1, "vocab_size": 32768, "moe_experts": 32,
                                                     "moe_impl": "ragged"}, ["none", "full"]],
     },
@@ -114,7 +115,7 @@ TOY_SCALE = {
     **SCALE,
     "models": {
         "llama405b": ["llama_tiny_a", {"num_layers": 1}],
-        "dsv3_671b": ["dsv3_tiny_a", {"num_layers": 2, "first_k_dense_replace": 1}],
+        "dsv3_671b": ["dsv3_tiny_a", {"num_layers": 2, "first_k_dense_replace": 1, "moe_impl": "capacity"}],
         "dsv3_671b_dropless": ["dsv3_tiny_a", {"num_layers": 2, "first_k_dense_replace": 1, "moe_impl": "ragged"}, ["none", "full"]],
     },
     "batch": 2, "seq": 64, "warmup": 1, "steps": 2, "transfer_mb": 16.0, "matmul_n": 256, "fast_compile": True, "budget_s": 900.0,

@@ -30,9 +30,11 @@ import re
 from typing import Optional
 
 import jax
+import jax.numpy as jnp
 
 from zoo import hlo
 from zoo.model import stack_layout
+from zoo.nn.moe_dispatch import expert_capacity, ragged_exchange_rows
 from zoo.tools.kit import fmt_bytes, text_table
 from zoo.tools.plan import per_device_bytes
 
@@ -130,6 +132,35 @@ def whole_vocabulary_buffers(text: str, vocab_size: int) -> Optional[dict]:
     return {"largest": shape, "bytes": nbytes, "shapes": len(found)}
 
 
+def routed_experts(trainer, per_device_batch: int) -> Optional[dict]:
+    """The routed experts' kernel and, under expert parallelism, the bytes one device sends per
+    exchange against its assignments' (None for a dense model). The dropless kernel's exchange is
+    fixed worst-case blocks where the step is compiled for XLA:CPU (it cannot compile
+    `ragged_all_to_all`); lowered for GPU it sends the assignments only (zoo.nn.moe_dispatch)."""
+    c = trainer.cfg.model
+    if not c.num_moe_layers:
+        return None
+    m, sizes, rules = c.moe, trainer.plan.mesh.sizes, trainer.rules
+    ep = math.prod(sizes[a] for a in dict.fromkeys(rules.get("experts", [])) if a in sizes)
+    context = trainer.cfg.mesh.context_parallel
+    context_axes = [context] if isinstance(context, str) else list(context or [])
+    tokens = per_device_batch * trainer.cfg.data.seq_len // math.prod(sizes.get(a, 1) for a in context_axes)
+    row = c.hidden_size * jnp.dtype(c.compute_dtype).itemsize
+    k, experts, impl = m.num_experts_per_tok, m.n_routed_experts, trainer.plan.moe_impl
+    if impl == "ragged":
+        sent = ep * ragged_exchange_rows(tokens, k, experts // ep) * row
+    else:
+        sent = experts * expert_capacity(tokens, k, experts, m.capacity_factor) * row
+    return {
+        "impl": impl,
+        "expert_ways": ep,
+        "assignment_bytes": tokens * k * row,
+        "exchange_bytes": sent if ep > 1 else 0,
+        "exchange": None if ep == 1 else ("ragged_all_to_all" if impl == "ragged" and jax.default_backend() != "cpu" else "blocks"),
+        "capacity_factor": m.capacity_factor if impl == "capacity" else None,
+    }
+
+
 def scale_report(trainer, compiled, partitioned_text: Optional[str]) -> dict:
     """inspect.json's `scale` (docs/offload.md, "The scale report")."""
     sizes = trainer.plan.mesh.sizes
@@ -143,6 +174,7 @@ def scale_report(trainer, compiled, partitioned_text: Optional[str]) -> dict:
         # Read from the partitioned program: its dtypes are a GPU's (XLA:CPU widens bf16 later).
         "kept_layer_inputs": kept_layer_inputs(trainer, partitioned_text or compiled.as_text(), per_device_batch),
         "whole_vocabulary": whole_vocabulary_buffers(partitioned_text or compiled.as_text(), trainer.cfg.model.vocab_size),
+        "routed_experts": routed_experts(trainer, per_device_batch),
         "state_bytes_per_device": state_bytes(trainer),
         "dtypes": state_dtypes(trainer),
         "collectives": {
@@ -163,6 +195,18 @@ def compile_step(trainer, lowered):
 def _batch_ways(trainer) -> int:
     sizes = trainer.plan.mesh.sizes
     return math.prod(sizes[a] for a in dict.fromkeys(trainer.rules.get("batch", [])) if a in sizes)
+
+
+def _routed_experts_line(moe: dict) -> str:
+    kernel = "ragged (dropless)" if moe["impl"] == "ragged" else f"capacity (drops past {moe['capacity_factor']:g}x the mean load)"
+    line = f"routed experts: {kernel}"
+    if not moe["exchange"]:
+        return line + ", each device's own tokens on every expert"
+    ratio = moe["exchange_bytes"] / moe["assignment_bytes"]
+    line += f", over {moe['expert_ways']} expert shards: {fmt_bytes(moe['exchange_bytes'])} sent per device and exchange, {ratio:.2f}x its {fmt_bytes(moe['assignment_bytes'])} of assignments"
+    if moe["exchange"] == "blocks" and moe["impl"] == "ragged":
+        line += " (XLA:CPU's fixed worst-case blocks; lowered for GPU, ragged_all_to_all sends the assignments only: zoo.tools.gpu_lowering)"
+    return line
 
 
 def render(rep: dict) -> str:
@@ -189,6 +233,9 @@ def render(rep: dict) -> str:
         v = rep["whole_vocabulary"]
         out.append("whole vocabulary per device: none (every vocabulary-sized dim is split)" if v is None else
                    f"whole vocabulary per device: largest {v['largest']} {fmt_bytes(v['bytes'])} ({v['shapes']} such shapes)")
+    moe = rep.get("routed_experts")
+    if moe:
+        out.append(_routed_experts_line(moe))
     for name, title in (("partitioned", "after SPMD partitioning"), ("compiled", "compiled")):
         section = rep["collectives"][name]
         if section is None:
