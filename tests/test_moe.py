@@ -480,3 +480,22 @@ def test_startup_names_the_fixed_block_exchange_and_the_capacity_note():
     assert "routed experts ragged (model.moe.impl=ragged), exchanged over the expert axis in fixed worst-case blocks" in kernels_line(c, plan)
     c, plan = startup("model.moe.impl=capacity")
     assert "routed experts capacity (model.moe.impl=capacity)," in kernels_line(c, plan)
+
+
+def test_auto_is_dropless_except_into_expert_parallel_worst_case_blocks():
+    """`auto` is `ragged` on one program and on data-parallel meshes, `capacity` under expert
+    parallelism (the dropless exchange's receiving blocks are sized for the worst case); the plan,
+    the startup lines and the traced kernel agree."""
+    from zoo.nn.moe import resolve_moe_impl
+    from zoo.tools.kit import compose
+    from zoo.train.run import dropless_note, kernels_line, prepare
+
+    assert (resolve_moe_impl("auto"), resolve_moe_impl("auto", expert_parallel=True)) == ("ragged", "capacity")
+    assert resolve_moe_impl("ragged", expert_parallel=True) == "ragged"
+    for mesh, want in (("fsdp", "ragged"), ("fsdp_ep", "capacity")):
+        c, plan, _, _ = prepare(compose(["model=dsv3_tiny_a", f"mesh={mesh}", "data.batch_size=8", "data.seq_len=16"]))
+        assert plan.moe_impl == want and f"routed experts {want} (model.moe.impl=auto)" in kernels_line(c, plan)
+        note = dropless_note(c.model.family, c.model.moe.impl, plan.moe_impl)
+        assert (note is None) == (want == "ragged")
+    assert note.startswith("model.moe.impl=auto (the capacity kernel under expert parallelism): deepseek_v3 is trained dropless;")
+

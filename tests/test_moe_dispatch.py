@@ -508,3 +508,18 @@ def test_dropless_exchange_lowered_for_gpu_sends_only_the_assignments():
     # the rows that travel are the assignments; the CPU lowering sends the whole worst-case buffer.
     assert sorted(exchanged) == sorted([there, back, there, back]), exchanged
     assert "ragged_all_to_all" not in cpu and "all_to_all" in cpu
+
+
+def test_auto_is_capacity_under_expert_parallelism_and_dropless_on_one_program():
+    """zoo.nn.moe.resolve_moe_impl's rule, where the kernel sees the layout: tight routing drops
+    assignments only on the expert-parallel mesh."""
+    tokens = 128
+    w = random_experts(10)
+    ids, weights = random_routing(11, tokens, skew=0.5)
+    x = random_x(12, tokens)
+    _, _, dropped = routed_experts(x, ids, weights, w, impl="auto", capacity_factor=1.0)
+    assert int(dropped) == 0
+    with zs.activate(ep_mesh(), zs.DEFAULT_RULES) as layout:
+        args = place(layout, x, ids, weights, w)
+        _, _, dropped = jax.jit(lambda x, ids, weights, w: routed_experts(x, ids, weights, w, impl="auto", capacity_factor=1.0))(*args)
+    assert int(dropped) > 0

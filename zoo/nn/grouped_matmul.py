@@ -27,8 +27,9 @@ from jaxtyping import Array, Float, Int
 
 from zoo._compat import linear_call_vmappable, varying_axes
 
-# Rows per tile. A visit is one [tile, d_in] x [d_in, d_out] product; a group's first and last tiles
-# also compute the rows of their neighbours (discarded), at most 2 x (tile - 1) rows per group.
+# Rows per tile at most (see `fitted_tile`). A visit is one [tile, d_in] x [d_in, d_out] product; a
+# group's first and last tiles also compute the rows of their neighbours (discarded), at most
+# 2 x (tile - 1) rows per group.
 DEFAULT_TILE = 256
 
 
@@ -172,4 +173,12 @@ def grouped_matmul(
         group_weights = jnp.arange(w.shape[0], dtype=jnp.int32)
     if group_weights.shape != group_sizes.shape:
         raise ValueError(f"grouped_matmul: group_weights {group_weights.shape} and group_sizes {group_sizes.shape} differ; give one weight index per group")
-    return _grouped(h, w, group_sizes, group_weights, int(tile))
+    return _grouped(h, w, group_sizes, group_weights, fitted_tile(h.shape[0], group_sizes.shape[0], int(tile)))
+
+
+def fitted_tile(rows: int, groups: int, tile: int) -> int:
+    """`tile`, or less where the groups average fewer rows: the power of two at least that average
+    (8 at least). A group's first and last tiles compute their neighbours' rows too, which tiles much
+    longer than a group would multiply (64 experts sharing 1024 rows: 16 each)."""
+    mean = max(1, rows // max(1, groups))
+    return max(1, min(tile, max(8, 1 << (mean - 1).bit_length())))

@@ -21,7 +21,7 @@ The routed experts run in `zoo.nn.moe_dispatch.routed_experts` and never run eve
   count. Assignments beyond an expert's capacity are dropped (earlier tokens win) and counted. Under
   an active layout whose expert axis is > 1 this is the expert-parallel kernel (per-device capacity
   from its own tokens, all_to_all to the experts' devices and back).
-- `auto`: `ragged` (see `resolve_moe_impl`).
+- `auto`: `ragged`, or `capacity` under expert parallelism (see `resolve_moe_impl`).
 """
 
 import contextlib
@@ -43,11 +43,16 @@ from zoo.nn.mlp import GatedMLP, swiglu
 from zoo.nn.moe_dispatch import ExpertWeights, routed_experts
 
 
-def resolve_moe_impl(impl: str) -> str:
-    """`auto` -> `ragged`: dropless, as every MoE family Zoo has was trained (`zoo.families`'
-    `dropless`), now that its grouped matmul costs the routed rows only (zoo.nn.grouped_matmul).
-    `capacity` (cheaper, drops what overflows an expert) is an explicit choice."""
-    return "ragged" if impl == "auto" else impl
+def resolve_moe_impl(impl: str, expert_parallel: bool = False) -> str:
+    """`auto` -> `ragged` (dropless, as every MoE family Zoo has was trained: `zoo.families`'
+    `dropless`), whose grouped matmul costs the routed rows only (zoo.nn.grouped_matmul); under expert
+    parallelism -> `capacity`, because the dropless exchange lands in receiving blocks sized for the
+    worst case, `ep * min(k, E/ep) / k` times the assignments (8x at DeepSeek-V3 671B on its preset:
+    XLA:CPU's estimate of that step's temporaries went from 181 to 487 GB per device, docs/scale.md).
+    An explicit `ragged` or `capacity` is taken as it is."""
+    if impl != "auto":
+        return impl
+    return "capacity" if expert_parallel else "ragged"
 
 
 
@@ -271,7 +276,7 @@ class MoE(eqx.Module):
         )
         self.config = c
         self.compute_dtype = dtype_name(compute_dtype, "compute_dtype")
-        self.impl = resolve_moe_impl(c.impl)
+        self.impl = c.impl  # `auto` is resolved where the kernel sees the layout (zoo.nn.moe_dispatch)
 
     def __call__(self, x: Float[Array, "batch seq embed"]) -> tuple[Float[Array, "batch seq embed"], MoEAux]:
         b, t, d = x.shape

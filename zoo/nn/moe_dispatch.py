@@ -62,7 +62,7 @@ from zoo.backend import choices as backend_choices
 from zoo.nn.grouped_matmul import grouped_matmul
 from zoo.nn.mlp import gated, swiglu
 
-Impl = Literal["capacity", "ragged"]
+Impl = Literal["auto", "capacity", "ragged"]
 Activation = Callable[[Array, Array], Array]
 Tagger = Callable[[Array, str], Array]
 
@@ -492,12 +492,14 @@ def routed_experts(
     (always 0 for `ragged`). Both are global (summed over the batch shards) under expert parallelism.
     The expert path is chosen from the active layout (see the module docstring).
     """
-    if impl not in ("capacity", "ragged"):
-        raise ValueError(f"model.moe.impl: unknown kernel {impl!r}; choose capacity or ragged")
+    if impl not in ("auto", "capacity", "ragged"):
+        raise ValueError(f"model.moe.impl: unknown kernel {impl!r}; choose auto, capacity or ragged")
     capacity_factor = float(capacity_factor)
     layout = zs.active()
-    if layout is not None:
-        plan = _ep_layout(layout)
+    plan = _ep_layout(layout) if layout is not None else None
+    if impl == "auto":  # zoo.nn.moe.resolve_moe_impl: dropless, but not into worst-case expert-parallel blocks
+        impl = "capacity" if plan is not None and plan.ep > 1 else "ragged"
+    if plan is not None:
         if plan.ep > 1 or math.prod(layout.axis_size(a) for a in plan.batch_axes) > 1:
             # Tokens split over devices: route and dispatch on each device (left to the partitioner,
             # the sorts and scatters over tokens would gather the whole batch's assignments everywhere).

@@ -138,9 +138,12 @@ def render(rows: list[dict]) -> str:
         state = ", ".join(k for k in ("params", "opt_state") if r[k] == HOST) or "-"
         table.append((r["preset"], len(r["offloaded_tags"]), r["traced_host_residuals"], state, r["cpu"]["host_annotations"], r["cuda"]["host_annotations"],
                       r["cpu"]["host_memory_kinds"], r["cuda"]["host_memory_kinds"]))
-    for r in rows:
-        for (operand, buffer, dtype), n in sorted(r.get("cuda", {}).get("ragged_exchanges", {}).items()):
-            notes.append(f"{r['preset']}: cuda: {n} ragged_all_to_all sending from {dtype}[{operand.replace('x', ',')}] "
+    exchanges = {r["preset"]: sorted(r["cuda"].get("ragged_exchanges", {}).items()) for r in rows if "error" not in r}
+    if len(exchanges) > 1 and all(e == next(iter(exchanges.values())) for e in exchanges.values()):
+        exchanges = {"every preset": next(iter(exchanges.values()))}  # the policies do not change the exchange
+    for preset, found in exchanges.items():
+        for (operand, buffer, dtype), n in found:
+            notes.append(f"{preset}: cuda: {n} ragged_all_to_all sending from {dtype}[{operand.replace('x', ',')}] "
                          f"into {dtype}[{buffer.replace('x', ',')}]")
     return "\n".join([text_table(table), *notes])
 

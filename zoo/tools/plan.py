@@ -1222,6 +1222,20 @@ def per_device_shape(tag: str, shape: Sequence[int], rules=None, sizes=None) -> 
     return tuple(out)
 
 
+def dropless_exchange_factor(config, rules=None, sizes=None) -> float:
+    """How many times its own assignments' rows the dropless kernel's expert shard holds under expert
+    parallelism: the receiving blocks are sized for the worst case, `ep * min(k, E/ep)` rows per
+    local token where the traced program (per data-parallel rank) has k (zoo.nn.moe_dispatch). 1
+    for the capacity kernel (its buffers travel whole) and without an expert axis."""
+    m = config.moe
+    if m is None or resolve_moe_impl(m.impl) != "ragged" or not rules or not sizes:
+        return 1.0
+    ep = math.prod(int(sizes.get(a, 1)) for a in dict.fromkeys(rules.get("experts", [])))
+    if ep <= 1:
+        return 1.0
+    return ep * min(m.num_experts_per_tok, m.n_routed_experts // ep) / m.num_experts_per_tok
+
+
 def tag_costs(config, records, batch: int, seq: int, rules=None, sizes=None) -> list[TagCost]:
     """TagCosts from the inspector's records (traced shapes and dtypes, per data-parallel rank), each
     tag's bytes per device as `per_device_shape` splits it under `rules` on a mesh of axis `sizes`
@@ -1229,12 +1243,15 @@ def tag_costs(config, records, batch: int, seq: int, rules=None, sizes=None) -> 
     Tags the backward never reads are left out; the layer input can be kept or offloaded, not
     recomputed."""
     by_tag: dict[str, TagCost] = {}
+    exchange = dropless_exchange_factor(config, rules, sizes)
     for r in records:
         if r.tag in backward_never_reads(config):
             continue
         choices = ("device", "offload") if r.tag in CHECKPOINT_INPUTS else CHOICES
         t = by_tag.setdefault(r.tag, TagCost(r.tag, {}, {}, choices))
         share = math.prod(per_device_shape(r.tag, r.shape, rules, sizes)) / max(1, math.prod(r.shape))
+        if TAGS[r.tag].block == MOE and len(r.shape) == 2:  # a routed-expert tag traced as [assignments, ...]
+            share *= exchange
         t.bytes_per_layer[r.stack] = t.bytes_per_layer.get(r.stack, 0.0) + r.bytes_per_layer * share
         t.recompute_flops_per_layer[r.stack] = 0.0 if r.tag in CHECKPOINT_INPUTS else producer_flops(config, r.tag, r.stack, batch, seq)
     return list(by_tag.values())
@@ -1425,6 +1442,8 @@ def problem_from_config(c, trainer, opts: PlanConfig, hardware_dir=None, attenti
     m = c.model
     attention_impl = attention_impl or target_attention_impl(c)
     m = m.replace(attention_impl=host_attention_impl(attention_impl))
+    if m.moe is not None and trainer.plan.moe_impl is not None:  # `auto` as this mesh resolves it (zoo.nn.moe.resolve_moe_impl)
+        m = m.replace(moe=dataclasses.replace(m.moe, impl=trainer.plan.moe_impl))
     sizes = trainer.plan.mesh.sizes
     dp = math.prod(sizes[a] for a in dict.fromkeys(c.mesh.rules.get("batch", [])) if a in sizes) or 1
     batch = max(1, trainer.plan.microbatch // dp)

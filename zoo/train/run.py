@@ -80,14 +80,17 @@ def merged_xla_flags(c: XlaConfig, env: Optional[str], host_offload: bool = Fals
     return " ".join(kept + ours)
 
 
-def dropless_note(family: str, impl: str) -> Optional[str]:
-    """One line for a run of the capacity kernel (asked for) on a family trained dropless (not an error: a capacity run is a legitimate, cheaper approximation),
-    else None."""
+def dropless_note(family: str, impl: str, resolved: Optional[str] = None) -> Optional[str]:
+    """One line for a run of the capacity kernel on a family trained dropless (not an error: a
+    capacity run is a legitimate, cheaper approximation), else None. `resolved`: what `impl` stands
+    for in this run (`auto` is the capacity kernel under expert parallelism)."""
     # The family's own flag (zoo.families: DeepSeek-V3, whose report says "no token-dropping",
     # Qwen3-MoE, Mixtral, GPT-OSS).
-    if resolve_moe_impl(impl) != "capacity" or family not in families.names() or not families.get(family).dropless:
+    resolved = resolved or resolve_moe_impl(impl)
+    if resolved != "capacity" or family not in families.names() or not families.get(family).dropless:
         return None
-    return (f"model.moe.impl=capacity: {family} is trained dropless; this run drops the assignments past each expert's "
+    asked = "model.moe.impl=capacity" if impl == "capacity" else f"model.moe.impl={impl} (the capacity kernel under expert parallelism)"
+    return (f"{asked}: {family} is trained dropless; this run drops the assignments past each expert's "
             f"capacity (counted as `dropped`); model.moe.impl=ragged routes every token")
 
 
@@ -205,7 +208,7 @@ def _train(c: TrainConfig, plan, devices, out_dir: pathlib.Path, xla_flags: str,
     )
     echo(kernels_line(c, plan))
     if plan.moe_impl is not None:
-        note = dropless_note(c.model.family, c.model.moe.impl)
+        note = dropless_note(c.model.family, c.model.moe.impl, plan.moe_impl)
         if note:
             echo(f"note: {note}")
     if trainer.lora is not None:

@@ -597,7 +597,8 @@ def validate(c: TrainConfig, available_devices: int, abstract_model=None) -> Pla
     except ValueError as e:
         raise ConfigError(str(e).splitlines()[0]) from None
     _check_expert_parallel(c, shape, dp)
-    attention_impl, moe_impl = resolve_kernels(c)
+    experts_ways = math.prod(shape.sizes.get(a, 1) for a in dict.fromkeys(rules.get("experts", [])))
+    attention_impl, moe_impl = resolve_kernels(c, expert_parallel=experts_ways > 1)
     if cp is not None and attention_impl == "cudnn":
         if m.attention_impl == "cudnn":
             raise ConfigError(
@@ -654,9 +655,9 @@ def _check_mesh_fits(mesh: MeshConfig, devices: int) -> None:
     )
 
 
-def resolve_kernels(c: TrainConfig) -> tuple[str, Optional[str]]:
-    """The attention and MoE kernels this run uses on this backend (what `auto` stands for); an
-    attention_impl the backend cannot run for the model's head dims is a ConfigError."""
+def resolve_kernels(c: TrainConfig, expert_parallel: bool = False) -> tuple[str, Optional[str]]:
+    """The attention and MoE kernels this run uses on this backend and mesh (what `auto` stands
+    for); an attention_impl the backend cannot run for the model's head dims is a ConfigError."""
     import jax
 
     m = c.model
@@ -669,7 +670,7 @@ def resolve_kernels(c: TrainConfig) -> tuple[str, Optional[str]]:
         )
     except ValueError as e:
         raise ConfigError(str(e).splitlines()[0]) from None
-    return attention, (resolve_moe_impl(m.moe.impl) if m.num_moe_layers else None)
+    return attention, (resolve_moe_impl(m.moe.impl, expert_parallel) if m.num_moe_layers else None)
 
 
 def _check_expert_parallel(c: TrainConfig, shape: MeshShape, batch_ways: int) -> None:
