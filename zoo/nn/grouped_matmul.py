@@ -61,14 +61,14 @@ def _visit(v, schedule, tile: int, rows: int):
     return weight[group], at, (row >= lo) & (row < hi)
 
 
-def _varying_over(x, *likes):
+def varying_like(x, *likes):
     """`x` (a fresh buffer) marked as varying over the shard_map axes the `likes` vary over: a loop's
-    carry must keep one type, and what the visits write into it varies over those axes."""
+    carry must keep one type, and a collective's result takes its output buffer's."""
     axes = set().union(*(varying_axes(a) for a in likes)) - varying_axes(x)
     return jax.lax.pcast(x, tuple(sorted(axes)), to="varying") if axes else x
 
 
-def _summed_like(grad, operand):
+def summed_like(grad, operand):
     """`grad` summed over the shard_map axes it varies over and `operand` does not (the transpose of
     the implicit broadcast of a replicated weight against rows that vary; nothing outside shard_map)."""
     extra = tuple(sorted(varying_axes(grad) - varying_axes(operand)))
@@ -92,7 +92,7 @@ def _products(h, w, group_sizes, group_weights, tile: int, *, w_transposed: bool
         kept = jax.lax.dynamic_slice_in_dim(out, at, tile)
         return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(mask[:, None], y, kept), at, 0)
 
-    out = _varying_over(jnp.zeros((rows, d_out), dtype), h, w, group_sizes, group_weights)
+    out = varying_like(jnp.zeros((rows, d_out), dtype), h, w, group_sizes, group_weights)
     return jax.lax.fori_loop(0, schedule[-1], visit, out)
 
 
@@ -110,7 +110,7 @@ def _weight_grad(h, d_out, group_sizes, group_weights, n_weights: int, tile: int
         row = jax.lax.dynamic_index_in_dim(dw, group, keepdims=False)
         return jax.lax.dynamic_update_index_in_dim(dw, row + part, group, 0)
 
-    dw = _varying_over(jnp.zeros((n_weights, h.shape[1], d_out.shape[1]), jnp.float32), h, d_out, group_sizes, group_weights)
+    dw = varying_like(jnp.zeros((n_weights, h.shape[1], d_out.shape[1]), jnp.float32), h, d_out, group_sizes, group_weights)
     return jax.lax.fori_loop(0, schedule[-1], visit, dw).astype(dtype)
 
 
@@ -140,9 +140,9 @@ def _grouped_jvp(tile, primals, tangents):
         h, w, group_sizes, group_weights = res
         grads = {}
         if 0 in live:
-            grads[0] = _summed_like(_products(d_out, w, group_sizes, group_weights, tile, w_transposed=True).astype(h.dtype), h)
+            grads[0] = summed_like(_products(d_out, w, group_sizes, group_weights, tile, w_transposed=True).astype(h.dtype), h)
         if 1 in live:
-            grads[1] = _summed_like(_weight_grad(h, d_out, group_sizes, group_weights, w.shape[0], tile, w.dtype), w)
+            grads[1] = summed_like(_weight_grad(h, d_out, group_sizes, group_weights, w.shape[0], tile, w.dtype), w)
         return tuple(grads[i] for i in live)
 
     linear_call_vmappable()  # jax.vmap through this reverse mode (per-example gradients) needs a rule jax lacks

@@ -57,9 +57,9 @@ from jaxtyping import Array, Bool, Float, Int
 
 from zoo import sharding as zs
 from zoo import tags as zoo_tags
-from zoo._compat import linear_call_vmappable, varying_axes
+from zoo._compat import linear_call_vmappable
 from zoo.backend import choices as backend_choices
-from zoo.nn.grouped_matmul import grouped_matmul
+from zoo.nn.grouped_matmul import grouped_matmul, summed_like, varying_like
 from zoo.nn.mlp import gated, swiglu
 
 Impl = Literal["auto", "capacity", "ragged"]
@@ -201,9 +201,9 @@ def _expert_matmul_jvp(primals, tangents):
         h, w = res
         grads = {}
         if 0 in live:
-            grads[0] = _summed_like(jnp.einsum("ECF,EDF->ECD", d_out, w), h)
+            grads[0] = summed_like(jnp.einsum("ECF,EDF->ECD", d_out, w), h)
         if 1 in live:
-            grads[1] = _summed_like(jnp.einsum("ECD,ECF->EDF", h, d_out), w)
+            grads[1] = summed_like(jnp.einsum("ECD,ECF->EDF", h, d_out), w)
         return tuple(grads[i] for i in live)
 
     linear_call_vmappable()  # jax.vmap through this reverse mode (per-example gradients) needs a rule jax lacks
@@ -211,14 +211,6 @@ def _expert_matmul_jvp(primals, tangents):
 
 
 expert_matmul.defjvp(_expert_matmul_jvp, symbolic_zeros=True)
-
-
-def _summed_like(grad, operand):
-    """`grad` summed over the shard_map mesh axes it varies over and `operand` does not: inside a
-    shard_map, weights replicated over the batch's axes meet tokens that vary over them, and jax's
-    own transpose of that implicit broadcast is this sum (nothing to do outside a shard_map)."""
-    extra = tuple(sorted(varying_axes(grad) - varying_axes(operand)))
-    return jax.lax.psum(grad, extra) if extra else grad
 
 
 def _buffer_matmul(h, w):
@@ -309,13 +301,6 @@ def ragged_exchange_rows(tokens: int, top_k: int, local_experts: int) -> int:
     return tokens * min(top_k, local_experts)
 
 
-def _varying_like(buffer, like):
-    """`buffer` (a fresh constant) marked as varying over the shard_map axes `like` varies over: a
-    ragged_all_to_all's result takes its output buffer's, and must match the CPU branch's all_to_all."""
-    axes = tuple(sorted(varying_axes(like) - varying_axes(buffer)))
-    return jax.lax.pcast(buffer, axes, to="varying") if axes else buffer
-
-
 def _ragged_exchange(x, expert_ids, weights, w: ExpertWeights, *, ep: int, ep_axis, activation, tag, reduce_mlp):
     """Dropless expert parallelism inside the shard_map body (`ragged`): this device's assignments,
     sorted by expert, go to their expert shards (GPU: `ragged_all_to_all`, the real rows only; XLA:CPU,
@@ -346,7 +331,7 @@ def _ragged_exchange(x, expert_ids, weights, w: ExpertWeights, *, ep: int, ep_ax
 
     def ragged_there(sorted_x):  # GPU: only the assignments travel, into the same block layout
         me = jax.lax.axis_index(ep_axis)
-        out = _varying_like(jnp.zeros((ep * rows, d), sorted_x.dtype), sorted_x)
+        out = varying_like(jnp.zeros((ep * rows, d), sorted_x.dtype), sorted_x)
         landing = jnp.full((ep,), me * rows, dtype=jnp.int32)
         got = jax.lax.ragged_all_to_all(sorted_x, out, send_offsets, per_shard, landing, recv_sizes, axis_name=ep_axis)
         return got.reshape(ep, rows, d)
@@ -357,7 +342,7 @@ def _ragged_exchange(x, expert_ids, weights, w: ExpertWeights, *, ep: int, ep_ax
 
     def ragged_back(out):
         block_starts = jnp.arange(ep, dtype=jnp.int32) * rows
-        into = _varying_like(jnp.zeros((order.shape[0], d), out.dtype), out)
+        into = varying_like(jnp.zeros((order.shape[0], d), out.dtype), out)
         return jax.lax.ragged_all_to_all(out.reshape(ep * rows, d), into, block_starts, recv_sizes, their_offsets, per_shard, axis_name=ep_axis)
 
     received = jax.lax.platform_dependent(sorted_x, default=blocks_there, cuda=ragged_there)
