@@ -551,13 +551,15 @@ def test_dropless_expert_parallel_tags_are_sized_as_the_worst_case_blocks_they_l
     from zoo.config import SIZES
     from zoo.tools.plan import dropless_exchange_factor, tag_costs
 
-    c = SIZES["deepseek_v3_671b"]  # 256 experts, top-8
+    auto = SIZES["deepseek_v3_671b"]  # 256 experts, top-8; `auto`: the capacity kernel under expert parallelism
+    c = auto.replace(moe=dataclasses.replace(auto.moe, impl="ragged"))
     from zoo.sharding import DEFAULT_RULES
 
     rules, sizes = {**DEFAULT_RULES, "experts": ["expert"], "batch": ["fsdp", "expert"]}, {"expert": 8, "fsdp": 16}
     assert dropless_exchange_factor(c, rules, sizes) == 8.0  # 8 shards x min(8, 32) / 8
     capacity = c.replace(moe=dataclasses.replace(c.moe, impl="capacity"))
     assert dropless_exchange_factor(capacity, rules, sizes) == 1.0
+    assert dropless_exchange_factor(auto, rules, sizes) == 1.0
     assert dropless_exchange_factor(c, rules, {"expert": 1, "fsdp": 128}) == 1.0
     record = types.SimpleNamespace(tag="moe_mlpwi_0", stack="moe_layers", shape=(262144, 2048), bytes_per_layer=262144 * 2048 * 2.0)
     layer_input = types.SimpleNamespace(tag="decoder_layer_input", stack="moe_layers", shape=(8, 4096, 7168), bytes_per_layer=8 * 4096 * 7168 * 2.0)

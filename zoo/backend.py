@@ -55,7 +55,8 @@ class BackendChoices:
     head_grad_rows_last: bool = False
     # Rows per tile of the dropless experts' grouped matmul (zoo.nn.grouped_matmul). CPU: 128 ran a
     # float32 gradient of 4096 rows, 256 x 512, in 0.75x the time of 512-row tiles and 0.56x of
-    # 256 with 8 experts (0.71x and 0.79x with 32). Elsewhere not measured: 256.
+    # 256 with 8 experts (0.71x and 0.79x with 32), timed as docs/notes.md's MoE entry says. Elsewhere
+    # not measured: 256.
     grouped_matmul_tile: int = 256
 
     def describe(self) -> str:

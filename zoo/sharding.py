@@ -254,6 +254,11 @@ def param_specs(tree, rules: Mapping[str, Sequence[str]], mesh_sizes: Optional[M
     return jax.tree_util.tree_map_with_path(one, tree)
 
 
+def logical_ways(rules: Mapping[str, Sequence[str]], mesh_sizes: Mapping[str, int], logical: str) -> int:
+    """How many ways the rules split a logical dim on a mesh of these axis sizes (each axis once)."""
+    return math.prod(int(mesh_sizes.get(a, 1)) for a in dict.fromkeys(rules.get(logical, ())))
+
+
 def shard_ways(spec: PartitionSpec, mesh_sizes: Mapping[str, int]) -> int:
     """How many pieces a leaf with this spec is cut into."""
     ways = 1

@@ -40,21 +40,7 @@ from zoo import tags
 from zoo.config import DTypeLike, MoEConfig, dtype_name
 from zoo.nn._init import normal
 from zoo.nn.mlp import GatedMLP, swiglu
-from zoo.nn.moe_dispatch import ExpertWeights, routed_experts
-
-
-def resolve_moe_impl(impl: str, expert_parallel: bool = False) -> str:
-    """`auto` -> `ragged` (dropless, as every MoE family Zoo has was trained: `zoo.families`'
-    `dropless`), whose grouped matmul costs the routed rows only (zoo.nn.grouped_matmul); under expert
-    parallelism -> `capacity`, because the dropless exchange lands in receiving blocks sized for the
-    worst case, `ep * min(k, E/ep) / k` times the assignments (8x at DeepSeek-V3 671B on its preset:
-    XLA:CPU's estimate of that step's temporaries went from 181 to 487 GB per device, docs/scale.md).
-    An explicit `ragged` or `capacity` is taken as it is."""
-    if impl != "auto":
-        return impl
-    return "capacity" if expert_parallel else "ragged"
-
-
+from zoo.nn.moe_dispatch import ExpertWeights, resolve_moe_impl, routed_experts  # noqa: F401 - resolve_moe_impl: public here
 
 
 class MoEAux(eqx.Module):

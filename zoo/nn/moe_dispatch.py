@@ -455,6 +455,18 @@ def _check_layout(plan: _EPLayout, n_experts: int) -> None:
         )
 
 
+def resolve_moe_impl(impl: str, expert_parallel: bool = False) -> str:
+    """`auto` -> `ragged` (dropless, as every MoE family Zoo has was trained: `zoo.families`'
+    `dropless`), whose grouped matmul costs the routed rows only (zoo.nn.grouped_matmul); under expert
+    parallelism -> `capacity`, because the dropless exchange lands in receiving blocks sized for the
+    worst case, `ep * min(k, E/ep) / k` times the assignments (8x at DeepSeek-V3 671B on its preset:
+    XLA:CPU's estimate of that step's temporaries went from 181 to 487 GB per device, docs/scale.md).
+    An explicit `ragged` or `capacity` is taken as it is."""
+    if impl != "auto":
+        return impl
+    return "capacity" if expert_parallel else "ragged"
+
+
 # --- the kernel -------------------------------------------------------------------------------
 
 
@@ -482,8 +494,7 @@ def routed_experts(
     capacity_factor = float(capacity_factor)
     layout = zs.active()
     plan = _ep_layout(layout) if layout is not None else None
-    if impl == "auto":  # zoo.nn.moe.resolve_moe_impl: dropless, but not into worst-case expert-parallel blocks
-        impl = "capacity" if plan is not None and plan.ep > 1 else "ragged"
+    impl = resolve_moe_impl(impl, expert_parallel=plan is not None and plan.ep > 1)
     if plan is not None:
         if plan.ep > 1 or math.prod(layout.axis_size(a) for a in plan.batch_axes) > 1:
             # Tokens split over devices: route and dispatch on each device (left to the partitioner,

@@ -73,7 +73,7 @@ from zoo.offload import (
     range_configs, remat_policy, resolve,
 )
 from zoo.placement import inspect_placement, stack_names
-from zoo.sharding import CONTEXT, logical_to_spec
+from zoo.sharding import CONTEXT, logical_to_spec, logical_ways
 from zoo.tags import MOE, TAGS, FlopShape, emitted_tags
 from zoo.tools.kit import compose, output_path, prepare_step, run_tool, split_tool_args
 from zoo.train.run import start_jax
@@ -1228,10 +1228,8 @@ def dropless_exchange_factor(config, rules=None, sizes=None) -> float:
     local token where the traced program (per data-parallel rank) has k (zoo.nn.moe_dispatch). 1
     for the capacity kernel (its buffers travel whole) and without an expert axis."""
     m = config.moe
-    if m is None or resolve_moe_impl(m.impl) != "ragged" or not rules or not sizes:
-        return 1.0
-    ep = math.prod(int(sizes.get(a, 1)) for a in dict.fromkeys(rules.get("experts", [])))
-    if ep <= 1:
+    ep = logical_ways(rules, sizes, "experts") if rules and sizes else 1
+    if m is None or ep <= 1 or resolve_moe_impl(m.impl, expert_parallel=True) != "ragged":
         return 1.0
     return ep * min(m.num_experts_per_tok, m.n_routed_experts // ep) / m.num_experts_per_tok
 
@@ -1408,8 +1406,7 @@ def loss_working_bytes(*, batch: int, seq: int, vocab: int, embed: int, chunk: i
 
 
 def _ways(c, trainer, logical: str) -> int:
-    sizes = trainer.plan.mesh.sizes
-    return math.prod(sizes[a] for a in dict.fromkeys(c.mesh.rules.get(logical, [])) if a in sizes) or 1
+    return logical_ways(c.mesh.rules, trainer.plan.mesh.sizes, logical)
 
 
 def largest_leaves(abstract_tree, shardings, kind: str, n: int = 3) -> list[tuple[str, str, float]]:

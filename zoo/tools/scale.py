@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from zoo import hlo
 from zoo.model import stack_layout
 from zoo.nn.moe_dispatch import expert_capacity, ragged_exchange_rows
+from zoo.sharding import logical_ways
 from zoo.tools.kit import fmt_bytes, text_table
 from zoo.tools.plan import per_device_bytes
 
@@ -141,7 +142,7 @@ def routed_experts(trainer, per_device_batch: int) -> Optional[dict]:
     if not c.num_moe_layers:
         return None
     m, sizes, rules = c.moe, trainer.plan.mesh.sizes, trainer.rules
-    ep = math.prod(sizes[a] for a in dict.fromkeys(rules.get("experts", [])) if a in sizes)
+    ep = logical_ways(rules, sizes, "experts")
     context = trainer.cfg.mesh.context_parallel
     context_axes = [context] if isinstance(context, str) else list(context or [])
     tokens = per_device_batch * trainer.cfg.data.seq_len // math.prod(sizes.get(a, 1) for a in context_axes)

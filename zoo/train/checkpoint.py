@@ -308,20 +308,26 @@ def _not_an_abandoned_read_task(record) -> bool:
     return not (text.startswith("Task exception was never retrieved") and _STATUS.search(text))
 
 
+def _missing_orbax_files(step_dir: pathlib.Path) -> Optional[str]:
+    """"state/manifest.ocdbt is missing" (or both files), None when orbax's files are all there."""
+    missing = [f for f in _ORBAX_FILES if not (step_dir / f).exists()]
+    return f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing" if missing else None
+
+
 def _require_orbax_files(step_dir: pathlib.Path) -> None:
     """Unreadable when a file orbax writes into every step is gone: said before any read starts, so
     no half-started restore leaves reads behind to report after the one line."""
-    missing = [f for f in _ORBAX_FILES if not (step_dir / f).exists()]
+    missing = _missing_orbax_files(step_dir)
     if missing:
-        raise Unreadable(f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing")
+        raise Unreadable(missing)
 
 
 def unreadable_reason(e: BaseException, step_dir: pathlib.Path) -> str:
     """One short clause for why restoring `step_dir` failed: TensorStore's innermost status message
     without its multi-kilobyte spec, paths relative to the step directory."""
-    missing = [f for f in _ORBAX_FILES if not (step_dir / f).exists()]
+    missing = _missing_orbax_files(step_dir)
     if missing:
-        return f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing"
+        return missing
     chain: list[BaseException] = []
     while e is not None and e not in chain:
         chain.append(e)
@@ -792,11 +798,8 @@ def _restore_params(d: pathlib.Path, step: int, devices, lora_form: str = "merge
         ckptr = ocp.PyTreeCheckpointer()
         try:
             saved = ckptr.metadata(step_dir / "state").item_metadata
-            if saved is None:  # orbax returns no tree, rather than raising, when the manifest is gone
-                missing = [f for f in _ORBAX_FILES if not (step_dir / f).exists()]
-                raise Unreadable(
-                    f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing" if missing else "orbax cannot read its state metadata (damaged files)"
-                )
+            if saved is None:  # orbax returns no tree, rather than raising (its files were there a moment ago)
+                raise Unreadable(_missing_orbax_files(step_dir) or "orbax cannot read its state metadata (damaged files)")
             saved = saved.tree["params"]
             # Orbax restores its own nested dicts here (a partial restore cannot rebuild Equinox modules);
             # the arrays are put back into the model by their key paths below.

@@ -26,8 +26,8 @@ from zoo.nn.moe import resolve_moe_impl
 from zoo.nn.moe_dispatch import check_expert_parallel
 from zoo.offload import OffloadConfig, check_tags_emitted
 from zoo.sharding import (
-    CONTEXT, CONTEXT_BALANCED, DEFAULT_RULES, MESH_AXES, MeshShape, ShardingError, check_replication, param_specs,
-    resolve_mesh_shape,
+    CONTEXT, CONTEXT_BALANCED, DEFAULT_RULES, MESH_AXES, MeshShape, ShardingError, check_replication, logical_ways,
+    param_specs, resolve_mesh_shape,
 )
 from zoo.train.xla_flags import flag_name, unknown_flags
 
@@ -597,8 +597,7 @@ def validate(c: TrainConfig, available_devices: int, abstract_model=None) -> Pla
     except ValueError as e:
         raise ConfigError(str(e).splitlines()[0]) from None
     _check_expert_parallel(c, shape, dp)
-    experts_ways = math.prod(shape.sizes.get(a, 1) for a in dict.fromkeys(rules.get("experts", [])))
-    attention_impl, moe_impl = resolve_kernels(c, expert_parallel=experts_ways > 1)
+    attention_impl, moe_impl = resolve_kernels(c, expert_parallel=logical_ways(rules, shape.sizes, "experts") > 1)
     if cp is not None and attention_impl == "cudnn":
         if m.attention_impl == "cudnn":
             raise ConfigError(
@@ -680,7 +679,7 @@ def _check_expert_parallel(c: TrainConfig, shape: MeshShape, batch_ways: int) ->
         if not m.num_moe_layers:
             check_expert_parallel(0, shape.expert, c.data.batch_size, batch_ways)  # an expert axis > 1 raises
             return
-        ep = math.prod(shape.sizes[a] for a in dict.fromkeys(rules.get("experts", [])) if a in shape.sizes)
+        ep = logical_ways(rules, shape.sizes, "experts")
         check_expert_parallel(
             m.moe.n_routed_experts, ep, c.data.batch_size, batch_ways, grad_accum=c.trainer.grad_accum,
             batch_includes_expert=all(a in rules.get("batch", []) for a in rules.get("experts", []) if shape.sizes.get(a, 1) > 1),
