@@ -222,6 +222,8 @@ def _buffer_bias(v, b):
 
 
 def grouped_matmul_tile() -> int:
+    """zoo.backend's tile for the backend tracing the step (a cuda lowering on a CPU host takes
+    CPU's: the tile changes speed, never the result)."""
     return backend_choices().grouped_matmul_tile
 
 
