@@ -465,37 +465,36 @@ def test_capacity_on_a_family_trained_dropless_is_a_note(family):
     assert capacity_note(family, "auto") is None  # the default is dropless
 
 
-def test_startup_names_the_fixed_block_exchange_and_the_capacity_note():
-    """train.py's startup lines, from the validated config (nothing compiled): the dropless kernel under
-    expert parallelism says how it exchanges; an explicit capacity kernel on DeepSeek-V3 gets the note."""
+def test_startup_names_the_exchange_rounds_and_the_capacity_note():
+    """train.py's startup lines, from the validated config (nothing compiled): `auto` is dropless on
+    every mesh; under expert parallelism the kernels line gives the exchange's round block
+    (zoo.nn.expert_rounds.round_block of this device's tokens), and an explicit capacity kernel on
+    DeepSeek-V3 gets the note."""
+    from zoo.nn.expert_rounds import round_block
+    from zoo.nn.moe import resolve_moe_impl
     from zoo.tools.kit import compose
-    from zoo.train.run import kernels_line, prepare
+    from zoo.train.run import dropless_note, kernels_line, prepare
+
+    assert resolve_moe_impl("auto") == "ragged" and resolve_moe_impl("capacity") == "capacity"
 
     def startup(*overrides):
         c, plan, _, _ = prepare(compose(["model=dsv3_tiny_a", "mesh=fsdp_ep", "data.batch_size=8", "data.seq_len=16", *overrides]))
         return c, plan
 
-    c, plan = startup("model.moe.impl=ragged")
-    assert plan.mesh.sizes["expert"] > 1
-    assert "routed experts ragged (model.moe.impl=ragged), exchanged over the expert axis in fixed worst-case blocks" in kernels_line(c, plan)
+    c, plan = startup()
+    ep = plan.mesh.sizes["expert"]
+    assert ep > 1 and plan.moe_impl == "ragged"
+    m = c.model.moe
+    tokens = 8 // (ep * plan.mesh.sizes["fsdp"]) * 16
+    block = round_block(tokens, m.num_experts_per_tok, ep, m.n_routed_experts // ep, 1.25)
+    assert (f"routed experts ragged (model.moe.impl=auto), exchanged over the expert axis in rounds of {block} rows "
+            "per device and shard (model.moe.exchange_factor=1.25)") in kernels_line(c, plan)
+    assert dropless_note(c.model.family, m.impl) is None
+    c, plan = startup("model.moe.exchange_factor=0.5")
+    assert f"in rounds of {round_block(tokens, m.num_experts_per_tok, ep, m.n_routed_experts // ep, 0.5)} rows" in kernels_line(c, plan)
     c, plan = startup("model.moe.impl=capacity")
     assert "routed experts capacity (model.moe.impl=capacity)," in kernels_line(c, plan)
-
-
-def test_auto_is_dropless_except_into_expert_parallel_worst_case_blocks():
-    """`auto` is `ragged` on one program and on data-parallel meshes, `capacity` under expert
-    parallelism (the dropless exchange's receiving blocks are sized for the worst case); the plan,
-    the startup lines and the traced kernel agree."""
-    from zoo.nn.moe import resolve_moe_impl
-    from zoo.tools.kit import compose
-    from zoo.train.run import dropless_note, kernels_line, prepare
-
-    assert (resolve_moe_impl("auto"), resolve_moe_impl("auto", expert_parallel=True)) == ("ragged", "capacity")
-    assert resolve_moe_impl("ragged", expert_parallel=True) == "ragged"
-    for mesh, want in (("fsdp", "ragged"), ("fsdp_ep", "capacity")):
-        c, plan, _, _ = prepare(compose(["model=dsv3_tiny_a", f"mesh={mesh}", "data.batch_size=8", "data.seq_len=16"]))
-        assert plan.moe_impl == want and f"routed experts {want} (model.moe.impl=auto)" in kernels_line(c, plan)
-        note = dropless_note(c.model.family, c.model.moe.impl, plan.moe_impl)
-        assert (note is None) == (want == "ragged")
-    assert note.startswith("model.moe.impl=auto (the capacity kernel under expert parallelism): deepseek_v3 is trained dropless;")
+    assert dropless_note(c.model.family, c.model.moe.impl).startswith("model.moe.impl=capacity: deepseek_v3 is trained dropless;")
+    c, plan = startup("mesh=fsdp")
+    assert plan.moe_impl == "ragged" and "rounds" not in kernels_line(c, plan)
 

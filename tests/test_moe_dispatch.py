@@ -474,52 +474,81 @@ def test_check_expert_parallel_accepts_good_configs():
     check_expert_parallel(8, 4, 8, 8)  # either kernel: both run under expert parallelism
 
 
-def _ragged_all_to_alls(text: str) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """(operand shape, output buffer shape) of each ragged_all_to_all of a lowered StableHLO module."""
+def _all_to_alls(text: str) -> list[tuple[int, ...]]:
+    """The operand shape of each all_to_all of a lowered StableHLO module (rank > 1: the row exchanges)."""
     found = []
     for line in text.splitlines():
-        if "@ragged_all_to_all(" in line:
-            types = re.findall(r"tensor<([\dx]+)x[a-z]+\d*>", line.split(" : (", 1)[1])
-            found.append((tuple(map(int, types[0].split("x"))), tuple(map(int, types[1].split("x")))))
-    return found
+        if "all_to_all" in line and " : (" in line:
+            shape = re.findall(r"tensor<([\dx]+)x[a-z]+\d*>", line.split(" : (", 1)[1])[0]
+            found.append(tuple(map(int, shape.split("x"))))
+    return [s for s in found if len(s) > 1]
 
 
-def test_dropless_exchange_lowered_for_gpu_sends_only_the_assignments():
-    """Lowered for cuda (no GPU needed), the dropless expert-parallel step exchanges with
-    ragged_all_to_all: what each device sends there and back is its own assignments, [tokens*k, D]
-    (the CPU program's all_to_all sends ep worst-case blocks, ep * tokens * min(k, E/ep) rows)."""
-    tokens, ep = 64, EP_MESH.expert
+@pytest.mark.parametrize("factor", [0.05, 1.0, 100.0], ids=["many_rounds", "about_one_round", "one_worst_case_round"])
+def test_dropless_rounds_match_the_single_program(factor):
+    """The dropless exchange in rounds (zoo.nn.expert_rounds) on crowded experts: a block of one row
+    (dozens of rounds), about the mean, or the worst case (one round always). Every assignment must
+    arrive, so outputs and gradients equal the single program's, whatever the rounds."""
+    tokens = 64
+    w = random_experts(26, biases=True)
+    ids, weights = random_routing(27, tokens, skew=1.5)
+    x, cot = random_x(28, tokens), random_x(29, tokens)
+    kw = dict(activation=clamped_swiglu, impl="ragged", exchange_factor=factor)
+    ref_out = routed_experts(x, ids, weights, w, **kw)
+    ref_grads = jax.grad(loss_fn(cot, **kw), argnums=GRAD_ARGS)(x, weights, w, ids)
+    with zs.activate(ep_mesh(EP_MESH), zs.DEFAULT_RULES) as layout:
+        px, pids, pweights, pw = place(layout, x, ids, weights, w)
+        out = jax.jit(lambda x, weights, w, ids: routed_experts(x, ids, weights, w, **kw))(px, pweights, pw, pids)
+        grads = jax.jit(jax.grad(loss_fn(cot, **kw), argnums=GRAD_ARGS))(px, pweights, pw, pids)
+    np.testing.assert_allclose(np.asarray(out[0]), np.asarray(ref_out[0]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(out[1]), np.asarray(ref_out[1]))
+    assert int(out[2]) == 0
+    for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+        assert float(jnp.abs(r).max()) > 0
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-5)
+
+
+def test_dropless_exchange_sends_fixed_blocks_of_the_mean_on_every_platform():
+    """Lowered for cuda and for cpu (no GPU needed), the dropless expert-parallel step exchanges
+    blocks of `exchange_factor` x the mean rows per (device, shard): `ep * block` rows per exchange,
+    within 1.25x of the device's assignments plus rounding, never the worst-case receiving buffer
+    (`ep * tokens * min(k, E/ep)` rows, what a one-shot dropless exchange must land in)."""
+    from zoo.nn.expert_rounds import round_block
+
+    tokens, ep = 256, EP_MESH.expert
     w = random_experts(6, biases=True)
     ids, weights = random_routing(7, tokens, skew=0.8)
     x, cot = random_x(8, tokens), random_x(9, tokens)
-    kw = dict(capacity_factor=float(E), activation=clamped_swiglu, impl="ragged")
+    kw = dict(activation=clamped_swiglu, impl="ragged")
     with zs.activate(ep_mesh(EP_MESH), zs.DEFAULT_RULES) as layout:
-        grad = jax.jit(jax.grad(loss_fn(cot, **kw), argnums=GRAD_ARGS))
+        step = jax.jit(jax.value_and_grad(loss_fn(cot, **kw), argnums=GRAD_ARGS))
         args = place(layout, x, ids, weights, w)
-        args = (args[0], args[2], args[3], args[1])
-        traced = grad.trace(*args)
-        cuda, cpu = (traced.lower(lowering_platforms=(p,)).as_text() for p in ("cuda", "cpu"))
+        traced = step.trace(args[0], args[2], args[3], args[1])
+        lowered = {p: traced.lower(lowering_platforms=(p,)).as_text() for p in ("cuda", "cpu")}
     local_tokens = tokens // (EP_MESH.fsdp * EP_MESH.expert)
-    assignments = local_tokens * K
-    exchanged = _ragged_all_to_alls(cuda)
-    worst = ep * local_tokens * min(K, E // ep)  # the receiving buffer: any routing fits, nothing drops
-    there, back = ((assignments, D), (worst, D)), ((worst, D), (assignments, D))
-    # Forward there and back, and their transposes in the backward pass. Sizes are the real counts, so
-    # the rows that travel are the assignments; the CPU lowering sends the whole worst-case buffer.
-    assert sorted(exchanged) == sorted([there, back, there, back]), exchanged
-    assert "ragged_all_to_all" not in cpu and "all_to_all" in cpu
+    block = round_block(local_tokens, K, ep, E // ep, 1.25)
+    assert ep * block <= math.ceil(1.25 * local_tokens * K) + ep
+    rows = (ep, block, D)
+    for platform, text in lowered.items():
+        assert "ragged_all_to_all" not in text, platform
+        # The per-expert counts; forward: rows there and back; backward: inputs, output cotangents and
+        # routing weights there, input cotangents and weight cotangents back.
+        assert sorted(_all_to_alls(text)) == sorted([(ep, E // ep)] + [rows] * 5 + [(ep, block)] * 2), (platform, _all_to_alls(text))
 
 
-def test_auto_is_capacity_under_expert_parallelism_and_dropless_on_one_program():
-    """zoo.nn.moe.resolve_moe_impl's rule, where the kernel sees the layout: tight routing drops
-    assignments only on the expert-parallel mesh."""
+def test_auto_never_drops_on_any_mesh():
+    """`auto` is the dropless kernel on one program and under expert parallelism alike: tight routing
+    that a capacity of 1.0 would drop arrives whole."""
     tokens = 128
     w = random_experts(10)
     ids, weights = random_routing(11, tokens, skew=0.5)
     x = random_x(12, tokens)
-    _, _, dropped = routed_experts(x, ids, weights, w, impl="auto", capacity_factor=1.0)
+    kw = dict(impl="auto", capacity_factor=1.0)
+    y, _, dropped = routed_experts(x, ids, weights, w, **kw)
     assert int(dropped) == 0
     with zs.activate(ep_mesh(), zs.DEFAULT_RULES) as layout:
         args = place(layout, x, ids, weights, w)
-        _, _, dropped = jax.jit(lambda x, ids, weights, w: routed_experts(x, ids, weights, w, impl="auto", capacity_factor=1.0))(*args)
-    assert int(dropped) > 0
+        y_ep, _, dropped = jax.jit(lambda x, ids, weights, w: routed_experts(x, ids, weights, w, **kw))(*args)
+        _, _, dropped_capacity = jax.jit(lambda x, ids, weights, w: routed_experts(x, ids, weights, w, **{**kw, "impl": "capacity"}))(*args)
+    assert int(dropped) == 0 and int(dropped_capacity) > 0  # the routing is tight enough to drop
+    np.testing.assert_allclose(np.asarray(y_ep), np.asarray(y), rtol=1e-5, atol=1e-5)

@@ -542,31 +542,31 @@ def test_planner_sizes_each_tag_as_the_context_parallel_program_keeps_it():
         assert (2, 2, 32, *rest) not in kept, (tag, "the program keeps no whole-sequence copy")
 
 
-def test_dropless_expert_parallel_tags_are_sized_as_the_worst_case_blocks_they_land_in():
-    # Traced per data-parallel rank, a routed-expert tag has one row per assignment; an expert shard of
-    # the dropless kernel holds ep * min(k, E/ep) rows per local token (zoo.nn.moe_dispatch).
+def test_dropless_expert_parallel_routed_tags_can_only_be_recomputed():
+    # The dropless kernel under expert parallelism exchanges in rounds and recomputes the routed
+    # experts in its backward (zoo.nn.expert_rounds): the planner offers them remat only, at their
+    # recompute FLOPs; the capacity kernel, or no expert axis, leaves every choice open.
     import dataclasses
     import types
 
     from zoo.config import SIZES
-    from zoo.tools.plan import dropless_exchange_factor, tag_costs
-
-    auto = SIZES["deepseek_v3_671b"]  # 256 experts, top-8; `auto`: the capacity kernel under expert parallelism
-    c = auto.replace(moe=dataclasses.replace(auto.moe, impl="ragged"))
     from zoo.sharding import DEFAULT_RULES
+    from zoo.tools.plan import CHOICES, routed_tags_recomputed, tag_costs
 
+    auto = SIZES["deepseek_v3_671b"]  # 256 experts, top-8
+    capacity = auto.replace(moe=dataclasses.replace(auto.moe, impl="capacity"))
     rules, sizes = {**DEFAULT_RULES, "experts": ["expert"], "batch": ["fsdp", "expert"]}, {"expert": 8, "fsdp": 16}
-    assert dropless_exchange_factor(c, rules, sizes) == 8.0  # 8 shards x min(8, 32) / 8
-    capacity = c.replace(moe=dataclasses.replace(c.moe, impl="capacity"))
-    assert dropless_exchange_factor(capacity, rules, sizes) == 1.0
-    assert dropless_exchange_factor(auto, rules, sizes) == 1.0
-    assert dropless_exchange_factor(c, rules, {"expert": 1, "fsdp": 128}) == 1.0
+    assert routed_tags_recomputed(auto, rules, sizes)
+    assert not routed_tags_recomputed(capacity, rules, sizes)
+    assert not routed_tags_recomputed(auto, rules, {"expert": 1, "fsdp": 128})
     record = types.SimpleNamespace(tag="moe_mlpwi_0", stack="moe_layers", shape=(262144, 2048), bytes_per_layer=262144 * 2048 * 2.0)
     layer_input = types.SimpleNamespace(tag="decoder_layer_input", stack="moe_layers", shape=(8, 4096, 7168), bytes_per_layer=8 * 4096 * 7168 * 2.0)
 
-    def per_layer(config):
-        return {t.tag: t.bytes_per_layer["moe_layers"] for t in tag_costs(config, [record, layer_input], 8, 4096, rules=rules, sizes=sizes)}
+    def costs(config, sizes=sizes):
+        return {t.tag: t for t in tag_costs(config, [record, layer_input], 8, 4096, rules=rules, sizes=sizes)}
 
-    dropless, kept = per_layer(c), per_layer(capacity)
-    assert dropless["moe_mlpwi_0"] == 8 * kept["moe_mlpwi_0"]
-    assert dropless["decoder_layer_input"] == kept["decoder_layer_input"]
+    dropless, kept, one_shard = costs(auto), costs(capacity), costs(auto, {"expert": 1, "fsdp": 128})
+    assert dropless["moe_mlpwi_0"].choices == ("remat",)
+    assert kept["moe_mlpwi_0"].choices == one_shard["moe_mlpwi_0"].choices == CHOICES
+    assert dropless["moe_mlpwi_0"].recompute_flops_per_layer["moe_layers"] > 0
+    assert dropless["decoder_layer_input"].choices == kept["decoder_layer_input"].choices

@@ -6,10 +6,9 @@ the modules that act on them read `choices(platform)` instead of testing the pla
 train.py prints the record at startup (`describe`). Only XLA:CPU has measured choices: elsewhere
 XLA's defaults and the paths a GPU is expected to prefer.
 
-(Not a choice of this record: the expert-parallel token exchange, which `lax.platform_dependent`
-picks per lowering in `zoo.nn.moe_dispatch`, since XLA:CPU cannot compile `ragged_all_to_all` at
-all; and the attention kernel's `auto`, which `zoo.nn.attention_kernels.resolve_impl` resolves from
-what cuDNN supports and `blockwise_from_seq` below.)
+(Not a choice of this record: the attention kernel's `auto`, which
+`zoo.nn.attention_kernels.resolve_impl` resolves from what cuDNN supports and `blockwise_from_seq`
+below.)
 """
 
 import dataclasses

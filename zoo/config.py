@@ -154,6 +154,9 @@ class MoEConfig:
     # per-expert buffers of capacity_factor x the mean load, drops the rest. auto: ragged (zoo.nn.moe).
     impl: str = "auto"
     capacity_factor: float = 1.25
+    # ragged under expert parallelism: each exchange round carries, from each device to each expert
+    # shard, up to exchange_factor x the mean rows; a fuller pair takes more rounds (zoo.nn.expert_rounds).
+    exchange_factor: float = 1.25
 
     def __post_init__(self):
         _require(self.impl in MOE_IMPLS, "moe.impl", f"got {self.impl!r}; choose one of {_choices(MOE_IMPLS)}")
@@ -199,6 +202,7 @@ class MoEConfig:
                 f"group-limited routing belongs to the sigmoid_grouped router; set n_group=1 and topk_group=1 for router {self.router}",
             )
         _require(self.capacity_factor > 0, "moe.capacity_factor", "must be positive")
+        _require(self.exchange_factor > 0, "moe.exchange_factor", f"must be positive, got {self.exchange_factor}")
         _require(self.n_shared_experts >= 0, "moe.n_shared_experts", "must be >= 0")
         if self.activation == "clamped_swiglu":
             _require(self.swiglu_limit > 0, "moe.swiglu_limit", f"must be positive, got {self.swiglu_limit}")

@@ -21,7 +21,8 @@ The routed experts run in `zoo.nn.moe_dispatch.routed_experts` and never run eve
   count. Assignments beyond an expert's capacity are dropped (earlier tokens win) and counted. Under
   an active layout whose expert axis is > 1 this is the expert-parallel kernel (per-device capacity
   from its own tokens, all_to_all to the experts' devices and back).
-- `auto`: `ragged`, or `capacity` under expert parallelism (see `resolve_moe_impl`).
+- `auto`: `ragged`, on one device and under expert parallelism alike (there it exchanges in rounds,
+  `zoo.nn.expert_rounds`).
 """
 
 import contextlib
@@ -285,7 +286,8 @@ class MoE(eqx.Module):
         experts = ExpertWeights(self.w_gate, self.w_up, self.w_down, self.b_gate, self.b_up, self.b_down)
         routed, counts, dropped = routed_experts(
             flat, expert_ids, weights, experts, activation=expert_activation(self.config),
-            impl=self.impl, capacity_factor=self.config.capacity_factor, compute_dtype=self.compute_dtype,
+            impl=self.impl, capacity_factor=self.config.capacity_factor, exchange_factor=self.config.exchange_factor,
+            compute_dtype=self.compute_dtype,
         )
         y = routed.reshape(b, t, d) if chunks == 1 else routed.reshape(chunks, b, t // chunks, d).transpose(1, 0, 2, 3).reshape(b, t, d)
         if self.shared is not None:

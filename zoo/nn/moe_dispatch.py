@@ -19,13 +19,11 @@ experts stay in zoo.nn.moe. It is pure and reads the mesh only from the active l
     and the reverse `all_to_all` returns the outputs, which are combined where the tokens live. The
     global batch never travels.
   * Expert parallelism, `ragged` (dropless, exact): the local assignments sorted by expert go to
-    their shards (see `_ragged_exchange`). Lowered for GPU, `lax.ragged_all_to_all` sends only the
-    assignments, into a receiving buffer of the worst case (`ep` blocks of `local_tokens * min(k, E/ep)`
-    rows, so that no routing drops). XLA:CPU cannot compile ragged_all_to_all ("not supported by
-    XLA:CPU ThunkEmitter"), so there the whole worst-case blocks travel: `ep * min(k, E/ep) / k` times
-    the assignments' bytes (8x for DeepSeek-V3 on 8 expert shards). `lax.platform_dependent` picks
-    the exchange when the step is lowered; both fill the same block layout, so everything after it is
-    one code path, the one the CPU tests run. The shard runs grouped matmuls over its local experts.
+    their shards in rounds of fixed blocks, `exchange_factor` x the mean rows per (device, shard),
+    as many rounds as the fullest pair needs (`zoo.nn.expert_rounds`: one round at balanced load,
+    no buffer sized for the worst case, the same all_to_all on every platform). Its reverse mode
+    recomputes the local experts, so their tags are not emitted there. The shard runs grouped
+    matmuls over its local experts on the blocks where they landed.
   * `ep` == 1 (data parallel / FSDP): each device runs every expert on its own buffers (`capacity`)
     or its own sorted tokens (`ragged`, dropless).
   Weights enter as their shards (`[E/ep, D/fsdp, I/tensor]`); the `embed` shards are gathered inside,
@@ -38,8 +36,8 @@ Drops on a sharded batch are decided per device (each device's tokens compete fo
 single-program count on the same global batch whenever some expert overflows.
 
 The intermediates keep the routed-expert tags (`MOE_MLPWI_0` gate after its bias, `MOE_MLPWI_1` up,
-`MOE_MLPWO` down output before combining). Under expert parallelism they are tagged inside the
-shard_map body; jax's shard_map partial evaluation honours an enclosing `jax.checkpoint` policy for
+`MOE_MLPWO` down output before combining), except under the dropless expert-parallel exchange (see
+above). Under expert parallelism (`capacity`) they are tagged inside the shard_map body; jax's shard_map partial evaluation honours an enclosing `jax.checkpoint` policy for
 them (saved, offloaded to pinned_host, or recomputed together with the all_to_all that produced their
 inputs), which tests/test_moe_dispatch.py reads back from the jaxpr.
 """
@@ -59,7 +57,9 @@ from zoo import sharding as zs
 from zoo import tags as zoo_tags
 from zoo._compat import linear_call_vmappable
 from zoo.backend import choices as backend_choices
-from zoo.nn.grouped_matmul import grouped_matmul, summed_like, varying_like
+from zoo.nn.expert_rounds import Exchange, exchange_in_rounds, round_block
+from zoo.nn.expert_rounds import routing as exchange_routing
+from zoo.nn.grouped_matmul import grouped_matmul, summed_like
 from zoo.nn.mlp import gated, swiglu
 
 Impl = Literal["auto", "capacity", "ragged"]
@@ -297,79 +297,44 @@ def expert_specs(layout: zs.Layout, experts: ExpertWeights) -> ExpertWeights:
     return jax.tree_util.tree_map_with_path(lambda path, _: layout.spec(EXPERT_AXES[path[-1].name]), experts)
 
 
-def ragged_exchange_rows(tokens: int, top_k: int, local_experts: int) -> int:
-    """Rows of each (source, expert shard) block the dropless exchange sends: a token's top-k experts
-    are distinct, so at most min(k, E/ep) of its assignments go to one shard."""
-    return tokens * min(top_k, local_experts)
+def _round_ffn(activation: Activation, reduce_mlp):
+    """The local experts over one round's received blocks (`zoo.nn.expert_rounds`), untagged: that
+    kernel recomputes them in the backward, so no checkpoint policy could act on their tags."""
+
+    def ffn(h, w: ExpertWeights, group_sizes, group_experts):
+        row_experts = jnp.repeat(group_experts, group_sizes, total_repeat_length=h.shape[0])
+
+        def matmul(a, wt):
+            return grouped_matmul(a, wt, group_sizes, group_experts, tile=grouped_matmul_tile())
+
+        def add_bias(v, b):
+            return v + b.at[row_experts].get(mode="fill", fill_value=0)
+
+        return _ffn(h, w, matmul, add_bias, activation, _untagged, reduce_mlp)
+
+    return ffn
 
 
-def _ragged_exchange(x, expert_ids, weights, w: ExpertWeights, *, ep: int, ep_axis, activation, tag, reduce_mlp):
+def _untagged(a, name):
+    return a
+
+
+def _ragged_exchange(x, expert_ids, weights, w: ExpertWeights, *, ep: int, ep_axis, activation, exchange_factor, reduce_mlp):
     """Dropless expert parallelism inside the shard_map body (`ragged`): this device's assignments,
-    sorted by expert, go to their expert shards (GPU: `ragged_all_to_all`, the real rows only; XLA:CPU,
-    which cannot compile it: all_to_all of blocks of the worst-case size), landing in block s of the
-    receiving shard's worst-case buffer, with per-expert counts alongside. Each
-    shard runs three grouped matmuls over its E/ep experts on the blocks where they landed (each block
-    is sorted by expert; the blocks' padding is never read, comes out zero and carries no gradient),
-    and sends the rows back where they came from."""
+    sorted by expert, go to their expert shards in rounds of fixed blocks, `exchange_factor` x the
+    mean rows per (device, shard) pair, as many rounds as the fullest pair needs
+    (`zoo.nn.expert_rounds`). Each shard runs grouped matmuls over its E/ep experts on the blocks
+    where they landed and sends the rows back."""
     tokens, k = expert_ids.shape
-    n_experts, d = w.n_experts * ep, x.shape[-1]
     local_experts = w.n_experts
-    rows = ragged_exchange_rows(tokens, k, local_experts)
-    flat_experts, order, counts = sorted_assignments(expert_ids, n_experts)
-    sorted_experts = flat_experts[order]
-    shard = sorted_experts // local_experts  # the expert shard each sorted assignment goes to
-    per_shard = counts.reshape(ep, local_experts).sum(-1)
-    send_offsets = jnp.cumsum(per_shard) - per_shard
-    position = jnp.arange(order.shape[0], dtype=jnp.int32) - send_offsets[shard]
-    sorted_x = x[order // k]  # [A D]: shard s's rows are contiguous, from send_offsets[s]
-    received_counts = jax.lax.all_to_all(counts.reshape(ep, local_experts), ep_axis, 0, 0, tiled=True)  # [ep E/ep]
-    recv_sizes = received_counts.sum(-1)
-    # Where this device's rows sit in each shard's [A D] sorted order, as seen by that shard.
-    their_offsets = jax.lax.all_to_all(send_offsets, ep_axis, 0, 0, tiled=True)
-
-    def blocks_there(sorted_x):  # XLA:CPU: worst-case blocks
-        send = jnp.zeros((ep, rows, d), sorted_x.dtype).at[shard, position].set(sorted_x, unique_indices=True)
-        return jax.lax.all_to_all(send, ep_axis, 0, 0, tiled=True)  # [ep rows D]: block s from source s
-
-    def ragged_there(sorted_x):  # GPU: only the assignments travel, into the same block layout
-        me = jax.lax.axis_index(ep_axis)
-        out = varying_like(jnp.zeros((ep * rows, d), sorted_x.dtype), sorted_x)
-        landing = jnp.full((ep,), me * rows, dtype=jnp.int32)
-        got = jax.lax.ragged_all_to_all(sorted_x, out, send_offsets, per_shard, landing, recv_sizes, axis_name=ep_axis)
-        return got.reshape(ep, rows, d)
-
-    def blocks_back(out):
-        back = jax.lax.all_to_all(out, ep_axis, 0, 0, tiled=True)  # [ep rows D]: block s from expert shard s
-        return back[shard, position]
-
-    def ragged_back(out):
-        block_starts = jnp.arange(ep, dtype=jnp.int32) * rows
-        into = varying_like(jnp.zeros((order.shape[0], d), out.dtype), out)
-        return jax.lax.ragged_all_to_all(out.reshape(ep * rows, d), into, block_starts, recv_sizes, their_offsets, per_shard, axis_name=ep_axis)
-
-    received = jax.lax.platform_dependent(sorted_x, default=blocks_there, cuda=ragged_there)
-    # The blocks run where they landed: block s holds, sorted, its rows for each local expert, then
-    # padding. One group per (block, expert) and one skipped group per block's padding, so nothing is
-    # regrouped or copied and the padding is never read.
-    padding = rows - received_counts.sum(-1, keepdims=True)
-    group_sizes = jnp.concatenate([received_counts, padding], axis=-1).reshape(-1)  # [ep*(E/ep+1)]
-    group_experts = jnp.tile(jnp.arange(local_experts + 1, dtype=jnp.int32), ep)  # E/ep: padding, no weight
-    row_experts = jnp.repeat(group_experts, group_sizes, total_repeat_length=ep * rows)
-
-    def matmul(h, wt):
-        return grouped_matmul(h, wt, group_sizes, group_experts, tile=grouped_matmul_tile())
-
-    def add_bias(v, b):
-        return v + b.at[row_experts].get(mode="fill", fill_value=0)
-
-    out = _ffn(received.reshape(ep * rows, d), w, matmul, add_bias, activation, tag, reduce_mlp).reshape(ep, rows, d)
-    sorted_out = jax.lax.platform_dependent(out, default=blocks_back, cuda=ragged_back)
-    per_assignment = jnp.zeros_like(sorted_out).at[order].set(sorted_out, unique_indices=True)
-    return combine(per_assignment, weights), counts, jnp.zeros((), jnp.int32)
+    block = round_block(tokens, k, ep, local_experts, exchange_factor)
+    _, order, counts = sorted_assignments(expert_ids, local_experts * ep)
+    rt = exchange_routing(expert_ids, order, counts, ep=ep, axis=ep_axis, block=block)
+    ex = Exchange(ffn=_round_ffn(activation, reduce_mlp), ep=ep, axis=ep_axis, block=block)
+    return exchange_in_rounds(x, weights, w, rt, ex), counts, jnp.zeros((), jnp.int32)
 
 
-
-def _sharded(x, expert_ids, weights, w: ExpertWeights, plan: _EPLayout, *, impl, activation, capacity_factor, compute_dtype, tag):
+def _sharded(x, expert_ids, weights, w: ExpertWeights, plan: _EPLayout, *, impl, activation, capacity_factor, exchange_factor, compute_dtype, tag):
     """The routed experts as one program per device (`shard_map`): each device routes its own tokens.
     With `ep` > 1 its capacity buffers travel to the experts' devices and back (all_to_all); with
     `ep` == 1 every device runs every expert on its own buffers (or, `ragged`, its own sorted tokens)."""
@@ -397,7 +362,8 @@ def _sharded(x, expert_ids, weights, w: ExpertWeights, plan: _EPLayout, *, impl,
         reduce_mlp = (lambda v: jax.lax.psum(v, plan.mlp_axes)) if plan.mlp_axes else None
         if impl == "ragged" and ep > 1:
             y, counts, dropped = _ragged_exchange(
-                x, expert_ids, weights, local, ep=ep, ep_axis=ep_axis, activation=activation, tag=tag, reduce_mlp=reduce_mlp
+                x, expert_ids, weights, local, ep=ep, ep_axis=ep_axis, activation=activation,
+                exchange_factor=exchange_factor, reduce_mlp=reduce_mlp,
             )
         elif impl == "ragged":  # dropless on this device's tokens, every expert here
             y, counts, dropped = _ragged_local(x, expert_ids, weights, local, activation=activation, tag=tag, reduce_mlp=reduce_mlp)
@@ -457,16 +423,12 @@ def _check_layout(plan: _EPLayout, n_experts: int) -> None:
         )
 
 
-def resolve_moe_impl(impl: str, expert_parallel: bool = False) -> str:
-    """`auto` -> `ragged` (dropless, as every MoE family Zoo has was trained: `zoo.families`'
-    `dropless`), whose grouped matmul costs the routed rows only (zoo.nn.grouped_matmul); under expert
-    parallelism -> `capacity`, because the dropless exchange lands in receiving blocks sized for the
-    worst case, `ep * min(k, E/ep) / k` times the assignments (8x at DeepSeek-V3 671B on its preset:
-    XLA:CPU's estimate of that step's temporaries went from 181 to 487 GB per device, docs/scale.md).
-    An explicit `ragged` or `capacity` is taken as it is."""
-    if impl != "auto":
-        return impl
-    return "capacity" if expert_parallel else "ragged"
+def resolve_moe_impl(impl: str) -> str:
+    """`auto` -> `ragged`: dropless, as every MoE family Zoo has was trained (`zoo.families`'
+    `dropless`), its grouped matmul costing the routed rows only (zoo.nn.grouped_matmul), and under
+    expert parallelism exchanging in rounds of fixed blocks (zoo.nn.expert_rounds), never in blocks
+    sized for the worst case. An explicit `ragged` or `capacity` is taken as it is."""
+    return "ragged" if impl == "auto" else impl
 
 
 # --- the kernel -------------------------------------------------------------------------------
@@ -481,6 +443,7 @@ def routed_experts(
     activation: Activation = swiglu,
     impl: Impl = "capacity",
     capacity_factor: Union[int, float] = 1.25,
+    exchange_factor: Union[int, float] = 1.25,
     compute_dtype=jnp.float32,
     tag: Tagger = zoo_tags.tag,
 ) -> tuple[Float[Array, "tokens embed"], Int[Array, " experts"], Int[Array, ""]]:
@@ -496,7 +459,7 @@ def routed_experts(
     capacity_factor = float(capacity_factor)
     layout = zs.active()
     plan = _ep_layout(layout) if layout is not None else None
-    impl = resolve_moe_impl(impl, expert_parallel=plan is not None and plan.ep > 1)
+    impl = resolve_moe_impl(impl)
     if plan is not None:
         if plan.ep > 1 or math.prod(layout.axis_size(a) for a in plan.batch_axes) > 1:
             # Tokens split over devices: route and dispatch on each device (left to the partitioner,
@@ -504,7 +467,8 @@ def routed_experts(
             _check_layout(plan, experts.n_experts)
             return _sharded(
                 x, expert_ids, weights, experts, plan, impl=impl,
-                activation=activation, capacity_factor=capacity_factor, compute_dtype=compute_dtype, tag=tag,
+                activation=activation, capacity_factor=capacity_factor, exchange_factor=float(exchange_factor),
+                compute_dtype=compute_dtype, tag=tag,
             )
     w = _cast(experts, compute_dtype)
     if impl == "ragged":

@@ -70,16 +70,16 @@ def trace_step(trainer):
     return trainer.jitted_step().trace(trainer.abstract_state(), trainer.abstract_tokens())
 
 
-_RAGGED = re.compile(r"@ragged_all_to_all\(.*? : \(tensor<([\dx]+)x(\w+)>, tensor<([\dx]+)x\w+>")
+_ALL_TO_ALL = re.compile(r'"stablehlo\.all_to_all"\(.*? : \(tensor<(\d+x\d+x[\dx]+)x(\w+)>\)')
 
 
-def ragged_exchanges(text: str) -> dict:
-    """`{(operand, output buffer, dtype): count}` of the module's ragged_all_to_all custom calls: a
-    dropless expert exchange sends at most its operand's rows (its sizes are the real counts) into
-    the receiving buffer."""
+def row_exchanges(text: str) -> dict:
+    """`{(operand shape, dtype): count}` of the module's all_to_alls of rows (rank 3 or more: the
+    expert exchange's blocks or capacity buffers; the per-expert counts are left out), each sending
+    its whole operand."""
     out: dict = {}
-    for m in _RAGGED.finditer(text):
-        key = (m.group(1), m.group(3), m.group(2))
+    for m in _ALL_TO_ALL.finditer(text):
+        key = (m.group(1), m.group(2))
         out[key] = out.get(key, 0) + 1
     return out
 
@@ -116,7 +116,7 @@ def preset_row(overrides: Sequence[str], preset: str) -> dict:
         found = host_placements(text)
         row[platform] = {"host_annotations": found.host_annotations, "host_memory_kinds": found.host_memory_kinds,
                          "annotations": found.annotations, "memory_kinds": found.memory_kinds,
-                         "ragged_exchanges": ragged_exchanges(text)}
+                         "row_exchanges": row_exchanges(text)}
     return row
 
 
@@ -138,13 +138,12 @@ def render(rows: list[dict]) -> str:
         state = ", ".join(k for k in ("params", "opt_state") if r[k] == HOST) or "-"
         table.append((r["preset"], len(r["offloaded_tags"]), r["traced_host_residuals"], state, r["cpu"]["host_annotations"], r["cuda"]["host_annotations"],
                       r["cpu"]["host_memory_kinds"], r["cuda"]["host_memory_kinds"]))
-    exchanges = {r["preset"]: sorted(r["cuda"].get("ragged_exchanges", {}).items()) for r in rows if "error" not in r}
+    exchanges = {r["preset"]: sorted(r["cuda"].get("row_exchanges", {}).items()) for r in rows if "error" not in r}
     if len(exchanges) > 1 and all(e == next(iter(exchanges.values())) for e in exchanges.values()):
         exchanges = {"every preset": next(iter(exchanges.values()))}  # the policies do not change the exchange
     for preset, found in exchanges.items():
-        for (operand, buffer, dtype), n in found:
-            notes.append(f"{preset}: cuda: {n} ragged_all_to_all sending from {dtype}[{operand.replace('x', ',')}] "
-                         f"into {dtype}[{buffer.replace('x', ',')}]")
+        for (operand, dtype), n in found:
+            notes.append(f"{preset}: cuda: {n} all_to_all of {dtype}[{operand.replace('x', ',')}]")
     return "\n".join([text_table(table), *notes])
 
 

@@ -1222,16 +1222,14 @@ def per_device_shape(tag: str, shape: Sequence[int], rules=None, sizes=None) -> 
     return tuple(out)
 
 
-def dropless_exchange_factor(config, rules=None, sizes=None) -> float:
-    """How many times its own assignments' rows the dropless kernel's expert shard holds under expert
-    parallelism: the receiving blocks are sized for the worst case, `ep * min(k, E/ep)` rows per
-    local token where the traced program (per data-parallel rank) has k (zoo.nn.moe_dispatch). 1
-    for the capacity kernel (its buffers travel whole) and without an expert axis."""
+def routed_tags_recomputed(config, rules=None, sizes=None) -> bool:
+    """Whether the routed experts' tags can only be recomputed: the dropless kernel under expert
+    parallelism exchanges in rounds whose reverse mode recomputes them (zoo.nn.expert_rounds), so no
+    policy keeps or offloads them there. The traced program (one data-parallel rank, no mesh) still
+    emits them, which gives their recompute FLOPs."""
     m = config.moe
     ep = logical_ways(rules, sizes, "experts") if rules and sizes else 1
-    if m is None or ep <= 1 or resolve_moe_impl(m.impl, expert_parallel=True) != "ragged":
-        return 1.0
-    return ep * min(m.num_experts_per_tok, m.n_routed_experts // ep) / m.num_experts_per_tok
+    return m is not None and ep > 1 and resolve_moe_impl(m.impl) == "ragged"
 
 
 def tag_costs(config, records, batch: int, seq: int, rules=None, sizes=None) -> list[TagCost]:
@@ -1241,15 +1239,14 @@ def tag_costs(config, records, batch: int, seq: int, rules=None, sizes=None) -> 
     Tags the backward never reads are left out; the layer input can be kept or offloaded, not
     recomputed."""
     by_tag: dict[str, TagCost] = {}
-    exchange = dropless_exchange_factor(config, rules, sizes)
+    recomputed = routed_tags_recomputed(config, rules, sizes)
     for r in records:
         if r.tag in backward_never_reads(config):
             continue
-        choices = ("device", "offload") if r.tag in CHECKPOINT_INPUTS else CHOICES
+        routed = TAGS[r.tag].block == MOE and len(r.shape) == 2  # a routed-expert tag traced as [assignments, ...]
+        choices = ("device", "offload") if r.tag in CHECKPOINT_INPUTS else ("remat",) if routed and recomputed else CHOICES
         t = by_tag.setdefault(r.tag, TagCost(r.tag, {}, {}, choices))
         share = math.prod(per_device_shape(r.tag, r.shape, rules, sizes)) / max(1, math.prod(r.shape))
-        if TAGS[r.tag].block == MOE and len(r.shape) == 2:  # a routed-expert tag traced as [assignments, ...]
-            share *= exchange
         t.bytes_per_layer[r.stack] = t.bytes_per_layer.get(r.stack, 0.0) + r.bytes_per_layer * share
         t.recompute_flops_per_layer[r.stack] = 0.0 if r.tag in CHECKPOINT_INPUTS else producer_flops(config, r.tag, r.stack, batch, seq)
     return list(by_tag.values())

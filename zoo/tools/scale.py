@@ -34,10 +34,11 @@ import jax.numpy as jnp
 
 from zoo import hlo
 from zoo.model import stack_layout
-from zoo.nn.moe_dispatch import expert_capacity, ragged_exchange_rows
+from zoo.nn.moe_dispatch import expert_capacity
 from zoo.sharding import logical_ways
 from zoo.tools.kit import fmt_bytes, text_table
 from zoo.tools.plan import per_device_bytes
+from zoo.train.run_config import exchange_rounds_block, routed_tokens_per_device
 
 LARGEST = 12  # collectives listed one by one (by bytes per step)
 
@@ -133,23 +134,21 @@ def whole_vocabulary_buffers(text: str, vocab_size: int) -> Optional[dict]:
     return {"largest": shape, "bytes": nbytes, "shapes": len(found)}
 
 
-def routed_experts(trainer, per_device_batch: int) -> Optional[dict]:
+def routed_experts(trainer) -> Optional[dict]:
     """The routed experts' kernel and, under expert parallelism, the bytes one device sends per
-    exchange against its assignments' (None for a dense model). The dropless kernel's exchange is
-    fixed worst-case blocks where the step is compiled for XLA:CPU (it cannot compile
-    `ragged_all_to_all`); lowered for GPU it sends the assignments only (zoo.nn.moe_dispatch)."""
-    c = trainer.cfg.model
+    exchange (per round, for the dropless kernel: zoo.nn.expert_rounds) against its assignments'
+    (None for a dense model)."""
+    cfg, c = trainer.cfg, trainer.cfg.model
     if not c.num_moe_layers:
         return None
-    m, sizes, rules = c.moe, trainer.plan.mesh.sizes, trainer.rules
-    ep = logical_ways(rules, sizes, "experts")
-    context = trainer.cfg.mesh.context_parallel
-    context_axes = [context] if isinstance(context, str) else list(context or [])
-    tokens = per_device_batch * trainer.cfg.data.seq_len // math.prod(sizes.get(a, 1) for a in context_axes)
+    m, sizes = c.moe, trainer.plan.mesh.sizes
+    ep = logical_ways(trainer.rules, sizes, "experts")
+    tokens = routed_tokens_per_device(cfg, sizes, trainer.plan.microbatch)
     row = c.hidden_size * jnp.dtype(c.compute_dtype).itemsize
     k, experts, impl = m.num_experts_per_tok, m.n_routed_experts, trainer.plan.moe_impl
-    if impl == "ragged":
-        sent = ep * ragged_exchange_rows(tokens, k, experts // ep) * row
+    block = exchange_rounds_block(cfg, sizes, trainer.plan.microbatch)
+    if block is not None:
+        sent = ep * block * row
     else:
         sent = experts * expert_capacity(tokens, k, experts, m.capacity_factor) * row
     return {
@@ -157,7 +156,9 @@ def routed_experts(trainer, per_device_batch: int) -> Optional[dict]:
         "expert_ways": ep,
         "assignment_bytes": tokens * k * row,
         "exchange_bytes": sent if ep > 1 else 0,
-        "exchange": None if ep == 1 else ("ragged_all_to_all" if impl == "ragged" and jax.default_backend() != "cpu" else "blocks"),
+        "exchange": None if ep == 1 else ("rounds" if block is not None else "blocks"),
+        "round_rows": block,
+        "exchange_factor": m.exchange_factor if block is not None else None,
         "capacity_factor": m.capacity_factor if impl == "capacity" else None,
     }
 
@@ -175,7 +176,7 @@ def scale_report(trainer, compiled, partitioned_text: Optional[str]) -> dict:
         # Read from the partitioned program: its dtypes are a GPU's (XLA:CPU widens bf16 later).
         "kept_layer_inputs": kept_layer_inputs(trainer, partitioned_text or compiled.as_text(), per_device_batch),
         "whole_vocabulary": whole_vocabulary_buffers(partitioned_text or compiled.as_text(), trainer.cfg.model.vocab_size),
-        "routed_experts": routed_experts(trainer, per_device_batch),
+        "routed_experts": routed_experts(trainer),
         "state_bytes_per_device": state_bytes(trainer),
         "dtypes": state_dtypes(trainer),
         "collectives": {
@@ -204,10 +205,14 @@ def _routed_experts_line(moe: dict) -> str:
     if not moe["exchange"]:
         return line + ", each device's own tokens on every expert"
     ratio = moe["exchange_bytes"] / moe["assignment_bytes"]
-    line += f", over {moe['expert_ways']} expert shards: {fmt_bytes(moe['exchange_bytes'])} sent per device and exchange, {ratio:.2f}x its {fmt_bytes(moe['assignment_bytes'])} of assignments"
-    if moe["exchange"] == "blocks" and moe["impl"] == "ragged":
-        line += " (XLA:CPU's fixed worst-case blocks; lowered for GPU, ragged_all_to_all sends the assignments only: zoo.tools.gpu_lowering)"
-    return line
+    if moe["exchange"] == "rounds":
+        return line + (
+            f", over {moe['expert_ways']} expert shards in rounds of {moe['round_rows']} rows per device and shard: "
+            f"{fmt_bytes(moe['exchange_bytes'])} sent per device and round, {ratio:.2f}x its {fmt_bytes(moe['assignment_bytes'])} "
+            f"of assignments (one round while no device sends a shard more than {moe['exchange_factor']:g}x the mean; "
+            f"recomputed in the backward)"
+        )
+    return line + f", over {moe['expert_ways']} expert shards: {fmt_bytes(moe['exchange_bytes'])} sent per device and exchange, {ratio:.2f}x its {fmt_bytes(moe['assignment_bytes'])} of assignments"
 
 
 def render(rep: dict) -> str:

@@ -30,7 +30,7 @@ from zoo.train.metrics import (
     MetricsWriter, Progress, Throughput, compiled_flops, compiled_memory, device_memory, write_json,
 )
 from zoo.train.run_config import (
-    ConfigError, HardwareConfig, TrainConfig, TrainingStopped, XlaConfig, load, to_dict, validate,
+    ConfigError, HardwareConfig, TrainConfig, TrainingStopped, XlaConfig, exchange_rounds_block, load, to_dict, validate,
 )
 from zoo.train.step import Trainer
 from zoo.train.stop import EXIT_REQUEUE, StopSignals, set_phase
@@ -80,17 +80,14 @@ def merged_xla_flags(c: XlaConfig, env: Optional[str], host_offload: bool = Fals
     return " ".join(kept + ours)
 
 
-def dropless_note(family: str, impl: str, resolved: Optional[str] = None) -> Optional[str]:
+def dropless_note(family: str, impl: str) -> Optional[str]:
     """One line for a run of the capacity kernel on a family trained dropless (not an error: a
-    capacity run is a legitimate, cheaper approximation), else None. `resolved`: what `impl` stands
-    for in this run (`auto` is the capacity kernel under expert parallelism)."""
+    capacity run is a legitimate, cheaper approximation), else None."""
     # The family's own flag (zoo.families: DeepSeek-V3, whose report says "no token-dropping",
     # Qwen3-MoE, Mixtral, GPT-OSS).
-    resolved = resolved or resolve_moe_impl(impl)
-    if resolved != "capacity" or family not in families.names() or not families.get(family).dropless:
+    if resolve_moe_impl(impl) != "capacity" or family not in families.names() or not families.get(family).dropless:
         return None
-    asked = "model.moe.impl=capacity" if impl == "capacity" else f"model.moe.impl={impl} (the capacity kernel under expert parallelism)"
-    return (f"{asked}: {family} is trained dropless; this run drops the assignments past each expert's "
+    return (f"model.moe.impl=capacity: {family} is trained dropless; this run drops the assignments past each expert's "
             f"capacity (counted as `dropped`); model.moe.impl=ragged routes every token")
 
 
@@ -208,7 +205,7 @@ def _train(c: TrainConfig, plan, devices, out_dir: pathlib.Path, xla_flags: str,
     )
     echo(kernels_line(c, plan))
     if plan.moe_impl is not None:
-        note = dropless_note(c.model.family, c.model.moe.impl, plan.moe_impl)
+        note = dropless_note(c.model.family, c.model.moe.impl)
         if note:
             echo(f"note: {note}")
     if trainer.lora is not None:
@@ -605,13 +602,10 @@ def kernels_line(c: TrainConfig, plan) -> str:
     parts = [f"attention {k['attention']} (model.attention_impl={c.model.attention_impl})"]
     if k["moe"] is not None:
         exchange = ""
-        if k["moe"] == "ragged" and plan.mesh.sizes.get("expert", 1) > 1:
-            # zoo.nn.moe_dispatch._ragged_exchange: lax.ragged_all_to_all (only the assignments travel)
-            # on GPU; XLA:CPU cannot compile it, so there the exchange sends fixed worst-case blocks.
-            import jax
-
-            exchange = (", exchanged over the expert axis in fixed worst-case blocks" if jax.default_backend() == "cpu"
-                        else ", exchanged over the expert axis with ragged_all_to_all")
+        block = exchange_rounds_block(c, plan.mesh.sizes, plan.microbatch)
+        if block is not None:
+            exchange = (f", exchanged over the expert axis in rounds of {block} rows per device and shard "
+                        f"(model.moe.exchange_factor={c.model.moe.exchange_factor:g}) and recomputed in the backward")
         parts.append(f"routed experts {k['moe']} (model.moe.impl={c.model.moe.impl}){exchange}")
     parts.append(f"loss over chunks of {k['loss_chunk_size']} positions" if k["loss_chunk_size"] else "loss over the whole logits")
     return "kernels: " + ", ".join(parts)

@@ -23,6 +23,7 @@ from zoo.lora import LoraConfig
 from zoo.lora import check as check_lora
 from zoo.nn.attention_kernels import min_blockwise_seq, resolve_impl
 from zoo.nn.moe import resolve_moe_impl
+from zoo.nn.expert_rounds import round_block
 from zoo.nn.moe_dispatch import check_expert_parallel
 from zoo.offload import OffloadConfig, check_tags_emitted
 from zoo.sharding import (
@@ -597,7 +598,7 @@ def validate(c: TrainConfig, available_devices: int, abstract_model=None) -> Pla
     except ValueError as e:
         raise ConfigError(str(e).splitlines()[0]) from None
     _check_expert_parallel(c, shape, dp)
-    attention_impl, moe_impl = resolve_kernels(c, expert_parallel=logical_ways(rules, shape.sizes, "experts") > 1)
+    attention_impl, moe_impl = resolve_kernels(c)
     if cp is not None and attention_impl == "cudnn":
         if m.attention_impl == "cudnn":
             raise ConfigError(
@@ -654,7 +655,7 @@ def _check_mesh_fits(mesh: MeshConfig, devices: int) -> None:
     )
 
 
-def resolve_kernels(c: TrainConfig, expert_parallel: bool = False) -> tuple[str, Optional[str]]:
+def resolve_kernels(c: TrainConfig) -> tuple[str, Optional[str]]:
     """The attention and MoE kernels this run uses on this backend and mesh (what `auto` stands
     for); an attention_impl the backend cannot run for the model's head dims is a ConfigError."""
     import jax
@@ -669,7 +670,26 @@ def resolve_kernels(c: TrainConfig, expert_parallel: bool = False) -> tuple[str,
         )
     except ValueError as e:
         raise ConfigError(str(e).splitlines()[0]) from None
-    return attention, (resolve_moe_impl(m.moe.impl, expert_parallel) if m.num_moe_layers else None)
+    return attention, (resolve_moe_impl(m.moe.impl) if m.num_moe_layers else None)
+
+
+def routed_tokens_per_device(c: TrainConfig, sizes: dict, microbatch: int) -> int:
+    """Tokens one device routes per microbatch: its batch shard's sequences, its context chunk of each."""
+    rules, cp = c.mesh.rules, c.mesh.context_parallel
+    batch_ways = logical_ways(rules, sizes, "batch")
+    context_ways = math.prod(sizes.get(a, 1) for a in ([cp] if isinstance(cp, str) else list(cp or [])))
+    return max(1, microbatch // max(1, batch_ways)) * c.data.seq_len // max(1, context_ways)
+
+
+def exchange_rounds_block(c: TrainConfig, sizes: dict, microbatch: int) -> Optional[int]:
+    """Rows one device sends one expert shard per round of the dropless expert-parallel exchange
+    (zoo.nn.expert_rounds.round_block); None unless the run is dropless and expert-parallel."""
+    m = c.model
+    ep = logical_ways(c.mesh.rules, sizes, "experts")
+    if not m.num_moe_layers or ep <= 1 or resolve_moe_impl(m.moe.impl) != "ragged":
+        return None
+    k, experts = m.moe.num_experts_per_tok, m.moe.n_routed_experts
+    return round_block(routed_tokens_per_device(c, sizes, microbatch), k, ep, experts // ep, m.moe.exchange_factor)
 
 
 def _check_expert_parallel(c: TrainConfig, shape: MeshShape, batch_ways: int) -> None:
