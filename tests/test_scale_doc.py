@@ -102,11 +102,13 @@ def test_the_gpu_lowering_tables_of_docs_scale_print_what_the_doc_shows(heading,
 
 @pytest.mark.slow
 def test_the_dropless_exchange_lowered_for_gpu_prints_what_the_doc_shows(tmp_path):
-    """The 671B dropless step lowered for cuda sends from the [tokens * k, D] sorted assignments with
-    ragged_all_to_all; the lines are the doc's."""
+    """The 671B step (dropless by default) lowered for cuda exchanges blocks of 1.25x the mean rows per
+    (device, shard): [8, 40960, 7168] against 262,144 assignment rows; the lines are the doc's."""
     (command,), shown = commands_and_output(DOC.read_text(), "### DeepSeek-V3 671B's dropless exchange, lowered for GPU")
-    assert command[:3] == ["python", "-m", "zoo.tools.gpu_lowering"] and "model.moe.impl=ragged" in command, command
+    assert command[:3] == ["python", "-m", "zoo.tools.gpu_lowering"] and not any("moe.impl" in a for a in command), command
     p = subprocess.run([sys.executable, *command[1:]], cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, f"$ {shlex.join(command)}\n{p.stderr[-2000:]}"
     assert [line.split() for line in shown] == [line.split() for line in p.stdout.splitlines()], p.stdout
-    assert "ragged_all_to_all sending from bf16[262144,7168]" in p.stdout  # 8 x 4096 tokens x top-8 per device
+    shards, block, _ = map(int, re.search(r"all_to_all of bf16\[(\d+),(\d+),(7168)\]", p.stdout).groups())
+    assignments = 8 * 4096 * 8  # 8 sequences x 4096 tokens x top-8 per device
+    assert shards * block <= 1.5 * assignments, (shards, block)  # the issue's bound on the exchange

@@ -67,6 +67,7 @@ from zoo.config import attended_keys, flops_per_token, moe_capacity
 from zoo.model import DecoderBlock, loss_fn, stack_layout
 from zoo.nn import GatedMLP, GQAttention, MLAttention, MoE
 from zoo.nn.attention_kernels import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, resolve_impl
+from zoo.nn.expert_rounds import round_block
 from zoo.nn.moe import resolve_moe_impl
 from zoo.offload import (
     CHECKPOINT_INPUTS, OffloadConfig, backward_never_reads, conf_dir, load_preset, preset_names,
@@ -1232,6 +1233,15 @@ def routed_tags_recomputed(config, rules=None, sizes=None) -> bool:
     return m is not None and ep > 1 and resolve_moe_impl(m.impl) == "ragged"
 
 
+def round_rows_factor(config, ep: int, assignments: int) -> float:
+    """Rows one round of the dropless expert-parallel exchange runs the local experts on, against the
+    device's `assignments` (tokens * k): `ep` blocks of `exchange_factor` x the mean (zoo.nn.expert_rounds)."""
+    m = config.moe
+    k = m.num_experts_per_tok
+    tokens = max(1, assignments // k)
+    return ep * round_block(tokens, k, ep, m.n_routed_experts // ep, m.exchange_factor) / (tokens * k)
+
+
 def tag_costs(config, records, batch: int, seq: int, rules=None, sizes=None) -> list[TagCost]:
     """TagCosts from the inspector's records (traced shapes and dtypes, per data-parallel rank), each
     tag's bytes per device as `per_device_shape` splits it under `rules` on a mesh of axis `sizes`
@@ -1246,7 +1256,10 @@ def tag_costs(config, records, batch: int, seq: int, rules=None, sizes=None) -> 
         routed = TAGS[r.tag].block == MOE and len(r.shape) == 2  # a routed-expert tag traced as [assignments, ...]
         choices = ("device", "offload") if r.tag in CHECKPOINT_INPUTS else ("remat",) if routed and recomputed else CHOICES
         t = by_tag.setdefault(r.tag, TagCost(r.tag, {}, {}, choices))
-        share = math.prod(per_device_shape(r.tag, r.shape, rules, sizes)) / max(1, math.prod(r.shape))
+        device_shape = per_device_shape(r.tag, r.shape, rules, sizes)
+        share = math.prod(device_shape) / max(1, math.prod(r.shape))
+        if routed and recomputed:  # recomputed a round at a time, in blocks padded to exchange_factor x the mean
+            share *= round_rows_factor(config, logical_ways(rules, sizes, "experts"), device_shape[0])
         t.bytes_per_layer[r.stack] = t.bytes_per_layer.get(r.stack, 0.0) + r.bytes_per_layer * share
         t.recompute_flops_per_layer[r.stack] = 0.0 if r.tag in CHECKPOINT_INPUTS else producer_flops(config, r.tag, r.stack, batch, seq)
     return list(by_tag.values())
