@@ -193,8 +193,10 @@ SPLITS = {
 }
 
 
-# Gemma 3 cuts inside its period as GPT-OSS does: the slow tier.
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "gemma3" else n for n in SPLITS])
+# Gemma 3 and GPT-OSS cut inside their periods: the slow tier. In the default tier, Llama and DeepSeek-V3
+# (the core families) here, and a cut inside GPT-OSS's period in test_pieces_count_layers_across_stacks
+# and test_the_cut_keeps_moe_statistics_in_model_order.
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in ("gemma3", "gpt_oss") else n for n in SPLITS])
 def test_a_split_policy_gives_the_loss_and_gradients_of_none(name):
     config, top, ranges = SPLITS[name]
     model = zoo.build(config, key=jax.random.key(0))
