@@ -71,3 +71,20 @@ def test_the_table_renders_each_rows_counts():
     lines = render([row("none", 0), row("llama_qkv_offload", 6)]).splitlines()
     assert lines[0].split()[:2] == ["preset", "offloaded"]
     assert lines[2].split() == ["llama_qkv_offload", "1", "6", "opt_state", "0", "6", "0", "0"], lines
+
+
+def test_presets_that_exchange_the_same_rows_share_a_line():
+    """zoo.tools.gpu_lowering's exchange lines: one per distinct set of all_to_alls, naming its presets
+    (`every preset` when there is one set); a preset whose recomputed forward exchanges again apart."""
+    from zoo.tools.gpu_lowering import render
+
+    def row(preset, first):
+        exchanges = {("8x40960x7168", "bf16"): first, ("8x10240x7168", "bf16"): 5}
+        return {"preset": preset, "offloaded_tags": [], "traced_host_residuals": 0, "params": "device", "opt_state": "device",
+                "cpu": {"host_annotations": 0, "host_memory_kinds": 0}, "cuda": {"host_annotations": 0, "host_memory_kinds": 0, "row_exchanges": exchanges}}
+
+    notes = render([row("full", 6), row("none", 4), row("custom", 6)]).splitlines()[4:]
+    assert notes == ["full, custom: cuda: 5 all_to_all of bf16[8,10240,7168]", "full, custom: cuda: 6 all_to_all of bf16[8,40960,7168]",
+                     "none: cuda: 5 all_to_all of bf16[8,10240,7168]", "none: cuda: 4 all_to_all of bf16[8,40960,7168]"]
+    assert render([row("full", 6), row("custom", 6)]).splitlines()[3:] == [
+        "every preset: cuda: 5 all_to_all of bf16[8,10240,7168]", "every preset: cuda: 6 all_to_all of bf16[8,40960,7168]"]

@@ -542,31 +542,34 @@ def test_planner_sizes_each_tag_as_the_context_parallel_program_keeps_it():
         assert (2, 2, 32, *rest) not in kept, (tag, "the program keeps no whole-sequence copy")
 
 
-def test_dropless_expert_parallel_routed_tags_can_only_be_recomputed():
-    # The dropless kernel under expert parallelism exchanges in rounds and recomputes the routed
-    # experts in its backward (zoo.nn.expert_rounds): the planner offers them remat only, at their
-    # recompute FLOPs; the capacity kernel, or no expert axis, leaves every choice open.
+def test_dropless_expert_parallel_tags_are_sized_as_the_first_rounds_blocks():
+    # Traced per data-parallel rank, a routed-expert tag has one row per assignment; under expert
+    # parallelism the dropless kernel's tags are its first round's blocks, ep x round_block rows
+    # (zoo.nn.expert_rounds: 1.25x the assignments at 671B), kept, offloaded or recomputed as any tag.
     import dataclasses
     import types
 
     from zoo.config import SIZES
+    from zoo.nn.expert_rounds import round_block
     from zoo.sharding import DEFAULT_RULES
-    from zoo.tools.plan import CHOICES, routed_tags_recomputed, tag_costs
+    from zoo.tools.plan import CHOICES, exchanges_in_rounds, tag_costs
 
     auto = SIZES["deepseek_v3_671b"]  # 256 experts, top-8
     capacity = auto.replace(moe=dataclasses.replace(auto.moe, impl="capacity"))
     rules, sizes = {**DEFAULT_RULES, "experts": ["expert"], "batch": ["fsdp", "expert"]}, {"expert": 8, "fsdp": 16}
-    assert routed_tags_recomputed(auto, rules, sizes)
-    assert not routed_tags_recomputed(capacity, rules, sizes)
-    assert not routed_tags_recomputed(auto, rules, {"expert": 1, "fsdp": 128})
-    record = types.SimpleNamespace(tag="moe_mlpwi_0", stack="moe_layers", shape=(262144, 2048), bytes_per_layer=262144 * 2048 * 2.0)
+    assert exchanges_in_rounds(auto, rules, sizes)
+    assert not exchanges_in_rounds(capacity, rules, sizes)
+    assert not exchanges_in_rounds(auto, rules, {"expert": 1, "fsdp": 128})
+    tokens = 8 * 4096
+    record = types.SimpleNamespace(tag="moe_mlpwi_0", stack="moe_layers", shape=(tokens * 8, 2048), bytes_per_layer=tokens * 8 * 2048 * 2.0)
     layer_input = types.SimpleNamespace(tag="decoder_layer_input", stack="moe_layers", shape=(8, 4096, 7168), bytes_per_layer=8 * 4096 * 7168 * 2.0)
 
     def costs(config, sizes=sizes):
         return {t.tag: t for t in tag_costs(config, [record, layer_input], 8, 4096, rules=rules, sizes=sizes)}
 
     dropless, kept, one_shard = costs(auto), costs(capacity), costs(auto, {"expert": 1, "fsdp": 128})
-    assert dropless["moe_mlpwi_0"].choices == ("remat",)
-    assert kept["moe_mlpwi_0"].choices == one_shard["moe_mlpwi_0"].choices == CHOICES
-    assert dropless["moe_mlpwi_0"].recompute_flops_per_layer["moe_layers"] > 0
-    assert dropless["decoder_layer_input"].choices == kept["decoder_layer_input"].choices
+    rows = 8 * round_block(tokens, 8, 8, 32, auto.moe.exchange_factor)
+    assert dropless["moe_mlpwi_0"].bytes_per_layer["moe_layers"] == rows * 2048 * 2.0
+    assert kept["moe_mlpwi_0"].bytes_per_layer["moe_layers"] == one_shard["moe_mlpwi_0"].bytes_per_layer["moe_layers"] == record.bytes_per_layer
+    assert dropless["moe_mlpwi_0"].choices == kept["moe_mlpwi_0"].choices == CHOICES
+    assert dropless["decoder_layer_input"].bytes_per_layer == kept["decoder_layer_input"].bytes_per_layer

@@ -612,7 +612,6 @@ SLOW_GROUPS = {
     "own_text_home": "the text_with_eval group (train.py on data=text from a folder) and tests/test_data.py (folder reading order, packing)",
     "inspector": "tests/test_inspect.py (the CLI's table and inspect.json, the placements under the presets, the holders) and tests/test_offload_ranges.py (placement per range)",
     "planner": "tests/test_plan.py (the CLI in its own process, plan.json, the printed training command) and tests/test_plan_split.py (the split search and its lines)",
-    "moe_routing": "tests/test_moe_metrics.py (the step metrics against numpy, the imbalance warning, train.py's MoE metrics plotted by zoo.tools.report)",
     "checkpoint_ctrl_c_and_resume": "tests/test_checkpoint.py::test_sigterm_mid_run_then_the_same_command_resumes_bit_for_bit and tests/test_bad_input.py (Ctrl-C before the first step, a second Ctrl-C during the save)",
     "offload_ranges": "tests/test_offload_ranges.py::test_train_py_trains_with_ranges_and_records_them (train.py with ranges, recorded in summary.json)",
 }

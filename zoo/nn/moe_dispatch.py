@@ -21,9 +21,9 @@ experts stay in zoo.nn.moe. It is pure and reads the mesh only from the active l
   * Expert parallelism, `ragged` (dropless, exact): the local assignments sorted by expert go to
     their shards in rounds of fixed blocks, `exchange_factor` x the mean rows per (device, shard),
     as many rounds as the fullest pair needs (`zoo.nn.expert_rounds`: one round at balanced load,
-    no buffer sized for the worst case, the same all_to_all on every platform). Its reverse mode
-    recomputes the local experts, so their tags are not emitted there. The shard runs grouped
-    matmuls over its local experts on the blocks where they landed.
+    no buffer sized for the worst case, the same all_to_all on every platform). The first round is
+    tagged and differentiated as the capacity kernel is; the later ones recompute their experts in
+    the backward. The shard runs grouped matmuls over its local experts on the blocks where they landed.
   * `ep` == 1 (data parallel / FSDP): each device runs every expert on its own buffers (`capacity`)
     or its own sorted tokens (`ragged`, dropless).
   Weights enter as their shards (`[E/ep, D/fsdp, I/tensor]`); the `embed` shards are gathered inside,
@@ -36,8 +36,8 @@ Drops on a sharded batch are decided per device (each device's tokens compete fo
 single-program count on the same global batch whenever some expert overflows.
 
 The intermediates keep the routed-expert tags (`MOE_MLPWI_0` gate after its bias, `MOE_MLPWI_1` up,
-`MOE_MLPWO` down output before combining), except under the dropless expert-parallel exchange (see
-above). Under expert parallelism (`capacity`) they are tagged inside the shard_map body; jax's shard_map partial evaluation honours an enclosing `jax.checkpoint` policy for
+`MOE_MLPWO` down output before combining; under the dropless expert-parallel exchange, those of its
+first round). Under expert parallelism they are tagged inside the shard_map body; jax's shard_map partial evaluation honours an enclosing `jax.checkpoint` policy for
 them (saved, offloaded to pinned_host, or recomputed together with the all_to_all that produced their
 inputs), which tests/test_moe_dispatch.py reads back from the jaxpr.
 """
@@ -297,11 +297,11 @@ def expert_specs(layout: zs.Layout, experts: ExpertWeights) -> ExpertWeights:
     return jax.tree_util.tree_map_with_path(lambda path, _: layout.spec(EXPERT_AXES[path[-1].name]), experts)
 
 
-def _round_ffn(activation: Activation, reduce_mlp):
-    """The local experts over one round's received blocks (`zoo.nn.expert_rounds`), untagged: that
-    kernel recomputes them in the backward, so no checkpoint policy could act on their tags."""
+def _round_ffn(activation: Activation, reduce_mlp, tag: Tagger):
+    """The local experts over one round's received blocks (`zoo.nn.expert_rounds`): tagged in the
+    first round, untagged in the later ones, whose reverse mode recomputes them (no policy acts there)."""
 
-    def ffn(h, w: ExpertWeights, group_sizes, group_experts):
+    def ffn(h, w: ExpertWeights, group_sizes, group_experts, tagged: bool):
         row_experts = jnp.repeat(group_experts, group_sizes, total_repeat_length=h.shape[0])
 
         def matmul(a, wt):
@@ -310,7 +310,7 @@ def _round_ffn(activation: Activation, reduce_mlp):
         def add_bias(v, b):
             return v + b.at[row_experts].get(mode="fill", fill_value=0)
 
-        return _ffn(h, w, matmul, add_bias, activation, _untagged, reduce_mlp)
+        return _ffn(h, w, matmul, add_bias, activation, tag if tagged else _untagged, reduce_mlp)
 
     return ffn
 
@@ -319,7 +319,7 @@ def _untagged(a, name):
     return a
 
 
-def _ragged_exchange(x, expert_ids, weights, w: ExpertWeights, *, ep: int, ep_axis, activation, exchange_factor, reduce_mlp):
+def _ragged_exchange(x, expert_ids, weights, w: ExpertWeights, *, ep: int, ep_axis, activation, exchange_factor, tag, reduce_mlp):
     """Dropless expert parallelism inside the shard_map body (`ragged`): this device's assignments,
     sorted by expert, go to their expert shards in rounds of fixed blocks, `exchange_factor` x the
     mean rows per (device, shard) pair, as many rounds as the fullest pair needs
@@ -330,7 +330,7 @@ def _ragged_exchange(x, expert_ids, weights, w: ExpertWeights, *, ep: int, ep_ax
     block = round_block(tokens, k, ep, local_experts, exchange_factor)
     _, order, counts = sorted_assignments(expert_ids, local_experts * ep)
     rt = exchange_routing(expert_ids, order, counts, ep=ep, axis=ep_axis, block=block)
-    ex = Exchange(ffn=_round_ffn(activation, reduce_mlp), ep=ep, axis=ep_axis, block=block)
+    ex = Exchange(ffn=_round_ffn(activation, reduce_mlp, tag), ep=ep, axis=ep_axis, block=block)
     return exchange_in_rounds(x, weights, w, rt, ex), counts, jnp.zeros((), jnp.int32)
 
 
@@ -363,7 +363,7 @@ def _sharded(x, expert_ids, weights, w: ExpertWeights, plan: _EPLayout, *, impl,
         if impl == "ragged" and ep > 1:
             y, counts, dropped = _ragged_exchange(
                 x, expert_ids, weights, local, ep=ep, ep_axis=ep_axis, activation=activation,
-                exchange_factor=exchange_factor, reduce_mlp=reduce_mlp,
+                exchange_factor=exchange_factor, tag=tag, reduce_mlp=reduce_mlp,
             )
         elif impl == "ragged":  # dropless on this device's tokens, every expert here
             y, counts, dropped = _ragged_local(x, expert_ids, weights, local, activation=activation, tag=tag, reduce_mlp=reduce_mlp)

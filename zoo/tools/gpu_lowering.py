@@ -138,12 +138,15 @@ def render(rows: list[dict]) -> str:
         state = ", ".join(k for k in ("params", "opt_state") if r[k] == HOST) or "-"
         table.append((r["preset"], len(r["offloaded_tags"]), r["traced_host_residuals"], state, r["cpu"]["host_annotations"], r["cuda"]["host_annotations"],
                       r["cpu"]["host_memory_kinds"], r["cuda"]["host_memory_kinds"]))
-    exchanges = {r["preset"]: sorted(r["cuda"].get("row_exchanges", {}).items()) for r in rows if "error" not in r}
-    if len(exchanges) > 1 and all(e == next(iter(exchanges.values())) for e in exchanges.values()):
-        exchanges = {"every preset": next(iter(exchanges.values()))}  # the policies do not change the exchange
-    for preset, found in exchanges.items():
+    # Presets whose cuda programs exchange the same rows share a line (a recomputed forward adds its own).
+    by_exchange: dict = {}
+    for r in rows:
+        if "error" not in r:
+            by_exchange.setdefault(tuple(sorted(r["cuda"].get("row_exchanges", {}).items())), []).append(r["preset"])
+    for found, presets in by_exchange.items():
+        who = "every preset" if len(by_exchange) == 1 and len(presets) > 1 else ", ".join(presets)
         for (operand, dtype), n in found:
-            notes.append(f"{preset}: cuda: {n} all_to_all of {dtype}[{operand.replace('x', ',')}]")
+            notes.append(f"{who}: cuda: {n} all_to_all of {dtype}[{operand.replace('x', ',')}]")
     return "\n".join([text_table(table), *notes])
 
 

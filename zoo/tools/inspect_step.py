@@ -20,8 +20,6 @@ from zoo.config import count_params
 from zoo.offload import expected_placement, layer_policies, placement_matches, resolve, scan_policies
 from zoo.placement import Placement, placement_from_jaxpr, scan_names, update_buffers
 from zoo.tools import scale
-from zoo.tools.plan import routed_tags_recomputed
-from zoo.tags import MOE, TAGS
 from zoo.tools.kit import fmt_bytes, output_path, prepare_step, run_tool, split_tool_args, text_table
 from zoo.train.batches import SyntheticData
 from zoo.train.metrics import compiled_memory, device_memory
@@ -67,15 +65,10 @@ def report(c, trainer, placement: Placement, compiled_mem: Optional[dict], measu
         tags.append(d)
     found = {r.tag for r in placement.records}
     missing = sorted(set(expected) - found)
-    notes = []
-    if routed_tags_recomputed(c.model, c.mesh.rules, trainer.plan.mesh.sizes):
-        routed = [t for t in missing if TAGS[t].block == MOE]
-        missing = [t for t in missing if t not in routed]
-        notes.append(f"{', '.join(routed)}: the dropless expert-parallel exchange recomputes the routed experts in its backward "
-                     "(zoo.nn.expert_rounds), so the policy's placement of them does not apply")
     totals = {p: placement.bytes_on(p) for p in ("host", "device", "recomputed", "unread")}
     totals["untagged_device"] = placement.other_bytes("device")
     totals["untagged_host"] = placement.other_bytes("host")
+    notes = []
     if any(r.tag == "decoder_layer_input" and t["configured"] == "remat" and r.placement == "device" for r, t in zip(placement.records, tags)):
         notes.append("decoder_layer_input: the checkpointed layer's input is kept by the scan, so remat leaves it on device (offload moves it to host)")
     checkpointed = [r for r in placement.records if policy_of(r.stack).checkpoint]

@@ -1223,11 +1223,10 @@ def per_device_shape(tag: str, shape: Sequence[int], rules=None, sizes=None) -> 
     return tuple(out)
 
 
-def routed_tags_recomputed(config, rules=None, sizes=None) -> bool:
-    """Whether the routed experts' tags can only be recomputed: the dropless kernel under expert
-    parallelism exchanges in rounds whose reverse mode recomputes them (zoo.nn.expert_rounds), so no
-    policy keeps or offloads them there. The traced program (one data-parallel rank, no mesh) still
-    emits them, which gives their recompute FLOPs."""
+def exchanges_in_rounds(config, rules=None, sizes=None) -> bool:
+    """Whether the routed experts run the dropless expert-parallel exchange (zoo.nn.expert_rounds),
+    whose tagged intermediates are its first round's blocks, `exchange_factor` x the mean rows per
+    (device, shard): more rows than the traced program's (one data-parallel rank, no mesh) assignments."""
     m = config.moe
     ep = logical_ways(rules, sizes, "experts") if rules and sizes else 1
     return m is not None and ep > 1 and resolve_moe_impl(m.impl) == "ragged"
@@ -1249,16 +1248,15 @@ def tag_costs(config, records, batch: int, seq: int, rules=None, sizes=None) -> 
     Tags the backward never reads are left out; the layer input can be kept or offloaded, not
     recomputed."""
     by_tag: dict[str, TagCost] = {}
-    recomputed = routed_tags_recomputed(config, rules, sizes)
+    rounds = exchanges_in_rounds(config, rules, sizes)
     for r in records:
         if r.tag in backward_never_reads(config):
             continue
-        routed = TAGS[r.tag].block == MOE and len(r.shape) == 2  # a routed-expert tag traced as [assignments, ...]
-        choices = ("device", "offload") if r.tag in CHECKPOINT_INPUTS else ("remat",) if routed and recomputed else CHOICES
+        choices = ("device", "offload") if r.tag in CHECKPOINT_INPUTS else CHOICES
         t = by_tag.setdefault(r.tag, TagCost(r.tag, {}, {}, choices))
         device_shape = per_device_shape(r.tag, r.shape, rules, sizes)
         share = math.prod(device_shape) / max(1, math.prod(r.shape))
-        if routed and recomputed:  # recomputed a round at a time, in blocks padded to exchange_factor x the mean
+        if rounds and TAGS[r.tag].block == MOE and len(r.shape) == 2:  # a routed-expert tag traced as [assignments, ...]
             share *= round_rows_factor(config, logical_ways(rules, sizes, "experts"), device_shape[0])
         t.bytes_per_layer[r.stack] = t.bytes_per_layer.get(r.stack, 0.0) + r.bytes_per_layer * share
         t.recompute_flops_per_layer[r.stack] = 0.0 if r.tag in CHECKPOINT_INPUTS else producer_flops(config, r.tag, r.stack, batch, seq)

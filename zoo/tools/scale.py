@@ -209,8 +209,7 @@ def _routed_experts_line(moe: dict) -> str:
         return line + (
             f", over {moe['expert_ways']} expert shards in rounds of {moe['round_rows']} rows per device and shard: "
             f"{fmt_bytes(moe['exchange_bytes'])} sent per device and round, {ratio:.2f}x its {fmt_bytes(moe['assignment_bytes'])} "
-            f"of assignments (one round while no device sends a shard more than {moe['exchange_factor']:g}x the mean; "
-            f"recomputed in the backward)"
+            f"of assignments (one round while no device sends a shard more than {moe['exchange_factor']:g}x the mean)"
         )
     return line + f", over {moe['expert_ways']} expert shards: {fmt_bytes(moe['exchange_bytes'])} sent per device and exchange, {ratio:.2f}x its {fmt_bytes(moe['assignment_bytes'])} of assignments"
 

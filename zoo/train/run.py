@@ -605,7 +605,7 @@ def kernels_line(c: TrainConfig, plan) -> str:
         block = exchange_rounds_block(c, plan.mesh.sizes, plan.microbatch)
         if block is not None:
             exchange = (f", exchanged over the expert axis in rounds of {block} rows per device and shard "
-                        f"(model.moe.exchange_factor={c.model.moe.exchange_factor:g}) and recomputed in the backward")
+                        f"(model.moe.exchange_factor={c.model.moe.exchange_factor:g})")
         parts.append(f"routed experts {k['moe']} (model.moe.impl={c.model.moe.impl}){exchange}")
     parts.append(f"loss over chunks of {k['loss_chunk_size']} positions" if k["loss_chunk_size"] else "loss over the whole logits")
     return "kernels: " + ", ".join(parts)
