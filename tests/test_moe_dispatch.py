@@ -201,7 +201,8 @@ EXPERTS_OVER_FSDP_AND_EXPERT = {**zs.DEFAULT_RULES, "experts": ["fsdp", "expert"
         (zs.MeshShape(data=1, fsdp=2, tensor=2, expert=2), True, zs.DEFAULT_RULES, "capacity"),  # mlp split over tensor inside the experts
         (zs.MeshShape(data=2, fsdp=1, tensor=1, expert=4), False, zs.DEFAULT_RULES, "capacity"),  # weights replicated over data: grads summed
         (EP_MESH, False, EXPERTS_OVER_FSDP_AND_EXPERT, "capacity"),  # 8-way expert parallelism over two mesh axes, no gather
-        (EP_MESH, True, zs.DEFAULT_RULES, "ragged"),  # the dropless exchange
+        # the dropless exchange; slow: test_dropless_rounds_match_the_single_program runs it on this mesh with biases
+        pytest.param(EP_MESH, True, zs.DEFAULT_RULES, "ragged", marks=pytest.mark.slow),
         (EP_MESH, False, EXPERTS_OVER_FSDP_AND_EXPERT, "ragged"),  # one local expert per shard: min(k, E/ep) = 1
     ],
     ids=["fsdp2_ep4", "fsdp2_ep4_biases", "fsdp2_tp2_ep2_biases", "data2_ep4", "ep_over_fsdp_and_expert",
@@ -398,8 +399,13 @@ def _placed(layout, w, xs, ids, weights):
     return w, put(xs, PartitionSpec(None, batch, None)), put(ids, PartitionSpec(None, None, batch, None)), put(weights, PartitionSpec(None, None, batch, None))
 
 
-@pytest.mark.parametrize("impl", ["capacity", "ragged"])
-@pytest.mark.parametrize("policy", sorted(POLICIES))
+@pytest.mark.parametrize(
+    "policy, impl",
+    [(p, "capacity") for p in sorted(POLICIES)]
+    # The dropless kernel's first round: offloaded in the default tier, saved and recomputed (as the
+    # capacity kernel's tags are) in the slow tier.
+    + [(p, "ragged") if p == "offload_moe" else pytest.param(p, "ragged", marks=pytest.mark.slow) for p in sorted(POLICIES)],
+)
 def test_checkpoint_policies_reach_tags_inside_the_shard_map(policy, impl):
     """The moe tags live inside the EP shard_map body (for the dropless kernel, its first round's);
     the layer's checkpoint policy still decides their fate: recomputed (nothing_saveable), saved
@@ -500,9 +506,9 @@ def _all_to_alls(text: str) -> list[tuple[int, ...]]:
 
 @pytest.mark.parametrize(
     "factor, tokens",
-    [(0.05, 64), (1.0, 64), (1.0, 256), (100.0, 64)],
+    [(0.05, 64), pytest.param(1.0, 64, marks=pytest.mark.slow), (1.0, 256), pytest.param(100.0, 64, marks=pytest.mark.slow)],
     ids=["many_rounds", "about_one_round", "later_blocks_of_several_rows", "one_worst_case_round"],
-)
+)  # the two slow ones: what the default tier's EP runs take (tests/test_train_sharding.py, balanced: one round)
 def test_dropless_rounds_match_the_single_program(factor, tokens):
     """The dropless exchange in rounds (zoo.nn.expert_rounds) on crowded experts: a block of one row
     (dozens of rounds), about the mean, later rounds of 4-row blocks after a 16-row first, or the

@@ -70,7 +70,9 @@ def later_block(block: int) -> int:
     return max(1, -(-block // 4))
 
 
-def routing(expert_ids: Int[Array, "tokens k"], order, counts, *, ep: int, axis, block: int) -> Routing:
+def routing(
+    expert_ids: Int[Array, "tokens k"], order: Int[Array, " assignments"], counts: Int[Array, " experts"], *, ep: int, axis, block: int
+) -> Routing:
     """The exchange's bookkeeping inside the shard_map body, from `zoo.nn.moe_dispatch.sorted_assignments`."""
     k = expert_ids.shape[1]
     local = counts.shape[0] // ep
