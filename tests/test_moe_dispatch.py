@@ -104,7 +104,7 @@ def place(layout: zs.Layout, x, ids, weights, w: ExpertWeights):
 
 def loss_fn(cotangent, **kw):
     def loss(x, weights, w, ids):
-        y, _, _ = routed_experts(x, ids, weights, w, **kw)
+        y = routed_experts(x, ids, weights, w, **kw).y
         return jnp.sum(y.astype(jnp.float32) * cotangent)
 
     return loss
@@ -124,7 +124,7 @@ def test_single_program_matches_dense_reference(impl, biases):
     ids, weights = random_routing(1, tokens)
     x = random_x(2, tokens)
     act = clamped_swiglu if biases else swiglu
-    y, counts, dropped = jax.jit(lambda x, w: routed_experts(x, ids, weights, w, impl=impl, capacity_factor=E, activation=act))(x, w)
+    y, counts, dropped, _ = jax.jit(lambda x, w: routed_experts(x, ids, weights, w, impl=impl, capacity_factor=E, activation=act))(x, w)
     np.testing.assert_allclose(np.asarray(y), np.asarray(dense_reference(x, ids, weights, w, act)), rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(np.asarray(counts), np.bincount(np.asarray(ids).ravel(), minlength=E))
     assert int(dropped) == 0
@@ -135,7 +135,7 @@ def test_single_program_capacity_drops_later_tokens():
     w = random_experts(3, biases=True)
     ids, weights = random_routing(4, tokens, skew=0.6)
     x = random_x(5, tokens)
-    y, counts, dropped = jax.jit(lambda x: routed_experts(x, ids, weights, w, capacity_factor=cf))(x)
+    y, counts, dropped, _ = jax.jit(lambda x: routed_experts(x, ids, weights, w, capacity_factor=cf))(x)
     capacity = expert_capacity(tokens, K, E, cf)
     keep = keep_first(ids, capacity)
     assert 0 < (~keep).sum() == int(dropped)
@@ -249,7 +249,7 @@ def test_expert_parallel_drops_are_decided_per_device():
     x = random_x(12, tokens)
     with zs.activate(ep_mesh(), zs.DEFAULT_RULES) as layout:
         args = place(layout, x, ids, weights, w)
-        y, counts, dropped = jax.jit(lambda x, ids, weights, w: routed_experts(x, ids, weights, w, capacity_factor=cf))(*args)
+        y, counts, dropped, _ = jax.jit(lambda x, ids, weights, w: routed_experts(x, ids, weights, w, capacity_factor=cf))(*args)
     local_capacity = expert_capacity(tokens // shards, K, E, cf)
     keep = keep_first(ids, local_capacity, shards)
     global_keep = keep_first(ids, expert_capacity(tokens, K, E, cf))
@@ -364,7 +364,7 @@ def _accumulated_grads(policy, compute_dtype, impl="capacity"):
 
     def layer(h, lw_ids):
         lw, ids, weights = lw_ids
-        y, _, _ = routed_experts(h.astype(compute_dtype), ids, weights, lw, capacity_factor=float(E), compute_dtype=compute_dtype, impl=impl)
+        y = routed_experts(h.astype(compute_dtype), ids, weights, lw, capacity_factor=float(E), compute_dtype=compute_dtype, impl=impl).y
         return h + y.astype(h.dtype), None
 
     body = layer if policy is None else jax.checkpoint(layer, policy=policy, prevent_cse=False)
@@ -532,6 +532,27 @@ def test_dropless_rounds_match_the_single_program(factor, tokens):
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("factor, tokens", [(0.05, 64), (1.0, 256)])
+def test_exchange_rounds_are_what_the_fullest_device_and_shard_needs(factor, tokens):
+    """`exchange_rounds`: one round of `round_block` rows, then rounds of `later_block` rows until the
+    fullest (device, shard) pair of the whole mesh has sent everything; 1 without expert parallelism."""
+    w = random_experts(34)
+    ids, weights = random_routing(35, tokens, skew=1.5)
+    x = random_x(36, tokens)
+    kw = dict(impl="ragged", exchange_factor=factor)
+    assert int(routed_experts(x, ids, weights, w, **kw).exchange_rounds) == 1
+    with zs.activate(ep_mesh(EP_MESH), zs.DEFAULT_RULES) as layout:
+        px, pids, pweights, pw = place(layout, x, ids, weights, w)
+        got = jax.jit(lambda x, weights, w, ids: routed_experts(x, ids, weights, w, **kw))(px, pweights, pw, pids)
+    ep, devices = EP_MESH.expert, EP_MESH.data_parallel
+    local = tokens // devices
+    fullest = max(int(np.sum(np.asarray(ids)[d * local:(d + 1) * local] // (E // ep) == s)) for d in range(devices) for s in range(ep))
+    block = round_block(local, K, ep, E // ep, factor)
+    expected = 1 + -(-max(0, fullest - block) // later_block(block))
+    assert expected > 1  # the routing overflows the first block
+    assert int(got.exchange_rounds) == expected
+
+
 def test_dropless_rounds_in_bfloat16_match_the_single_program():
     """bf16 compute, several rounds: the rounds accumulate outputs and cotangents in float32, so they
     agree with the single program's bf16 kernel to bf16 rounding, and hand back each input's dtype."""
@@ -594,11 +615,11 @@ def test_auto_never_drops_on_any_mesh():
     ids, weights = random_routing(11, tokens, skew=0.5)
     x = random_x(12, tokens)
     kw = dict(impl="auto", capacity_factor=1.0)
-    y, _, dropped = routed_experts(x, ids, weights, w, **kw)
+    y, _, dropped, _ = routed_experts(x, ids, weights, w, **kw)
     assert int(dropped) == 0
     with zs.activate(ep_mesh(), zs.DEFAULT_RULES) as layout:
         args = place(layout, x, ids, weights, w)
-        y_ep, _, dropped = jax.jit(lambda x, ids, weights, w: routed_experts(x, ids, weights, w, **kw))(*args)
-        _, _, dropped_capacity = jax.jit(lambda x, ids, weights, w: routed_experts(x, ids, weights, w, **{**kw, "impl": "capacity"}))(*args)
+        y_ep, _, dropped, _ = jax.jit(lambda x, ids, weights, w: routed_experts(x, ids, weights, w, **kw))(*args)
+        _, _, dropped_capacity, _ = jax.jit(lambda x, ids, weights, w: routed_experts(x, ids, weights, w, **{**kw, "impl": "capacity"}))(*args)
     assert int(dropped) == 0 and int(dropped_capacity) > 0  # the routing is tight enough to drop
     np.testing.assert_allclose(np.asarray(y_ep), np.asarray(y), rtol=1e-5, atol=1e-5)

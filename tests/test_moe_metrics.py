@@ -227,7 +227,7 @@ def test_progress_line_names_the_most_imbalanced_layer_past_the_threshold():
 # --- zoo.tools.report on one run's directory -----------------------------------------------------------
 
 
-def _write_run(run_dir: pathlib.Path, moe: bool) -> None:
+def _write_run(run_dir: pathlib.Path, moe: bool, rounds: bool = False) -> None:
     run_dir.mkdir(parents=True)
     rows = []
     for step in range(6):
@@ -236,9 +236,30 @@ def _write_run(run_dir: pathlib.Path, moe: bool) -> None:
             r |= {"expert_load_max_over_mean": [1.2 + 0.1 * step, 1.5], "expert_load_min_over_mean": [0.8, 0.6],
                   "moe_dropped_fraction": [0.0, 0.01 * step], "router_entropy": [2.0, 1.9],
                   "moe_bias_min": [-0.001 * step, 0.0], "moe_bias_max": [0.001 * step, 0.0]}
+            if rounds:
+                r["moe_exchange_rounds"] = [1, 1 + step % 2]
         rows.append(json.dumps(r))
     (run_dir / "metrics.jsonl").write_text("\n".join(rows) + "\n")
     (run_dir / "summary.json").write_text(json.dumps({"status": "ok", "step_time_s": 0.1, "moe_layers": [1, 2] if moe else []}))
+
+
+def test_report_adds_the_exchange_rounds_panel_when_the_run_logged_them(tmp_path, monkeypatch):
+    """A dropless expert-parallel run logs `moe_exchange_rounds`; the plot gets a panel for it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from zoo.tools.report import run_report
+
+    panels = []
+    subplots = plt.subplots
+    monkeypatch.setattr(plt, "subplots", lambda n, *a, **k: panels.append(n) or subplots(n, *a, **k))
+    _write_run(tmp_path / "plain", moe=True)
+    run_report(tmp_path / "plain")
+    _write_run(tmp_path / "rounds", moe=True, rounds=True)
+    run_report(tmp_path / "rounds")
+    assert panels[1] == panels[0] + 1, panels
 
 
 def _report(run_dir: pathlib.Path):

@@ -159,6 +159,9 @@ def test_expert_parallel_train_step_is_local(impl):
     assert (ep, sizes["fsdp"]) == (4, 2)
     np.testing.assert_allclose(run.losses, reference("dsv3_tiny_a").losses, atol=1e-5, rtol=0)
     assert max(float(x["moe_dropped_fraction"].max()) for x in run.metrics) == 0.0
+    # The dropless exchange's rounds per MoE layer (zoo.nn.expert_rounds): what each step's routing took.
+    rounds = [np.asarray(x["moe_exchange_rounds"]) for x in run.metrics] if impl == "ragged" else []
+    assert all(r.shape == (m.num_moe_layers,) and r.min() >= 1 for r in rounds) and ("moe_exchange_rounds" in run.metrics[0]) == (impl == "ragged")
 
     found = [c for c in hlo.collectives(run.step.as_text()) if not c.trivial]
     a2a = [c for c in found if c.kind == "all-to-all"]

@@ -603,8 +603,9 @@ def run_layers(
         inverse = np.argsort(rows)
         counts = jnp.concatenate([per_stack[s][j].tokens_per_expert for s, j, _ in order])[inverse]
         dropped = jnp.concatenate([per_stack[s][j].dropped for s, j, _ in order])[inverse]
+        rounds = jnp.concatenate([per_stack[s][j].exchange_rounds for s, j, _ in order])[inverse]
         entropy = jnp.concatenate([per_stack[s][j].router_entropy for s, j, _ in order])[inverse]
-        aux = MoEAux(counts, dropped, entropy)
+        aux = MoEAux(counts, dropped, rounds, entropy)
     # Whole sequences for the head (its logits stay split over the vocabulary, as without sequence parallelism).
     hidden = zs.sequence_gathered(model.final_norm(x))
     if shards and not context_order:

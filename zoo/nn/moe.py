@@ -49,6 +49,8 @@ class MoEAux(eqx.Module):
 
     tokens_per_expert: Int[Array, "*layers experts"]  # assignments routed to each expert, before any drop
     dropped: Int[Array, "*layers"]  # assignments dropped by the capacity path (0 for ragged)
+    # Rounds the dropless expert-parallel exchange took (zoo.nn.expert_rounds; 1 on every other path).
+    exchange_rounds: Int[Array, "*layers"]
     # Mean over tokens of the router's entropy (nats, float32; see `router_entropy`); 0 when
     # `router_statistics(False)` is active.
     router_entropy: Float[Array, "*layers"]
@@ -284,7 +286,7 @@ class MoE(eqx.Module):
 
         expert_ids, weights, entropy = _per_device(route_fn)(flat, self.router, bias)
         experts = ExpertWeights(self.w_gate, self.w_up, self.w_down, self.b_gate, self.b_up, self.b_down)
-        routed, counts, dropped = routed_experts(
+        routed, counts, dropped, rounds = routed_experts(
             flat, expert_ids, weights, experts, activation=expert_activation(self.config),
             impl=self.impl, capacity_factor=self.config.capacity_factor, exchange_factor=self.config.exchange_factor,
             compute_dtype=self.compute_dtype,
@@ -292,4 +294,4 @@ class MoE(eqx.Module):
         y = routed.reshape(b, t, d) if chunks == 1 else routed.reshape(chunks, b, t // chunks, d).transpose(1, 0, 2, 3).reshape(b, t, d)
         if self.shared is not None:
             y = y + self.shared(x)
-        return y, MoEAux(counts, dropped, entropy.mean() if stats else jnp.zeros((), jnp.float32))
+        return y, MoEAux(counts, dropped, rounds, entropy.mean() if stats else jnp.zeros((), jnp.float32))

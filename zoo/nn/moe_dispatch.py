@@ -44,7 +44,7 @@ inputs), which tests/test_moe_dispatch.py reads back from the jaxpr.
 
 import dataclasses
 import math
-from typing import Callable, ClassVar, Literal, Optional, Union
+from typing import Callable, ClassVar, Literal, NamedTuple, Optional, Union
 
 import equinox as eqx
 import jax
@@ -65,6 +65,20 @@ from zoo.nn.mlp import gated, swiglu
 Impl = Literal["auto", "capacity", "ragged"]
 Activation = Callable[[Array, Array], Array]
 Tagger = Callable[[Array, str], Array]
+
+
+class Routed(NamedTuple):
+    """What `routed_experts` returns."""
+
+    y: Float[Array, "tokens embed"]
+    tokens_per_expert: Int[Array, " experts"]  # assignments routed to each expert, before any drop
+    dropped: Int[Array, ""]  # assignments the capacity buffers refused (0 for `ragged`)
+    # Rounds the dropless expert-parallel exchange ran (zoo.nn.expert_rounds; 1 everywhere else).
+    exchange_rounds: Int[Array, ""]
+
+
+def _one_round():
+    return jnp.ones((), jnp.int32)
 
 class ExpertWeights(eqx.Module):
     """The routed experts' parameters, stacked over experts (biases optional: GPT-OSS has them).
@@ -331,7 +345,7 @@ def _ragged_exchange(x, expert_ids, weights, w: ExpertWeights, *, ep: int, ep_ax
     _, order, counts = sorted_assignments(expert_ids, local_experts * ep)
     rt = exchange_routing(expert_ids, order, counts, ep=ep, axis=ep_axis, block=block)
     ex = Exchange(ffn=_round_ffn(activation, reduce_mlp, tag), ep=ep, axis=ep_axis, block=block)
-    return exchange_in_rounds(x, weights, w, rt, ex), counts, jnp.zeros((), jnp.int32)
+    return exchange_in_rounds(x, weights, w, rt, ex), counts, jnp.zeros((), jnp.int32), rt.rounds
 
 
 def _sharded(x, expert_ids, weights, w: ExpertWeights, plan: _EPLayout, *, impl, activation, capacity_factor, exchange_factor, compute_dtype, tag):
@@ -361,12 +375,13 @@ def _sharded(x, expert_ids, weights, w: ExpertWeights, plan: _EPLayout, *, impl,
         local = ExpertWeights(**{f: gather_embed(getattr(w, f), f) for f in names})
         reduce_mlp = (lambda v: jax.lax.psum(v, plan.mlp_axes)) if plan.mlp_axes else None
         if impl == "ragged" and ep > 1:
-            y, counts, dropped = _ragged_exchange(
+            y, counts, dropped, rounds = _ragged_exchange(
                 x, expert_ids, weights, local, ep=ep, ep_axis=ep_axis, activation=activation,
                 exchange_factor=exchange_factor, tag=tag, reduce_mlp=reduce_mlp,
             )
         elif impl == "ragged":  # dropless on this device's tokens, every expert here
             y, counts, dropped = _ragged_local(x, expert_ids, weights, local, activation=activation, tag=tag, reduce_mlp=reduce_mlp)
+            rounds = _one_round()
         else:
             tokens = x.shape[0]
             capacity = expert_capacity(tokens, k, n_experts, capacity_factor)
@@ -387,18 +402,19 @@ def _sharded(x, expert_ids, weights, w: ExpertWeights, plan: _EPLayout, *, impl,
             per_assignment = out.at[flat_experts, slot].get(mode="fill", fill_value=0)
             y = combine(per_assignment, weights)
             dropped = (tokens * k - kept.sum()).astype(jnp.int32)
+            rounds = _one_round()
         if plan.batch_axes:
             counts = jax.lax.psum(counts, plan.batch_axes)
             dropped = jax.lax.psum(dropped, plan.batch_axes)
-        return y, counts, dropped
+        return y, counts, dropped, rounds
 
     fn = jax.shard_map(
         body,
         mesh=mesh,
         in_specs=(token_spec, token_spec, token_spec, w_specs),
-        out_specs=(token_spec, P(), P()),
+        out_specs=(token_spec, P(), P(), P()),
     )
-    return fn(x, expert_ids, weights, w)
+    return Routed(*fn(x, expert_ids, weights, w))
 
 
 def _check_layout(plan: _EPLayout, n_experts: int) -> None:
@@ -446,13 +462,16 @@ def routed_experts(
     exchange_factor: Union[int, float] = 1.25,
     compute_dtype=jnp.float32,
     tag: Tagger = zoo_tags.tag,
-) -> tuple[Float[Array, "tokens embed"], Int[Array, " experts"], Int[Array, ""]]:
-    """`(y, tokens_per_expert, dropped)`: y[n] = sum_j weights[n, j] * expert_{expert_ids[n, j]}(x[n]).
+) -> Routed:
+    """`Routed(y, tokens_per_expert, dropped, exchange_rounds)`: y[n] = sum_j weights[n, j] *
+    expert_{expert_ids[n, j]}(x[n]).
 
     `x` is in the compute dtype (the expert weights are cast to it); `tokens_per_expert` counts the
     assignments routed to each expert before any drop, `dropped` those the capacity buffers refused
     (always 0 for `ragged`). Both are global (summed over the batch shards) under expert parallelism.
-    The expert path is chosen from the active layout (see the module docstring).
+    `exchange_rounds`: the rounds the dropless expert-parallel exchange took (the most any device
+    needed; 1 on every other path). The expert path is chosen from the active layout (see the module
+    docstring).
     """
     if impl not in ("auto", "capacity", "ragged"):
         raise ValueError(f"model.moe.impl: unknown kernel {impl!r}; choose auto, capacity or ragged")
@@ -472,8 +491,8 @@ def routed_experts(
             )
     w = _cast(experts, compute_dtype)
     if impl == "ragged":
-        return _ragged_local(x, expert_ids, weights, w, activation=activation, tag=tag)
-    return _capacity_local(x, expert_ids, weights, w, activation=activation, capacity_factor=capacity_factor, tag=tag)
+        return Routed(*_ragged_local(x, expert_ids, weights, w, activation=activation, tag=tag), _one_round())
+    return Routed(*_capacity_local(x, expert_ids, weights, w, activation=activation, capacity_factor=capacity_factor, tag=tag), _one_round())
 
 
 # --- configuration checks ---------------------------------------------------------------------

@@ -210,14 +210,14 @@ def _per_layer(records: list[dict], key: str) -> tuple[list[int], list[list[floa
     if not rows:
         return [], []
     layers = max(len(v) for _, v in rows)
-    series = [[(v[i] if i < len(v) and v[i] is not None else float("nan")) for _, v in rows] for i in range(layers)]
+    series = [[(float(v[i]) if i < len(v) and v[i] is not None else float("nan")) for _, v in rows] for i in range(layers)]
     return [s + 1 for s, _ in rows], series
 
 
 def run_report(run_dir: pathlib.Path, out: Optional[pathlib.Path] = None) -> Optional[pathlib.Path]:
     """One training run's MoE routing over its steps, plotted from `run_dir/metrics.jsonl`: expert
     load max/mean per MoE layer, the fraction of assignments dropped per layer, and (when logged) the
-    router entropy and the correction bias's range (max - min) per layer. Writes `expert_load.png` in `out` (default `run_dir`) and returns it;
+    router entropy, the correction bias's range (max - min) and the expert exchange's rounds per layer. Writes `expert_load.png` in `out` (default `run_dir`) and returns it;
     None for a run without MoE metrics (a dense model). Layers are labelled by their model index
     (summary.json's `moe_layers`) where the run finished, else by their row among the MoE layers."""
     records = load_metrics(run_dir)
@@ -247,6 +247,9 @@ def run_report(run_dir: pathlib.Path, out: Optional[pathlib.Path] = None) -> Opt
     _, bias_min = _per_layer(records, "moe_bias_min")
     if bias_steps and len(bias_min) == len(bias_max):
         panels.append(("correction bias max - min", bias_steps, [[hi - lo for lo, hi in zip(a, b)] for a, b in zip(bias_min, bias_max)]))
+    round_steps, rounds = _per_layer(records, "moe_exchange_rounds")
+    if round_steps:  # the dropless expert-parallel exchange: more than 1 is the price of that step's imbalance
+        panels.append(("expert exchange rounds", round_steps, rounds))
     fig, axes = plt.subplots(len(panels), 1, figsize=(9, 2.8 * len(panels)), dpi=110, sharex=True, squeeze=False)
     colors = plt.get_cmap("viridis")
     n = len(load)

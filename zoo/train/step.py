@@ -128,6 +128,8 @@ class Trainer:
         self.mesh = zs.make_mesh(plan.mesh, devices)
         rules = cfg.mesh.rules
         self.rules = rules
+        # The dropless expert-parallel exchange runs a round count the routing decides (zoo.nn.expert_rounds).
+        self.exchanges_in_rounds = plan.moe_impl == "ragged" and zs.logical_ways(rules, plan.mesh.sizes, "experts") > 1
         abstract = zoo_model.abstract(cfg.model)
         self.abstract_params, self.static = eqx.partition(abstract, is_array_like)
         # LoRA: the trainable `params` are the adapters (zoo.lora); the frozen base is the state's
@@ -416,21 +418,23 @@ class Trainer:
             load = aux.tokens_per_expert.astype(jnp.float32) if aux is not None else jnp.zeros((0, 0), jnp.float32)
             dropped = aux.dropped.astype(jnp.float32) if aux is not None else jnp.zeros((0,), jnp.float32)
             entropy = aux.router_entropy.astype(jnp.float32) if aux is not None else jnp.zeros((0,), jnp.float32)
-            return loss, grads, load, dropped, entropy
+            rounds = aux.exchange_rounds if aux is not None else jnp.zeros((0,), jnp.int32)
+            return loss, grads, load, dropped, entropy, rounds
 
         first = jax.tree.map(lambda x: x[0], tokens)  # microbatch 0 (of every field of a packed batch)
         if accum == 1:
-            loss, grads, load, dropped, entropy = micro(first)
+            loss, grads, load, dropped, entropy, rounds = micro(first)
         else:
 
             def body(carry, xs):
-                loss, grads, load, dropped, entropy = micro(*xs) if dropping else micro(xs)
-                return (carry[0] + loss, accumulate(carry[1], grads), carry[2] + load, carry[3] + dropped, carry[4] + entropy), None
+                loss, grads, load, dropped, entropy, rounds = micro(*xs) if dropping else micro(xs)
+                sums = (carry[0] + loss, accumulate(carry[1], grads), carry[2] + load, carry[3] + dropped, carry[4] + entropy)
+                return (*sums, jnp.maximum(carry[5], rounds)), None
 
             zero = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(micro, first))
-            zero = (zero[0], zeros_where(loss_params), zero[2], zero[3], zero[4])  # gradients sum where they arrive
+            zero = (zero[0], zeros_where(loss_params), *zero[2:])  # gradients sum where they arrive
             xs = (tokens, jnp.arange(accum)) if dropping else tokens
-            (loss, grads, load, dropped, entropy), _ = jax.lax.scan(body, zero, xs)
+            (loss, grads, load, dropped, entropy, rounds), _ = jax.lax.scan(body, zero, xs)
             loss = loss / accum  # load and dropped are counts: they add up over microbatches
             entropy = entropy / accum  # each microbatch's is a mean over its tokens
 
@@ -448,6 +452,8 @@ class Trainer:
             metrics["expert_load_max_over_mean"] = load.max(axis=-1) / jnp.maximum(load.mean(axis=-1), 1e-9)
             metrics["expert_load_min_over_mean"] = load.min(axis=-1) / jnp.maximum(load.mean(axis=-1), 1e-9)
             metrics["moe_dropped_fraction"] = dropped / jnp.maximum(load.sum(axis=-1), 1.0)
+            if self.exchanges_in_rounds:  # the most rounds any microbatch's exchange took, per MoE layer
+                metrics["moe_exchange_rounds"] = rounds
             if c.trainer.moe_metrics:
                 metrics["router_entropy"] = entropy
                 bias_range = self._bias_range(state["base"] if self.lora is not None else params)
