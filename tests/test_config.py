@@ -50,6 +50,7 @@ MOE_RULES = [
     ("moe.topk_group", dict(topk_group=0)),
     ("moe.topk_group", dict(n_group=4, topk_group=1, num_experts_per_tok=3)),  # 1 group of 2 cannot supply 3
     ("moe.capacity_factor", dict(capacity_factor=0.0)),
+    ("moe.exchange_factor", dict(exchange_factor=-1.0)),
     ("moe.n_shared_experts", dict(n_shared_experts=-1)),
 ]
 

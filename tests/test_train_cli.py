@@ -115,6 +115,7 @@ FUZZ = [
     ("zoo.tools.plan", ["model=llama_tiny_a", "mesh=fsdp_tp", "mesh.rules.seq=[tensor]", "data.seq_len=33"], "data.seq_len: 33 is not divisible by the sequence-parallel size 2"),
     ("train", ["model=llama_tiny_a", "mesh=fsdp_ep"], "mesh.expert: 4 devices on the expert axis, but the model has no MoE layers"),
     ("train", ["model.moe.impl=dense"], "model.moe.impl: got 'dense'; choose one of auto, ragged, capacity"),
+    ("train", ["model.moe.exchange_factor=0"], "model.moe.exchange_factor: must be positive, got 0"),
     ("train", ["model.attention_impl=cudnn"], "model.attention_impl: cudnn needs a GPU"),
     # missing and bad files
     ("train", ["data=text", "data.path=/no/such/corpus"], "data.path: /no/such/corpus does not exist"),
