@@ -13,6 +13,8 @@ The direction's seed is one at which no family's routing flips: with NumPy's see
 mixtral_tiny_a token sits so near its top-2 boundary that either shift moves it (conftest's LLVM level).
 """
 
+import dataclasses
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -60,6 +62,11 @@ def test_jvp_through_each_family_matches_finite_differences_and_linearize(name):
     # Blockwise attention (the custom-JVP flash kernel) even at this short length; on CPU `auto`
     # picks it from 256 positions on.
     c = SIZES[name].replace(attention_impl="blockwise")
+    if c.moe is not None:
+        # The routed experts as the capacity kernel with room for every assignment (the dropless
+        # kernel's maths; its grouped matmul's tangents: tests/test_grouped_matmul.py, and under vmap
+        # in this file's per-example test), whose compile is a fraction of the tile loops'.
+        c = c.replace(moe=dataclasses.replace(c.moe, impl="capacity", capacity_factor=float(c.moe.n_routed_experts)))
     params, static = eqx.partition(build(c, key=jax.random.key(0)), eqx.is_inexact_array)
     v = _direction(params)
     tokens = jax.random.randint(jax.random.key(2), (2, 12), 0, c.vocab_size)

@@ -532,7 +532,7 @@ def test_dropless_rounds_match_the_single_program(factor, tokens):
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("factor, tokens", [(0.05, 64), (1.0, 256)])
+@pytest.mark.parametrize("factor, tokens", [pytest.param(0.05, 64, marks=pytest.mark.slow), (1.0, 256)])
 def test_exchange_rounds_are_what_the_fullest_device_and_shard_needs(factor, tokens):
     """`exchange_rounds`: one round of `round_block` rows, then rounds of `later_block` rows until the
     fullest (device, shard) pair of the whole mesh has sent everything; 1 without expert parallelism."""
