@@ -552,14 +552,15 @@ def test_dropless_expert_parallel_tags_are_sized_as_the_first_rounds_blocks():
     from zoo.config import SIZES
     from zoo.nn.expert_rounds import round_block
     from zoo.sharding import DEFAULT_RULES
-    from zoo.tools.plan import CHOICES, exchanges_in_rounds, tag_costs
+    from zoo.nn.moe_dispatch import exchanges_in_rounds
+    from zoo.tools.plan import CHOICES, tag_costs
 
     auto = SIZES["deepseek_v3_671b"]  # 256 experts, top-8
     capacity = auto.replace(moe=dataclasses.replace(auto.moe, impl="capacity"))
     rules, sizes = {**DEFAULT_RULES, "experts": ["expert"], "batch": ["fsdp", "expert"]}, {"expert": 8, "fsdp": 16}
-    assert exchanges_in_rounds(auto, rules, sizes)
-    assert not exchanges_in_rounds(capacity, rules, sizes)
-    assert not exchanges_in_rounds(auto, rules, {"expert": 1, "fsdp": 128})
+    assert exchanges_in_rounds(auto.moe.impl, rules, sizes)
+    assert not exchanges_in_rounds(capacity.moe.impl, rules, sizes)
+    assert not exchanges_in_rounds(auto.moe.impl, rules, {"expert": 1, "fsdp": 128})
     tokens = 8 * 4096
     record = types.SimpleNamespace(tag="moe_mlpwi_0", stack="moe_layers", shape=(tokens * 8, 2048), bytes_per_layer=tokens * 8 * 2048 * 2.0)
     layer_input = types.SimpleNamespace(tag="decoder_layer_input", stack="moe_layers", shape=(8, 4096, 7168), bytes_per_layer=8 * 4096 * 7168 * 2.0)

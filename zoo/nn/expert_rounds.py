@@ -112,10 +112,9 @@ class Exchange:
     axis: object
     block: int
 
-    def window(self, r) -> tuple:
-        """Round r's rows `[lo, lo + size)` of each (device, shard) run; `size` is static."""
-        if isinstance(r, int) and r == 0:
-            return 0, self.block
+    def later_window(self, r) -> tuple:
+        """Round r's rows `[lo, lo + size)` of each (device, shard) run, for r >= 1 (the first round's
+        are `[0, block)`); `size` is static."""
         later = later_block(self.block)
         return self.block + (r - 1) * later, later
 
@@ -145,12 +144,12 @@ def _there(ex: Exchange, a):
     return jax.lax.all_to_all(a, ex.axis, 0, 0, tiled=True)
 
 
-def _round(ex: Exchange, x, weights, w, rt: Routing, r, *, tagged: bool):
-    """Round r's contribution to y ([tokens, D], in the compute dtype): its rows there, the local
-    experts, back, then each assignment's row picked from what came back (zero for those of other
-    rounds) and combined with its routing weight, as the capacity kernel combines its buffers."""
+def _round(ex: Exchange, x, weights, w, rt: Routing, lo, size: int, *, tagged: bool):
+    """The contribution to y ([tokens, D], in the compute dtype) of the round that sends rows
+    `[lo, lo + size)` of each (device, shard) run: those rows there, the local experts, back, then each
+    assignment's row picked from what came back (zero for those of other rounds) and combined with
+    its routing weight, as the capacity kernel combines its buffers."""
     tokens, d = x.shape
-    lo, size = ex.window(r)
     token, _ = _window(rt, lo, size, tokens, rt.assignment.shape[0])
     received = _there(ex, x.at[token].get(mode="fill", fill_value=0))
     sizes, experts = _groups(rt, lo, size)
@@ -164,7 +163,7 @@ def _round(ex: Exchange, x, weights, w, rt: Routing, r, *, tagged: bool):
 
 def _later_rounds(ex: Exchange, x, weights, w, rt: Routing):
     def round_(r, y):
-        return y + _round(ex, x, weights, w, rt, r, tagged=False).astype(jnp.float32)
+        return y + _round(ex, x, weights, w, rt, *ex.later_window(r), tagged=False).astype(jnp.float32)
 
     y = jax.lax.fori_loop(1, rt.rounds, round_, varying_like(jnp.zeros(x.shape, jnp.float32), x))
     return y.astype(x.dtype)
@@ -190,7 +189,7 @@ def _overflow_bwd(ex: Exchange, res, dy):
 
     def round_(r, carry):
         dx, d_weights, dw = carry
-        lo, size = ex.window(r)
+        lo, size = ex.later_window(r)
         token, assignment = _window(rt, lo, size, tokens, flat_weights.shape[0])
         h = _there(ex, x.at[token].get(mode="fill", fill_value=0)).reshape(-1, d)
         g = _there(ex, dy.at[token].get(mode="fill", fill_value=0)).reshape(-1, d)  # dy: x's dtype
@@ -218,5 +217,5 @@ def exchange_in_rounds(
 ) -> Float[Array, "tokens embed"]:
     """y[n] = sum_j weights[n, j] * expert_{e(n, j)}(x[n]) inside the shard_map body, the experts living
     on their shards of the expert axis (see the module docstring). `w`: this shard's expert weights."""
-    first = _round(ex, x, weights, w, rt, 0, tagged=True)
+    first = _round(ex, x, weights, w, rt, 0, ex.block, tagged=True)
     return (first + _overflow(ex, x, weights, w, rt)).astype(x.dtype)

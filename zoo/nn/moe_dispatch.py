@@ -37,9 +37,10 @@ single-program count on the same global batch whenever some expert overflows.
 
 The intermediates keep the routed-expert tags (`MOE_MLPWI_0` gate after its bias, `MOE_MLPWI_1` up,
 `MOE_MLPWO` down output before combining; under the dropless expert-parallel exchange, those of its
-first round). Under expert parallelism they are tagged inside the shard_map body; jax's shard_map partial evaluation honours an enclosing `jax.checkpoint` policy for
-them (saved, offloaded to pinned_host, or recomputed together with the all_to_all that produced their
-inputs), which tests/test_moe_dispatch.py reads back from the jaxpr.
+first round). Under expert parallelism they are tagged inside the shard_map body; jax's shard_map
+partial evaluation honours an enclosing `jax.checkpoint` policy for them (saved, offloaded to
+pinned_host, or recomputed together with the all_to_all that produced their inputs), which
+tests/test_moe_dispatch.py reads back from the jaxpr.
 """
 
 import dataclasses
@@ -79,6 +80,7 @@ class Routed(NamedTuple):
 
 def _one_round():
     return jnp.ones((), jnp.int32)
+
 
 class ExpertWeights(eqx.Module):
     """The routed experts' parameters, stacked over experts (biases optional: GPT-OSS has them).
@@ -445,6 +447,12 @@ def resolve_moe_impl(impl: str) -> str:
     expert parallelism exchanging in rounds of fixed blocks (zoo.nn.expert_rounds), never in blocks
     sized for the worst case. An explicit `ragged` or `capacity` is taken as it is."""
     return "ragged" if impl == "auto" else impl
+
+
+def exchanges_in_rounds(impl: str, rules, sizes) -> bool:
+    """Whether the routed experts of kernel `impl`, under logical-axis `rules` on a mesh of axis
+    `sizes`, run the dropless expert-parallel exchange (zoo.nn.expert_rounds)."""
+    return resolve_moe_impl(impl) == "ragged" and zs.logical_ways(rules, sizes, "experts") > 1
 
 
 # --- the kernel -------------------------------------------------------------------------------

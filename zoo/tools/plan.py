@@ -69,6 +69,7 @@ from zoo.nn import GatedMLP, GQAttention, MLAttention, MoE
 from zoo.nn.attention_kernels import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, resolve_impl
 from zoo.nn.expert_rounds import round_block
 from zoo.nn.moe import resolve_moe_impl
+from zoo.nn.moe_dispatch import exchanges_in_rounds
 from zoo.offload import (
     CHECKPOINT_INPUTS, OffloadConfig, backward_never_reads, conf_dir, load_preset, preset_names,
     range_configs, remat_policy, resolve,
@@ -1223,15 +1224,6 @@ def per_device_shape(tag: str, shape: Sequence[int], rules=None, sizes=None) -> 
     return tuple(out)
 
 
-def exchanges_in_rounds(config, rules=None, sizes=None) -> bool:
-    """Whether the routed experts run the dropless expert-parallel exchange (zoo.nn.expert_rounds),
-    whose tagged intermediates are its first round's blocks, `exchange_factor` x the mean rows per
-    (device, shard): more rows than the traced program's (one data-parallel rank, no mesh) assignments."""
-    m = config.moe
-    ep = logical_ways(rules, sizes, "experts") if rules and sizes else 1
-    return m is not None and ep > 1 and resolve_moe_impl(m.impl) == "ragged"
-
-
 def round_rows_factor(config, ep: int, assignments: int) -> float:
     """Rows one round of the dropless expert-parallel exchange runs the local experts on, against the
     device's `assignments` (tokens * k): `ep` blocks of `exchange_factor` x the mean (zoo.nn.expert_rounds)."""
@@ -1248,7 +1240,9 @@ def tag_costs(config, records, batch: int, seq: int, rules=None, sizes=None) -> 
     Tags the backward never reads are left out; the layer input can be kept or offloaded, not
     recomputed."""
     by_tag: dict[str, TagCost] = {}
-    rounds = exchanges_in_rounds(config, rules, sizes)
+    # The dropless expert-parallel exchange's tagged intermediates are its first round's blocks,
+    # `exchange_factor` x the mean rows per (device, shard): more than the traced program's assignments.
+    rounds = config.moe is not None and bool(rules and sizes) and exchanges_in_rounds(config.moe.impl, rules, sizes)
     for r in records:
         if r.tag in backward_never_reads(config):
             continue

@@ -166,7 +166,7 @@ def routed_experts(trainer) -> Optional[dict]:
 def scale_report(trainer, compiled, partitioned_text: Optional[str]) -> dict:
     """inspect.json's `scale` (docs/offload.md, "The scale report")."""
     sizes = trainer.plan.mesh.sizes
-    per_device_batch = trainer.plan.microbatch // max(1, _batch_ways(trainer))
+    per_device_batch = trainer.plan.microbatch // max(1, logical_ways(trainer.rules, sizes, "batch"))
     return {
         "devices": int(trainer.mesh.devices.size),
         "mesh": dict(sizes),
@@ -192,11 +192,6 @@ def compile_step(trainer, lowered):
     if trainer.mesh.devices.size == 1:
         return lowered.compile(), None
     return hlo.compile_with_partitioned_hlo(lowered)
-
-
-def _batch_ways(trainer) -> int:
-    sizes = trainer.plan.mesh.sizes
-    return math.prod(sizes[a] for a in dict.fromkeys(trainer.rules.get("batch", [])) if a in sizes)
 
 
 def _routed_experts_line(moe: dict) -> str:

@@ -24,7 +24,7 @@ from zoo.lora import check as check_lora
 from zoo.nn.attention_kernels import min_blockwise_seq, resolve_impl
 from zoo.nn.moe import resolve_moe_impl
 from zoo.nn.expert_rounds import round_block
-from zoo.nn.moe_dispatch import check_expert_parallel
+from zoo.nn.moe_dispatch import check_expert_parallel, exchanges_in_rounds
 from zoo.offload import OffloadConfig, check_tags_emitted
 from zoo.sharding import (
     CONTEXT, CONTEXT_BALANCED, DEFAULT_RULES, MESH_AXES, MeshShape, ShardingError, check_replication, logical_ways,
@@ -685,9 +685,9 @@ def exchange_rounds_block(c: TrainConfig, sizes: dict, microbatch: int) -> Optio
     """Rows one device sends one expert shard per round of the dropless expert-parallel exchange
     (zoo.nn.expert_rounds.round_block); None unless the run is dropless and expert-parallel."""
     m = c.model
-    ep = logical_ways(c.mesh.rules, sizes, "experts")
-    if not m.num_moe_layers or ep <= 1 or resolve_moe_impl(m.moe.impl) != "ragged":
+    if not m.num_moe_layers or not exchanges_in_rounds(m.moe.impl, c.mesh.rules, sizes):
         return None
+    ep = logical_ways(c.mesh.rules, sizes, "experts")
     k, experts = m.moe.num_experts_per_tok, m.moe.n_routed_experts
     return round_block(routed_tokens_per_device(c, sizes, microbatch), k, ep, experts // ep, m.moe.exchange_factor)
 

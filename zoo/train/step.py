@@ -33,6 +33,7 @@ from zoo.hf import CheckpointError, load_sharded
 from zoo.loss import chunked_next_token_loss, target_weights
 from zoo.nn.attention_kernels import segments_bound
 from zoo.nn.moe import router_statistics
+from zoo.nn.moe_dispatch import exchanges_in_rounds
 from zoo.offload import remat_policy
 from zoo.train.run_config import ConfigError, OptimizerConfig, Plan, TrainConfig
 from zoo.train.update import UPDATE_SCOPE, accumulate, global_norm, streamed_update, whole_tree_update, zeros_where
@@ -129,7 +130,7 @@ class Trainer:
         rules = cfg.mesh.rules
         self.rules = rules
         # The dropless expert-parallel exchange runs a round count the routing decides (zoo.nn.expert_rounds).
-        self.exchanges_in_rounds = plan.moe_impl == "ragged" and zs.logical_ways(rules, plan.mesh.sizes, "experts") > 1
+        self.exchanges_in_rounds = plan.moe_impl is not None and exchanges_in_rounds(plan.moe_impl, rules, plan.mesh.sizes)
         abstract = zoo_model.abstract(cfg.model)
         self.abstract_params, self.static = eqx.partition(abstract, is_array_like)
         # LoRA: the trainable `params` are the adapters (zoo.lora); the frozen base is the state's
