@@ -318,242 +318,71 @@ def test_resolve_impl():
     assert resolve_impl("auto", qk_dim=192, v_dim=128, **{**hopper, "compute_capability": (8, 0)}) == "blockwise"
     assert resolve_impl("auto", qk_dim=64, v_dim=64, **{**hopper, "dtype": jnp.float32}) == "blockwise"
     assert resolve_impl("auto", qk_dim=64, v_dim=64, has_segments=True, **hopper) == "blockwise"
+    # TPU: splash wherever the sequence tiles in 128s (sinks, segments, odd head dims included)
+    tpu = dict(backend="tpu", dtype=jnp.bfloat16, qk_dim=72, v_dim=40, has_sinks=True, has_segments=True)
+    assert resolve_impl("auto", seq_len=2048, **tpu) == "splash"
+    assert resolve_impl("auto", seq_len=2000, **tpu) == "blockwise" and resolve_impl("auto", seq_len=200, **tpu) == "xla"
+    assert resolve_impl("auto", seq_len=2048, decoding=True, **tpu) == "xla"
 
 
-@pytest.mark.parametrize(
-    "impl, kw, reason",
-    [
-        ("cudnn", dict(backend="cpu"), "needs a GPU"),
-        ("cudnn", dict(qk_dim=512, v_dim=512), "head dims"),
-        ("cudnn", dict(has_sinks=True), "sinks"),
-        ("cudnn", dict(dtype=jnp.float32), "bfloat16 or float16"),
-        ("cudnn", dict(decoding=True), "decoding"),
-        ("flash", {}, "'flash'"),
-    ],
-)
-def test_bad_choices_name_the_setting_and_the_valid_ones(impl, kw, reason):
-    base = dict(backend="gpu", dtype=jnp.bfloat16, qk_dim=128, v_dim=128, seq_len=4096, compute_capability=(9, 0))
-    with pytest.raises(ValueError) as err:
-        resolve_impl(impl, **{**base, **kw})
-    message = str(err.value)
-    assert message.startswith("model.attention_impl: ") and reason in message and "\n" not in message
-    assert message.endswith("valid choices: auto, xla, blockwise, cudnn")
+# Splash in Pallas' interpret mode (the TPU kernel, run as XLA loops on the CPU) against the XLA path:
+# GQA with odd head dims, a window shorter than the sequence, sinks, packed documents, no causality.
+SPLASH_CASES = {
+    "gqa_odd_dims": {},
+    "window_shorter_than_sequence": dict(window=37),
+    "sinks_window_segments": dict(window=130, sinks=True, segments=True),
+    "not_causal": dict(causal=False),
+}
 
 
-def test_cudnn_on_cpu_is_refused_by_attend():
-    q, k, v = make()
-    with pytest.raises(ValueError, match="model.attention_impl: cudnn needs a GPU"):
-        attend(q, k, v, scale=SCALE, impl="cudnn")
+@pytest.mark.parametrize("case", SPLASH_CASES)
+def test_splash_matches_xla_outputs_and_gradients(case):
+    from zoo.backend import pallas_interpreted
+
+    kw = dict(SPLASH_CASES[case])
+    q, k, v = make(q_len=256, heads=4, kv_heads=2, qk=72, v=40)
+    args = [q, k, v]
+    if kw.pop("sinks", False):
+        args.append(jnp.linspace(-1.0, 2.0, 4))
+    if kw.pop("segments", False):
+        kw["segment_ids"] = jnp.asarray(np.repeat([[0] * 100 + [1] * 156], 2, axis=0), jnp.int32)
+
+    def loss(impl):
+        def f(q, k, v, sinks=None):
+            out = attend(q, k, v, scale=0.3, impl=impl, sinks=sinks, **kw)
+            return jnp.sum(jnp.sin(out) * out)
+
+        return jax.value_and_grad(f, argnums=tuple(range(len(args))))
+
+    with pytest.raises(ValueError, match="splash is a TPU kernel"):
+        loss("splash")(*args)  # refused outside the interpreted block on a CPU
+    with pytest.raises(ValueError, match="not a multiple of 128"):
+        with pallas_interpreted():
+            attend(q[:, :100], k[:, :100], v[:, :100], scale=0.3, impl="splash")
+    with pallas_interpreted():
+        value, grads = jax.jit(loss("splash"))(*args)
+    want_value, want_grads = jax.jit(loss("xla"))(*args)
+    assert np.isclose(value, want_value, rtol=1e-5)
+    for g, want in zip(grads, want_grads):
+        np.testing.assert_allclose(g, want, atol=2e-5 * float(jnp.abs(want).max()))
 
 
-def test_bad_blocks_and_shapes_are_refused():
-    q, k, v = make()
-    with pytest.raises(ValueError, match="block_q and block_k must be positive"):
-        attend(q, k, v, scale=SCALE, impl="blockwise", block_q=0)
-    with pytest.raises(ValueError, match="window"):
-        attend(q, k, v, scale=SCALE, impl="xla", window=4, causal=False)
-    with pytest.raises(ValueError, match="kv_segment_ids"):
-        attend(q, k[:, :5], v[:, :5], scale=SCALE, impl="xla", segment_ids=jnp.zeros(q.shape[:2], jnp.int32))
+def test_splash_names_its_residuals_with_the_tag():
+    """A policy that keeps the tag keeps splash's output (in its head-major layout) and logsumexp,
+    so its backward recomputes no attention; one that keeps nothing keeps neither."""
+    from zoo import tags
+    from zoo._compat import saved_residuals
+    from zoo.backend import pallas_interpreted
 
+    q, k, v = make(q_len=128, heads=2, kv_heads=1, qk=16, v=16)
 
-@pytest.mark.parametrize("impl, balanced", [pytest.param("xla", False, marks=pytest.mark.slow), ("blockwise", False),  # xla: 11 s
-                                            pytest.param("xla", True, marks=pytest.mark.slow), ("blockwise", True)])
-def test_context_shards_match_the_whole_sequence(impl, balanced):
-    # Context parallelism's kernel: 4 chunks of 12 queries, each against all 48 keys, with a window,
-    # sinks and packed segments. Blocks of 5 x 7 give several tiles per chunk, unaligned with the chunks,
-    # and the shards see different tile counts (the shorter rows padded with tiles that count for
-    # nothing). The shard index is traced, as a device's axis index is. Each chunk's rows, and the
-    # gradients summed over the chunks, equal attention over the whole sequence. Balanced: shard r's
-    # queries are the pieces r and 7 - r of 6 positions (blocks of 5 shrink to 3, dividing a piece).
-    shards, chunk = 4, 12
-    q, k, v = make(q_len=shards * chunk)
-    sinks, segments = sinks_for(q.shape[2]), packed_segments(q.shape[0], q.shape[1])
-    kw = dict(scale=SCALE, window=15)
-    half = chunk // 2
+    def f(q, k, v):
+        return jnp.sum(attend(q, k, v, scale=0.3, impl="splash", tag=tags.CONTEXT) ** 2)
 
-    def rows(r):  # the sequence positions of shard r's queries, in its order
-        if not balanced:
-            return np.arange(r * chunk, (r + 1) * chunk)
-        return np.concatenate([np.arange(r * half, (r + 1) * half), np.arange((2 * shards - 1 - r) * half, (2 * shards - r) * half)])
+    def kernel_outputs(policy):
+        with pallas_interpreted():
+            saved = saved_residuals()(jax.checkpoint(f, policy=policy), q, k, v)
+        return sorted(r[0].shape for r in saved if "_splash_attention" in r[1])
 
-    @jax.jit
-    def one_chunk(q_chunk, seg, k, v, sinks, shard):
-        return A.context_shard_attention(q_chunk, k, v, shard=shard, shards=shards, impl=impl, sinks=sinks, segment_ids=seg,
-                                         kv_segment_ids=segments, block_q=5, block_k=7, balanced=balanced, **kw)
-
-    def chunked(q, k, v, sinks):
-        outs = [one_chunk(q[:, rows(r)], segments[:, rows(r)], k, v, sinks, jnp.int32(r)) for r in range(shards)]
-        order = np.argsort(np.concatenate([rows(r) for r in range(shards)]))
-        return jnp.concatenate(outs, axis=1)[:, order]
-
-    def whole(q, k, v, sinks):
-        return attend(q, k, v, impl="xla", sinks=sinks, segment_ids=segments, **kw)
-
-    def loss(f):
-        def scalar(*args):  # weighs every output element differently, so the gradients see each
-            out = f(*args)
-            return (out * jnp.cos(jnp.arange(out.size, dtype=jnp.float32)).reshape(out.shape)).sum()
-
-        return scalar
-
-    np.testing.assert_allclose(chunked(q, k, v, sinks), whole(q, k, v, sinks), atol=1e-5)
-    got, want = (jax.grad(loss(f), argnums=(0, 1, 2, 3))(q, k, v, sinks) for f in (chunked, whole))
-    for a, b in zip(got, want):
-        np.testing.assert_allclose(a, b, atol=2e-5)
-
-
-def test_balanced_context_shards_share_the_causal_work():
-    # 131,072 positions over 16 context ranks in 256 x 256 tiles (docs/scale.md's long-context run):
-    # contiguous chunks make every device wait for the last one's tiles, about twice the average;
-    # the balanced pieces (r and 31 - r) give every device nearly the same count.
-    def steps(pieces):
-        t = A._Tiling(8192, 131072, 256, 256, 1.0, True, None, 0, 16, pieces)
-        ii, _, ok = t.shard_pairs()
-        return ii.shape[1], ok.sum(axis=1)
-
-    (plain, plain_rows), (balanced, balanced_rows) = steps(1), steps(2)
-    assert plain_rows.sum() == balanced_rows.sum()  # the same tiles, dealt out differently
-    assert plain == plain_rows.max() > 1.9 * plain_rows.mean()
-    assert balanced == balanced_rows.max() < 1.01 * balanced_rows.mean()
-
-
-def test_context_shards_refuse_cudnn():
-    q, k, v = make(q_len=8, kv_len=16)
-    with pytest.raises(ValueError, match=r"^model.attention_impl: cudnn cannot run context-parallel attention"):
-        A.context_shard_attention(q, k, v, shard=jnp.int32(1), shards=2, scale=SCALE, impl="cudnn")
-
-
-@pytest.mark.parametrize("dims", [(8, 8), (16, 8)])
-def test_cudnn_plumbing_with_xla_in_place_of_cudnn(monkeypatch, dims):
-    """What cudnn_attention passes on (the window as jax.nn's (left, 0) window, v zero-padded to the
-    q/k dim and sliced back where cuDNN lacks unequal dims) checked with JAX's XLA implementation
-    standing in for cuDNN. cuDNN itself needs a GPU: not run here."""
-    from zoo._compat import cudnn_fused_attention
-
-    fa = cudnn_fused_attention()
-
-    real = jax.nn.dot_product_attention
-
-    def public(*args, implementation=None, **kw):
-        assert implementation == "cudnn"
-        return real(*args, implementation="xla", **kw)
-
-    def lowering(q, k, v, *, scale, mask_type, sliding_window_length=None):
-        assert mask_type == fa.MaskType.CAUSAL
-        window = None if sliding_window_length is None else (sliding_window_length - 1, 0)
-        return real(q, k, v, scale=scale, is_causal=True, local_window_size=window, implementation="xla")
-
-    monkeypatch.setattr(jax.nn, "dot_product_attention", public)
-    monkeypatch.setattr(fa, "dot_product_attention", lowering)
-    q, k, v = make(q_len=17, heads=4, kv_heads=2, qk=dims[0], v=dims[1])
-    for window in (None, 5):
-        got = A.cudnn_attention(q, k, v, scale=SCALE, window=window)
-        want = attend(q, k, v, scale=SCALE, impl="xla", window=window)
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
-
-
-def test_segments_to_packed():
-    ids = np.array([[0, 0, 1, 1, 1, 2, 2, 2], [5, 5, 5, 5, 5, 5, 5, 5], [0, 1, 2, 3, 4, 5, 6, 7]])
-    lengths, starts = segments_to_packed(jnp.asarray(ids, jnp.int32), 3)
-    want_lengths, want_starts = [], []
-    for row in ids:
-        runs = []  # [start, length] of each run of equal ids
-        for i, x in enumerate(row):
-            if i and x == row[i - 1]:
-                runs[-1][1] += 1
-            else:
-                runs.append([i, 1])
-        runs = runs[:3]
-        want_lengths.append([r[1] for r in runs] + [-1] * (3 - len(runs)))
-        want_starts.append([r[0] for r in runs] + [-1] * (4 - len(runs)))
-    np.testing.assert_array_equal(np.asarray(lengths), want_lengths)
-    np.testing.assert_array_equal(np.asarray(starts), want_starts)
-
-
-# --- what blockwise saves ------------------------------------------------------------------------
-
-
-def grad_program(impl, seq, window=None, batch=1, heads=2, kv_heads=1, dim=32):
-    def loss(q, k, v):
-        return attend(q, k, v, scale=dim**-0.5, impl=impl, window=window, block_q=512, block_k=512).sum()
-
-    shapes = [(batch, seq, heads, dim), (batch, seq, kv_heads, dim), (batch, seq, kv_heads, dim)]
-    return jax.value_and_grad(loss, argnums=(0, 1, 2)), [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]
-
-
-def test_compiled_temporary_memory_grows_linearly_for_blockwise():
-    temp = {}
-    for impl in ("xla", "blockwise"):
-        for seq in (2048, 8192):
-            fn, args = grad_program(impl, seq)
-            temp[impl, seq] = jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
-    growth = {impl: temp[impl, 8192] / temp[impl, 2048] for impl in ("xla", "blockwise")}
-    assert growth["blockwise"] < 6, f"blockwise temp bytes grew {growth['blockwise']:.1f}x (T=2048->8192): {temp}"
-    assert growth["xla"] > 12, f"the XLA reference was expected to grow ~16x, got {growth['xla']:.1f}x: {temp}"
-
-
-def dot_flops(jaxpr) -> int:
-    """Matmul FLOPs of a jaxpr, loop bodies times their trip counts.
-
-    (XLA's compiled cost_analysis() counts a while loop's body once, whatever its trip count, so it
-    cannot see how many tiles the scan visits.)"""
-    total = 0
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            (contract, _), _ = eqn.params["dimension_numbers"]
-            lhs = eqn.invars[0].aval.shape
-            total += 2 * math.prod(eqn.outvars[0].aval.shape) * math.prod(lhs[d] for d in contract)
-        times = eqn.params["length"] if eqn.primitive.name == "scan" else 1
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (list, tuple)) else (value,):
-                if isinstance(sub, jex_core.ClosedJaxpr):
-                    sub = sub.jaxpr
-                if isinstance(sub, jex_core.Jaxpr):
-                    assert eqn.primitive.name != "while", "a while loop's trip count is unknown here"
-                    total += times * dot_flops(sub)
-    return total
-
-
-def test_sliding_window_blockwise_flops_grow_linearly():
-    flops = {}
-    for impl in ("xla", "blockwise"):
-        for seq in (2048, 8192):
-            fn, args = grad_program(impl, seq, window=256)
-            flops[impl, seq] = dot_flops(jax.make_jaxpr(fn)(*args).jaxpr)
-    growth = {impl: flops[impl, 8192] / flops[impl, 2048] for impl in ("xla", "blockwise")}
-    assert growth["blockwise"] < 4.5, f"windowed blockwise FLOPs grew {growth['blockwise']:.2f}x for 4x tokens: {flops}"
-    assert growth["xla"] > 15, f"the XLA reference was expected to grow 16x, got {growth['xla']:.2f}x: {flops}"
-    # Causal: 16 x 16 tiles of 512, of which the 136 on or below the diagonal are visited, each with
-    # 7 matmuls (2 forward, 5 backward: Q K^T is recomputed) against the reference's 6.
-    causal = {}
-    for impl in ("xla", "blockwise"):
-        fn, args = grad_program(impl, 8192)
-        causal[impl] = dot_flops(jax.make_jaxpr(fn)(*args).jaxpr)
-    assert causal["blockwise"] == pytest.approx(causal["xla"] * 7 / 6 * 136 / 256, rel=1e-3), causal
-
-
-@pytest.mark.parametrize("name", ["llama_tiny_a", "dsv3_tiny_a"])
-def test_one_layers_forward_and_backward_temp_bytes_grow_linearly_with_blockwise(name):
-    """A whole decoder layer (norms, q/k/v or MLA projections, RoPE, attention, MLP or MoE), value and
-    gradients with respect to its weights and input: with the XLA path the T x T scores dominate the
-    compiled temporary memory (16x for 4x the tokens); with blockwise only the linear parts grow."""
-    from zoo.config import SIZES
-    from zoo.model import make_block
-
-    temp = {}
-    for impl in ("xla", "blockwise"):
-        config = SIZES[name].replace(attention_impl=impl, max_position_embeddings=8192)
-        spec = config.layer_spec(config.num_layers - 1)  # the MoE layer of DeepSeek-V3's tiny size
-        block = eqx.filter_eval_shape(make_block, config, spec, jax.random.key(0))
-
-        def loss(block, x):
-            return block(x, jnp.arange(x.shape[1]))[0].astype(jnp.float32).sum()
-
-        for seq in (2048, 8192):
-            x = jax.ShapeDtypeStruct((1, seq, config.hidden_size), jnp.dtype(config.compute_dtype))
-            fn = jax.jit(lambda b, x: jax.value_and_grad(loss, argnums=(0, 1))(b, x))
-            temp[impl, seq] = fn.lower(block, x).compile().memory_analysis().temp_size_in_bytes
-    growth = {impl: temp[impl, 8192] / temp[impl, 2048] for impl in ("xla", "blockwise")}
-    assert growth["blockwise"] < 6, f"{name}: one layer's temp bytes grew {growth['blockwise']:.1f}x with blockwise: {temp}"
-    assert growth["xla"] > 12, f"{name}: the XLA path was expected to grow ~16x, got {growth['xla']:.1f}x: {temp}"
-    assert temp["blockwise", 8192] * 4 < temp["xla", 8192], temp
+    assert kernel_outputs(jax.checkpoint_policies.save_only_these_names(tags.CONTEXT)) == [(2, 1, 2, 128), (2, 1, 2, 128, 16)]
+    assert kernel_outputs(jax.checkpoint_policies.nothing_saveable) == []

@@ -101,12 +101,14 @@ def test_gpu_host_pool_is_the_profiles_node_budget_when_anything_is_on_host(prof
 
 
 def test_gpu_host_pool_set_before_jax_starts(tmp_path):
-    """train.py's startup sets the cap before JAX reads it and records it in summary.json."""
+    """train.py's startup sets the cap before JAX reads it and records it in summary.json. (A GPU's
+    profile would be refused on this CPU: the CPU's, given gb200's host memory.)"""
     import json
 
     argv = [sys.executable, str(ROOT / "train.py"), "model=llama_tiny_a", "mesh=single", "xla.cpu_devices=1", "data.batch_size=2",
             "data.seq_len=16", "trainer.steps=1", "trainer.progress=false", "xla.cpu_fast_compile=true", "offload=optimizer_host",
-            "hardware=gb200", f"hydra.run.dir={tmp_path / 'run'}"]  # fmt: skip
+            "hardware=cpu", "hardware.host_bytes_per_device=240000000000", "hardware.devices_per_node=4",
+            f"hydra.run.dir={tmp_path / 'run'}"]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"}
     p = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]

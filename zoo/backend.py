@@ -3,15 +3,21 @@
 Zoo's maths is the same on every backend; what differs is how it is compiled and which of two
 equivalent programs runs faster. Those choices live here, each with the measurement behind it, and
 the modules that act on them read `choices(platform)` instead of testing the platform themselves.
-train.py prints the record at startup (`describe`). Only XLA:CPU has measured choices: elsewhere
-XLA's defaults and the paths a GPU is expected to prefer.
+train.py prints the record at startup (`describe`). XLA:CPU and TPU have measured choices (TPU:
+docs/benchmarks.md, "TPU v5e"); a GPU takes XLA's defaults and the paths it is expected to prefer.
 
 (Not a choice of this record: the attention kernel's `auto`, which
-`zoo.nn.attention_kernels.resolve_impl` resolves from what cuDNN supports and `blockwise_from_seq`
-below.)
+`zoo.nn.attention_kernels.resolve_impl` resolves from `fused_attention` below, what cuDNN supports
+and `blockwise_from_seq`.)
 """
 
+import contextlib
+import contextvars
 import dataclasses
+import importlib.util
+import os
+import pathlib
+from collections.abc import Iterator
 from typing import Optional
 
 import jax
@@ -57,13 +63,28 @@ class BackendChoices:
     # 256 with 8 experts (0.71x and 0.79x with 32), timed as docs/notes.md's MoE entry says. Elsewhere
     # not measured: 256.
     grouped_matmul_tile: int = 256
+    # How the dropless experts' grouped matmul runs (zoo.nn.grouped_matmul): "tiles" (a loop over
+    # tiles of rows, any backend), "megablox" (the Pallas TPU kernel `gmm`, falling back to
+    # "ragged_dot" for widths its tiles cannot cut), "ragged_dot" (`lax.ragged_dot`, native on TPU).
+    # TPU v5e, value and gradient of 16 experts x 2048 rows, 512 -> 512, bf16: megablox (512-row
+    # tiles) 1.31 ms, ragged_dot 1.40, tiles 2.53-5.28; 8 x 1024 rows, 4096 -> 8192: 13.3 / 28.0 /
+    # 20.4-41.1 ms (docs/benchmarks.md, "TPU v5e").
+    grouped_matmul: str = "tiles"
+    # The fused attention kernel `model.attention_impl=auto` takes where it can run the case (None:
+    # none; cuDNN on a GPU is resolve_impl's own rule). TPU: Pallas splash attention, which ran
+    # llama_1b's attention (8 x 2048, 32 heads over 8, head dim 64, value and gradient) in 13.2 ms
+    # against 17.9 for blockwise and 51.4 for XLA's, and 32.8 / 62.4 ms at 2 x 8192 (XLA's: out of
+    # memory).
+    fused_attention: Optional[str] = None
 
     def describe(self) -> str:
         """One line for train.py's startup output."""
         if self.platform != "cpu":
+            fused = f"{self.fused_attention} attention where it runs the case, else " if self.fused_attention else ""
             return (
-                f"backend {self.platform} (zoo.backend): XLA's default compile options; blockwise attention from "
-                f"{self.blockwise_from_seq} positions; expert tiles of {self.grouped_matmul_tile} rows"
+                f"backend {self.platform} (zoo.backend): XLA's default compile options; {fused}blockwise attention from "
+                f"{self.blockwise_from_seq} positions; routed experts' grouped matmul: {self.grouped_matmul}"
+                + (f" (tiles of {self.grouped_matmul_tile} rows)" if self.grouped_matmul == "tiles" else "")
             )
         return (
             f"backend cpu (zoo.backend): LLVM's optimisations for steps from {self.step_llvm_from_run_flops / 1e12:g} TFLOP per run "
@@ -86,7 +107,79 @@ CPU = BackendChoices(
 )
 
 
+TPU = BackendChoices(platform="tpu", grouped_matmul="megablox", fused_attention="splash")
+
+
 def choices(platform: Optional[str] = None) -> BackendChoices:
-    """The record for `platform` ("cpu", "gpu", "tpu"; None: JAX's default backend)."""
-    platform = platform or jax.default_backend()
-    return CPU if platform == "cpu" else BackendChoices(platform=platform)
+    """The record for `platform` ("cpu", "gpu", "tpu"; None: the platform being traced for,
+    `target_platform`)."""
+    platform = platform or target_platform()
+    return {"cpu": CPU, "tpu": TPU}.get(platform) or BackendChoices(platform=platform)
+
+
+_TARGET: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("zoo_target_platform", default=None)
+
+
+def target_platform() -> str:
+    """The platform the program being traced is for: JAX's default backend, or the one
+    `lowering_for` names (a TPU program compiled ahead of time on a machine without one)."""
+    return _TARGET.get() or jax.default_backend()
+
+
+@contextlib.contextmanager
+def lowering_for(platform: str) -> Iterator[None]:
+    """While tracing inside this block, the backend choices and kernels are those of `platform`
+    (`jax.jit(...).lower(...)` on abstract values placed on that platform's devices, e.g. a TPU
+    topology from `jax.experimental.topologies`)."""
+    token = _TARGET.set(platform)
+    try:
+        yield
+    finally:
+        _TARGET.reset(token)
+
+
+def expected_platform(environ=os.environ) -> str:
+    """The platform JAX will start on ("cpu", "gpu", "tpu"), told before it starts (XLA reads its
+    flags once, when the first backend starts, so the flags a backend does not read are left out
+    from the start): JAX_PLATFORMS' first entry if set, else a TPU where libtpu is installed and the
+    machine has TPU chips, a GPU where a CUDA plugin is installed, else the CPU."""
+    wanted = [p.strip() for p in environ.get("JAX_PLATFORMS", "").split(",") if p.strip()]
+    if wanted:
+        return {"cuda": "gpu", "rocm": "gpu"}.get(wanted[0], wanted[0])
+    if (importlib.util.find_spec("libtpu") is not None or environ.get("TPU_LIBRARY_PATH")) and _has_tpu_chips():
+        return "tpu"
+    if any(importlib.util.find_spec(m) is not None for m in ("jax_cuda13_plugin", "jax_cuda12_plugin")):
+        return "gpu"
+    return "cpu"
+
+
+def _has_tpu_chips() -> bool:
+    """TPU chips show as /dev/accel* (v4 and later) or /dev/vfio/* (v5e and later, some images)."""
+    dev = pathlib.Path("/dev")
+    return any(dev.glob("accel*")) or any(p.name != "vfio" for p in (dev / "vfio").glob("*"))
+
+
+# --- Pallas TPU kernels on another backend --------------------------------------------------------
+
+_INTERPRET: contextvars.ContextVar[bool] = contextvars.ContextVar("zoo_pallas_interpret", default=False)
+
+
+@contextlib.contextmanager
+def pallas_interpreted() -> Iterator[None]:
+    """While tracing inside this block, the Pallas TPU kernels (splash attention, megablox's grouped
+    matmul) may be chosen on any backend and run in Pallas' interpret mode: the same kernels, as
+    slow XLA loops. How the CPU tests check them against the XLA paths; never a speed choice."""
+    token = _INTERPRET.set(True)
+    try:
+        yield
+    finally:
+        _INTERPRET.reset(token)
+
+
+def pallas_interpret(platform: Optional[str] = None) -> Optional[bool]:
+    """How a Pallas TPU kernel runs here: False compiled (on a TPU), True interpreted (inside
+    `pallas_interpreted`), None not at all (another backend)."""
+    platform = platform or target_platform()
+    if platform == "tpu":
+        return False
+    return True if _INTERPRET.get() else None

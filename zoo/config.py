@@ -26,7 +26,7 @@ MOE_IMPLS = ("auto", "ragged", "capacity")
 ROUTERS = ("sigmoid_grouped", "softmax", "topk_softmax")
 EXPERT_ACTIVATIONS = ("silu", "clamped_swiglu")
 MLP_ACTIVATIONS = ("silu", "gelu_tanh")
-ATTENTION_IMPLS = ("auto", "xla", "blockwise", "cudnn")
+ATTENTION_IMPLS = ("auto", "xla", "blockwise", "cudnn", "splash")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 DTYPES = ("float32", "bfloat16", "float16")
 # What a dtype argument accepts: a name of DTYPES, a numpy / jnp dtype or a scalar type (jnp.bfloat16);
@@ -263,7 +263,8 @@ class ModelConfig:
     param_dtype: DTypeLike = "float32"
     compute_dtype: DTypeLike = "float32"
     # xla: the reference einsum path (materialises the T x T scores). blockwise: flash-style online
-    # softmax in JAX. cudnn: cuDNN's fused kernel (GPU). auto: see zoo.nn.attention_kernels.resolve_impl.
+    # softmax in JAX. cudnn: cuDNN's fused kernel (GPU). splash: Pallas splash attention (TPU). auto: see
+    # zoo.nn.attention_kernels.resolve_impl.
     attention_impl: str = "auto"
 
     def __post_init__(self):

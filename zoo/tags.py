@@ -129,11 +129,12 @@ def declares(cls):
     return cls
 
 
-def tag(x, name: str):
+def tag(x, name: str, *, checkpoint: bool = True):
     """Name an intermediate for checkpoint policies. Only names of the vocabulary are allowed.
 
     While `zoo.capture` traces a model and asks for `name`, the value is also kept for it (see
-    `layer_scope`)."""
+    `layer_scope`). `checkpoint=False` only keeps it for a capture: for a value whose policy-visible
+    residuals a kernel names itself (splash attention), which a second name would save twice."""
     if name not in TAGS:
         raise ValueError(f"unknown tag {name!r}: no block declares it (a block's EMITS); the vocabulary is {sorted(TAGS)}")
     scope = _LAYER_SCOPE.get()
@@ -141,7 +142,7 @@ def tag(x, name: str):
         if name in scope:
             raise ValueError(f"tag {name!r} was emitted twice in one layer; a capture holds one value per layer")
         scope[name] = x
-    return checkpoint_name(x, name)
+    return checkpoint_name(x, name) if checkpoint else x
 
 
 # --- capturing tagged values (`zoo.capture`) ----------------------------------------------------

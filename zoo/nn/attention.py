@@ -157,7 +157,7 @@ class GQAttention(eqx.Module):
         return self.rope(q, positions), self.rope(k, positions), v
 
     def _output(self, context):
-        context = tags.tag(context, tags.CONTEXT)
+        """The out projection of the (already tagged) attention output."""
         out = project("BTNH,NHD->BTD", context, self.wo, self.compute_dtype)
         if self.bo is not None:
             out = out + self.bo.astype(self.compute_dtype)
@@ -168,13 +168,14 @@ class GQAttention(eqx.Module):
         if context_parallel():  # each device its own query chunk, the keys and values gathered once
             context = context_attention(q, k, v, kv_logical="kv_heads", scale=self.scale, impl=self.impl, window=self.window,
                                         sinks=self.sinks, segment_ids=segment_ids)
-            return self._output(context), k, v
+            return self._output(tags.tag(context, tags.CONTEXT)), k, v
         # Whole sequences into the kernel (split over heads): never sequence shards, which the
         # blockwise kernel's tiles would gather one by one.
         q = zs.sequence_gathered(q, ("batch", None, "heads", None))
         k = zs.sequence_gathered(k, ("batch", None, "kv_heads", None))
         v = zs.sequence_gathered(v, ("batch", None, "kv_heads", None))
-        context = attend(q, k, v, scale=self.scale, impl=self.impl, window=self.window, sinks=self.sinks, segment_ids=segment_ids)
+        context = attend(q, k, v, scale=self.scale, impl=self.impl, window=self.window, sinks=self.sinks, segment_ids=segment_ids,
+                         tag=tags.CONTEXT)
         context = zs.sequence_gathered(context, ("batch", None, "heads", None))  # and so its gradient, in the backward
         return self._output(context), k, v
 
@@ -205,5 +206,6 @@ class GQAttention(eqx.Module):
         cache = KVCache(write(cache.k, k[:, 0], positions), write(cache.v, v[:, 0], positions))
         # Causality and the window are the slots' business (zoo.nn.cache): every visible slot counts.
         visible = visible_slots(positions, cache.k.shape[1])
-        context = attend(q, cache.k, cache.v, scale=self.scale, impl="xla", causal=False, sinks=self.sinks, kv_valid_len=visible)
+        context = attend(q, cache.k, cache.v, scale=self.scale, impl="xla", causal=False, sinks=self.sinks, kv_valid_len=visible,
+                         tag=tags.CONTEXT)
         return self._output(context), cache

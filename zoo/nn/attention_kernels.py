@@ -1,5 +1,6 @@
 """Attention kernels as pure functions: an XLA reference, a blockwise (flash-style) pure-JAX path with
-its own backward, and cuDNN's fused kernel, behind one entry point, `attend`.
+its own backward, cuDNN's fused kernel (GPU) and Pallas splash attention (TPU), behind one entry
+point, `attend`.
 
 Semantics shared by every path (the XLA path is the reference):
 
@@ -25,10 +26,12 @@ from jax.custom_derivatives import SymbolicZero, linear_call
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from zoo import tags as zoo_tags
 from zoo._compat import linear_call_vmappable
 from zoo.backend import choices as backend_choices
+from zoo.backend import pallas_interpret, target_platform
 
-IMPLS = ("auto", "xla", "blockwise", "cudnn")
+IMPLS = ("auto", "xla", "blockwise", "cudnn", "splash")
 
 # Tiles of 256 x 256: on the 2-core CPU machine (bench/attention_kernels.py attention, in git at 6966f25; batch 1, 8
 # heads over 2, head dim 64, value and gradient) they were the fastest at T=4096 (1.2x faster than
@@ -90,9 +93,11 @@ def resolve_impl(
     decoding: bool = False,
     compute_capability: Optional[tuple[int, int]] = None,
 ) -> str:
-    """The attention path `impl` ("auto", "xla", "blockwise", "cudnn") stands for, or a ValueError.
+    """The attention path `impl` ("auto", "xla", "blockwise", "cudnn", "splash") stands for, or a
+    ValueError.
 
-    `auto`: cuDNN on GPU for half precision where it can do the case; otherwise blockwise from
+    `auto`: the backend's fused kernel where it can do the case (splash on TPU: `zoo.backend`),
+    cuDNN on GPU for half precision where it can; otherwise blockwise from
     `min_blockwise_seq(backend)` query positions on; otherwise XLA. Decoding (`q_offset` /
     `kv_valid_len`) is XLA only. `compute_capability` (major, minor) defaults to the first GPU's.
     """
@@ -102,6 +107,12 @@ def resolve_impl(
         if impl in ("auto", "xla"):
             return "xla"
         raise _bad(f"{impl} does not take q_offset / kv_valid_len (decoding); use xla or auto")
+    if impl == "splash" or (impl == "auto" and backend_choices(backend).fused_attention == "splash"):
+        splash_reason = _splash_refusal(backend, seq_len, kv_len=seq_len)
+        if impl == "splash" and splash_reason:
+            raise _bad(f"splash {splash_reason}")
+        if splash_reason is None:
+            return "splash"
     cudnn_reason = _cudnn_refusal(backend, dtype, qk_dim, v_dim, has_sinks, has_segments, max_segments, compute_capability)
     if impl == "cudnn":
         if cudnn_reason:
@@ -117,6 +128,16 @@ def resolve_impl(
 def min_blockwise_seq(backend: str) -> int:
     """The query length from which `auto` prefers the blockwise path to the XLA one (`zoo.backend`)."""
     return backend_choices(backend).blockwise_from_seq
+
+
+def _splash_refusal(backend: str, seq_len: int, kv_len: int) -> Optional[str]:
+    """Why splash attention cannot run this case, or None."""
+    if backend != "tpu" and pallas_interpret(backend) is None:
+        return f"is a TPU kernel (Pallas), and the backend is {backend}; use blockwise, xla or auto"
+    for name, n in (("query", seq_len), ("key", kv_len)):
+        if n % SPLASH_MIN_BLOCK:
+            return f"tiles the sequence in blocks of {SPLASH_MIN_BLOCK} or more, and the {name} length {n} is not a multiple of {SPLASH_MIN_BLOCK}"
+    return None
 
 
 def _cudnn_refusal(backend, dtype, qk_dim, v_dim, has_sinks, has_segments, max_segments, capability) -> Optional[str]:
@@ -159,6 +180,7 @@ def attend(
     block_q: int = DEFAULT_BLOCK_Q,
     block_k: int = DEFAULT_BLOCK_K,
     max_segments: Optional[int] = None,
+    tag: Optional[str] = None,
 ) -> Float[Array, "batch q_len heads v"]:
     """softmax(q k^T * scale + masks [+ sink]) v; see the module docstring for the semantics.
 
@@ -172,6 +194,11 @@ def attend(
     against a cache; a traced q_offset or any kv_valid_len takes the XLA path. The blockwise path
     also takes a Python int q_offset. `max_segments` bounds the segments per row for cuDNN's packed
     layout (segments must be contiguous runs there); None: the bound `segments_bound` sets, if any.
+
+    `tag` (a `zoo.tags` name): the output is tagged with it for checkpoint policies. Splash tags its
+    own residuals instead (the output in its head-major layout and the softmax statistics), so a
+    policy that keeps or offloads the tag spares the backward pass the attention's recomputation;
+    the returned output, a transpose of the tagged one, is then recomputed from it.
     """
     if max_segments is None and segment_ids is not None:
         max_segments = _MAX_SEGMENTS.get()
@@ -187,21 +214,29 @@ def attend(
     static_offset = q_offset is None or isinstance(q_offset, int)
     decoding = kv_valid_len is not None or not static_offset
     impl = resolve_impl(
-        impl, backend=jax.default_backend(), dtype=q.dtype, qk_dim=qk_dim, v_dim=v.shape[-1], seq_len=q_len,
+        impl, backend=target_platform(), dtype=q.dtype, qk_dim=qk_dim, v_dim=v.shape[-1], seq_len=q_len,
         has_sinks=sinks is not None, has_segments=segment_ids is not None, max_segments=max_segments,
         decoding=decoding,
     )
     offset = 0 if q_offset is None else q_offset
+    if impl == "splash":
+        if offset != 0 or kv_len != q_len:
+            raise _bad("splash aligns queries with keys from position 0 (q_offset 0, as many keys as queries)")
+        out = splash_attention(q, k, v, scale=scale, causal=causal, window=window, sinks=sinks, segment_ids=segment_ids,
+                               kv_segment_ids=kv_segment_ids, residual_tag=tag)
+        return out if tag is None else zoo_tags.tag(out, tag, checkpoint=False)
     if impl == "xla":
-        return xla_attention(q, k, v, scale=scale, causal=causal, window=window, sinks=sinks, segment_ids=segment_ids,
-                             kv_segment_ids=kv_segment_ids, q_offset=offset, kv_valid_len=kv_valid_len)
-    if impl == "blockwise":
-        return blockwise_attention(q, k, v, scale=scale, causal=causal, window=window, sinks=sinks, segment_ids=segment_ids,
-                                   kv_segment_ids=kv_segment_ids, q_offset=offset, block_q=block_q, block_k=block_k)
-    if offset != 0:
-        raise _bad("cudnn aligns queries with keys from position 0; q_offset must be 0")
-    return cudnn_attention(q, k, v, scale=scale, causal=causal, window=window, segment_ids=segment_ids,
-                           kv_segment_ids=kv_segment_ids, max_segments=max_segments)
+        out = xla_attention(q, k, v, scale=scale, causal=causal, window=window, sinks=sinks, segment_ids=segment_ids,
+                            kv_segment_ids=kv_segment_ids, q_offset=offset, kv_valid_len=kv_valid_len)
+    elif impl == "blockwise":
+        out = blockwise_attention(q, k, v, scale=scale, causal=causal, window=window, sinks=sinks, segment_ids=segment_ids,
+                                  kv_segment_ids=kv_segment_ids, q_offset=offset, block_q=block_q, block_k=block_k)
+    else:
+        if offset != 0:
+            raise _bad("cudnn aligns queries with keys from position 0; q_offset must be 0")
+        out = cudnn_attention(q, k, v, scale=scale, causal=causal, window=window, segment_ids=segment_ids,
+                              kv_segment_ids=kv_segment_ids, max_segments=max_segments)
+    return out if tag is None else zoo_tags.tag(out, tag)
 
 
 def _kv_segments(segment_ids, kv_segment_ids, q_len, kv_len):
@@ -497,7 +532,7 @@ def context_shard_attention(
     if impl not in IMPLS:
         raise _bad(f"got {impl!r}")
     if impl == "auto":
-        impl = "blockwise" if kv_len >= min_blockwise_seq(jax.default_backend()) else "xla"
+        impl = "blockwise" if kv_len >= min_blockwise_seq(target_platform()) else "xla"
     if balanced and q_len % 2:
         raise ValueError(f"attention: balanced context parallelism cuts each device's {q_len} queries in two halves")
     if impl == "xla":
@@ -641,6 +676,84 @@ def _flash_bwd(tiling, residuals, d_out):
     return dq.astype(qb.dtype), dk.astype(kb.dtype), dv.astype(vb.dtype), d_sink, None, None, None
 
 
+
+
+# --- splash (Pallas, TPU) -------------------------------------------------------------------------
+
+# Splash tiles the sequence in blocks that are multiples of 128 (the TPU's lanes); the largest of
+# SPLASH_BLOCKS that divides the sequence is taken. TPU v5e, llama_1b's attention at 8 x 2048 (value
+# and gradient): blocks of 1024 with the fused backward 13.2 ms, 512 fused 13.8, 512 unfused 17.0;
+# at 2 x 8192: 32.8, 40.1, 46.9 ms (docs/benchmarks.md, "TPU v5e").
+SPLASH_MIN_BLOCK = 128
+SPLASH_BLOCKS = (1024, 512, 256, 128)
+
+
+def _splash_block(n: int) -> int:
+    return next(b for b in SPLASH_BLOCKS if n % b == 0)
+
+
+@functools.lru_cache(maxsize=64)
+def _splash_kernel(q_len: int, kv_len: int, group: int, causal: bool, window: Optional[int], residual_tag: Optional[str], interpret: bool):
+    """A splash kernel for one kv head's `group` query heads (the multi-query form: GQA runs it per
+    kv head), its mask built once per shape (the kernel reads the mask's block structure, computed
+    from it in numpy, to skip the tiles it masks whole)."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+
+    shape = (q_len, kv_len)
+    if window is not None:
+        one = sm.LocalMask(shape, window_size=(window - 1, 0 if causal else None), offset=0)
+    elif causal:
+        one = sm.CausalMask(shape)
+    else:
+        one = sm.FullMask(shape)
+    bq, bk = _splash_block(q_len), _splash_block(kv_len)
+    blocks = sk.BlockSizes(block_q=bq, block_kv=bk, block_kv_compute=bk, block_q_dkv=bq, block_kv_dkv=bk,
+                           block_kv_dkv_compute=bk, use_fused_bwd_kernel=True)
+    return sk.make_splash_mqa_single_device(sm.MultiHeadMask([one] * group), block_sizes=blocks, residual_checkpoint_name=residual_tag,
+                                            interpret=interpret)
+
+
+def splash_attention(
+    q: Float[Array, "batch q_len heads qk"],
+    k: Float[Array, "batch kv_len kv_heads qk"],
+    v: Float[Array, "batch kv_len kv_heads v"],
+    *,
+    scale: float,
+    causal: bool = True,
+    window: Optional[int] = None,
+    sinks: Optional[Float[Array, " heads"]] = None,
+    segment_ids: Optional[Int[Array, "batch q_len"]] = None,
+    kv_segment_ids: Optional[Int[Array, "batch kv_len"]] = None,
+    residual_tag: Optional[str] = None,
+) -> Float[Array, "batch q_len heads v"]:
+    """Pallas splash attention (TPU; in Pallas' interpret mode inside `zoo.backend.pallas_interpreted`):
+    one multi-query kernel per kv head and row, its own backward (the fused dq/dk/dv kernel). The
+    sequence lengths must be multiples of 128 (`resolve_impl` says which cases run). The queries are
+    scaled before the kernel, in their own dtype. `residual_tag` names the residuals its backward
+    reads (its output and logsumexp), for checkpoint policies."""
+    batch, q_len, heads, qk_dim = q.shape
+    kv_len, kv_heads = k.shape[1], k.shape[2]
+    reason = _splash_refusal(target_platform(), q_len, kv_len)
+    if reason:
+        raise _bad(f"splash {reason}")
+    group = heads // kv_heads
+    kernel = _splash_kernel(q_len, kv_len, group, causal, window, residual_tag, bool(pallas_interpret()))
+    qh = (q * jnp.asarray(scale, q.dtype)).reshape(batch, q_len, kv_heads, group, qk_dim).transpose(0, 2, 3, 1, 4)
+    kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [batch, kv_heads, kv_len, dim]
+    sink = None if sinks is None else sinks.astype(jnp.float32).reshape(kv_heads, group)
+    kv_segment_ids = _kv_segments(segment_ids, kv_segment_ids, q_len, kv_len)
+
+    def one_row(qr, kr, vr, q_seg, kv_seg):
+        from jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_kernel import SegmentIds
+
+        seg = None if q_seg is None else SegmentIds(q=q_seg, kv=kv_seg)
+        per_head = jax.vmap(lambda qh_, kh_, vh_, s_: kernel(qh_, kh_, vh_, segment_ids=seg, sinks=s_), in_axes=(0, 0, 0, None if sink is None else 0))
+        return per_head(qr, kr, vr, sink)
+
+    out = jax.vmap(one_row, in_axes=(0, 0, 0, None if segment_ids is None else 0, None if segment_ids is None else 0))(
+        qh, kh, vh, segment_ids, kv_segment_ids)  # [batch, kv_heads, group, q_len, v]
+    return out.transpose(0, 3, 1, 2, 4).reshape(batch, q_len, heads, v.shape[-1])
 
 
 # --- cuDNN ---------------------------------------------------------------------------------------

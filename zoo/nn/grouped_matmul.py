@@ -15,6 +15,10 @@ its bound), so rows a worst-case buffer holds but nobody sent cost nothing. Memo
 
 Reverse mode is written out, as a custom JVP whose tangent is a `linear_call` (as `expert_matmul`):
 letting JAX differentiate the loop would stack every visit's weight slice as a residual.
+
+On a TPU the same contract has native kernels (`impl`, chosen per backend by `zoo.backend`):
+`lax.ragged_dot` and Pallas' megablox `gmm`, both with their own reverse mode. megablox's is a
+custom VJP, so forward mode (`jax.jvp`) through it is not defined; ragged_dot and the tiles take it.
 """
 
 import functools
@@ -26,6 +30,9 @@ from jax.custom_derivatives import SymbolicZero, linear_call
 from jaxtyping import Array, Float, Int
 
 from zoo._compat import linear_call_vmappable, varying_axes
+from zoo.backend import pallas_interpret
+
+IMPLS = ("tiles", "ragged_dot", "megablox")
 
 # Rows per tile at most (see `fitted_tile`). A visit is one [tile, d_in] x [d_in, d_out] product; a
 # group's first and last tiles also compute the rows of their neighbours (discarded), at most
@@ -159,6 +166,7 @@ def grouped_matmul(
     group_weights: Optional[Int[Array, " groups"]] = None,
     *,
     tile: int = DEFAULT_TILE,
+    impl: str = "tiles",
 ) -> Float[Array, "rows d_out"]:
     """`lax.ragged_dot(h, w, group_sizes)` computed over the rows the groups hold, a tile at a time
     (see the module docstring): the sum of `group_sizes` must not exceed the rows.
@@ -166,14 +174,56 @@ def grouped_matmul(
     With `group_weights`, group g's rows take weight `w[group_weights[g]]` (a weight may serve several
     groups), and a group whose index is outside `[0, weights)` is skipped: its rows come out zero and
     are never read. The expert-parallel exchange uses that to run the blocks it received in place, one
-    group per (source, expert) and one skipped group per block's padding."""
+    group per (source, expert) and one skipped group per block's padding.
+
+    `impl`: "tiles" (the loop above, any backend), "ragged_dot" or "megablox" (the TPU's kernels; see
+    the module docstring). The native kernels take one group per weight: with `group_weights` the
+    tiles run."""
     if tile < 1:
         raise ValueError(f"grouped_matmul: tile={tile}; give a positive number of rows")
+    if impl not in IMPLS:
+        raise ValueError(f"grouped_matmul: impl={impl!r}; choose one of {', '.join(IMPLS)}")
+    if group_weights is None and impl != "tiles":
+        if impl == "megablox" and megablox_tiling(*h.shape, w.shape[2]) is not None and pallas_interpret() is not None:
+            return _megablox(h, w, group_sizes)
+        return jax.lax.ragged_dot(h, w, group_sizes.astype(jnp.int32), preferred_element_type=jnp.result_type(h.dtype, w.dtype))
     if group_weights is None:
         group_weights = jnp.arange(w.shape[0], dtype=jnp.int32)
     if group_weights.shape != group_sizes.shape:
         raise ValueError(f"grouped_matmul: group_weights {group_weights.shape} and group_sizes {group_sizes.shape} differ; give one weight index per group")
     return _grouped(h, w, group_sizes, group_weights, fitted_tile(h.shape[0], group_sizes.shape[0], int(tile)))
+
+
+# megablox's tiles: the rows in tiles of up to 512 (the kernel needs a tile that divides them: the
+# rows are padded to a multiple of 128), the widths in the largest of these that divides them. TPU
+# v5e, 8 x 1024 rows, 4096 -> 8192, value and gradient: 512-tiles 13.3 ms, 128-tiles 160.5 ms.
+MEGABLOX_TILES = (512, 256, 128)
+
+
+def megablox_tiling(rows: int, d_in: int, d_out: int) -> Optional[tuple[int, int, int]]:
+    """(rows, d_in, d_out) tile sizes for megablox, or None where a width is not a multiple of 128
+    (then ragged_dot runs)."""
+    widths = [next((t for t in MEGABLOX_TILES if d % t == 0), None) for d in (d_in, d_out)]
+    if None in widths:
+        return None
+    padded = -(-rows // 128) * 128
+    return next(t for t in MEGABLOX_TILES if padded % t == 0), widths[0], widths[1]
+
+
+def _megablox(h, w, group_sizes):
+    """megablox `gmm` over rows padded to its row tile; rows past the groups' total are zeroed on the
+    way in (their gradient too) and out: the kernel leaves them unwritten."""
+    from jax.experimental.pallas.ops.tpu.megablox import gmm
+
+    rows = h.shape[0]
+    tiling = megablox_tiling(rows, h.shape[1], w.shape[2])
+    padded = -(-rows // tiling[0]) * tiling[0]
+    group_sizes = group_sizes.astype(jnp.int32)
+    valid = (jnp.arange(padded) < group_sizes.sum())[:, None]
+    h = jnp.where(valid, jnp.pad(h, ((0, padded - rows), (0, 0))), 0)
+    dtype = jnp.result_type(h.dtype, w.dtype)
+    out = gmm(h.astype(dtype), w.astype(dtype), group_sizes, dtype, tiling, interpret=bool(pallas_interpret()))
+    return jnp.where(valid, out, 0)[:rows]
 
 
 def fitted_tile(rows: int, groups: int, tile: int) -> int:

@@ -147,7 +147,7 @@ class MLAttention(eqx.Module):
         return kv_latent, self.rope(k_rope[:, :, None, :], positions)[:, :, 0]  # one rope key for all heads
 
     def _output(self, context):
-        context = tags.tag(context, tags.CONTEXT)
+        """The out projection of the (already tagged) attention output."""
         return tags.tag(project("BTNV,NVD->BTD", context, self.wo, self.compute_dtype), tags.OUT_PROJ)
 
     def _forward(self, x, positions, segment_ids):
@@ -160,10 +160,10 @@ class MLAttention(eqx.Module):
         k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope[:, :, None, :], (*k_nope.shape[:-1], self.rope.dim))], axis=-1)
         if context_parallel():  # see GQAttention._forward
             context = context_attention(q, k, v, kv_logical="heads", scale=self.softmax_scale, impl=self.impl, segment_ids=segment_ids)
-            return self._output(context), jnp.concatenate([kv_latent, k_rope], axis=-1)
+            return self._output(tags.tag(context, tags.CONTEXT)), jnp.concatenate([kv_latent, k_rope], axis=-1)
         # Whole sequences into the kernel under sequence parallelism (see GQAttention._forward).
         q, k, v = (zs.sequence_gathered(t, ("batch", None, "heads", None)) for t in (q, k, v))
-        context = attend(q, k, v, scale=self.softmax_scale, impl=self.impl, segment_ids=segment_ids)
+        context = attend(q, k, v, scale=self.softmax_scale, impl=self.impl, segment_ids=segment_ids, tag=tags.CONTEXT)
         context = zs.sequence_gathered(context, ("batch", None, "heads", None))  # and so its gradient, in the backward
         return self._output(context), jnp.concatenate([kv_latent, k_rope], axis=-1)
 
@@ -203,4 +203,4 @@ class MLAttention(eqx.Module):
         visible = visible_slots(positions, cache.kv.shape[1])
         context_latent = attend(q, keys, values, scale=self.softmax_scale, impl="xla", causal=False, kv_valid_len=visible)
         context = jnp.einsum("BTNL,LNV->BTNV", context_latent, self.wv_b.astype(cdt))
-        return self._output(context), cache
+        return self._output(tags.tag(context, tags.CONTEXT)), cache

@@ -266,7 +266,7 @@ def _ragged_local(x, expert_ids, weights, w: ExpertWeights, *, activation, tag, 
     sorted_experts = flat_experts[order]
 
     def matmul(h, wt):
-        return grouped_matmul(h, wt, counts, tile=grouped_matmul_tile())
+        return grouped_matmul(h, wt, counts, tile=grouped_matmul_tile(), impl=backend_choices().grouped_matmul)
 
     def add_bias(v, b):
         return v + b[sorted_experts]

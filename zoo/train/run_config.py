@@ -30,7 +30,7 @@ from zoo.sharding import (
     CONTEXT, CONTEXT_BALANCED, DEFAULT_RULES, MESH_AXES, MeshShape, ShardingError, check_replication, logical_ways,
     param_specs, resolve_mesh_shape,
 )
-from zoo.train.xla_flags import flag_name, unknown_flags
+from zoo.train.xla_flags import flag_name, unknown_flags, unknown_tpu_flags
 
 # The mesh axes mesh.context_parallel may split the sequence over: tensor splits the heads inside
 # attention, expert the tokens' routes to their experts.
@@ -214,6 +214,9 @@ class XlaConfig:
 
     name: str = "default"
     flags: list[str] = dataclasses.field(default_factory=list)
+    # The TPU compiler's flags (libtpu reads them from LIBTPU_INIT_ARGS, merged with the environment's
+    # there; other backends never see them): its scheduler's host-offload overlap, say (conf/xla/tpu_*.yaml).
+    tpu_flags: list[str] = dataclasses.field(default_factory=list)
     # Simulate this many CPU devices (--xla_force_host_platform_device_count); null: leave as is.
     cpu_devices: Optional[int] = None
     # On CPU only: true compiles with xla_backend_optimization_level=0 (LLVM optimisations off: faster
@@ -234,6 +237,14 @@ class XlaConfig:
         for f in unknown_flags(self.flags):
             raise ConfigError(
                 f"xla.flags: {flag_name(f)} is not a flag this jaxlib ({_jaxlib_version()}) knows, and XLA would refuse "
+                f"to start; remove it or check its spelling"
+            )
+        for f in self.tpu_flags:
+            if not f.startswith("--xla_"):
+                raise ConfigError(f"xla.tpu_flags: {f!r} is not an XLA flag; write it as --xla_<name>=<value>")
+        for f in unknown_tpu_flags(self.tpu_flags):
+            raise ConfigError(
+                f"xla.tpu_flags: {flag_name(f)} is not a flag the installed libtpu knows, and the TPU backend would refuse "
                 f"to start; remove it or check its spelling"
             )
         if self.cpu_devices is not None and self.cpu_devices < 1:
@@ -292,21 +303,32 @@ class TrainerConfig:
             )
 
 
+PLATFORMS = ("cpu", "gpu", "tpu")
+
+
 @dataclasses.dataclass
 class HardwareConfig:
-    """What MFU is measured against, per device. Add fields freely: every profile is a YAML file."""
+    """What MFU is measured against, per device. Add fields freely: every profile is a YAML file.
+    `hardware=auto` (the default) is replaced, once JAX has started, by the profile of the machine's
+    device kind (`auto_hardware`)."""
 
     name: str = "cpu"
     peak_flops: float = 1e12  # dense bf16 FLOP/s per device
     hbm_bytes: int = 0  # device memory
     host_link_gbps: float = 0.0  # host <-> device bandwidth, GB/s per direction
+    # Where the two directions differ (a TPU v5e's PCIe measured 13.9 GB/s to the device, 6.6 from it
+    # inside a program): each direction's GB/s; null: host_link_gbps.
+    host_to_device_gbps: Optional[float] = None
+    device_to_host_gbps: Optional[float] = None
     # Measured dense matmul FLOP/s (python -m zoo.tools.measure_hardware); the planner prefers it to
     # peak_flops * plan.flops_efficiency. null: not measured.
     matmul_flops: Optional[float] = None
     nominal: bool = False  # true: peak_flops is a round number, not a datasheet figure
     note: str = ""
-    # What zoo.tools.plan resolves model.attention_impl for when it plans on another machine: the
-    # platform ("cpu", "gpu"; null: this machine's) and a GPU's CUDA compute capability ("9.0").
+    # The platform the profile describes ("cpu", "gpu", "tpu"; null: any): train.py runs only on it
+    # (MFU against another machine's peak is meaningless), and zoo.tools.plan resolves
+    # model.attention_impl and the kernels for it when it plans from another machine; with a GPU's
+    # CUDA compute capability ("9.0").
     platform: Optional[str] = None
     compute_capability: Optional[str] = None
     # Pinned host memory one device may use (offloaded activations, host-resident state, staging),
@@ -325,8 +347,12 @@ class HardwareConfig:
             )
         if self.devices_per_node < 1:
             raise ConfigError(f"hardware.devices_per_node: must be >= 1, got {self.devices_per_node}; e.g. hardware.devices_per_node=8")
-        if self.platform not in (None, "cpu", "gpu"):
-            raise ConfigError(f"hardware.platform: got {self.platform!r}; choose cpu, gpu or null (this machine's)")
+        if self.platform not in (None, *PLATFORMS):
+            raise ConfigError(f"hardware.platform: got {self.platform!r}; choose {', '.join(PLATFORMS)} or null (any)")
+        for key in ("host_to_device_gbps", "device_to_host_gbps"):
+            value = getattr(self, key)
+            if value is not None and value <= 0:
+                raise ConfigError(f"hardware.{key}: must be positive or null (host_link_gbps), got {value}")
         if self.compute_capability is not None:
             major, _, minor = str(self.compute_capability).partition(".")
             if self.platform != "gpu" or not (major.isdigit() and minor.isdigit()):
@@ -335,12 +361,58 @@ class HardwareConfig:
                     "(e.g. 9.0) with hardware.platform=gpu, or null"
                 )
 
+    @property
+    def auto(self) -> bool:
+        return self.name == AUTO_HARDWARE
+
+    def link_gbps(self, direction: str) -> float:
+        """GB/s of one direction of the host link ("to_device" or "to_host")."""
+        own = self.host_to_device_gbps if direction == "to_device" else self.device_to_host_gbps
+        return own if own is not None else self.host_link_gbps
+
     def capability(self) -> Optional[tuple[int, int]]:
         """The compute capability as (major, minor), None where not given."""
         if self.compute_capability is None:
             return None
         major, _, minor = str(self.compute_capability).partition(".")
         return int(major), int(minor)
+
+
+AUTO_HARDWARE = "auto"
+# Device kinds (jax.Device.device_kind) whose profile conf/hardware holds; hardware=auto takes it.
+HARDWARE_OF_KIND = {"cpu": "cpu", "TPU v5 lite": "tpu_v5e", "NVIDIA H100 PCIe": "h100_pcie", "NVIDIA H200": "h200_pcie",
+                    "NVIDIA GH200 480GB": "gh200", "NVIDIA GB200": "gb200"}
+
+
+def auto_hardware(hw: HardwareConfig, device) -> tuple[HardwareConfig, Optional[str]]:
+    """`hardware=auto` replaced by the profile of `device`'s kind (conf/hardware), or a nominal
+    profile of its platform where none is known; with one line for the startup output where the
+    profile is not a known one (None otherwise). Any other profile is returned as it is."""
+    if not hw.auto:
+        return hw, None
+    from zoo.offload import conf_dir
+
+    kind = getattr(device, "device_kind", device.platform)
+    name = HARDWARE_OF_KIND.get(kind) or (device.platform if device.platform == "cpu" else None)
+    given = {f.name: getattr(hw, f.name) for f in dataclasses.fields(hw) if f.name != "name" and getattr(hw, f.name) != f.default}
+    if name is not None and (conf_dir() / "hardware" / f"{name}.yaml").exists():
+        # keys given on the command line (+hardware.host_bytes_per_device=...) apply to the profile taken
+        return dataclasses.replace(load_group("hardware", OmegaConf.load(conf_dir() / "hardware" / f"{name}.yaml")), **given), None
+    nominal = HardwareConfig(name=f"unknown ({kind})", nominal=True, platform=device.platform,
+                             note="hardware=auto: no profile for this device kind; peak_flops is a nominal 1 TFLOP/s")
+    return nominal, (f"hardware=auto: no profile for a {kind!r} in conf/hardware, so MFU is against a nominal 1 TFLOP/s; "
+                     f"measure one (python -m zoo.tools.measure_hardware name=<name>) and pass hardware=<name>")
+
+
+def check_hardware_platform(hw: HardwareConfig, platform: str) -> None:
+    """A profile of another platform than the run's (a TPU's on a CPU): ConfigError. A run's MFU and
+    its planner figures are read against its profile."""
+    if hw.platform is not None and hw.platform != platform:
+        raise ConfigError(
+            f"hardware: {hw.name} is a profile of a {hw.platform}, and this run's devices are {platform}s; use hardware=auto "
+            f"(this machine's profile) or one of its own; to plan for a {hw.platform} from here, "
+            f"python -m zoo.tools.plan ... hardware={hw.name}"
+        )
 
 
 @dataclasses.dataclass

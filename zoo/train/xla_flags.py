@@ -1,9 +1,11 @@
-"""Which XLA flags the installed jaxlib knows, read from its library without starting XLA.
+"""Which XLA flags the installed jaxlib (and libtpu) knows, read from its library without starting XLA.
 
 XLA parses XLA_FLAGS once, when the first backend starts, and aborts the process on a flag it does not know
 (`Unknown flag in XLA_FLAGS`), after Python has printed nothing useful. Every flag name XLA registers is a
 NUL-terminated string in jaxlib's shared library (GPU flags included, on a CPU-only jaxlib), so an exact
-search there answers "would XLA accept this name?" in ~0.2 s, before JAX starts.
+search there answers "would XLA accept this name?" in ~0.2 s, before JAX starts. The TPU compiler's own
+flags (LIBTPU_INIT_ARGS: `--xla_tpu_*`, its scheduler's) live in libtpu's library, searched the same way
+where libtpu is installed.
 """
 
 import functools
@@ -57,3 +59,33 @@ def known_flag(name: str) -> Optional[bool]:
 def unknown_flags(flags: list[str]) -> list[str]:
     """The flags of `flags` that the installed jaxlib does not know (XLA would refuse to start)."""
     return [f for f in flags if known_flag(flag_name(f)) is False]
+
+
+def _libtpu_library() -> Optional[pathlib.Path]:
+    import importlib.util
+    import os
+
+    if os.environ.get("TPU_LIBRARY_PATH") and pathlib.Path(os.environ["TPU_LIBRARY_PATH"]).is_file():
+        return pathlib.Path(os.environ["TPU_LIBRARY_PATH"])
+    spec = importlib.util.find_spec("libtpu")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = pathlib.Path(next(iter(spec.submodule_search_locations))) / "libtpu.so"
+    return path if path.is_file() else None
+
+
+@functools.lru_cache(maxsize=None)
+def known_tpu_flag(name: str, library: Optional[pathlib.Path] = None) -> Optional[bool]:
+    """True/False: whether libtpu (the installed one, or `library`) registers `--<name>`; None where
+    no libtpu is installed (the TPU backend cannot start here anyway)."""
+    library = library or _libtpu_library()
+    if library is None:
+        return None
+    needle = b"\0" + name.removeprefix("--").encode() + b"\0"
+    with open(library, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        return data.find(needle) >= 0
+
+
+def unknown_tpu_flags(flags: list[str], library: Optional[pathlib.Path] = None) -> list[str]:
+    """The flags of `flags` that libtpu does not know (the TPU backend would refuse to start)."""
+    return [f for f in flags if known_tpu_flag(flag_name(f), library) is False]
