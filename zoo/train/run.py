@@ -457,6 +457,8 @@ class StepLoop:
         """Steps `start` .. `steps - 1` from `state`; the state after the last one run."""
         pending: Optional[Dispatched] = None
         for step in range(start, self.steps):
+            if self.ckpt is not None:
+                self.ckpt.check_saves()  # a save that failed in the background stops the run now
             if self.stop.requested_here():
                 self.stopped = True
                 break
