@@ -360,7 +360,8 @@ def check_writable(path, key: str) -> pathlib.Path:
 
 def run_tool(body: Callable[[], int], tool: str, argv=(), doc: Optional[str] = None) -> int:
     """A command-line tool's body (`python -m zoo.<tool> ...`): `--help` prints `doc`; bad input ->
-    one `error:` line naming the key or file and exit code 2, before any compile."""
+    one `error:` line naming the key or file and exit code 2, before any compile; Ctrl-C -> one line
+    saying what was being done (the body's `zoo.train.stop.set_phase`) and what is left, exit code 130."""
     if any(a in ("-h", "--help") for a in argv):
         if doc is None and tool.startswith("python -m "):
             import importlib
@@ -369,13 +370,23 @@ def run_tool(body: Callable[[], int], tool: str, argv=(), doc: Optional[str] = N
         print(f"usage: {tool} [key=value ...]  (docs/training.md describes the keys)\n\n{doc or ''}".rstrip())
         return 0
     try:
-        return body()
+        with stop.ctrl_c_noted():
+            stop.set_phase("starting", "nothing was done; run the command again")
+            return body()
+    except KeyboardInterrupt:
+        print(interrupted_line(), file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
     except Exception as e:  # noqa: BLE001
         line = bad_input_line(e, _conf_dir(), also=(ValueError,), tool=tool, args=argv)
         if line is None:
             raise
         print(f"error: {line}", file=sys.stderr)
         return EXIT_BAD_INPUT
+
+
+def interrupted_line() -> str:
+    """The one line a Ctrl-C ends a command with: what it was doing (zoo.train.stop.set_phase) and what is left."""
+    return f"error: interrupted (Ctrl-C) while {stop.PHASE}; {stop.PHASE_AFTER}"
 
 
 def _conf_dir() -> pathlib.Path:
@@ -393,7 +404,7 @@ def main(hydra_main: Callable, conf_dir: pathlib.Path) -> int:
         with _argparse_one_line(TRAIN):
             hydra_main()
     except KeyboardInterrupt:
-        print(f"error: interrupted (Ctrl-C) while {stop.PHASE}; {stop.PHASE_AFTER}", file=sys.stderr, flush=True)
+        print(interrupted_line(), file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else EXIT_FAILED)
