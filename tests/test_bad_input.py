@@ -142,6 +142,13 @@ def _random_bytes() -> bytes:
     return bytes(b)
 
 
+def _sweep_of_one(tmp, d, summary: bytes):
+    """A sweep of one job, whose summary.json holds `summary`."""
+    shutil.copytree(d / "run", tmp / "sweep" / "0")
+    (tmp / "sweep" / "0" / "summary.json").write_bytes(summary)
+    return tmp / "sweep"
+
+
 def _sweep(tmp, d):
     """A sweep of two jobs: one trained, one resumed from a checkpoint already at trainer.steps."""
     sweep = tmp / "sweep"
@@ -152,33 +159,67 @@ def _sweep(tmp, d):
     return sweep
 
 
-def _slow_save_hook(tmp) -> pathlib.Path:
-    """A sitecustomize for the train.py process: the wait for a save in flight takes 30 s and says when it
-    starts, so a second Ctrl-C can be sent during it (a tiny model's save is otherwise over at once)."""
+def _hooked(tmp, module: str, patch: str) -> dict:
+    """The environment for a command whose process runs `patch` (the source of a function `_patch(m)`)
+    on the module `module` once it is imported: a sitecustomize, as the real command starts. The
+    patches below slow or break the real code at one point, so the case meets it there."""
     hook = tmp / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(
-        "import os, pathlib, time\n"
-        "def _patch():\n"
-        "    from zoo.train import checkpoint\n"
-        "    wait = checkpoint.Checkpoints.wait\n"
-        "    def slow(self):\n"
-        "        pathlib.Path(os.environ['ZOO_TEST_WAITING']).touch()\n"
-        "        time.sleep(30)\n"
-        "        wait(self)\n"
-        "    checkpoint.Checkpoints.wait = slow\n"
-        "if os.environ.get('ZOO_TEST_WAITING'):\n"
-        "    import builtins\n"
-        "    _import = builtins.__import__\n"
-        "    def _hook(name, *a, **k):\n"
-        "        m = _import(name, *a, **k)\n"
-        "        if name == 'zoo.train.run' and not getattr(builtins, '_zoo_patched', False):\n"
-        "            builtins._zoo_patched = True\n"
-        "            _patch()\n"
-        "        return m\n"
-        "    builtins.__import__ = _hook\n"
+        "import builtins, errno, gc, os, pathlib, time\n"
+        + patch
+        + "_import = builtins.__import__\n"
+        "def _hook(name, *a, **k):\n"
+        "    m = _import(name, *a, **k)\n"
+        f"    if name == {module!r} and not getattr(builtins, '_zoo_patched', False):\n"
+        "        builtins._zoo_patched = True\n"
+        f"        _patch(__import__({module!r}, fromlist=['_']))\n"
+        "    return m\n"
+        "builtins.__import__ = _hook\n"
     )
-    return hook
+    return {"ZOO_TEST_WAITING": str(tmp / "waiting"), "PYTHONPATH": os.pathsep.join([str(hook), str(ROOT)])}
+
+
+# The wait for a save in flight takes 30 s and says when it starts, so a second Ctrl-C can be sent
+# during it (a tiny model's save is otherwise over at once).
+SLOW_SAVE = """
+def _patch(run):
+    from zoo.train import checkpoint
+    wait = checkpoint.Checkpoints.wait
+    def slow(self):
+        pathlib.Path(os.environ['ZOO_TEST_WAITING']).touch()
+        time.sleep(30)
+        wait(self)
+    checkpoint.Checkpoints.wait = slow
+"""
+# Before the export reads the checkpoint, a garbage collection whose callback takes 30 s (JAX registers
+# such a callback): a Ctrl-C there is raised inside the callback, where Python reports it as "Exception
+# ignored" and goes on.
+STALLED_EXPORT = """
+def _patch(hf_export):
+    restore = hf_export.restore_model
+    def stalled(*a, **k):
+        def collecting(phase, info):
+            gc.callbacks.remove(collecting)
+            pathlib.Path(os.environ['ZOO_TEST_WAITING']).touch()
+            time.sleep(30)
+        gc.callbacks.append(collecting)
+        gc.collect()
+        return restore(*a, **k)
+    hf_export.restore_model = stalled
+"""
+# The disk fills up while step 4's checkpoint is written: orbax's background thread fails writing its
+# metadata file (the arrays before it were written).
+DISK_FULL = """
+def _patch(run):
+    from orbax.checkpoint._src.handlers import json_checkpoint_handler as json_handler
+    save = json_handler.JsonCheckpointHandler._save_fn
+    async def full(self, item, directory):
+        if isinstance(item, dict) and item.get('step') == 4:
+            raise OSError(errno.ENOSPC, 'No space left on device', str(directory / 'metadata'))
+        return await save(self, item, directory)
+    json_handler.JsonCheckpointHandler._save_fn = full
+"""
 
 
 def _wait_for(pred, proc, seconds=300):
@@ -192,6 +233,18 @@ def _wait_for(pred, proc, seconds=300):
 def _ctrl_c_before_first_step(proc, tmp):
     line = proc.stdout.readline()  # the first line: the model is described, nothing has compiled yet
     assert line.startswith("model "), line
+    proc.send_signal(signal.SIGINT)
+
+
+def _ctrl_c_while_sampling_compiles(proc, tmp):
+    for line in proc.stderr:  # the tool's progress goes to stderr; its last line before compiling:
+        if line.startswith("generating up to "):
+            break
+    proc.send_signal(signal.SIGINT)
+
+
+def _ctrl_c_when_waiting(proc, tmp):
+    _wait_for(lambda: (tmp / "waiting").exists(), proc)
     proc.send_signal(signal.SIGINT)
 
 
@@ -261,6 +314,27 @@ CASES = {
         (130, r"interrupted \(Ctrl-C\) while waiting for the checkpoint save in flight, after a first Ctrl-C; the steps saved before it are "
               r"intact \(last: \d+ in .*\);.* run the same command to resume"),  # fmt: skip
         _ctrl_c_twice,
+        ("zoo.train.run", SLOW_SAVE),
+    ),
+    "Ctrl-C while zoo.tools.generate compiles": (
+        lambda t, d: (tool_cmd("generate", f"model.path={_hf_with(t, d)}", "tokenizer=bytes", "prompt=hi", "max_new_tokens=4"), t, [t / "hf"]),
+        (130, r"interrupted \(Ctrl-C\) while compiling the sampler; nothing was generated; run the command again"),
+        _ctrl_c_while_sampling_compiles,
+    ),
+    "Ctrl-C swallowed by a garbage-collector callback in zoo.tools.export": (
+        lambda t, d: (tool_cmd("export", str(_copy_run(t, d)[1]), str(t / "out")), t, [t / "ckpt"]),
+        (130, r"interrupted \(Ctrl-C\) while reading the checkpoint \S+/ckpt; nothing was written to \S+/out; run the same command again"),
+        _ctrl_c_when_waiting,
+        ("zoo.train.hf_export", STALLED_EXPORT),
+    ),
+    # The disk fills up during a save: the run stops at once, naming the step and the last good checkpoint.
+    "disk full during a checkpoint save": (
+        lambda t, d: (train_cmd(LLAMA, *TINY, "trainer.steps=50", "checkpoint.every_n_steps=2", f"checkpoint.dir={t / 'ckpt'}",
+                                f"hydra.run.dir={t / 'run'}"), t, []),  # fmt: skip
+        (1, r"step 4: saving its checkpoint failed \(No space left on device\), so the run stopped; last good checkpoint: step 2 in (\S+/ckpt); "
+            r"free space in \1 \(or give another checkpoint\.dir\) and run the same command to resume"),  # fmt: skip
+        None,
+        ("zoo.train.run", DISK_FULL),
     ),
     # Checkpoints read by the tools.
     "zoo.tools.export, newest step damaged": (
@@ -283,6 +357,16 @@ CASES = {
         lambda t, d: (tool_cmd("report", str(_sweep(t, d))), t, [t / "sweep" / "0", t / "sweep" / "1"]),
         (0, r"note: job\(s\) 1 ran no steps, so they have no timing; marked in report\.md"),
     ),
+    "zoo.tools.report, a binary summary.json in a sweep": (
+        lambda t, d: (tool_cmd("report", str(_sweep_of_one(t, d, b"\x80\xff binary"))), t, [t / "sweep" / "0"]),
+        (0, r"note: \S+/sweep/0/summary\.json is unreadable \(not UTF-8 text: byte 0x80 at offset 0\); marked failed in report\.md"),
+    ),
+    "zoo.tools.report, a binary metrics.jsonl": (
+        lambda t, d: ((_copy_run(t, d), (t / "run" / "metrics.jsonl").write_bytes(b"\x80\xff binary"))
+                      and tool_cmd("report", str(t / "run")), t, [t / "run"]),  # fmt: skip
+        (2, r"dir: \S+/run/metrics\.jsonl holds no step record \(not UTF-8 text: byte 0x80 at offset 0\): damaged, or not train\.py's; "
+            r"give the directory of a train\.py run"),  # fmt: skip
+    ),
     # Hugging Face weights.
     "random bytes as model.safetensors": (
         lambda t, d: (train_cmd(*TINY, "model=hf", f"model.path={_hf_with(t, d, weights=_random_bytes())}", f"hydra.run.dir={t / 'run'}"),
@@ -299,14 +383,14 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_bad_input_ends_in_one_line_and_changes_no_file(case, base, tmp_path):
-    setup, (code, line), *interact = CASES[case]
+    setup, (code, line), interact, hook = (*CASES[case], None, None)[:4]
     cmd, cwd, guarded = setup(tmp_path, base[0])
     before = fingerprint(*guarded)
-    extra = {"ZOO_TEST_WAITING": str(tmp_path / "waiting"), "PYTHONPATH": os.pathsep.join([str(_slow_save_hook(tmp_path)), str(ROOT)])} if interact and case.startswith("a second") else {}  # noqa: E501
+    extra = _hooked(tmp_path, *hook) if hook else {}
     proc = subprocess.Popen(cmd, cwd=cwd, env=env(**extra), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         if interact:
-            interact[0](proc, tmp_path)
+            interact(proc, tmp_path)
         out, err = proc.communicate(timeout=600)
     finally:
         proc.kill()
@@ -328,3 +412,11 @@ def test_bad_input_ends_in_one_line_and_changes_no_file(case, base, tmp_path):
         assert "| ran no steps (its checkpoint was already at step 3 of trainer.steps=3) |" in table and "| ok |" in table
     if case == "zoo.tools.export, newest step damaged":
         assert "exported step 2 of " in out
+    if case.startswith("Ctrl-C swallowed"):
+        assert not (tmp_path / "out").exists() and not (tmp_path / "out.export-tmp").exists()  # nothing looks like an export
+    if case == "disk full during a checkpoint save":
+        from zoo.train.checkpoint import restore_model
+
+        assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name[0].isdigit()) == ["2", "4.orbax-checkpoint-tmp"]
+        assert restore_model(tmp_path / "ckpt", 2)[1]["step"] == 2  # the last good step reads
+        assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) <= 6  # it stopped at once, not at the next save
