@@ -69,6 +69,33 @@ def base(tmp_path_factory):
     return d, p.stdout
 
 
+def test_the_same_command_over_a_finished_run_changes_none_of_its_files(base, tmp_path):
+    """Its checkpoint is at trainer.steps: nothing left to train, and the finished run's summary.json,
+    metrics.jsonl and .hydra/ stay as they were (no "ran no steps" summary over them)."""
+    d, _ = base
+    run, ckpt = _copy_run(tmp_path, d)
+    before = fingerprint(run, ckpt)
+    p = subprocess.run(train_cmd(LLAMA, *TINY, *EVERY, "offload=[llama_qkv_offload,optimizer_host]", "trainer.steps=3", f"checkpoint.dir={ckpt}",
+                                 f"hydra.run.dir={run}"), cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert p.returncode == 0 and "nothing left to train" in p.stdout, p.stderr[-3000:]
+    assert fingerprint(run, ckpt) == before
+
+
+def test_a_resumed_run_continues_the_record_of_its_run_directory(base, tmp_path):
+    """Resumed into its run directory with more steps: metrics.jsonl keeps steps 1-3 and appends 4-5,
+    and .hydra/ stays the record of the command that began the run."""
+    d, _ = base
+    run, ckpt = _copy_run(tmp_path, d)
+    first = (run / "metrics.jsonl").read_text()
+    hydra = fingerprint(run / ".hydra")
+    p = subprocess.run(train_cmd(LLAMA, *TINY, *EVERY, "trainer.steps=5", f"checkpoint.dir={ckpt}", f"hydra.run.dir={run}"),
+                       cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert p.returncode == 0 and "resuming from step 3" in p.stdout, p.stderr[-3000:]
+    metrics = (run / "metrics.jsonl").read_text()
+    assert metrics.startswith(first) and [json.loads(ln)["step"] for ln in metrics.splitlines()] == [0, 1, 2, 3, 4]
+    assert fingerprint(run / ".hydra") == hydra and json.loads((run / "summary.json").read_text())["start_step"] == 3
+
+
 def test_a_run_names_every_offload_preset_and_leaves_no_empty_log(base):
     d, stdout = base
     assert stdout.splitlines()[0].split(", offload ")[1].startswith("llama_qkv_offload+optimizer_host, "), stdout.splitlines()[0]
@@ -293,6 +320,18 @@ CASES = {
         lambda t, d: (train_cmd(LLAMA, *TINY), _unwritable_dir(t), []),
         (2, r"hydra\.run\.dir: cannot create \S+/outputs in \S+ \(.*\) \(the working directory: .*\); run from a writable directory "
             r"or set hydra\.run\.dir=.*"),  # fmt: skip
+    ),
+    "empty hydra.run.dir": (  # an unset shell variable: Hydra would write into the working directory
+        lambda t, d: (train_cmd(LLAMA, *TINY, "hydra.run.dir="), t, [t]),
+        (2, r"hydra\.run\.dir: empty \(an unset shell variable\?\); give a directory, e\.g\. hydra\.run\.dir=runs/1, or leave it out "
+            r"for Hydra's default \(outputs/<date>/<time>\)"),  # fmt: skip
+    ),
+    # Another run from step 0 into a finished run's directory: refused before it writes, .hydra/ included.
+    "hydra.run.dir of a finished run": (
+        lambda t, d: (train_cmd(LLAMA, *TINY, "trainer.steps=2", f"hydra.run.dir={_copy_run(t, d)[0]}"), t, [t / "run"]),
+        (2, r"hydra\.run\.dir: (\S+/run) holds the metrics\.jsonl and summary\.json of a finished run, which this run would replace "
+            r"\(it starts from step 0\); give this run another hydra\.run\.dir, or move \1 away \(a run that resumes a checkpoint continues "
+            r"the record there\)"),  # fmt: skip
     ),
     # A second run into the directories of a live one: refused before Hydra writes into its run directory.
     "same run dir and checkpoint as a live run": (

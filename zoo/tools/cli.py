@@ -22,7 +22,7 @@ from omegaconf import DictConfig
 from zoo.offload import ACTIONS, conf_dir
 from zoo.sharding import LOGICAL_AXES
 from zoo.tags import OPTIONAL_KINDS, TAGS
-from zoo.train import distributed, stop
+from zoo.train import distributed, run_dir, stop
 from zoo.train.checkpoint import DirLock
 from zoo.train.metrics import write_json
 from zoo.train.run import prepare, train
@@ -52,6 +52,7 @@ def run_job(cfg: DictConfig) -> None:
     out_dir, overrides, multirun, num = _hydra_context()
     label = f"job {num} [{' '.join(overrides)}]" if multirun else "run"
     lock, refused = None, False
+    earlier = run_dir.holds_steps(out_dir)  # another run's record is there (this run may only continue it)
     try:
         c, plan, devices, flags = prepare(cfg)
         try:  # after prepare: the processes of a multi-process run have joined, and only process 0 takes it
@@ -63,7 +64,8 @@ def run_job(cfg: DictConfig) -> None:
     except Exception as e:  # noqa: BLE001 - every failure is reported, none stops a sweep
         bad_input = isinstance(e, ConfigError)
         stopped = isinstance(e, TrainingStopped)  # the run stopped itself and says why in one line
-        if distributed.is_main_process() and not refused:
+        # A live run's summary, or an earlier run's that bad input never got to continue, is not ours to replace.
+        if distributed.is_main_process() and not refused and not (bad_input and earlier):
             write_json(
                 out_dir / "summary.json",
                 {"status": "failed", "overrides": overrides, "error": one_line(e), "error_type": type(e).__name__, "bad_input": bad_input},
@@ -99,17 +101,44 @@ def _hold_run_dir(out_dir: pathlib.Path):
     return lock
 
 
+def _writes_nothing(args: list[str]) -> bool:
+    """Hydra's flags that print (help, the config, info) and run no job."""
+    return any(a in ("-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "-sc", "--shell-completion") or a.startswith("--cfg") for a in args)
+
+
+def _output_dir_arg(args: list[str]) -> tuple[str, list[str]]:
+    """(`hydra.run.dir`, or `hydra.sweep.dir` with -m; the values given for it, last one wins)."""
+    key = "hydra.sweep.dir" if any(a in ("-m", "--multirun") for a in args) else "hydra.run.dir"
+    return key, [a.split("=", 1)[1] for a in args if a.lstrip("+").split("=", 1)[0] == key and "=" in a]
+
+
+def _keep_earlier_hydra_record(args: list[str]) -> list[str]:
+    """`hydra.output_subdir=null` when the output directory given already holds a run's steps (a sweep:
+    one of its jobs'): Hydra would rewrite the `.hydra/` there (the config and the overrides of the run
+    that wrote those steps) before train.py can tell whether this run continues that record or is
+    refused (zoo.train.run_dir). A run that continues it keeps the `.hydra/` of the run that began it."""
+    key, given = _output_dir_arg(args)
+    text = given[-1].strip("'\"") if given else ""
+    if _writes_nothing(args) or not text.strip() or "${" in text or any(a.lstrip("+").startswith("hydra.output_subdir=") for a in args):
+        return []  # Hydra's default directory is new (it is named by the time), and interpolations are Hydra's to resolve
+    d = pathlib.Path(text).expanduser()
+    runs = [d] if key == "hydra.run.dir" else [j for j in d.iterdir() if j.is_dir()] if d.is_dir() else []
+    return ["hydra.output_subdir=null"] if any(run_dir.holds_steps(r) for r in runs) else []
+
+
 def _output_dir_line(args: list[str]) -> Optional[str]:
     """Before Hydra creates the output directory (and configures logging, writes .hydra/ into it):
     one line when it cannot be created or written, or a live run holds it; None when it is fine."""
-    if any(a in ("-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "-sc", "--shell-completion") or a.startswith("--cfg") for a in args):
-        return None  # nothing is written
-    multirun = any(a in ("-m", "--multirun") for a in args)
-    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
-    given = [a.split("=", 1)[1] for a in args if a.lstrip("+").split("=", 1)[0] == key and "=" in a]
+    if _writes_nothing(args):
+        return None
+    key, given = _output_dir_arg(args)
+    multirun = key == "hydra.sweep.dir"
     cwd = pathlib.Path.cwd()
     if given:
         text = given[-1].strip("'\"")
+        if not text.strip():  # Hydra would run in the working directory itself
+            return (f"{key}: empty (an unset shell variable?); give a directory, e.g. {key}=runs/1, or leave it out "
+                    f"for Hydra's default ({'multirun' if multirun else 'outputs'}/<date>/<time>)")
         fixed = text.split("${", 1)[0]  # the part without interpolations (${now:...}) is checked
         if fixed != text:
             fixed = fixed.rsplit("/", 1)[0] if "/" in fixed else "."
@@ -401,8 +430,13 @@ def main(hydra_main: Callable, conf_dir: pathlib.Path) -> int:
         if line:
             print(f"error: {line}", file=sys.stderr)
             return EXIT_BAD_INPUT
-        with _argparse_one_line(TRAIN):
-            hydra_main()
+        argv = sys.argv
+        sys.argv = [*argv, *_keep_earlier_hydra_record(argv[1:])]
+        try:
+            with _argparse_one_line(TRAIN):
+                hydra_main()
+        finally:
+            sys.argv = argv
     except KeyboardInterrupt:
         print(interrupted_line(), file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
