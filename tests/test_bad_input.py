@@ -299,6 +299,29 @@ CASES = {
         lambda t, d: (train_cmd(LLAMA, *TINY, "data.eval_fraction=0.1", f"hydra.run.dir={t / 'run'}"), t, []),
         (2, r"data\.eval_fraction: only data=text has a held-out split, .*; set `data=text` .*"),
     ),
+    "data.branching with data=uniform": (
+        lambda t, d: (train_cmd(LLAMA, *TINY, "data=uniform", "data.branching=3", f"hydra.run.dir={t / 'run'}"), t, []),
+        (2, r"data\.branching: only data=markov reads it \(.*\); drop it, or set `data=markov`"),
+    ),
+    "empty data.path with data=text": (  # it trained on the shipped corpus
+        lambda t, d: (train_cmd(LLAMA, *TINY, "data=text", "data.path=", f"hydra.run.dir={t / 'run'}"), t, []),
+        (2, r"data\.path: empty \(an unset shell variable\?\); give a path, or leave data\.path out \(null: the shipped corpus\)"),
+    ),
+    "trainer.eval_every with synthetic data": (
+        lambda t, d: (train_cmd(LLAMA, *TINY, "trainer.eval_every=5", f"hydra.run.dir={t / 'run'}"), t, []),
+        (2, r"trainer\.eval_every: evaluates the held-out split, and data=markov has none \(its synthetic tokens are endless\); drop it, "
+            r"or train on text with a split \(data=text data\.eval_fraction=0\.05\)"),  # fmt: skip
+    ),
+    # Keys that turn nothing on: full fine-tuning under lora=default, an MLA tag on a model without MLA.
+    "lora.rank=0 with lora=default": (
+        lambda t, d: (train_cmd(LLAMA, *TINY, "lora=default", "lora.rank=0", f"hydra.run.dir={t / 'run'}"), t, []),
+        (2, r"lora\.rank: 0 turns LoRA off, so lora\.alpha, .* would be ignored and every parameter would train; give a positive rank "
+            r"\(e\.g\. lora\.rank=8\), or choose lora=none for full fine-tuning"),  # fmt: skip
+    ),
+    "+offload.block_tags.mla on Llama": (  # where the hint for offload.block_tags.mla.mla_q=offload leads
+        lambda t, d: (train_cmd(LLAMA, *TINY, "offload=full", "+offload.block_tags.mla.mla_q=offload", f"hydra.run.dir={t / 'run'}"), t, []),
+        (2, r"offload\.block_tags\.mla: the llama model has no mla blocks \(its optional blocks: mlp\), so this would be ignored; drop it"),
+    ),
     "missing data.eval_path": (
         lambda t, d: (train_cmd(LLAMA, *TINY, "data=text", "data.eval_path=no_such.txt", f"hydra.run.dir={t / 'run'}"), t, []),
         (2, r"data\.eval_path: no_such\.txt does not exist; point data\.eval_path at a \.txt or \.jsonl file .*"),

@@ -19,9 +19,9 @@ from typing import Callable, Optional
 
 from omegaconf import DictConfig
 
-from zoo.offload import ACTIONS, conf_dir
+from zoo.offload import ACTIONS, conf_dir, dropped_block_tags
 from zoo.sharding import LOGICAL_AXES
-from zoo.tags import OPTIONAL_KINDS, TAGS
+from zoo.tags import OPTIONAL_KINDS, TAGS, block_kinds
 from zoo.train import distributed, run_dir, stop
 from zoo.train.checkpoint import DirLock
 from zoo.train.metrics import write_json
@@ -55,6 +55,9 @@ def run_job(cfg: DictConfig) -> None:
     earlier = run_dir.holds_steps(out_dir)  # another run's record is there (this run may only continue it)
     try:
         c, plan, devices, flags = prepare(cfg)
+        line = ignored_override_line(c, overrides)
+        if line:
+            raise ConfigError(line)
         try:  # after prepare: the processes of a multi-process run have joined, and only process 0 takes it
             lock = _hold_run_dir(out_dir)
         except ConfigError:
@@ -85,6 +88,29 @@ def run_job(cfg: DictConfig) -> None:
         import jax
 
         jax.clear_caches()  # the default launcher runs the next job in this same process
+
+
+def ignored_override_line(c, overrides) -> Optional[str]:
+    """One line for a key given on the command line that the run would accept and never read (None:
+    every one is read). The config alone cannot tell: the same values come from the options' files too
+    (trainer.eval_every: 100 for every run, block_tags of every kind in the offload presets)."""
+    for override in overrides:
+        key = override.lstrip("+~").split("=", 1)[0]
+        parts = key.split(".")
+        if key in ("trainer.eval_every", "trainer.eval_batches") and not (c.data.eval_fraction or c.data.eval_path):
+            if c.data.name != "text":
+                return (f"{key}: evaluates the held-out split, and data={c.data.name} has none (its synthetic tokens are endless); "
+                        "drop it, or train on text with a split (data=text data.eval_fraction=0.05)")
+            return f"{key}: evaluates the held-out split, and this run has none; add data.eval_fraction=0.05 (or data.eval_path=<file>), or drop it"
+        if parts[:2] == ["offload", "block_tags"] and len(parts) > 2:
+            kinds = [k for k in block_kinds(c.model) if k in OPTIONAL_KINDS]
+            if parts[2] in OPTIONAL_KINDS and parts[2] not in kinds:
+                return (f"offload.block_tags.{parts[2]}: the {c.model.family} model has no {parts[2]} blocks (its optional blocks: "
+                        f"{', '.join(kinds) or 'none'}), so this would be ignored; drop it")
+            if len(parts) == 4 and parts[3] in dropped_block_tags(c.offload, c.model):
+                return (f"{key}: this {c.model.family} configuration does not emit {parts[3]}, so this would be ignored; drop it "
+                        f"(python -m zoo.tools.inspect_step lists the tags it emits)")
+    return None
 
 
 RUN_LOCK = "zoo.run.lock"
