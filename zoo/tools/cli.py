@@ -95,7 +95,9 @@ def ignored_override_line(c, overrides) -> Optional[str]:
     every one is read). The config alone cannot tell: the same values come from the options' files too
     (trainer.eval_every: 100 for every run, block_tags of every kind in the offload presets)."""
     for override in overrides:
-        key = override.lstrip("+~").split("=", 1)[0]
+        if override.startswith("~"):
+            continue  # a deletion sets nothing
+        key = override.lstrip("+").split("=", 1)[0]
         parts = key.split(".")
         if key in ("trainer.eval_every", "trainer.eval_batches") and not (c.data.eval_fraction or c.data.eval_path):
             if c.data.name != "text":

@@ -29,13 +29,15 @@ def load_summaries(root: pathlib.Path) -> list[dict]:
             if not isinstance(s, dict):
                 raise ValueError(f"a JSON {type(s).__name__}, not an object")
         except (OSError, ValueError) as e:  # not UTF-8 (UnicodeDecodeError), not JSON: damaged, or not train.py's
-            s = {"status": "failed", "error": f"unreadable summary.json ({_unreadable(e)})", "_unreadable": _unreadable(e)}
+            why = _unreadable(e)
+            s = {"status": "failed", "error": f"unreadable summary.json ({why})", "_unreadable": why}
         s["_dir"] = str(path.parent.relative_to(root)) or "."
         jobs.append(s)
     return jobs
 
 
 def _unreadable(e: BaseException) -> str:
+    """Why a file train.py writes as UTF-8 JSON did not read, in a short clause."""
     if isinstance(e, UnicodeDecodeError):
         return f"not UTF-8 text: byte 0x{e.object[e.start]:02x} at offset {e.start}"
     if isinstance(e, json.JSONDecodeError):
