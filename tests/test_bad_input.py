@@ -69,6 +69,33 @@ def base(tmp_path_factory):
     return d, p.stdout
 
 
+def test_the_same_command_over_a_finished_run_changes_none_of_its_files(base, tmp_path):
+    """Its checkpoint is at trainer.steps: nothing left to train, and the finished run's summary.json,
+    metrics.jsonl and .hydra/ stay as they were (no "ran no steps" summary over them)."""
+    d, _ = base
+    run, ckpt = _copy_run(tmp_path, d)
+    before = fingerprint(run, ckpt)
+    p = subprocess.run(train_cmd(LLAMA, *TINY, *EVERY, "offload=[llama_qkv_offload,optimizer_host]", "trainer.steps=3", f"checkpoint.dir={ckpt}",
+                                 f"hydra.run.dir={run}"), cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert p.returncode == 0 and "nothing left to train" in p.stdout, p.stderr[-3000:]
+    assert fingerprint(run, ckpt) == before
+
+
+def test_a_resumed_run_continues_the_record_of_its_run_directory(base, tmp_path):
+    """Resumed into its run directory with more steps: metrics.jsonl keeps steps 1-3 and appends 4-5,
+    and .hydra/ stays the record of the command that began the run."""
+    d, _ = base
+    run, ckpt = _copy_run(tmp_path, d)
+    first = (run / "metrics.jsonl").read_text()
+    hydra = fingerprint(run / ".hydra")
+    p = subprocess.run(train_cmd(LLAMA, *TINY, *EVERY, "trainer.steps=5", f"checkpoint.dir={ckpt}", f"hydra.run.dir={run}"),
+                       cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert p.returncode == 0 and "resuming from step 3" in p.stdout, p.stderr[-3000:]
+    metrics = (run / "metrics.jsonl").read_text()
+    assert metrics.startswith(first) and [json.loads(ln)["step"] for ln in metrics.splitlines()] == [0, 1, 2, 3, 4]
+    assert fingerprint(run / ".hydra") == hydra and json.loads((run / "summary.json").read_text())["start_step"] == 3
+
+
 def test_a_run_names_every_offload_preset_and_leaves_no_empty_log(base):
     d, stdout = base
     assert stdout.splitlines()[0].split(", offload ")[1].startswith("llama_qkv_offload+optimizer_host, "), stdout.splitlines()[0]
@@ -142,6 +169,13 @@ def _random_bytes() -> bytes:
     return bytes(b)
 
 
+def _sweep_of_one(tmp, d, summary: bytes):
+    """A sweep of one job, whose summary.json holds `summary`."""
+    shutil.copytree(d / "run", tmp / "sweep" / "0")
+    (tmp / "sweep" / "0" / "summary.json").write_bytes(summary)
+    return tmp / "sweep"
+
+
 def _sweep(tmp, d):
     """A sweep of two jobs: one trained, one resumed from a checkpoint already at trainer.steps."""
     sweep = tmp / "sweep"
@@ -152,33 +186,67 @@ def _sweep(tmp, d):
     return sweep
 
 
-def _slow_save_hook(tmp) -> pathlib.Path:
-    """A sitecustomize for the train.py process: the wait for a save in flight takes 30 s and says when it
-    starts, so a second Ctrl-C can be sent during it (a tiny model's save is otherwise over at once)."""
+def _hooked(tmp, module: str, patch: str) -> dict:
+    """The environment for a command whose process runs `patch` (the source of a function `_patch(m)`)
+    on the module `module` once it is imported: a sitecustomize, as the real command starts. The
+    patches below slow or break the real code at one point, so the case meets it there."""
     hook = tmp / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(
-        "import os, pathlib, time\n"
-        "def _patch():\n"
-        "    from zoo.train import checkpoint\n"
-        "    wait = checkpoint.Checkpoints.wait\n"
-        "    def slow(self):\n"
-        "        pathlib.Path(os.environ['ZOO_TEST_WAITING']).touch()\n"
-        "        time.sleep(30)\n"
-        "        wait(self)\n"
-        "    checkpoint.Checkpoints.wait = slow\n"
-        "if os.environ.get('ZOO_TEST_WAITING'):\n"
-        "    import builtins\n"
-        "    _import = builtins.__import__\n"
-        "    def _hook(name, *a, **k):\n"
-        "        m = _import(name, *a, **k)\n"
-        "        if name == 'zoo.train.run' and not getattr(builtins, '_zoo_patched', False):\n"
-        "            builtins._zoo_patched = True\n"
-        "            _patch()\n"
-        "        return m\n"
-        "    builtins.__import__ = _hook\n"
+        "import builtins, errno, gc, os, pathlib, time\n"
+        + patch
+        + "_import = builtins.__import__\n"
+        "def _hook(name, *a, **k):\n"
+        "    m = _import(name, *a, **k)\n"
+        f"    if name == {module!r} and not getattr(builtins, '_zoo_patched', False):\n"
+        "        builtins._zoo_patched = True\n"
+        f"        _patch(__import__({module!r}, fromlist=['_']))\n"
+        "    return m\n"
+        "builtins.__import__ = _hook\n"
     )
-    return hook
+    return {"ZOO_TEST_WAITING": str(tmp / "waiting"), "PYTHONPATH": os.pathsep.join([str(hook), str(ROOT)])}
+
+
+# The wait for a save in flight takes 30 s and says when it starts, so a second Ctrl-C can be sent
+# during it (a tiny model's save is otherwise over at once).
+SLOW_SAVE = """
+def _patch(run):
+    from zoo.train import checkpoint
+    wait = checkpoint.Checkpoints.wait
+    def slow(self):
+        pathlib.Path(os.environ['ZOO_TEST_WAITING']).touch()
+        time.sleep(30)
+        wait(self)
+    checkpoint.Checkpoints.wait = slow
+"""
+# Before the export reads the checkpoint, a garbage collection whose callback takes 30 s (JAX registers
+# such a callback): a Ctrl-C there is raised inside the callback, where Python reports it as "Exception
+# ignored" and goes on.
+STALLED_EXPORT = """
+def _patch(hf_export):
+    restore = hf_export.restore_model
+    def stalled(*a, **k):
+        def collecting(phase, info):
+            gc.callbacks.remove(collecting)
+            pathlib.Path(os.environ['ZOO_TEST_WAITING']).touch()
+            time.sleep(30)
+        gc.callbacks.append(collecting)
+        gc.collect()
+        return restore(*a, **k)
+    hf_export.restore_model = stalled
+"""
+# The disk fills up while step 4's checkpoint is written: orbax's background thread fails writing its
+# metadata file (the arrays before it were written).
+DISK_FULL = """
+def _patch(run):
+    from orbax.checkpoint._src.handlers import json_checkpoint_handler as json_handler
+    save = json_handler.JsonCheckpointHandler._save_fn
+    async def full(self, item, directory):
+        if isinstance(item, dict) and item.get('step') == 4:
+            raise OSError(errno.ENOSPC, 'No space left on device', str(directory / 'metadata'))
+        return await save(self, item, directory)
+    json_handler.JsonCheckpointHandler._save_fn = full
+"""
 
 
 def _wait_for(pred, proc, seconds=300):
@@ -192,6 +260,18 @@ def _wait_for(pred, proc, seconds=300):
 def _ctrl_c_before_first_step(proc, tmp):
     line = proc.stdout.readline()  # the first line: the model is described, nothing has compiled yet
     assert line.startswith("model "), line
+    proc.send_signal(signal.SIGINT)
+
+
+def _ctrl_c_while_sampling_compiles(proc, tmp):
+    for line in proc.stderr:  # the tool's progress goes to stderr; its last line before compiling:
+        if line.startswith("generating up to "):
+            break
+    proc.send_signal(signal.SIGINT)
+
+
+def _ctrl_c_when_waiting(proc, tmp):
+    _wait_for(lambda: (tmp / "waiting").exists(), proc)
     proc.send_signal(signal.SIGINT)
 
 
@@ -219,6 +299,29 @@ CASES = {
         lambda t, d: (train_cmd(LLAMA, *TINY, "data.eval_fraction=0.1", f"hydra.run.dir={t / 'run'}"), t, []),
         (2, r"data\.eval_fraction: only data=text has a held-out split, .*; set `data=text` .*"),
     ),
+    "data.branching with data=uniform": (
+        lambda t, d: (train_cmd(LLAMA, *TINY, "data=uniform", "data.branching=3", f"hydra.run.dir={t / 'run'}"), t, []),
+        (2, r"data\.branching: only data=markov reads it \(.*\); drop it, or set `data=markov`"),
+    ),
+    "empty data.path with data=text": (  # it trained on the shipped corpus
+        lambda t, d: (train_cmd(LLAMA, *TINY, "data=text", "data.path=", f"hydra.run.dir={t / 'run'}"), t, []),
+        (2, r"data\.path: empty \(an unset shell variable\?\); give a path, or leave data\.path out \(null: the shipped corpus\)"),
+    ),
+    "trainer.eval_every with synthetic data": (
+        lambda t, d: (train_cmd(LLAMA, *TINY, "trainer.eval_every=5", f"hydra.run.dir={t / 'run'}"), t, []),
+        (2, r"trainer\.eval_every: evaluates the held-out split, and data=markov has none \(its synthetic tokens are endless\); drop it, "
+            r"or train on text with a split \(data=text data\.eval_fraction=0\.05\)"),  # fmt: skip
+    ),
+    # Keys that turn nothing on: full fine-tuning under lora=default, an MLA tag on a model without MLA.
+    "lora.rank=0 with lora=default": (
+        lambda t, d: (train_cmd(LLAMA, *TINY, "lora=default", "lora.rank=0", f"hydra.run.dir={t / 'run'}"), t, []),
+        (2, r"lora\.rank: 0 turns LoRA off, so lora\.alpha, .* would be ignored and every parameter would train; give a positive rank "
+            r"\(e\.g\. lora\.rank=8\), or choose lora=none for full fine-tuning"),  # fmt: skip
+    ),
+    "+offload.block_tags.mla on Llama": (  # where the hint for offload.block_tags.mla.mla_q=offload leads
+        lambda t, d: (train_cmd(LLAMA, *TINY, "offload=full", "+offload.block_tags.mla.mla_q=offload", f"hydra.run.dir={t / 'run'}"), t, []),
+        (2, r"offload\.block_tags\.mla: the llama model has no mla blocks \(its optional blocks: mlp\), so this would be ignored; drop it"),
+    ),
     "missing data.eval_path": (
         lambda t, d: (train_cmd(LLAMA, *TINY, "data=text", "data.eval_path=no_such.txt", f"hydra.run.dir={t / 'run'}"), t, []),
         (2, r"data\.eval_path: no_such\.txt does not exist; point data\.eval_path at a \.txt or \.jsonl file .*"),
@@ -241,6 +344,18 @@ CASES = {
         (2, r"hydra\.run\.dir: cannot create \S+/outputs in \S+ \(.*\) \(the working directory: .*\); run from a writable directory "
             r"or set hydra\.run\.dir=.*"),  # fmt: skip
     ),
+    "empty hydra.run.dir": (  # an unset shell variable: Hydra would write into the working directory
+        lambda t, d: (train_cmd(LLAMA, *TINY, "hydra.run.dir="), t, [t]),
+        (2, r"hydra\.run\.dir: empty \(an unset shell variable\?\); give a directory, e\.g\. hydra\.run\.dir=runs/1, or leave it out "
+            r"for Hydra's default \(outputs/<date>/<time>\)"),  # fmt: skip
+    ),
+    # Another run from step 0 into a finished run's directory: refused before it writes, .hydra/ included.
+    "hydra.run.dir of a finished run": (
+        lambda t, d: (train_cmd(LLAMA, *TINY, "trainer.steps=2", f"hydra.run.dir={_copy_run(t, d)[0]}"), t, [t / "run"]),
+        (2, r"hydra\.run\.dir: (\S+/run) holds the metrics\.jsonl and summary\.json of a finished run, which this run would replace "
+            r"\(it starts from step 0\); give this run another hydra\.run\.dir, or move \1 away \(a run that resumes a checkpoint continues "
+            r"the record there\)"),  # fmt: skip
+    ),
     # A second run into the directories of a live one: refused before Hydra writes into its run directory.
     "same run dir and checkpoint as a live run": (
         lambda t, d: (
@@ -261,6 +376,27 @@ CASES = {
         (130, r"interrupted \(Ctrl-C\) while waiting for the checkpoint save in flight, after a first Ctrl-C; the steps saved before it are "
               r"intact \(last: \d+ in .*\);.* run the same command to resume"),  # fmt: skip
         _ctrl_c_twice,
+        ("zoo.train.run", SLOW_SAVE),
+    ),
+    "Ctrl-C while zoo.tools.generate compiles": (
+        lambda t, d: (tool_cmd("generate", f"model.path={_hf_with(t, d)}", "tokenizer=bytes", "prompt=hi", "max_new_tokens=4"), t, [t / "hf"]),
+        (130, r"interrupted \(Ctrl-C\) while compiling the sampler; nothing was generated; run the command again"),
+        _ctrl_c_while_sampling_compiles,
+    ),
+    "Ctrl-C swallowed by a garbage-collector callback in zoo.tools.export": (
+        lambda t, d: (tool_cmd("export", str(_copy_run(t, d)[1]), str(t / "out")), t, [t / "ckpt"]),
+        (130, r"interrupted \(Ctrl-C\) while reading the checkpoint \S+/ckpt; nothing was written to \S+/out; run the same command again"),
+        _ctrl_c_when_waiting,
+        ("zoo.train.hf_export", STALLED_EXPORT),
+    ),
+    # The disk fills up during a save: the run stops at once, naming the step and the last good checkpoint.
+    "disk full during a checkpoint save": (
+        lambda t, d: (train_cmd(LLAMA, *TINY, "trainer.steps=50", "checkpoint.every_n_steps=2", f"checkpoint.dir={t / 'ckpt'}",
+                                f"hydra.run.dir={t / 'run'}"), t, []),  # fmt: skip
+        (1, r"step 4: saving its checkpoint failed \(No space left on device\), so the run stopped; last good checkpoint: step 2 in (\S+/ckpt); "
+            r"free space in \1 \(or give another checkpoint\.dir\) and run the same command to resume"),  # fmt: skip
+        None,
+        ("zoo.train.run", DISK_FULL),
     ),
     # Checkpoints read by the tools.
     "zoo.tools.export, newest step damaged": (
@@ -283,6 +419,16 @@ CASES = {
         lambda t, d: (tool_cmd("report", str(_sweep(t, d))), t, [t / "sweep" / "0", t / "sweep" / "1"]),
         (0, r"note: job\(s\) 1 ran no steps, so they have no timing; marked in report\.md"),
     ),
+    "zoo.tools.report, a binary summary.json in a sweep": (
+        lambda t, d: (tool_cmd("report", str(_sweep_of_one(t, d, b"\x80\xff binary"))), t, [t / "sweep" / "0"]),
+        (0, r"note: \S+/sweep/0/summary\.json is unreadable \(not UTF-8 text: byte 0x80 at offset 0\); marked failed in report\.md"),
+    ),
+    "zoo.tools.report, a binary metrics.jsonl": (
+        lambda t, d: ((_copy_run(t, d), (t / "run" / "metrics.jsonl").write_bytes(b"\x80\xff binary"))
+                      and tool_cmd("report", str(t / "run")), t, [t / "run"]),  # fmt: skip
+        (2, r"dir: \S+/run/metrics\.jsonl holds no step record \(not UTF-8 text: byte 0x80 at offset 0\): damaged, or not train\.py's; "
+            r"give the directory of a train\.py run"),  # fmt: skip
+    ),
     # Hugging Face weights.
     "random bytes as model.safetensors": (
         lambda t, d: (train_cmd(*TINY, "model=hf", f"model.path={_hf_with(t, d, weights=_random_bytes())}", f"hydra.run.dir={t / 'run'}"),
@@ -299,14 +445,14 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_bad_input_ends_in_one_line_and_changes_no_file(case, base, tmp_path):
-    setup, (code, line), *interact = CASES[case]
+    setup, (code, line), interact, hook = (*CASES[case], None, None)[:4]
     cmd, cwd, guarded = setup(tmp_path, base[0])
     before = fingerprint(*guarded)
-    extra = {"ZOO_TEST_WAITING": str(tmp_path / "waiting"), "PYTHONPATH": os.pathsep.join([str(_slow_save_hook(tmp_path)), str(ROOT)])} if interact and case.startswith("a second") else {}  # noqa: E501
+    extra = _hooked(tmp_path, *hook) if hook else {}
     proc = subprocess.Popen(cmd, cwd=cwd, env=env(**extra), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         if interact:
-            interact[0](proc, tmp_path)
+            interact(proc, tmp_path)
         out, err = proc.communicate(timeout=600)
     finally:
         proc.kill()
@@ -328,3 +474,11 @@ def test_bad_input_ends_in_one_line_and_changes_no_file(case, base, tmp_path):
         assert "| ran no steps (its checkpoint was already at step 3 of trainer.steps=3) |" in table and "| ok |" in table
     if case == "zoo.tools.export, newest step damaged":
         assert "exported step 2 of " in out
+    if case.startswith("Ctrl-C swallowed"):
+        assert not (tmp_path / "out").exists() and not (tmp_path / "out.export-tmp").exists()  # nothing looks like an export
+    if case == "disk full during a checkpoint save":
+        from zoo.train.checkpoint import restore_model
+
+        assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name[0].isdigit()) == ["2", "4.orbax-checkpoint-tmp"]
+        assert restore_model(tmp_path / "ckpt", 2)[1]["step"] == 2  # the last good step reads
+        assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) <= 6  # it stopped at once, not at the next save

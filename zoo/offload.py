@@ -304,7 +304,8 @@ def check_tags_emitted(policy: OffloadConfig, model_config) -> None:
     if missing:
         t = missing[0]
         kind = TAGS[t].block
-        hint = f"; tags of optional blocks go under offload.block_tags.{kind}" if kind in OPTIONAL_KINDS else ""
+        # For a policy shared by several models (a preset); a model without such blocks ignores the section.
+        hint = f"; tags of optional blocks go under offload.block_tags.{kind}, for the models that have {kind} blocks" if kind in OPTIONAL_KINDS else ""
         raise ValueError(
             f"offload.tags.{t}: the {model_config.family} model never emits this tag; "
             f"it emits: {', '.join(emitted)}{hint}"

@@ -19,10 +19,10 @@ from typing import Callable, Optional
 
 from omegaconf import DictConfig
 
-from zoo.offload import ACTIONS, conf_dir
+from zoo.offload import ACTIONS, conf_dir, dropped_block_tags
 from zoo.sharding import LOGICAL_AXES
-from zoo.tags import OPTIONAL_KINDS, TAGS
-from zoo.train import distributed, stop
+from zoo.tags import OPTIONAL_KINDS, TAGS, block_kinds
+from zoo.train import distributed, run_dir, stop
 from zoo.train.checkpoint import DirLock
 from zoo.train.metrics import write_json
 from zoo.train.run import prepare, train
@@ -52,8 +52,12 @@ def run_job(cfg: DictConfig) -> None:
     out_dir, overrides, multirun, num = _hydra_context()
     label = f"job {num} [{' '.join(overrides)}]" if multirun else "run"
     lock, refused = None, False
+    earlier = run_dir.holds_steps(out_dir)  # another run's record is there (this run may only continue it)
     try:
         c, plan, devices, flags = prepare(cfg)
+        line = ignored_override_line(c, overrides)
+        if line:
+            raise ConfigError(line)
         try:  # after prepare: the processes of a multi-process run have joined, and only process 0 takes it
             lock = _hold_run_dir(out_dir)
         except ConfigError:
@@ -63,7 +67,8 @@ def run_job(cfg: DictConfig) -> None:
     except Exception as e:  # noqa: BLE001 - every failure is reported, none stops a sweep
         bad_input = isinstance(e, ConfigError)
         stopped = isinstance(e, TrainingStopped)  # the run stopped itself and says why in one line
-        if distributed.is_main_process() and not refused:
+        # A live run's summary, or an earlier run's that bad input never got to continue, is not ours to replace.
+        if distributed.is_main_process() and not refused and not (bad_input and earlier):
             write_json(
                 out_dir / "summary.json",
                 {"status": "failed", "overrides": overrides, "error": one_line(e), "error_type": type(e).__name__, "bad_input": bad_input},
@@ -85,6 +90,31 @@ def run_job(cfg: DictConfig) -> None:
         jax.clear_caches()  # the default launcher runs the next job in this same process
 
 
+def ignored_override_line(c, overrides) -> Optional[str]:
+    """One line for a key given on the command line that the run would accept and never read (None:
+    every one is read). The config alone cannot tell: the same values come from the options' files too
+    (trainer.eval_every: 100 for every run, block_tags of every kind in the offload presets)."""
+    for override in overrides:
+        if override.startswith("~"):
+            continue  # a deletion sets nothing
+        key = override.lstrip("+").split("=", 1)[0]
+        parts = key.split(".")
+        if key in ("trainer.eval_every", "trainer.eval_batches") and not (c.data.eval_fraction or c.data.eval_path):
+            if c.data.name != "text":
+                return (f"{key}: evaluates the held-out split, and data={c.data.name} has none (its synthetic tokens are endless); "
+                        "drop it, or train on text with a split (data=text data.eval_fraction=0.05)")
+            return f"{key}: evaluates the held-out split, and this run has none; add data.eval_fraction=0.05 (or data.eval_path=<file>), or drop it"
+        if parts[:2] == ["offload", "block_tags"] and len(parts) > 2:
+            kinds = [k for k in block_kinds(c.model) if k in OPTIONAL_KINDS]
+            if parts[2] in OPTIONAL_KINDS and parts[2] not in kinds:
+                return (f"offload.block_tags.{parts[2]}: the {c.model.family} model has no {parts[2]} blocks (its optional blocks: "
+                        f"{', '.join(kinds) or 'none'}), so this would be ignored; drop it")
+            if len(parts) == 4 and parts[3] in dropped_block_tags(c.offload, c.model):
+                return (f"{key}: this {c.model.family} configuration does not emit {parts[3]}, so this would be ignored; drop it "
+                        f"(python -m zoo.tools.inspect_step lists the tags it emits)")
+    return None
+
+
 RUN_LOCK = "zoo.run.lock"
 
 
@@ -99,17 +129,44 @@ def _hold_run_dir(out_dir: pathlib.Path):
     return lock
 
 
+def _writes_nothing(args: list[str]) -> bool:
+    """Hydra's flags that print (help, the config, info) and run no job."""
+    return any(a in ("-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "-sc", "--shell-completion") or a.startswith("--cfg") for a in args)
+
+
+def _output_dir_arg(args: list[str]) -> tuple[str, list[str]]:
+    """(`hydra.run.dir`, or `hydra.sweep.dir` with -m; the values given for it, last one wins)."""
+    key = "hydra.sweep.dir" if any(a in ("-m", "--multirun") for a in args) else "hydra.run.dir"
+    return key, [a.split("=", 1)[1] for a in args if a.lstrip("+").split("=", 1)[0] == key and "=" in a]
+
+
+def _keep_earlier_hydra_record(args: list[str]) -> list[str]:
+    """`hydra.output_subdir=null` when the output directory given already holds a run's steps (a sweep:
+    one of its jobs'): Hydra would rewrite the `.hydra/` there (the config and the overrides of the run
+    that wrote those steps) before train.py can tell whether this run continues that record or is
+    refused (zoo.train.run_dir). A run that continues it keeps the `.hydra/` of the run that began it."""
+    key, given = _output_dir_arg(args)
+    text = given[-1].strip("'\"") if given else ""
+    if _writes_nothing(args) or not text.strip() or "${" in text or any(a.lstrip("+").startswith("hydra.output_subdir=") for a in args):
+        return []  # Hydra's default directory is new (it is named by the time), and interpolations are Hydra's to resolve
+    d = pathlib.Path(text).expanduser()
+    runs = [d] if key == "hydra.run.dir" else [j for j in d.iterdir() if j.is_dir()] if d.is_dir() else []
+    return ["hydra.output_subdir=null"] if any(run_dir.holds_steps(r) for r in runs) else []
+
+
 def _output_dir_line(args: list[str]) -> Optional[str]:
     """Before Hydra creates the output directory (and configures logging, writes .hydra/ into it):
     one line when it cannot be created or written, or a live run holds it; None when it is fine."""
-    if any(a in ("-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "-sc", "--shell-completion") or a.startswith("--cfg") for a in args):
-        return None  # nothing is written
-    multirun = any(a in ("-m", "--multirun") for a in args)
-    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
-    given = [a.split("=", 1)[1] for a in args if a.lstrip("+").split("=", 1)[0] == key and "=" in a]
+    if _writes_nothing(args):
+        return None
+    key, given = _output_dir_arg(args)
+    multirun = key == "hydra.sweep.dir"
     cwd = pathlib.Path.cwd()
     if given:
         text = given[-1].strip("'\"")
+        if not text.strip():  # Hydra would run in the working directory itself
+            return (f"{key}: empty (an unset shell variable?); give a directory, e.g. {key}=runs/1, or leave it out "
+                    f"for Hydra's default ({'multirun' if multirun else 'outputs'}/<date>/<time>)")
         fixed = text.split("${", 1)[0]  # the part without interpolations (${now:...}) is checked
         if fixed != text:
             fixed = fixed.rsplit("/", 1)[0] if "/" in fixed else "."
@@ -360,7 +417,8 @@ def check_writable(path, key: str) -> pathlib.Path:
 
 def run_tool(body: Callable[[], int], tool: str, argv=(), doc: Optional[str] = None) -> int:
     """A command-line tool's body (`python -m zoo.<tool> ...`): `--help` prints `doc`; bad input ->
-    one `error:` line naming the key or file and exit code 2, before any compile."""
+    one `error:` line naming the key or file and exit code 2, before any compile; Ctrl-C -> one line
+    saying what was being done (the body's `zoo.train.stop.set_phase`) and what is left, exit code 130."""
     if any(a in ("-h", "--help") for a in argv):
         if doc is None and tool.startswith("python -m "):
             import importlib
@@ -369,13 +427,23 @@ def run_tool(body: Callable[[], int], tool: str, argv=(), doc: Optional[str] = N
         print(f"usage: {tool} [key=value ...]  (docs/training.md describes the keys)\n\n{doc or ''}".rstrip())
         return 0
     try:
-        return body()
+        with stop.ctrl_c_noted():
+            stop.set_phase("starting", "nothing was done; run the command again")
+            return body()
+    except KeyboardInterrupt:
+        print(interrupted_line(), file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
     except Exception as e:  # noqa: BLE001
         line = bad_input_line(e, _conf_dir(), also=(ValueError,), tool=tool, args=argv)
         if line is None:
             raise
         print(f"error: {line}", file=sys.stderr)
         return EXIT_BAD_INPUT
+
+
+def interrupted_line() -> str:
+    """The one line a Ctrl-C ends a command with: what it was doing (zoo.train.stop.set_phase) and what is left."""
+    return f"error: interrupted (Ctrl-C) while {stop.PHASE}; {stop.PHASE_AFTER}"
 
 
 def _conf_dir() -> pathlib.Path:
@@ -390,10 +458,15 @@ def main(hydra_main: Callable, conf_dir: pathlib.Path) -> int:
         if line:
             print(f"error: {line}", file=sys.stderr)
             return EXIT_BAD_INPUT
-        with _argparse_one_line(TRAIN):
-            hydra_main()
+        argv = sys.argv
+        sys.argv = [*argv, *_keep_earlier_hydra_record(argv[1:])]
+        try:
+            with _argparse_one_line(TRAIN):
+                hydra_main()
+        finally:
+            sys.argv = argv
     except KeyboardInterrupt:
-        print(f"error: interrupted (Ctrl-C) while {stop.PHASE}; {stop.PHASE_AFTER}", file=sys.stderr, flush=True)
+        print(interrupted_line(), file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else EXIT_FAILED)

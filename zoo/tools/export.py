@@ -15,27 +15,18 @@ device nor the host ever holds the whole model (`zoo.train.hf_export`, which thi
 
 A LoRA run exports as its merged model, or with `--adapters-only` as the adapters alone in the `peft`
 library's layout; the output directory is written under a temporary name and renamed when complete,
-never over files (`zoo.train.hf_export` says how). Bad input: one line, exit code 2.
+never over files (`zoo.train.hf_export` says how). Bad input: one line, exit code 2; Ctrl-C: one line, exit
+code 130, and no partial directory left.
 """
 
-import argparse
 import pathlib
-import sys
 
+from zoo.tools.cli import ArgumentParser, run_tool
 from zoo.train.hf_export import hf_export
-from zoo.train.run_config import ConfigError
-
-EXIT_BAD_INPUT = 2
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, not argparse's usage block
-        print(f"error: command line: {message}; see python -m zoo.tools.export --help", file=sys.stderr)
-        raise SystemExit(EXIT_BAD_INPUT)
 
 
 def main(argv=None) -> int:
-    p = _Parser(prog="python -m zoo.tools.export", description="Write a train.py checkpoint as a Hugging Face directory.")
+    p = ArgumentParser(prog="python -m zoo.tools.export", description="Write a train.py checkpoint as a Hugging Face directory.")
     p.add_argument("checkpoint_dir", help="the checkpoint.dir of a train.py run")
     p.add_argument("out_dir", help="the Hugging Face directory to write (new, or empty)")
     p.add_argument("--step", type=int, default=None, help="the step to export (default: the latest complete one)")
@@ -46,12 +37,12 @@ def main(argv=None) -> int:
                    help="a LoRA run: write its adapters alone in the peft layout (adapter_config.json, adapter_model.safetensors), "
                         "for peft.PeftModel.from_pretrained over the base; default: the merged model")
     args = p.parse_args(argv)
-    try:
-        done = hf_export(args.checkpoint_dir, args.out_dir, args.step, args.dtype, args.tokenizer, int(args.max_shard_gb * 2**30),
-                         adapters_only=args.adapters_only)
-    except ConfigError as e:
-        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    return run_tool(lambda: _export(args), p.prog)  # bad input: one line, exit code 2; Ctrl-C: one line, 130
+
+
+def _export(args) -> int:
+    done = hf_export(args.checkpoint_dir, args.out_dir, args.step, args.dtype, args.tokenizer, int(args.max_shard_gb * 2**30),
+                     adapters_only=args.adapters_only)
     what = "the LoRA adapters (peft layout) of step" if args.adapters_only else "step"
     print(f"exported {what} {done['step']} of {pathlib.Path(args.checkpoint_dir)} as {done['dtype']} to {done['out']}: {', '.join(done['files'])}")
     return 0

@@ -21,6 +21,7 @@ from zoo.config import DTYPES, dtype_name
 from zoo.sampling import GenerationError, check_request, decode_compile_options, encode_prompts, generate
 from zoo.tools.cli import run_tool
 from zoo.train.checkpoint import restore_model
+from zoo.train.stop import set_phase
 
 LORA_FORMS = ("merged", "attached")  # checkpoint.lora: how a LoRA run's adapters meet the base
 
@@ -187,6 +188,8 @@ def run(argv: Sequence[str]) -> int:
         raise GenerationError("checkpoint.lora: applies to a LoRA run's checkpoint.dir, not to model.path; drop it")
     if not prompts:
         raise GenerationError('prompt: no prompt given; add prompt="..." (repeat it for several prompts)')
+    nothing = "nothing was generated; run the command again"
+    set_phase(f"loading the model from {opts.model.path or opts.checkpoint.dir}", nothing)
     config, load, tokenizer, stop = _hf_source(opts) if opts.model.path is not None else _checkpoint_source(opts)
     from zoo.data.tokenizer import ByteTokenizer  # loaded by now (the tokenizer above)
 
@@ -209,7 +212,9 @@ def run(argv: Sequence[str]) -> int:
     def on_compile(batch, seq, cache, seconds):
         _log(f"compiled for {batch} prompt(s) of up to {seq} tokens and a cache of {cache} positions in {seconds:.1f}s")
         compile_s.append(seconds)
+        set_phase("generating", nothing)
 
+    set_phase("compiling the sampler", nothing)
     _log(f"generating up to {opts.max_new_tokens} tokens for {len(tokens)} prompt(s)")
     t0 = time.perf_counter()
     results = generate(

@@ -25,12 +25,24 @@ def load_summaries(root: pathlib.Path) -> list[dict]:
     jobs = []
     for path in sorted(root.rglob("summary.json"), key=lambda p: (len(p.parts), str(p))):
         try:
-            s = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            s = {"status": "failed", "error": f"unreadable summary: {e}"}
+            s = json.loads(path.read_bytes().decode())
+            if not isinstance(s, dict):
+                raise ValueError(f"a JSON {type(s).__name__}, not an object")
+        except (OSError, ValueError) as e:  # not UTF-8 (UnicodeDecodeError), not JSON: damaged, or not train.py's
+            why = _unreadable(e)
+            s = {"status": "failed", "error": f"unreadable summary.json ({why})", "_unreadable": why}
         s["_dir"] = str(path.parent.relative_to(root)) or "."
         jobs.append(s)
     return jobs
+
+
+def _unreadable(e: BaseException) -> str:
+    """Why a file train.py writes as UTF-8 JSON did not read, in a short clause."""
+    if isinstance(e, UnicodeDecodeError):
+        return f"not UTF-8 text: byte 0x{e.object[e.start]:02x} at offset {e.start}"
+    if isinstance(e, json.JSONDecodeError):
+        return f"not JSON: {e.msg} at line {e.lineno} column {e.colno}"
+    return getattr(e, "strerror", None) or str(e)
 
 
 def common_overrides(jobs: list[dict]) -> list[str]:
@@ -192,15 +204,21 @@ RUN_PLOT = "expert_load.png"
 
 
 def load_metrics(run_dir: pathlib.Path) -> list[dict]:
-    """The records of a run's metrics.jsonl, in step order (a line cut short by a kill is skipped)."""
-    records = []
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+    """The records of a run's metrics.jsonl, in step order (a line cut short by a kill, or damaged, is
+    skipped); ConfigError (one line) when the file has content but no line is a step record."""
+    path = run_dir / "metrics.jsonl"
+    records, first_problem = [], None
+    for line in path.read_bytes().splitlines():
         try:
-            r = json.loads(line)
-        except ValueError:
+            r = json.loads(line.decode())
+        except ValueError as e:  # not UTF-8 (UnicodeDecodeError) or not JSON
+            first_problem = first_problem or _unreadable(e)
             continue
         if isinstance(r, dict) and isinstance(r.get("step"), int):
             records.append(r)
+    if not records and first_problem:
+        raise ConfigError(f"dir: {path} holds no step record ({first_problem}): damaged, or not train.py's; "
+                          "give the directory of a train.py run")
     return sorted(records, key=lambda r: r["step"])
 
 
@@ -276,10 +294,10 @@ def _main_run(run_dir: pathlib.Path, out: Optional[pathlib.Path]) -> int:
     """`python -m zoo.tools.report RUN_DIR`: the run's expert-load plot, one line on stdout naming it."""
     try:
         check_writable((out or run_dir) / RUN_PLOT, "--out" if out else "dir")
+        png = run_report(run_dir, out)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    png = run_report(run_dir, out)
     if png is None:
         print(f"no MoE data in {run_dir / 'metrics.jsonl'} (a dense model, or no step logged); nothing to plot")
     else:
@@ -313,7 +331,11 @@ def main(argv=None) -> int:
         print(f"error: dir: {e}; run a sweep first (python train.py -m ...)", file=sys.stderr)
         return 2
     print(md.read_text())
-    idle = [j for j in load_summaries(a.dir) if ran_no_steps(j)]
+    jobs = load_summaries(a.dir)
+    for j in jobs:
+        if j.get("_unreadable"):
+            print(f"note: {a.dir / j['_dir'] / 'summary.json'} is unreadable ({j['_unreadable']}); marked failed in {md.name}", file=sys.stderr)
+    idle = [j for j in jobs if ran_no_steps(j)]
     if idle:
         print(f"note: job(s) {', '.join(j['_dir'] for j in idle)} ran no steps, so they have no timing; marked in {md.name}", file=sys.stderr)
     print(f"wrote {md} and {png}")

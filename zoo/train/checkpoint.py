@@ -56,7 +56,7 @@ from zoo._compat import orbax_array_metadata_store
 from zoo.hf import CheckpointError, load_sharded
 from zoo.lora import LoraConfig
 from zoo.model import abstract
-from zoo.train.run_config import ConfigError, TrainConfig, load_group
+from zoo.train.run_config import ConfigError, TrainConfig, TrainingStopped, load_group
 
 # Model fields that change how the step computes, not what the state holds: a checkpoint may be
 # resumed with other values (the losses then differ from the uninterrupted run's).
@@ -322,6 +322,19 @@ def _require_orbax_files(step_dir: pathlib.Path) -> None:
         raise Unreadable(missing)
 
 
+def _why_save_failed(e: BaseException) -> str:
+    """The operating system's reason when an OSError is in the chain (`No space left on device`), else
+    the error's first line."""
+    seen = []
+    while e is not None and e not in seen:
+        seen.append(e)
+        if isinstance(e, OSError) and e.strerror:
+            return e.strerror
+        e = e.__cause__ or e.__context__
+    first = str(seen[0]).strip().splitlines()
+    return f"{type(seen[0]).__name__}: {first[0][:200] if first else ''}"
+
+
 def unreadable_reason(e: BaseException, step_dir: pathlib.Path) -> str:
     """One short clause for why restoring `step_dir` failed: TensorStore's innermost status message
     without its multi-kilobyte spec, paths relative to the step directory."""
@@ -383,6 +396,8 @@ class Checkpoints:
         self.saved: list[int] = []
         self.lock: Optional[DirLock] = None
         self.skipped: list[tuple[int, str]] = []  # (step, why): unreadable steps newer than the one resumed
+        self.in_flight: Optional[int] = None  # the step whose save was started and not yet seen complete
+        self.failed: Optional[TrainingStopped] = None  # a save that failed (reported once; the run stops)
 
     # --- before compiling: what is there, and does it fit ----------------------------------------
 
@@ -664,20 +679,58 @@ class Checkpoints:
             return
         meta = {**self.meta(), "step": step}
         saved = {k: v for k, v in state.items() if k != "base"}  # LoRA's frozen base is rebuilt, not saved
-        with ctrl_c_deferred():  # a Ctrl-C here would abandon the copy half done, and with it this step
+        with ctrl_c_deferred(), self._save_failures(step):  # a Ctrl-C here would abandon the copy half done, and with it this step
+            # (orbax first waits for the save before: its failure is reported here, naming that step)
             self._manager().save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(saved), meta=ocp.args.JsonSave(meta)), force=True)
             self.saved.append(step)
+            self.in_flight = step
+
+    def check_saves(self) -> None:
+        """Between steps: when the save in flight has ended, whether it failed (a full disk) is known;
+        the run then stops at once with one line (TrainingStopped), not at the next save."""
+        if self.in_flight is not None and self.manager is not None and not self.manager.is_saving_in_progress():
+            self.wait()
 
     def wait(self) -> None:
         if self.manager is not None:
-            self.manager.wait_until_finished()
+            with self._save_failures(None):
+                self.manager.wait_until_finished()
+            self.in_flight = None
 
     def close(self) -> None:
         """Wait for the save in flight (it completes even when training stopped on an error)."""
-        if self.manager is not None:
-            self.manager.wait_until_finished()
+        if self.manager is None:
+            return
+        reported = self.failed is not None  # the run is already stopping on a failed save: said once
+        try:
+            self.wait()
             self.manager.close()
+        except Exception:
+            if not reported:
+                raise
+        finally:
             self.manager = None
+
+    @contextlib.contextmanager
+    def _save_failures(self, starting: Optional[int]):
+        """A save that failed in orbax (its background thread, or `starting`'s own start): one line
+        naming the step, why, and the last good checkpoint, instead of orbax's traceback."""
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001 - whatever the file system and orbax raise
+            if self.failed is not None:
+                raise self.failed from None
+            # the save before, which orbax waits for first, unless that one completed
+            step = self.in_flight if self.in_flight is not None and self.in_flight not in self.complete_steps() else starting
+            self.failed = TrainingStopped(
+                f"step {step}: saving its checkpoint failed ({_why_save_failed(e)}), so the run stopped; last good checkpoint: "
+                f"{self._last_good()}; free space in {self.dir} (or give another checkpoint.dir) and run the same command to resume"
+            )
+            raise self.failed from None
+
+    def _last_good(self) -> str:
+        last = self.latest()
+        return f"step {last} in {self.dir}" if last is not None else f"none in {self.dir} (the run starts again from step 0)"
 
     def latest(self) -> Optional[int]:
         steps = self.complete_steps()

@@ -23,6 +23,7 @@ The directory is written under a temporary name and renamed when complete; an ex
 `<out dir>` is refused (an export never writes over files). Bad input: one line, exit code 2.
 """
 
+import contextlib
 import pathlib
 import shutil
 from typing import Optional
@@ -36,6 +37,7 @@ from zoo.hf.convert import dtype_name
 from zoo.hf.pretrained import CARRIED_FILES, sha256, tokenizer_token_ids
 from zoo.lora import LoRAWeight
 from zoo.train.checkpoint import restore_model
+from zoo.train.stop import raise_if_interrupted, set_phase
 
 
 def _carried(meta: dict, tokenizer: Optional[str]) -> dict[str, pathlib.Path]:
@@ -88,27 +90,16 @@ def hf_export(checkpoint_dir, out_dir, step: Optional[int] = None, dtype=None, t
     if adapters_only and tokenizer is not None:
         raise ConfigError("--tokenizer: an adapters-only export carries no tokenizer (the base model's directory has it); drop --tokenizer")
     devices = jax.local_devices() if devices is None else devices
+    set_phase(f"reading the checkpoint {pathlib.Path(checkpoint_dir)}", f"nothing was written to {out}; run the same command again")
     if adapters_only:
         return _export_adapters(checkpoint_dir, out, step, target, devices)
     model, meta = restore_model(checkpoint_dir, step, devices=devices)
     carried = _carried(meta, tokenizer)
     extras = (meta.get("pretrained") or {}).get("config_extras") or tokenizer_token_ids(meta.get("data") or {}, tokenizer)
-    tmp = out.with_name(out.name + ".export-tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)  # an earlier export that did not finish
-    try:
+    with _staged(out) as tmp:
         save_pretrained(model, tmp, dtype=target, max_shard_bytes=max_shard_bytes, extra_config=extras)
         for name, src in carried.items():
             shutil.copyfile(src, tmp / name)
-        if out.exists():
-            out.rmdir()  # empty (checked above)
-        tmp.rename(out)
-    except CheckpointError as e:  # a model its family's config.json cannot express
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise ConfigError(str(e)) from None
-    except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise ConfigError(f"{out}: cannot write the export ({e.strerror or e}); choose a writable directory") from None
     written_dtype = target or model.config.param_dtype
     return {"step": meta["step"], "files": sorted(p.name for p in out.iterdir()), "dtype": written_dtype, "out": str(out)}
 
@@ -122,23 +113,38 @@ def _export_adapters(checkpoint_dir, out: pathlib.Path, step: Optional[int], dty
             f"{pathlib.Path(checkpoint_dir)}: not a LoRA run (its checkpoint holds the whole model, no adapters); export it without --adapters-only"
         )
     source = (meta.get("pretrained") or {}).get("path")
-    tmp = out.with_name(out.name + ".export-tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    try:
+    with _staged(out) as tmp:
         files = save_adapters(model, tmp, rank=int(cfg["rank"]), alpha=float(cfg.get("alpha", 16.0)),
                               dropout=float(cfg.get("dropout", 0.0)), base_model=source, dtype=dtype)
+    dtypes = {str(leaf.a.dtype) for leaf in _lora_leaves(model)}
+    return {"step": meta["step"], "files": sorted(files), "dtype": dtype or ", ".join(sorted(dtypes)), "out": str(out)}
+
+
+@contextlib.contextmanager
+def _staged(out: pathlib.Path):
+    """The export is written into the yielded `<out>.export-tmp` and renamed `out` once complete; on a
+    failure or a Ctrl-C the partial directory is removed, so nothing is left looking like an export.
+    A model the family's config.json cannot express, or adapters on a tensor PEFT cannot adapt
+    (CheckpointError), and a directory that cannot be written are ConfigError (one line)."""
+    tmp = out.with_name(out.name + ".export-tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)  # an earlier export that did not finish
+    set_phase(f"writing {out}", f"nothing was written to {out} (the partial export was removed); run the same command again")
+    try:
+        yield tmp
+        raise_if_interrupted()  # a Ctrl-C Python swallowed while writing: not committed either
         if out.exists():
-            out.rmdir()
+            out.rmdir()  # empty (checked by the caller)
         tmp.rename(out)
-    except CheckpointError as e:  # adapters on a tensor PEFT cannot adapt
+    except CheckpointError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise ConfigError(str(e)) from None
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         raise ConfigError(f"{out}: cannot write the export ({e.strerror or e}); choose a writable directory") from None
-    dtypes = {str(leaf.a.dtype) for leaf in _lora_leaves(model)}
-    return {"step": meta["step"], "files": sorted(files), "dtype": dtype or ", ".join(sorted(dtypes)), "out": str(out)}
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def _lora_leaves(model) -> list:

@@ -23,9 +23,10 @@ from zoo.offload import OffloadConfig, parse_ranges, range_configs
 from zoo.sharding import ShardingError, memory_kinds
 from zoo.train import huge_pages
 from zoo.train.batches import make_data
-from zoo.train.checkpoint import Checkpoints, probe_writable
+from zoo.train.checkpoint import Checkpoints, all_processes_agree, probe_writable
 from zoo.train.distributed import initialize
 from zoo.train.evaluate import attach_data
+from zoo.train import run_dir
 from zoo.train.metrics import (
     MetricsWriter, Progress, Throughput, compiled_flops, compiled_memory, device_memory, write_json,
 )
@@ -246,11 +247,14 @@ def _train(c: TrainConfig, plan, devices, out_dir: pathlib.Path, xla_flags: str,
         if ckpt:
             ckpt.open()  # writable, and ours alone: else one line, before any compile
         start = (ckpt.check() if ckpt else None) or 0  # a checkpoint that does not fit: ConfigError, before any compile
+        taken = run_dir.taken_line(out_dir, start, overrides) if main else None  # it would replace an earlier run's record
+        if not all_processes_agree(taken is None):
+            raise run_dir.RunDirTaken(taken or "hydra.run.dir: process 0 refused the run directory (see its error line)")
         if start == steps:
             echo(f"checkpoints: {ckpt.dir}, step {start} is trainer.steps={steps}: nothing left to train; raise trainer.steps to go on")
             summary = {"status": "ok", "overrides": list(overrides), "steps": steps, "start_step": start, "steps_run": 0,
                        "checkpoint": {"dir": str(ckpt.dir), "steps": ckpt.complete_steps()}, "config": to_dict(c)}  # fmt: skip
-            if main:
+            if main and not run_dir.finished(out_dir):  # the summary of the run that trained those steps stays
                 write_summary(out_dir, summary)
             return summary
         if ckpt and not start:
@@ -476,6 +480,8 @@ class StepLoop:
         """Steps `start` .. `steps - 1` from `state`; the state after the last one run."""
         pending: Optional[Dispatched] = None
         for step in range(start, self.steps):
+            if self.ckpt is not None:
+                self.ckpt.check_saves()  # a save that failed in the background stops the run now
             if self.stop.requested_here():
                 self.stopped = True
                 break

@@ -138,7 +138,7 @@ DATASETS = ("markov", "uniform", "text")
 # silently ignored (data.path with the synthetic markov data trains on synthetic tokens): refused instead.
 DATA_KEYS_OF = {
     **{k: ("text",) for k in ("path", "tokenizer", "text_field", "format", "shuffle", "eval_fraction", "eval_path")},
-    "branching": ("markov", "uniform"),
+    "branching": ("markov",),  # uniform tokens have no likely successors
 }
 
 
@@ -153,7 +153,12 @@ def foreign_data_key_line(key: str, value: Any = None, name: Optional[str] = Non
     if owners == ("text",):
         what = "has a held-out split" if key.startswith("eval_") else "reads it"
         return f"data.{key}: only data=text {what}, and {chosen} is synthetic tokens; set `data=text` (python train.py data=text{example})"
-    return f"data.{key}: only data=markov reads it ({chosen} takes its tokens from the text); drop it, or set `data=markov`"
+    source = "takes its tokens from the text" if name == "text" else "draws i.i.d. tokens" if name == "uniform" else "does not draw from a Markov chain"
+    return f"data.{key}: only data=markov reads it ({chosen} {source}); drop it, or set `data=markov`"
+
+
+# What a data path left null means (DataConfig).
+_DATA_NULL = {"path": "the shipped corpus", "tokenizer": "UTF-8 bytes", "eval_path": "no separate eval file"}
 
 
 @dataclasses.dataclass
@@ -185,6 +190,9 @@ class DataConfig:
                 raise ConfigError(f"data.{name}: must be positive, got {getattr(self, name)}")
         if self.seq_len < 2:
             raise ConfigError(f"data.seq_len: next-token loss needs at least 2 tokens, got {self.seq_len}")
+        for name in ("path", "tokenizer", "eval_path"):  # `data.path=` (an unset shell variable) is not null
+            if getattr(self, name) is not None and not str(getattr(self, name)).strip():
+                raise ConfigError(f"data.{name}: empty (an unset shell variable?); give a path, or leave data.{name} out (null: {_DATA_NULL[name]})")
         if self.name == "text":
             from zoo.data.text import FORMATS  # zoo.data (grain, about 1.1 s; tokenizers) only for text runs
 
@@ -577,6 +585,11 @@ def load(cfg: DictConfig) -> TrainConfig:
             line = foreign_data_key_line(str(key), data.get(key), data.get("name"))
             if line:
                 raise ConfigError(line)
+    lora = cfg.get("lora")
+    if isinstance(lora, DictConfig) and lora.get("rank") == 0 and len(lora.keys()) > 1:
+        ignored = ", ".join(f"lora.{k}" for k in lora.keys() if k != "rank")
+        raise ConfigError(f"lora.rank: 0 turns LoRA off, so {ignored} would be ignored and every parameter would train; "
+                          "give a positive rank (e.g. lora.rank=8), or choose lora=none for full fine-tuning")
     model, pretrained = load_model(cfg["model"])
     c = TrainConfig(model=model, pretrained=pretrained, **{g: load_group(g, cfg[g]) for g in GROUPS if g != "model"})
     if pretrained is not None:

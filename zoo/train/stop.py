@@ -12,7 +12,10 @@ same one (saving is collective). So each step also dispatches a max over every p
 read together with that step's metrics: all processes see the same vote at the same step.
 """
 
+import contextlib
 import signal
+import sys
+import threading
 from typing import Any, Optional
 
 import numpy as np
@@ -29,8 +32,54 @@ PHASE_AFTER = "no step ran; run the command again"
 
 
 def set_phase(doing: str, after: str = PHASE_AFTER) -> None:
+    """Enter the next phase; a Ctrl-C Python swallowed during the last one (`ctrl_c_noted`) is raised here."""
     global PHASE, PHASE_AFTER
+    raise_if_interrupted()
     PHASE, PHASE_AFTER = doing, after
+
+
+# Python drops a KeyboardInterrupt raised inside a garbage-collector callback (JAX registers one) with an
+# "Exception ignored" report, and the command goes on as if no Ctrl-C came. Under `ctrl_c_noted` a Ctrl-C
+# is also noted here, so the next `set_phase` / `raise_if_interrupted` raises it again.
+_PRESSED = False
+
+
+def raise_if_interrupted() -> None:
+    """KeyboardInterrupt when a Ctrl-C came under `ctrl_c_noted` (one Python swallowed, if it got here)."""
+    if _PRESSED:
+        raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def ctrl_c_noted():
+    """For the tools (zoo.tools.cli.run_tool): Ctrl-C raises KeyboardInterrupt as Python's own handler
+    does, and is noted, and the "Exception ignored" report of one Python swallowed is left out (the
+    note raises it again). Left as it is where SIGINT is ignored (a shell's background job) or handled
+    by someone else, and outside the main thread."""
+    global _PRESSED
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+
+    def note(signum, frame):
+        global _PRESSED
+        _PRESSED = True
+        raise KeyboardInterrupt
+
+    unraisable = sys.unraisablehook
+
+    def hook(u):
+        if not (_PRESSED and isinstance(u.exc_value, KeyboardInterrupt)):
+            unraisable(u)
+
+    signal.signal(signal.SIGINT, note)
+    sys.unraisablehook = hook
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        sys.unraisablehook = unraisable
+        _PRESSED = False
 
 
 class StopSignals:
