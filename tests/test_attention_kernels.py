@@ -537,7 +537,7 @@ def test_one_layers_forward_and_backward_temp_bytes_grow_linearly_with_blockwise
     """A whole decoder layer (norms, q/k/v or MLA projections, RoPE, attention, MLP or MoE), value and
     gradients with respect to its weights and input: with the XLA path the T x T scores dominate the
     compiled temporary memory (16x for 4x the tokens); with blockwise only the linear parts grow."""
-    from zoo.config import SIZES
+    from zoo.families import SIZES
     from zoo.model import make_block
 
     temp = {}

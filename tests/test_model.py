@@ -20,7 +20,8 @@ from jax.extend import core as jex_core
 import zoo
 from zoo.nn.moe import resolve_moe_impl
 from zoo import tags
-from zoo.config import SIZES, LayerSpec, MLAConfig
+from zoo.config import LayerSpec, MLAConfig
+from zoo.families import SIZES
 from zoo.model import count_leaves, loss_fn, plan_stacks, stack_layout, trainable_mask
 
 LLAMA = SIZES["llama_tiny_a"]

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from zoo.config import SIZES, MoEConfig
+from zoo.config import MoEConfig
+from zoo.families import SIZES
 from zoo.nn import moe_dispatch
 from zoo.nn.moe import MoE, route
 

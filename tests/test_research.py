@@ -11,7 +11,7 @@ import pytest
 
 import zoo
 from zoo import tags
-from zoo.config import SIZES
+from zoo.families import SIZES
 
 from test_model import QWEN3_MOE_MIXED, filled, random_tokens
 

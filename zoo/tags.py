@@ -27,15 +27,6 @@ from typing import Any, Callable, Iterator, Optional
 
 from jax.ad_checkpoint import checkpoint_name
 
-LLAMA = "llama"
-DEEPSEEK_V3 = "deepseek_v3"
-QWEN2 = "qwen2"
-QWEN3 = "qwen3"
-QWEN3_MOE = "qwen3_moe"
-MIXTRAL = "mixtral"
-GEMMA3 = "gemma3"
-GPT_OSS = "gpt_oss"
-
 # Block kinds: what a tag belongs to (see the module docstring).
 LAYER, ATTENTION, MLP, MLA, MOE = "layer", "attention", "mlp", "mla", "moe"
 # Kinds a model may lack: offload policies name their tags in per-kind sections.
@@ -92,7 +83,7 @@ class Emit:
 
 
 # The vocabulary: every tag some block declares (`declares`), kind by kind. Filled as the blocks are
-# defined; `import zoo` defines them all (zoo.model), before anything can read it.
+# defined: importing the blocks (zoo.nn, which everything that runs or reads a model imports) defines them all.
 TAGS: dict[str, TagInfo] = {}
 
 

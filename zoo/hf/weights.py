@@ -26,9 +26,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from zoo.config import ModelConfig, dtype_name
+from zoo.errors import CheckpointError
+from zoo.families._hf import Family
 from zoo.hf.convert import _get, config_from_hf, family_of, fp8_block, rules_and_shapes
-from zoo.hf.files import CheckpointError, CheckpointReader
-from zoo.hf.rules import Family
+from zoo.hf.files import CheckpointReader
 from zoo.model import CausalLM, abstract
 from zoo.nn.moe import resolve_moe_impl
 
