@@ -68,7 +68,6 @@ from zoo.model import DecoderBlock, loss_fn, stack_layout
 from zoo.nn import GatedMLP, GQAttention, MLAttention, MoE
 from zoo.nn.attention_kernels import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, resolve_impl
 from zoo.nn.expert_rounds import round_block
-from zoo.nn.moe import resolve_moe_impl
 from zoo.nn.moe_dispatch import exchanges_in_rounds
 from zoo.offload import (
     CHECKPOINT_INPUTS, OffloadConfig, backward_never_reads, conf_dir, load_preset, preset_names,
@@ -1164,7 +1163,7 @@ def producer_flops(config, tag: str, stack: str, batch: int, seq: int) -> float:
     if moe_stack:
         mo = c.moe
         ffn = mo.moe_intermediate_size * mo.n_shared_experts
-        if resolve_moe_impl(mo.impl) == "capacity":
+        if mo.impl == "capacity":  # the config as the run builds it: `auto` resolved (zoo.train.run_config.as_built)
             rows = mo.n_routed_experts * moe_capacity(n, mo)
         else:
             rows = n * mo.num_experts_per_tok
@@ -1438,11 +1437,9 @@ def problem_from_config(c, trainer, opts: PlanConfig, hardware_dir=None, attenti
     import jax
     import jax.numpy as jnp
 
-    m = c.model
+    m = trainer.cfg.model  # as the run builds it: model.moe.impl resolved (zoo.train.run_config.as_built)
     attention_impl = attention_impl or target_attention_impl(c)
     m = m.replace(attention_impl=host_attention_impl(attention_impl))
-    if m.moe is not None and trainer.plan.moe_impl is not None:  # `auto` as this mesh resolves it (zoo.nn.moe.resolve_moe_impl)
-        m = m.replace(moe=dataclasses.replace(m.moe, impl=trainer.plan.moe_impl))
     sizes = trainer.plan.mesh.sizes
     dp = math.prod(sizes[a] for a in dict.fromkeys(c.mesh.rules.get("batch", [])) if a in sizes) or 1
     batch = max(1, trainer.plan.microbatch // dp)

@@ -676,7 +676,18 @@ def resolve_kernels(c: TrainConfig) -> tuple[str, Optional[str]]:
         )
     except ValueError as e:
         raise ConfigError(str(e).splitlines()[0]) from None
+    # The one place a run resolves model.moe.impl; the model is built with the result (`as_built`).
     return attention, (resolve_moe_impl(m.moe.impl) if m.num_moe_layers else None)
+
+
+def as_built(c: TrainConfig, plan: Plan) -> TrainConfig:
+    """The config the run builds its model from: `c` with `model.moe.impl` the kernel validation chose
+    (`plan.moe_impl`, what `auto` stands for). `c` keeps what was asked, which the startup lines name
+    (`routed experts ragged (model.moe.impl=auto)`)."""
+    m = c.model
+    if plan.moe_impl is None or m.moe.impl == plan.moe_impl:
+        return c
+    return dataclasses.replace(c, model=m.replace(moe=dataclasses.replace(m.moe, impl=plan.moe_impl)))
 
 
 def routed_tokens_per_device(c: TrainConfig, sizes: dict, microbatch: int) -> int:
