@@ -55,6 +55,9 @@ class TagInfo:
     doc: str
     block: str
     axes: tuple[tuple[Optional[str], ...], ...] = ()
+    # The block's output, which only the residual add after it reads: the backward pass never reads it,
+    # unless a norm after the block does (Gemma 3's sandwich norms; zoo.offload.backward_never_reads).
+    only_feeds_residual: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,16 +90,14 @@ class Emit:
 TAGS: dict[str, TagInfo] = {}
 
 
-# The tag names, for the modules that name a tag (each block declares its tags' records, `EMITS`).
+# The tag names that several modules name (each block declares its tags' records, `EMITS`; a block's
+# own tags are named in its file, as zoo.nn.mlp names the gated MLP's).
 DECODER_LAYER_INPUT = "decoder_layer_input"
 QUERY_PROJ = "query_proj"
 KEY_PROJ = "key_proj"
 VALUE_PROJ = "value_proj"
 CONTEXT = "context"
 OUT_PROJ = "out_proj"
-MLPWI_0 = "mlpwi_0"
-MLPWI_1 = "mlpwi_1"
-MLPWO = "mlpwo"
 QUERY_WA_PROJ = "query_wa_proj"
 MLA_Q = "mla_q"
 KV_WA_PROJ = "kv_wa_proj"

@@ -20,6 +20,7 @@ import numpy as np
 
 from zoo.config import LAYER_TYPES, ROPE_TYPES, ModelConfig, RopeConfig
 from zoo.errors import CheckpointError
+from zoo.nn.mlp import GatedMLP
 
 # --- config.json values --------------------------------------------------------------------------
 
@@ -374,11 +375,8 @@ def gqa_rules(c: ModelConfig) -> list[Rule]:
 
 
 def mlp_rules(hub: str, zoo: str) -> list[Rule]:
-    return [
-        linear(f"{hub}.gate_proj.weight", f"{zoo}.w_gate"),
-        linear(f"{hub}.up_proj.weight", f"{zoo}.w_up"),
-        linear(f"{hub}.down_proj.weight", f"{zoo}.w_down"),
-    ]
+    """The gated MLP under `hub` <-> `zoo`: each of its projections by the name its PARAMS give it."""
+    return [linear(f"{hub}.{leaf.hub}.weight", f"{zoo}.{field}", in_axes=leaf.inputs) for field, leaf in GatedMLP.PARAMS.items()]
 
 
 def expert_list_rules(c: ModelConfig, template: str, gate: str, up: str, down: str) -> list[Rule]:
