@@ -40,9 +40,9 @@ def xla_group_flags(name: str) -> list[str]:
 
 
 def bench_model(name: str, **changes):
-    """A zoo.config.SIZES entry with `changes` applied; `moe_impl=...` sets model.moe.impl and
+    """A zoo.families.SIZES entry with `changes` applied; `moe_impl=...` sets model.moe.impl and
     `moe_experts=...` model.moe.n_routed_experts (a model cut to fit one device)."""
-    from zoo.config import SIZES
+    from zoo.families import SIZES
 
     moe = {k: changes.pop(f"moe_{k}") for k in ("impl", "experts") if f"moe_{k}" in changes}
     m = SIZES[name].replace(**changes)

@@ -6,7 +6,8 @@ import re
 import pytest
 
 from zoo import families
-from zoo.config import SIZES, MLAConfig, ModelConfig, MoEConfig, RopeConfig, count_params, get_size, moe_capacity
+from zoo.config import MLAConfig, ModelConfig, MoEConfig, RopeConfig, count_params, moe_capacity
+from zoo.families import SIZES, get_size
 from zoo.model import abstract, count_leaves
 
 LLAMA = SIZES["llama_tiny_a"]
@@ -55,22 +56,19 @@ MOE_RULES = [
 ]
 
 MODEL_RULES = [
-    ("family", LLAMA, dict(family="gpt2")),
     *[(name, LLAMA, {name: 0}) for name in
       ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size", "max_position_embeddings")],
     ("rms_norm_eps", LLAMA, dict(rms_norm_eps=0.0)),
     ("param_dtype", LLAMA, dict(param_dtype="int8")),
     ("compute_dtype", LLAMA, dict(compute_dtype="float64")),
     ("attention_impl", LLAMA, dict(attention_impl="flash")),
-    ("family", LLAMA, dict(mla=MLAConfig())),  # llama with an mla section
-    ("family", LLAMA, dict(moe=MoEConfig())),
+    ("attention_bias", LLAMA, dict(mla=MLAConfig(), attention_bias=True)),  # an mla section: latent attention, no q/k/v biases
     ("num_kv_heads", LLAMA, dict(num_kv_heads=0)),
     ("num_heads", LLAMA, dict(num_heads=4, num_kv_heads=3)),  # heads not divisible by kv heads
     ("head_dim", LLAMA, dict(head_dim=15)),  # odd rope dim
     ("first_k_dense_replace", LLAMA, dict(first_k_dense_replace=1)),
     ("rope.interleaved", LLAMA, dict(rope=RopeConfig(interleaved=True))),
-    ("mla", DSV3, dict(mla=None)),
-    ("moe", DSV3, dict(moe=None)),
+    ("first_k_dense_replace", DSV3, dict(moe=None)),  # a dense prefix without MoE layers
     ("first_k_dense_replace", DSV3, dict(first_k_dense_replace=4)),  # > num_layers=3
     ("first_k_dense_replace", DSV3, dict(first_k_dense_replace=-1)),
 ]
@@ -94,10 +92,32 @@ def test_moe_rules(field, kw):
         dataclasses.replace(DSV3.moe, **kw)
 
 
+# The registry's rules (zoo.families.check): the family a config names, and the sections its kind has.
+FAMILY_RULES = [
+    ("family", LLAMA, dict(family="gpt2")),
+    ("family", LLAMA, dict(mla=MLAConfig())),  # llama with an mla section
+    ("family", LLAMA, dict(moe=MoEConfig())),
+    ("mla", DSV3, dict(mla=None, rope=RopeConfig())),  # grouped-query attention rotates halves
+    ("moe", DSV3, dict(moe=None, first_k_dense_replace=0)),
+]
+
+
 @pytest.mark.parametrize("field,base,kw", MODEL_RULES, ids=[f"{f}-{i}" for i, (f, _, _) in enumerate(MODEL_RULES)])
 def test_model_rules(field, base, kw):
     with raises_naming(field):
         base.replace(**kw)
+
+
+@pytest.mark.parametrize("field,base,kw", FAMILY_RULES, ids=[f"{f}-{i}" for i, (f, _, _) in enumerate(FAMILY_RULES)])
+def test_family_rules(field, base, kw):
+    config = base.replace(**kw)  # a config checks its own fields; its family is a name the registry knows
+    with raises_naming(field):
+        families.check(config)
+
+
+def test_every_size_is_checked_against_its_family():
+    assert all(families.check(c) is c for c in SIZES.values())
+    assert families.check(LLAMA.replace(family="mistral")) is not None  # the same kind: a valid mistral
 
 
 def test_rule_cases_are_valid_apart_from_the_broken_field():
@@ -112,6 +132,8 @@ def test_rule_cases_are_valid_apart_from_the_broken_field():
     LLAMA.replace(num_heads=6, num_kv_heads=3, head_dim=14)
     DSV3.replace(first_k_dense_replace=3)
     DSV3.replace(first_k_dense_replace=0)
+    LLAMA.replace(mla=MLAConfig())  # latent attention without q/k/v biases
+    DSV3.replace(moe=None, first_k_dense_replace=0)
 
 
 def test_messages_say_how_to_fix():

@@ -11,7 +11,8 @@ import jax.extend.core as jex_core
 import numpy as np
 import pytest
 
-from zoo.config import SIZES, attended_keys, flops_per_token
+from zoo.config import attended_keys, flops_per_token
+from zoo.families import SIZES
 from zoo.model import abstract
 from zoo.nn import moe_dispatch
 

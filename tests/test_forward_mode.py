@@ -23,7 +23,7 @@ import pytest
 
 from tests.test_attention_kernels import case_inputs
 from zoo import families
-from zoo.config import SIZES
+from zoo.families import SIZES
 from zoo.loss import chunked_next_token_loss
 from zoo.model import build
 from zoo.nn.attention_kernels import attend

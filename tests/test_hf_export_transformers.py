@@ -26,7 +26,8 @@ import pytest
 
 import zoo
 from zoo import hf
-from zoo.config import SIZES, RopeConfig
+from zoo.config import RopeConfig
+from zoo.families import SIZES
 from zoo.hf.convert import _architecture_only
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

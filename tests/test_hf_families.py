@@ -23,7 +23,7 @@ from safetensors.numpy import load_file
 import numpy_ref_families
 import zoo
 from zoo import families, hf
-from zoo.config import SIZES
+from zoo.families import SIZES
 from zoo.nn.attention import attend
 from zoo.nn.moe import route, router_logits
 from zoo.nn.rope import rope_frequencies

@@ -9,6 +9,8 @@ the tools, so a tool can be renamed or removed without touching it.
 
 import ast
 import pathlib
+import subprocess
+import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "zoo"
@@ -36,12 +38,42 @@ def _resolve(name: str) -> str:
     return name if name in MODULES else ""
 
 
+def _submodules(package: str) -> list[str]:
+    """The modules directly inside `package` that a registry finds by listing it: those whose name does
+    not start with `_` (zoo.families: `_hf.py` and `_qwen.py` are no families)."""
+    return sorted(m for m in MODULES if m.rsplit(".", 1)[0] == package and not m.rsplit(".", 1)[1].startswith("_"))
+
+
+def _imported_by_name(module: str, tree: ast.Module) -> dict[str, int]:
+    """zoo module -> line, for the imports `module` makes through `importlib.import_module`, which no
+    import statement shows: a registry's `import_module(f"{__name__}.{name}")` over the names it lists
+    (its package's submodules), and, in a module that imports by name, each zoo module a string of it
+    names (a table of where names live, read on first use)."""
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+             and n.func.attr == "import_module" and isinstance(n.func.value, ast.Name) and n.func.value.id == "importlib"]
+    if not calls:
+        return {}
+    found = {}
+    for call in calls:
+        arg = call.args[0] if call.args else None
+        if isinstance(arg, ast.JoinedStr) and arg.values and isinstance(arg.values[0], ast.FormattedValue) \
+                and isinstance(arg.values[0].value, ast.Name) and arg.values[0].value.id == "__name__":
+            for sub in _submodules(module):
+                found.setdefault(sub, call.lineno)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in MODULES and node.value != module:
+            found.setdefault(node.value, node.lineno)
+    return found
+
+
 def _imports(module: str) -> dict[str, int]:
-    """zoo module -> line of its first import in `module`, at any depth (functions included)."""
+    """zoo module -> line of its first import in `module`, at any depth (functions included), by an
+    import statement or through importlib (`_imported_by_name`)."""
     path = MODULES[module]
     package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
-    found = {}
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    tree = ast.parse(path.read_text(), str(path))
+    found = _imported_by_name(module, tree)
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -104,7 +136,10 @@ def test_the_walk_sees_the_package():
     # A walk that found nothing would pass everything below: the known edges must be there.
     assert len(MODULES) > 40
     assert "zoo.model" in GRAPH["zoo.offload"] and "zoo.placement" in GRAPH["zoo.tools.inspect_step"]
-    assert "zoo.tags" in GRAPH["zoo.families"] and "zoo.tools.cli" in GRAPH["zoo.tools.kit"]  # from-imports of a submodule
+    assert "zoo.families" in GRAPH["zoo.hf.convert"] and "zoo.tools.cli" in GRAPH["zoo.tools.kit"]  # from-imports of a submodule
+    # through importlib: the registry imports every family module, the package's face the homes of its names
+    assert {"zoo.families.llama", "zoo.families.mistral"} <= set(GRAPH["zoo.families"])
+    assert "zoo.families._qwen" not in GRAPH["zoo.families"] and {"zoo.model", "zoo.families"} <= set(GRAPH["zoo"])
     commands = {"zoo.tools.inspect_step", "zoo.tools.plan", "zoo.tools.export", "zoo.tools.generate", "zoo.tools.report"}
     assert commands <= {m for m in MODULES if _is_tool(m) and _has_main(m)}
     assert not _is_tool("zoo.sampling") and not _is_tool("zoo.toolsy") and _is_tool("zoo.tools")
@@ -136,7 +171,7 @@ def test_no_import_cycle():
 def test_no_two_modules_share_a_name():
     # `zoo.config` beside a `zoo.train.config`, or `zoo.data` beside `zoo.train.data`, read as one module in
     # prose, tracebacks and `from ... import config`. The exception: each `errors` module holds its own
-    # package's one exception (zoo.errors.ConfigError, zoo.data.errors.DataError; zoo.data stands alone).
+    # package's exceptions (zoo.errors.ConfigError and CheckpointError, zoo.data.errors.DataError; zoo.data stands alone).
     seen: dict[str, list[str]] = {}
     for m in MODULES:
         seen.setdefault(m.rsplit(".", 1)[-1], []).append(m)
@@ -156,6 +191,38 @@ def test_the_library_never_imports_a_tool():
 def test_the_cycle_check_can_fail(monkeypatch):
     monkeypatch.setitem(GRAPH, "zoo.tags", {**GRAPH["zoo.tags"], "zoo.model": 1})
     assert _cycle()[0] == _cycle()[-1]
+
+
+def test_the_cycle_check_follows_the_registry(monkeypatch):
+    # A family module importing the registry that imports it (`from zoo.families import ...`) closes a
+    # cycle only importlib shows: the walk must see it.
+    monkeypatch.setitem(GRAPH, "zoo.families.llama", {**GRAPH["zoo.families.llama"], "zoo.families": 1})
+    assert {"zoo.families", "zoo.families.llama"} <= set(_cycle())
+
+
+# The modules below zoo.config's floor: what a config needs. Blocks, families and the loader stand above it.
+GROUND = {"zoo", "zoo.config"}
+
+
+def _loaded_by(statement: str) -> set[str]:
+    """The zoo modules in sys.modules after `statement`, in a fresh interpreter."""
+    code = f"import sys; {statement}; print(' '.join(m for m in sys.modules if m == 'zoo' or m.startswith('zoo.')))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    return set(out.split())
+
+
+def test_the_config_is_the_ground_floor():
+    """`import zoo.config` loads no block and no family: a config is plain data, and what builds on it
+    (zoo.nn, zoo.model, the registry zoo.families, the loader zoo.hf) stands above it."""
+    loaded = _loaded_by("import zoo.config")
+    above = sorted(m for m in loaded if m.startswith(("zoo.nn", "zoo.families", "zoo.model", "zoo.hf")))
+    assert not above, f"import zoo.config loads {above}"
+    assert loaded == GROUND, sorted(loaded - GROUND)
+
+
+def test_the_ground_floor_check_can_fail():
+    # The same walk over a module that does build on the blocks finds them.
+    assert {"zoo.nn", "zoo.families.llama"} <= _loaded_by("import zoo.families, zoo.model")
 
 
 def test_the_blocks_import_nothing_built_on_them():

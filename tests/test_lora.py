@@ -12,7 +12,7 @@ import pytest
 
 from zoo import lora
 from zoo import model as zoo_model
-from zoo.config import SIZES
+from zoo.families import SIZES
 from zoo.train.run_config import ConfigError
 
 TOKENS = jax.random.randint(jax.random.key(1), (2, 16), 0, 64)

@@ -184,7 +184,7 @@ def test_generate_refuses_a_bad_lora_form():
 def test_dropless_keeps_the_adapters_attached():
     """zoo.tools.generate puts MoE layers on the ragged kernel (`dropless`); an attached model keeps its adapters.
     (Shapes only: dropless moves leaves, it computes nothing.)"""
-    from zoo.config import SIZES
+    from zoo.families import SIZES
     from zoo.sampling import dropless
     from zoo.model import abstract
 

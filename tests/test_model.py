@@ -20,8 +20,10 @@ from jax.extend import core as jex_core
 import zoo
 from zoo.nn.moe import resolve_moe_impl
 from zoo import tags
-from zoo.config import SIZES, LayerSpec, MLAConfig
+from zoo.config import LayerSpec, MLAConfig
+from zoo.families import SIZES
 from zoo.model import count_leaves, loss_fn, plan_stacks, stack_layout, trainable_mask
+from zoo.nn.mlp import MLPWI_0, MLPWO
 
 LLAMA = SIZES["llama_tiny_a"]
 DSV3 = SIZES["dsv3_tiny_a"]
@@ -109,11 +111,11 @@ def test_tag_variants_differ():
     # the three DeepSeek-V3 variants really exercise different rules of emitted_tags
     assert tags.QUERY_WA_PROJ in tags.emitted_tags(DSV3)
     assert tags.QUERY_WA_PROJ not in tags.emitted_tags(DSV3_NO_Q_LORA)
-    assert tags.MLPWI_0 not in tags.emitted_tags(DSV3_NO_DENSE_MLP)
+    assert MLPWI_0 not in tags.emitted_tags(DSV3_NO_DENSE_MLP)
     assert tags.MOE_MLPWI_0 not in tags.emitted_tags(LLAMA)
     # Qwen3-MoE's dense layers add the dense-MLP tags its all-sparse fixture lacks
-    assert tags.MLPWI_0 not in tags.emitted_tags(SIZES["qwen3_moe_tiny_a"])
-    assert {tags.MLPWI_0, tags.MOE_MLPWI_0} <= set(tags.emitted_tags(QWEN3_MOE_MIXED))
+    assert MLPWI_0 not in tags.emitted_tags(SIZES["qwen3_moe_tiny_a"])
+    assert {MLPWI_0, tags.MOE_MLPWI_0} <= set(tags.emitted_tags(QWEN3_MOE_MIXED))
 
 
 def test_unknown_tag_is_refused():
@@ -158,12 +160,48 @@ def test_a_block_emitting_an_undeclared_tag_fails(monkeypatch):
         EMITS: ClassVar[tuple] = (*GatedMLP.EMITS, tags.Emit(residual, lambda s: 0.0))
 
     assert jax.eval_shape(DeclaredMLP(8, 16, key=jax.random.key(0)), x).shape == (1, 4, 8)
-    assert list(tags.TAGS)[list(tags.TAGS).index(tags.MLPWO) + 1] == "mlp_residual"  # with its kind's tags
+    assert list(tags.TAGS)[list(tags.TAGS).index(MLPWO) + 1] == "mlp_residual"  # with its kind's tags
     with pytest.raises(ValueError, match="tag 'mlp_residual' declared twice, differently"):
 
         @tags.declares
         class Conflicting(TaggedMLP):
             EMITS: ClassVar[tuple] = (tags.Emit(dataclasses.replace(residual, shape="B T F"), lambda s: 0.0),)
+
+
+def test_a_block_is_read_from_its_own_declarations(monkeypatch):
+    """What a block is, its PARAMS and EMITS say, and nothing else restates: built into the layers, a
+    block's tags are priced by the planner (their FLOPs), its output is kept from offload when it only
+    feeds the residual add, and LoRA adapts exactly the projections it declares. So a new block is its
+    file (and the line of zoo.model.make_block that builds it)."""
+    from typing import ClassVar
+
+    from zoo import lora, offload
+    from zoo import model as zoo_model
+    from zoo import sharding as zs
+    from zoo.nn import GatedMLP
+    from zoo.tools import plan as zp
+
+    monkeypatch.setattr(tags, "TAGS", dict(tags.TAGS))  # declarations below stay in this test
+    monkeypatch.setattr(offload, "TAGS", tags.TAGS)  # which zoo.offload reads by name
+    residual = tags.TagInfo("mlp_residual", "B T D", "the MLP's output, again", tags.MLP, ((*tags.IN_BLOCK, "embed"),), only_feeds_residual=True)
+
+    @tags.declares
+    class ResidualMLP(GatedMLP):
+        PARAMS: ClassVar[dict] = {**GatedMLP.PARAMS, "w_down": zs.compute("mlp", "embed")}  # no projection LoRA adapts
+        EMITS: ClassVar[tuple] = (*GatedMLP.EMITS, tags.Emit(residual, lambda s: 7.0))
+
+        def __call__(self, x):
+            return tags.tag(super().__call__(x), "mlp_residual")
+
+    c = LLAMA.replace(num_layers=3)  # a config zoo.model.block_classes has not read yet
+    assert GatedMLP in zoo_model.block_classes(c, c.layer_spec(0))
+    monkeypatch.setattr(zoo_model, "GatedMLP", ResidualMLP)
+    c = LLAMA.replace(num_layers=5)
+    assert ResidualMLP in zoo_model.block_classes(c, c.layer_spec(0))
+    (stack, *_), = stack_layout(c)
+    assert zp.producer_flops(c, "mlp_residual", stack, 2, 16) == 7.0
+    assert set(offload.backward_never_reads(c)) == {MLPWO, "mlp_residual"}
+    assert lora.family_targets(zoo.abstract(c)) == {"wq", "wk", "wv", "wo", "w_gate", "w_up"}
 
 
 # --- (b) compile time does not grow with depth -----------------------------------------------
@@ -353,10 +391,10 @@ def test_qwen3_moe_dense_and_sparse_blocks_of_one_period_take_the_offload_preset
         grad = jax.grad(lambda m, t, rp=policies[name]: loss_fn(m, t, remat_policy=rp))
         found = inspect_placement(grad, zoo.abstract(c), abstract_tokens, stacks=stack_names(model)).by_tag()
         expected = expected_placement(policy, c)
-        assert set(found) == set(expected) and {tags.MLPWI_0, tags.MOE_MLPWI_0} <= set(found), name
+        assert set(found) == set(expected) and {MLPWI_0, tags.MOE_MLPWI_0} <= set(found), name
         for tag_name, want in expected.items():
             assert placement_matches(want, found[tag_name]), (name, tag_name, want, found[tag_name])
-    assert expected_placement(load_preset("minimal_offloaded"), c)[tags.MLPWI_0] == "host"
+    assert expected_placement(load_preset("minimal_offloaded"), c)[MLPWI_0] == "host"
 
 
 # --- (c) shape checks ------------------------------------------------------------------------

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from zoo.config import SIZES, MoEConfig
+from zoo.config import MoEConfig
+from zoo.families import SIZES
 from zoo.nn import moe_dispatch
 from zoo.nn.moe import MoE, route
 
@@ -497,4 +498,21 @@ def test_startup_names_the_exchange_rounds_and_the_capacity_note():
     assert dropless_note(c.model.family, c.model.moe.impl).startswith("model.moe.impl=capacity: deepseek_v3 is trained dropless;")
     c, plan = startup("mesh=fsdp")
     assert plan.moe_impl == "ragged" and "rounds" not in kernels_line(c, plan)
+
+
+def test_the_run_builds_its_model_with_the_resolved_kernel():
+    """model.moe.impl is resolved once, by validation (Plan.moe_impl), and the Trainer builds every MoE
+    layer with the result; the config as given keeps `auto`, which the startup line names."""
+    from zoo.nn.moe import MoE
+    from zoo.tools.kit import compose
+    from zoo.train.run import kernels_line, prepare
+    from zoo.train.run_config import as_built
+    from zoo.train.step import Trainer
+
+    c, plan, devices, _ = prepare(compose(["model=dsv3_tiny_a", "mesh=single", "data.batch_size=2", "data.seq_len=16"]))
+    assert c.model.moe.impl == "auto" and plan.moe_impl == "ragged"
+    assert as_built(c, plan).model.moe.impl == "ragged" and "(model.moe.impl=auto)" in kernels_line(c, plan)
+    trainer = Trainer(c, plan, devices)
+    moe_layers = [m for m in jax.tree.leaves(trainer.static, is_leaf=lambda x: isinstance(x, MoE)) if isinstance(m, MoE)]
+    assert moe_layers and {m.impl for m in moe_layers} == {"ragged"}
 

@@ -23,7 +23,8 @@ import pytest
 from omegaconf import OmegaConf
 
 import zoo
-from zoo.config import SIZES, MoEConfig
+from zoo.config import MoEConfig
+from zoo.families import SIZES
 from zoo.nn.moe import MoE, router_statistics
 from zoo.offload import OffloadConfig
 from zoo.train.run_config import ConfigError, DataConfig, HardwareConfig, OptimizerConfig, TrainConfig, TrainerConfig, XlaConfig, load_group, validate

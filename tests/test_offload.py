@@ -13,7 +13,7 @@ import pytest
 
 import zoo
 from zoo import families, offload
-from zoo.config import SIZES
+from zoo.families import SIZES
 from zoo.offload import OffloadConfig, load_preset, remat_policy, resolve
 
 from tiers import by_core_family

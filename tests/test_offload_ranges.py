@@ -20,7 +20,7 @@ import pytest
 
 import zoo
 from zoo import offload
-from zoo.config import SIZES
+from zoo.families import SIZES
 from zoo.tools.inspect_step import range_sections
 from zoo.placement import _analyse_forward_scan, _names_in, _walk, inspect_placement, scan_names
 from zoo.offload import OffloadConfig, load_preset, remat_policy, resolve, scan_policies

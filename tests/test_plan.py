@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 import zoo
 from zoo.tools import plan as zp
-from zoo.config import SIZES
+from zoo.families import SIZES
 from zoo.placement import inspect_placement, stack_names
 from zoo.offload import expected_placement, from_mapping, placement_matches, remat_policy, resolve
 from zoo.tools.plan import GB, Infeasible, PlanError, Problem, StackCost, TagCost, evaluate, search
@@ -549,7 +549,7 @@ def test_dropless_expert_parallel_tags_are_sized_as_the_first_rounds_blocks():
     import dataclasses
     import types
 
-    from zoo.config import SIZES
+    from zoo.families import SIZES
     from zoo.nn.expert_rounds import round_block
     from zoo.sharding import DEFAULT_RULES
     from zoo.nn.moe_dispatch import exchanges_in_rounds

@@ -11,7 +11,8 @@ import pytest
 
 import zoo
 from zoo import tags
-from zoo.config import SIZES
+from zoo.families import SIZES
+from zoo.nn.mlp import MLPWI_0, MLPWI_1, MLPWO
 
 from test_model import QWEN3_MOE_MIXED, filled, random_tokens
 
@@ -51,7 +52,7 @@ CAPTURE_CONFIGS = {
 def test_capture_gives_each_layers_values_in_model_order(name):
     c = CAPTURE_CONFIGS[name]
     model, tokens = filled(c, std=0.2), random_tokens(c)
-    wanted = [tags.DECODER_LAYER_INPUT, tags.QUERY_PROJ, tags.OUT_PROJ] + ([tags.MLPWI_0] if c.has_dense_mlp else [])
+    wanted = [tags.DECODER_LAYER_INPUT, tags.QUERY_PROJ, tags.OUT_PROJ] + ([MLPWI_0] if c.has_dense_mlp else [])
     got = zoo.capture(model, tokens, tags=wanted)
     assert set(got) == set(wanted)
     x = got[tags.DECODER_LAYER_INPUT]
@@ -66,9 +67,9 @@ def test_capture_gives_each_layers_values_in_model_order(name):
         if i + 1 < c.num_layers:  # the next layer's input is this block's output: the order is the model's
             np.testing.assert_allclose(x[i + 1], run_block(block, x[i]), rtol=2e-4, atol=2e-5)
     if c.has_dense_mlp:
-        dense = zoo.capture_layers(c, tags.MLPWI_0)
+        dense = zoo.capture_layers(c, MLPWI_0)
         assert dense == tuple(i for i in range(c.num_layers) if not c.is_moe_layer(i))
-        assert got[tags.MLPWI_0].shape[0] == len(dense)
+        assert got[MLPWI_0].shape[0] == len(dense)
         for row, i in enumerate(dense):  # gate = ffn_norm(x + attention output) @ w_gate
             block = layer_block(model, i)
             attn_out = got[tags.OUT_PROJ][i]
@@ -76,7 +77,7 @@ def test_capture_gives_each_layers_values_in_model_order(name):
                 attn_out = rms_norm(attn_out, block.post_attn_norm)
             h = np.asarray(x[i], np.float64) + np.asarray(attn_out, np.float64)
             gate = rms_norm(h, block.ffn_norm) @ np.asarray(block.ffn.w_gate, np.float64)
-            np.testing.assert_allclose(got[tags.MLPWI_0][row], gate, rtol=2e-4, atol=2e-5, err_msg=f"layer {i}")
+            np.testing.assert_allclose(got[MLPWI_0][row], gate, rtol=2e-4, atol=2e-5, err_msg=f"layer {i}")
 
 
 def test_capture_under_balanced_context_parallelism_is_in_sequence_order():
@@ -86,7 +87,7 @@ def test_capture_under_balanced_context_parallelism_is_in_sequence_order():
 
     c = SIZES["llama_tiny_a"]
     model, tokens = filled(c, std=0.2), random_tokens(c, batch=4, seq=32)
-    wanted = [tags.DECODER_LAYER_INPUT, tags.QUERY_PROJ, tags.MLPWO]
+    wanted = [tags.DECODER_LAYER_INPUT, tags.QUERY_PROJ, MLPWO]
     want = zoo.capture(model, tokens, tags=wanted)
     rules = {**zs.DEFAULT_RULES, "batch": ["fsdp"], "seq": ["data"], zs.CONTEXT: ["data"], zs.CONTEXT_BALANCED: ["data"]}
     with zs.activate(zs.make_mesh(zs.resolve_mesh_shape({"data": 2, "fsdp": 4}, 8)), rules):
@@ -99,10 +100,10 @@ def test_capture_under_balanced_context_parallelism_is_in_sequence_order():
 def test_capture_layers_of_each_block_kind():
     mixed = QWEN3_MOE_MIXED  # dense, MoE, dense, MoE
     assert zoo.capture_layers(mixed, tags.QUERY_PROJ) == (0, 1, 2, 3)
-    assert zoo.capture_layers(mixed, tags.MLPWI_1) == (0, 2)
+    assert zoo.capture_layers(mixed, MLPWI_1) == (0, 2)
     assert zoo.capture_layers(mixed, tags.MOE_MLPWI_0) == (1, 3)
     dsv3 = SIZES["dsv3_tiny_a"]  # a dense layer, then MoE layers with a shared expert (a dense MLP)
-    assert zoo.capture_layers(dsv3, tags.MLPWI_0) == (0, 1, 2)
+    assert zoo.capture_layers(dsv3, MLPWI_0) == (0, 1, 2)
     assert zoo.capture_layers(dsv3, tags.MOE_MLPWO) == (1, 2)
 
 
@@ -119,8 +120,8 @@ def test_capture_of_moe_and_mla_tags_under_jit():
     # The dense layer's MLP and the MoE layers' shared expert both emit mlpwi_0, at different widths:
     # stitching refuses, the per-stack pieces come as scanned.
     with pytest.raises(ValueError, match=r"tag 'mlpwi_0' has different shapes .*layers \[0\]: \(2, 16, 128\).*stitch=False"):
-        zoo.capture(model, tokens, tags=[tags.MLPWI_0])
-    pieces = zoo.capture(model, tokens, tags=[tags.MLPWI_0], stitch=False)[tags.MLPWI_0]
+        zoo.capture(model, tokens, tags=[MLPWI_0])
+    pieces = zoo.capture(model, tokens, tags=[MLPWI_0], stitch=False)[MLPWI_0]
     assert [(layers, v.shape) for layers, v in pieces] == [((0,), (1, 2, 16, 128)), ((1, 2), (2, 2, 16, 32))]
 
 

@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from zoo.config import SIZES, RopeConfig
+from zoo.config import RopeConfig
+from zoo.families import SIZES
 from zoo.model import abstract
 from zoo.nn.rope import Rope, rope_frequencies, softmax_scale_multiplier
 

@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import PartitionSpec
 from omegaconf import OmegaConf
 
-from zoo.config import SIZES
+from zoo.families import SIZES
 from zoo.offload import OffloadConfig
 from zoo.sharding import ShardingError, logical_to_spec, param_specs, resolve_mesh_shape
 from zoo.train.run_config import DataConfig, HardwareConfig, OptimizerConfig, TrainConfig, TrainerConfig, XlaConfig, load_group, validate

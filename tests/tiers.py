@@ -35,6 +35,6 @@ CORE_FAMILIES = ("llama", "deepseek_v3")
 
 def by_core_family(names):
     """`names` (tiny size names) as pytest parameters, all but the core families' marked slow."""
-    from zoo.config import SIZES
+    from zoo.families import SIZES
 
     return [n if SIZES[n].family in CORE_FAMILIES else pytest.param(n, marks=pytest.mark.slow) for n in names]

@@ -1,4 +1,4 @@
-"""Model configs: typed, validated dataclasses, the named sizes, and parameter / FLOP counts.
+"""Model configs: typed, validated dataclasses, and parameter / FLOP counts.
 
 One config describes every family: a family is a choice of blocks and a few flags (which attention,
 which MLP or MoE router, which norms, which layers slide), never a copy of the model. The dataclasses
@@ -6,6 +6,10 @@ use only types OmegaConf understands (str, int, float, bool, Optional, lists, ne
 the same classes are the schema of Hydra's model group (zoo.train.run_config registers every named size as an option). A config is a static part
 of the model, so it hashes (its list fields as tuples). Validation runs in
 `__post_init__` and raises a ValueError that names the field and the fix.
+
+This module is the ground floor of the model code: it imports no block and no family. `family` is a
+name here; the registry (`zoo.families`) knows the families, their named sizes (`zoo.families.SIZES`)
+and which sections each one's kind has (`zoo.families.check`).
 """
 
 import dataclasses
@@ -15,8 +19,6 @@ from typing import Any, Optional
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, so np.dtype("bfloat16") resolves)
 import numpy as np
 
-from zoo import families
-from zoo.tags import LLAMA
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 MOE_IMPLS = ("auto", "ragged", "capacity")
@@ -220,7 +222,7 @@ class LayerSpec:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    family: str = LLAMA
+    family: str = "llama"  # a module of zoo/families/ (zoo.families.check holds a config to it)
     vocab_size: int = 256
     hidden_size: int = 64
     num_layers: int = 2
@@ -270,9 +272,6 @@ class ModelConfig:
     def __post_init__(self):
         _as_list(self, "mlp_only_layers")
         _as_list(self, "layer_types")
-        fam = self.family
-        _require(fam in families.names(), "family", f"got {fam!r}; choose one of {_choices(families.names())}")
-        kind = families.get(fam)
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size", "max_position_embeddings"):
             _require(getattr(self, name) > 0, name, f"must be positive, got {getattr(self, name)}")
         _require(self.rms_norm_eps > 0, "rms_norm_eps", "must be positive")
@@ -291,12 +290,10 @@ class ModelConfig:
             "mlp_activation",
             f"got {self.mlp_activation!r}; choose one of {_choices(MLP_ACTIVATIONS)}",
         )
-        if kind.mla:
-            _require(self.mla is not None, "mla", f"{fam} needs an mla section")
+        if self.uses_mla:
             for flag in ("attention_bias", "attention_out_bias", "qk_norm", "attention_sinks"):
-                _require(not getattr(self, flag), flag, f"belongs to grouped-query attention; {fam} uses MLA")
+                _require(not getattr(self, flag), flag, "belongs to grouped-query attention; this model's mla section makes it latent attention")
         else:
-            _require(self.mla is None, "family", f"{fam} has no mla section; set family=deepseek_v3 for MLA")
             _require(self.num_kv_heads > 0, "num_kv_heads", "must be positive")
             _require(
                 self.num_heads % self.num_kv_heads == 0,
@@ -304,12 +301,9 @@ class ModelConfig:
                 f"num_heads={self.num_heads} must be divisible by num_kv_heads={self.num_kv_heads}",
             )
             _require(self.head_dim > 0 and self.head_dim % 2 == 0, "head_dim", f"RoPE needs an even head_dim, got {self.head_dim}")
-        if kind.moe:
-            _require(self.moe is not None, "moe", f"{fam} needs a moe section")
-        else:
-            _require(self.moe is None, "family", f"{fam} has no moe section; choose a mixture-of-experts family ({_choices(families.moe_families())})")
-            _require(self.first_k_dense_replace == 0, "first_k_dense_replace", f"{fam} has no MoE layers, so no dense prefix")
-            _require(not self.mlp_only_layers, "mlp_only_layers", f"{fam} has no MoE layers")
+        if self.moe is None:
+            _require(self.first_k_dense_replace == 0, "first_k_dense_replace", "the model has no moe section, so no MoE layers and no dense prefix")
+            _require(not self.mlp_only_layers, "mlp_only_layers", "the model has no moe section, so no MoE layers")
         _require(
             0 <= self.first_k_dense_replace <= self.num_layers,
             "first_k_dense_replace",
@@ -319,7 +313,7 @@ class ModelConfig:
         bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_layers]
         _require(not bad, "mlp_only_layers", f"layer {bad[0] if bad else ''} is not in 0..{self.num_layers - 1}")
         if self.rope.interleaved:
-            _require(kind.mla, "rope.interleaved", f"{fam} rotates halves; set rope.interleaved=false")
+            _require(self.uses_mla, "rope.interleaved", "grouped-query attention rotates halves; set rope.interleaved=false")
         if self.pad_token_id is not None:
             _require(0 <= self.pad_token_id < self.vocab_size, "pad_token_id", f"must be in 0..{self.vocab_size - 1} or null, got {self.pad_token_id}")
         if self.sliding_window is not None:
@@ -503,23 +497,6 @@ def flops_per_token(c: ModelConfig, seq_len: int, causal: bool = True) -> float:
     keys = sum(attended_keys(seq_len, c.layer_spec(i).window, causal) for i in range(c.num_layers))
     attention = 6 * keys * c.num_heads * (c.qk_head_dim + c.v_head_dim)
     return 6.0 * matmul_weights + attention
-
-
-# --- named sizes -----------------------------------------------------------------------------
-
-# Every family's named sizes (zoo/families/<name>.py), in the order of `families.names()`.
-SIZES: dict[str, ModelConfig] = {}
-for _family in families.registered():
-    for _name, _size in _family.sizes().items():
-        if _name in SIZES:
-            raise ValueError(f"zoo/families/{_family.name}.py: size {_name!r} is already defined")
-        SIZES[_name] = _size
-
-
-def get_size(name: str) -> ModelConfig:
-    if name not in SIZES:
-        raise ValueError(f"unknown model size {name!r}; known sizes: {sorted(SIZES)}")
-    return SIZES[name]
 
 
 def moe_capacity(tokens: int, c: MoEConfig) -> int:

@@ -15,9 +15,10 @@ on a dropped-out copy of its input, as LoRA defines dropout. Evaluation and samp
 callers take gradients with respect to `adapters` with the base closed over
 (`zoo.loss_fn(attach(base, adapters, config), tokens)`).
 
-Targets are the projection names the family's modules use: `wq wk wv wo` (grouped-query attention),
-`wq wq_a wq_b wkv_a wk_b wv_b wo` (latent attention, DeepSeek), `w_gate w_up w_down` (the gated MLP,
-and a MoE's shared experts). Routed experts are not adapted.
+Targets are the names of the projections the blocks declare (`zoo.sharding.projection` in their
+`PARAMS`): `wq wk wv wo` (grouped-query attention), `wq_a wq_b wkv_a wk_b wv_b wo` (latent attention,
+DeepSeek), `w_gate w_up w_down` (the gated MLP, and a MoE's shared experts). Routed experts are not
+adapted (their stacked weights are no such projection).
 """
 
 import dataclasses
@@ -29,14 +30,19 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import PRNGKeyArray, PyTree
 
+from zoo import nn
 from zoo.errors import ConfigError
 # The adapted weight and its projection live with the blocks that use them; re-exported here.
 from zoo.nn.lora_weight import LoRAWeight, _is_lora, project  # noqa: F401
 
-# Adapter name -> (module attribute path inside a block, number of input axes of the per-layer weight).
-_ATTN = ("wq", "wk", "wv", "wo", "wq_a", "wq_b", "wkv_a", "wk_b", "wv_b")
-_MLP = ("w_gate", "w_up", "w_down")
-TARGETS = _ATTN + _MLP
+
+def _projections(block_class) -> dict[str, int]:
+    """Field -> input axes, for the projections a block class declares (its PARAMS)."""
+    return {field: leaf.inputs for field, leaf in getattr(block_class, "PARAMS", {}).items() if leaf.inputs}
+
+
+# Every projection name a block of zoo.nn declares, in the order zoo.nn lists the blocks.
+TARGETS = tuple(dict.fromkeys(f for name in nn.__all__ for f in _projections(getattr(nn, name))))
 
 
 @dataclasses.dataclass
@@ -77,22 +83,22 @@ def merge_block(tree: PyTree) -> PyTree:
     return jax.tree.map(lambda x: x.merge() if _is_lora(x) and not x.dropping else x, tree, is_leaf=_is_lora)
 
 
-def _fan_in_axes(name: str) -> int:
-    # Out-projections read the heads' outputs (all axes but the last); the rest read their first axis.
-    return 0 if name is None else (2 if name == "wo" else 1)
-
-
 def _sites(block) -> dict[str, tuple[str, ...]]:
-    """Adapter name -> attribute path, for the projections this (stacked) block has."""
+    """Adapter name -> attribute path, for the projections this (stacked) block has: each present
+    leaf that its module declares a projection, in whichever module it sits (`attn.wq`, `ffn.w_gate`,
+    `ffn.shared.w_gate`)."""
     out = {}
-    for name in _ATTN:
-        if getattr(block.attn, name, None) is not None:
-            out[f"attn.{name}"] = ("attn", name)
-    ffn = block.ffn
-    mlp, prefix = (ffn, "ffn") if hasattr(ffn, "w_gate") and not hasattr(ffn, "router") else (getattr(ffn, "shared", None), "ffn.shared")
-    if mlp is not None:
-        for name in _MLP:
-            out[f"{prefix}.{name}"] = tuple(prefix.split(".")) + (name,)
+
+    def visit(module, path):
+        declared = _projections(type(module))
+        for f in dataclasses.fields(module):
+            value = getattr(module, f.name, None)
+            if f.name in declared and value is not None:
+                out[".".join((*path, f.name))] = (*path, f.name)
+            elif isinstance(value, eqx.Module):
+                visit(value, (*path, f.name))
+
+    visit(block, ())
     return out
 
 
@@ -102,13 +108,14 @@ def _get(block, path):
     return block
 
 
+def _fan_in_axes(block, path) -> int:
+    """The input axes of the projection at `path` in `block`, as its module declares them."""
+    return _projections(type(_get(block, path[:-1])))[path[-1]]
+
+
 def family_targets(model) -> set[str]:
     """The projection names any layer of `model` (concrete or abstract) can adapt."""
     return {key.rsplit(".", 1)[1] for stack in model.stacks for block in stack.layers for key in _sites(block)}
-
-
-def _wo_in(shape, name) -> int:
-    return math.prod(shape[: _fan_in_axes(name)])
 
 
 def projection_shapes(model, config: LoraConfig) -> list[list[dict[str, tuple[int, int, int]]]]:
@@ -123,7 +130,7 @@ def projection_shapes(model, config: LoraConfig) -> list[list[dict[str, tuple[in
                 if name not in config.targets:
                     continue
                 shape = _get(block, path).shape  # [repeats, ...]
-                fan_in = _wo_in(shape[1:], name)
+                fan_in = math.prod(shape[1:][: _fan_in_axes(block, path)])
                 sites[key] = (shape[0], fan_in, math.prod(shape[1:]) // fan_in)
             per_pos.append(sites)
         out.append(per_pos)
@@ -182,7 +189,7 @@ def attach(model, adapters: PyTree, config: LoraConfig, *, key: Optional[PRNGKey
                 if key is not None and config.dropout > 0.0:
                     layer_keys = jax.random.split(jax.random.fold_in(key, site), ab["a"].shape[0])
                 site += 1
-                weight = LoRAWeight(base, ab["a"], ab["b"], layer_keys, config.scale, _fan_in_axes(path[-1]), config.dropout)
+                weight = LoRAWeight(base, ab["a"], ab["b"], layer_keys, config.scale, _fan_in_axes(block, path), config.dropout)
                 block = eqx.tree_at(lambda b, p=path: _get(b, p), block, weight)
             layers.append(block)
         stacks.append(eqx.tree_at(lambda s: s.layers, stack, tuple(layers)))

@@ -130,6 +130,24 @@ def make_block(c: ModelConfig, spec: LayerSpec, key: PRNGKeyArray) -> DecoderBlo
     return DecoderBlock(norm(), attn, norm() if sandwich else None, norm(), ffn, norm() if sandwich else None)
 
 
+@functools.cache
+def block_classes(c: ModelConfig, spec: LayerSpec) -> tuple[type, ...]:
+    """The module classes a layer of `spec` is made of, the DecoderBlock first and then what it holds
+    (its attention, its feed-forward, a MoE's shared experts, the norms), read from the block
+    `make_block` builds (as shapes: nothing is allocated). Their `EMITS` price its tags (zoo.tools.plan)."""
+    found: dict[type, None] = {}
+
+    def visit(module):
+        found[type(module)] = None
+        for f in dataclasses.fields(module):
+            value = getattr(module, f.name, None)
+            if isinstance(value, eqx.Module):
+                visit(value)
+
+    visit(jax.eval_shape(lambda key: make_block(c, spec, key), jax.random.key(0)))
+    return tuple(found)
+
+
 # --- how layers are cut into scanned stacks ----------------------------------------------------
 
 

@@ -36,7 +36,7 @@ import jax
 
 from zoo.model import RangedPolicy, abstract, split_stacks
 from zoo.sharding import leaf_declaration
-from zoo.tags import DECODER_LAYER_INPUT, MLPWO, OPTIONAL_KINDS, TAGS, block_kinds, emitted_tags
+from zoo.tags import DECODER_LAYER_INPUT, OPTIONAL_KINDS, TAGS, block_kinds, emitted_tags
 
 
 ACTIONS = ("device", "offload", "remat")
@@ -44,15 +44,16 @@ MEMORY_KINDS = ("device", "pinned_host")
 # What `expected_placement` says without a checkpoint: not recomputed, not on host; the inspector
 # finds `device` (the value itself is a residual) or `unread` (a value derived from it is).
 KEPT = "kept"
-# Tags the backward pass never reads (without sandwich norms): saving or offloading them is a silent
-# no-op, so it is refused.
-BACKWARD_NEVER_READS = (MLPWO,)
 
 
 def backward_never_reads(model_config) -> tuple[str, ...]:
-    """The tags this model's backward pass never reads: `mlpwo` only feeds the residual add, unless a
-    post-MLP norm (Gemma 3's sandwich norms) reads it."""
-    return () if getattr(model_config, "sandwich_norms", False) else BACKWARD_NEVER_READS
+    """The tags this model's backward pass never reads, so that saving or offloading them would be a
+    silent no-op (refused): a block's output that only feeds the residual add (its block declares it,
+    `TagInfo.only_feeds_residual`: `mlpwo`), unless a norm after the block (Gemma 3's sandwich norms)
+    reads it."""
+    if getattr(model_config, "sandwich_norms", False):
+        return ()
+    return tuple(t.name for t in TAGS.values() if t.only_feeds_residual)
 # Tags that are the input of the checkpointed layer body: kept by the scan unless offloaded.
 CHECKPOINT_INPUTS = (DECODER_LAYER_INPUT,)
 

@@ -49,15 +49,26 @@ class Leaf:
     sharded) and its dtype in use. `compute`: a matmul weight, or a bias added to its output, cast to
     the compute dtype where it lies, before any gather (`cast_for_compute`); otherwise it stays in its
     own (float32) dtype where it is used: norm scales, routers, correction biases, sinks.
-    `axes=None`: a leaf that is never sharded by `param_specs` (asking for its axes is an error)."""
+    `axes=None`: a leaf that is never sharded by `param_specs` (asking for its axes is an error).
+    `inputs`: a projection of the block (`projection`), whose first `inputs` axes are what it reads:
+    LoRA adapts it (zoo.lora) and its hub matrix is `[out, in]` (zoo.families._hf); 0: no projection
+    (a bias, a norm, a router, the routed experts' stacked weights). `hub`: its module's name in
+    transformers (the tensor `<hub>.weight`), where the block is transformers' module too."""
 
     axes: Optional[tuple[Optional[str], ...]]
     compute: bool
+    inputs: int = 0
+    hub: Optional[str] = None
 
 
 def compute(*axes: Optional[str]) -> Leaf:
     """A leaf cast to the compute dtype before it is gathered (a matmul weight or its output bias)."""
     return Leaf(tuple(axes), True)
+
+
+def projection(*axes: Optional[str], inputs: int = 1, hub: Optional[str] = None) -> Leaf:
+    """A block's projection weight: cast like `compute`, its first `inputs` axes read (see `Leaf`)."""
+    return Leaf(tuple(axes), True, inputs, hub)
 
 
 def float32(*axes: Optional[str]) -> Leaf:

@@ -27,15 +27,6 @@ from typing import Any, Callable, Iterator, Optional
 
 from jax.ad_checkpoint import checkpoint_name
 
-LLAMA = "llama"
-DEEPSEEK_V3 = "deepseek_v3"
-QWEN2 = "qwen2"
-QWEN3 = "qwen3"
-QWEN3_MOE = "qwen3_moe"
-MIXTRAL = "mixtral"
-GEMMA3 = "gemma3"
-GPT_OSS = "gpt_oss"
-
 # Block kinds: what a tag belongs to (see the module docstring).
 LAYER, ATTENTION, MLP, MLA, MOE = "layer", "attention", "mlp", "mla", "moe"
 # Kinds a model may lack: offload policies name their tags in per-kind sections.
@@ -64,6 +55,9 @@ class TagInfo:
     doc: str
     block: str
     axes: tuple[tuple[Optional[str], ...], ...] = ()
+    # The block's output, which only the residual add after it reads: the backward pass never reads it,
+    # unless a norm after the block does (Gemma 3's sandwich norms; zoo.offload.backward_never_reads).
+    only_feeds_residual: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,20 +86,18 @@ class Emit:
 
 
 # The vocabulary: every tag some block declares (`declares`), kind by kind. Filled as the blocks are
-# defined; `import zoo` defines them all (zoo.model), before anything can read it.
+# defined: importing the blocks (zoo.nn, which everything that runs or reads a model imports) defines them all.
 TAGS: dict[str, TagInfo] = {}
 
 
-# The tag names, for the modules that name a tag (each block declares its tags' records, `EMITS`).
+# The tag names that several modules name (each block declares its tags' records, `EMITS`; a block's
+# own tags are named in its file, as zoo.nn.mlp names the gated MLP's).
 DECODER_LAYER_INPUT = "decoder_layer_input"
 QUERY_PROJ = "query_proj"
 KEY_PROJ = "key_proj"
 VALUE_PROJ = "value_proj"
 CONTEXT = "context"
 OUT_PROJ = "out_proj"
-MLPWI_0 = "mlpwi_0"
-MLPWI_1 = "mlpwi_1"
-MLPWO = "mlpwo"
 QUERY_WA_PROJ = "query_wa_proj"
 MLA_Q = "mla_q"
 KV_WA_PROJ = "kv_wa_proj"

@@ -1,54 +1,30 @@
 """The registry of model families: every family is one module of this package.
 
-A module `zoo/families/<name>.py` defines `FAMILY = FamilyDef(...)`: the family's name (`ModelConfig.family`),
-whether it has routed experts (`moe`) or latent attention (`mla`), its Hugging Face mapping (a
-`zoo.hf.rules.Family`: model_type, architecture, config.json defaults, read/write, tensor rules) and its
-named sizes. Every module here is found by name, so nothing else lists it: `zoo.config` validates
-`family` and merges the sizes into `SIZES` (hence Hydra's `model=<size>` options and `python -m zoo.tools.sizes`),
-`zoo.hf` loads and saves its checkpoints (`model=hf` included), and the tests parametrize over
-`names()` and over the fixtures tests/make_fixtures.py writes. docs/models.md "Adding a family" says how.
-A module whose name starts with `_` is no family: families that share code keep it there (`_qwen.py`).
+A module `zoo/families/<name>.py` defines its name (`NAME`, the `ModelConfig.family` it answers to) and
+`FAMILY = FamilyDef(...)` (zoo.families._family): whether it has routed experts (`moe`) or latent
+attention (`mla`), its Hugging Face mapping (a `zoo.families._hf.Family`: model_type, architecture,
+config.json defaults, read/write, tensor rules) and its named sizes. Every module here is found by
+name, so nothing else lists it: `SIZES` merges the sizes (hence Hydra's `model=<size>` options and
+`python -m zoo.tools.sizes`), `check` holds a config to its family's kind (the training run's model
+group, the loader), `zoo.hf` loads and saves its checkpoints (`model=hf` included), and the tests
+parametrize over `names()` and over the fixtures tests/make_fixtures.py writes. docs/models.md
+"Adding a family" says how. A module whose name starts with `_` is no family: what the families share
+lives there (`_family.py`, `_hf.py`, `_qwen.py`).
+
+The registry stands above `zoo.config` (a config names its family by a string and knows nothing of
+them) and below the loader and the trainer, which read it.
 """
 
-import dataclasses
 import functools
 import importlib
 import pkgutil
-from typing import Any, Callable, Optional
 
-from zoo import tags
-
-
-@dataclasses.dataclass(frozen=True)
-class FamilyDef:
-    """One family. `hf` is a `zoo.hf.rules.Family` (or None: no checkpoint mapping); `sizes()` returns
-    the named `ModelConfig`s, built on demand because building one validates it against this registry."""
-
-    name: str
-    moe: bool = False
-    mla: bool = False
-    hf: Optional[Any] = None
-    sizes: Callable[[], dict] = dict
-    # The published parameter counts of its real sizes, held by tests/test_config.py: name ->
-    # (total, active or None, relative tolerance, source).
-    published: dict = dataclasses.field(default_factory=dict)
-    # The family whose blocks it reuses with a flag or two: checks repeated per family run it in the
-    # slow tier only (tests/tiers.py), its transformers parity stays in the default one.
-    like: Optional[str] = None
-    # Its published training routes every token (no capacity drops): `model.moe.impl=capacity` on it
-    # prints a note (zoo.train.run.dropless_note).
-    dropless: bool = False
-    # Its published active parameter counts leave out the embedding table (OpenAI's convention).
-    active_without_embedding: bool = False
-
-    def __post_init__(self):
-        if self.mla and not self.moe:
-            raise ValueError(f"family {self.name}: mla without moe is not a combination zoo builds")
-
+from zoo.config import ModelConfig
+from zoo.families._family import FamilyDef
 
 # Listed first: Llama and DeepSeek-V3, the two kinds of block the others vary (grouped-query attention
 # with a dense MLP; latent attention with routed and shared experts). The rest follow by name.
-_FIRST = (tags.LLAMA, tags.DEEPSEEK_V3)
+_FIRST = ("llama", "deepseek_v3")
 
 
 @functools.cache
@@ -66,10 +42,10 @@ def get(name: str) -> FamilyDef:
     """The family `name` (importing its module); KeyError when there is none."""
     if name not in _module_names():
         raise KeyError(name)
-    family = importlib.import_module(f"{__name__}.{name}").FAMILY
-    if family.name != name:
-        raise ValueError(f"zoo/families/{name}.py defines family {family.name!r}; the module and the family share one name")
-    return family
+    module = importlib.import_module(f"{__name__}.{name}")
+    if module.NAME != name or module.FAMILY.name != name:
+        raise ValueError(f"zoo/families/{name}.py defines family {module.FAMILY.name!r}; the module, its NAME and its family share one name")
+    return module.FAMILY
 
 
 def registered() -> tuple[FamilyDef, ...]:
@@ -83,3 +59,45 @@ def moe_families() -> tuple[str, ...]:
 
 def mla_families() -> tuple[str, ...]:
     return tuple(n for n in names() if get(n).mla)
+
+
+def check(c: ModelConfig) -> ModelConfig:
+    """`c`, when its family is registered and its sections are the family's kind: latent attention
+    (`mla`) and routed experts (`moe`) exactly where the family has them. Otherwise a ValueError naming
+    the field, `model.<field>: ...`, as ModelConfig's own rules do. A ModelConfig checks its fields on
+    its own; its family is a name only the registry knows."""
+    fam = c.family
+    if fam not in names():
+        raise ValueError(f"model.family: got {fam!r}; choose one of {', '.join(names())}")
+    kind = get(fam)
+    if kind.mla and c.mla is None:
+        raise ValueError(f"model.mla: {fam} needs an mla section")
+    if not kind.mla and c.mla is not None:
+        raise ValueError(f"model.family: {fam} has no mla section; choose a latent-attention family ({', '.join(mla_families())})")
+    if kind.moe and c.moe is None:
+        raise ValueError(f"model.moe: {fam} needs a moe section")
+    if not kind.moe and c.moe is not None:
+        raise ValueError(f"model.family: {fam} has no moe section; choose a mixture-of-experts family ({', '.join(moe_families())})")
+    return c
+
+
+def _sizes() -> dict[str, ModelConfig]:
+    sizes: dict[str, ModelConfig] = {}
+    for family in registered():
+        for name, size in family.sizes().items():
+            if name in sizes:
+                raise ValueError(f"zoo/families/{family.name}.py: size {name!r} is already defined")
+            if size.family != family.name:
+                raise ValueError(f"zoo/families/{family.name}.py: size {name!r} is of family {size.family!r}")
+            sizes[name] = check(size)
+    return sizes
+
+
+# Every family's named sizes, in the order of `names()`.
+SIZES: dict[str, ModelConfig] = _sizes()
+
+
+def get_size(name: str) -> ModelConfig:
+    if name not in SIZES:
+        raise ValueError(f"unknown model size {name!r}; known sizes: {sorted(SIZES)}")
+    return SIZES[name]

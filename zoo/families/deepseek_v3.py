@@ -10,11 +10,12 @@ as transformers skips them.
 import numpy as np
 
 from zoo.config import MLAConfig, ModelConfig, MoEConfig, RopeConfig
-from zoo.families import FamilyDef
-from zoo.hf.rules import (
+from zoo.families._family import FamilyDef
+from zoo.families._hf import (
     SILU, Family, Keys, Rule, expert_list_rules, linear, mlp_rules, pad_token_id, rope_from_params, rope_hf, rope_params, same,
 )
-from zoo.tags import DEEPSEEK_V3
+
+NAME = "deepseek_v3"
 
 
 def read(k: Keys) -> dict:
@@ -115,7 +116,7 @@ def moe_rules(c: ModelConfig) -> list[Rule]:
 # --- the Hugging Face mapping --------------------------------------------------------------------
 
 HF = Family(
-    name=DEEPSEEK_V3,
+    name=NAME,
     model_type="deepseek_v3",
     architecture="DeepseekV3ForCausalLM",
     # DeepseekV3Config's defaults for keys real configs may leave out
@@ -138,7 +139,7 @@ HF = Family(
 def _dsv3_like(**kw) -> ModelConfig:
     mla = kw.pop("mla")
     moe = kw.pop("moe")
-    base = dict(family=DEEPSEEK_V3, rms_norm_eps=1e-6, num_kv_heads=kw.get("num_heads", 1), param_dtype="float32", compute_dtype="bfloat16")
+    base = dict(family=NAME, rms_norm_eps=1e-6, num_kv_heads=kw.get("num_heads", 1), param_dtype="float32", compute_dtype="bfloat16")
     base.update(kw)
     return ModelConfig(mla=mla, moe=moe, **base)
 
@@ -147,7 +148,7 @@ def sizes() -> dict[str, ModelConfig]:
     return {
         # The reference model of tests/data (Hugging Face transformers computed its outputs).
         "dsv3_tiny_a": ModelConfig(
-            family=DEEPSEEK_V3, vocab_size=256, hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=4,
+            family=NAME, vocab_size=256, hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=4,
             intermediate_size=128, rms_norm_eps=1e-6, max_position_embeddings=128, first_k_dense_replace=1,
             rope=RopeConfig(theta=10000.0, interleaved=True),
             mla=MLAConfig(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16),
@@ -193,7 +194,7 @@ def sizes() -> dict[str, ModelConfig]:
 
 
 FAMILY = FamilyDef(
-    name=DEEPSEEK_V3,
+    name=NAME,
     moe=True,
     mla=True,
     hf=HF,

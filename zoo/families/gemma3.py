@@ -22,13 +22,14 @@ import warnings
 from typing import Optional
 
 from zoo.config import LAYER_TYPES, ModelConfig, RopeConfig
-from zoo.hf.rules import (
+from zoo.errors import CheckpointError
+from zoo.families._family import FamilyDef
+from zoo.families._hf import (
     Family, Keys, common_fields, explicit_layer_types, layer_types_of, rope_from_params, rope_params, rope_to_params,
     window_fields,
 )
-from zoo.hf.files import CheckpointError
-from zoo.families import FamilyDef
-from zoo.tags import GEMMA3
+
+NAME = "gemma3"
 
 
 def _nested_rope(k: Keys, params: dict, layer_type: str) -> RopeConfig:
@@ -118,7 +119,7 @@ def write(c: ModelConfig) -> dict:
 # --- the Hugging Face mapping --------------------------------------------------------------------
 
 HF = Family(
-    name=GEMMA3,
+    name=NAME,
     model_type="gemma3_text",
     architecture="Gemma3ForCausalLM",
     # Gemma3TextConfig's defaults
@@ -138,7 +139,7 @@ def _pattern(layers: int, period: int = 6) -> list[str]:
     return ["full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(layers)]
 
 
-_COMMON = dict(family=GEMMA3, qk_norm=True, norm_weight_offset=1.0, sandwich_norms=True, scale_embeddings=True,
+_COMMON = dict(family=NAME, qk_norm=True, norm_weight_offset=1.0, sandwich_norms=True, scale_embeddings=True,
                mlp_activation="gelu_tanh", tie_word_embeddings=True, rms_norm_eps=1e-6)
 
 
@@ -164,7 +165,7 @@ def sizes() -> dict[str, ModelConfig]:
 
 
 FAMILY = FamilyDef(
-    name=GEMMA3,
+    name=NAME,
     hf=HF,
     sizes=sizes,
     published={"gemma3_27b": (27.016e9, None, 0.01, "Gemma 3 report, table 1: 1,416M embedding + 25,600M non-embedding (text)")},

@@ -14,12 +14,13 @@ interleaved columns (gate = [..., ::2], up = [..., 1::2]) and its bias `[E, 2I]`
 import numpy as np
 
 from zoo.config import ModelConfig, MoEConfig, RopeConfig
-from zoo.families import FamilyDef
-from zoo.hf.rules import (
+from zoo.families._family import FamilyDef
+from zoo.families._hf import (
     Family, Keys, Rule, common_fields, explicit_layer_types, layer_types_of, linear, rope_from_params, rope_hf, rope_params,
     same, window_fields,
 )
-from zoo.tags import GPT_OSS
+
+NAME = "gpt_oss"
 
 # GptOssConfig's rope when the config names none
 _DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
@@ -83,7 +84,7 @@ def moe_rules(c: ModelConfig) -> list[Rule]:
 # --- the Hugging Face mapping --------------------------------------------------------------------
 
 HF = Family(
-    name=GPT_OSS,
+    name=NAME,
     model_type="gpt_oss",
     architecture="GptOssForCausalLM",
     # GptOssConfig's defaults
@@ -113,7 +114,7 @@ def _rope(original: int) -> RopeConfig:
                       beta_fast=32.0, beta_slow=1.0, truncate=False)
 
 
-_COMMON = dict(family=GPT_OSS, attention_bias=True, attention_out_bias=True, attention_sinks=True, rms_norm_eps=1e-5)
+_COMMON = dict(family=NAME, attention_bias=True, attention_out_bias=True, attention_sinks=True, rms_norm_eps=1e-5)
 
 
 def sizes() -> dict[str, ModelConfig]:
@@ -144,7 +145,7 @@ def sizes() -> dict[str, ModelConfig]:
 
 
 FAMILY = FamilyDef(
-    name=GPT_OSS,
+    name=NAME,
     moe=True,
     hf=HF,
     sizes=sizes,

@@ -5,9 +5,10 @@ and is refused.
 """
 
 from zoo.config import ModelConfig, RopeConfig
-from zoo.families import FamilyDef
-from zoo.hf.rules import SILU, Family, Keys, common_fields, rope_from_params, rope_hf, rope_params
-from zoo.tags import LLAMA
+from zoo.families._family import FamilyDef
+from zoo.families._hf import SILU, Family, Keys, common_fields, rope_from_params, rope_hf, rope_params
+
+NAME = "llama"
 
 
 def read(k: Keys) -> dict:
@@ -24,7 +25,7 @@ def write(c: ModelConfig) -> dict:
 # --- the Hugging Face mapping --------------------------------------------------------------------
 
 HF = Family(
-    name=LLAMA,
+    name=NAME,
     model_type="llama",
     architecture="LlamaForCausalLM",
     defaults=dict(rms_norm_eps=1e-6, max_position_embeddings=2048, rope_theta=10000.0, hidden_act="silu"),
@@ -38,7 +39,7 @@ HF = Family(
 
 def _llama31(hidden, layers, heads, ffn) -> ModelConfig:
     return ModelConfig(
-        family=LLAMA,
+        family=NAME,
         vocab_size=128256,
         hidden_size=hidden,
         num_layers=layers,
@@ -58,19 +59,19 @@ def sizes() -> dict[str, ModelConfig]:
     return {
         # The reference model of tests/data (Hugging Face transformers computed its outputs).
         "llama_tiny_a": ModelConfig(
-            family=LLAMA, vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+            family=NAME, vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
             intermediate_size=128, rms_norm_eps=1e-5, max_position_embeddings=128, rope=RopeConfig(theta=10000.0),
         ),
         # ~1.2B Llama shaped like Llama 3.2 1B (tied embeddings); fits one GPU with room for activations.
         "llama_1b": ModelConfig(
-            family=LLAMA, vocab_size=128256, hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,
+            family=NAME, vocab_size=128256, hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,
             intermediate_size=8192, rms_norm_eps=1e-5, max_position_embeddings=131072, tie_word_embeddings=True,
             rope=RopeConfig(type="llama3", theta=500000.0, factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192),
             compute_dtype="bfloat16",
         ),
         # A 64M Llama (its name is the size class): big enough on CPU that matmuls dominate (benchmarks, memory ordering tests).
         "llama_100m": ModelConfig(
-            family=LLAMA, vocab_size=32000, hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, head_dim=64,
+            family=NAME, vocab_size=32000, hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, head_dim=64,
             intermediate_size=2048, max_position_embeddings=4096, rope=RopeConfig(theta=500000.0),
         ),
         "llama3.1_8b": _llama31(4096, 32, 32, 14336),
@@ -80,7 +81,7 @@ def sizes() -> dict[str, ModelConfig]:
 
 
 FAMILY = FamilyDef(
-    name=LLAMA,
+    name=NAME,
     hf=HF,
     sizes=sizes,
     published={

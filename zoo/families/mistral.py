@@ -7,8 +7,8 @@ warns and points to Ministral), so zoo refuses it rather than run a pattern tran
 """
 
 from zoo.config import ModelConfig, RopeConfig
-from zoo.families import FamilyDef
-from zoo.hf.rules import SILU, Family, Keys, common_fields, every_layer_window, rope_from_params, rope_hf, rope_params
+from zoo.families._family import FamilyDef
+from zoo.families._hf import SILU, Family, Keys, common_fields, every_layer_window, rope_from_params, rope_hf, rope_params
 
 NAME = "mistral"
 

@@ -11,12 +11,13 @@ jitter, so a non-zero value is accepted with a warning (inference is unaffected)
 import warnings
 
 from zoo.config import ModelConfig, MoEConfig, RopeConfig
-from zoo.families import FamilyDef
-from zoo.families.qwen3_moe import softmax_moe
-from zoo.hf.rules import (
+from zoo.families._family import FamilyDef
+from zoo.families._hf import (
     SILU, Family, Keys, Rule, common_fields, every_layer_window, expert_list_rules, linear, rope_from_params, rope_hf, rope_params,
 )
-from zoo.tags import MIXTRAL
+from zoo.families.qwen3_moe import softmax_moe
+
+NAME = "mixtral"
 
 
 def read(k: Keys) -> dict:
@@ -52,7 +53,7 @@ def moe_rules(c: ModelConfig) -> list[Rule]:
 # --- the Hugging Face mapping --------------------------------------------------------------------
 
 HF = Family(
-    name=MIXTRAL,
+    name=NAME,
     model_type="mixtral",
     architecture="MixtralForCausalLM",
     defaults=dict(rms_norm_eps=1e-5, max_position_embeddings=4096 * 32, rope_theta=1000000.0, hidden_act="silu",
@@ -69,21 +70,21 @@ HF = Family(
 def sizes() -> dict[str, ModelConfig]:
     return {
         "mixtral_tiny_a": ModelConfig(
-            family=MIXTRAL, vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+            family=NAME, vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
             intermediate_size=64, rms_norm_eps=1e-5, max_position_embeddings=256, rope=RopeConfig(theta=1000000.0),
             moe=softmax_moe(8, 2, 64),
         ),
         "mixtral_100m": ModelConfig(
-            family=MIXTRAL, vocab_size=32000, hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=4, head_dim=64,
+            family=NAME, vocab_size=32000, hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=4, head_dim=64,
             intermediate_size=896, max_position_embeddings=4096, rope=RopeConfig(theta=1000000.0), moe=softmax_moe(8, 2, 896),
         ),
         "mixtral_8x7b": ModelConfig(
-            family=MIXTRAL, vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
+            family=NAME, vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
             intermediate_size=14336, rms_norm_eps=1e-5, max_position_embeddings=32768, rope=RopeConfig(theta=1000000.0),
             moe=softmax_moe(8, 2, 14336), compute_dtype="bfloat16",
         ),
         "mixtral_8x22b": ModelConfig(
-            family=MIXTRAL, vocab_size=32768, hidden_size=6144, num_layers=56, num_heads=48, num_kv_heads=8, head_dim=128,
+            family=NAME, vocab_size=32768, hidden_size=6144, num_layers=56, num_heads=48, num_kv_heads=8, head_dim=128,
             intermediate_size=16384, rms_norm_eps=1e-5, max_position_embeddings=65536, rope=RopeConfig(theta=1000000.0),
             moe=softmax_moe(8, 2, 16384), compute_dtype="bfloat16",
         ),
@@ -91,7 +92,7 @@ def sizes() -> dict[str, ModelConfig]:
 
 
 FAMILY = FamilyDef(
-    name=MIXTRAL,
+    name=NAME,
     moe=True,
     hf=HF,
     sizes=sizes,

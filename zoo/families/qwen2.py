@@ -4,10 +4,11 @@
 """
 
 from zoo.config import ModelConfig, RopeConfig
-from zoo.families import FamilyDef
+from zoo.families._family import FamilyDef
+from zoo.families._hf import Family, Keys, rope_hf
 from zoo.families._qwen import DEFAULTS, read_dense, window_by_depth_hf
-from zoo.hf.rules import Family, Keys, rope_hf
-from zoo.tags import QWEN2
+
+NAME = "qwen2"
 
 
 def read(k: Keys) -> dict:
@@ -20,7 +21,7 @@ def write(c: ModelConfig) -> dict:
 
 # --- the Hugging Face mapping --------------------------------------------------------------------
 
-HF = Family(QWEN2, "qwen2", "Qwen2ForCausalLM", DEFAULTS, read, write)
+HF = Family(NAME, "qwen2", "Qwen2ForCausalLM", DEFAULTS, read, write)
 
 
 # --- the named sizes -------------------------------------------------------------------------------
@@ -30,18 +31,18 @@ def sizes() -> dict[str, ModelConfig]:
     return {
         # The reference model of tests/data (Hugging Face transformers computed its outputs).
         "qwen2_tiny_a": ModelConfig(
-            family=QWEN2, vocab_size=256, hidden_size=112, num_layers=2, num_heads=14, num_kv_heads=2, head_dim=8,
+            family=NAME, vocab_size=256, hidden_size=112, num_layers=2, num_heads=14, num_kv_heads=2, head_dim=8,
             intermediate_size=160, rms_norm_eps=1e-6, max_position_embeddings=256, tie_word_embeddings=True,
             attention_bias=True, rope=RopeConfig(theta=1000000.0),
         ),
         # ~100M for a CPU run (docs/models.md records one).
         "qwen2_100m": ModelConfig(
-            family=QWEN2, vocab_size=32000, hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=2, head_dim=64,
+            family=NAME, vocab_size=32000, hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=2, head_dim=64,
             intermediate_size=2048, rms_norm_eps=1e-6, max_position_embeddings=4096, tie_word_embeddings=True,
             attention_bias=True, rope=RopeConfig(theta=1000000.0),
         ),
         "qwen2.5_7b": ModelConfig(
-            family=QWEN2, vocab_size=152064, hidden_size=3584, num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128,
+            family=NAME, vocab_size=152064, hidden_size=3584, num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128,
             intermediate_size=18944, rms_norm_eps=1e-6, max_position_embeddings=131072, attention_bias=True,
             rope=RopeConfig(theta=1000000.0), compute_dtype="bfloat16",
         ),
@@ -49,7 +50,7 @@ def sizes() -> dict[str, ModelConfig]:
 
 
 FAMILY = FamilyDef(
-    name=QWEN2,
+    name=NAME,
     hf=HF,
     sizes=sizes,
     published={"qwen2.5_7b": (7.61e9, None, 0.01, "Qwen2.5-7B model card: 7.61B")},

@@ -4,10 +4,11 @@ absent. Sliding windows by depth (`use_sliding_window`, `max_window_layers`; zoo
 """
 
 from zoo.config import ModelConfig
-from zoo.families import FamilyDef
+from zoo.families._family import FamilyDef
+from zoo.families._hf import Family, Keys, rope_hf
 from zoo.families._qwen import DEFAULTS, QWEN3_SIZE, read_dense, window_by_depth_hf
-from zoo.hf.rules import Family, Keys, rope_hf
-from zoo.tags import QWEN3
+
+NAME = "qwen3"
 
 
 def read(k: Keys) -> dict:
@@ -21,7 +22,7 @@ def write(c: ModelConfig) -> dict:
 
 # --- the Hugging Face mapping --------------------------------------------------------------------
 
-HF = Family(QWEN3, "qwen3", "Qwen3ForCausalLM", dict(DEFAULTS, head_dim=128), read, write)
+HF = Family(NAME, "qwen3", "Qwen3ForCausalLM", dict(DEFAULTS, head_dim=128), read, write)
 
 
 # --- the named sizes -------------------------------------------------------------------------------
@@ -31,23 +32,23 @@ def sizes() -> dict[str, ModelConfig]:
     return {
         # The reference model of tests/data (Hugging Face transformers computed its outputs).
         "qwen3_tiny_a": ModelConfig(
-            family=QWEN3, vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+            family=NAME, vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
             intermediate_size=128, max_position_embeddings=256, tie_word_embeddings=True, **QWEN3_SIZE,
         ),
         # ~100M for a CPU run (docs/models.md records one).
         "qwen3_100m": ModelConfig(
-            family=QWEN3, vocab_size=32000, hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=4, head_dim=64,
+            family=NAME, vocab_size=32000, hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=4, head_dim=64,
             intermediate_size=2048, max_position_embeddings=4096, tie_word_embeddings=True, **QWEN3_SIZE,
         ),
         "qwen3_8b": ModelConfig(
-            family=QWEN3, vocab_size=151936, hidden_size=4096, num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128,
+            family=NAME, vocab_size=151936, hidden_size=4096, num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128,
             intermediate_size=12288, max_position_embeddings=40960, compute_dtype="bfloat16", **QWEN3_SIZE,
         ),
     }
 
 
 FAMILY = FamilyDef(
-    name=QWEN3,
+    name=NAME,
     hf=HF,
     sizes=sizes,
     published={"qwen3_8b": (8.2e9, None, 0.01, "Qwen3-8B model card: 8.2B")},

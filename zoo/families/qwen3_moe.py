@@ -9,12 +9,13 @@ layer slides when `use_sliding_window` is on.
 """
 
 from zoo.config import ModelConfig, MoEConfig
-from zoo.families import FamilyDef
-from zoo.families._qwen import DEFAULTS, QWEN3_SIZE
-from zoo.hf.rules import (
+from zoo.families._family import FamilyDef
+from zoo.families._hf import (
     SILU, Family, Keys, Rule, common_fields, every_layer_window, expert_list_rules, linear, rope_from_params, rope_hf, rope_params,
 )
-from zoo.tags import QWEN3_MOE
+from zoo.families._qwen import DEFAULTS, QWEN3_SIZE
+
+NAME = "qwen3_moe"
 
 
 def read(k: Keys) -> dict:
@@ -62,7 +63,7 @@ def moe_rules(c: ModelConfig) -> list[Rule]:
 # --- the Hugging Face mapping --------------------------------------------------------------------
 
 HF = Family(
-    QWEN3_MOE, "qwen3_moe", "Qwen3MoeForCausalLM",
+    NAME, "qwen3_moe", "Qwen3MoeForCausalLM",
     dict(DEFAULTS, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=False, num_experts=128,
          num_experts_per_tok=8, moe_intermediate_size=768),
     read, write, moe_rules=moe_rules,
@@ -83,27 +84,27 @@ def sizes() -> dict[str, ModelConfig]:
     return {
         # The reference model of tests/data (Hugging Face transformers computed its outputs).
         "qwen3_moe_tiny_a": ModelConfig(
-            family=QWEN3_MOE, vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=24,
+            family=NAME, vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=24,
             intermediate_size=128, max_position_embeddings=256, moe=softmax_moe(8, 2, 32), **QWEN3_SIZE,
         ),
         # ~100M total, ~50M active, for a CPU run (docs/models.md records one).
         "qwen3_moe_100m": ModelConfig(
-            family=QWEN3_MOE, vocab_size=32000, hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=4, head_dim=64,
+            family=NAME, vocab_size=32000, hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=4, head_dim=64,
             intermediate_size=2048, max_position_embeddings=4096, moe=softmax_moe(16, 4, 416), **QWEN3_SIZE,
         ),
         "qwen3_30b_a3b": ModelConfig(
-            family=QWEN3_MOE, vocab_size=151936, hidden_size=2048, num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128,
+            family=NAME, vocab_size=151936, hidden_size=2048, num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128,
             intermediate_size=6144, max_position_embeddings=40960, moe=softmax_moe(128, 8, 768), compute_dtype="bfloat16", **QWEN3_SIZE,
         ),
         "qwen3_235b_a22b": ModelConfig(
-            family=QWEN3_MOE, vocab_size=151936, hidden_size=4096, num_layers=94, num_heads=64, num_kv_heads=4, head_dim=128,
+            family=NAME, vocab_size=151936, hidden_size=4096, num_layers=94, num_heads=64, num_kv_heads=4, head_dim=128,
             intermediate_size=12288, max_position_embeddings=40960, moe=softmax_moe(128, 8, 1536), compute_dtype="bfloat16", **QWEN3_SIZE,
         ),
     }
 
 
 FAMILY = FamilyDef(
-    name=QWEN3_MOE,
+    name=NAME,
     moe=True,
     hf=HF,
     sizes=sizes,

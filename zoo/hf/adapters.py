@@ -26,8 +26,9 @@ from typing import Optional
 
 import numpy as np
 
+from zoo.errors import CheckpointError
 from zoo.hf.convert import _get, _positions, dtype_name, family_of
-from zoo.hf.files import CheckpointError, SafetensorsStream
+from zoo.hf.files import SafetensorsStream
 from zoo.lora import LoRAWeight
 
 ADAPTER_CONFIG = "adapter_config.json"

@@ -5,7 +5,7 @@ config.json <-> ModelConfig, `to_hf_state_dict` and `save_pretrained` (reading t
 A family's mapping (the `hf` of its `zoo/families/<name>.py`) is a `Family`:
 its `model_type`, the defaults of its transformers config class, how its config.json keys become
 ModelConfig fields and back, and the names of the tensors only it has; it is written with the kit in
-`zoo.hf.rules`, where everything shared lives once.
+`zoo/families/_hf.py`, where everything shared lives once.
 """
 
 import dataclasses
@@ -20,8 +20,9 @@ import numpy as np
 
 from zoo import families as registry
 from zoo.config import ModelConfig, dtype_name
-from zoo.hf.files import CheckpointError, SafetensorsStream
-from zoo.hf.rules import Family, Keys, Rule, common_hf, layer_types_of, top_rules
+from zoo.errors import CheckpointError
+from zoo.families._hf import Family, Keys, Rule, common_hf, layer_types_of, top_rules
+from zoo.hf.files import SafetensorsStream
 from zoo.model import CausalLM
 
 
@@ -104,7 +105,7 @@ def config_from_hf(cfg: dict, *, source: str = "config.json", **overrides) -> Mo
         fields["moe"] = dataclasses.replace(fields["moe"], **moe_overrides)
     fields.update(overrides)
     try:
-        return ModelConfig(**fields)
+        return registry.check(ModelConfig(**fields))
     except ValueError as e:
         raise CheckpointError(f"{source}: {e}") from None
 

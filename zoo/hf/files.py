@@ -35,9 +35,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-
-class CheckpointError(ValueError):
-    """A checkpoint directory, config or tensor that cannot be used; the message names it."""
+from zoo.errors import CheckpointError
 
 
 _ST_DTYPES = {

@@ -17,8 +17,9 @@ import pathlib
 from typing import Any, Optional
 
 from zoo.config import ModelConfig
+from zoo.errors import CheckpointError
 from zoo.hf.convert import TOKEN_ID_KEYS, config_from_hf, fp8_block
-from zoo.hf.files import CheckpointError, CheckpointReader
+from zoo.hf.files import CheckpointReader
 from zoo.hf.weights import capacity_note, load_config, open_checkpoint
 
 # ModelConfig fields that model=hf sets (with these defaults); the rest come from config.json. A MoE

@@ -26,11 +26,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from zoo.config import ModelConfig, dtype_name
+from zoo.errors import CheckpointError
+from zoo.families._hf import Family
 from zoo.hf.convert import _get, config_from_hf, family_of, fp8_block, rules_and_shapes
-from zoo.hf.files import CheckpointError, CheckpointReader
-from zoo.hf.rules import Family
+from zoo.hf.files import CheckpointReader
 from zoo.model import CausalLM, abstract
-from zoo.nn.moe import resolve_moe_impl
 
 
 def load_config(path) -> dict:
@@ -178,7 +178,8 @@ def capacity_note(c: ModelConfig, impl_key: str = "moe_impl", factor_key: str = 
     """What a checkpoint loaded with the capacity MoE kernel computes differently (None: nothing): tokens
     routed to an expert past its capacity are dropped, which transformers never does."""
     m = c.moe
-    if m is None or not c.num_moe_layers or resolve_moe_impl(m.impl) != "capacity":
+    # `auto` is the dropless kernel (zoo.nn.moe_dispatch.resolve_moe_impl): only an explicit capacity drops.
+    if m is None or not c.num_moe_layers or m.impl != "capacity":
         return None
     dropless = m.n_routed_experts / m.num_experts_per_tok
     if m.capacity_factor >= dropless:

@@ -69,13 +69,13 @@ class GQAttention(eqx.Module):
     compute_dtype: str = eqx.field(static=True)
     impl: str = eqx.field(static=True)
 
-    # zoo.sharding: each array field's logical axes and dtype in use (matmul weights and their biases
-    # are cast to the compute dtype; the sinks stay float32).
+    # zoo.sharding: each array field's logical axes and dtype in use (the projections and their biases
+    # are cast to the compute dtype; the sinks stay float32). The output projection reads heads x head_dim.
     PARAMS: ClassVar[dict[str, zs.Leaf]] = {
-        "wq": zs.compute("embed", "heads", None),
-        "wk": zs.compute("embed", "kv_heads", None),
-        "wv": zs.compute("embed", "kv_heads", None),
-        "wo": zs.compute("heads", None, "embed"),
+        "wq": zs.projection("embed", "heads", None),
+        "wk": zs.projection("embed", "kv_heads", None),
+        "wv": zs.projection("embed", "kv_heads", None),
+        "wo": zs.projection("heads", None, "embed", inputs=2),
         "bq": zs.compute("heads", None),
         "bk": zs.compute("kv_heads", None),
         "bv": zs.compute("kv_heads", None),

@@ -53,12 +53,12 @@ class MLAttention(eqx.Module):
     # zoo.sharding: each weight's logical axes; all are cast to the compute dtype (the latent norms
     # are RMSNorms, which declare their own). `latent`: the up-projections' inputs.
     PARAMS: ClassVar[dict[str, zs.Leaf]] = {
-        "wq_a": zs.compute("embed", None),
-        "wq_b": zs.compute("latent", "heads", None),  # [q_lora (or embed without a q LoRA), heads, qk]
-        "wkv_a": zs.compute("embed", None),
-        "wk_b": zs.compute("latent", "heads", None),
-        "wv_b": zs.compute("latent", "heads", None),
-        "wo": zs.compute("heads", None, "embed"),
+        "wq_a": zs.projection("embed", None),
+        "wq_b": zs.projection("latent", "heads", None),  # [q_lora (or embed without a q LoRA), heads, qk]
+        "wkv_a": zs.projection("embed", None),
+        "wk_b": zs.projection("latent", "heads", None),
+        "wv_b": zs.projection("latent", "heads", None),
+        "wo": zs.projection("heads", None, "embed", inputs=2),
     }
     # zoo.tags: the attention tags (GQA's records, MLA's FLOPs) and the latent ones; the norms cost
     # about 5 FLOPs per element. The q latent's are 0 when q_lora_rank is null (they are not emitted).

@@ -78,6 +78,12 @@ def _ffn_flops(s: tags.FlopShape) -> int | float:
     return 2 * s.tokens * s.config.hidden_size * s.ffn
 
 
+# The tags it emits (their records: `GatedMLP.EMITS`).
+MLPWI_0 = "mlpwi_0"
+MLPWI_1 = "mlpwi_1"
+MLPWO = "mlpwo"
+
+
 @tags.declares
 class GatedMLP(eqx.Module):
     """down(act(gate(x)) * up(x)): SwiGLU with `silu` (Llama, Qwen, DeepSeek-V3's dense layers and
@@ -89,18 +95,22 @@ class GatedMLP(eqx.Module):
     compute_dtype: str = eqx.field(static=True)
     activation: str = eqx.field(static=True)
 
-    # zoo.sharding: each weight's logical axes; all three are cast to the compute dtype.
+    # zoo.sharding: each weight's logical axes; all three are projections (cast to the compute dtype,
+    # adapted by LoRA), named as transformers' LlamaMLP names them (`mlp.gate_proj.weight`, ...).
     PARAMS: ClassVar[dict[str, zs.Leaf]] = {
-        "w_gate": zs.compute("embed", "mlp"),
-        "w_up": zs.compute("embed", "mlp"),
-        "w_down": zs.compute("mlp", "embed"),
+        "w_gate": zs.projection("embed", "mlp", hub="gate_proj"),
+        "w_up": zs.projection("embed", "mlp", hub="up_proj"),
+        "w_down": zs.projection("mlp", "embed", hub="down_proj"),
     }
     # zoo.tags: the tags it emits and their producers' forward FLOPs (F: `FlopShape.ffn`, the
-    # dense layers' width, or the shared experts' on an MoE stack).
+    # dense layers' width, or the shared experts' on an MoE stack). Its output only feeds the residual add.
     EMITS: ClassVar[tuple[tags.Emit, ...]] = (
-        tags.Emit(tags.TagInfo(tags.MLPWI_0, "B T F", "dense MLP gate projection (before the activation); DeepSeek-V3: dense layers and shared experts", tags.MLP, ((*tags.IN_BLOCK, "mlp"),)), _ffn_flops),
-        tags.Emit(tags.TagInfo(tags.MLPWI_1, "B T F", "dense MLP up projection", tags.MLP, ((*tags.IN_BLOCK, "mlp"),)), _ffn_flops),
-        tags.Emit(tags.TagInfo(tags.MLPWO, "B T D", "dense MLP down projection output", tags.MLP, ((*tags.IN_BLOCK, "embed"),)), lambda s: 2 * s.tokens * s.ffn * s.config.hidden_size),
+        tags.Emit(tags.TagInfo(MLPWI_0, "B T F", "dense MLP gate projection (before the activation); DeepSeek-V3: dense layers and shared experts", tags.MLP, ((*tags.IN_BLOCK, "mlp"),)), _ffn_flops),
+        tags.Emit(tags.TagInfo(MLPWI_1, "B T F", "dense MLP up projection", tags.MLP, ((*tags.IN_BLOCK, "mlp"),)), _ffn_flops),
+        tags.Emit(
+            tags.TagInfo(MLPWO, "B T D", "dense MLP down projection output", tags.MLP, ((*tags.IN_BLOCK, "embed"),), only_feeds_residual=True),
+            lambda s: 2 * s.tokens * s.ffn * s.config.hidden_size,
+        ),
     )
 
     def __init__(
@@ -129,14 +139,14 @@ class GatedMLP(eqx.Module):
         cdt = self.compute_dtype
         # One [tokens, embed] view for both projections: each reshape of x would be a residual of its own.
         rows, per_token = (x if zs.context_axes() else jnp.reshape(x, (-1, x.shape[-1]))), x.shape[:-1]  # (see `dense`)
-        gate = tags.tag(_dense(rows, self.w_gate, cdt).reshape(*per_token, -1), tags.MLPWI_0)
-        up = tags.tag(_dense(rows, self.w_up, cdt).reshape(*per_token, -1), tags.MLPWI_1)
+        gate = tags.tag(_dense(rows, self.w_gate, cdt).reshape(*per_token, -1), MLPWI_0)
+        up = tags.tag(_dense(rows, self.w_up, cdt).reshape(*per_token, -1), MLPWI_1)
         if zs.context_axes():
             # Pinned to [chunk, mlp shard] (and so their gradients): left free, the partitioner chose
             # the sequence split over every axis in the backward and then gathered whole sequences
             # of the MLP hidden to reach the tensor split (Llama 3.1 405B with sequence parallelism).
             gate, up = (zs.context_constrain(t, ("batch", None, "mlp")) for t in (gate, up))
-        return tags.tag(_dense(gated(ACTIVATIONS[self.activation], gate, up), self.w_down, cdt), tags.MLPWO)
+        return tags.tag(_dense(gated(ACTIVATIONS[self.activation], gate, up), self.w_down, cdt), MLPWO)
 
 
 def _dense(x, w, dtype):

@@ -265,7 +265,9 @@ class MoE(eqx.Module):
         )
         self.config = c
         self.compute_dtype = dtype_name(compute_dtype, "compute_dtype")
-        self.impl = c.impl  # `auto` is resolved where the kernel sees the layout (zoo.nn.moe_dispatch)
+        # A training run builds it with the kernel it resolved (zoo.train.run_config.as_built); research
+        # code may leave `auto`, which the kernel resolves (zoo.nn.moe_dispatch.routed_experts).
+        self.impl = c.impl
 
     def __call__(self, x: Float[Array, "batch seq embed"]) -> tuple[Float[Array, "batch seq embed"], MoEAux]:
         b, t, d = x.shape

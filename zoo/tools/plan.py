@@ -64,11 +64,9 @@ import numpy as np
 
 from zoo import model as zoo_model
 from zoo.config import attended_keys, flops_per_token, moe_capacity
-from zoo.model import DecoderBlock, loss_fn, stack_layout
-from zoo.nn import GatedMLP, GQAttention, MLAttention, MoE
+from zoo.model import block_classes, loss_fn, stack_layout
 from zoo.nn.attention_kernels import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, resolve_impl
 from zoo.nn.expert_rounds import round_block
-from zoo.nn.moe import resolve_moe_impl
 from zoo.nn.moe_dispatch import exchanges_in_rounds
 from zoo.offload import (
     CHECKPOINT_INPUTS, OffloadConfig, backward_never_reads, conf_dir, load_preset, preset_names,
@@ -1151,7 +1149,7 @@ def _stack_layers(config, stack: str) -> list[int]:
 
 def producer_flops(config, tag: str, stack: str, batch: int, seq: int) -> float:
     """Forward FLOPs, per layer and device, of the op that produces `tag` from its inputs: the formula
-    its block declares beside its maths (`EMITS` of the blocks in zoo.nn and zoo.model.DecoderBlock),
+    its block declares beside its maths (`EMITS` of the blocks this stack is built of, `_stack_emits`),
     given this stack's shapes (`zoo.tags.FlopShape`). Matmuls: 2 * output elements * contraction;
     attention (`context`) over the keys a query attends, averaged over the stack's layers; the layer
     input cannot be recomputed: 0.
@@ -1164,29 +1162,33 @@ def producer_flops(config, tag: str, stack: str, batch: int, seq: int) -> float:
     if moe_stack:
         mo = c.moe
         ffn = mo.moe_intermediate_size * mo.n_shared_experts
-        if resolve_moe_impl(mo.impl) == "capacity":
+        if mo.impl == "capacity":  # the config as the run builds it: `auto` resolved (zoo.train.run_config.as_built)
             rows = mo.n_routed_experts * moe_capacity(n, mo)
         else:
             rows = n * mo.num_experts_per_tok
     else:
         ffn, rows = c.intermediate_size, 0
-    # The blocks of this stack's layers (the dense MLP's formula serves the shared experts too).
-    blocks = [DecoderBlock, MLAttention if c.uses_mla else GQAttention, GatedMLP]
-    if c.moe is not None and any(c.is_moe_layer(i) for i in layers):
-        blocks.append(MoE)
-    table = {e.tag.name: e.flops for b in blocks for e in b.EMITS}
+    table = _stack_emits(c, stack)
     if tag not in table:
         # A tag this stack emits that no block declares a formula for would cost 0 FLOPs to recompute.
         raise ValueError(f"zoo.tools.plan.producer_flops: no FLOP count for tag {tag!r} on stack {stack!r}; declare it in its block's EMITS")
     return float(table[tag](FlopShape(c, batch, seq, n, keys, ffn, rows)))
 
 
+def _stack_emits(config, stack: str) -> dict:
+    """Tag -> FLOP formula, of the blocks this stack's layers are built of (`EMITS` of
+    zoo.model.block_classes: its attention, its feed-forward, a MoE's shared experts)."""
+    layers = _stack_layers(config, stack)
+    blocks = dict.fromkeys(b for i in layers for b in block_classes(config, config.layer_spec(i)))
+    return {e.tag.name: e.flops for b in blocks for e in getattr(b, "EMITS", ())}
+
+
 def layer_forward_flops(config, stack: str, batch: int, seq: int) -> float:
-    """Forward FLOPs of one layer on one device: the sum of its producers (mlpwo included)."""
-    moe_stack = all(config.is_moe_layer(i) for i in _stack_layers(config, stack))
-    # A dense stack of an MoE model emits no routed-expert tags.
-    tags = [t for t in emitted_tags(config) if moe_stack or TAGS[t].block != MOE]
-    return sum(producer_flops(config, t, stack, batch, seq) for t in tags)
+    """Forward FLOPs of one layer on one device: the sum of its producers (mlpwo included), over the
+    tags the model emits that this stack's blocks declare (a dense stack of an MoE model has no routed
+    experts; an MoE stack without shared experts no dense MLP)."""
+    declared = _stack_emits(config, stack)
+    return sum(producer_flops(config, t, stack, batch, seq) for t in emitted_tags(config) if t in declared)
 
 
 def per_device_shape(tag: str, shape: Sequence[int], rules=None, sizes=None) -> tuple[int, ...]:
@@ -1438,11 +1440,9 @@ def problem_from_config(c, trainer, opts: PlanConfig, hardware_dir=None, attenti
     import jax
     import jax.numpy as jnp
 
-    m = c.model
+    m = trainer.cfg.model  # as the run builds it: model.moe.impl resolved (zoo.train.run_config.as_built)
     attention_impl = attention_impl or target_attention_impl(c)
     m = m.replace(attention_impl=host_attention_impl(attention_impl))
-    if m.moe is not None and trainer.plan.moe_impl is not None:  # `auto` as this mesh resolves it (zoo.nn.moe.resolve_moe_impl)
-        m = m.replace(moe=dataclasses.replace(m.moe, impl=trainer.plan.moe_impl))
     sizes = trainer.plan.mesh.sizes
     dp = math.prod(sizes[a] for a in dict.fromkeys(c.mesh.rules.get("batch", [])) if a in sizes) or 1
     batch = max(1, trainer.plan.microbatch // dp)

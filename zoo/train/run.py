@@ -18,7 +18,6 @@ from zoo._compat import backends_are_initialized
 from zoo.config import count_params
 from zoo.hf.pretrained import describe as describe_pretrained
 from zoo.model import abstract
-from zoo.nn.moe import resolve_moe_impl
 from zoo.offload import OffloadConfig, parse_ranges, range_configs
 from zoo.sharding import ShardingError, memory_kinds
 from zoo.train import huge_pages
@@ -93,11 +92,12 @@ def merged_tpu_flags(c: XlaConfig, env: Optional[str]) -> str:
 
 
 def dropless_note(family: str, impl: str) -> Optional[str]:
-    """One line for a run of the capacity kernel on a family trained dropless (not an error: a
-    capacity run is a legitimate, cheaper approximation), else None."""
+    """One line for a run of the capacity kernel (`impl`: the kernel the run resolved, `Plan.moe_impl`)
+    on a family trained dropless (not an error: a capacity run is a legitimate, cheaper approximation),
+    else None."""
     # The family's own flag (zoo.families: DeepSeek-V3, whose report says "no token-dropping",
     # Qwen3-MoE, Mixtral, GPT-OSS).
-    if resolve_moe_impl(impl) != "capacity" or family not in families.names() or not families.get(family).dropless:
+    if impl != "capacity" or family not in families.names() or not families.get(family).dropless:
         return None
     return (f"model.moe.impl=capacity: {family} is trained dropless; this run drops the assignments past each expert's "
             f"capacity (counted as `dropped`); model.moe.impl=ragged routes every token")
@@ -225,7 +225,7 @@ def _train(c: TrainConfig, plan, devices, out_dir: pathlib.Path, xla_flags: str,
     )
     echo(kernels_line(c, plan))
     if plan.moe_impl is not None:
-        note = dropless_note(c.model.family, c.model.moe.impl)
+        note = dropless_note(c.model.family, plan.moe_impl)
         if note:
             echo(f"note: {note}")
     if trainer.lora is not None:

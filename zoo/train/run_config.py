@@ -16,7 +16,8 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from zoo.config import SIZES, ModelConfig
+from zoo import families
+from zoo.config import ModelConfig
 from zoo.errors import ConfigError  # noqa: F401 (re-exported: every tool catches it from here)
 from zoo.hf.pretrained import PretrainedSource, check_weights, fit_tokenizer, hf_option, model_from_node
 from zoo.lora import LoraConfig
@@ -530,7 +531,12 @@ def load_model(node: Any) -> tuple[ModelConfig, Optional[PretrainedSource]]:
     """The model group: a named size, or (when it has a `path`, model=hf) a Hugging Face checkpoint
     directory resolved into the full ModelConfig and the source of the run's initial weights."""
     if not _names_path(node):
-        return load_group("model", node), None
+        try:  # a ModelConfig knows its family by name only; the registry holds it to the family's kind
+            return families.check(load_group("model", node)), None
+        except ConfigError:
+            raise
+        except ValueError as e:
+            raise ConfigError(str(e).splitlines()[0]) from None
 
     values = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
     try:
@@ -755,7 +761,18 @@ def resolve_kernels(c: TrainConfig) -> tuple[str, Optional[str]]:
         )
     except ValueError as e:
         raise ConfigError(str(e).splitlines()[0]) from None
+    # The one place a run resolves model.moe.impl; the model is built with the result (`as_built`).
     return attention, (resolve_moe_impl(m.moe.impl) if m.num_moe_layers else None)
+
+
+def as_built(c: TrainConfig, plan: Plan) -> TrainConfig:
+    """The config the run builds its model from: `c` with `model.moe.impl` the kernel validation chose
+    (`plan.moe_impl`, what `auto` stands for). `c` keeps what was asked, which the startup lines name
+    (`routed experts ragged (model.moe.impl=auto)`)."""
+    m = c.model
+    if plan.moe_impl is None or m.moe.impl == plan.moe_impl:
+        return c
+    return dataclasses.replace(c, model=m.replace(moe=dataclasses.replace(m.moe, impl=plan.moe_impl)))
 
 
 def routed_tokens_per_device(c: TrainConfig, sizes: dict, microbatch: int) -> int:
@@ -799,7 +816,7 @@ def to_dict(c: TrainConfig) -> dict:
 
 # --- options defined in Python -----------------------------------------------------------------------------
 # Hydra options that Python defines once, registered in Hydra's ConfigStore when this module is imported
-# (before any command composes conf/): every named model size of zoo.config.SIZES (`model=llama_tiny_a`),
+# (before any command composes conf/): every named model size of zoo.families.SIZES (`model=llama_tiny_a`),
 # `model=hf` (every field null but `path`: config.json decides), and `mesh/_defaults`, the values each
 # conf/mesh preset starts from and changes (the default rules live once, in zoo.sharding.DEFAULT_RULES).
 # Plain nodes, not the dataclasses: validation stays with load_group, whose messages name the key.
@@ -813,7 +830,7 @@ def _field_default(f: dataclasses.Field) -> Any:
 def _register_python_options() -> None:
     store = ConfigStore.instance()
     store.store(group="mesh", name=MESH_DEFAULTS_NAME, node={f.name: _field_default(f) for f in dataclasses.fields(MeshConfig)})
-    for name, size in SIZES.items():
+    for name, size in families.SIZES.items():
         store.store(group="model", name=name, node=dataclasses.asdict(size))
     store.store(group="model", name="hf", node=hf_option())
 

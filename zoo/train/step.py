@@ -35,7 +35,7 @@ from zoo.nn.attention_kernels import segments_bound
 from zoo.nn.moe import router_statistics
 from zoo.nn.moe_dispatch import exchanges_in_rounds
 from zoo.offload import remat_policy
-from zoo.train.run_config import ConfigError, OptimizerConfig, Plan, TrainConfig
+from zoo.train.run_config import ConfigError, OptimizerConfig, Plan, TrainConfig, as_built
 from zoo.train.update import UPDATE_SCOPE, accumulate, global_norm, streamed_update, whole_tree_update, zeros_where
 
 
@@ -124,7 +124,7 @@ def _stack_paths(params) -> Callable:
 
 class Trainer:
     def __init__(self, cfg: TrainConfig, plan: Plan, devices: Optional[list] = None):
-        self.cfg = cfg
+        self.cfg = cfg = as_built(cfg, plan)  # the model with the MoE kernel validation resolved
         self.plan = plan
         self.mesh = zs.make_mesh(plan.mesh, devices)
         rules = cfg.mesh.rules

@@ -1,9 +1,10 @@
-"""The kit a Hugging Face family module is written with: config.json key access (`Keys`), the common
+"""The kit a family's Hugging Face mapping is written with: config.json key access (`Keys`), the common
 keys, both rope styles (transformers 5's `rope_parameters` and the hub's legacy `rope_theta` +
 `rope_scaling`), per-layer attention types, the `Rule`s pairing hub tensors with zoo leaves (q/k/v/o
 with optional biases, q/k norms, sinks, the norms around each block, the gated MLP, per-expert tensor
-lists) and the `Family` record. Family modules (`zoo.families.llama`, `zoo.families.mistral`, ...) import
-this; `zoo.hf.convert` finds the families through `zoo.families` and dispatches on them.
+lists) and the `Family` record. The family modules (`zoo.families.llama`, `zoo.families.mistral`, ...)
+write their mapping with it; the loader, `zoo.hf`, finds the families through the registry
+(`zoo.families`) and dispatches on them. It stands below both, so the families need nothing of the loader.
 
 Hub linear weights are `[out, in]`; zoo weights are einsum layouts `[in, ..., out]`. A `Rule` converts
 both ways by transposing, reshaping, splitting or stacking only, so a round trip is exact.
@@ -18,7 +19,8 @@ from typing import Optional
 import numpy as np
 
 from zoo.config import LAYER_TYPES, ROPE_TYPES, ModelConfig, RopeConfig
-from zoo.hf.files import CheckpointError
+from zoo.errors import CheckpointError
+from zoo.nn.mlp import GatedMLP
 
 # --- config.json values --------------------------------------------------------------------------
 
@@ -373,11 +375,8 @@ def gqa_rules(c: ModelConfig) -> list[Rule]:
 
 
 def mlp_rules(hub: str, zoo: str) -> list[Rule]:
-    return [
-        linear(f"{hub}.gate_proj.weight", f"{zoo}.w_gate"),
-        linear(f"{hub}.up_proj.weight", f"{zoo}.w_up"),
-        linear(f"{hub}.down_proj.weight", f"{zoo}.w_down"),
-    ]
+    """The gated MLP under `hub` <-> `zoo`: each of its projections by the name its PARAMS give it."""
+    return [linear(f"{hub}.{leaf.hub}.weight", f"{zoo}.{field}", in_axes=leaf.inputs) for field, leaf in GatedMLP.PARAMS.items()]
 
 
 def expert_list_rules(c: ModelConfig, template: str, gate: str, up: str, down: str) -> list[Rule]:
