@@ -388,16 +388,9 @@ def planner_estimate(c, trainer, budget_bytes: float) -> dict:
     """zoo.tools.plan's estimate for the policy of `c` (its hardware profile gives the matmul rate and the
     link): step time split into compute / recompute / exposed transfers / state transfers, and the
     HBM peak. A tag the planner cannot recompute (the checkpointed layer's input) counts as kept."""
-    from zoo.offload import resolve
-    from zoo.tools.plan import PlanConfig, evaluate, problem_from_config
+    from zoo.tools.plan import PlanConfig, policy_estimate
 
-    p, info = problem_from_config(c, trainer, PlanConfig(hbm_budget_gb=budget_bytes / 1e9))
-    actions = resolve(c.offload, c.model)
-    assignment = {}
-    for t in p.tags:
-        a = actions.get(t.tag, "remat")
-        assignment[t.tag] = a if a in t.choices else ("device" if a == "remat" and "device" in t.choices else t.choices[0])
-    e = evaluate(p, assignment)
+    p, e, info = policy_estimate(c, trainer, PlanConfig(hbm_budget_gb=budget_bytes / 1e9))
     out = e.as_dict()
     out["hides"] = bool(e.host_tag_bytes > 0 and e.exposed_transfer_s <= 1e-3 * e.compute_s)
     out["rate_flops"] = info["rate_flops"]

@@ -248,6 +248,15 @@ def _patch(run):
     json_handler.JsonCheckpointHandler._save_fn = full
 """
 
+# XLA runs out of device memory (as a TPU's compiler says it; XLA:CPU never does): the compile raises it.
+OUT_OF_MEMORY = """
+def _patch(run):
+    def compile(self, *a, **k):
+        raise RuntimeError('RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space hbm. '
+                           'Used 16.11G of 15.75G hbm. Exceeded hbm capacity by 368.49M.')
+    run.Trainer.compile = compile
+"""
+
 
 def _wait_for(pred, proc, seconds=300):
     t0 = time.time()
@@ -397,6 +406,15 @@ CASES = {
             r"free space in \1 \(or give another checkpoint\.dir\) and run the same command to resume"),  # fmt: skip
         None,
         ("zoo.train.run", DISK_FULL),
+    ),
+    # Out of device memory: XLA's figures, who holds it by the planner's count, the change that frees the most.
+    "out of device memory": (
+        lambda t, d: (train_cmd(LLAMA, *TINY, "hardware=cpu", "hardware.hbm_bytes=1000000", f"hydra.run.dir={t / 'run'}"), t, []),
+        (2, r"out of device memory \(XLA: 16\.11G needed, 15\.75G available\): the planner puts this step at [\d.]+ MB per device, "
+            r"the largest holders optimizer state [\d.]+ kB, parameters .*; the change that frees the most: .*; the whole table: "
+            r"python -m zoo\.tools\.plan .*hardware\.hbm_bytes=1000000 plan\.holders=true$"),  # fmt: skip
+        None,
+        ("zoo.train.run", OUT_OF_MEMORY),
     ),
     # Checkpoints read by the tools.
     "zoo.tools.export, newest step damaged": (

@@ -367,7 +367,8 @@ def test_measure_hardware_writes_a_profile_train_py_accepts(tmp_path, capsys):
     assert measure_main(["name=here", f"out={out}", "n=128", "transfer_mb=4", "repeats=2", "chain=2"]) == 0
     hw = load_group("hardware", OmegaConf.load(out))
     assert hw.name == "here" and hw.matmul_flops > 0 and hw.peak_flops == hw.matmul_flops
-    assert hw.host_link_gbps > 0 and not hw.nominal and "measured" in hw.note
+    assert hw.host_link_gbps > 0 and not hw.nominal and "measured" in hw.note and hw.platform == "cpu"
+    assert hw.host_link_gbps == min(hw.host_to_device_gbps, hw.device_to_host_gbps)  # measured inside a program
     assert measure_main(["n=3"]) == 2
 
 

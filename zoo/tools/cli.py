@@ -63,7 +63,16 @@ def run_job(cfg: DictConfig) -> None:
         except ConfigError:
             refused = True  # a live run holds the directory: its summary.json is not ours to write
             raise
-        train(c, plan, devices, out_dir, xla_flags=flags, overrides=overrides)
+        try:
+            train(c, plan, devices, out_dir, xla_flags=flags, overrides=overrides)
+        except Exception as e:  # noqa: BLE001 - only XLA's out-of-memory is rewritten; the rest goes on as it was
+            from zoo.tools.plan import is_out_of_memory, out_of_memory_line
+
+            if not is_out_of_memory(e):
+                raise
+            from zoo.train.step import Trainer
+
+            raise ConfigError(out_of_memory_line(c, Trainer(c, plan, devices), e, overrides)) from None
     except Exception as e:  # noqa: BLE001 - every failure is reported, none stops a sweep
         bad_input = isinstance(e, ConfigError)
         stopped = isinstance(e, TrainingStopped)  # the run stopped itself and says why in one line

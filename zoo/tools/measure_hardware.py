@@ -1,6 +1,12 @@
 """Measure this machine's first device: dense matmul rate and host <-> device bandwidth (pinned host
 memory), and write a conf/hardware profile the planner and train.py can use.
 
+The link is measured the way a training step uses it: inside one compiled program, a buffer sent to
+pinned host memory and brought back, each direction on its own, and the same traffic under a chain of
+matmuls (how much of it the device hides behind compute). A plain `jax.device_put` between memory
+kinds is measured too, for comparison only: on a TPU v5e it ran device -> host at 0.59 GB/s while a
+step's own offloads moved at about 4.5 GB/s (docs/benchmarks.md, "TPU v5e").
+
     python -m zoo.tools.measure_hardware [name=measured] [out=conf/hardware/<name>.yaml] [n=...] [dtype=...]
                                    [transfer_mb=256] [repeats=5]
 
@@ -104,6 +110,60 @@ def measure_link(mbytes: float, repeats: int = 5, device=None) -> tuple[float, f
     return nbytes / h2d / 1e9, nbytes / d2h / 1e9
 
 
+def measure_program_link(mbytes: float, repeats: int = 5, device=None, matmul_n: int = 1024, dtype: str = "float32") -> dict:
+    """The host link inside compiled programs, as a step's offloads use it, for one `mbytes` MB array:
+
+    - `to_device_gbps`: a program whose argument lives in pinned host memory reads it to the device;
+    - `to_host_gbps`: a program sends a computed buffer to pinned host memory and brings it back
+      (offload and reload, as a saved residual travels), less the reload's time;
+    - `overlap`: the same round trip under a chain of `matmul_n` matmuls in one program: `exposed_s`
+      is what it added to the chain's time, `hidden_fraction` the share of the round trip's own time
+      that the compute covered (1: all of it)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import SingleDeviceSharding
+
+    device = device or jax.devices()[0]
+    host = SingleDeviceSharding(device, memory_kind="pinned_host")
+    dev = SingleDeviceSharding(device, memory_kind="device")
+    elems = int(mbytes * 1e6 // 4)
+    nbytes = elems * 4
+    x_host = jax.device_put(np.ones((elems,), np.float32), host)
+    x_dev = jax.device_put(x_host, dev)
+    a = jax.device_put(jax.random.normal(jax.random.key(0), (matmul_n, matmul_n), jnp.float32).astype(dtype) / math.sqrt(matmul_n), dev)
+
+    def round_trip(x):
+        on_host = jax.device_put(x * 2, jax.memory.Space.Host)
+        return jax.device_put(on_host, jax.memory.Space.Device) + 1
+
+    def chain(a):
+        x = a
+        for _ in range(16):
+            x = (x @ a) * jnp.asarray(1, a.dtype)  # see measure_matmul: one op per product
+        return x
+
+    to_device = jax.jit(lambda x: jax.device_put(x, jax.memory.Space.Device) * 2)
+    trip = jax.jit(round_trip)
+    compute = jax.jit(chain)
+    both = jax.jit(lambda a, x: (chain(a), round_trip(x)))
+    jax.block_until_ready((x_host, x_dev, a))
+    t_in = _median_time(lambda: to_device(x_host).block_until_ready(), repeats)
+    t_trip = _median_time(lambda: trip(x_dev).block_until_ready(), repeats)
+    t_chain = _median_time(lambda: compute(a).block_until_ready(), repeats)
+    t_both = _median_time(lambda: jax.block_until_ready(both(a, x_dev)), repeats)
+    out_s = max(t_trip - t_in, 1e-9)
+    exposed = max(0.0, t_both - t_chain)
+    return {
+        "bytes": nbytes,
+        "to_device_gbps": nbytes / t_in / 1e9,
+        "to_host_gbps": nbytes / out_s / 1e9,
+        "round_trip_s": t_trip,
+        "overlap": {"matmul_chain_s": t_chain, "chain_and_round_trip_s": t_both, "exposed_s": exposed,
+                    "hidden_fraction": max(0.0, min(1.0, 1.0 - exposed / t_trip))},
+    }
+
+
 def measure(opts: MeasureOptions) -> dict:
     import jax
 
@@ -113,14 +173,18 @@ def measure(opts: MeasureOptions) -> dict:
     dtype = opts.dtype or ("bfloat16" if accel else "float32")
     flops = measure_matmul(n, dtype, opts.repeats, opts.chain, device)
     h2d, d2h = measure_link(opts.transfer_mb, opts.repeats, device)
+    program = measure_program_link(opts.transfer_mb, opts.repeats, device, matmul_n=n, dtype=dtype)
+    to_device, to_host = program["to_device_gbps"], program["to_host_gbps"]
     stats = device.memory_stats() or {}
     hbm = int(stats.get("bytes_limit", 0))
     kind = getattr(device, "device_kind", device.platform)
     when = datetime.date.today().isoformat()
+    ov = program["overlap"]
     note = (
         f"measured {when} on {kind} ({device.platform}) by zoo.tools.measure_hardware: {n}x{n} {dtype} matmul x{opts.chain} "
-        f"-> {flops / 1e12:.3f} TFLOP/s; {opts.transfer_mb:g} MB pinned_host<->device: host->device {h2d:.2f} GB/s, "
-        f"device->host {d2h:.2f} GB/s (host_link_gbps is the smaller); medians of {opts.repeats}; "
+        f"-> {flops / 1e12:.3f} TFLOP/s; {opts.transfer_mb:g} MB inside a program: host->device {to_device:.2f} GB/s, "
+        f"device->host {to_host:.2f} GB/s, {100 * ov['hidden_fraction']:.0f}% of a round trip hidden under matmuls; "
+        f"plain device_put {h2d:.2f} / {d2h:.2f} GB/s; medians of {opts.repeats}; "
         + ("hbm_bytes from memory_stats bytes_limit" if hbm else "no device memory statistics (hbm_bytes 0)")
         + ("; on CPU both memories are host RAM, so the link figure is a memory copy" if not accel else "")
     )
@@ -129,10 +193,14 @@ def measure(opts: MeasureOptions) -> dict:
         "peak_flops": float(flops),
         "matmul_flops": float(flops),
         "hbm_bytes": hbm,
-        "host_link_gbps": float(round(min(h2d, d2h), 3)),
+        "host_link_gbps": float(round(min(to_device, to_host), 3)),
+        "host_to_device_gbps": float(round(to_device, 3)),
+        "device_to_host_gbps": float(round(to_host, 3)),
         "nominal": False,
         "note": note,
-        "_detail": {"h2d_gbps": h2d, "d2h_gbps": d2h, "n": n, "dtype": dtype, "device": str(kind)},
+        "platform": device.platform,
+        "_detail": {"h2d_gbps": to_device, "d2h_gbps": to_host, "plain_h2d_gbps": h2d, "plain_d2h_gbps": d2h, "overlap": ov,
+                    "n": n, "dtype": dtype, "device": str(kind)},
     }
 
 
@@ -167,7 +235,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         d = profile["_detail"]
         print(
             f"{d['device']}: matmul {d['n']}x{d['n']} {d['dtype']} {profile['matmul_flops'] / 1e12:.3f} TFLOP/s; "
-            f"host->device {d['h2d_gbps']:.2f} GB/s, device->host {d['d2h_gbps']:.2f} GB/s; HBM {profile['hbm_bytes'] / 1e9:.1f} GB"
+            f"inside a program host->device {d['h2d_gbps']:.2f} GB/s, device->host {d['d2h_gbps']:.2f} GB/s, "
+            f"{100 * d['overlap']['hidden_fraction']:.0f}% of a round trip hidden under matmuls "
+            f"(plain device_put {d['plain_h2d_gbps']:.2f} / {d['plain_d2h_gbps']:.2f} GB/s); HBM {profile['hbm_bytes'] / 1e9:.1f} GB"
         )
         print(f"wrote {out}; use it with hardware={out.stem}" if out.parent == conf_dir() / "hardware" else f"wrote {out}")
         return 0

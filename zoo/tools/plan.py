@@ -1434,6 +1434,46 @@ def host_budget_bytes(opts: PlanConfig, hardware) -> float:
     return float(hardware.host_bytes_per_device) if hardware.host_bytes_per_device else math.inf
 
 
+def policy_estimate(c, trainer, opts: PlanConfig):
+    """(problem, estimate, info) of the run's own policy (`c.offload`): each tag as the policy places it;
+    a tag the planner cannot recompute (the checkpointed layer's input) counts as kept."""
+    p, info = problem_from_config(c, trainer, opts)
+    actions = resolve(c.offload, c.model)
+    assignment = {}
+    for t in p.tags:
+        a = actions.get(t.tag, "remat")
+        assignment[t.tag] = a if a in t.choices else ("device" if a == "remat" and "device" in t.choices else t.choices[0])
+    return p, evaluate(p, assignment), info
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """Whether `e` is XLA's out-of-memory (at compile time on a TPU, or when a step allocates)."""
+    s = str(e)
+    return "RESOURCE_EXHAUSTED" in s and ("memory" in s.lower() or "HBM" in s)
+
+
+def out_of_memory_line(c, trainer, error: BaseException, overrides=()) -> str:
+    """One line for a run that ran out of device memory: XLA's figures, the planner's largest holders
+    of the run's own policy, and the single change that frees the most."""
+    m = re.search(r"\(([\d.]+[KMGT]?i?B?)\) exceeds available HBM \(([\d.]+[KMGT]?i?B?)\)", str(error)) or re.search(
+        r"Used ([\d.]+[KMGT]?i?B?) of ([\d.]+[KMGT]?i?B?) hbm", str(error))
+    xla = f" (XLA: {m.group(1)} needed, {m.group(2)} available)" if m else ""
+    args = " ".join(a for a in overrides if not a.startswith(("hydra.run.", "hydra.sweep.")))
+    table = f"python -m zoo.tools.plan {args} plan.holders=true".replace("  ", " ")
+    try:
+        budget = c.hardware.hbm_bytes / 1e9 if c.hardware.hbm_bytes else None
+        # (a profile without a host link still sizes the memory: the link only prices time)
+        p, e, _ = policy_estimate(c, trainer, PlanConfig(hbm_budget_gb=budget, link=None if c.hardware.host_link_gbps else "1"))
+        top = holders(p, e)[:3]
+        change = next(iter(best_changes(p, e)), None)
+    except Exception as why:  # noqa: BLE001 - the line must come out whatever the planner makes of the run
+        return f"out of device memory{xla}; the planner could not size this run ({type(why).__name__}); for who holds it: {table}"
+    held = ", ".join(f"{h.name} {_fmt_bytes(h.bytes)}" for h in top)
+    fix = f"; the change that frees the most: {change.action} (-{_fmt_bytes(change.saving)})" if change else ""
+    return (f"out of device memory{xla}: the planner puts this step at {_fmt_bytes(e.peak_bytes)} per device, the largest "
+            f"holders {held}{fix}; the whole table: {table}")
+
+
 def problem_from_config(c, trainer, opts: PlanConfig, hardware_dir=None, attention_impl: Optional[str] = None) -> tuple[Problem, dict]:
     """The planning problem for a composed, validated train config (sizes per device);
     `attention_impl`: the implementation the target runs (default: `target_attention_impl(c)`)."""
