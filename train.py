@@ -33,7 +33,14 @@ CONF = pathlib.Path(__file__).resolve().parent / "conf"
 # call `cli_main(main, CONF)` in-process with sys.argv set).
 @hydra.main(config_path=str(CONF), config_name="config", version_base=None)
 def main(cfg: DictConfig) -> None:
-    run_job(cfg)
+    run_job(cfg, out_of_memory_line=_out_of_memory_line)
+
+
+def _out_of_memory_line(*args) -> str:
+    # The planner names who holds the memory; imported only when a run has run out of it.
+    from zoo.tools.plan import out_of_memory_line
+
+    return out_of_memory_line(*args)
 
 
 if __name__ == "__main__":

@@ -239,13 +239,14 @@ def _patch(hf_export):
 # metadata file (the arrays before it were written).
 DISK_FULL = """
 def _patch(run):
-    from orbax.checkpoint._src.handlers import json_checkpoint_handler as json_handler
-    save = json_handler.JsonCheckpointHandler._save_fn
+    from zoo._compat import orbax_json_checkpoint_handler
+    handler = orbax_json_checkpoint_handler()
+    save = handler._save_fn
     async def full(self, item, directory):
         if isinstance(item, dict) and item.get('step') == 4:
             raise OSError(errno.ENOSPC, 'No space left on device', str(directory / 'metadata'))
         return await save(self, item, directory)
-    json_handler.JsonCheckpointHandler._save_fn = full
+    handler._save_fn = full
 """
 
 # XLA runs out of device memory (as a TPU's compiler says it; XLA:CPU never does): the compile raises it.

@@ -54,7 +54,7 @@ def test_flop_count_equals_the_traced_forward_matmuls(name):
     batch, seq = 2, 16
     tokens = jax.ShapeDtypeStruct((batch, seq), np.int32)
 
-    def ragged_dot(h, w, group_sizes, tile):  # zoo.nn.grouped_matmul's contract, as one countable op
+    def ragged_dot(h, w, group_sizes, tile, impl):  # zoo.nn.grouped_matmul's contract, as one countable op
         return jax.lax.ragged_dot(h, w, group_sizes)
 
     with mock.patch.object(moe_dispatch, "grouped_matmul", ragged_dot):

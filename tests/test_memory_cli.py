@@ -26,7 +26,7 @@ def _train(args, tmp_path):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["model.attention_impl=cudnn"], "error: model.attention_impl: cudnn needs a GPU (backend is cpu); valid choices: auto, xla, blockwise, cudnn"),
+        (["model.attention_impl=cudnn"], "error: model.attention_impl: cudnn needs a GPU (backend is cpu); valid choices: auto, xla, blockwise, cudnn, splash"),
         (["trainer.loss_chunk_size=-3"], "error: trainer.loss_chunk_size: must be a positive number of sequence positions"),
     ],
 )

@@ -294,7 +294,7 @@ def test_dropless_memory_does_not_grow_with_experts_as_ragged_dot_does():
         with mock.patch.object(moe_dispatch, "grouped_matmul", matmul):
             return jax.jit(lambda m, x: m(x)[0]).lower(m, x).compile().memory_analysis().temp_size_in_bytes
 
-    def dense(h, w, group_sizes, tile):
+    def dense(h, w, group_sizes, tile, impl):
         return jax.lax.ragged_dot(h, w, group_sizes)
 
     tiled = moe_dispatch.grouped_matmul

@@ -347,8 +347,8 @@ def test_cli_loss_chunk_size_is_a_key_and_is_counted(tmp_path):
     "args, message",
     [
         (["hardware=cpu", "plan.link=pcie_gen5", "plan.hbm_budget_gb=80", "model.attention_impl=cudnn"],
-         "error: model.attention_impl: cudnn needs a GPU (backend is cpu); valid choices: auto, xla, blockwise, cudnn (planning for hardware=cpu)"),
-        (["model.attention_impl=flash"], "error: model.attention_impl: got 'flash'; choose one of auto, xla, blockwise, cudnn"),
+         "error: model.attention_impl: cudnn needs a GPU (backend is cpu); valid choices: auto, xla, blockwise, cudnn, splash (planning for hardware=cpu)"),
+        (["model.attention_impl=flash"], "error: model.attention_impl: got 'flash'; choose one of auto, xla, blockwise, cudnn, splash"),
         (["trainer.loss_chunk_size=-3"], "error: trainer.loss_chunk_size: must be a positive number of sequence positions"),
         (["trainer.loss_chunk_size=big"], "error: trainer.loss_chunk_size: Value 'big' of type 'str' could not be converted to Integer"),
     ],

@@ -169,3 +169,11 @@ def scan_counts(params: dict) -> tuple[int, int]:
         return int(params["num_consts"]), int(params["num_carry"])
     consts, carry, _ = params["ft_in"].unpack()
     return len(consts), len(carry)
+
+
+def orbax_json_checkpoint_handler():
+    """orbax's JSON item handler class (it writes a checkpoint's metadata file): the test that fills
+    the disk during a save breaks its write."""
+    from orbax.checkpoint._src.handlers.json_checkpoint_handler import JsonCheckpointHandler
+
+    return JsonCheckpointHandler

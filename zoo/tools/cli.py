@@ -43,8 +43,9 @@ def _hydra_context():
     return pathlib.Path(hc.runtime.output_dir), list(hc.overrides.task), hc.mode == RunMode.MULTIRUN, hc.job.get("num", None)
 
 
-def run_job(cfg: DictConfig) -> None:
-    """The body of @hydra.main."""
+def run_job(cfg: DictConfig, out_of_memory_line: Optional[Callable] = None) -> None:
+    """The body of @hydra.main. `out_of_memory_line(c, trainer, error, overrides)`: the one line for a
+    run that ran out of device memory (train.py gives zoo.tools.plan's; None: XLA's error as it is)."""
     import logging
 
     logging.getLogger("jax").setLevel(logging.WARNING)  # Hydra's logging config would show JAX's INFO lines
@@ -66,9 +67,7 @@ def run_job(cfg: DictConfig) -> None:
         try:
             train(c, plan, devices, out_dir, xla_flags=flags, overrides=overrides)
         except Exception as e:  # noqa: BLE001 - only XLA's out-of-memory is rewritten; the rest goes on as it was
-            from zoo.tools.plan import is_out_of_memory, out_of_memory_line
-
-            if not is_out_of_memory(e):
+            if out_of_memory_line is None or not is_out_of_memory(e):
                 raise
             from zoo.train.step import Trainer
 
@@ -122,6 +121,12 @@ def ignored_override_line(c, overrides) -> Optional[str]:
                 return (f"{key}: this {c.model.family} configuration does not emit {parts[3]}, so this would be ignored; drop it "
                         f"(python -m zoo.tools.inspect_step lists the tags it emits)")
     return None
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """Whether `e` is XLA's out-of-memory (at compile time on a TPU, or when a step allocates)."""
+    s = str(e)
+    return "RESOURCE_EXHAUSTED" in s and ("memory" in s.lower() or "HBM" in s)
 
 
 RUN_LOCK = "zoo.run.lock"

@@ -113,9 +113,11 @@ def measure_link(mbytes: float, repeats: int = 5, device=None) -> tuple[float, f
 def measure_program_link(mbytes: float, repeats: int = 5, device=None, matmul_n: int = 1024, dtype: str = "float32") -> dict:
     """The host link inside compiled programs, as a step's offloads use it, for one `mbytes` MB array:
 
-    - `to_device_gbps`: a program whose argument lives in pinned host memory reads it to the device;
+    - `to_device_gbps`: a program whose argument lives in pinned host memory reads it to the device
+      (less the same program's time on a device argument);
     - `to_host_gbps`: a program sends a computed buffer to pinned host memory and brings it back
-      (offload and reload, as a saved residual travels), less the reload's time;
+      (offload and reload, as a saved residual travels), less the same program without the
+      transfers and less the reload's time;
     - `overlap`: the same round trip under a chain of `matmul_n` matmuls in one program: `exposed_s`
       is what it added to the chain's time, `hidden_fraction` the share of the round trip's own time
       that the compute covered (1: all of it)."""
@@ -145,18 +147,26 @@ def measure_program_link(mbytes: float, repeats: int = 5, device=None, matmul_n:
 
     to_device = jax.jit(lambda x: jax.device_put(x, jax.memory.Space.Device) * 2)
     trip = jax.jit(round_trip)
+    # the same programs without the transfers: what they cost besides the link
+    in_base, trip_base = jax.jit(lambda x: x * 2), jax.jit(lambda x: x * 2 + 1)
     compute = jax.jit(chain)
     both = jax.jit(lambda a, x: (chain(a), round_trip(x)))
     jax.block_until_ready((x_host, x_dev, a))
     t_in = _median_time(lambda: to_device(x_host).block_until_ready(), repeats)
     t_trip = _median_time(lambda: trip(x_dev).block_until_ready(), repeats)
+    in_s = max(t_in - _median_time(lambda: in_base(x_dev).block_until_ready(), repeats), 1e-9)
+    moved_s = max(t_trip - _median_time(lambda: trip_base(x_dev).block_until_ready(), repeats), 2e-9)
+    moves = moved_s > 0.05 * t_trip  # XLA:CPU ignores memory kinds: nothing moves inside its programs
+    out_s = moved_s - in_s
+    if out_s < 0.1 * moved_s:  # the directions cannot be told apart (on a CPU both memories are RAM): halves
+        in_s = out_s = moved_s / 2
     t_chain = _median_time(lambda: compute(a).block_until_ready(), repeats)
     t_both = _median_time(lambda: jax.block_until_ready(both(a, x_dev)), repeats)
-    out_s = max(t_trip - t_in, 1e-9)
     exposed = max(0.0, t_both - t_chain)
     return {
         "bytes": nbytes,
-        "to_device_gbps": nbytes / t_in / 1e9,
+        "moves": moves,
+        "to_device_gbps": nbytes / in_s / 1e9,
         "to_host_gbps": nbytes / out_s / 1e9,
         "round_trip_s": t_trip,
         "overlap": {"matmul_chain_s": t_chain, "chain_and_round_trip_s": t_both, "exposed_s": exposed,
@@ -174,7 +184,7 @@ def measure(opts: MeasureOptions) -> dict:
     flops = measure_matmul(n, dtype, opts.repeats, opts.chain, device)
     h2d, d2h = measure_link(opts.transfer_mb, opts.repeats, device)
     program = measure_program_link(opts.transfer_mb, opts.repeats, device, matmul_n=n, dtype=dtype)
-    to_device, to_host = program["to_device_gbps"], program["to_host_gbps"]
+    to_device, to_host = (program["to_device_gbps"], program["to_host_gbps"]) if program["moves"] else (h2d, d2h)
     stats = device.memory_stats() or {}
     hbm = int(stats.get("bytes_limit", 0))
     kind = getattr(device, "device_kind", device.platform)
@@ -182,9 +192,11 @@ def measure(opts: MeasureOptions) -> dict:
     ov = program["overlap"]
     note = (
         f"measured {when} on {kind} ({device.platform}) by zoo.tools.measure_hardware: {n}x{n} {dtype} matmul x{opts.chain} "
-        f"-> {flops / 1e12:.3f} TFLOP/s; {opts.transfer_mb:g} MB inside a program: host->device {to_device:.2f} GB/s, "
-        f"device->host {to_host:.2f} GB/s, {100 * ov['hidden_fraction']:.0f}% of a round trip hidden under matmuls; "
-        f"plain device_put {h2d:.2f} / {d2h:.2f} GB/s; medians of {opts.repeats}; "
+        f"-> {flops / 1e12:.3f} TFLOP/s; {opts.transfer_mb:g} MB "
+        + (f"inside a program: host->device {to_device:.2f} GB/s, device->host {to_host:.2f} GB/s, "
+           f"{100 * ov['hidden_fraction']:.0f}% of a round trip hidden under matmuls; plain device_put {h2d:.2f} / {d2h:.2f} GB/s"
+           if program["moves"] else f"by plain device_put (inside a program nothing moves): host->device {h2d:.2f}, device->host {d2h:.2f} GB/s")
+        + f"; medians of {opts.repeats}; "
         + ("hbm_bytes from memory_stats bytes_limit" if hbm else "no device memory statistics (hbm_bytes 0)")
         + ("; on CPU both memories are host RAM, so the link figure is a memory copy" if not accel else "")
     )
@@ -199,7 +211,7 @@ def measure(opts: MeasureOptions) -> dict:
         "nominal": False,
         "note": note,
         "platform": device.platform,
-        "_detail": {"h2d_gbps": to_device, "d2h_gbps": to_host, "plain_h2d_gbps": h2d, "plain_d2h_gbps": d2h, "overlap": ov,
+        "_detail": {"h2d_gbps": to_device, "d2h_gbps": to_host, "plain_h2d_gbps": h2d, "plain_d2h_gbps": d2h, "overlap": ov, "moves": program["moves"],
                     "n": n, "dtype": dtype, "device": str(kind)},
     }
 
@@ -233,12 +245,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         profile = measure(opts)
         out.write_text(to_yaml(profile))
         d = profile["_detail"]
-        print(
-            f"{d['device']}: matmul {d['n']}x{d['n']} {d['dtype']} {profile['matmul_flops'] / 1e12:.3f} TFLOP/s; "
+        link = (
             f"inside a program host->device {d['h2d_gbps']:.2f} GB/s, device->host {d['d2h_gbps']:.2f} GB/s, "
             f"{100 * d['overlap']['hidden_fraction']:.0f}% of a round trip hidden under matmuls "
-            f"(plain device_put {d['plain_h2d_gbps']:.2f} / {d['plain_d2h_gbps']:.2f} GB/s); HBM {profile['hbm_bytes'] / 1e9:.1f} GB"
+            f"(plain device_put {d['plain_h2d_gbps']:.2f} / {d['plain_d2h_gbps']:.2f} GB/s)" if d["moves"] else
+            f"host->device {d['h2d_gbps']:.2f} GB/s, device->host {d['d2h_gbps']:.2f} GB/s by plain device_put (inside a program "
+            "this backend moves nothing)"
         )
+        print(f"{d['device']}: matmul {d['n']}x{d['n']} {d['dtype']} {profile['matmul_flops'] / 1e12:.3f} TFLOP/s; {link}; "
+              f"HBM {profile['hbm_bytes'] / 1e9:.1f} GB")
         print(f"wrote {out}; use it with hardware={out.stem}" if out.parent == conf_dir() / "hardware" else f"wrote {out}")
         return 0
 

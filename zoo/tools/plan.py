@@ -51,6 +51,7 @@ assignments no other beats in every per-layer cost), and writes the sides that a
 policy files that `offload.ranges` takes by path.
 """
 
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -68,6 +69,7 @@ from zoo.model import block_classes, loss_fn, stack_layout
 from zoo.nn.attention_kernels import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, resolve_impl
 from zoo.nn.expert_rounds import round_block
 from zoo.nn.moe_dispatch import exchanges_in_rounds
+from zoo.backend import pallas_interpreted
 from zoo.offload import (
     CHECKPOINT_INPUTS, OffloadConfig, backward_never_reads, conf_dir, load_preset, preset_names,
     range_configs, remat_policy, resolve,
@@ -1378,7 +1380,8 @@ def attention_working_bytes(impl: str, *, batch: int, seq: int, heads: int, kv_h
     - xla: the float32 scores and probabilities [batch, heads, T, T] (their gradients reuse them);
     - blockwise: four float32 tiles [batch, heads, block_q, block_k] (scores, probabilities and
       their gradients), the float32 dq / dk / dv accumulators and the per-row statistics;
-    - cudnn: the float32 dq accumulator and the softmax statistics (the tiles live in on-chip memory).
+    - cudnn, splash: the float32 dq accumulator and the softmax statistics (the tiles live in on-chip
+      memory).
     """
     rows = 3.0 * batch * heads * seq * 4  # logsumexp, delta, running max
     if impl == "xla":
@@ -1387,7 +1390,7 @@ def attention_working_bytes(impl: str, *, batch: int, seq: int, heads: int, kv_h
         tiles = 4.0 * batch * heads * min(DEFAULT_BLOCK_Q, seq) * min(DEFAULT_BLOCK_K, seq) * 4
         accumulators = 4.0 * batch * seq * (heads * qk_dim + kv_heads * (qk_dim + v_dim))
         return tiles + accumulators + rows
-    if impl == "cudnn":
+    if impl in ("cudnn", "splash"):
         return 4.0 * batch * seq * heads * qk_dim + rows
     raise ValueError(f"attention_working_bytes: unknown implementation {impl!r}")
 
@@ -1446,12 +1449,6 @@ def policy_estimate(c, trainer, opts: PlanConfig):
     return p, evaluate(p, assignment), info
 
 
-def is_out_of_memory(e: BaseException) -> bool:
-    """Whether `e` is XLA's out-of-memory (at compile time on a TPU, or when a step allocates)."""
-    s = str(e)
-    return "RESOURCE_EXHAUSTED" in s and ("memory" in s.lower() or "HBM" in s)
-
-
 def out_of_memory_line(c, trainer, error: BaseException, overrides=()) -> str:
     """One line for a run that ran out of device memory: XLA's figures, the planner's largest holders
     of the run's own policy, and the single change that frees the most."""
@@ -1496,7 +1493,10 @@ def problem_from_config(c, trainer, opts: PlanConfig, hardware_dir=None, attenti
     policy = remat_policy(keep_all, m)
     abstract = zoo_model.abstract(m)
     tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
-    placement = inspect_placement(jax.grad(lambda mod, tok: loss_fn(mod, tok, remat_policy=policy)), abstract, tokens, stacks=stack_names(abstract))
+    # Splash traced off a TPU: its Pallas kernel interpreted (traced only: its residuals are what counts).
+    interpreted = pallas_interpreted() if attention_impl == "splash" else contextlib.nullcontext()
+    with interpreted:
+        placement = inspect_placement(jax.grad(lambda mod, tok: loss_fn(mod, tok, remat_policy=policy)), abstract, tokens, stacks=stack_names(abstract))
     # The traced records are whole sequences, heads and MLP hidden dims: each tag sized as the mesh
     # splits it (tensor parallelism; sequence parallelism for the kept layer input, zoo.model.DecoderBlock).
     sequence_ways = _ways(c, trainer, "seq")

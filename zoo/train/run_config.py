@@ -749,13 +749,13 @@ def _check_mesh_fits(mesh: MeshConfig, devices: int) -> None:
 def resolve_kernels(c: TrainConfig) -> tuple[str, Optional[str]]:
     """The attention and MoE kernels this run uses on this backend and mesh (what `auto` stands
     for); an attention_impl the backend cannot run for the model's head dims is a ConfigError."""
-    import jax
+    from zoo.backend import target_platform
 
     m = c.model
     packed = c.data.name == "text"  # segment ids; the data's bound on them (>= 2) reaches attend when traced
     try:
         attention = resolve_impl(
-            m.attention_impl, backend=jax.default_backend(), dtype=m.compute_dtype, qk_dim=m.qk_head_dim,
+            m.attention_impl, backend=target_platform(), dtype=m.compute_dtype, qk_dim=m.qk_head_dim,
             v_dim=m.v_head_dim, seq_len=c.data.seq_len, has_sinks=m.attention_sinks,
             has_segments=packed, max_segments=2 if packed else None,
         )
