@@ -27,7 +27,12 @@ from zoo.nn.rope import Rope
 QUERY_PROJ = tags.TagInfo(tags.QUERY_PROJ, "B T N H", "queries after the q projection (and its bias), before q-norm and RoPE (MLA: q_b_proj output)", tags.ATTENTION, ((*tags.IN_BLOCK, "heads", None),))
 KEY_PROJ = tags.TagInfo(tags.KEY_PROJ, "B T K H", "keys after the k projection (and its bias), before k-norm and RoPE (MLA: per-head nope keys from kv_b_proj)", tags.ATTENTION, ((*tags.IN_BLOCK, "kv_heads", None),))
 VALUE_PROJ = tags.TagInfo(tags.VALUE_PROJ, "B T K H", "values after the v projection (MLA: per-head values from kv_b_proj)", tags.ATTENTION, ((*tags.IN_BLOCK, "kv_heads", None),))
-CONTEXT = tags.TagInfo(tags.CONTEXT, "B T N V", "attention output, before the out projection", tags.ATTENTION, ((*tags.IN_BLOCK, "heads", None),))
+# Splash attention names its own residuals under this tag, in its per-kv-head layout: the output
+# (B, K, G, T, V) and the softmax statistics (B, K, G, T). The statistics share the length of the
+# first layout, which the planner then reads for them; per-device bytes agree whichever heads dim a
+# tensor-parallel rule divides.
+CONTEXT = tags.TagInfo(tags.CONTEXT, "B T N V", "attention output, before the out projection", tags.ATTENTION,
+                       ((*tags.IN_BLOCK, "heads", None), ("batch", "kv_heads", None, None, None)))
 OUT_PROJ = tags.TagInfo(tags.OUT_PROJ, "B T D", "attention output after the out projection", tags.ATTENTION, ((*tags.IN_BLOCK, "embed"),))
 
 

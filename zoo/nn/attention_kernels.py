@@ -710,8 +710,14 @@ def _splash_kernel(q_len: int, kv_len: int, group: int, causal: bool, window: Op
     bq, bk = _splash_block(q_len), _splash_block(kv_len)
     blocks = sk.BlockSizes(block_q=bq, block_kv=bk, block_kv_compute=bk, block_q_dkv=bq, block_kv_dkv=bk,
                            block_kv_dkv_compute=bk, use_fused_bwd_kernel=True)
-    return sk.make_splash_mqa_single_device(sm.MultiHeadMask([one] * group), block_sizes=blocks, residual_checkpoint_name=residual_tag,
-                                            interpret=interpret)
+    # Built outside the trace that first asks for it (the kernel is cached across traces: its mask
+    # tables must not be one trace's values), and the tables kept as numpy, embedded in the program:
+    # as the arrays the kernel makes of them, a step compiled ahead of time (jit(...).lower(...).compile(),
+    # as train.py does) took them as extra arguments it was then called without (TPU v5e, JAX 0.10.2).
+    with jax.ensure_compile_time_eval():
+        kernel = sk.make_splash_mqa_single_device(sm.MultiHeadMask([one] * group), block_sizes=blocks, residual_checkpoint_name=residual_tag,
+                                                  interpret=interpret)
+    return jax.tree.map(np.asarray, kernel)
 
 
 def splash_attention(

@@ -69,7 +69,7 @@ from zoo.model import block_classes, loss_fn, stack_layout
 from zoo.nn.attention_kernels import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, resolve_impl
 from zoo.nn.expert_rounds import round_block
 from zoo.nn.moe_dispatch import exchanges_in_rounds
-from zoo.backend import pallas_interpreted
+from zoo.backend import lowering_for, pallas_interpreted
 from zoo.offload import (
     CHECKPOINT_INPUTS, OffloadConfig, backward_never_reads, conf_dir, load_preset, preset_names,
     range_configs, remat_policy, resolve,
@@ -1366,6 +1366,20 @@ def target_attention_impl(c) -> str:
         raise PlanError(f"{str(e).splitlines()[0]} (planning for hardware={hw.name})") from None
 
 
+@contextlib.contextmanager
+def planning_for(platform: Optional[str]):
+    """Trace for the platform planned for: a TPU profile on a machine without one gets the TPU's
+    kernels (splash, megablox) validated and traced in Pallas' interpret mode (traced only; the tags
+    and residuals are what the planner reads)."""
+    import jax
+
+    if platform != "tpu" or jax.default_backend() == "tpu":
+        yield
+        return
+    with lowering_for("tpu"), pallas_interpreted():
+        yield
+
+
 def host_attention_impl(target: str) -> str:
     """The implementation this machine traces in place of the target's: the tags and residuals do
     not depend on it, and cuDNN's stand-in (blockwise) keeps no T x T scores either."""
@@ -1660,10 +1674,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         asked = typed.model.attention_impl
         attention_impl = target_attention_impl(typed)
         cfg.model.attention_impl = host_attention_impl(attention_impl)
-        c, _, _, trainer, notes = prepare_step(overrides, cfg)
+        with planning_for(typed.hardware.platform):
+            c, _, _, trainer, notes = prepare_step(overrides, cfg)
+            p, info = problem_from_config(c, trainer, opts, conf_dir() / "hardware", attention_impl)
         for n in notes:
             print(f"note: {n}")
-        p, info = problem_from_config(c, trainer, opts, conf_dir() / "hardware", attention_impl)
         if opts.split and p.fixed:
             raise PlanError("plan.split: it searches the ranges itself; drop offload.ranges or plan.split=true")
         if p.fixed:
