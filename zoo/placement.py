@@ -230,25 +230,27 @@ def _analyse_forward_scan(eqn, stack: str) -> tuple[list[TagRecord], list[OtherR
         )
 
     records = []
+    period = max(1, len(sites.get("decoder_layer_input", ())))  # every decoder layer tags its input once
     for tag, outs in sites.items():
         aval, devices = outs[0]
         shape = tuple(aval.shape)
         if devices > 1 and shape:
             shape = (devices * shape[0],) + shape[1:]  # the devices' shares stacked, as the residual leaves the shard_map
-        # A scan step runs a period of layers (one block each), so each site is one layer's tag.
+        # A scan step runs a period of layers (one block each); a kernel that names its own residuals
+        # (splash: output and softmax statistics) gives one layer several sites of a tag.
+        emitting = min(len(outs), period)
         records.append(
             TagRecord(
                 tag=tag,
                 stack=stack,
                 shape=shape,
                 dtype=str(aval.dtype),
-                bytes_per_layer=sum(_nbytes(a) * n for a, n in outs) // len(outs),
-                layers=layers * len(outs),
+                bytes_per_layer=sum(_nbytes(a) * n for a, n in outs) // emitting,
+                layers=layers * emitting,
                 placement=placement.get(tag, ""),
                 occurrences=len(outs),
             )
         )
-    period = max(1, len(sites.get("decoder_layer_input", ())))  # every decoder layer tags its input once
     return records, other, {"name": stack, "layers": layers * period, "scan_length": layers}
 
 

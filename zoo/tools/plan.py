@@ -1416,14 +1416,16 @@ def loss_working_bytes(*, batch: int, seq: int, vocab: int, embed: int, chunk: i
 
     Whole logits (`chunk` 0): the float32 logits, their softmax and their gradient [batch, T, vocab].
     Chunked (zoo.loss, fused): the same three for [batch, chunk, vocab] at a time, plus what the
-    fused backward keeps through the chunks: the float32 head-gradient accumulator [embed, vocab],
-    the hidden states' gradient [batch, T, embed] in the compute dtype, and the head cast to the
-    compute dtype (`head_cast_bytes`, 0 when the dtypes agree)."""
+    fused backward keeps through the chunks: the hidden states' gradient [batch, T, embed] in the
+    compute dtype and the head cast to the compute dtype (`head_cast_bytes`, 0 when the dtypes agree)."""
     if not chunk:
         return 3.0 * batch * seq * vocab * 4
     rows = min(chunk, seq)
     gathered = float(batch * row_group * rows * embed * compute_bytes) if row_group > 1 else 0.0
-    return 3.0 * batch * row_group * rows * vocab * 4 + 4.0 * embed * vocab + float(batch * seq * embed * compute_bytes) + head_cast_bytes + gathered
+    # The head-gradient accumulator becomes the head's gradient, which the planner counts with the
+    # other gradients: counted here too, it put the planner 13-15% over XLA's peak on a TPU v5e
+    # (docs/benchmarks.md, "TPU v5e").
+    return 3.0 * batch * row_group * rows * vocab * 4 + float(batch * seq * embed * compute_bytes) + head_cast_bytes + gathered
 
 
 def _ways(c, trainer, logical: str) -> int:
@@ -1537,7 +1539,9 @@ def problem_from_config(c, trainer, opts: PlanConfig, hardware_dir=None, attenti
 
     hw = c.hardware
     if hw.matmul_flops:
-        rate, rate_source = float(hw.matmul_flops), f"hardware.matmul_flops (measured) {hw.matmul_flops:.3g}"
+        rate, rate_source = float(hw.matmul_flops) * hw.step_efficiency, f"hardware.matmul_flops (measured) {hw.matmul_flops:.3g}"
+        if hw.step_efficiency != 1.0:
+            rate_source += f" x hardware.step_efficiency {hw.step_efficiency:g}"
     else:
         rate = hw.peak_flops * opts.flops_efficiency
         rate_source = f"hardware.peak_flops {hw.peak_flops:.3g} x plan.flops_efficiency {opts.flops_efficiency}"

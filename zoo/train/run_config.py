@@ -325,13 +325,17 @@ class HardwareConfig:
     peak_flops: float = 1e12  # dense bf16 FLOP/s per device
     hbm_bytes: int = 0  # device memory
     host_link_gbps: float = 0.0  # host <-> device bandwidth, GB/s per direction
-    # Where the two directions differ (a TPU v5e's PCIe measured 13.9 GB/s to the device, 6.6 from it
-    # inside a program): each direction's GB/s; null: host_link_gbps.
+    # Where the two directions differ (plain device_put on a TPU v5e: 13.9 GB/s to the device, 0.6
+    # from it): each direction's GB/s, as a step moves it; null: host_link_gbps.
     host_to_device_gbps: Optional[float] = None
     device_to_host_gbps: Optional[float] = None
     # Measured dense matmul FLOP/s (python -m zoo.tools.measure_hardware); the planner prefers it to
     # peak_flops * plan.flops_efficiency. null: not measured.
     matmul_flops: Optional[float] = None
+    # The fraction of matmul_flops a whole training step's FLOPs run at (attention kernels, norms,
+    # the loss and layout changes run slower than a large matmul): the planner's rate is
+    # matmul_flops x step_efficiency. Measured with bench/tpu.py (docs/benchmarks.md, "TPU v5e").
+    step_efficiency: float = 1.0
     nominal: bool = False  # true: peak_flops is a round number, not a datasheet figure
     note: str = ""
     # The platform the profile describes ("cpu", "gpu", "tpu"; null: any): train.py runs only on it
@@ -349,6 +353,8 @@ class HardwareConfig:
     def __post_init__(self):
         if self.peak_flops <= 0:
             raise ConfigError(f"hardware.peak_flops: must be positive, got {self.peak_flops}")
+        if not 0 < self.step_efficiency <= 1:
+            raise ConfigError(f"hardware.step_efficiency: a fraction of matmul_flops in (0, 1], got {self.step_efficiency}; e.g. hardware.step_efficiency=0.56")
         if self.host_bytes_per_device < 0:
             raise ConfigError(
                 f"hardware.host_bytes_per_device: must be >= 0 (0: no host budget), got {self.host_bytes_per_device}; "
