@@ -341,6 +341,29 @@ def derive(res: dict) -> None:
                     r["exposed_transfer_s"] = r["median_step_s"] - runs[twin]["median_step_s"]
 
 
+def replan(res: dict, profile: str) -> None:
+    """Replace each compiled run's planner estimate with zoo.tools.plan's from the hardware profile
+    `profile` (traced here for a TPU: its kernels in Pallas' interpret mode; nothing compiles)."""
+    import jax
+    import yaml
+
+    from bench import common as C
+    from zoo.backend import lowering_for, pallas_interpreted
+    from zoo.train.run_config import HardwareConfig
+
+    fields = {f.name: f.type for f in dataclasses.fields(HardwareConfig)}
+    raw = yaml.safe_load((ROOT / "conf" / "hardware" / f"{profile}.yaml").read_text())
+    hw = HardwareConfig(**{k: float(v) if isinstance(v, str) and "float" in str(fields[k]) else v for k, v in raw.items()})
+    for s in (res.get("setups") or {}).values():
+        for label, r in (s.get("runs") or {}).items():
+            if r.get("status") not in ("ok", "compiled"):
+                continue
+            with lowering_for(hw.platform or jax.default_backend()), pallas_interpreted():
+                c, tr = build(s["setup"], label, jax.devices()[:1], hw, False)
+                r["planner"] = C.planner_estimate(c, tr, hw.hbm_bytes)
+            r["planner"]["profile"] = profile
+
+
 def run_child(kind: str, spec: dict, workdir: pathlib.Path, env_extra: dict, timeout: float) -> dict:
     spec_path, result_path = workdir / f"{kind}_spec.json", workdir / f"{kind}_result.json"
     spec_path.write_text(json.dumps(spec))
@@ -443,6 +466,8 @@ def main(argv=None) -> int:
     ap.add_argument("--plot", default=None)
     ap.add_argument("--md", default=None)
     ap.add_argument("--render", default=None, help="print the tables of a recorded --out JSON; nothing runs")
+    ap.add_argument("--replan", default=None, metavar="PROFILE",
+                    help="with --render: the planner's estimates again, from conf/hardware/PROFILE.yaml (e.g. tpu_v5e), on this machine")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--spec", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--result", default=None, help=argparse.SUPPRESS)
@@ -457,6 +482,8 @@ def main(argv=None) -> int:
         return 0
     if args.render:
         res = json.loads(pathlib.Path(args.render).read_text())
+        if args.replan:
+            replan(res, args.replan)
         derive(res)
         print(markdown(res))
         if args.plot:

@@ -386,3 +386,20 @@ def test_splash_names_its_residuals_with_the_tag():
 
     assert kernel_outputs(jax.checkpoint_policies.save_only_these_names(tags.CONTEXT)) == [(2, 1, 2, 128), (2, 1, 2, 128, 16)]
     assert kernel_outputs(jax.checkpoint_policies.nothing_saveable) == []
+
+
+def test_splash_kernel_made_inside_a_trace_holds_numpy_tables():
+    """The kernel is cached across traces and its mask tables are embedded in the program: made while
+    a step is being traced, they must be concrete numpy arrays (neither that trace's values nor device
+    arrays, which XLA takes as extra arguments of a step compiled ahead of time)."""
+    A._splash_kernel.cache_clear()
+    made = []
+
+    @jax.jit
+    def step(x):
+        made.append(A._splash_kernel(256, 256, 2, True, None, None, True))
+        return x
+
+    step(jnp.zeros(3))
+    leaves = jax.tree.leaves(made[0])
+    assert leaves and all(isinstance(x, np.ndarray) for x in leaves), {type(x).__name__ for x in leaves}

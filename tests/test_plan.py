@@ -172,16 +172,17 @@ def test_loss_working_set_counts_the_chunks_and_what_the_fused_backward_keeps():
     assert whole == 3 * 2 * 4096 * 128256 * 4  # logits, softmax, gradient: float32
     cast = 2048 * 128256 * 2.0
     chunked = zp.loss_working_bytes(batch=2, seq=4096, vocab=128256, embed=2048, chunk=512, compute_bytes=2, head_cast_bytes=cast)
-    assert chunked == 3 * 2 * 512 * 128256 * 4 + 2048 * 128256 * 4 + 2 * 4096 * 2048 * 2 + cast
+    # The head-gradient accumulator is the head's gradient, counted with the gradients, not here.
+    assert chunked == 3 * 2 * 512 * 128256 * 4 + 2 * 4096 * 2048 * 2 + cast
     assert whole / chunked > 3.5
     # A chunk longer than the sequence is the sequence.
     assert zp.loss_working_bytes(batch=1, seq=64, vocab=10, embed=4, chunk=512, compute_bytes=4) == pytest.approx(
-        3 * 64 * 10 * 4 + 4 * 10 * 4 + 64 * 4 * 4
+        3 * 64 * 10 * 4 + 64 * 4 * 4
     )
     # A vocab axis shared with the batch (8 devices): each chunk's logits cover the group's rows, over
     # the device's 1/8 of the vocabulary, and the group's chunk of hidden states is gathered.
     shared = zp.loss_working_bytes(batch=2, seq=4096, vocab=128256 // 8, embed=2048, chunk=512, compute_bytes=2, row_group=8)
-    assert shared == 3 * 16 * 512 * 16032 * 4 + 2048 * 16032 * 4 + 2 * 4096 * 2048 * 2 + 16 * 512 * 2048 * 2
+    assert shared == 3 * 16 * 512 * 16032 * 4 + 2 * 4096 * 2048 * 2 + 16 * 512 * 2048 * 2
 
 
 def test_links():
@@ -340,7 +341,7 @@ def test_cli_loss_chunk_size_is_a_key_and_is_counted(tmp_path):
     chunked = _plan_json(tmp_path, *base, "trainer.loss_chunk_size=16")["info"]
     assert whole["loss_chunk_size"] == 0 and chunked["loss_chunk_size"] == 16
     assert whole["loss_working_bytes"] == 3 * 2 * 64 * 256 * 4
-    assert chunked["loss_working_bytes"] == 3 * 2 * 16 * 256 * 4 + 64 * 256 * 4 + 2 * 64 * 64 * 4
+    assert chunked["loss_working_bytes"] == 3 * 2 * 16 * 256 * 4 + 2 * 64 * 64 * 4
 
 
 @pytest.mark.parametrize(
@@ -575,3 +576,23 @@ def test_dropless_expert_parallel_tags_are_sized_as_the_first_rounds_blocks():
     assert kept["moe_mlpwi_0"].bytes_per_layer["moe_layers"] == one_shard["moe_mlpwi_0"].bytes_per_layer["moe_layers"] == record.bytes_per_layer
     assert dropless["moe_mlpwi_0"].choices == kept["moe_mlpwi_0"].choices == CHOICES
     assert dropless["decoder_layer_input"].bytes_per_layer == kept["decoder_layer_input"].bytes_per_layer
+
+
+def test_a_tpu_profile_plans_its_kernels_here_and_counts_each_residual_of_a_layer(capsys):
+    """Planning for hardware=tpu_v5e on a CPU traces splash and megablox interpreted (not refused), and
+    splash's two residuals under the context tag (output and softmax statistics) both count per layer."""
+    from zoo.backend import lowering_for, pallas_interpreted
+
+    assert zp.main(["model=llama_tiny_a", "mesh=single", "data.batch_size=2", "data.seq_len=128", "hardware=tpu_v5e",
+                    "model.attention_impl=splash", "plan.out=/dev/null"]) == 0
+    assert "counted: attention splash on tpu_v5e" in capsys.readouterr().out
+    m = SIZES["llama_tiny_a"].replace(attention_impl="splash")
+    policy = remat_policy(from_mapping({"name": "ctx", "checkpoint": True, "tags": {"context": "device"}}), m)
+    abstract = zoo.model.abstract(m)
+    with lowering_for("tpu"), pallas_interpreted():
+        placement = inspect_placement(jax.grad(lambda mod, t: zoo.model.loss_fn(mod, t, remat_policy=policy)), abstract,
+                                      jax.ShapeDtypeStruct((2, 128), jnp.int32), stacks=stack_names(abstract))
+    (record,) = [r for r in placement.records if r.tag == "context"]
+    batch, kv, group, t, d = record.shape
+    # the output (compute dtype) and the float32 statistics, not their average
+    assert record.bytes_per_layer == batch * kv * group * t * (d * jnp.dtype(record.dtype).itemsize + 4)

@@ -5,7 +5,7 @@ The link is measured the way a training step uses it: inside one compiled progra
 pinned host memory and brought back, each direction on its own, and the same traffic under a chain of
 matmuls (how much of it the device hides behind compute). A plain `jax.device_put` between memory
 kinds is measured too, for comparison only: on a TPU v5e it ran device -> host at 0.59 GB/s while a
-step's own offloads moved at about 4.5 GB/s (docs/benchmarks.md, "TPU v5e").
+step's own offloads moved at about 14 GB/s (docs/benchmarks.md, "TPU v5e").
 
     python -m zoo.tools.measure_hardware [name=measured] [out=conf/hardware/<name>.yaml] [n=...] [dtype=...]
                                    [transfer_mb=256] [repeats=5]
