@@ -11,7 +11,9 @@ if __name__ == "__main__":
     # glibc reads its malloc tunables only as a process starts: start again with large buffers on huge
     # pages (zoo/train/huge_pages.py), loaded by path so that this process, about to be replaced, does
     # not import JAX with the zoo package first.
-    _spec = importlib.util.spec_from_file_location("_zoo_huge_pages", pathlib.Path(__file__).resolve().parent / "zoo/train/huge_pages.py")
+    _spec = importlib.util.spec_from_file_location(
+        "_zoo_huge_pages", pathlib.Path(__file__).resolve().parent / "zoo/train/huge_pages.py"
+    )
     _huge_pages = importlib.util.module_from_spec(_spec)
     _spec.loader.exec_module(_huge_pages)
     try:

@@ -52,14 +52,31 @@ def bench_model(name: str, **changes):
     return m
 
 
-def train_config(model, presets: Sequence[str], batch: int, seq: int, *, steps: int = 100, hardware=None, xla_name: str = "default",
-                 fast_compile: bool = False):
+def train_config(
+    model,
+    presets: Sequence[str],
+    batch: int,
+    seq: int,
+    *,
+    steps: int = 100,
+    hardware=None,
+    xla_name: str = "default",
+    fast_compile: bool = False,
+):
     """train.py's TrainConfig for one run, built from the dataclasses directly.
 
     `presets`: conf/offload presets merged in order, as `offload=[a,b]` does. Uniform tokens (nothing
     to learn: throughput only), full LLVM optimisation on CPU unless `fast_compile` (smoke tests)."""
     from zoo.offload import load_preset
-    from zoo.train.run_config import DataConfig, HardwareConfig, MeshConfig, OptimizerConfig, TrainConfig, TrainerConfig, XlaConfig
+    from zoo.train.run_config import (
+        DataConfig,
+        HardwareConfig,
+        MeshConfig,
+        OptimizerConfig,
+        TrainConfig,
+        TrainerConfig,
+        XlaConfig,
+    )
 
     return TrainConfig(
         model=model,
@@ -94,7 +111,9 @@ def tokens_for(trainer, seed: int = 0):
 
     c = trainer.cfg
     rng = np.random.default_rng(seed)
-    return trainer.shard_tokens(rng.integers(0, c.model.vocab_size, size=(c.data.batch_size, c.data.seq_len), dtype=np.int32))
+    return trainer.shard_tokens(
+        rng.integers(0, c.model.vocab_size, size=(c.data.batch_size, c.data.seq_len), dtype=np.int32)
+    )
 
 
 def trace_lower(trainer):
@@ -197,7 +216,9 @@ def _version(pkg: str) -> Optional[str]:
 
 def git_commit() -> Optional[str]:
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10
+        )
         return out.stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         return None
@@ -211,7 +232,10 @@ def env_info(devices=None) -> dict:
         "cpu_count": os.cpu_count(),
         "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
         "python": platform.python_version(),
-        "versions": {p: _version(p) for p in ("jax", "jaxlib", "equinox", "optax", "numpy", "jax-cuda13-plugin", "jax-cuda12-plugin")},
+        "versions": {
+            p: _version(p)
+            for p in ("jax", "jaxlib", "equinox", "optax", "numpy", "jax-cuda13-plugin", "jax-cuda12-plugin")
+        },
         "git_commit": git_commit(),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
     }
@@ -240,7 +264,12 @@ _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(\S+)\s+([\w\-]+)\(")
 def _source(op_name: str) -> str:
     """A short form of JAX's op_name metadata: `fwd:`/`bwd:` plus the innermost named scopes."""
     bwd = "transpose(" in op_name
-    parts = [p for p in op_name.split("/") if p and not p.startswith(("jit(train_step)", "while", "body", "closed_call", "checkpoint", "rematted_computation"))]
+    parts = [
+        p
+        for p in op_name.split("/")
+        if p
+        and not p.startswith(("jit(train_step)", "while", "body", "closed_call", "checkpoint", "rematted_computation"))
+    ]
     parts = [re.sub(r"^(transpose|jvp)\((.*)\)$", r"\2", p) for p in parts]
     parts = [re.sub(r"^(transpose|jvp)\((.*)\)$", r"\2", p) for p in parts]
     return ("bwd: " if bwd else "fwd: ") + "/".join(parts[-2:])
@@ -296,15 +325,31 @@ def categorize(op: Optional[dict], name: str) -> str:
         return "matmul"
     if kinds & {"scatter", "gather", "sort"}:
         return "gather/scatter/sort"
-    if op["opcode"] in ("copy", "transpose") or (op["opcode"] == "fusion" and op["inner"] <= {"copy", "transpose", "parameter", "bitcast", "reshape"}):
+    if op["opcode"] in ("copy", "transpose") or (
+        op["opcode"] == "fusion" and op["inner"] <= {"copy", "transpose", "parameter", "bitcast", "reshape"}
+    ):
         return "copy/transpose"
-    if kinds & {"dynamic-update-slice", "dynamic-slice", "concatenate", "pad", "slice"} and not kinds & {"exponential", "reduce", "multiply", "add"}:
+    if kinds & {"dynamic-update-slice", "dynamic-slice", "concatenate", "pad", "slice"} and not kinds & {
+        "exponential",
+        "reduce",
+        "multiply",
+        "add",
+    }:
         return "slice/concat/pad"
     if kinds & {"reduce", "reduce-window"}:
         return "reduce fusion"
     if op["opcode"] in ("while", "call", "conditional"):
         return "control"
-    if op["opcode"] == "fusion" or kinds & {"add", "multiply", "exponential", "convert", "select", "divide", "tanh", "logistic"}:
+    if op["opcode"] == "fusion" or kinds & {
+        "add",
+        "multiply",
+        "exponential",
+        "convert",
+        "select",
+        "divide",
+        "tanh",
+        "logistic",
+    }:
         return "elementwise fusion"
     return "other"
 
@@ -377,7 +422,16 @@ def profile_step(compiled, state, tokens, steps: int = 2, trace_dir: Optional[st
         "threads_with_ops": len(threads),
         "by_category_s": dict(sorted(by_cat.items(), key=lambda kv: -kv[1])),
         "by_source_s": dict(sorted(by_source.items(), key=lambda kv: -kv[1])[:25]),
-        "top_ops": [{"op": n, "category": categorize(hlo.get(n), n), "s": s, "shape": (hlo.get(n) or {}).get("shape"), "source": (hlo.get(n) or {}).get("source")} for n, s in top],
+        "top_ops": [
+            {
+                "op": n,
+                "category": categorize(hlo.get(n), n),
+                "s": s,
+                "shape": (hlo.get(n) or {}).get("shape"),
+                "source": (hlo.get(n) or {}).get("source"),
+            }
+            for n, s in top
+        ],
     }, state
 
 

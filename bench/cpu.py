@@ -95,15 +95,19 @@ def measure_matmul(n, dtype, repeats, chain):
     return mm(n, dtype, repeats=repeats, chain=chain)
 
 
-def bench_family(key: str, model, presets, batch: int, seq: int, rounds: int, profile: bool, fast_compile: bool = False) -> dict:
+def bench_family(
+    key: str, model, presets, batch: int, seq: int, rounds: int, profile: bool, fast_compile: bool = False
+) -> dict:
     import jax
 
     from zoo.config import count_params, flops_per_token
 
     tokens_per_step = batch * seq
     fpt = flops_per_token(model, seq)
-    log(f"{key}: {count_params(model) / 1e6:.1f}M params ({count_params(model, active=True) / 1e6:.1f}M active), "
-        f"{fpt / 1e6:.1f} MFLOP/token, batch {batch}x{seq}")
+    log(
+        f"{key}: {count_params(model) / 1e6:.1f}M params ({count_params(model, active=True) / 1e6:.1f}M active), "
+        f"{fpt / 1e6:.1f} MFLOP/token, batch {batch}x{seq}"
+    )
     trainers, lowered, rows = {}, {}, {}
     for p in presets:
         tr = C.make_trainer(C.train_config(model, [p], batch, seq, fast_compile=fast_compile))
@@ -122,9 +126,15 @@ def bench_family(key: str, model, presets, batch: int, seq: int, rounds: int, pr
         mem = C.compiled_memory(exe)
         kept = rows[p]["kept"]
         rows[p].update(compiled_memory=mem, xla_flops_per_step=C.compiled_flops(exe))
-        rows[p]["compile"].update(compile_s=secs, total_s=rows[p]["compile"]["trace_s"] + rows[p]["compile"]["lower_s"] + secs, concurrent=workers)
-        log(f"  {p}: temp {mem['temp_size_in_bytes'] / 1e6:.1f} MB, kept on device {kept['device_bytes'] / 1e6:.1f} MB, "
-            f"on host {kept['host_bytes'] / 1e6:.1f} MB, recomputed {kept['recomputed_bytes'] / 1e6:.1f} MB")
+        rows[p]["compile"].update(
+            compile_s=secs,
+            total_s=rows[p]["compile"]["trace_s"] + rows[p]["compile"]["lower_s"] + secs,
+            concurrent=workers,
+        )
+        log(
+            f"  {p}: temp {mem['temp_size_in_bytes'] / 1e6:.1f} MB, kept on device {kept['device_bytes'] / 1e6:.1f} MB, "
+            f"on host {kept['host_bytes'] / 1e6:.1f} MB, recomputed {kept['recomputed_bytes'] / 1e6:.1f} MB"
+        )
 
     t0 = time.perf_counter()
     state = trainers["none"].init()
@@ -137,7 +147,7 @@ def bench_family(key: str, model, presets, batch: int, seq: int, rounds: int, pr
         state = jax.device_put(state, trainers[p].state_shardings)  # memory kinds differ between presets
         jax.block_until_ready(state)
         t = time.perf_counter()
-        state, m = compiled[p](state, tokens)
+        state, m = compiled[p](state, tokens)  # noqa: F821 - the enclosing function's, deleted after these calls
         jax.block_until_ready((state, m))
         return time.perf_counter() - t, float(m["loss"])
 
@@ -148,12 +158,15 @@ def bench_family(key: str, model, presets, batch: int, seq: int, rounds: int, pr
     for r in range(rounds):
         # The matmul rate right before the round, under the same load as the round's steps.
         round_rates.append(max(measure_matmul(n, "float32", repeats=3, chain=4) for n in (512, 1024)))
-        order = list(presets[r % len(presets):]) + list(presets[: r % len(presets)])
+        order = list(presets[r % len(presets) :]) + list(presets[: r % len(presets)])
         if r % 2:
             order.reverse()
         for p in order:
             times[p].append(run(p)[0])
-        log(f"  round {r + 1}/{rounds} (matmul {round_rates[-1] / 1e9:.0f} GFLOP/s): " + ", ".join(f"{p} {times[p][-1]:.2f}s" for p in presets))
+        log(
+            f"  round {r + 1}/{rounds} (matmul {round_rates[-1] / 1e9:.0f} GFLOP/s): "
+            + ", ".join(f"{p} {times[p][-1]:.2f}s" for p in presets)
+        )
 
     for p in presets:
         ratios = [t / n for t, n in zip(times[p], times["none"])]
@@ -168,7 +181,12 @@ def bench_family(key: str, model, presets, batch: int, seq: int, rounds: int, pr
             model_flops_per_s=fpt * tokens_per_step / med,
         )
     out = {
-        "model": {"name": key, "config": _model_dict(model), "params": count_params(model), "active_params": count_params(model, active=True)},
+        "model": {
+            "name": key,
+            "config": _model_dict(model),
+            "params": count_params(model),
+            "active_params": count_params(model, active=True),
+        },
         "batch": batch,
         "seq": seq,
         "tokens_per_step": tokens_per_step,
@@ -180,7 +198,9 @@ def bench_family(key: str, model, presets, batch: int, seq: int, rounds: int, pr
     }
     if profile:
         log(f"  profiling {key} none")
-        out["profile_none"], state = C.profile_step(compiled["none"], jax.device_put(state, trainers["none"].state_shardings), tokens)
+        out["profile_none"], state = C.profile_step(
+            compiled["none"], jax.device_put(state, trainers["none"].state_shardings), tokens
+        )
     del state, compiled
     return out
 
@@ -191,14 +211,18 @@ def _model_dict(model) -> dict:
     return dataclasses.asdict(model)
 
 
-def compile_vs_depth(model, depths, batch: int, seq: int, presets=("none", "full"), fast_compile: bool = False) -> list[dict]:
+def compile_vs_depth(
+    model, depths, batch: int, seq: int, presets=("none", "full"), fast_compile: bool = False
+) -> list[dict]:
     out = []
     for p in presets:
         for d in depths:
             tr = C.make_trainer(C.train_config(model.replace(num_layers=d), [p], batch, seq, fast_compile=fast_compile))
             _, _, secs = C.trace_and_compile(tr)
             out.append({"preset": p, "num_layers": d, **secs})
-            log(f"compile {p} at {d} layers: {secs['total_s']:.1f}s (trace {secs['trace_s']:.1f}, lower {secs['lower_s']:.1f}, compile {secs['compile_s']:.1f})")
+            log(
+                f"compile {p} at {d} layers: {secs['total_s']:.1f}s (trace {secs['trace_s']:.1f}, lower {secs['lower_s']:.1f}, compile {secs['compile_s']:.1f})"
+            )
     return out
 
 
@@ -236,13 +260,24 @@ def markdown(res: dict) -> str:
         prof = fam.get("profile_none")
         if prof and "by_category_s" in prof:
             cats = ", ".join(f"{c} {s:.3f}" for c, s in prof["by_category_s"].items())
-            gaps = f", {prof['no_op_running_s']:.3f} s with no traced op running (XLA's own dots run there)" if "no_op_running_s" in prof else ""
-            lines.append(f"profile of one `none` step ({prof['step_wall_s']:.3f} s wall, {prof['op_seconds_per_step']:.3f} s in XLA ops{gaps}), seconds by kind of op: {cats}")
+            gaps = (
+                f", {prof['no_op_running_s']:.3f} s with no traced op running (XLA's own dots run there)"
+                if "no_op_running_s" in prof
+                else ""
+            )
+            lines.append(
+                f"profile of one `none` step ({prof['step_wall_s']:.3f} s wall, {prof['op_seconds_per_step']:.3f} s in XLA ops{gaps}), seconds by kind of op: {cats}"
+            )
             lines.append("")
     if res.get("compile_vs_depth"):
-        lines += ["| preset | layers | trace (s) | lower (s) | compile (s) | total (s) |", "|---|---:|---:|---:|---:|---:|"]
+        lines += [
+            "| preset | layers | trace (s) | lower (s) | compile (s) | total (s) |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
         for d in res["compile_vs_depth"]:
-            lines.append(f"| {d['preset']} | {d['num_layers']} | {d['trace_s']:.1f} | {d['lower_s']:.1f} | {d['compile_s']:.1f} | {d['total_s']:.1f} |")
+            lines.append(
+                f"| {d['preset']} | {d['num_layers']} | {d['trace_s']:.1f} | {d['lower_s']:.1f} | {d['compile_s']:.1f} | {d['total_s']:.1f} |"
+            )
         lines.append("")
     mm = ", ".join(f"{x['n']}: {x['flops_per_s'] / 1e9:.1f}" for x in res["matmul"]["start"] + res["matmul"]["end"])
     lines.append(f"float32 matmul GFLOP/s (n: rate; start then end of the run): {mm}; best {peak / 1e9:.1f}")
@@ -259,8 +294,12 @@ def tag_tables(res: dict) -> str:
     for key, fam in res["families"].items():
         presets = list(fam["presets"])
         tags = list(dict.fromkeys(t for r in fam["presets"].values() for t in r["kept"]["tags"]))
-        lines += [f"**{key}**: MB per tag over all layers, and where the backward pass finds it (D device, H host, R recomputed, - unread)", "",
-                  "| tag | " + " | ".join(presets) + " |", "|---|" + "---|" * len(presets)]
+        lines += [
+            f"**{key}**: MB per tag over all layers, and where the backward pass finds it (D device, H host, R recomputed, - unread)",
+            "",
+            "| tag | " + " | ".join(presets) + " |",
+            "|---|" + "---|" * len(presets),
+        ]
         for t in tags:
             cells = []
             for p in presets:
@@ -287,7 +326,10 @@ def plot(res: dict, path: Path) -> None:
             ax.annotate(p, (x, r["ratio_to_none"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
         ax.set_xlabel("residuals kept on device for the backward pass (MB)")
         ax.set_ylabel("step time / none (median over rounds)")
-        ax.set_title(f"{key}: {fam['model']['params'] / 1e6:.3g}M params, batch {fam['batch']}x{fam['seq']} (red: offloads)", fontsize=9)
+        ax.set_title(
+            f"{key}: {fam['model']['params'] / 1e6:.3g}M params, batch {fam['batch']}x{fam['seq']} (red: offloads)",
+            fontsize=9,
+        )
         ax.grid(alpha=0.3)
     ax = axes[-1]
     for p in sorted({d["preset"] for d in res.get("compile_vs_depth", [])}):
@@ -300,7 +342,10 @@ def plot(res: dict, path: Path) -> None:
     ax.set_ylim(bottom=0)
     ax.legend()
     ax.grid(alpha=0.3)
-    fig.suptitle(f"bench/cpu.py, {res['env']['date_utc']}, {res['env']['host_cpu']} ({res['env']['cpu_count']} cores)", fontsize=9)
+    fig.suptitle(
+        f"bench/cpu.py, {res['env']['date_utc']}, {res['env']['host_cpu']} ({res['env']['cpu_count']} cores)",
+        fontsize=9,
+    )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -318,8 +363,12 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=None, help="timed rounds (default 3; quick 2)")
     ap.add_argument("--batch", type=int, default=None)
     ap.add_argument("--seq", type=int, default=None)
-    ap.add_argument("--depths", default=None, help="comma list of layer counts for compile time (default 4,16,64; '' skips)")
-    ap.add_argument("--profile", action="store_true", help="profile one `none` step per model: where the time goes, by op")
+    ap.add_argument(
+        "--depths", default=None, help="comma list of layer counts for compile time (default 4,16,64; '' skips)"
+    )
+    ap.add_argument(
+        "--profile", action="store_true", help="profile one `none` step per model: where the time goes, by op"
+    )
     ap.add_argument("--render", default=None, help="print the tables of an earlier run's JSON (nothing runs)")
     args = ap.parse_args(argv)
     if args.render:
@@ -341,9 +390,19 @@ def main(argv=None) -> int:
     import jax
 
     env = C.env_info(jax.devices()[:1])
-    log(f"bench/cpu.py on {env['host_cpu']} ({env['cpu_count']} cores), load {env['load_average']}, jax {env['versions']['jax']}")
-    res = {"schema": SCHEMA, "command": " ".join(["python", "bench/cpu.py", *(argv if argv is not None else sys.argv[1:])]),
-           "quick": args.quick, "fast_compile": spec["fast_compile"], "env": env, "presets": list(presets), "matmul": {"start": measure_matmuls(spec["matmul_sizes"])}, "families": {}}
+    log(
+        f"bench/cpu.py on {env['host_cpu']} ({env['cpu_count']} cores), load {env['load_average']}, jax {env['versions']['jax']}"
+    )
+    res = {
+        "schema": SCHEMA,
+        "command": " ".join(["python", "bench/cpu.py", *(argv if argv is not None else sys.argv[1:])]),
+        "quick": args.quick,
+        "fast_compile": spec["fast_compile"],
+        "env": env,
+        "presets": list(presets),
+        "matmul": {"start": measure_matmuls(spec["matmul_sizes"])},
+        "families": {},
+    }
     for key in models:
         name, changes = spec["models"][key]
         model = C.bench_model(name, **changes)
@@ -353,7 +412,9 @@ def main(argv=None) -> int:
         C.write_json(args.out, res)
     if depths:
         name, changes = spec["models"][spec["depth_model"]]
-        res["compile_vs_depth"] = compile_vs_depth(C.bench_model(name, **changes), depths, batch, seq, spec["depth_presets"], spec["fast_compile"])
+        res["compile_vs_depth"] = compile_vs_depth(
+            C.bench_model(name, **changes), depths, batch, seq, spec["depth_presets"], spec["fast_compile"]
+        )
     res["matmul"]["end"] = measure_matmuls(spec["matmul_sizes"])
     best = max(x["flops_per_s"] for x in res["matmul"]["start"] + res["matmul"]["end"])
     res["matmul"]["best_flops_per_s"] = best

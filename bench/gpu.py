@@ -95,10 +95,21 @@ TOY = {
 SCALE = {
     "models": {
         "llama405b": ["llama3.1_405b", {"num_layers": 1, "vocab_size": 32768}],
-        "dsv3_671b": ["deepseek_v3_671b", {"num_layers": 2, "first_k_dense_replace": 1, "vocab_size": 32768, "moe_experts": 32,
-                                           "moe_impl": "capacity"}],
-        "dsv3_671b_dropless": ["deepseek_v3_671b", {"num_layers": 2, "first_k_dense_replace": 1, "vocab_size": 32768, "moe_experts": 32,
-                                                    "moe_impl": "ragged"}, ["none", "full"]],
+        "dsv3_671b": [
+            "deepseek_v3_671b",
+            {
+                "num_layers": 2,
+                "first_k_dense_replace": 1,
+                "vocab_size": 32768,
+                "moe_experts": 32,
+                "moe_impl": "capacity",
+            },
+        ],
+        "dsv3_671b_dropless": [
+            "deepseek_v3_671b",
+            {"num_layers": 2, "first_k_dense_replace": 1, "vocab_size": 32768, "moe_experts": 32, "moe_impl": "ragged"},
+            ["none", "full"],
+        ],
     },
     "batch": 2,
     "seq": 4096,
@@ -116,9 +127,20 @@ TOY_SCALE = {
     "models": {
         "llama405b": ["llama_tiny_a", {"num_layers": 1}],
         "dsv3_671b": ["dsv3_tiny_a", {"num_layers": 2, "first_k_dense_replace": 1, "moe_impl": "capacity"}],
-        "dsv3_671b_dropless": ["dsv3_tiny_a", {"num_layers": 2, "first_k_dense_replace": 1, "moe_impl": "ragged"}, ["none", "full"]],
+        "dsv3_671b_dropless": [
+            "dsv3_tiny_a",
+            {"num_layers": 2, "first_k_dense_replace": 1, "moe_impl": "ragged"},
+            ["none", "full"],
+        ],
     },
-    "batch": 2, "seq": 64, "warmup": 1, "steps": 2, "transfer_mb": 16.0, "matmul_n": 256, "fast_compile": True, "budget_s": 900.0,
+    "batch": 2,
+    "seq": 64,
+    "warmup": 1,
+    "steps": 2,
+    "transfer_mb": 16.0,
+    "matmul_n": 256,
+    "fast_compile": True,
+    "budget_s": 900.0,
 }
 HOST_POOL_GIB = "100"
 
@@ -153,7 +175,9 @@ def merged_flags(env_flags: str, ours: list[str], dropped: Optional[list] = None
     unknown = set(unknown_flags([*env, *ours, f"{GPU_HOST_OFFLOAD_FLAG}=true"]))
     if dropped is not None:
         dropped.extend(f for f in [*env, *ours, f"{GPU_HOST_OFFLOAD_FLAG}=true"] if f in unknown and f not in dropped)
-    group = XlaConfig(flags=[f for f in ours if f not in unknown], cpu_ynn_fusions=None)  # a GPU run: no XLA:CPU default
+    group = XlaConfig(
+        flags=[f for f in ours if f not in unknown], cpu_ynn_fusions=None
+    )  # a GPU run: no XLA:CPU default
     return merged_xla_flags(group, " ".join(f for f in env if f not in unknown), host_offload=True, scheduler=False)
 
 
@@ -197,8 +221,14 @@ def _hardware(spec: dict):
     rate = (hw.get("matmul") or {}).get("flops_per_s")
     link = hw.get("link") or {}
     gbps = min(link["h2d_gbps"], link["d2h_gbps"]) if link else 0.0
-    return HardwareConfig(name="measured", peak_flops=rate or 1e12, matmul_flops=rate, hbm_bytes=int(spec.get("limit_bytes") or 0),
-                          host_link_gbps=float(gbps), note="bench/gpu.py: measured in the hw step of the same run")
+    return HardwareConfig(
+        name="measured",
+        peak_flops=rate or 1e12,
+        matmul_flops=rate,
+        hbm_bytes=int(spec.get("limit_bytes") or 0),
+        host_link_gbps=float(gbps),
+        note="bench/gpu.py: measured in the hw step of the same run",
+    )
 
 
 def _state_bytes(trainer) -> dict:
@@ -208,7 +238,13 @@ def _state_bytes(trainer) -> dict:
     import jax
 
     def total(tree):
-        return float(sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(tree) if hasattr(x, "shape")))
+        return float(
+            sum(
+                math.prod(x.shape) * np.dtype(x.dtype).itemsize
+                for x in jax.tree_util.tree_leaves(tree)
+                if hasattr(x, "shape")
+            )
+        )
 
     st = trainer.abstract_state()
     return {"params": total(st["params"]), "opt_state": total(st["opt_state"])}
@@ -220,14 +256,23 @@ def transfer_bytes(trainer, kept: dict) -> dict:
     c = trainer.cfg
     resid = float(kept["host_bytes"] + kept["untagged_host_bytes"]) * c.trainer.grad_accum
     sb = _state_bytes(trainer)
-    state = (sb["opt_state"] if c.offload.opt_state == "pinned_host" else 0.0) + (sb["params"] if c.offload.params == "pinned_host" else 0.0)
-    return {"residual_bytes": resid, "state_bytes": state, "to_host_bytes": resid + state, "from_host_bytes": resid + state}
+    state = (sb["opt_state"] if c.offload.opt_state == "pinned_host" else 0.0) + (
+        sb["params"] if c.offload.params == "pinned_host" else 0.0
+    )
+    return {
+        "residual_bytes": resid,
+        "state_bytes": state,
+        "to_host_bytes": resid + state,
+        "from_host_bytes": resid + state,
+    }
 
 
 def _state_ok(state) -> bool:
     import jax
 
-    return state is not None and not any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree_util.tree_leaves(state))
+    return state is not None and not any(
+        getattr(x, "is_deleted", lambda: False)() for x in jax.tree_util.tree_leaves(state)
+    )
 
 
 def child_group(spec: dict, result_path: pathlib.Path) -> dict:
@@ -247,22 +292,48 @@ def child_group(spec: dict, result_path: pathlib.Path) -> dict:
     for key in spec["model_keys"]:
         name, changes, *own = spec["models"][key]
         model = C.bench_model(name, **changes)
-        for p in (own[0] if own else spec["presets"]):
+        for p in own[0] if own else spec["presets"]:
             preset = preset_name(key, p)
             if time.time() > deadline - 30:
                 runs.append({"model": key, "preset": preset, "status": "skipped", "reason": "budget"})
                 continue
-            c = C.train_config(model, [preset], spec["batch"], spec["seq"], hardware=hardware, xla_name=group, fast_compile=spec["fast_compile"])
+            c = C.train_config(
+                model,
+                [preset],
+                spec["batch"],
+                spec["seq"],
+                hardware=hardware,
+                xla_name=group,
+                fast_compile=spec["fast_compile"],
+            )
             try:
                 tr = C.make_trainer(c, devices)
                 low, kept, secs = C.trace_lower(tr)
             except Exception as e:  # noqa: BLE001 - recorded; the other runs go on
-                runs.append({"model": key, "size": name, "preset": preset, "status": "error", "error": f"trace: {type(e).__name__}: {str(e).splitlines()[0][:300]}"})
+                runs.append(
+                    {
+                        "model": key,
+                        "size": name,
+                        "preset": preset,
+                        "status": "error",
+                        "error": f"trace: {type(e).__name__}: {str(e).splitlines()[0][:300]}",
+                    }
+                )
                 log(f"{group} {key} {preset}: trace failed: {runs[-1]['error'][:200]}")
                 continue
             trace_s = secs["trace_s"] + secs["lower_s"]
-            run = {"model": key, "size": name, "preset": preset, "policy": c.offload.describe(), "batch": spec["batch"], "seq": spec["seq"],
-                   "kept": kept, "transfer": transfer_bytes(tr, kept), "trace_s": trace_s, "status": "compiling"}
+            run = {
+                "model": key,
+                "size": name,
+                "preset": preset,
+                "policy": c.offload.describe(),
+                "batch": spec["batch"],
+                "seq": spec["seq"],
+                "kept": kept,
+                "transfer": transfer_bytes(tr, kept),
+                "trace_s": trace_s,
+                "status": "compiling",
+            }
             runs.append(run)
             trainers[(key, preset)], lowered[(key, preset)] = tr, low
     log(f"{group}: traced {len(lowered)} steps; compiling with {spec['workers']} threads")
@@ -285,7 +356,9 @@ def child_group(spec: dict, result_path: pathlib.Path) -> dict:
         run["status"] = "compiled"
         if spec.get("planner") and run["preset"] in spec.get("planner_presets", ("none", *OFFLOAD_PRESET.values())):
             try:
-                run["planner"] = C.planner_estimate(trainers[k].cfg, trainers[k], float(spec.get("limit_bytes") or 1e12))
+                run["planner"] = C.planner_estimate(
+                    trainers[k].cfg, trainers[k], float(spec.get("limit_bytes") or 1e12)
+                )
             except Exception as e:  # noqa: BLE001
                 run["planner"] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
     C.write_json(result_path, res)
@@ -338,10 +411,14 @@ def child_group(spec: dict, result_path: pathlib.Path) -> dict:
                     process_peak_bytes=(after or {}).get("peak_bytes_in_use"),
                     bytes_limit=(after or {}).get("bytes_limit"),
                 )
-                log(f"{group} {key} {run['preset']}: {1e3 * step:.1f} ms/step, {run['tflops_per_device']:.1f} TFLOP/s"
-                    + (f", peak {run['process_peak_bytes'] / 2**30:.1f} GiB" if run.get("process_peak_bytes") else ""))
+                log(
+                    f"{group} {key} {run['preset']}: {1e3 * step:.1f} ms/step, {run['tflops_per_device']:.1f} TFLOP/s"
+                    + (f", peak {run['process_peak_bytes'] / 2**30:.1f} GiB" if run.get("process_peak_bytes") else "")
+                )
             except Exception as e:  # noqa: BLE001 - one failed run is recorded; the others go on
-                run.update(status="oom" if is_oom(e) else "error", error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+                run.update(
+                    status="oom" if is_oom(e) else "error", error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+                )
                 log(f"{group} {key} {run['preset']}: {run['status']}: {run['error'][:120]}")
                 if not _state_ok(state):
                     state = None
@@ -368,8 +445,14 @@ def child_probe(spec: dict, result_path: pathlib.Path) -> dict:
     # Only a backend with a memory limit can run out of memory; --probe-runs runs the predicted
     # batches anyway (on CPU every one fits: it tests the code path, not the limit).
     can_run = measured_limit is not None or bool(spec.get("probe_runs"))
-    res = {"limit_bytes": limit, "limit_source": "--memory-limit-gb" if spec.get("memory_limit_bytes") else ("device bytes_limit" if measured_limit else None),
-           "verified_by_running": can_run, "probes": []}
+    res = {
+        "limit_bytes": limit,
+        "limit_source": "--memory-limit-gb"
+        if spec.get("memory_limit_bytes")
+        else ("device bytes_limit" if measured_limit else None),
+        "verified_by_running": can_run,
+        "probes": [],
+    }
     deadline = spec["deadline"]
     hardware = _hardware(spec)
 
@@ -479,7 +562,16 @@ def run_child(kind: str, spec: dict, workdir: pathlib.Path, deadline: float, ext
         result_path.unlink()
     env = dict(os.environ)
     env.update(extra_env)
-    cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), "--child", kind, "--spec", str(spec_path), "--result", str(result_path)]
+    cmd = [
+        sys.executable,
+        str(pathlib.Path(__file__).resolve()),
+        "--child",
+        kind,
+        "--spec",
+        str(spec_path),
+        "--result",
+        str(result_path),
+    ]
     # A child past the deadline (plus its runs' reserve) is stopped; what it wrote stays.
     timeout = max(30.0, deadline - time.time() + 30 + spec.get("run_reserve_s", 0.0))
     t = time.perf_counter()
@@ -507,28 +599,55 @@ def derive(res: dict) -> None:
                 continue
             if rate:
                 r["mfu_vs_matmul"] = r["tflops_per_device"] * 1e12 / rate
-            base = {p: next((x for x in runs if x["model"] == r["model"] and x["preset"] == p and x.get("status") == "ok"), None) for p in ("none", "full")}
+            base = {
+                p: next(
+                    (x for x in runs if x["model"] == r["model"] and x["preset"] == p and x.get("status") == "ok"), None
+                )
+                for p in ("none", "full")
+            }
             for p, b in base.items():
                 if b:
                     r[f"ratio_to_{p}"] = r["median_step_s"] / b["median_step_s"]
             tb = r.get("transfer") or {}
             if link and tb.get("to_host_bytes"):
-                t_xfer = tb["to_host_bytes"] / (link["d2h_gbps"] * 1e9) + tb["from_host_bytes"] / (link["h2d_gbps"] * 1e9)
+                t_xfer = tb["to_host_bytes"] / (link["d2h_gbps"] * 1e9) + tb["from_host_bytes"] / (
+                    link["h2d_gbps"] * 1e9
+                )
                 r["transfer_time_s"] = t_xfer
                 if base["none"]:
                     r["exposed_fraction_vs_none"] = (r["median_step_s"] - base["none"]["median_step_s"]) / t_xfer
     targets = {}
     dflt = res.get("groups", {}).get("default", {}).get("runs", [])
-    llama_none = next((r for r in dflt if r["model"] == "llama" and r["preset"] == "none" and r.get("status") == "ok"), None)
+    llama_none = next(
+        (r for r in dflt if r["model"] == "llama" and r["preset"] == "none" and r.get("status") == "ok"), None
+    )
     if llama_none and "mfu_vs_matmul" in llama_none:
-        targets["llama_none_mfu_vs_matmul"] = {"value": llama_none["mfu_vs_matmul"], "target": 0.5, "met": llama_none["mfu_vs_matmul"] >= 0.5}
+        targets["llama_none_mfu_vs_matmul"] = {
+            "value": llama_none["mfu_vs_matmul"],
+            "target": 0.5,
+            "met": llama_none["mfu_vs_matmul"] >= 0.5,
+        }
     checks = []
     for gname, g in res.get("groups", {}).items():
         for r in g.get("runs", []):
             if r.get("status") == "ok" and r["preset"] in OFFLOAD_PRESET.values() and "ratio_to_full" in r:
-                planner = next((x.get("planner") for x in dflt if x["model"] == r["model"] and x["preset"] == r["preset"]), None) or {}
-                checks.append({"group": gname, "model": r["model"], "preset": r["preset"], "planner_hides": planner.get("hides"),
-                               "ratio_to_full": r["ratio_to_full"], "faster_than_full": r["ratio_to_full"] < 1.0})
+                planner = (
+                    next(
+                        (x.get("planner") for x in dflt if x["model"] == r["model"] and x["preset"] == r["preset"]),
+                        None,
+                    )
+                    or {}
+                )
+                checks.append(
+                    {
+                        "group": gname,
+                        "model": r["model"],
+                        "preset": r["preset"],
+                        "planner_hides": planner.get("hides"),
+                        "ratio_to_full": r["ratio_to_full"],
+                        "faster_than_full": r["ratio_to_full"] < 1.0,
+                    }
+                )
     targets["offload_vs_full"] = checks
     probes = (res.get("probe") or {}).get("probes", [])
     fit = []
@@ -541,8 +660,20 @@ def derive(res: dict) -> None:
                 continue
             b = p.get("largest_batch_run") or p.get("predicted_max_batch")
             if b and nb:
-                fit.append({"model": key, "preset": preset, "largest_batch": b, "none_largest_batch": nb, "fits_where_none_does_not": b > nb,
-                            "verified": bool(p.get("largest_batch_run") and none.get("largest_batch_run") and (none.get("runs") or {}).get(str(nb + 1)) == "oom")})
+                fit.append(
+                    {
+                        "model": key,
+                        "preset": preset,
+                        "largest_batch": b,
+                        "none_largest_batch": nb,
+                        "fits_where_none_does_not": b > nb,
+                        "verified": bool(
+                            p.get("largest_batch_run")
+                            and none.get("largest_batch_run")
+                            and (none.get("runs") or {}).get(str(nb + 1)) == "oom"
+                        ),
+                    }
+                )
     targets["fits_where_none_does_not"] = fit
     res["targets"] = targets
 
@@ -551,12 +682,16 @@ def markdown(res: dict) -> str:
     hw = res.get("hw") or {}
     lines = []
     if hw.get("link"):
-        lines.append(f"host link (pinned, {hw['link']['transfer_mb']:g} MB): host->device {hw['link']['h2d_gbps']:.2f} GB/s, "
-                     f"device->host {hw['link']['d2h_gbps']:.2f} GB/s; matmul {hw['matmul']['n']}^3 {hw['matmul']['dtype']}: "
-                     f"{hw['matmul']['flops_per_s'] / 1e12:.2f} TFLOP/s")
+        lines.append(
+            f"host link (pinned, {hw['link']['transfer_mb']:g} MB): host->device {hw['link']['h2d_gbps']:.2f} GB/s, "
+            f"device->host {hw['link']['d2h_gbps']:.2f} GB/s; matmul {hw['matmul']['n']}^3 {hw['matmul']['dtype']}: "
+            f"{hw['matmul']['flops_per_s'] / 1e12:.2f} TFLOP/s"
+        )
         lines.append("")
-    lines += ["| group | model | preset | status | step (ms) | TFLOP/s/dev | MFU vs matmul | / none | / full | compiled peak (GiB) | host temp (GiB) | measured peak (GiB) | to host / step (GB) | exposed | planner step (ms) | planner peak (GiB) | planner hides |",
-              "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines += [
+        "| group | model | preset | status | step (ms) | TFLOP/s/dev | MFU vs matmul | / none | / full | compiled peak (GiB) | host temp (GiB) | measured peak (GiB) | to host / step (GB) | exposed | planner step (ms) | planner peak (GiB) | planner hides |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
 
     def f(x, spec, scale=1.0):
         return "-" if x is None else format(x * scale, spec)
@@ -574,10 +709,16 @@ def markdown(res: dict) -> str:
             )
     probes = (res.get("probe") or {}).get("probes", [])
     if probes:
-        lines += ["", "| model | preset | bytes/sequence (GiB) | predicted largest batch | runs | largest batch run |", "|---|---|---:|---:|---|---:|"]
+        lines += [
+            "",
+            "| model | preset | bytes/sequence (GiB) | predicted largest batch | runs | largest batch run |",
+            "|---|---|---:|---:|---|---:|",
+        ]
         for p in probes:
             runs = ", ".join(f"{b}: {v}" for b, v in (p.get("runs") or {}).items()) or "-"
-            lines.append(f"| {p['model']} | {p['preset']} | {f(p.get('bytes_per_sequence'), '.3f', 2**-30)} | {p.get('predicted_max_batch', '-')} | {runs} | {p.get('largest_batch_run', '-')} |")
+            lines.append(
+                f"| {p['model']} | {p['preset']} | {f(p.get('bytes_per_sequence'), '.3f', 2**-30)} | {p.get('predicted_max_batch', '-')} | {runs} | {p.get('largest_batch_run', '-')} |"
+            )
     return "\n".join(lines)
 
 
@@ -593,7 +734,9 @@ def plot(res: dict, path: pathlib.Path) -> None:
         return
     fig, axes = plt.subplots(2, len(models), figsize=(7 * len(models), 8), squeeze=False)
     for j, key in enumerate(models):
-        presets = list(dict.fromkeys(r["preset"] for g in res["groups"].values() for r in g.get("runs", []) if r["model"] == key))
+        presets = list(
+            dict.fromkeys(r["preset"] for g in res["groups"].values() for r in g.get("runs", []) if r["model"] == key)
+        )
         ax = axes[0][j]
         width = 0.8 / max(1, len(groups))
         for i, gname in enumerate(groups):
@@ -618,14 +761,24 @@ def plot(res: dict, path: pathlib.Path) -> None:
         for x, p in enumerate(presets):
             b = (probes.get(p) or {}).get("largest_batch_run") or (probes.get(p) or {}).get("predicted_max_batch")
             if b:
-                ax.annotate(f"max batch {b}", (x, max(est[x], meas[x]) / 2**30), ha="center", fontsize=7, xytext=(0, 3), textcoords="offset points")
+                ax.annotate(
+                    f"max batch {b}",
+                    (x, max(est[x], meas[x]) / 2**30),
+                    ha="center",
+                    fontsize=7,
+                    xytext=(0, 3),
+                    textcoords="offset points",
+                )
         ax.set_xticks(range(len(presets)))
         ax.set_xticklabels(presets, rotation=20, fontsize=8)
         ax.set_ylabel("GiB (default group, timing batch)")
         ax.set_title(f"{key}: device memory; largest batch per policy", fontsize=9)
         ax.legend(fontsize=7)
     env = (res.get("hw") or {}).get("env") or {}
-    fig.suptitle(f"bench/gpu.py{' --toy' if res.get('toy') else ''}, {env.get('date_utc', '')}, {(env.get('device') or {}).get('kind', '')}", fontsize=9)
+    fig.suptitle(
+        f"bench/gpu.py{' --toy' if res.get('toy') else ''}, {env.get('date_utc', '')}, {(env.get('device') or {}).get('kind', '')}",
+        fontsize=9,
+    )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -635,35 +788,81 @@ def plot(res: dict, path: pathlib.Path) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--toy", action="store_true", help="tiny models: a CPU smoke test of the whole pipeline")
-    ap.add_argument("--scale", action="store_true", help="the 405B and 671B runs cut to one device, every preset (see SCALE)")
-    ap.add_argument("--render", default=None,
-                    help="print the tables of recorded runs (a --out JSON, or a record of several: docs/gpu_h200.json); nothing runs")
-    ap.add_argument("--run-reserve-s", type=float, default=None,
-                    help="seconds the runs of a group may take past the budget once its steps are compiled (default 60; toy 0)")
-    ap.add_argument("--jax-config", action="append", default=[], metavar="NAME=true|false",
-                    help="a boolean jax.config option set in every child before anything traces (repeatable)")
-    ap.add_argument("--hw-json", default=None, help="take the hw part from this earlier --out instead of measuring it again")
+    ap.add_argument(
+        "--scale", action="store_true", help="the 405B and 671B runs cut to one device, every preset (see SCALE)"
+    )
+    ap.add_argument(
+        "--render",
+        default=None,
+        help="print the tables of recorded runs (a --out JSON, or a record of several: docs/gpu_h200.json); nothing runs",
+    )
+    ap.add_argument(
+        "--run-reserve-s",
+        type=float,
+        default=None,
+        help="seconds the runs of a group may take past the budget once its steps are compiled (default 60; toy 0)",
+    )
+    ap.add_argument(
+        "--jax-config",
+        action="append",
+        default=[],
+        metavar="NAME=true|false",
+        help="a boolean jax.config option set in every child before anything traces (repeatable)",
+    )
+    ap.add_argument(
+        "--hw-json", default=None, help="take the hw part from this earlier --out instead of measuring it again"
+    )
     ap.add_argument("--workdir", default=None, help="the children's specs and results (default: beside --out)")
     ap.add_argument("--out", default="bench_gpu.json")
     ap.add_argument("--plot", default=None)
     ap.add_argument("--md", default=None, help="also write the markdown tables here")
     ap.add_argument("--models", default=None, help="comma list of llama,dsv3")
-    ap.add_argument("--presets", default=None, help=f"comma list; 'offload' is the family's offload preset (default {','.join(PRESETS)})")
+    ap.add_argument(
+        "--presets",
+        default=None,
+        help=f"comma list; 'offload' is the family's offload preset (default {','.join(PRESETS)})",
+    )
     ap.add_argument("--groups", default=None, help=f"comma list of conf/xla groups (default {','.join(GROUPS)})")
     ap.add_argument("--probe-presets", default=None, help="presets whose largest batch is probed (default: --presets)")
     ap.add_argument("--no-probe", action="store_true")
-    ap.add_argument("--probe-runs", action="store_true", help="run the predicted batches even where the backend reports no memory limit (CPU: tests)")
+    ap.add_argument(
+        "--probe-runs",
+        action="store_true",
+        help="run the predicted batches even where the backend reports no memory limit (CPU: tests)",
+    )
     ap.add_argument("--batch", type=int, default=None)
     ap.add_argument("--seq", type=int, default=None)
     ap.add_argument("--steps", type=int, default=None)
-    ap.add_argument("--budget-s", type=float, default=None, help="stop starting runs after this many seconds (default 420; toy 900)")
-    ap.add_argument("--memory-limit-gb", type=float, default=None, help="the memory limit for the largest-batch prediction (default: the device's)")
+    ap.add_argument(
+        "--budget-s", type=float, default=None, help="stop starting runs after this many seconds (default 420; toy 900)"
+    )
+    ap.add_argument(
+        "--memory-limit-gb",
+        type=float,
+        default=None,
+        help="the memory limit for the largest-batch prediction (default: the device's)",
+    )
     ap.add_argument("--workers", type=int, default=None, help="compile threads (default min(8, cores))")
-    ap.add_argument("--plan-only", action="store_true",
-                    help="no runs: zoo.tools.plan's estimate of every (model, preset) at --link-gbps and --matmul-tflops, in this process (CPU is fine)")
-    ap.add_argument("--link-gbps", type=float, default=64.0, help="with --plan-only: host link GB/s per direction (default 64, PCIe Gen5)")
-    ap.add_argument("--matmul-tflops", type=float, default=None, help="with --plan-only: matmul rate (default: h200_pcie peak x 0.5)")
-    ap.add_argument("--hbm-gb", type=float, default=139.0, help="with --plan-only: device memory (default 139, an H200's usable)")
+    ap.add_argument(
+        "--plan-only",
+        action="store_true",
+        help="no runs: zoo.tools.plan's estimate of every (model, preset) at --link-gbps and --matmul-tflops, in this process (CPU is fine)",
+    )
+    ap.add_argument(
+        "--link-gbps",
+        type=float,
+        default=64.0,
+        help="with --plan-only: host link GB/s per direction (default 64, PCIe Gen5)",
+    )
+    ap.add_argument(
+        "--matmul-tflops",
+        type=float,
+        default=None,
+        help="with --plan-only: matmul rate (default: h200_pcie peak x 0.5)",
+    )
+    ap.add_argument(
+        "--hbm-gb", type=float, default=139.0, help="with --plan-only: device memory (default 139, an H200's usable)"
+    )
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--spec", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--result", default=None, help=argparse.SUPPRESS)
@@ -705,10 +904,19 @@ def main(argv=None) -> int:
     for g in groups:
         C.xla_group_flags(g)  # a bad group name fails here, before anything starts
     spec = {
-        "models": base["models"], "model_keys": model_keys, "presets": presets,
-        "batch": args.batch or base["batch"], "seq": args.seq or base["seq"], "steps": args.steps or base["steps"], "warmup": base["warmup"],
-        "transfer_mb": base["transfer_mb"], "matmul_n": base["matmul_n"], "matmul_dtype": base["matmul_dtype"], "fast_compile": base["fast_compile"],
-        "workers": args.workers or min(8, os.cpu_count() or 1), "deadline": deadline,
+        "models": base["models"],
+        "model_keys": model_keys,
+        "presets": presets,
+        "batch": args.batch or base["batch"],
+        "seq": args.seq or base["seq"],
+        "steps": args.steps or base["steps"],
+        "warmup": base["warmup"],
+        "transfer_mb": base["transfer_mb"],
+        "matmul_n": base["matmul_n"],
+        "matmul_dtype": base["matmul_dtype"],
+        "fast_compile": base["fast_compile"],
+        "workers": args.workers or min(8, os.cpu_count() or 1),
+        "deadline": deadline,
         "memory_limit_bytes": int(args.memory_limit_gb * 1e9) if args.memory_limit_gb else None,
         "probe_runs": args.probe_runs,
         "run_reserve_s": args.run_reserve_s if args.run_reserve_s is not None else (0.0 if args.toy else 60.0),
@@ -717,19 +925,36 @@ def main(argv=None) -> int:
     if args.scale:
         spec["planner_presets"] = ["none", "full", *OFFLOAD_PRESET.values()]
     dropped: list[str] = []
-    res = {"schema": SCHEMA, "command": " ".join(["python", "bench/gpu.py", *(argv if argv is not None else sys.argv[1:])]), "toy": args.toy,
-           "scale": args.scale, "spec": {k: v for k, v in spec.items() if k != "deadline"}, "budget_s": budget, "groups": {},
-           "dropped_xla_flags": dropped}
+    res = {
+        "schema": SCHEMA,
+        "command": " ".join(["python", "bench/gpu.py", *(argv if argv is not None else sys.argv[1:])]),
+        "toy": args.toy,
+        "scale": args.scale,
+        "spec": {k: v for k, v in spec.items() if k != "deadline"},
+        "budget_s": budget,
+        "groups": {},
+        "dropped_xla_flags": dropped,
+    }
     out = pathlib.Path(args.out)
     workdir = pathlib.Path(args.workdir) if args.workdir else out.parent / (out.stem + "_work")
     workdir.mkdir(parents=True, exist_ok=True)
     env_flags = os.environ.get("XLA_FLAGS", "")
-    common_env = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "XLA_PYTHON_CLIENT_MEM_FRACTION": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95"),
-                  "PYTHONUNBUFFERED": "1", "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB": os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", HOST_POOL_GIB)}
+    common_env = {
+        "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+        "XLA_PYTHON_CLIENT_MEM_FRACTION": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95"),
+        "PYTHONUNBUFFERED": "1",
+        "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB": os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", HOST_POOL_GIB),
+    }
 
-    log(f"bench/gpu.py{' --toy' if args.toy else ''}{' --scale' if args.scale else ''}: models {model_keys}, presets {presets}, groups {groups}, "
-        f"budget {budget:.0f}s")
-    earlier = json.loads(pathlib.Path(args.hw_json).read_text()).get("hw") if args.hw_json and pathlib.Path(args.hw_json).exists() else None
+    log(
+        f"bench/gpu.py{' --toy' if args.toy else ''}{' --scale' if args.scale else ''}: models {model_keys}, presets {presets}, groups {groups}, "
+        f"budget {budget:.0f}s"
+    )
+    earlier = (
+        json.loads(pathlib.Path(args.hw_json).read_text()).get("hw")
+        if args.hw_json and pathlib.Path(args.hw_json).exists()
+        else None
+    )
     if earlier and earlier.get("link"):
         res["hw"] = earlier
     else:
@@ -746,7 +971,13 @@ def main(argv=None) -> int:
             res["groups"][g] = {"status": "skipped", "reason": "budget", "runs": []}
             continue
         gspec = dict(spec, group=g, planner=(g == "default" or (args.scale and i == 0)))
-        res["groups"][g] = run_child("group", gspec, workdir, deadline, {**common_env, "XLA_FLAGS": merged_flags(env_flags, C.xla_group_flags(g), dropped)})
+        res["groups"][g] = run_child(
+            "group",
+            gspec,
+            workdir,
+            deadline,
+            {**common_env, "XLA_FLAGS": merged_flags(env_flags, C.xla_group_flags(g), dropped)},
+        )
         if dropped:
             log(f"flags the installed jaxlib does not know, left out: {' '.join(dropped)}")
         derive(res)
@@ -771,7 +1002,10 @@ def _jax_config(items: list[str]) -> dict:
     for item in items:
         name, _, value = item.partition("=")
         if not name.startswith("jax_") or value not in ("true", "false"):
-            print(f"error: --jax-config {item}: give NAME=true or NAME=false, NAME a jax.config option (jax_...)", file=sys.stderr)
+            print(
+                f"error: --jax-config {item}: give NAME=true or NAME=false, NAME a jax.config option (jax_...)",
+                file=sys.stderr,
+            )
             raise SystemExit(2)
         out[name] = value == "true"
     return out
@@ -800,22 +1034,35 @@ def plan_only(args) -> int:
 
     base = TOY if args.toy else REAL
     rate = (args.matmul_tflops or 835.5 * 0.5) * 1e12
-    hw = HardwareConfig(name="plan_only", peak_flops=rate, matmul_flops=rate, hbm_bytes=int(args.hbm_gb * 1e9), host_link_gbps=args.link_gbps)
+    hw = HardwareConfig(
+        name="plan_only",
+        peak_flops=rate,
+        matmul_flops=rate,
+        hbm_bytes=int(args.hbm_gb * 1e9),
+        host_link_gbps=args.link_gbps,
+    )
     batch, seq = args.batch or base["batch"], args.seq or base["seq"]
-    print(f"zoo.tools.plan estimates at {rate / 1e12:.0f} TFLOP/s, host link {args.link_gbps:g} GB/s per direction, HBM {args.hbm_gb:g} GB; batch {batch} x {seq}")
-    print("| model | preset | estimated step (ms) | compute | recompute | exposed transfers | state transfers | HBM peak (GB) | on host (GB) | offload hides |")
+    print(
+        f"zoo.tools.plan estimates at {rate / 1e12:.0f} TFLOP/s, host link {args.link_gbps:g} GB/s per direction, HBM {args.hbm_gb:g} GB; batch {batch} x {seq}"
+    )
+    print(
+        "| model | preset | estimated step (ms) | compute | recompute | exposed transfers | state transfers | HBM peak (GB) | on host (GB) | offload hides |"
+    )
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
     keys = args.models.split(",") if args.models else list(base["models"])
     for key in keys:
         name, changes = base["models"][key]
         model = C.bench_model(name, **changes)
-        for p in (args.presets.split(",") if args.presets else PRESETS):
+        for p in args.presets.split(",") if args.presets else PRESETS:
             preset = preset_name(key, p)
             c = C.train_config(model, [preset], batch, seq, hardware=hw)
             e = C.planner_estimate(c, C.make_trainer(c, jax.devices()[:1]), args.hbm_gb * 1e9)
-            print(f"| {key} ({name}) | {preset} | {e['time_s'] * 1e3:.1f} | {e['compute_s'] * 1e3:.1f} | {e['recompute_s'] * 1e3:.1f} | "
-                  f"{e['exposed_transfer_s'] * 1e3:.1f} | {e['state_transfer_s'] * 1e3:.1f} | {e['peak_bytes'] / 1e9:.1f} | {e['host_tag_bytes'] / 1e9:.2f} | "
-                  f"{'yes' if e['hides'] else '-'} |", flush=True)
+            print(
+                f"| {key} ({name}) | {preset} | {e['time_s'] * 1e3:.1f} | {e['compute_s'] * 1e3:.1f} | {e['recompute_s'] * 1e3:.1f} | "
+                f"{e['exposed_transfer_s'] * 1e3:.1f} | {e['state_transfer_s'] * 1e3:.1f} | {e['peak_bytes'] / 1e9:.1f} | {e['host_tag_bytes'] / 1e9:.2f} | "
+                f"{'yes' if e['hides'] else '-'} |",
+                flush=True,
+            )
     return 0
 
 
@@ -825,8 +1072,16 @@ def _probe(args, spec, res, workdir, deadline, common_env, env_flags, out) -> No
     if time.time() > deadline - 120:
         res["probe"] = {"status": "skipped", "reason": "budget"}
         return
-    pspec = dict(spec, presets=args.probe_presets.split(",") if args.probe_presets else spec["presets"], group="default")
-    res["probe"] = run_child("probe", pspec, workdir, deadline, {**common_env, "XLA_FLAGS": merged_flags(env_flags, C.xla_group_flags("default"), res["dropped_xla_flags"])})
+    pspec = dict(
+        spec, presets=args.probe_presets.split(",") if args.probe_presets else spec["presets"], group="default"
+    )
+    res["probe"] = run_child(
+        "probe",
+        pspec,
+        workdir,
+        deadline,
+        {**common_env, "XLA_FLAGS": merged_flags(env_flags, C.xla_group_flags("default"), res["dropped_xla_flags"])},
+    )
     derive(res)
     C.write_json(out, res)
 

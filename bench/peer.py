@@ -40,8 +40,14 @@ def zoo_model(d: dict):
     from bench.common import bench_model
 
     return bench_model(
-        "llama_tiny_a", vocab_size=d["vocab"], hidden_size=d["hidden"], num_layers=d["layers"], num_heads=d["heads"],
-        num_kv_heads=d["kv_heads"], head_dim=d["head_dim"], intermediate_size=d["mlp"],
+        "llama_tiny_a",
+        vocab_size=d["vocab"],
+        hidden_size=d["hidden"],
+        num_layers=d["layers"],
+        num_heads=d["heads"],
+        num_kv_heads=d["kv_heads"],
+        head_dim=d["head_dim"],
+        intermediate_size=d["mlp"],
         max_position_embeddings=max(512, d["seq"]),
     )
 
@@ -97,13 +103,25 @@ def zoo_one(config: str, remat: str, steps: int, json_path=None) -> dict:
         print(f"step {i + 1}/{steps} loss {loss:.4f} {times[-1] * 1e3:.1f} ms", flush=True)
     timed = times[2:] if len(times) > 2 else times
     rec = {
-        "system": "zoo", "config": config, "remat": remat, "steps": steps, "step_times_s": times, "losses": losses,
-        "median_step_s_3_to_end": statistics.median(timed), "compile_s": compile_s,
-        "cpu_fast_compile": tr.cfg.xla.cpu_fast_compile, "compiler_options": tr.compiler_options,
-        "xla_flags": os.environ.get("XLA_FLAGS", ""), "jax": jax.__version__, "host_memory": huge_pages.describe(),
+        "system": "zoo",
+        "config": config,
+        "remat": remat,
+        "steps": steps,
+        "step_times_s": times,
+        "losses": losses,
+        "median_step_s_3_to_end": statistics.median(timed),
+        "compile_s": compile_s,
+        "cpu_fast_compile": tr.cfg.xla.cpu_fast_compile,
+        "compiler_options": tr.compiler_options,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "jax": jax.__version__,
+        "host_memory": huge_pages.describe(),
     }
-    print(f"zoo {remat}: median step (steps 3..{steps}) {rec['median_step_s_3_to_end'] * 1e3:.1f} ms, compile {compile_s:.1f}s, "
-          f"loss {losses[0]:.4f} -> {losses[-1]:.4f}", flush=True)
+    print(
+        f"zoo {remat}: median step (steps 3..{steps}) {rec['median_step_s_3_to_end'] * 1e3:.1f} ms, compile {compile_s:.1f}s, "
+        f"loss {losses[0]:.4f} -> {losses[-1]:.4f}",
+        flush=True,
+    )
     if json_path:
         Path(json_path).write_text(json.dumps(rec, indent=1))
     return rec
@@ -130,8 +148,14 @@ def _run(cmd: list, log, env=None, name=None) -> dict:
     rec = json.loads(Path(out).read_text())
     os.unlink(out)
     rec["process_s"] = time.perf_counter() - t
-    log(f"    {name or rec['system']}: " + (f"{rec['flops_per_s'] / 1e9:.1f} GFLOP/s" if rec["system"] == "matmul" else
-                                  f"{rec['median_step_s_3_to_end'] * 1e3:.0f} ms/step ({rec['process_s']:.0f}s process)"))
+    log(
+        f"    {name or rec['system']}: "
+        + (
+            f"{rec['flops_per_s'] / 1e9:.1f} GFLOP/s"
+            if rec["system"] == "matmul"
+            else f"{rec['median_step_s_3_to_end'] * 1e3:.0f} ms/step ({rec['process_s']:.0f}s process)"
+        )
+    )
     return rec
 
 
@@ -140,7 +164,8 @@ def table(results: dict) -> str:
     thp = all("torch_huge_pages_ms" in r for r in results.values())
     extra_head, extra_rule = (" torch eager step, huge pages | Zoo / that |", "---:|---:|") if thp else ("", "")
     lines = [
-        "| config | remat | Zoo step | torch eager step | Zoo / torch (median of rounds) | per round |" + extra_head
+        "| config | remat | Zoo step | torch eager step | Zoo / torch (median of rounds) | per round |"
+        + extra_head
         + " Zoo of matmul rate | torch of matmul rate | matmul rate |",
         "|---|---|---:|---:|---:|---|" + extra_rule + "---:|---:|---:|",
     ]
@@ -167,8 +192,11 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--out", default=None, help="JSON results")
     ap.add_argument("--md", default=None, help="the markdown table")
-    ap.add_argument("--torch-huge-pages", action="store_true",
-                    help="also run torch with Zoo's host-memory setting (GLIBC_TUNABLES=glibc.malloc.hugetlb=1), as a third system")
+    ap.add_argument(
+        "--torch-huge-pages",
+        action="store_true",
+        help="also run torch with Zoo's host-memory setting (GLIBC_TUNABLES=glibc.malloc.hugetlb=1), as a third system",
+    )
     a = ap.parse_args(argv)
     if a.zoo_one or a.matmul_one:
         from zoo.train.huge_pages import reexec_with_huge_pages
@@ -181,8 +209,11 @@ def main(argv=None) -> int:
         matmul_one(a.json)
         return 0
     if not a.torch_python or not Path(a.torch_python).exists():
-        print("error: --torch-python: give the python of an environment with torch and transformers; "
-              "python3 -m venv /tmp/torchpeer && /tmp/torchpeer/bin/pip install torch==2.13.0 transformers==5.24.0", file=sys.stderr)
+        print(
+            "error: --torch-python: give the python of an environment with torch and transformers; "
+            "python3 -m venv /tmp/torchpeer && /tmp/torchpeer/bin/pip install torch==2.13.0 transformers==5.24.0",
+            file=sys.stderr,
+        )
         return 2
 
     def log(msg):
@@ -191,7 +222,10 @@ def main(argv=None) -> int:
     keys = [(c, r) for c in a.configs.split(",") for r in a.remats.split(",")]
     for c, r in keys:
         if c not in CONFIGS or r not in REMATS:
-            print(f"error: --configs/--remats: {c}/{r} unknown; choose configs from {','.join(CONFIGS)} and remats from {','.join(REMATS)}", file=sys.stderr)
+            print(
+                f"error: --configs/--remats: {c}/{r} unknown; choose configs from {','.join(CONFIGS)} and remats from {','.join(REMATS)}",
+                file=sys.stderr,
+            )
             return 2
     from zoo.train.huge_pages import TUNABLE, child_environ
 
@@ -204,7 +238,9 @@ def main(argv=None) -> int:
             log(f"round {rnd + 1}/{a.rounds} {c} {r}")
             zoo = [sys.executable, "bench/peer.py", "--zoo-one", c, r, "--steps", str(a.steps)]
             torch = [a.torch_python, "bench/torch_llama_step.py", "--config", c, "--remat", r, "--steps", str(a.steps)]
-            runs = [("zoo", zoo, zoo_env), ("torch", torch, None), ("torch_huge_pages", torch, torch_env)][: len(systems)]
+            runs = [("zoo", zoo, zoo_env), ("torch", torch, None), ("torch_huge_pages", torch, torch_env)][
+                : len(systems)
+            ]
             rec = raw[f"{c}/{r}"]
             rec["matmul"].append(_run([sys.executable, "bench/peer.py", "--matmul-one"], log, zoo_env))
             for name, cmd, env in runs if rnd % 2 == 0 else runs[::-1]:
@@ -218,8 +254,12 @@ def main(argv=None) -> int:
         mm = [x["flops_per_s"] for x in rec["matmul"]]
         ratios = [a_ / b_ for a_, b_ in zip(z, t)]
         results[key] = {
-            "zoo_ms": statistics.median(z) * 1e3, "torch_ms": statistics.median(t) * 1e3, "ratio": statistics.median(ratios),
-            "ratios": ratios, "matmul_gflops": statistics.median(mm) / 1e9, "model_gflop_per_step": flops / 1e9,
+            "zoo_ms": statistics.median(z) * 1e3,
+            "torch_ms": statistics.median(t) * 1e3,
+            "ratio": statistics.median(ratios),
+            "ratios": ratios,
+            "matmul_gflops": statistics.median(mm) / 1e9,
+            "model_gflop_per_step": flops / 1e9,
             "zoo_fraction": statistics.median([flops / s / m for s, m in zip(z, mm)]),
             "torch_fraction": statistics.median([flops / s / m for s, m in zip(t, mm)]),
             "zoo_compile_s": statistics.median([x["compile_s"] for x in rec["zoo"]]),
@@ -236,8 +276,17 @@ def main(argv=None) -> int:
     if a.out:
         from bench.common import env_info, write_json
 
-        write_json(a.out, {"schema": "zoo.bench.peer/1", "env": env_info(), "rounds": a.rounds, "steps": a.steps,
-                           "results": results, "raw": raw})
+        write_json(
+            a.out,
+            {
+                "schema": "zoo.bench.peer/1",
+                "env": env_info(),
+                "rounds": a.rounds,
+                "steps": a.steps,
+                "results": results,
+                "raw": raw,
+            },
+        )
     return 0
 
 

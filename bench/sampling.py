@@ -30,10 +30,24 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-QWEN05 = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, intermediate_size=4864,
-              vocab_size=151936, rope_theta=1e6)
-SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
-             vocab_size=1024, rope_theta=1e6)
+QWEN05 = dict(
+    hidden_size=896,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    intermediate_size=4864,
+    vocab_size=151936,
+    rope_theta=1e6,
+)
+SMALL = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    vocab_size=1024,
+    rope_theta=1e6,
+)
 PROMPT = [785, 6722, 315, 9625, 374]  # "The capital of France is" in Qwen2.5's tokenizer
 
 
@@ -50,8 +64,15 @@ def build(directory: Path, small: bool) -> None:
 
     torch.manual_seed(0)
     sizes = SMALL if small else QWEN05
-    config = Qwen2Config(**{k: v for k, v in sizes.items() if k != "rope_theta"}, rope_parameters={"rope_type": "default", "rope_theta": sizes["rope_theta"]},
-                         tie_word_embeddings=True, max_position_embeddings=32768, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=0)
+    config = Qwen2Config(
+        **{k: v for k, v in sizes.items() if k != "rope_theta"},
+        rope_parameters={"rope_type": "default", "rope_theta": sizes["rope_theta"]},
+        tie_word_embeddings=True,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     Qwen2ForCausalLM(config).float().save_pretrained(directory)
 
 
@@ -81,7 +102,9 @@ def run_torch(directory: Path, tokens: int, reps: int, threads: int) -> dict:
     torch.set_num_threads(threads)
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     prompt = torch.tensor([[t % model.config.vocab_size for t in PROMPT]])
-    kw = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, use_cache=True, pad_token_id=0, eos_token_id=None)
+    kw = dict(
+        max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, use_cache=True, pad_token_id=0, eos_token_id=None
+    )
     with torch.inference_mode():
         start = time.perf_counter()
         model.generate(prompt, **kw)
@@ -89,7 +112,7 @@ def run_torch(directory: Path, tokens: int, reps: int, threads: int) -> dict:
         times, out = [], None
         for _ in range(reps):
             start = time.perf_counter()
-            out = model.generate(prompt, **kw)[0, prompt.shape[1]:].tolist()
+            out = model.generate(prompt, **kw)[0, prompt.shape[1] :].tolist()
             times.append(time.perf_counter() - start)
     return {"times": times, "tokens": out, "first_call_s": warm, "torch": torch.__version__}
 
@@ -121,8 +144,12 @@ def _spawn(python: str, args: list, log) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--cache-dir", help="where the checkpoint is written once and reused (default: a temporary directory)")
-    ap.add_argument("--small", action="store_true", help="a tiny config (hidden 64, 2 layers, vocab 1024): a ~30 s smoke run")
+    ap.add_argument(
+        "--cache-dir", help="where the checkpoint is written once and reused (default: a temporary directory)"
+    )
+    ap.add_argument(
+        "--small", action="store_true", help="a tiny config (hidden 64, 2 layers, vocab 1024): a ~30 s smoke run"
+    )
     ap.add_argument("--rounds", type=int, default=None, help="alternated Zoo / torch pairs (default 3, 1 with --small)")
     ap.add_argument("--tokens", type=int, default=32, help="new tokens per call")
     ap.add_argument("--reps", type=int, default=None, help="timed calls per run (default 3, 2 with --small)")
@@ -140,7 +167,10 @@ def main(argv=None) -> int:
             print(f"error: --{key}: must be >= 1, got {value}", file=sys.stderr)
             return 2
     if args.threads > len(os.sched_getaffinity(0)):
-        print(f"error: --threads: {args.threads} cores asked for, {len(os.sched_getaffinity(0))} available; give fewer", file=sys.stderr)
+        print(
+            f"error: --threads: {args.threads} cores asked for, {len(os.sched_getaffinity(0))} available; give fewer",
+            file=sys.stderr,
+        )
         return 2
     rounds = args.rounds or (1 if args.small else 3)
     reps = args.reps or (2 if args.small else 3)
@@ -149,7 +179,9 @@ def main(argv=None) -> int:
         print(message, file=sys.stderr, flush=True)
 
     with tempfile.TemporaryDirectory() as tmp:
-        directory = Path(args.cache_dir or tmp).expanduser() / ("qwen2.5-0.5b-shape-small" if args.small else "qwen2.5-0.5b-shape")
+        directory = Path(args.cache_dir or tmp).expanduser() / (
+            "qwen2.5-0.5b-shape-small" if args.small else "qwen2.5-0.5b-shape"
+        )
         common = ["--model", str(directory), "--threads", str(args.threads)]
         if not (directory / "config.json").is_file():
             log(f"writing the checkpoint to {directory}")
@@ -158,21 +190,38 @@ def main(argv=None) -> int:
         results = []
         for r in range(rounds):
             order = ("zoo", "torch") if r % 2 == 0 else ("torch", "zoo")
-            got = {name: _spawn(sys.executable if name == "zoo" else args.torch_python, ["--worker", name, *run], log) for name in order}
+            got = {
+                name: _spawn(sys.executable if name == "zoo" else args.torch_python, ["--worker", name, *run], log)
+                for name in order
+            }
             same = got["zoo"]["tokens"] == got["torch"]["tokens"]
             ratio = got["zoo"]["s_per_token"] / got["torch"]["s_per_token"]
-            results.append({"round": r + 1, "zoo": got["zoo"], "torch": got["torch"], "ratio": ratio, "same_tokens": same})
-            log(f"round {r + 1}: zoo {got['zoo']['s_per_token']:.4f} s/token, torch {got['torch']['s_per_token']:.4f} s/token, "
-                f"zoo/torch {ratio:.2f}, same tokens: {same}")
+            results.append(
+                {"round": r + 1, "zoo": got["zoo"], "torch": got["torch"], "ratio": ratio, "same_tokens": same}
+            )
+            log(
+                f"round {r + 1}: zoo {got['zoo']['s_per_token']:.4f} s/token, torch {got['torch']['s_per_token']:.4f} s/token, "
+                f"zoo/torch {ratio:.2f}, same tokens: {same}"
+            )
     ratios = [x["ratio"] for x in results]
     summary = {
-        "model": "small" if args.small else "qwen2.5-0.5b-shape", "tokens": args.tokens, "reps": reps, "rounds": rounds, "threads": args.threads,
-        "zoo_s_per_token": [x["zoo"]["s_per_token"] for x in results], "torch_s_per_token": [x["torch"]["s_per_token"] for x in results],
-        "ratios": ratios, "median_ratio": statistics.median(ratios), "same_tokens": all(x["same_tokens"] for x in results), "runs": results,
+        "model": "small" if args.small else "qwen2.5-0.5b-shape",
+        "tokens": args.tokens,
+        "reps": reps,
+        "rounds": rounds,
+        "threads": args.threads,
+        "zoo_s_per_token": [x["zoo"]["s_per_token"] for x in results],
+        "torch_s_per_token": [x["torch"]["s_per_token"] for x in results],
+        "ratios": ratios,
+        "median_ratio": statistics.median(ratios),
+        "same_tokens": all(x["same_tokens"] for x in results),
+        "runs": results,
     }
-    print(f"zoo/torch seconds per token, median of {rounds} round(s): {summary['median_ratio']:.2f} "
-          f"(zoo {statistics.median(summary['zoo_s_per_token']):.4f}, torch {statistics.median(summary['torch_s_per_token']):.4f}); "
-          f"same tokens: {summary['same_tokens']}")
+    print(
+        f"zoo/torch seconds per token, median of {rounds} round(s): {summary['median_ratio']:.2f} "
+        f"(zoo {statistics.median(summary['zoo_s_per_token']):.4f}, torch {statistics.median(summary['torch_s_per_token']):.4f}); "
+        f"same tokens: {summary['same_tokens']}"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1))
     if not summary["same_tokens"]:

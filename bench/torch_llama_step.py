@@ -27,11 +27,22 @@ CONFIGS = {
 def llama_config(d: dict) -> LlamaConfig:
     """transformers' config of the peer Llama `d` (one of CONFIGS): sdpa attention, untied head, no biases."""
     return LlamaConfig(
-        vocab_size=d["vocab"], hidden_size=d["hidden"], num_hidden_layers=d["layers"],
-        num_attention_heads=d["heads"], num_key_value_heads=d["kv_heads"], head_dim=d["head_dim"],
-        intermediate_size=d["mlp"], max_position_embeddings=max(512, d["seq"]), rms_norm_eps=1e-5,
-        rope_theta=10000.0, tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
-        hidden_act="silu", use_cache=False, attn_implementation="sdpa",
+        vocab_size=d["vocab"],
+        hidden_size=d["hidden"],
+        num_hidden_layers=d["layers"],
+        num_attention_heads=d["heads"],
+        num_key_value_heads=d["kv_heads"],
+        head_dim=d["head_dim"],
+        intermediate_size=d["mlp"],
+        max_position_embeddings=max(512, d["seq"]),
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        mlp_bias=False,
+        hidden_act="silu",
+        use_cache=False,
+        attn_implementation="sdpa",
     )
 
 
@@ -75,14 +86,26 @@ def main():
     n_emb = m.model.embed_tokens.weight.numel()
     timed = times[2:] if len(times) > 2 else times
     rec = {
-        "system": "torch", "config": a.config, "remat": a.remat, "steps": a.steps,
-        "step_times_s": times, "losses": losses, "median_step_s_3_to_end": statistics.median(timed),
-        "params": n, "params_embedding": n_emb, "threads": torch.get_num_threads(),
-        "torch": torch.__version__, "transformers": transformers.__version__,
-        "attn_implementation": m.config._attn_implementation, "dtype": str(next(m.parameters()).dtype),
+        "system": "torch",
+        "config": a.config,
+        "remat": a.remat,
+        "steps": a.steps,
+        "step_times_s": times,
+        "losses": losses,
+        "median_step_s_3_to_end": statistics.median(timed),
+        "params": n,
+        "params_embedding": n_emb,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "attn_implementation": m.config._attn_implementation,
+        "dtype": str(next(m.parameters()).dtype),
     }
-    print(f"torch eager {a.remat}: median step (steps 3..{a.steps}) {rec['median_step_s_3_to_end'] * 1e3:.1f} ms, "
-          f"params {n / 1e6:.2f}M, loss {losses[0]:.4f} -> {losses[-1]:.4f} (ln V = {math.log(d['vocab']):.3f})", flush=True)
+    print(
+        f"torch eager {a.remat}: median step (steps 3..{a.steps}) {rec['median_step_s_3_to_end'] * 1e3:.1f} ms, "
+        f"params {n / 1e6:.2f}M, loss {losses[0]:.4f} -> {losses[-1]:.4f} (ln V = {math.log(d['vocab']):.3f})",
+        flush=True,
+    )
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rec, f, indent=1)

@@ -36,7 +36,6 @@ not finish before --budget-s is skipped and recorded as skipped. No Hydra (bench
 import argparse
 import dataclasses
 import json
-import math
 import os
 import pathlib
 import statistics
@@ -55,31 +54,87 @@ PEAK_FLOPS = 1.97e14  # v5e bf16 datasheet (conf/hardware/tpu_v5e.yaml)
 SETUPS = {
     # llama_1b's layers at a long sequence, where recomputing attention costs more per byte than moving its
     # output over the link; at this batch `none` and `minimal` with the attention output kept do not fit.
-    "dense": {"model": ["llama_1b", {"num_layers": 4}], "batch": 3, "seq": 8192, "group": "tpu_host_offload",
-              "policies": ["none", "minimal:context=device", "minimal_context_offloaded", "minimal", "save_qkv_proj", "full",
-                           "llama_qkv_offload", "qkv_proj_offloaded"]},
+    "dense": {
+        "model": ["llama_1b", {"num_layers": 4}],
+        "batch": 3,
+        "seq": 8192,
+        "group": "tpu_host_offload",
+        "policies": [
+            "none",
+            "minimal:context=device",
+            "minimal_context_offloaded",
+            "minimal",
+            "save_qkv_proj",
+            "full",
+            "llama_qkv_offload",
+            "qkv_proj_offloaded",
+        ],
+    },
     # The same layers at 32768 positions in one row, where attention's share of the recompute is larger:
     # on the v5e none of these fits (XLA's temporaries 17.6 GB for `full`, 23.1 GB with the context offloaded).
-    "dense_32k": {"model": ["llama_1b", {"num_layers": 4}], "batch": 1, "seq": 32768, "group": "tpu_host_offload",
-                  "policies": ["minimal:context=device", "minimal_context_offloaded", "minimal", "save_qkv_proj", "full"]},
+    "dense_32k": {
+        "model": ["llama_1b", {"num_layers": 4}],
+        "batch": 1,
+        "seq": 32768,
+        "group": "tpu_host_offload",
+        "policies": ["minimal:context=device", "minimal_context_offloaded", "minimal", "save_qkv_proj", "full"],
+    },
     # A DeepSeek-V3-shaped MoE (MLA, 16 routed experts, dropless) likewise.
-    "moe": {"model": ["dsv3_100m", {}], "batch": 16, "seq": 4096, "group": "tpu_host_offload",
-            "policies": ["none", "minimal:context=device", "minimal_context_offloaded", "minimal", "save_qkv_proj", "full",
-                         "deepseek_mla_moe_offload"]},
+    "moe": {
+        "model": ["dsv3_100m", {}],
+        "batch": 16,
+        "seq": 4096,
+        "group": "tpu_host_offload",
+        "policies": [
+            "none",
+            "minimal:context=device",
+            "minimal_context_offloaded",
+            "minimal",
+            "save_qkv_proj",
+            "full",
+            "deepseek_mla_moe_offload",
+        ],
+    },
     # llama_1b's layers at 2048 where `none` fits: MFU of the unconstrained step with splash.
-    "mfu": {"model": ["llama_1b", {"num_layers": 4}], "batch": 6, "seq": 2048, "group": "tpu_host_offload",
-            "policies": ["none", "minimal", "full"]},
+    "mfu": {
+        "model": ["llama_1b", {"num_layers": 4}],
+        "batch": 6,
+        "seq": 2048,
+        "group": "tpu_host_offload",
+        "policies": ["none", "minimal", "full"],
+    },
     # The optimizer state on host against on device, where both fit.
-    "optimizer_host": {"model": ["llama_1b", {"num_layers": 4}], "batch": 8, "seq": 2048, "group": "tpu_host_offload",
-                       "policies": ["full", "full+optimizer_host", "minimal", "minimal+optimizer_host"]},
+    "optimizer_host": {
+        "model": ["llama_1b", {"num_layers": 4}],
+        "batch": 8,
+        "seq": 2048,
+        "group": "tpu_host_offload",
+        "policies": ["full", "full+optimizer_host", "minimal", "minimal+optimizer_host"],
+    },
     # dropless (the TPU's grouped matmul) against the capacity kernel.
-    "dropless": {"model": ["dsv3_100m", {}], "batch": 8, "seq": 2048, "group": "tpu_host_offload",
-                 "policies": ["none", "none@capacity", "minimal", "minimal@capacity"]},
+    "dropless": {
+        "model": ["dsv3_100m", {}],
+        "batch": 8,
+        "seq": 2048,
+        "group": "tpu_host_offload",
+        "policies": ["none", "none@capacity", "minimal", "minimal@capacity"],
+    },
 }
 TOY_SETUPS = {
-    "dense": {"model": ["llama_tiny_a", {}], "batch": 2, "seq": 128, "group": "default",
-              "policies": ["none", "minimal:context=device", "minimal_context_offloaded", "full", "full+optimizer_host"]},
-    "moe": {"model": ["dsv3_tiny_a", {}], "batch": 2, "seq": 128, "group": "default", "policies": ["minimal", "none@capacity"]},
+    "dense": {
+        "model": ["llama_tiny_a", {}],
+        "batch": 2,
+        "seq": 128,
+        "group": "default",
+        "policies": ["none", "minimal:context=device", "minimal_context_offloaded", "full", "full+optimizer_host"],
+    },
+    "moe": {
+        "model": ["dsv3_tiny_a", {}],
+        "batch": 2,
+        "seq": 128,
+        "group": "default",
+        "policies": ["minimal", "none@capacity"],
+    },
 }
 
 
@@ -115,7 +170,9 @@ def build(setup: dict, label: str, devices, hardware, toy: bool):
     o, moe = parse_policy(label)
     name, changes = setup["model"]
     model = C.bench_model(name, **changes, **({"moe_impl": moe} if moe else {}))
-    c = C.train_config(model, ["none"], setup["batch"], setup["seq"], hardware=hardware, xla_name=setup["group"], fast_compile=toy)
+    c = C.train_config(
+        model, ["none"], setup["batch"], setup["seq"], hardware=hardware, xla_name=setup["group"], fast_compile=toy
+    )
     c = dataclasses.replace(c, offload=o)
     return c, C.make_trainer(c, devices)
 
@@ -123,7 +180,9 @@ def build(setup: dict, label: str, devices, hardware, toy: bool):
 def _v5e_devices():
     from jax.experimental import topologies
 
-    return topologies.get_topology_desc(platform="tpu", topology_name="v5e:1x1", chips_per_host_bounds=(1, 1, 1)).devices
+    return topologies.get_topology_desc(
+        platform="tpu", topology_name="v5e:1x1", chips_per_host_bounds=(1, 1, 1)
+    ).devices
 
 
 # --- child: hardware -----------------------------------------------------------------------------
@@ -144,8 +203,10 @@ def child_hw(spec: dict) -> dict:
     h2d, d2h = measure_link(mb, repeats=3, device=dev)
     out["plain_link"] = {"h2d_gbps": h2d, "d2h_gbps": d2h}
     pl = out["program_link"]
-    log(f"hw: inside a program host->device {pl['to_device_gbps']:.2f} GB/s, device->host {pl['to_host_gbps']:.2f} GB/s, "
-        f"{100 * pl['overlap']['hidden_fraction']:.0f}% of a round trip hidden under matmuls; plain device_put {h2d:.2f} / {d2h:.2f} GB/s")
+    log(
+        f"hw: inside a program host->device {pl['to_device_gbps']:.2f} GB/s, device->host {pl['to_host_gbps']:.2f} GB/s, "
+        f"{100 * pl['overlap']['hidden_fraction']:.0f}% of a round trip hidden under matmuls; plain device_put {h2d:.2f} / {d2h:.2f} GB/s"
+    )
     stats = dev.memory_stats() or {}
     out["bytes_limit"] = int(stats["bytes_limit"]) if stats.get("bytes_limit") else None
     return out
@@ -161,9 +222,17 @@ def _hardware(spec: dict):
     rate = (hw.get("matmul") or {}).get("flops_per_s") or PEAK_FLOPS * 0.9
     link = hw.get("program_link") or {}
     to_dev, to_host = link.get("to_device_gbps") or 13.9, link.get("to_host_gbps") or 4.5
-    return HardwareConfig(name="measured", peak_flops=PEAK_FLOPS, matmul_flops=rate, hbm_bytes=int(spec.get("limit_bytes") or 16909336064),
-                          host_link_gbps=min(to_dev, to_host), host_to_device_gbps=to_dev, device_to_host_gbps=to_host,
-                          platform="cpu" if spec.get("toy") else "tpu", note="bench/tpu.py: measured in the hw step of the same run")
+    return HardwareConfig(
+        name="measured",
+        peak_flops=PEAK_FLOPS,
+        matmul_flops=rate,
+        hbm_bytes=int(spec.get("limit_bytes") or 16909336064),
+        host_link_gbps=min(to_dev, to_host),
+        host_to_device_gbps=to_dev,
+        device_to_host_gbps=to_host,
+        platform="cpu" if spec.get("toy") else "tpu",
+        note="bench/tpu.py: measured in the hw step of the same run",
+    )
 
 
 def _oom(e: BaseException) -> bool:
@@ -194,8 +263,12 @@ def child_setups(spec: dict, result_path: pathlib.Path) -> dict:
     devices = _v5e_devices() if aot else jax.devices()[:1]
     target = (lambda: lowering_for("tpu")) if aot else contextlib.nullcontext
     hardware = _hardware(spec)
-    res = {"xla_flags": os.environ.get("XLA_FLAGS", ""), "libtpu_init_args": os.environ.get("LIBTPU_INIT_ARGS", ""),
-           "env": C.env_info(None if aot else devices), "setups": {}}
+    res = {
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "libtpu_init_args": os.environ.get("LIBTPU_INIT_ARGS", ""),
+        "env": C.env_info(None if aot else devices),
+        "setups": {},
+    }
     for name in spec["setup_names"]:
         setup = spec["setups"][name]
         if time.time() > spec["deadline"] - 45:
@@ -214,21 +287,32 @@ def child_setups(spec: dict, result_path: pathlib.Path) -> dict:
                     continue
                 from zoo.offload import resolve
 
-                run.update(actions=resolve(c.offload, c.model), state=[c.offload.params, c.offload.opt_state],
-                           kept_device_bytes=kept["device_bytes"], offloaded_bytes=kept["host_bytes"] + kept["untagged_host_bytes"],
-                           recompute_only=recompute_only(c.offload), trace_s=secs["trace_s"] + secs["lower_s"],
-                           kernels={"attention": tr.plan.attention_impl, "moe": tr.plan.moe_impl})
+                run.update(
+                    actions=resolve(c.offload, c.model),
+                    state=[c.offload.params, c.offload.opt_state],
+                    kept_device_bytes=kept["device_bytes"],
+                    offloaded_bytes=kept["host_bytes"] + kept["untagged_host_bytes"],
+                    recompute_only=recompute_only(c.offload),
+                    trace_s=secs["trace_s"] + secs["lower_s"],
+                    kernels={"attention": tr.plan.attention_impl, "moe": tr.plan.moe_impl},
+                )
                 trainers[label], lowered[label] = tr, low
             t = time.perf_counter()
-            compiled = C.compile_many([(k, low, trainers[k].compiler_options) for k, low in lowered.items()], spec["workers"])
-            log(f"{name}: traced and compiled {len(lowered)} steps in {time.perf_counter() - t0:.1f}s ({time.perf_counter() - t:.1f}s compiling)")
+            compiled = C.compile_many(
+                [(k, low, trainers[k].compiler_options) for k, low in lowered.items()], spec["workers"]
+            )
+            log(
+                f"{name}: traced and compiled {len(lowered)} steps in {time.perf_counter() - t0:.1f}s ({time.perf_counter() - t:.1f}s compiling)"
+            )
             for label, (exe, secs) in compiled.items():
                 run = runs[label]
                 run["compile_s"] = secs
                 if isinstance(exe, Exception):
                     run.update(status="oom" if _oom(exe) else "error", error=_first_line(exe))
                     continue
-                run.update(status="compiled", compiled_memory=C.compiled_memory(exe), xla_flops_per_step=C.compiled_flops(exe))
+                run.update(
+                    status="compiled", compiled_memory=C.compiled_memory(exe), xla_flops_per_step=C.compiled_flops(exe)
+                )
                 try:
                     run["planner"] = C.planner_estimate(trainers[label].cfg, trainers[label], hardware.hbm_bytes)
                 except Exception as e:  # noqa: BLE001
@@ -295,10 +379,23 @@ def child_setups(spec: dict, result_path: pathlib.Path) -> dict:
             run = runs[label]
             step = statistics.median(ts)
             fl = flops_per_token(trainers[label].cfg.model, setup["seq"]) * tokens_per_step
-            run.update(status="ok", step_times_s=ts, median_step_s=step, tokens_per_s=tokens_per_step / step,
-                       tflops=fl / step / 1e12, mfu=fl / step / PEAK_FLOPS, process_peak_bytes=(mem or {}).get("peak_bytes_in_use"))
-            log(f"{name} {label}: {1e3 * step:.1f} ms/step, {fl / step / 1e12:.1f} TFLOP/s (MFU {100 * fl / step / PEAK_FLOPS:.1f}%)"
-                + (f", planner {1e3 * run['planner']['time_s']:.1f} ms" if "time_s" in (run.get("planner") or {}) else ""))
+            run.update(
+                status="ok",
+                step_times_s=ts,
+                median_step_s=step,
+                tokens_per_s=tokens_per_step / step,
+                tflops=fl / step / 1e12,
+                mfu=fl / step / PEAK_FLOPS,
+                process_peak_bytes=(mem or {}).get("peak_bytes_in_use"),
+            )
+            log(
+                f"{name} {label}: {1e3 * step:.1f} ms/step, {fl / step / 1e12:.1f} TFLOP/s (MFU {100 * fl / step / PEAK_FLOPS:.1f}%)"
+                + (
+                    f", planner {1e3 * run['planner']['time_s']:.1f} ms"
+                    if "time_s" in (run.get("planner") or {})
+                    else ""
+                )
+            )
         del states
         C.write_json(result_path, res)
     return res
@@ -334,7 +431,10 @@ def derive(res: dict) -> None:
             if r.get("recompute_only") or "actions" not in r:
                 continue
             kept = {t: ("device" if a == "offload" else a) for t, a in r["actions"].items()}
-            twin = next((j for j, q in runs.items() if q.get("actions") == kept and q.get("state") == ["device", "device"]), None)
+            twin = next(
+                (j for j, q in runs.items() if q.get("actions") == kept and q.get("state") == ["device", "device"]),
+                None,
+            )
             if twin is not None:
                 r["on_device_twin"] = twin
                 if runs[twin].get("median_step_s"):
@@ -353,7 +453,9 @@ def replan(res: dict, profile: str) -> None:
 
     fields = {f.name: f.type for f in dataclasses.fields(HardwareConfig)}
     raw = yaml.safe_load((ROOT / "conf" / "hardware" / f"{profile}.yaml").read_text())
-    hw = HardwareConfig(**{k: float(v) if isinstance(v, str) and "float" in str(fields[k]) else v for k, v in raw.items()})
+    hw = HardwareConfig(
+        **{k: float(v) if isinstance(v, str) and "float" in str(fields[k]) else v for k, v in raw.items()}
+    )
     for s in (res.get("setups") or {}).values():
         for label, r in (s.get("runs") or {}).items():
             if r.get("status") not in ("ok", "compiled"):
@@ -368,7 +470,16 @@ def run_child(kind: str, spec: dict, workdir: pathlib.Path, env_extra: dict, tim
     spec_path, result_path = workdir / f"{kind}_spec.json", workdir / f"{kind}_result.json"
     spec_path.write_text(json.dumps(spec))
     result_path.unlink(missing_ok=True)
-    cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), "--child", kind, "--spec", str(spec_path), "--result", str(result_path)]
+    cmd = [
+        sys.executable,
+        str(pathlib.Path(__file__).resolve()),
+        "--child",
+        kind,
+        "--spec",
+        str(spec_path),
+        "--result",
+        str(result_path),
+    ]
     t = time.perf_counter()
     try:
         rc = subprocess.run(cmd, env={**os.environ, **env_extra}, timeout=max(30.0, timeout)).returncode
@@ -388,30 +499,44 @@ def markdown(res: dict) -> str:
     hw = res.get("hw") or {}
     if hw.get("program_link"):
         pl = hw["program_link"]
-        lines.append(f"matmul {hw['matmul']['flops_per_s'] / 1e12:.1f} TFLOP/s; link inside a program: host->device "
-                     f"{pl['to_device_gbps']:.2f} GB/s, device->host {pl['to_host_gbps']:.2f} GB/s, "
-                     f"{100 * pl['overlap']['hidden_fraction']:.0f}% of a round trip hidden under matmuls; plain device_put "
-                     f"{hw['plain_link']['h2d_gbps']:.2f} / {hw['plain_link']['d2h_gbps']:.2f} GB/s\n")
+        lines.append(
+            f"matmul {hw['matmul']['flops_per_s'] / 1e12:.1f} TFLOP/s; link inside a program: host->device "
+            f"{pl['to_device_gbps']:.2f} GB/s, device->host {pl['to_host_gbps']:.2f} GB/s, "
+            f"{100 * pl['overlap']['hidden_fraction']:.0f}% of a round trip hidden under matmuls; plain device_put "
+            f"{hw['plain_link']['h2d_gbps']:.2f} / {hw['plain_link']['d2h_gbps']:.2f} GB/s\n"
+        )
     for name, s in (res.get("setups") or {}).items():
         if "runs" not in s:
             lines.append(f"**{name}**: {s.get('status')} ({s.get('reason', '')})\n")
             continue
         st = s["setup"]
-        lines.append(f"**{name}**: {st['model'][0]} {st['model'][1] or ''}, batch {st['batch']} x {st['seq']}, xla={st['group']}"
-                     + (f"; fastest {s['fastest']}, fastest recompute-only {s.get('fastest_recompute_only')}, ratio "
-                        f"{s.get('fastest_over_recompute_only', float('nan')):.3f}" if s.get("fastest") else ""))
+        lines.append(
+            f"**{name}**: {st['model'][0]} {st['model'][1] or ''}, batch {st['batch']} x {st['seq']}, xla={st['group']}"
+            + (
+                f"; fastest {s['fastest']}, fastest recompute-only {s.get('fastest_recompute_only')}, ratio "
+                f"{s.get('fastest_over_recompute_only', float('nan')):.3f}"
+                if s.get("fastest")
+                else ""
+            )
+        )
         lines.append("")
-        lines.append("| policy | status | step (ms) | TFLOP/s | MFU | XLA peak (GB) | offloaded (GB) | planner peak (GB) | planner step (ms) | compile (s) |")
+        lines.append(
+            "| policy | status | step (ms) | TFLOP/s | MFU | XLA peak (GB) | offloaded (GB) | planner peak (GB) | planner step (ms) | compile (s) |"
+        )
         lines.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         for label, r in s["runs"].items():
             p = r.get("planner") or {}
             lines.append(
-                f"| {label} | {r.get('status')} | {1e3 * r['median_step_s']:.1f} | {r['tflops']:.1f} | {100 * r['mfu']:.1f}% | " if r.get("median_step_s")
+                f"| {label} | {r.get('status')} | {1e3 * r['median_step_s']:.1f} | {r['tflops']:.1f} | {100 * r['mfu']:.1f}% | "
+                if r.get("median_step_s")
                 else f"| {label} | {r.get('status')} | - | - | - | "
             )
-            lines[-1] += (f"{_gb((r.get('compiled_memory') or {}).get('estimated_peak_bytes'))} | {_gb(r.get('offloaded_bytes'))} | "
-                          f"{_gb(p.get('peak_bytes'))} | {1e3 * p['time_s']:.1f} | " if p.get("time_s") else
-                          f"{_gb((r.get('compiled_memory') or {}).get('estimated_peak_bytes'))} | {_gb(r.get('offloaded_bytes'))} | - | - | ")
+            lines[-1] += (
+                f"{_gb((r.get('compiled_memory') or {}).get('estimated_peak_bytes'))} | {_gb(r.get('offloaded_bytes'))} | "
+                f"{_gb(p.get('peak_bytes'))} | {1e3 * p['time_s']:.1f} | "
+                if p.get("time_s")
+                else f"{_gb((r.get('compiled_memory') or {}).get('estimated_peak_bytes'))} | {_gb(r.get('offloaded_bytes'))} | - | - | "
+            )
             lines[-1] += f"{r.get('compile_s', 0):.1f} |"
         lines.append("")
     return "\n".join(lines)
@@ -430,8 +555,12 @@ def plot(res: dict, path: pathlib.Path) -> None:
     for ax, (name, s) in zip(axes[0], setups):
         labels = list(s["runs"])
         steps = [1e3 * (s["runs"][k].get("median_step_s") or 0) for k in labels]
-        colors = ["tab:gray" if s["runs"][k].get("status") != "ok" else ("tab:blue" if s["runs"][k].get("recompute_only") else "tab:orange")
-                  for k in labels]
+        colors = [
+            "tab:gray"
+            if s["runs"][k].get("status") != "ok"
+            else ("tab:blue" if s["runs"][k].get("recompute_only") else "tab:orange")
+            for k in labels
+        ]
         ax.bar(range(len(labels)), steps, color=colors)
         for x, k in enumerate(labels):
             r = s["runs"][k]
@@ -443,8 +572,11 @@ def plot(res: dict, path: pathlib.Path) -> None:
         ax.set_ylabel("step (ms); blue recompute-only, orange offload, gray did not run")
         st = s["setup"]
         ax.set_title(f"{name}: {st['model'][0]} {st['batch']}x{st['seq']}", fontsize=9)
-    env = ((res.get("hw") or {}).get("env") or {})
-    fig.suptitle(f"bench/tpu.py{' --toy' if res.get('toy') else ''} {env.get('date_utc', '')} {(env.get('device') or {}).get('kind', '')}", fontsize=9)
+    env = (res.get("hw") or {}).get("env") or {}
+    fig.suptitle(
+        f"bench/tpu.py{' --toy' if res.get('toy') else ''} {env.get('date_utc', '')} {(env.get('device') or {}).get('kind', '')}",
+        fontsize=9,
+    )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -454,7 +586,11 @@ def plot(res: dict, path: pathlib.Path) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--toy", action="store_true", help="tiny models on any backend: a smoke test of the whole pipeline")
-    ap.add_argument("--aot", action="store_true", help="compile the setups for a TPU v5e on this machine (libtpu, no TPU): memory only")
+    ap.add_argument(
+        "--aot",
+        action="store_true",
+        help="compile the setups for a TPU v5e on this machine (libtpu, no TPU): memory only",
+    )
     ap.add_argument("--setups", default=None, help=f"comma list of {', '.join(SETUPS)}")
     ap.add_argument("--batch", type=int, default=None, help="override every chosen setup's batch")
     ap.add_argument("--policies", default=None, help="override every chosen setup's policies (comma list)")
@@ -466,8 +602,12 @@ def main(argv=None) -> int:
     ap.add_argument("--plot", default=None)
     ap.add_argument("--md", default=None)
     ap.add_argument("--render", default=None, help="print the tables of a recorded --out JSON; nothing runs")
-    ap.add_argument("--replan", default=None, metavar="PROFILE",
-                    help="with --render: the planner's estimates again, from conf/hardware/PROFILE.yaml (e.g. tpu_v5e), on this machine")
+    ap.add_argument(
+        "--replan",
+        default=None,
+        metavar="PROFILE",
+        help="with --render: the planner's estimates again, from conf/hardware/PROFILE.yaml (e.g. tpu_v5e), on this machine",
+    )
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--spec", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--result", default=None, help=argparse.SUPPRESS)
@@ -505,14 +645,28 @@ def main(argv=None) -> int:
             s["batch"] = args.batch
         if args.policies:
             s["policies"] = args.policies.split(",")
-    spec = {"setups": setups, "toy": args.toy, "aot": args.aot, "rounds": args.rounds or (1 if args.toy else 3), "steps": args.steps or 2,
-            "workers": min(8, os.cpu_count() or 1), "deadline": t_start + args.budget_s, "matmul_n": 256 if args.toy else 8192,
-            "matmul_dtype": "bfloat16", "transfer_mb": 16.0 if args.toy else 512.0}
+    spec = {
+        "setups": setups,
+        "toy": args.toy,
+        "aot": args.aot,
+        "rounds": args.rounds or (1 if args.toy else 3),
+        "steps": args.steps or 2,
+        "workers": min(8, os.cpu_count() or 1),
+        "deadline": t_start + args.budget_s,
+        "matmul_n": 256 if args.toy else 8192,
+        "matmul_dtype": "bfloat16",
+        "transfer_mb": 16.0 if args.toy else 512.0,
+    }
     out = pathlib.Path(args.out)
     workdir = out.parent / (out.stem + "_work")
     workdir.mkdir(parents=True, exist_ok=True)
-    res = {"schema": SCHEMA, "command": " ".join(["python", "bench/tpu.py", *(argv if argv is not None else sys.argv[1:])]), "toy": args.toy,
-           "aot": args.aot, "setups": {}}
+    res = {
+        "schema": SCHEMA,
+        "command": " ".join(["python", "bench/tpu.py", *(argv if argv is not None else sys.argv[1:])]),
+        "toy": args.toy,
+        "aot": args.aot,
+        "setups": {},
+    }
     env = {"PYTHONUNBUFFERED": "1"}
     if args.aot:
         env["JAX_PLATFORMS"] = "cpu"  # the TPU is a topology here: nothing runs
@@ -529,10 +683,17 @@ def main(argv=None) -> int:
         extra = dict(env, XLA_FLAGS=" ".join([os.environ.get("XLA_FLAGS", ""), *flags]).strip())
         if tpu_flags and not args.toy:
             extra["LIBTPU_INIT_ARGS"] = " ".join([os.environ.get("LIBTPU_INIT_ARGS", ""), *tpu_flags]).strip()
-        got = run_child(f"setups_{g}", dict(spec, setup_names=mine), workdir, extra, t_start + args.budget_s + 60 - time.time())
+        got = run_child(
+            f"setups_{g}", dict(spec, setup_names=mine), workdir, extra, t_start + args.budget_s + 60 - time.time()
+        )
         for n in mine:
-            res["setups"][n] = (got.get("setups") or {}).get(n) or {"status": "lost", "reason": f"process {got.get('process')}"}
-        res.setdefault("processes", {})[g] = {k: got.get(k) for k in ("process", "xla_flags", "libtpu_init_args", "env")}
+            res["setups"][n] = (got.get("setups") or {}).get(n) or {
+                "status": "lost",
+                "reason": f"process {got.get('process')}",
+            }
+        res.setdefault("processes", {})[g] = {
+            k: got.get(k) for k in ("process", "xla_flags", "libtpu_init_args", "env")
+        }
         derive(res)
         C.write_json(out, res)
     res["wall_s"] = time.time() - t_start

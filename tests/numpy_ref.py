@@ -21,7 +21,12 @@ def rope_inv_freq(cfg: dict, dim: int) -> tuple[np.ndarray, float]:
     if kind == "default":
         return inv, 1.0
     if kind == "llama3":
-        factor, lo, hi, old = p["factor"], p["low_freq_factor"], p["high_freq_factor"], p["original_max_position_embeddings"]
+        factor, lo, hi, old = (
+            p["factor"],
+            p["low_freq_factor"],
+            p["high_freq_factor"],
+            p["original_max_position_embeddings"],
+        )
         out = []
         for f in inv:
             wavelen = 2 * math.pi / f
@@ -144,11 +149,14 @@ def forward(cfg: dict, weights: dict, tokens: np.ndarray) -> np.ndarray:
             if cfg.get("q_lora_rank") is None:
                 q = h @ w[a + "q_proj.weight"].T
             else:
-                q = _rms(h @ w[a + "q_a_proj.weight"].T, w[a + "q_a_layernorm.weight"], 1e-6) @ w[a + "q_b_proj.weight"].T
+                q = (
+                    _rms(h @ w[a + "q_a_proj.weight"].T, w[a + "q_a_layernorm.weight"], 1e-6)
+                    @ w[a + "q_b_proj.weight"].T
+                )
             q = q.reshape(b, t, heads, nope + rd).transpose(0, 2, 1, 3)
             kv = h @ w[a + "kv_a_proj_with_mqa.weight"].T
             latent, k_rot = kv[..., :kvl], kv[..., kvl:]
-            kvb = (_rms(latent, w[a + "kv_a_layernorm.weight"], 1e-6) @ w[a + "kv_b_proj.weight"].T)
+            kvb = _rms(latent, w[a + "kv_a_layernorm.weight"], 1e-6) @ w[a + "kv_b_proj.weight"].T
             kvb = kvb.reshape(b, t, heads, nope + vd).transpose(0, 2, 1, 3)
             k_nope, v = kvb[..., :nope], kvb[..., nope:]
             interleave = cfg.get("rope_interleave", True)

@@ -17,13 +17,31 @@ FULL, SLIDING = "full_attention", "sliding_attention"
 _DEFAULTS = {
     "llama": dict(rope_theta=10000.0, tie_word_embeddings=False),
     "qwen2": dict(rope_theta=10000.0, sliding_window=4096, max_window_layers=28, tie_word_embeddings=False),
-    "qwen3": dict(rope_theta=10000.0, sliding_window=4096, max_window_layers=28, head_dim=128, tie_word_embeddings=False),
-    "qwen3_moe": dict(rope_theta=10000.0, sliding_window=4096, norm_topk_prob=False, decoder_sparse_step=1, tie_word_embeddings=False),
+    "qwen3": dict(
+        rope_theta=10000.0, sliding_window=4096, max_window_layers=28, head_dim=128, tie_word_embeddings=False
+    ),
+    "qwen3_moe": dict(
+        rope_theta=10000.0, sliding_window=4096, norm_topk_prob=False, decoder_sparse_step=1, tie_word_embeddings=False
+    ),
     "mixtral": dict(rope_theta=1e6, tie_word_embeddings=False),
-    "gemma3_text": dict(rope_theta=1e6, rope_local_base_freq=1e4, head_dim=256, query_pre_attn_scalar=256, sliding_window=4096,
-                        sliding_window_pattern=6, tie_word_embeddings=True),
-    "gpt_oss": dict(rope_theta=150000.0, head_dim=64, sliding_window=128, attention_bias=True, swiglu_limit=7.0,
-                    swiglu_alpha=1.702, tie_word_embeddings=False),
+    "gemma3_text": dict(
+        rope_theta=1e6,
+        rope_local_base_freq=1e4,
+        head_dim=256,
+        query_pre_attn_scalar=256,
+        sliding_window=4096,
+        sliding_window_pattern=6,
+        tie_word_embeddings=True,
+    ),
+    "gpt_oss": dict(
+        rope_theta=150000.0,
+        head_dim=64,
+        sliding_window=128,
+        attention_bias=True,
+        swiglu_limit=7.0,
+        swiglu_alpha=1.702,
+        tie_word_embeddings=False,
+    ),
 }
 
 
@@ -44,11 +62,15 @@ def layer_types_and_window(cfg: dict) -> tuple[list[str], int]:
         return [SLIDING if w else FULL] * n, w
     if mt in ("qwen2", "qwen3"):
         w = _get(cfg, "sliding_window") if cfg.get("use_sliding_window") else None
-        types = cfg.get("layer_types") or [SLIDING if w is not None and i >= _get(cfg, "max_window_layers") else FULL for i in range(n)]
+        types = cfg.get("layer_types") or [
+            SLIDING if w is not None and i >= _get(cfg, "max_window_layers") else FULL for i in range(n)
+        ]
         return types, w
     if mt == "gemma3_text":
         p = _get(cfg, "sliding_window_pattern")
-        return cfg.get("layer_types") or [SLIDING if (i + 1) % p else FULL for i in range(n)], _get(cfg, "sliding_window")
+        return cfg.get("layer_types") or [SLIDING if (i + 1) % p else FULL for i in range(n)], _get(
+            cfg, "sliding_window"
+        )
     assert mt == "gpt_oss", mt
     return cfg.get("layer_types") or [SLIDING if i % 2 == 0 else FULL for i in range(n)], _get(cfg, "sliding_window")
 
@@ -69,8 +91,14 @@ def rope_params(cfg: dict, layer_type: str) -> tuple[dict, bool]:
     if top:
         p = dict(top)
     elif mt == "gpt_oss" and cfg.get("rope_scaling") is None:
-        p = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
-             "original_max_position_embeddings": 4096}
+        p = {
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+        }
     else:
         p = dict(cfg.get("rope_scaling") or {})
     p.setdefault("rope_theta", _get(cfg, "rope_theta"))
@@ -86,7 +114,12 @@ def inv_freq(cfg: dict, p: dict, truncate: bool, dim: int) -> tuple[np.ndarray, 
     if kind == "linear":
         return inv / p["factor"], 1.0
     if kind == "llama3":
-        lo, hi, old, factor = p["low_freq_factor"], p["high_freq_factor"], p["original_max_position_embeddings"], p["factor"]
+        lo, hi, old, factor = (
+            p["low_freq_factor"],
+            p["high_freq_factor"],
+            p["original_max_position_embeddings"],
+            p["factor"],
+        )
         out = []
         for f in inv:
             wavelen = 2 * math.pi / f
@@ -213,7 +246,9 @@ def _moe(cfg, w, p, x):
             if mt == "gpt_oss":
                 gu = flat[n] @ w[p + "experts.gate_up_proj"][e] + w[p + "experts.gate_up_proj_bias"][e]
                 g, u = np.minimum(gu[::2], limit), np.clip(gu[1::2], -limit, limit)
-                y = ((u + 1) * g / (1 + np.exp(-alpha * g))) @ w[p + "experts.down_proj"][e] + w[p + "experts.down_proj_bias"][e]
+                y = ((u + 1) * g / (1 + np.exp(-alpha * g))) @ w[p + "experts.down_proj"][e] + w[
+                    p + "experts.down_proj_bias"
+                ][e]
             elif mt == "mixtral":
                 ep = f"{p}experts.{e}."
                 y = (_silu(flat[n] @ w[ep + "w1.weight"].T) * (flat[n] @ w[ep + "w3.weight"].T)) @ w[ep + "w2.weight"].T
@@ -245,7 +280,9 @@ def forward(cfg: dict, weights: dict, tokens: np.ndarray) -> np.ndarray:
         x = x * math.sqrt(cfg["hidden_size"])
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        h = _attention(cfg, w, p + "self_attn.", _rms(x, w[p + "input_layernorm.weight"], eps, gemma), types[i], window, head_dim)
+        h = _attention(
+            cfg, w, p + "self_attn.", _rms(x, w[p + "input_layernorm.weight"], eps, gemma), types[i], window, head_dim
+        )
         if gemma:
             x = x + _rms(h, w[p + "post_attention_layernorm.weight"], eps, True)
             h = _rms(x, w[p + "pre_feedforward_layernorm.weight"], eps, True)

@@ -5,15 +5,13 @@ choice of implementation, and what blockwise saves (compiled temporary memory, F
 
 import math
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.extend import core as jex_core
 
 from zoo.nn import attention_kernels as A
-from zoo.nn.attention_kernels import attend, resolve_impl, segments_to_packed
+from zoo.nn.attention_kernels import attend, resolve_impl
 
 SCALE = 0.3
 
@@ -41,8 +39,20 @@ def sinks_for(heads, seed=4):
 # --- plain-numpy reference --------------------------------------------------------------------
 
 
-def numpy_attention(q, k, v, *, scale, causal=True, window=None, sinks=None, segment_ids=None, kv_segment_ids=None,
-                    q_offset=0, kv_valid_len=None):
+def numpy_attention(
+    q,
+    k,
+    v,
+    *,
+    scale,
+    causal=True,
+    window=None,
+    sinks=None,
+    segment_ids=None,
+    kv_segment_ids=None,
+    q_offset=0,
+    kv_valid_len=None,
+):
     """One query and one head at a time, in float64, from the definition."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     batch, q_len, heads, _ = q.shape
@@ -86,7 +96,11 @@ CASES = {
     "not_causal": (dict(), dict(causal=False), (8, 8)),
     "non_divisible": (dict(q_len=19), {}, (7, 5)),
     "block_longer_than_seq": (dict(q_len=11), {}, (64, 64)),
-    "everything": (dict(q_len=45, heads=4, kv_heads=1, qk=24, v=16), dict(window=11, sinks=True, segments=True), (16, 8)),
+    "everything": (
+        dict(q_len=45, heads=4, kv_heads=1, qk=24, v=16),
+        dict(window=11, sinks=True, segments=True),
+        (16, 8),
+    ),
     "offset_chunk": (dict(q_len=12, kv_len=29), dict(q_offset=17), (8, 8)),
 }
 
@@ -149,10 +163,14 @@ TRANSFORMS = {
     # name: f(loss, args) -> a pytree, with loss(q, k, v, sinks) -> scalar and args stacked per example
     "vmap_grad": lambda loss, a: jax.vmap(jax.grad(loss, argnums=(0, 1, 2, 3)))(*a),
     # keys, values and sinks shared: their per-example gradients come from broadcast linear operands
-    "vmap_grad_shared_kv": lambda loss, a: jax.vmap(jax.grad(loss, argnums=(0, 1, 2, 3)), in_axes=(0, None, None, None))(a[0], a[1][0], a[2][0], a[3][0]),
+    "vmap_grad_shared_kv": lambda loss, a: jax.vmap(
+        jax.grad(loss, argnums=(0, 1, 2, 3)), in_axes=(0, None, None, None)
+    )(a[0], a[1][0], a[2][0], a[3][0]),
     "grad_vmap": lambda loss, a: jax.grad(lambda *x: jax.vmap(loss)(*x).sum(), argnums=(0, 1, 2, 3))(*a),
     "vmap_jvp": lambda loss, a: jax.vmap(lambda *x: jax.jvp(loss, x, tuple(jnp.cos(t) for t in x)))(*a),
-    "vmap_vmap_grad": lambda loss, a: jax.vmap(jax.vmap(jax.grad(loss, argnums=(0, 1, 2, 3))))(*(x.reshape(1, *x.shape) for x in a)),
+    "vmap_vmap_grad": lambda loss, a: jax.vmap(jax.vmap(jax.grad(loss, argnums=(0, 1, 2, 3))))(
+        *(x.reshape(1, *x.shape) for x in a)
+    ),
 }
 
 
@@ -161,7 +179,10 @@ def test_blockwise_under_vmap_matches_xla(transform):
     """jax.vmap through the blockwise kernel's reverse mode (a linear_call, batched by
     zoo._compat.linear_call_vmappable): per-example gradients and the rest equal the XLA path's."""
     args, kw, blocks = _stacked_case("everything")
-    got, want = (jax.jit(lambda *a, impl=impl: TRANSFORMS[transform](loss_of(impl, kw, blocks), a))(*args) for impl in ("blockwise", "xla"))
+    got, want = (
+        jax.jit(lambda *a, impl=impl: TRANSFORMS[transform](loss_of(impl, kw, blocks), a))(*args)
+        for impl in ("blockwise", "xla")
+    )
     leaves_got, leaves_want = jax.tree.leaves(got), jax.tree.leaves(want)
     assert len(leaves_got) == len(leaves_want) >= 2
     for g, w in zip(leaves_got, leaves_want):
@@ -211,7 +232,9 @@ def test_the_tile_mask_is_built_per_tile_inside_a_layer_scan():
 
     def f(x, ks):
         def body(x, layer_k):
-            return jnp.tanh(attend(x, layer_k, v, scale=SCALE, impl="blockwise", segment_ids=segments, block_q=8, block_k=8) + x), None
+            return jnp.tanh(
+                attend(x, layer_k, v, scale=SCALE, impl="blockwise", segment_ids=segments, block_q=8, block_k=8) + x
+            ), None
 
         return jax.lax.scan(jax.checkpoint(body), x, ks)[0].sum()
 
@@ -226,7 +249,17 @@ def test_the_tile_mask_is_built_per_tile_inside_a_layer_scan():
 
 # --- against numpy -------------------------------------------------------------------------------
 
-NUMPY_CASES = ["gqa", "mla_dims", "window_unaligned", "sinks", "segments", "not_causal", "non_divisible", "everything", "offset_chunk"]
+NUMPY_CASES = [
+    "gqa",
+    "mla_dims",
+    "window_unaligned",
+    "sinks",
+    "segments",
+    "not_causal",
+    "non_divisible",
+    "everything",
+    "offset_chunk",
+]
 
 
 @pytest.mark.parametrize("name", NUMPY_CASES)
@@ -235,8 +268,18 @@ def test_matches_numpy(name, impl):
     (q, k, v, sinks), kw, blocks = case_inputs(name)
     got = attend(q, k, v, scale=SCALE, impl=impl, sinks=sinks, block_q=blocks[0], block_k=blocks[1], **kw)
     seg = kw.get("segment_ids")
-    want = numpy_attention(q, k, v, scale=SCALE, causal=kw.get("causal", True), window=kw.get("window"), sinks=sinks,
-                           segment_ids=seg, kv_segment_ids=seg, q_offset=kw.get("q_offset", 0))
+    want = numpy_attention(
+        q,
+        k,
+        v,
+        scale=SCALE,
+        causal=kw.get("causal", True),
+        window=kw.get("window"),
+        sinks=sinks,
+        segment_ids=seg,
+        kv_segment_ids=seg,
+        q_offset=kw.get("q_offset", 0),
+    )
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
 
 
@@ -278,15 +321,28 @@ def test_decoding_against_a_cache_matches_full_attention(feature):
     v_cache = garbage[2].at[:, :seq].set(v)
     q_new = jnp.stack([jax.lax.dynamic_slice_in_dim(q[b], offset[b], new) for b in range(batch)])
 
-    step = jax.jit(lambda q, kc, vc, o, n: attend(q, kc, vc, scale=SCALE, impl="auto", window=window, sinks=sinks,
-                                                  q_offset=o, kv_valid_len=n))
+    step = jax.jit(
+        lambda q, kc, vc, o, n: attend(
+            q, kc, vc, scale=SCALE, impl="auto", window=window, sinks=sinks, q_offset=o, kv_valid_len=n
+        )
+    )
     # Row 1 sees a cache truncated at seq - 2: its reference is a causal pass over that prefix.
-    short = attend(q[:, : seq - 2], k[:, : seq - 2], v[:, : seq - 2], scale=SCALE, impl="xla", window=window, sinks=sinks)
+    short = attend(
+        q[:, : seq - 2], k[:, : seq - 2], v[:, : seq - 2], scale=SCALE, impl="xla", window=window, sinks=sinks
+    )
     got = step(q_new, k_cache, v_cache, offset, valid)
-    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(full[0, seq - new:]), rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(np.asarray(got[1]), np.asarray(short[1, seq - 2 - new:]), rtol=1e-5, atol=1e-6)
-    want = numpy_attention(q_new, k_cache, v_cache, scale=SCALE, window=window, sinks=sinks, q_offset=np.asarray(offset),
-                           kv_valid_len=np.asarray(valid))
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(full[0, seq - new :]), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(got[1]), np.asarray(short[1, seq - 2 - new :]), rtol=1e-5, atol=1e-6)
+    want = numpy_attention(
+        q_new,
+        k_cache,
+        v_cache,
+        scale=SCALE,
+        window=window,
+        sinks=sinks,
+        q_offset=np.asarray(offset),
+        kv_valid_len=np.asarray(valid),
+    )
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
     # a scalar traced offset too
     got0 = step(q_new[:1], k_cache[:1], v_cache[:1], offset[0], valid[:1])
@@ -321,7 +377,9 @@ def test_resolve_impl():
     # TPU: splash wherever the sequence tiles in 128s (sinks, segments, odd head dims included)
     tpu = dict(backend="tpu", dtype=jnp.bfloat16, qk_dim=72, v_dim=40, has_sinks=True, has_segments=True)
     assert resolve_impl("auto", seq_len=2048, **tpu) == "splash"
-    assert resolve_impl("auto", seq_len=2000, **tpu) == "blockwise" and resolve_impl("auto", seq_len=200, **tpu) == "xla"
+    assert (
+        resolve_impl("auto", seq_len=2000, **tpu) == "blockwise" and resolve_impl("auto", seq_len=200, **tpu) == "xla"
+    )
     assert resolve_impl("auto", seq_len=2048, decoding=True, **tpu) == "xla"
 
 
@@ -384,7 +442,10 @@ def test_splash_names_its_residuals_with_the_tag():
             saved = saved_residuals()(jax.checkpoint(f, policy=policy), q, k, v)
         return sorted(r[0].shape for r in saved if "_splash_attention" in r[1])
 
-    assert kernel_outputs(jax.checkpoint_policies.save_only_these_names(tags.CONTEXT)) == [(2, 1, 2, 128), (2, 1, 2, 128, 16)]
+    assert kernel_outputs(jax.checkpoint_policies.save_only_these_names(tags.CONTEXT)) == [
+        (2, 1, 2, 128),
+        (2, 1, 2, 128, 16),
+    ]
     assert kernel_outputs(jax.checkpoint_policies.nothing_saveable) == []
 
 

@@ -98,7 +98,9 @@ def test_a_resumed_run_continues_the_record_of_its_run_directory(base, tmp_path)
 
 def test_a_run_names_every_offload_preset_and_leaves_no_empty_log(base):
     d, stdout = base
-    assert stdout.splitlines()[0].split(", offload ")[1].startswith("llama_qkv_offload+optimizer_host, "), stdout.splitlines()[0]
+    assert stdout.splitlines()[0].split(", offload ")[1].startswith("llama_qkv_offload+optimizer_host, "), (
+        stdout.splitlines()[0]
+    )
     assert not (d / "run" / "train.log").exists()  # Hydra's file log was always empty
     assert sorted(p.name for p in (d / "run").iterdir()) == [".hydra", "metrics.jsonl", "summary.json"]
 
@@ -193,9 +195,7 @@ def _hooked(tmp, module: str, patch: str) -> dict:
     hook = tmp / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(
-        "import builtins, errno, gc, os, pathlib, time\n"
-        + patch
-        + "_import = builtins.__import__\n"
+        "import builtins, errno, gc, os, pathlib, time\n" + patch + "_import = builtins.__import__\n"
         "def _hook(name, *a, **k):\n"
         "    m = _import(name, *a, **k)\n"
         f"    if name == {module!r} and not getattr(builtins, '_zoo_patched', False):\n"
@@ -299,7 +299,10 @@ CASES = {
     # Keys of another data source: refused with "set data=text", never accepted (with + they trained on markov).
     "data.path with markov data": (
         lambda t, d: (train_cmd(LLAMA, *TINY, f"data.path={_books(t)}", f"hydra.run.dir={t / 'run'}"), t, [_books(t)]),
-        (2, r"data\.path: only data=text reads it, .*; set `data=text` \(python train\.py data=text data\.path=.*books\.jsonl\)"),
+        (
+            2,
+            r"data\.path: only data=text reads it, .*; set `data=text` \(python train\.py data=text data\.path=.*books\.jsonl\)",
+        ),
     ),
     "+data.path with markov data": (
         lambda t, d: (train_cmd(LLAMA, *TINY, f"+data.path={_books(t)}", f"hydra.run.dir={t / 'run'}"), t, [_books(t)]),
@@ -315,25 +318,47 @@ CASES = {
     ),
     "empty data.path with data=text": (  # it trained on the shipped corpus
         lambda t, d: (train_cmd(LLAMA, *TINY, "data=text", "data.path=", f"hydra.run.dir={t / 'run'}"), t, []),
-        (2, r"data\.path: empty \(an unset shell variable\?\); give a path, or leave data\.path out \(null: the shipped corpus\)"),
+        (
+            2,
+            r"data\.path: empty \(an unset shell variable\?\); give a path, or leave data\.path out \(null: the shipped corpus\)",
+        ),
     ),
     "trainer.eval_every with synthetic data": (
         lambda t, d: (train_cmd(LLAMA, *TINY, "trainer.eval_every=5", f"hydra.run.dir={t / 'run'}"), t, []),
-        (2, r"trainer\.eval_every: evaluates the held-out split, and data=markov has none \(its synthetic tokens are endless\); drop it, "
-            r"or train on text with a split \(data=text data\.eval_fraction=0\.05\)"),  # fmt: skip
+        (
+            2,
+            r"trainer\.eval_every: evaluates the held-out split, and data=markov has none \(its synthetic tokens are endless\); drop it, "
+            r"or train on text with a split \(data=text data\.eval_fraction=0\.05\)",
+        ),  # fmt: skip
     ),
     # Keys that turn nothing on: full fine-tuning under lora=default, an MLA tag on a model without MLA.
     "lora.rank=0 with lora=default": (
         lambda t, d: (train_cmd(LLAMA, *TINY, "lora=default", "lora.rank=0", f"hydra.run.dir={t / 'run'}"), t, []),
-        (2, r"lora\.rank: 0 turns LoRA off, so lora\.alpha, .* would be ignored and every parameter would train; give a positive rank "
-            r"\(e\.g\. lora\.rank=8\), or choose lora=none for full fine-tuning"),  # fmt: skip
+        (
+            2,
+            r"lora\.rank: 0 turns LoRA off, so lora\.alpha, .* would be ignored and every parameter would train; give a positive rank "
+            r"\(e\.g\. lora\.rank=8\), or choose lora=none for full fine-tuning",
+        ),  # fmt: skip
     ),
     "+offload.block_tags.mla on Llama": (  # where the hint for offload.block_tags.mla.mla_q=offload leads
-        lambda t, d: (train_cmd(LLAMA, *TINY, "offload=full", "+offload.block_tags.mla.mla_q=offload", f"hydra.run.dir={t / 'run'}"), t, []),
-        (2, r"offload\.block_tags\.mla: the llama model has no mla blocks \(its optional blocks: mlp\), so this would be ignored; drop it"),
+        lambda t, d: (
+            train_cmd(
+                LLAMA, *TINY, "offload=full", "+offload.block_tags.mla.mla_q=offload", f"hydra.run.dir={t / 'run'}"
+            ),
+            t,
+            [],
+        ),
+        (
+            2,
+            r"offload\.block_tags\.mla: the llama model has no mla blocks \(its optional blocks: mlp\), so this would be ignored; drop it",
+        ),
     ),
     "missing data.eval_path": (
-        lambda t, d: (train_cmd(LLAMA, *TINY, "data=text", "data.eval_path=no_such.txt", f"hydra.run.dir={t / 'run'}"), t, []),
+        lambda t, d: (
+            train_cmd(LLAMA, *TINY, "data=text", "data.eval_path=no_such.txt", f"hydra.run.dir={t / 'run'}"),
+            t,
+            [],
+        ),
         (2, r"data\.eval_path: no_such\.txt does not exist; point data\.eval_path at a \.txt or \.jsonl file .*"),
     ),
     # The run directory.
@@ -351,29 +376,52 @@ CASES = {
     ),
     "read-only working directory": (
         lambda t, d: (train_cmd(LLAMA, *TINY), _unwritable_dir(t), []),
-        (2, r"hydra\.run\.dir: cannot create \S+/outputs in \S+ \(.*\) \(the working directory: .*\); run from a writable directory "
-            r"or set hydra\.run\.dir=.*"),  # fmt: skip
+        (
+            2,
+            r"hydra\.run\.dir: cannot create \S+/outputs in \S+ \(.*\) \(the working directory: .*\); run from a writable directory "
+            r"or set hydra\.run\.dir=.*",
+        ),  # fmt: skip
     ),
     "empty hydra.run.dir": (  # an unset shell variable: Hydra would write into the working directory
         lambda t, d: (train_cmd(LLAMA, *TINY, "hydra.run.dir="), t, [t]),
-        (2, r"hydra\.run\.dir: empty \(an unset shell variable\?\); give a directory, e\.g\. hydra\.run\.dir=runs/1, or leave it out "
-            r"for Hydra's default \(outputs/<date>/<time>\)"),  # fmt: skip
+        (
+            2,
+            r"hydra\.run\.dir: empty \(an unset shell variable\?\); give a directory, e\.g\. hydra\.run\.dir=runs/1, or leave it out "
+            r"for Hydra's default \(outputs/<date>/<time>\)",
+        ),  # fmt: skip
     ),
     # Another run from step 0 into a finished run's directory: refused before it writes, .hydra/ included.
     "hydra.run.dir of a finished run": (
-        lambda t, d: (train_cmd(LLAMA, *TINY, "trainer.steps=2", f"hydra.run.dir={_copy_run(t, d)[0]}"), t, [t / "run"]),
-        (2, r"hydra\.run\.dir: (\S+/run) holds the metrics\.jsonl and summary\.json of a finished run, which this run would replace "
+        lambda t, d: (
+            train_cmd(LLAMA, *TINY, "trainer.steps=2", f"hydra.run.dir={_copy_run(t, d)[0]}"),
+            t,
+            [t / "run"],
+        ),
+        (
+            2,
+            r"hydra\.run\.dir: (\S+/run) holds the metrics\.jsonl and summary\.json of a finished run, which this run would replace "
             r"\(it starts from step 0\); give this run another hydra\.run\.dir, or move \1 away \(a run that resumes a checkpoint continues "
-            r"the record there\)"),  # fmt: skip
+            r"the record there\)",
+        ),  # fmt: skip
     ),
     # A second run into the directories of a live one: refused before Hydra writes into its run directory.
     "same run dir and checkpoint as a live run": (
         lambda t, d: (
-            (lambda run, ckpt: (_live_lock(run, "zoo.run.lock"), _live_lock(ckpt, "zoo.lock"))
-             and train_cmd(LLAMA, *TINY, *EVERY, "trainer.steps=6", f"checkpoint.dir={ckpt}", f"hydra.run.dir={run}"))(*_copy_run(t, d)),
-            t, [t / "run", t / "ckpt"],
+            (
+                lambda run, ckpt: (
+                    (_live_lock(run, "zoo.run.lock"), _live_lock(ckpt, "zoo.lock"))
+                    and train_cmd(
+                        LLAMA, *TINY, *EVERY, "trainer.steps=6", f"checkpoint.dir={ckpt}", f"hydra.run.dir={run}"
+                    )
+                )
+            )(*_copy_run(t, d)),
+            t,
+            [t / "run", t / "ckpt"],
         ),  # fmt: skip
-        (2, r"hydra\.run\.dir: \S+/run is in use by another run \(pid \d+ on .*\); wait for it to end or give this run another hydra\.run\.dir .*"),
+        (
+            2,
+            r"hydra\.run\.dir: \S+/run is in use by another run \(pid \d+ on .*\); wait for it to end or give this run another hydra\.run\.dir .*",
+        ),
     ),
     # Ctrl-C.
     "Ctrl-C before the first step": (
@@ -382,57 +430,109 @@ CASES = {
         _ctrl_c_before_first_step,
     ),
     "a second Ctrl-C during the save": (
-        lambda t, d: (train_cmd(LLAMA, *TINY, *EVERY, "trainer.steps=500", f"checkpoint.dir={t / 'ckpt2'}", f"hydra.run.dir={t / 'run2'}"), t, []),
-        (130, r"interrupted \(Ctrl-C\) while waiting for the checkpoint save in flight, after a first Ctrl-C; the steps saved before it are "
-              r"intact \(last: \d+ in .*\);.* run the same command to resume"),  # fmt: skip
+        lambda t, d: (
+            train_cmd(
+                LLAMA,
+                *TINY,
+                *EVERY,
+                "trainer.steps=500",
+                f"checkpoint.dir={t / 'ckpt2'}",
+                f"hydra.run.dir={t / 'run2'}",
+            ),
+            t,
+            [],
+        ),
+        (
+            130,
+            r"interrupted \(Ctrl-C\) while waiting for the checkpoint save in flight, after a first Ctrl-C; the steps saved before it are "
+            r"intact \(last: \d+ in .*\);.* run the same command to resume",
+        ),  # fmt: skip
         _ctrl_c_twice,
         ("zoo.train.run", SLOW_SAVE),
     ),
     "Ctrl-C while zoo.tools.generate compiles": (
-        lambda t, d: (tool_cmd("generate", f"model.path={_hf_with(t, d)}", "tokenizer=bytes", "prompt=hi", "max_new_tokens=4"), t, [t / "hf"]),
+        lambda t, d: (
+            tool_cmd("generate", f"model.path={_hf_with(t, d)}", "tokenizer=bytes", "prompt=hi", "max_new_tokens=4"),
+            t,
+            [t / "hf"],
+        ),
         (130, r"interrupted \(Ctrl-C\) while compiling the sampler; nothing was generated; run the command again"),
         _ctrl_c_while_sampling_compiles,
     ),
     "Ctrl-C swallowed by a garbage-collector callback in zoo.tools.export": (
         lambda t, d: (tool_cmd("export", str(_copy_run(t, d)[1]), str(t / "out")), t, [t / "ckpt"]),
-        (130, r"interrupted \(Ctrl-C\) while reading the checkpoint \S+/ckpt; nothing was written to \S+/out; run the same command again"),
+        (
+            130,
+            r"interrupted \(Ctrl-C\) while reading the checkpoint \S+/ckpt; nothing was written to \S+/out; run the same command again",
+        ),
         _ctrl_c_when_waiting,
         ("zoo.train.hf_export", STALLED_EXPORT),
     ),
     # The disk fills up during a save: the run stops at once, naming the step and the last good checkpoint.
     "disk full during a checkpoint save": (
-        lambda t, d: (train_cmd(LLAMA, *TINY, "trainer.steps=50", "checkpoint.every_n_steps=2", f"checkpoint.dir={t / 'ckpt'}",
-                                f"hydra.run.dir={t / 'run'}"), t, []),  # fmt: skip
-        (1, r"step 4: saving its checkpoint failed \(No space left on device\), so the run stopped; last good checkpoint: step 2 in (\S+/ckpt); "
-            r"free space in \1 \(or give another checkpoint\.dir\) and run the same command to resume"),  # fmt: skip
+        lambda t, d: (
+            train_cmd(
+                LLAMA,
+                *TINY,
+                "trainer.steps=50",
+                "checkpoint.every_n_steps=2",
+                f"checkpoint.dir={t / 'ckpt'}",
+                f"hydra.run.dir={t / 'run'}",
+            ),
+            t,
+            [],
+        ),  # fmt: skip
+        (
+            1,
+            r"step 4: saving its checkpoint failed \(No space left on device\), so the run stopped; last good checkpoint: step 2 in (\S+/ckpt); "
+            r"free space in \1 \(or give another checkpoint\.dir\) and run the same command to resume",
+        ),  # fmt: skip
         None,
         ("zoo.train.run", DISK_FULL),
     ),
     # Out of device memory: XLA's figures, who holds it by the planner's count, the change that frees the most.
     "out of device memory": (
-        lambda t, d: (train_cmd(LLAMA, *TINY, "hardware=cpu", "hardware.hbm_bytes=1000000", f"hydra.run.dir={t / 'run'}"), t, []),
-        (2, r"out of device memory \(XLA: 16\.11G needed, 15\.75G available\): the planner puts this step at [\d.]+ MB per device, "
+        lambda t, d: (
+            train_cmd(LLAMA, *TINY, "hardware=cpu", "hardware.hbm_bytes=1000000", f"hydra.run.dir={t / 'run'}"),
+            t,
+            [],
+        ),
+        (
+            2,
+            r"out of device memory \(XLA: 16\.11G needed, 15\.75G available\): the planner puts this step at [\d.]+ MB per device, "
             r"the largest holders optimizer state [\d.]+ kB, parameters .*; the change that frees the most: .*; the whole table: "
-            r"python -m zoo\.tools\.plan .*hardware\.hbm_bytes=1000000 plan\.holders=true$"),  # fmt: skip
+            r"python -m zoo\.tools\.plan .*hardware\.hbm_bytes=1000000 plan\.holders=true$",
+        ),  # fmt: skip
         None,
         ("zoo.train.run", OUT_OF_MEMORY),
     ),
     # Checkpoints read by the tools.
     "zoo.tools.export, newest step damaged": (
-        lambda t, d: ((_copy_run(t, d), _truncate_newest(t / "ckpt")) and tool_cmd("export", str(t / "ckpt"), str(t / "out")), t, [t / "ckpt"]),
+        lambda t, d: (
+            (_copy_run(t, d), _truncate_newest(t / "ckpt")) and tool_cmd("export", str(t / "ckpt"), str(t / "out")),
+            t,
+            [t / "ckpt"],
+        ),
         (0, r"note: \S+/ckpt: using step 2, the newest step that reads; skipped step 3: .*"),
     ),
     "zoo.tools.export --adapters-only of a run without LoRA": (
         lambda t, d: (tool_cmd("export", str(_copy_run(t, d)[1]), str(t / "out"), "--adapters-only"), t, [t / "ckpt"]),
-        (2, r"\S+/ckpt: not a LoRA run \(its checkpoint holds the whole model, no adapters\); export it without --adapters-only"),
+        (
+            2,
+            r"\S+/ckpt: not a LoRA run \(its checkpoint holds the whole model, no adapters\); export it without --adapters-only",
+        ),
     ),
     "zoo.tools.generate, every step without its manifest": (
         lambda t, d: (
             (_copy_run(t, d), [m.unlink() for m in (t / "ckpt").glob("*/state/manifest.ocdbt")])
             and tool_cmd("generate", f"checkpoint.dir={t / 'ckpt'}", "prompt=hi", "tokenizer=bytes"),
-            t, [t / "ckpt"],
+            t,
+            [t / "ckpt"],
         ),
-        (2, r"\S+/ckpt: step 1 is unreadable \(state/manifest\.ocdbt is missing\), as are steps 2, 3: no intact checkpoint is left; .*"),
+        (
+            2,
+            r"\S+/ckpt: step 1 is unreadable \(state/manifest\.ocdbt is missing\), as are steps 2, 3: no intact checkpoint is left; .*",
+        ),
     ),
     "zoo.tools.report, a job ran no steps": (
         lambda t, d: (tool_cmd("report", str(_sweep(t, d))), t, [t / "sweep" / "0", t / "sweep" / "1"]),
@@ -440,23 +540,50 @@ CASES = {
     ),
     "zoo.tools.report, a binary summary.json in a sweep": (
         lambda t, d: (tool_cmd("report", str(_sweep_of_one(t, d, b"\x80\xff binary"))), t, [t / "sweep" / "0"]),
-        (0, r"note: \S+/sweep/0/summary\.json is unreadable \(not UTF-8 text: byte 0x80 at offset 0\); marked failed in report\.md"),
+        (
+            0,
+            r"note: \S+/sweep/0/summary\.json is unreadable \(not UTF-8 text: byte 0x80 at offset 0\); marked failed in report\.md",
+        ),
     ),
     "zoo.tools.report, a binary metrics.jsonl": (
-        lambda t, d: ((_copy_run(t, d), (t / "run" / "metrics.jsonl").write_bytes(b"\x80\xff binary"))
-                      and tool_cmd("report", str(t / "run")), t, [t / "run"]),  # fmt: skip
-        (2, r"dir: \S+/run/metrics\.jsonl holds no step record \(not UTF-8 text: byte 0x80 at offset 0\): damaged, or not train\.py's; "
-            r"give the directory of a train\.py run"),  # fmt: skip
+        lambda t, d: (
+            (_copy_run(t, d), (t / "run" / "metrics.jsonl").write_bytes(b"\x80\xff binary"))
+            and tool_cmd("report", str(t / "run")),
+            t,
+            [t / "run"],
+        ),  # fmt: skip
+        (
+            2,
+            r"dir: \S+/run/metrics\.jsonl holds no step record \(not UTF-8 text: byte 0x80 at offset 0\): damaged, or not train\.py's; "
+            r"give the directory of a train\.py run",
+        ),  # fmt: skip
     ),
     # Hugging Face weights.
     "random bytes as model.safetensors": (
-        lambda t, d: (train_cmd(*TINY, "model=hf", f"model.path={_hf_with(t, d, weights=_random_bytes())}", f"hydra.run.dir={t / 'run'}"),
-                      t, [t / "hf"]),  # fmt: skip
-        (2, r"model\.path: \S+/model\.safetensors: not a safetensors file \(it does not start with a header length and a JSON header\); .*"),
+        lambda t, d: (
+            train_cmd(
+                *TINY, "model=hf", f"model.path={_hf_with(t, d, weights=_random_bytes())}", f"hydra.run.dir={t / 'run'}"
+            ),
+            t,
+            [t / "hf"],
+        ),  # fmt: skip
+        (
+            2,
+            r"model\.path: \S+/model\.safetensors: not a safetensors file \(it does not start with a header length and a JSON header\); .*",
+        ),
     ),
     "NaN weights in model.path": (
-        lambda t, d: (train_cmd(*TINY, "model=hf", f"model.path={_hf_with(t, d, nan_tensor=HF_Q)}", "trainer.steps=2", f"hydra.run.dir={t / 'run'}"),
-                      t, [t / "hf"]),  # fmt: skip
+        lambda t, d: (
+            train_cmd(
+                *TINY,
+                "model=hf",
+                f"model.path={_hf_with(t, d, nan_tensor=HF_Q)}",
+                "trainer.steps=2",
+                f"hydra.run.dir={t / 'run'}",
+            ),
+            t,
+            [t / "hf"],
+        ),  # fmt: skip
         (2, rf"model\.path: \S+/hf: tensor {re.escape(HF_Q)} holds non-finite values \(NaN or inf\); .*"),
     ),
 }
@@ -490,14 +617,23 @@ def test_bad_input_ends_in_one_line_and_changes_no_file(case, base, tmp_path):
         assert restore_model(tmp_path / "ckpt2", last)[1]["step"] == last  # the checkpoint it names reads
     if case == "zoo.tools.report, a job ran no steps":
         table = (tmp_path / "sweep" / "report.md").read_text()
-        assert "| ran no steps (its checkpoint was already at step 3 of trainer.steps=3) |" in table and "| ok |" in table
+        assert (
+            "| ran no steps (its checkpoint was already at step 3 of trainer.steps=3) |" in table and "| ok |" in table
+        )
     if case == "zoo.tools.export, newest step damaged":
         assert "exported step 2 of " in out
     if case.startswith("Ctrl-C swallowed"):
-        assert not (tmp_path / "out").exists() and not (tmp_path / "out.export-tmp").exists()  # nothing looks like an export
+        assert (
+            not (tmp_path / "out").exists() and not (tmp_path / "out.export-tmp").exists()
+        )  # nothing looks like an export
     if case == "disk full during a checkpoint save":
         from zoo.train.checkpoint import restore_model
 
-        assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name[0].isdigit()) == ["2", "4.orbax-checkpoint-tmp"]
+        assert sorted(p.name for p in (tmp_path / "ckpt").iterdir() if p.name[0].isdigit()) == [
+            "2",
+            "4.orbax-checkpoint-tmp",
+        ]
         assert restore_model(tmp_path / "ckpt", 2)[1]["step"] == 2  # the last good step reads
-        assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) <= 6  # it stopped at once, not at the next save
+        assert (
+            len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) <= 6
+        )  # it stopped at once, not at the next save

@@ -27,7 +27,9 @@ def _env():
 
 
 def _run(args, tmp_path, timeout):
-    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, *args], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
@@ -71,8 +73,25 @@ def test_cpu_bench_quick(tmp_path):
 def test_gpu_bench_toy_on_cpu(tmp_path):
     out, png, md = tmp_path / "gpu.json", tmp_path / "gpu.png", tmp_path / "gpu.md"
     _run(
-        ["bench/gpu.py", "--toy", "--models", "llama", "--presets", "none,offload", "--groups", "default,latency_hiding_pipelined_offload",
-         "--memory-limit-gb", "0.05", "--probe-runs", "--out", str(out), "--plot", str(png), "--md", str(md)],
+        [
+            "bench/gpu.py",
+            "--toy",
+            "--models",
+            "llama",
+            "--presets",
+            "none,offload",
+            "--groups",
+            "default,latency_hiding_pipelined_offload",
+            "--memory-limit-gb",
+            "0.05",
+            "--probe-runs",
+            "--out",
+            str(out),
+            "--plot",
+            str(png),
+            "--md",
+            str(md),
+        ],
         tmp_path,
         timeout=400,
     )
@@ -83,7 +102,10 @@ def test_gpu_bench_toy_on_cpu(tmp_path):
     assert hw["matmul"]["flops_per_s"] > 0 and hw["matmul"]["dtype"] == "bfloat16"
     assert set(res["groups"]) == {"default", "latency_hiding_pipelined_offload"}
     # Each group ran in its own process, with its own flags.
-    assert "--xla_gpu_enable_pipelined_host_offloading=true" in res["groups"]["latency_hiding_pipelined_offload"]["xla_flags"]
+    assert (
+        "--xla_gpu_enable_pipelined_host_offloading=true"
+        in res["groups"]["latency_hiding_pipelined_offload"]["xla_flags"]
+    )
     assert "pipelined" not in res["groups"]["default"]["xla_flags"]
     for g, group in res["groups"].items():
         runs = {r["preset"]: r for r in group["runs"]}
@@ -121,7 +143,11 @@ def test_cpu_bench_renders_the_recorded_run():
     for fam in res["families"].values():
         for preset, r in fam["presets"].items():
             assert any(ln.startswith(f"| {preset} |") and f"| {r['median_step_s']:.3f} |" in ln for ln in rows), preset
-    assert proc.stdout.count("profile of one `none` step") == sum("profile_none" in f for f in res["families"].values()) > 0
+    assert (
+        proc.stdout.count("profile of one `none` step")
+        == sum("profile_none" in f for f in res["families"].values())
+        > 0
+    )
 
 
 @pytest.mark.slow
@@ -148,10 +174,15 @@ def test_gpu_bench_renders_the_recorded_h200_session():
     for r in runs:
         peak = (r.get("compiled_memory") or {}).get("estimated_peak_bytes")
         step = f"| {1e3 * r['median_step_s']:.1f} |" if r.get("median_step_s") else "| - |"
-        assert any(f"| {r['model']} | {r['preset']} | {r['status']} {step}" in ln and (peak is None or f"| {peak / 2**30:.2f} |" in ln)
-                   for ln in rows), (r["model"], r["preset"])
+        assert any(
+            f"| {r['model']} | {r['preset']} | {r['status']} {step}" in ln
+            and (peak is None or f"| {peak / 2**30:.2f} |" in ln)
+            for ln in rows
+        ), (r["model"], r["preset"])
     ok = {(r["model"], r["preset"]): r for r in runs if r["status"] == "ok"}
     none, full, off = (ok[("llama", p)] for p in ("none", "full", "llama_qkv_offload"))
-    assert round(100 * none["tflops_per_device"] * 1e12 / results[0]["hw"]["matmul"]["flops_per_s"], 1) == 71.2  # docs: 71.2% of the rate
+    assert (
+        round(100 * none["tflops_per_device"] * 1e12 / results[0]["hw"]["matmul"]["flops_per_s"], 1) == 71.2
+    )  # docs: 71.2% of the rate
     assert round(off["median_step_s"] / full["median_step_s"], 3) == 1.225
     assert all(res["dropped_xla_flags"] == [] for res in results)

@@ -40,7 +40,9 @@ def clean_env():
 
 
 def run(args, run_dir, timeout=900):
-    return subprocess.run(train_cmd(args, run_dir), cwd=run_dir.parent, env=clean_env(), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        train_cmd(args, run_dir), cwd=run_dir.parent, env=clean_env(), capture_output=True, text=True, timeout=timeout
+    )
 
 
 def metrics(run_dir) -> list[dict]:
@@ -52,7 +54,9 @@ def steps_in(d: pathlib.Path) -> list[str]:
 
 
 def fingerprint(d: pathlib.Path) -> dict:
-    return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.rglob("*")) if p.is_file()
+    }
 
 
 def read_state(step_dir: pathlib.Path) -> dict:
@@ -61,7 +65,9 @@ def read_state(step_dir: pathlib.Path) -> dict:
 
     ckptr = ocp.PyTreeCheckpointer()
     tree = ckptr.metadata(step_dir / "state").item_metadata.tree
-    restored = ckptr.restore(step_dir / "state", restore_args=jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree))
+    restored = ckptr.restore(
+        step_dir / "state", restore_args=jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+    )
     return {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(restored)[0]}
 
 
@@ -78,7 +84,10 @@ def uninterrupted(tmp_path_factory):
     assert steps_in(d / "ckpt") == ["4", "5", "6", "7", "8"]  # and no lock left behind
     # train.py started itself again with glibc's huge-page tunable where this machine takes it.
     tunables, on, _ = huge_pages.plan(clean_env())
-    assert f"host memory: large buffers {'on transparent huge pages' if on or tunables else 'on 4 KiB pages'} (" in p.stdout
+    assert (
+        f"host memory: large buffers {'on transparent huge pages' if on or tunables else 'on 4 KiB pages'} ("
+        in p.stdout
+    )
     return d
 
 
@@ -109,12 +118,21 @@ def test_resume_skips_damaged_steps_and_reproduces_the_losses_exactly(uninterrup
     delete_the_manifest(ckpt / "5")
     p = run([*SMALL, *EVERY, f"checkpoint.dir={ckpt}"], tmp_path / "run")
     assert p.returncode == 0, p.stderr[-3000:]
-    assert "Traceback" not in p.stderr and "Event loop is closed" not in p.stderr, p.stderr[-3000:]  # nothing from the failed reads
+    assert "Traceback" not in p.stderr and "Event loop is closed" not in p.stderr, p.stderr[
+        -3000:
+    ]  # nothing from the failed reads
     notes = [ln for ln in p.stdout.splitlines() if "is unreadable" in ln]
-    expected = {7: r"an array file is truncated: OUT_OF_RANGE: .*", 6: r"a file is missing: NOT_FOUND: .*", 5: r"state/manifest\.ocdbt is missing"}
+    expected = {
+        7: r"an array file is truncated: OUT_OF_RANGE: .*",
+        6: r"a file is missing: NOT_FOUND: .*",
+        5: r"state/manifest\.ocdbt is missing",
+    }
     assert len(notes) == 3, p.stdout
     for line, (step, why) in zip(notes, expected.items()):
-        assert re.fullmatch(rf"note: checkpoint\.dir: step {step} in {re.escape(str(ckpt))} is unreadable \({why}\); skipped, trying step {step - 1}", line), line
+        assert re.fullmatch(
+            rf"note: checkpoint\.dir: step {step} in {re.escape(str(ckpt))} is unreadable \({why}\); skipped, trying step {step - 1}",
+            line,
+        ), line
         assert "tensorstore_spec" not in line and len(line) < 500
     assert f"checkpoints: {ckpt}, resuming from step 4 (unreadable steps 7, 6, 5 renamed <step>.unreadable)" in p.stdout
     resumed = metrics(tmp_path / "run")
@@ -123,7 +141,16 @@ def test_resume_skips_damaged_steps_and_reproduces_the_losses_exactly(uninterrup
         assert [r[key] for r in resumed] == [r[key] for r in full[4:]], key  # bitwise: same floats
     s = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert s["start_step"] == 4 and s["steps_run"] == 4 and s["checkpoint"]["steps"] == [4, 5, 6, 7, 8]
-    assert steps_in(ckpt) == ["4", "5", "5.unreadable", "6", "6.unreadable", "7", "7.unreadable", "8"]  # kept, not deleted
+    assert steps_in(ckpt) == [
+        "4",
+        "5",
+        "5.unreadable",
+        "6",
+        "6.unreadable",
+        "7",
+        "7.unreadable",
+        "8",
+    ]  # kept, not deleted
     # And the step-8 state it wrote is the uninterrupted run's, bit for bit (MoE biases included).
     a, b = read_state(uninterrupted / "ckpt" / "8"), read_state(ckpt / "8")
     assert a.keys() == b.keys() and any("e_score_correction_bias" in k for k in a)
@@ -162,7 +189,9 @@ def test_sigterm_mid_run_then_the_same_command_resumes_bit_for_bit(uninterrupted
     ckpt, out = tmp_path / "ckpt", tmp_path / "run"
     args = [*SMALL, "checkpoint.every_n_steps=100", f"checkpoint.dir={ckpt}"]
     log = open(tmp_path / "first.log", "w")
-    proc = subprocess.Popen(train_cmd(args, out), cwd=tmp_path, env=clean_env(), stdout=log, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        train_cmd(args, out), cwd=tmp_path, env=clean_env(), stdout=log, stderr=subprocess.PIPE, text=True
+    )
     try:
         deadline = time.monotonic() + 300
         records = out / "metrics.jsonl"  # created empty before step 1
@@ -175,7 +204,9 @@ def test_sigterm_mid_run_then_the_same_command_resumes_bit_for_bit(uninterrupted
         second = run(args, tmp_path / "second")
         lines = [ln for ln in second.stderr.splitlines() if ln.strip()]
         assert second.returncode == 2 and len(lines) == 1, second.stderr[-3000:]
-        assert lines[0].startswith(f"error: checkpoint.dir: {ckpt} is in use by another run (pid {proc.pid} on {socket.gethostname()}, started ")
+        assert lines[0].startswith(
+            f"error: checkpoint.dir: {ckpt} is in use by another run (pid {proc.pid} on {socket.gethostname()}, started "
+        )
         assert "s, compile " not in second.stdout and not (tmp_path / "second" / "metrics.jsonl").exists()
 
         os.kill(proc.pid, signal.SIGTERM)
@@ -190,7 +221,10 @@ def test_sigterm_mid_run_then_the_same_command_resumes_bit_for_bit(uninterrupted
     lines = [ln for ln in err.splitlines() if ln.strip() and "rendezvous.cc:" not in ln]
     assert proc.returncode == 75, err[-3000:]
     assert len(lines) == 1, err
-    m = re.fullmatch(rf"stopped by SIGTERM after step (\d+): checkpoint step (\d+) in {re.escape(str(ckpt))}; run the same command to resume \(exit code 75\)", lines[0])
+    m = re.fullmatch(
+        rf"stopped by SIGTERM after step (\d+): checkpoint step (\d+) in {re.escape(str(ckpt))}; run the same command to resume \(exit code 75\)",
+        lines[0],
+    )
     assert m and m.group(1) == m.group(2), lines[0]
     stopped = int(m.group(1))
     assert 1 <= stopped < 8 and steps_in(ckpt) == [str(stopped)]  # saved, complete, and the lock released
@@ -243,7 +277,13 @@ def test_restore_onto_another_mesh_and_into_pinned_host(uninterrupted, capsys):
     from zoo.train.run import prepare
     from zoo.train.step import Trainer
 
-    overrides = [*SMALL[:3], "mesh=fsdp_tp", "offload.params=pinned_host", "offload.opt_state=pinned_host", f"checkpoint.dir={uninterrupted / 'ckpt'}"]
+    overrides = [
+        *SMALL[:3],
+        "mesh=fsdp_tp",
+        "offload.params=pinned_host",
+        "offload.opt_state=pinned_host",
+        f"checkpoint.dir={uninterrupted / 'ckpt'}",
+    ]
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         cfg = compose("config", overrides=overrides)
     c, plan, devices, _ = prepare(cfg)
@@ -251,7 +291,10 @@ def test_restore_onto_another_mesh_and_into_pinned_host(uninterrupted, capsys):
     ckpt = Checkpoints(c, plan, trainer)
     before = fingerprint(uninterrupted / "ckpt")
     assert ckpt.check() == 8
-    assert "restored onto mesh {'data': 1, 'fsdp': 4, 'tensor': 2, 'expert': 1} by 1 (resharded)" in capsys.readouterr().out
+    assert (
+        "restored onto mesh {'data': 1, 'fsdp': 4, 'tensor': 2, 'expert': 1} by 1 (resharded)"
+        in capsys.readouterr().out
+    )
     state = ckpt.restore(8)
     ckpt.close()
     assert memory_kinds(state["params"]) == {"pinned_host"} and memory_kinds(state["opt_state"]) == {"pinned_host"}
@@ -260,19 +303,38 @@ def test_restore_onto_another_mesh_and_into_pinned_host(uninterrupted, capsys):
     params = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(state["params"])[0]}
     wq = next(v for k, v in params.items() if k.endswith(".wq_b"))
     assert wq.sharding.mesh.shape["tensor"] == 2 and wq.sharding.spec != jax.sharding.PartitionSpec()
-    np.testing.assert_array_equal(np.asarray(wq), next(v for k, v in saved.items() if k.startswith("['params']") and "wq_b" in k))
+    np.testing.assert_array_equal(
+        np.asarray(wq), next(v for k, v in saved.items() if k.startswith("['params']") and "wq_b" in k)
+    )
     restored_leaves = [np.asarray(x) for x in jax.tree.leaves(state)]
     assert len(restored_leaves) == len(saved)
-    assert sorted(float(np.abs(x).sum()) for x in restored_leaves) == sorted(float(np.abs(x).sum()) for x in saved.values())
+    assert sorted(float(np.abs(x).sum()) for x in restored_leaves) == sorted(
+        float(np.abs(x).sum()) for x in saved.values()
+    )
     assert fingerprint(uninterrupted / "ckpt") == before  # reading touched nothing
 
 
 MISFITS = {
-    "other_family": (["model=llama_tiny_a"], r"meta/metadata is from another model \(model\.family=deepseek_v3 there, llama here"),
-    "other_size": (["model.num_layers=4"], r"meta/metadata is from another model \(model\.num_layers=3 there, 4 here\)"),
-    "other_optimizer_state": (["optimizer.grad_clip=0"], r"meta/metadata holds a state leaf .* \(optimizer\.grad_clip=1\.0 there, 0\.0 here\)"),
-    "fewer_steps": (["trainer.steps=4"], r"^error: trainer\.steps: 4, but checkpoint\.dir .* already holds step 8; set trainer\.steps above 8"),
-    "resume_off": (["checkpoint.resume=false"], r"already holds checkpoints \(latest step 8\); set checkpoint\.resume=true"),
+    "other_family": (
+        ["model=llama_tiny_a"],
+        r"meta/metadata is from another model \(model\.family=deepseek_v3 there, llama here",
+    ),
+    "other_size": (
+        ["model.num_layers=4"],
+        r"meta/metadata is from another model \(model\.num_layers=3 there, 4 here\)",
+    ),
+    "other_optimizer_state": (
+        ["optimizer.grad_clip=0"],
+        r"meta/metadata holds a state leaf .* \(optimizer\.grad_clip=1\.0 there, 0\.0 here\)",
+    ),
+    "fewer_steps": (
+        ["trainer.steps=4"],
+        r"^error: trainer\.steps: 4, but checkpoint\.dir .* already holds step 8; set trainer\.steps above 8",
+    ),
+    "resume_off": (
+        ["checkpoint.resume=false"],
+        r"already holds checkpoints \(latest step 8\); set checkpoint\.resume=true",
+    ),
 }
 
 
@@ -298,10 +360,18 @@ def test_checkpoint_dir_that_is_a_file(tmp_path):
     f = tmp_path / "not_a_dir"
     f.write_text("x")
     p = run([*SMALL, f"checkpoint.dir={f}"], tmp_path / "run")
-    assert p.returncode == 2 and p.stderr.strip() == f"error: checkpoint.dir: {f} is a file; give a directory (or null to disable checkpointing)"
+    assert (
+        p.returncode == 2
+        and p.stderr.strip()
+        == f"error: checkpoint.dir: {f} is a file; give a directory (or null to disable checkpointing)"
+    )
     assert f.read_text() == "x"
     p = run([*SMALL, "checkpoint.dir=/proc/no/such/dir"], tmp_path / "run2")  # /proc takes no new directories
-    assert p.returncode == 2 and p.stderr.strip() == "error: checkpoint.dir: cannot create /proc/no/such/dir (No such file or directory); choose a writable directory"
+    assert (
+        p.returncode == 2
+        and p.stderr.strip()
+        == "error: checkpoint.dir: cannot create /proc/no/such/dir (No such file or directory); choose a writable directory"
+    )
 
 
 def test_nan_loss_stops_with_one_line_and_keeps_the_last_good_checkpoint(tmp_path):
@@ -336,15 +406,35 @@ def test_save_killed_midway_leaves_the_latest_checkpoint_loadable(tmp_path):
     """kill -9 while orbax is writing a step (its temporary directory exists): the previous step stays
     complete, the next run resumes from it and recomputes the killed run's logged loss bit for bit."""
     ckpt = tmp_path / "ckpt"
-    big = ["model=llama_tiny_a", "model.hidden_size=512", "model.intermediate_size=2048", "model.num_heads=8", "model.num_kv_heads=8",
-           "model.head_dim=64", "model.num_layers=4", "mesh=single", "xla.cpu_devices=1", "data.batch_size=4", "data.seq_len=16",
-           "optimizer.decay_steps=40", "trainer.log_every=1", "checkpoint.every_n_steps=1", "checkpoint.keep_last=2",
-           f"checkpoint.dir={ckpt}",
-           # the resumed run is shorter: with `auto` its model FLOPs could pick the other LLVM level, whose
-           # float rounding differs, and this test compares losses bit for bit
-           "xla.cpu_fast_compile=true"]  # fmt: skip  17M parameters: about 200 MB a checkpoint
+    big = [
+        "model=llama_tiny_a",
+        "model.hidden_size=512",
+        "model.intermediate_size=2048",
+        "model.num_heads=8",
+        "model.num_kv_heads=8",
+        "model.head_dim=64",
+        "model.num_layers=4",
+        "mesh=single",
+        "xla.cpu_devices=1",
+        "data.batch_size=4",
+        "data.seq_len=16",
+        "optimizer.decay_steps=40",
+        "trainer.log_every=1",
+        "checkpoint.every_n_steps=1",
+        "checkpoint.keep_last=2",
+        f"checkpoint.dir={ckpt}",
+        # the resumed run is shorter: with `auto` its model FLOPs could pick the other LLVM level, whose
+        # float rounding differs, and this test compares losses bit for bit
+        "xla.cpu_fast_compile=true",
+    ]  # fmt: skip  17M parameters: about 200 MB a checkpoint
     killed_dir = tmp_path / "killed"
-    proc = subprocess.Popen(train_cmd([*big, "trainer.steps=40"], killed_dir), cwd=tmp_path, env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        train_cmd([*big, "trainer.steps=40"], killed_dir),
+        cwd=tmp_path,
+        env=clean_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 240
     in_flight = None
     try:
@@ -373,13 +463,17 @@ def test_save_killed_midway_leaves_the_latest_checkpoint_loadable(tmp_path):
     p = run([*big, f"trainer.steps={latest + 2}"], tmp_path / "resumed")
     assert p.returncode == 0, p.stderr[-3000:]
     assert f"resuming from step {latest}" in p.stdout
-    assert f"note: checkpoint.dir: took over the lock of pid {proc.pid} on {socket.gethostname()}" in p.stdout  # kill -9 left it
+    assert (
+        f"note: checkpoint.dir: took over the lock of pid {proc.pid} on {socket.gethostname()}" in p.stdout
+    )  # kill -9 left it
     resumed = metrics(tmp_path / "resumed")
     assert [r["step"] for r in resumed] == [latest, latest + 1]
     # The restored state's first step is the one the killed run computed from the same state.
     assert resumed[0]["loss"] == logged[latest]["loss"] and resumed[0]["grad_norm"] == logged[latest]["grad_norm"]
     names = steps_in(ckpt)
-    assert str(latest + 2) in names and not [n for n in names if TMP_SUFFIX in n]  # the stale temporary directory was replaced
+    assert str(latest + 2) in names and not [
+        n for n in names if TMP_SUFFIX in n
+    ]  # the stale temporary directory was replaced
 
 
 def test_save_killed_leaves_a_stale_lock_that_the_next_run_takes_over(tmp_path):
@@ -395,7 +489,10 @@ def test_save_killed_leaves_a_stale_lock_that_the_next_run_takes_over(tmp_path):
         host = socket.gethostname()
         for owner, stale in [
             ({"host": host, "pid": dead.pid, "started": "t0"}, True),
-            ({"host": host, "pid": live.pid, "pid_start": "0", "started": "t0"}, _process_start(live.pid) is not None),  # a reused pid
+            (
+                {"host": host, "pid": live.pid, "pid_start": "0", "started": "t0"},
+                _process_start(live.pid) is not None,
+            ),  # a reused pid
             ({"host": host, "pid": live.pid, "pid_start": _process_start(live.pid), "started": "t0"}, False),
             ({"host": "some-other-host", "pid": dead.pid, "started": "t0"}, False),  # cannot tell: assume it runs
         ]:
@@ -404,11 +501,16 @@ def test_save_killed_leaves_a_stale_lock_that_the_next_run_takes_over(tmp_path):
             if stale:
                 lock.acquire(notes.append)
                 assert json.loads((tmp_path / "zoo.lock").read_text())["pid"] == os.getpid()
-                assert notes == [f"note: checkpoint.dir: took over the lock of pid {owner['pid']} on {host} (started t0), which no longer runs"]
+                assert notes == [
+                    f"note: checkpoint.dir: took over the lock of pid {owner['pid']} on {host} (started t0), which no longer runs"
+                ]
                 lock.release()
                 assert not (tmp_path / "zoo.lock").exists()
             else:
-                with pytest.raises(ConfigError, match=rf"^checkpoint\.dir: {re.escape(str(tmp_path))} is in use by another run \(pid {owner['pid']} on {owner['host']}, started t0\); "):
+                with pytest.raises(
+                    ConfigError,
+                    match=rf"^checkpoint\.dir: {re.escape(str(tmp_path))} is in use by another run \(pid {owner['pid']} on {owner['host']}, started t0\); ",
+                ):
                     lock.acquire(notes.append)
                 assert json.loads((tmp_path / "zoo.lock").read_text()) == owner  # untouched
         assert sorted(p.name for p in tmp_path.iterdir()) == ["zoo.lock"]
@@ -523,7 +625,11 @@ def test_step_times_stay_honest_when_a_save_drains_two_steps_at_once(tmp_path):
     from zoo.tools.kit import compose
     from zoo.train.run_config import load
 
-    c = load(compose(["model=llama_tiny_a", "data.batch_size=2", "data.seq_len=8", "trainer.steps=12", "trainer.progress=false"]))
+    c = load(
+        compose(
+            ["model=llama_tiny_a", "data.batch_size=2", "data.seq_len=8", "trainer.steps=12", "trainer.progress=false"]
+        )
+    )
     run = Run()
     log = StepLog(c, tmp_path, 0, 1, [], show=False)
     saves = types.SimpleNamespace(save=lambda step, state: None, check_saves=lambda: None)
@@ -639,12 +745,18 @@ def test_only_the_failed_restores_leftover_reads_are_silenced():
 
     coro = _read_array_index_and_device_put()
     try:
-        leftover = types.SimpleNamespace(exc_value=Exception("Encountered error while reading array index: (). See ..."), object=coro)
+        leftover = types.SimpleNamespace(
+            exc_value=Exception("Encountered error while reading array index: (). See ..."), object=coro
+        )
         assert _abandoned_read(leftover)
         assert _abandoned_read(types.SimpleNamespace(exc_value=RuntimeError("Event loop is closed"), object=None))
         assert not _abandoned_read(types.SimpleNamespace(exc_value=Exception("something else"), object=coro))
-        assert not _abandoned_read(types.SimpleNamespace(exc_value=Exception("Encountered error while reading array index: ()"), object=None))
-        assert not _abandoned_read(types.SimpleNamespace(exc_value=RuntimeError("Event loop is closed twice"), object=None))
+        assert not _abandoned_read(
+            types.SimpleNamespace(exc_value=Exception("Encountered error while reading array index: ()"), object=None)
+        )
+        assert not _abandoned_read(
+            types.SimpleNamespace(exc_value=RuntimeError("Event loop is closed twice"), object=None)
+        )
     finally:
         coro.close()
 
@@ -662,7 +774,10 @@ def test_a_coroutine_the_failed_restore_left_unawaited_does_not_warn_at_exit():
         "LEFT = [Store()._get_array_metadatas()]  # finalized as the interpreter exits\n"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    loud, quiet = (subprocess.run([sys.executable, "-c", script, how], capture_output=True, text=True, env=env) for how in ("loud", "quiet"))
+    loud, quiet = (
+        subprocess.run([sys.executable, "-c", script, how], capture_output=True, text=True, env=env)
+        for how in ("loud", "quiet")
+    )
     assert "was never awaited" in loud.stderr  # the premise: Python warns at exit
     assert quiet.returncode == 0 and quiet.stderr == "", quiet.stderr
 
@@ -689,10 +804,14 @@ def test_an_abandoned_read_task_collected_unretrieved_is_not_logged():
     read_error = "Encountered error while reading array index: (slice(0, 2, 1),). See full TensorStore details"
 
     def stderr(how, msg):
-        return subprocess.run([sys.executable, "-c", script, how, msg], capture_output=True, text=True, env=env, timeout=120).stderr
+        return subprocess.run(
+            [sys.executable, "-c", script, how, msg], capture_output=True, text=True, env=env, timeout=120
+        ).stderr
 
     # A read of a step without its manifest, which CI once printed that way (orbax-checkpoint 0.12.8).
-    missing = 'NOT_FOUND: Error opening "zarr" driver: Metadata at "params.embed/.zarray" in OCDBT database does not exist'
+    missing = (
+        'NOT_FOUND: Error opening "zarr" driver: Metadata at "params.embed/.zarray" in OCDBT database does not exist'
+    )
     assert "Task exception was never retrieved" in stderr("loud", read_error)  # the premise: asyncio logs it
     assert stderr("quiet", read_error) == ""
     assert stderr("quiet", missing) == ""

@@ -38,7 +38,9 @@ def test_every_private_api_is_still_there():
     store = _compat.orbax_array_metadata_store()
     assert store is not None, "orbax.checkpoint._src.metadata.array_metadata_store.Store moved"
     assert callable(_compat.saved_residuals()), "jax._src.ad_checkpoint.saved_residuals moved"
-    assert _compat.linear_call_vmappable(), "jax._src.custom_derivatives.linear_call_p or jax._src.interpreters.batching moved"
+    assert _compat.linear_call_vmappable(), (
+        "jax._src.custom_derivatives.linear_call_p or jax._src.interpreters.batching moved"
+    )
     assert _compat.cudnn_version() is None or _compat.cudnn_version() > 0
     with _compat.persistent_cache_bypassed() as bypassed:
         assert bypassed, "jax._src.compilation_cache's _cache_checked / _cache_used / _cache_initialized_mutex moved"
@@ -53,7 +55,10 @@ def test_every_private_api_is_still_there():
 
     mesh = jax.make_mesh((2, len(jax.devices()) // 2), ("x", "y"))
     specs = (P("x", "y"), P(None, "y"))
-    a, b = (jax.device_put(jnp.ones(shape), jax.sharding.NamedSharding(mesh, s)) for shape, s in zip(((4, 8), (1, 8)), specs))
+    a, b = (
+        jax.device_put(jnp.ones(shape), jax.sharding.NamedSharding(mesh, s))
+        for shape, s in zip(((4, 8), (1, 8)), specs)
+    )
     jax.jit(jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=P("x", "y")))(a, b)
     assert seen == [({"x", "y"}, {"y"}, {"x", "y"})], "zoo._compat.varying_axes: jax moved the shard_map varying axes"
     assert _compat.varying_axes(jnp.ones(3)) == frozenset()
@@ -146,7 +151,9 @@ def test_pyproject_bounds_jax_to_the_tested_releases():
     text = (ROOT / "pyproject.toml").read_text()
     for name in ("jax", "jaxlib"):
         m = re.search(rf'"{name}>=([\d.]+),<([\d.]+)"', text)
-        assert m, f"pyproject.toml: {name} has no upper bound; bound it to the releases tested (see this file's docstring)"
+        assert m, (
+            f"pyproject.toml: {name} has no upper bound; bound it to the releases tested (see this file's docstring)"
+        )
         installed = tuple(int(x) for x in importlib.metadata.version(name).split(".")[:2])
         upper = tuple(int(x) for x in m.group(2).split(".")[:2])
         assert installed < upper, (

@@ -10,8 +10,16 @@ from omegaconf import OmegaConf
 from zoo.config import count_params
 from zoo.families import SIZES
 from zoo.offload import load_preset
-from zoo.train.run_config import (ConfigError, DataConfig, HardwareConfig, MeshConfig, OptimizerConfig, TrainConfig,
-                              TrainerConfig, XlaConfig)
+from zoo.train.run_config import (
+    ConfigError,
+    DataConfig,
+    HardwareConfig,
+    MeshConfig,
+    OptimizerConfig,
+    TrainConfig,
+    TrainerConfig,
+    XlaConfig,
+)
 from zoo.backend import CPU
 from zoo.train.step import cpu_optimization, run_model_flops
 
@@ -22,9 +30,14 @@ def _config(model="dsv3_tiny_a", batch=16, seq=64, steps=100, **xla):
     # Built from the dataclasses (Hydra's compose would leave logging handlers on this test's
     # captured stderr); the defaults are train.py's: conf/data/markov.yaml's batch, 100 steps.
     return TrainConfig(
-        model=SIZES[model], mesh=MeshConfig(), offload=load_preset("none"), optimizer=OptimizerConfig(),
-        data=DataConfig(name="markov", batch_size=batch, seq_len=seq), xla=XlaConfig(**xla),
-        trainer=TrainerConfig(steps=steps), hardware=HardwareConfig(),
+        model=SIZES[model],
+        mesh=MeshConfig(),
+        offload=load_preset("none"),
+        optimizer=OptimizerConfig(),
+        data=DataConfig(name="markov", batch_size=batch, seq_len=seq),
+        xla=XlaConfig(**xla),
+        trainer=TrainerConfig(steps=steps),
+        hardware=HardwareConfig(),
     )
 
 
@@ -52,7 +65,9 @@ def test_auto_turns_optimisation_on_for_a_long_run_of_a_bigger_model():
     c = _config(batch=8, seq=256, steps=12)
     c = dataclasses.replace(c, model=SIZES["llama_tiny_a"].replace(vocab_size=32000, hidden_size=256))
     # the 20M Llama of bench/peer.py: 152 GFLOP a step
-    assert run_model_flops(c) == pytest.approx(12 * run_model_flops(dataclasses.replace(c, trainer=dataclasses.replace(c.trainer, steps=1))))
+    assert run_model_flops(c) == pytest.approx(
+        12 * run_model_flops(dataclasses.replace(c, trainer=dataclasses.replace(c.trainer, steps=1)))
+    )
     on, why = cpu_optimization(c, "cpu")
     assert on is True and ">=" in why
     assert run_model_flops(c) > CPU.step_llvm_from_run_flops
@@ -92,15 +107,27 @@ def test_backend_choices_live_in_one_record_that_train_py_prints():
     from zoo import backend
 
     root = pathlib.Path(__file__).resolve().parents[1] / "zoo"
-    modules = [*root.glob("nn/*.py"), root / "model.py", root / "loss.py", root / "lora.py", root / "sampling.py", root / "train" / "step.py"]
+    modules = [
+        *root.glob("nn/*.py"),
+        root / "model.py",
+        root / "loss.py",
+        root / "lora.py",
+        root / "sampling.py",
+        root / "train" / "step.py",
+    ]
     found = [
         f"{m.relative_to(root.parent)}:{node.lineno}"
         for m in modules
         for node in ast.walk(ast.parse(m.read_text()))
-        if isinstance(node, ast.Compare) and any(isinstance(x, ast.Constant) and x.value == "cpu" for x in [node.left, *node.comparators])
+        if isinstance(node, ast.Compare)
+        and any(isinstance(x, ast.Constant) and x.value == "cpu" for x in [node.left, *node.comparators])
     ]
     assert not found, found
     assert backend.choices("cpu") is backend.CPU and backend.choices("gpu").step_llvm_from_run_flops is None
     line = backend.CPU.describe()
-    assert line.startswith("backend cpu (zoo.backend): ") and "from 0.05 TFLOP per run" in line and "from 256 positions" in line
+    assert (
+        line.startswith("backend cpu (zoo.backend): ")
+        and "from 0.05 TFLOP per run" in line
+        and "from 256 positions" in line
+    )
     assert backend.choices("gpu").describe().startswith("backend gpu (zoo.backend): XLA's default compile options")

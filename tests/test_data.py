@@ -38,7 +38,9 @@ def write_hf_tokenizer(path: pathlib.Path, texts, vocab_size=120, eos="<|endofte
     tok = Tokenizer(models.BPE(unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     specials = ["[UNK]"] + ([eos] if eos else [])
-    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False))
+    tok.train_from_iterator(
+        texts, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False)
+    )
     tok.save(str(path))
     return path
 
@@ -74,7 +76,10 @@ def test_hf_tokenizer_matches_tokenizers_library(tmp_path):
         assert [list(g) for g in got] == [ref.encode("the cat sat").ids, ref.encode("a dog on the log").ids]
         assert tok.decode(got[0]).replace(" ", "") == "thecatsat"
     check_vocab(tok, tok.vocab_size)
-    with pytest.raises(DataError, match=rf"^data\.tokenizer: .*tokenizer\.json has {tok.vocab_size} token ids but model\.vocab_size=10;"):
+    with pytest.raises(
+        DataError,
+        match=rf"^data\.tokenizer: .*tokenizer\.json has {tok.vocab_size} token ids but model\.vocab_size=10;",
+    ):
         check_vocab(tok, 10)
 
 
@@ -212,7 +217,9 @@ def test_bad_inputs_raise_one_clear_line(tmp_path):
 
     latin = tmp_path / "latin.txt"
     latin.write_bytes("line one\ncafé au lait".encode("latin-1"))
-    msg = one_line_error(rf"^data\.path: {latin} is not UTF-8 text \(byte 0xe9 at offset 12, line 2\);", load_text, latin, **kw)
+    msg = one_line_error(
+        rf"^data\.path: {latin} is not UTF-8 text \(byte 0xe9 at offset 12, line 2\);", load_text, latin, **kw
+    )
     assert "iconv" in msg
 
     folder = tmp_path / "folder"
@@ -229,7 +236,9 @@ def test_bad_inputs_raise_one_clear_line(tmp_path):
     one_line_error(rf"^data\.path: {bad_json} line 2 is not JSON", load_text, bad_json, **kw)
     no_field = tmp_path / "nofield.jsonl"
     no_field.write_text('{"content": "x"}\n')
-    one_line_error(rf"^data\.text_field: {no_field} line 1 has no key 'text' \(it has: content\);", load_text, no_field, **kw)
+    one_line_error(
+        rf"^data\.text_field: {no_field} line 1 has no key 'text' \(it has: content\);", load_text, no_field, **kw
+    )
     not_str = tmp_path / "notstr.jsonl"
     not_str.write_text('{"text": 3}\n')
     one_line_error(rf"^data\.text_field: {not_str} line 1: 'text' holds a int", load_text, not_str, **kw)
@@ -244,11 +253,26 @@ def test_bad_inputs_raise_one_clear_line(tmp_path):
     one_line_error(rf"^data\.tokenizer: {no_tok} does not exist;", load_text, text, tokenizer=no_tok, **kw)
     garbage = tmp_path / "tokenizer.json"
     garbage.write_text('{"not": "a tokenizer"}')
-    one_line_error(rf"^data\.tokenizer: {garbage} does not load as a Hugging Face tokenizer\.json", load_text, text, tokenizer=garbage, **kw)
+    one_line_error(
+        rf"^data\.tokenizer: {garbage} does not load as a Hugging Face tokenizer\.json",
+        load_text,
+        text,
+        tokenizer=garbage,
+        **kw,
+    )
     garbage.write_bytes(b"\x00\x01binary")
     one_line_error(rf"^data\.tokenizer: {garbage} does not load", load_text, text, tokenizer=garbage, **kw)
-    one_line_error(r"^data\.tokenizer: byte-level tokens .* model\.vocab_size=100;", load_text, text, vocab_size=100, **kw)
-    one_line_error(r"^data\.batch_size: 3 does not split over 2 processes;", load_text, text, seq_len=8, batch_size=3, process_count=2)
+    one_line_error(
+        r"^data\.tokenizer: byte-level tokens .* model\.vocab_size=100;", load_text, text, vocab_size=100, **kw
+    )
+    one_line_error(
+        r"^data\.batch_size: 3 does not split over 2 processes;",
+        load_text,
+        text,
+        seq_len=8,
+        batch_size=3,
+        process_count=2,
+    )
 
 
 # --- learning on the shipped text ------------------------------------------------------------------
@@ -318,7 +342,13 @@ def run_train(tmp_path, *overrides, timeout=600):
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device, not conftest's eight
-    cmd = [sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={tmp_path / 'run'}", "trainer.progress=false", *overrides]
+    cmd = [
+        sys.executable,
+        str(ROOT / "train.py"),
+        f"hydra.run.dir={tmp_path / 'run'}",
+        "trainer.progress=false",
+        *overrides,
+    ]
     return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -333,8 +363,10 @@ def test_train_py_bad_data_input_exits_2_with_one_line(tmp_path, case):
         small = tmp_path / "small.txt"
         small.write_text(numbered_text(40))  # 321 bytes: 5 windows of 64
         args = [f"data.path={small}", "data.batch_size=8"]
-        want = (f"error: data.batch_size: {small} (321 tokens) gives 5 windows of data.seq_len=64 tokens, fewer than one batch of "
-                "data.batch_size=8; a step would read more than the corpus; lower data.batch_size or data.seq_len, or add text")
+        want = (
+            f"error: data.batch_size: {small} (321 tokens) gives 5 windows of data.seq_len=64 tokens, fewer than one batch of "
+            "data.batch_size=8; a step would read more than the corpus; lower data.batch_size or data.seq_len, or add text"
+        )
     r = run_train(tmp_path, "data=text", *args)
     assert r.returncode == 2, r.stderr
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
@@ -400,7 +432,9 @@ def bos_tokenizer(path: pathlib.Path, texts, with_post_processor: bool = True) -
     specials = ["[UNK]", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
     tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=150, special_tokens=specials, show_progress=False))
     if with_post_processor:
-        tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+        tok.post_processor = processors.TemplateProcessing(
+            single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))]
+        )
     path.mkdir(parents=True, exist_ok=True)
     tok.save(str(path / "tokenizer.json"))
     return path
@@ -423,7 +457,9 @@ def test_bos_comes_from_the_post_processor_or_tokenizer_config(tmp_path):
     # tokenizer_config.json's add_bos_token wins over the post-processor
     (folder / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": False}))
     assert load_tokenizer(folder).bos_id is None
-    (folder / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": True, "bos_token": {"content": "<|im_start|>"}}))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"add_bos_token": True, "bos_token": {"content": "<|im_start|>"}})
+    )
     assert load_tokenizer(folder).bos_token == "<|im_start|>"
     # no post-processor, no config: no BOS; the bytes have none either
     assert load_tokenizer(bos_tokenizer(tmp_path / "plain", texts, with_post_processor=False)).bos_id is None
@@ -445,9 +481,17 @@ def counted_text(data, tok) -> str:
 
 def test_chat_lines_count_the_replies_only(tmp_path):
     chats = [
-        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}, {"role": "assistant", "content": "hello"}],
-        [{"role": "user", "content": "sum"}, {"role": "assistant", "content": "one"}, {"role": "user", "content": "more"},
-         {"role": "assistant", "content": "two"}],
+        [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "hi there"},
+            {"role": "assistant", "content": "hello"},
+        ],
+        [
+            {"role": "user", "content": "sum"},
+            {"role": "assistant", "content": "one"},
+            {"role": "user", "content": "more"},
+            {"role": "assistant", "content": "two"},
+        ],
     ]
     corpus = tmp_path / "chat.jsonl"
     corpus.write_text("".join(json.dumps({"messages": c}) + "\n" for c in chats))
@@ -459,7 +503,9 @@ def test_chat_lines_count_the_replies_only(tmp_path):
     assert counted_text(data, data.tokenizer) == "hello\n\x00one\ntwo\n\x00"
     # a tokenizer folder with a chat template: rendered by it, the replies with their end-of-turn marker counted
     folder = bos_tokenizer(tmp_path / "tok", ["system user assistant hi there hello be brief sum one more two"] * 10)
-    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML, "bos_token": "<s>", "eos_token": "</s>"}))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": CHATML, "bos_token": "<s>", "eos_token": "</s>"})
+    )
     data = load_text(corpus, seq_len=8, batch_size=1, tokenizer=folder, shuffle=False)
     tok = data.tokenizer
     first = tok.decode(data.tokens[: data.windows.packed.doc_starts[1]]).replace(" ", "")
@@ -470,23 +516,40 @@ def test_chat_lines_count_the_replies_only(tmp_path):
 
 def test_a_template_that_rewrites_earlier_turns_is_refused(tmp_path):
     corpus = tmp_path / "chat.jsonl"
-    corpus.write_text(json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}) + "\n")
+    corpus.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}) + "\n"
+    )
     folder = bos_tokenizer(tmp_path / "tok", ["a b c"] * 5)
     # the number of messages shows at the start: a shorter conversation is not a prefix of the longer one
     (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages | length }}" + CHATML}))
-    one_line_error(r"^data\.tokenizer: its chat template does not render", load_text, corpus, seq_len=4, batch_size=1, tokenizer=folder)
+    one_line_error(
+        r"^data\.tokenizer: its chat template does not render",
+        load_text,
+        corpus,
+        seq_len=4,
+        batch_size=1,
+        tokenizer=folder,
+    )
 
 
 def test_a_chat_template_without_jinja2_is_one_line(tmp_path, monkeypatch):
     import sys
 
     corpus = tmp_path / "chat.jsonl"
-    corpus.write_text(json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}) + "\n")
+    corpus.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}) + "\n"
+    )
     folder = bos_tokenizer(tmp_path / "tok", ["a b c"] * 5)
     (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML}))
     monkeypatch.setitem(sys.modules, "jinja2", None)  # import jinja2 now fails
-    one_line_error(r"^data\.tokenizer: .* has a chat template, and rendering it needs jinja2; pip install jinja2",
-                   load_text, corpus, seq_len=4, batch_size=1, tokenizer=folder)
+    one_line_error(
+        r"^data\.tokenizer: .* has a chat template, and rendering it needs jinja2; pip install jinja2",
+        load_text,
+        corpus,
+        seq_len=4,
+        batch_size=1,
+        tokenizer=folder,
+    )
 
 
 # --- held-out evaluation and a corpus smaller than a batch ------------------------------------------
@@ -506,7 +569,9 @@ def test_eval_fraction_holds_out_evenly_spread_windows_whatever_the_seed(tmp_pat
     seen = {r for s in range(2 * n // 4) for r in rows(data.batch(s)["tokens"])}
     held_rows = set(rows(np.stack([data.windows[int(i)] for i in held]).astype(np.int32)))
     assert not seen & held_rows and len(seen) == len(data.window_ids)
-    assert rows(data.eval.batch(0)["tokens"]) == rows(np.stack([data.windows[int(i)] for i in held[:4]]).astype(np.int32))
+    assert rows(data.eval.batch(0)["tokens"]) == rows(
+        np.stack([data.windows[int(i)] for i in held[:4]]).astype(np.int32)
+    )
     assert data.eval.num_batches == len(held) // 4
 
 
@@ -517,17 +582,50 @@ def test_eval_path_and_the_splits_too_small_for_a_batch(tmp_path):
     data = load_text(train, seq_len=16, batch_size=4, eval_path=held)
     assert data.eval.source == str(held) and len(data.eval.window_ids) == num_windows(28 * 8 + 1, 16)
     assert data.eval.tokens.tobytes() != data.tokens.tobytes()
-    one_line_error(r"^data\.eval_path: .*held\.txt \(\d+ tokens\) gives 14 windows of data\.seq_len=16 tokens, fewer than one batch of "
-                   r"data\.batch_size=16; add text", load_text, train, seq_len=16, batch_size=16, eval_path=held)
-    one_line_error(r"^data\.eval_fraction: 0\.01 of .* gives 0 windows .* fewer than one batch of data\.batch_size=4; "
-                   r"raise data\.eval_fraction to at least 0\.076", load_text, train, seq_len=16, batch_size=4, eval_fraction=0.01)
-    one_line_error(r"^data\.eval_path: .*nope does not exist", load_text, train, seq_len=16, batch_size=4, eval_path=tmp_path / "nope")
-    one_line_error(r"^data\.eval_fraction: set it or data\.eval_path, not both", load_text, train, seq_len=16, batch_size=4,
-                   eval_fraction=0.1, eval_path=held)
+    one_line_error(
+        r"^data\.eval_path: .*held\.txt \(\d+ tokens\) gives 14 windows of data\.seq_len=16 tokens, fewer than one batch of "
+        r"data\.batch_size=16; add text",
+        load_text,
+        train,
+        seq_len=16,
+        batch_size=16,
+        eval_path=held,
+    )
+    one_line_error(
+        r"^data\.eval_fraction: 0\.01 of .* gives 0 windows .* fewer than one batch of data\.batch_size=4; "
+        r"raise data\.eval_fraction to at least 0\.076",
+        load_text,
+        train,
+        seq_len=16,
+        batch_size=4,
+        eval_fraction=0.01,
+    )
+    one_line_error(
+        r"^data\.eval_path: .*nope does not exist",
+        load_text,
+        train,
+        seq_len=16,
+        batch_size=4,
+        eval_path=tmp_path / "nope",
+    )
+    one_line_error(
+        r"^data\.eval_fraction: set it or data\.eval_path, not both",
+        load_text,
+        train,
+        seq_len=16,
+        batch_size=4,
+        eval_fraction=0.1,
+        eval_path=held,
+    )
     # issue 13: a batch larger than the corpus (under one step per epoch)
-    one_line_error(r"^data\.batch_size: .*train\.txt \(801 tokens\) gives 53 windows of data\.seq_len=16 tokens, fewer than one batch "
-                   r"of data\.batch_size=64; a step would read more than the corpus; lower data\.batch_size or data\.seq_len",
-                   load_text, train, seq_len=16, batch_size=64)
+    one_line_error(
+        r"^data\.batch_size: .*train\.txt \(801 tokens\) gives 53 windows of data\.seq_len=16 tokens, fewer than one batch "
+        r"of data\.batch_size=64; a step would read more than the corpus; lower data\.batch_size or data\.seq_len",
+        load_text,
+        train,
+        seq_len=16,
+        batch_size=64,
+    )
 
 
 def test_batches_are_the_same_from_several_threads(tmp_path):
@@ -607,7 +705,9 @@ def features_fn(model, impl):
     from zoo.nn.attention_kernels import segments_bound
 
     # The same weights under another attention path (a static field): no second initialisation.
-    model = jax.tree.unflatten(jax.tree.structure(abstract(model.config.replace(attention_impl=impl))), jax.tree.leaves(model))
+    model = jax.tree.unflatten(
+        jax.tree.structure(abstract(model.config.replace(attention_impl=impl))), jax.tree.leaves(model)
+    )
 
     @jax.jit
     def logits(tokens, positions, segment_ids):
@@ -627,11 +727,15 @@ def cudnn_stand_in(monkeypatch):
 
     from zoo.nn import attention_kernels as A
 
-    def packed_attention(q, k, v, *, scale, mask_type, sliding_window_length=None, q_seqlen, kv_seqlen, q_offsets, kv_offsets):
+    def packed_attention(
+        q, k, v, *, scale, mask_type, sliding_window_length=None, q_seqlen, kv_seqlen, q_offsets, kv_offsets
+    ):
         assert mask_type == fa.MaskType.PADDING_CAUSAL
         pos = jnp.arange(q.shape[1])
         # segment m covers [offset m, offset m + length m): the layout back to ids
-        inside = (pos[None, None, :] >= q_offsets[:, :-1, None]) & (pos[None, None, :] < (q_offsets[:, :-1] + q_seqlen)[:, :, None])
+        inside = (pos[None, None, :] >= q_offsets[:, :-1, None]) & (
+            pos[None, None, :] < (q_offsets[:, :-1] + q_seqlen)[:, :, None]
+        )
         ids = jnp.argmax(inside, axis=1)
         return A.xla_attention(q, k, v, scale=scale, segment_ids=ids)
 
@@ -676,7 +780,7 @@ def test_a_packed_row_gives_each_document_its_logits_alone(tiny_llama, alone_log
         at += n
     # and without segment ids the documents do see each other, so the comparison above says something
     unmasked = np.asarray(logits(tokens, positions, jnp.zeros((1, SEQ), jnp.int32)))[0]
-    assert np.abs(unmasked[LENGTHS[0]:] - packed[LENGTHS[0]:]).max() > 1e-2
+    assert np.abs(unmasked[LENGTHS[0] :] - packed[LENGTHS[0] :]).max() > 1e-2
 
 
 # --- the trainer's loss on packed batches ----------------------------------------------------------
@@ -688,16 +792,30 @@ def text_trainer(tiny_llama):
     import jax
 
     from zoo.offload import OffloadConfig
-    from zoo.train.run_config import DataConfig, HardwareConfig, MeshConfig, OptimizerConfig, TrainConfig, TrainerConfig, XlaConfig, validate
+    from zoo.train.run_config import (
+        DataConfig,
+        HardwareConfig,
+        MeshConfig,
+        OptimizerConfig,
+        TrainConfig,
+        TrainerConfig,
+        XlaConfig,
+        validate,
+    )
     from zoo.train.step import Trainer
 
     cfg, model = tiny_llama
 
     def make(accum=1, chunk=512):
         c = TrainConfig(
-            model=cfg, mesh=MeshConfig(devices=1), offload=OffloadConfig(), optimizer=OptimizerConfig(),
-            data=DataConfig(name="text", batch_size=4, seq_len=24), xla=XlaConfig(),
-            trainer=TrainerConfig(grad_accum=accum, loss_chunk_size=chunk), hardware=HardwareConfig(),
+            model=cfg,
+            mesh=MeshConfig(devices=1),
+            offload=OffloadConfig(),
+            optimizer=OptimizerConfig(),
+            data=DataConfig(name="text", batch_size=4, seq_len=24),
+            xla=XlaConfig(),
+            trainer=TrainerConfig(grad_accum=accum, loss_chunk_size=chunk),
+            hardware=HardwareConfig(),
         )
         return Trainer(c, validate(c, len(jax.devices())))
 
@@ -752,7 +870,7 @@ def test_prompt_response_loss_counts_response_tokens_only(tmp_path, text_trainer
     want = nll[counted].mean()
     np.testing.assert_allclose(float(jax.jit(trainer.loss_and_aux)(params, batch)[0]), want, rtol=1e-5)
     # counting the prompts (or the cross-document targets) gives another number
-    everything = (seg[:, 1:] == seg[:, :-1])
+    everything = seg[:, 1:] == seg[:, :-1]
     assert abs(nll[everything].mean() - want) > 1e-3 and counted.sum() < everything.sum()
 
 

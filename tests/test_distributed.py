@@ -76,7 +76,9 @@ def test_two_processes_reproduce_one_process_then_resume_under_slurm(tmp_path):
     for rc, out, err in results:
         assert rc == 0, err[-3000:]
     assert "on 4 cpu device(s) in 2 processes" in results[0][1] and "process 0 of 2" in results[0][1]
-    assert "summary:" in results[0][1] and "model llama" not in results[1][1] and "summary:" not in results[1][1]  # process 0 alone reports
+    assert (
+        "summary:" in results[0][1] and "model llama" not in results[1][1] and "summary:" not in results[1][1]
+    )  # process 0 alone reports
     got = losses(tmp_path / "two")
     assert [s for s, _ in got] == [0, 1, 2, 3]
     assert max(abs(a - b) for (_, a), (_, b) in zip(got, ref[:4])) < 1e-5, (got, ref)
@@ -132,7 +134,9 @@ def test_coordinator_alone_times_out_in_one_line(tmp_path):
     port = free_port()
     line = one_error_line(run_cli([f"distributed.coordinator_address=127.0.0.1:{port}", "distributed.num_processes=2",
                                    "distributed.process_id=0", "distributed.timeout_s=3"], tmp_path))  # fmt: skip
-    assert line.startswith(f"error: distributed.num_processes=2: not every process joined the coordinator at 127.0.0.1:{port} within 3s")
+    assert line.startswith(
+        f"error: distributed.num_processes=2: not every process joined the coordinator at 127.0.0.1:{port} within 3s"
+    )
     assert line.endswith("start all 2 processes with the same coordinator_address and num_processes")
 
 
@@ -143,15 +147,27 @@ def test_coordinator_port_in_use_one_line(tmp_path):
         port = s.getsockname()[1]
         line = one_error_line(run_cli([f"distributed.coordinator_address=127.0.0.1:{port}", "distributed.num_processes=2",
                                        "distributed.process_id=0", "distributed.timeout_s=3"], tmp_path))  # fmt: skip
-    assert line == f"error: distributed.coordinator_address=127.0.0.1:{port}: port {port} is already in use here; choose a free port"
+    assert (
+        line
+        == f"error: distributed.coordinator_address=127.0.0.1:{port}: port {port} is already in use here; choose a free port"
+    )
 
 
 @pytest.mark.parametrize(
     "args, expected",
     [
-        (["distributed.num_processes=2"], "error: distributed.coordinator_address: not set (distributed.num_processes=2 given, no SLURM job step found); "),
-        (["distributed.num_processes=2", "distributed.process_id=2"], "error: distributed.process_id: 2 is not below distributed.num_processes=2; use 0..1"),
-        (["distributed.coordinator_address=localhost"], "error: distributed.coordinator_address: 'localhost' is not host:port; "),
+        (
+            ["distributed.num_processes=2"],
+            "error: distributed.coordinator_address: not set (distributed.num_processes=2 given, no SLURM job step found); ",
+        ),
+        (
+            ["distributed.num_processes=2", "distributed.process_id=2"],
+            "error: distributed.process_id: 2 is not below distributed.num_processes=2; use 0..1",
+        ),
+        (
+            ["distributed.coordinator_address=localhost"],
+            "error: distributed.coordinator_address: 'localhost' is not host:port; ",
+        ),
     ],
 )
 def test_incomplete_settings_one_line(args, expected, tmp_path):
@@ -169,7 +185,11 @@ def test_resolve_reads_slurm_like_jax(monkeypatch):
     monkeypatch.setenv("SLURM_LOCALID", "1")
     c = resolve(DistributedConfig())
     assert (c.coordinator_address, c.num_processes, c.process_id, c.local_device_ids, c.source) == (
-        f"gpu017:{61440 + 12345 % 4096}", 32, 9, [1], "slurm"
+        f"gpu017:{61440 + 12345 % 4096}",
+        32,
+        9,
+        [1],
+        "slurm",
     )
     assert resolve(DistributedConfig(auto_detect=False)) is None
     c = resolve(DistributedConfig(coordinator_address="head:7777", local_device_ids=[0, 1, 2, 3]))

@@ -133,8 +133,15 @@ def test_jvp_of_blockwise_attention_matches_xla_attention(case):
 
     def f(impl):
         def attention(*a):
-            return attend(*a[:3], scale=0.125, impl=impl, sinks=a[3] if len(a) > 3 else None,
-                          block_q=blocks[0], block_k=blocks[1], **kw)
+            return attend(
+                *a[:3],
+                scale=0.125,
+                impl=impl,
+                sinks=a[3] if len(a) > 3 else None,
+                block_q=blocks[0],
+                block_k=blocks[1],
+                **kw,
+            )
 
         return attention
 
@@ -168,6 +175,8 @@ def test_per_example_gradients_with_vmap_through_blockwise_attention_and_the_exp
         want = one(params, tokens[i])
         got = jax.tree.map(lambda g: g[i], per_example)
         for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):  # float32 sums in another order
-            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-5 * max(1.0, float(jnp.abs(w).max())))
+            np.testing.assert_allclose(
+                np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-5 * max(1.0, float(jnp.abs(w).max()))
+            )
     w_gate = [x for x in jax.tree.leaves(per_example) if x.ndim == 5]  # [example, layers, experts, embed, mlp]
     assert w_gate and float(jnp.abs(w_gate[0][0] - w_gate[0][1]).max()) > 0  # the examples differ

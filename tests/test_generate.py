@@ -7,7 +7,6 @@ cache gave must equal the full forward's within float32 rounding. One compiled p
 serves every test of it (module-scoped; sampling settings are arguments, not shapes).
 """
 
-import json
 import pathlib
 import re
 import subprocess
@@ -32,7 +31,11 @@ FIXTURES = {
     "llama": DATA / "llama_tiny_a",
     "deepseek_v3": DATA / "dsv3_tiny_a",
     # every other family: its *_tiny_a fixture, or (a registered family) the first of its fixtures
-    **{name: sorted((DATA / "families").glob(f"{name}_tiny_*"))[0] for name in families.names() if name not in ("llama", "deepseek_v3")},
+    **{
+        name: sorted((DATA / "families").glob(f"{name}_tiny_*"))[0]
+        for name in families.names()
+        if name not in ("llama", "deepseek_v3")
+    },
 }
 # Lengths 3 and 10 (> the windows of 8) plus 6 new tokens: one shape bucket, (2 or 1, 16, 16).
 PROMPTS = [[5, 17, 101], [200, 3, 77, 150, 9, 64, 33, 250, 18, 120]]
@@ -112,7 +115,9 @@ def test_a_decode_step_updates_the_cache_in_place_without_copying_it_whole(famil
     CPU), no layer's weights are sliced out of a stack in the step."""
     model = model_of(family)
     params, static = eqx.partition(model, eqx.is_array)
-    _, cache = jax.jit(lambda p: eqx.combine(p, static).prefill(jnp.ones((1, SEQ), jnp.int32), jnp.array([3]), 64))(params)
+    _, cache = jax.jit(lambda p: eqx.combine(p, static).prefill(jnp.ones((1, SEQ), jnp.int32), jnp.array([3]), 64))(
+        params
+    )
     layers = [stack.unstack() for stack in model.stacks] if unstacked else None
     step = jax.jit(lambda p, t, c, layers: eqx.combine(p, static).decode_step(t, c, layers), donate_argnums=2)
     hlo = step.lower(params, jnp.zeros((1,), jnp.int32), cache, layers).compile().as_text()
@@ -124,7 +129,9 @@ def test_a_decode_step_updates_the_cache_in_place_without_copying_it_whole(famil
         assert len(whole) <= 2 and not any("broadcast" in line for line in whole), f"{family}: {whole}"
     else:
         assert not whole, f"{family}: the decode step makes a whole cache: {whole}"
-    assert _instructions_making(hlo, leaves[0].shape, "f32", ("dynamic-update-slice",))  # the check sees the cache's ops
+    assert _instructions_making(
+        hlo, leaves[0].shape, "f32", ("dynamic-update-slice",)
+    )  # the check sees the cache's ops
     up = model.stacks[0].layers[0].ffn.w_up  # [layers, embed, mlp]
     sliced = _instructions_making(hlo, up.shape[1:], "f32", ("dynamic-slice", "slice", "copy", "fusion"))
     assert bool(sliced) != unstacked, sliced  # the scan slices a layer's w_up out every step, the unrolled step never
@@ -172,7 +179,9 @@ def test_sampling_obeys_top_k_top_p_and_temperature_and_compiles_nothing_new():
                 assert token in nucleus(row, 0.8, 0.5)
     assert len(set(draws)) > 2 * NEW  # sampling happened: not one fixed continuation
     again = gen.generate(model, PROMPTS, NEW, temperature=1.5, top_k=3, seed=2)
-    assert [r.tokens for r in again] == [r.tokens for r in gen.generate(model, PROMPTS, NEW, temperature=1.5, top_k=3, seed=2)]
+    assert [r.tokens for r in again] == [
+        r.tokens for r in gen.generate(model, PROMPTS, NEW, temperature=1.5, top_k=3, seed=2)
+    ]
     # Other settings, prompts and max_new_tokens within the bucket: nothing new compiled
     # (keep_logits=False is its own program, compiled once for the two calls just above).
     gen.generate(model, [[1, 2], [3] * 9], 4, temperature=0.5, top_p=0.9, seed=9, keep_logits=True)
@@ -235,7 +244,9 @@ def test_moe_capacity_models_decode_dropless():
     assert converted.config == model.config  # so it runs the program compiled for `model`
     for a, b in zip(jax.tree_util.tree_leaves(converted), jax.tree_util.tree_leaves(model)):
         np.testing.assert_array_equal(a, b)
-    assert [r.tokens for r in gen.generate(capacity, PROMPTS, NEW, keep_logits=True)] == [r.tokens for r in greedy_of("mixtral")]
+    assert [r.tokens for r in gen.generate(capacity, PROMPTS, NEW, keep_logits=True)] == [
+        r.tokens for r in greedy_of("mixtral")
+    ]
 
 
 # --- bad input ----------------------------------------------------------------------------------
@@ -244,8 +255,14 @@ def test_moe_capacity_models_decode_dropless():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        (dict(prompts=[[1] * 128]), r"^prompt: the prompt has 128 tokens but the model's max_position_embeddings allows 128 positions.*shorten it to at most 127"),
-        (dict(prompts=[[1] * 120], max_new_tokens=20), r"^max_new_tokens: 20 new tokens after the prompt's 120 tokens pass the 128 positions.*max_new_tokens<=8"),
+        (
+            dict(prompts=[[1] * 128]),
+            r"^prompt: the prompt has 128 tokens but the model's max_position_embeddings allows 128 positions.*shorten it to at most 127",
+        ),
+        (
+            dict(prompts=[[1] * 120], max_new_tokens=20),
+            r"^max_new_tokens: 20 new tokens after the prompt's 120 tokens pass the 128 positions.*max_new_tokens<=8",
+        ),
         (dict(prompts=[[1] * 20], max_len=16), r"^prompt: the prompt has 20 tokens but max_len allows 16 positions"),
         (dict(prompts=[[1, 2], []]), r"^prompt: prompt 1 is empty"),
         (dict(prompts=[]), r"^prompt: no prompt given"),
@@ -271,29 +288,48 @@ def test_bad_requests_are_refused_in_one_line_before_compiling(kwargs, message):
 
 
 def _cli(*args, timeout=600):
-    return subprocess.run([sys.executable, "-m", "zoo.tools.generate", *args], capture_output=True, text=True, cwd=ROOT, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "zoo.tools.generate", *args], capture_output=True, text=True, cwd=ROOT, timeout=timeout
+    )
 
 
 def test_cli_bad_input_exits_2_with_one_line_before_compiling():
     llama = "model.path=tests/data/llama_tiny_a"
     for args, message in [
-        ((llama, "tokenizer=bytes", "prompt=" + "x" * 130), "error: prompt: the prompt has 130 tokens but the model's max_position_embeddings allows 128"),
-        ((llama, "prompt=hi"), "error: tokenizer: tests/data/llama_tiny_a has no tokenizer.json; give tokenizer=<a tokenizer.json>, or tokenizer=bytes"),
+        (
+            (llama, "tokenizer=bytes", "prompt=" + "x" * 130),
+            "error: prompt: the prompt has 130 tokens but the model's max_position_embeddings allows 128",
+        ),
+        (
+            (llama, "prompt=hi"),
+            "error: tokenizer: tests/data/llama_tiny_a has no tokenizer.json; give tokenizer=<a tokenizer.json>, or tokenizer=bytes",
+        ),
         ((llama, "tokenizer=bytes", "prompt="), "error: prompt: the prompt is empty"),
         ((llama, "tokenizer=bytes", "prompt=hi", "top_p=2"), "error: top_p: must be in (0, 1]"),
         ((llama, "tokenizer=bytes", "prompt=hi", "temperature=hot"), "error: temperature: "),
-        ((llama, "tokenizer=bytes", "prompt=hi", "topk=3"), "error: topk: unknown key; the keys are prompt, model.path"),
-        ((llama, "tokenizer=bytes", "prompt=hi", "model.dtype=bf16"), "error: model.dtype: got 'bf16'; choose one of float32, bfloat16, float16"),
+        (
+            (llama, "tokenizer=bytes", "prompt=hi", "topk=3"),
+            "error: topk: unknown key; the keys are prompt, model.path",
+        ),
+        (
+            (llama, "tokenizer=bytes", "prompt=hi", "model.dtype=bf16"),
+            "error: model.dtype: got 'bf16'; choose one of float32, bfloat16, float16",
+        ),
         (("prompt=hi",), "error: model.path: give exactly one of model.path="),
         (("model.path=tests/data/nowhere", "prompt=hi"), "error: tests/data/nowhere: not a directory"),
-        (("checkpoint.dir=tests/data/nowhere", "prompt=hi"), "does not exist; give the checkpoint.dir of a train.py run"),
+        (
+            ("checkpoint.dir=tests/data/nowhere", "prompt=hi"),
+            "does not exist; give the checkpoint.dir of a train.py run",
+        ),
     ]:
         out = gen_cli.main(list(args)) if args[0] != llama or "x" * 130 not in args[-1] else None
         if out is None:  # one through a real process: the exit code and stderr as a shell sees them
             proc = _cli(*args)
             out, err = proc.returncode, proc.stderr
             assert proc.stdout == "" and err.count("\n") == 1, err
-            assert "\n  " + err.strip() + "\n" in (ROOT / "docs" / "sampling.md").read_text()  # the line docs/sampling.md shows
+            assert (
+                "\n  " + err.strip() + "\n" in (ROOT / "docs" / "sampling.md").read_text()
+            )  # the line docs/sampling.md shows
         else:
             _, err = _captured.pop()
         assert out == 2 and message in err, (args, err)
@@ -306,7 +342,10 @@ def test_cli_refuses_a_tokenizer_larger_than_the_models_vocabulary(tmp_path):
     code = gen_cli.main(["model.path=tests/data/llama_tiny_a", f"tokenizer={big}", "prompt=hi"])
     _, err = _captured.pop()
     assert code == 2 and err.count("\n") == 1, err
-    assert err.startswith("error: tokenizer: ") and "has 300 token ids but the model's vocabulary has 256; give the model's own tokenizer" in err
+    assert (
+        err.startswith("error: tokenizer: ")
+        and "has 300 token ids but the model's vocabulary has 256; give the model's own tokenizer" in err
+    )
 
 
 _captured: list = []
@@ -338,11 +377,15 @@ def test_cli_samples_from_a_hugging_face_directory_as_the_readme_shows(monkeypat
     assert gen_cli.main(README_COMMAND) == 0  # in process: the exit code and stderr through a shell are checked above
     out, err = _captured.pop()
     readme = (ROOT / "docs" / "sampling.md").read_text()
-    command = "$ python -m zoo.tools.generate " + " ".join(a if " " not in a else a.replace("=", '="', 1) + '"' for a in README_COMMAND)
+    command = "$ python -m zoo.tools.generate " + " ".join(
+        a if " " not in a else a.replace("=", '="', 1) + '"' for a in README_COMMAND
+    )
     assert command in readme
     shown = readme.split(command + "\n", 1)[1].split("```", 1)[0]
     # the completion as pasted there, before the last stderr line, as the tool prints them
-    assert shown.splitlines()[-2:] == [out.rstrip("\n"), shown.splitlines()[-1]] and shown.splitlines()[-1].startswith("12 new tokens in ")
+    assert shown.splitlines()[-2:] == [out.rstrip("\n"), shown.splitlines()[-1]] and shown.splitlines()[-1].startswith(
+        "12 new tokens in "
+    )
     expected = gen.generate(model_of("llama"), ["To be, or not"], 12, tokenizer=ByteTokenizer(), stop_tokens=[1])[0]
     assert out == "To be, or not" + expected.text + "\n"
     assert "12 new tokens in" in err and "ended by a stop token [1]" in err  # config.json's eos_token_id
@@ -355,7 +398,14 @@ def test_cli_samples_from_a_train_py_checkpoint(tmp_path):
     from zoo.train.run import prepare
     from zoo.train.step import Trainer
 
-    overrides = ["model=llama_tiny_a", "mesh=single", "data=text", "data.batch_size=2", "data.seq_len=16", f"checkpoint.dir={tmp_path / 'ckpt'}"]
+    overrides = [
+        "model=llama_tiny_a",
+        "mesh=single",
+        "data=text",
+        "data.batch_size=2",
+        "data.seq_len=16",
+        f"checkpoint.dir={tmp_path / 'ckpt'}",
+    ]
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         c, plan, devices, _ = prepare(compose("config", overrides=overrides))
     trainer = Trainer(c, plan, devices)

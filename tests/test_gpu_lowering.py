@@ -27,7 +27,13 @@ def test_host_placements_reads_annotations_and_memory_kinds():
 
 @pytest.mark.parametrize(
     "overrides,preset",
-    [(LLAMA, "none"), (LLAMA, "llama_qkv_offload"), (DSV3, "deepseek_mla_moe_offload"), (LLAMA, "optimizer_host"), (LLAMA, "params_host")],
+    [
+        (LLAMA, "none"),
+        (LLAMA, "llama_qkv_offload"),
+        (DSV3, "deepseek_mla_moe_offload"),
+        (LLAMA, "optimizer_host"),
+        (LLAMA, "params_host"),
+    ],
     ids=lambda v: v if isinstance(v, str) else v[0].split("=")[1],
 )
 def test_cuda_lowering_keeps_every_host_placement_the_traced_step_makes(overrides, preset):
@@ -57,7 +63,9 @@ def test_unknown_preset_is_one_line_before_anything_is_traced(capsys):
 
     assert main(["model=llama_tiny_a", "mesh=single", "lower.presets=[full,nope]"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: lower.presets: nope is not a preset of conf/offload; choose from custom,"), err
+    assert len(err) == 1 and err[0].startswith(
+        "error: lower.presets: nope is not a preset of conf/offload; choose from custom,"
+    ), err
 
 
 def test_the_table_renders_each_rows_counts():
@@ -65,8 +73,15 @@ def test_the_table_renders_each_rows_counts():
 
     def row(preset, cuda_host):
         counts = {"host_annotations": cuda_host, "host_memory_kinds": 0}
-        return {"preset": preset, "offloaded_tags": ["query_proj"], "traced_host_residuals": cuda_host, "params": "device",
-                "opt_state": "pinned_host", "cpu": {"host_annotations": 0, "host_memory_kinds": 0}, "cuda": counts}
+        return {
+            "preset": preset,
+            "offloaded_tags": ["query_proj"],
+            "traced_host_residuals": cuda_host,
+            "params": "device",
+            "opt_state": "pinned_host",
+            "cpu": {"host_annotations": 0, "host_memory_kinds": 0},
+            "cuda": counts,
+        }
 
     lines = render([row("none", 0), row("llama_qkv_offload", 6)]).splitlines()
     assert lines[0].split()[:2] == ["preset", "offloaded"]
@@ -80,11 +95,24 @@ def test_presets_that_exchange_the_same_rows_share_a_line():
 
     def row(preset, first):
         exchanges = {("8x40960x7168", "bf16"): first, ("8x10240x7168", "bf16"): 5}
-        return {"preset": preset, "offloaded_tags": [], "traced_host_residuals": 0, "params": "device", "opt_state": "device",
-                "cpu": {"host_annotations": 0, "host_memory_kinds": 0}, "cuda": {"host_annotations": 0, "host_memory_kinds": 0, "row_exchanges": exchanges}}
+        return {
+            "preset": preset,
+            "offloaded_tags": [],
+            "traced_host_residuals": 0,
+            "params": "device",
+            "opt_state": "device",
+            "cpu": {"host_annotations": 0, "host_memory_kinds": 0},
+            "cuda": {"host_annotations": 0, "host_memory_kinds": 0, "row_exchanges": exchanges},
+        }
 
     notes = render([row("full", 6), row("none", 4), row("custom", 6)]).splitlines()[4:]
-    assert notes == ["full, custom: cuda: 5 all_to_all of bf16[8,10240,7168]", "full, custom: cuda: 6 all_to_all of bf16[8,40960,7168]",
-                     "none: cuda: 5 all_to_all of bf16[8,10240,7168]", "none: cuda: 4 all_to_all of bf16[8,40960,7168]"]
+    assert notes == [
+        "full, custom: cuda: 5 all_to_all of bf16[8,10240,7168]",
+        "full, custom: cuda: 6 all_to_all of bf16[8,40960,7168]",
+        "none: cuda: 5 all_to_all of bf16[8,10240,7168]",
+        "none: cuda: 4 all_to_all of bf16[8,40960,7168]",
+    ]
     assert render([row("full", 6), row("custom", 6)]).splitlines()[3:] == [
-        "every preset: cuda: 5 all_to_all of bf16[8,10240,7168]", "every preset: cuda: 6 all_to_all of bf16[8,40960,7168]"]
+        "every preset: cuda: 5 all_to_all of bf16[8,10240,7168]",
+        "every preset: cuda: 6 all_to_all of bf16[8,40960,7168]",
+    ]

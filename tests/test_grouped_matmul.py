@@ -82,7 +82,9 @@ def test_per_example_gradients_under_vmap():
 
     tiled = jax.grad(loss(lambda h, w, gs: grouped_matmul(h, w, gs, tile=tile)), argnums=1)
     got = jax.vmap(tiled, in_axes=(0, None, 0))(batch_h, w, batch_gs)
-    want = [jax.grad(loss(jax.lax.ragged_dot), argnums=1)(x, w, g) for x, g in zip(batch_h, batch_gs)]  # ragged_dot has no vmap
+    want = [
+        jax.grad(loss(jax.lax.ragged_dot), argnums=1)(x, w, g) for x, g in zip(batch_h, batch_gs)
+    ]  # ragged_dot has no vmap
     np.testing.assert_allclose(got, np.stack(want), rtol=1e-5, atol=1e-5)
 
 
@@ -98,7 +100,9 @@ def test_rows_split_over_devices_sum_the_weight_gradient():
         def body(h, w, gs):
             return jax.grad(loss(matmul), argnums=(0, 1))(h, w, gs[0])
 
-        return jax.shard_map(body, mesh=mesh, in_specs=(P("data"), P(), P("data")), out_specs=(P("data"), P()))(h, w, gs)
+        return jax.shard_map(body, mesh=mesh, in_specs=(P("data"), P(), P("data")), out_specs=(P("data"), P()))(
+            h, w, gs
+        )
 
     h, gs = (jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (h, gs))
     got = sharded(lambda h, w, gs: grouped_matmul(h, w, gs, tile=4))
@@ -140,8 +144,11 @@ def test_groups_that_share_a_weight_or_have_none():
 
 
 @pytest.mark.parametrize("impl", ["ragged_dot", "megablox"])
-@pytest.mark.parametrize("shape", [(300, [100, 0, 150, 40], 128, 256), (256, [256, 0, 0], 256, 384), (128, [60, 60], 200, 128)],
-                         ids=["padded_rows_and_garbage", "one_full_group", "width_not_a_tile_multiple"])
+@pytest.mark.parametrize(
+    "shape",
+    [(300, [100, 0, 150, 40], 128, 256), (256, [256, 0, 0], 256, 384), (128, [60, 60], 200, 128)],
+    ids=["padded_rows_and_garbage", "one_full_group", "width_not_a_tile_multiple"],
+)
 def test_the_tpu_kernels_equal_the_tiles(impl, shape):
     """The TPU's kernels (megablox in Pallas' interpret mode; widths its tiles cannot cut take
     ragged_dot) against the tile loop: values and both cotangents, rows past the groups zero."""
@@ -149,7 +156,7 @@ def test_the_tpu_kernels_equal_the_tiles(impl, shape):
 
     rows, sizes, din, dout = shape
     h, w, gs = operands(rows, sizes, din=din, dout=dout)
-    h = h.at[sum(sizes):].set(jnp.nan)  # rows no group holds: never read
+    h = h.at[sum(sizes) :].set(jnp.nan)  # rows no group holds: never read
 
     def f(impl):
         return jax.value_and_grad(loss(lambda h, w, gs: grouped_matmul(h, w, gs, impl=impl)), argnums=(0, 1))
@@ -159,6 +166,8 @@ def test_the_tpu_kernels_equal_the_tiles(impl, shape):
         out = grouped_matmul(h, w, gs, impl=impl)
     want, (want_dh, want_dw) = jax.jit(f("tiles"))(h, w, gs)
     assert np.isclose(value, want, rtol=1e-5)
-    assert np.all(np.asarray(out[sum(sizes):]) == 0) and np.all(np.asarray(dh[sum(sizes):]) == 0)
-    np.testing.assert_allclose(dh[: sum(sizes)], want_dh[: sum(sizes)], atol=1e-5 * float(jnp.abs(want_dh[: sum(sizes)]).max()))
+    assert np.all(np.asarray(out[sum(sizes) :]) == 0) and np.all(np.asarray(dh[sum(sizes) :]) == 0)
+    np.testing.assert_allclose(
+        dh[: sum(sizes)], want_dh[: sum(sizes)], atol=1e-5 * float(jnp.abs(want_dh[: sum(sizes)]).max())
+    )
     np.testing.assert_allclose(dw, want_dw, atol=1e-4 * float(jnp.abs(want_dw).max()))

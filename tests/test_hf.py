@@ -115,12 +115,18 @@ def test_streamed_files_are_the_librarys_bytes(tmp_path):
 
     rng = np.random.default_rng(0)
     tensors = {
-        "b.w": rng.standard_normal((3, 5)).astype(ml_dtypes.bfloat16), "a.w": rng.standard_normal((2, 2)).astype(np.float32),
-        "c": np.ones((7,), np.float16), "a.a": np.zeros((5,), ml_dtypes.bfloat16), "z": np.ones((1,), np.float64),
-        "empty": np.zeros((0, 3), np.float32), "q": rng.standard_normal((4, 4)).astype(ml_dtypes.float8_e4m3fn),
+        "b.w": rng.standard_normal((3, 5)).astype(ml_dtypes.bfloat16),
+        "a.w": rng.standard_normal((2, 2)).astype(np.float32),
+        "c": np.ones((7,), np.float16),
+        "a.a": np.zeros((5,), ml_dtypes.bfloat16),
+        "z": np.ones((1,), np.float64),
+        "empty": np.zeros((0, 3), np.float32),
+        "q": rng.standard_normal((4, 4)).astype(ml_dtypes.float8_e4m3fn),
     }
     hf.write_safetensors(tmp_path / "library.safetensors", tensors, {"format": "pt"})
-    stream = hf.SafetensorsStream(tmp_path / "stream.safetensors", [(k, v.shape, v.dtype) for k, v in tensors.items()], {"format": "pt"})
+    stream = hf.SafetensorsStream(
+        tmp_path / "stream.safetensors", [(k, v.shape, v.dtype) for k, v in tensors.items()], {"format": "pt"}
+    )
     for name in reversed(list(tensors)):
         assert not stream.done
         stream.write(name, tensors[name])
@@ -205,8 +211,14 @@ def test_llama3_rope_against_numpy_reference(ref_dir, tmp_path):
     d = ref_dir("llama_tiny_a")
     cfg = json.loads((d / "config.json").read_text())
     # A short original context puts the tiny model's frequencies in all three wavelength bands.
-    cfg["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                              "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    cfg["rope_parameters"] = {
+        "rope_type": "llama3",
+        "rope_theta": 10000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
     model = _compare_with_numpy(_checkpoint_with_config(tmp_path, d, cfg), jnp.asarray(np.load(d / "inputs.npy")))
     assert model.config.rope.type == "llama3"
     inv, _ = zoo.nn.rope.rope_frequencies(16, model.config.rope, 128)
@@ -229,7 +241,9 @@ def test_yarn_rope_against_numpy_reference(mscale, mscale_all_dim, ref_dir, tmp_
 
 def test_mla_without_q_lora_against_numpy_reference(tmp_path):
     base = zoo.get_size("dsv3_tiny_a")
-    config = base.replace(mla=zoo.MLAConfig(q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16))
+    config = base.replace(
+        mla=zoo.MLAConfig(q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
+    )
     model = zoo.build(config, key=jax.random.key(3))
     assert model.stack("moe_layers").layers[0].attn.wq_a is None
     hf.save_pretrained(model, tmp_path)
@@ -259,17 +273,24 @@ def test_missing_and_misshaped_tensors(ref_dir, tmp_path):
     missing = dict(state)
     del missing["model.layers.1.mlp.up_proj.weight"]
     hf.write_safetensors(tmp_path / "model.safetensors", missing)
-    with pytest.raises(hf.CheckpointError, match=r"missing tensor 'model.layers.1.mlp.up_proj.weight' \(expected shape \[128, 64\]\)"):
+    with pytest.raises(
+        hf.CheckpointError, match=r"missing tensor 'model.layers.1.mlp.up_proj.weight' \(expected shape \[128, 64\]\)"
+    ):
         hf.from_pretrained(tmp_path)
     bad = dict(state)
     bad["model.layers.0.self_attn.k_proj.weight"] = np.zeros((16, 64), np.float32)
     hf.write_safetensors(tmp_path / "model.safetensors", bad)
-    with pytest.raises(hf.CheckpointError, match=r"'model.layers.0.self_attn.k_proj.weight' .* shape \[16, 64\], the config implies \[32, 64\]"):
+    with pytest.raises(
+        hf.CheckpointError,
+        match=r"'model.layers.0.self_attn.k_proj.weight' .* shape \[16, 64\], the config implies \[32, 64\]",
+    ):
         hf.from_pretrained(tmp_path)
 
 
 def test_truncated_file(ref_dir, tmp_path):
-    ckpt = _checkpoint_with_config(tmp_path, ref_dir("llama_tiny_a"), json.loads((ref_dir("llama_tiny_a") / "config.json").read_text()))
+    ckpt = _checkpoint_with_config(
+        tmp_path, ref_dir("llama_tiny_a"), json.loads((ref_dir("llama_tiny_a") / "config.json").read_text())
+    )
     data = (ckpt / "model.safetensors").read_bytes()
     (ckpt / "model.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(hf.CheckpointError, match="model.safetensors: truncated"):
@@ -311,7 +332,10 @@ def test_dtype_arguments_take_jnp_and_numpy_dtypes(ref_dir):
         np.testing.assert_array_equal(np.asarray(model.embed), np.asarray(by_name.embed))
     assert hf.from_pretrained(d, dtype=np.float16).config == hf.from_pretrained(d, dtype="float16").config
     # A bad dtype names the argument, not config.json.
-    with pytest.raises(ValueError, match=r"^dtype=<class 'jax.numpy.int32'>: not a parameter dtype zoo keeps; use one of float32, bfloat16, float16"):
+    with pytest.raises(
+        ValueError,
+        match=r"^dtype=<class 'jax.numpy.int32'>: not a parameter dtype zoo keeps; use one of float32, bfloat16, float16",
+    ):
         hf.from_pretrained(d, dtype=jnp.int32)
     with pytest.raises(ValueError, match=r"^compute_dtype='fp8': not a parameter dtype"):
         hf.from_pretrained(d, compute_dtype="fp8")
@@ -322,8 +346,11 @@ def test_capacity_kernel_warns_that_it_drops_tokens(ref_dir):
 
     d = ref_dir("dsv3_tiny_a")
     tokens, ref_logits, _, _ = _load_ref(d)
-    with pytest.warns(UserWarning, match=r"moe_impl=capacity with moe_capacity_factor=1.25 keeps ceil\(1.25 x tokens x top_k / experts\) "
-                                         r"tokens per expert and drops the rest.*moe_capacity_factor=4 \(experts / top_k\) drops nothing"):
+    with pytest.warns(
+        UserWarning,
+        match=r"moe_impl=capacity with moe_capacity_factor=1.25 keeps ceil\(1.25 x tokens x top_k / experts\) "
+        r"tokens per expert and drops the rest.*moe_capacity_factor=4 \(experts / top_k\) drops nothing",
+    ):
         dropping = hf.from_pretrained(d, moe_impl="capacity")
     # The warning is earned: at capacity factor 1.25 the fixture's logits move far past float noise.
     assert np.abs(np.asarray(_logits(dropping, tokens)) - ref_logits).max() > 0.5
@@ -362,7 +389,12 @@ def _fp8_checkpoint(src, dst, block):
             out[name] = w
     hf.write_safetensors(dst / "model.safetensors", out)
     cfg = json.loads((src / "config.json").read_text())
-    cfg["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": list(block)}
+    cfg["quantization_config"] = {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": list(block),
+    }
     (dst / "config.json").write_text(json.dumps(cfg))
     return out, quantized
 
@@ -388,14 +420,23 @@ def test_fp8_needs_its_scales_and_its_quantization_config(ref_dir, tmp_path):
     d = ref_dir("dsv3_tiny_a")
     saved, _ = _fp8_checkpoint(d, tmp_path / "fp8", (128, 128))
     name = "model.layers.0.self_attn.q_a_proj.weight"
-    hf.write_safetensors(tmp_path / "fp8" / "model.safetensors", {k: v for k, v in saved.items() if k != name + "_scale_inv"})
-    with pytest.raises(hf.CheckpointError, match=rf"model.safetensors: FP8 tensor '{name}' has no '{name}_scale_inv' block scales"):
+    hf.write_safetensors(
+        tmp_path / "fp8" / "model.safetensors", {k: v for k, v in saved.items() if k != name + "_scale_inv"}
+    )
+    with pytest.raises(
+        hf.CheckpointError, match=rf"model.safetensors: FP8 tensor '{name}' has no '{name}_scale_inv' block scales"
+    ):
         hf.from_pretrained(tmp_path / "fp8")
     cfg = json.loads((d / "config.json").read_text())
     (tmp_path / "fp8" / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(hf.CheckpointError, match=r"has dtype F8_E4M3; a floating-point tensor .* \(an FP8 checkpoint's config.json names its quantization_config\)"):
+    with pytest.raises(
+        hf.CheckpointError,
+        match=r"has dtype F8_E4M3; a floating-point tensor .* \(an FP8 checkpoint's config.json names its quantization_config\)",
+    ):
         hf.from_pretrained(tmp_path / "fp8")
     cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]}
     (tmp_path / "fp8" / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(hf.CheckpointError, match=r"config.json: quantization_config .* is not supported: zoo dequantises fmt e4m3"):
+    with pytest.raises(
+        hf.CheckpointError, match=r"config.json: quantization_config .* is not supported: zoo dequantises fmt e4m3"
+    ):
         hf.from_pretrained(tmp_path / "fp8")

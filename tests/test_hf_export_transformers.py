@@ -54,7 +54,11 @@ def fixture(family: str) -> pathlib.Path:
     """The fixture directory of `family`: the one whose config.json has the family's model_type (the
     *_tiny_hard fixtures, made to stress the parity tests, are left out: one export per family)."""
     model_type = MODEL_TYPES[family]
-    typed = [p.parent for p in sorted(DATA.glob("**/config.json")) if json.loads(p.read_text()).get("model_type") == model_type]
+    typed = [
+        p.parent
+        for p in sorted(DATA.glob("**/config.json"))
+        if json.loads(p.read_text()).get("model_type") == model_type
+    ]
     # a family added since tests/make_fixtures.py has only the fixtures it writes: the first of them
     found = [d for d in typed if not d.name.endswith("_tiny_hard")] or typed[:1]
     assert len(found) == 1, f"family {family} ({model_type}) has {len(found)} fixtures under tests/data: {found}"
@@ -97,7 +101,9 @@ def transformers_logits(transformers, directory: pathlib.Path, tokens: np.ndarra
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, attn_implementation="eager")
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            directory, dtype=torch.float32, attn_implementation="eager"
+        )
     model.eval()
     with torch.no_grad():
         return model(torch.as_tensor(np.asarray(tokens), dtype=torch.long)).logits.numpy()
@@ -120,14 +126,22 @@ def test_export_of_a_hugging_face_checkpoint_loads_in_transformers(family, trans
     src = tmp_path / "source"
     shutil.copytree(fixture(family), src)
     source_config = json.loads((src / "config.json").read_text())
-    generation = {"bos_token_id": source_config["bos_token_id"], "eos_token_id": [source_config["eos_token_id"], 3],
-                  "max_new_tokens": 7}
+    generation = {
+        "bos_token_id": source_config["bos_token_id"],
+        "eos_token_id": [source_config["eos_token_id"], 3],
+        "max_new_tokens": 7,
+    }
     (src / "generation_config.json").write_text(json.dumps(generation))
     train_py_checkpoint(["model=hf", f"model.path={src}", f"checkpoint.dir={tmp_path / 'ckpt'}"])
     if family == CLI_FAMILY:  # once through the command, as a user runs it
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-        p = subprocess.run([sys.executable, "-m", "zoo.tools.export", str(tmp_path / "ckpt"), str(tmp_path / "out")],
-                           capture_output=True, text=True, env=env, timeout=300)
+        p = subprocess.run(
+            [sys.executable, "-m", "zoo.tools.export", str(tmp_path / "ckpt"), str(tmp_path / "out")],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+        )
         assert p.returncode == 0 and "exported step 1" in p.stdout, p.stderr
     else:
         hf_export(tmp_path / "ckpt", tmp_path / "out")
@@ -143,21 +157,42 @@ def test_export_of_a_hugging_face_checkpoint_loads_in_transformers(family, trans
         assert config[key] == source_config[key], key
     assert json.loads((tmp_path / "out" / "generation_config.json").read_text()) == generation
     loaded = transformers.GenerationConfig.from_pretrained(tmp_path / "out")
-    assert (loaded.bos_token_id, loaded.eos_token_id, loaded.max_new_tokens) == (generation["bos_token_id"], generation["eos_token_id"], 7)
+    assert (loaded.bos_token_id, loaded.eos_token_id, loaded.max_new_tokens) == (
+        generation["bos_token_id"],
+        generation["eos_token_id"],
+        7,
+    )
 
 
 # Options the fixtures leave out, on each family's tiny preset (a family without an entry: the preset as it is).
 VARIANTS = {
-    "llama": lambda c: c.replace(tie_word_embeddings=True, attention_bias=True, attention_out_bias=True,
-                                 rope=RopeConfig(type="llama3", theta=5e5, factor=8.0, original_max_position_embeddings=32)),
-    "deepseek_v3": lambda c: c.replace(rope=dataclasses.replace(c.rope, type="yarn", factor=4.0, original_max_position_embeddings=32,
-                                                                mscale=1.0, mscale_all_dim=1.0)),
-    "qwen2": lambda c: c.replace(tie_word_embeddings=False, sliding_window=8, layer_types=["full_attention", "sliding_attention"]),
-    "qwen3": lambda c: c.replace(attention_bias=True, attention_out_bias=True, rope=RopeConfig(type="linear", theta=1e6, factor=4.0)),
-    "qwen3_moe": lambda c: c.replace(mlp_only_layers=[0], sliding_window=8, moe=dataclasses.replace(c.moe, norm_topk_prob=False)),
+    "llama": lambda c: c.replace(
+        tie_word_embeddings=True,
+        attention_bias=True,
+        attention_out_bias=True,
+        rope=RopeConfig(type="llama3", theta=5e5, factor=8.0, original_max_position_embeddings=32),
+    ),
+    "deepseek_v3": lambda c: c.replace(
+        rope=dataclasses.replace(
+            c.rope, type="yarn", factor=4.0, original_max_position_embeddings=32, mscale=1.0, mscale_all_dim=1.0
+        )
+    ),
+    "qwen2": lambda c: c.replace(
+        tie_word_embeddings=False, sliding_window=8, layer_types=["full_attention", "sliding_attention"]
+    ),
+    "qwen3": lambda c: c.replace(
+        attention_bias=True, attention_out_bias=True, rope=RopeConfig(type="linear", theta=1e6, factor=4.0)
+    ),
+    "qwen3_moe": lambda c: c.replace(
+        mlp_only_layers=[0], sliding_window=8, moe=dataclasses.replace(c.moe, norm_topk_prob=False)
+    ),
     "mixtral": lambda c: c.replace(sliding_window=8, tie_word_embeddings=True),
     "gemma3": lambda c: c.replace(
-        tie_word_embeddings=False, attention_bias=True, attention_out_bias=True, query_pre_attn_scalar=40.0, final_logit_softcap=3.0,
+        tie_word_embeddings=False,
+        attention_bias=True,
+        attention_out_bias=True,
+        query_pre_attn_scalar=40.0,
+        final_logit_softcap=3.0,
         rope=RopeConfig(type="yarn", theta=1e6, factor=4.0, original_max_position_embeddings=32),
     ),
     "gpt_oss": lambda c: c.replace(sliding_window=4, moe=dataclasses.replace(c.moe, swiglu_limit=0.5)),
@@ -233,8 +268,13 @@ def test_token_ids_of_a_model_trained_from_scratch(tmp_path):
 
     assert tokenizer_token_ids({"name": "markov", "tokenizer": None}) == {}
     assert tokenizer_token_ids({"name": "text", "tokenizer": None}) == {"eos_token_id": 0}
-    Tokenizer(models.WordLevel({"<unk>": 0, "<s>": 1, "</s>": 2, "a": 3}, unk_token="<unk>")).save(str(tmp_path / "tokenizer.json"))
+    Tokenizer(models.WordLevel({"<unk>": 0, "<s>": 1, "</s>": 2, "a": 3}, unk_token="<unk>")).save(
+        str(tmp_path / "tokenizer.json")
+    )
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": True, "bos_token": "<s>"}))
     assert tokenizer_token_ids({"name": "text", "tokenizer": str(tmp_path)}) == {"bos_token_id": 1, "eos_token_id": 2}
-    assert tokenizer_token_ids({"name": "markov", "tokenizer": None}, str(tmp_path)) == {"bos_token_id": 1, "eos_token_id": 2}
+    assert tokenizer_token_ids({"name": "markov", "tokenizer": None}, str(tmp_path)) == {
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
     assert tokenizer_token_ids({"name": "text", "tokenizer": str(tmp_path / "gone")}) == {}

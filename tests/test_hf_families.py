@@ -78,7 +78,9 @@ def check_against_numpy(ckpt: pathlib.Path, tokens) -> tuple[zoo.CausalLM, np.nd
     """Load `ckpt`, and match its logits with the numpy reference run on the file's own tensors."""
     model = hf.from_pretrained(ckpt)
     logits = np.asarray(_logits(model, tokens))
-    ref = numpy_ref_families.forward(read_json(ckpt / "config.json"), load_file(ckpt / "model.safetensors"), np.asarray(tokens))
+    ref = numpy_ref_families.forward(
+        read_json(ckpt / "config.json"), load_file(ckpt / "model.safetensors"), np.asarray(tokens)
+    )
     np.testing.assert_allclose(logits, ref, atol=1e-4, rtol=0)
     hf.config_to_hf(model.config)  # and the option can be written back (it raises if the family cannot say it)
     return model, logits
@@ -92,7 +94,9 @@ def assert_changes_logits(logits: np.ndarray, name: str) -> None:
 # --- the transformers fixtures ------------------------------------------------------------------
 
 
-def assert_matches_transformers(d: pathlib.Path, *, kernels: tuple = ("ragged",), grads_on_every_kernel: bool = False) -> None:
+def assert_matches_transformers(
+    d: pathlib.Path, *, kernels: tuple = ("ragged",), grads_on_every_kernel: bool = False
+) -> None:
     """Logits, loss and every recorded gradient of the fixture in `d` as transformers computed them.
 
     MoE models also run the capacity kernel with capacity_factor = experts / top_k, which gives every
@@ -106,7 +110,9 @@ def assert_matches_transformers(d: pathlib.Path, *, kernels: tuple = ("ragged",)
     moe = model.config.moe
     for impl in kernels if moe is not None else kernels[:1]:
         if impl != "ragged":
-            model = hf.from_pretrained(d, moe_impl=impl, moe_capacity_factor=moe.n_routed_experts / moe.num_experts_per_tok)
+            model = hf.from_pretrained(
+                d, moe_impl=impl, moe_capacity_factor=moe.n_routed_experts / moe.num_experts_per_tok
+            )
         logits = _logits(model, tokens)
         assert logits.dtype == jnp.float32
         np.testing.assert_allclose(np.asarray(logits), ref_logits, atol=1e-4, rtol=0, err_msg=impl)
@@ -134,7 +140,9 @@ def test_hard_fixture_matches_transformers(name):
     assert_matches_transformers(DATA / "families" / name, kernels=("ragged", "capacity"))
 
 
-@pytest.mark.parametrize("name", [p.name for f in families.registered() for p in sorted((DATA / "families").glob(f"{f.name}_tiny_*"))])
+@pytest.mark.parametrize(
+    "name", [p.name for f in families.registered() for p in sorted((DATA / "families").glob(f"{f.name}_tiny_*"))]
+)
 def test_registered_family_checkpoints_round_trip(name, tmp_path):
     """A family of zoo/families/: its fixture's tensors come back bit for bit, its config.json reads back
     to the same ModelConfig from what config_to_hf writes, and save_pretrained loads to the same model."""
@@ -151,7 +159,9 @@ def test_registered_family_checkpoints_round_trip(name, tmp_path):
     hf.save_pretrained(model, tmp_path / "out")
     again = hf.from_pretrained(tmp_path / "out")
     assert again.config == model.config
-    assert all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(jax.tree.leaves(model), jax.tree.leaves(again)))
+    assert all(
+        np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(jax.tree.leaves(model), jax.tree.leaves(again))
+    )
 
 
 def _blocks(model: zoo.CausalLM) -> list:
@@ -183,7 +193,9 @@ def test_intermediates_match_transformers(name):
         if "sliding_window_mask" in extras and spec.window is not None:
             # Equal scores spread each query's weight evenly over the keys it may see; an identity v reads them out.
             q = jnp.zeros((1, 32, 1, 2))
-            seen = attend(q, q, jnp.eye(32)[None, :, None, :], scale=1.0, impl="xla", window=spec.window)[0, :, 0, :] > 0
+            seen = (
+                attend(q, q, jnp.eye(32)[None, :, None, :], scale=1.0, impl="xla", window=spec.window)[0, :, 0, :] > 0
+            )
             np.testing.assert_array_equal(np.asarray(seen), extras["sliding_window_mask"])
     tokens = tokens_of(name)
     positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)
@@ -200,7 +212,9 @@ def test_intermediates_match_transformers(name):
             ids, weights = route(flat, ffn.router, ffn.router_bias, ffn.config)
             order = np.argsort(np.asarray(ids), axis=1)
             np.testing.assert_array_equal(np.take_along_axis(np.asarray(ids), order, 1), extras[f"layer_{i}_topk_idx"])
-            np.testing.assert_allclose(np.take_along_axis(np.asarray(weights), order, 1), extras[f"layer_{i}_topk_weight"], atol=1e-5)
+            np.testing.assert_allclose(
+                np.take_along_axis(np.asarray(weights), order, 1), extras[f"layer_{i}_topk_weight"], atol=1e-5
+            )
         x, _ = block(x, positions)
         np.testing.assert_allclose(np.asarray(x), extras[f"layer_{i}_output"], atol=1e-4, rtol=0, err_msg=f"layer {i}")
 
@@ -209,7 +223,9 @@ def test_intermediates_match_transformers(name):
 @pytest.mark.parametrize("name", FAMILIES)
 def test_numpy_reference_matches_transformers(name, config_file):
     d = fixture(name)
-    ref = numpy_ref_families.forward(read_json(d / config_file), load_file(d / "model.safetensors"), np.load(d / "inputs.npy"))
+    ref = numpy_ref_families.forward(
+        read_json(d / config_file), load_file(d / "model.safetensors"), np.load(d / "inputs.npy")
+    )
     np.testing.assert_allclose(ref, np.load(d / "logits.npy"), atol=1e-4, rtol=0)
 
 
@@ -289,7 +305,9 @@ def test_gemma_linear_rope_scales_global_layers_only(style, tmp_path):
         else:
             cfg["rope_parameters"]["full_attention"] = {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}
 
-    ckpt = checkpoint(tmp_path, fixture("gemma3"), edit, config_file="config_legacy.json" if style == "legacy" else "config.json")
+    ckpt = checkpoint(
+        tmp_path, fixture("gemma3"), edit, config_file="config_legacy.json" if style == "legacy" else "config.json"
+    )
     model, logits = check_against_numpy(ckpt, tokens_of("gemma3"))
     c = model.config
     assert c.rope == zoo.RopeConfig(type="linear", theta=1e6, factor=8.0)
@@ -301,7 +319,13 @@ def test_gemma_linear_rope_scales_global_layers_only(style, tmp_path):
 def test_gemma_nested_yarn_always_truncates(tmp_path):
     """transformers reads yarn's `truncate` from the top of rope_parameters; nested under a layer type
     it is never seen, so the ramp is rounded whatever the nested value says."""
-    yarn = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 8.0, "original_max_position_embeddings": 16, "truncate": False}
+    yarn = {
+        "rope_type": "yarn",
+        "rope_theta": 1e6,
+        "factor": 8.0,
+        "original_max_position_embeddings": 16,
+        "truncate": False,
+    }
     ckpt = checkpoint(tmp_path, fixture("gemma3"), lambda cfg: cfg["rope_parameters"].update(full_attention=yarn))
     model, logits = check_against_numpy(ckpt, tokens_of("gemma3"))
     assert model.config.rope.type == "yarn" and model.config.rope.truncate is True
@@ -320,15 +344,23 @@ def test_gpt_oss_yarn_truncate(truncate, tmp_path):
 def test_yarn_in_the_legacy_style_on_qwen2(tmp_path):
     """Qwen2.5's long-context recipe: `rope_scaling: {type: yarn, ...}` with the legacy `type` key."""
     scaling = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
-    ckpt = checkpoint(tmp_path, fixture("qwen2"), lambda cfg: cfg.update(rope_scaling=scaling), config_file="config_legacy.json")
+    ckpt = checkpoint(
+        tmp_path, fixture("qwen2"), lambda cfg: cfg.update(rope_scaling=scaling), config_file="config_legacy.json"
+    )
     model, logits = check_against_numpy(ckpt, tokens_of("qwen2"))
     assert model.config.rope.type == "yarn" and model.config.rope.truncate
     assert_changes_logits(logits, "qwen2")
 
 
 def test_llama3_rope_on_qwen3(tmp_path):
-    params = {"rope_type": "llama3", "rope_theta": 1e6, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-              "original_max_position_embeddings": 64}
+    params = {
+        "rope_type": "llama3",
+        "rope_theta": 1e6,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
     ckpt = checkpoint(tmp_path, fixture("qwen3"), lambda cfg: cfg.update(rope_parameters=params))
     model, logits = check_against_numpy(ckpt, tokens_of("qwen3"))
     assert model.config.rope.type == "llama3"
@@ -337,9 +369,14 @@ def test_llama3_rope_on_qwen3(tmp_path):
 
 @pytest.mark.parametrize("name", ["qwen2", "qwen3", "gemma3"])
 def test_untied_head(name, tmp_path):
-    vocab, hidden = np.load(fixture(name) / "logits.npy").shape[-1], read_json(fixture(name) / "config.json")["hidden_size"]
+    vocab, hidden = (
+        np.load(fixture(name) / "logits.npy").shape[-1],
+        read_json(fixture(name) / "config.json")["hidden_size"],
+    )
     ckpt = checkpoint(
-        tmp_path, fixture(name), lambda cfg: cfg.update(tie_word_embeddings=False),
+        tmp_path,
+        fixture(name),
+        lambda cfg: cfg.update(tie_word_embeddings=False),
         lambda state: state.update({"lm_head.weight": rand(1, vocab, hidden)}),
     )
     model, logits = check_against_numpy(ckpt, tokens_of(name))
@@ -363,7 +400,11 @@ def test_qwen_windows_by_depth(name, style, tmp_path):
 
     ckpt = checkpoint(tmp_path, fixture(name), edit)
     model, logits = check_against_numpy(ckpt, tokens_of(name))
-    expected = ["full_attention", "sliding_attention"] if style == "max_window_layers" else ["sliding_attention", "full_attention"]
+    expected = (
+        ["full_attention", "sliding_attention"]
+        if style == "max_window_layers"
+        else ["sliding_attention", "full_attention"]
+    )
     assert [model.config.layer_type(i) for i in range(2)] == expected and model.config.sliding_window == 8
     assert_changes_logits(logits, name)
 
@@ -394,11 +435,15 @@ def test_gemma_attn_softcap_is_ignored_as_transformers_does(tmp_path):
     ckpt = checkpoint(tmp_path, fixture("gemma3"), lambda cfg: cfg.update(attn_logit_softcapping=0.5))
     with pytest.warns(UserWarning, match="attn_logit_softcapping is ignored"):
         model = hf.from_pretrained(ckpt)
-    np.testing.assert_allclose(np.asarray(_logits(model, tokens_of("gemma3"))), np.load(fixture("gemma3") / "logits.npy"), atol=1e-4)
+    np.testing.assert_allclose(
+        np.asarray(_logits(model, tokens_of("gemma3"))), np.load(fixture("gemma3") / "logits.npy"), atol=1e-4
+    )
 
 
 def test_gemma_window_pattern_from_the_legacy_key(tmp_path):
-    ckpt = checkpoint(tmp_path, fixture("gemma3"), lambda cfg: cfg.update(sliding_window_pattern=2), config_file="config_legacy.json")
+    ckpt = checkpoint(
+        tmp_path, fixture("gemma3"), lambda cfg: cfg.update(sliding_window_pattern=2), config_file="config_legacy.json"
+    )
     model, logits = check_against_numpy(ckpt, tokens_of("gemma3"))
     assert model.config.layer_types == ["sliding_attention", "full_attention"] * 2
     assert [s.period for s in model.stacks] == [2]  # one scanned stack repeating [S, F]
@@ -417,7 +462,7 @@ def _copy_layers(state: dict, have: int, want: int) -> None:
     for i in range(have, want):
         prefix = f"model.layers.{i % have}."
         for key in [k for k in state if k.startswith(prefix)]:
-            state[f"model.layers.{i}." + key[len(prefix):]] = state[key] + rand(i, *state[key].shape)
+            state[f"model.layers.{i}." + key[len(prefix) :]] = state[key] + rand(i, *state[key].shape)
 
 
 def _make_dense(state: dict, layers, hidden: int, inter: int) -> None:
@@ -426,7 +471,10 @@ def _make_dense(state: dict, layers, hidden: int, inter: int) -> None:
         p = f"model.layers.{i}.mlp."
         for key in [k for k in state if k.startswith(p)]:
             del state[key]
-        state[p + "gate_proj.weight"], state[p + "up_proj.weight"] = rand(10 + i, inter, hidden), rand(20 + i, inter, hidden)
+        state[p + "gate_proj.weight"], state[p + "up_proj.weight"] = (
+            rand(10 + i, inter, hidden),
+            rand(20 + i, inter, hidden),
+        )
         state[p + "down_proj.weight"] = rand(30 + i, hidden, inter)
 
 
@@ -486,8 +534,15 @@ def test_gpt_oss_defaults_without_layer_types_or_rope():
     cfg.pop("rope_parameters")
     c = hf.config_from_hf(cfg)
     assert c.layer_types == ["sliding_attention", "full_attention"] * 2
-    assert c.rope == zoo.RopeConfig(type="yarn", theta=150000.0, factor=32.0, original_max_position_embeddings=4096,
-                                    beta_fast=32.0, beta_slow=1.0, truncate=False)
+    assert c.rope == zoo.RopeConfig(
+        type="yarn",
+        theta=150000.0,
+        factor=32.0,
+        original_max_position_embeddings=4096,
+        beta_fast=32.0,
+        beta_slow=1.0,
+        truncate=False,
+    )
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -522,31 +577,107 @@ def test_llama_attention_bias(tmp_path):
 @pytest.mark.parametrize(
     "name,edit,match",
     [
-        ("qwen3", lambda c: c.update(model_type="falcon"), r"model_type 'falcon' is not supported; supported: llama, deepseek_v3, gemma3_text, .*qwen2, qwen3, qwen3_moe"),
-        ("gemma3", lambda c: c.update(model_type="gemma3"), r"model_type 'gemma3' is not supported \(the multimodal Gemma 3"),
-        ("qwen2", lambda c: c.update(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6}),
-         r"rope type 'dynamic' is not supported; supported: default, linear, llama3, yarn"),
-        ("mixtral", lambda c: c.update(rope_parameters={"rope_type": "longrope", "rope_theta": 1e6}), r"rope type 'longrope' is not supported"),
-        ("gemma3", lambda c: c["rope_parameters"].update(sliding_attention={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}),
-         r"rope_parameters.sliding_attention: rope type 'dynamic' is not supported"),
-        ("qwen3", lambda c: c["rope_parameters"].update(partial_rotary_factor=0.5), r"partial_rotary_factor=0.5 is not supported"),
-        ("qwen2", lambda c: c.update(hidden_act="gelu"), r"hidden_act 'gelu' is not supported: the Qwen MLP uses 'silu' or 'swish'"),
-        ("gemma3", lambda c: c.update(hidden_activation="gelu"), r"hidden_activation 'gelu' is not supported: Gemma 3's MLP uses 'gelu_pytorch_tanh'"),
-        ("gemma3", lambda c: c.update(use_bidirectional_attention=True), r"use_bidirectional_attention=true is not supported: zoo's attention is causal"),
-        ("gpt_oss", lambda c: c.update(quantization_config={"quant_method": "mxfp4"}), r"quantization_config \(mxfp4\) is not supported"),
-        ("qwen2", lambda c: c.update(layer_types=["sliding_attention", "full_attention"]),
-         r"layer_types makes layers \[0\] sliding_attention but the config leaves no sliding_window"),
-        ("gemma3", lambda c: c.update(layer_types=["sliding_attention"] * 3), r"layer_types must list one type per layer \(4\)"),
-        ("gpt_oss", lambda c: c["layer_types"].__setitem__(0, "chunked_attention"), r"layer_types 'chunked_attention' is not supported"),
+        (
+            "qwen3",
+            lambda c: c.update(model_type="falcon"),
+            r"model_type 'falcon' is not supported; supported: llama, deepseek_v3, gemma3_text, .*qwen2, qwen3, qwen3_moe",
+        ),
+        (
+            "gemma3",
+            lambda c: c.update(model_type="gemma3"),
+            r"model_type 'gemma3' is not supported \(the multimodal Gemma 3",
+        ),
+        (
+            "qwen2",
+            lambda c: c.update(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6}),
+            r"rope type 'dynamic' is not supported; supported: default, linear, llama3, yarn",
+        ),
+        (
+            "mixtral",
+            lambda c: c.update(rope_parameters={"rope_type": "longrope", "rope_theta": 1e6}),
+            r"rope type 'longrope' is not supported",
+        ),
+        (
+            "gemma3",
+            lambda c: c["rope_parameters"].update(
+                sliding_attention={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}
+            ),
+            r"rope_parameters.sliding_attention: rope type 'dynamic' is not supported",
+        ),
+        (
+            "qwen3",
+            lambda c: c["rope_parameters"].update(partial_rotary_factor=0.5),
+            r"partial_rotary_factor=0.5 is not supported",
+        ),
+        (
+            "qwen2",
+            lambda c: c.update(hidden_act="gelu"),
+            r"hidden_act 'gelu' is not supported: the Qwen MLP uses 'silu' or 'swish'",
+        ),
+        (
+            "gemma3",
+            lambda c: c.update(hidden_activation="gelu"),
+            r"hidden_activation 'gelu' is not supported: Gemma 3's MLP uses 'gelu_pytorch_tanh'",
+        ),
+        (
+            "gemma3",
+            lambda c: c.update(use_bidirectional_attention=True),
+            r"use_bidirectional_attention=true is not supported: zoo's attention is causal",
+        ),
+        (
+            "gpt_oss",
+            lambda c: c.update(quantization_config={"quant_method": "mxfp4"}),
+            r"quantization_config \(mxfp4\) is not supported",
+        ),
+        (
+            "qwen2",
+            lambda c: c.update(layer_types=["sliding_attention", "full_attention"]),
+            r"layer_types makes layers \[0\] sliding_attention but the config leaves no sliding_window",
+        ),
+        (
+            "gemma3",
+            lambda c: c.update(layer_types=["sliding_attention"] * 3),
+            r"layer_types must list one type per layer \(4\)",
+        ),
+        (
+            "gpt_oss",
+            lambda c: c["layer_types"].__setitem__(0, "chunked_attention"),
+            r"layer_types 'chunked_attention' is not supported",
+        ),
         ("qwen3", lambda c: c.pop("hidden_size"), r"'hidden_size' is missing"),
         ("qwen3", lambda c: c.update(num_hidden_layers="2"), r"num_hidden_layers must be an integer, got '2'"),
         ("qwen3_moe", lambda c: c.update(mlp_only_layers="0"), r"mlp_only_layers must be a list of layer indices"),
-        ("qwen3_moe", lambda c: c.update(num_experts_per_tok=9), r"num_experts_per_tok: top_k=9 must be in 1..n_routed_experts=8"),
-        ("gemma3", lambda c: c["rope_parameters"].pop("sliding_attention"), r"rope_parameters is keyed by layer type but has no 'sliding_attention' entry"),
+        (
+            "qwen3_moe",
+            lambda c: c.update(num_experts_per_tok=9),
+            r"num_experts_per_tok: top_k=9 must be in 1..n_routed_experts=8",
+        ),
+        (
+            "gemma3",
+            lambda c: c["rope_parameters"].pop("sliding_attention"),
+            r"rope_parameters is keyed by layer type but has no 'sliding_attention' entry",
+        ),
     ],
-    ids=["falcon", "gemma3-multimodal", "rope-dynamic", "rope-longrope", "gemma-local-rope", "partial-rotary", "qwen-act",
-         "gemma-act", "bidirectional", "mxfp4", "window-off-but-sliding", "layer-types-length", "layer-type-unknown",
-         "missing-key", "wrong-type", "mlp-only-layers-type", "top-k", "gemma-rope-entry"],
+    ids=[
+        "falcon",
+        "gemma3-multimodal",
+        "rope-dynamic",
+        "rope-longrope",
+        "gemma-local-rope",
+        "partial-rotary",
+        "qwen-act",
+        "gemma-act",
+        "bidirectional",
+        "mxfp4",
+        "window-off-but-sliding",
+        "layer-types-length",
+        "layer-type-unknown",
+        "missing-key",
+        "wrong-type",
+        "mlp-only-layers-type",
+        "top-k",
+        "gemma-rope-entry",
+    ],
 )
 def test_unsupported_config(name, edit, match, tmp_path):
     ckpt = checkpoint(tmp_path, fixture(name), edit)
@@ -562,19 +693,41 @@ def _set(key, value):
 @pytest.mark.parametrize(
     "name,tensors,match",
     [
-        ("gpt_oss", lambda s: s.pop("model.layers.2.self_attn.sinks"), r"missing tensor 'model.layers.2.self_attn.sinks' \(expected shape \[4\]\)"),
-        ("mixtral", _set("model.layers.1.block_sparse_moe.experts.3.w2.weight", np.zeros((64, 32), np.float32)),
-         r"model.safetensors: tensor 'model.layers.1.block_sparse_moe.experts.3.w2.weight' has shape \[64, 32\], the config implies \[64, 64\]"),
-        ("gpt_oss", _set("model.layers.0.mlp.experts.gate_up_proj", np.zeros((4, 64, 64), np.float32)),
-         r"'model.layers.0.mlp.experts.gate_up_proj' has shape \[4, 64, 64\], the config implies \[4, 64, 128\]"),
-        ("qwen3", _set("model.layers.0.self_attn.q_norm.weight", np.ones(16, np.int32)),
-         r"model.safetensors: tensor 'model.layers.0.self_attn.q_norm.weight' has dtype I32; a floating-point tensor \(F32, BF16, F16, F64\)"),
-        ("qwen3", _set("model.layers.1.self_attn.o_proj.bias", np.zeros(64, np.float32)),
-         r"tensors the config does not account for: model.layers.1.self_attn.o_proj.bias"),
-        ("qwen3_moe", _set("model.layers.0.mlp.experts.8.up_proj.weight", np.zeros((32, 64), np.float32)),
-         r"does not account for: model.layers.0.mlp.experts.8.up_proj.weight"),
-        ("qwen2", _set("lm_head.weight", np.zeros((256, 112), np.float32)),
-         r"tie_word_embeddings is true but the file's lm_head.weight differs from model.embed_tokens.weight"),
+        (
+            "gpt_oss",
+            lambda s: s.pop("model.layers.2.self_attn.sinks"),
+            r"missing tensor 'model.layers.2.self_attn.sinks' \(expected shape \[4\]\)",
+        ),
+        (
+            "mixtral",
+            _set("model.layers.1.block_sparse_moe.experts.3.w2.weight", np.zeros((64, 32), np.float32)),
+            r"model.safetensors: tensor 'model.layers.1.block_sparse_moe.experts.3.w2.weight' has shape \[64, 32\], the config implies \[64, 64\]",
+        ),
+        (
+            "gpt_oss",
+            _set("model.layers.0.mlp.experts.gate_up_proj", np.zeros((4, 64, 64), np.float32)),
+            r"'model.layers.0.mlp.experts.gate_up_proj' has shape \[4, 64, 64\], the config implies \[4, 64, 128\]",
+        ),
+        (
+            "qwen3",
+            _set("model.layers.0.self_attn.q_norm.weight", np.ones(16, np.int32)),
+            r"model.safetensors: tensor 'model.layers.0.self_attn.q_norm.weight' has dtype I32; a floating-point tensor \(F32, BF16, F16, F64\)",
+        ),
+        (
+            "qwen3",
+            _set("model.layers.1.self_attn.o_proj.bias", np.zeros(64, np.float32)),
+            r"tensors the config does not account for: model.layers.1.self_attn.o_proj.bias",
+        ),
+        (
+            "qwen3_moe",
+            _set("model.layers.0.mlp.experts.8.up_proj.weight", np.zeros((32, 64), np.float32)),
+            r"does not account for: model.layers.0.mlp.experts.8.up_proj.weight",
+        ),
+        (
+            "qwen2",
+            _set("lm_head.weight", np.zeros((256, 112), np.float32)),
+            r"tie_word_embeddings is true but the file's lm_head.weight differs from model.embed_tokens.weight",
+        ),
     ],
     ids=["missing", "shape", "fused-shape", "int-dtype", "unused-bias", "extra-expert", "tied-head-differs"],
 )
@@ -586,7 +739,11 @@ def test_tensors_that_do_not_match_the_config(name, tensors, match, tmp_path):
 
 
 def test_tied_head_equal_to_the_embedding_is_accepted(tmp_path):
-    ckpt = checkpoint(tmp_path, fixture("qwen3"), tensors=lambda s: s.update({"lm_head.weight": s["model.embed_tokens.weight"].copy()}))
+    ckpt = checkpoint(
+        tmp_path,
+        fixture("qwen3"),
+        tensors=lambda s: s.update({"lm_head.weight": s["model.embed_tokens.weight"].copy()}),
+    )
     assert hf.from_pretrained(ckpt).lm_head is None
 
 
@@ -595,9 +752,20 @@ def test_tied_head_equal_to_the_embedding_is_accepted(tmp_path):
     [
         ("qwen2", dict(attention_bias=False), r"a qwen2 config.json cannot express this model: attention_bias=False"),
         ("qwen3", dict(attention_sinks=True), r"attention_sinks=True \(reads back as False\)"),
-        ("mixtral", dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"]), r"mixtral config.json cannot express .*layer_types"),
-        ("gemma3", dict(rope=zoo.RopeConfig(type="yarn", theta=1e6, factor=8.0, original_max_position_embeddings=16, truncate=False)),
-         r"gemma3_text config.json cannot express this model: rope="),
+        (
+            "mixtral",
+            dict(sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
+            r"mixtral config.json cannot express .*layer_types",
+        ),
+        (
+            "gemma3",
+            dict(
+                rope=zoo.RopeConfig(
+                    type="yarn", theta=1e6, factor=8.0, original_max_position_embeddings=16, truncate=False
+                )
+            ),
+            r"gemma3_text config.json cannot express this model: rope=",
+        ),
         ("llama", dict(qk_norm=True), r"a llama config.json cannot express this model: qk_norm=True"),
     ],
     ids=["qwen2-no-bias", "qwen3-sinks", "mixtral-mixed-windows", "gemma-yarn-no-truncate", "llama-qk-norm"],

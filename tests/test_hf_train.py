@@ -41,14 +41,18 @@ def write_tokenizer(path: pathlib.Path, vocab_size: int) -> pathlib.Path:
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     lines = (ROOT / "zoo" / "data" / "corpus" / "shakespeare").glob("*")
     text = next(iter(sorted(lines))).read_text().splitlines()[:3000]
-    tok.train_from_iterator(text, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "</s>"], show_progress=False))
+    tok.train_from_iterator(
+        text, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "</s>"], show_progress=False)
+    )
     assert tok.get_vocab_size() == vocab_size
     tok.save(str(path))
     return path
 
 
 def fingerprint(d: pathlib.Path) -> dict:
-    return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.rglob("*")) if p.is_file()
+    }
 
 
 def leaves_by_path(tree) -> dict:
@@ -73,6 +77,8 @@ def _loss(model, batch):
     if isinstance(batch, dict):
         return _packed_loss(model, {k: jnp.asarray(v) for k, v in batch.items()})
     return _plain_loss(model, jnp.asarray(batch))
+
+
 _logits = jax.jit(lambda model, tokens: model(tokens))
 
 
@@ -91,24 +97,54 @@ def test_hf_option_leaves_every_architecture_field_to_config_json():
     assert node == {**hf_option(), "path": "/some/dir"}
     assert set(node) == {"path", *(f.name for f in dataclasses.fields(ModelConfig))}
     assert node["rope"] and all(v is None for v in node["rope"].values())
-    assert {k: v for k, v in node.items() if v is not None and not isinstance(v, dict)} == {"path": "/some/dir", **RUNTIME}
+    assert {k: v for k, v in node.items() if v is not None and not isinstance(v, dict)} == {
+        "path": "/some/dir",
+        **RUNTIME,
+    }
 
 
 def test_model_group_takes_the_architecture_from_config_json_and_runtime_fields_from_the_command_line():
     from zoo.train.run_config import ConfigError, load
 
     llama, dsv3 = DATA / "llama_tiny_a", DATA / "dsv3_tiny_a"
-    c = load(compose(["model=hf", f"model.path={llama}", "model.compute_dtype=bfloat16", "model.attention_impl=blockwise",
-                      "model.num_layers=2", "model.rope.theta=10000.0"]))  # values that agree with config.json are fine
+    c = load(
+        compose(
+            [
+                "model=hf",
+                f"model.path={llama}",
+                "model.compute_dtype=bfloat16",
+                "model.attention_impl=blockwise",
+                "model.num_layers=2",
+                "model.rope.theta=10000.0",
+            ]
+        )
+    )  # values that agree with config.json are fine
     assert c.model == hf.config_from_hf(json.loads((llama / "config.json").read_text())).replace(
-        compute_dtype="bfloat16", attention_impl="blockwise")
-    assert c.pretrained.path == str(llama) and c.pretrained.model_type == "llama" and c.pretrained.weight_files == ["model.safetensors"]
-    c = load(compose(["model=hf", f"model.path={dsv3}", "model.moe.impl=capacity", "model.moe.capacity_factor=2.0", "model.param_dtype=bfloat16"]))
+        compute_dtype="bfloat16", attention_impl="blockwise"
+    )
+    assert (
+        c.pretrained.path == str(llama)
+        and c.pretrained.model_type == "llama"
+        and c.pretrained.weight_files == ["model.safetensors"]
+    )
+    c = load(
+        compose(
+            [
+                "model=hf",
+                f"model.path={dsv3}",
+                "model.moe.impl=capacity",
+                "model.moe.capacity_factor=2.0",
+                "model.param_dtype=bfloat16",
+            ]
+        )
+    )
     assert (c.model.moe.impl, c.model.moe.capacity_factor, c.model.param_dtype) == ("capacity", 2.0, "bfloat16")
-    assert load(compose(["model=hf", f"model.path={dsv3}"])).model.moe.impl == "ragged"  # dropless, as the checkpoint was trained
+    assert (
+        load(compose(["model=hf", f"model.path={dsv3}"])).model.moe.impl == "ragged"
+    )  # dropless, as the checkpoint was trained
     refused = {
         "model.num_layers=4": rf"^model.num_layers: 4 contradicts {llama}/config.json \(which gives 2\); with model.path the architecture "
-                              r"comes from the checkpoint: drop model.num_layers \(model=hf sets only param_dtype, compute_dtype, attention_impl, moe.impl, moe.capacity_factor\)$",
+        r"comes from the checkpoint: drop model.num_layers \(model=hf sets only param_dtype, compute_dtype, attention_impl, moe.impl, moe.capacity_factor\)$",
         "model.rope.theta=5.0": r"^model.rope.theta: 5.0 contradicts .*config.json \(which gives 10000.0\)",
         "model.mla.kv_lora_rank=8": r"^model.mla.kv_lora_rank: 8 contradicts .*config.json \(the checkpoint's model has no mla section\)",
         "model.moe.impl=capacity": rf"^model.moe.impl: {llama}/config.json describes a dense llama model \(no experts\); drop model.moe.impl$",
@@ -117,7 +153,9 @@ def test_model_group_takes_the_architecture_from_config_json_and_runtime_fields_
     for override, message in refused.items():
         with pytest.raises(ConfigError, match=message):
             load(compose(["model=hf", f"model.path={llama}", override]))
-    with pytest.raises(ConfigError, match=r"^model.path: missing; give the Hugging Face checkpoint directory, e.g. model.path="):
+    with pytest.raises(
+        ConfigError, match=r"^model.path: missing; give the Hugging Face checkpoint directory, e.g. model.path="
+    ):
         load(compose(["model=hf"]))
 
 
@@ -130,10 +168,15 @@ def test_data_tokenizer_defaults_to_the_checkpoints_own_and_must_agree_with_it(t
     write_tokenizer(ckpt / "tokenizer.json", 200)
     c = load(compose(["model=hf", f"model.path={ckpt}", "data=text"]))
     assert c.data.tokenizer == str(ckpt) and "tokenizer.json" in c.pretrained.files
-    assert load(compose(["model=hf", f"model.path={ckpt}", f"data.tokenizer={ckpt / 'tokenizer.json'}", "data=text"])).data.tokenizer
+    assert load(
+        compose(["model=hf", f"model.path={ckpt}", f"data.tokenizer={ckpt / 'tokenizer.json'}", "data=text"])
+    ).data.tokenizer
     other = write_tokenizer(tmp_path / "other.json", 180)
-    with pytest.raises(ConfigError, match=rf"^data.tokenizer: {other} disagrees with the checkpoint's vocabulary \({ckpt}/tokenizer.json\): "
-                                          r"\d+ tokens are missing or have other ids; leave data.tokenizer null to use the checkpoint's own"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"^data.tokenizer: {other} disagrees with the checkpoint's vocabulary \({ckpt}/tokenizer.json\): "
+        r"\d+ tokens are missing or have other ids; leave data.tokenizer null to use the checkpoint's own",
+    ):
         load(compose(["model=hf", f"model.path={ckpt}", "data=text", f"data.tokenizer={other}"]))
     assert load(compose(["model=hf", f"model.path={ckpt}"])).data.tokenizer is None  # synthetic data needs none
 
@@ -172,8 +215,19 @@ def test_sharded_checkpoint_loads_slice_by_slice_into_8_devices_then_exports(dsv
         return out
 
     monkeypatch.setattr(weights.LeafSource, "read", spy)
-    c, plan, devices, _ = prepare(compose(["model=hf", f"model.path={d}", "mesh=fsdp", "data=text", "data.batch_size=8", "data.seq_len=16",
-                                           f"checkpoint.dir={tmp_path / 'ckpt'}"]))
+    c, plan, devices, _ = prepare(
+        compose(
+            [
+                "model=hf",
+                f"model.path={d}",
+                "mesh=fsdp",
+                "data=text",
+                "data.batch_size=8",
+                "data.seq_len=16",
+                f"checkpoint.dir={tmp_path / 'ckpt'}",
+            ]
+        )
+    )
     assert plan.num_devices == 8 and plan.mesh.sizes["fsdp"] == 8
     trainer = Trainer(c, plan, devices)
     state = trainer.init()
@@ -182,7 +236,9 @@ def test_sharded_checkpoint_loads_slice_by_slice_into_8_devices_then_exports(dsv
         return {weights._path_name(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
     params = dotted(state["params"])
-    shardings = dict(zip(params, jax.tree.leaves(trainer.param_shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))))
+    shardings = dict(
+        zip(params, jax.tree.leaves(trainer.param_shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding)))
+    )
     shard_shapes_read = {}
     for path, shape in reads:
         shard_shapes_read.setdefault(path, set()).add(shape)
@@ -202,7 +258,9 @@ def test_sharded_checkpoint_loads_slice_by_slice_into_8_devices_then_exports(dsv
         np.testing.assert_array_equal(np.asarray(x), np.asarray(expected[path]), err_msg=path)
     assert split >= len(params) // 2, f"only {split} of {len(params)} leaves are split over the 8 devices"
     opt_shardings = jax.tree.leaves(trainer.opt_shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
-    assert [x.sharding for x in jax.tree.leaves(state["opt_state"])] == opt_shardings  # the optimizer state, sharded as init makes it
+    assert [
+        x.sharding for x in jax.tree.leaves(state["opt_state"])
+    ] == opt_shardings  # the optimizer state, sharded as init makes it
 
     # Step 0's loss in train.py's loss function (chunked head, experts routed per device over 8 devices)
     # is from_pretrained's up to float32 summation order (measured 2.4e-7 relative).
@@ -224,7 +282,9 @@ def test_sharded_checkpoint_loads_slice_by_slice_into_8_devices_then_exports(dsv
     assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (d / "tokenizer.json").read_bytes()
     back = hf.from_pretrained(tmp_path / "out")
     for path, x in dotted(back).items():
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(expected[path]).astype(jnp.bfloat16).astype(np.float32), err_msg=path)
+        np.testing.assert_array_equal(
+            np.asarray(x), np.asarray(expected[path]).astype(jnp.bfloat16).astype(np.float32), err_msg=path
+        )
 
 
 def test_pinned_host_parameters_load_into_host_memory(tmp_path):
@@ -232,8 +292,19 @@ def test_pinned_host_parameters_load_into_host_memory(tmp_path):
     from zoo.train.run import prepare
     from zoo.train.step import Trainer
 
-    c, plan, devices, _ = prepare(compose(["model=hf", f"model.path={DATA / 'llama_tiny_a'}", "mesh=fsdp", "mesh.devices=2",
-                                           "offload.params=pinned_host", "offload.opt_state=pinned_host", "data.batch_size=2"]))
+    c, plan, devices, _ = prepare(
+        compose(
+            [
+                "model=hf",
+                f"model.path={DATA / 'llama_tiny_a'}",
+                "mesh=fsdp",
+                "mesh.devices=2",
+                "offload.params=pinned_host",
+                "offload.opt_state=pinned_host",
+                "data.batch_size=2",
+            ]
+        )
+    )
     state = Trainer(c, plan, devices).init()
     assert memory_kinds(state["params"]) == {"pinned_host"} and memory_kinds(state["opt_state"]) == {"pinned_host"}
     reference = leaves_by_path(hf.from_pretrained(DATA / "llama_tiny_a"))
@@ -263,8 +334,19 @@ def test_restore_model_reads_the_parameters_train_py_saved(tmp_path):
     from zoo.train.checkpoint import restore_model
     from zoo.train.run_config import ConfigError
 
-    c, state = saved_checkpoint(["model=llama_tiny_a", "mesh=fsdp_tp", "mesh.devices=4", "mesh.tensor=2", "data.batch_size=4",
-                                 "data.seq_len=16", f"checkpoint.dir={tmp_path / 'ckpt'}"], seed=3, step=5)
+    c, state = saved_checkpoint(
+        [
+            "model=llama_tiny_a",
+            "mesh=fsdp_tp",
+            "mesh.devices=4",
+            "mesh.tensor=2",
+            "data.batch_size=4",
+            "data.seq_len=16",
+            f"checkpoint.dir={tmp_path / 'ckpt'}",
+        ],
+        seed=3,
+        step=5,
+    )
 
     model, meta = restore_model(tmp_path / "ckpt")
     assert meta["step"] == 5 and meta["model"]["family"] == "llama"
@@ -290,8 +372,18 @@ def test_restore_onto_8_devices_and_export_leaf_by_leaf(tmp_path):
     from zoo.train.hf_export import hf_export
     from zoo.train.checkpoint import restore_model
 
-    c, state = saved_checkpoint(["model=dsv3_tiny_a", "mesh=fsdp", "mesh.devices=2", "data.batch_size=2", "data.seq_len=16",
-                                 f"checkpoint.dir={tmp_path / 'ckpt'}"], seed=4, step=2)
+    c, state = saved_checkpoint(
+        [
+            "model=dsv3_tiny_a",
+            "mesh=fsdp",
+            "mesh.devices=2",
+            "data.batch_size=2",
+            "data.seq_len=16",
+            f"checkpoint.dir={tmp_path / 'ckpt'}",
+        ],
+        seed=4,
+        step=2,
+    )
 
     assert len(jax.devices()) == 8
     whole, _ = restore_model(tmp_path / "ckpt")
@@ -357,8 +449,16 @@ def walkthrough(tmp_path_factory):
     env = {k: v for k, v in clean_env().items() if k != "XLA_FLAGS"}  # a default CPU (one device), as the README says
     env["PYTHONUNBUFFERED"] = "1"  # stdout and stderr in the order a terminal shows them
     t0 = time.perf_counter()
-    p = subprocess.run(["bash", "-e", "-c", blocks[0]], cwd=d, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                       text=True, errors="replace", timeout=900)
+    p = subprocess.run(
+        ["bash", "-e", "-c", blocks[0]],
+        cwd=d,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+        timeout=900,
+    )
     assert p.returncode == 0, p.stdout[-5000:]
     return d, p, time.perf_counter() - t0
 
@@ -408,7 +508,11 @@ def test_readme_walkthrough_fine_tunes_from_the_step_0_loss_from_pretrained_give
     from zoo.data.tokenizer import ByteTokenizer
     from zoo.sampling import generate
 
-    command = next(ln for ln in section.splitlines() if ln.startswith("python -m zoo.tools.generate checkpoint.dir=outputs/finetune/checkpoints"))
+    command = next(
+        ln
+        for ln in section.splitlines()
+        if ln.startswith("python -m zoo.tools.generate checkpoint.dir=outputs/finetune/checkpoints")
+    )
     prompt = re.search(r'prompt="([^"]*)"', command).group(1)
     n = int(re.search(r"max_new_tokens=(\d+)", command).group(1))
     expected = generate(model, [prompt], n, tokenizer=ByteTokenizer())[0]
@@ -422,11 +526,27 @@ def test_readme_walkthrough_fine_tunes_from_the_step_0_loss_from_pretrained_give
     assert not np.array_equal(np.asarray(back.embed), np.asarray(reference.embed))  # trained, not the source
     source = DATA / "llama_tiny_a"
     assert sorted(p.name for p in exported.iterdir()) == ["config.json", "model.safetensors"]
-    config, original = json.loads((exported / "config.json").read_text()), json.loads((source / "config.json").read_text())
-    for key in ("architectures", "model_type", "hidden_size", "num_hidden_layers", "vocab_size", "bos_token_id", "eos_token_id"):
+    config, original = (
+        json.loads((exported / "config.json").read_text()),
+        json.loads((source / "config.json").read_text()),
+    )
+    for key in (
+        "architectures",
+        "model_type",
+        "hidden_size",
+        "num_hidden_layers",
+        "vocab_size",
+        "bos_token_id",
+        "eos_token_id",
+    ):
         assert config[key] == original[key], key
-    header, source_header = hf.SafetensorsFile(exported / "model.safetensors").header, hf.SafetensorsFile(source / "model.safetensors").header
-    assert {k: (v["dtype"], v["shape"]) for k, v in header.items()} == {k: (v["dtype"], v["shape"]) for k, v in source_header.items()}
+    header, source_header = (
+        hf.SafetensorsFile(exported / "model.safetensors").header,
+        hf.SafetensorsFile(source / "model.safetensors").header,
+    )
+    assert {k: (v["dtype"], v["shape"]) for k, v in header.items()} == {
+        k: (v["dtype"], v["shape"]) for k, v in source_header.items()
+    }
 
     # Resuming goes on from the orbax checkpoint, not from the Hugging Face weights again.
     c = load(compose([*overrides, "trainer.steps=30"]))
@@ -464,23 +584,49 @@ def _set(key, value):
 
 
 BAD = {
-    "no_config": (lambda t: (t / "hf").mkdir() or t / "hf", [], r"^error: model.path: .*/hf/config.json: missing; a Hugging Face checkpoint directory needs its config.json$"),
-    "no_weights": (lambda t: (_hf_copy(t) / "model.safetensors").unlink() or t / "hf", [],
-                   r"^error: model.path: .*/hf: no \*.safetensors files; a Hugging Face checkpoint directory \(config.json \+ \*.safetensors\) is needed$"),
-    "architecture": (lambda t: _hf_copy(t, _set("model_type", "gpt2")), [],
-                     r"^error: model.path: .*/hf/config.json: model_type 'gpt2' is not supported; supported: llama, deepseek_v3, "),
-    "shapes": (lambda t: _hf_copy(t, _set("intermediate_size", 96)), [],
-               r"^error: model.path: .*/hf/model.safetensors: tensor 'model.layers.0.mlp.gate_proj.weight' has shape \[128, 64\], "
-               r"the config implies \[96, 64\]; config.json and the weights disagree"),
-    "int_tensor": (lambda t: _hf_copy(t, tensors=lambda s: s.__setitem__("model.norm.weight", np.ones(64, np.int32))), [],
-                   r"^error: model.path: .*/hf/model.safetensors: tensor 'model.norm.weight' has dtype I32; a floating-point tensor \(F32, BF16, F16, F64\) is expected$"),
-    "tokenizer": (lambda t: _hf_copy(t), ["data=text", "data.tokenizer={tmp}/big.json"],
-                  r"^error: data.tokenizer: .*/big.json has 300 token ids but .*/hf/config.json has vocab_size=256, so its ids would index "
-                  r"past the embedding; give the tokenizer the checkpoint was trained with$"),
-    "shape_override": (lambda t: _hf_copy(t), ["model.hidden_size=128"], r"^error: model.hidden_size: 128 contradicts .*/hf/config.json \(which gives 64\)"),
-    "eval_split": (lambda t: _hf_copy(t), ["data=text", "data.eval_fraction=0.001"],
-                   r"^error: data.eval_fraction: 0.001 of .* gives 6 windows of data.seq_len=64 tokens, fewer than one batch of "
-                   r"data.batch_size=16; raise data.eval_fraction to at least 0.003, lower data.batch_size, or give data.eval_path$"),
+    "no_config": (
+        lambda t: (t / "hf").mkdir() or t / "hf",
+        [],
+        r"^error: model.path: .*/hf/config.json: missing; a Hugging Face checkpoint directory needs its config.json$",
+    ),
+    "no_weights": (
+        lambda t: (_hf_copy(t) / "model.safetensors").unlink() or t / "hf",
+        [],
+        r"^error: model.path: .*/hf: no \*.safetensors files; a Hugging Face checkpoint directory \(config.json \+ \*.safetensors\) is needed$",
+    ),
+    "architecture": (
+        lambda t: _hf_copy(t, _set("model_type", "gpt2")),
+        [],
+        r"^error: model.path: .*/hf/config.json: model_type 'gpt2' is not supported; supported: llama, deepseek_v3, ",
+    ),
+    "shapes": (
+        lambda t: _hf_copy(t, _set("intermediate_size", 96)),
+        [],
+        r"^error: model.path: .*/hf/model.safetensors: tensor 'model.layers.0.mlp.gate_proj.weight' has shape \[128, 64\], "
+        r"the config implies \[96, 64\]; config.json and the weights disagree",
+    ),
+    "int_tensor": (
+        lambda t: _hf_copy(t, tensors=lambda s: s.__setitem__("model.norm.weight", np.ones(64, np.int32))),
+        [],
+        r"^error: model.path: .*/hf/model.safetensors: tensor 'model.norm.weight' has dtype I32; a floating-point tensor \(F32, BF16, F16, F64\) is expected$",
+    ),
+    "tokenizer": (
+        lambda t: _hf_copy(t),
+        ["data=text", "data.tokenizer={tmp}/big.json"],
+        r"^error: data.tokenizer: .*/big.json has 300 token ids but .*/hf/config.json has vocab_size=256, so its ids would index "
+        r"past the embedding; give the tokenizer the checkpoint was trained with$",
+    ),
+    "shape_override": (
+        lambda t: _hf_copy(t),
+        ["model.hidden_size=128"],
+        r"^error: model.hidden_size: 128 contradicts .*/hf/config.json \(which gives 64\)",
+    ),
+    "eval_split": (
+        lambda t: _hf_copy(t),
+        ["data=text", "data.eval_fraction=0.001"],
+        r"^error: data.eval_fraction: 0.001 of .* gives 6 windows of data.seq_len=64 tokens, fewer than one batch of "
+        r"data.batch_size=16; raise data.eval_fraction to at least 0.003, lower data.batch_size, or give data.eval_path$",
+    ),
 }
 
 
@@ -491,9 +637,20 @@ def test_bad_pretrained_input_one_line_exit_2_before_compile_nothing_touched(cas
     if case == "tokenizer":
         write_tokenizer(tmp_path / "big.json", 300)
     before = fingerprint(tmp_path)
-    args = ["model=hf", f"model.path={d}", f"checkpoint.dir={tmp_path / 'ckpt'}", *(a.format(tmp=tmp_path) for a in extra)]
-    p = subprocess.run([sys.executable, str(ROOT / "train.py"), *args, f"hydra.run.dir={tmp_path / 'run'}"],
-                       cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=300)
+    args = [
+        "model=hf",
+        f"model.path={d}",
+        f"checkpoint.dir={tmp_path / 'ckpt'}",
+        *(a.format(tmp=tmp_path) for a in extra),
+    ]
+    p = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *args, f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=tmp_path,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert p.returncode == 2, p.stderr[-3000:]
     assert len(lines) == 1 and re.match(expected, lines[0]), lines

@@ -151,7 +151,11 @@ def test_partitioned_hlo_of_a_program_the_persistent_cache_already_holds(tmp_pat
         print("ok")
         """
     )
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache")}
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache"),
+    }
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
     p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)

@@ -27,7 +27,13 @@ def test_plan_adds_the_tunable_and_keeps_the_others():
     "environ, mode, glibc, on, why",
     [
         ({"GLIBC_TUNABLES": f"{TUNABLE}=1"}, "madvise", (2, 36), True, f"GLIBC_TUNABLES={TUNABLE}=1"),
-        ({"GLIBC_TUNABLES": f"{TUNABLE}=0"}, "madvise", (2, 36), False, f"GLIBC_TUNABLES={TUNABLE}=0"),  # the user's, kept
+        (
+            {"GLIBC_TUNABLES": f"{TUNABLE}=0"},
+            "madvise",
+            (2, 36),
+            False,
+            f"GLIBC_TUNABLES={TUNABLE}=0",
+        ),  # the user's, kept
         ({SWITCH: "0"}, "madvise", (2, 36), False, f"{SWITCH}=0"),
         ({}, "always", (2, 36), True, "transparent_hugepage=always"),
         ({}, "never", (2, 36), False, "transparent huge pages are never"),
@@ -41,7 +47,9 @@ def test_plan_leaves_the_process_alone(environ, mode, glibc, on, why):
 
 
 def test_describe_names_the_state_and_the_switch():
-    assert describe({"GLIBC_TUNABLES": f"{TUNABLE}=1"}).startswith("host memory: large buffers on transparent huge pages (")
+    assert describe({"GLIBC_TUNABLES": f"{TUNABLE}=1"}).startswith(
+        "host memory: large buffers on transparent huge pages ("
+    )
     assert f"{SWITCH}=0 turns huge pages off" in describe({"GLIBC_TUNABLES": f"{TUNABLE}=1"})
     assert describe({SWITCH: "0"}) == f"host memory: large buffers on 4 KiB pages ({SWITCH}=0; docs/benchmarks.md)"
 
@@ -54,7 +62,9 @@ def test_a_bad_switch_is_one_line_naming_it(value):
 
 def test_train_py_refuses_a_bad_switch_in_one_line_before_anything_else():
     env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
-    p = subprocess.run([sys.executable, "train.py"], cwd=ROOT, env={**env, SWITCH: "off"}, capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [sys.executable, "train.py"], cwd=ROOT, env={**env, SWITCH: "off"}, capture_output=True, text=True, timeout=60
+    )
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert p.returncode == 2 and p.stdout == "" and len(lines) == 1, p.stderr
     assert lines[0].startswith(f"error: {SWITCH}: got 'off'; give 0 ")
@@ -78,18 +88,20 @@ print(json.dumps({"first_pid": int(os.environ["ZOO_TEST_PID"]), "pid": os.getpid
 """
 
 
-needs_madvise = pytest.mark.skipif(
-    plan({})[0] is None, reason=f"this machine does not need the tunable: {plan({})[2]}"
-)
+needs_madvise = pytest.mark.skipif(plan({})[0] is None, reason=f"this machine does not need the tunable: {plan({})[2]}")
 
 
 @needs_madvise
 def test_reexec_keeps_pid_and_arguments_and_adds_the_tunable():
     env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", SWITCH, "ZOO_TEST_PID")}
-    p = subprocess.run([sys.executable, "-c", _CHILD, "a", "b=c"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [sys.executable, "-c", _CHILD, "a", "b=c"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
     out = json.loads(p.stdout.strip().splitlines()[-1])
     assert out == {"first_pid": out["pid"], "pid": out["pid"], "argv": ["a", "b=c"], "tunables": f"{TUNABLE}=1"}
-    off = subprocess.run([sys.executable, "-c", _CHILD], cwd=ROOT, env={**env, SWITCH: "0"}, capture_output=True, text=True, timeout=60)
+    off = subprocess.run(
+        [sys.executable, "-c", _CHILD], cwd=ROOT, env={**env, SWITCH: "0"}, capture_output=True, text=True, timeout=60
+    )
     assert json.loads(off.stdout.strip().splitlines()[-1])["tunables"] is None
 
 
@@ -109,7 +121,9 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 def test_the_tunable_cuts_the_page_faults_of_a_large_buffer():
     def faults(tunables):
         env = {**os.environ, "GLIBC_TUNABLES": tunables}
-        p = subprocess.run([sys.executable, "-c", _FAULTS], env=env, capture_output=True, text=True, timeout=60, check=True)
+        p = subprocess.run(
+            [sys.executable, "-c", _FAULTS], env=env, capture_output=True, text=True, timeout=60, check=True
+        )
         return int(p.stdout.strip())
 
     small_pages, huge = faults(f"{TUNABLE}=0"), faults(f"{TUNABLE}=1")

@@ -49,19 +49,36 @@ def _imported_by_name(module: str, tree: ast.Module) -> dict[str, int]:
     import statement shows: a registry's `import_module(f"{__name__}.{name}")` over the names it lists
     (its package's submodules), and, in a module that imports by name, each zoo module a string of it
     names (a table of where names live, read on first use)."""
-    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
-             and n.func.attr == "import_module" and isinstance(n.func.value, ast.Name) and n.func.value.id == "importlib"]
+    calls = [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call)
+        and isinstance(n.func, ast.Attribute)
+        and n.func.attr == "import_module"
+        and isinstance(n.func.value, ast.Name)
+        and n.func.value.id == "importlib"
+    ]
     if not calls:
         return {}
     found = {}
     for call in calls:
         arg = call.args[0] if call.args else None
-        if isinstance(arg, ast.JoinedStr) and arg.values and isinstance(arg.values[0], ast.FormattedValue) \
-                and isinstance(arg.values[0].value, ast.Name) and arg.values[0].value.id == "__name__":
+        if (
+            isinstance(arg, ast.JoinedStr)
+            and arg.values
+            and isinstance(arg.values[0], ast.FormattedValue)
+            and isinstance(arg.values[0].value, ast.Name)
+            and arg.values[0].value.id == "__name__"
+        ):
             for sub in _submodules(module):
                 found.setdefault(sub, call.lineno)
     for node in ast.walk(tree):
-        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in MODULES and node.value != module:
+        if (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and node.value in MODULES
+            and node.value != module
+        ):
             found.setdefault(node.value, node.lineno)
     return found
 
@@ -115,7 +132,7 @@ def _cycle() -> list[str]:
         path.append(m)
         for nxt in GRAPH[m]:
             if state.get(nxt) == 1:
-                return path[path.index(nxt):] + [nxt]
+                return path[path.index(nxt) :] + [nxt]
             if nxt not in state:
                 found = visit(nxt)
                 if found:
@@ -136,11 +153,19 @@ def test_the_walk_sees_the_package():
     # A walk that found nothing would pass everything below: the known edges must be there.
     assert len(MODULES) > 40
     assert "zoo.model" in GRAPH["zoo.offload"] and "zoo.placement" in GRAPH["zoo.tools.inspect_step"]
-    assert "zoo.families" in GRAPH["zoo.hf.convert"] and "zoo.tools.cli" in GRAPH["zoo.tools.kit"]  # from-imports of a submodule
+    assert (
+        "zoo.families" in GRAPH["zoo.hf.convert"] and "zoo.tools.cli" in GRAPH["zoo.tools.kit"]
+    )  # from-imports of a submodule
     # through importlib: the registry imports every family module, the package's face the homes of its names
     assert {"zoo.families.llama", "zoo.families.mistral"} <= set(GRAPH["zoo.families"])
     assert "zoo.families._qwen" not in GRAPH["zoo.families"] and {"zoo.model", "zoo.families"} <= set(GRAPH["zoo"])
-    commands = {"zoo.tools.inspect_step", "zoo.tools.plan", "zoo.tools.export", "zoo.tools.generate", "zoo.tools.report"}
+    commands = {
+        "zoo.tools.inspect_step",
+        "zoo.tools.plan",
+        "zoo.tools.export",
+        "zoo.tools.generate",
+        "zoo.tools.report",
+    }
     assert commands <= {m for m in MODULES if _is_tool(m) and _has_main(m)}
     assert not _is_tool("zoo.sampling") and not _is_tool("zoo.toolsy") and _is_tool("zoo.tools")
 
@@ -182,8 +207,10 @@ def test_no_two_modules_share_a_name():
 def test_the_library_never_imports_a_tool():
     wrong = [
         f"{MODULES[m].relative_to(ROOT)}:{line} imports the tool {t}"
-        for m in sorted(MODULES) if not _is_tool(m)
-        for t, line in GRAPH[m].items() if _is_tool(t)
+        for m in sorted(MODULES)
+        if not _is_tool(m)
+        for t, line in GRAPH[m].items()
+        if _is_tool(t)
     ]
     assert not wrong, "; ".join(wrong)
 
@@ -229,7 +256,12 @@ def test_the_blocks_import_nothing_built_on_them():
     """zoo.nn (the blocks) stands below the model and the adapters: the LoRA weight the blocks project
     through lives in zoo.nn.lora_weight, and zoo.lora builds on it, not the other way round."""
     above = {"zoo.model", "zoo.lora"}
-    wrong = [f"{MODULES[m].relative_to(ROOT)}:{line} imports {t}" for m in sorted(MODULES) if m.startswith("zoo.nn")
-             for t, line in GRAPH[m].items() if t in above]
+    wrong = [
+        f"{MODULES[m].relative_to(ROOT)}:{line} imports {t}"
+        for m in sorted(MODULES)
+        if m.startswith("zoo.nn")
+        for t, line in GRAPH[m].items()
+        if t in above
+    ]
     assert not wrong, "; ".join(wrong)
     assert "zoo.nn.lora_weight" in GRAPH["zoo.lora"]

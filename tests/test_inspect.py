@@ -10,7 +10,6 @@ import jax.numpy as jnp
 import pytest
 
 import zoo
-from zoo import offload
 from zoo.tools.inspect_step import main
 from zoo.placement import inspect_placement, stack_names
 from zoo.offload import expected_placement, load_preset, placement_matches, remat_policy
@@ -21,7 +20,9 @@ from test_offload import FAMILIES, PRESETS
 def _placement(config, rp, batch=2, seq=16):
     model = zoo.abstract(config)
     tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
-    return inspect_placement(jax.grad(lambda m, t: zoo.loss_fn(m, t, remat_policy=rp)), model, tokens, stacks=stack_names(model))
+    return inspect_placement(
+        jax.grad(lambda m, t: zoo.loss_fn(m, t, remat_policy=rp)), model, tokens, stacks=stack_names(model)
+    )
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -60,8 +61,10 @@ def test_layer_input_and_mlpwo_exceptions_are_what_the_program_does():
 def test_placement_follows_the_program_not_the_config():
     config = zoo.get_size("dsv3_tiny_a")
     rp = jax.checkpoint_policies.save_and_offload_only_these_names(
-        names_which_can_be_saved=["context", "mla_kv"], names_which_can_be_offloaded=["moe_mlpwi_1", "decoder_layer_input"],
-        offload_src="device", offload_dst="pinned_host",
+        names_which_can_be_saved=["context", "mla_kv"],
+        names_which_can_be_offloaded=["moe_mlpwi_1", "decoder_layer_input"],
+        offload_src="device",
+        offload_dst="pinned_host",
     )
     found = _placement(config, rp).by_tag()
     assert {t for t, p in found.items() if p == "device"} == {"context", "mla_kv"}
@@ -118,8 +121,14 @@ def test_compiled_temp_memory_orders_full_minimal_none():
 
 def test_cli_writes_inspect_json(tmp_path, capsys):
     out = tmp_path / "inspect.json"
-    args = ["model=llama_tiny_a", "mesh=single", "offload=[qkv_proj_offloaded,optimizer_host]", "data.batch_size=2",
-            "data.seq_len=16", f"inspect.out={out}"]
+    args = [
+        "model=llama_tiny_a",
+        "mesh=single",
+        "offload=[qkv_proj_offloaded,optimizer_host]",
+        "data.batch_size=2",
+        "data.seq_len=16",
+        f"inspect.out={out}",
+    ]
     assert main(args) == 0
     printed = capsys.readouterr().out
     assert "query_proj" in printed and "compiled: argument" in printed
@@ -145,7 +154,14 @@ def test_the_update_line_says_its_shapes_are_traced_where_a_mesh_splits_them():
 
     table = {"shape": [128256, 16384], "dtype": "float32", "bytes": 128256 * 16384 * 4}
     for devices, qualified in ((1, False), (128, True)):
-        update = {"streamed": False, "devices": devices, "layer_loops": 0, "device_in_loops": None, "device_outside_loops": table, "moved_to_device": None}
+        update = {
+            "streamed": False,
+            "devices": devices,
+            "layer_loops": 0,
+            "device_in_loops": None,
+            "device_outside_loops": table,
+            "moved_to_device": None,
+        }
         (line,) = render_memory_sections({"update": update})
         assert line.startswith("update: whole tree on device; largest device value 8.41 GB (128256x16384 float32)")
         assert ("traced shapes: each split over the 128 devices" in line) == qualified, line
@@ -154,10 +170,22 @@ def test_the_update_line_says_its_shapes_are_traced_where_a_mesh_splits_them():
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["model=llama_tiny_a", "offload=custom", "offload.tags.mla_q=offload"], "error: offload.tags.mla_q: the llama model never emits this tag"),
-        (["model=llama_tiny_a", "offload=custom", "offload.tags.query_proj=keep"], "error: offload.tags.query_proj: 'keep' is not an action"),
-        (["model=llama_tiny_a", "offload=custom", "offload.tags.query_projection=offload"], "error: offload.tags.query_projection: unknown tag (did you mean query_proj?)"),
-        (["model=llama_tiny_a", "inspect.output=x.json"], "error: inspect.output: unknown key; the keys are out, measure, strict"),
+        (
+            ["model=llama_tiny_a", "offload=custom", "offload.tags.mla_q=offload"],
+            "error: offload.tags.mla_q: the llama model never emits this tag",
+        ),
+        (
+            ["model=llama_tiny_a", "offload=custom", "offload.tags.query_proj=keep"],
+            "error: offload.tags.query_proj: 'keep' is not an action",
+        ),
+        (
+            ["model=llama_tiny_a", "offload=custom", "offload.tags.query_projection=offload"],
+            "error: offload.tags.query_projection: unknown tag (did you mean query_proj?)",
+        ),
+        (
+            ["model=llama_tiny_a", "inspect.output=x.json"],
+            "error: inspect.output: unknown key; the keys are out, measure, strict",
+        ),
         (["model=llama_tiny_a", "offload=nonesuch"], "error: offload: unknown option 'nonesuch'"),
     ],
 )
@@ -197,7 +225,9 @@ def test_inspector_sees_into_the_expert_parallel_kernel(preset):
     from zoo import sharding as zs
 
     config = zoo.get_size("dsv3_tiny_a")
-    config = config.replace(moe=dataclasses.replace(config.moe, impl="capacity", capacity_factor=float(config.moe.n_routed_experts)))
+    config = config.replace(
+        moe=dataclasses.replace(config.moe, impl="capacity", capacity_factor=float(config.moe.n_routed_experts))
+    )
     policy = load_preset(preset)
     rp = remat_policy(policy, config)
     single = _placement(config, rp, batch=8)
@@ -254,7 +284,11 @@ def test_buffer_assignment_names_arguments_by_path_and_values_by_op():
     by_name = {b.name: b for b in found}
     assert by_name["parameter 1"].op_name == "state['params'].embed" and by_name["parameter 1"].kind == "argument"
     assert by_name["parameter 0"].op_name == "state['opt_state'].inner_states['train'].inner_state[1][0].mu.w"
-    assert by_name["dot_fusion.1"].kind == "temp" and by_name["dot_fusion.1"].bytes == 65536 and by_name["dot_fusion.1"].shape == "f32[256,64]"
+    assert (
+        by_name["dot_fusion.1"].kind == "temp"
+        and by_name["dot_fusion.1"].bytes == 65536
+        and by_name["dot_fusion.1"].shape == "f32[256,64]"
+    )
     assert by_name["dot_fusion.1"].op_name == "jit(train_step)/transpose(jvp())/dot_general"
     assert by_name["copy.212"].op_name == ""  # no metadata
     mem = {"estimated_peak_bytes": 200_000, "temp_size_in_bytes": 98304}
@@ -268,7 +302,14 @@ def test_cli_over_the_hbm_budget_says_who_holds_it(tmp_path, capsys):
     """hardware.hbm_bytes below XLA's estimated peak: the inspector lists the compiled step's largest
     arguments (by their paths) and temporaries, largest first, and points to the planner."""
     out = tmp_path / "inspect.json"
-    args = ["model=llama_tiny_a", "mesh=single", "data.batch_size=2", "data.seq_len=16", "hardware.hbm_bytes=100000", f"inspect.out={out}"]
+    args = [
+        "model=llama_tiny_a",
+        "mesh=single",
+        "data.batch_size=2",
+        "data.seq_len=16",
+        "hardware.hbm_bytes=100000",
+        f"inspect.out={out}",
+    ]
     assert main(args) == 0
     printed = capsys.readouterr().out
     rep = json.loads(out.read_text())
@@ -281,5 +322,8 @@ def test_cli_over_the_hbm_budget_says_who_holds_it(tmp_path, capsys):
     temp = [b["bytes"] for b in h["largest_temp"]]
     assert temp == sorted(temp, reverse=True) and 0 < temp[0] <= mem["temp_size_in_bytes"]
     assert h["largest_arguments"][0]["op_name"].startswith("state[")
-    assert "who holds the HBM: the compiled step's buffers, XLA's estimated peak" in printed and "over hardware.hbm_bytes 100.00 kB" in printed
+    assert (
+        "who holds the HBM: the compiled step's buffers, XLA's estimated peak" in printed
+        and "over hardware.hbm_bytes 100.00 kB" in printed
+    )
     assert "python -m zoo.tools.plan model=llama_tiny_a" in printed and "plan.holders=true" in printed

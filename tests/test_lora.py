@@ -67,7 +67,9 @@ def test_gradients_only_for_adapters_and_match_reference(llama):
     adapters = jax.tree.map(lambda x: x + 0.05 * jax.random.normal(jax.random.key(3), x.shape), adapters)
     toks = tokens_for(llama)
     loss, grads = jax.jit(jax.value_and_grad(lambda ad: zoo_model.loss_fn(lora.attach(llama, ad, c), toks)))(adapters)
-    ref_loss, ref_grads = jax.jit(jax.value_and_grad(lambda ad: zoo_model.loss_fn(_reference_model(llama, ad, c), toks)))(adapters)
+    ref_loss, ref_grads = jax.jit(
+        jax.value_and_grad(lambda ad: zoo_model.loss_fn(_reference_model(llama, ad, c), toks))
+    )(adapters)
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
     for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
         assert float(jnp.abs(r).max()) > 0
@@ -99,7 +101,10 @@ def test_a_few_steps_lower_the_loss(llama):
     # Merged weights give the attached model's logits (export / generate with adapters merged).
     attached = lora.attach(llama, adapters, c)
     merged = lora.merge(attached)
-    assert not any(isinstance(x, lora.LoRAWeight) for x in jax.tree.leaves(merged, is_leaf=lambda x: isinstance(x, lora.LoRAWeight)))
+    assert not any(
+        isinstance(x, lora.LoRAWeight)
+        for x in jax.tree.leaves(merged, is_leaf=lambda x: isinstance(x, lora.LoRAWeight))
+    )
     np.testing.assert_allclose(np.asarray(merged(toks)), np.asarray(attached(toks)), rtol=1e-5, atol=1e-5)
 
 
@@ -129,18 +134,31 @@ def test_adapters_of_another_family_are_refused(llama):
     assert lora.check_family(adapters, llama, c, llama.config.family) is None
     # Same shapes, another family: refused by the family the adapters were saved with.
     same_shapes = zoo_model.abstract(SIZES["qwen3_tiny_a"])
-    assert lora.check_family(adapters, same_shapes, c, llama.config.family).startswith("lora: the saved adapters were made for")
+    assert lora.check_family(adapters, same_shapes, c, llama.config.family).startswith(
+        "lora: the saved adapters were made for"
+    )
     other = zoo_model.abstract(SIZES["dsv3_tiny_a"])
     assert lora.check_family(adapters, other, cfg(targets=["wo"])).startswith("lora: the saved adapters do not fit")
 
 
-@pytest.mark.parametrize("kw, key", [({"rank": -1}, "lora.rank"), ({"dropout": 1.0}, "lora.dropout"), ({"dropout": -0.1}, "lora.dropout"), ({"targets": ["q_proj"]}, "lora.targets")])
+@pytest.mark.parametrize(
+    "kw, key",
+    [
+        ({"rank": -1}, "lora.rank"),
+        ({"dropout": 1.0}, "lora.dropout"),
+        ({"dropout": -0.1}, "lora.dropout"),
+        ({"targets": ["q_proj"]}, "lora.targets"),
+    ],
+)
 def test_config_errors(kw, key):
     with pytest.raises(ConfigError, match=f"^{key}:"):
         cfg(**kw)
 
 
-@pytest.mark.parametrize("fan_in_axes, spec, x_shape, w_shape", [(1, "BTD,DKH->BTKH", (2, 5, 12), (12, 3, 4)), (2, "BTNH,NHD->BTD", (2, 5, 3, 4), (3, 4, 12))])
+@pytest.mark.parametrize(
+    "fan_in_axes, spec, x_shape, w_shape",
+    [(1, "BTD,DKH->BTKH", (2, 5, 12), (12, 3, 4)), (2, "BTNH,NHD->BTD", (2, 5, 3, 4), (3, 4, 12))],
+)
 def test_dropout_runs_the_adapter_on_a_dropped_input(fan_in_axes, spec, x_shape, w_shape):
     """`project` with dropout: x @ W + s * (mask * x / (1 - p)) @ A @ B, mask ~ Bernoulli(1 - p) from
     the weight's key; without a key, the merged weight; averaged over keys, the merged result."""
@@ -153,7 +171,9 @@ def test_dropout_runs_the_adapter_on_a_dropped_input(fan_in_axes, spec, x_shape,
     keyed = lora.LoRAWeight(base, a, b, jax.random.key(7), scale, fan_in_axes, p)
     rows = x.reshape(*x.shape[: x.ndim - fan_in_axes], fan_in)
     mask = jax.random.bernoulli(jax.random.key(7), 1 - p, rows.shape)
-    want = jnp.einsum(spec, x, base) + (scale * (jnp.where(mask, rows / (1 - p), 0) @ a @ b)).reshape(jnp.einsum(spec, x, base).shape)
+    want = jnp.einsum(spec, x, base) + (scale * (jnp.where(mask, rows / (1 - p), 0) @ a @ b)).reshape(
+        jnp.einsum(spec, x, base).shape
+    )
     np.testing.assert_allclose(lora.project(spec, x, keyed, jnp.float32), want, rtol=1e-5, atol=1e-5)
     merged = jnp.einsum(spec, x, base + scale * (a @ b).reshape(w_shape))
     unkeyed = lora.LoRAWeight(base, a, b, None, scale, fan_in_axes, p)
@@ -186,7 +206,9 @@ def test_dropout_is_on_only_with_a_key_and_otherwise_the_merged_model():
     one, two = (float(keyed(adapters, jax.random.key(k))) for k in (3, 4))
     assert one != merged and two != one
     tiny = dataclasses.replace(c, dropout=1e-9)  # 1 - 1e-9 is 1.0 in float32: every unit kept
-    np.testing.assert_allclose(float(jax.jit(lambda ad: loss(tiny, ad, jax.random.key(3)))(adapters)), merged, rtol=2e-6)
+    np.testing.assert_allclose(
+        float(jax.jit(lambda ad: loss(tiny, ad, jax.random.key(3)))(adapters)), merged, rtol=2e-6
+    )
     grads = jax.jit(jax.grad(lambda ad: loss(c, ad, jax.random.key(3))))(adapters)
     assert all(bool(jnp.isfinite(g).all()) and float(jnp.abs(g).max()) > 0 for g in jax.tree.leaves(grads))
 
@@ -217,7 +239,10 @@ def test_train_py_lora_base_on_host_checkpoints_only_adapters_and_resumes(tmp_pa
         return p.stdout, json.loads((tmp_path / name / "summary.json").read_text())
 
     out, summary = run(6, "a")
-    assert "lora: rank 8, alpha 16, dropout 0.05 (adapters unmerged while training) on " in out and "frozen base in pinned host memory" in out
+    assert (
+        "lora: rank 8, alpha 16, dropout 0.05 (adapters unmerged while training) on " in out
+        and "frozen base in pinned host memory" in out
+    )
     assert summary["memory_kinds"]["base"] == ["pinned_host"] and summary["memory_kinds"]["params"] == ["device"]
     assert summary["last_loss"] < summary["first_loss"] - 0.3, summary
     saved = json.loads((tmp_path / "ck" / "6" / "state" / "_METADATA").read_text())["tree_metadata"]
@@ -280,10 +305,18 @@ def test_a_lora_checkpoint_exports_and_samples_merged(tmp_path):
         w0 = np.asarray(pick(base.stacks[0].layers[0]), np.float32)
         want = w0 + (scale * np.matmul(a, b)).reshape(w0.shape)
         np.testing.assert_allclose(np.asarray(pick(merged.stacks[0].layers[0]), np.float32), want, rtol=1e-5, atol=1e-6)
-    np.testing.assert_array_equal(np.asarray(merged.stacks[0].layers[0].attn.wk), np.asarray(base.stacks[0].layers[0].attn.wk))
+    np.testing.assert_array_equal(
+        np.asarray(merged.stacks[0].layers[0].attn.wk), np.asarray(base.stacks[0].layers[0].attn.wk)
+    )
 
     out = tmp_path / "out"
-    p = subprocess.run([sys.executable, "-m", "zoo.tools.export", str(ck), str(out)], cwd=root, capture_output=True, text=True, timeout=600)
+    p = subprocess.run(
+        [sys.executable, "-m", "zoo.tools.export", str(ck), str(out)],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     tokens = jnp.arange(16, dtype=jnp.int32)[None] % merged.config.vocab_size
     exported = from_pretrained(out)
@@ -296,9 +329,17 @@ def test_a_lora_checkpoint_exports_and_samples_merged(tmp_path):
     assert p.returncode == 0 and p.stdout.strip(), p.stderr[-3000:]
 
     shutil.rmtree(base_dir)
-    p = subprocess.run([sys.executable, "-m", "zoo.tools.export", str(ck), str(tmp_path / "out2")], cwd=root, capture_output=True, text=True, timeout=600)
+    p = subprocess.run(
+        [sys.executable, "-m", "zoo.tools.export", str(ck), str(tmp_path / "out2")],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
-    assert p.returncode == 2 and len(lines) == 1 and "holds LoRA adapters over the base model" in lines[0], p.stderr[-2000:]
+    assert p.returncode == 2 and len(lines) == 1 and "holds LoRA adapters over the base model" in lines[0], p.stderr[
+        -2000:
+    ]
     assert not (tmp_path / "out2").exists()
 
 
@@ -311,12 +352,27 @@ def test_the_inspector_counts_the_adapters_and_the_frozen_base_where_it_lives(tm
     from zoo.config import count_params
     from zoo.tools.inspect_step import main
 
-    args = ["model=llama_tiny_a", "mesh=single", "lora=default", "lora.rank=2", "lora.base_on_host=true", f"inspect.out={tmp_path / 'inspect.json'}"]
+    args = [
+        "model=llama_tiny_a",
+        "mesh=single",
+        "lora=default",
+        "lora.rank=2",
+        "lora.base_on_host=true",
+        f"inspect.out={tmp_path / 'inspect.json'}",
+    ]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert re.search(r"^policy .*; LoRA: params are the adapters, the frozen base in pinned_host$", out, re.M), out
     rep = json.loads((tmp_path / "inspect.json").read_text())
     state = rep["scale"]["state_bytes_per_device"]
-    assert state["frozen_base"] == 4 * count_params(SIZES["llama_tiny_a"]) and state["frozen_base_memory"] == "pinned_host"
-    assert state["params"] < state["frozen_base"] / 10 and state["total"] == 2 * state["params"] + state["opt_state"] + state["frozen_base"]
-    assert "frozen LoRA base per device: " in out and " in pinned_host (no gradient, no optimizer state; in the total)" in out
+    assert (
+        state["frozen_base"] == 4 * count_params(SIZES["llama_tiny_a"]) and state["frozen_base_memory"] == "pinned_host"
+    )
+    assert (
+        state["params"] < state["frozen_base"] / 10
+        and state["total"] == 2 * state["params"] + state["opt_state"] + state["frozen_base"]
+    )
+    assert (
+        "frozen LoRA base per device: " in out
+        and " in pinned_host (no gradient, no optimizer state; in the total)" in out
+    )

@@ -39,7 +39,9 @@ def attached(name: str, targets=None):
     base = from_pretrained(DATA / name)
     cfg = lora.LoraConfig(rank=RANK, alpha=ALPHA, targets=targets or TARGETS[name])
     rng = np.random.default_rng(0)  # numpy: a jax.random call per adapter shape would compile each
-    adapters = jax.tree.map(lambda x: jnp.asarray(0.1 * rng.standard_normal(x.shape), x.dtype), lora.init_shapes(base, cfg))
+    adapters = jax.tree.map(
+        lambda x: jnp.asarray(0.1 * rng.standard_normal(x.shape), x.dtype), lora.init_shapes(base, cfg)
+    )
     return base, lora.attach(base, adapters, cfg)
 
 
@@ -64,7 +66,9 @@ def test_peft_tensors_are_the_merged_weight_minus_the_base(name):
     base, model = attached(name)
     tensors, ranks = peft_state(model)
     base_hf, merged_hf = to_hf_state_dict(base), to_hf_state_dict(lora.merge(model))
-    adapted = {n.removeprefix(PEFT_PREFIX).removesuffix(".lora_A.weight") for n in tensors if n.endswith(".lora_A.weight")}
+    adapted = {
+        n.removeprefix(PEFT_PREFIX).removesuffix(".lora_A.weight") for n in tensors if n.endswith(".lora_A.weight")
+    }
     assert len(adapted) == len(ranks) and len(adapted) > 0
     assert delta_mismatches(tensors, base_hf, merged_hf) == []
     for path in adapted:
@@ -113,7 +117,10 @@ def test_peft_applies_latent_attention_adapters_as_the_merged_export(peft_lib, t
     Adapters on the dense MLP are refused: the routed experts have its projections' names."""
     from zoo.hf import CheckpointError
 
-    with pytest.raises(CheckpointError, match=r"mlp\.experts\.0\.gate_proj shares the name gate_proj .* train without w_gate in lora\.targets"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"mlp\.experts\.0\.gate_proj shares the name gate_proj .* train without w_gate in lora\.targets",
+    ):
         save_adapters(attached("dsv3_tiny_a")[1], tmp_path / "refused", rank=RANK, alpha=ALPHA)
     assert not (tmp_path / "refused").exists()
     _, model = attached("dsv3_tiny_a", [t for t in TARGETS["dsv3_tiny_a"] if not t.startswith("w_")])
@@ -158,7 +165,9 @@ def test_a_lora_run_exports_adapters_peft_loads_and_samples_attached(peft_lib, t
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 4, "lora_alpha": 16.0, "bias": "none", "fan_in_fan_out": False,
         "base_model_name_or_path": str(base_dir),
     }  # fmt: skip
-    assert config["target_modules"] == sorted(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    assert config["target_modules"] == sorted(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
     assert peft_vs_merged(base_dir, tmp_path / "adapters", tmp_path / "merged") > 1e-2
 
     merged, _ = restore_model(ck)
@@ -177,7 +186,9 @@ def test_generate_refuses_a_bad_lora_form():
 
     with pytest.raises(GenerationError, match=r"^checkpoint\.lora: got 'both'; choose merged or attached$"):
         run(["checkpoint.dir=/nonexistent", "checkpoint.lora=both", "prompt=hi", "tokenizer=bytes"])
-    with pytest.raises(GenerationError, match=r"^checkpoint\.lora: applies to a LoRA run's checkpoint\.dir, not to model\.path"):
+    with pytest.raises(
+        GenerationError, match=r"^checkpoint\.lora: applies to a LoRA run's checkpoint\.dir, not to model\.path"
+    ):
         run([f"model.path={DATA / 'llama_tiny_a'}", "checkpoint.lora=attached", "prompt=hi", "tokenizer=bytes"])
 
 

@@ -35,16 +35,23 @@ def rel_err(got, want):
 
 
 @pytest.mark.parametrize("method", ["fused", "recompute"])
-@pytest.mark.parametrize("chunk", [5, 13, 1000])  # positions: does not divide 13; exactly one chunk; longer than the sequence
+@pytest.mark.parametrize(
+    "chunk", [5, 13, 1000]
+)  # positions: does not divide 13; exactly one chunk; longer than the sequence
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("softcap", [None, 3.0])
 def test_matches_the_whole_logits_loss(method, chunk, masked, softcap):
     hidden, head, tokens, mask = inputs()
     mask = mask if masked else None
     want, want_grads = jax.value_and_grad(whole_loss, argnums=(0, 1))(hidden, head, tokens, mask, softcap)
-    loss = jax.jit(jax.value_and_grad(
-        lambda h, w: chunked_next_token_loss(h, w, tokens, mask, chunk_size=chunk, final_softcap=softcap, method=method),
-        argnums=(0, 1)))
+    loss = jax.jit(
+        jax.value_and_grad(
+            lambda h, w: chunked_next_token_loss(
+                h, w, tokens, mask, chunk_size=chunk, final_softcap=softcap, method=method
+            ),
+            argnums=(0, 1),
+        )
+    )
     got, got_grads = loss(hidden, head)
     assert rel_err(got, want) <= 1e-6
     for g, w in zip(got_grads, want_grads):
@@ -65,7 +72,9 @@ def test_inside_a_larger_differentiated_program():
         return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2)))
 
     want = program(lambda h, w: whole_loss(h, w, tokens, mask, 5.0))(layers, head, hidden)
-    got = program(lambda h, w: chunked_next_token_loss(h, w, tokens, mask, chunk_size=5, final_softcap=5.0))(layers, head, hidden)
+    got = program(lambda h, w: chunked_next_token_loss(h, w, tokens, mask, chunk_size=5, final_softcap=5.0))(
+        layers, head, hidden
+    )
     assert rel_err(got[0], want[0]) <= 1e-6
     for g, w in zip(got[1], want[1]):
         assert rel_err(g, w) <= 2e-6
@@ -97,7 +106,9 @@ def test_the_value_alone_computes_no_gradients():
     """Without differentiation the fused method runs one matmul per chunk (the logits), not three."""
     hidden, head, tokens, _ = inputs()
     jaxpr = jax.make_jaxpr(lambda h, w: chunked_next_token_loss(h, w, tokens, chunk_size=7))(hidden, head)
-    grads = jax.make_jaxpr(jax.grad(lambda h, w: chunked_next_token_loss(h, w, tokens, chunk_size=7), argnums=(0, 1)))(hidden, head)
+    grads = jax.make_jaxpr(jax.grad(lambda h, w: chunked_next_token_loss(h, w, tokens, chunk_size=7), argnums=(0, 1)))(
+        hidden, head
+    )
     assert str(jaxpr).count("dot_general") == 1
     assert str(grads).count("dot_general") == 3
 
@@ -128,7 +139,9 @@ def test_the_head_gradient_on_cpu_is_a_product_ynnpack_takes():
     assert rel_err(jax.jit(head_gradient)(h, d), h.astype(np.float64).T @ d.astype(np.float64)) <= 1e-6
     # bfloat16 operands keep the plain product (XLA:CPU would write the gradient out in float32 for YNNPACK)
     assert "optimization_barrier" in str(jax.make_jaxpr(head_gradient)(h, d))
-    assert "optimization_barrier" not in str(jax.make_jaxpr(head_gradient)(h.astype(jnp.bfloat16), d.astype(jnp.bfloat16)))
+    assert "optimization_barrier" not in str(
+        jax.make_jaxpr(head_gradient)(h.astype(jnp.bfloat16), d.astype(jnp.bfloat16))
+    )
 
     script = """
 import re, jax, jax.numpy as jnp
@@ -139,16 +152,28 @@ for f in (plain, head_gradient):
     print(int(bool(re.search(r"= f32\\[32,96\\]\\S* dot\\(", entry))), int("__ynn_fusion" in entry))
 """
     env = {**os.environ, "XLA_FLAGS": f"{YNN_FLAG}=dot", "JAX_PLATFORMS": "cpu"}
-    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300, cwd=pathlib.Path(__file__).resolve().parents[1])
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=pathlib.Path(__file__).resolve().parents[1],
+    )
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["1", "0", "0", "1"], out.stdout  # (XLA dot, YNNPACK) for the einsum, then head_gradient
+    assert out.stdout.split() == ["1", "0", "0", "1"], (
+        out.stdout
+    )  # (XLA dot, YNNPACK) for the einsum, then head_gradient
 
 
 def test_compiled_temporary_memory_is_far_below_the_whole_logits():
     """Llama 3's vocabulary, 2 x 4096 tokens: the whole float32 logits alone are 4 GiB."""
     batch, seq, embed, vocab = 2, 4096, 256, 128256
-    args = (jax.ShapeDtypeStruct((batch, seq, embed), jnp.float32), jax.ShapeDtypeStruct((embed, vocab), jnp.float32),
-            jax.ShapeDtypeStruct((batch, seq), jnp.int32))
+    args = (
+        jax.ShapeDtypeStruct((batch, seq, embed), jnp.float32),
+        jax.ShapeDtypeStruct((embed, vocab), jnp.float32),
+        jax.ShapeDtypeStruct((batch, seq), jnp.int32),
+    )
 
     def temp(fn):
         compiled = jax.jit(jax.value_and_grad(fn, argnums=(0, 1))).lower(*args).compile()
@@ -180,7 +205,11 @@ def test_a_denominator_replaces_the_masks_count(method):
 
     @jax.jit
     def both(h, denominator):
-        got = jax.value_and_grad(lambda h: chunked_next_token_loss(h, head, tokens, mask, chunk_size=5, method=method, denominator=denominator))(h)
+        got = jax.value_and_grad(
+            lambda h: chunked_next_token_loss(
+                h, head, tokens, mask, chunk_size=5, method=method, denominator=denominator
+            )
+        )(h)
         want = jax.value_and_grad(lambda h: whole_loss(h, head, tokens, mask) * count / denominator)(h)
         return got, want
 
@@ -190,8 +219,15 @@ def test_a_denominator_replaces_the_masks_count(method):
         assert rel_err(grad, want_grad) < 1e-5
 
 
-@pytest.mark.parametrize("axes, vocab_rule", [({"fsdp": 2, "tensor": 4}, None), ({"fsdp": 8}, None), ({"fsdp": 2, "expert": 4}, ["expert"]),
-                                               ({"fsdp": 2, "tensor": 2, "expert": 2}, ["tensor", "expert"])])
+@pytest.mark.parametrize(
+    "axes, vocab_rule",
+    [
+        ({"fsdp": 2, "tensor": 4}, None),
+        ({"fsdp": 8}, None),
+        ({"fsdp": 2, "expert": 4}, ["expert"]),
+        ({"fsdp": 2, "tensor": 2, "expert": 2}, ["tensor", "expert"]),
+    ],
+)
 def test_vocab_parallel_loss_matches_unsharded(axes, vocab_rule):
     # Under a mesh the fused loss is a shard_map: rows split over the batch axes, the head's columns over
     # tensor (the logsumexp and the target logit combined across them), the head gradient summed once.
@@ -219,7 +255,10 @@ def test_vocab_parallel_loss_matches_unsharded(axes, vocab_rule):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("axes, vocab_rule", [({"fsdp": 2, "expert": 4}, ["expert"]), ({"fsdp": 2, "tensor": 2, "expert": 2}, ["tensor", "expert"])])
+@pytest.mark.parametrize(
+    "axes, vocab_rule",
+    [({"fsdp": 2, "expert": 4}, ["expert"]), ({"fsdp": 2, "tensor": 2, "expert": 2}, ["tensor", "expert"])],
+)
 def test_vocab_parallel_lookup_matches_take(axes, vocab_rule):
     """Where a vocab axis also splits the batch, the embedding lookup runs split over the vocabulary
     (zoo.loss.vocab_parallel_lookup): the same rows and the same table gradient as jnp.take, and no
@@ -230,7 +269,9 @@ def test_vocab_parallel_lookup_matches_take(axes, vocab_rule):
     rng = np.random.default_rng(2)
     vocab, embed, batch = 48, 16, 8
     table = jnp.asarray(rng.normal(size=(vocab, embed)), jnp.float32)
-    tokens = jnp.asarray(rng.integers(0, vocab, (batch, SEQ)), jnp.int32).at[0, :3].set(vocab - 1)  # last row of the last shard
+    tokens = (
+        jnp.asarray(rng.integers(0, vocab, (batch, SEQ)), jnp.int32).at[0, :3].set(vocab - 1)
+    )  # last row of the last shard
     probe = jnp.asarray(rng.normal(size=(batch, SEQ, embed)), jnp.float32)
     want = jax.value_and_grad(lambda t: (jnp.take(t, tokens, axis=0) * probe).sum())(table)
     mesh = zs.make_mesh(zs.resolve_mesh_shape(axes, 8))
@@ -250,7 +291,12 @@ CONTEXT_CASES = [({"fsdp": 4, "data": 2}, "data"), ({"fsdp": 4, "tensor": 2}, "f
 def _context_rules(ctx):
     from zoo import sharding as zs
 
-    return {**zs.DEFAULT_RULES, "batch": [a for a in zs.DEFAULT_RULES["batch"] if a != ctx], "seq": [ctx], zs.CONTEXT: [ctx]}
+    return {
+        **zs.DEFAULT_RULES,
+        "batch": [a for a in zs.DEFAULT_RULES["batch"] if a != ctx],
+        "seq": [ctx],
+        zs.CONTEXT: [ctx],
+    }
 
 
 @pytest.mark.parametrize("axes, ctx", CONTEXT_CASES)
@@ -280,7 +326,11 @@ def test_context_parallel_loss_works_on_each_devices_chunk(axes, ctx):
     np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
     for a, b in zip(got[1], want[1]):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-5)
-    moved = [c for c in hlo.collectives(text) if c.kind in ("all-gather", "all-to-all", "collective-permute") and c.operands[0].dims[-1:] == (EMBED,)]
+    moved = [
+        c
+        for c in hlo.collectives(text)
+        if c.kind in ("all-gather", "all-to-all", "collective-permute") and c.operands[0].dims[-1:] == (EMBED,)
+    ]
     assert not moved, [(c.kind, c.operands[0].dims, c.results[0].dims) for c in moved]
 
 

@@ -11,7 +11,14 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-TINY = ["model=llama_tiny_a", "mesh=single", "data.batch_size=2", "data.seq_len=16", "trainer.steps=1", "trainer.progress=false"]
+TINY = [
+    "model=llama_tiny_a",
+    "mesh=single",
+    "data.batch_size=2",
+    "data.seq_len=16",
+    "trainer.steps=1",
+    "trainer.progress=false",
+]
 
 
 def _train(args, tmp_path):
@@ -19,15 +26,25 @@ def _train(args, tmp_path):
     env.pop("ZOO_TRACEBACK", None)
     return subprocess.run(
         [sys.executable, str(ROOT / "train.py"), *TINY, *args, f"hydra.run.dir={tmp_path / 'run'}"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
 
 
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["model.attention_impl=cudnn"], "error: model.attention_impl: cudnn needs a GPU (backend is cpu); valid choices: auto, xla, blockwise, cudnn, splash"),
-        (["trainer.loss_chunk_size=-3"], "error: trainer.loss_chunk_size: must be a positive number of sequence positions"),
+        (
+            ["model.attention_impl=cudnn"],
+            "error: model.attention_impl: cudnn needs a GPU (backend is cpu); valid choices: auto, xla, blockwise, cudnn, splash",
+        ),
+        (
+            ["trainer.loss_chunk_size=-3"],
+            "error: trainer.loss_chunk_size: must be a positive number of sequence positions",
+        ),
     ],
 )
 def test_bad_kernel_settings_are_one_line_before_compiling(args, message, tmp_path):
@@ -51,7 +68,10 @@ def test_inspect_unwritable_output_is_one_line_before_compiling(capsys):
 
     assert main(["model=llama_tiny_a", "mesh=single", "inspect.out=/proc/zoo/inspect.json"]) == 2
     captured = capsys.readouterr()
-    assert captured.err.strip().startswith("error: inspect.out: cannot write /proc/zoo") and len(captured.err.strip().splitlines()) == 1
+    assert (
+        captured.err.strip().startswith("error: inspect.out: cannot write /proc/zoo")
+        and len(captured.err.strip().splitlines()) == 1
+    )
     assert "compiled" not in captured.out
 
 
@@ -59,9 +79,22 @@ def test_inspect_writes_under_outputs_by_default(tmp_path, monkeypatch, capsys):
     from zoo.tools.inspect_step import main
 
     monkeypatch.chdir(tmp_path)
-    assert main(["model=llama_tiny_a", "mesh=single", "data.batch_size=2", "data.seq_len=16", "offload=[full,optimizer_host]"]) == 0
+    assert (
+        main(
+            [
+                "model=llama_tiny_a",
+                "mesh=single",
+                "data.batch_size=2",
+                "data.seq_len=16",
+                "offload=[full,optimizer_host]",
+            ]
+        )
+        == 0
+    )
     written = list(tmp_path.glob("outputs/inspect/*/inspect.json"))
     assert len(written) == 1 and f"wrote {written[0].relative_to(tmp_path)}" in capsys.readouterr().out
     rep = json.loads(written[0].read_text())
-    assert rep["kernels"]["loss_chunk_size"] == 512 and rep["update"]["streamed"] and rep["update"]["layer_loops"] == 1  # moments only: one loop
+    assert (
+        rep["kernels"]["loss_chunk_size"] == 512 and rep["update"]["streamed"] and rep["update"]["layer_loops"] == 1
+    )  # moments only: one loop
     assert not (tmp_path / "inspect.json").exists()

@@ -20,7 +20,7 @@ from jax.extend import core as jex_core
 import zoo
 from zoo.nn.moe import resolve_moe_impl
 from zoo import tags
-from zoo.config import LayerSpec, MLAConfig
+from zoo.config import LayerSpec
 from zoo.families import SIZES
 from zoo.model import count_leaves, loss_fn, plan_stacks, stack_layout, trainable_mask
 from zoo.nn.mlp import MLPWI_0, MLPWO
@@ -87,7 +87,9 @@ TAG_CONFIGS = {
     "dsv3_no_q_lora": DSV3_NO_Q_LORA,
     "dsv3_no_dense_mlp": DSV3_NO_DENSE_MLP,
     "qwen3_moe_mixed": QWEN3_MOE_MIXED,
-    "gpt_oss_ragged": SIZES["gpt_oss_tiny_a"].replace(moe=dataclasses.replace(SIZES["gpt_oss_tiny_a"].moe, impl="ragged")),
+    "gpt_oss_ragged": SIZES["gpt_oss_tiny_a"].replace(
+        moe=dataclasses.replace(SIZES["gpt_oss_tiny_a"].moe, impl="ragged")
+    ),
 }
 
 
@@ -103,7 +105,11 @@ def test_emitted_tags_are_exactly_the_traced_ones(name):
     # "ragged | capacity" shapes ([A, .] sorted assignments, or [experts, capacity, .] buffers)
     for tag_name, shape, _ in found:
         variants = [v.split() for v in tags.TAGS[tag_name].shape.split("|")]
-        documented = variants[-1] if (c.moe is not None and resolve_moe_impl(c.moe.impl) == "capacity" and len(variants) > 1) else variants[0]
+        documented = (
+            variants[-1]
+            if (c.moe is not None and resolve_moe_impl(c.moe.impl) == "capacity" and len(variants) > 1)
+            else variants[0]
+        )
         assert len(shape) == len(documented), (tag_name, shape, documented)
 
 
@@ -183,7 +189,14 @@ def test_a_block_is_read_from_its_own_declarations(monkeypatch):
 
     monkeypatch.setattr(tags, "TAGS", dict(tags.TAGS))  # declarations below stay in this test
     monkeypatch.setattr(offload, "TAGS", tags.TAGS)  # which zoo.offload reads by name
-    residual = tags.TagInfo("mlp_residual", "B T D", "the MLP's output, again", tags.MLP, ((*tags.IN_BLOCK, "embed"),), only_feeds_residual=True)
+    residual = tags.TagInfo(
+        "mlp_residual",
+        "B T D",
+        "the MLP's output, again",
+        tags.MLP,
+        ((*tags.IN_BLOCK, "embed"),),
+        only_feeds_residual=True,
+    )
 
     @tags.declares
     class ResidualMLP(GatedMLP):
@@ -198,7 +211,7 @@ def test_a_block_is_read_from_its_own_declarations(monkeypatch):
     monkeypatch.setattr(zoo_model, "GatedMLP", ResidualMLP)
     c = LLAMA.replace(num_layers=5)
     assert ResidualMLP in zoo_model.block_classes(c, c.layer_spec(0))
-    (stack, *_), = stack_layout(c)
+    ((stack, *_),) = stack_layout(c)
     assert zp.producer_flops(c, "mlp_residual", stack, 2, 16) == 7.0
     assert set(offload.backward_never_reads(c)) == {MLPWO, "mlp_residual"}
     assert lora.family_targets(zoo.abstract(c)) == {"wq", "wk", "wv", "wo", "w_gate", "w_up"}
@@ -219,7 +232,9 @@ def lowered_step(layers: int, base=LLAMA):
     def loss(m, t):  # a fresh function: no cache hit from an earlier measurement
         return loss_fn(m, t)
 
-    return jax.jit(jax.value_and_grad(loss)).lower(zoo.abstract(with_layers(base, layers)), jax.ShapeDtypeStruct((2, 16), jnp.int32))
+    return jax.jit(jax.value_and_grad(loss)).lower(
+        zoo.abstract(with_layers(base, layers)), jax.ShapeDtypeStruct((2, 16), jnp.int32)
+    )
 
 
 def lowered_lines(layers: int, base=LLAMA) -> int:
@@ -254,7 +269,10 @@ def test_scanned_program_does_not_grow_with_depth(size):
 
 
 @pytest.mark.usefixtures("fresh_compiles")
-@pytest.mark.parametrize("size", [s if s == "llama_tiny_a" else pytest.param(s, marks=pytest.mark.slow) for s in sorted(COMPILE_TIME_CONFIGS)])
+@pytest.mark.parametrize(
+    "size",
+    [s if s == "llama_tiny_a" else pytest.param(s, marks=pytest.mark.slow) for s in sorted(COMPILE_TIME_CONFIGS)],
+)
 def test_scan_compile_time_does_not_grow_with_depth(size):
     # (backend optimisation off to save test time; an unrolled stack would still be ~8x the ops).
     # Gemma 3's local/global pattern, GPT-OSS's alternation and Qwen3-MoE's dense-then-sparse period
@@ -349,7 +367,10 @@ def test_plan_stacks_cuts_the_fewest_stacks(pattern, plan):
 def test_plan_stacks_covers_random_patterns():
     rng = np.random.default_rng(0)
     for _ in range(50):
-        period = [LayerSpec(window=int(w) or None, local_rope=False, moe=bool(m)) for w, m in rng.integers(0, 2, (rng.integers(1, 5), 2))]
+        period = [
+            LayerSpec(window=int(w) or None, local_rope=False, moe=bool(m))
+            for w, m in rng.integers(0, 2, (rng.integers(1, 5), 2))
+        ]
         n = int(rng.integers(1, 40))
         specs = [period[i % len(period)] for i in range(n)]
         for i in rng.integers(0, n, rng.integers(0, 3)):  # a few irregular layers
@@ -374,8 +395,10 @@ def test_qwen3_moe_dense_and_sparse_blocks_of_one_period_take_the_offload_preset
     policies = {name: remat_policy(load_preset(name), c) for name in presets}
 
     def every_policy(m):  # one compile; each policy from its own barrier copy, so none shares work
-        return [jax.value_and_grad(lambda mm, rp=rp: loss_fn(mm, tokens, remat_policy=rp))(jax.lax.optimization_barrier(m))
-                for rp in policies.values()]
+        return [
+            jax.value_and_grad(lambda mm, rp=rp: loss_fn(mm, tokens, remat_policy=rp))(jax.lax.optimization_barrier(m))
+            for rp in policies.values()
+        ]
 
     results = dict(zip(presets, jax.jit(every_policy).lower(model).compile(FAST_COMPILE)(model)))
     loss0, grads0 = results["none"]
@@ -422,7 +445,9 @@ def test_float_tokens_are_refused(llama_abstract):
 
 
 def test_block_positions_must_match_the_sequence(llama_abstract):
-    block = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), llama_abstract.stack("dense_layers").layers[0])
+    block = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), llama_abstract.stack("dense_layers").layers[0]
+    )
     x = jax.ShapeDtypeStruct((2, 16, LLAMA.hidden_size), jnp.float32)
     message = _type_error(lambda b, x, p: b(x, p), block, x, jax.ShapeDtypeStruct((8,), jnp.int32))
     assert "parameter 'positions'" in message and "seq=16" in message
@@ -438,7 +463,9 @@ def test_rope_needs_a_heads_axis(llama_abstract):
 def test_block_with_wrong_embed_dim_fails_naming_both_sizes(llama_abstract):
     # The block's own annotations bind `embed` from x alone, so this is caught by the first weight it
     # meets (the RMSNorm weight), not by the type checker; the message still names both shapes.
-    block = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), llama_abstract.stack("dense_layers").layers[0])
+    block = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), llama_abstract.stack("dense_layers").layers[0]
+    )
     x = jax.ShapeDtypeStruct((2, 16, 32), jnp.float32)
     with pytest.raises((TypeError, ValueError), match=r"\(64,\).*\(2, 16, 32\)"):
         jax.eval_shape(lambda b, x, p: b(x, p), block, x, jax.ShapeDtypeStruct((16,), jnp.int32))
@@ -454,7 +481,7 @@ def test_build():
     assert shapes == jax.tree.map(lambda x: (x.shape, x.dtype), zoo.abstract(LLAMA))
     # weights have std 1/sqrt(fan_in) (unit-variance outputs); norms start at 1
     wq = np.asarray(m.stack("dense_layers").layers[0].attn.wq)
-    assert wq.std() == pytest.approx(LLAMA.hidden_size ** -0.5, rel=0.05)
+    assert wq.std() == pytest.approx(LLAMA.hidden_size**-0.5, rel=0.05)
     wo = np.asarray(m.stack("dense_layers").layers[0].attn.wo)
     assert wo.std() == pytest.approx((LLAMA.num_heads * LLAMA.head_dim) ** -0.5, rel=0.05)
     assert not np.allclose(wq[0], wq[1])  # layers differ
@@ -500,20 +527,27 @@ def test_bf16_compute_is_close_to_float32(c):
 def test_tied_embeddings_use_embed_transpose():
     tied_config = LLAMA.replace(tie_word_embeddings=True)
     untied = filled(LLAMA)
-    tied = eqx.tree_at(lambda m: (m.embed, m.stacks, m.final_norm), filled(tied_config),
-                       (untied.embed, untied.stacks, untied.final_norm))
+    tied = eqx.tree_at(
+        lambda m: (m.embed, m.stacks, m.final_norm),
+        filled(tied_config),
+        (untied.embed, untied.stacks, untied.final_norm),
+    )
     assert tied.lm_head is None
     assert count_leaves(tied) == count_leaves(untied) - LLAMA.vocab_size * LLAMA.hidden_size
     # the untied model with lm_head = embed.T computes the same function
     same = eqx.tree_at(lambda m: m.lm_head, untied, untied.embed.T)
     tokens = random_tokens(LLAMA)
-    np.testing.assert_allclose(np.asarray(logits_of(tied, tokens)), np.asarray(logits_of(same, tokens)), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(logits_of(tied, tokens)), np.asarray(logits_of(same, tokens)), rtol=1e-5, atol=1e-5
+    )
     assert not np.allclose(np.asarray(logits_of(untied, tokens)), np.asarray(logits_of(same, tokens)), atol=1e-3)
 
     # the embedding's gradient collects both uses: lookup and output head
     grad = jax.jit(jax.grad(loss_fn), compiler_options=FAST_COMPILE)
     g_tied, g_same = grad(tied, tokens), grad(same, tokens)
-    np.testing.assert_allclose(np.asarray(g_tied.embed), np.asarray(g_same.embed + g_same.lm_head.T), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(g_tied.embed), np.asarray(g_same.embed + g_same.lm_head.T), rtol=1e-4, atol=1e-6
+    )
 
 
 def test_named_tied_size_has_no_lm_head():

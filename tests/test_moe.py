@@ -34,16 +34,34 @@ def random_moe(c: MoEConfig, seed: int, embed: int = D, router_std: float = 1.0,
     module = eqx.filter_eval_shape(lambda key: MoE(embed, c, key=key), jax.random.key(0))
     rng = np.random.default_rng(seed)
     leaves, treedef = jax.tree_util.tree_flatten(module)
-    filled = [jnp.asarray(rng.normal(size=leaf.shape) / math.sqrt(leaf.shape[-2] if leaf.ndim >= 2 else 1), leaf.dtype)
-              for leaf in leaves]
+    filled = [
+        jnp.asarray(rng.normal(size=leaf.shape) / math.sqrt(leaf.shape[-2] if leaf.ndim >= 2 else 1), leaf.dtype)
+        for leaf in leaves
+    ]
     m = jax.tree_util.tree_unflatten(treedef, filled)
-    m = eqx.tree_at(lambda m: m.router, m, jnp.asarray(rng.normal(size=(embed, c.n_routed_experts)) * router_std / math.sqrt(embed), jnp.float32))
-    return eqx.tree_at(lambda m: m.e_score_correction_bias, m, jnp.asarray(rng.normal(size=c.n_routed_experts) * bias_std, jnp.float32))
+    m = eqx.tree_at(
+        lambda m: m.router,
+        m,
+        jnp.asarray(rng.normal(size=(embed, c.n_routed_experts)) * router_std / math.sqrt(embed), jnp.float32),
+    )
+    return eqx.tree_at(
+        lambda m: m.e_score_correction_bias, m, jnp.asarray(rng.normal(size=c.n_routed_experts) * bias_std, jnp.float32)
+    )
 
 
 def moe_config(**kw) -> MoEConfig:
-    base = dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=I, n_shared_experts=1,
-                n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5, impl="ragged", capacity_factor=8.0)
+    base = dict(
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=I,
+        n_shared_experts=1,
+        n_group=4,
+        topk_group=2,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        impl="ragged",
+        capacity_factor=8.0,
+    )
     base.update(kw)
     return MoEConfig(**base)
 
@@ -109,7 +127,9 @@ def random_x(seed, b=2, t=12, embed=D):
 KERNEL_CASES = {
     "ragged": dict(impl="ragged"),
     "capacity": dict(impl="capacity", capacity_factor=8.0),  # capacity = all tokens: nothing drops
-    "ragged_no_groups_no_shared": dict(impl="ragged", n_group=1, topk_group=1, n_shared_experts=0, num_experts_per_tok=3),
+    "ragged_no_groups_no_shared": dict(
+        impl="ragged", n_group=1, topk_group=1, n_shared_experts=0, num_experts_per_tok=3
+    ),
     "capacity_no_norm": dict(impl="capacity", norm_topk_prob=False, routed_scaling_factor=1.0, num_experts_per_tok=3),
 }
 
@@ -139,6 +159,7 @@ def test_kernel_gradients_match_dense_reference(impl):
     def loss(fn):
         def f(params, x):
             return jnp.sum(fn(params, x) * cotangent)
+
         return f
 
     params = (m.router, m.w_gate, m.w_up, m.w_down)
@@ -213,8 +234,14 @@ def test_negative_biases_never_route_outside_the_selected_groups():
 
 
 def test_bias_changes_selection_not_weights():
-    c = moe_config(n_routed_experts=4, n_group=1, topk_group=1, num_experts_per_tok=2, norm_topk_prob=False,
-                   routed_scaling_factor=2.5)
+    c = moe_config(
+        n_routed_experts=4,
+        n_group=1,
+        topk_group=1,
+        num_experts_per_tok=2,
+        norm_topk_prob=False,
+        routed_scaling_factor=2.5,
+    )
     scores = [0.9, 0.8, 0.7, 0.2]
     ids, weights = route_scores(scores, [0.0, 0.0, 0.0, 0.0], c)
     assert dict(zip(ids[0], weights[0])) == pytest.approx({0: 0.9 * 2.5, 1: 0.8 * 2.5})
@@ -266,8 +293,16 @@ def test_capacity_drops_match_independent_count(capacity_factor):
 
 
 def compiled_flops(experts: int, impl: str, tokens=256, embed=64, inter=256, top_k=2) -> float:
-    c = MoEConfig(n_routed_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=inter, n_shared_experts=0,
-                  n_group=1, topk_group=1, impl=impl, capacity_factor=1.25)
+    c = MoEConfig(
+        n_routed_experts=experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=inter,
+        n_shared_experts=0,
+        n_group=1,
+        topk_group=1,
+        impl=impl,
+        capacity_factor=1.25,
+    )
     m = eqx.filter_eval_shape(lambda key: MoE(embed, c, key=key), jax.random.key(0))
     x = jax.ShapeDtypeStruct((1, tokens, embed), jnp.float32)
     cost = jax.jit(lambda m, x: m(x)[0]).lower(m, x).compile().cost_analysis()
@@ -287,9 +322,22 @@ def test_dropless_memory_does_not_grow_with_experts_as_ragged_dot_does():
     # lax.ragged_dot, which XLA lowers dense over all experts, is what zoo.nn.grouped_matmul replaces in
     # the dropless path. (Its loop's FLOPs are not in cost_analysis, which counts a loop body once.)
     def temp_bytes(experts, matmul):
-        m = eqx.filter_eval_shape(lambda key: MoE(64, MoEConfig(n_routed_experts=experts, num_experts_per_tok=2, moe_intermediate_size=256,
-                                                                  n_shared_experts=0, n_group=1, topk_group=1, impl="ragged"), key=key),
-                                  jax.random.key(0))
+        m = eqx.filter_eval_shape(
+            lambda key: MoE(
+                64,
+                MoEConfig(
+                    n_routed_experts=experts,
+                    num_experts_per_tok=2,
+                    moe_intermediate_size=256,
+                    n_shared_experts=0,
+                    n_group=1,
+                    topk_group=1,
+                    impl="ragged",
+                ),
+                key=key,
+            ),
+            jax.random.key(0),
+        )
         x = jax.ShapeDtypeStruct((1, 256, 64), jnp.float32)
         with mock.patch.object(moe_dispatch, "grouped_matmul", matmul):
             return jax.jit(lambda m, x: m(x)[0]).lower(m, x).compile().memory_analysis().temp_size_in_bytes
@@ -309,14 +357,18 @@ def test_dropless_memory_does_not_grow_with_experts_as_ragged_dot_does():
 def test_route_matches_transformers_reference(layer, ref_dir):
     c = SIZES["dsv3_tiny_a"].moe
     extras = np.load(ref_dir("dsv3_tiny_a") / "extras.npz")
-    bias = load_file(ref_dir("dsv3_tiny_a") / "model.safetensors")[f"model.layers.{layer}.mlp.gate.e_score_correction_bias"]
+    bias = load_file(ref_dir("dsv3_tiny_a") / "model.safetensors")[
+        f"model.layers.{layer}.mlp.gate.e_score_correction_bias"
+    ]
     logits = extras[f"layer_{layer}_router_logits"]  # [tokens, experts], before the sigmoid
     # identity tokens turn the router matrix into the logits themselves
     ids, weights = route(jnp.eye(len(logits), dtype=jnp.float32), jnp.asarray(logits), jnp.asarray(bias), c)
     ids, weights = np.asarray(ids), np.asarray(weights)
     order = np.argsort(ids, axis=-1)  # the reference lists each token's experts by id
     np.testing.assert_array_equal(np.take_along_axis(ids, order, -1), extras[f"layer_{layer}_topk_idx"])
-    np.testing.assert_allclose(np.take_along_axis(weights, order, -1), extras[f"layer_{layer}_topk_weight"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        np.take_along_axis(weights, order, -1), extras[f"layer_{layer}_topk_weight"], rtol=1e-5, atol=1e-6
+    )
 
 
 # --- at DeepSeek-V3 671B's shapes, and the router's numerics -----------------------------------
@@ -332,7 +384,9 @@ def test_a_671b_shaped_moe_layer_costs_about_its_top8_flops():
     c = SIZES["deepseek_v3_671b"]
     assert c.moe.impl == "auto"
     moe = dataclasses.replace(c.moe, impl="capacity")
-    m = eqx.filter_eval_shape(lambda key: MoE(c.hidden_size, moe, param_dtype="float32", compute_dtype="bfloat16", key=key), jax.random.key(0))
+    m = eqx.filter_eval_shape(
+        lambda key: MoE(c.hidden_size, moe, param_dtype="float32", compute_dtype="bfloat16", key=key), jax.random.key(0)
+    )
     assert m.impl == "capacity"
     tokens = 1024
     x = jax.ShapeDtypeStruct((1, tokens, c.hidden_size), jnp.bfloat16)
@@ -340,7 +394,7 @@ def test_a_671b_shaped_moe_layer_costs_about_its_top8_flops():
     per_expert_token = 2 * 3 * c.hidden_size * c.moe.moe_intermediate_size  # gate, up, down
     top8 = tokens * c.moe.num_experts_per_tok * per_expert_token
     shared = tokens * c.moe.n_shared_experts * per_expert_token
-    assert top8 + shared <= flops <= 1.5 * top8, (flops / top8)
+    assert top8 + shared <= flops <= 1.5 * top8, flops / top8
 
 
 def test_router_matmul_runs_in_float32_at_highest_precision():
@@ -349,7 +403,9 @@ def test_router_matmul_runs_in_float32_at_highest_precision():
     from jax.extend import core
 
     c = moe_config(impl="capacity", n_routed_experts=12)  # no other matmul of the layer is [10, 12]
-    m = eqx.filter_eval_shape(lambda key: MoE(D, c, param_dtype="bfloat16", compute_dtype="bfloat16", key=key), jax.random.key(0))
+    m = eqx.filter_eval_shape(
+        lambda key: MoE(D, c, param_dtype="bfloat16", compute_dtype="bfloat16", key=key), jax.random.key(0)
+    )
     x = jax.ShapeDtypeStruct((1, 10, D), jnp.bfloat16)
     closed = jax.make_jaxpr(lambda m, x: m(x)[0])(m, x)
 
@@ -378,7 +434,9 @@ def test_correction_bias_stays_float32_whatever_the_load_dtype(ref_dir):
     ffn = model.stack("moe_layers").layers[0].ffn
     assert ffn.e_score_correction_bias.dtype == jnp.float32
     assert ffn.router.dtype == jnp.bfloat16 and ffn.w_gate.dtype == jnp.bfloat16
-    file_bias = load_file(ref_dir("dsv3_tiny_a") / "model.safetensors")["model.layers.1.mlp.gate.e_score_correction_bias"]
+    file_bias = load_file(ref_dir("dsv3_tiny_a") / "model.safetensors")[
+        "model.layers.1.mlp.gate.e_score_correction_bias"
+    ]
     np.testing.assert_array_equal(np.asarray(ffn.e_score_correction_bias)[0], file_bias.astype(np.float32))
 
 
@@ -479,7 +537,9 @@ def test_startup_names_the_exchange_rounds_and_the_capacity_note():
     assert resolve_moe_impl("auto") == "ragged" and resolve_moe_impl("capacity") == "capacity"
 
     def startup(*overrides):
-        c, plan, _, _ = prepare(compose(["model=dsv3_tiny_a", "mesh=fsdp_ep", "data.batch_size=8", "data.seq_len=16", *overrides]))
+        c, plan, _, _ = prepare(
+            compose(["model=dsv3_tiny_a", "mesh=fsdp_ep", "data.batch_size=8", "data.seq_len=16", *overrides])
+        )
         return c, plan
 
     c, plan = startup()
@@ -488,14 +548,21 @@ def test_startup_names_the_exchange_rounds_and_the_capacity_note():
     m = c.model.moe
     tokens = 8 // (ep * plan.mesh.sizes["fsdp"]) * 16
     block = round_block(tokens, m.num_experts_per_tok, ep, m.n_routed_experts // ep, 1.25)
-    assert (f"routed experts ragged (model.moe.impl=auto), exchanged over the expert axis in rounds of {block} rows "
-            "per device and shard (model.moe.exchange_factor=1.25),") in kernels_line(c, plan)
+    assert (
+        f"routed experts ragged (model.moe.impl=auto), exchanged over the expert axis in rounds of {block} rows "
+        "per device and shard (model.moe.exchange_factor=1.25),"
+    ) in kernels_line(c, plan)
     assert dropless_note(c.model.family, m.impl) is None
     c, plan = startup("model.moe.exchange_factor=0.5")
-    assert f"in rounds of {round_block(tokens, m.num_experts_per_tok, ep, m.n_routed_experts // ep, 0.5)} rows" in kernels_line(c, plan)
+    assert (
+        f"in rounds of {round_block(tokens, m.num_experts_per_tok, ep, m.n_routed_experts // ep, 0.5)} rows"
+        in kernels_line(c, plan)
+    )
     c, plan = startup("model.moe.impl=capacity")
     assert "routed experts capacity (model.moe.impl=capacity)," in kernels_line(c, plan)
-    assert dropless_note(c.model.family, c.model.moe.impl).startswith("model.moe.impl=capacity: deepseek_v3 is trained dropless;")
+    assert dropless_note(c.model.family, c.model.moe.impl).startswith(
+        "model.moe.impl=capacity: deepseek_v3 is trained dropless;"
+    )
     c, plan = startup("mesh=fsdp")
     assert plan.moe_impl == "ragged" and "rounds" not in kernels_line(c, plan)
 
@@ -513,6 +580,7 @@ def test_the_run_builds_its_model_with_the_resolved_kernel():
     assert c.model.moe.impl == "auto" and plan.moe_impl == "ragged"
     assert as_built(c, plan).model.moe.impl == "ragged" and "(model.moe.impl=auto)" in kernels_line(c, plan)
     trainer = Trainer(c, plan, devices)
-    moe_layers = [m for m in jax.tree.leaves(trainer.static, is_leaf=lambda x: isinstance(x, MoE)) if isinstance(m, MoE)]
+    moe_layers = [
+        m for m in jax.tree.leaves(trainer.static, is_leaf=lambda x: isinstance(x, MoE)) if isinstance(m, MoE)
+    ]
     assert moe_layers and {m.impl for m in moe_layers} == {"ragged"}
-

@@ -20,7 +20,14 @@ from zoo import sharding as zs
 from zoo import tags
 from zoo.hlo import collectives
 from zoo.nn.expert_rounds import later_block, round_block
-from zoo.nn.moe_dispatch import ExpertWeights, check_expert_parallel, expert_capacity, expert_specs, routed_experts, swiglu
+from zoo.nn.moe_dispatch import (
+    ExpertWeights,
+    check_expert_parallel,
+    expert_capacity,
+    expert_specs,
+    routed_experts,
+    swiglu,
+)
 
 E, D, I, K = 8, 16, 8, 2
 EP_MESH = zs.MeshShape(data=1, fsdp=2, tensor=1, expert=4)
@@ -40,9 +47,15 @@ def random_experts(seed, biases=False, n_experts=E, layers=None) -> ExpertWeight
     def arr(*shape, scale):
         return jnp.asarray(rng.normal(size=lead + shape) * scale, jnp.float32)
 
-    w = dict(w_gate=arr(n_experts, D, I, scale=D**-0.5), w_up=arr(n_experts, D, I, scale=D**-0.5), w_down=arr(n_experts, I, D, scale=I**-0.5))
+    w = dict(
+        w_gate=arr(n_experts, D, I, scale=D**-0.5),
+        w_up=arr(n_experts, D, I, scale=D**-0.5),
+        w_down=arr(n_experts, I, D, scale=I**-0.5),
+    )
     if biases:
-        w.update(b_gate=arr(n_experts, I, scale=0.3), b_up=arr(n_experts, I, scale=0.3), b_down=arr(n_experts, D, scale=0.3))
+        w.update(
+            b_gate=arr(n_experts, I, scale=0.3), b_up=arr(n_experts, I, scale=0.3), b_down=arr(n_experts, D, scale=0.3)
+        )
     return ExpertWeights(**w)
 
 
@@ -124,8 +137,12 @@ def test_single_program_matches_dense_reference(impl, biases):
     ids, weights = random_routing(1, tokens)
     x = random_x(2, tokens)
     act = clamped_swiglu if biases else swiglu
-    y, counts, dropped, _ = jax.jit(lambda x, w: routed_experts(x, ids, weights, w, impl=impl, capacity_factor=E, activation=act))(x, w)
-    np.testing.assert_allclose(np.asarray(y), np.asarray(dense_reference(x, ids, weights, w, act)), rtol=1e-5, atol=1e-5)
+    y, counts, dropped, _ = jax.jit(
+        lambda x, w: routed_experts(x, ids, weights, w, impl=impl, capacity_factor=E, activation=act)
+    )(x, w)
+    np.testing.assert_allclose(
+        np.asarray(y), np.asarray(dense_reference(x, ids, weights, w, act)), rtol=1e-5, atol=1e-5
+    )
     np.testing.assert_array_equal(np.asarray(counts), np.bincount(np.asarray(ids).ravel(), minlength=E))
     assert int(dropped) == 0
 
@@ -140,7 +157,9 @@ def test_single_program_capacity_drops_later_tokens():
     keep = keep_first(ids, capacity)
     assert 0 < (~keep).sum() == int(dropped)
     np.testing.assert_array_equal(np.asarray(counts), np.bincount(np.asarray(ids).ravel(), minlength=E))
-    np.testing.assert_allclose(np.asarray(y), np.asarray(dense_reference(x, ids, weights, w, keep=jnp.asarray(keep))), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(y), np.asarray(dense_reference(x, ids, weights, w, keep=jnp.asarray(keep))), rtol=1e-5, atol=1e-5
+    )
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -156,7 +175,9 @@ def test_expert_matmul_differentiates_as_the_einsum(dtype):
     cot = jnp.asarray(rng.normal(size=(E, 6, I)), jnp.float32)
 
     def loss(fn, argnums):
-        return jax.grad(lambda h, w: (fn(h.astype(dtype), w.astype(dtype)).astype(jnp.float32) * cot).sum(), argnums=argnums)
+        return jax.grad(
+            lambda h, w: (fn(h.astype(dtype), w.astype(dtype)).astype(jnp.float32) * cot).sum(), argnums=argnums
+        )
 
     def reference(h, w):
         return jnp.einsum("ECD,EDF->ECF", h, w)
@@ -168,7 +189,10 @@ def test_expert_matmul_differentiates_as_the_einsum(dtype):
             assert float(jnp.abs(r).max()) > 0
             np.testing.assert_allclose(np.asarray(g), np.asarray(r), **tol)
     primals, tangents = (h.astype(dtype), w.astype(dtype)), (th.astype(dtype), tw.astype(dtype))
-    (out, tangent), (ref_out, ref_tangent) = jax.jvp(expert_matmul, primals, tangents), jax.jvp(reference, primals, tangents)
+    (out, tangent), (ref_out, ref_tangent) = (
+        jax.jvp(expert_matmul, primals, tangents),
+        jax.jvp(reference, primals, tangents),
+    )
     np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(ref_out, np.float32))
     np.testing.assert_allclose(np.asarray(tangent, np.float32), np.asarray(ref_tangent, np.float32), **tol)
     # per-example gradients (jax.vmap of the reverse mode; the weight shared by every example)
@@ -198,22 +222,46 @@ EXPERTS_OVER_FSDP_AND_EXPERT = {**zs.DEFAULT_RULES, "experts": ["fsdp", "expert"
     [
         (EP_MESH, False, zs.DEFAULT_RULES, "capacity"),
         (EP_MESH, True, zs.DEFAULT_RULES, "capacity"),
-        (zs.MeshShape(data=1, fsdp=2, tensor=2, expert=2), True, zs.DEFAULT_RULES, "capacity"),  # mlp split over tensor inside the experts
-        (zs.MeshShape(data=2, fsdp=1, tensor=1, expert=4), False, zs.DEFAULT_RULES, "capacity"),  # weights replicated over data: grads summed
-        (EP_MESH, False, EXPERTS_OVER_FSDP_AND_EXPERT, "capacity"),  # 8-way expert parallelism over two mesh axes, no gather
+        (
+            zs.MeshShape(data=1, fsdp=2, tensor=2, expert=2),
+            True,
+            zs.DEFAULT_RULES,
+            "capacity",
+        ),  # mlp split over tensor inside the experts
+        (
+            zs.MeshShape(data=2, fsdp=1, tensor=1, expert=4),
+            False,
+            zs.DEFAULT_RULES,
+            "capacity",
+        ),  # weights replicated over data: grads summed
+        (
+            EP_MESH,
+            False,
+            EXPERTS_OVER_FSDP_AND_EXPERT,
+            "capacity",
+        ),  # 8-way expert parallelism over two mesh axes, no gather
         # the dropless exchange; slow: test_dropless_rounds_match_the_single_program runs it on this mesh with biases
         pytest.param(EP_MESH, True, zs.DEFAULT_RULES, "ragged", marks=pytest.mark.slow),
         (EP_MESH, False, EXPERTS_OVER_FSDP_AND_EXPERT, "ragged"),  # one local expert per shard: min(k, E/ep) = 1
     ],
-    ids=["fsdp2_ep4", "fsdp2_ep4_biases", "fsdp2_tp2_ep2_biases", "data2_ep4", "ep_over_fsdp_and_expert",
-         "ragged_fsdp2_ep4_biases", "ragged_ep_over_fsdp_and_expert"],
+    ids=[
+        "fsdp2_ep4",
+        "fsdp2_ep4_biases",
+        "fsdp2_tp2_ep2_biases",
+        "data2_ep4",
+        "ep_over_fsdp_and_expert",
+        "ragged_fsdp2_ep4_biases",
+        "ragged_ep_over_fsdp_and_expert",
+    ],
 )
 def test_expert_parallel_matches_single_program(mesh_shape, biases, rules, impl):
     """Capacity E (every buffer holds every local assignment) or the dropless ragged exchange: nothing
     drops, so expert parallelism must reproduce the single program's outputs, counts and gradients."""
     tokens = 64
     w = random_experts(6, biases=biases)
-    ids, weights = random_routing(7, tokens, skew=0.8 if impl == "ragged" else 0.0)  # ragged: crowded experts, uneven blocks
+    ids, weights = random_routing(
+        7, tokens, skew=0.8 if impl == "ragged" else 0.0
+    )  # ragged: crowded experts, uneven blocks
     x = random_x(8, tokens)
     cot = random_x(9, tokens)
     act = clamped_swiglu if biases else swiglu
@@ -221,7 +269,9 @@ def test_expert_parallel_matches_single_program(mesh_shape, biases, rules, impl)
 
     def programs():
         # Fresh functions per layout: jit's trace cache does not know about the active layout.
-        return jax.jit(lambda x, weights, w, ids: routed_experts(x, ids, weights, w, **kw)), jax.jit(jax.grad(loss_fn(cot, **kw), argnums=GRAD_ARGS))
+        return jax.jit(lambda x, weights, w, ids: routed_experts(x, ids, weights, w, **kw)), jax.jit(
+            jax.grad(loss_fn(cot, **kw), argnums=GRAD_ARGS)
+        )
 
     fwd, grad = programs()
     ref_out, ref_grads = fwd(x, weights, w, ids), grad(x, weights, w, ids)
@@ -249,14 +299,18 @@ def test_expert_parallel_drops_are_decided_per_device():
     x = random_x(12, tokens)
     with zs.activate(ep_mesh(), zs.DEFAULT_RULES) as layout:
         args = place(layout, x, ids, weights, w)
-        y, counts, dropped, _ = jax.jit(lambda x, ids, weights, w: routed_experts(x, ids, weights, w, capacity_factor=cf))(*args)
+        y, counts, dropped, _ = jax.jit(
+            lambda x, ids, weights, w: routed_experts(x, ids, weights, w, capacity_factor=cf)
+        )(*args)
     local_capacity = expert_capacity(tokens // shards, K, E, cf)
     keep = keep_first(ids, local_capacity, shards)
     global_keep = keep_first(ids, expert_capacity(tokens, K, E, cf))
     assert (~keep).sum() > 0 and (~keep).sum() != (~global_keep).sum()  # the case tells the two apart
     assert int(dropped) == (~keep).sum()
     np.testing.assert_array_equal(np.asarray(counts), np.bincount(np.asarray(ids).ravel(), minlength=E))
-    np.testing.assert_allclose(np.asarray(y), np.asarray(dense_reference(x, ids, weights, w, keep=jnp.asarray(keep))), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(y), np.asarray(dense_reference(x, ids, weights, w, keep=jnp.asarray(keep))), rtol=1e-5, atol=1e-5
+    )
 
 
 def _compiled_ep_step(dtype, tokens, cf=1.25):
@@ -352,7 +406,10 @@ POLICIES = {
     "nothing_saveable": _cp.nothing_saveable,
     "save_moe": _cp.save_only_these_names(*MOE_TAGS),
     "offload_moe": _cp.save_and_offload_only_these_names(
-        names_which_can_be_saved=[], names_which_can_be_offloaded=list(MOE_TAGS), offload_src="device", offload_dst="pinned_host"
+        names_which_can_be_saved=[],
+        names_which_can_be_offloaded=list(MOE_TAGS),
+        offload_src="device",
+        offload_dst="pinned_host",
     ),
 }
 
@@ -364,7 +421,9 @@ def _accumulated_grads(policy, compute_dtype, impl="capacity"):
 
     def layer(h, lw_ids):
         lw, ids, weights = lw_ids
-        y = routed_experts(h.astype(compute_dtype), ids, weights, lw, capacity_factor=float(E), compute_dtype=compute_dtype, impl=impl).y
+        y = routed_experts(
+            h.astype(compute_dtype), ids, weights, lw, capacity_factor=float(E), compute_dtype=compute_dtype, impl=impl
+        ).y
         return h + y.astype(h.dtype), None
 
     body = layer if policy is None else jax.checkpoint(layer, policy=policy, prevent_cse=False)
@@ -393,10 +452,17 @@ def _accumulated_grads(policy, compute_dtype, impl="capacity"):
 
 def _placed(layout, w, xs, ids, weights):
     batch = layout.spec(("batch",))[0]
-    specs = jax.tree.map(lambda s: PartitionSpec(None, *s), expert_specs(layout, w), is_leaf=lambda s: isinstance(s, PartitionSpec))
+    specs = jax.tree.map(
+        lambda s: PartitionSpec(None, *s), expert_specs(layout, w), is_leaf=lambda s: isinstance(s, PartitionSpec)
+    )
     w = jax.tree.map(lambda a, s: jax.device_put(a, NamedSharding(layout.mesh, s)), w, specs)
     put = lambda a, spec: jax.device_put(a, NamedSharding(layout.mesh, spec))  # noqa: E731
-    return w, put(xs, PartitionSpec(None, batch, None)), put(ids, PartitionSpec(None, None, batch, None)), put(weights, PartitionSpec(None, None, batch, None))
+    return (
+        w,
+        put(xs, PartitionSpec(None, batch, None)),
+        put(ids, PartitionSpec(None, None, batch, None)),
+        put(weights, PartitionSpec(None, None, batch, None)),
+    )
 
 
 @pytest.mark.parametrize(
@@ -404,7 +470,10 @@ def _placed(layout, w, xs, ids, weights):
     [(p, "capacity") for p in sorted(POLICIES)]
     # The dropless kernel's first round: offloaded in the default tier, saved and recomputed (as the
     # capacity kernel's tags are) in the slow tier.
-    + [(p, "ragged") if p == "offload_moe" else pytest.param(p, "ragged", marks=pytest.mark.slow) for p in sorted(POLICIES)],
+    + [
+        (p, "ragged") if p == "offload_moe" else pytest.param(p, "ragged", marks=pytest.mark.slow)
+        for p in sorted(POLICIES)
+    ],
 )
 def test_checkpoint_policies_reach_tags_inside_the_shard_map(policy, impl):
     """The moe tags live inside the EP shard_map body (for the dropless kernel, its first round's);
@@ -420,7 +489,9 @@ def test_checkpoint_policies_reach_tags_inside_the_shard_map(policy, impl):
         closed = jax.make_jaxpr(fn)(*placed)
         got = jax.jit(fn)(*placed)
         no_policy = jax.make_jaxpr(_accumulated_grads(_cp.everything_saveable, cdt, impl)[0])(*placed)
-    for name, g, e in zip(("w_gate", "w_up", "w_down", "routing weights"), jax.tree.leaves(got), jax.tree.leaves(expected)):
+    for name, g, e in zip(
+        ("w_gate", "w_up", "w_down", "routing weights"), jax.tree.leaves(got), jax.tree.leaves(expected)
+    ):
         scale = float(jnp.abs(e).max())
         assert scale > 0, name
         # The dropless exchange adds each token's k outputs and each expert's rows in another order
@@ -434,7 +505,9 @@ def test_checkpoint_policies_reach_tags_inside_the_shard_map(policy, impl):
     jaxpr = str(closed)
     matmuls = sum(e.primitive.name == "dot_general" for e in _eqns(closed.jaxpr))  # per use: nested jaxprs print once
     saved_matmuls = sum(e.primitive.name == "dot_general" for e in _eqns(no_policy.jaxpr))
-    moves = [(str(e.invars[0].aval), str(e.outvars[0].aval)) for e in _eqns(closed.jaxpr) if e.primitive.name == "device_put"]
+    moves = [
+        (str(e.invars[0].aval), str(e.outvars[0].aval)) for e in _eqns(closed.jaxpr) if e.primitive.name == "device_put"
+    ]
     to_host = sorted(o.split("{")[0] for i, o in moves if "<host>" in o and "<host>" not in i)
     from_host = [i for i, o in moves if "<host>" in i and "<host>" not in o]
     if policy == "nothing_saveable":
@@ -506,7 +579,12 @@ def _all_to_alls(text: str) -> list[tuple[int, ...]]:
 
 @pytest.mark.parametrize(
     "factor, tokens",
-    [(0.05, 64), pytest.param(1.0, 64, marks=pytest.mark.slow), (1.0, 256), pytest.param(100.0, 64, marks=pytest.mark.slow)],
+    [
+        (0.05, 64),
+        pytest.param(1.0, 64, marks=pytest.mark.slow),
+        (1.0, 256),
+        pytest.param(100.0, 64, marks=pytest.mark.slow),
+    ],
     ids=["many_rounds", "about_one_round", "later_blocks_of_several_rows", "one_worst_case_round"],
 )  # the two slow ones: what the default tier's EP runs take (tests/test_train_sharding.py, balanced: one round)
 def test_dropless_rounds_match_the_single_program(factor, tokens):
@@ -546,7 +624,11 @@ def test_exchange_rounds_are_what_the_fullest_device_and_shard_needs(factor, tok
         got = jax.jit(lambda x, weights, w, ids: routed_experts(x, ids, weights, w, **kw))(px, pweights, pw, pids)
     ep, devices = EP_MESH.expert, EP_MESH.data_parallel
     local = tokens // devices
-    fullest = max(int(np.sum(np.asarray(ids)[d * local:(d + 1) * local] // (E // ep) == s)) for d in range(devices) for s in range(ep))
+    fullest = max(
+        int(np.sum(np.asarray(ids)[d * local : (d + 1) * local] // (E // ep) == s))
+        for d in range(devices)
+        for s in range(ep)
+    )
     block = round_block(local, K, ep, E // ep, factor)
     expected = 1 + -(-max(0, fullest - block) // later_block(block))
     assert expected > 1  # the routing overflows the first block
@@ -620,6 +702,8 @@ def test_auto_never_drops_on_any_mesh():
     with zs.activate(ep_mesh(), zs.DEFAULT_RULES) as layout:
         args = place(layout, x, ids, weights, w)
         y_ep, _, dropped, _ = jax.jit(lambda x, ids, weights, w: routed_experts(x, ids, weights, w, **kw))(*args)
-        _, _, dropped_capacity, _ = jax.jit(lambda x, ids, weights, w: routed_experts(x, ids, weights, w, **{**kw, "impl": "capacity"}))(*args)
+        _, _, dropped_capacity, _ = jax.jit(
+            lambda x, ids, weights, w: routed_experts(x, ids, weights, w, **{**kw, "impl": "capacity"})
+        )(*args)
     assert int(dropped) == 0 and int(dropped_capacity) > 0  # the routing is tight enough to drop
     np.testing.assert_allclose(np.asarray(y_ep), np.asarray(y), rtol=1e-5, atol=1e-5)

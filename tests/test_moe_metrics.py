@@ -27,7 +27,17 @@ from zoo.config import MoEConfig
 from zoo.families import SIZES
 from zoo.nn.moe import MoE, router_statistics
 from zoo.offload import OffloadConfig
-from zoo.train.run_config import ConfigError, DataConfig, HardwareConfig, OptimizerConfig, TrainConfig, TrainerConfig, XlaConfig, load_group, validate
+from zoo.train.run_config import (
+    ConfigError,
+    DataConfig,
+    HardwareConfig,
+    OptimizerConfig,
+    TrainConfig,
+    TrainerConfig,
+    XlaConfig,
+    load_group,
+    validate,
+)
 from zoo.train.metrics import Progress
 from zoo.train.step import Trainer
 
@@ -43,8 +53,14 @@ ROUTER_CONFIGS = {
 
 
 def _moe(router: str, seed: int) -> MoE:
-    c = MoEConfig(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=8, n_shared_experts=0, impl="ragged",
-                  **ROUTER_CONFIGS[router])
+    c = MoEConfig(
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=8,
+        n_shared_experts=0,
+        impl="ragged",
+        **ROUTER_CONFIGS[router],
+    )
     module = eqx.filter_eval_shape(lambda key: MoE(D, c, key=key), jax.random.key(0))
     rng = np.random.default_rng(seed)
     leaves, treedef = jax.tree_util.tree_flatten(module)
@@ -103,7 +119,9 @@ def test_router_entropy_keeps_nothing_for_the_backward_pass():
 
 def _mesh_preset(name: str):
     node = OmegaConf.load(CONF / "mesh" / f"{name}.yaml")
-    node.pop("defaults", None)  # a preset is a delta on mesh/_defaults, MeshConfig's own defaults, where load_group starts
+    node.pop(
+        "defaults", None
+    )  # a preset is a delta on mesh/_defaults, MeshConfig's own defaults, where load_group starts
     return load_group("mesh", node)
 
 
@@ -149,18 +167,27 @@ def _reference(model, tokens: np.ndarray) -> dict:
                 if not c.is_moe_layer(i):
                     continue
                 x = x_in[i] + attn[i]  # the residual stream entering the feed-forward (no sandwich norms here)
-                h = x / np.sqrt((x * x).mean(-1, keepdims=True) + block.ffn_norm.eps) * np.asarray(block.ffn_norm.weight[r], np.float64)
+                h = (
+                    x
+                    / np.sqrt((x * x).mean(-1, keepdims=True) + block.ffn_norm.eps)
+                    * np.asarray(block.ffn_norm.weight[r], np.float64)
+                )
                 logits = h.reshape(-1, h.shape[-1]) @ np.asarray(block.ffn.router[r], np.float64)
                 bias = np.asarray(block.ffn.e_score_correction_bias[r])
                 per_layer[i] = (_entropy_numpy(logits, "sigmoid_grouped", None).mean(), bias.min(), bias.max())
-    return {k: [per_layer[i][n] for i in sorted(per_layer)] for n, k in enumerate(("router_entropy", "moe_bias_min", "moe_bias_max"))}
+    return {
+        k: [per_layer[i][n] for i in sorted(per_layer)]
+        for n, k in enumerate(("router_entropy", "moe_bias_min", "moe_bias_max"))
+    }
 
 
 def _step_metrics(mesh: str, **trainer):
     c = _config(mesh, **trainer)
     t = Trainer(c, validate(c, len(jax.devices()), None))
     state = _with_random_biases(t, t.init(), seed=5)
-    tokens = np.random.default_rng(6).integers(0, c.model.vocab_size, size=(c.data.batch_size, c.data.seq_len), dtype=np.int32)
+    tokens = np.random.default_rng(6).integers(
+        0, c.model.vocab_size, size=(c.data.batch_size, c.data.seq_len), dtype=np.int32
+    )
     model = jax.device_get(eqx.combine(state["params"], t.static))  # before the step: it donates the state
     _, m = t.jitted_step()(state, t.shard_tokens(tokens))
     return jax.device_get(m), model, tokens
@@ -180,7 +207,6 @@ def test_tiny_model_step_metrics_match_numpy():
     # On 8 devices each one routes its own tokens (a shard_map): the same means.
     sharded, _, _ = _step_metrics("fsdp")
     np.testing.assert_allclose(sharded["router_entropy"], m["router_entropy"], rtol=1e-5)
-
 
 
 def _metric_shapes(**trainer) -> dict:
@@ -235,14 +261,21 @@ def _write_run(run_dir: pathlib.Path, moe: bool, rounds: bool = False) -> None:
     for step in range(6):
         r = {"step": step, "loss": 5.0 - 0.1 * step, "grad_norm": 1.0, "lr": 1e-3}
         if moe:
-            r |= {"expert_load_max_over_mean": [1.2 + 0.1 * step, 1.5], "expert_load_min_over_mean": [0.8, 0.6],
-                  "moe_dropped_fraction": [0.0, 0.01 * step], "router_entropy": [2.0, 1.9],
-                  "moe_bias_min": [-0.001 * step, 0.0], "moe_bias_max": [0.001 * step, 0.0]}
+            r |= {
+                "expert_load_max_over_mean": [1.2 + 0.1 * step, 1.5],
+                "expert_load_min_over_mean": [0.8, 0.6],
+                "moe_dropped_fraction": [0.0, 0.01 * step],
+                "router_entropy": [2.0, 1.9],
+                "moe_bias_min": [-0.001 * step, 0.0],
+                "moe_bias_max": [0.001 * step, 0.0],
+            }
             if rounds:
                 r["moe_exchange_rounds"] = [1, 1 + step % 2]
         rows.append(json.dumps(r))
     (run_dir / "metrics.jsonl").write_text("\n".join(rows) + "\n")
-    (run_dir / "summary.json").write_text(json.dumps({"status": "ok", "step_time_s": 0.1, "moe_layers": [1, 2] if moe else []}))
+    (run_dir / "summary.json").write_text(
+        json.dumps({"status": "ok", "step_time_s": 0.1, "moe_layers": [1, 2] if moe else []})
+    )
 
 
 def test_report_adds_the_exchange_rounds_panel_when_the_run_logged_them(tmp_path, monkeypatch):
@@ -266,7 +299,9 @@ def test_report_adds_the_exchange_rounds_panel_when_the_run_logged_them(tmp_path
 
 def _report(run_dir: pathlib.Path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "zoo.tools.report", str(run_dir)], capture_output=True, text=True, env=env, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "zoo.tools.report", str(run_dir)], capture_output=True, text=True, env=env, timeout=300
+    )
 
 
 def test_report_on_a_run_dir_plots_expert_load(tmp_path):
@@ -312,8 +347,18 @@ def test_train_writes_moe_metrics_then_report_plots_them(tmp_path):
         tensorboard = False
     run_dir = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    args = [sys.executable, str(ROOT / "train.py"), "trainer.steps=3", "trainer.log_every=100", "mesh=single", "data.batch_size=8", "data.seq_len=16",
-            "trainer.moe_imbalance_warn=1.01", f"trainer.tensorboard={str(tensorboard).lower()}", f"hydra.run.dir={run_dir}"]
+    args = [
+        sys.executable,
+        str(ROOT / "train.py"),
+        "trainer.steps=3",
+        "trainer.log_every=100",
+        "mesh=single",
+        "data.batch_size=8",
+        "data.seq_len=16",
+        "trainer.moe_imbalance_warn=1.01",
+        f"trainer.tensorboard={str(tensorboard).lower()}",
+        f"hydra.run.dir={run_dir}",
+    ]
     r = subprocess.run(args, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     # max/mean exceeds 1.01 on a random router: step 1's line names a MoE layer (dsv3_tiny_a: layers 1 and 2)

@@ -24,8 +24,17 @@ FAMILIES = tuple(n for f in families.names() for n, c in SIZES.items() if n.ends
 # added there is under test without editing a list. The issue's presets must be among them.
 PRESETS = tuple(offload.preset_names())
 ISSUE_PRESETS = (
-    "none", "full", "minimal", "save_qkv_proj", "qkv_proj_offloaded", "minimal_offloaded", "llama_qkv_offload",
-    "deepseek_mla_moe_offload", "optimizer_host", "params_host", "custom",
+    "none",
+    "full",
+    "minimal",
+    "save_qkv_proj",
+    "qkv_proj_offloaded",
+    "minimal_offloaded",
+    "llama_qkv_offload",
+    "deepseek_mla_moe_offload",
+    "optimizer_host",
+    "params_host",
+    "custom",
 )
 
 
@@ -48,18 +57,24 @@ def test_unknown_tag_lists_the_valid_ones():
 
 
 def test_unknown_action_lists_the_valid_ones():
-    with pytest.raises(ValueError, match=r"offload.tags.query_proj: 'host' is not an action; choose one of device, offload, remat"):
+    with pytest.raises(
+        ValueError, match=r"offload.tags.query_proj: 'host' is not an action; choose one of device, offload, remat"
+    ):
         OffloadConfig(checkpoint=True, tags={"query_proj": "host"})
 
 
 def test_unknown_memory_kind():
-    with pytest.raises(ValueError, match=r"offload.opt_state: 'host' is not a memory kind; choose one of device, pinned_host"):
+    with pytest.raises(
+        ValueError, match=r"offload.opt_state: 'host' is not a memory kind; choose one of device, pinned_host"
+    ):
         OffloadConfig(opt_state="host")
 
 
 def test_tag_the_model_never_emits_is_an_error():
     policy = OffloadConfig(checkpoint=True, tags={"mla_q": "offload"})
-    with pytest.raises(ValueError, match=r"offload.tags.mla_q: the llama model never emits this tag; it emits: decoder_layer_input"):
+    with pytest.raises(
+        ValueError, match=r"offload.tags.mla_q: the llama model never emits this tag; it emits: decoder_layer_input"
+    ):
         resolve(policy, zoo.get_size("llama_tiny_a"))
     with pytest.raises(ValueError, match="never emits"):
         remat_policy(policy, zoo.get_size("llama_tiny_a"))
@@ -78,7 +93,10 @@ def test_q_lora_null_does_not_emit_the_q_latent():
 
 
 def test_block_sections_hold_only_their_kinds_tags():
-    with pytest.raises(ValueError, match=r"offload.block_tags.mla.query_proj: query_proj belongs to the attention block, not mla; move it under offload.tags"):
+    with pytest.raises(
+        ValueError,
+        match=r"offload.block_tags.mla.query_proj: query_proj belongs to the attention block, not mla; move it under offload.tags",
+    ):
         OffloadConfig(checkpoint=True, block_tags={"mla": {"query_proj": "device"}})
     with pytest.raises(ValueError, match=r"offload.block_tags.moe.mla_q: .* move it under offload.block_tags.mla"):
         OffloadConfig(checkpoint=True, block_tags={"moe": {"mla_q": "device"}})
@@ -90,7 +108,9 @@ def test_block_sections_hold_only_their_kinds_tags():
 
 def test_optional_block_tags_under_tags_name_their_section():
     # Mixtral has no dense MLP: naming mlpwi_0 under `tags` is refused with the section to use.
-    with pytest.raises(ValueError, match=r"offload.tags.mlpwi_0: the mixtral model never emits .*offload.block_tags.mlp"):
+    with pytest.raises(
+        ValueError, match=r"offload.tags.mlpwi_0: the mixtral model never emits .*offload.block_tags.mlp"
+    ):
         resolve(OffloadConfig(checkpoint=True, tags={"mlpwi_0": "device"}), zoo.get_size("mixtral_tiny_a"))
 
 
@@ -104,7 +124,9 @@ def test_keeping_a_tag_the_backward_never_reads_is_refused():
 
 
 def test_per_tag_actions_without_checkpoint_are_refused():
-    with pytest.raises(ValueError, match=r"offload.tags.query_proj: with offload.checkpoint=false .* set offload.checkpoint=true"):
+    with pytest.raises(
+        ValueError, match=r"offload.tags.query_proj: with offload.checkpoint=false .* set offload.checkpoint=true"
+    ):
         OffloadConfig(checkpoint=False, tags={"query_proj": "offload"})
 
 
@@ -165,7 +187,9 @@ def test_hydra_custom_tag_the_model_never_emits_fails_before_compiling():
 def test_hydra_unknown_action_is_one_line():
     from zoo.train.run_config import ConfigError
 
-    with pytest.raises(ConfigError, match=r"^offload.tags.query_proj: 'keep' is not an action; choose one of device, offload, remat$"):
+    with pytest.raises(
+        ConfigError, match=r"^offload.tags.query_proj: 'keep' is not an action; choose one of device, offload, remat$"
+    ):
         _compose("model=llama_tiny_a", "offload=custom", "offload.tags.query_proj=keep")
 
 
@@ -214,7 +238,9 @@ def test_no_checkpoint_recomputes_the_weight_casts_of_a_bfloat16_model():
     (loss, grads), (loss0, grads0) = (jax.jit(grad(rp))(model) for rp in (policy, None))
     assert float(loss) == float(loss0)
     for g, g0 in zip(jax.tree.leaves(grads), jax.tree.leaves(grads0)):
-        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(g0, np.float32), rtol=1e-2, atol=1e-2 * float(jnp.abs(g0).max()))
+        np.testing.assert_allclose(
+            np.asarray(g, np.float32), np.asarray(g0, np.float32), rtol=1e-2, atol=1e-2 * float(jnp.abs(g0).max())
+        )
 
 
 # --- the maths does not change -------------------------------------------------------------------
@@ -237,7 +263,9 @@ def test_every_preset_gives_the_loss_and_gradients_of_none(size):
     over the dropless kernel: tests/test_offload_ranges.py::test_a_split_policy_gives_the_loss_and_gradients_of_none[dsv3]."""
     config = zoo.get_size(size)
     if config.moe is not None:
-        config = config.replace(moe=dataclasses.replace(config.moe, impl="capacity", capacity_factor=float(config.moe.n_routed_experts)))
+        config = config.replace(
+            moe=dataclasses.replace(config.moe, impl="capacity", capacity_factor=float(config.moe.n_routed_experts))
+        )
     model = zoo.build(config, key=jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, config.vocab_size)
     keys = {name: _policy_key(load_preset(name), config) for name in PRESETS}
@@ -274,14 +302,25 @@ def test_every_preset_gives_the_loss_and_gradients_of_none(size):
 def _train(offload_config, steps=2):
     from omegaconf import OmegaConf
 
-    from zoo.train.run_config import DataConfig, HardwareConfig, OptimizerConfig, TrainConfig, TrainerConfig, XlaConfig, load_group, validate
+    from zoo.train.run_config import (
+        DataConfig,
+        HardwareConfig,
+        OptimizerConfig,
+        TrainConfig,
+        TrainerConfig,
+        XlaConfig,
+        load_group,
+        validate,
+    )
     from zoo.train.batches import SyntheticData
     from zoo.train.step import Trainer
 
     conf = offload.conf_dir()
     c = TrainConfig(
         model=SIZES["llama_tiny_a"],
-        mesh=load_group("mesh", {k: v for k, v in OmegaConf.load(conf / "mesh" / "single.yaml").items() if k != "defaults"}),
+        mesh=load_group(
+            "mesh", {k: v for k, v in OmegaConf.load(conf / "mesh" / "single.yaml").items() if k != "defaults"}
+        ),
         offload=offload_config,
         optimizer=OptimizerConfig(lr=1e-2, warmup_steps=1),
         data=DataConfig(batch_size=4, seq_len=16),
@@ -356,7 +395,9 @@ def test_streamed_update_is_optax_update_slice_by_slice():
     @jax.jit
     def streamed(p, s, g):
         trainable = jax.tree.map(lambda x, lab: x if lab == "train" else None, g, trainable_labels(g))
-        return streamed_update(unclipped, g, s, p, norm=global_norm(trainable, divide=2), max_norm=c.grad_clip, divide=2)
+        return streamed_update(
+            unclipped, g, s, p, norm=global_norm(trainable, divide=2), max_norm=c.grad_clip, divide=2
+        )
 
     p_ref, s_ref = params, tx.init(params)
     p_host, s_host = _host(params), _host(tx.init(params))
@@ -370,10 +411,18 @@ def test_streamed_update_is_optax_update_slice_by_slice():
             np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2e-6, atol=1e-7, err_msg=name)
     counts = [int(x) for x in jax.tree.leaves(s_host) if x.ndim == 0]
     assert counts and set(counts) == {3}  # adam's and the schedule's counts advanced once per step
-    biases = [(i, j) for i, s in enumerate(params.stacks) for j, b in enumerate(s.layers) if getattr(b.ffn, "e_score_correction_bias", None) is not None]
+    biases = [
+        (i, j)
+        for i, s in enumerate(params.stacks)
+        for j, b in enumerate(s.layers)
+        if getattr(b.ffn, "e_score_correction_bias", None) is not None
+    ]
     assert biases
     for i, j in biases:
-        before, after = params.stacks[i].layers[j].ffn.e_score_correction_bias, p_host.stacks[i].layers[j].ffn.e_score_correction_bias
+        before, after = (
+            params.stacks[i].layers[j].ffn.e_score_correction_bias,
+            p_host.stacks[i].layers[j].ffn.e_score_correction_bias,
+        )
         np.testing.assert_array_equal(np.asarray(after), np.asarray(before))
 
 
@@ -385,7 +434,16 @@ def test_streamed_step_equals_the_device_step_with_accumulation():
     from omegaconf import OmegaConf
 
     from zoo import sharding as zs
-    from zoo.train.run_config import DataConfig, HardwareConfig, OptimizerConfig, TrainConfig, TrainerConfig, XlaConfig, load_group, validate
+    from zoo.train.run_config import (
+        DataConfig,
+        HardwareConfig,
+        OptimizerConfig,
+        TrainConfig,
+        TrainerConfig,
+        XlaConfig,
+        load_group,
+        validate,
+    )
     from zoo.train.batches import SyntheticData
     from zoo.train.step import Trainer
 
@@ -394,7 +452,9 @@ def test_streamed_step_equals_the_device_step_with_accumulation():
     def trainer(*preset):
         c = TrainConfig(
             model=SIZES["llama_tiny_a"],
-            mesh=load_group("mesh", {k: v for k, v in OmegaConf.load(conf / "mesh" / "single.yaml").items() if k != "defaults"}),
+            mesh=load_group(
+                "mesh", {k: v for k, v in OmegaConf.load(conf / "mesh" / "single.yaml").items() if k != "defaults"}
+            ),
             offload=load_preset(*preset),
             optimizer=OptimizerConfig(lr=1e-2, warmup_steps=1, decay_steps=4, grad_clip=0.5),
             data=DataConfig(batch_size=4, seq_len=16),
@@ -404,13 +464,22 @@ def test_streamed_step_equals_the_device_step_with_accumulation():
         )
         return Trainer(c, validate(c, len(jax.devices())))
 
-    trainers = [trainer("none"), trainer("optimizer_host"), trainer("params_host"), trainer("params_host", "optimizer_host")]
+    trainers = [
+        trainer("none"),
+        trainer("optimizer_host"),
+        trainer("params_host"),
+        trainer("params_host", "optimizer_host"),
+    ]
     assert [t.layerwise_update for t in trainers] == [False, True, True, True]
 
     def every_variant(states, tokens):
         out = []
         for t, s in zip(trainers, states):
-            s = jax.tree.map(lambda x, sh: jax.device_put(x, jax.memory.Space.Host) if sh.memory_kind == "pinned_host" else x, s, t.state_shardings)
+            s = jax.tree.map(
+                lambda x, sh: jax.device_put(x, jax.memory.Space.Host) if sh.memory_kind == "pinned_host" else x,
+                s,
+                t.state_shardings,
+            )
             new, m = t.train_step(s, tokens)
             out.append((zs.to_device(new), m))
         return out
@@ -418,7 +487,11 @@ def test_streamed_step_equals_the_device_step_with_accumulation():
     ref = trainers[0]
     data = SyntheticData(ref.cfg.data, ref.cfg.model.vocab_size)
     states = [ref.init()] * len(trainers)
-    step = jax.jit(every_variant).lower(states, ref.shard_tokens(data.batch(0))).compile({"xla_backend_optimization_level": 0})
+    step = (
+        jax.jit(every_variant)
+        .lower(states, ref.shard_tokens(data.batch(0)))
+        .compile({"xla_backend_optimization_level": 0})
+    )
     history = []
     for i in range(3):
         out = step(states, ref.shard_tokens(data.batch(i)))
@@ -436,7 +509,9 @@ def _update_buffers(*overrides):
     from zoo.tools.kit import prepare_step
 
     trainer = prepare_step(["mesh=single", "data.batch_size=2", "data.seq_len=16", *overrides])[3]
-    return trainer, update_buffers(trainer.jitted_step().trace(trainer.abstract_state(), trainer.abstract_tokens()).jaxpr)
+    return trainer, update_buffers(
+        trainer.jitted_step().trace(trainer.abstract_state(), trainer.abstract_tokens()).jaxpr
+    )
 
 
 def test_streamed_update_holds_one_layer_on_device_read_from_the_program():
@@ -446,7 +521,11 @@ def test_streamed_update_holds_one_layer_on_device_read_from_the_program():
     leaves outside the stack are smaller than one layer's largest."""
     model = ["model=llama_tiny_a", "model.num_layers=4", "model.vocab_size=64"]
     trainer, whole = _update_buffers(*model, "offload=none")
-    stack = [x for p, x in jax.tree_util.tree_leaves_with_path(trainer.abstract_params) if "layers" in jax.tree_util.keystr(p)]
+    stack = [
+        x
+        for p, x in jax.tree_util.tree_leaves_with_path(trainer.abstract_params)
+        if "layers" in jax.tree_util.keystr(p)
+    ]
     stacked = max(x.size * x.dtype.itemsize for x in stack)
     layer = stacked // 4
     assert whole["layer_loops"] == 0 and whole["moved_to_device"] is None
@@ -461,5 +540,7 @@ def test_streamed_update_holds_one_layer_on_device_read_from_the_program():
 
 def test_streamed_update_traces_for_every_stack_and_the_expert_biases():
     """DeepSeek-V3's two stacks (dense, MoE) with bias balancing on host-resident parameters."""
-    _, host = _update_buffers("model=dsv3_tiny_a", "offload=[full,params_host,optimizer_host]", "trainer.moe_bias_update_rate=0.01")
+    _, host = _update_buffers(
+        "model=dsv3_tiny_a", "offload=[full,params_host,optimizer_host]", "trainer.moe_bias_update_rate=0.01"
+    )
     assert host["layer_loops"] == 4 and host["moved_to_device"] is not None

@@ -23,7 +23,7 @@ from zoo import offload
 from zoo.families import SIZES
 from zoo.tools.inspect_step import range_sections
 from zoo.placement import _analyse_forward_scan, _names_in, _walk, inspect_placement, scan_names
-from zoo.offload import OffloadConfig, load_preset, remat_policy, resolve, scan_policies
+from zoo.offload import load_preset, remat_policy, resolve, scan_policies
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 LLAMA4 = SIZES["llama_tiny_a"].replace(num_layers=4)  # one stack of 4 layers
@@ -45,7 +45,10 @@ def _compose(*overrides):
 def test_ranges_are_parsed_sorted_and_named_in_the_description():
     p = load_preset("full", ranges={5: "none", "0-3": "llama_qkv_offload"})
     assert p.ranges == {"5": "none", "0-3": "llama_qkv_offload"}  # Hydra reads `{5: none}` with an int key
-    assert [(r.first, r.last, r.preset) for r in offload.parse_ranges(p.ranges)] == [(0, 3, "llama_qkv_offload"), (5, 5, "none")]
+    assert [(r.first, r.last, r.preset) for r in offload.parse_ranges(p.ranges)] == [
+        (0, 3, "llama_qkv_offload"),
+        (5, 5, "none"),
+    ]
     assert p.describe() == "full + layers 0-3 llama_qkv_offload + layers 5 none"
     segs = offload.layer_policies(p, 8)
     assert [(s.first, s.stop, s.config.name, s.label) for s in segs] == [
@@ -53,7 +56,7 @@ def test_ranges_are_parsed_sorted_and_named_in_the_description():
     ]  # fmt: skip
     # A range's preset is loaded as the top-level one is; where state lives stays the top level's.
     host = load_preset("full", "params_host", ranges={"0": "none"})
-    (_, config), = offload.range_configs(host)
+    ((_, config),) = offload.range_configs(host)
     assert config.params == "pinned_host" and not config.checkpoint and config.tags == {}
 
 
@@ -115,15 +118,22 @@ def extra_presets(tmp_path, monkeypatch):
 def test_a_range_is_refused_what_the_whole_model_policy_would_be(extra_presets):
     llama = SIZES["llama_tiny_a"]
     # As whole-model policies, both are refused on Llama ...
-    for name, why in (("keep_mlpwo", "the backward pass never reads mlpwo"), ("mla_only", "the llama model never emits this tag")):
+    for name, why in (
+        ("keep_mlpwo", "the backward pass never reads mlpwo"),
+        ("mla_only", "the llama model never emits this tag"),
+    ):
         with pytest.raises(ValueError, match=why):
             resolve(load_preset(name), llama)
         # ... and so is a range that uses them, naming the range and its preset.
         with pytest.raises(ValueError) as e:
             resolve(load_preset("full", ranges={"1": name}), llama)
         assert str(e.value).startswith(f"offload.ranges.1: preset {name}: offload.tags.") and why in str(e.value)
-        resolve(load_preset("full", ranges={"1": name}), GEMMA3 if name == "keep_mlpwo" else DSV3)  # where the tag is read / emitted
-    with pytest.raises(ValueError, match=r"^offload.ranges.0: preset typo: offload.tags.query_proj: 'host' is not an action"):
+        resolve(
+            load_preset("full", ranges={"1": name}), GEMMA3 if name == "keep_mlpwo" else DSV3
+        )  # where the tag is read / emitted
+    with pytest.raises(
+        ValueError, match=r"^offload.ranges.0: preset typo: offload.tags.query_proj: 'host' is not an action"
+    ):
         load_preset("none", ranges={"0": "typo"})
     with pytest.raises(ValueError, match=r"^offload.ranges.0: preset nested has ranges of its own"):
         load_preset("none", ranges={"0": "nested"})
@@ -134,7 +144,7 @@ def test_a_range_takes_a_policy_file_as_it_takes_a_preset(tmp_path):
     a preset is; where state lives stays the top level's."""
     mine = tmp_path / "mine.yaml"
     mine.write_text("name: mine\ncheckpoint: true\ntags:\n  query_proj: offload\nparams: device\n")
-    (_, config), = offload.range_configs(load_preset("full", "params_host", ranges={"0": str(mine)}))
+    ((_, config),) = offload.range_configs(load_preset("full", "params_host", ranges={"0": str(mine)}))
     assert config.name == "mine" and config.tags == {"query_proj": "offload"} and config.params == "pinned_host"
     for text, message in (
         ("params: pinned_host\n", "only sets where parameters or optimizer state live"),
@@ -150,7 +160,13 @@ def test_a_range_takes_a_policy_file_as_it_takes_a_preset(tmp_path):
 def test_train_py_refuses_a_bad_range_in_one_line_with_exit_2(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env.pop("ZOO_TRACEBACK", None)
-    base = [sys.executable, str(ROOT / "train.py"), "model=llama_tiny_a", "trainer.steps=1", f"hydra.run.dir={tmp_path / 'run'}"]
+    base = [
+        sys.executable,
+        str(ROOT / "train.py"),
+        "model=llama_tiny_a",
+        "trainer.steps=1",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    ]
     for arg, line in (
         ("+offload.ranges={0-5:full}", "error: offload.ranges.0-5: layer 5 is past the model's last layer (the llama model has 2 layers, 0-1); keep every range within 0-1"),
         ("offload.ranges={0:full}", "error: offload.ranges: the chosen offload option does not list it; add it with +offload.ranges={0:full}"),
@@ -168,7 +184,14 @@ def test_train_py_trains_with_ranges_and_records_them(tmp_path):
     args = ["model=llama_tiny_a", "mesh=single", "xla.cpu_devices=1", "data.batch_size=4", "data.seq_len=16", "xla.cpu_fast_compile=true",
             "trainer.progress=false", "trainer.steps=2", "offload=full", "+offload.ranges={0:llama_qkv_offload}",
             f"hydra.run.dir={tmp_path / 'run'}"]  # fmt: skip
-    p = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    p = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     assert ", offload full, layers 0 llama_qkv_offload, " in p.stdout.splitlines()[0]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
@@ -196,7 +219,9 @@ SPLITS = {
 # Gemma 3 and GPT-OSS cut inside their periods: the slow tier. In the default tier, Llama and DeepSeek-V3
 # (the core families) here, and a cut inside GPT-OSS's period in test_pieces_count_layers_across_stacks
 # and test_the_cut_keeps_moe_statistics_in_model_order.
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in ("gemma3", "gpt_oss") else n for n in SPLITS])
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n in ("gemma3", "gpt_oss") else n for n in SPLITS]
+)
 def test_a_split_policy_gives_the_loss_and_gradients_of_none(name):
     config, top, ranges = SPLITS[name]
     model = zoo.build(config, key=jax.random.key(0))
@@ -205,7 +230,12 @@ def test_a_split_policy_gives_the_loss_and_gradients_of_none(name):
     assert isinstance(split, zoo.model.RangedPolicy) and len(split.segments) >= 2
 
     def both(m):
-        return [jax.value_and_grad(lambda mm, rp=rp: zoo.loss_fn(mm, tokens, remat_policy=rp))(jax.lax.optimization_barrier(m)) for rp in (None, split)]
+        return [
+            jax.value_and_grad(lambda mm, rp=rp: zoo.loss_fn(mm, tokens, remat_policy=rp))(
+                jax.lax.optimization_barrier(m)
+            )
+            for rp in (None, split)
+        ]
 
     (loss0, grads0), (loss, grads) = jax.jit(both).lower(model).compile({"xla_backend_optimization_level": 0})(model)
     np.testing.assert_allclose(float(loss), float(loss0), rtol=1e-6)
@@ -302,11 +332,18 @@ def test_the_inspector_reports_placement_per_range():
     names = scan_names(zoo.abstract(config), policy)
     assert names == ["dense_layers", "moe_layers[1-1]", "moe_layers[2-2]"]
     placement = inspect_placement(
-        jax.grad(lambda m, t: zoo.loss_fn(m, t, remat_policy=rp)), zoo.abstract(config), jax.ShapeDtypeStruct((2, 16), jnp.int32), stacks=names
+        jax.grad(lambda m, t: zoo.loss_fn(m, t, remat_policy=rp)),
+        zoo.abstract(config),
+        jax.ShapeDtypeStruct((2, 16), jnp.int32),
+        stacks=names,
     )
     scans = dict(scan_policies(policy, zoo.abstract(config)))
     for r in placement.records:
-        assert placement_matches(expected_placement(scans[r.stack].config, config)[r.tag], r.placement), (r.stack, r.tag, r.placement)
+        assert placement_matches(expected_placement(scans[r.stack].config, config)[r.tag], r.placement), (
+            r.stack,
+            r.tag,
+            r.placement,
+        )
     c = type("C", (), {"offload": policy, "model": config})
     sections = range_sections(c, placement, scans)
     assert [(s["layers"], s["source"], s["preset"]) for s in sections] == [
@@ -326,7 +363,10 @@ def test_the_planner_counts_each_range_with_its_own_policy():
         TagCost("decoder_layer_input", {"a": 100.0, "b": 100.0}, {}, ("device", "offload")),
         TagCost("query_proj", {"a": 50.0, "b": 60.0}, {"a": 1e9, "b": 2e9}),
     ]
-    stacks = {"a": StackCost(layers=2, forward_flops_per_layer=1e10, layer_range="0-1"), "b": StackCost(layers=4, forward_flops_per_layer=1e10, layer_range="2-5")}
+    stacks = {
+        "a": StackCost(layers=2, forward_flops_per_layer=1e10, layer_range="0-1"),
+        "b": StackCost(layers=4, forward_flops_per_layer=1e10, layer_range="2-5"),
+    }
     p = Problem(tags=tags, stacks=stacks, rate=1e12, link=1e9, budget=1e12, step_flops=1e12, latency=0.0)
     llama6 = SIZES["llama_tiny_a"].replace(num_layers=6)
     ranged = with_ranges(p, load_preset("full", ranges={"1-2": "llama_qkv_offload"}), llama6)
@@ -342,7 +382,9 @@ def test_the_planner_counts_each_range_with_its_own_policy():
     assert free_layers(whole) == {"a": 0, "b": 0}
     got = evaluate(whole, {"decoder_layer_input": "device", "query_proj": "device"}).as_dict()
     want = evaluate(p, {"decoder_layer_input": "offload", "query_proj": "offload"}).as_dict()
-    assert {k: v for k, v in got.items() if k != "assignment"} == pytest.approx({k: v for k, v in want.items() if k != "assignment"})
+    assert {k: v for k, v in got.items() if k != "assignment"} == pytest.approx(
+        {k: v for k, v in want.items() if k != "assignment"}
+    )
 
 
 def test_the_planner_counts_the_copies_of_the_stacks_a_range_cuts():
@@ -355,14 +397,26 @@ def test_the_planner_counts_the_copies_of_the_stacks_a_range_cuts():
         "a": StackCost(layers=2, forward_flops_per_layer=1e10, param_bytes_per_layer=1000.0, layer_range="0-1"),
         "b": StackCost(layers=4, forward_flops_per_layer=1e10, param_bytes_per_layer=3000.0, layer_range="2-5"),
     }
-    p = Problem(tags=tags, stacks=stacks, rate=1e12, link=1e9, budget=1e12, step_flops=1e12, latency=0.0, param_bytes=14000.0, grad_bytes=14000.0)
+    p = Problem(
+        tags=tags,
+        stacks=stacks,
+        rate=1e12,
+        link=1e9,
+        budget=1e12,
+        step_flops=1e12,
+        latency=0.0,
+        param_bytes=14000.0,
+        grad_bytes=14000.0,
+    )
     assert cut_bytes(p, [2]) == 0.0 and cut_bytes(p, [1]) == 2000.0 and cut_bytes(p, [3, 4]) == 12000.0
     llama6 = SIZES["llama_tiny_a"].replace(num_layers=6)
     base = evaluate(p, {"query_proj": "remat"}).backward_phase_bytes
     on_edge = with_ranges(p, load_preset("full", ranges={"0-1": "full"}), llama6)
     inside = with_ranges(p, load_preset("full", ranges={"1-2": "full"}), llama6)
     assert evaluate(on_edge, {"query_proj": "remat"}).backward_phase_bytes == base
-    assert evaluate(inside, {"query_proj": "remat"}).backward_phase_bytes == base + RANGE_CUT_COPIES * (2000.0 + 12000.0)
+    assert evaluate(inside, {"query_proj": "remat"}).backward_phase_bytes == base + RANGE_CUT_COPIES * (
+        2000.0 + 12000.0
+    )
 
 
 @pytest.mark.slow  # five compiles of a ~100M-parameter gradient: ~60 s on the 2-core machine
@@ -384,7 +438,9 @@ def test_the_planners_range_estimates_follow_the_compiled_memory():
     planned, compiled = {}, {}
     for name, extra in cases.items():
         c, _, _, trainer, _ = prepare_step(base + extra)
-        p, _ = problem_from_config(c, trainer, PlanConfig(link="pcie_gen5", hbm_budget_gb=80.0), conf_dir() / "hardware")
+        p, _ = problem_from_config(
+            c, trainer, PlanConfig(link="pcie_gen5", hbm_budget_gb=80.0), conf_dir() / "hardware"
+        )
         planned[name] = evaluate(p, preset_assignment(p, c.offload, c.model)).backward_phase_bytes
         rp = remat_policy(c.offload, c.model)
         grad = jax.jit(jax.grad(lambda m, t, rp=rp: zoo.loss_fn(m, t, remat_policy=rp)))
@@ -400,18 +456,43 @@ def test_the_planners_range_estimates_follow_the_compiled_memory():
 
 def test_the_planner_plans_the_layers_outside_the_ranges(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    args = ["model=llama_tiny_a", "mesh=single", "data.batch_size=2", "data.seq_len=16", "hardware=h100_pcie", f"plan.out={tmp_path / 'offload' / 'p.yaml'}"]
-    p = subprocess.run([sys.executable, "-m", "zoo.tools.plan", *args, "+offload.ranges={0:llama_qkv_offload}"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    args = [
+        "model=llama_tiny_a",
+        "mesh=single",
+        "data.batch_size=2",
+        "data.seq_len=16",
+        "hardware=h100_pcie",
+        f"plan.out={tmp_path / 'offload' / 'p.yaml'}",
+    ]
+    p = subprocess.run(
+        [sys.executable, "-m", "zoo.tools.plan", *args, "+offload.ranges={0:llama_qkv_offload}"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.splitlines()[0] == (
         "note: offload.ranges: layers 0 llama_qkv_offload (1 layer) counted as given; the plan is the policy of the other 1 layer "
         "(the YAML it writes; the commands below keep the ranges)"
     )
-    assert "tags on device 73.728 kB, on host 24.576 kB" in p.stdout  # layer 0's q/k/v and input on host, layer 1's kept
+    assert (
+        "tags on device 73.728 kB, on host 24.576 kB" in p.stdout
+    )  # layer 0's q/k/v and input on host, layer 1's kept
     assert "+offload.ranges={0:llama_qkv_offload}" in p.stdout.splitlines()[-2]  # the train command
     # plan.split=true (its search and its lines: tests/test_plan_split.py) places every layer itself.
-    p = subprocess.run([sys.executable, "-m", "zoo.tools.plan", *args, "plan.split=true", "+offload.ranges={0:full}"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert p.returncode == 2 and p.stderr.strip().splitlines() == ["error: plan.split: it searches the ranges itself; drop offload.ranges or plan.split=true"]
+    p = subprocess.run(
+        [sys.executable, "-m", "zoo.tools.plan", *args, "plan.split=true", "+offload.ranges={0:full}"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 2 and p.stderr.strip().splitlines() == [
+        "error: plan.split: it searches the ranges itself; drop offload.ranges or plan.split=true"
+    ]
 
 
 def test_the_planner_finds_the_split_point_that_beats_one_policy():
@@ -425,7 +506,11 @@ def test_the_planner_finds_the_split_point_that_beats_one_policy():
         stacks={"a": StackCost(layers=6, forward_flops_per_layer=1e10, layer_range="0-5")},
         rate=1e12, link=1e3, budget=350.0, step_flops=1e9, latency=0.0,
     )  # fmt: skip
-    presets = {"keep": {"query_proj": "device"}, "recompute": {"query_proj": "remat"}, "offload": {"query_proj": "offload"}}
+    presets = {
+        "keep": {"query_proj": "device"},
+        "recompute": {"query_proj": "remat"},
+        "offload": {"query_proj": "offload"},
+    }
     whole = search(p)  # one assignment for every layer
     assert whole.assignment == {"query_proj": "remat"} and whole.recompute_s == pytest.approx(6e-3)
     split = search_split(p, presets, 6)

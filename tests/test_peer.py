@@ -15,8 +15,24 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # bench/peer.py's configs (its docstring and docs/benchmarks.md state them): transformers' Llama shapes.
 PEER = {
-    "tiny": dict(vocab_size=32000, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64, intermediate_size=1024),
-    "100m": dict(vocab_size=32000, hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, head_dim=64, intermediate_size=2048),
+    "tiny": dict(
+        vocab_size=32000,
+        hidden_size=256,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        intermediate_size=1024,
+    ),
+    "100m": dict(
+        vocab_size=32000,
+        hidden_size=512,
+        num_layers=8,
+        num_heads=8,
+        num_kv_heads=4,
+        head_dim=64,
+        intermediate_size=2048,
+    ),
 }
 BATCH = {"tiny": (8, 256), "100m": (4, 512)}
 
@@ -38,12 +54,19 @@ def test_zoo_llama_has_the_peers_parameters(config):
     d, m = PEER[config], peer_llama(config)
     assert not m.tie_word_embeddings
     h, kv = d["hidden_size"], d["num_kv_heads"] * d["head_dim"]
-    layer = h * (d["num_heads"] * d["head_dim"] + 2 * kv) + d["num_heads"] * d["head_dim"] * h + 3 * h * d["intermediate_size"] + 2 * h
+    layer = (
+        h * (d["num_heads"] * d["head_dim"] + 2 * kv)
+        + d["num_heads"] * d["head_dim"] * h
+        + 3 * h * d["intermediate_size"]
+        + 2 * h
+    )
     assert count_params(m) == 2 * d["vocab_size"] * h + d["num_layers"] * layer + h
 
 
 def _peer(*args):
-    return subprocess.run([sys.executable, "bench/peer.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "bench/peer.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_without_torch_one_line_exit_2():

@@ -153,7 +153,9 @@ def test_params_on_host_stream_weights_and_gradients():
     # Weights in and out once, the stacks' gradients in twice (the norm, then the update).
     assert host.state_transfer_s == pytest.approx((1 * GB + 2 * 0.9 * GB) / (64 * GB))
     p.microbatches = 2  # and summed in place per microbatch: in twice, out once
-    assert evaluate(p, {"a": "device"}).state_transfer_s == pytest.approx((1 * GB + 2 * 0.9 * GB + 2 * 2 * 0.9 * GB) / (64 * GB))
+    assert evaluate(p, {"a": "device"}).state_transfer_s == pytest.approx(
+        (1 * GB + 2 * 0.9 * GB + 2 * 2 * 0.9 * GB) / (64 * GB)
+    )
 
 
 def test_attention_working_set_by_implementation():
@@ -171,7 +173,9 @@ def test_loss_working_set_counts_the_chunks_and_what_the_fused_backward_keeps():
     whole = zp.loss_working_bytes(batch=2, seq=4096, vocab=128256, embed=2048, chunk=0, compute_bytes=2)
     assert whole == 3 * 2 * 4096 * 128256 * 4  # logits, softmax, gradient: float32
     cast = 2048 * 128256 * 2.0
-    chunked = zp.loss_working_bytes(batch=2, seq=4096, vocab=128256, embed=2048, chunk=512, compute_bytes=2, head_cast_bytes=cast)
+    chunked = zp.loss_working_bytes(
+        batch=2, seq=4096, vocab=128256, embed=2048, chunk=512, compute_bytes=2, head_cast_bytes=cast
+    )
     # The head-gradient accumulator is the head's gradient, counted with the gradients, not here.
     assert chunked == 3 * 2 * 512 * 128256 * 4 + 2 * 4096 * 2048 * 2 + cast
     assert whole / chunked > 3.5
@@ -181,7 +185,9 @@ def test_loss_working_set_counts_the_chunks_and_what_the_fused_backward_keeps():
     )
     # A vocab axis shared with the batch (8 devices): each chunk's logits cover the group's rows, over
     # the device's 1/8 of the vocabulary, and the group's chunk of hidden states is gathered.
-    shared = zp.loss_working_bytes(batch=2, seq=4096, vocab=128256 // 8, embed=2048, chunk=512, compute_bytes=2, row_group=8)
+    shared = zp.loss_working_bytes(
+        batch=2, seq=4096, vocab=128256 // 8, embed=2048, chunk=512, compute_bytes=2, row_group=8
+    )
     assert shared == 3 * 16 * 512 * 16032 * 4 + 2 * 4096 * 2048 * 2 + 16 * 512 * 2048 * 2
 
 
@@ -231,7 +237,10 @@ def test_cli_plan_then_the_inspector_confirms_it(tmp_path, capsys):
     # Squeeze: the budget drops below what keeping every tag needs; the plan has to give some up.
     budget = (est["peak_bytes"] - 0.6 * est["device_tag_bytes"]) / GB
     out = tmp_path / "planned.yaml"
-    assert zp.main([*BASE, f"plan.hbm_budget_gb={budget}", "plan.link=pcie_gen5", f"plan.out={out}", "plan.name=squeezed"]) == 0
+    assert (
+        zp.main([*BASE, f"plan.hbm_budget_gb={budget}", "plan.link=pcie_gen5", f"plan.out={out}", "plan.name=squeezed"])
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "estimated step" in printed and f"wrote {out}" in printed
     policy = from_mapping(OmegaConf.load(out))
@@ -243,7 +252,10 @@ def test_cli_plan_then_the_inspector_confirms_it(tmp_path, capsys):
     model = zoo.abstract(config)
     rp = remat_policy(policy, config)
     placement = inspect_placement(
-        jax.grad(lambda m, t: zoo.loss_fn(m, t, remat_policy=rp)), model, jax.ShapeDtypeStruct((2, 16), jnp.int32), stacks=stack_names(model)
+        jax.grad(lambda m, t: zoo.loss_fn(m, t, remat_policy=rp)),
+        model,
+        jax.ShapeDtypeStruct((2, 16), jnp.int32),
+        stacks=stack_names(model),
     )
     found = placement.by_tag()
     for tag, want in expected_placement(policy, config).items():
@@ -262,10 +274,24 @@ def test_cli_in_its_own_process_takes_the_xla_group_before_jax_starts(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     out = tmp_path / "p.yaml"
     # bfloat16 on a GPU profile: cuDNN's attention, whose stand-in here is chosen by this machine's backend
-    args = ["model=llama_tiny_a", "mesh=fsdp", "xla.cpu_devices=2", "data.batch_size=2", "data.seq_len=64", "hardware=gb200",
-            "model.compute_dtype=bfloat16", f"plan.out={out}"]
-    p = subprocess.run([sys.executable, "-m", "zoo.tools.plan", *args], cwd=pathlib.Path(zp.__file__).parent.parent, env=env,
-                       capture_output=True, text=True, timeout=300)
+    args = [
+        "model=llama_tiny_a",
+        "mesh=fsdp",
+        "xla.cpu_devices=2",
+        "data.batch_size=2",
+        "data.seq_len=64",
+        "hardware=gb200",
+        "model.compute_dtype=bfloat16",
+        f"plan.out={out}",
+    ]
+    p = subprocess.run(
+        [sys.executable, "-m", "zoo.tools.plan", *args],
+        cwd=pathlib.Path(zp.__file__).parent.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr[-2000:]
     assert "on 2 device(s)" in p.stdout and "counted: attention cudnn" in p.stdout and out.exists()
 
@@ -319,18 +345,31 @@ def test_cli_update_phase_of_llama_1b_drops_with_the_optimizer_on_host(tmp_path,
 def test_cli_counts_the_attention_that_runs_on_the_planned_hardware(tmp_path, capsys):
     """Planning for a GPU on this CPU: `auto` is cuDNN there for half precision (no T x T scores),
     an explicit cudnn is accepted; with float32 compute `auto` is blockwise, and xla keeps the scores."""
-    base = ["model=llama_tiny_a", "mesh=single", "hardware=h100_pcie", "data.batch_size=2", "data.seq_len=1024",
-            "model.max_position_embeddings=1024"]
+    base = [
+        "model=llama_tiny_a",
+        "mesh=single",
+        "hardware=h100_pcie",
+        "data.batch_size=2",
+        "data.seq_len=1024",
+        "model.max_position_embeddings=1024",
+    ]
     half = ["model.compute_dtype=bfloat16"]
     got = {
         name: _plan_json(tmp_path, *base, *extra)["info"]
         for name, extra in (
-            ("auto_bf16", half), ("cudnn", [*half, "model.attention_impl=cudnn"]), ("auto_f32", []),
+            ("auto_bf16", half),
+            ("cudnn", [*half, "model.attention_impl=cudnn"]),
+            ("auto_f32", []),
             ("xla", ["model.attention_impl=xla"]),
         )
     }
     assert "counted: attention cudnn on h100_pcie (model.attention_impl=auto)" in capsys.readouterr().out
-    assert [got[k]["attention_impl"] for k in ("auto_bf16", "cudnn", "auto_f32", "xla")] == ["cudnn", "cudnn", "blockwise", "xla"]
+    assert [got[k]["attention_impl"] for k in ("auto_bf16", "cudnn", "auto_f32", "xla")] == [
+        "cudnn",
+        "cudnn",
+        "blockwise",
+        "xla",
+    ]
     assert got["xla"]["attention_working_bytes"] == 2 * 2 * 4 * 1024**2 * 4
     assert got["auto_f32"]["attention_working_bytes"] < got["xla"]["attention_working_bytes"] / 5
 
@@ -347,11 +386,22 @@ def test_cli_loss_chunk_size_is_a_key_and_is_counted(tmp_path):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["hardware=cpu", "plan.link=pcie_gen5", "plan.hbm_budget_gb=80", "model.attention_impl=cudnn"],
-         "error: model.attention_impl: cudnn needs a GPU (backend is cpu); valid choices: auto, xla, blockwise, cudnn, splash (planning for hardware=cpu)"),
-        (["model.attention_impl=flash"], "error: model.attention_impl: got 'flash'; choose one of auto, xla, blockwise, cudnn, splash"),
-        (["trainer.loss_chunk_size=-3"], "error: trainer.loss_chunk_size: must be a positive number of sequence positions"),
-        (["trainer.loss_chunk_size=big"], "error: trainer.loss_chunk_size: Value 'big' of type 'str' could not be converted to Integer"),
+        (
+            ["hardware=cpu", "plan.link=pcie_gen5", "plan.hbm_budget_gb=80", "model.attention_impl=cudnn"],
+            "error: model.attention_impl: cudnn needs a GPU (backend is cpu); valid choices: auto, xla, blockwise, cudnn, splash (planning for hardware=cpu)",
+        ),
+        (
+            ["model.attention_impl=flash"],
+            "error: model.attention_impl: got 'flash'; choose one of auto, xla, blockwise, cudnn, splash",
+        ),
+        (
+            ["trainer.loss_chunk_size=-3"],
+            "error: trainer.loss_chunk_size: must be a positive number of sequence positions",
+        ),
+        (
+            ["trainer.loss_chunk_size=big"],
+            "error: trainer.loss_chunk_size: Value 'big' of type 'str' could not be converted to Integer",
+        ),
     ],
 )
 def test_cli_bad_kernel_settings_are_one_line(args, message, capsys):
@@ -394,7 +444,9 @@ def test_cli_writes_under_outputs_and_prints_how_to_train_with_the_plan(tmp_path
 def test_cli_unwritable_output_is_one_line_before_planning(key, capsys):
     assert zp.main([*BASE, "plan.hbm_budget_gb=80", f"{key}=/proc/zoo/x.yaml"]) == 2
     err = capsys.readouterr()
-    assert err.err.strip().startswith(f"error: {key}: cannot write /proc/zoo") and len(err.err.strip().splitlines()) == 1
+    assert (
+        err.err.strip().startswith(f"error: {key}: cannot write /proc/zoo") and len(err.err.strip().splitlines()) == 1
+    )
     assert "planning" not in err.out
 
 
@@ -411,7 +463,10 @@ def test_planner_counts_the_layer_inputs_the_sequence_parallel_program_keeps(tmp
     args = ["model=llama_tiny_a", "mesh=fsdp_tp", "data.batch_size=8", "data.seq_len=32", "offload=full"]
     printed = {}
     for sp in ("true", "false"):
-        assert zp.main([*args, f"mesh.sequence_parallel={sp}", "hardware=h100_pcie", f"plan.out={tmp_path / sp}.yaml"]) == 0
+        assert (
+            zp.main([*args, f"mesh.sequence_parallel={sp}", "hardware=h100_pcie", f"plan.out={tmp_path / sp}.yaml"])
+            == 0
+        )
         printed[sp] = re.search(r"^decoder_layer_input\s+(\S+ \S+)", capsys.readouterr().out, re.M).group(1)
     _, _, _, trainer, _ = prepare_step([*args, "mesh.sequence_parallel=true"])
     _, text = hlo.compile_with_partitioned_hlo(trainer.lower(), trainer.compiler_options)
@@ -430,18 +485,55 @@ def test_planner_sizes_each_tag_as_the_partitioned_program_keeps_it():
     from zoo import hlo
     from zoo.tools.kit import prepare_step
 
-    keep = [f"offload.tags.{t}=device" for t in ("decoder_layer_input", "query_proj", "key_proj", "value_proj", "context", "out_proj", "mlpwi_0", "mlpwi_1")]
-    args = ["model=llama_tiny_a", "model.intermediate_size=96", "mesh=fsdp_tp", "data.batch_size=8", "data.seq_len=32", "hardware=h100_pcie", "offload=custom", *keep]
+    keep = [
+        f"offload.tags.{t}=device"
+        for t in (
+            "decoder_layer_input",
+            "query_proj",
+            "key_proj",
+            "value_proj",
+            "context",
+            "out_proj",
+            "mlpwi_0",
+            "mlpwi_1",
+        )
+    ]
+    args = [
+        "model=llama_tiny_a",
+        "model.intermediate_size=96",
+        "mesh=fsdp_tp",
+        "data.batch_size=8",
+        "data.seq_len=32",
+        "hardware=h100_pcie",
+        "offload=custom",
+        *keep,
+    ]
     c, _, _, trainer, _ = prepare_step(args)
     p, _ = zp.problem_from_config(c, trainer, zp.PlanConfig())
     (stack,) = p.stacks
     planned = {t.tag: t.bytes_per_layer[stack] for t in p.tags}
     _, text = hlo.compile_with_partitioned_hlo(trainer.lower(), trainer.compiler_options)
-    kept = {tuple(map(int, dims.split(","))): hlo.dtype_bytes(dtype) for dtype, dims in re.findall(r"\b([a-z]+[0-9]*)\[(2,2,32,[\d,]+)\]", text)}
+    kept = {
+        tuple(map(int, dims.split(","))): hlo.dtype_bytes(dtype)
+        for dtype, dims in re.findall(r"\b([a-z]+[0-9]*)\[(2,2,32,[\d,]+)\]", text)
+    }
     # 2 layers x 2 sequences x 32 positions x: 4 heads / 2 of 16, 2 kv heads / 2, 96 hidden / 2, embed 64.
-    per_device = {"query_proj": (2, 16), "key_proj": (1, 16), "value_proj": (1, 16), "context": (2, 16), "out_proj": (64,),
-                  "mlpwi_0": (48,), "mlpwi_1": (48,), "decoder_layer_input": (64,)}
-    whole = {"query_proj": (4, 16), "context": (4, 16), "mlpwi_0": (96,), "mlpwi_1": (96,)}  # whole k/v: the queries' per-device shape
+    per_device = {
+        "query_proj": (2, 16),
+        "key_proj": (1, 16),
+        "value_proj": (1, 16),
+        "context": (2, 16),
+        "out_proj": (64,),
+        "mlpwi_0": (48,),
+        "mlpwi_1": (48,),
+        "decoder_layer_input": (64,),
+    }
+    whole = {
+        "query_proj": (4, 16),
+        "context": (4, 16),
+        "mlpwi_0": (96,),
+        "mlpwi_1": (96,),
+    }  # whole k/v: the queries' per-device shape
     assert set(planned) == set(per_device), planned
     for tag, rest in per_device.items():
         shape = (2, 2, 32, *rest)
@@ -452,12 +544,32 @@ def test_planner_sizes_each_tag_as_the_partitioned_program_keeps_it():
 
 
 def test_per_device_shape_follows_the_rules_and_refuses_an_unknown_layout():
-    rules = {"batch": ["data", "fsdp"], "seq": ["tensor"], "embed": ["fsdp"], "heads": ["tensor"], "kv_heads": ["tensor"], "mlp": ["tensor"], "experts": ["expert"]}
+    rules = {
+        "batch": ["data", "fsdp"],
+        "seq": ["tensor"],
+        "embed": ["fsdp"],
+        "heads": ["tensor"],
+        "kv_heads": ["tensor"],
+        "mlp": ["tensor"],
+        "experts": ["expert"],
+    }
     sizes = {"data": 1, "fsdp": 4, "tensor": 8, "expert": 1}
     assert zp.per_device_shape("query_proj", (2, 64, 16, 8), rules, sizes) == (2, 64, 2, 8)
-    assert zp.per_device_shape("key_proj", (2, 64, 4, 8), rules, sizes) == (2, 64, 1, 8)  # 4 kv heads over 8: padded to 1
-    assert zp.per_device_shape("decoder_layer_input", (2, 64, 32), rules, sizes) == (2, 8, 32)  # embed's fsdp taken by batch
-    assert zp.per_device_shape("moe_mlpwi_0", (96, 40), rules, sizes) == (96, 5)  # routed rows as traced, mlp over tensor
+    assert zp.per_device_shape("key_proj", (2, 64, 4, 8), rules, sizes) == (
+        2,
+        64,
+        1,
+        8,
+    )  # 4 kv heads over 8: padded to 1
+    assert zp.per_device_shape("decoder_layer_input", (2, 64, 32), rules, sizes) == (
+        2,
+        8,
+        32,
+    )  # embed's fsdp taken by batch
+    assert zp.per_device_shape("moe_mlpwi_0", (96, 40), rules, sizes) == (
+        96,
+        5,
+    )  # routed rows as traced, mlp over tensor
     assert zp.per_device_shape("query_proj", (2, 64, 16, 8)) == (2, 64, 16, 8)  # no rules: as traced
     with pytest.raises(PlanError, match="query_proj"):
         zp.per_device_shape("query_proj", (2, 64, 128), rules, sizes)
@@ -472,7 +584,11 @@ def test_planner_counts_the_lora_adapters_as_state_and_the_frozen_base_where_it_
 
     base = ["model=llama_tiny_a", "mesh=single", "data.batch_size=4", "data.seq_len=32", "hardware=h100_pcie"]
     problems = {}
-    for name, extra in (("full", []), ("lora", ["lora=default", "lora.rank=2"]), ("host", ["lora=default", "lora.rank=2", "lora.base_on_host=true"])):
+    for name, extra in (
+        ("full", []),
+        ("lora", ["lora=default", "lora.rank=2"]),
+        ("host", ["lora=default", "lora.rank=2", "lora.base_on_host=true"]),
+    ):
         c, _, _, trainer, _ = prepare_step([*base, *extra])
         problems[name] = (zp.problem_from_config(c, trainer, zp.PlanConfig())[0], trainer)
     full, _ = problems["full"]
@@ -481,15 +597,22 @@ def test_planner_counts_the_lora_adapters_as_state_and_the_frozen_base_where_it_
     adapters = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(trainer.abstract_params))
     assert lora_p.param_bytes == adapters < full.param_bytes / 8
     assert lora_p.frozen_bytes == full.param_bytes and not lora_p.frozen_on_host
-    assert 2 * adapters <= lora_p.opt_bytes <= 2 * adapters + 16  # AdamW's two moments of the adapters (and its step count)
+    assert (
+        2 * adapters <= lora_p.opt_bytes <= 2 * adapters + 16
+    )  # AdamW's two moments of the adapters (and its step count)
     # On device: the base once, no gradient or moments for it.
-    assert _fixed_bytes(lora_p)[0] - lora_p.other_bytes - lora_p.working_bytes == full.param_bytes + 2 * adapters + lora_p.opt_bytes
+    assert (
+        _fixed_bytes(lora_p)[0] - lora_p.other_bytes - lora_p.working_bytes
+        == full.param_bytes + 2 * adapters + lora_p.opt_bytes
+    )
     # On host: the host holds the base; the device two layers of it in flight and what lies outside the stacks.
     assert host.frozen_on_host and _host_fixed_parts(host)["frozen LoRA base"] == full.param_bytes
     layer = host.frozen_layer_bytes
     assert 0 < layer and host.stack_frozen_bytes == 2 * layer  # llama_tiny_a: 2 equal layers
     assert _fixed_bytes(host)[0] == _fixed_bytes(lora_p)[0] - host.stack_frozen_bytes + 2 * layer
-    assert _state_transfer_s(host) * host.link == pytest.approx(2 * host.stack_frozen_bytes + host.frozen_bytes - host.stack_frozen_bytes)
+    assert _state_transfer_s(host) * host.link == pytest.approx(
+        2 * host.stack_frozen_bytes + host.frozen_bytes - host.stack_frozen_bytes
+    )
     assert _state_transfer_s(lora_p) == 0.0
 
 
@@ -521,11 +644,34 @@ def test_planner_sizes_each_tag_as_the_context_parallel_program_keeps_it():
     from zoo.sharding import CONTEXT
     from zoo.tools.kit import prepare_step
 
-    rules = {"batch": ["fsdp"], "seq": ["data"], CONTEXT: ["data"], "embed": ["fsdp"], "heads": ["tensor"], "mlp": ["tensor"]}
+    rules = {
+        "batch": ["fsdp"],
+        "seq": ["data"],
+        CONTEXT: ["data"],
+        "embed": ["fsdp"],
+        "heads": ["tensor"],
+        "mlp": ["tensor"],
+    }
     sizes = {"data": 2, "fsdp": 4, "tensor": 1, "expert": 1}
     assert zp.per_device_shape("moe_mlpwi_0", (96, 40), rules, sizes) == (48, 40)  # the routed rows of a chunk's tokens
-    assert zp.per_device_shape("moe_mlpwi_0", (8, 12, 40), rules, sizes) == (8, 6, 40)  # capacity buffers: [experts, rows, mlp]
-    keep = [f"offload.tags.{t}=device" for t in ("decoder_layer_input", "query_proj", "key_proj", "value_proj", "context", "out_proj", "mlpwi_0", "mlpwi_1")]
+    assert zp.per_device_shape("moe_mlpwi_0", (8, 12, 40), rules, sizes) == (
+        8,
+        6,
+        40,
+    )  # capacity buffers: [experts, rows, mlp]
+    keep = [
+        f"offload.tags.{t}=device"
+        for t in (
+            "decoder_layer_input",
+            "query_proj",
+            "key_proj",
+            "value_proj",
+            "context",
+            "out_proj",
+            "mlpwi_0",
+            "mlpwi_1",
+        )
+    ]
     args = ["model=llama_tiny_a", "model.intermediate_size=96", "mesh=fsdp", "mesh.data=2", "mesh.context_parallel=data", "data.batch_size=8",
             "data.seq_len=32", "hardware=h100_pcie", "offload=custom", *keep]  # fmt: skip
     c, _, _, trainer, _ = prepare_step(args)
@@ -533,9 +679,20 @@ def test_planner_sizes_each_tag_as_the_context_parallel_program_keeps_it():
     (stack,) = p.stacks
     planned = {t.tag: t.bytes_per_layer[stack] for t in p.tags}
     _, text = hlo.compile_with_partitioned_hlo(trainer.lower(), trainer.compiler_options)
-    kept = {tuple(map(int, dims.split(","))): hlo.dtype_bytes(dtype) for dtype, dims in re.findall(r"\b([a-z]+[0-9]*)\[(2,2,(?:16|32),[\d,]+)\]", text)}
-    per_device = {"query_proj": (4, 16), "key_proj": (2, 16), "value_proj": (2, 16), "context": (4, 16), "out_proj": (64,),
-                  "mlpwi_0": (96,), "mlpwi_1": (96,), "decoder_layer_input": (64,)}
+    kept = {
+        tuple(map(int, dims.split(","))): hlo.dtype_bytes(dtype)
+        for dtype, dims in re.findall(r"\b([a-z]+[0-9]*)\[(2,2,(?:16|32),[\d,]+)\]", text)
+    }
+    per_device = {
+        "query_proj": (4, 16),
+        "key_proj": (2, 16),
+        "value_proj": (2, 16),
+        "context": (4, 16),
+        "out_proj": (64,),
+        "mlpwi_0": (96,),
+        "mlpwi_1": (96,),
+        "decoder_layer_input": (64,),
+    }
     assert set(planned) == set(per_device), planned
     for tag, rest in per_device.items():
         shape = (2, 2, 16, *rest)
@@ -564,8 +721,12 @@ def test_dropless_expert_parallel_tags_are_sized_as_the_first_rounds_blocks():
     assert not exchanges_in_rounds(capacity.moe.impl, rules, sizes)
     assert not exchanges_in_rounds(auto.moe.impl, rules, {"expert": 1, "fsdp": 128})
     tokens = 8 * 4096
-    record = types.SimpleNamespace(tag="moe_mlpwi_0", stack="moe_layers", shape=(tokens * 8, 2048), bytes_per_layer=tokens * 8 * 2048 * 2.0)
-    layer_input = types.SimpleNamespace(tag="decoder_layer_input", stack="moe_layers", shape=(8, 4096, 7168), bytes_per_layer=8 * 4096 * 7168 * 2.0)
+    record = types.SimpleNamespace(
+        tag="moe_mlpwi_0", stack="moe_layers", shape=(tokens * 8, 2048), bytes_per_layer=tokens * 8 * 2048 * 2.0
+    )
+    layer_input = types.SimpleNamespace(
+        tag="decoder_layer_input", stack="moe_layers", shape=(8, 4096, 7168), bytes_per_layer=8 * 4096 * 7168 * 2.0
+    )
 
     def costs(config, sizes=sizes):
         return {t.tag: t for t in tag_costs(config, [record, layer_input], 8, 4096, rules=rules, sizes=sizes)}
@@ -573,7 +734,11 @@ def test_dropless_expert_parallel_tags_are_sized_as_the_first_rounds_blocks():
     dropless, kept, one_shard = costs(auto), costs(capacity), costs(auto, {"expert": 1, "fsdp": 128})
     rows = 8 * round_block(tokens, 8, 8, 32, auto.moe.exchange_factor)
     assert dropless["moe_mlpwi_0"].bytes_per_layer["moe_layers"] == rows * 2048 * 2.0
-    assert kept["moe_mlpwi_0"].bytes_per_layer["moe_layers"] == one_shard["moe_mlpwi_0"].bytes_per_layer["moe_layers"] == record.bytes_per_layer
+    assert (
+        kept["moe_mlpwi_0"].bytes_per_layer["moe_layers"]
+        == one_shard["moe_mlpwi_0"].bytes_per_layer["moe_layers"]
+        == record.bytes_per_layer
+    )
     assert dropless["moe_mlpwi_0"].choices == kept["moe_mlpwi_0"].choices == CHOICES
     assert dropless["decoder_layer_input"].bytes_per_layer == kept["decoder_layer_input"].bytes_per_layer
 
@@ -583,15 +748,31 @@ def test_a_tpu_profile_plans_its_kernels_here_and_counts_each_residual_of_a_laye
     splash's two residuals under the context tag (output and softmax statistics) both count per layer."""
     from zoo.backend import lowering_for, pallas_interpreted
 
-    assert zp.main(["model=llama_tiny_a", "mesh=single", "data.batch_size=2", "data.seq_len=128", "hardware=tpu_v5e",
-                    "model.attention_impl=splash", "plan.out=/dev/null"]) == 0
+    assert (
+        zp.main(
+            [
+                "model=llama_tiny_a",
+                "mesh=single",
+                "data.batch_size=2",
+                "data.seq_len=128",
+                "hardware=tpu_v5e",
+                "model.attention_impl=splash",
+                "plan.out=/dev/null",
+            ]
+        )
+        == 0
+    )
     assert "counted: attention splash on tpu_v5e" in capsys.readouterr().out
     m = SIZES["llama_tiny_a"].replace(attention_impl="splash")
     policy = remat_policy(from_mapping({"name": "ctx", "checkpoint": True, "tags": {"context": "device"}}), m)
     abstract = zoo.model.abstract(m)
     with lowering_for("tpu"), pallas_interpreted():
-        placement = inspect_placement(jax.grad(lambda mod, t: zoo.model.loss_fn(mod, t, remat_policy=policy)), abstract,
-                                      jax.ShapeDtypeStruct((2, 128), jnp.int32), stacks=stack_names(abstract))
+        placement = inspect_placement(
+            jax.grad(lambda mod, t: zoo.model.loss_fn(mod, t, remat_policy=policy)),
+            abstract,
+            jax.ShapeDtypeStruct((2, 128), jnp.int32),
+            stacks=stack_names(abstract),
+        )
     (record,) = [r for r in placement.records if r.tag == "context"]
     batch, kv, group, t, d = record.shape
     # the output (compute dtype) and the float32 statistics, not their average

@@ -17,7 +17,9 @@ MB = 1e6
 LAYERS = 10
 
 
-def make_problem(tags, *, budget_gb=100.0, host_budget_gb=float("inf"), link_gbps=900.0, layer_flops=1e12, devices_per_node=1):
+def make_problem(
+    tags, *, budget_gb=100.0, host_budget_gb=float("inf"), link_gbps=900.0, layer_flops=1e12, devices_per_node=1
+):
     """One stack of LAYERS layers; `tags`: name -> (MB per layer, recompute FLOPs per layer, choices)."""
     return Problem(
         tags=[TagCost(t, {"s": b * MB}, {"s": f}, choices) for t, (b, f, choices) in tags.items()],
@@ -52,8 +54,15 @@ def test_host_budget_refuses_the_only_assignment_that_fits_hbm():
     ), msg
     # ... and the smallest of each budget that would do: host 1 GB with this HBM, or HBM 3 GB with this host budget.
     assert "raise plan.host_budget_gb to at least 1.000, or plan.hbm_budget_gb to at least 3.000" in msg
-    assert e.value.budget == "host" and e.value.min_host_bytes == pytest.approx(1 * GB) and e.value.min_bytes == pytest.approx(3 * GB)
-    for fix in (dataclasses.replace(p, host_budget=e.value.min_host_bytes), dataclasses.replace(p, budget=e.value.min_bytes)):
+    assert (
+        e.value.budget == "host"
+        and e.value.min_host_bytes == pytest.approx(1 * GB)
+        and e.value.min_bytes == pytest.approx(3 * GB)
+    )
+    for fix in (
+        dataclasses.replace(p, host_budget=e.value.min_host_bytes),
+        dataclasses.replace(p, budget=e.value.min_bytes),
+    ):
         best = search(fix)
         assert best.peak_bytes <= fix.budget and best.host_bytes <= fix.host_budget
 
@@ -79,7 +88,9 @@ def test_both_budgets_failing_names_both():
     with pytest.raises(Infeasible) as e:
         search(p)
     msg = str(e.value)
-    assert msg.startswith("plan.hbm_budget_gb: no policy fits 1.000 GB, and none of the smallest fits the host budget of 0.500 GB per device")
+    assert msg.startswith(
+        "plan.hbm_budget_gb: no policy fits 1.000 GB, and none of the smallest fits the host budget of 0.500 GB per device"
+    )
     # the smallest HBM (the tag offloaded) and the host memory that assignment needs (tag + state)
     assert "raise plan.hbm_budget_gb to at least 2.200 and plan.host_budget_gb to at least 2.000" in msg
     assert e.value.budget == "hbm"
@@ -107,7 +118,9 @@ def test_host_bytes_per_device_and_per_node():
 
 
 def test_holders_rank_the_biggest_first_and_the_best_change_saves_what_the_estimates_say():
-    p = make_problem({"small": (10, 1e9, zp.CHOICES), "big": (300, 1e9, zp.CHOICES), "mid": (40, 1e9, zp.CHOICES)}, budget_gb=1.0)
+    p = make_problem(
+        {"small": (10, 1e9, zp.CHOICES), "big": (300, 1e9, zp.CHOICES), "mid": (40, 1e9, zp.CHOICES)}, budget_gb=1.0
+    )
     p.opt_bytes = 0.5 * GB
     with pytest.raises(Infeasible) as e:
         search(dataclasses.replace(p, tags=[dataclasses.replace(t, choices=("device",)) for t in p.tags]))
@@ -130,7 +143,9 @@ def test_a_state_preset_is_named_when_it_frees_the_most():
     assert zp.holders(p, e)[0].name == "optimizer state"
     first = zp.best_changes(p, e)[0]
     assert first.action == "offload.opt_state=pinned_host"
-    assert first.saving == pytest.approx(e.peak_bytes - evaluate(dataclasses.replace(p, opt_on_host=True), e.assignment).peak_bytes)
+    assert first.saving == pytest.approx(
+        e.peak_bytes - evaluate(dataclasses.replace(p, opt_on_host=True), e.assignment).peak_bytes
+    )
     assert "what would free the most" in zp.holders_table(p, e)
 
 
@@ -156,13 +171,20 @@ def test_cli_host_overrun_is_one_line_then_the_holders(tmp_path, capsys):
     ample = tmp_path / "ample.json"
     assert zp.main([*BASE, "plan.hbm_budget_gb=80", f"plan.out={tmp_path / 'a.yaml'}", f"plan.json={ample}"]) == 0
     got = json.loads(ample.read_text())
-    assert got["info"]["host_budget_bytes"] == 250e9 and got["info"]["devices_per_node"] == 1  # one device of an 8-GPU node
+    assert (
+        got["info"]["host_budget_bytes"] == 250e9 and got["info"]["devices_per_node"] == 1
+    )  # one device of an 8-GPU node
     est = got["estimate"]
     # HBM for the state alone (just above): the layer input, which cannot be recomputed, has to go to host,
     # where a budget of 1 kB does not hold it.
     fixed = est["peak_bytes"] - est["device_tag_bytes"]
     capsys.readouterr()
-    args = [*BASE, f"plan.hbm_budget_gb={(fixed + 1) / GB}", "plan.host_budget_gb=0.000001", f"plan.out={tmp_path / 'x.yaml'}"]
+    args = [
+        *BASE,
+        f"plan.hbm_budget_gb={(fixed + 1) / GB}",
+        "plan.host_budget_gb=0.000001",
+        f"plan.out={tmp_path / 'x.yaml'}",
+    ]
     assert zp.main(args) == 2
     out, err = capsys.readouterr()
     err = err.strip().splitlines()
@@ -200,14 +222,30 @@ def test_llama_405b_on_gb200_stays_within_the_host_memory_of_a_compute_tray(tmp_
     whole, not split over tensor): a GB200 tray has 2 x 480 GB of Grace memory for 4 GPUs, 240 GB each.
     The tight budget is below what the GB200 plan puts on host, so it has to bind. One process for both
     plans, its own, since xla.cpu_devices=128 has to reach XLA before JAX starts."""
-    args = ["model=llama3.1_405b", "xla.cpu_devices=128", "mesh=llama3.1_405b_128", "data.batch_size=1024", "data.seq_len=4096",
-            "trainer.grad_accum=8", "hardware=gb200", f"plan.out={tmp_path / 'p.yaml'}"]
-    runs = {"tight": [*args, "plan.host_budget_gb=100", f"plan.json={tmp_path / 'tight.json'}"],
-            "gb200": [*args, f"plan.json={tmp_path / 'gb200.json'}"]}
+    args = [
+        "model=llama3.1_405b",
+        "xla.cpu_devices=128",
+        "mesh=llama3.1_405b_128",
+        "data.batch_size=1024",
+        "data.seq_len=4096",
+        "trainer.grad_accum=8",
+        "hardware=gb200",
+        f"plan.out={tmp_path / 'p.yaml'}",
+    ]
+    runs = {
+        "tight": [*args, "plan.host_budget_gb=100", f"plan.json={tmp_path / 'tight.json'}"],
+        "gb200": [*args, f"plan.json={tmp_path / 'gb200.json'}"],
+    }
     script = f"import sys; from zoo.tools.plan import main; sys.exit(max(main(a) for a in {list(runs.values())!r}))"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    p = subprocess.run([sys.executable, "-c", script], cwd=pathlib.Path(zp.__file__).parent.parent, env=env,
-                       capture_output=True, text=True, timeout=600)
+    p = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=pathlib.Path(zp.__file__).parent.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert p.returncode == 0, p.stderr[-2000:]
     got = json.loads((tmp_path / "gb200.json").read_text())
     assert got["info"]["host_budget_bytes"] == 240e9 and got["info"]["devices_per_node"] == 4
@@ -229,7 +267,13 @@ def test_holders_count_each_layer_range_under_its_own_preset():
         tags = [h for h in zp.holders(p, e, memory) if h.name.startswith("tag ")]
         assert sum(h.bytes for h in tags) == pytest.approx(total) and total > 0, (memory, tags)
     held = {h.name: h.bytes for h in zp.holders(p, e, "host") if h.name.startswith("tag ")}
-    assert held == {"tag a (s, layers 3-6 qkv)": pytest.approx(400 * MB), "tag b (s, layers 3-6 qkv)": pytest.approx(1200 * MB)}
+    assert held == {
+        "tag a (s, layers 3-6 qkv)": pytest.approx(400 * MB),
+        "tag b (s, layers 3-6 qkv)": pytest.approx(1200 * MB),
+    }
     held = {h.name: h.bytes for h in zp.holders(p, e, "hbm") if h.name.startswith("tag ")}
-    assert held == {"tag a (s, 6 layers outside the ranges)": pytest.approx(600 * MB), "tag b (s, 6 layers outside the ranges)": pytest.approx(1800 * MB)}
+    assert held == {
+        "tag a (s, 6 layers outside the ranges)": pytest.approx(600 * MB),
+        "tag b (s, 6 layers outside the ranges)": pytest.approx(1800 * MB),
+    }
     assert "layers 3-6 qkv" in zp.holders_table(p, e, "host")

@@ -11,7 +11,7 @@ import pytest
 
 import zoo
 from zoo.tools import plan as zp
-from zoo.tools.plan import Infeasible, Problem, StackCost, TagCost, evaluate, holders, search, search_split, search_split_tags
+from zoo.tools.plan import Infeasible, Problem, StackCost, TagCost, holders, search, search_split, search_split_tags
 
 BASE = ["model=llama_tiny_a", "mesh=single", "data.batch_size=2", "data.seq_len=16", "hardware=h100_pcie"]
 
@@ -30,7 +30,15 @@ def _problem(layers: dict[str, int], extra_kept: int) -> Problem:
         TagCost("mlpwi_0", {s: 100.0 for s in layers}, {s: 2e9 for s in layers}),
     ]
     total = sum(layers.values())
-    return Problem(tags=tags, stacks=stacks, rate=1e12, link=1e3, budget=100.0 * (2 * total + extra_kept), step_flops=1e9, latency=0.0)
+    return Problem(
+        tags=tags,
+        stacks=stacks,
+        rate=1e12,
+        link=1e3,
+        budget=100.0 * (2 * total + extra_kept),
+        step_flops=1e9,
+        latency=0.0,
+    )
 
 
 PRESETS = {  # the three whole-layer policies a preset could be here
@@ -78,7 +86,11 @@ def test_a_per_tag_split_beats_every_preset_split_and_one_policy():
     labels = {r.label for r in q.fixed}
     assert all(any(label in h.name for label in labels) for h in tag_holders)
     for r in q.fixed:  # per range: its layers times its kept tags' bytes per layer
-        kept = sum(100.0 for a in (split.head_assignment if r is q.fixed[0] else split.tail_assignment).values() if a == "device")
+        kept = sum(
+            100.0
+            for a in (split.head_assignment if r is q.fixed[0] else split.tail_assignment).values()
+            if a == "device"
+        )
         assert sum(h.bytes for h in tag_holders if r.label in h.name) == pytest.approx(kept * sum(r.layers.values()))
     # With HBM for nothing but the inputs and mlpwi_0, no split can keep query_proj anywhere.
     tight = search_split_tags(_problem({"a": 2, "b": 4}, extra_kept=0), 6)
@@ -109,7 +121,9 @@ def test_the_split_search_is_exact_on_a_random_problem():
         for t in ("query_proj", "context", "mlpwi_0")
     ]  # fmt: skip
     stacks = {"a": StackCost(2, 3e9, layer_range="0-1"), "b": StackCost(3, 3e9, layer_range="2-4")}
-    p = Problem(tags=tags, stacks=stacks, rate=1e12, link=1e5, budget=1200.0, step_flops=1e10, latency=1e-4, host_budget=600.0)
+    p = Problem(
+        tags=tags, stacks=stacks, rate=1e12, link=1e5, budget=1200.0, step_flops=1e10, latency=1e-4, host_budget=600.0
+    )
     split = search_split_tags(p, 5)
     assert split.estimate.peak_bytes <= p.budget and split.estimate.host_bytes <= p.host_budget
     assert split.estimate.time_s == pytest.approx(_brute_force(p, 5), abs=1e-5)  # within search's tolerance
@@ -123,14 +137,24 @@ def _printed_command(printed: str) -> list[str]:
 # Gemma 3's tiny model scans layers 0-2 (sliding window) and 3 (global) as two stacks: a split between
 # them cuts no stack, so it costs no copy of the parameters (RANGE_CUT_COPIES), and on a slow link
 # with 20 MB of HBM it beats the one policy for every layer.
-GEMMA3_SPLIT = ["model=gemma3_tiny_a", "mesh=single", "data.batch_size=8", "data.seq_len=128", "hardware=cpu", "plan.link=0.05"]
+GEMMA3_SPLIT = [
+    "model=gemma3_tiny_a",
+    "mesh=single",
+    "data.batch_size=8",
+    "data.seq_len=128",
+    "hardware=cpu",
+    "plan.link=0.05",
+]
 
 
 def test_cli_split_writes_the_sides_and_its_command_runs(tmp_path, capsys):
     """The split between Gemma 3's two stacks: neither side is a preset, so both are written next to
     the plan and named by path; the holders name each range with its policy."""
     out = tmp_path / "offload" / "p.yaml"
-    assert zp.main([*GEMMA3_SPLIT, "plan.hbm_budget_gb=0.02", "plan.split=true", "plan.holders=true", f"plan.out={out}"]) == 0
+    assert (
+        zp.main([*GEMMA3_SPLIT, "plan.hbm_budget_gb=0.02", "plan.split=true", "plan.holders=true", f"plan.out={out}"])
+        == 0
+    )
     printed = capsys.readouterr().out
     assert f"wrote {tmp_path / 'offload' / 'planned_tail.yaml'}" in printed
     split_holders = printed.split("the split's who holds the HBM: ")[1]
@@ -154,7 +178,11 @@ def test_cli_split_writes_the_sides_and_its_command_runs(tmp_path, capsys):
     (_, head), (_, tail) = range_configs(c.offload)
     assert tail.name == "planned_tail" and head.name == "planned_head" and head.tags != tail.tags
     rp = remat_policy(c.offload, c.model)
-    grads = jax.eval_shape(jax.grad(lambda m, t: zoo.loss_fn(m, t, remat_policy=rp)), zoo.abstract(c.model), jax.ShapeDtypeStruct((2, 16), jnp.int32))
+    grads = jax.eval_shape(
+        jax.grad(lambda m, t: zoo.loss_fn(m, t, remat_policy=rp)),
+        zoo.abstract(c.model),
+        jax.ShapeDtypeStruct((2, 16), jnp.int32),
+    )
     assert jax.tree_util.tree_leaves(grads)
 
 
@@ -167,9 +195,15 @@ def test_cli_split_says_when_no_split_is_faster(capsys, tmp_path):
 def test_cli_split_names_the_copy_a_cut_would_cost(capsys, tmp_path):
     """llama_tiny_a's two layers are one stack: with HBM for one layer's input only, any split cuts
     the stack and its 1.5 copies of the stack's parameters do not fit; the line says what a cut costs."""
-    assert zp.main([*BASE, "plan.hbm_budget_gb=0.0019", "plan.split=true", f"plan.out={tmp_path / 'offload' / 'p.yaml'}"]) == 0
+    assert (
+        zp.main([*BASE, "plan.hbm_budget_gb=0.0019", "plan.split=true", f"plan.out={tmp_path / 'offload' / 'p.yaml'}"])
+        == 0
+    )
     line = capsys.readouterr().out.strip().splitlines()[-1]
-    assert line == "split: no split fits the budgets (a split inside dense_layers costs 443.904 kB of HBM: copies of its parameters)", line
+    assert (
+        line
+        == "split: no split fits the budgets (a split inside dense_layers costs 443.904 kB of HBM: copies of its parameters)"
+    ), line
 
 
 @pytest.mark.slow
@@ -180,9 +214,20 @@ def test_train_py_runs_the_printed_split(tmp_path, capsys):
     import sys
 
     root = pathlib.Path(__file__).resolve().parents[1]
-    assert zp.main([*GEMMA3_SPLIT, "plan.hbm_budget_gb=0.02", "plan.split=true", f"plan.out={tmp_path / 'offload' / 'p.yaml'}"]) == 0
+    assert (
+        zp.main(
+            [*GEMMA3_SPLIT, "plan.hbm_budget_gb=0.02", "plan.split=true", f"plan.out={tmp_path / 'offload' / 'p.yaml'}"]
+        )
+        == 0
+    )
     command = _printed_command(capsys.readouterr().out)
-    args = [*command[2:], "trainer.steps=2", "trainer.progress=false", "xla.cpu_fast_compile=true", f"hydra.run.dir={tmp_path / 'run'}"]
+    args = [
+        *command[2:],
+        "trainer.steps=2",
+        "trainer.progress=false",
+        "xla.cpu_fast_compile=true",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    ]
     p = subprocess.run([sys.executable, str(root / "train.py"), *args], cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(root)),
                        capture_output=True, text=True, timeout=600)  # fmt: skip
     assert p.returncode == 0, p.stderr[-3000:]

@@ -90,11 +90,18 @@ PYTHON_ELSEWHERE = {
 # Commands run here: group -> patterns of its commands; a group's commands run in page order in one directory.
 GROUPS = {
     "quickstart": [r"^python train\.py$"],
-    "offload_composition": [r"^python train\.py (model=llama_tiny_a )?'?offload=\[?(llama_qkv_offload|full,params_host)"],
+    "offload_composition": [
+        r"^python train\.py (model=llama_tiny_a )?'?offload=\[?(llama_qkv_offload|full,params_host)"
+    ],
     "custom_policy": [r"^python train\.py model=dsv3_tiny_a offload=custom offload\.tags\.query_proj=offload"],
-    "offload_ranges": [r"^python train\.py model=llama_tiny_a mesh=single trainer\.steps=10 offload=full '\+offload\.ranges="],
+    "offload_ranges": [
+        r"^python train\.py model=llama_tiny_a mesh=single trainer\.steps=10 offload=full '\+offload\.ranges="
+    ],
     "xla_sweep_loop": [r"^for x in default latency_hiding", r"^python -m zoo\.tools\.report multirun/xla$"],
-    "sweep_and_report": [r"^python train\.py -m model=llama_tiny_a trainer\.steps=20 offload=none,full", r"^python -m zoo\.tools\.report multirun/<date>/<time>"],
+    "sweep_and_report": [
+        r"^python train\.py -m model=llama_tiny_a trainer\.steps=20 offload=none,full",
+        r"^python -m zoo\.tools\.report multirun/<date>/<time>",
+    ],
     "checkpoint_ctrl_c_and_resume": [r"checkpoint\.dir=ckpt/run1"],
     "scale_report_671b": [r"model=deepseek_v3_671b xla\.cpu_devices=128"],
     "sampling": [r"^python -m zoo\.tools\.generate model\.path=tests/data/llama_tiny_a tokenizer=bytes prompt=\"To be"],
@@ -102,15 +109,30 @@ GROUPS = {
     "two_processes": [r"distributed\.coordinator_address=127\.0\.0\.1:12355"],
     "own_text_home": [r"^python train\.py data=text data\.path=\$HOME/notes/"],
     "gpu_plan_only": [r"bench/gpu\.py --plan-only"],
-    "text_with_eval": [r"^python train\.py data=text model=llama_tiny_a mesh=single trainer\.steps=20 data\.eval_fraction"],
+    "text_with_eval": [
+        r"^python train\.py data=text model=llama_tiny_a mesh=single trainer\.steps=20 data\.eval_fraction"
+    ],
     "preemption": [r"checkpoint\.dir=/tmp/loop/ck4", r"^echo \$\?$"],
-    "planner": [r"^python -m zoo\.tools\.plan model=llama_1b", r"^python -m zoo\.tools\.plan model=gemma3_tiny_a .*plan\.split=true"],
+    "planner": [
+        r"^python -m zoo\.tools\.plan model=llama_1b",
+        r"^python -m zoo\.tools\.plan model=gemma3_tiny_a .*plan\.split=true",
+    ],
     "measure_hardware": [r"^python -m zoo\.tools\.measure_hardware"],
     "divergence": [r"optimizer\.lr=1e30"],
-    "lora_peft": [r"^python train\.py data=text lora=default model=hf .*hydra\.run\.dir=outputs/lora$", r"^python -m zoo\.tools\.export outputs/lora/",
-                  r"^python -c \"import torch; from peft import", r"^python -m zoo\.tools\.generate checkpoint\.dir=outputs/lora/checkpoints checkpoint\.lora=attached"],
-    "lora_finetune": [r"^python train\.py data=text lora=default lora\.base_on_host=true model=hf", r"^python -m zoo\.tools\.plan model=llama3\.1_70b .*lora=default"],
-    "moe_routing": [r"trainer\.moe_imbalance_warn=1\.5 hydra\.run\.dir=outputs/moe$", r"^python -m zoo\.tools\.report outputs/moe$"],
+    "lora_peft": [
+        r"^python train\.py data=text lora=default model=hf .*hydra\.run\.dir=outputs/lora$",
+        r"^python -m zoo\.tools\.export outputs/lora/",
+        r"^python -c \"import torch; from peft import",
+        r"^python -m zoo\.tools\.generate checkpoint\.dir=outputs/lora/checkpoints checkpoint\.lora=attached",
+    ],
+    "lora_finetune": [
+        r"^python train\.py data=text lora=default lora\.base_on_host=true model=hf",
+        r"^python -m zoo\.tools\.plan model=llama3\.1_70b .*lora=default",
+    ],
+    "moe_routing": [
+        r"trainer\.moe_imbalance_warn=1\.5 hydra\.run\.dir=outputs/moe$",
+        r"^python -m zoo\.tools\.report outputs/moe$",
+    ],
     # The recorded ~100M runs (docs/models.md), 26-37 s each on the quiet 2-core machine: two per group, so they spread.
     "recorded_100m_qwen": [r"^python train\.py model=(qwen2|qwen3)_100m mesh=single"],
     "recorded_100m_gemma3_qwen3_moe": [r"^python train\.py model=(gemma3|qwen3_moe)_100m mesh=single"],
@@ -175,7 +197,11 @@ def _page_commands(path: pathlib.Path) -> list[tuple[str, list[str]]]:
 
 def python_snippets() -> list[tuple[str, str]]:
     """(page, code) of every ```python block."""
-    return [(page, code) for page in DOCS for code in re.findall(r"^```python\n(.*?)^```", (ROOT / page).read_text(), re.S | re.M)]
+    return [
+        (page, code)
+        for page in DOCS
+        for code in re.findall(r"^```python\n(.*?)^```", (ROOT / page).read_text(), re.S | re.M)
+    ]
 
 
 def _commands(lang: str, lines: list[str]) -> list[tuple[str, list[str]]]:
@@ -217,7 +243,12 @@ _UNIT = re.compile(r"^(tok/s|TFLOP/s|ms\b|GB/s|MB/s)")
 
 
 def _pathlike(tok: str) -> bool:
-    return "/" in tok and not _UNIT.match(tok) and not re.fullmatch(r"[\d/]+,?", tok) and not re.search(r"\d(tok|TFLOP|GB)/s", tok)
+    return (
+        "/" in tok
+        and not _UNIT.match(tok)
+        and not re.fullmatch(r"[\d/]+,?", tok)
+        and not re.search(r"\d(tok|TFLOP|GB)/s", tok)
+    )
 
 
 def _tokens_match(shown: str, actual: str, tok_next: str, loose: bool) -> bool:
@@ -295,7 +326,9 @@ def is_figure(cmd: str, line: str) -> bool:
     return bool(FIGURE.match(line)) or bool(prompt and line.startswith(prompt.group(1)))
 
 
-def figures_found(shown: list[str], out: list[str], loose_from: int | None = None, cmd: str = "", streams: list[str] | None = None) -> str | None:
+def figures_found(
+    shown: list[str], out: list[str], loose_from: int | None = None, cmd: str = "", streams: list[str] | None = None
+) -> str | None:
     """None if every figure line of `shown` is an output line, in the shown order (other lines may
     come between), else the first one missing. Shown lines from index `loose_from` on compare loosely.
     With `streams` (each output line's stream), the order is held within each stream only: a reader
@@ -322,8 +355,18 @@ def _loss_rose(out: list[str]) -> str | None:
 
 
 def test_the_output_comparison_can_fail():
-    shown = ["step 1/100 loss 6.0619 gnorm 1.829 lr 0.00e+00 2329 tok/s 0.002 TFLOP/s/dev MFU 1.85%", "init 7.0s, compile 14.4s", "...", "wrote outputs/x/2026-12-01_22-59-20/inspect.json"]
-    ok = ["junk", "step 1/100 loss 6.0620 gnorm 1.829 lr 0.00e+00 999 tok/s 0.009 TFLOP/s/dev MFU 9.99%", "a", "wrote outputs/x/2027-01-02_03-04-05/inspect.json"]
+    shown = [
+        "step 1/100 loss 6.0619 gnorm 1.829 lr 0.00e+00 2329 tok/s 0.002 TFLOP/s/dev MFU 1.85%",
+        "init 7.0s, compile 14.4s",
+        "...",
+        "wrote outputs/x/2026-12-01_22-59-20/inspect.json",
+    ]
+    ok = [
+        "junk",
+        "step 1/100 loss 6.0620 gnorm 1.829 lr 0.00e+00 999 tok/s 0.009 TFLOP/s/dev MFU 9.99%",
+        "a",
+        "wrote outputs/x/2027-01-02_03-04-05/inspect.json",
+    ]
     assert figures_found(shown, ok) is None  # the init line is illustration, the others are found in order
     assert figures_found(shown, [ok[1].replace("6.0620", "6.2"), ok[3]]) is not None  # loss off by 2%
     assert figures_found(shown, [ok[1].replace("1/100", "2/100"), ok[3]]) is not None
@@ -331,11 +374,21 @@ def test_the_output_comparison_can_fail():
     assert figures_found(shown, [ok[3], ok[1]]) is not None  # out of order
     assert figures_found(shown, [ok[3], ok[1]], streams=["stdout", "stdout"]) is not None  # out of order in one stream
     assert figures_found(shown, [ok[3], ok[1]], streams=["stderr", "stdout"]) is None  # two pipes: read in either order
-    assert figures_found(["error: offload: unknown option 'fastest'; choose one of custom, ..."], ["error: offload: unknown option 'fast'; choose one of custom"]) is not None
+    assert (
+        figures_found(
+            ["error: offload: unknown option 'fastest'; choose one of custom, ..."],
+            ["error: offload: unknown option 'fast'; choose one of custom"],
+        )
+        is not None
+    )
     plan = "mlpwi_1              2.147 GB     11.635 ms  67.429 ms     remat"
-    assert FIGURE.match(plan) and figures_found([plan], [plan.replace("remat", "offload")]) is not None  # the planner's verdict
+    assert (
+        FIGURE.match(plan) and figures_found([plan], [plan.replace("remat", "offload")]) is not None
+    )  # the planner's verdict
     row = "moe_mlpwi_0          moe_layers    8x10x32      float32  10.24 kB     2       20.48 kB  offload     host"
-    assert FIGURE.match(row) and figures_found([row], [row.replace("host", "recomputed")]) is not None  # the inspector's
+    assert (
+        FIGURE.match(row) and figures_found([row], [row.replace("host", "recomputed")]) is not None
+    )  # the inspector's
     assert match_line("choose one of custom, ...", "choose one of custom, full, none")
     assert match_line("init 7.0s, compile 14.4s", "init 2.0s, compile 3.0s")
     assert not match_line("(0.21M params, 0.13M active)", "(0.25M params, 0.13M active)")
@@ -382,8 +435,16 @@ def run_shell(line: str, cwd: pathlib.Path, env: dict, *, signal_after=None, tim
     with its stream; `signal_after=(shown line, signal)` sends the signal to the command's process
     group once an output line matches that line."""
     line = re.sub(r"(?<![\w/.])/tmp/", f"{cwd}/tmp/", line)
-    p = subprocess.Popen(["bash", "-c", line], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, errors="replace", start_new_session=True)
+    p = subprocess.Popen(
+        ["bash", "-c", line],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        errors="replace",
+        start_new_session=True,
+    )
     watchdog = threading.Timer(timeout, lambda: os.killpg(p.pid, signal.SIGKILL))
     watchdog.start()
     t0, lines, lock = time.perf_counter(), [], threading.Lock()
@@ -458,9 +519,13 @@ def run_group(name: str, base: pathlib.Path) -> tuple[list[str], float]:
         rose = _loss_rose(out)
         if rose:
             failures.append(f"$ {cmd}\n  the loss did not fall: {rose}")
-        missing = figures_found([ln for ln in shown if ln.strip() != "^C"], out, stop[0] if stop else None, cmd, streams)
+        missing = figures_found(
+            [ln for ln in shown if ln.strip() != "^C"], out, stop[0] if stop else None, cmd, streams
+        )
         if missing is not None:
-            failures.append(f"$ {cmd}\n  a figure the docs show was not printed (in order): {missing}\n  output ends:\n{text}")
+            failures.append(
+                f"$ {cmd}\n  a figure the docs show was not printed (in order): {missing}\n  output ends:\n{text}"
+            )
         _after(name, cmd, out, d, env, failures)
     return failures, time.perf_counter() - t0
 
@@ -482,11 +547,16 @@ def _after(name: str, cmd: str, out: list[str], d: pathlib.Path, env: dict, fail
         elif "llama_qkv_offload" in cmd:
             seen = _SEEN.setdefault(d, [])
             if seen and seen[0] != _losses(out):
-                failures.append(f"$ {cmd}\n  is documented as the same config as the line above it, but its losses differ")
+                failures.append(
+                    f"$ {cmd}\n  is documented as the same config as the line above it, but its losses differ"
+                )
             seen.append(_losses(out))
     if name == "preemption" and "ck4" in cmd:
         # "The same command run again resumed from step N and ended at the uninterrupted run's loss, X at step S"
-        claim = re.search(r"same command run again resumed from step \d+ and ended at the uninterrupted run's loss, ([\d.]+)\s+at step (\d+)", readme)
+        claim = re.search(
+            r"same command run again resumed from step \d+ and ended at the uninterrupted run's loss, ([\d.]+)\s+at step (\d+)",
+            readme,
+        )
         if claim is None:
             failures.append("docs/training.md no longer states where the resumed run ends; update this test")
             return
@@ -494,19 +564,32 @@ def _after(name: str, cmd: str, out: list[str], d: pathlib.Path, env: dict, fail
         again = [ln for _, ln in again]
         last = next((ln for ln in again if ln.startswith(f"step {claim.group(2)}/")), "")
         if rc != 0 or not match_line(f"step {claim.group(2)}/{claim.group(2)} loss {claim.group(1)} ...", last):
-            failures.append(f"$ {cmd} (again)\n  exit {rc}, expected to resume and end at loss {claim.group(1)}:\n" + "\n".join(again[-10:]))
+            failures.append(
+                f"$ {cmd} (again)\n  exit {rc}, expected to resume and end at loss {claim.group(1)}:\n"
+                + "\n".join(again[-10:])
+            )
     if name == "two_processes":
         summary = json.loads((d / "outputs" / "two" / "summary.json").read_text())
-        if (summary["status"], summary["num_devices"], summary["config"]["distributed"]["num_processes"]) != ("ok", 4, 2):
+        if (summary["status"], summary["num_devices"], summary["config"]["distributed"]["num_processes"]) != (
+            "ok",
+            4,
+            2,
+        ):
             failures.append(f"$ {cmd}\n  summary.json: status {summary['status']}, {summary['num_devices']} devices")
     if name == "sweep_and_report" and cmd.startswith("python train.py -m"):
         jobs = sorted((d / "multirun").glob("*/*/*/summary.json"))
         statuses = [json.loads(p.read_text())["status"] for p in jobs]
         if statuses != ["ok"] * 3:
             failures.append(f"$ {cmd}\n  job statuses {statuses}, expected three ok")
-    if name == "moe_routing" and "zoo.tools.report" in cmd and not (d / "outputs" / "moe" / "expert_load.png").is_file():
+    if (
+        name == "moe_routing"
+        and "zoo.tools.report" in cmd
+        and not (d / "outputs" / "moe" / "expert_load.png").is_file()
+    ):
         failures.append(f"$ {cmd}\n  wrote no outputs/moe/expert_load.png")
-    if "zoo.tools.report" in cmd and "multirun" in cmd:  # a sweep's report (a run directory gets expert_load.png, above)
+    if (
+        "zoo.tools.report" in cmd and "multirun" in cmd
+    ):  # a sweep's report (a run directory gets expert_load.png, above)
         table = next(d.glob("multirun/**/report.md"), None)
         rows = [ln for ln in table.read_text().splitlines() if ln.startswith("| ")] if table else []
         if len(rows) < 2 + 3:
@@ -520,17 +603,36 @@ def _after(name: str, cmd: str, out: list[str], d: pathlib.Path, env: dict, fail
 
 def test_every_doc_command_is_run_or_skipped_for_a_reason():
     commands = doc_commands()
-    unclassified = [(p, c) for p, c, s in commands if _group(p, c) is None and _reason(p, c) is None and not _bad_input(p, c, s)]
+    unclassified = [
+        (p, c) for p, c, s in commands if _group(p, c) is None and _reason(p, c) is None and not _bad_input(p, c, s)
+    ]
     assert not unclassified, f"commands of the docs neither run by this test nor on NOT_RUN: {unclassified}"
     both = [(p, c) for p, c, _ in commands if _group(p, c) and _reason(p, c)]
     assert not both, f"commands both run and on NOT_RUN: {both}"
     for name, patterns in GROUPS.items():  # a group whose commands left the docs is stale
         for pat in patterns:
-            assert any(re.search(pat, c) for p, c, _ in commands if p not in RUN_ELSEWHERE), f"group {name}: no command matches {pat}"
+            assert any(re.search(pat, c) for p, c, _ in commands if p not in RUN_ELSEWHERE), (
+                f"group {name}: no command matches {pat}"
+            )
     assert len([c for p, c, s in commands if _bad_input(p, c, s)]) >= 5
     # every group's command shows a figure, or `_after` or the falling loss checks it (none is held to its exit code alone)
-    checked_after = {"offload_composition", "xla_sweep_loop", "sweep_and_report", "two_processes", "custom_policy", "scale_report_671b", "own_text_home"}
-    bare = [c for p, c, s in commands if _group(p, c) and _group(p, c) not in checked_after and c != "echo $?" and not any(is_figure(c, ln) for ln in s)]
+    checked_after = {
+        "offload_composition",
+        "xla_sweep_loop",
+        "sweep_and_report",
+        "two_processes",
+        "custom_policy",
+        "scale_report_671b",
+        "own_text_home",
+    }
+    bare = [
+        c
+        for p, c, s in commands
+        if _group(p, c)
+        and _group(p, c) not in checked_after
+        and c != "echo $?"
+        and not any(is_figure(c, ln) for ln in s)
+    ]
     assert not bare, f"commands whose shown output holds no figure this test checks: {bare}"
 
 
@@ -576,7 +678,11 @@ def test_every_python_snippet_runs_as_a_script(tmp_path):
         script = d / f"snippet_{i}.py"
         script.write_text(code)
         p = subprocess.run([sys.executable, script.name], cwd=d, env=env, capture_output=True, text=True, timeout=600)
-        return None if p.returncode == 0 else f"{page}, snippet starting {code.splitlines()[0]!r}: exit {p.returncode}\n{p.stderr[-2000:]}"
+        return (
+            None
+            if p.returncode == 0
+            else f"{page}, snippet starting {code.splitlines()[0]!r}: exit {p.returncode}\n{p.stderr[-2000:]}"
+        )
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
         failures = [f for f in pool.map(check, enumerate(snippets)) if f]
@@ -587,8 +693,11 @@ def test_every_python_snippet_runs_as_a_script(tmp_path):
 def group_runs(request, tmp_path_factory):
     """Starts the selected groups, two at a time, the slow ones (the longest) first, so the short ones
     fill in beside them; each test waits for its own."""
-    selected = [it.callspec.params["group"] for it in request.session.items
-                if getattr(it, "originalname", "") == "test_doc_group_runs_and_prints_its_figures" and hasattr(it, "callspec")]
+    selected = [
+        it.callspec.params["group"]
+        for it in request.session.items
+        if getattr(it, "originalname", "") == "test_doc_group_runs_and_prints_its_figures" and hasattr(it, "callspec")
+    ]
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=2)
     order = sorted((g for g in GROUPS if g in selected), key=lambda g: g not in SLOW_GROUPS)
     futures = {g: pool.submit(run_group, g, tmp_path_factory.mktemp(g)) for g in order}

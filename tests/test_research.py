@@ -31,7 +31,11 @@ def layer_block(model, i):
 
 def rms_norm(x, norm):
     x = np.asarray(x, np.float64)
-    return x / np.sqrt((x * x).mean(-1, keepdims=True) + norm.eps) * (np.asarray(norm.weight, np.float64) + norm.weight_offset)
+    return (
+        x
+        / np.sqrt((x * x).mean(-1, keepdims=True) + norm.eps)
+        * (np.asarray(norm.weight, np.float64) + norm.weight_offset)
+    )
 
 
 def projection(x, w, b=None):
@@ -89,12 +93,20 @@ def test_capture_under_balanced_context_parallelism_is_in_sequence_order():
     model, tokens = filled(c, std=0.2), random_tokens(c, batch=4, seq=32)
     wanted = [tags.DECODER_LAYER_INPUT, tags.QUERY_PROJ, MLPWO]
     want = zoo.capture(model, tokens, tags=wanted)
-    rules = {**zs.DEFAULT_RULES, "batch": ["fsdp"], "seq": ["data"], zs.CONTEXT: ["data"], zs.CONTEXT_BALANCED: ["data"]}
+    rules = {
+        **zs.DEFAULT_RULES,
+        "batch": ["fsdp"],
+        "seq": ["data"],
+        zs.CONTEXT: ["data"],
+        zs.CONTEXT_BALANCED: ["data"],
+    }
     with zs.activate(zs.make_mesh(zs.resolve_mesh_shape({"data": 2, "fsdp": 4}, 8)), rules):
         assert zs.context_balanced() == 2
         got = zoo.capture(model, tokens, tags=wanted)
     for name in wanted:
-        np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-4, err_msg=name)  # float32 sums in another order
+        np.testing.assert_allclose(
+            got[name], want[name], rtol=1e-4, atol=1e-4, err_msg=name
+        )  # float32 sums in another order
 
 
 def test_capture_layers_of_each_block_kind():
@@ -119,7 +131,9 @@ def test_capture_of_moe_and_mla_tags_under_jit():
         np.testing.assert_array_equal(got[name], eager[name])
     # The dense layer's MLP and the MoE layers' shared expert both emit mlpwi_0, at different widths:
     # stitching refuses, the per-stack pieces come as scanned.
-    with pytest.raises(ValueError, match=r"tag 'mlpwi_0' has different shapes .*layers \[0\]: \(2, 16, 128\).*stitch=False"):
+    with pytest.raises(
+        ValueError, match=r"tag 'mlpwi_0' has different shapes .*layers \[0\]: \(2, 16, 128\).*stitch=False"
+    ):
         zoo.capture(model, tokens, tags=[MLPWI_0])
     pieces = zoo.capture(model, tokens, tags=[MLPWI_0], stitch=False)[MLPWI_0]
     assert [(layers, v.shape) for layers, v in pieces] == [((0,), (1, 2, 16, 128)), ((1, 2), (2, 2, 16, 32))]
@@ -128,7 +142,9 @@ def test_capture_of_moe_and_mla_tags_under_jit():
 def test_capture_refuses_a_tag_the_model_never_emits():
     c = SIZES["llama_tiny_a"]
     model, tokens = filled(c), random_tokens(c)
-    with pytest.raises(ValueError, match="tag 'moe_mlpwi_0': this llama model never emits it; it emits decoder_layer_input"):
+    with pytest.raises(
+        ValueError, match="tag 'moe_mlpwi_0': this llama model never emits it; it emits decoder_layer_input"
+    ):
         zoo.capture(model, tokens, tags=["moe_mlpwi_0"])
     with pytest.raises(ValueError, match="unknown tag 'q_proj'"):
         zoo.capture(model, tokens, tags=["q_proj"])
@@ -179,10 +195,15 @@ def test_the_trainers_policy_path_runs_the_same_layers():
 
     rp = remat_policy(load_preset("minimal_offloaded"), c)
     run = eqx.filter_jit(lambda m, t, **extra: features(m, t, **kw, **extra))
-    (hidden, aux), (hidden_rp, aux_rp) = run(model, tokens), run(model, tokens, remat_policy=rp, layer_transform=to_device)
+    (hidden, aux), (hidden_rp, aux_rp) = (
+        run(model, tokens),
+        run(model, tokens, remat_policy=rp, layer_transform=to_device),
+    )
     np.testing.assert_array_equal(np.asarray(hidden_rp), np.asarray(hidden))
     np.testing.assert_array_equal(np.asarray(aux_rp.tokens_per_expert), np.asarray(aux.tokens_per_expert))
-    np.testing.assert_array_equal(np.asarray(hidden), np.asarray(eqx.filter_jit(lambda m, t: m.features(t, **kw))(model, tokens)[0]))
+    np.testing.assert_array_equal(
+        np.asarray(hidden), np.asarray(eqx.filter_jit(lambda m, t: m.features(t, **kw))(model, tokens)[0])
+    )
 
     @eqx.filter_jit
     def captured_under_policy(m, t):  # the policy path emits every layer's tags as the plain one does
@@ -193,7 +214,8 @@ def test_the_trainers_policy_path_runs_the_same_layers():
     layers, values = captured_under_policy(model, tokens)
     order = np.argsort(np.concatenate(layers))
     np.testing.assert_array_equal(
-        np.asarray(jnp.concatenate(values))[order], np.asarray(zoo.capture(model, tokens, tags=["query_proj"])["query_proj"])
+        np.asarray(jnp.concatenate(values))[order],
+        np.asarray(zoo.capture(model, tokens, tags=["query_proj"])["query_proj"]),
     )
 
     grads = eqx.filter_jit(jax.grad(lambda m, t: zoo.loss_fn(m, t, remat_policy=rp)))(model, tokens)
@@ -210,10 +232,16 @@ def test_model_config_takes_jnp_and_numpy_dtypes_and_keeps_their_names():
 
     base = SIZES["llama_tiny_a"]
     named = base.replace(param_dtype="bfloat16", compute_dtype="float32")
-    for param, compute in ((jnp.bfloat16, np.float32), (jnp.dtype("bfloat16"), jnp.float32), (np.dtype("bfloat16"), "float32")):
+    for param, compute in (
+        (jnp.bfloat16, np.float32),
+        (jnp.dtype("bfloat16"), jnp.float32),
+        (np.dtype("bfloat16"), "float32"),
+    ):
         c = base.replace(param_dtype=param, compute_dtype=compute)
         assert (c.param_dtype, c.compute_dtype) == ("bfloat16", "float32")
-        assert c == named and hash(c) == hash(named)  # a static field of the model: equal configs share compiled programs
+        assert c == named and hash(c) == hash(
+            named
+        )  # a static field of the model: equal configs share compiled programs
     # The normalised config is what Hydra's YAML holds.
     yaml = OmegaConf.to_yaml(OmegaConf.structured(base.replace(param_dtype=np.float16)))
     assert "param_dtype: float16" in yaml
@@ -239,8 +267,12 @@ def test_blocks_take_jnp_and_numpy_dtypes():
         by_dtype = make(param_dtype=jnp.bfloat16, compute_dtype=np.float32)
         assert by_dtype.compute_dtype == "float32", name
         assert bool(eqx.tree_equal(by_name, by_dtype)), name  # same weights and the same static fields
-        assert {leaf.dtype for leaf in jax.tree.leaves(eqx.filter(by_dtype, eqx.is_array))} >= {jnp.dtype("bfloat16")}, name
-        with pytest.raises(ValueError, match=r"^compute_dtype=<class 'jax.numpy.int8'>: not a parameter dtype zoo keeps"):
+        assert {leaf.dtype for leaf in jax.tree.leaves(eqx.filter(by_dtype, eqx.is_array))} >= {
+            jnp.dtype("bfloat16")
+        }, name
+        with pytest.raises(
+            ValueError, match=r"^compute_dtype=<class 'jax.numpy.int8'>: not a parameter dtype zoo keeps"
+        ):
             make(compute_dtype=jnp.int8)
         with pytest.raises(ValueError, match=r"^param_dtype='bf16': not a parameter dtype zoo keeps"):
             make(param_dtype="bf16")

@@ -54,8 +54,18 @@ def ref_get_mscale(scale, mscale=1.0):
     return 0.1 * mscale * math.log(scale) + 1.0
 
 
-def ref_yarn(dim, theta, factor, original, beta_fast=32.0, beta_slow=1.0, mscale=None, mscale_all_dim=None,
-             attention_factor=None, truncate=True):
+def ref_yarn(
+    dim,
+    theta,
+    factor,
+    original,
+    beta_fast=32.0,
+    beta_slow=1.0,
+    mscale=None,
+    mscale_all_dim=None,
+    attention_factor=None,
+    truncate=True,
+):
     if attention_factor is None:
         if mscale and mscale_all_dim:
             attention_factor = ref_get_mscale(factor, mscale) / ref_get_mscale(factor, mscale_all_dim)
@@ -108,8 +118,14 @@ def test_default_frequencies(dim, theta):
 
 
 def test_llama3_frequencies_llama31_8b():
-    c = RopeConfig(type="llama3", theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                   original_max_position_embeddings=8192)
+    c = RopeConfig(
+        type="llama3",
+        theta=500000.0,
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=8192,
+    )
     inv_freq, attention_factor = rope_frequencies(128, c, 131072)
     expected = ref_llama3(128, 500000.0, 8.0, 1.0, 4.0, 8192)
     np.testing.assert_allclose(inv_freq, expected, rtol=RTOL)
@@ -141,7 +157,9 @@ YARN_CASES = {
 @pytest.mark.parametrize("case", sorted(YARN_CASES))
 def test_yarn_frequencies(case):
     kw = YARN_CASES[case]
-    c = RopeConfig(type="yarn", theta=10000.0, interleaved=True, factor=40.0, original_max_position_embeddings=4096, **kw)
+    c = RopeConfig(
+        type="yarn", theta=10000.0, interleaved=True, factor=40.0, original_max_position_embeddings=4096, **kw
+    )
     inv_freq, attention_factor = rope_frequencies(64, c, 163840)
     expected, expected_factor = ref_yarn(64, 10000.0, 40.0, 4096, **kw)
     np.testing.assert_allclose(inv_freq, expected, rtol=RTOL)
@@ -151,8 +169,9 @@ def test_yarn_frequencies(case):
 def test_yarn_attention_factors_differ_between_cases():
     # Guards the case table itself: the three mscale settings give three different factors.
     factors = {
-        case: rope_frequencies(64, RopeConfig(type="yarn", factor=40.0, original_max_position_embeddings=4096,
-                                              **YARN_CASES[case]), 163840)[1]
+        case: rope_frequencies(
+            64, RopeConfig(type="yarn", factor=40.0, original_max_position_embeddings=4096, **YARN_CASES[case]), 163840
+        )[1]
         for case in ("dsv3", "mscale_all_dim_0.707", "no_mscale")
     }
     assert factors["dsv3"] == pytest.approx(1.0)
@@ -231,7 +250,10 @@ LAYOUT_CASES = {
     "half_default": (16, RopeConfig(theta=10000.0)),
     "interleaved_default": (8, RopeConfig(theta=10000.0, interleaved=True)),
     "half_llama3": (32, RopeConfig(type="llama3", theta=500000.0, factor=8.0, original_max_position_embeddings=64)),
-    "interleaved_yarn": (16, RopeConfig(type="yarn", interleaved=True, factor=40.0, original_max_position_embeddings=64)),
+    "interleaved_yarn": (
+        16,
+        RopeConfig(type="yarn", interleaved=True, factor=40.0, original_max_position_embeddings=64),
+    ),
 }
 
 

@@ -19,15 +19,28 @@ def run(args, tmp_path, timeout=300):
     env.pop("ZOO_TRACEBACK", None)
     t0 = time.perf_counter()
     p = subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), *args, f"hydra.run.dir={tmp_path / 'run'}", f"hydra.sweep.dir={tmp_path / 'sweep'}"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout,
+        [
+            sys.executable,
+            str(ROOT / "train.py"),
+            *args,
+            f"hydra.run.dir={tmp_path / 'run'}",
+            f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     return p, time.perf_counter() - t0
 
 
 # Through a real process: exit code, one line, and no compile (the in-process table below covers the rest).
 BAD_INPUTS = {
-    "unknown_group_option": (["offload=no_such_policy"], "error: offload: unknown option 'no_such_policy'; choose one of "),
+    "unknown_group_option": (
+        ["offload=no_such_policy"],
+        "error: offload: unknown option 'no_such_policy'; choose one of ",
+    ),
     "batch": (["data.batch_size=12"], "error: data.batch_size: 12 is not divisible by the data-parallel size 8"),
 }
 
@@ -50,15 +63,35 @@ def test_bad_input_one_line_nonzero_exit_before_compile(case, tmp_path):
 # @hydra.main function), with conftest.py's 8 CPU devices. The first block is issue 13's list.
 OUT = "/proc/no_such_dir/out"  # a path nobody can write
 FUZZ = [
-    ("train", ["offload=[full,qkv_proj_offloaded,nonexistent]"], "offload: unknown option 'nonexistent'; choose one of custom, "),
+    (
+        "train",
+        ["offload=[full,qkv_proj_offloaded,nonexistent]"],
+        "offload: unknown option 'nonexistent'; choose one of custom, ",
+    ),
     ("train", ["foo=bar"], "foo: not a config group; the groups are model, mesh, "),
-    ("train", ["offload=full", "offload.tags.query_proj=sideways"], "offload.tags.query_proj: 'sideways' is not an action; choose one of device, offload, remat"),
-    ("zoo.tools.inspect_step", [f"inspect.out={OUT}/inspect.json", "model=llama_tiny_a"], f"inspect.out: cannot write {OUT}/inspect.json"),
+    (
+        "train",
+        ["offload=full", "offload.tags.query_proj=sideways"],
+        "offload.tags.query_proj: 'sideways' is not an action; choose one of device, offload, remat",
+    ),
+    (
+        "zoo.tools.inspect_step",
+        [f"inspect.out={OUT}/inspect.json", "model=llama_tiny_a"],
+        f"inspect.out: cannot write {OUT}/inspect.json",
+    ),
     ("zoo.tools.inspect_step", ["bogus"], "bogus: no value; write bogus=<value>"),
     ("zoo.tools.plan", ["--bogus"], "--bogus: not a flag of python -m zoo.tools.plan nor an override"),
     ("train", ["mesh.tensor=3"], "mesh.tensor: 3 (mesh=fsdp) needs a multiple of 3 devices, and 8 are available"),
-    ("train", ["offload.tags.query_proj=offload"], "offload.tags.query_proj: the chosen offload option does not list it; add it with +offload.tags.query_proj=offload"),
-    ("train", ["offload=custom", "offload.tags.query_projection=offload"], "offload.tags.query_projection: unknown tag (did you mean query_proj?); valid tags: "),
+    (
+        "train",
+        ["offload.tags.query_proj=offload"],
+        "offload.tags.query_proj: the chosen offload option does not list it; add it with +offload.tags.query_proj=offload",
+    ),
+    (
+        "train",
+        ["offload=custom", "offload.tags.query_projection=offload"],
+        "offload.tags.query_projection: unknown tag (did you mean query_proj?); valid tags: ",
+    ),
     ("train", ["+offload.tags.nosuchtag=offload"], "offload.tags.nosuchtag: unknown tag; valid tags: "),
     # the groups, their options and keys
     ("train", ["offload=fastest"], "offload: unknown option 'fastest'; choose one of "),
@@ -71,14 +104,46 @@ FUZZ = [
     ("train", ["model.rope.typ=yarn"], "model.rope.typ: unknown key (did you mean type?)"),
     ("train", ["mesh.rulez.vocab=[tensor]"], "mesh.rulez.vocab: unknown key"),
     ("train", ["mesh.rules.foo=[fsdp]"], "mesh.rules.foo: unknown logical axis; the logical axes are batch, "),
-    ("train", ["model=llama_tiny_a", "model.moe.impl=capacity"], "model.moe.impl: model.moe is null in the chosen model option"),
-    ("train", ["offload=optimizer_host", "offload.params=pinned_host"], "offload.params: the chosen offload option does not list it; add it with +offload.params=pinned_host"),
-    ("train", ["offload=full", "+offload.block_tags.gpt.query_proj=offload"], "offload.block_tags.gpt: unknown block kind; choose one of mlp, mla, moe"),
-    ("train", ["offload=full", "+offload.block_tags.moe.query_proj=offload"], "offload.block_tags.moe.query_proj: query_proj belongs to the attention block"),
-    ("train", ["offload=minimal", "offload.block_tags.moe.moe_mlpwi_0=sideways"], "offload.block_tags.moe.moe_mlpwi_0: 'sideways' is not an action"),
-    ("train", ["offload=custom", "offload.tags.mlpwo=device"], "offload.tags.mlpwo=device: the backward pass never reads mlpwo"),
-    ("train", ["offload=custom", "offload.tags.mla_q=offload", "model=llama_tiny_a"], "offload.tags.mla_q: the llama model never emits this tag"),
-    ("train", ["offload=[none,params_host]", "offload.params=gpu"], "offload.params: 'gpu' is not a memory kind; choose one of device, pinned_host"),
+    (
+        "train",
+        ["model=llama_tiny_a", "model.moe.impl=capacity"],
+        "model.moe.impl: model.moe is null in the chosen model option",
+    ),
+    (
+        "train",
+        ["offload=optimizer_host", "offload.params=pinned_host"],
+        "offload.params: the chosen offload option does not list it; add it with +offload.params=pinned_host",
+    ),
+    (
+        "train",
+        ["offload=full", "+offload.block_tags.gpt.query_proj=offload"],
+        "offload.block_tags.gpt: unknown block kind; choose one of mlp, mla, moe",
+    ),
+    (
+        "train",
+        ["offload=full", "+offload.block_tags.moe.query_proj=offload"],
+        "offload.block_tags.moe.query_proj: query_proj belongs to the attention block",
+    ),
+    (
+        "train",
+        ["offload=minimal", "offload.block_tags.moe.moe_mlpwi_0=sideways"],
+        "offload.block_tags.moe.moe_mlpwi_0: 'sideways' is not an action",
+    ),
+    (
+        "train",
+        ["offload=custom", "offload.tags.mlpwo=device"],
+        "offload.tags.mlpwo=device: the backward pass never reads mlpwo",
+    ),
+    (
+        "train",
+        ["offload=custom", "offload.tags.mla_q=offload", "model=llama_tiny_a"],
+        "offload.tags.mla_q: the llama model never emits this tag",
+    ),
+    (
+        "train",
+        ["offload=[none,params_host]", "offload.params=gpu"],
+        "offload.params: 'gpu' is not a memory kind; choose one of device, pinned_host",
+    ),
     # wrong types and bad values
     ("train", ["trainer.steps=many"], "trainer.steps: Value 'many' of type 'str' could not be converted to Integer"),
     ("train", ["trainer.steps=-1"], "trainer.steps: must be positive"),
@@ -104,43 +169,99 @@ FUZZ = [
     ("train", ["mesh=dp", "mesh.data=3"], "mesh: data*fsdp*tensor*expert = 3*1*1*1 = 3 does not match the 8 devices"),
     ("train", ["mesh.data=-1"], "mesh.fsdp: only one axis may be -1 (also data)"),
     ("train", ["mesh.devices=99"], "mesh.devices: 99 requested, 8 available"),
-    ("train", ["mesh.rules.batch=[nope]"], "mesh.rules.batch: unknown mesh axis 'nope'; use some of data, fsdp, tensor, expert"),
+    (
+        "train",
+        ["mesh.rules.batch=[nope]"],
+        "mesh.rules.batch: unknown mesh axis 'nope'; use some of data, fsdp, tensor, expert",
+    ),
     ("train", ["model=llama_tiny_a", "mesh=fsdp_tp", "mesh.tensor=4", "mesh.fsdp=2"], "mesh.tensor: dim 2 of "),
-    ("train", ["model=llama_tiny_a", "mesh.sequence_parallel=true"], "mesh.sequence_parallel: splits the sequence over the tensor axis, but mesh.tensor is 1"),
-    ("train", ["model=llama_tiny_a", "mesh=fsdp_tp", "mesh.sequence_parallel=true", "data.seq_len=33"], "data.seq_len: 33 is not divisible by the sequence-parallel size 2"),
-    ("train", ["model=llama_tiny_a", "mesh.context_parallel=tensor"], "mesh.context_parallel: 'tensor' splits the heads inside attention"),
-    ("train", ["model=llama_tiny_a", "mesh.context_parallel=data"], "mesh.context_parallel: splits the sequence over the data axis, but mesh.data is 1"),
-    ("train", ["model=llama_tiny_a", "mesh.context_parallel=fsdp", "data.seq_len=33"], "data.seq_len: 33 is not divisible by the sequence-parallel size 8 (mesh.context_parallel"),
-    ("train", ["model=llama_tiny_a", "mesh.context_parallel=fsdp", "data.seq_len=40"], "data.seq_len: 40 does not cut into 2 x 8 equal chunks, which balanced context parallelism deals out"),
-    ("zoo.tools.plan", ["model=llama_tiny_a", "mesh=fsdp_tp", "mesh.rules.seq=[tensor]", "data.seq_len=33"], "data.seq_len: 33 is not divisible by the sequence-parallel size 2"),
-    ("train", ["model=llama_tiny_a", "mesh=fsdp_ep"], "mesh.expert: 4 devices on the expert axis, but the model has no MoE layers"),
+    (
+        "train",
+        ["model=llama_tiny_a", "mesh.sequence_parallel=true"],
+        "mesh.sequence_parallel: splits the sequence over the tensor axis, but mesh.tensor is 1",
+    ),
+    (
+        "train",
+        ["model=llama_tiny_a", "mesh=fsdp_tp", "mesh.sequence_parallel=true", "data.seq_len=33"],
+        "data.seq_len: 33 is not divisible by the sequence-parallel size 2",
+    ),
+    (
+        "train",
+        ["model=llama_tiny_a", "mesh.context_parallel=tensor"],
+        "mesh.context_parallel: 'tensor' splits the heads inside attention",
+    ),
+    (
+        "train",
+        ["model=llama_tiny_a", "mesh.context_parallel=data"],
+        "mesh.context_parallel: splits the sequence over the data axis, but mesh.data is 1",
+    ),
+    (
+        "train",
+        ["model=llama_tiny_a", "mesh.context_parallel=fsdp", "data.seq_len=33"],
+        "data.seq_len: 33 is not divisible by the sequence-parallel size 8 (mesh.context_parallel",
+    ),
+    (
+        "train",
+        ["model=llama_tiny_a", "mesh.context_parallel=fsdp", "data.seq_len=40"],
+        "data.seq_len: 40 does not cut into 2 x 8 equal chunks, which balanced context parallelism deals out",
+    ),
+    (
+        "zoo.tools.plan",
+        ["model=llama_tiny_a", "mesh=fsdp_tp", "mesh.rules.seq=[tensor]", "data.seq_len=33"],
+        "data.seq_len: 33 is not divisible by the sequence-parallel size 2",
+    ),
+    (
+        "train",
+        ["model=llama_tiny_a", "mesh=fsdp_ep"],
+        "mesh.expert: 4 devices on the expert axis, but the model has no MoE layers",
+    ),
     ("train", ["model.moe.impl=dense"], "model.moe.impl: got 'dense'; choose one of auto, ragged, capacity"),
     ("train", ["model.moe.exchange_factor=0"], "model.moe.exchange_factor: must be positive, got 0"),
     ("train", ["model.attention_impl=cudnn"], "model.attention_impl: cudnn needs a GPU"),
     # missing and bad files
     ("train", ["data=text", "data.path=/no/such/corpus"], "data.path: /no/such/corpus does not exist"),
-    ("train", ["data=text", "data.tokenizer=/no/such/tokenizer.json"], "data.tokenizer: /no/such/tokenizer.json does not exist"),
+    (
+        "train",
+        ["data=text", "data.tokenizer=/no/such/tokenizer.json"],
+        "data.tokenizer: /no/such/tokenizer.json does not exist",
+    ),
     ("train", ["data=text", "data.path={tmp}/empty.txt"], "data.path: {tmp}/empty.txt is empty"),
     ("train", ["data=text", "data.path={tmp}/latin1.txt"], "data.path: {tmp}/latin1.txt is not UTF-8 text"),
-    ("train", ["data=text", "data.path={tmp}/docs.jsonl", "data.text_field=body"], "data.text_field: {tmp}/docs.jsonl line 1 has no key 'body'"),
+    (
+        "train",
+        ["data=text", "data.path={tmp}/docs.jsonl", "data.text_field=body"],
+        "data.text_field: {tmp}/docs.jsonl line 1 has no key 'body'",
+    ),
     # the command line itself
     ("train", ["--steps", "3"], "command line: unrecognized arguments: --steps"),
     ("train", ["--cfg", "bogus"], "command line: argument --cfg/-c: invalid choice: 'bogus'"),
     ("train", ["trainer.steps"], "trainer.steps: no value; write trainer.steps=<value>"),
     ("train", ["trainer.steps=[1,2"], "trainer.steps: cannot parse 'trainer.steps=[1,2'"),
-    ("train", ["data=text", "data.path=~/notes/"], "data.path: '~/notes/' starts with ~, which neither bash (after key=) nor Hydra expands; write data.path=$HOME/notes/"),
+    (
+        "train",
+        ["data=text", "data.path=~/notes/"],
+        "data.path: '~/notes/' starts with ~, which neither bash (after key=) nor Hydra expands; write data.path=$HOME/notes/",
+    ),
     # the tools
     ("zoo.tools.inspect_step", ["inspect.foo=1"], "inspect.foo: unknown key; the keys are out, measure, strict"),
     ("zoo.tools.inspect_step", ["inspect.strict"], "inspect.strict: give a value"),
     ("zoo.tools.inspect_step", ["inspect.out=/tmp"], "inspect.out: /tmp is a directory"),
     ("zoo.tools.inspect_step", ["offload=nope"], "offload: unknown option 'nope'"),
-    ("zoo.tools.inspect_step", ["--help-me"], "--help-me: not a flag of python -m zoo.tools.inspect_step nor an override"),
+    (
+        "zoo.tools.inspect_step",
+        ["--help-me"],
+        "--help-me: not a flag of python -m zoo.tools.inspect_step nor an override",
+    ),
     ("zoo.tools.inspect_step", ["trainer.stepz=1"], "trainer.stepz: unknown key"),
     ("zoo.tools.plan", ["plan.hbm_budget_gb=-1", "plan.link=64"], "plan.hbm_budget_gb: must be positive"),
     ("zoo.tools.plan", ["plan.link=warp"], "plan.link: unknown link 'warp'"),
     ("zoo.tools.plan", ["plan.foo=1"], "plan.foo: unknown key"),
     ("zoo.tools.plan", ["foo=bar"], "foo: not a config group"),
-    ("zoo.tools.plan", [f"plan.out={OUT}/planned.yaml", "model=llama_tiny_a", "plan.link=64"], f"plan.out: cannot write {OUT}/planned.yaml"),
+    (
+        "zoo.tools.plan",
+        [f"plan.out={OUT}/planned.yaml", "model=llama_tiny_a", "plan.link=64"],
+        f"plan.out: cannot write {OUT}/planned.yaml",
+    ),
     ("zoo.tools.plan", [f"plan.json={OUT}/plan.json", "plan.link=64"], f"plan.json: cannot write {OUT}/plan.json"),
     ("zoo.tools.measure_hardware", ["n=abc"], "n: Value 'abc'"),
     ("zoo.tools.measure_hardware", ["foo=1"], "foo: unknown key; the keys are name, out, "),
@@ -154,7 +275,11 @@ FUZZ = [
     ("zoo.tools.report", ["{tmp}/empty_dir"], "dir: no summary.json under {tmp}/empty_dir"),
     ("zoo.tools.sizes", ["nosuch"], "nosuch: no such size; choose from llama_tiny_a, "),
     # LoRA (issue 32 part 4): a target the family lacks, a rank larger than the projection, a bad key.
-    ("train", ["model=llama_tiny_a", "lora=default", "lora.targets=[wq,wkv_a]"], "lora.targets: this model has no 'wkv_a' projection; its projections are "),
+    (
+        "train",
+        ["model=llama_tiny_a", "lora=default", "lora.targets=[wq,wkv_a]"],
+        "lora.targets: this model has no 'wkv_a' projection; its projections are ",
+    ),
     ("train", ["lora=default", "lora.targets=[wk]"], "lora.targets: this model has no 'wk' projection"),
     ("train", ["model=llama_tiny_a", "lora=default", "lora.rank=100000"], "lora.rank: 100000 exceeds the "),
     ("train", ["lora=default", "lora.targets=[q_proj]"], "lora.targets: unknown projection 'q_proj'; choose from wq, "),
@@ -197,7 +322,9 @@ def test_fuzz_every_bad_command_line_is_one_line_exit_2():
     assert p.returncode == 0 and re.search(r"^1 passed", p.stdout, re.M), p.stdout[-6000:] + p.stderr[-2000:]
 
 
-@pytest.mark.skipif(os.environ.get("ZOO_FUZZ_IN_PROCESS") != "1", reason="run by test_fuzz_every_bad_command_line_is_one_line_exit_2")
+@pytest.mark.skipif(
+    os.environ.get("ZOO_FUZZ_IN_PROCESS") != "1", reason="run by test_fuzz_every_bad_command_line_is_one_line_exit_2"
+)
 def test_fuzz_in_process(tmp_path, capfd, monkeypatch):
     monkeypatch.delenv("ZOO_TRACEBACK", raising=False)
     monkeypatch.chdir(tmp_path)  # nothing a tool might write lands in the source tree
@@ -226,7 +353,16 @@ def test_train_cli_llama_tensor_parallel_bf16(tmp_path):
     out = tmp_path / "run"
     records = [json.loads(ln) for ln in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1, 2]
-    for key in ("loss", "grad_norm", "lr", "tokens_per_s", "tflops_per_device", "mfu", "device_bytes_in_use", "device_peak_bytes"):
+    for key in (
+        "loss",
+        "grad_norm",
+        "lr",
+        "tokens_per_s",
+        "tflops_per_device",
+        "mfu",
+        "device_bytes_in_use",
+        "device_peak_bytes",
+    ):
         assert key in records[0], key
     assert records[0]["device_peak_bytes"] is None  # the CPU backend reports no memory stats
     s = json.loads((out / "summary.json").read_text())
@@ -240,18 +376,30 @@ def test_train_cli_llama_tensor_parallel_bf16(tmp_path):
 
 
 def test_sweep_reports_failed_job_and_continues_then_report(tmp_path):
-    args = ["-m", "offload=none,full", "data.seq_len=16,999", "model=llama_tiny_a", "mesh=single", "trainer.steps=2", "data.batch_size=8"]
+    args = [
+        "-m",
+        "offload=none,full",
+        "data.seq_len=16,999",
+        "model=llama_tiny_a",
+        "mesh=single",
+        "trainer.steps=2",
+        "data.batch_size=8",
+    ]
     p, _ = run([*args, "trainer.progress=false"], tmp_path)
     assert p.returncode == 1, p.stderr[-3000:]  # the sweep ran to the end, then reports its failures
     sweep = tmp_path / "sweep"
     summaries = {d.name: json.loads((d / "summary.json").read_text()) for d in sorted(sweep.iterdir()) if d.is_dir()}
     assert sorted(summaries) == ["0", "1", "2", "3"]
     assert [summaries[k]["status"] for k in "0123"] == ["ok", "failed", "ok", "failed"]
-    assert "data.seq_len=999" in summaries["1"]["overrides"] and summaries["1"]["error"].startswith("data.seq_len: 999 exceeds")
+    assert "data.seq_len=999" in summaries["1"]["overrides"] and summaries["1"]["error"].startswith(
+        "data.seq_len: 999 exceeds"
+    )
     failed_lines = [ln for ln in p.stderr.splitlines() if ln.startswith("error: job")]
     assert len(failed_lines) == 2 and "data.seq_len=999" in failed_lines[0]
 
-    r = subprocess.run([sys.executable, "-m", "zoo.tools.report", str(sweep)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "zoo.tools.report", str(sweep)], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 0, r.stderr
     table = (sweep / "report.md").read_text()
     rows = [ln for ln in table.splitlines() if ln.startswith("| offload=")]

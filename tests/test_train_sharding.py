@@ -18,7 +18,16 @@ from omegaconf import OmegaConf
 from zoo.families import SIZES
 from zoo.offload import OffloadConfig
 from zoo.sharding import ShardingError, logical_to_spec, param_specs, resolve_mesh_shape
-from zoo.train.run_config import DataConfig, HardwareConfig, OptimizerConfig, TrainConfig, TrainerConfig, XlaConfig, load_group, validate
+from zoo.train.run_config import (
+    DataConfig,
+    HardwareConfig,
+    OptimizerConfig,
+    TrainConfig,
+    TrainerConfig,
+    XlaConfig,
+    load_group,
+    validate,
+)
 from zoo.train.batches import SyntheticData
 from zoo.train.step import Trainer
 
@@ -38,7 +47,13 @@ def mesh_preset(name: str):
 
 
 def make_config(
-    model: str, mesh: str, offload: OffloadConfig = None, accum: int = 1, batch: int = 8, bias_rate: float = 0.001, dropless: bool = True,
+    model: str,
+    mesh: str,
+    offload: OffloadConfig = None,
+    accum: int = 1,
+    batch: int = 8,
+    bias_rate: float = 0.001,
+    dropless: bool = True,
     moe_impl: str = None,
 ):
     m = SIZES[model]
@@ -78,7 +93,9 @@ def train(c: TrainConfig, check=None, partitioned: bool = False) -> Run:
     state = trainer.init()
     text = None
     if partitioned:
-        step, text = hlo.compile_with_partitioned_hlo(trainer.lower(state, trainer.abstract_tokens()), trainer.compiler_options)
+        step, text = hlo.compile_with_partitioned_hlo(
+            trainer.lower(state, trainer.abstract_tokens()), trainer.compiler_options
+        )
     else:
         step = trainer.compile(state, trainer.abstract_tokens())
     losses, metrics = [], []
@@ -161,7 +178,9 @@ def test_expert_parallel_train_step_is_local(impl):
     assert max(float(x["moe_dropped_fraction"].max()) for x in run.metrics) == 0.0
     # The dropless exchange's rounds per MoE layer (zoo.nn.expert_rounds): what each step's routing took.
     rounds = [np.asarray(x["moe_exchange_rounds"]) for x in run.metrics] if impl == "ragged" else []
-    assert all(r.shape == (m.num_moe_layers,) and r.min() >= 1 for r in rounds) and ("moe_exchange_rounds" in run.metrics[0]) == (impl == "ragged")
+    assert all(r.shape == (m.num_moe_layers,) and r.min() >= 1 for r in rounds) and (
+        "moe_exchange_rounds" in run.metrics[0]
+    ) == (impl == "ragged")
 
     found = [c for c in hlo.collectives(run.step.as_text()) if not c.trivial]
     a2a = [c for c in found if c.kind == "all-to-all"]
@@ -177,13 +196,20 @@ def test_expert_parallel_train_step_is_local(impl):
     tokens = run.trainer.cfg.data.batch_size * SEQ
     for c in found:
         for a in c.operands + c.results:
-            assert tokens not in a.dims and tokens * m.moe.num_experts_per_tok not in a.dims, (c.kind, c.op_name, str(a))
+            assert tokens not in a.dims and tokens * m.moe.num_experts_per_tok not in a.dims, (
+                c.kind,
+                c.op_name,
+                str(a),
+            )
             assert not (run.trainer.cfg.data.batch_size in a.dims and SEQ in a.dims), (c.kind, c.op_name, str(a))
 
     routed = [
         (jax.tree_util.keystr(path), leaf)
-        for path, leaf in jax.tree_util.tree_leaves_with_path({"params": run.state["params"], "opt_state": run.state["opt_state"]})
-        if getattr(path[-1], "name", None) in ROUTED and leaf.ndim == 4  # [layers, experts, ...]; not the shared or dense MLPs
+        for path, leaf in jax.tree_util.tree_leaves_with_path(
+            {"params": run.state["params"], "opt_state": run.state["opt_state"]}
+        )
+        if getattr(path[-1], "name", None) in ROUTED
+        and leaf.ndim == 4  # [layers, experts, ...]; not the shared or dense MLPs
     ]
     assert sum(name.startswith("['params']") for name, _ in routed) == len(ROUTED)
     assert any(".mu." in name for name, _ in routed) and any(".nu." in name for name, _ in routed)  # AdamW's moments
@@ -276,7 +302,9 @@ def test_gradient_accumulation_matches_one_big_batch():
     # 16 sequences in 2 microbatches of 8 differ from the reference's 8: compare with a 16-batch run.
     big = train(make_config("llama_tiny_a", "fsdp", accum=1, batch=16))
     np.testing.assert_allclose(accumulated.losses, big.losses, atol=1e-5, rtol=0)
-    np.testing.assert_allclose([m["grad_norm"] for m in accumulated.metrics], [m["grad_norm"] for m in big.metrics], rtol=1e-4)
+    np.testing.assert_allclose(
+        [m["grad_norm"] for m in accumulated.metrics], [m["grad_norm"] for m in big.metrics], rtol=1e-4
+    )
 
 
 def test_moe_bias_is_a_buffer_the_optimizer_never_moves():
@@ -367,8 +395,29 @@ def test_every_block_declares_its_leaves_with_axes_and_a_dtype_in_use():
             assert all(a is None or a in LOGICAL_AXES for a in leaf.axes), f"{cls.__name__}.{name}: {leaf.axes}"
             if leaf.compute:
                 cast.add(name)
-    assert cast == {"embed", "lm_head", "wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo", "wq_a", "wq_b", "wkv_a", "wk_b",
-                    "wv_b", "w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down"}
+    assert cast == {
+        "embed",
+        "lm_head",
+        "wq",
+        "wk",
+        "wv",
+        "wo",
+        "bq",
+        "bk",
+        "bv",
+        "bo",
+        "wq_a",
+        "wq_b",
+        "wkv_a",
+        "wk_b",
+        "wv_b",
+        "w_gate",
+        "w_up",
+        "w_down",
+        "b_gate",
+        "b_up",
+        "b_down",
+    }
     # The routed experts' axes the dispatch reads are the MoE block's declaration, not a copy.
     assert EXPERT_AXES == {k: v.axes for k, v in ExpertWeights.PARAMS.items()}
     assert all(MoE.PARAMS[k] is ExpertWeights.PARAMS[k] for k in EXPERT_AXES)
@@ -415,7 +464,11 @@ def test_indivisible_dim_names_the_mesh_axis():
     from zoo.model import abstract
 
     with pytest.raises(ShardingError, match=r"^mesh.tensor: dim \d+ of .* not divisible by tensor=3"):
-        param_specs(abstract(SIZES["llama_tiny_a"]), mesh_preset("fsdp_tp").rules, {"data": 1, "fsdp": 1, "tensor": 3, "expert": 1})
+        param_specs(
+            abstract(SIZES["llama_tiny_a"]),
+            mesh_preset("fsdp_tp").rules,
+            {"data": 1, "fsdp": 1, "tensor": 3, "expert": 1},
+        )
 
 
 @pytest.mark.parametrize("size", sorted(SIZES))
@@ -429,7 +482,9 @@ def test_model_options_are_the_named_sizes(size):
 # --- the published 128-device layouts, on the abstract real-size models (nothing allocated) ---------
 
 
-@pytest.mark.parametrize("size, mesh", [("deepseek_v3_671b", "deepseek_v3_128"), ("llama3.1_405b", "llama3.1_405b_128")])
+@pytest.mark.parametrize(
+    "size, mesh", [("deepseek_v3_671b", "deepseek_v3_128"), ("llama3.1_405b", "llama3.1_405b_128")]
+)
 def test_real_size_state_is_spread_evenly_over_128_devices(size, mesh):
 
     from zoo.model import abstract
@@ -461,7 +516,9 @@ def test_a_rule_that_leaves_a_large_leaf_replicated_is_refused():
     sizes = {a: getattr(preset, a) for a in ("data", "fsdp", "tensor", "expert")}
     rules = {**preset.rules, "latent": []}  # the MLA up-projections' latent dim left unsharded
     params = abstract(SIZES["deepseek_v3_671b"])
-    with pytest.raises(ShardingError, match=r"^mesh.rules: parameter stacks.0.layers.0.attn.wq_b .* would be replicated"):
+    with pytest.raises(
+        ShardingError, match=r"^mesh.rules: parameter stacks.0.layers.0.attn.wq_b .* would be replicated"
+    ):
         check_replication(params, param_specs(params, rules, sizes), sizes, 16.0 * 2**20)
 
 
@@ -507,7 +564,9 @@ def test_gradient_norm_is_one_dot_per_leaf_and_never_gathers_a_sharded_leaf():
     exact = float((x.astype(np.float64) ** 2).sum())
     assert abs(float(jax.jit(sum_of_squares)(jnp.asarray(x))) - exact) <= 1e-6 * exact
     tree = {"a": jnp.asarray(x), "b": None, "c": jnp.asarray(x[0, :3])}
-    np.testing.assert_allclose(float(global_norm(tree, divide=2)), float(optax.tree.norm({"a": x / 2, "c": x[0, :3] / 2})), rtol=1e-6)
+    np.testing.assert_allclose(
+        float(global_norm(tree, divide=2)), float(optax.tree.norm({"a": x / 2, "c": x[0, :3] / 2})), rtol=1e-6
+    )
 
     # The entry computation's leaf-sized results other than the leaf itself: a square written out.
     script = """
@@ -519,7 +578,14 @@ for f in (lambda a: optax.tree.norm(a, squared=True), sum_of_squares):
     print(sum("= f32[4,64,256]" in line and " parameter(" not in line for line in entry.splitlines()))
 """
     env = {**os.environ, "XLA_FLAGS": f"{YNN_FLAG}=dot", "JAX_PLATFORMS": "cpu"}
-    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300, cwd=pathlib.Path(__file__).resolve().parents[1])
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=pathlib.Path(__file__).resolve().parents[1],
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     optax_squares, dot_squares = (int(n) for n in out.stdout.split())
     assert optax_squares >= 1 and dot_squares == 0, (optax_squares, dot_squares)
@@ -573,7 +639,9 @@ def collective_executions(seq_len: int) -> int:
     from zoo import hlo
 
     c = sequence_parallel_config("llama_tiny_a", seq_len=seq_len)
-    c.model = c.model.replace(attention_impl="blockwise", max_position_embeddings=max(seq_len, c.model.max_position_embeddings))
+    c.model = c.model.replace(
+        attention_impl="blockwise", max_position_embeddings=max(seq_len, c.model.max_position_embeddings)
+    )
     c.trainer = dataclasses.replace(c.trainer, loss_chunk_size=0)  # the loss's chunk loop would scale with the length
     trainer = Trainer(c, validate(c, len(jax.devices()), None))
     _, text = hlo.compile_with_partitioned_hlo(trainer.lower(), trainer.compiler_options)
@@ -627,7 +695,10 @@ def test_sequence_parallel_packed_rows_match_and_exchange_nothing_per_tile():
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-4)
     from zoo import hlo
 
-    executions = {n: sum(r["executions"] for r in hlo.summarize(hlo.collectives(text)).values()) for n, (_, _, text) in runs.items()}
+    executions = {
+        n: sum(r["executions"] for r in hlo.summarize(hlo.collectives(text)).values())
+        for n, (_, _, text) in runs.items()
+    }
     assert executions[512] == executions[1024], executions  # 3 visible 256-tiles per row against 10
 
 
@@ -645,7 +716,10 @@ def _loss_and_grads(c):
 # 40-90 s each on the 2-core machine: the slow tier. The default tier has the loss-level check
 # (tests/test_loss.py::test_vocab_parallel_loss_matches_unsharded) and the sharded steps' losses above.
 @pytest.mark.slow
-@pytest.mark.parametrize("model, mesh, vocab_rule", [("llama_tiny_a", "fsdp_tp", None), ("gemma3_tiny_a", "fsdp", None), ("dsv3_tiny_a", "fsdp_ep", ["expert"])])
+@pytest.mark.parametrize(
+    "model, mesh, vocab_rule",
+    [("llama_tiny_a", "fsdp_tp", None), ("gemma3_tiny_a", "fsdp", None), ("dsv3_tiny_a", "fsdp_ep", ["expert"])],
+)
 def test_vocab_parallel_loss_and_gradients_match_single_device(model, mesh, vocab_rule):
     # Under a mesh the chunked loss runs vocabulary-parallel (zoo/loss.py): on fsdp_tp the head's columns
     # are split over tensor and the logsumexp combined across them; Gemma 3 ties the head to the
@@ -678,7 +752,11 @@ def test_vocab_parallel_head_gradient_is_one_bf16_reduce_scatter():
         ("reduce-scatter", "bf16", (embed // fsdp, vocab // tensor), 1)
     ]
     # no float32 collective carries a vocabulary-sized buffer (the chunked loss all-reduced f32[embed, vocab])
-    assert not [x for x in found if x.operands[0].dtype == "f32" and any(d in (vocab, vocab // tensor) for d in x.operands[0].dims)]
+    assert not [
+        x
+        for x in found
+        if x.operands[0].dtype == "f32" and any(d in (vocab, vocab // tensor) for d in x.operands[0].dims)
+    ]
 
 
 # --- context parallelism (mesh.context_parallel) ---------------------------------------------------
@@ -726,7 +804,6 @@ CP_CASES = [
 @pytest.mark.slow
 @pytest.mark.parametrize("model, mesh, axis, sp, impl", CP_CASES)
 def test_context_parallel_loss_and_gradients_match_single_device(model, mesh, axis, sp, impl):
-
 
     def config(mesh, **options):
         c = make_config(model, mesh)

@@ -22,7 +22,9 @@ MADE_UP = "--xla_gpu_enable_made_up_overlap=true"
 
 def _start_xla(flags: list[str]) -> subprocess.CompletedProcess:
     env = {**os.environ, "XLA_FLAGS": " ".join(flags), "JAX_PLATFORMS": "cpu"}
-    return subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-c", "import jax; jax.devices()"], env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 def _group_flags() -> list[str]:
@@ -51,7 +53,9 @@ def test_lookup_agrees_with_xla_on_a_made_up_flag():
 
 
 def test_unknown_flag_is_one_line_before_jax_starts():
-    with pytest.raises(ConfigError, match=r"^xla.flags: --xla_gpu_enable_made_up_overlap is not a flag this jaxlib \(.*\) knows"):
+    with pytest.raises(
+        ConfigError, match=r"^xla.flags: --xla_gpu_enable_made_up_overlap is not a flag this jaxlib \(.*\) knows"
+    ):
         XlaConfig(flags=[MADE_UP])
 
 
@@ -67,13 +71,24 @@ def test_host_offloading_switch_follows_the_placement(preset):
     # The environment's or xla.flags' own setting wins.
     mine = f"{GPU_HOST_OFFLOAD_FLAG}=false"
     scheduler = "--xla_gpu_enable_latency_hiding_scheduler=false"
-    assert merged_xla_flags(XlaConfig(cpu_ynn_fusions=None, flags=[mine, scheduler]), "", host_offload=True).split() == [mine, scheduler]
-    assert merged_xla_flags(XlaConfig(cpu_ynn_fusions=None), f"{mine} {scheduler}", host_offload=True).split() == [mine, scheduler]
-    assert merged_xla_flags(XlaConfig(cpu_ynn_fusions=None), mine, host_offload=True).split() == [mine, scheduler.replace("false", "true")]
+    assert merged_xla_flags(
+        XlaConfig(cpu_ynn_fusions=None, flags=[mine, scheduler]), "", host_offload=True
+    ).split() == [mine, scheduler]
+    assert merged_xla_flags(XlaConfig(cpu_ynn_fusions=None), f"{mine} {scheduler}", host_offload=True).split() == [
+        mine,
+        scheduler,
+    ]
+    assert merged_xla_flags(XlaConfig(cpu_ynn_fusions=None), mine, host_offload=True).split() == [
+        mine,
+        scheduler.replace("false", "true"),
+    ]
     # scheduler=False: the switch alone (bench/gpu.py's groups, whose default is the no-scheduler baseline).
-    assert merged_xla_flags(XlaConfig(cpu_ynn_fusions=None), "", host_offload=True, scheduler=False).split() == [mine.replace("false", "true")]
-    assert merged_xla_flags(XlaConfig(cpu_ynn_fusions=None, flags=[scheduler]), "", host_offload=True, scheduler=False).split() == [
-        scheduler, mine.replace("false", "true")]
+    assert merged_xla_flags(XlaConfig(cpu_ynn_fusions=None), "", host_offload=True, scheduler=False).split() == [
+        mine.replace("false", "true")
+    ]
+    assert merged_xla_flags(
+        XlaConfig(cpu_ynn_fusions=None, flags=[scheduler]), "", host_offload=True, scheduler=False
+    ).split() == [scheduler, mine.replace("false", "true")]
 
 
 def test_some_preset_uses_the_host_and_some_does_not():
@@ -119,7 +134,9 @@ def test_gpu_host_pool_the_environment_wins():
     """A cap the environment already holds is left alone, and nothing is set once JAX has started."""
     from zoo.train.run import GPU_HOST_POOL_ENV, set_gpu_host_pool
 
-    assert set_gpu_host_pool(894, environ := {GPU_HOST_POOL_ENV: "100"}, started=False) == "100" and environ == {GPU_HOST_POOL_ENV: "100"}
+    assert set_gpu_host_pool(894, environ := {GPU_HOST_POOL_ENV: "100"}, started=False) == "100" and environ == {
+        GPU_HOST_POOL_ENV: "100"
+    }
     assert set_gpu_host_pool(894, environ := {}, started=False) == "894" and environ == {GPU_HOST_POOL_ENV: "894"}
     assert set_gpu_host_pool(894, environ := {}, started=True) is None and environ == {}
     assert set_gpu_host_pool(None, environ := {}, started=False) is None and environ == {}

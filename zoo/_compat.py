@@ -36,7 +36,9 @@ def persistent_cache_bypassed() -> Iterator[bool]:
     except ImportError:  # pragma: no cover - moved: see tests/test_compat.py
         yield False
         return
-    if not all(hasattr(cache, a) for a in ("_cache_checked", "_cache_used", "_cache_initialized_mutex")):  # pragma: no cover
+    if not all(
+        hasattr(cache, a) for a in ("_cache_checked", "_cache_used", "_cache_initialized_mutex")
+    ):  # pragma: no cover
         yield False
         return
     with cache._cache_initialized_mutex:
@@ -124,7 +126,10 @@ def linear_call_vmappable() -> bool:
     def rule(axis_data, args, dims, *, callee, transpose_thunk, num_callee_consts, num_res):
         fixed = num_callee_consts + num_res
         mapped = [d is not None for d in dims[:fixed]] + [True] * (len(args) - fixed)
-        args = [batching.bdim_at_front(x, d, axis_data.size, axis_data.explicit_mesh_axis) if m else x for x, d, m in zip(args, dims, mapped)]
+        args = [
+            batching.bdim_at_front(x, d, axis_data.size, axis_data.explicit_mesh_axis) if m else x
+            for x, d, m in zip(args, dims, mapped)
+        ]
         callee_mapped, _ = batching.batch_jaxpr(callee, axis_data, mapped, instantiate=True)
         res_mapped = mapped[num_callee_consts:fixed]
         memo = []
@@ -136,7 +141,13 @@ def linear_call_vmappable() -> bool:
                 memo.append((batching.batch_jaxpr(transpose, axis_data, in_mapped, instantiate=True)[0], t_consts))
             return memo[0]
 
-        outs = linear_call_p.bind(*args, callee=callee_mapped, transpose_thunk=transpose_mapped, num_callee_consts=num_callee_consts, num_res=num_res)
+        outs = linear_call_p.bind(
+            *args,
+            callee=callee_mapped,
+            transpose_thunk=transpose_mapped,
+            num_callee_consts=num_callee_consts,
+            num_res=num_res,
+        )
         return outs, [0] * len(outs)
 
     batching.fancy_primitive_batchers[linear_call_p] = rule
@@ -158,7 +169,9 @@ def varying_axes(x) -> frozenset:
     vma = getattr(aval, "vma", None)
     if vma is not None:  # pragma: no cover - older jax
         return frozenset(vma)
-    raise RuntimeError("zoo._compat.varying_axes: jax's abstract values carry neither .mat.varying nor .vma; see tests/test_compat.py")
+    raise RuntimeError(
+        "zoo._compat.varying_axes: jax's abstract values carry neither .mat.varying nor .vma; see tests/test_compat.py"
+    )
 
 
 def scan_counts(params: dict) -> tuple[int, int]:

@@ -45,7 +45,9 @@ def dtype_name(value, argument: str = "dtype") -> str:
     except TypeError:
         name = None
     if name not in DTYPES:
-        raise ValueError(f"{argument}={value!r}: not a parameter dtype zoo keeps; use one of {', '.join(DTYPES)} (a string, jnp or numpy dtype)")
+        raise ValueError(
+            f"{argument}={value!r}: not a parameter dtype zoo keeps; use one of {', '.join(DTYPES)} (a string, jnp or numpy dtype)"
+        )
     return name
 
 
@@ -105,7 +107,11 @@ class RopeConfig:
             )
         if self.type == "yarn":
             # transformers reads `beta_fast or 32`: a zero is not a legal value there either.
-            _require(self.beta_fast > 0 and self.beta_slow > 0, "rope.beta_fast", "yarn needs positive beta_fast and beta_slow")
+            _require(
+                self.beta_fast > 0 and self.beta_slow > 0,
+                "rope.beta_fast",
+                "yarn needs positive beta_fast and beta_slow",
+            )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +133,11 @@ class MLAConfig:
             _require(self.q_lora_rank > 0, "mla.q_lora_rank", "must be positive or null")
         for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
             _require(getattr(self, name) > 0, f"mla.{name}", "must be positive")
-        _require(self.qk_rope_head_dim % 2 == 0, "mla.qk_rope_head_dim", f"RoPE needs an even dim, got {self.qk_rope_head_dim}")
+        _require(
+            self.qk_rope_head_dim % 2 == 0,
+            "mla.qk_rope_head_dim",
+            f"RoPE needs an even dim, got {self.qk_rope_head_dim}",
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,14 +282,25 @@ class ModelConfig:
     def __post_init__(self):
         _as_list(self, "mlp_only_layers")
         _as_list(self, "layer_types")
-        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "intermediate_size", "max_position_embeddings"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "intermediate_size",
+            "max_position_embeddings",
+        ):
             _require(getattr(self, name) > 0, name, f"must be positive, got {getattr(self, name)}")
         _require(self.rms_norm_eps > 0, "rms_norm_eps", "must be positive")
         for name in ("param_dtype", "compute_dtype"):
             try:  # jnp / numpy dtypes become their names: the config stays hashable and YAML-serialisable
                 object.__setattr__(self, name, dtype_name(getattr(self, name), name))
             except ValueError:
-                _require(False, name, f"got {getattr(self, name)!r}; choose one of {_choices(DTYPES)} (a string, jnp or numpy dtype)")
+                _require(
+                    False,
+                    name,
+                    f"got {getattr(self, name)!r}; choose one of {_choices(DTYPES)} (a string, jnp or numpy dtype)",
+                )
         _require(
             self.attention_impl in ATTENTION_IMPLS,
             "attention_impl",
@@ -292,7 +313,11 @@ class ModelConfig:
         )
         if self.uses_mla:
             for flag in ("attention_bias", "attention_out_bias", "qk_norm", "attention_sinks"):
-                _require(not getattr(self, flag), flag, "belongs to grouped-query attention; this model's mla section makes it latent attention")
+                _require(
+                    not getattr(self, flag),
+                    flag,
+                    "belongs to grouped-query attention; this model's mla section makes it latent attention",
+                )
         else:
             _require(self.num_kv_heads > 0, "num_kv_heads", "must be positive")
             _require(
@@ -300,9 +325,17 @@ class ModelConfig:
                 "num_heads",
                 f"num_heads={self.num_heads} must be divisible by num_kv_heads={self.num_kv_heads}",
             )
-            _require(self.head_dim > 0 and self.head_dim % 2 == 0, "head_dim", f"RoPE needs an even head_dim, got {self.head_dim}")
+            _require(
+                self.head_dim > 0 and self.head_dim % 2 == 0,
+                "head_dim",
+                f"RoPE needs an even head_dim, got {self.head_dim}",
+            )
         if self.moe is None:
-            _require(self.first_k_dense_replace == 0, "first_k_dense_replace", "the model has no moe section, so no MoE layers and no dense prefix")
+            _require(
+                self.first_k_dense_replace == 0,
+                "first_k_dense_replace",
+                "the model has no moe section, so no MoE layers and no dense prefix",
+            )
             _require(not self.mlp_only_layers, "mlp_only_layers", "the model has no moe section, so no MoE layers")
         _require(
             0 <= self.first_k_dense_replace <= self.num_layers,
@@ -313,9 +346,15 @@ class ModelConfig:
         bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_layers]
         _require(not bad, "mlp_only_layers", f"layer {bad[0] if bad else ''} is not in 0..{self.num_layers - 1}")
         if self.rope.interleaved:
-            _require(self.uses_mla, "rope.interleaved", "grouped-query attention rotates halves; set rope.interleaved=false")
+            _require(
+                self.uses_mla, "rope.interleaved", "grouped-query attention rotates halves; set rope.interleaved=false"
+            )
         if self.pad_token_id is not None:
-            _require(0 <= self.pad_token_id < self.vocab_size, "pad_token_id", f"must be in 0..{self.vocab_size - 1} or null, got {self.pad_token_id}")
+            _require(
+                0 <= self.pad_token_id < self.vocab_size,
+                "pad_token_id",
+                f"must be in 0..{self.vocab_size - 1} or null, got {self.pad_token_id}",
+            )
         if self.sliding_window is not None:
             _require(self.sliding_window > 0, "sliding_window", f"must be positive or null, got {self.sliding_window}")
         if self.layer_types is not None:
@@ -325,7 +364,11 @@ class ModelConfig:
                 f"has {len(self.layer_types)} entries for num_layers={self.num_layers}; give one per layer",
             )
             unknown = [t for t in self.layer_types if t not in LAYER_TYPES]
-            _require(not unknown, "layer_types", f"unknown type {unknown[0] if unknown else ''!r}; choose from {_choices(LAYER_TYPES)}")
+            _require(
+                not unknown,
+                "layer_types",
+                f"unknown type {unknown[0] if unknown else ''!r}; choose from {_choices(LAYER_TYPES)}",
+            )
             _require(
                 self.sliding_window is not None or "sliding_attention" not in self.layer_types,
                 "sliding_window",
@@ -335,14 +378,22 @@ class ModelConfig:
             _require(self.query_pre_attn_scalar > 0, "query_pre_attn_scalar", "must be positive or null")
         if self.final_logit_softcap is not None:
             _require(self.final_logit_softcap > 0, "final_logit_softcap", "must be positive or null")
-        _require(self.norm_weight_offset in (0.0, 1.0), "norm_weight_offset", f"0 (w) or 1 (Gemma's 1 + w), got {self.norm_weight_offset}")
+        _require(
+            self.norm_weight_offset in (0.0, 1.0),
+            "norm_weight_offset",
+            f"0 (w) or 1 (Gemma's 1 + w), got {self.norm_weight_offset}",
+        )
 
     # --- derived structure ---------------------------------------------------------------------
 
     def is_moe_layer(self, i: int) -> bool:
         if self.moe is None:
             return False
-        return i >= self.first_k_dense_replace and i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+        return (
+            i >= self.first_k_dense_replace
+            and i not in self.mlp_only_layers
+            and (i + 1) % self.decoder_sparse_step == 0
+        )
 
     def layer_type(self, i: int) -> str:
         if self.layer_types is not None:
@@ -375,7 +426,9 @@ class ModelConfig:
     @property
     def has_dense_mlp(self) -> bool:
         """Whether any dense MLP runs: a dense layer, or DeepSeek-style shared experts."""
-        return self.num_dense_layers > 0 or (self.moe is not None and self.moe.n_shared_experts > 0 and self.num_moe_layers > 0)
+        return self.num_dense_layers > 0 or (
+            self.moe is not None and self.moe.n_shared_experts > 0 and self.num_moe_layers > 0
+        )
 
     @property
     def rope_dim(self) -> int:
@@ -393,7 +446,9 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
     def __hash__(self) -> int:
-        return hash(tuple(tuple(v) if isinstance(v, list) else v for v in dataclasses.astuple(self, tuple_factory=tuple)))
+        return hash(
+            tuple(tuple(v) if isinstance(v, list) else v for v in dataclasses.astuple(self, tuple_factory=tuple))
+        )
 
 
 # --- parameter and FLOP counts ---------------------------------------------------------------
@@ -415,7 +470,11 @@ def _attention_params(c: ModelConfig) -> int:
         q = d * n * m.qk_head_dim
     else:
         q = d * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * n * m.qk_head_dim
-    kv = d * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank + m.kv_lora_rank * n * (m.qk_nope_head_dim + m.v_head_dim)
+    kv = (
+        d * (m.kv_lora_rank + m.qk_rope_head_dim)
+        + m.kv_lora_rank
+        + m.kv_lora_rank * n * (m.qk_nope_head_dim + m.v_head_dim)
+    )
     return q + kv + n * m.v_head_dim * d
 
 

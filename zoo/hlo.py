@@ -24,8 +24,25 @@ from zoo._compat import persistent_cache_bypassed
 KINDS = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "ragged-all-to-all", "collective-permute")
 
 _BYTES = {
-    "pred": 1, "s2": 1, "u2": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "s32": 4, "u32": 4,
-    "s64": 8, "u64": 8, "f16": 2, "bf16": 2, "f32": 4, "f64": 8, "c64": 8, "c128": 16,
+    "pred": 1,
+    "s2": 1,
+    "u2": 1,
+    "s4": 1,
+    "u4": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "s32": 4,
+    "u32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f16": 2,
+    "bf16": 2,
+    "f32": 4,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
 }  # sub-byte types counted as one byte each: an upper bound; f8 variants below
 
 _SHAPE = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
@@ -257,7 +274,7 @@ def collectives(hlo_text: str) -> list[Collective]:
             operands = tuple(a for name in ins.operands for a in parse_shapes(shapes.get(name, "")))
             if op.endswith("-start"):
                 done = done_of.get(ins.name)
-                results = parse_shapes(done.shape) if done is not None else parse_shapes(ins.shape)[len(operands):]
+                results = parse_shapes(done.shape) if done is not None else parse_shapes(ins.shape)[len(operands) :]
             else:
                 results = parse_shapes(ins.shape)
             group, trivial = _group_size(ins.attrs)
@@ -293,14 +310,18 @@ def summarize(found: Iterable[Collective], include_trivial: bool = False) -> dic
     return {k: table[k] for k in KINDS if k in table}
 
 
-def by_kind_and_dtype(found: Iterable[Collective], include_trivial: bool = False) -> dict[str, dict[str, dict[str, int]]]:
+def by_kind_and_dtype(
+    found: Iterable[Collective], include_trivial: bool = False
+) -> dict[str, dict[str, dict[str, int]]]:
     """`summarize`'s rows split by element type: kind -> dtype (several joined by `+`) -> count,
     executions, bytes per program run."""
     table: dict[str, dict[str, dict[str, int]]] = {}
     for c in found:
         if c.trivial and not include_trivial:
             continue
-        row = table.setdefault(c.kind, {}).setdefault("+".join(sorted(c.dtypes)), {"count": 0, "executions": 0, "bytes": 0})
+        row = table.setdefault(c.kind, {}).setdefault(
+            "+".join(sorted(c.dtypes)), {"count": 0, "executions": 0, "bytes": 0}
+        )
         row["count"] += 1
         row["executions"] += c.executions
         row["bytes"] += c.bytes * c.executions
@@ -397,13 +418,24 @@ def buffer_assignment(text: str, hlo_text: str = "") -> list[Buffer]:
             if param:
                 n = int(param.group(1))
                 shape = re.search(r"shape \|([^|]*)\|", attrs)
-                out.append(Buffer(f"parameter {n}", size, kind, shape.group(1) if shape else "", params.get(n, ""), current[1]))
+                out.append(
+                    Buffer(f"parameter {n}", size, kind, shape.group(1) if shape else "", params.get(n, ""), current[1])
+                )
                 current = None  # its values are the parameter itself
             continue
         v = _VALUE.match(line)
         if v and current is not None:
             name = v.group(1)
-            out.append(Buffer(name, int(v.group(2)), current[0], re.sub(r"\{[^}]*\}$", "", v.group(4)), names.get(name, ""), current[1]))
+            out.append(
+                Buffer(
+                    name,
+                    int(v.group(2)),
+                    current[0],
+                    re.sub(r"\{[^}]*\}$", "", v.group(4)),
+                    names.get(name, ""),
+                    current[1],
+                )
+            )
     return out
 
 

@@ -68,7 +68,9 @@ def capture(
         if name not in zoo_tags.TAGS:
             raise ValueError(f"unknown tag {name!r}; the vocabulary is {sorted(zoo_tags.TAGS)}")
         if name not in emitted:
-            raise ValueError(f"tag {name!r}: this {model.config.family} model never emits it; it emits {', '.join(emitted)}")
+            raise ValueError(
+                f"tag {name!r}: this {model.config.family} model never emits it; it emits {', '.join(emitted)}"
+            )
     pieces = _capture(model, tokens, names, positions, segment_ids, _layout_key())
     return pieces if not stitch else {name: _stitch(name, entries) for name, entries in pieces.items()}
 
@@ -85,7 +87,10 @@ def _capture(model, tokens, names: tuple[str, ...], positions, segment_ids, layo
     with zoo_tags.capturing(names) as record:
         model.features(tokens, positions=positions, segment_ids=segment_ids)  # XLA drops what no tag needs
     shards = zs.context_balanced()
-    pieces = {name: [(layers, _in_sequence_order(name, values, shards)) for n, layers, values in record if n == name] for name in names}
+    pieces = {
+        name: [(layers, _in_sequence_order(name, values, shards)) for n, layers, values in record if n == name]
+        for name in names
+    }
     for name, entries in pieces.items():
         found = sorted(i for layers, _ in entries for i in layers)
         if tuple(found) != capture_layers(model.config, name):
@@ -107,7 +112,9 @@ def _stitch(name: str, entries: list) -> Array:
     shapes = {values.shape[1:] for _, values in entries}
     if len(shapes) > 1:
         where = "; ".join(f"layers {list(layers)}: {tuple(values.shape[1:])}" for layers, values in entries)
-        raise ValueError(f"tag {name!r} has different shapes in different layers ({where}); capture it with stitch=False")
+        raise ValueError(
+            f"tag {name!r} has different shapes in different layers ({where}); capture it with stitch=False"
+        )
     layers = np.concatenate([np.asarray(layers) for layers, _ in entries])
     order = np.argsort(layers, kind="stable")
     values = jnp.concatenate([values for _, values in entries])

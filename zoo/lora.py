@@ -32,6 +32,7 @@ from jaxtyping import PRNGKeyArray, PyTree
 
 from zoo import nn
 from zoo.errors import ConfigError
+
 # The adapted weight and its projection live with the blocks that use them; re-exported here.
 from zoo.nn.lora_weight import LoRAWeight, _is_lora, project  # noqa: F401
 
@@ -189,7 +190,9 @@ def attach(model, adapters: PyTree, config: LoraConfig, *, key: Optional[PRNGKey
                 if key is not None and config.dropout > 0.0:
                     layer_keys = jax.random.split(jax.random.fold_in(key, site), ab["a"].shape[0])
                 site += 1
-                weight = LoRAWeight(base, ab["a"], ab["b"], layer_keys, config.scale, _fan_in_axes(block, path), config.dropout)
+                weight = LoRAWeight(
+                    base, ab["a"], ab["b"], layer_keys, config.scale, _fan_in_axes(block, path), config.dropout
+                )
                 block = eqx.tree_at(lambda b, p=path: _get(b, p), block, weight)
             layers.append(block)
         stacks.append(eqx.tree_at(lambda s: s.layers, stack, tuple(layers)))

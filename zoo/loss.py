@@ -34,7 +34,9 @@ METHODS = ("fused", "recompute")
 DType = Union[str, jnp.dtype, type, None]
 
 
-def target_weights(loss_mask: Int[Array, "*batch seq"], segment_ids: Int[Array, "*batch seq"]) -> Float[Array, "*batch seq"]:
+def target_weights(
+    loss_mask: Int[Array, "*batch seq"], segment_ids: Int[Array, "*batch seq"]
+) -> Float[Array, "*batch seq"]:
     """1.0 where token t counts as a target: `loss_mask[t]` is set and token t-1 is in t's segment
     (so never at t = 0, nor at the first token of a document); else 0.0. The `mask` of the losses here."""
     same = jnp.concatenate(
@@ -288,7 +290,6 @@ def chunked_next_token_nll(
     return _unchunked(nll, batch, seq)[:, :-1]
 
 
-
 # ---- vocabulary-parallel fused loss ------------------------------------------------------------------
 # Under a mesh, the fused loss runs as one shard_map over the whole mesh: each device takes its own rows
 # (split over the batch axes) and its own columns of the head (split over the vocab axes, those that do
@@ -350,7 +351,9 @@ def _vocab_parallel_plan(head_shape, rows, context=()):
     return _plan_for(layout.mesh, rules, tuple(head_shape), rows, tuple(context))
 
 
-def vocab_parallel_lookup(table: Float[Array, "vocab embed"], tokens: Int[Array, "batch seq"]) -> Optional[Float[Array, "batch seq embed"]]:
+def vocab_parallel_lookup(
+    table: Float[Array, "vocab embed"], tokens: Int[Array, "batch seq"]
+) -> Optional[Float[Array, "batch seq embed"]]:
     """The embedding lookup split over the vocabulary where a vocab axis also splits the batch (a
     shared axis, as the loss's): each device gathers its group's tokens, looks up those in its
     `[vocab / n, embed]` rows (zeros elsewhere), and the rows are summed across the vocab shards and
@@ -383,7 +386,10 @@ def vocab_parallel_lookup(table: Float[Array, "vocab embed"], tokens: Int[Array,
 
     seq_spec = context or None
     return jax.shard_map(
-        body, mesh=mesh, in_specs=(P(vocab or None, embed_axes or None), P(batch or None, seq_spec)), out_specs=P(batch or None, seq_spec, None),
+        body,
+        mesh=mesh,
+        in_specs=(P(vocab or None, embed_axes or None), P(batch or None, seq_spec)),
+        out_specs=P(batch or None, seq_spec, None),
         check_vma=False,
     )(table, tokens)
 

@@ -58,7 +58,16 @@ class DecoderBlock(eqx.Module):
     # zoo.tags: the layer input, which no recomputation can produce (0 FLOPs). Its parameters are its
     # blocks', which declare them.
     EMITS: ClassVar[tuple[tags.Emit, ...]] = (
-        tags.Emit(tags.TagInfo(tags.DECODER_LAYER_INPUT, "B T D", "residual stream entering a decoder layer", tags.LAYER, (("batch", "seq", "embed"),)), lambda s: 0.0),
+        tags.Emit(
+            tags.TagInfo(
+                tags.DECODER_LAYER_INPUT,
+                "B T D",
+                "residual stream entering a decoder layer",
+                tags.LAYER,
+                (("batch", "seq", "embed"),),
+            ),
+            lambda s: 0.0,
+        ),
     )
 
     def __call__(
@@ -109,14 +118,28 @@ def make_block(c: ModelConfig, spec: LayerSpec, key: PRNGKeyArray) -> DecoderBlo
     dtypes = dict(param_dtype=c.param_dtype, compute_dtype=c.compute_dtype)
     rope = c.layer_rope(spec)
     if c.uses_mla:
-        attn = MLAttention(c.hidden_size, c.num_heads, c.mla, rope, c.max_position_embeddings, impl=c.attention_impl, key=ka, **dtypes)
+        attn = MLAttention(
+            c.hidden_size, c.num_heads, c.mla, rope, c.max_position_embeddings, impl=c.attention_impl, key=ka, **dtypes
+        )
     else:
         attn = GQAttention(
-            c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, rope, c.max_position_embeddings,
-            bias=c.attention_bias, out_bias=c.attention_out_bias, qk_norm=c.qk_norm, norm_eps=c.rms_norm_eps,
-            norm_weight_offset=c.norm_weight_offset, sinks=c.attention_sinks, window=spec.window,
+            c.hidden_size,
+            c.num_heads,
+            c.num_kv_heads,
+            c.head_dim,
+            rope,
+            c.max_position_embeddings,
+            bias=c.attention_bias,
+            out_bias=c.attention_out_bias,
+            qk_norm=c.qk_norm,
+            norm_eps=c.rms_norm_eps,
+            norm_weight_offset=c.norm_weight_offset,
+            sinks=c.attention_sinks,
+            window=spec.window,
             scale=None if c.query_pre_attn_scalar is None else c.query_pre_attn_scalar**-0.5,
-            impl=c.attention_impl, key=ka, **dtypes,
+            impl=c.attention_impl,
+            key=ka,
+            **dtypes,
         )
     if spec.moe:
         ffn = MoE(c.hidden_size, c.moe, key=kf, **dtypes)
@@ -212,7 +235,9 @@ class Stack(eqx.Module):
     def __init__(self, config: ModelConfig, name: str, first: int, period: int, repeats: int, *, key: PRNGKeyArray):
         keys = jax.random.split(key, period)
         self.layers = tuple(
-            eqx.filter_vmap(lambda k, j=j: make_block(config, config.layer_spec(first + j), k))(jax.random.split(keys[j], repeats))
+            eqx.filter_vmap(lambda k, j=j: make_block(config, config.layer_spec(first + j), k))(
+                jax.random.split(keys[j], repeats)
+            )
             for j in range(period)
         )
         self.name = name
@@ -270,7 +295,9 @@ class Stack(eqx.Module):
         return x, auxes
 
     def _block(self, block_params, static, j: int) -> DecoderBlock:
-        block_params = zs.cast_for_compute(block_params, self.compute_dtype, gather_context=True)  # before FSDP gathers them
+        block_params = zs.cast_for_compute(
+            block_params, self.compute_dtype, gather_context=True
+        )  # before FSDP gathers them
         # LoRA adapters (zoo.lora) are folded into this one layer's weights here, inside the scan.
         return merge_block(eqx.combine(block_params, static[j]))
 
@@ -296,7 +323,9 @@ class Stack(eqx.Module):
         each layer's slice updated in place. (As a scan input and output, every token would build a
         fresh buffer for the whole cache and copy it in: a copy per token that grows with context.)"""
         params, static = eqx.partition(self.layers, eqx.is_array)
-        at = lambda tree, r: jax.tree_util.tree_map(lambda c: jax.lax.dynamic_index_in_dim(c, r, 0, keepdims=False), tree)  # noqa: E731
+
+        def at(tree, r):
+            return jax.tree_util.tree_map(lambda c: jax.lax.dynamic_index_in_dim(c, r, 0, keepdims=False), tree)
 
         def body(carry, layer):
             h, caches = carry
@@ -304,7 +333,9 @@ class Stack(eqx.Module):
             caches = list(caches)
             for j in range(self.period):
                 h, cache = self._block(period_params[j], static, j).decode(h, positions, at(caches[j], r))
-                caches[j] = jax.tree_util.tree_map(lambda c, new: jax.lax.dynamic_update_index_in_dim(c, new, r, 0), caches[j], cache)
+                caches[j] = jax.tree_util.tree_map(
+                    lambda c, new: jax.lax.dynamic_update_index_in_dim(c, new, r, 0), caches[j], cache
+                )
             return (h, tuple(caches)), None
 
         (x, caches), _ = jax.lax.scan(body, (x, tuple(caches)), (params, jnp.arange(self.repeats, dtype=jnp.int32)))
@@ -318,7 +349,9 @@ class Stack(eqx.Module):
         one repeat long; whole repeats in between stay one stack. The whole stack is `[self]`; a piece
         is named `<stack>[<first>-<last>]`. Works on an abstract model too (shapes only)."""
         if not self.first <= start < stop <= self.first + self.num_layers:
-            raise ValueError(f"{self.name}: cannot cut layers {start}-{stop - 1} out of layers {self.first}-{self.first + self.num_layers - 1}")
+            raise ValueError(
+                f"{self.name}: cannot cut layers {start}-{stop - 1} out of layers {self.first}-{self.first + self.num_layers - 1}"
+            )
         if (start, stop) == (self.first, self.first + self.num_layers):
             return [self]
         p, out = self.period, []
@@ -347,7 +380,10 @@ class Stack(eqx.Module):
         first, last = self.layer_index(r0, j0), self.layer_index(r1 - 1, j1 - 1)
         fields = dict(
             layers=tuple(jax.tree_util.tree_map(rows, b) for b in self.layers[j0:j1]),
-            name=f"{self.name}[{first}-{last}]", first=first, repeats=r1 - r0, compute_dtype=self.compute_dtype,
+            name=f"{self.name}[{first}-{last}]",
+            first=first,
+            repeats=r1 - r0,
+            compute_dtype=self.compute_dtype,
         )
         for k, v in fields.items():
             object.__setattr__(piece, k, v)
@@ -359,7 +395,11 @@ class Stack(eqx.Module):
         return [jax.tree_util.tree_map(lambda p: p[r], params) for r in range(self.repeats)]
 
     def decode_layers(
-        self, x: Float[Array, "batch 1 embed"], positions: Int[Array, " batch"], caches: tuple[LayerCache, ...], layers: Sequence
+        self,
+        x: Float[Array, "batch 1 embed"],
+        positions: Int[Array, " batch"],
+        caches: tuple[LayerCache, ...],
+        layers: Sequence,
     ) -> tuple[Float[Array, "batch 1 embed"], tuple[LayerCache, ...]]:
         """`decode` with the layers unrolled over parameters `unstack` sliced out once (before a decode
         loop): a scan slices every layer's weights out of the stack, a copy of all of them per token."""
@@ -370,9 +410,13 @@ class Stack(eqx.Module):
             # the values' whole caches in and out of the step (one of them still is; see the tests).
             i = jax.lax.optimization_barrier(jnp.int32(r))
             for j in range(self.period):
-                layer_cache = jax.tree_util.tree_map(lambda c: jax.lax.dynamic_index_in_dim(c, i, 0, keepdims=False), caches[j])
+                layer_cache = jax.tree_util.tree_map(
+                    lambda c: jax.lax.dynamic_index_in_dim(c, i, 0, keepdims=False), caches[j]
+                )
                 x, cache = self._block(period_params[j], static, j).decode(x, positions, layer_cache)
-                caches[j] = jax.tree_util.tree_map(lambda c, new: jax.lax.dynamic_update_index_in_dim(c, new, i, 0), caches[j], cache)
+                caches[j] = jax.tree_util.tree_map(
+                    lambda c, new: jax.lax.dynamic_update_index_in_dim(c, new, i, 0), caches[j], cache
+                )
         return x, tuple(caches)
 
 
@@ -394,7 +438,10 @@ class CausalLM(eqx.Module):
     config: ModelConfig = eqx.field(static=True)
 
     # zoo.sharding: the embedding and the output head, both cast to the compute dtype before a gather.
-    PARAMS: ClassVar[dict[str, zs.Leaf]] = {"embed": zs.compute("vocab", "embed"), "lm_head": zs.compute("embed", "vocab")}
+    PARAMS: ClassVar[dict[str, zs.Leaf]] = {
+        "embed": zs.compute("vocab", "embed"),
+        "lm_head": zs.compute("embed", "vocab"),
+    }
 
     def __init__(self, config: ModelConfig, *, key: PRNGKeyArray):
         ke, ks, kh = jax.random.split(key, 3)
@@ -402,9 +449,15 @@ class CausalLM(eqx.Module):
         self.embed = normal(ke, (c.vocab_size, c.hidden_size), c.hidden_size, c.param_dtype)
         layout = stack_layout(c)
         keys = jax.random.split(ks, len(layout))
-        self.stacks = tuple(Stack(c, name, first, period, repeats, key=k) for (name, first, period, repeats), k in zip(layout, keys))
-        self.final_norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, weight_offset=c.norm_weight_offset, dtype=c.param_dtype)
-        self.lm_head = None if c.tie_word_embeddings else normal(kh, (c.hidden_size, c.vocab_size), c.hidden_size, c.param_dtype)
+        self.stacks = tuple(
+            Stack(c, name, first, period, repeats, key=k) for (name, first, period, repeats), k in zip(layout, keys)
+        )
+        self.final_norm = RMSNorm(
+            c.hidden_size, eps=c.rms_norm_eps, weight_offset=c.norm_weight_offset, dtype=c.param_dtype
+        )
+        self.lm_head = (
+            None if c.tie_word_embeddings else normal(kh, (c.hidden_size, c.vocab_size), c.hidden_size, c.param_dtype)
+        )
         self.config = config
 
     def __check_init__(self):
@@ -431,7 +484,9 @@ class CausalLM(eqx.Module):
         c = self.config
         table = self.embed
         if not c.scale_embeddings:
-            table = zs.cast_for_compute(table, c.compute_dtype, declared=self.PARAMS["embed"])  # gathered in the compute dtype
+            table = zs.cast_for_compute(
+                table, c.compute_dtype, declared=self.PARAMS["embed"]
+            )  # gathered in the compute dtype
         x = vocab_parallel_lookup(table, tokens)
         if x is None:
             # The lookup reads whole rows: give it the table gathered over its embed dim, so each device
@@ -457,7 +512,9 @@ class CausalLM(eqx.Module):
         if self.lm_head is None:
             # Contract the embedding's own embed axis: its transpose, in a one-token decode step,
             # became a loop fusion that re-laid the whole [vocab, embed] table out every token.
-            table = zs.cast_for_compute(self.embed, c.compute_dtype, declared=self.PARAMS["embed"]).astype(c.compute_dtype)
+            table = zs.cast_for_compute(self.embed, c.compute_dtype, declared=self.PARAMS["embed"]).astype(
+                c.compute_dtype
+            )
             logits = jnp.einsum("BTD,VD->BTV", hidden, table, preferred_element_type=jnp.float32)
         else:
             logits = jnp.einsum("BTD,DV->BTV", hidden, self.head_weight(), preferred_element_type=jnp.float32)
@@ -671,7 +728,9 @@ def abstract(config: ModelConfig) -> CausalLM:
 
 
 def next_token_loss(
-    logits: Float[Array, "batch seq vocab"], tokens: Int[Array, "batch seq"], mask: Optional[Float[Array, "batch seq"]] = None
+    logits: Float[Array, "batch seq vocab"],
+    tokens: Int[Array, "batch seq"],
+    mask: Optional[Float[Array, "batch seq"]] = None,
 ) -> Float[Array, ""]:
     """Mean cross-entropy of predicting tokens[:, t+1] from logits[:, t], in float32.
 
@@ -752,9 +811,13 @@ def features(
     `context_order`: see `run_layers`."""
     if isinstance(remat_policy, RangedPolicy):  # a policy per layer range: a scan per piece
         segments = [(first, stop, layer_wrapper(p, layer_transform)) for first, stop, p in remat_policy.segments]
-        return run_layers(model, tokens, positions=positions, segment_ids=segment_ids, segments=segments, context_order=context_order)
+        return run_layers(
+            model, tokens, positions=positions, segment_ids=segment_ids, segments=segments, context_order=context_order
+        )
     wrap = layer_wrapper(remat_policy, layer_transform)
-    return run_layers(model, tokens, positions=positions, segment_ids=segment_ids, wrap_layer=wrap, context_order=context_order)
+    return run_layers(
+        model, tokens, positions=positions, segment_ids=segment_ids, wrap_layer=wrap, context_order=context_order
+    )
 
 
 def loss_fn(
@@ -771,7 +834,12 @@ def loss_fn(
     or a transform of each layer's parameters, every layer runs as
     `features` runs it: the same values, what the backward pass keeps set by the policy."""
     hidden, _ = features(
-        model, tokens, positions=positions, segment_ids=segment_ids, remat_policy=remat_policy, layer_transform=layer_transform
+        model,
+        tokens,
+        positions=positions,
+        segment_ids=segment_ids,
+        remat_policy=remat_policy,
+        layer_transform=layer_transform,
     )
     return next_token_loss(model.logits(hidden), tokens)
 

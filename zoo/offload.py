@@ -54,6 +54,8 @@ def backward_never_reads(model_config) -> tuple[str, ...]:
     if getattr(model_config, "sandwich_norms", False):
         return ()
     return tuple(t.name for t in TAGS.values() if t.only_feeds_residual)
+
+
 # Tags that are the input of the checkpointed layer body: kept by the scan unless offloaded.
 CHECKPOINT_INPUTS = (DECODER_LAYER_INPUT,)
 
@@ -117,10 +119,14 @@ class OffloadConfig:
                 owner = TAGS[tag_name].block
                 if owner != kind:
                     where = "offload.tags" if owner not in OPTIONAL_KINDS else f"offload.block_tags.{owner}"
-                    raise ValueError(f"{key}: {tag_name} belongs to the {owner} block, not {kind}; move it under {where}")
+                    raise ValueError(
+                        f"{key}: {tag_name} belongs to the {owner} block, not {kind}; move it under {where}"
+                    )
         for field in ("params", "opt_state"):
             if getattr(self, field) not in MEMORY_KINDS:
-                raise ValueError(f"offload.{field}: {getattr(self, field)!r} is not a memory kind; choose one of {', '.join(MEMORY_KINDS)}")
+                raise ValueError(
+                    f"offload.{field}: {getattr(self, field)!r} is not a memory kind; choose one of {', '.join(MEMORY_KINDS)}"
+                )
         if not self.checkpoint and (self.tags or any(self.block_tags.values())):
             named = next(iter(self.tags), None) or next(t for s in self.block_tags.values() for t in (s or {}))
             raise ValueError(
@@ -180,7 +186,9 @@ def parse_ranges(ranges: dict) -> list[LayerRange]:
                 f"e.g. +offload.ranges={{0-3:llama_qkv_offload}}"
             )
         if not isinstance(preset, str) or not preset:
-            raise ValueError(f"offload.ranges.{key}: {preset!r} is not a preset name; give one of {', '.join(preset_names())}")
+            raise ValueError(
+                f"offload.ranges.{key}: {preset!r} is not a preset name; give one of {', '.join(preset_names())}"
+            )
         first = int(m.group(1))
         last = first if m.group(2) is None else int(m.group(2))
         out.append(LayerRange(key, first, last, preset))
@@ -216,7 +224,9 @@ def range_configs(policy: OffloadConfig) -> list[tuple[LayerRange, OffloadConfig
         try:
             raw = OmegaConf.to_container(OmegaConf.load(path or conf_dir() / "offload" / f"{r.preset}.yaml")) or {}
         except Exception as e:  # a file that is not YAML, or not a mapping
-            raise ValueError(f"offload.ranges.{r.key}: {r.preset} is not a YAML mapping ({type(e).__name__}); give an offload policy file") from None
+            raise ValueError(
+                f"offload.ranges.{r.key}: {r.preset} is not a YAML mapping ({type(e).__name__}); give an offload policy file"
+            ) from None
         if not isinstance(raw, dict):
             raise ValueError(f"offload.ranges.{r.key}: {r.preset} is not a YAML mapping; give an offload policy file")
         if "checkpoint" not in raw:
@@ -225,12 +235,17 @@ def range_configs(policy: OffloadConfig) -> list[tuple[LayerRange, OffloadConfig
                 f"whole model; give the range an activation preset (e.g. full) and set offload.params / offload.opt_state instead"
             )
         if raw.get("ranges"):
-            raise ValueError(f"offload.ranges.{r.key}: preset {r.preset} has ranges of its own; give the range a preset without offload.ranges")
+            raise ValueError(
+                f"offload.ranges.{r.key}: preset {r.preset} has ranges of its own; give the range a preset without offload.ranges"
+            )
         try:
             if path is None:
                 config = load_preset(r.preset, params=policy.params, opt_state=policy.opt_state)
             else:
-                config = from_mapping({k: v for k, v in raw.items() if k != "defaults"} | {"params": policy.params, "opt_state": policy.opt_state})
+                config = from_mapping(
+                    {k: v for k, v in raw.items() if k != "defaults"}
+                    | {"params": policy.params, "opt_state": policy.opt_state}
+                )
         except ValueError as e:
             raise ValueError(f"offload.ranges.{r.key}: preset {r.preset}: {str(e).splitlines()[0]}") from None
         out.append((r, config))
@@ -244,7 +259,9 @@ def range_file(r: LayerRange):
         return None
     path = pathlib.Path(r.preset).expanduser()
     if not path.is_file():
-        raise ValueError(f"offload.ranges.{r.key}: no file {r.preset}; give an existing offload policy YAML (e.g. one zoo.tools.plan wrote) or a preset name")
+        raise ValueError(
+            f"offload.ranges.{r.key}: no file {r.preset}; give an existing offload policy YAML (e.g. one zoo.tools.plan wrote) or a preset name"
+        )
     return path
 
 
@@ -306,7 +323,11 @@ def check_tags_emitted(policy: OffloadConfig, model_config) -> None:
         t = missing[0]
         kind = TAGS[t].block
         # For a policy shared by several models (a preset); a model without such blocks ignores the section.
-        hint = f"; tags of optional blocks go under offload.block_tags.{kind}, for the models that have {kind} blocks" if kind in OPTIONAL_KINDS else ""
+        hint = (
+            f"; tags of optional blocks go under offload.block_tags.{kind}, for the models that have {kind} blocks"
+            if kind in OPTIONAL_KINDS
+            else ""
+        )
         raise ValueError(
             f"offload.tags.{t}: the {model_config.family} model never emits this tag; "
             f"it emits: {', '.join(emitted)}{hint}"
@@ -320,7 +341,13 @@ def dropped_block_tags(policy: OffloadConfig, model_config) -> list[str]:
     (`q_lora_rank: null` has no query_wa_proj / mla_q). They are ignored for this model; tools print them."""
     emitted = emitted_tags(model_config)
     kinds = block_kinds(model_config)
-    return [t for k, section in policy.block_tags.items() if k in kinds for t in (section or {}) if t not in emitted and t not in policy.tags]
+    return [
+        t
+        for k, section in policy.block_tags.items()
+        if k in kinds
+        for t in (section or {})
+        if t not in emitted and t not in policy.tags
+    ]
 
 
 def resolve(policy: OffloadConfig, model_config) -> dict[str, str]:
@@ -397,12 +424,16 @@ def keep_all_but_weight_casts(weight_shapes: frozenset) -> Callable:
 
     def policy(prim, *avals, **_) -> bool:
         # The cast, and the constraint that pins it to the weight's sharding (zoo.sharding.cast_for_compute).
-        return not (prim.name in ("convert_element_type", "sharding_constraint") and tuple(avals[0].shape) in weight_shapes)
+        return not (
+            prim.name in ("convert_element_type", "sharding_constraint") and tuple(avals[0].shape) in weight_shapes
+        )
 
     return policy
 
 
-def remat_policy(policy: OffloadConfig, model_config=None, *, weights_of=None) -> Optional[Union[Callable, RangedPolicy]]:
+def remat_policy(
+    policy: OffloadConfig, model_config=None, *, weights_of=None
+) -> Optional[Union[Callable, RangedPolicy]]:
     """The `jax.checkpoint` policy for the scanned layer body (None: no checkpoint, keep everything;
     with parameters in host memory, `keep_all_but_transfers`; for a model that casts its weights to
     another compute dtype, `keep_all_but_weight_casts`).
@@ -416,7 +447,9 @@ def remat_policy(policy: OffloadConfig, model_config=None, *, weights_of=None) -
     if policy.ranges:
         model = model_config if model_config is not None else weights_of
         if model is None:
-            raise ValueError("offload.ranges: the policy of a layer range needs the model; pass model_config or weights_of")
+            raise ValueError(
+                "offload.ranges: the policy of a layer range needs the model; pass model_config or weights_of"
+            )
         if model_config is not None:
             resolve(policy, model_config)
         return RangedPolicy(

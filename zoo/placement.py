@@ -65,7 +65,6 @@ class TagRecord(_PerLayerRecord):
     occurrences: int = 1  # checkpoint_name sites of this tag per scan step (layers of a repeating period)
 
 
-
 @dataclasses.dataclass
 class OtherResidual(_PerLayerRecord):
     """A per-layer output of a forward scan that no tag accounts for: an untagged residual the
@@ -78,7 +77,6 @@ class OtherResidual(_PerLayerRecord):
     bytes_per_layer: int
     layers: int
     source: str  # the primitive that produced it inside the layer, or "layer input" / "constant"
-
 
 
 @dataclasses.dataclass
@@ -189,7 +187,9 @@ def _is_host(aval) -> bool:
 def _is_host_put(eqn) -> bool:
     if eqn.primitive.name != "device_put":
         return False
-    return any(_is_host(v.aval) for v in eqn.outvars) or any("host" in str(d).lower() for d in eqn.params.get("devices", ()))
+    return any(_is_host(v.aval) for v in eqn.outvars) or any(
+        "host" in str(d).lower() for d in eqn.params.get("devices", ())
+    )
 
 
 def _nbytes(aval) -> int:
@@ -226,7 +226,15 @@ def _analyse_forward_scan(eqn, stack: str) -> tuple[list[TagRecord], list[OtherR
             q = producers.get(q.invars[0])  # name the op that computed it, not JAX's save marker
         source = q.primitive.name if q is not None else ("layer input" if v in carry_invars else "scan input")
         other.append(
-            OtherResidual(stack, tuple(v.aval.shape), str(v.aval.dtype), "host" if on_host else "device", _nbytes(v.aval), layers, source)
+            OtherResidual(
+                stack,
+                tuple(v.aval.shape),
+                str(v.aval.dtype),
+                "host" if on_host else "device",
+                _nbytes(v.aval),
+                layers,
+                source,
+            )
         )
 
     records = []
@@ -235,7 +243,9 @@ def _analyse_forward_scan(eqn, stack: str) -> tuple[list[TagRecord], list[OtherR
         aval, devices = outs[0]
         shape = tuple(aval.shape)
         if devices > 1 and shape:
-            shape = (devices * shape[0],) + shape[1:]  # the devices' shares stacked, as the residual leaves the shard_map
+            shape = (devices * shape[0],) + shape[
+                1:
+            ]  # the devices' shares stacked, as the residual leaves the shard_map
         # A scan step runs a period of layers (one block each); a kernel that names its own residuals
         # (splash: output and softmax statistics) gives one layer several sites of a tag.
         emitting = min(len(outs), period)
@@ -372,7 +382,9 @@ def update_buffers(closed, scope: Optional[str] = None) -> dict:
             if not subs and eqn.primitive.name not in _IN_PLACE:
                 device = [v.aval for v in eqn.outvars if hasattr(v.aval, "shape") and not _is_host(v.aval)]
                 found["in_loops" if in_loop else "outside_loops"].extend(device)
-                if eqn.primitive.name == "device_put" and any(_is_host(v.aval) for v in eqn.invars if hasattr(v, "aval")):
+                if eqn.primitive.name == "device_put" and any(
+                    _is_host(v.aval) for v in eqn.invars if hasattr(v, "aval")
+                ):
                     found["moved"].extend(device)
             for sub in subs:
                 record(sub.eqns, in_loop or loop, top and not loop)

@@ -178,7 +178,9 @@ def compiled_buckets() -> list[tuple[int, int, int]]:
     return [k[-3:] for k in _PROGRAMS]
 
 
-def decode_compile_options(platform: str, params: Union[int, float], cpu_fast_compile: Union[bool, str] = "auto") -> Optional[dict]:
+def decode_compile_options(
+    platform: str, params: Union[int, float], cpu_fast_compile: Union[bool, str] = "auto"
+) -> Optional[dict]:
     """The compile options of a sampling program: the one place decoding's backend-specific choices
     live. On CPU, `cpu_fast_compile` True compiles with LLVM's optimisations off, False with XLA's
     default level, "auto" off below `zoo.backend`'s `decode_llvm_from_params` and on from there;
@@ -192,22 +194,42 @@ def decode_compile_options(platform: str, params: Union[int, float], cpu_fast_co
     return dict(backend.LLVM_OFF) if fast else None
 
 
-def _compiled(model: CausalLM, batch: int, seq: int, max_len: int, keep_logits: bool, cpu_fast_compile, on_compile=None):
+def _compiled(
+    model: CausalLM, batch: int, seq: int, max_len: int, keep_logits: bool, cpu_fast_compile, on_compile=None
+):
     params, static = eqx.partition(model, eqx.is_array)
     leaves = jax.tree_util.tree_leaves(params)
     options = decode_compile_options(jax.default_backend(), sum(x.size for x in leaves), cpu_fast_compile)
     fast = options is not None
     unstack = backend.choices().decode_unstacks_layers
-    key = (jax.tree_util.tree_structure(model), tuple((x.shape, str(x.dtype)) for x in leaves), keep_logits, fast, unstack, batch, seq, max_len)
+    key = (
+        jax.tree_util.tree_structure(model),
+        tuple((x.shape, str(x.dtype)) for x in leaves),
+        keep_logits,
+        fast,
+        unstack,
+        batch,
+        seq,
+        max_len,
+    )
     if key not in _PROGRAMS:
         start = time.perf_counter()
         pad_id = model.config.pad_token_id or 0
-        fn = jax.jit(functools.partial(_program, static=static, max_len=max_len, pad_id=pad_id, keep_logits=keep_logits, unstack=unstack))
+        fn = jax.jit(
+            functools.partial(
+                _program, static=static, max_len=max_len, pad_id=pad_id, keep_logits=keep_logits, unstack=unstack
+            )
+        )
         i32, f32 = jnp.int32, jnp.float32
         shapes = (
-            jax.ShapeDtypeStruct((batch, seq), i32), jax.ShapeDtypeStruct((batch,), i32), jax.ShapeDtypeStruct((batch,), bool),
-            jax.ShapeDtypeStruct((), i32), jax.ShapeDtypeStruct((), f32), jax.ShapeDtypeStruct((), i32),
-            jax.ShapeDtypeStruct((), f32), jax.ShapeDtypeStruct((model.config.vocab_size,), bool),
+            jax.ShapeDtypeStruct((batch, seq), i32),
+            jax.ShapeDtypeStruct((batch,), i32),
+            jax.ShapeDtypeStruct((batch,), bool),
+            jax.ShapeDtypeStruct((), i32),
+            jax.ShapeDtypeStruct((), f32),
+            jax.ShapeDtypeStruct((), i32),
+            jax.ShapeDtypeStruct((), f32),
+            jax.ShapeDtypeStruct((model.config.vocab_size,), bool),
             jax.eval_shape(lambda: jax.random.key(0)),
         )
         _PROGRAMS[key] = fn.lower(params, *shapes).compile(options)
@@ -223,7 +245,9 @@ def _pow2(n: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(n, 1))))
 
 
-def buckets(n_prompts: int, longest: int, max_new_tokens: int, positions: int, max_len: Optional[int] = None) -> tuple[int, int, int]:
+def buckets(
+    n_prompts: int, longest: int, max_new_tokens: int, positions: int, max_len: Optional[int] = None
+) -> tuple[int, int, int]:
     """(batch, prompt length, cache length) of the program a request runs in: powers of two (the
     prompt at least MIN_PROMPT_BUCKET), never past the model's `positions` (or `max_len`)."""
     limit = positions if max_len is None else min(max_len, positions)
@@ -233,28 +257,42 @@ def buckets(n_prompts: int, longest: int, max_new_tokens: int, positions: int, m
 
 
 def check_request(
-    config, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float, top_k: int, top_p: float,
-    stop_tokens: Sequence[int], max_len: Optional[int] = None,
+    config,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    stop_tokens: Sequence[int],
+    max_len: Optional[int] = None,
 ) -> None:
     """Every bad input of a request as one GenerationError naming its key, before anything compiles."""
     vocab, positions = config.vocab_size, config.max_position_embeddings
     if not prompts:
         raise GenerationError('prompt: no prompt given; give at least one, e.g. prompt="Once upon a time"')
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
-        raise GenerationError(f"max_new_tokens: must be a whole number >= 1, got {max_new_tokens!r}; e.g. max_new_tokens=32")
+        raise GenerationError(
+            f"max_new_tokens: must be a whole number >= 1, got {max_new_tokens!r}; e.g. max_new_tokens=32"
+        )
     if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
-        raise GenerationError(f"temperature: must be a finite number >= 0 (0 is greedy), got {temperature!r}; e.g. temperature=0.8")
+        raise GenerationError(
+            f"temperature: must be a finite number >= 0 (0 is greedy), got {temperature!r}; e.g. temperature=0.8"
+        )
     if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 0:
         raise GenerationError(f"top_k: must be a whole number >= 0 (0 keeps every token), got {top_k!r}; e.g. top_k=50")
     if not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
         raise GenerationError(f"top_p: must be in (0, 1] (1 keeps every token), got {top_p!r}; e.g. top_p=0.9")
     bad_stop = [t for t in stop_tokens if not 0 <= t < vocab]
     if bad_stop:
-        raise GenerationError(f"stop_tokens: id {bad_stop[0]} is outside the model's vocabulary 0..{vocab - 1}; give ids in that range")
+        raise GenerationError(
+            f"stop_tokens: id {bad_stop[0]} is outside the model's vocabulary 0..{vocab - 1}; give ids in that range"
+        )
     limit, limit_key = positions, "the model's max_position_embeddings"
     if max_len is not None:
         if max_len < 2:
-            raise GenerationError(f"max_len: must be >= 2 (a prompt token and a new one), got {max_len}; or leave it unset")
+            raise GenerationError(
+                f"max_len: must be >= 2 (a prompt token and a new one), got {max_len}; or leave it unset"
+            )
         if max_len < positions:
             limit, limit_key = max_len, "max_len"
     for i, p in enumerate(prompts):
@@ -263,7 +301,9 @@ def check_request(
             raise GenerationError(f"prompt: {which} is empty (no tokens); give at least one token of text")
         outside = [t for t in p if not 0 <= t < vocab]
         if outside:
-            raise GenerationError(f"prompt: {which} has token id {outside[0]} outside the model's vocabulary 0..{vocab - 1}; give ids in that range")
+            raise GenerationError(
+                f"prompt: {which} has token id {outside[0]} outside the model's vocabulary 0..{vocab - 1}; give ids in that range"
+            )
         if len(p) >= limit:
             raise GenerationError(
                 f"prompt: {which} has {len(p)} tokens but {limit_key} allows {limit} positions, prompt and new tokens together; "
@@ -281,7 +321,9 @@ def check_request(
 
 def encode_prompts(prompts, tokenizer=None) -> list[list[int]]:
     """Prompts as token lists: a string, a list of strings (needs `tokenizer`), or token lists."""
-    if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], (int, np.integer))):
+    if isinstance(prompts, str) or (
+        isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], (int, np.integer))
+    ):
         prompts = [prompts]
     out = []
     for p in prompts:
@@ -326,7 +368,9 @@ def generate(
     stop_tokens = [int(t) for t in stop_tokens]
     c = model.config
     check_request(c, tokens, max_new_tokens, temperature, top_k, top_p, stop_tokens, max_len)
-    batch, seq, cache_len = buckets(len(tokens), max(map(len, tokens)), max_new_tokens, c.max_position_embeddings, max_len)
+    batch, seq, cache_len = buckets(
+        len(tokens), max(map(len, tokens)), max_new_tokens, c.max_position_embeddings, max_len
+    )
     program, params = _compiled(dropless(model), batch, seq, cache_len, keep_logits, cpu_fast_compile, on_compile)
 
     pad_id = c.pad_token_id or 0
@@ -338,9 +382,16 @@ def generate(
     is_stop = np.zeros((c.vocab_size,), bool)
     is_stop[stop_tokens] = True
     out, steps, seen = program(
-        params, jnp.asarray(padded), jnp.asarray(lengths), jnp.asarray(np.arange(batch) < len(tokens)),
-        jnp.int32(max_new_tokens), jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p),
-        jnp.asarray(is_stop), jax.random.key(seed),
+        params,
+        jnp.asarray(padded),
+        jnp.asarray(lengths),
+        jnp.asarray(np.arange(batch) < len(tokens)),
+        jnp.int32(max_new_tokens),
+        jnp.float32(temperature),
+        jnp.int32(top_k),
+        jnp.float32(top_p),
+        jnp.asarray(is_stop),
+        jax.random.key(seed),
     )
     out = np.asarray(out)[:, : int(steps)]
     seen = np.asarray(seen)

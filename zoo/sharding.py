@@ -441,7 +441,9 @@ def to_context_order(x, shards: int, axis: int = 1):
     x = jnp.moveaxis(x, axis, -1)
     lead, seq = x.shape[:-1], x.shape[-1]
     halves = x.reshape(*lead, 2, shards, seq // (2 * shards))
-    pairs = jnp.stack([halves[..., 0, :, :], jnp.flip(halves[..., 1, :, :], axis=-2)], axis=-2)  # [..., shards, 2, chunk]
+    pairs = jnp.stack(
+        [halves[..., 0, :, :], jnp.flip(halves[..., 1, :, :], axis=-2)], axis=-2
+    )  # [..., shards, 2, chunk]
     return jnp.moveaxis(pairs.reshape(*lead, seq), -1, axis)
 
 
@@ -450,7 +452,9 @@ def from_context_order(x, shards: int, axis: int = 1):
     x = jnp.moveaxis(x, axis, -1)
     lead, seq = x.shape[:-1], x.shape[-1]
     pairs = x.reshape(*lead, shards, 2, seq // (2 * shards))
-    halves = jnp.stack([pairs[..., :, 0, :], jnp.flip(pairs[..., :, 1, :], axis=-2)], axis=-3)  # [..., 2, shards, chunk]
+    halves = jnp.stack(
+        [pairs[..., :, 0, :], jnp.flip(pairs[..., :, 1, :], axis=-2)], axis=-3
+    )  # [..., 2, shards, chunk]
     return jnp.moveaxis(halves.reshape(*lead, seq), -1, axis)
 
 

@@ -113,7 +113,9 @@ def declares(cls):
     found = dict(TAGS)
     for e in cls.EMITS:
         if e.tag.block not in KINDS:
-            raise ValueError(f"{cls.__name__}: tag {e.tag.name!r} has block kind {e.tag.block!r}; the kinds are {KINDS}")
+            raise ValueError(
+                f"{cls.__name__}: tag {e.tag.name!r} has block kind {e.tag.block!r}; the kinds are {KINDS}"
+            )
         if found.setdefault(e.tag.name, e.tag) != e.tag:
             raise ValueError(f"{cls.__name__}: tag {e.tag.name!r} declared twice, differently")
     TAGS.clear()
@@ -128,7 +130,9 @@ def tag(x, name: str, *, checkpoint: bool = True):
     `layer_scope`). `checkpoint=False` only keeps it for a capture: for a value whose policy-visible
     residuals a kernel names itself (splash attention), which a second name would save twice."""
     if name not in TAGS:
-        raise ValueError(f"unknown tag {name!r}: no block declares it (a block's EMITS); the vocabulary is {sorted(TAGS)}")
+        raise ValueError(
+            f"unknown tag {name!r}: no block declares it (a block's EMITS); the vocabulary is {sorted(TAGS)}"
+        )
     scope = _LAYER_SCOPE.get()
     if scope is not None and name in _WANTED.get():
         if name in scope:

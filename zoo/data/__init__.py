@@ -16,6 +16,19 @@ from zoo.data.text import Chat, Corpus, PromptResponse, read_corpus
 from zoo.data.tokenizer import ByteTokenizer, HFTokenizer, check_vocab, load_tokenizer
 
 __all__ = [
-    "BATCH_FIELDS", "SHIPPED_CORPUS", "ByteTokenizer", "Chat", "Corpus", "DataError", "HFTokenizer", "PromptResponse",
-    "TextData", "check_vocab", "from_config", "load_text", "load_tokenizer", "read_corpus", "unigram_entropy",
+    "BATCH_FIELDS",
+    "SHIPPED_CORPUS",
+    "ByteTokenizer",
+    "Chat",
+    "Corpus",
+    "DataError",
+    "HFTokenizer",
+    "PromptResponse",
+    "TextData",
+    "check_vocab",
+    "from_config",
+    "load_text",
+    "load_tokenizer",
+    "read_corpus",
+    "unigram_entropy",
 ]

@@ -58,13 +58,17 @@ def jinja_render(template: str, special_tokens: dict[str, str], source: str) -> 
     try:
         compiled = env.from_string(template)
     except jinja2.exceptions.TemplateError as e:
-        raise DataError(f"data.tokenizer: the chat template of {source} does not compile ({e}); fix it or remove it") from None
+        raise DataError(
+            f"data.tokenizer: the chat template of {source} does not compile ({e}); fix it or remove it"
+        ) from None
 
     def render(messages: list[dict], add_generation_prompt: bool) -> str:
         try:
             return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt, **special_tokens)
         except jinja2.exceptions.TemplateError as e:
-            raise DataError(f"data.path: the chat template of {source} refuses a conversation ({e}); fix the data or the template") from None
+            raise DataError(
+                f"data.path: the chat template of {source} refuses a conversation ({e}); fix the data or the template"
+            ) from None
 
     return render
 
@@ -74,7 +78,9 @@ def renderer(tokenizer) -> tuple[Render, str]:
     template: Optional[str] = getattr(tokenizer, "chat_template", None)
     if template is None:
         return fallback_render, f"no chat template: {FALLBACK}"
-    return jinja_render(template, dict(tokenizer.special_tokens), tokenizer.name), f"the chat template of {tokenizer.name}"
+    return jinja_render(
+        template, dict(tokenizer.special_tokens), tokenizer.name
+    ), f"the chat template of {tokenizer.name}"
 
 
 def chat_pieces(chat: Chat, render: Render) -> list[Piece]:

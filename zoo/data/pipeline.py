@@ -80,13 +80,20 @@ def tokenize(tokenizer: Tokenizer, documents: Sequence[Document]) -> list[tuple[
     for p in pieces:
         parts = [next(ids) for _ in p]
         tokens = np.concatenate(parts) if parts else np.zeros((0,), np.int32)
-        mask = np.concatenate([np.full(len(x), counted) for x, (_, counted) in zip(parts, p)]) if parts else np.zeros((0,), bool)
+        mask = (
+            np.concatenate([np.full(len(x), counted) for x, (_, counted) in zip(parts, p)])
+            if parts
+            else np.zeros((0,), bool)
+        )
         out.append((tokens, mask))
     return out
 
 
 def pack(
-    documents: Sequence[tuple[np.ndarray, Optional[np.ndarray]]], bos_id: Optional[int], eos_id: Optional[int], vocab_size: int
+    documents: Sequence[tuple[np.ndarray, Optional[np.ndarray]]],
+    bos_id: Optional[int],
+    eos_id: Optional[int],
+    vocab_size: int,
 ) -> Packed:
     """One stream: each document's ids between `bos_id` and `eos_id` (either may be None)."""
     dtype = np.uint16 if vocab_size <= 2**16 else np.int32
@@ -171,7 +178,9 @@ class Windows:
             return 1
         first = np.arange(self._len, dtype=np.int64) * self.stride
         starts = self.packed.doc_starts
-        inside = np.searchsorted(starts, first + self.seq_len - 1, side="right") - np.searchsorted(starts, first, side="right")
+        inside = np.searchsorted(starts, first + self.seq_len - 1, side="right") - np.searchsorted(
+            starts, first, side="right"
+        )
         return int(inside.max()) + 1
 
 
@@ -257,7 +266,9 @@ class TextData:
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
         first = step * self.batch_size + self.process_index * self.local_batch_size
-        epochs, within = np.divmod(np.arange(first, first + self.local_batch_size, dtype=np.int64), len(self.window_ids))
+        epochs, within = np.divmod(
+            np.arange(first, first + self.local_batch_size, dtype=np.int64), len(self.window_ids)
+        )
         ids = np.empty(self.local_batch_size, np.int64)
         for e in np.unique(epochs):
             ids[epochs == e] = self._order(int(e))[within[epochs == e]]
@@ -326,7 +337,9 @@ class TextData:
 def _check_fits(n: int, batch_size: int, seq_len: int, key: str, what: str, fix: str) -> None:
     """A split must fill one batch: `<key>: <what> gives n windows ..., fewer than one batch; <fix>`."""
     if n < batch_size:
-        raise DataError(f"{key}: {what} gives {n} windows of data.seq_len={seq_len} tokens, fewer than one batch of data.batch_size={batch_size}; {fix}")
+        raise DataError(
+            f"{key}: {what} gives {n} windows of data.seq_len={seq_len} tokens, fewer than one batch of data.batch_size={batch_size}; {fix}"
+        )
 
 
 def load_text(
@@ -356,7 +369,9 @@ def load_text(
     if not 0.0 <= eval_fraction < 1.0:
         raise DataError(f"data.eval_fraction: must be in [0, 1), got {eval_fraction}; e.g. data.eval_fraction=0.05")
     if eval_fraction and eval_path:
-        raise DataError("data.eval_fraction: set it or data.eval_path, not both; data.eval_fraction=0 to evaluate on data.eval_path")
+        raise DataError(
+            "data.eval_fraction: set it or data.eval_path, not both; data.eval_fraction=0 to evaluate on data.eval_path"
+        )
     tok = load_tokenizer(tokenizer, eos_token=eos_token, bos_token=bos_token)
     if vocab_size is not None:
         check_vocab(tok, vocab_size)
@@ -373,14 +388,26 @@ def load_text(
     out = held_out(len(windows), eval_fraction)
     train_ids = np.flatnonzero(~out)
     kept = f" after data.eval_fraction={eval_fraction} holds {int(out.sum())} out" if eval_fraction else ""
-    _check_fits(len(train_ids), batch_size, seq_len, "data.batch_size", f"{source} ({len(windows.tokens)} tokens{kept})",
-                "a step would read more than the corpus; lower data.batch_size or data.seq_len, or add text")
+    _check_fits(
+        len(train_ids),
+        batch_size,
+        seq_len,
+        "data.batch_size",
+        f"{source} ({len(windows.tokens)} tokens{kept})",
+        "a step would read more than the corpus; lower data.batch_size or data.seq_len, or add text",
+    )
     data = TextData(windows, train_ids, corpus=corpus, seed=seed, shuffle=shuffle, source=source, **common)
     if eval_fraction:
         eval_ids = np.flatnonzero(out)
         need = math.ceil(batch_size * 1000 / len(windows)) / 1000
-        _check_fits(len(eval_ids), batch_size, seq_len, "data.eval_fraction", f"{eval_fraction} of {source}",
-                    f"raise data.eval_fraction to at least {need:g}, lower data.batch_size, or give data.eval_path")
+        _check_fits(
+            len(eval_ids),
+            batch_size,
+            seq_len,
+            "data.eval_fraction",
+            f"{eval_fraction} of {source}",
+            f"raise data.eval_fraction to at least {need:g}, lower data.batch_size, or give data.eval_path",
+        )
         data.eval = TextData(windows, eval_ids, corpus=corpus, shuffle=False, source=source, split="eval", **common)
     elif eval_path:
         eval_source = str(pathlib.Path(eval_path).expanduser())
@@ -389,11 +416,26 @@ def load_text(
         except DataError as e:  # its problems are data.eval_path's
             # the fix named in the message too ("point data.path at ..."), not only the key in front
             raise DataError(re.sub(r"\bdata\.path\b", "data.eval_path", str(e))) from None
-        eval_windows = Windows(pack(tokenize(tok, eval_corpus.documents), tok.bos_id, tok.eos_id, tok.vocab_size), seq_len)
-        _check_fits(len(eval_windows), batch_size, seq_len, "data.eval_path", f"{eval_source} ({len(eval_windows.tokens)} tokens)",
-                    "add text to it or lower data.batch_size")
-        data.eval = TextData(eval_windows, np.arange(len(eval_windows)), corpus=eval_corpus, shuffle=False,
-                             source=eval_source, split="eval", **common)
+        eval_windows = Windows(
+            pack(tokenize(tok, eval_corpus.documents), tok.bos_id, tok.eos_id, tok.vocab_size), seq_len
+        )
+        _check_fits(
+            len(eval_windows),
+            batch_size,
+            seq_len,
+            "data.eval_path",
+            f"{eval_source} ({len(eval_windows.tokens)} tokens)",
+            "add text to it or lower data.batch_size",
+        )
+        data.eval = TextData(
+            eval_windows,
+            np.arange(len(eval_windows)),
+            corpus=eval_corpus,
+            shuffle=False,
+            source=eval_source,
+            split="eval",
+            **common,
+        )
     return data
 
 
@@ -418,6 +460,16 @@ def from_config(c, vocab_size: int, process_index: int = 0, process_count: int =
 
 
 __all__ = [
-    "BATCH_FIELDS", "SHIPPED_CORPUS", "Packed", "TextData", "Windows", "from_config", "held_out", "load_text",
-    "num_windows", "pack", "tokenize", "unigram_entropy",
+    "BATCH_FIELDS",
+    "SHIPPED_CORPUS",
+    "Packed",
+    "TextData",
+    "Windows",
+    "from_config",
+    "held_out",
+    "load_text",
+    "num_windows",
+    "pack",
+    "tokenize",
+    "unigram_entropy",
 ]

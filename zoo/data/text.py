@@ -78,12 +78,16 @@ def list_files(path: Union[str, pathlib.Path]) -> list[pathlib.Path]:
     if p.is_file():
         return [p]
     if not p.is_dir():
-        raise DataError(f"data.path: {p} is neither a file nor a folder; point data.path at a .txt/.jsonl file or a folder")
+        raise DataError(
+            f"data.path: {p} is neither a file nor a folder; point data.path at a .txt/.jsonl file or a folder"
+        )
     wanted = TEXT_SUFFIXES + JSONL_SUFFIXES
     files = [
         f
         for f in p.rglob("*")
-        if f.is_file() and f.suffix.lower() in wanted and not any(part.startswith(".") for part in f.relative_to(p).parts)
+        if f.is_file()
+        and f.suffix.lower() in wanted
+        and not any(part.startswith(".") for part in f.relative_to(p).parts)
     ]
     if not files:
         raise DataError(
@@ -117,7 +121,9 @@ FORMAT_HINT = 'or write {"prompt": ..., "response": ...} or {"messages": [{"role
 def _string(obj: dict, key: str, where: str, fix_key: str = "data.path") -> str:
     value = obj[key]
     if not isinstance(value, str):
-        fix = "set data.text_field to the key that holds the text" if fix_key == "data.text_field" else "make it a string"
+        fix = (
+            "set data.text_field to the key that holds the text" if fix_key == "data.text_field" else "make it a string"
+        )
         raise DataError(f"{fix_key}: {where}: {key!r} holds a {type(value).__name__}, not a string; {fix}")
     return value
 
@@ -125,16 +131,20 @@ def _string(obj: dict, key: str, where: str, fix_key: str = "data.path") -> str:
 def _chat(obj: dict, where: str) -> Chat:
     messages = obj["messages"]
     if not isinstance(messages, list) or not messages:
-        raise DataError(f"data.path: {where}: 'messages' must be a non-empty list of {{\"role\": ..., \"content\": ...}}; fix the line")
+        raise DataError(
+            f'data.path: {where}: \'messages\' must be a non-empty list of {{"role": ..., "content": ...}}; fix the line'
+        )
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise DataError(
-                f"data.path: {where}: message {i} is not {{\"role\": <string>, \"content\": <string>}} (got {json.dumps(m)[:80]}); fix the line"
+                f'data.path: {where}: message {i} is not {{"role": <string>, "content": <string>}} (got {json.dumps(m)[:80]}); fix the line'
             )
         out.append((m["role"], m["content"]))
     if not any(role == "assistant" for role, _ in out):
-        raise DataError(f"data.path: {where}: no message has role 'assistant', so nothing would count in the loss; add the reply or drop the line")
+        raise DataError(
+            f"data.path: {where}: no message has role 'assistant', so nothing would count in the loss; add the reply or drop the line"
+        )
     return Chat(tuple(out))
 
 
@@ -142,14 +152,18 @@ def _pair(obj: dict, where: str) -> PromptResponse:
     key = next((k for k in RESPONSE_KEYS if k in obj), None)
     if "prompt" not in obj or key is None:
         have = ", ".join(map(str, obj)) or "no keys"
-        raise DataError(f"data.path: {where} has no 'prompt' and 'response' (it has: {have}); fix the line or set data.format=auto")
+        raise DataError(
+            f"data.path: {where} has no 'prompt' and 'response' (it has: {have}); fix the line or set data.format=auto"
+        )
     return PromptResponse(_string(obj, "prompt", where), _string(obj, key, where))
 
 
 def _document(obj: Any, where: str, text_field: str, fmt: str) -> Document:
     """One jsonl line -> a document ("" for an empty text, which the caller skips)."""
     if not isinstance(obj, dict):
-        raise DataError(f"data.path: {where} is a JSON {type(obj).__name__}, not an object; write one JSON object per line")
+        raise DataError(
+            f"data.path: {where} is a JSON {type(obj).__name__}, not an object; write one JSON object per line"
+        )
     if fmt == "chat" or (fmt == "auto" and "messages" in obj):
         if "messages" not in obj:
             raise DataError(f"data.path: {where} has no 'messages'; fix the line or set data.format=auto")
@@ -174,7 +188,9 @@ def jsonl_documents(f: pathlib.Path, text: str, text_field: str, fmt: str = "aut
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
-            raise DataError(f"data.path: {f} line {lineno} is not JSON ({e.msg}); write one JSON object per line") from None
+            raise DataError(
+                f"data.path: {f} line {lineno} is not JSON ({e.msg}); write one JSON object per line"
+            ) from None
         doc = _document(obj, f"{f} line {lineno}", text_field, fmt)
         if doc:
             docs.append(doc)

@@ -88,7 +88,9 @@ class HFTokenizer:
     """A `tokenizers.Tokenizer` read from a tokenizer.json. Texts are encoded without the tokenizer's
     own special tokens; packing puts `bos_id` (if any) before each document and `eos_id` after it."""
 
-    def __init__(self, path: Union[str, pathlib.Path], eos_token: Optional[str] = None, bos_token: Optional[str] = None):
+    def __init__(
+        self, path: Union[str, pathlib.Path], eos_token: Optional[str] = None, bos_token: Optional[str] = None
+    ):
         from tokenizers import Tokenizer
 
         p = pathlib.Path(path).expanduser()
@@ -121,7 +123,9 @@ class HFTokenizer:
         self.vocab_size = max(vocab.values()) + 1
         if eos_token is not None:
             if eos_token not in vocab:
-                raise DataError(f"data.tokenizer: {p} has no token {eos_token!r} to end documents with; name one it has")
+                raise DataError(
+                    f"data.tokenizer: {p} has no token {eos_token!r} to end documents with; name one it has"
+                )
             self.eos_token: Optional[str] = eos_token
         else:
             self.eos_token = next((t for t in EOS_CANDIDATES if t in vocab), None)
@@ -129,7 +133,9 @@ class HFTokenizer:
         config = _read_tokenizer_config(p.parent)
         if bos_token is not None:
             if bos_token not in vocab:
-                raise DataError(f"data.tokenizer: {p} has no token {bos_token!r} to begin documents with; name one it has")
+                raise DataError(
+                    f"data.tokenizer: {p} has no token {bos_token!r} to begin documents with; name one it has"
+                )
             self.bos_token: Optional[str] = bos_token
         else:
             self.bos_token = self._default_bos(config, vocab)

@@ -44,7 +44,9 @@ def get(name: str) -> FamilyDef:
         raise KeyError(name)
     module = importlib.import_module(f"{__name__}.{name}")
     if module.NAME != name or module.FAMILY.name != name:
-        raise ValueError(f"zoo/families/{name}.py defines family {module.FAMILY.name!r}; the module, its NAME and its family share one name")
+        raise ValueError(
+            f"zoo/families/{name}.py defines family {module.FAMILY.name!r}; the module, its NAME and its family share one name"
+        )
     return module.FAMILY
 
 
@@ -73,11 +75,15 @@ def check(c: ModelConfig) -> ModelConfig:
     if kind.mla and c.mla is None:
         raise ValueError(f"model.mla: {fam} needs an mla section")
     if not kind.mla and c.mla is not None:
-        raise ValueError(f"model.family: {fam} has no mla section; choose a latent-attention family ({', '.join(mla_families())})")
+        raise ValueError(
+            f"model.family: {fam} has no mla section; choose a latent-attention family ({', '.join(mla_families())})"
+        )
     if kind.moe and c.moe is None:
         raise ValueError(f"model.moe: {fam} needs a moe section")
     if not kind.moe and c.moe is not None:
-        raise ValueError(f"model.family: {fam} has no moe section; choose a mixture-of-experts family ({', '.join(moe_families())})")
+        raise ValueError(
+            f"model.family: {fam} has no moe section; choose a mixture-of-experts family ({', '.join(moe_families())})"
+        )
     return c
 
 

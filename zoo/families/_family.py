@@ -4,7 +4,6 @@ registry (`zoo.families`), which imports the family modules: they import it, not
 import dataclasses
 from typing import Callable, Optional
 
-from zoo.config import ModelConfig
 from zoo.families._hf import Family
 
 

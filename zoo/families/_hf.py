@@ -53,7 +53,11 @@ class Keys:
     def _number(self, key: str, value, integer: bool):
         if value is None:
             return None
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not float(value).is_integer()):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or (integer and not float(value).is_integer())
+        ):
             raise self.error(f"{key} must be {'an integer' if integer else 'a number'}, got {value!r}")
         return int(value) if integer else float(value)
 
@@ -153,8 +157,16 @@ _ROPE_RULE_KEYS = {
     "default": (),
     "linear": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-    "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
-             "attention_factor", "truncate"),
+    "yarn": (
+        "factor",
+        "original_max_position_embeddings",
+        "beta_fast",
+        "beta_slow",
+        "mscale",
+        "mscale_all_dim",
+        "attention_factor",
+        "truncate",
+    ),
 }
 
 
@@ -164,7 +176,9 @@ def rope_from_params(params: dict, k: Keys, *, where: str = "rope", interleaved:
     if kind not in ROPE_TYPES:
         raise k.error(f"{where}: rope type {kind!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
     if params.get("partial_rotary_factor") not in (None, 1, 1.0):
-        raise k.error(f"{where}: partial_rotary_factor={params['partial_rotary_factor']} is not supported (zoo rotates the whole head)")
+        raise k.error(
+            f"{where}: partial_rotary_factor={params['partial_rotary_factor']} is not supported (zoo rotates the whole head)"
+        )
     if params.get("mrope_section") is not None:
         raise k.error(f"{where}: mrope_section (multimodal rope) is not supported")
     kept = {}
@@ -172,7 +186,9 @@ def rope_from_params(params: dict, k: Keys, *, where: str = "rope", interleaved:
         cast, value = _ROPE_CASTS[key], params.get(key)
         if value is None:
             continue
-        ok = isinstance(value, bool) if cast is bool else isinstance(value, (int, float)) and not isinstance(value, bool)
+        ok = (
+            isinstance(value, bool) if cast is bool else isinstance(value, (int, float)) and not isinstance(value, bool)
+        )
         if not ok:
             raise k.error(f"{where}: {key} must be {'true or false' if cast is bool else 'a number'}, got {value!r}")
         kept[key] = cast(value)
@@ -198,7 +214,9 @@ def rope_params(k: Keys) -> dict:
         raise k.error(f"rope_parameters must be an object, got {params!r}")
     params = dict(params or k.cfg.get("rope_scaling") or {})
     if k.cfg.get("partial_rotary_factor") not in (None, 1, 1.0):
-        raise k.error(f"partial_rotary_factor={k.cfg['partial_rotary_factor']} is not supported (zoo rotates the whole head)")
+        raise k.error(
+            f"partial_rotary_factor={k.cfg['partial_rotary_factor']} is not supported (zoo rotates the whole head)"
+        )
     if params.get("rope_theta") is None:
         params["rope_theta"] = k.number("rope_theta")
     return params
@@ -210,12 +228,23 @@ def rope_to_params(rope: RopeConfig) -> dict:
     if rope.type == "linear":
         out["factor"] = rope.factor
     elif rope.type == "llama3":
-        out.update(factor=rope.factor, low_freq_factor=rope.low_freq_factor, high_freq_factor=rope.high_freq_factor,
-                   original_max_position_embeddings=rope.original_max_position_embeddings)
+        out.update(
+            factor=rope.factor,
+            low_freq_factor=rope.low_freq_factor,
+            high_freq_factor=rope.high_freq_factor,
+            original_max_position_embeddings=rope.original_max_position_embeddings,
+        )
     elif rope.type == "yarn":
-        out.update(factor=rope.factor, original_max_position_embeddings=rope.original_max_position_embeddings,
-                   beta_fast=rope.beta_fast, beta_slow=rope.beta_slow, mscale=rope.mscale,
-                   mscale_all_dim=rope.mscale_all_dim, attention_factor=rope.attention_factor, truncate=rope.truncate)
+        out.update(
+            factor=rope.factor,
+            original_max_position_embeddings=rope.original_max_position_embeddings,
+            beta_fast=rope.beta_fast,
+            beta_slow=rope.beta_slow,
+            mscale=rope.mscale,
+            mscale_all_dim=rope.mscale_all_dim,
+            attention_factor=rope.attention_factor,
+            truncate=rope.truncate,
+        )
     return {key: v for key, v in out.items() if v is not None}
 
 
@@ -376,7 +405,10 @@ def gqa_rules(c: ModelConfig) -> list[Rule]:
 
 def mlp_rules(hub: str, zoo: str) -> list[Rule]:
     """The gated MLP under `hub` <-> `zoo`: each of its projections by the name its PARAMS give it."""
-    return [linear(f"{hub}.{leaf.hub}.weight", f"{zoo}.{field}", in_axes=leaf.inputs) for field, leaf in GatedMLP.PARAMS.items()]
+    return [
+        linear(f"{hub}.{leaf.hub}.weight", f"{zoo}.{field}", in_axes=leaf.inputs)
+        for field, leaf in GatedMLP.PARAMS.items()
+    ]
 
 
 def expert_list_rules(c: ModelConfig, template: str, gate: str, up: str, down: str) -> list[Rule]:

@@ -12,7 +12,18 @@ import numpy as np
 from zoo.config import MLAConfig, ModelConfig, MoEConfig, RopeConfig
 from zoo.families._family import FamilyDef
 from zoo.families._hf import (
-    SILU, Family, Keys, Rule, expert_list_rules, linear, mlp_rules, pad_token_id, rope_from_params, rope_hf, rope_params, same,
+    SILU,
+    Family,
+    Keys,
+    Rule,
+    expert_list_rules,
+    linear,
+    mlp_rules,
+    pad_token_id,
+    rope_from_params,
+    rope_hf,
+    rope_params,
+    same,
 )
 
 NAME = "deepseek_v3"
@@ -59,14 +70,28 @@ def read(k: Keys) -> dict:
 def write(c: ModelConfig) -> dict:
     m, e = c.mla, c.moe
     return dict(
-        head_dim=m.qk_rope_head_dim, q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
-        qk_nope_head_dim=m.qk_nope_head_dim, qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim,
-        rope_interleave=c.rope.interleaved, first_k_dense_replace=c.first_k_dense_replace,
-        n_routed_experts=e.n_routed_experts, num_experts_per_tok=e.num_experts_per_tok,
-        moe_intermediate_size=e.moe_intermediate_size, n_shared_experts=e.n_shared_experts, n_group=e.n_group,
-        topk_group=e.topk_group, norm_topk_prob=e.norm_topk_prob, routed_scaling_factor=e.routed_scaling_factor,
-        scoring_func="sigmoid", topk_method="noaux_tc", num_nextn_predict_layers=0, hidden_act="silu",
-        attention_bias=False, **rope_hf(c.rope),
+        head_dim=m.qk_rope_head_dim,
+        q_lora_rank=m.q_lora_rank,
+        kv_lora_rank=m.kv_lora_rank,
+        qk_nope_head_dim=m.qk_nope_head_dim,
+        qk_rope_head_dim=m.qk_rope_head_dim,
+        v_head_dim=m.v_head_dim,
+        rope_interleave=c.rope.interleaved,
+        first_k_dense_replace=c.first_k_dense_replace,
+        n_routed_experts=e.n_routed_experts,
+        num_experts_per_tok=e.num_experts_per_tok,
+        moe_intermediate_size=e.moe_intermediate_size,
+        n_shared_experts=e.n_shared_experts,
+        n_group=e.n_group,
+        topk_group=e.topk_group,
+        norm_topk_prob=e.norm_topk_prob,
+        routed_scaling_factor=e.routed_scaling_factor,
+        scoring_func="sigmoid",
+        topk_method="noaux_tc",
+        num_nextn_predict_layers=0,
+        hidden_act="silu",
+        attention_bias=False,
+        **rope_hf(c.rope),
     )
 
 
@@ -121,8 +146,18 @@ HF = Family(
     architecture="DeepseekV3ForCausalLM",
     # DeepseekV3Config's defaults for keys real configs may leave out
     defaults=dict(
-        rms_norm_eps=1e-6, max_position_embeddings=4096, q_lora_rank=1536, rope_theta=10000.0, rope_interleave=True, first_k_dense_replace=3,
-        n_shared_experts=1, n_group=8, topk_group=4, norm_topk_prob=True, routed_scaling_factor=2.5, scoring_func="sigmoid",
+        rms_norm_eps=1e-6,
+        max_position_embeddings=4096,
+        q_lora_rank=1536,
+        rope_theta=10000.0,
+        rope_interleave=True,
+        first_k_dense_replace=3,
+        n_shared_experts=1,
+        n_group=8,
+        topk_group=4,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        scoring_func="sigmoid",
         hidden_act="silu",
     ),
     read=read,
@@ -139,7 +174,13 @@ HF = Family(
 def _dsv3_like(**kw) -> ModelConfig:
     mla = kw.pop("mla")
     moe = kw.pop("moe")
-    base = dict(family=NAME, rms_norm_eps=1e-6, num_kv_heads=kw.get("num_heads", 1), param_dtype="float32", compute_dtype="bfloat16")
+    base = dict(
+        family=NAME,
+        rms_norm_eps=1e-6,
+        num_kv_heads=kw.get("num_heads", 1),
+        param_dtype="float32",
+        compute_dtype="bfloat16",
+    )
     base.update(kw)
     return ModelConfig(mla=mla, moe=moe, **base)
 
@@ -148,47 +189,135 @@ def sizes() -> dict[str, ModelConfig]:
     return {
         # The reference model of tests/data (Hugging Face transformers computed its outputs).
         "dsv3_tiny_a": ModelConfig(
-            family=NAME, vocab_size=256, hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=4,
-            intermediate_size=128, rms_norm_eps=1e-6, max_position_embeddings=128, first_k_dense_replace=1,
+            family=NAME,
+            vocab_size=256,
+            hidden_size=64,
+            num_layers=3,
+            num_heads=4,
+            num_kv_heads=4,
+            intermediate_size=128,
+            rms_norm_eps=1e-6,
+            max_position_embeddings=128,
+            first_k_dense_replace=1,
             rope=RopeConfig(theta=10000.0, interleaved=True),
             mla=MLAConfig(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16),
-            moe=MoEConfig(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
-                          n_group=2, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5),
+            moe=MoEConfig(
+                n_routed_experts=8,
+                num_experts_per_tok=2,
+                moe_intermediate_size=32,
+                n_shared_experts=1,
+                n_group=2,
+                topk_group=1,
+                norm_topk_prob=True,
+                routed_scaling_factor=2.5,
+            ),
         ),
         # ~2B total / ~0.6B active DeepSeek-V3-shaped MoE (MLA, 64 experts, group-limited top-6).
         "dsv3_2b": _dsv3_like(
-            vocab_size=32000, hidden_size=1024, num_layers=12, num_heads=16, intermediate_size=4096,
-            max_position_embeddings=8192, first_k_dense_replace=1, rope=RopeConfig(theta=10000.0, interleaved=True),
+            vocab_size=32000,
+            hidden_size=1024,
+            num_layers=12,
+            num_heads=16,
+            intermediate_size=4096,
+            max_position_embeddings=8192,
+            first_k_dense_replace=1,
+            rope=RopeConfig(theta=10000.0, interleaved=True),
             mla=MLAConfig(q_lora_rank=512, kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64),
-            moe=MoEConfig(n_routed_experts=64, num_experts_per_tok=6, moe_intermediate_size=704, n_shared_experts=2,
-                          n_group=8, topk_group=4, routed_scaling_factor=2.5),
+            moe=MoEConfig(
+                n_routed_experts=64,
+                num_experts_per_tok=6,
+                moe_intermediate_size=704,
+                n_shared_experts=2,
+                n_group=8,
+                topk_group=4,
+                routed_scaling_factor=2.5,
+            ),
         ),
         # ~90M DeepSeek-V3-shaped MoE for CPU benchmarks.
         "dsv3_100m": _dsv3_like(
-            vocab_size=32000, hidden_size=512, num_layers=6, num_heads=8, intermediate_size=2048,
-            max_position_embeddings=4096, first_k_dense_replace=1, rope=RopeConfig(theta=10000.0, interleaved=True),
+            vocab_size=32000,
+            hidden_size=512,
+            num_layers=6,
+            num_heads=8,
+            intermediate_size=2048,
+            max_position_embeddings=4096,
+            first_k_dense_replace=1,
+            rope=RopeConfig(theta=10000.0, interleaved=True),
             mla=MLAConfig(q_lora_rank=256, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64),
-            moe=MoEConfig(n_routed_experts=16, num_experts_per_tok=2, moe_intermediate_size=512, n_shared_experts=1,
-                          n_group=4, topk_group=2, routed_scaling_factor=2.5),
+            moe=MoEConfig(
+                n_routed_experts=16,
+                num_experts_per_tok=2,
+                moe_intermediate_size=512,
+                n_shared_experts=1,
+                n_group=4,
+                topk_group=2,
+                routed_scaling_factor=2.5,
+            ),
         ),
         "deepseek_v3_671b": _dsv3_like(
-            vocab_size=129280, hidden_size=7168, num_layers=61, num_heads=128, intermediate_size=18432,
-            max_position_embeddings=163840, first_k_dense_replace=3,
-            rope=RopeConfig(type="yarn", theta=10000.0, interleaved=True, factor=40.0, original_max_position_embeddings=4096,
-                            beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
-            mla=MLAConfig(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
-            moe=MoEConfig(n_routed_experts=256, num_experts_per_tok=8, moe_intermediate_size=2048, n_shared_experts=1,
-                          n_group=8, topk_group=4, routed_scaling_factor=2.5),
+            vocab_size=129280,
+            hidden_size=7168,
+            num_layers=61,
+            num_heads=128,
+            intermediate_size=18432,
+            max_position_embeddings=163840,
+            first_k_dense_replace=3,
+            rope=RopeConfig(
+                type="yarn",
+                theta=10000.0,
+                interleaved=True,
+                factor=40.0,
+                original_max_position_embeddings=4096,
+                beta_fast=32.0,
+                beta_slow=1.0,
+                mscale=1.0,
+                mscale_all_dim=1.0,
+            ),
+            mla=MLAConfig(
+                q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128
+            ),
+            moe=MoEConfig(
+                n_routed_experts=256,
+                num_experts_per_tok=8,
+                moe_intermediate_size=2048,
+                n_shared_experts=1,
+                n_group=8,
+                topk_group=4,
+                routed_scaling_factor=2.5,
+            ),
         ),
         # Kimi K2: DeepSeek-V3's architecture with 384 experts, 64 heads, one dense layer, no expert groups.
         "kimi_k2_1t": _dsv3_like(
-            vocab_size=163840, hidden_size=7168, num_layers=61, num_heads=64, intermediate_size=18432,
-            max_position_embeddings=131072, first_k_dense_replace=1,
-            rope=RopeConfig(type="yarn", theta=50000.0, interleaved=True, factor=64.0, original_max_position_embeddings=4096,
-                            beta_fast=1.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
-            mla=MLAConfig(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
-            moe=MoEConfig(n_routed_experts=384, num_experts_per_tok=8, moe_intermediate_size=2048, n_shared_experts=1,
-                          n_group=1, topk_group=1, routed_scaling_factor=2.827),
+            vocab_size=163840,
+            hidden_size=7168,
+            num_layers=61,
+            num_heads=64,
+            intermediate_size=18432,
+            max_position_embeddings=131072,
+            first_k_dense_replace=1,
+            rope=RopeConfig(
+                type="yarn",
+                theta=50000.0,
+                interleaved=True,
+                factor=64.0,
+                original_max_position_embeddings=4096,
+                beta_fast=1.0,
+                beta_slow=1.0,
+                mscale=1.0,
+                mscale_all_dim=1.0,
+            ),
+            mla=MLAConfig(
+                q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128
+            ),
+            moe=MoEConfig(
+                n_routed_experts=384,
+                num_experts_per_tok=8,
+                moe_intermediate_size=2048,
+                n_shared_experts=1,
+                n_group=1,
+                topk_group=1,
+                routed_scaling_factor=2.827,
+            ),
         ),
     }
 
@@ -203,7 +332,12 @@ FAMILY = FamilyDef(
         "deepseek_v3_671b": (671e9, None, 0.01, "DeepSeek-V3 report: 671B total without the 14B MTP module"),
         # The hub's 1026.5B includes the FP8 checkpoint's weight_scale_inv blocks (62.5M scales, one per
         # 128 x 128 block of every quantised matrix), which a float model does not have.
-        "kimi_k2_1t": (1.03e12, 32e9, (0.01, 0.03), "hub (moonshotai/Kimi-K2-Instruct): 1.03T total; Kimi K2 model card: '32B' activated (2 significant figures)"),
+        "kimi_k2_1t": (
+            1.03e12,
+            32e9,
+            (0.01, 0.03),
+            "hub (moonshotai/Kimi-K2-Instruct): 1.03T total; Kimi K2 model card: '32B' activated (2 significant figures)",
+        ),
     },
     dropless=True,
 )

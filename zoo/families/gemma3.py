@@ -17,7 +17,6 @@ transformers' Gemma 3 stores `attn_logit_softcapping` but never applies it: zoo 
 and computes what transformers computes. `use_bidirectional_attention` (EmbeddingGemma) is refused.
 """
 
-
 import warnings
 from typing import Optional
 
@@ -25,7 +24,14 @@ from zoo.config import LAYER_TYPES, ModelConfig, RopeConfig
 from zoo.errors import CheckpointError
 from zoo.families._family import FamilyDef
 from zoo.families._hf import (
-    Family, Keys, common_fields, explicit_layer_types, layer_types_of, rope_from_params, rope_params, rope_to_params,
+    Family,
+    Keys,
+    common_fields,
+    explicit_layer_types,
+    layer_types_of,
+    rope_from_params,
+    rope_params,
+    rope_to_params,
     window_fields,
 )
 
@@ -87,8 +93,10 @@ def _int_scalar(value: Optional[float]) -> Optional[int]:
     if value is None:
         return None  # config_to_hf's read-back refuses it (transformers' default is 256, not head_dim)
     if not float(value).is_integer():
-        raise CheckpointError(f"a gemma3_text config.json cannot express query_pre_attn_scalar={value!r}: "
-                              "transformers' Gemma3TextConfig holds an integer there; use a whole number")
+        raise CheckpointError(
+            f"a gemma3_text config.json cannot express query_pre_attn_scalar={value!r}: "
+            "transformers' Gemma3TextConfig holds an integer there; use a whole number"
+        )
     return int(value)
 
 
@@ -107,11 +115,15 @@ def write(c: ModelConfig) -> dict:
         rope_parameters={"full_attention": rope_to_params(c.rope), "sliding_attention": rope_to_params(local)},
         # transformers 4 reads these instead
         rope_theta=c.rope.theta,
-        rope_scaling=None if c.rope.type == "default" else {key: v for key, v in rope_to_params(c.rope).items() if key != "rope_theta"},
+        rope_scaling=None
+        if c.rope.type == "default"
+        else {key: v for key, v in rope_to_params(c.rope).items() if key != "rope_theta"},
         rope_local_base_freq=local.theta,
     )
     full = [i for i, t in enumerate(types) if t == "full_attention"]
-    if full and types == ["sliding_attention" if (i + 1) % (full[0] + 1) else "full_attention" for i in range(c.num_layers)]:
+    if full and types == [
+        "sliding_attention" if (i + 1) % (full[0] + 1) else "full_attention" for i in range(c.num_layers)
+    ]:
         out["sliding_window_pattern"] = full[0] + 1
     return out
 
@@ -123,9 +135,19 @@ HF = Family(
     model_type="gemma3_text",
     architecture="Gemma3ForCausalLM",
     # Gemma3TextConfig's defaults
-    defaults=dict(rms_norm_eps=1e-6, max_position_embeddings=131072, rope_theta=1000000.0, rope_local_base_freq=10000.0,
-                  head_dim=256, query_pre_attn_scalar=256, sliding_window=4096, sliding_window_pattern=6,
-                  tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh", attention_bias=False),
+    defaults=dict(
+        rms_norm_eps=1e-6,
+        max_position_embeddings=131072,
+        rope_theta=1000000.0,
+        rope_local_base_freq=10000.0,
+        head_dim=256,
+        query_pre_attn_scalar=256,
+        sliding_window=4096,
+        sliding_window_pattern=6,
+        tie_word_embeddings=True,
+        hidden_activation="gelu_pytorch_tanh",
+        attention_bias=False,
+    ),
     read=read,
     write=write,
 )
@@ -139,27 +161,69 @@ def _pattern(layers: int, period: int = 6) -> list[str]:
     return ["full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(layers)]
 
 
-_COMMON = dict(family=NAME, qk_norm=True, norm_weight_offset=1.0, sandwich_norms=True, scale_embeddings=True,
-               mlp_activation="gelu_tanh", tie_word_embeddings=True, rms_norm_eps=1e-6)
+_COMMON = dict(
+    family=NAME,
+    qk_norm=True,
+    norm_weight_offset=1.0,
+    sandwich_norms=True,
+    scale_embeddings=True,
+    mlp_activation="gelu_tanh",
+    tie_word_embeddings=True,
+    rms_norm_eps=1e-6,
+)
 
 
 def sizes() -> dict[str, ModelConfig]:
     return {
         "gemma3_tiny_a": ModelConfig(
-            vocab_size=256, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=1, head_dim=32, intermediate_size=128,
-            max_position_embeddings=256, query_pre_attn_scalar=24.0, sliding_window=8, layer_types=_pattern(4, 4),
-            rope=RopeConfig(theta=1000000.0), rope_local=RopeConfig(theta=10000.0), **_COMMON,
+            vocab_size=256,
+            hidden_size=64,
+            num_layers=4,
+            num_heads=4,
+            num_kv_heads=1,
+            head_dim=32,
+            intermediate_size=128,
+            max_position_embeddings=256,
+            query_pre_attn_scalar=24.0,
+            sliding_window=8,
+            layer_types=_pattern(4, 4),
+            rope=RopeConfig(theta=1000000.0),
+            rope_local=RopeConfig(theta=10000.0),
+            **_COMMON,
         ),
         "gemma3_100m": ModelConfig(
-            vocab_size=32000, hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=4, head_dim=64, intermediate_size=2048,
-            max_position_embeddings=4096, query_pre_attn_scalar=64.0, sliding_window=512, layer_types=_pattern(12),
-            rope=RopeConfig(theta=1000000.0), rope_local=RopeConfig(theta=10000.0), **_COMMON,
+            vocab_size=32000,
+            hidden_size=768,
+            num_layers=12,
+            num_heads=12,
+            num_kv_heads=4,
+            head_dim=64,
+            intermediate_size=2048,
+            max_position_embeddings=4096,
+            query_pre_attn_scalar=64.0,
+            sliding_window=512,
+            layer_types=_pattern(12),
+            rope=RopeConfig(theta=1000000.0),
+            rope_local=RopeConfig(theta=10000.0),
+            **_COMMON,
         ),
         "gemma3_27b": ModelConfig(
-            vocab_size=262208, hidden_size=5376, num_layers=62, num_heads=32, num_kv_heads=16, head_dim=128,
-            intermediate_size=21504, max_position_embeddings=131072, query_pre_attn_scalar=168.0, sliding_window=1024,
-            layer_types=_pattern(62), rope=RopeConfig(type="linear", theta=1000000.0, factor=8.0),
-            rope_local=RopeConfig(theta=10000.0), pad_token_id=0, compute_dtype="bfloat16", **_COMMON,
+            vocab_size=262208,
+            hidden_size=5376,
+            num_layers=62,
+            num_heads=32,
+            num_kv_heads=16,
+            head_dim=128,
+            intermediate_size=21504,
+            max_position_embeddings=131072,
+            query_pre_attn_scalar=168.0,
+            sliding_window=1024,
+            layer_types=_pattern(62),
+            rope=RopeConfig(type="linear", theta=1000000.0, factor=8.0),
+            rope_local=RopeConfig(theta=10000.0),
+            pad_token_id=0,
+            compute_dtype="bfloat16",
+            **_COMMON,
         ),
     }
 
@@ -168,5 +232,7 @@ FAMILY = FamilyDef(
     name=NAME,
     hf=HF,
     sizes=sizes,
-    published={"gemma3_27b": (27.016e9, None, 0.01, "Gemma 3 report, table 1: 1,416M embedding + 25,600M non-embedding (text)")},
+    published={
+        "gemma3_27b": (27.016e9, None, 0.01, "Gemma 3 report, table 1: 1,416M embedding + 25,600M non-embedding (text)")
+    },
 )

@@ -10,28 +10,47 @@ interleaved columns (gate = [..., ::2], up = [..., 1::2]) and its bias `[E, 2I]`
 (`swiglu_limit`, `swiglu_alpha`). `hidden_act` is not read: the experts' activation is fixed.
 """
 
-
 import numpy as np
 
 from zoo.config import ModelConfig, MoEConfig, RopeConfig
 from zoo.families._family import FamilyDef
 from zoo.families._hf import (
-    Family, Keys, Rule, common_fields, explicit_layer_types, layer_types_of, linear, rope_from_params, rope_hf, rope_params,
-    same, window_fields,
+    Family,
+    Keys,
+    Rule,
+    common_fields,
+    explicit_layer_types,
+    layer_types_of,
+    linear,
+    rope_from_params,
+    rope_hf,
+    rope_params,
+    same,
+    window_fields,
 )
 
 NAME = "gpt_oss"
 
 # GptOssConfig's rope when the config names none
-_DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
-                 "original_max_position_embeddings": 4096}
+_DEFAULT_ROPE = {
+    "rope_type": "yarn",
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 4096,
+}
 
 
 def read(k: Keys) -> dict:
     fields = common_fields(k)
     n = fields["num_layers"]
     types = explicit_layer_types(k, n) or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
-    params = rope_params(k) if (k.has("rope_parameters") or k.has("rope_scaling")) else dict(_DEFAULT_ROPE, rope_theta=k.number("rope_theta"))
+    params = (
+        rope_params(k)
+        if (k.has("rope_parameters") or k.has("rope_scaling"))
+        else dict(_DEFAULT_ROPE, rope_theta=k.number("rope_theta"))
+    )
     bias = k.flag("attention_bias")
     return dict(
         fields,
@@ -40,10 +59,20 @@ def read(k: Keys) -> dict:
         attention_out_bias=bias,
         attention_sinks=True,
         moe=MoEConfig(
-            n_routed_experts=k.integer("num_local_experts"), num_experts_per_tok=k.integer("num_experts_per_tok"),
-            moe_intermediate_size=fields["intermediate_size"], n_shared_experts=0, router="topk_softmax", n_group=1,
-            topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.0, router_bias=True, expert_bias=True,
-            activation="clamped_swiglu", swiglu_limit=k.number("swiglu_limit"), swiglu_alpha=k.number("swiglu_alpha"),
+            n_routed_experts=k.integer("num_local_experts"),
+            num_experts_per_tok=k.integer("num_experts_per_tok"),
+            moe_intermediate_size=fields["intermediate_size"],
+            n_shared_experts=0,
+            router="topk_softmax",
+            n_group=1,
+            topk_group=1,
+            norm_topk_prob=False,
+            routed_scaling_factor=1.0,
+            router_bias=True,
+            expert_bias=True,
+            activation="clamped_swiglu",
+            swiglu_limit=k.number("swiglu_limit"),
+            swiglu_alpha=k.number("swiglu_alpha"),
         ),
         **window_fields(k, types, k.opt_int("sliding_window")),
     )
@@ -51,9 +80,17 @@ def read(k: Keys) -> dict:
 
 def write(c: ModelConfig) -> dict:
     m = c.moe
-    return dict(hidden_act="silu", attention_bias=c.attention_bias, sliding_window=c.sliding_window,
-                layer_types=layer_types_of(c), num_local_experts=m.n_routed_experts, num_experts_per_tok=m.num_experts_per_tok,
-                swiglu_limit=m.swiglu_limit, swiglu_alpha=m.swiglu_alpha, **rope_hf(c.rope))
+    return dict(
+        hidden_act="silu",
+        attention_bias=c.attention_bias,
+        sliding_window=c.sliding_window,
+        layer_types=layer_types_of(c),
+        num_local_experts=m.n_routed_experts,
+        num_experts_per_tok=m.num_experts_per_tok,
+        swiglu_limit=m.swiglu_limit,
+        swiglu_alpha=m.swiglu_alpha,
+        **rope_hf(c.rope),
+    )
 
 
 def _interleaved(hub: str, gate: str, up: str) -> Rule:
@@ -80,7 +117,6 @@ def moe_rules(c: ModelConfig) -> list[Rule]:
     ]
 
 
-
 # --- the Hugging Face mapping --------------------------------------------------------------------
 
 HF = Family(
@@ -88,8 +124,18 @@ HF = Family(
     model_type="gpt_oss",
     architecture="GptOssForCausalLM",
     # GptOssConfig's defaults
-    defaults=dict(rms_norm_eps=1e-5, max_position_embeddings=131072, rope_theta=150000.0, head_dim=64, sliding_window=128,
-                  attention_bias=True, num_local_experts=128, num_experts_per_tok=4, swiglu_limit=7.0, swiglu_alpha=1.702),
+    defaults=dict(
+        rms_norm_eps=1e-5,
+        max_position_embeddings=131072,
+        rope_theta=150000.0,
+        head_dim=64,
+        sliding_window=128,
+        attention_bias=True,
+        num_local_experts=128,
+        num_experts_per_tok=4,
+        swiglu_limit=7.0,
+        swiglu_alpha=1.702,
+    ),
     read=read,
     write=write,
     moe_rules=moe_rules,
@@ -99,9 +145,22 @@ HF = Family(
 
 
 def _moe(experts: int, inter: int, top_k: int = 4, limit: float = 7.0) -> MoEConfig:
-    return MoEConfig(n_routed_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=inter, n_shared_experts=0,
-                     router="topk_softmax", n_group=1, topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.0,
-                     router_bias=True, expert_bias=True, activation="clamped_swiglu", swiglu_limit=limit, swiglu_alpha=1.702)
+    return MoEConfig(
+        n_routed_experts=experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=inter,
+        n_shared_experts=0,
+        router="topk_softmax",
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=False,
+        routed_scaling_factor=1.0,
+        router_bias=True,
+        expert_bias=True,
+        activation="clamped_swiglu",
+        swiglu_limit=limit,
+        swiglu_alpha=1.702,
+    )
 
 
 def _alternating(layers: int) -> list[str]:
@@ -110,8 +169,15 @@ def _alternating(layers: int) -> list[str]:
 
 
 def _rope(original: int) -> RopeConfig:
-    return RopeConfig(type="yarn", theta=150000.0, factor=32.0, original_max_position_embeddings=original,
-                      beta_fast=32.0, beta_slow=1.0, truncate=False)
+    return RopeConfig(
+        type="yarn",
+        theta=150000.0,
+        factor=32.0,
+        original_max_position_embeddings=original,
+        beta_fast=32.0,
+        beta_slow=1.0,
+        truncate=False,
+    )
 
 
 _COMMON = dict(family=NAME, attention_bias=True, attention_out_bias=True, attention_sinks=True, rms_norm_eps=1e-5)
@@ -121,25 +187,69 @@ def sizes() -> dict[str, ModelConfig]:
     return {
         # The reference model of tests/data (transformers computed its outputs).
         "gpt_oss_tiny_a": ModelConfig(
-            vocab_size=256, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=64,
-            max_position_embeddings=2048, sliding_window=8, layer_types=_alternating(4), rope=_rope(64),
-            moe=_moe(4, 64, top_k=2, limit=1.5), **_COMMON,
+            vocab_size=256,
+            hidden_size=64,
+            num_layers=4,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=16,
+            intermediate_size=64,
+            max_position_embeddings=2048,
+            sliding_window=8,
+            layer_types=_alternating(4),
+            rope=_rope(64),
+            moe=_moe(4, 64, top_k=2, limit=1.5),
+            **_COMMON,
         ),
         # ~100M for a CPU run (docs/models.md records one).
         "gpt_oss_100m": ModelConfig(
-            vocab_size=32000, hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=2, head_dim=64, intermediate_size=448,
-            max_position_embeddings=4096, sliding_window=128, layer_types=_alternating(6), rope=_rope(4096),
-            moe=_moe(16, 448), **_COMMON,
+            vocab_size=32000,
+            hidden_size=512,
+            num_layers=6,
+            num_heads=8,
+            num_kv_heads=2,
+            head_dim=64,
+            intermediate_size=448,
+            max_position_embeddings=4096,
+            sliding_window=128,
+            layer_types=_alternating(6),
+            rope=_rope(4096),
+            moe=_moe(16, 448),
+            **_COMMON,
         ),
         "gpt_oss_20b": ModelConfig(
-            vocab_size=201088, hidden_size=2880, num_layers=24, num_heads=64, num_kv_heads=8, head_dim=64, intermediate_size=2880,
-            max_position_embeddings=131072, sliding_window=128, layer_types=_alternating(24), rope=_rope(4096),
-            moe=_moe(32, 2880), pad_token_id=199999, compute_dtype="bfloat16", **_COMMON,
+            vocab_size=201088,
+            hidden_size=2880,
+            num_layers=24,
+            num_heads=64,
+            num_kv_heads=8,
+            head_dim=64,
+            intermediate_size=2880,
+            max_position_embeddings=131072,
+            sliding_window=128,
+            layer_types=_alternating(24),
+            rope=_rope(4096),
+            moe=_moe(32, 2880),
+            pad_token_id=199999,
+            compute_dtype="bfloat16",
+            **_COMMON,
         ),
         "gpt_oss_120b": ModelConfig(
-            vocab_size=201088, hidden_size=2880, num_layers=36, num_heads=64, num_kv_heads=8, head_dim=64, intermediate_size=2880,
-            max_position_embeddings=131072, sliding_window=128, layer_types=_alternating(36), rope=_rope(4096),
-            moe=_moe(128, 2880), pad_token_id=199999, compute_dtype="bfloat16", **_COMMON,
+            vocab_size=201088,
+            hidden_size=2880,
+            num_layers=36,
+            num_heads=64,
+            num_kv_heads=8,
+            head_dim=64,
+            intermediate_size=2880,
+            max_position_embeddings=131072,
+            sliding_window=128,
+            layer_types=_alternating(36),
+            rope=_rope(4096),
+            moe=_moe(128, 2880),
+            pad_token_id=199999,
+            compute_dtype="bfloat16",
+            **_COMMON,
         ),
     }
 

@@ -15,7 +15,9 @@ def read(k: Keys) -> dict:
     k.choice("hidden_act", SILU, "Llama's MLP")
     k.refuse_if("mlp_bias", bool, "zoo's MLP has no biases")
     bias = k.flag("attention_bias", False)
-    return dict(common_fields(k), attention_bias=bias, attention_out_bias=bias, rope=rope_from_params(rope_params(k), k))
+    return dict(
+        common_fields(k), attention_bias=bias, attention_out_bias=bias, rope=rope_from_params(rope_params(k), k)
+    )
 
 
 def write(c: ModelConfig) -> dict:
@@ -49,7 +51,14 @@ def _llama31(hidden, layers, heads, ffn) -> ModelConfig:
         intermediate_size=ffn,
         rms_norm_eps=1e-5,
         max_position_embeddings=131072,
-        rope=RopeConfig(type="llama3", theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192),
+        rope=RopeConfig(
+            type="llama3",
+            theta=500000.0,
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ),
         param_dtype="float32",
         compute_dtype="bfloat16",
     )
@@ -59,20 +68,53 @@ def sizes() -> dict[str, ModelConfig]:
     return {
         # The reference model of tests/data (Hugging Face transformers computed its outputs).
         "llama_tiny_a": ModelConfig(
-            family=NAME, vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-            intermediate_size=128, rms_norm_eps=1e-5, max_position_embeddings=128, rope=RopeConfig(theta=10000.0),
+            family=NAME,
+            vocab_size=256,
+            hidden_size=64,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=16,
+            intermediate_size=128,
+            rms_norm_eps=1e-5,
+            max_position_embeddings=128,
+            rope=RopeConfig(theta=10000.0),
         ),
         # ~1.2B Llama shaped like Llama 3.2 1B (tied embeddings); fits one GPU with room for activations.
         "llama_1b": ModelConfig(
-            family=NAME, vocab_size=128256, hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,
-            intermediate_size=8192, rms_norm_eps=1e-5, max_position_embeddings=131072, tie_word_embeddings=True,
-            rope=RopeConfig(type="llama3", theta=500000.0, factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192),
+            family=NAME,
+            vocab_size=128256,
+            hidden_size=2048,
+            num_layers=16,
+            num_heads=32,
+            num_kv_heads=8,
+            head_dim=64,
+            intermediate_size=8192,
+            rms_norm_eps=1e-5,
+            max_position_embeddings=131072,
+            tie_word_embeddings=True,
+            rope=RopeConfig(
+                type="llama3",
+                theta=500000.0,
+                factor=32.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=8192,
+            ),
             compute_dtype="bfloat16",
         ),
         # A 64M Llama (its name is the size class): big enough on CPU that matmuls dominate (benchmarks, memory ordering tests).
         "llama_100m": ModelConfig(
-            family=NAME, vocab_size=32000, hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4, head_dim=64,
-            intermediate_size=2048, max_position_embeddings=4096, rope=RopeConfig(theta=500000.0),
+            family=NAME,
+            vocab_size=32000,
+            hidden_size=512,
+            num_layers=8,
+            num_heads=8,
+            num_kv_heads=4,
+            head_dim=64,
+            intermediate_size=2048,
+            max_position_embeddings=4096,
+            rope=RopeConfig(theta=500000.0),
         ),
         "llama3.1_8b": _llama31(4096, 32, 32, 14336),
         "llama3.1_70b": _llama31(8192, 80, 64, 28672),

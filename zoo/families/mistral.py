@@ -8,16 +8,31 @@ warns and points to Ministral), so zoo refuses it rather than run a pattern tran
 
 from zoo.config import ModelConfig, RopeConfig
 from zoo.families._family import FamilyDef
-from zoo.families._hf import SILU, Family, Keys, common_fields, every_layer_window, rope_from_params, rope_hf, rope_params
+from zoo.families._hf import (
+    SILU,
+    Family,
+    Keys,
+    common_fields,
+    every_layer_window,
+    rope_from_params,
+    rope_hf,
+    rope_params,
+)
 
 NAME = "mistral"
 
 
 def read(k: Keys) -> dict:
     k.choice("hidden_act", SILU, "Mistral's MLP")
-    k.refuse_if("layer_types", lambda v: v is not None, "Mistral slides every layer; a per-layer pattern is Ministral's")
+    k.refuse_if(
+        "layer_types", lambda v: v is not None, "Mistral slides every layer; a per-layer pattern is Ministral's"
+    )
     fields = common_fields(k)
-    return dict(fields, rope=rope_from_params(rope_params(k), k), **every_layer_window(k, fields["num_layers"], k.opt_int("sliding_window")))
+    return dict(
+        fields,
+        rope=rope_from_params(rope_params(k), k),
+        **every_layer_window(k, fields["num_layers"], k.opt_int("sliding_window")),
+    )
 
 
 def write(c: ModelConfig) -> dict:
@@ -28,13 +43,31 @@ def sizes() -> dict[str, ModelConfig]:
     tiny = dict(family=NAME, vocab_size=256, intermediate_size=128, rms_norm_eps=1e-5, max_position_embeddings=2048)
     return {
         # head_dim 10 (not hidden / heads = 16, and an odd number of rotated pairs), window 8 < a 32-token row
-        "mistral_tiny_a": ModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=10, sliding_window=8,
-                                      rope=RopeConfig(theta=1e4), **tiny),
+        "mistral_tiny_a": ModelConfig(
+            hidden_size=64,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=10,
+            sliding_window=8,
+            rope=RopeConfig(theta=1e4),
+            **tiny,
+        ),
         "mistral_7b": ModelConfig(
             # Mistral-7B-v0.1
-            family=NAME, vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
-            intermediate_size=14336, rms_norm_eps=1e-5, max_position_embeddings=32768, sliding_window=4096,
-            rope=RopeConfig(theta=1e4), compute_dtype="bfloat16",
+            family=NAME,
+            vocab_size=32000,
+            hidden_size=4096,
+            num_layers=32,
+            num_heads=32,
+            num_kv_heads=8,
+            head_dim=128,
+            intermediate_size=14336,
+            rms_norm_eps=1e-5,
+            max_position_embeddings=32768,
+            sliding_window=4096,
+            rope=RopeConfig(theta=1e4),
+            compute_dtype="bfloat16",
         ),
     }
 
@@ -42,10 +75,19 @@ def sizes() -> dict[str, ModelConfig]:
 FAMILY = FamilyDef(
     name=NAME,
     hf=Family(
-        NAME, "mistral", "MistralForCausalLM",
+        NAME,
+        "mistral",
+        "MistralForCausalLM",
         # MistralConfig's defaults for the keys a config.json may leave out
-        dict(rms_norm_eps=1e-6, max_position_embeddings=4096 * 32, rope_theta=10000.0, hidden_act="silu", sliding_window=4096),
-        read, write,
+        dict(
+            rms_norm_eps=1e-6,
+            max_position_embeddings=4096 * 32,
+            rope_theta=10000.0,
+            hidden_act="silu",
+            sliding_window=4096,
+        ),
+        read,
+        write,
     ),
     sizes=sizes,
     published={"mistral_7b": (7.24e9, None, 0.005, "hub (mistralai/Mistral-7B-v0.1): 7.24B")},

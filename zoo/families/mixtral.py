@@ -7,13 +7,22 @@ top-k weights are always renormalised, SwiGLU experts of `intermediate_size`.
 jitter, so a non-zero value is accepted with a warning (inference is unaffected).
 """
 
-
 import warnings
 
 from zoo.config import ModelConfig, MoEConfig, RopeConfig
 from zoo.families._family import FamilyDef
 from zoo.families._hf import (
-    SILU, Family, Keys, Rule, common_fields, every_layer_window, expert_list_rules, linear, rope_from_params, rope_hf, rope_params,
+    SILU,
+    Family,
+    Keys,
+    Rule,
+    common_fields,
+    every_layer_window,
+    expert_list_rules,
+    linear,
+    rope_from_params,
+    rope_hf,
+    rope_params,
 )
 from zoo.families.qwen3_moe import softmax_moe
 
@@ -23,7 +32,9 @@ NAME = "mixtral"
 def read(k: Keys) -> dict:
     k.choice("hidden_act", SILU, "Mixtral's experts")
     if k.number("router_jitter_noise"):
-        warnings.warn(f"{k.source}: router_jitter_noise={k.cfg['router_jitter_noise']} is ignored (zoo's router has no training jitter)")
+        warnings.warn(
+            f"{k.source}: router_jitter_noise={k.cfg['router_jitter_noise']} is ignored (zoo's router has no training jitter)"
+        )
     fields = common_fields(k)
     window = k.opt_int("sliding_window")
     experts = k.integer("num_local_experts") if k.has("num_local_experts") else k.integer("num_experts")
@@ -31,9 +42,15 @@ def read(k: Keys) -> dict:
         fields,
         rope=rope_from_params(rope_params(k), k),
         moe=MoEConfig(
-            n_routed_experts=experts, num_experts_per_tok=k.integer("num_experts_per_tok"),
-            moe_intermediate_size=fields["intermediate_size"], n_shared_experts=0, router="softmax", n_group=1,
-            topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.0,
+            n_routed_experts=experts,
+            num_experts_per_tok=k.integer("num_experts_per_tok"),
+            moe_intermediate_size=fields["intermediate_size"],
+            n_shared_experts=0,
+            router="softmax",
+            n_group=1,
+            topk_group=1,
+            norm_topk_prob=True,
+            routed_scaling_factor=1.0,
         ),
         **every_layer_window(k, fields["num_layers"], window),
     )
@@ -41,13 +58,21 @@ def read(k: Keys) -> dict:
 
 def write(c: ModelConfig) -> dict:
     m = c.moe
-    return dict(hidden_act="silu", sliding_window=c.sliding_window, num_local_experts=m.n_routed_experts,
-                num_experts_per_tok=m.num_experts_per_tok, router_jitter_noise=0.0, **rope_hf(c.rope))
+    return dict(
+        hidden_act="silu",
+        sliding_window=c.sliding_window,
+        num_local_experts=m.n_routed_experts,
+        num_experts_per_tok=m.num_experts_per_tok,
+        router_jitter_noise=0.0,
+        **rope_hf(c.rope),
+    )
 
 
 def moe_rules(c: ModelConfig) -> list[Rule]:
     p = "block_sparse_moe."
-    return [linear(p + "gate.weight", "ffn.router")] + expert_list_rules(c, p + "experts.{e}.{proj}.weight", "w1", "w3", "w2")
+    return [linear(p + "gate.weight", "ffn.router")] + expert_list_rules(
+        c, p + "experts.{e}.{proj}.weight", "w1", "w3", "w2"
+    )
 
 
 # --- the Hugging Face mapping --------------------------------------------------------------------
@@ -56,8 +81,15 @@ HF = Family(
     name=NAME,
     model_type="mixtral",
     architecture="MixtralForCausalLM",
-    defaults=dict(rms_norm_eps=1e-5, max_position_embeddings=4096 * 32, rope_theta=1000000.0, hidden_act="silu",
-                  num_local_experts=8, num_experts_per_tok=2, router_jitter_noise=0.0),
+    defaults=dict(
+        rms_norm_eps=1e-5,
+        max_position_embeddings=4096 * 32,
+        rope_theta=1000000.0,
+        hidden_act="silu",
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        router_jitter_noise=0.0,
+    ),
     read=read,
     write=write,
     moe_rules=moe_rules,
@@ -70,23 +102,61 @@ HF = Family(
 def sizes() -> dict[str, ModelConfig]:
     return {
         "mixtral_tiny_a": ModelConfig(
-            family=NAME, vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-            intermediate_size=64, rms_norm_eps=1e-5, max_position_embeddings=256, rope=RopeConfig(theta=1000000.0),
+            family=NAME,
+            vocab_size=256,
+            hidden_size=64,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=16,
+            intermediate_size=64,
+            rms_norm_eps=1e-5,
+            max_position_embeddings=256,
+            rope=RopeConfig(theta=1000000.0),
             moe=softmax_moe(8, 2, 64),
         ),
         "mixtral_100m": ModelConfig(
-            family=NAME, vocab_size=32000, hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=4, head_dim=64,
-            intermediate_size=896, max_position_embeddings=4096, rope=RopeConfig(theta=1000000.0), moe=softmax_moe(8, 2, 896),
+            family=NAME,
+            vocab_size=32000,
+            hidden_size=512,
+            num_layers=6,
+            num_heads=8,
+            num_kv_heads=4,
+            head_dim=64,
+            intermediate_size=896,
+            max_position_embeddings=4096,
+            rope=RopeConfig(theta=1000000.0),
+            moe=softmax_moe(8, 2, 896),
         ),
         "mixtral_8x7b": ModelConfig(
-            family=NAME, vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
-            intermediate_size=14336, rms_norm_eps=1e-5, max_position_embeddings=32768, rope=RopeConfig(theta=1000000.0),
-            moe=softmax_moe(8, 2, 14336), compute_dtype="bfloat16",
+            family=NAME,
+            vocab_size=32000,
+            hidden_size=4096,
+            num_layers=32,
+            num_heads=32,
+            num_kv_heads=8,
+            head_dim=128,
+            intermediate_size=14336,
+            rms_norm_eps=1e-5,
+            max_position_embeddings=32768,
+            rope=RopeConfig(theta=1000000.0),
+            moe=softmax_moe(8, 2, 14336),
+            compute_dtype="bfloat16",
         ),
         "mixtral_8x22b": ModelConfig(
-            family=NAME, vocab_size=32768, hidden_size=6144, num_layers=56, num_heads=48, num_kv_heads=8, head_dim=128,
-            intermediate_size=16384, rms_norm_eps=1e-5, max_position_embeddings=65536, rope=RopeConfig(theta=1000000.0),
-            moe=softmax_moe(8, 2, 16384), compute_dtype="bfloat16",
+            family=NAME,
+            vocab_size=32768,
+            hidden_size=6144,
+            num_layers=56,
+            num_heads=48,
+            num_kv_heads=8,
+            head_dim=128,
+            intermediate_size=16384,
+            rms_norm_eps=1e-5,
+            max_position_embeddings=65536,
+            rope=RopeConfig(theta=1000000.0),
+            moe=softmax_moe(8, 2, 16384),
+            compute_dtype="bfloat16",
         ),
     }
 

@@ -11,7 +11,17 @@ layer slides when `use_sliding_window` is on.
 from zoo.config import ModelConfig, MoEConfig
 from zoo.families._family import FamilyDef
 from zoo.families._hf import (
-    SILU, Family, Keys, Rule, common_fields, every_layer_window, expert_list_rules, linear, rope_from_params, rope_hf, rope_params,
+    SILU,
+    Family,
+    Keys,
+    Rule,
+    common_fields,
+    every_layer_window,
+    expert_list_rules,
+    linear,
+    rope_from_params,
+    rope_hf,
+    rope_params,
 )
 from zoo.families._qwen import DEFAULTS, QWEN3_SIZE
 
@@ -37,9 +47,15 @@ def read(k: Keys) -> dict:
         mlp_only_layers=list(only),
         decoder_sparse_step=k.integer("decoder_sparse_step"),
         moe=MoEConfig(
-            n_routed_experts=experts, num_experts_per_tok=k.integer("num_experts_per_tok"),
-            moe_intermediate_size=k.integer("moe_intermediate_size"), n_shared_experts=0, router="softmax", n_group=1,
-            topk_group=1, norm_topk_prob=k.flag("norm_topk_prob"), routed_scaling_factor=1.0,
+            n_routed_experts=experts,
+            num_experts_per_tok=k.integer("num_experts_per_tok"),
+            moe_intermediate_size=k.integer("moe_intermediate_size"),
+            n_shared_experts=0,
+            router="softmax",
+            n_group=1,
+            topk_group=1,
+            norm_topk_prob=k.flag("norm_topk_prob"),
+            routed_scaling_factor=1.0,
         ),
         **every_layer_window(k, n, window),
     )
@@ -48,25 +64,46 @@ def read(k: Keys) -> dict:
 def write(c: ModelConfig) -> dict:
     m = c.moe
     return dict(
-        hidden_act="silu", attention_bias=c.attention_bias, use_sliding_window=c.sliding_window is not None,
-        sliding_window=c.sliding_window, mlp_only_layers=list(c.mlp_only_layers), decoder_sparse_step=c.decoder_sparse_step,
+        hidden_act="silu",
+        attention_bias=c.attention_bias,
+        use_sliding_window=c.sliding_window is not None,
+        sliding_window=c.sliding_window,
+        mlp_only_layers=list(c.mlp_only_layers),
+        decoder_sparse_step=c.decoder_sparse_step,
         # transformers 5 reads num_local_experts (num_experts is its alias); transformers 4 only num_experts
-        num_experts=m.n_routed_experts, num_local_experts=m.n_routed_experts, num_experts_per_tok=m.num_experts_per_tok,
-        moe_intermediate_size=m.moe_intermediate_size, norm_topk_prob=m.norm_topk_prob, **rope_hf(c.rope),
+        num_experts=m.n_routed_experts,
+        num_local_experts=m.n_routed_experts,
+        num_experts_per_tok=m.num_experts_per_tok,
+        moe_intermediate_size=m.moe_intermediate_size,
+        norm_topk_prob=m.norm_topk_prob,
+        **rope_hf(c.rope),
     )
 
 
 def moe_rules(c: ModelConfig) -> list[Rule]:
-    return [linear("mlp.gate.weight", "ffn.router")] + expert_list_rules(c, "mlp.experts.{e}.{proj}.weight", "gate_proj", "up_proj", "down_proj")
+    return [linear("mlp.gate.weight", "ffn.router")] + expert_list_rules(
+        c, "mlp.experts.{e}.{proj}.weight", "gate_proj", "up_proj", "down_proj"
+    )
 
 
 # --- the Hugging Face mapping --------------------------------------------------------------------
 
 HF = Family(
-    NAME, "qwen3_moe", "Qwen3MoeForCausalLM",
-    dict(DEFAULTS, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=False, num_experts=128,
-         num_experts_per_tok=8, moe_intermediate_size=768),
-    read, write, moe_rules=moe_rules,
+    NAME,
+    "qwen3_moe",
+    "Qwen3MoeForCausalLM",
+    dict(
+        DEFAULTS,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        norm_topk_prob=False,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+    ),
+    read,
+    write,
+    moe_rules=moe_rules,
 )
 
 
@@ -76,29 +113,76 @@ HF = Family(
 def softmax_moe(experts: int, top_k: int, inter: int) -> MoEConfig:
     """A softmax router over every expert, the top-k weights renormalised; no groups, no shared experts
     (Mixtral's sizes route so too)."""
-    return MoEConfig(n_routed_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=inter, n_shared_experts=0,
-                     router="softmax", n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=1.0)
+    return MoEConfig(
+        n_routed_experts=experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=inter,
+        n_shared_experts=0,
+        router="softmax",
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=1.0,
+    )
 
 
 def sizes() -> dict[str, ModelConfig]:
     return {
         # The reference model of tests/data (Hugging Face transformers computed its outputs).
         "qwen3_moe_tiny_a": ModelConfig(
-            family=NAME, vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=24,
-            intermediate_size=128, max_position_embeddings=256, moe=softmax_moe(8, 2, 32), **QWEN3_SIZE,
+            family=NAME,
+            vocab_size=256,
+            hidden_size=64,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=24,
+            intermediate_size=128,
+            max_position_embeddings=256,
+            moe=softmax_moe(8, 2, 32),
+            **QWEN3_SIZE,
         ),
         # ~100M total, ~50M active, for a CPU run (docs/models.md records one).
         "qwen3_moe_100m": ModelConfig(
-            family=NAME, vocab_size=32000, hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=4, head_dim=64,
-            intermediate_size=2048, max_position_embeddings=4096, moe=softmax_moe(16, 4, 416), **QWEN3_SIZE,
+            family=NAME,
+            vocab_size=32000,
+            hidden_size=512,
+            num_layers=6,
+            num_heads=8,
+            num_kv_heads=4,
+            head_dim=64,
+            intermediate_size=2048,
+            max_position_embeddings=4096,
+            moe=softmax_moe(16, 4, 416),
+            **QWEN3_SIZE,
         ),
         "qwen3_30b_a3b": ModelConfig(
-            family=NAME, vocab_size=151936, hidden_size=2048, num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128,
-            intermediate_size=6144, max_position_embeddings=40960, moe=softmax_moe(128, 8, 768), compute_dtype="bfloat16", **QWEN3_SIZE,
+            family=NAME,
+            vocab_size=151936,
+            hidden_size=2048,
+            num_layers=48,
+            num_heads=32,
+            num_kv_heads=4,
+            head_dim=128,
+            intermediate_size=6144,
+            max_position_embeddings=40960,
+            moe=softmax_moe(128, 8, 768),
+            compute_dtype="bfloat16",
+            **QWEN3_SIZE,
         ),
         "qwen3_235b_a22b": ModelConfig(
-            family=NAME, vocab_size=151936, hidden_size=4096, num_layers=94, num_heads=64, num_kv_heads=4, head_dim=128,
-            intermediate_size=12288, max_position_embeddings=40960, moe=softmax_moe(128, 8, 1536), compute_dtype="bfloat16", **QWEN3_SIZE,
+            family=NAME,
+            vocab_size=151936,
+            hidden_size=4096,
+            num_layers=94,
+            num_heads=64,
+            num_kv_heads=4,
+            head_dim=128,
+            intermediate_size=12288,
+            max_position_embeddings=40960,
+            moe=softmax_moe(128, 8, 1536),
+            compute_dtype="bfloat16",
+            **QWEN3_SIZE,
         ),
     }
 
@@ -109,7 +193,12 @@ FAMILY = FamilyDef(
     hf=HF,
     sizes=sizes,
     published={
-        "qwen3_30b_a3b": (30.5e9, 3.3e9, 0.02, "Qwen3-30B-A3B model card: 30.5B total, 3.3B activated (2 significant figures)"),
+        "qwen3_30b_a3b": (
+            30.5e9,
+            3.3e9,
+            0.02,
+            "Qwen3-30B-A3B model card: 30.5B total, 3.3B activated (2 significant figures)",
+        ),
         "qwen3_235b_a22b": (235e9, 22e9, 0.01, "Qwen3-235B-A22B model card: 235B total, 22B activated"),
     },
     dropless=True,

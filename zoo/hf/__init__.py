@@ -16,15 +16,53 @@ through the registry, `zoo.families`.
 from zoo.errors import CheckpointError
 from zoo.families._hf import Family, Rule, top_rules
 from zoo.hf.convert import (
-    block_rules, config_from_hf, config_to_hf, dtype_name, families, family_of, fp8_block, save_pretrained, supported_model_types,
+    block_rules,
+    config_from_hf,
+    config_to_hf,
+    dtype_name,
+    families,
+    family_of,
+    fp8_block,
+    save_pretrained,
+    supported_model_types,
     to_hf_state_dict,
 )
 from zoo.hf.files import CheckpointReader, SafetensorsFile, SafetensorsStream, dequantize_blocks, write_safetensors
-from zoo.hf.weights import LeafSource, capacity_note, from_pretrained, leaf_sources, load_config, load_sharded, open_checkpoint
+from zoo.hf.weights import (
+    LeafSource,
+    capacity_note,
+    from_pretrained,
+    leaf_sources,
+    load_config,
+    load_sharded,
+    open_checkpoint,
+)
 
 __all__ = [
-    "CheckpointError", "CheckpointReader", "Family", "LeafSource", "Rule", "SafetensorsFile", "SafetensorsStream", "block_rules", "capacity_note",
-    "config_from_hf", "config_to_hf", "dequantize_blocks", "dtype_name", "families", "family_of", "fp8_block", "from_pretrained",
-    "leaf_sources", "load_config", "load_sharded", "open_checkpoint", "save_pretrained", "supported_model_types",
-    "to_hf_state_dict", "top_rules", "write_safetensors",
+    "CheckpointError",
+    "CheckpointReader",
+    "Family",
+    "LeafSource",
+    "Rule",
+    "SafetensorsFile",
+    "SafetensorsStream",
+    "block_rules",
+    "capacity_note",
+    "config_from_hf",
+    "config_to_hf",
+    "dequantize_blocks",
+    "dtype_name",
+    "families",
+    "family_of",
+    "fp8_block",
+    "from_pretrained",
+    "leaf_sources",
+    "load_config",
+    "load_sharded",
+    "open_checkpoint",
+    "save_pretrained",
+    "supported_model_types",
+    "to_hf_state_dict",
+    "top_rules",
+    "write_safetensors",
 ]

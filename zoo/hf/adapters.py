@@ -58,7 +58,9 @@ def _hub_maps(rule, shapes: list[tuple[int, ...]], adapted: list[int], fan_outs:
         block = hub[np.ix_(rows, cols)] - offsets[k]
         i_in, j_out = np.divmod(block, fan_outs[k])
         if not (mine[np.ix_(rows, cols)].all() and (i_in == i_in[:1]).all() and (j_out == j_out[:, :1]).all()):
-            raise CheckpointError(f"{rule.hub[0]}: its rule mixes rows and columns of {rule.zoo[k]}; PEFT cannot express its adapter")
+            raise CheckpointError(
+                f"{rule.hub[0]}: its rule mixes rows and columns of {rule.zoo[k]}; PEFT cannot express its adapter"
+            )
         out.append((rows, j_out[:, 0], cols, i_in[0]))
     return hub.shape, out
 
@@ -78,7 +80,9 @@ def peft_state(model, dtype=None) -> tuple[dict[str, np.ndarray], dict[str, int]
             if not adapted:
                 continue
             if rule.lazy or len(rule.hub) != 1 or not rule.hub[0].endswith(".weight"):
-                raise CheckpointError(f"{rule.hub[0]}: adapters on this tensor have no PEFT layout (only Linear weights adapt)")
+                raise CheckpointError(
+                    f"{rule.hub[0]}: adapters on this tensor have no PEFT layout (only Linear weights adapt)"
+                )
             fan_outs = [leaf.b.shape[-1] if isinstance(leaf, LoRAWeight) else 1 for leaf in leaves]
             (n_out, n_in), maps = _hub_maps(rule, [_shape(leaf) for leaf in leaves], adapted, fan_outs)
             a_all = [np.asarray(leaves[k].a) for k in adapted]  # [repeats, fan_in, rank]
@@ -140,7 +144,11 @@ def adapter_config(ranks: dict[str, int], rank: int, alpha: float, dropout: floa
     rank_pattern = {}
     for name, rs in sorted(by_name.items()):
         if rs != {rank}:  # PEFT matches a pattern key against the end of a module's path
-            rank_pattern.update({name: next(iter(rs))} if len(rs) == 1 else {p: r for p, r in sorted(ranks.items()) if p.endswith("." + name)})
+            rank_pattern.update(
+                {name: next(iter(rs))}
+                if len(rs) == 1
+                else {p: r for p, r in sorted(ranks.items()) if p.endswith("." + name)}
+            )
     alpha_pattern = {key: alpha * r / rank for key, r in rank_pattern.items()}
     return {
         "peft_type": "LORA",
@@ -163,8 +171,9 @@ def adapter_config(ranks: dict[str, int], rank: int, alpha: float, dropout: floa
     }
 
 
-def save_adapters(model, directory, *, rank: int, alpha: float, dropout: float = 0.0, base_model: Optional[str] = None,
-                  dtype=None) -> list[str]:
+def save_adapters(
+    model, directory, *, rank: int, alpha: float, dropout: float = 0.0, base_model: Optional[str] = None, dtype=None
+) -> list[str]:
     """Write `model`'s adapters (LoRAWeight leaves) to `directory` in the PEFT layout; returns the file names.
     `base_model`: adapter_config.json's base_model_name_or_path (a Hugging Face directory or hub id, or None)."""
     import jax.numpy as jnp
@@ -175,7 +184,9 @@ def save_adapters(model, directory, *, rank: int, alpha: float, dropout: float =
     config = adapter_config(ranks, rank, alpha, dropout, base_model)
     d = pathlib.Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    stream = SafetensorsStream(d / ADAPTER_WEIGHTS, [(n, a.shape, a.dtype) for n, a in tensors.items()], {"format": "pt"})
+    stream = SafetensorsStream(
+        d / ADAPTER_WEIGHTS, [(n, a.shape, a.dtype) for n, a in tensors.items()], {"format": "pt"}
+    )
     for name, arr in tensors.items():
         stream.write(name, arr)
     stream.close()

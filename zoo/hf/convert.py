@@ -64,14 +64,20 @@ def fp8_block(cfg: dict, source: str = "config.json") -> Optional[tuple[int, int
         return None
     method = q.get("quant_method", "?") if isinstance(q, dict) else "?"
     if method != "fp8":
-        raise CheckpointError(f"{source}: quantization_config ({method}) is not supported: zoo reads floating-point "
-                              "checkpoints and DeepSeek-V3's FP8 blocks (quant_method fp8); dequantise first")
+        raise CheckpointError(
+            f"{source}: quantization_config ({method}) is not supported: zoo reads floating-point "
+            "checkpoints and DeepSeek-V3's FP8 blocks (quant_method fp8); dequantise first"
+        )
     block = q.get("weight_block_size")
     if q.get("fmt", "e4m3") != "e4m3" or not (
-        isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
+        isinstance(block, list)
+        and len(block) == 2
+        and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
     ):
-        raise CheckpointError(f"{source}: quantization_config {json.dumps(q)} is not supported: zoo dequantises fmt e4m3 "
-                              "with a weight_block_size of two positive ints (DeepSeek-V3: [128, 128])")
+        raise CheckpointError(
+            f"{source}: quantization_config {json.dumps(q)} is not supported: zoo dequantises fmt e4m3 "
+            "with a weight_block_size of two positive ints (DeepSeek-V3: [128, 128])"
+        )
     return (block[0], block[1])
 
 
@@ -221,7 +227,9 @@ def to_hf_state_dict(tree: CausalLM) -> dict[str, np.ndarray]:
     return dict(_hf_tensors(tree))
 
 
-def save_pretrained(model: CausalLM, path, dtype=None, max_shard_bytes: int = 5 * 2**30, extra_config: Optional[dict] = None) -> None:
+def save_pretrained(
+    model: CausalLM, path, dtype=None, max_shard_bytes: int = 5 * 2**30, extra_config: Optional[dict] = None
+) -> None:
     """Write `config.json` and safetensors shards (with an index when there are several), under the hub's names.
 
     `dtype` (a string, jnp or numpy dtype; None: the model's) is the dtype of the tensors written.

@@ -39,9 +39,18 @@ from zoo.errors import CheckpointError
 
 
 _ST_DTYPES = {
-    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-    "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
-    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,
+    "F8_E5M2": ml_dtypes.float8_e5m2,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
 }
 FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")
 FP8_DTYPE = "F8_E4M3"  # the block-quantised weights DeepSeek-V3 publishes
@@ -57,7 +66,9 @@ class SafetensorsFile:
         with open(path, "rb") as f:
             raw_len = f.read(8)
             if len(raw_len) < 8:
-                raise CheckpointError(f"{path}: truncated or not a safetensors file (shorter than its 8-byte header length); download or copy it again")
+                raise CheckpointError(
+                    f"{path}: truncated or not a safetensors file (shorter than its 8-byte header length); download or copy it again"
+                )
             header_len = int.from_bytes(raw_len, "little")
             # A safetensors header is a JSON object: a file whose ninth byte is not `{` is something
             # else (an HTML error page, a Git LFS pointer, random bytes), whatever length its first 8 bytes read as.
@@ -68,7 +79,9 @@ class SafetensorsFile:
                     "download or copy the model's .safetensors file again"
                 )
             if 8 + header_len > size:
-                raise CheckpointError(f"{path}: truncated: the header claims {header_len} bytes, the file has {size}; download or copy it again")
+                raise CheckpointError(
+                    f"{path}: truncated: the header claims {header_len} bytes, the file has {size}; download or copy it again"
+                )
             try:
                 f.seek(8)
                 header = json.loads(f.read(header_len))
@@ -86,7 +99,9 @@ class SafetensorsFile:
         try:  # the library's checks of the layout: offsets that overlap, leave gaps or disagree with shape x dtype
             safe_open(path, framework="np")
         except SafetensorError as e:
-            raise CheckpointError(f"{path}: not a valid safetensors file ({str(e).splitlines()[0]}); download or copy it again") from None
+            raise CheckpointError(
+                f"{path}: not a valid safetensors file ({str(e).splitlines()[0]}); download or copy it again"
+            ) from None
 
     def names(self) -> list[str]:
         return list(self.header)
@@ -134,9 +149,14 @@ class SafetensorsStream:
 
     Written under `<name>.tmp`; `close()` checks every tensor came and renames the file into place."""
 
-    def __init__(self, path: pathlib.Path, specs: Sequence[tuple[str, Sequence[int], Any]], metadata: Optional[dict] = None):
+    def __init__(
+        self, path: pathlib.Path, specs: Sequence[tuple[str, Sequence[int], Any]], metadata: Optional[dict] = None
+    ):
         self.path = pathlib.Path(path)
-        order = sorted(((n, tuple(sh), np.dtype(dt)) for n, sh, dt in specs), key=lambda t: (-_ST_ORDER.index(_ST_CODES[t[2]]), t[0]))
+        order = sorted(
+            ((n, tuple(sh), np.dtype(dt)) for n, sh, dt in specs),
+            key=lambda t: (-_ST_ORDER.index(_ST_CODES[t[2]]), t[0]),
+        )
         header: dict = {"__metadata__": dict(metadata)} if metadata else {}
         self._where: dict[str, tuple[int, tuple[int, ...], np.dtype]] = {}
         offset = 0
@@ -156,7 +176,9 @@ class SafetensorsStream:
     def write(self, name: str, array: np.ndarray) -> None:
         offset, shape, dtype = self._where[name]
         if array.shape != shape or array.dtype != dtype:
-            raise ValueError(f"{self.path}: tensor {name!r} is {array.dtype}{list(array.shape)}, the header says {dtype}{list(shape)}")
+            raise ValueError(
+                f"{self.path}: tensor {name!r} is {array.dtype}{list(array.shape)}, the header says {dtype}{list(shape)}"
+            )
         self._file.seek(self._data_start + offset)
         np.ascontiguousarray(array).tofile(self._file)
         del self._where[name]
@@ -201,19 +223,27 @@ class CheckpointReader:
             try:
                 weight_map = json.loads(index_path.read_text())["weight_map"]
             except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise CheckpointError(f"{index_path}: unreadable ({type(e).__name__}: {e}); download or copy it again") from None
+                raise CheckpointError(
+                    f"{index_path}: unreadable ({type(e).__name__}: {e}); download or copy it again"
+                ) from None
             for name, file in weight_map.items():
                 if file not in self.files:
                     if not (directory / file).exists():
-                        raise CheckpointError(f"{index_path}: names shard {file!r}, which is missing from {directory}; download or copy it again")
+                        raise CheckpointError(
+                            f"{index_path}: names shard {file!r}, which is missing from {directory}; download or copy it again"
+                        )
                     self.files[file] = SafetensorsFile(directory / file)
                 if name not in self.files[file].header:
-                    raise CheckpointError(f"{index_path}: tensor {name!r} is mapped to {file}, which does not contain it; download or copy it again")
+                    raise CheckpointError(
+                        f"{index_path}: tensor {name!r} is mapped to {file}, which does not contain it; download or copy it again"
+                    )
                 self.location[name] = file
         else:
             paths = sorted(directory.glob("*.safetensors"))
             if not paths:
-                raise CheckpointError(f"{directory}: no *.safetensors files; a Hugging Face checkpoint directory (config.json + *.safetensors) is needed")
+                raise CheckpointError(
+                    f"{directory}: no *.safetensors files; a Hugging Face checkpoint directory (config.json + *.safetensors) is needed"
+                )
             for p in paths:
                 self.files[p.name] = SafetensorsFile(p)
                 for name in self.files[p.name].names():
@@ -253,7 +283,9 @@ class CheckpointReader:
         scale = name + SCALE_SUFFIX
         file = self.file_of(name)
         if len(shape) != 2 or scale not in self.location:
-            raise CheckpointError(f"{file.path}: FP8 tensor {name!r} has no {scale!r} block scales; download the checkpoint again")
+            raise CheckpointError(
+                f"{file.path}: FP8 tensor {name!r} has no {scale!r} block scales; download the checkpoint again"
+            )
         want = tuple(-(-n // b) for n, b in zip(shape, self.fp8_block))
         got_file = self.file_of(scale)
         if got_file.shape(scale) != want or got_file.dtype(scale) not in FLOAT_DTYPES:

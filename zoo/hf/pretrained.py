@@ -28,8 +28,16 @@ RUNTIME = {"param_dtype": "float32", "compute_dtype": "float32", "attention_impl
 RUNTIME_MOE = ("impl", "capacity_factor")
 # Files of a Hugging Face directory besides its config and weights that an export carries over.
 CARRIED_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt",
-    "added_tokens.json", "chat_template.jinja", "chat_template.json", "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
 )
 # config.json keys zoo does not model that an export writes back (generation reads them).
 CONFIG_EXTRAS = TOKEN_ID_KEYS
@@ -87,7 +95,9 @@ def _check_agrees(given: dict, config, directory: pathlib.Path, prefix: str = ""
         if value is None or (isinstance(value, dict) and all(v is None for v in value.values())):
             continue
         if config is None:
-            raise _contradiction(f"{prefix}{key}", value, f"the checkpoint's model has no {prefix[:-1]} section", directory)
+            raise _contradiction(
+                f"{prefix}{key}", value, f"the checkpoint's model has no {prefix[:-1]} section", directory
+            )
         if key not in fields:
             raise ValueError(f"model.{prefix}{key}: unknown key; known keys here: {', '.join(sorted(fields))}")
         actual = getattr(config, key)
@@ -102,18 +112,26 @@ def model_from_node(node: dict) -> tuple[ModelConfig, PretrainedSource]:
     values = dict(node)
     path = values.pop("path", None)
     if path in (None, "", "???"):
-        raise ValueError("model.path: missing; give the Hugging Face checkpoint directory, e.g. model.path=/models/Llama-3.2-1B")
+        raise ValueError(
+            "model.path: missing; give the Hugging Face checkpoint directory, e.g. model.path=/models/Llama-3.2-1B"
+        )
     directory = pathlib.Path(str(path)).expanduser().absolute()
     try:
         cfg = load_config(directory)
         runtime = {k: values.pop(k, None) for k in RUNTIME}
         moe = dict(values.pop("moe", None) or {})
         moe_runtime = {f"moe_{k}": moe.pop(k) for k in RUNTIME_MOE if moe.get(k) is not None}
-        config = config_from_hf(cfg, source=str(directory / "config.json"),
-                                **{k: v for k, v in runtime.items() if v is not None}, **moe_runtime)
+        config = config_from_hf(
+            cfg,
+            source=str(directory / "config.json"),
+            **{k: v for k, v in runtime.items() if v is not None},
+            **moe_runtime,
+        )
         if moe_runtime and config.moe is None:
             key = next(iter(moe_runtime)).replace("moe_", "moe.")
-            raise ValueError(f"model.{key}: {directory / 'config.json'} describes a dense {config.family} model (no experts); drop model.{key}")
+            raise ValueError(
+                f"model.{key}: {directory / 'config.json'} describes a dense {config.family} model (no experts); drop model.{key}"
+            )
         _check_agrees({**values, "moe": moe}, config, directory)
         reader = CheckpointReader(directory, fp8_block(cfg, str(directory / "config.json")))  # headers only
     except CheckpointError as e:
@@ -173,7 +191,11 @@ def fit_tokenizer(data, source: PretrainedSource, config: ModelConfig) -> None:
     from zoo.data import load_tokenizer  # not at the top: zoo.data imports grain (about 1.1 s)
 
     given = load_tokenizer(data.tokenizer)
-    fix = f"leave data.tokenizer null to use the checkpoint's own ({own})" if own else "give the tokenizer the checkpoint was trained with"
+    fix = (
+        f"leave data.tokenizer null to use the checkpoint's own ({own})"
+        if own
+        else "give the tokenizer the checkpoint was trained with"
+    )
     if given.vocab_size > config.vocab_size:
         raise ValueError(
             f"data.tokenizer: {given.name} has {given.vocab_size} token ids but {directory / 'config.json'} has "
@@ -195,9 +217,10 @@ def describe(source: PretrainedSource, config: ModelConfig) -> list[str]:
     """train.py's lines about the weights it starts from."""
     n = len(source.weight_files)
     fp8 = f", FP8 blocks {source.fp8_block[0]}x{source.fp8_block[1]} dequantised" if source.fp8_block else ""
-    lines = [f"weights: {source.path} ({source.model_type}, {n} safetensors file{'s' * (n != 1)}{fp8}) as {config.param_dtype}"]
+    lines = [
+        f"weights: {source.path} ({source.model_type}, {n} safetensors file{'s' * (n != 1)}{fp8}) as {config.param_dtype}"
+    ]
     note = capacity_note(config, "model.moe.impl", "model.moe.capacity_factor")
     if note:
         lines.append(f"note: {note}")
     return lines
-

@@ -37,7 +37,9 @@ def load_config(path) -> dict:
     """The parsed config.json of a checkpoint directory; a CheckpointError naming the file otherwise."""
     directory = pathlib.Path(path)
     if not directory.is_dir():
-        raise CheckpointError(f"{directory}: not a directory; pass a Hugging Face checkpoint directory (config.json + *.safetensors)")
+        raise CheckpointError(
+            f"{directory}: not a directory; pass a Hugging Face checkpoint directory (config.json + *.safetensors)"
+        )
     config_path = directory / "config.json"
     if not config_path.exists():
         raise CheckpointError(f"{config_path}: missing; a Hugging Face checkpoint directory needs its config.json")
@@ -61,7 +63,11 @@ def _check_leftovers(reader: CheckpointReader, config: ModelConfig, cfg: dict, f
         if name.endswith("rotary_emb.inv_freq"):
             continue
         parts = name.split(".")
-        if name.startswith("model.layers.") and parts[2].isdigit() and config.num_layers <= int(parts[2]) < config.num_layers + extra_layers:
+        if (
+            name.startswith("model.layers.")
+            and parts[2].isdigit()
+            and config.num_layers <= int(parts[2]) < config.num_layers + extra_layers
+        ):
             continue
         if name == "lm_head.weight" and config.tie_word_embeddings:
             head = reader.file_of(name).get(name)
@@ -139,7 +145,9 @@ def leaf_sources(skeleton: CausalLM, reader: CheckpointReader) -> list[LeafSourc
 
                 def read(index, layer_views=layer_views, k=k, shape=leaf.shape, dtype=dtype):
                     view = layer_views(None)[k]
-                    return np.asarray(view.reshape(shape)[index] if isinstance(view, np.ndarray) else view[index], dtype)
+                    return np.asarray(
+                        view.reshape(shape)[index] if isinstance(view, np.ndarray) else view[index], dtype
+                    )
 
             else:
 
@@ -162,7 +170,9 @@ def _path_name(key_path) -> str:
     return ".".join(str(getattr(k, "name", getattr(k, "idx", getattr(k, "key", k)))) for k in key_path)
 
 
-def _by_leaf(skeleton: CausalLM, sources: list[LeafSource]) -> tuple[object, list[tuple[str, object]], dict[str, LeafSource]]:
+def _by_leaf(
+    skeleton: CausalLM, sources: list[LeafSource]
+) -> tuple[object, list[tuple[str, object]], dict[str, LeafSource]]:
     """The array half of `skeleton`, its leaves with their attribute paths, and the source of each
     (every leaf must have one: a family module that forgot a tensor is a bug, not a zero)."""
     params, _ = eqx.partition(skeleton, lambda x: isinstance(x, jax.ShapeDtypeStruct))
@@ -170,7 +180,9 @@ def _by_leaf(skeleton: CausalLM, sources: list[LeafSource]) -> tuple[object, lis
     leaves = [(_path_name(p), x) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]]
     missing = [p for p, _ in leaves if p not in by_path]
     if missing:
-        raise CheckpointError(f"zoo.hf: no rule reads the leaves {missing} of a {skeleton.config.family} model; a zoo.hf family module is incomplete")
+        raise CheckpointError(
+            f"zoo.hf: no rule reads the leaves {missing} of a {skeleton.config.family} model; a zoo.hf family module is incomplete"
+        )
     return params, leaves, by_path
 
 

@@ -24,16 +24,41 @@ from zoo.nn.rope import Rope
 
 
 # The attention tags; MLA emits them too, with its own FLOPs (zoo.nn.mla).
-QUERY_PROJ = tags.TagInfo(tags.QUERY_PROJ, "B T N H", "queries after the q projection (and its bias), before q-norm and RoPE (MLA: q_b_proj output)", tags.ATTENTION, ((*tags.IN_BLOCK, "heads", None),))
-KEY_PROJ = tags.TagInfo(tags.KEY_PROJ, "B T K H", "keys after the k projection (and its bias), before k-norm and RoPE (MLA: per-head nope keys from kv_b_proj)", tags.ATTENTION, ((*tags.IN_BLOCK, "kv_heads", None),))
-VALUE_PROJ = tags.TagInfo(tags.VALUE_PROJ, "B T K H", "values after the v projection (MLA: per-head values from kv_b_proj)", tags.ATTENTION, ((*tags.IN_BLOCK, "kv_heads", None),))
+QUERY_PROJ = tags.TagInfo(
+    tags.QUERY_PROJ,
+    "B T N H",
+    "queries after the q projection (and its bias), before q-norm and RoPE (MLA: q_b_proj output)",
+    tags.ATTENTION,
+    ((*tags.IN_BLOCK, "heads", None),),
+)
+KEY_PROJ = tags.TagInfo(
+    tags.KEY_PROJ,
+    "B T K H",
+    "keys after the k projection (and its bias), before k-norm and RoPE (MLA: per-head nope keys from kv_b_proj)",
+    tags.ATTENTION,
+    ((*tags.IN_BLOCK, "kv_heads", None),),
+)
+VALUE_PROJ = tags.TagInfo(
+    tags.VALUE_PROJ,
+    "B T K H",
+    "values after the v projection (MLA: per-head values from kv_b_proj)",
+    tags.ATTENTION,
+    ((*tags.IN_BLOCK, "kv_heads", None),),
+)
 # Splash attention names its own residuals under this tag, in its per-kv-head layout: the output
 # (B, K, G, T, V) and the softmax statistics (B, K, G, T). The statistics share the length of the
 # first layout, which the planner then reads for them; per-device bytes agree whichever heads dim a
 # tensor-parallel rule divides.
-CONTEXT = tags.TagInfo(tags.CONTEXT, "B T N V", "attention output, before the out projection", tags.ATTENTION,
-                       ((*tags.IN_BLOCK, "heads", None), ("batch", "kv_heads", None, None, None)))
-OUT_PROJ = tags.TagInfo(tags.OUT_PROJ, "B T D", "attention output after the out projection", tags.ATTENTION, ((*tags.IN_BLOCK, "embed"),))
+CONTEXT = tags.TagInfo(
+    tags.CONTEXT,
+    "B T N V",
+    "attention output, before the out projection",
+    tags.ATTENTION,
+    ((*tags.IN_BLOCK, "heads", None), ("batch", "kv_heads", None, None, None)),
+)
+OUT_PROJ = tags.TagInfo(
+    tags.OUT_PROJ, "B T D", "attention output after the out projection", tags.ATTENTION, ((*tags.IN_BLOCK, "embed"),)
+)
 
 
 def context_flops(s: tags.FlopShape) -> int | float:
@@ -91,7 +116,9 @@ class GQAttention(eqx.Module):
     EMITS: ClassVar[tuple[tags.Emit, ...]] = (
         tags.Emit(QUERY_PROJ, lambda s: 2 * s.tokens * s.config.hidden_size * (s.config.num_heads * s.config.head_dim)),
         tags.Emit(KEY_PROJ, lambda s: 2 * s.tokens * s.config.hidden_size * s.config.num_kv_heads * s.config.head_dim),
-        tags.Emit(VALUE_PROJ, lambda s: 2 * s.tokens * s.config.hidden_size * s.config.num_kv_heads * s.config.head_dim),
+        tags.Emit(
+            VALUE_PROJ, lambda s: 2 * s.tokens * s.config.hidden_size * s.config.num_kv_heads * s.config.head_dim
+        ),
         tags.Emit(CONTEXT, context_flops),
         tags.Emit(OUT_PROJ, out_proj_flops),
     )
@@ -125,7 +152,11 @@ class GQAttention(eqx.Module):
         self.wv = normal(kv, (embed, kv_heads, head_dim), embed, param_dtype)
         self.wo = normal(ko, (heads, head_dim, embed), heads * head_dim, param_dtype)
         zeros = lambda *shape: jnp.zeros(shape, param_dtype)  # noqa: E731
-        self.bq, self.bk, self.bv = (zeros(heads, head_dim), zeros(kv_heads, head_dim), zeros(kv_heads, head_dim)) if bias else (None, None, None)
+        self.bq, self.bk, self.bv = (
+            (zeros(heads, head_dim), zeros(kv_heads, head_dim), zeros(kv_heads, head_dim))
+            if bias
+            else (None, None, None)
+        )
         self.bo = zeros(embed) if out_bias else None
         norm = lambda: RMSNorm(head_dim, eps=norm_eps, weight_offset=norm_weight_offset, dtype=param_dtype)  # noqa: E731
         self.q_norm, self.k_norm = (norm(), norm()) if qk_norm else (None, None)
@@ -171,16 +202,34 @@ class GQAttention(eqx.Module):
     def _forward(self, x, positions, segment_ids):
         q, k, v = self._queries_keys_values(x, positions)
         if context_parallel():  # each device its own query chunk, the keys and values gathered once
-            context = context_attention(q, k, v, kv_logical="kv_heads", scale=self.scale, impl=self.impl, window=self.window,
-                                        sinks=self.sinks, segment_ids=segment_ids)
+            context = context_attention(
+                q,
+                k,
+                v,
+                kv_logical="kv_heads",
+                scale=self.scale,
+                impl=self.impl,
+                window=self.window,
+                sinks=self.sinks,
+                segment_ids=segment_ids,
+            )
             return self._output(tags.tag(context, tags.CONTEXT)), k, v
         # Whole sequences into the kernel (split over heads): never sequence shards, which the
         # blockwise kernel's tiles would gather one by one.
         q = zs.sequence_gathered(q, ("batch", None, "heads", None))
         k = zs.sequence_gathered(k, ("batch", None, "kv_heads", None))
         v = zs.sequence_gathered(v, ("batch", None, "kv_heads", None))
-        context = attend(q, k, v, scale=self.scale, impl=self.impl, window=self.window, sinks=self.sinks, segment_ids=segment_ids,
-                         tag=tags.CONTEXT)
+        context = attend(
+            q,
+            k,
+            v,
+            scale=self.scale,
+            impl=self.impl,
+            window=self.window,
+            sinks=self.sinks,
+            segment_ids=segment_ids,
+            tag=tags.CONTEXT,
+        )
         context = zs.sequence_gathered(context, ("batch", None, "heads", None))  # and so its gradient, in the backward
         return self._output(context), k, v
 
@@ -211,6 +260,15 @@ class GQAttention(eqx.Module):
         cache = KVCache(write(cache.k, k[:, 0], positions), write(cache.v, v[:, 0], positions))
         # Causality and the window are the slots' business (zoo.nn.cache): every visible slot counts.
         visible = visible_slots(positions, cache.k.shape[1])
-        context = attend(q, cache.k, cache.v, scale=self.scale, impl="xla", causal=False, sinks=self.sinks, kv_valid_len=visible,
-                         tag=tags.CONTEXT)
+        context = attend(
+            q,
+            cache.k,
+            cache.v,
+            scale=self.scale,
+            impl="xla",
+            causal=False,
+            sinks=self.sinks,
+            kv_valid_len=visible,
+            tag=tags.CONTEXT,
+        )
         return self._output(context), cache

@@ -113,7 +113,9 @@ def resolve_impl(
             raise _bad(f"splash {splash_reason}")
         if splash_reason is None:
             return "splash"
-    cudnn_reason = _cudnn_refusal(backend, dtype, qk_dim, v_dim, has_sinks, has_segments, max_segments, compute_capability)
+    cudnn_reason = _cudnn_refusal(
+        backend, dtype, qk_dim, v_dim, has_sinks, has_segments, max_segments, compute_capability
+    )
     if impl == "cudnn":
         if cudnn_reason:
             raise _bad(f"cudnn {cudnn_reason}")
@@ -214,28 +216,77 @@ def attend(
     static_offset = q_offset is None or isinstance(q_offset, int)
     decoding = kv_valid_len is not None or not static_offset
     impl = resolve_impl(
-        impl, backend=target_platform(), dtype=q.dtype, qk_dim=qk_dim, v_dim=v.shape[-1], seq_len=q_len,
-        has_sinks=sinks is not None, has_segments=segment_ids is not None, max_segments=max_segments,
+        impl,
+        backend=target_platform(),
+        dtype=q.dtype,
+        qk_dim=qk_dim,
+        v_dim=v.shape[-1],
+        seq_len=q_len,
+        has_sinks=sinks is not None,
+        has_segments=segment_ids is not None,
+        max_segments=max_segments,
         decoding=decoding,
     )
     offset = 0 if q_offset is None else q_offset
     if impl == "splash":
         if offset != 0 or kv_len != q_len:
             raise _bad("splash aligns queries with keys from position 0 (q_offset 0, as many keys as queries)")
-        out = splash_attention(q, k, v, scale=scale, causal=causal, window=window, sinks=sinks, segment_ids=segment_ids,
-                               kv_segment_ids=kv_segment_ids, residual_tag=tag)
+        out = splash_attention(
+            q,
+            k,
+            v,
+            scale=scale,
+            causal=causal,
+            window=window,
+            sinks=sinks,
+            segment_ids=segment_ids,
+            kv_segment_ids=kv_segment_ids,
+            residual_tag=tag,
+        )
         return out if tag is None else zoo_tags.tag(out, tag, checkpoint=False)
     if impl == "xla":
-        out = xla_attention(q, k, v, scale=scale, causal=causal, window=window, sinks=sinks, segment_ids=segment_ids,
-                            kv_segment_ids=kv_segment_ids, q_offset=offset, kv_valid_len=kv_valid_len)
+        out = xla_attention(
+            q,
+            k,
+            v,
+            scale=scale,
+            causal=causal,
+            window=window,
+            sinks=sinks,
+            segment_ids=segment_ids,
+            kv_segment_ids=kv_segment_ids,
+            q_offset=offset,
+            kv_valid_len=kv_valid_len,
+        )
     elif impl == "blockwise":
-        out = blockwise_attention(q, k, v, scale=scale, causal=causal, window=window, sinks=sinks, segment_ids=segment_ids,
-                                  kv_segment_ids=kv_segment_ids, q_offset=offset, block_q=block_q, block_k=block_k)
+        out = blockwise_attention(
+            q,
+            k,
+            v,
+            scale=scale,
+            causal=causal,
+            window=window,
+            sinks=sinks,
+            segment_ids=segment_ids,
+            kv_segment_ids=kv_segment_ids,
+            q_offset=offset,
+            block_q=block_q,
+            block_k=block_k,
+        )
     else:
         if offset != 0:
             raise _bad("cudnn aligns queries with keys from position 0; q_offset must be 0")
-        out = cudnn_attention(q, k, v, scale=scale, causal=causal, window=window, segment_ids=segment_ids,
-                              kv_segment_ids=kv_segment_ids, max_segments=max_segments)
+        out = cudnn_attention(
+            q,
+            k,
+            v,
+            scale=scale,
+            causal=causal,
+            window=window,
+            segment_ids=segment_ids,
+            kv_segment_ids=kv_segment_ids,
+            max_segments=max_segments,
+        )
     return out if tag is None else zoo_tags.tag(out, tag)
 
 
@@ -468,7 +519,9 @@ def blockwise_attention(
     block_q = min(block_q, q_len)
     if pieces > 1:  # every query block within one piece: the largest block size that divides a piece
         block_q = max(b for b in range(1, min(block_q, q_len // pieces) + 1) if (q_len // pieces) % b == 0)
-    tiling = _Tiling(q_len, kv_len, block_q, min(block_k, kv_len), float(scale), causal, window, int(q_offset), shards, pieces)
+    tiling = _Tiling(
+        q_len, kv_len, block_q, min(block_k, kv_len), float(scale), causal, window, int(q_offset), shards, pieces
+    )
     q_pad, k_pad = tiling.n_q * tiling.block_q - q_len, tiling.n_k * tiling.block_k - kv_len
 
     def blocks(x, pad, size, groups):
@@ -489,7 +542,9 @@ def blockwise_attention(
     else:
         # Padded positions are masked by position already; any id does.
         q_seg = jnp.pad(segment_ids, ((0, 0), (0, q_pad))).reshape(batch, tiling.n_q, tiling.block_q).transpose(1, 0, 2)
-        kv_seg = jnp.pad(kv_segment_ids, ((0, 0), (0, k_pad))).reshape(batch, tiling.n_k, tiling.block_k).transpose(1, 0, 2)
+        kv_seg = (
+            jnp.pad(kv_segment_ids, ((0, 0), (0, k_pad))).reshape(batch, tiling.n_k, tiling.block_k).transpose(1, 0, 2)
+        )
     sink = None if sinks is None else sinks.astype(jnp.float32).reshape(kv_heads, group)
 
     out = _flash(tiling, qb, kb, vb, sink, q_seg, kv_seg, shard)  # [n_q, batch, kv_heads, group, block_q, v]
@@ -528,7 +583,9 @@ def context_shard_attention(
     if q_len * shards != kv_len:
         raise ValueError(f"attention: {shards} query chunks of {q_len} do not make the {kv_len} keys")
     if impl == "cudnn":
-        raise _bad("cudnn cannot run context-parallel attention (mesh.context_parallel: its queries start at key 0); use blockwise or xla")
+        raise _bad(
+            "cudnn cannot run context-parallel attention (mesh.context_parallel: its queries start at key 0); use blockwise or xla"
+        )
     if impl not in IMPLS:
         raise _bad(f"got {impl!r}")
     if impl == "auto":
@@ -539,12 +596,43 @@ def context_shard_attention(
         if balanced:
             half = jnp.arange(q_len // 2, dtype=jnp.int32)
             q_positions = jnp.concatenate([shard * (q_len // 2) + half, (2 * shards - 1 - shard) * (q_len // 2) + half])
-            return xla_attention(q, k, v, scale=scale, window=window, sinks=sinks, segment_ids=segment_ids,
-                                 kv_segment_ids=kv_segment_ids, q_positions=q_positions)
-        return xla_attention(q, k, v, scale=scale, window=window, sinks=sinks, segment_ids=segment_ids,
-                             kv_segment_ids=kv_segment_ids, q_offset=shard * q_len)
-    return blockwise_attention(q, k, v, scale=scale, window=window, sinks=sinks, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
-                               block_q=block_q, block_k=block_k, shard=shard, shards=shards, pieces=2 if balanced else 1)
+            return xla_attention(
+                q,
+                k,
+                v,
+                scale=scale,
+                window=window,
+                sinks=sinks,
+                segment_ids=segment_ids,
+                kv_segment_ids=kv_segment_ids,
+                q_positions=q_positions,
+            )
+        return xla_attention(
+            q,
+            k,
+            v,
+            scale=scale,
+            window=window,
+            sinks=sinks,
+            segment_ids=segment_ids,
+            kv_segment_ids=kv_segment_ids,
+            q_offset=shard * q_len,
+        )
+    return blockwise_attention(
+        q,
+        k,
+        v,
+        scale=scale,
+        window=window,
+        sinks=sinks,
+        segment_ids=segment_ids,
+        kv_segment_ids=kv_segment_ids,
+        block_q=block_q,
+        block_k=block_k,
+        shard=shard,
+        shards=shards,
+        pieces=2 if balanced else 1,
+    )
 
 
 def _flash_forward(tiling: _Tiling, qb, kb, vb, sink, q_seg, kv_seg, shard):
@@ -662,7 +750,9 @@ def _flash_bwd(tiling, residuals, d_out):
         dk_j = jnp.einsum("bkgqs,bkgqd->bksd", ds.astype(qb.dtype), qi, preferred_element_type=jnp.float32)
 
         def add(acc, x, at):
-            return jax.lax.dynamic_update_index_in_dim(acc, jax.lax.dynamic_index_in_dim(acc, at, keepdims=False) + x, at, 0)
+            return jax.lax.dynamic_update_index_in_dim(
+                acc, jax.lax.dynamic_index_in_dim(acc, at, keepdims=False) + x, at, 0
+            )
 
         return (add(dq, dq_i, i), add(dk, dk_j, j), add(dv, dv_j, j)), None
 
@@ -674,8 +764,6 @@ def _flash_bwd(tiling, residuals, d_out):
         p_sink = jnp.exp(sink[None, None, :, :, None] - lse)
         d_sink = -(p_sink * delta).sum(axis=(0, 1, 4))
     return dq.astype(qb.dtype), dk.astype(kb.dtype), dv.astype(vb.dtype), d_sink, None, None, None
-
-
 
 
 # --- splash (Pallas, TPU) -------------------------------------------------------------------------
@@ -693,7 +781,15 @@ def _splash_block(n: int) -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def _splash_kernel(q_len: int, kv_len: int, group: int, causal: bool, window: Optional[int], residual_tag: Optional[str], interpret: bool):
+def _splash_kernel(
+    q_len: int,
+    kv_len: int,
+    group: int,
+    causal: bool,
+    window: Optional[int],
+    residual_tag: Optional[str],
+    interpret: bool,
+):
     """A splash kernel for one kv head's `group` query heads (the multi-query form: GQA runs it per
     kv head), its mask built once per shape (the kernel reads the mask's block structure, computed
     from it in numpy, to skip the tiles it masks whole)."""
@@ -708,15 +804,26 @@ def _splash_kernel(q_len: int, kv_len: int, group: int, causal: bool, window: Op
     else:
         one = sm.FullMask(shape)
     bq, bk = _splash_block(q_len), _splash_block(kv_len)
-    blocks = sk.BlockSizes(block_q=bq, block_kv=bk, block_kv_compute=bk, block_q_dkv=bq, block_kv_dkv=bk,
-                           block_kv_dkv_compute=bk, use_fused_bwd_kernel=True)
+    blocks = sk.BlockSizes(
+        block_q=bq,
+        block_kv=bk,
+        block_kv_compute=bk,
+        block_q_dkv=bq,
+        block_kv_dkv=bk,
+        block_kv_dkv_compute=bk,
+        use_fused_bwd_kernel=True,
+    )
     # Built outside the trace that first asks for it (the kernel is cached across traces: its mask
     # tables must not be one trace's values), and the tables kept as numpy, embedded in the program:
     # as the arrays the kernel makes of them, a step compiled ahead of time (jit(...).lower(...).compile(),
     # as train.py does) took them as extra arguments it was then called without (TPU v5e, JAX 0.10.2).
     with jax.ensure_compile_time_eval():
-        kernel = sk.make_splash_mqa_single_device(sm.MultiHeadMask([one] * group), block_sizes=blocks, residual_checkpoint_name=residual_tag,
-                                                  interpret=interpret)
+        kernel = sk.make_splash_mqa_single_device(
+            sm.MultiHeadMask([one] * group),
+            block_sizes=blocks,
+            residual_checkpoint_name=residual_tag,
+            interpret=interpret,
+        )
     return jax.tree.map(np.asarray, kernel)
 
 
@@ -754,11 +861,15 @@ def splash_attention(
         from jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_kernel import SegmentIds
 
         seg = None if q_seg is None else SegmentIds(q=q_seg, kv=kv_seg)
-        per_head = jax.vmap(lambda qh_, kh_, vh_, s_: kernel(qh_, kh_, vh_, segment_ids=seg, sinks=s_), in_axes=(0, 0, 0, None if sink is None else 0))
+        per_head = jax.vmap(
+            lambda qh_, kh_, vh_, s_: kernel(qh_, kh_, vh_, segment_ids=seg, sinks=s_),
+            in_axes=(0, 0, 0, None if sink is None else 0),
+        )
         return per_head(qr, kr, vr, sink)
 
     out = jax.vmap(one_row, in_axes=(0, 0, 0, None if segment_ids is None else 0, None if segment_ids is None else 0))(
-        qh, kh, vh, segment_ids, kv_segment_ids)  # [batch, kv_heads, group, q_len, v]
+        qh, kh, vh, segment_ids, kv_segment_ids
+    )  # [batch, kv_heads, group, q_len, v]
     return out.transpose(0, 3, 1, 2, 4).reshape(batch, q_len, heads, v.shape[-1])
 
 
@@ -813,8 +924,13 @@ def cudnn_attention(
         raise _bad("cudnn needs max_segments >= 2 (a static bound on segments per row) with segment ids")
     if segment_ids is None and qk_dim == v_dim:
         return jax.nn.dot_product_attention(
-            q, k, v, scale=scale, is_causal=causal,
-            local_window_size=None if window is None else (window - 1, 0), implementation="cudnn",
+            q,
+            k,
+            v,
+            scale=scale,
+            is_causal=causal,
+            local_window_size=None if window is None else (window - 1, 0),
+            implementation="cudnn",
         )
     from zoo._compat import cudnn_fused_attention
 

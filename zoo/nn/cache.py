@@ -43,7 +43,9 @@ def cache_slots(max_len: int, window: Optional[int]) -> int:
     return max_len if window is None else min(window, max_len)
 
 
-def from_prompt(x: Float[Array, "batch seq *rest"], lengths: Int[Array, " batch"], slots: int) -> Float[Array, "batch slots *rest"]:
+def from_prompt(
+    x: Float[Array, "batch seq *rest"], lengths: Int[Array, " batch"], slots: int
+) -> Float[Array, "batch slots *rest"]:
     """The cache rows of a prompt's per-position values `x` (row b's positions 0..lengths[b]-1 are
     real): slot s gets the latest real position p with p % slots == s. Slots no real position
     reaches hold anything; `visible_slots` never shows them."""
@@ -56,7 +58,11 @@ def from_prompt(x: Float[Array, "batch seq *rest"], lengths: Int[Array, " batch"
     return jnp.take_along_axis(x, index.reshape(*index.shape, *([1] * (x.ndim - 2))), axis=1)
 
 
-def write(cache: Float[Array, "batch slots *rest"], x: Float[Array, "batch *rest"], positions: Int[Array, " batch"]) -> Float[Array, "batch slots *rest"]:
+def write(
+    cache: Float[Array, "batch slots *rest"],  # noqa: F821 - jaxtyping's variadic dims
+    x: Float[Array, "batch *rest"],  # noqa: F821
+    positions: Int[Array, " batch"],
+) -> Float[Array, "batch slots *rest"]:
     """`cache` with row b's value `x[b]` for position `positions[b]` in its slot."""
     slot = positions % cache.shape[1]
     return jax.vmap(lambda c, v, i: jax.lax.dynamic_update_index_in_dim(c, v.astype(c.dtype), i, 0))(cache, x, slot)

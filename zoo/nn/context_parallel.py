@@ -62,8 +62,18 @@ def context_attention(
             k, v = (zs.from_context_order(x, shards) for x in (k, v))
             seg = None if seg is None else zs.from_context_order(seg, shards)
         return context_shard_attention(
-            q, k, v, shard=shard, shards=shards, scale=scale, impl=impl, window=window, sinks=sink,
-            segment_ids=q_seg, kv_segment_ids=seg, balanced=balanced,
+            q,
+            k,
+            v,
+            shard=shard,
+            shards=shards,
+            scale=scale,
+            impl=impl,
+            window=window,
+            sinks=sink,
+            segment_ids=q_seg,
+            kv_segment_ids=seg,
+            balanced=balanced,
         )
 
     return jax.shard_map(body, mesh=layout.mesh, in_specs=tuple(specs), out_specs=q_spec, check_vma=False)(*args)
@@ -72,4 +82,3 @@ def context_attention(
 def context_parallel() -> bool:
     """Whether the active layout runs attention context-parallel."""
     return bool(zs.context_axes())
-

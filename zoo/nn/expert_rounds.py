@@ -71,7 +71,13 @@ def later_block(block: int) -> int:
 
 
 def routing(
-    expert_ids: Int[Array, "tokens k"], order: Int[Array, " assignments"], counts: Int[Array, " experts"], *, ep: int, axis, block: int
+    expert_ids: Int[Array, "tokens k"],
+    order: Int[Array, " assignments"],
+    counts: Int[Array, " experts"],
+    *,
+    ep: int,
+    axis,
+    block: int,
 ) -> Routing:
     """The exchange's bookkeeping inside the shard_map body, from `zoo.nn.moe_dispatch.sorted_assignments`."""
     k = expert_ids.shape[1]
@@ -79,7 +85,11 @@ def routing(
     per_shard = counts.reshape(ep, local).sum(-1)
     send_offsets = (jnp.cumsum(per_shard) - per_shard).astype(jnp.int32)
     shard = (expert_ids.reshape(-1) // local).astype(jnp.int32)
-    sorted_position = jnp.zeros_like(order, dtype=jnp.int32).at[order].set(jnp.arange(order.shape[0], dtype=jnp.int32), unique_indices=True)
+    sorted_position = (
+        jnp.zeros_like(order, dtype=jnp.int32)
+        .at[order]
+        .set(jnp.arange(order.shape[0], dtype=jnp.int32), unique_indices=True)
+    )
     received = jax.lax.all_to_all(counts.reshape(ep, local), axis, 0, 0, tiled=True)
     later = later_block(block)
     needed = 1 + (jnp.maximum(jnp.max(per_shard) - block, 0) + later - 1) // later
@@ -193,11 +203,15 @@ def _overflow_bwd(ex: Exchange, res, dy):
         token, assignment = _window(rt, lo, size, tokens, flat_weights.shape[0])
         h = _there(ex, x.at[token].get(mode="fill", fill_value=0)).reshape(-1, d)
         g = _there(ex, dy.at[token].get(mode="fill", fill_value=0)).reshape(-1, d)  # dy: x's dtype
-        weight = _there(ex, flat_weights.at[assignment].get(mode="fill", fill_value=0)).reshape(-1, 1).astype(jnp.float32)
+        weight = (
+            _there(ex, flat_weights.at[assignment].get(mode="fill", fill_value=0)).reshape(-1, 1).astype(jnp.float32)
+        )
         sizes, experts = _groups(rt, lo, size)
         out, pullback = jax.vjp(lambda h, w: ex.ffn(h, w, sizes, experts, False), h, w)
         dh, dw_round = pullback((g.astype(jnp.float32) * weight).astype(out.dtype))
-        d_weight = jnp.sum(out.astype(jnp.float32) * g.astype(jnp.float32), axis=-1)  # d y / d weight = the expert's output
+        d_weight = jnp.sum(
+            out.astype(jnp.float32) * g.astype(jnp.float32), axis=-1
+        )  # d y / d weight = the expert's output
         dx = dx.at[token].add(_there(ex, dh.reshape(ex.ep, size, d)).astype(jnp.float32), mode="drop")
         d_weights = d_weights.at[assignment].add(_there(ex, d_weight.reshape(ex.ep, size)), mode="drop")
         dw = jax.tree.map(lambda acc, g: acc + g.astype(jnp.float32), dw, dw_round)

@@ -117,7 +117,9 @@ def _weight_grad(h, d_out, group_sizes, group_weights, n_weights: int, tile: int
         row = jax.lax.dynamic_index_in_dim(dw, group, keepdims=False)
         return jax.lax.dynamic_update_index_in_dim(dw, row + part, group, 0)
 
-    dw = varying_like(jnp.zeros((n_weights, h.shape[1], d_out.shape[1]), jnp.float32), h, d_out, group_sizes, group_weights)
+    dw = varying_like(
+        jnp.zeros((n_weights, h.shape[1], d_out.shape[1]), jnp.float32), h, d_out, group_sizes, group_weights
+    )
     return jax.lax.fori_loop(0, schedule[-1], visit, dw).astype(dtype)
 
 
@@ -147,13 +149,17 @@ def _grouped_jvp(tile, primals, tangents):
         h, w, group_sizes, group_weights = res
         grads = {}
         if 0 in live:
-            grads[0] = summed_like(_products(d_out, w, group_sizes, group_weights, tile, w_transposed=True).astype(h.dtype), h)
+            grads[0] = summed_like(
+                _products(d_out, w, group_sizes, group_weights, tile, w_transposed=True).astype(h.dtype), h
+            )
         if 1 in live:
             grads[1] = summed_like(_weight_grad(h, d_out, group_sizes, group_weights, w.shape[0], tile, w.dtype), w)
         return tuple(grads[i] for i in live)
 
     linear_call_vmappable()  # jax.vmap through this reverse mode (per-example gradients) needs a rule jax lacks
-    return out, linear_call(forward_tangent, transpose, (h, w, group_sizes, group_weights), tuple(tangents[i] for i in live))
+    return out, linear_call(
+        forward_tangent, transpose, (h, w, group_sizes, group_weights), tuple(tangents[i] for i in live)
+    )
 
 
 _grouped.defjvp(_grouped_jvp, symbolic_zeros=True)
@@ -186,11 +192,15 @@ def grouped_matmul(
     if group_weights is None and impl != "tiles":
         if impl == "megablox" and megablox_tiling(*h.shape, w.shape[2]) is not None and pallas_interpret() is not None:
             return _megablox(h, w, group_sizes)
-        return jax.lax.ragged_dot(h, w, group_sizes.astype(jnp.int32), preferred_element_type=jnp.result_type(h.dtype, w.dtype))
+        return jax.lax.ragged_dot(
+            h, w, group_sizes.astype(jnp.int32), preferred_element_type=jnp.result_type(h.dtype, w.dtype)
+        )
     if group_weights is None:
         group_weights = jnp.arange(w.shape[0], dtype=jnp.int32)
     if group_weights.shape != group_sizes.shape:
-        raise ValueError(f"grouped_matmul: group_weights {group_weights.shape} and group_sizes {group_sizes.shape} differ; give one weight index per group")
+        raise ValueError(
+            f"grouped_matmul: group_weights {group_weights.shape} and group_sizes {group_sizes.shape} differ; give one weight index per group"
+        )
     return _grouped(h, w, group_sizes, group_weights, fitted_tile(h.shape[0], group_sizes.shape[0], int(tile)))
 
 

@@ -64,20 +64,44 @@ class MLAttention(eqx.Module):
     # about 5 FLOPs per element. The q latent's are 0 when q_lora_rank is null (they are not emitted).
     EMITS: ClassVar[tuple[tags.Emit, ...]] = (
         tags.Emit(gqa.QUERY_PROJ, _query_flops),
-        tags.Emit(gqa.KEY_PROJ, lambda s: 2 * s.tokens * s.config.mla.kv_lora_rank * s.config.num_heads * s.config.mla.qk_nope_head_dim),
-        tags.Emit(gqa.VALUE_PROJ, lambda s: 2 * s.tokens * s.config.mla.kv_lora_rank * s.config.num_heads * s.config.v_head_dim),
+        tags.Emit(
+            gqa.KEY_PROJ,
+            lambda s: 2 * s.tokens * s.config.mla.kv_lora_rank * s.config.num_heads * s.config.mla.qk_nope_head_dim,
+        ),
+        tags.Emit(
+            gqa.VALUE_PROJ,
+            lambda s: 2 * s.tokens * s.config.mla.kv_lora_rank * s.config.num_heads * s.config.v_head_dim,
+        ),
         tags.Emit(gqa.CONTEXT, gqa.context_flops),
         tags.Emit(gqa.OUT_PROJ, gqa.out_proj_flops),
         tags.Emit(
-            tags.TagInfo(tags.QUERY_WA_PROJ, "B T R", "MLA q down-projection (q_a_proj) output; absent when q_lora_rank is null", tags.MLA, ((*tags.IN_BLOCK, None),)),
+            tags.TagInfo(
+                tags.QUERY_WA_PROJ,
+                "B T R",
+                "MLA q down-projection (q_a_proj) output; absent when q_lora_rank is null",
+                tags.MLA,
+                ((*tags.IN_BLOCK, None),),
+            ),
             lambda s: 2 * s.tokens * s.config.hidden_size * (s.config.mla.q_lora_rank or 0),
         ),
         tags.Emit(
-            tags.TagInfo(tags.MLA_Q, "B T R", "MLA q latent after its RMSNorm; absent when q_lora_rank is null", tags.MLA, ((*tags.IN_BLOCK, None),)),
+            tags.TagInfo(
+                tags.MLA_Q,
+                "B T R",
+                "MLA q latent after its RMSNorm; absent when q_lora_rank is null",
+                tags.MLA,
+                ((*tags.IN_BLOCK, None),),
+            ),
             lambda s: 5 * s.tokens * (s.config.mla.q_lora_rank or 0),
         ),
         tags.Emit(
-            tags.TagInfo(tags.KV_WA_PROJ, "B T L+P", "MLA kv down-projection (kv_a_proj_with_mqa) output: kv latent and the shared rope key", tags.MLA, ((*tags.IN_BLOCK, None),)),
+            tags.TagInfo(
+                tags.KV_WA_PROJ,
+                "B T L+P",
+                "MLA kv down-projection (kv_a_proj_with_mqa) output: kv latent and the shared rope key",
+                tags.MLA,
+                ((*tags.IN_BLOCK, None),),
+            ),
             lambda s: 2 * s.tokens * s.config.hidden_size * (s.config.mla.kv_lora_rank + s.config.mla.qk_rope_head_dim),
         ),
         tags.Emit(
@@ -157,9 +181,13 @@ class MLAttention(eqx.Module):
         k_nope = tags.tag(project("BTL,LNH->BTNH", kv_latent, self.wk_b, cdt), tags.KEY_PROJ)
         v = tags.tag(project("BTL,LNV->BTNV", kv_latent, self.wv_b, cdt), tags.VALUE_PROJ)
         q = jnp.concatenate([q_nope, q_rope], axis=-1)
-        k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope[:, :, None, :], (*k_nope.shape[:-1], self.rope.dim))], axis=-1)
+        k = jnp.concatenate(
+            [k_nope, jnp.broadcast_to(k_rope[:, :, None, :], (*k_nope.shape[:-1], self.rope.dim))], axis=-1
+        )
         if context_parallel():  # see GQAttention._forward
-            context = context_attention(q, k, v, kv_logical="heads", scale=self.softmax_scale, impl=self.impl, segment_ids=segment_ids)
+            context = context_attention(
+                q, k, v, kv_logical="heads", scale=self.softmax_scale, impl=self.impl, segment_ids=segment_ids
+            )
             return self._output(tags.tag(context, tags.CONTEXT)), jnp.concatenate([kv_latent, k_rope], axis=-1)
         # Whole sequences into the kernel under sequence parallelism (see GQAttention._forward).
         q, k, v = (zs.sequence_gathered(t, ("batch", None, "heads", None)) for t in (q, k, v))
@@ -201,6 +229,8 @@ class MLAttention(eqx.Module):
         keys = cache.kv[:, :, None, :]  # [B S 1 L+P]: the rope part scores against q_rope
         values = keys[..., : self.kv_lora_rank]
         visible = visible_slots(positions, cache.kv.shape[1])
-        context_latent = attend(q, keys, values, scale=self.softmax_scale, impl="xla", causal=False, kv_valid_len=visible)
+        context_latent = attend(
+            q, keys, values, scale=self.softmax_scale, impl="xla", causal=False, kv_valid_len=visible
+        )
         context = jnp.einsum("BTNL,LNV->BTNV", context_latent, self.wv_b.astype(cdt))
         return self._output(tags.tag(context, tags.CONTEXT)), cache

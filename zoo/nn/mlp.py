@@ -105,10 +105,28 @@ class GatedMLP(eqx.Module):
     # zoo.tags: the tags it emits and their producers' forward FLOPs (F: `FlopShape.ffn`, the
     # dense layers' width, or the shared experts' on an MoE stack). Its output only feeds the residual add.
     EMITS: ClassVar[tuple[tags.Emit, ...]] = (
-        tags.Emit(tags.TagInfo(MLPWI_0, "B T F", "dense MLP gate projection (before the activation); DeepSeek-V3: dense layers and shared experts", tags.MLP, ((*tags.IN_BLOCK, "mlp"),)), _ffn_flops),
-        tags.Emit(tags.TagInfo(MLPWI_1, "B T F", "dense MLP up projection", tags.MLP, ((*tags.IN_BLOCK, "mlp"),)), _ffn_flops),
         tags.Emit(
-            tags.TagInfo(MLPWO, "B T D", "dense MLP down projection output", tags.MLP, ((*tags.IN_BLOCK, "embed"),), only_feeds_residual=True),
+            tags.TagInfo(
+                MLPWI_0,
+                "B T F",
+                "dense MLP gate projection (before the activation); DeepSeek-V3: dense layers and shared experts",
+                tags.MLP,
+                ((*tags.IN_BLOCK, "mlp"),),
+            ),
+            _ffn_flops,
+        ),
+        tags.Emit(
+            tags.TagInfo(MLPWI_1, "B T F", "dense MLP up projection", tags.MLP, ((*tags.IN_BLOCK, "mlp"),)), _ffn_flops
+        ),
+        tags.Emit(
+            tags.TagInfo(
+                MLPWO,
+                "B T D",
+                "dense MLP down projection output",
+                tags.MLP,
+                ((*tags.IN_BLOCK, "embed"),),
+                only_feeds_residual=True,
+            ),
             lambda s: 2 * s.tokens * s.ffn * s.config.hidden_size,
         ),
     )

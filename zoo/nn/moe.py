@@ -97,8 +97,12 @@ def router_entropy(
     return -(jnp.exp(log_p) * log_p).sum(-1)
 
 
-def router_logits(x: Float[Array, "tokens embed"], router: Float[Array, "embed experts"]) -> Float[Array, "tokens experts"]:
-    return jnp.einsum("ND,DE->NE", x.astype(jnp.float32), router.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+def router_logits(
+    x: Float[Array, "tokens embed"], router: Float[Array, "embed experts"]
+) -> Float[Array, "tokens experts"]:
+    return jnp.einsum(
+        "ND,DE->NE", x.astype(jnp.float32), router.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
+    )
 
 
 def route(
@@ -231,20 +235,46 @@ class MoE(eqx.Module):
     # over `FlopShape.rows`, the routed rows.
     EMITS: ClassVar[tuple[tags.Emit, ...]] = (
         tags.Emit(
-            tags.TagInfo(tags.MOE_MLPWI_0, "A I | E C I", "routed experts' gate projection (and bias), tokens sorted or dispatched by expert", tags.MOE, (("rows", "mlp"), ("rows", "rows", "mlp"))),
+            tags.TagInfo(
+                tags.MOE_MLPWI_0,
+                "A I | E C I",
+                "routed experts' gate projection (and bias), tokens sorted or dispatched by expert",
+                tags.MOE,
+                (("rows", "mlp"), ("rows", "rows", "mlp")),
+            ),
             _rows_flops,
         ),
         tags.Emit(
-            tags.TagInfo(tags.MOE_MLPWI_1, "A I | E C I", "routed experts' up projection (and bias)", tags.MOE, (("rows", "mlp"), ("rows", "rows", "mlp"))),
+            tags.TagInfo(
+                tags.MOE_MLPWI_1,
+                "A I | E C I",
+                "routed experts' up projection (and bias)",
+                tags.MOE,
+                (("rows", "mlp"), ("rows", "rows", "mlp")),
+            ),
             _rows_flops,
         ),
         tags.Emit(
-            tags.TagInfo(tags.MOE_MLPWO, "A D | E C D", "routed experts' down projection output (and bias), before combining", tags.MOE, (("rows", "embed"), ("rows", "rows", "embed"))),
+            tags.TagInfo(
+                tags.MOE_MLPWO,
+                "A D | E C D",
+                "routed experts' down projection output (and bias), before combining",
+                tags.MOE,
+                (("rows", "embed"), ("rows", "rows", "embed")),
+            ),
             _rows_flops,
         ),
     )
 
-    def __init__(self, embed: int, c: MoEConfig, *, param_dtype: DTypeLike = "float32", compute_dtype: DTypeLike = "float32", key: PRNGKeyArray):
+    def __init__(
+        self,
+        embed: int,
+        c: MoEConfig,
+        *,
+        param_dtype: DTypeLike = "float32",
+        compute_dtype: DTypeLike = "float32",
+        key: PRNGKeyArray,
+    ):
         kr, kg, ku, kd, ks = jax.random.split(key, 5)
         e, i = c.n_routed_experts, c.moe_intermediate_size
         param_dtype = dtype_name(param_dtype, "param_dtype")
@@ -255,7 +285,11 @@ class MoE(eqx.Module):
         self.w_up = normal(ku, (e, embed, i), embed, param_dtype)
         self.w_down = normal(kd, (e, i, embed), i, param_dtype)
         if c.expert_bias:
-            self.b_gate, self.b_up, self.b_down = jnp.zeros((e, i), param_dtype), jnp.zeros((e, i), param_dtype), jnp.zeros((e, embed), param_dtype)
+            self.b_gate, self.b_up, self.b_down = (
+                jnp.zeros((e, i), param_dtype),
+                jnp.zeros((e, i), param_dtype),
+                jnp.zeros((e, embed), param_dtype),
+            )
         else:
             self.b_gate = self.b_up = self.b_down = None
         self.shared = (
@@ -276,7 +310,11 @@ class MoE(eqx.Module):
         # tokens are one contiguous block of them (the dispatch splits them over the context axes,
         # then the batch axes) and the flattening moves no data between devices.
         chunks = zs.context_shards()
-        flat = x.reshape(b * t, d) if chunks == 1 else x.reshape(b, chunks, t // chunks, d).transpose(1, 0, 2, 3).reshape(b * t, d)
+        flat = (
+            x.reshape(b * t, d)
+            if chunks == 1
+            else x.reshape(b, chunks, t // chunks, d).transpose(1, 0, 2, 3).reshape(b * t, d)
+        )
         bias = self.e_score_correction_bias if self.config.router == "sigmoid_grouped" else self.router_bias
         stats = _ROUTER_STATISTICS.get()
 
@@ -289,11 +327,21 @@ class MoE(eqx.Module):
         expert_ids, weights, entropy = _per_device(route_fn)(flat, self.router, bias)
         experts = ExpertWeights(self.w_gate, self.w_up, self.w_down, self.b_gate, self.b_up, self.b_down)
         routed, counts, dropped, rounds = routed_experts(
-            flat, expert_ids, weights, experts, activation=expert_activation(self.config),
-            impl=self.impl, capacity_factor=self.config.capacity_factor, exchange_factor=self.config.exchange_factor,
+            flat,
+            expert_ids,
+            weights,
+            experts,
+            activation=expert_activation(self.config),
+            impl=self.impl,
+            capacity_factor=self.config.capacity_factor,
+            exchange_factor=self.config.exchange_factor,
             compute_dtype=self.compute_dtype,
         )
-        y = routed.reshape(b, t, d) if chunks == 1 else routed.reshape(chunks, b, t // chunks, d).transpose(1, 0, 2, 3).reshape(b, t, d)
+        y = (
+            routed.reshape(b, t, d)
+            if chunks == 1
+            else routed.reshape(chunks, b, t // chunks, d).transpose(1, 0, 2, 3).reshape(b, t, d)
+        )
         if self.shared is not None:
             y = y + self.shared(x)
         return y, MoEAux(counts, dropped, rounds, entropy.mean() if stats else jnp.zeros((), jnp.float32))

@@ -133,7 +133,10 @@ def sorted_assignments(
 
 
 def capacity_slots(
-    flat_experts: Int[Array, " assignments"], order: Int[Array, " assignments"], counts: Int[Array, " experts"], capacity: int
+    flat_experts: Int[Array, " assignments"],
+    order: Int[Array, " assignments"],
+    counts: Int[Array, " experts"],
+    capacity: int,
 ) -> tuple[Int[Array, " assignments"], Bool[Array, " assignments"]]:
     """Each assignment's row in its expert's buffer (`capacity` when dropped) and whether it is kept."""
     # The row is the assignment's rank among its expert's assignments, in token order.
@@ -145,7 +148,9 @@ def capacity_slots(
     return jnp.where(kept, slot, capacity), kept
 
 
-def combine(per_assignment: Float[Array, "assignments embed"], weights: Float[Array, "tokens k"]) -> Float[Array, "tokens embed"]:
+def combine(
+    per_assignment: Float[Array, "assignments embed"], weights: Float[Array, "tokens k"]
+) -> Float[Array, "tokens embed"]:
     """y[n] = sum_j weights[n, j] * per_assignment[n * k + j]."""
     tokens, k = weights.shape
     out = per_assignment.reshape(tokens, k, -1)
@@ -182,7 +187,9 @@ def _cast(w: ExpertWeights, dtype) -> ExpertWeights:
 
 
 @jax.custom_jvp
-def expert_matmul(h: Float[Array, "experts rows d_in"], w: Float[Array, "experts d_in d_out"]) -> Float[Array, "experts rows d_out"]:
+def expert_matmul(
+    h: Float[Array, "experts rows d_in"], w: Float[Array, "experts d_in d_out"]
+) -> Float[Array, "experts rows d_out"]:
     """`ECD,EDF->ECF`: every expert's rows times its weight, with a reverse mode that computes the
     weight's gradient in the weight's own layout.
 
@@ -335,7 +342,9 @@ def _untagged(a, name):
     return a
 
 
-def _ragged_exchange(x, expert_ids, weights, w: ExpertWeights, *, ep: int, ep_axis, activation, exchange_factor, tag, reduce_mlp):
+def _ragged_exchange(
+    x, expert_ids, weights, w: ExpertWeights, *, ep: int, ep_axis, activation, exchange_factor, tag, reduce_mlp
+):
     """Dropless expert parallelism inside the shard_map body (`ragged`): this device's assignments,
     sorted by expert, go to their expert shards in rounds of fixed blocks, `exchange_factor` x the
     mean rows per (device, shard) pair, as many rounds as the fullest pair needs
@@ -350,7 +359,20 @@ def _ragged_exchange(x, expert_ids, weights, w: ExpertWeights, *, ep: int, ep_ax
     return exchange_in_rounds(x, weights, w, rt, ex), counts, jnp.zeros((), jnp.int32), rt.rounds
 
 
-def _sharded(x, expert_ids, weights, w: ExpertWeights, plan: _EPLayout, *, impl, activation, capacity_factor, exchange_factor, compute_dtype, tag):
+def _sharded(
+    x,
+    expert_ids,
+    weights,
+    w: ExpertWeights,
+    plan: _EPLayout,
+    *,
+    impl,
+    activation,
+    capacity_factor,
+    exchange_factor,
+    compute_dtype,
+    tag,
+):
     """The routed experts as one program per device (`shard_map`): each device routes its own tokens.
     With `ep` > 1 its capacity buffers travel to the experts' devices and back (all_to_all); with
     `ep` == 1 every device runs every expert on its own buffers (or, `ragged`, its own sorted tokens)."""
@@ -378,11 +400,21 @@ def _sharded(x, expert_ids, weights, w: ExpertWeights, plan: _EPLayout, *, impl,
         reduce_mlp = (lambda v: jax.lax.psum(v, plan.mlp_axes)) if plan.mlp_axes else None
         if impl == "ragged" and ep > 1:
             y, counts, dropped, rounds = _ragged_exchange(
-                x, expert_ids, weights, local, ep=ep, ep_axis=ep_axis, activation=activation,
-                exchange_factor=exchange_factor, tag=tag, reduce_mlp=reduce_mlp,
+                x,
+                expert_ids,
+                weights,
+                local,
+                ep=ep,
+                ep_axis=ep_axis,
+                activation=activation,
+                exchange_factor=exchange_factor,
+                tag=tag,
+                reduce_mlp=reduce_mlp,
             )
         elif impl == "ragged":  # dropless on this device's tokens, every expert here
-            y, counts, dropped = _ragged_local(x, expert_ids, weights, local, activation=activation, tag=tag, reduce_mlp=reduce_mlp)
+            y, counts, dropped = _ragged_local(
+                x, expert_ids, weights, local, activation=activation, tag=tag, reduce_mlp=reduce_mlp
+            )
             rounds = _one_round()
         else:
             tokens = x.shape[0]
@@ -394,7 +426,11 @@ def _sharded(x, expert_ids, weights, w: ExpertWeights, plan: _EPLayout, *, impl,
             if ep > 1:
                 # Block s of dim 0 (experts s*E/ep ...) goes to expert shard s; what comes back is block per source.
                 received = jax.lax.all_to_all(buffers, ep_axis, 0, 0, tiled=True)  # [ep*E/ep C D], by source
-                rows = received.reshape(ep, local_experts, capacity, d).transpose(1, 0, 2, 3).reshape(local_experts, ep * capacity, d)
+                rows = (
+                    received.reshape(ep, local_experts, capacity, d)
+                    .transpose(1, 0, 2, 3)
+                    .reshape(local_experts, ep * capacity, d)
+                )
             else:
                 rows = buffers
             out = _ffn(rows, local, _buffer_matmul, _buffer_bias, activation, tag, reduce_mlp)
@@ -493,14 +529,25 @@ def routed_experts(
             # the sorts and scatters over tokens would gather the whole batch's assignments everywhere).
             _check_layout(plan, experts.n_experts)
             return _sharded(
-                x, expert_ids, weights, experts, plan, impl=impl,
-                activation=activation, capacity_factor=capacity_factor, exchange_factor=float(exchange_factor),
-                compute_dtype=compute_dtype, tag=tag,
+                x,
+                expert_ids,
+                weights,
+                experts,
+                plan,
+                impl=impl,
+                activation=activation,
+                capacity_factor=capacity_factor,
+                exchange_factor=float(exchange_factor),
+                compute_dtype=compute_dtype,
+                tag=tag,
             )
     w = _cast(experts, compute_dtype)
     if impl == "ragged":
         return Routed(*_ragged_local(x, expert_ids, weights, w, activation=activation, tag=tag), _one_round())
-    return Routed(*_capacity_local(x, expert_ids, weights, w, activation=activation, capacity_factor=capacity_factor, tag=tag), _one_round())
+    return Routed(
+        *_capacity_local(x, expert_ids, weights, w, activation=activation, capacity_factor=capacity_factor, tag=tag),
+        _one_round(),
+    )
 
 
 # --- configuration checks ---------------------------------------------------------------------
@@ -538,7 +585,9 @@ def check_expert_parallel(
             f"use an expert axis that divides {n_experts} (e.g. mesh.expert={fits})"
         )
     if not batch_includes_expert:
-        raise ValueError("mesh.rules.batch: expert parallelism needs the batch split over the expert axis; add expert to mesh.rules.batch")
+        raise ValueError(
+            "mesh.rules.batch: expert parallelism needs the batch split over the expert axis; add expert to mesh.rules.batch"
+        )
     micro = batch_size // grad_accum if grad_accum else batch_size
     if batch_size % max(grad_accum, 1) or micro % batch_ways:
         raise ValueError(

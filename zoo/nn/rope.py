@@ -95,12 +95,16 @@ class Rope(eqx.Module):
         if self.dim % 2:
             raise ValueError(f"RoPE needs an even dim, got {self.dim}")
 
-    def cos_sin(self, positions: Int[Array, "*batch seq"]) -> tuple[Float[Array, "*batch seq half"], Float[Array, "*batch seq half"]]:
+    def cos_sin(
+        self, positions: Int[Array, "*batch seq"]
+    ) -> tuple[Float[Array, "*batch seq half"], Float[Array, "*batch seq half"]]:
         inv_freq, attention_factor = rope_frequencies(self.dim, self.config, self.max_position_embeddings)
         angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
         return jnp.cos(angles) * attention_factor, jnp.sin(angles) * attention_factor
 
-    def __call__(self, x: Float[Array, "batch seq heads dim"], positions: Int[Array, "*batch seq"]) -> Float[Array, "batch seq heads dim"]:
+    def __call__(
+        self, x: Float[Array, "batch seq heads dim"], positions: Int[Array, "*batch seq"]
+    ) -> Float[Array, "batch seq heads dim"]:
         """`positions`: `[seq]` shared by every row, or `[batch, seq]` (packed documents, decoding)."""
         cos, sin = self.cos_sin(positions)
         if positions.ndim == 1:

@@ -40,7 +40,12 @@ def _hydra_context():
     from hydra.types import RunMode
 
     hc = HydraConfig.get()
-    return pathlib.Path(hc.runtime.output_dir), list(hc.overrides.task), hc.mode == RunMode.MULTIRUN, hc.job.get("num", None)
+    return (
+        pathlib.Path(hc.runtime.output_dir),
+        list(hc.overrides.task),
+        hc.mode == RunMode.MULTIRUN,
+        hc.job.get("num", None),
+    )
 
 
 def run_job(cfg: DictConfig, out_of_memory_line: Optional[Callable] = None) -> None:
@@ -79,7 +84,13 @@ def run_job(cfg: DictConfig, out_of_memory_line: Optional[Callable] = None) -> N
         if distributed.is_main_process() and not refused and not (bad_input and earlier):
             write_json(
                 out_dir / "summary.json",
-                {"status": "failed", "overrides": overrides, "error": one_line(e), "error_type": type(e).__name__, "bad_input": bad_input},
+                {
+                    "status": "failed",
+                    "overrides": overrides,
+                    "error": one_line(e),
+                    "error_type": type(e).__name__,
+                    "bad_input": bad_input,
+                },
             )
         if not (bad_input or stopped) or os.environ.get("ZOO_TRACEBACK"):
             traceback.print_exc()
@@ -109,17 +120,23 @@ def ignored_override_line(c, overrides) -> Optional[str]:
         parts = key.split(".")
         if key in ("trainer.eval_every", "trainer.eval_batches") and not (c.data.eval_fraction or c.data.eval_path):
             if c.data.name != "text":
-                return (f"{key}: evaluates the held-out split, and data={c.data.name} has none (its synthetic tokens are endless); "
-                        "drop it, or train on text with a split (data=text data.eval_fraction=0.05)")
+                return (
+                    f"{key}: evaluates the held-out split, and data={c.data.name} has none (its synthetic tokens are endless); "
+                    "drop it, or train on text with a split (data=text data.eval_fraction=0.05)"
+                )
             return f"{key}: evaluates the held-out split, and this run has none; add data.eval_fraction=0.05 (or data.eval_path=<file>), or drop it"
         if parts[:2] == ["offload", "block_tags"] and len(parts) > 2:
             kinds = [k for k in block_kinds(c.model) if k in OPTIONAL_KINDS]
             if parts[2] in OPTIONAL_KINDS and parts[2] not in kinds:
-                return (f"offload.block_tags.{parts[2]}: the {c.model.family} model has no {parts[2]} blocks (its optional blocks: "
-                        f"{', '.join(kinds) or 'none'}), so this would be ignored; drop it")
+                return (
+                    f"offload.block_tags.{parts[2]}: the {c.model.family} model has no {parts[2]} blocks (its optional blocks: "
+                    f"{', '.join(kinds) or 'none'}), so this would be ignored; drop it"
+                )
             if len(parts) == 4 and parts[3] in dropped_block_tags(c.offload, c.model):
-                return (f"{key}: this {c.model.family} configuration does not emit {parts[3]}, so this would be ignored; drop it "
-                        f"(python -m zoo.tools.inspect_step lists the tags it emits)")
+                return (
+                    f"{key}: this {c.model.family} configuration does not emit {parts[3]}, so this would be ignored; drop it "
+                    f"(python -m zoo.tools.inspect_step lists the tags it emits)"
+                )
     return None
 
 
@@ -145,7 +162,11 @@ def _hold_run_dir(out_dir: pathlib.Path):
 
 def _writes_nothing(args: list[str]) -> bool:
     """Hydra's flags that print (help, the config, info) and run no job."""
-    return any(a in ("-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "-sc", "--shell-completion") or a.startswith("--cfg") for a in args)
+    return any(
+        a in ("-h", "--help", "--hydra-help", "-c", "--cfg", "-i", "--info", "-sc", "--shell-completion")
+        or a.startswith("--cfg")
+        for a in args
+    )
 
 
 def _output_dir_arg(args: list[str]) -> tuple[str, list[str]]:
@@ -161,7 +182,12 @@ def _keep_earlier_hydra_record(args: list[str]) -> list[str]:
     refused (zoo.train.run_dir). A run that continues it keeps the `.hydra/` of the run that began it."""
     key, given = _output_dir_arg(args)
     text = given[-1].strip("'\"") if given else ""
-    if _writes_nothing(args) or not text.strip() or "${" in text or any(a.lstrip("+").startswith("hydra.output_subdir=") for a in args):
+    if (
+        _writes_nothing(args)
+        or not text.strip()
+        or "${" in text
+        or any(a.lstrip("+").startswith("hydra.output_subdir=") for a in args)
+    ):
         return []  # Hydra's default directory is new (it is named by the time), and interpolations are Hydra's to resolve
     d = pathlib.Path(text).expanduser()
     runs = [d] if key == "hydra.run.dir" else [j for j in d.iterdir() if j.is_dir()] if d.is_dir() else []
@@ -179,8 +205,10 @@ def _output_dir_line(args: list[str]) -> Optional[str]:
     if given:
         text = given[-1].strip("'\"")
         if not text.strip():  # Hydra would run in the working directory itself
-            return (f"{key}: empty (an unset shell variable?); give a directory, e.g. {key}=runs/1, or leave it out "
-                    f"for Hydra's default ({'multirun' if multirun else 'outputs'}/<date>/<time>)")
+            return (
+                f"{key}: empty (an unset shell variable?); give a directory, e.g. {key}=runs/1, or leave it out "
+                f"for Hydra's default ({'multirun' if multirun else 'outputs'}/<date>/<time>)"
+            )
         fixed = text.split("${", 1)[0]  # the part without interpolations (${now:...}) is checked
         if fixed != text:
             fixed = fixed.rsplit("/", 1)[0] if "/" in fixed else "."
@@ -202,7 +230,9 @@ def _output_dir_line(args: list[str]) -> Optional[str]:
         where = f" (the working directory: Hydra's default {key} is under it)" if not given and existing == cwd else ""
         return f"{key}: {what} ({e.strerror or e}){where}; {fix}"
     # The processes of one multi-process run share the run directory, and process 0 holds its lock.
-    several = any(a.lstrip("+").startswith("distributed.") for a in args) or int(os.environ.get("SLURM_NTASKS", "1") or 1) > 1
+    several = (
+        any(a.lstrip("+").startswith("distributed.") for a in args) or int(os.environ.get("SLURM_NTASKS", "1") or 1) > 1
+    )
     if given and not several and target.is_dir() and (target / RUN_LOCK).exists():
         lock = DirLock(target, RUN_LOCK, key)
         owner = lock.held_by_another()
@@ -280,7 +310,12 @@ def _map_key_line(key: str, value: Optional[str]) -> Optional[str]:
     option does not list: adding it with `+` works exactly when the name and the value are valid."""
     parts = key.split(".")
     add = f"the chosen {parts[0]} option does not list it; add it with +{key}={value}"
-    if parts[:2] == ["offload", "tags"] and len(parts) == 3 or parts[:2] == ["offload", "block_tags"] and len(parts) == 4:
+    if (
+        parts[:2] == ["offload", "tags"]
+        and len(parts) == 3
+        or parts[:2] == ["offload", "block_tags"]
+        and len(parts) == 4
+    ):
         if parts[1] == "block_tags" and parts[2] not in OPTIONAL_KINDS:
             return f"offload.block_tags.{parts[2]}: unknown block kind; choose one of {', '.join(OPTIONAL_KINDS)}"
         tag = parts[-1]
@@ -337,8 +372,14 @@ def hydra_error_line(e: BaseException, conf_dir: pathlib.Path, tool: str = TRAIN
     if m:
         how, group, option = m.groups()
         listed = re.search(r"Available options in '[^']*':\n((?:\t.*\n?)*)", text)
-        options = [o.strip() for o in listed.group(1).splitlines() if o.strip()] if listed else _group_options(conf_dir, group)
-        options = [o for o in options if not o.startswith("_")]  # a group's base values (e.g. mesh/_defaults), not a choice
+        options = (
+            [o.strip() for o in listed.group(1).splitlines() if o.strip()]
+            if listed
+            else _group_options(conf_dir, group)
+        )
+        options = [
+            o for o in options if not o.startswith("_")
+        ]  # a group's base values (e.g. mesh/_defaults), not a choice
         if how == "load" and (conf_dir / group / f"{option}.yaml").is_file():
             cause = one_line(e.__cause__) if e.__cause__ else "see the file"
             return f"{group}: option {option!r} failed to load ({cause}); fix conf/{group}/{option}.yaml"
@@ -365,7 +406,9 @@ def hydra_error_line(e: BaseException, conf_dir: pathlib.Path, tool: str = TRAIN
     return f"command line: {one_line(e)}; see {tool} --help"
 
 
-def bad_input_line(e: BaseException, conf_dir: pathlib.Path, also: tuple[type, ...] = (), tool: str = TRAIN, args=None) -> Optional[str]:
+def bad_input_line(
+    e: BaseException, conf_dir: pathlib.Path, also: tuple[type, ...] = (), tool: str = TRAIN, args=None
+) -> Optional[str]:
     """The one line for an error that is bad input (config, Hydra, OmegaConf, or `also`), else None."""
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException

@@ -26,25 +26,41 @@ from zoo.train.hf_export import hf_export
 
 
 def main(argv=None) -> int:
-    p = ArgumentParser(prog="python -m zoo.tools.export", description="Write a train.py checkpoint as a Hugging Face directory.")
+    p = ArgumentParser(
+        prog="python -m zoo.tools.export", description="Write a train.py checkpoint as a Hugging Face directory."
+    )
     p.add_argument("checkpoint_dir", help="the checkpoint.dir of a train.py run")
     p.add_argument("out_dir", help="the Hugging Face directory to write (new, or empty)")
     p.add_argument("--step", type=int, default=None, help="the step to export (default: the latest complete one)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the checkpoint's)")
-    p.add_argument("--tokenizer", default=None, help="a folder of tokenizer files to include (default: the source checkpoint's)")
+    p.add_argument(
+        "--tokenizer", default=None, help="a folder of tokenizer files to include (default: the source checkpoint's)"
+    )
     p.add_argument("--max-shard-gb", type=float, default=5.0, help="split the weights into files of at most this size")
-    p.add_argument("--adapters-only", action="store_true",
-                   help="a LoRA run: write its adapters alone in the peft layout (adapter_config.json, adapter_model.safetensors), "
-                        "for peft.PeftModel.from_pretrained over the base; default: the merged model")
+    p.add_argument(
+        "--adapters-only",
+        action="store_true",
+        help="a LoRA run: write its adapters alone in the peft layout (adapter_config.json, adapter_model.safetensors), "
+        "for peft.PeftModel.from_pretrained over the base; default: the merged model",
+    )
     args = p.parse_args(argv)
     return run_tool(lambda: _export(args), p.prog)  # bad input: one line, exit code 2; Ctrl-C: one line, 130
 
 
 def _export(args) -> int:
-    done = hf_export(args.checkpoint_dir, args.out_dir, args.step, args.dtype, args.tokenizer, int(args.max_shard_gb * 2**30),
-                     adapters_only=args.adapters_only)
+    done = hf_export(
+        args.checkpoint_dir,
+        args.out_dir,
+        args.step,
+        args.dtype,
+        args.tokenizer,
+        int(args.max_shard_gb * 2**30),
+        adapters_only=args.adapters_only,
+    )
     what = "the LoRA adapters (peft layout) of step" if args.adapters_only else "step"
-    print(f"exported {what} {done['step']} of {pathlib.Path(args.checkpoint_dir)} as {done['dtype']} to {done['out']}: {', '.join(done['files'])}")
+    print(
+        f"exported {what} {done['step']} of {pathlib.Path(args.checkpoint_dir)} as {done['dtype']} to {done['out']}: {', '.join(done['files'])}"
+    )
     return 0
 
 

@@ -76,7 +76,7 @@ def parse_args(argv: Sequence[str]) -> tuple[GenerateOptions, list[str]]:
     for arg in argv:
         key, sep, value = arg.partition("=")
         if not sep:
-            raise GenerationError(f"{arg}: not a key=value argument; e.g. prompt=\"Once upon a time\" max_new_tokens=32")
+            raise GenerationError(f'{arg}: not a key=value argument; e.g. prompt="Once upon a time" max_new_tokens=32')
         key = key.lstrip("+")
         if key == "prompt":
             prompts.append(value)
@@ -111,7 +111,9 @@ def _load_tokenizer(spec: str, key: str = "tokenizer"):
         return ByteTokenizer()
     path = pathlib.Path(spec).expanduser()
     if not path.exists():
-        raise GenerationError(f"{key}: {path} does not exist; give a tokenizer.json (or its folder), or tokenizer=bytes for UTF-8 byte ids")
+        raise GenerationError(
+            f"{key}: {path} does not exist; give a tokenizer.json (or its folder), or tokenizer=bytes for UTF-8 byte ids"
+        )
     try:
         return HFTokenizer(path)
     except ValueError as e:  # zoo.data.DataError, keyed for train.py's data.tokenizer
@@ -140,8 +142,12 @@ def _hf_source(opts: GenerateOptions):
         except ValueError:
             raise GenerationError(f"model.{key}: got {value!r}; choose one of {', '.join(DTYPES)}") from None
     compute = dtypes["compute_dtype"] or dtypes["dtype"]
-    config = hf.config_from_hf(hf.load_config(directory), source=str(directory / "config.json"),
-                               param_dtype=dtypes["dtype"], compute_dtype=compute)
+    config = hf.config_from_hf(
+        hf.load_config(directory),
+        source=str(directory / "config.json"),
+        param_dtype=dtypes["dtype"],
+        compute_dtype=compute,
+    )
     if opts.tokenizer is not None:
         tokenizer = _load_tokenizer(opts.tokenizer)
     elif (directory / "tokenizer.json").is_file():
@@ -162,7 +168,9 @@ def _checkpoint_source(opts: GenerateOptions):
     # reads the parameters: small next to compiling
     model, meta = restore_model(opts.checkpoint.dir, step=opts.checkpoint.step, lora_form=form)
     if form == "attached" and not (meta.get("lora") or {}).get("rank"):
-        raise GenerationError(f"checkpoint.lora: {opts.checkpoint.dir} is not a LoRA run (no adapters to attach); drop checkpoint.lora=attached")
+        raise GenerationError(
+            f"checkpoint.lora: {opts.checkpoint.dir} is not a LoRA run (no adapters to attach); drop checkpoint.lora=attached"
+        )
     data = meta.get("data", {})
     if opts.tokenizer is not None:
         tokenizer = _load_tokenizer(opts.tokenizer)
@@ -183,7 +191,9 @@ def _log(message: str) -> None:
 def run(argv: Sequence[str]) -> int:
     opts, prompts = parse_args(argv)
     if (opts.model.path is None) == (opts.checkpoint.dir is None):
-        raise GenerationError("model.path: give exactly one of model.path=<Hugging Face directory> and checkpoint.dir=<train.py checkpoint>")
+        raise GenerationError(
+            "model.path: give exactly one of model.path=<Hugging Face directory> and checkpoint.dir=<train.py checkpoint>"
+        )
     if opts.model.path is not None and opts.checkpoint.lora != "merged":
         raise GenerationError("checkpoint.lora: applies to a LoRA run's checkpoint.dir, not to model.path; drop it")
     if not prompts:
@@ -194,8 +204,14 @@ def run(argv: Sequence[str]) -> int:
     from zoo.data.tokenizer import ByteTokenizer  # loaded by now (the tokenizer above)
 
     if tokenizer.vocab_size > config.vocab_size:
-        what = "UTF-8 bytes need 256 ids" if isinstance(tokenizer, ByteTokenizer) else f"{tokenizer.name} has {tokenizer.vocab_size} token ids"
-        raise GenerationError(f"tokenizer: {what} but the model's vocabulary has {config.vocab_size}; give the model's own tokenizer")
+        what = (
+            "UTF-8 bytes need 256 ids"
+            if isinstance(tokenizer, ByteTokenizer)
+            else f"{tokenizer.name} has {tokenizer.vocab_size} token ids"
+        )
+        raise GenerationError(
+            f"tokenizer: {what} but the model's vocabulary has {config.vocab_size}; give the model's own tokenizer"
+        )
     if opts.stop_tokens is not None:
         stop = opts.stop_tokens
     elif stop is None:
@@ -206,7 +222,9 @@ def run(argv: Sequence[str]) -> int:
 
     t0 = time.perf_counter()
     model = load()
-    _log(f"model {config.family} from {opts.model.path or opts.checkpoint.dir} in {time.perf_counter() - t0:.1f}s; tokenizer {tokenizer!r}")
+    _log(
+        f"model {config.family} from {opts.model.path or opts.checkpoint.dir} in {time.perf_counter() - t0:.1f}s; tokenizer {tokenizer!r}"
+    )
     compile_s = []
 
     def on_compile(batch, seq, cache, seconds):
@@ -218,8 +236,17 @@ def run(argv: Sequence[str]) -> int:
     _log(f"generating up to {opts.max_new_tokens} tokens for {len(tokens)} prompt(s)")
     t0 = time.perf_counter()
     results = generate(
-        model, tokens, opts.max_new_tokens, tokenizer=tokenizer, temperature=opts.temperature, top_k=opts.top_k,
-        top_p=opts.top_p, stop_tokens=stop, seed=opts.seed, max_len=opts.max_len, cpu_fast_compile=opts.cpu_fast_compile,
+        model,
+        tokens,
+        opts.max_new_tokens,
+        tokenizer=tokenizer,
+        temperature=opts.temperature,
+        top_k=opts.top_k,
+        top_p=opts.top_p,
+        stop_tokens=stop,
+        seed=opts.seed,
+        max_len=opts.max_len,
+        cpu_fast_compile=opts.cpu_fast_compile,
         on_compile=on_compile,
     )
     elapsed = time.perf_counter() - t0 - sum(compile_s)

@@ -102,7 +102,9 @@ def preset_row(overrides: Sequence[str], preset: str) -> dict:
     except ValueError as e:
         return {"preset": preset, "error": str(e).splitlines()[0]}
     traced = trace_step(trainer)
-    placement = placement_from_jaxpr(traced.jaxpr, scan_names(zoo_model.abstract(trainer.cfg.model), trainer.cfg.offload))
+    placement = placement_from_jaxpr(
+        traced.jaxpr, scan_names(zoo_model.abstract(trainer.cfg.model), trainer.cfg.offload)
+    )
     row = {
         "preset": preset,
         "offloaded_tags": offloaded_tags(trainer),
@@ -114,9 +116,13 @@ def preset_row(overrides: Sequence[str], preset: str) -> dict:
     for platform in ("cpu", "cuda"):
         text = traced.lower(lowering_platforms=(platform,)).as_text()
         found = host_placements(text)
-        row[platform] = {"host_annotations": found.host_annotations, "host_memory_kinds": found.host_memory_kinds,
-                         "annotations": found.annotations, "memory_kinds": found.memory_kinds,
-                         "row_exchanges": row_exchanges(text)}
+        row[platform] = {
+            "host_annotations": found.host_annotations,
+            "host_memory_kinds": found.host_memory_kinds,
+            "annotations": found.annotations,
+            "memory_kinds": found.memory_kinds,
+            "row_exchanges": row_exchanges(text),
+        }
     return row
 
 
@@ -128,16 +134,36 @@ class LowerOptions:
 
 
 def render(rows: list[dict]) -> str:
-    table = [("preset", "offloaded tags", "traced host residuals", "state on host", "cpu: host annotations", "cuda: host annotations",
-              "cpu: host memory kinds", "cuda: host memory kinds")]
+    table = [
+        (
+            "preset",
+            "offloaded tags",
+            "traced host residuals",
+            "state on host",
+            "cpu: host annotations",
+            "cuda: host annotations",
+            "cpu: host memory kinds",
+            "cuda: host memory kinds",
+        )
+    ]
     notes = []
     for r in rows:
         if "error" in r:
             notes.append(f"{r['preset']}: not lowered ({r['error']})")
             continue
         state = ", ".join(k for k in ("params", "opt_state") if r[k] == HOST) or "-"
-        table.append((r["preset"], len(r["offloaded_tags"]), r["traced_host_residuals"], state, r["cpu"]["host_annotations"], r["cuda"]["host_annotations"],
-                      r["cpu"]["host_memory_kinds"], r["cuda"]["host_memory_kinds"]))
+        table.append(
+            (
+                r["preset"],
+                len(r["offloaded_tags"]),
+                r["traced_host_residuals"],
+                state,
+                r["cpu"]["host_annotations"],
+                r["cuda"]["host_annotations"],
+                r["cpu"]["host_memory_kinds"],
+                r["cuda"]["host_memory_kinds"],
+            )
+        )
     # Presets whose cuda programs exchange the same rows share a line (a recomputed forward adds its own).
     by_exchange: dict = {}
     for r in rows:
@@ -158,7 +184,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         presets = list(opts.presets) if opts.presets else preset_names()
         unknown = [p for p in presets if p not in preset_names()]
         if unknown:
-            raise ValueError(f"lower.presets: {unknown[0]} is not a preset of conf/offload; choose from {', '.join(preset_names())}")
+            raise ValueError(
+                f"lower.presets: {unknown[0]} is not a preset of conf/offload; choose from {', '.join(preset_names())}"
+            )
         print(render([preset_row(overrides, p) for p in presets]))
         return 0
 

@@ -42,7 +42,15 @@ class InspectOptions:
     holders: bool = False
 
 
-def report(c, trainer, placement: Placement, compiled_mem: Optional[dict], measured: Optional[dict], overrides=(), update: Optional[dict] = None) -> dict:
+def report(
+    c,
+    trainer,
+    placement: Placement,
+    compiled_mem: Optional[dict],
+    measured: Optional[dict],
+    overrides=(),
+    update: Optional[dict] = None,
+) -> dict:
     """inspect.json's content (schema in docs/offload.md: "The inspector"); `update`: `update_buffers`
     of the traced step."""
     expected = expected_placement(c.offload, c.model)
@@ -69,8 +77,13 @@ def report(c, trainer, placement: Placement, compiled_mem: Optional[dict], measu
     totals["untagged_device"] = placement.other_bytes("device")
     totals["untagged_host"] = placement.other_bytes("host")
     notes = []
-    if any(r.tag == "decoder_layer_input" and t["configured"] == "remat" and r.placement == "device" for r, t in zip(placement.records, tags)):
-        notes.append("decoder_layer_input: the checkpointed layer's input is kept by the scan, so remat leaves it on device (offload moves it to host)")
+    if any(
+        r.tag == "decoder_layer_input" and t["configured"] == "remat" and r.placement == "device"
+        for r, t in zip(placement.records, tags)
+    ):
+        notes.append(
+            "decoder_layer_input: the checkpointed layer's input is kept by the scan, so remat leaves it on device (offload moves it to host)"
+        )
     checkpointed = [r for r in placement.records if policy_of(r.stack).checkpoint]
     if any(r.placement == "unread" for r in checkpointed):
         unread = sorted({r.tag for r in checkpointed if r.placement == "unread"})
@@ -115,7 +128,8 @@ def report(c, trainer, placement: Placement, compiled_mem: Optional[dict], measu
         "compiled_memory": compiled_mem,
         "measured": measured,
         **memory_sections(c, trainer, update),
-        "mismatches": [t["tag"] + "@" + t["stack"] for t in tags if not t["ok"]] + [f"{t}: not found in the program" for t in missing],
+        "mismatches": [t["tag"] + "@" + t["stack"] for t in tags if not t["ok"]]
+        + [f"{t}: not found in the program" for t in missing],
         "notes": notes,
     }
 
@@ -149,7 +163,10 @@ def render_ranges(ranges: Optional[list]) -> list[str]:
         return []
     lines = ["per layer range (offload.ranges; the other layers run under the top-level policy):"]
     for r in ranges:
-        where = "; ".join(f"{k} {', '.join(r[k])}" for k in ("host", "device", "recomputed", "unread") if r.get(k)) or "no tags found"
+        where = (
+            "; ".join(f"{k} {', '.join(r[k])}" for k in ("host", "device", "recomputed", "unread") if r.get(k))
+            or "no tags found"
+        )
         lines.append(f"  layers {r['layers']} ({r['source']}: {r['preset']}, {len(r['scans'])} scan(s)): {where}")
     return lines
 
@@ -170,7 +187,11 @@ def render_memory_sections(rep: dict) -> list[str]:
         lines.append(
             f"kernels: attention {k['attention']}"
             + (f", routed experts {k['moe']}" if k.get("moe") else "")
-            + (f", loss over chunks of {k['loss_chunk_size']} positions" if k.get("loss_chunk_size") else ", loss over the whole logits")
+            + (
+                f", loss over chunks of {k['loss_chunk_size']} positions"
+                if k.get("loss_chunk_size")
+                else ", loss over the whole logits"
+            )
         )
     u = rep.get("update")
     if u:
@@ -197,14 +218,28 @@ def render(rep: dict) -> str:
     for t in rep["tags"]:
         rows.append(
             (
-                t["tag"], t["stack"], "x".join(map(str, t["shape"])), t["dtype"], fmt_bytes(t["bytes_per_layer"]), t["layers"],
-                fmt_bytes(t["total_bytes"]), t["configured"], t["placement"], "" if t["ok"] else f"MISMATCH (expected {t['expected']})",
+                t["tag"],
+                t["stack"],
+                "x".join(map(str, t["shape"])),
+                t["dtype"],
+                fmt_bytes(t["bytes_per_layer"]),
+                t["layers"],
+                fmt_bytes(t["total_bytes"]),
+                t["configured"],
+                t["placement"],
+                "" if t["ok"] else f"MISMATCH (expected {t['expected']})",
             )
         )
-    out = [f"policy {rep['policy']['describe']}; params in {', '.join(rep['state_memory_kinds']['params'])}, "
-           f"optimizer state in {', '.join(rep['state_memory_kinds']['opt_state'])}"
-           + (f"; LoRA: params are the adapters, the frozen base in {', '.join(rep['state_memory_kinds']['frozen_base'])}"
-              if "frozen_base" in rep["state_memory_kinds"] else ""), text_table(rows)]
+    out = [
+        f"policy {rep['policy']['describe']}; params in {', '.join(rep['state_memory_kinds']['params'])}, "
+        f"optimizer state in {', '.join(rep['state_memory_kinds']['opt_state'])}"
+        + (
+            f"; LoRA: params are the adapters, the frozen base in {', '.join(rep['state_memory_kinds']['frozen_base'])}"
+            if "frozen_base" in rep["state_memory_kinds"]
+            else ""
+        ),
+        text_table(rows),
+    ]
     out += render_ranges(rep.get("ranges"))
     tot = rep["totals_bytes"]
     out.append(
@@ -216,14 +251,19 @@ def render(rep: dict) -> str:
     if m:
         out.append(
             "compiled: argument {} output {} temp {} host temp {} (alias {}; estimated peak {})".format(
-                fmt_bytes(m.get("argument_size_in_bytes")), fmt_bytes(m.get("output_size_in_bytes")), fmt_bytes(m.get("temp_size_in_bytes")),
-                fmt_bytes(m.get("host_temp_size_in_bytes")), fmt_bytes(m.get("alias_size_in_bytes")), fmt_bytes(m.get("estimated_peak_bytes")),
+                fmt_bytes(m.get("argument_size_in_bytes")),
+                fmt_bytes(m.get("output_size_in_bytes")),
+                fmt_bytes(m.get("temp_size_in_bytes")),
+                fmt_bytes(m.get("host_temp_size_in_bytes")),
+                fmt_bytes(m.get("alias_size_in_bytes")),
+                fmt_bytes(m.get("estimated_peak_bytes")),
             )
         )
     out += render_memory_sections(rep)
     meas = rep["measured"]
     out.append(
-        f"measured peak device memory {fmt_bytes(meas['peak_bytes_in_use'])} ({meas['source']})" if meas
+        f"measured peak device memory {fmt_bytes(meas['peak_bytes_in_use'])} ({meas['source']})"
+        if meas
         else "measured peak device memory: n/a (the backend reports no memory statistics)"
     )
     out += [f"note: {n}" for n in rep["notes"]]
@@ -267,17 +307,28 @@ def compiled_holders(buffers, compiled_mem: Optional[dict], hbm_bytes: int, top:
 
 def render_holders(h: dict, overrides: Sequence[str] = ()) -> str:
     peak, hbm = h["estimated_peak_bytes"], h["hbm_bytes"]
-    against = f"over hardware.hbm_bytes {fmt_bytes(hbm)}" if h["over_budget"] else (f"within hardware.hbm_bytes {fmt_bytes(hbm)}" if hbm else "no hardware.hbm_bytes")
-    out = [f"who holds the HBM: the compiled step's buffers, XLA's estimated peak {fmt_bytes(peak)} per device, {against}"]
+    against = (
+        f"over hardware.hbm_bytes {fmt_bytes(hbm)}"
+        if h["over_budget"]
+        else (f"within hardware.hbm_bytes {fmt_bytes(hbm)}" if hbm else "no hardware.hbm_bytes")
+    )
+    out = [
+        f"who holds the HBM: the compiled step's buffers, XLA's estimated peak {fmt_bytes(peak)} per device, {against}"
+    ]
     kinds = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in h["arguments_by_kind"].items())
     out.append(f"  arguments {fmt_bytes(sum(h['arguments_by_kind'].values()))}: {kinds}")
     # optax's wrappers (inner_states['train'].inner_state[1][0]...) say nothing about the leaf.
-    rows = [(re.sub(r"\]\..*?\.(mu|nu)\.", r"].\1.", b["op_name"]) or b["name"], fmt_bytes(b["bytes"]), b["shape"]) for b in h["largest_arguments"]]
+    rows = [
+        (re.sub(r"\]\..*?\.(mu|nu)\.", r"].\1.", b["op_name"]) or b["name"], fmt_bytes(b["bytes"]), b["shape"])
+        for b in h["largest_arguments"]
+    ]
     if rows:
         out.append("  largest arguments:")
         out += ["    " + ln for ln in text_table(rows).splitlines()]
     if h["largest_temp"]:
-        out.append(f"  temporaries {fmt_bytes(h['temp_bytes'])} in all; the largest values (they share that allocation over the step):")
+        out.append(
+            f"  temporaries {fmt_bytes(h['temp_bytes'])} in all; the largest values (they share that allocation over the step):"
+        )
         rows = [(b["name"], fmt_bytes(b["bytes"]), b["shape"], b["op_name"]) for b in h["largest_temp"]]
         out += ["    " + ln for ln in text_table(rows).splitlines()]
     if h["over_budget"]:
@@ -289,14 +340,20 @@ def render_holders(h: dict, overrides: Sequence[str] = ()) -> str:
     return "\n".join(out)
 
 
-def inspect_step(trainer, measure: bool = True, on_compiled: Optional[Callable] = None, on_buffers: Optional[Callable] = None):
+def inspect_step(
+    trainer, measure: bool = True, on_compiled: Optional[Callable] = None, on_buffers: Optional[Callable] = None
+):
     """Trace, compile and (optionally) run the train step: placement, compiled memory, measured peak.
     `on_compiled(compiled, partitioned_hlo_text)` sees the executable (the text is None on one device);
     `on_buffers(buffers)` its buffer assignment (`zoo.hlo.buffer_assignment`; None where XLA wrote none)."""
     state, tokens = trainer.abstract_state(), trainer.abstract_tokens()
     traced = trainer.jitted_step().trace(state, tokens)
-    placement = placement_from_jaxpr(traced.jaxpr, scan_names(zoo_model.abstract(trainer.cfg.model), trainer.cfg.offload))
-    compiled, partitioned, assignment = hlo.compile_with_dumps(traced.lower(), partitioned=trainer.mesh.devices.size > 1)
+    placement = placement_from_jaxpr(
+        traced.jaxpr, scan_names(zoo_model.abstract(trainer.cfg.model), trainer.cfg.offload)
+    )
+    compiled, partitioned, assignment = hlo.compile_with_dumps(
+        traced.lower(), partitioned=trainer.mesh.devices.size > 1
+    )
     if on_compiled is not None:
         on_compiled(compiled, partitioned)
     if on_buffers is not None:
@@ -311,7 +368,11 @@ def inspect_step(trainer, measure: bool = True, on_compiled: Optional[Callable] 
             real_state, m = compiled(real_state, trainer.shard_tokens(data.batch(step)))
             jax.block_until_ready(m)
         mem = device_memory(devices)
-        measured = {"peak_bytes_in_use": mem["peak_bytes_in_use"], "bytes_limit": mem["bytes_limit"], "source": "device.memory_stats after 2 steps"}
+        measured = {
+            "peak_bytes_in_use": mem["peak_bytes_in_use"],
+            "bytes_limit": mem["bytes_limit"],
+            "source": "device.memory_stats after 2 steps",
+        }
     return placement, compiled_mem, measured
 
 
@@ -327,13 +388,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         seen = {}
         placement, compiled_mem, measured = inspect_step(
-            trainer, opts.measure, on_compiled=lambda compiled, text: seen.update(scale=scale.scale_report(trainer, compiled, text)),
+            trainer,
+            opts.measure,
+            on_compiled=lambda compiled, text: seen.update(scale=scale.scale_report(trainer, compiled, text)),
             on_buffers=lambda buffers: seen.update(buffers=buffers),
         )
         update = update_buffers(trainer.jitted_step().trace(trainer.abstract_state(), trainer.abstract_tokens()).jaxpr)
         rep = report(c, trainer, placement, compiled_mem, measured, overrides, update)
         rep["scale"] = seen["scale"]
-        rep["holders"] = None if seen.get("buffers") is None else compiled_holders(seen["buffers"], compiled_mem, c.hardware.hbm_bytes)
+        rep["holders"] = (
+            None
+            if seen.get("buffers") is None
+            else compiled_holders(seen["buffers"], compiled_mem, c.hardware.hbm_bytes)
+        )
         print(render(rep))
         print(scale.render(rep["scale"]))
         if rep["holders"] and (rep["holders"]["over_budget"] or opts.holders):

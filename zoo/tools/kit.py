@@ -25,7 +25,11 @@ def output_path(explicit: Optional[str], key: str, tool: str, relative: str):
     """Where a tool writes: `explicit`, or `outputs/<tool>/<date>_<time>/<relative>` under the current
     directory (as train.py's Hydra runs go under outputs/). The folder is created and probed now
     (`zoo.tools.cli.check_writable`), so an unwritable path is one line before anything compiles."""
-    path = pathlib.Path(explicit) if explicit else pathlib.Path("outputs") / tool / time.strftime("%Y-%m-%d_%H-%M-%S") / relative
+    path = (
+        pathlib.Path(explicit)
+        if explicit
+        else pathlib.Path("outputs") / tool / time.strftime("%Y-%m-%d_%H-%M-%S") / relative
+    )
     return check_writable(path, key)
 
 

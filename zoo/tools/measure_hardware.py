@@ -110,7 +110,9 @@ def measure_link(mbytes: float, repeats: int = 5, device=None) -> tuple[float, f
     return nbytes / h2d / 1e9, nbytes / d2h / 1e9
 
 
-def measure_program_link(mbytes: float, repeats: int = 5, device=None, matmul_n: int = 1024, dtype: str = "float32") -> dict:
+def measure_program_link(
+    mbytes: float, repeats: int = 5, device=None, matmul_n: int = 1024, dtype: str = "float32"
+) -> dict:
     """The host link inside compiled programs, as a step's offloads use it, for one `mbytes` MB array:
 
     - `to_device_gbps`: a program whose argument lives in pinned host memory reads it to the device
@@ -133,7 +135,9 @@ def measure_program_link(mbytes: float, repeats: int = 5, device=None, matmul_n:
     nbytes = elems * 4
     x_host = jax.device_put(np.ones((elems,), np.float32), host)
     x_dev = jax.device_put(x_host, dev)
-    a = jax.device_put(jax.random.normal(jax.random.key(0), (matmul_n, matmul_n), jnp.float32).astype(dtype) / math.sqrt(matmul_n), dev)
+    a = jax.device_put(
+        jax.random.normal(jax.random.key(0), (matmul_n, matmul_n), jnp.float32).astype(dtype) / math.sqrt(matmul_n), dev
+    )
 
     def round_trip(x):
         on_host = jax.device_put(x * 2, jax.memory.Space.Host)
@@ -169,8 +173,12 @@ def measure_program_link(mbytes: float, repeats: int = 5, device=None, matmul_n:
         "to_device_gbps": nbytes / in_s / 1e9,
         "to_host_gbps": nbytes / out_s / 1e9,
         "round_trip_s": t_trip,
-        "overlap": {"matmul_chain_s": t_chain, "chain_and_round_trip_s": t_both, "exposed_s": exposed,
-                    "hidden_fraction": max(0.0, min(1.0, 1.0 - exposed / t_trip))},
+        "overlap": {
+            "matmul_chain_s": t_chain,
+            "chain_and_round_trip_s": t_both,
+            "exposed_s": exposed,
+            "hidden_fraction": max(0.0, min(1.0, 1.0 - exposed / t_trip)),
+        },
     }
 
 
@@ -193,9 +201,12 @@ def measure(opts: MeasureOptions) -> dict:
     note = (
         f"measured {when} on {kind} ({device.platform}) by zoo.tools.measure_hardware: {n}x{n} {dtype} matmul x{opts.chain} "
         f"-> {flops / 1e12:.3f} TFLOP/s; {opts.transfer_mb:g} MB "
-        + (f"inside a program: host->device {to_device:.2f} GB/s, device->host {to_host:.2f} GB/s, "
-           f"{100 * ov['hidden_fraction']:.0f}% of a round trip hidden under matmuls; plain device_put {h2d:.2f} / {d2h:.2f} GB/s"
-           if program["moves"] else f"by plain device_put (inside a program nothing moves): host->device {h2d:.2f}, device->host {d2h:.2f} GB/s")
+        + (
+            f"inside a program: host->device {to_device:.2f} GB/s, device->host {to_host:.2f} GB/s, "
+            f"{100 * ov['hidden_fraction']:.0f}% of a round trip hidden under matmuls; plain device_put {h2d:.2f} / {d2h:.2f} GB/s"
+            if program["moves"]
+            else f"by plain device_put (inside a program nothing moves): host->device {h2d:.2f}, device->host {d2h:.2f} GB/s"
+        )
         + f"; medians of {opts.repeats}; "
         + ("hbm_bytes from memory_stats bytes_limit" if hbm else "no device memory statistics (hbm_bytes 0)")
         + ("; on CPU both memories are host RAM, so the link figure is a memory copy" if not accel else "")
@@ -211,8 +222,17 @@ def measure(opts: MeasureOptions) -> dict:
         "nominal": False,
         "note": note,
         "platform": device.platform,
-        "_detail": {"h2d_gbps": to_device, "d2h_gbps": to_host, "plain_h2d_gbps": h2d, "plain_d2h_gbps": d2h, "overlap": ov, "moves": program["moves"],
-                    "n": n, "dtype": dtype, "device": str(kind)},
+        "_detail": {
+            "h2d_gbps": to_device,
+            "d2h_gbps": to_host,
+            "plain_h2d_gbps": h2d,
+            "plain_d2h_gbps": d2h,
+            "overlap": ov,
+            "moves": program["moves"],
+            "n": n,
+            "dtype": dtype,
+            "device": str(kind),
+        },
     }
 
 
@@ -234,7 +254,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # Arguments are `key=value` (no prefix); reuse the prefixed parser by adding one.
         bad = [a for a in argv if "=" not in a]
         if bad:
-            raise ValueError(f"{bad[0]}: arguments are key=value; keys: {', '.join(f.name for f in dataclasses.fields(MeasureOptions))}")
+            raise ValueError(
+                f"{bad[0]}: arguments are key=value; keys: {', '.join(f.name for f in dataclasses.fields(MeasureOptions))}"
+            )
         try:
             opts, rest = split_tool_args([f"measure.{a}" for a in argv], "measure", MeasureOptions)
         except ValueError as e:  # the keys are given without the prefix the parser adds
@@ -248,13 +270,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         link = (
             f"inside a program host->device {d['h2d_gbps']:.2f} GB/s, device->host {d['d2h_gbps']:.2f} GB/s, "
             f"{100 * d['overlap']['hidden_fraction']:.0f}% of a round trip hidden under matmuls "
-            f"(plain device_put {d['plain_h2d_gbps']:.2f} / {d['plain_d2h_gbps']:.2f} GB/s)" if d["moves"] else
-            f"host->device {d['h2d_gbps']:.2f} GB/s, device->host {d['d2h_gbps']:.2f} GB/s by plain device_put (inside a program "
+            f"(plain device_put {d['plain_h2d_gbps']:.2f} / {d['plain_d2h_gbps']:.2f} GB/s)"
+            if d["moves"]
+            else f"host->device {d['h2d_gbps']:.2f} GB/s, device->host {d['d2h_gbps']:.2f} GB/s by plain device_put (inside a program "
             "this backend moves nothing)"
         )
-        print(f"{d['device']}: matmul {d['n']}x{d['n']} {d['dtype']} {profile['matmul_flops'] / 1e12:.3f} TFLOP/s; {link}; "
-              f"HBM {profile['hbm_bytes'] / 1e9:.1f} GB")
-        print(f"wrote {out}; use it with hardware={out.stem}" if out.parent == conf_dir() / "hardware" else f"wrote {out}")
+        print(
+            f"{d['device']}: matmul {d['n']}x{d['n']} {d['dtype']} {profile['matmul_flops'] / 1e12:.3f} TFLOP/s; {link}; "
+            f"HBM {profile['hbm_bytes'] / 1e9:.1f} GB"
+        )
+        print(
+            f"wrote {out}; use it with hardware={out.stem}" if out.parent == conf_dir() / "hardware" else f"wrote {out}"
+        )
         return 0
 
     return run_tool(body, "python -m zoo.tools.measure_hardware", argv)

@@ -71,8 +71,15 @@ from zoo.nn.expert_rounds import round_block
 from zoo.nn.moe_dispatch import exchanges_in_rounds
 from zoo.backend import lowering_for, pallas_interpreted
 from zoo.offload import (
-    CHECKPOINT_INPUTS, OffloadConfig, backward_never_reads, conf_dir, load_preset, preset_names,
-    range_configs, remat_policy, resolve,
+    CHECKPOINT_INPUTS,
+    OffloadConfig,
+    backward_never_reads,
+    conf_dir,
+    load_preset,
+    preset_names,
+    range_configs,
+    remat_policy,
+    resolve,
 )
 from zoo.placement import inspect_placement, stack_names
 from zoo.sharding import CONTEXT, logical_to_spec, logical_ways
@@ -103,8 +110,12 @@ class PlanConfig:
     """`plan.*` keys of `python -m zoo.tools.plan`."""
 
     hbm_budget_gb: Optional[float] = None  # null: the hardware profile's hbm_bytes
-    host_budget_gb: Optional[float] = None  # pinned host memory per device; null: hardware.host_bytes_per_device (0 there: no budget)
-    link: Optional[str] = None  # GB/s per direction, a name of LINKS, or a conf/hardware profile; null: hardware.host_link_gbps
+    host_budget_gb: Optional[float] = (
+        None  # pinned host memory per device; null: hardware.host_bytes_per_device (0 there: no budget)
+    )
+    link: Optional[str] = (
+        None  # GB/s per direction, a name of LINKS, or a conf/hardware profile; null: hardware.host_link_gbps
+    )
     flops_efficiency: float = 0.5  # fraction of hardware.peak_flops matmuls reach
     transfer_latency_us: float = 10.0  # fixed cost of one host transfer
     # Where the offload YAML goes; null: outputs/plan/<date>_<time>/offload/<name>.yaml (a folder
@@ -119,9 +130,13 @@ class PlanConfig:
 
     def __post_init__(self):
         if self.hbm_budget_gb is not None and self.hbm_budget_gb <= 0:
-            raise PlanError(f"plan.hbm_budget_gb: must be positive, got {self.hbm_budget_gb}; e.g. plan.hbm_budget_gb=80")
+            raise PlanError(
+                f"plan.hbm_budget_gb: must be positive, got {self.hbm_budget_gb}; e.g. plan.hbm_budget_gb=80"
+            )
         if self.host_budget_gb is not None and self.host_budget_gb <= 0:
-            raise PlanError(f"plan.host_budget_gb: must be positive GB per device, got {self.host_budget_gb}; e.g. plan.host_budget_gb=240")
+            raise PlanError(
+                f"plan.host_budget_gb: must be positive GB per device, got {self.host_budget_gb}; e.g. plan.host_budget_gb=240"
+            )
         if not 0 < self.flops_efficiency <= 1:
             raise PlanError(f"plan.flops_efficiency: must be in (0, 1], got {self.flops_efficiency}")
         if self.transfer_latency_us < 0:
@@ -134,7 +149,9 @@ def resolve_link(link, default_gbps: Union[int, float, None], hardware_dir=None)
     """GB/s per direction from `plan.link` (number, LINKS name, or hardware profile name)."""
     if link is None:
         if not default_gbps or default_gbps <= 0:
-            raise PlanError("plan.link: the hardware profile has no host_link_gbps; give one, e.g. plan.link=pcie_gen5 or plan.link=64")
+            raise PlanError(
+                "plan.link: the hardware profile has no host_link_gbps; give one, e.g. plan.link=pcie_gen5 or plan.link=64"
+            )
         return float(default_gbps)
     try:
         value = float(link)
@@ -156,7 +173,9 @@ def resolve_link(link, default_gbps: Union[int, float, None], hardware_dir=None)
             if gbps and gbps > 0:
                 return float(gbps)
             raise PlanError(f"plan.link: hardware profile {link!r} has no host_link_gbps; give GB/s, e.g. plan.link=64")
-    raise PlanError(f"plan.link: unknown link {link!r}; give GB/s per direction, or one of {', '.join([*LINKS, *profiles])}")
+    raise PlanError(
+        f"plan.link: unknown link {link!r}; give GB/s per direction, or one of {', '.join([*LINKS, *profiles])}"
+    )
 
 
 # --- the problem ------------------------------------------------------------------------------
@@ -271,7 +290,9 @@ class Infeasible(PlanError):
     smallest host memory per device that would do (within the HBM budget where any assignment is);
     `best`: the assignment those figures belong to (the one the holders listing is about)."""
 
-    def __init__(self, message: str, min_bytes: float, best: Estimate, budget: str = "hbm", min_host_bytes: float = math.nan):
+    def __init__(
+        self, message: str, min_bytes: float, best: Estimate, budget: str = "hbm", min_host_bytes: float = math.nan
+    ):
         super().__init__(message)
         self.min_bytes = min_bytes
         self.best = best
@@ -290,7 +311,9 @@ def _streamed(p: Problem) -> bool:
 
 def _biggest_layer(p: Problem, params: bool, opt: bool) -> float:
     """The largest one layer's parameters + gradients (`params`) and optimizer state (`opt`)."""
-    return max((2 * s.param_bytes_per_layer * params + s.opt_bytes_per_layer * opt for s in p.stacks.values()), default=0.0)
+    return max(
+        (2 * s.param_bytes_per_layer * params + s.opt_bytes_per_layer * opt for s in p.stacks.values()), default=0.0
+    )
 
 
 def _frozen_on_device(p: Problem) -> float:
@@ -345,7 +368,9 @@ def _fixed_state_bytes(p: Problem) -> tuple[float, float]:
     # Streamed: what lives on device stays; the host-resident leaves outside the stacks come whole;
     # the stacks' host-resident slices come one layer at a time (this one and the next in flight).
     resident = (0.0 if p.params_on_host else p.param_bytes + p.grad_bytes) + (0.0 if p.opt_on_host else p.opt_bytes)
-    outside = (2 * outside_params if p.params_on_host else 0.0) + (p.opt_bytes - p.stack_opt_bytes if p.opt_on_host else 0.0)
+    outside = (2 * outside_params if p.params_on_host else 0.0) + (
+        p.opt_bytes - p.stack_opt_bytes if p.opt_on_host else 0.0
+    )
     return backward, resident + outside + 2 * _biggest_layer(p, p.params_on_host, p.opt_on_host)
 
 
@@ -380,7 +405,9 @@ def _state_transfer_s(p: Problem) -> float:
     opt = p.opt_bytes if p.opt_on_host else 0.0
     # A host-resident LoRA base comes in per layer in the forward and again in the backward of each
     # microbatch (counted as exposed, like the state here: the planner does not model its overlap).
-    frozen = (2 * p.stack_frozen_bytes * p.microbatches + p.frozen_bytes - p.stack_frozen_bytes) if p.frozen_on_host else 0.0
+    frozen = (
+        (2 * p.stack_frozen_bytes * p.microbatches + p.frozen_bytes - p.stack_frozen_bytes) if p.frozen_on_host else 0.0
+    )
     if not p.params_on_host:
         return (opt + frozen) / p.link
     grads = p.stack_param_bytes
@@ -401,7 +428,9 @@ def _evaluate_arrays(p: Problem, digits: np.ndarray) -> dict[str, np.ndarray]:
     recompute_flops, device_bytes, host_bytes, exposed = _layer_parts(p, digits, free_layers(p))
     for f in p.fixed:
         parts = _layer_parts(p, _digits_of(p, f.assignment), f.layers)
-        recompute_flops, device_bytes, host_bytes, exposed = (a + b for a, b in zip((recompute_flops, device_bytes, host_bytes, exposed), parts))
+        recompute_flops, device_bytes, host_bytes, exposed = (
+            a + b for a, b in zip((recompute_flops, device_bytes, host_bytes, exposed), parts)
+        )
     return _totals(p, n, recompute_flops, device_bytes, host_bytes, exposed)
 
 
@@ -574,7 +603,10 @@ def _infeasible(p: Problem, min_peak: "_Lowest", min_peak_host_ok: "_Lowest", mi
                 f"plan.hbm_budget_gb: no policy fits {p.budget / GB:.3f} GB; the smallest HBM any policy{within} needs is "
                 f"{best.peak_bytes / GB:.3f} GB ({_describe(best.assignment)}); raise plan.hbm_budget_gb to at least "
                 f"{_at_least(best.peak_bytes)}" + _state_hint(p),
-                best.peak_bytes, best, "hbm", best.host_bytes,
+                best.peak_bytes,
+                best,
+                "hbm",
+                best.host_bytes,
             )
         # Neither budget can be met by any one assignment: the smallest HBM, with its host memory.
         best = evaluate(p, _assignment_of(p, min_peak.digits))
@@ -584,7 +616,10 @@ def _infeasible(p: Problem, min_peak: "_Lowest", min_peak_host_ok: "_Lowest", mi
             f"({_describe(best.assignment)}) with {best.host_bytes / GB:.3f} GB of host memory per device; raise "
             f"plan.hbm_budget_gb to at least {_at_least(best.peak_bytes)} and plan.host_budget_gb to at least "
             f"{_at_least(best.host_bytes)}, or shard over more devices",
-            best.peak_bytes, best, "hbm", best.host_bytes,
+            best.peak_bytes,
+            best,
+            "hbm",
+            best.host_bytes,
         )
     # HBM can be met, but not together with the host budget.
     best = evaluate(p, _assignment_of(p, min_host_hbm_ok.digits))
@@ -602,7 +637,10 @@ def _infeasible(p: Problem, min_peak: "_Lowest", min_peak_host_ok: "_Lowest", mi
         f"{_host_budget_text(p)}; the smallest host memory such a policy needs is {best.host_bytes / GB:.3f} GB per device "
         f"({n * best.host_bytes / GB:.3f} GB per node; {_describe(best.assignment)}); raise plan.host_budget_gb to at least "
         f"{_at_least(best.host_bytes)}{other}, or {', or '.join(hints)}",
-        min_peak_host_ok.value, best, "host", best.host_bytes,
+        min_peak_host_ok.value,
+        best,
+        "host",
+        best.host_bytes,
     )
 
 
@@ -688,7 +726,12 @@ def holders(p: Problem, e: Estimate, memory: str = "hbm") -> list[Holder]:
         layer = max((s.param_bytes_per_layer for s in p.stacks.values()), default=0.0)
         if p.params_on_host:
             out.append(Holder("parameters (outside the stacks, and two layers in flight)", outside + 2 * layer))
-            out.append(Holder("gradients (outside the stacks, and two layers in flight)", p.grad_bytes - p.stack_param_bytes + 2 * layer))
+            out.append(
+                Holder(
+                    "gradients (outside the stacks, and two layers in flight)",
+                    p.grad_bytes - p.stack_param_bytes + 2 * layer,
+                )
+            )
         else:
             out.append(Holder("parameters", p.param_bytes, _leaves_detail(p, "params")))
             out.append(Holder("gradients", p.grad_bytes))
@@ -700,12 +743,18 @@ def holders(p: Problem, e: Estimate, memory: str = "hbm") -> list[Holder]:
         out.append(Holder("untagged residuals", p.other_bytes))
         out.append(Holder(p.working_label, p.working_bytes))
         if p.cut_bytes and not p.params_on_host:
-            out.append(Holder("the stacks the layer ranges cut (their parameters' slices and joined gradients)", RANGE_CUT_COPIES * p.cut_bytes))
+            out.append(
+                Holder(
+                    "the stacks the layer ranges cut (their parameters' slices and joined gradients)",
+                    RANGE_CUT_COPIES * p.cut_bytes,
+                )
+            )
     else:
         # The update phase: zoo.tools.plan's _fixed_bytes, by holder.
         if not _streamed(p):
             out = [
-                Holder("parameters (update)", p.param_bytes, _leaves_detail(p, "params")), Holder("gradients (update)", p.grad_bytes),
+                Holder("parameters (update)", p.param_bytes, _leaves_detail(p, "params")),
+                Holder("gradients (update)", p.grad_bytes),
                 Holder("optimizer state (update)", p.opt_bytes, _leaves_detail(p, "opt_state")),
             ]
         else:
@@ -713,12 +762,22 @@ def holders(p: Problem, e: Estimate, memory: str = "hbm") -> list[Holder]:
             if not p.params_on_host:
                 out += [Holder("parameters (update)", p.param_bytes), Holder("gradients (update)", p.grad_bytes)]
             else:
-                out.append(Holder("parameters and gradients outside the stacks (update)", 2 * (p.param_bytes - p.stack_param_bytes)))
+                out.append(
+                    Holder(
+                        "parameters and gradients outside the stacks (update)",
+                        2 * (p.param_bytes - p.stack_param_bytes),
+                    )
+                )
             if not p.opt_on_host:
                 out.append(Holder("optimizer state (update)", p.opt_bytes))
             else:
                 out.append(Holder("optimizer state outside the stacks (update)", p.opt_bytes - p.stack_opt_bytes))
-            out.append(Holder("two layers of host-resident state in flight (update)", 2 * _biggest_layer(p, p.params_on_host, p.opt_on_host)))
+            out.append(
+                Holder(
+                    "two layers of host-resident state in flight (update)",
+                    2 * _biggest_layer(p, p.params_on_host, p.opt_on_host),
+                )
+            )
         if p.frozen_bytes and not p.frozen_on_host:
             out.append(Holder("frozen LoRA base (update)", p.frozen_bytes))
     return sorted((h for h in out if h.bytes > 0), key=lambda h: -h.bytes)
@@ -733,11 +792,21 @@ def _more_devices(p: Problem) -> tuple[Problem, str]:
     q = dataclasses.replace(
         p,
         tags=[dataclasses.replace(t, bytes_per_layer={s: b * a for s, b in t.bytes_per_layer.items()}) for t in p.tags],
-        stacks={s: dataclasses.replace(sc, param_bytes_per_layer=sc.param_bytes_per_layer / 2, opt_bytes_per_layer=sc.opt_bytes_per_layer / 2)
-                for s, sc in p.stacks.items()},
-        param_bytes=p.param_bytes / 2, stack_param_bytes=p.stack_param_bytes / 2, grad_bytes=p.grad_bytes / 2,
-        opt_bytes=p.opt_bytes / 2, stack_opt_bytes=p.stack_opt_bytes / 2, other_bytes=p.other_bytes * a,
-        working_bytes=p.working_bytes * a, staging_bytes=p.staging_bytes / 2, per_device_batch=max(1, p.per_device_batch // 2),
+        stacks={
+            s: dataclasses.replace(
+                sc, param_bytes_per_layer=sc.param_bytes_per_layer / 2, opt_bytes_per_layer=sc.opt_bytes_per_layer / 2
+            )
+            for s, sc in p.stacks.items()
+        },
+        param_bytes=p.param_bytes / 2,
+        stack_param_bytes=p.stack_param_bytes / 2,
+        grad_bytes=p.grad_bytes / 2,
+        opt_bytes=p.opt_bytes / 2,
+        stack_opt_bytes=p.stack_opt_bytes / 2,
+        other_bytes=p.other_bytes * a,
+        working_bytes=p.working_bytes * a,
+        staging_bytes=p.staging_bytes / 2,
+        per_device_batch=max(1, p.per_device_batch // 2),
     )
     what = "state and per-device batch halved" if halve else "state halved; the per-device batch of 1 cannot halve"
     return q, f"twice the devices, along fsdp ({what})"
@@ -786,11 +855,16 @@ def holders_table(p: Problem, e: Estimate, memory: str = "hbm", top: int = 8) ->
         title = f"who holds the HBM: {_fmt_bytes(e.peak_bytes)} per device; budget {_fmt_bytes(p.budget)}"
     else:
         n = _devices_on_node(p)
-        budget = f"; budget {_fmt_bytes(p.host_budget)} per device, {_fmt_bytes(n * p.host_budget)} per node" if math.isfinite(p.host_budget) else " (no host budget)"
+        budget = (
+            f"; budget {_fmt_bytes(p.host_budget)} per device, {_fmt_bytes(n * p.host_budget)} per node"
+            if math.isfinite(p.host_budget)
+            else " (no host budget)"
+        )
         title = f"who holds the host memory: {_fmt_bytes(e.host_bytes)} per device, {_fmt_bytes(e.host_node_bytes)} per node of {n}{budget}"
     hs = holders(p, e, memory)
     rows = [("holder", "bytes", "share", "")] + [
-        (h.name, _fmt_bytes(h.bytes), f"{100 * h.bytes / max(sum(x.bytes for x in hs), 1.0):.1f}%", h.detail) for h in hs[:top]
+        (h.name, _fmt_bytes(h.bytes), f"{100 * h.bytes / max(sum(x.bytes for x in hs), 1.0):.1f}%", h.detail)
+        for h in hs[:top]
     ]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     out = [title] + ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
@@ -817,7 +891,9 @@ def _stack_bounds(p: Problem) -> dict[str, tuple[int, int]]:
     bounds = {}
     for s, sc in p.stacks.items():
         if not sc.layer_range:
-            raise PlanError(f"offload.ranges: the planner does not know the layers of stack {s}; plan without offload.ranges")
+            raise PlanError(
+                f"offload.ranges: the planner does not know the layers of stack {s}; plan without offload.ranges"
+            )
         lo, hi = (int(x) for x in sc.layer_range.split("-"))
         bounds[s] = (lo, hi)
     return bounds
@@ -845,7 +921,11 @@ def with_ranges(p: Problem, policy, model_config) -> Problem:
     bounds = _stack_bounds(p)
     ranges = range_configs(policy)
     fixed = [
-        FixedRange(f"layers {r.key} {r.preset}", _layers_in(bounds, r.first, r.last), preset_assignment(p, config, model_config))
+        FixedRange(
+            f"layers {r.key} {r.preset}",
+            _layers_in(bounds, r.first, r.last),
+            preset_assignment(p, config, model_config),
+        )
         for r, config in ranges
     ]
     boundaries = [b for r, _ in ranges for b in (r.first, r.last + 1)]
@@ -865,7 +945,9 @@ class Split:
     tail_assignment: dict = dataclasses.field(default_factory=dict)
 
 
-def _split_problem(p: Problem, at: int, num_layers: int, head: dict, tail: dict, head_label: str = "head", tail_label: str = "tail") -> Problem:
+def _split_problem(
+    p: Problem, at: int, num_layers: int, head: dict, tail: dict, head_label: str = "head", tail_label: str = "tail"
+) -> Problem:
     """`p` with layers 0..at-1 fixed to `head` and the rest to `tail` (no free layers left)."""
     bounds = _stack_bounds(p)
     first, last = f"0-{at - 1}" if at > 1 else "0", f"{at}-{num_layers - 1}" if num_layers - 1 > at else f"{at}"
@@ -875,7 +957,9 @@ def _split_problem(p: Problem, at: int, num_layers: int, head: dict, tail: dict,
     ])  # fmt: skip
 
 
-def search_split(p: Problem, presets: dict[str, dict[str, str]], num_layers: int, rel_tolerance: float = 1e-3) -> Optional[Split]:
+def search_split(
+    p: Problem, presets: dict[str, dict[str, str]], num_layers: int, rel_tolerance: float = 1e-3
+) -> Optional[Split]:
     """The fastest split of the layers into a head and a tail under two different presets (`presets`:
     name -> `preset_assignment`) within both budgets, over every split point; None if none fits.
     Ties (step times within `rel_tolerance` of the compute time) go to less host traffic, then less HBM."""
@@ -932,7 +1016,15 @@ def split_costs(p: Problem, inner_tags: int = 9) -> tuple[np.ndarray, np.ndarray
     return np.concatenate(digits), np.concatenate([_per_layer_costs(p, d) for d in digits])
 
 
-def _best_pair(p: Problem, costs: np.ndarray, head: dict[str, int], tail: dict[str, int], unit: float, fronts: dict, chunk: int = 512):
+def _best_pair(
+    p: Problem,
+    costs: np.ndarray,
+    head: dict[str, int],
+    tail: dict[str, int],
+    unit: float,
+    fronts: dict,
+    chunk: int = 512,
+):
     """The best (key, head index, tail index) over every pair of assignments for a head of `head`
     layers per stack and a tail of `tail`, within both budgets; None if no pair fits. Only each
     side's Pareto front in (seconds, device bytes, host bytes) is paired: an assignment another
@@ -958,7 +1050,7 @@ def _best_pair(p: Problem, costs: np.ndarray, head: dict[str, int], tail: dict[s
     host_fixed = sum(_host_fixed_parts(p).values())
     best = None
     for lo in range(0, len(h), chunk):
-        hc = h[lo:lo + chunk, None, :]
+        hc = h[lo : lo + chunk, None, :]
         seconds = const_s + hc[..., 0] + t[None, :, 0]
         device = hc[..., 1] + t[None, :, 1]
         host = hc[..., 2] + t[None, :, 2]
@@ -983,7 +1075,9 @@ def split_points(num_layers: int, coarse: int = 16) -> list[int]:
     return list(range(step, num_layers, step))
 
 
-def _alternate(p: Problem, num_layers: int, at: int, head: dict[str, str], tail: dict[str, str], rounds: int = 4) -> Optional[Split]:
+def _alternate(
+    p: Problem, num_layers: int, at: int, head: dict[str, str], tail: dict[str, str], rounds: int = 4
+) -> Optional[Split]:
     """From a split at `at` that fits, `search` the tail's assignment with the head's fixed, then the
     head's with the tail's, until neither changes (at most `rounds` times). Each step keeps what
     fits and is never slower, but it can stop short of the best split."""
@@ -1002,7 +1096,12 @@ def _alternate(p: Problem, num_layers: int, at: int, head: dict[str, str], tail:
 
 
 def search_split_tags(
-    p: Problem, num_layers: int, rel_tolerance: float = 1e-3, coarse: int = 16, start: Optional[Split] = None, exact_rows: int = 200_000
+    p: Problem,
+    num_layers: int,
+    rel_tolerance: float = 1e-3,
+    coarse: int = 16,
+    start: Optional[Split] = None,
+    exact_rows: int = 200_000,
 ) -> Optional[Split]:
     """The fastest split of the layers into a head (0..b-1) and a tail (b..n-1), each with its own
     per-tag assignment, within both budgets; None if none fits.
@@ -1037,7 +1136,16 @@ def search_split_tags(
         if start is not None:
             tries.append(_alternate(p, num_layers, at, start.head_assignment, start.tail_assignment))
         tries = [t for t in tries if t is not None]
-        return min(tries, key=lambda t: (math.floor(t.estimate.time_s / unit), t.estimate.host_tag_bytes, t.estimate.time_s, t.estimate.peak_bytes), default=None)
+        return min(
+            tries,
+            key=lambda t: (
+                math.floor(t.estimate.time_s / unit),
+                t.estimate.host_tag_bytes,
+                t.estimate.time_s,
+                t.estimate.peak_bytes,
+            ),
+            default=None,
+        )
     digits, costs = split_costs(p)
     tried: dict[int, tuple] = {}
     fronts: dict = {}
@@ -1045,7 +1153,9 @@ def search_split_tags(
     def at(b: int):
         if b not in tried:
             cut = dataclasses.replace(p, cut_bytes=cut_bytes(p, [b]))  # the split's own copies of the stacks it cuts
-            tried[b] = _best_pair(cut, costs, _layers_in(bounds, 0, b - 1), _layers_in(bounds, b, num_layers - 1), unit, fronts)
+            tried[b] = _best_pair(
+                cut, costs, _layers_in(bounds, 0, b - 1), _layers_in(bounds, b, num_layers - 1), unit, fronts
+            )
         return tried[b]
 
     points = split_points(num_layers, coarse)
@@ -1071,7 +1181,9 @@ def _offload_presets(p: Problem, c) -> dict[str, dict[str, str]]:
     presets = {}
     for name in sorted(preset_names(), key=lambda n: n == "custom"):  # custom (= full until edited) last
         try:  # loaded as a range's preset is: modifiers (params_host, optimizer_host) are refused
-            (_, config), = range_configs(load_preset("none", params=c.offload.params, opt_state=c.offload.opt_state, ranges={"0": name}))
+            ((_, config),) = range_configs(
+                load_preset("none", params=c.offload.params, opt_state=c.offload.opt_state, ranges={"0": name})
+            )
             presets[name] = preset_assignment(p, config, c.model)
         except ValueError:
             continue  # not an activation policy, or not one this model takes
@@ -1082,7 +1194,9 @@ def _offload_presets(p: Problem, c) -> dict[str, dict[str, str]]:
     return {name: presets[name] for name in distinct.values()}
 
 
-def split_line(p: Problem, c, best: Estimate, args: Sequence[str], out=None, name: str = "planned", show_holders: bool = False) -> str:
+def split_line(
+    p: Problem, c, best: Estimate, args: Sequence[str], out=None, name: str = "planned", show_holders: bool = False
+) -> str:
     """`plan.split=true`: the fastest head/tail split with per-tag assignments for each side
     (`search_split_tags`), against the plan and the best split of two conf/offload presets, with
     the train.py command that runs it. A side whose assignment is no preset's is written as a
@@ -1097,11 +1211,22 @@ def split_line(p: Problem, c, best: Estimate, args: Sequence[str], out=None, nam
     preset_split = search_split(p, presets, n)
     split = search_split_tags(p, n, start=preset_split)
     if split is None:
-        stacks = max(((s, sc.param_bytes_per_layer * sc.layers) for s, sc in p.stacks.items()), key=lambda x: x[1], default=("", 0.0))
-        cost = f" (a split inside {stacks[0]} costs {_fmt_bytes(RANGE_CUT_COPIES * stacks[1])} of HBM: copies of its parameters)" if stacks[1] and not p.params_on_host else ""
+        stacks = max(
+            ((s, sc.param_bytes_per_layer * sc.layers) for s, sc in p.stacks.items()),
+            key=lambda x: x[1],
+            default=("", 0.0),
+        )
+        cost = (
+            f" (a split inside {stacks[0]} costs {_fmt_bytes(RANGE_CUT_COPIES * stacks[1])} of HBM: copies of its parameters)"
+            if stacks[1] and not p.params_on_host
+            else ""
+        )
         return f"split: no split fits the budgets{cost}"
     unit = max(1e-3 * p.step_flops / p.rate, 1e-12)  # search's tolerance: within it, step times count as equal
-    if (math.floor(split.estimate.time_s / unit), split.estimate.host_tag_bytes) >= (math.floor(best.time_s / unit), best.host_tag_bytes):
+    if (math.floor(split.estimate.time_s / unit), split.estimate.host_tag_bytes) >= (
+        math.floor(best.time_s / unit),
+        best.host_tag_bytes,
+    ):
         return f"split: no split is faster than the plan's one policy for every layer ({1e3 * best.time_s:.3f} ms)"
     at = split.at
     head = f"0-{at - 1}" if at > 1 else "0"
@@ -1116,18 +1241,37 @@ def split_line(p: Problem, c, best: Estimate, args: Sequence[str], out=None, nam
             values.append((preset, preset))
             continue
         path = folder / f"{name}_{side}.yaml"
-        policy = to_offload_config(dataclasses.replace(split.estimate, assignment=assignment), f"{name}_{side}", c.offload.params, c.offload.opt_state)
+        policy = to_offload_config(
+            dataclasses.replace(split.estimate, assignment=assignment),
+            f"{name}_{side}",
+            c.offload.params,
+            c.offload.opt_state,
+        )
         header = f"The policy of layers {layers} of a split planned by python -m zoo.tools.plan plan.split=true,\nfor offload.ranges (a value ending in .yaml is a file). Tags left out are recomputed."
         path.write_text(to_yaml(policy, header))
         lines.append(f"wrote {path}")
         values.append((path.stem, f'"{path}"'))  # quoted for Hydra: a path may hold characters its grammar reserves
     e = split.estimate
     # The ranges cover every layer; where state lives is the top level's (offload.params / opt_state).
-    state = [f"offload.{k}={v}" for k, v in (("params", c.offload.params), ("opt_state", c.offload.opt_state))
-             if v != "device" and not any(a.startswith(f"offload.{k}=") for a in args)]
-    command = " ".join(["python train.py", *(shlex.quote(a) for a in args), "offload=none", *state,
-                        shlex.quote(f"+offload.ranges={{{head}:{values[0][1]},{tail}:{values[1][1]}}}")])
-    against = f"the best split of two presets: {1e3 * preset_split.estimate.time_s:.3f} ms" if preset_split else "no split of two presets fits"
+    state = [
+        f"offload.{k}={v}"
+        for k, v in (("params", c.offload.params), ("opt_state", c.offload.opt_state))
+        if v != "device" and not any(a.startswith(f"offload.{k}=") for a in args)
+    ]
+    command = " ".join(
+        [
+            "python train.py",
+            *(shlex.quote(a) for a in args),
+            "offload=none",
+            *state,
+            shlex.quote(f"+offload.ranges={{{head}:{values[0][1]},{tail}:{values[1][1]}}}"),
+        ]
+    )
+    against = (
+        f"the best split of two presets: {1e3 * preset_split.estimate.time_s:.3f} ms"
+        if preset_split
+        else "no split of two presets fits"
+    )
     lines.append(
         f"split: layers {head} {values[0][0]}, {tail} {values[1][0]}: estimated step {1e3 * e.time_s:.3f} ms, "
         f"HBM peak {_fmt_bytes(e.peak_bytes)}, host {_fmt_bytes(e.host_bytes)} (the plan: {1e3 * best.time_s:.3f} ms, "
@@ -1173,7 +1317,9 @@ def producer_flops(config, tag: str, stack: str, batch: int, seq: int) -> float:
     table = _stack_emits(c, stack)
     if tag not in table:
         # A tag this stack emits that no block declares a formula for would cost 0 FLOPs to recompute.
-        raise ValueError(f"zoo.tools.plan.producer_flops: no FLOP count for tag {tag!r} on stack {stack!r}; declare it in its block's EMITS")
+        raise ValueError(
+            f"zoo.tools.plan.producer_flops: no FLOP count for tag {tag!r} on stack {stack!r}; declare it in its block's EMITS"
+        )
     return float(table[tag](FlopShape(c, batch, seq, n, keys, ffn, rows)))
 
 
@@ -1254,14 +1400,20 @@ def tag_costs(config, records, batch: int, seq: int, rules=None, sizes=None) -> 
         t = by_tag.setdefault(r.tag, TagCost(r.tag, {}, {}, choices))
         device_shape = per_device_shape(r.tag, r.shape, rules, sizes)
         share = math.prod(device_shape) / max(1, math.prod(r.shape))
-        if rounds and TAGS[r.tag].block == MOE and len(r.shape) == 2:  # a routed-expert tag traced as [assignments, ...]
+        if (
+            rounds and TAGS[r.tag].block == MOE and len(r.shape) == 2
+        ):  # a routed-expert tag traced as [assignments, ...]
             share *= round_rows_factor(config, logical_ways(rules, sizes, "experts"), device_shape[0])
         t.bytes_per_layer[r.stack] = t.bytes_per_layer.get(r.stack, 0.0) + r.bytes_per_layer * share
-        t.recompute_flops_per_layer[r.stack] = 0.0 if r.tag in CHECKPOINT_INPUTS else producer_flops(config, r.tag, r.stack, batch, seq)
+        t.recompute_flops_per_layer[r.stack] = (
+            0.0 if r.tag in CHECKPOINT_INPUTS else producer_flops(config, r.tag, r.stack, batch, seq)
+        )
     return list(by_tag.values())
 
 
-def to_offload_config(estimate: Estimate, name: str, params: str = "device", opt_state: str = "device") -> OffloadConfig:
+def to_offload_config(
+    estimate: Estimate, name: str, params: str = "device", opt_state: str = "device"
+) -> OffloadConfig:
     tags = {t: a for t, a in estimate.assignment.items() if a != "remat"}
     return OffloadConfig(name=name, checkpoint=True, tags=tags, params=params, opt_state=opt_state)
 
@@ -1284,7 +1436,11 @@ def estimates_table(p: Problem, chosen: Estimate) -> str:
     for t in p.tags:
         total = _tag_totals(p, t)
         flops = sum(f * p.stacks[s].layers for s, f in t.recompute_flops_per_layer.items()) * p.microbatches
-        xfer = sum((b / p.link + p.latency) * p.stacks[s].layers for s, b in t.bytes_per_layer.items()) * 2 * p.microbatches
+        xfer = (
+            sum((b / p.link + p.latency) * p.stacks[s].layers for s, b in t.bytes_per_layer.items())
+            * 2
+            * p.microbatches
+        )
         rows.append(
             (
                 t.tag,
@@ -1309,7 +1465,9 @@ def estimates_table(p: Problem, chosen: Estimate) -> str:
     n = _devices_on_node(p)
     parts = {"tags": e.host_tag_bytes, **_host_fixed_parts(p)}
     budget = (
-        f"; budget {_fmt_bytes(p.host_budget)} per device, {_fmt_bytes(n * p.host_budget)} per node" if math.isfinite(p.host_budget) else " (no host budget)"
+        f"; budget {_fmt_bytes(p.host_budget)} per device, {_fmt_bytes(n * p.host_budget)} per node"
+        if math.isfinite(p.host_budget)
+        else " (no host budget)"
     )
     out.append(
         f"estimated host memory {_fmt_bytes(e.host_bytes)} per device, {_fmt_bytes(e.host_node_bytes)} per node of {n}{budget} ("
@@ -1359,8 +1517,14 @@ def target_attention_impl(c) -> str:
     m, hw = c.model, c.hardware
     try:
         return resolve_impl(
-            m.attention_impl, backend=hw.platform or jax.default_backend(), dtype=m.compute_dtype, qk_dim=m.qk_head_dim,
-            v_dim=m.v_head_dim, seq_len=c.data.seq_len, has_sinks=m.attention_sinks, compute_capability=hw.capability() or (0, 0),
+            m.attention_impl,
+            backend=hw.platform or jax.default_backend(),
+            dtype=m.compute_dtype,
+            qk_dim=m.qk_head_dim,
+            v_dim=m.v_head_dim,
+            seq_len=c.data.seq_len,
+            has_sinks=m.attention_sinks,
+            compute_capability=hw.capability() or (0, 0),
         )
     except ValueError as e:
         raise PlanError(f"{str(e).splitlines()[0]} (planning for hardware={hw.name})") from None
@@ -1388,7 +1552,9 @@ def host_attention_impl(target: str) -> str:
     return "blockwise" if target == "cudnn" and jax.default_backend() != "gpu" else target
 
 
-def attention_working_bytes(impl: str, *, batch: int, seq: int, heads: int, kv_heads: int, qk_dim: int, v_dim: int) -> float:
+def attention_working_bytes(
+    impl: str, *, batch: int, seq: int, heads: int, kv_heads: int, qk_dim: int, v_dim: int
+) -> float:
     """The transient bytes of one layer's attention backward (its forward holds less), per device.
 
     - xla: the float32 scores and probabilities [batch, heads, T, T] (their gradients reuse them);
@@ -1409,8 +1575,17 @@ def attention_working_bytes(impl: str, *, batch: int, seq: int, heads: int, kv_h
     raise ValueError(f"attention_working_bytes: unknown implementation {impl!r}")
 
 
-def loss_working_bytes(*, batch: int, seq: int, vocab: int, embed: int, chunk: int, compute_bytes: int, head_cast_bytes: float = 0.0,
-                       row_group: int = 1) -> float:
+def loss_working_bytes(
+    *,
+    batch: int,
+    seq: int,
+    vocab: int,
+    embed: int,
+    chunk: int,
+    compute_bytes: int,
+    head_cast_bytes: float = 0.0,
+    row_group: int = 1,
+) -> float:
     """The transient bytes of the head + loss, per device (`vocab` is the device's share; `row_group`
     devices share a vocab axis that also splits the batch, so each chunk's logits cover their rows).
 
@@ -1425,7 +1600,12 @@ def loss_working_bytes(*, batch: int, seq: int, vocab: int, embed: int, chunk: i
     # The head-gradient accumulator becomes the head's gradient, which the planner counts with the
     # other gradients: counted here too, it put the planner 13-15% over XLA's peak on a TPU v5e
     # (docs/benchmarks.md, "TPU v5e").
-    return 3.0 * batch * row_group * rows * vocab * 4 + float(batch * seq * embed * compute_bytes) + head_cast_bytes + gathered
+    return (
+        3.0 * batch * row_group * rows * vocab * 4
+        + float(batch * seq * embed * compute_bytes)
+        + head_cast_bytes
+        + gathered
+    )
 
 
 def _ways(c, trainer, logical: str) -> int:
@@ -1437,7 +1617,9 @@ def largest_leaves(abstract_tree, shardings, kind: str, n: int = 3) -> list[tupl
     import jax
 
     out = []
-    for (path, leaf), sh in zip(jax.tree_util.tree_leaves_with_path(abstract_tree), jax.tree_util.tree_leaves(shardings)):
+    for (path, leaf), sh in zip(
+        jax.tree_util.tree_leaves_with_path(abstract_tree), jax.tree_util.tree_leaves(shardings)
+    ):
         shape = sh.shard_shape(leaf.shape) if hasattr(sh, "shard_shape") else leaf.shape
         name = jax.tree_util.keystr(path).lstrip(".")
         # optax's wrappers (inner_states['train'].inner_state[1][0]...) say nothing about the leaf.
@@ -1461,7 +1643,9 @@ def policy_estimate(c, trainer, opts: PlanConfig):
     assignment = {}
     for t in p.tags:
         a = actions.get(t.tag, "remat")
-        assignment[t.tag] = a if a in t.choices else ("device" if a == "remat" and "device" in t.choices else t.choices[0])
+        assignment[t.tag] = (
+            a if a in t.choices else ("device" if a == "remat" and "device" in t.choices else t.choices[0])
+        )
     return p, evaluate(p, assignment), info
 
 
@@ -1469,25 +1653,32 @@ def out_of_memory_line(c, trainer, error: BaseException, overrides=()) -> str:
     """One line for a run that ran out of device memory: XLA's figures, the planner's largest holders
     of the run's own policy, and the single change that frees the most."""
     m = re.search(r"\(([\d.]+[KMGT]?i?B?)\) exceeds available HBM \(([\d.]+[KMGT]?i?B?)\)", str(error)) or re.search(
-        r"Used ([\d.]+[KMGT]?i?B?) of ([\d.]+[KMGT]?i?B?) hbm", str(error))
+        r"Used ([\d.]+[KMGT]?i?B?) of ([\d.]+[KMGT]?i?B?) hbm", str(error)
+    )
     xla = f" (XLA: {m.group(1)} needed, {m.group(2)} available)" if m else ""
     args = " ".join(a for a in overrides if not a.startswith(("hydra.run.", "hydra.sweep.")))
     table = f"python -m zoo.tools.plan {args} plan.holders=true".replace("  ", " ")
     try:
         budget = c.hardware.hbm_bytes / 1e9 if c.hardware.hbm_bytes else None
         # (a profile without a host link still sizes the memory: the link only prices time)
-        p, e, _ = policy_estimate(c, trainer, PlanConfig(hbm_budget_gb=budget, link=None if c.hardware.host_link_gbps else "1"))
+        p, e, _ = policy_estimate(
+            c, trainer, PlanConfig(hbm_budget_gb=budget, link=None if c.hardware.host_link_gbps else "1")
+        )
         top = holders(p, e)[:3]
         change = next(iter(best_changes(p, e)), None)
     except Exception as why:  # noqa: BLE001 - the line must come out whatever the planner makes of the run
         return f"out of device memory{xla}; the planner could not size this run ({type(why).__name__}); for who holds it: {table}"
     held = ", ".join(f"{h.name} {_fmt_bytes(h.bytes)}" for h in top)
     fix = f"; the change that frees the most: {change.action} (-{_fmt_bytes(change.saving)})" if change else ""
-    return (f"out of device memory{xla}: the planner puts this step at {_fmt_bytes(e.peak_bytes)} per device, the largest "
-            f"holders {held}{fix}; the whole table: {table}")
+    return (
+        f"out of device memory{xla}: the planner puts this step at {_fmt_bytes(e.peak_bytes)} per device, the largest "
+        f"holders {held}{fix}; the whole table: {table}"
+    )
 
 
-def problem_from_config(c, trainer, opts: PlanConfig, hardware_dir=None, attention_impl: Optional[str] = None) -> tuple[Problem, dict]:
+def problem_from_config(
+    c, trainer, opts: PlanConfig, hardware_dir=None, attention_impl: Optional[str] = None
+) -> tuple[Problem, dict]:
     """The planning problem for a composed, validated train config (sizes per device);
     `attention_impl`: the implementation the target runs (default: `target_attention_impl(c)`)."""
     import jax
@@ -1504,7 +1695,9 @@ def problem_from_config(c, trainer, opts: PlanConfig, hardware_dir=None, attenti
 
     # Shapes and dtypes of every tag, read from the traced gradient with every tag kept.
     keep_all = OffloadConfig(
-        name="keep_all", checkpoint=True, tags={t: "device" for t in emitted_tags(m) if t not in backward_never_reads(m)}
+        name="keep_all",
+        checkpoint=True,
+        tags={t: "device" for t in emitted_tags(m) if t not in backward_never_reads(m)},
     )
     policy = remat_policy(keep_all, m)
     abstract = zoo_model.abstract(m)
@@ -1512,19 +1705,28 @@ def problem_from_config(c, trainer, opts: PlanConfig, hardware_dir=None, attenti
     # Splash traced off a TPU: its Pallas kernel interpreted (traced only: its residuals are what counts).
     interpreted = pallas_interpreted() if attention_impl == "splash" else contextlib.nullcontext()
     with interpreted:
-        placement = inspect_placement(jax.grad(lambda mod, tok: loss_fn(mod, tok, remat_policy=policy)), abstract, tokens, stacks=stack_names(abstract))
+        placement = inspect_placement(
+            jax.grad(lambda mod, tok: loss_fn(mod, tok, remat_policy=policy)),
+            abstract,
+            tokens,
+            stacks=stack_names(abstract),
+        )
     # The traced records are whole sequences, heads and MLP hidden dims: each tag sized as the mesh
     # splits it (tensor parallelism; sequence parallelism for the kept layer input, zoo.model.DecoderBlock).
     sequence_ways = _ways(c, trainer, "seq")
     tags = tag_costs(m, placement.records, batch, seq, rules=c.mesh.rules, sizes=sizes)
 
     stacks = {}
-    param_bytes, stack_params = per_device_bytes(trainer.abstract_params, trainer.param_shardings, stack_names(abstract))
+    param_bytes, stack_params = per_device_bytes(
+        trainer.abstract_params, trainer.param_shardings, stack_names(abstract)
+    )
     abstract_opt = jax.eval_shape(trainer.tx.init, trainer.abstract_params)
     opt_bytes, stack_opt = per_device_bytes(abstract_opt, trainer.opt_shardings, stack_names(abstract))
     frozen_bytes, stack_frozen, frozen_layer = 0.0, {}, 0.0
     if trainer.lora is not None:
-        frozen_bytes, stack_frozen = per_device_bytes(trainer.abstract_base, trainer.base_shardings, stack_names(abstract))
+        frozen_bytes, stack_frozen = per_device_bytes(
+            trainer.abstract_base, trainer.base_shardings, stack_names(abstract)
+        )
         layers_of = {s["name"]: s["layers"] for s in placement.stacks}
         frozen_layer = max((b / layers_of[n] for n, b in stack_frozen.items() if layers_of.get(n)), default=0.0)
     for s in placement.stacks:
@@ -1539,7 +1741,10 @@ def problem_from_config(c, trainer, opts: PlanConfig, hardware_dir=None, attenti
 
     hw = c.hardware
     if hw.matmul_flops:
-        rate, rate_source = float(hw.matmul_flops) * hw.step_efficiency, f"hardware.matmul_flops (measured) {hw.matmul_flops:.3g}"
+        rate, rate_source = (
+            float(hw.matmul_flops) * hw.step_efficiency,
+            f"hardware.matmul_flops (measured) {hw.matmul_flops:.3g}",
+        )
         if hw.step_efficiency != 1.0:
             rate_source += f" x hardware.step_efficiency {hw.step_efficiency:g}"
     else:
@@ -1551,36 +1756,58 @@ def problem_from_config(c, trainer, opts: PlanConfig, hardware_dir=None, attenti
     elif hw.hbm_bytes:
         budget = float(hw.hbm_bytes)
     else:
-        raise PlanError(f"plan.hbm_budget_gb: hardware profile {hw.name!r} has no hbm_bytes; give a budget, e.g. plan.hbm_budget_gb=80")
+        raise PlanError(
+            f"plan.hbm_budget_gb: hardware profile {hw.name!r} has no hbm_bytes; give a budget, e.g. plan.hbm_budget_gb=80"
+        )
 
     # Working set: two layers' intermediates (the one in backward, the next in flight) with one
     # layer's attention transient, or the head + loss, whichever is larger (they do not overlap).
     per_layer = max((sum(t.bytes_per_layer.get(s, 0.0) for t in tags) for s in stacks), default=0.0)
     mlpwo_bytes = max(
-        (r.bytes_per_layer * math.prod(per_device_shape(r.tag, r.shape, c.mesh.rules, sizes)) / max(1, math.prod(r.shape))
-         for r in placement.records if r.tag in backward_never_reads(m)),
+        (
+            r.bytes_per_layer
+            * math.prod(per_device_shape(r.tag, r.shape, c.mesh.rules, sizes))
+            / max(1, math.prod(r.shape))
+            for r in placement.records
+            if r.tag in backward_never_reads(m)
+        ),
         default=0,
     )
     heads_ways = _ways(c, trainer, "heads")
     attention = attention_working_bytes(
-        attention_impl, batch=batch, seq=seq, heads=max(1, m.num_heads // heads_ways), kv_heads=max(1, (m.num_kv_heads if not m.uses_mla else m.num_heads) // heads_ways),
-        qk_dim=m.qk_head_dim, v_dim=m.v_head_dim,
+        attention_impl,
+        batch=batch,
+        seq=seq,
+        heads=max(1, m.num_heads // heads_ways),
+        kv_heads=max(1, (m.num_kv_heads if not m.uses_mla else m.num_heads) // heads_ways),
+        qk_dim=m.qk_head_dim,
+        v_dim=m.v_head_dim,
     )
     vocab = -(-m.vocab_size // _ways(c, trainer, "vocab"))
     compute_bytes = np.dtype(m.compute_dtype).itemsize
     head_cast = 0.0 if m.compute_dtype == m.param_dtype else float(m.hidden_size * vocab * compute_bytes)
     sizes = trainer.plan.mesh.sizes
     batch_axes = set(c.mesh.rules.get("batch", []))
-    row_group = math.prod(sizes[a] for a in dict.fromkeys(c.mesh.rules.get("vocab", [])) if a in sizes and a in batch_axes) or 1
+    row_group = (
+        math.prod(sizes[a] for a in dict.fromkeys(c.mesh.rules.get("vocab", [])) if a in sizes and a in batch_axes) or 1
+    )
     loss = loss_working_bytes(
-        batch=batch, seq=seq, vocab=vocab, embed=m.hidden_size, chunk=c.trainer.loss_chunk_size, compute_bytes=compute_bytes, head_cast_bytes=head_cast,
+        batch=batch,
+        seq=seq,
+        vocab=vocab,
+        embed=m.hidden_size,
+        chunk=c.trainer.loss_chunk_size,
+        compute_bytes=compute_bytes,
+        head_cast_bytes=head_cast,
         row_group=row_group,
     )
     layers_working = 2.0 * (per_layer + mlpwo_bytes) + attention
     working = max(layers_working, loss)
     working_label = (
-        f"working set: two layers' intermediates + one layer's {attention_impl} attention" if layers_working >= loss
-        else "working set: the head + loss" + (f" (chunks of {c.trainer.loss_chunk_size})" if c.trainer.loss_chunk_size else " (whole logits)")
+        f"working set: two layers' intermediates + one layer's {attention_impl} attention"
+        if layers_working >= loss
+        else "working set: the head + loss"
+        + (f" (chunks of {c.trainer.loss_chunk_size})" if c.trainer.loss_chunk_size else " (whole logits)")
     )
     host_budget = host_budget_bytes(opts, hw)
     # The step's token batch and the next one's (built a step ahead, zoo.train.run.Batches), int32.
@@ -1652,7 +1879,9 @@ def use_plan_lines(out, overrides: Sequence[str]) -> list[str]:
 
     out = out.resolve()
     if out.parent.name != "offload" or out.suffix != ".yaml":
-        return [f"to use it, copy it to conf/offload/{out.stem}.yaml (or write it to <dir>/offload/{out.stem}.yaml with plan.out) and pass offload={out.stem}"]
+        return [
+            f"to use it, copy it to conf/offload/{out.stem}.yaml (or write it to <dir>/offload/{out.stem}.yaml with plan.out) and pass offload={out.stem}"
+        ]
     args = " ".join(shlex.quote(a) for a in overrides)
     search = shlex.quote(f"hydra.searchpath=[file://{out.parent.parent}]")
     return [
@@ -1688,19 +1917,30 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if p.fixed:
             free = sum(free_layers(p).values())
             print(
-                "note: offload.ranges: " + "; ".join(f"{f.label} ({_layers(sum(f.layers.values()))}) counted as given" for f in p.fixed)
+                "note: offload.ranges: "
+                + "; ".join(f"{f.label} ({_layers(sum(f.layers.values()))}) counted as given" for f in p.fixed)
                 + f"; the plan is the policy of the other {_layers(free)} (the YAML it writes; the commands below keep the ranges)"
             )
         print(
             f"planning {c.model.family} ({c.model.num_layers} layers), per device batch {info['per_device_batch']} x {info['seq_len']} "
-            + (f"(layer inputs split {info['sequence_parallel']} ways along the sequence) " if info["sequence_parallel"] > 1 else "")
+            + (
+                f"(layer inputs split {info['sequence_parallel']} ways along the sequence) "
+                if info["sequence_parallel"] > 1
+                else ""
+            )
             + f"on {info['devices']} device(s); matmul rate {info['rate_flops'] / 1e12:.1f} TFLOP/s ({info['rate_source']}), "
             f"host link {info['link_gbps_per_direction']:g} GB/s per direction, HBM budget {_fmt_bytes(info['budget_bytes'])}, "
-            + (f"host budget {_fmt_bytes(p.host_budget)} per device ({_fmt_bytes(p.devices_per_node * p.host_budget)} per node of {p.devices_per_node}); "
-               if math.isfinite(p.host_budget) else "no host budget (hardware.host_bytes_per_device 0); ")
-            + (f"params {c.offload.params}, optimizer state {c.offload.opt_state}" if p.frozen_bytes == 0 else
-               f"LoRA adapters {_fmt_bytes(p.param_bytes)} trainable (optimizer state {_fmt_bytes(p.opt_bytes)}, {c.offload.opt_state}), "
-               f"frozen base {_fmt_bytes(p.frozen_bytes)} per device on {'host, streamed per layer' if p.frozen_on_host else 'device'}")
+            + (
+                f"host budget {_fmt_bytes(p.host_budget)} per device ({_fmt_bytes(p.devices_per_node * p.host_budget)} per node of {p.devices_per_node}); "
+                if math.isfinite(p.host_budget)
+                else "no host budget (hardware.host_bytes_per_device 0); "
+            )
+            + (
+                f"params {c.offload.params}, optimizer state {c.offload.opt_state}"
+                if p.frozen_bytes == 0
+                else f"LoRA adapters {_fmt_bytes(p.param_bytes)} trainable (optimizer state {_fmt_bytes(p.opt_bytes)}, {c.offload.opt_state}), "
+                f"frozen base {_fmt_bytes(p.frozen_bytes)} per device on {'host, streamed per layer' if p.frozen_on_host else 'device'}"
+            )
         )
         chunk = c.trainer.loss_chunk_size
         print(
@@ -1739,7 +1979,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if opts.json:
             held = {m: [dataclasses.asdict(h) for h in holders(p, best, m)] for m in ("hbm", "host")}
             pathlib.Path(opts.json).write_text(
-                json.dumps({"info": info, "estimate": best.as_dict(), "holders": held, "policy": dataclasses.asdict(policy)}, indent=2) + "\n"
+                json.dumps(
+                    {"info": info, "estimate": best.as_dict(), "holders": held, "policy": dataclasses.asdict(policy)},
+                    indent=2,
+                )
+                + "\n"
             )
         return 0
 

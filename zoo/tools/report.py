@@ -96,7 +96,9 @@ def _eval(ev: Optional[dict]) -> str:
 
 
 def analyse(jobs: list[dict]) -> list[dict]:
-    ok = [j for j in jobs if j.get("status") == "ok" and j.get("peak_memory_bytes") is not None and j.get("step_time_s")]
+    ok = [
+        j for j in jobs if j.get("status") == "ok" and j.get("peak_memory_bytes") is not None and j.get("step_time_s")
+    ]
     front = pareto_front([(j["peak_memory_bytes"], time_range(j)) for j in ok])
     for j, f in zip(ok, front):
         j["_pareto"] = f
@@ -115,7 +117,8 @@ def ran_no_steps(job: dict) -> Optional[str]:
 
 def markdown(jobs: list[dict]) -> str:
     common = tuple(common_overrides(jobs))
-    rows = [f"Overrides of every job: `{' '.join(common)}`\n" if common else "",
+    rows = [
+        f"Overrides of every job: `{' '.join(common)}`\n" if common else "",
         "Step time: the median over the timed steps (all but the first); a Pareto front uses a time difference only "
         "where the p25-p75 ranges do not overlap.\n",
         "| job | status | step time (ms) | p25-p75 (ms) | min-max (ms) | timed steps | peak memory (MiB) | memory source | tokens/s | TFLOP/s/device | MFU | loss first -> last | eval loss (ppl) | Pareto |",
@@ -127,7 +130,9 @@ def markdown(jobs: list[dict]) -> str:
         elif j.get("status") == "ok":
             q = j.get("step_time_quantiles_s") or {}
             spread = (
-                (f"{1e3 * q['p25']:.1f}-{1e3 * q['p75']:.1f}", f"{1e3 * q['min']:.1f}-{1e3 * q['max']:.1f}") if q else ("-", "-")
+                (f"{1e3 * q['p25']:.1f}-{1e3 * q['p75']:.1f}", f"{1e3 * q['min']:.1f}-{1e3 * q['max']:.1f}")
+                if q
+                else ("-", "-")
             )
             rows.append(
                 f"| {label(j, common)} | ok | {_fmt(1e3 * j['step_time_s'], '.1f')} | {spread[0]} | {spread[1]} | "
@@ -161,8 +166,20 @@ def plot(jobs: list[dict], path: pathlib.Path) -> bool:
         low = [y - 1e3 * r[0] for y, r in zip(ys, ranges)]
         high = [1e3 * r[1] - y for y, r in zip(ys, ranges)]
         ax.errorbar(xs, ys, yerr=[low, high], fmt="none", ecolor="tab:gray", alpha=0.6, capsize=3, zorder=1)
-        ax.scatter([x for x, f in zip(xs, on) if not f], [y for y, f in zip(ys, on) if not f], c="tab:gray", label="dominated", zorder=3)
-        ax.scatter([x for x, f in zip(xs, on) if f], [y for y, f in zip(ys, on) if f], c="tab:red", label="Pareto front", zorder=4)
+        ax.scatter(
+            [x for x, f in zip(xs, on) if not f],
+            [y for y, f in zip(ys, on) if not f],
+            c="tab:gray",
+            label="dominated",
+            zorder=3,
+        )
+        ax.scatter(
+            [x for x, f in zip(xs, on) if f],
+            [y for y, f in zip(ys, on) if f],
+            c="tab:red",
+            label="Pareto front",
+            zorder=4,
+        )
         front = sorted((x, y) for x, y, f in zip(xs, ys, on) if f)
         if len(front) > 1:
             ax.step([p[0] for p in front], [p[1] for p in front], where="post", c="tab:red", alpha=0.5, zorder=2)
@@ -180,7 +197,9 @@ def plot(jobs: list[dict], path: pathlib.Path) -> bool:
     if common:
         fig.text(0.01, 0.01, "all jobs: " + " ".join(common), fontsize=7, color="tab:gray")
     ax.grid(alpha=0.3)
-    with warnings.catch_warnings():  # long job labels: matplotlib warns it cannot fit the margins, and draws the plot anyway
+    with (
+        warnings.catch_warnings()
+    ):  # long job labels: matplotlib warns it cannot fit the margins, and draws the plot anyway
         warnings.filterwarnings("ignore", message="Tight layout not applied")
         fig.tight_layout()
     fig.savefig(path)
@@ -195,7 +214,9 @@ def report(root: pathlib.Path, out: Optional[pathlib.Path] = None) -> tuple[path
     if not jobs:
         raise FileNotFoundError(f"no summary.json under {root}")
     md_path, png_path = out / "report.md", out / "report.png"
-    md_path.write_text(f"# Sweep report: {root}\n\n" + markdown(jobs) + f"\n![step time vs peak memory]({png_path.name})\n")
+    md_path.write_text(
+        f"# Sweep report: {root}\n\n" + markdown(jobs) + f"\n![step time vs peak memory]({png_path.name})\n"
+    )
     plot(jobs, png_path)
     return md_path, png_path
 
@@ -217,8 +238,10 @@ def load_metrics(run_dir: pathlib.Path) -> list[dict]:
         if isinstance(r, dict) and isinstance(r.get("step"), int):
             records.append(r)
     if not records and first_problem:
-        raise ConfigError(f"dir: {path} holds no step record ({first_problem}): damaged, or not train.py's; "
-                          "give the directory of a train.py run")
+        raise ConfigError(
+            f"dir: {path} holds no step record ({first_problem}): damaged, or not train.py's; "
+            "give the directory of a train.py run"
+        )
     return sorted(records, key=lambda r: r["step"])
 
 
@@ -228,7 +251,9 @@ def _per_layer(records: list[dict], key: str) -> tuple[list[int], list[list[floa
     if not rows:
         return [], []
     layers = max(len(v) for _, v in rows)
-    series = [[(float(v[i]) if i < len(v) and v[i] is not None else float("nan")) for _, v in rows] for i in range(layers)]
+    series = [
+        [(float(v[i]) if i < len(v) and v[i] is not None else float("nan")) for _, v in rows] for i in range(layers)
+    ]
     return [s + 1 for s, _ in rows], series
 
 
@@ -264,7 +289,13 @@ def run_report(run_dir: pathlib.Path, out: Optional[pathlib.Path] = None) -> Opt
     bias_steps, bias_max = _per_layer(records, "moe_bias_max")
     _, bias_min = _per_layer(records, "moe_bias_min")
     if bias_steps and len(bias_min) == len(bias_max):
-        panels.append(("correction bias max - min", bias_steps, [[hi - lo for lo, hi in zip(a, b)] for a, b in zip(bias_min, bias_max)]))
+        panels.append(
+            (
+                "correction bias max - min",
+                bias_steps,
+                [[hi - lo for lo, hi in zip(a, b)] for a, b in zip(bias_min, bias_max)],
+            )
+        )
     round_steps, rounds = _per_layer(records, "moe_exchange_rounds")
     if round_steps:  # the dropless expert-parallel exchange: more than 1 is the price of that step's imbalance
         panels.append(("expert exchange rounds", round_steps, rounds))
@@ -280,7 +311,11 @@ def run_report(run_dir: pathlib.Path, out: Optional[pathlib.Path] = None) -> Opt
     if n <= 12:
         axes[0, 0].legend(loc="upper right", fontsize=7, ncol=min(n, 4))
     else:
-        fig.colorbar(plt.cm.ScalarMappable(cmap=colors, norm=plt.Normalize(names[0], names[-1])), ax=axes[:, 0].tolist(), label="layer")
+        fig.colorbar(
+            plt.cm.ScalarMappable(cmap=colors, norm=plt.Normalize(names[0], names[-1])),
+            ax=axes[:, 0].tolist(),
+            label="layer",
+        )
     axes[-1, 0].set_xlabel("step")
     axes[0, 0].set_title(f"MoE routing over steps: {run_dir}", fontsize=10)
     path = (out or run_dir) / RUN_PLOT
@@ -308,11 +343,17 @@ def _main_run(run_dir: pathlib.Path, out: Optional[pathlib.Path]) -> int:
 def main(argv=None) -> int:
     p = ArgumentParser(prog="python -m zoo.tools.report", description=__doc__.splitlines()[0])
     p.add_argument(
-        "dir", type=pathlib.Path,
+        "dir",
+        type=pathlib.Path,
         help="a multirun directory (or any directory holding summary.json files), or one run's directory "
         f"(it holds metrics.jsonl): its MoE routing over steps, plotted to {RUN_PLOT}",
     )
-    p.add_argument("--out", type=pathlib.Path, default=None, help="where report.md and report.png (or a run's plot) go (default: dir)")
+    p.add_argument(
+        "--out",
+        type=pathlib.Path,
+        default=None,
+        help="where report.md and report.png (or a run's plot) go (default: dir)",
+    )
     a = p.parse_args(argv)
     if not a.dir.is_dir():
         print(f"error: dir: {a.dir} is not a directory; pass the multirun output directory", file=sys.stderr)
@@ -334,10 +375,16 @@ def main(argv=None) -> int:
     jobs = load_summaries(a.dir)
     for j in jobs:
         if j.get("_unreadable"):
-            print(f"note: {a.dir / j['_dir'] / 'summary.json'} is unreadable ({j['_unreadable']}); marked failed in {md.name}", file=sys.stderr)
+            print(
+                f"note: {a.dir / j['_dir'] / 'summary.json'} is unreadable ({j['_unreadable']}); marked failed in {md.name}",
+                file=sys.stderr,
+            )
     idle = [j for j in jobs if ran_no_steps(j)]
     if idle:
-        print(f"note: job(s) {', '.join(j['_dir'] for j in idle)} ran no steps, so they have no timing; marked in {md.name}", file=sys.stderr)
+        print(
+            f"note: job(s) {', '.join(j['_dir'] for j in idle)} ran no steps, so they have no timing; marked in {md.name}",
+            file=sys.stderr,
+        )
     print(f"wrote {md} and {png}")
     return 0
 

@@ -49,11 +49,24 @@ def state_bytes(trainer) -> dict:
     abstract_opt = jax.eval_shape(trainer.tx.init, trainer.abstract_params)
     opt, _ = per_device_bytes(abstract_opt, trainer.opt_shardings)
     whole = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(trainer.abstract_params))
-    out = {"params": int(params), "grads": int(params), "opt_state": int(opt), "total": int(2 * params + opt), "global_params": int(whole)}
+    out = {
+        "params": int(params),
+        "grads": int(params),
+        "opt_state": int(opt),
+        "total": int(2 * params + opt),
+        "global_params": int(whole),
+    }
     if getattr(trainer, "lora", None) is not None:
         # LoRA: `params` are the adapters; the frozen base has no gradient and no optimizer state.
         base, _ = per_device_bytes(trainer.abstract_base, trainer.base_shardings)
-        kinds = sorted({sh.memory_kind or "device" for sh in jax.tree.leaves(trainer.base_shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))})
+        kinds = sorted(
+            {
+                sh.memory_kind or "device"
+                for sh in jax.tree.leaves(
+                    trainer.base_shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding)
+                )
+            }
+        )
         out.update(frozen_base=int(base), frozen_base_memory="/".join(kinds), total=int(2 * params + opt + base))
     return out
 
@@ -65,8 +78,12 @@ def state_dtypes(trainer) -> dict:
     def kinds(tree):
         return sorted({str(x.dtype) for x in jax.tree.leaves(tree) if getattr(x, "ndim", 0)})
 
-    return {"params": kinds(trainer.abstract_params), "grads": kinds(trainer.abstract_params), "opt_state": kinds(abstract_opt),
-            "compute": trainer.cfg.model.compute_dtype}
+    return {
+        "params": kinds(trainer.abstract_params),
+        "grads": kinds(trainer.abstract_params),
+        "opt_state": kinds(abstract_opt),
+        "compute": trainer.cfg.model.compute_dtype,
+    }
 
 
 def _largest(found: list) -> list[dict]:
@@ -114,7 +131,14 @@ def kept_layer_inputs(trainer, text: str, per_device_batch: int) -> Optional[dic
             continue
         dtype, positions = max(found, key=lambda f: f[1] * hlo.dtype_bytes(f[0]))
         nbytes = period * repeats * per_device_batch * positions * embed * hlo.dtype_bytes(dtype)
-        stacks.append({"stack": name, "shape": f"{dtype}[{repeats},{per_device_batch},{positions},{embed}]", "arrays": period, "bytes": nbytes})
+        stacks.append(
+            {
+                "stack": name,
+                "shape": f"{dtype}[{repeats},{per_device_batch},{positions},{embed}]",
+                "arrays": period,
+                "bytes": nbytes,
+            }
+        )
         total += nbytes
     return {"stacks": stacks, "bytes": total} if stacks else None
 
@@ -175,7 +199,9 @@ def scale_report(trainer, compiled, partitioned_text: Optional[str]) -> dict:
         "per_device_batch": per_device_batch,
         # Read from the partitioned program: its dtypes are a GPU's (XLA:CPU widens bf16 later).
         "kept_layer_inputs": kept_layer_inputs(trainer, partitioned_text or compiled.as_text(), per_device_batch),
-        "whole_vocabulary": whole_vocabulary_buffers(partitioned_text or compiled.as_text(), trainer.cfg.model.vocab_size),
+        "whole_vocabulary": whole_vocabulary_buffers(
+            partitioned_text or compiled.as_text(), trainer.cfg.model.vocab_size
+        ),
         "routed_experts": routed_experts(trainer),
         "state_bytes_per_device": state_bytes(trainer),
         "dtypes": state_dtypes(trainer),
@@ -195,7 +221,11 @@ def compile_step(trainer, lowered):
 
 
 def _routed_experts_line(moe: dict) -> str:
-    kernel = "ragged (dropless)" if moe["impl"] == "ragged" else f"capacity (drops past {moe['capacity_factor']:g}x the mean load)"
+    kernel = (
+        "ragged (dropless)"
+        if moe["impl"] == "ragged"
+        else f"capacity (drops past {moe['capacity_factor']:g}x the mean load)"
+    )
     line = f"routed experts: {kernel}"
     if not moe["exchange"]:
         return line + ", each device's own tokens on every expert"
@@ -206,7 +236,10 @@ def _routed_experts_line(moe: dict) -> str:
             f"{fmt_bytes(moe['exchange_bytes'])} sent per device and round, {ratio:.2f}x its {fmt_bytes(moe['assignment_bytes'])} "
             f"of assignments (one round while no device sends a shard more than {moe['exchange_factor']:g}x the mean)"
         )
-    return line + f", over {moe['expert_ways']} expert shards: {fmt_bytes(moe['exchange_bytes'])} sent per device and exchange, {ratio:.2f}x its {fmt_bytes(moe['assignment_bytes'])} of assignments"
+    return (
+        line
+        + f", over {moe['expert_ways']} expert shards: {fmt_bytes(moe['exchange_bytes'])} sent per device and exchange, {ratio:.2f}x its {fmt_bytes(moe['assignment_bytes'])} of assignments"
+    )
 
 
 def render(rep: dict) -> str:
@@ -221,18 +254,34 @@ def render(rep: dict) -> str:
         f"compute in {d['compute']}; all parameters {fmt_bytes(s['global_params'])}",
     ]
     if "frozen_base" in s:
-        out[-1] = out[-1].replace("per device: params", "per device: LoRA adapters", 1).replace("; all parameters", "; all adapters", 1)
-        out.append(f"frozen LoRA base per device: {fmt_bytes(s['frozen_base'])} in {s['frozen_base_memory']} (no gradient, no optimizer state; in the total)")
+        out[-1] = (
+            out[-1]
+            .replace("per device: params", "per device: LoRA adapters", 1)
+            .replace("; all parameters", "; all adapters", 1)
+        )
+        out.append(
+            f"frozen LoRA base per device: {fmt_bytes(s['frozen_base'])} in {s['frozen_base_memory']} (no gradient, no optimizer state; in the total)"
+        )
     kept = rep.get("kept_layer_inputs")
     if kept:
         shapes = ", ".join(f"{k['arrays']} x {k['shape']}" if k["arrays"] > 1 else k["shape"] for k in kept["stacks"])
-        how = [w for w, on in (("context parallelism", rep.get("context_parallel")), ("sequence parallelism", rep.get("sequence_parallel"))) if on]
+        how = [
+            w
+            for w, on in (
+                ("context parallelism", rep.get("context_parallel")),
+                ("sequence parallelism", rep.get("sequence_parallel")),
+            )
+            if on
+        ]
         split = f", split along the sequence ({' and '.join(how)})" if how else ""
         out.append(f"kept layer inputs per device: {fmt_bytes(kept['bytes'])} ({shapes}){split}")
     if "whole_vocabulary" in rep and rep["devices"] > 1:
         v = rep["whole_vocabulary"]
-        out.append("whole vocabulary per device: none (every vocabulary-sized dim is split)" if v is None else
-                   f"whole vocabulary per device: largest {v['largest']} {fmt_bytes(v['bytes'])} ({v['shapes']} such shapes)")
+        out.append(
+            "whole vocabulary per device: none (every vocabulary-sized dim is split)"
+            if v is None
+            else f"whole vocabulary per device: largest {v['largest']} {fmt_bytes(v['bytes'])} ({v['shapes']} such shapes)"
+        )
     moe = rep.get("routed_experts")
     if moe:
         out.append(_routed_experts_line(moe))
@@ -240,7 +289,11 @@ def render(rep: dict) -> str:
         section = rep["collectives"][name]
         if section is None:
             continue
-        rows = [(kind, dtype, r["count"], r["executions"], fmt_bytes(r["bytes"])) for kind, by_dtype in section["by_kind_and_dtype"].items() for dtype, r in by_dtype.items()]
+        rows = [
+            (kind, dtype, r["count"], r["executions"], fmt_bytes(r["bytes"]))
+            for kind, by_dtype in section["by_kind_and_dtype"].items()
+            for dtype, r in by_dtype.items()
+        ]
         if not rows:
             out.append(f"collectives per step ({title}): none")
             continue
@@ -248,11 +301,27 @@ def render(rep: dict) -> str:
         out.append(f"collectives per step ({title}), bytes per device, {fmt_bytes(total)} in all:")
         out.append(text_table([("kind", "dtype", "instructions", "executions", "bytes/step")] + rows))
         if section["unknown_trip_counts"]:
-            out.append(f"note: {section['unknown_trip_counts']} collective(s) sit in loops of unknown trip count, counted once")
+            out.append(
+                f"note: {section['unknown_trip_counts']} collective(s) sit in loops of unknown trip count, counted once"
+            )
     section = rep["collectives"]["partitioned"] or rep["collectives"]["compiled"]
     if section["largest"]:
-        out.append("largest collectives per step (" + ("after SPMD partitioning" if rep["collectives"]["partitioned"] else "compiled") + "):")
+        out.append(
+            "largest collectives per step ("
+            + ("after SPMD partitioning" if rep["collectives"]["partitioned"] else "compiled")
+            + "):"
+        )
         rows = [("kind", "shape", "group", "executions", "bytes/exec", "bytes/step")]
-        rows += [(c["kind"], c["shape"], c["group_size"] or "?", c["executions"], fmt_bytes(c["bytes_per_execution"]), fmt_bytes(c["bytes"])) for c in section["largest"]]
+        rows += [
+            (
+                c["kind"],
+                c["shape"],
+                c["group_size"] or "?",
+                c["executions"],
+                fmt_bytes(c["bytes_per_execution"]),
+                fmt_bytes(c["bytes"]),
+            )
+            for c in section["largest"]
+        ]
         out.append(text_table(rows))
     return "\n".join(out)

@@ -25,11 +25,16 @@ def describe(c: ModelConfig) -> str:
 
 
 def table(names: list[str]) -> str:
-    rows = ["| size | family | layers | hidden | blocks | total | active |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    rows = [
+        "| size | family | layers | hidden | blocks | total | active |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for name in names:
         c = SIZES[name]
         total, active = count_params(c), count_params(c, active=True)
-        rows.append(f"| `{name}` | {c.family} | {c.num_layers} | {c.hidden_size} | {describe(c)} | {_count(total)} | {_count(active)} |")
+        rows.append(
+            f"| `{name}` | {c.family} | {c.num_layers} | {c.hidden_size} | {describe(c)} | {_count(total)} | {_count(active)} |"
+        )
     return "\n".join(rows)
 
 

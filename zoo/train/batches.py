@@ -58,8 +58,12 @@ class SyntheticData:
         self.c = c
         self.vocab_size = vocab_size
         if c.batch_size % process_count:
-            raise ConfigError(f"data.batch_size: {c.batch_size} does not split over {process_count} processes; use a multiple of {process_count}")
-        self.rows = slice(process_index * c.batch_size // process_count, (process_index + 1) * c.batch_size // process_count)
+            raise ConfigError(
+                f"data.batch_size: {c.batch_size} does not split over {process_count} processes; use a multiple of {process_count}"
+            )
+        self.rows = slice(
+            process_index * c.batch_size // process_count, (process_index + 1) * c.batch_size // process_count
+        )
         rng = np.random.default_rng(c.seed)
         k = min(c.branching, vocab_size)
         self.successors = rng.integers(0, vocab_size, size=(vocab_size, k), dtype=np.int32)

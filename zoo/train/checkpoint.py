@@ -95,7 +95,11 @@ def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
 def _diff(there: dict, here: dict, skip=()) -> list[tuple[str, Any, Any]]:
     a, b = _flat(there), _flat(here)
     keys = list(dict.fromkeys([*b, *a]))
-    return [(k, a.get(k, "absent"), b.get(k, "absent")) for k in keys if k not in skip and a.get(k, "absent") != b.get(k, "absent")]
+    return [
+        (k, a.get(k, "absent"), b.get(k, "absent"))
+        for k in keys
+        if k not in skip and a.get(k, "absent") != b.get(k, "absent")
+    ]
 
 
 def _leaf(sig) -> str:
@@ -126,7 +130,9 @@ def probe_writable(d: pathlib.Path, key: str) -> None:
             f.write(b"zoo")
         probe.unlink()
     except OSError as e:
-        raise ConfigError(f"{key}: cannot write in {d} ({e.strerror}); choose a writable directory or fix its permissions") from None
+        raise ConfigError(
+            f"{key}: cannot write in {d} ({e.strerror}); choose a writable directory or fix its permissions"
+        ) from None
 
 
 def _process_start(pid: int) -> Optional[str]:
@@ -210,7 +216,9 @@ class DirLock:
                          f"(started {owner.get('started')}), which no longer runs")  # fmt: skip
                 continue
             except OSError as e:
-                raise ConfigError(f"{self.key}: cannot create the lock file {self.path} ({e.strerror}); choose a writable directory") from None
+                raise ConfigError(
+                    f"{self.key}: cannot create the lock file {self.path} ({e.strerror}); choose a writable directory"
+                ) from None
             with os.fdopen(fd, "w") as f:
                 json.dump(me, f)
                 f.flush()
@@ -256,7 +264,9 @@ _READ_ERRORS = {
     "NOT_FOUND": "a file is missing",
     "PERMISSION_DENIED": "a file cannot be read",
 }
-_STATUS = re.compile(r"\b(OUT_OF_RANGE|DATA_LOSS|NOT_FOUND|PERMISSION_DENIED|INVALID_ARGUMENT|FAILED_PRECONDITION|UNKNOWN|INTERNAL): ")
+_STATUS = re.compile(
+    r"\b(OUT_OF_RANGE|DATA_LOSS|NOT_FOUND|PERMISSION_DENIED|INVALID_ARGUMENT|FAILED_PRECONDITION|UNKNOWN|INTERNAL): "
+)
 # Files orbax writes into every step; named when a restore fails without them.
 _ORBAX_FILES = ("state/_METADATA", "state/manifest.ocdbt")
 
@@ -268,9 +278,8 @@ def _abandoned_read(unraisable) -> bool:
         return True
     # The other reads of the failed restore: orbax's per-array coroutine, closed unfinished when its
     # loop goes away, raises its own read error again (orbax-checkpoint 0.12.8 on the 2-core machine).
-    return (
-        getattr(obj, "__qualname__", "").endswith("_read_array_index_and_device_put")
-        and str(e).startswith("Encountered error while reading array index")
+    return getattr(obj, "__qualname__", "").endswith("_read_array_index_and_device_put") and str(e).startswith(
+        "Encountered error while reading array index"
     )
 
 
@@ -309,7 +318,7 @@ def _not_an_abandoned_read_task(record) -> bool:
 
 
 def _missing_orbax_files(step_dir: pathlib.Path) -> Optional[str]:
-    """"state/manifest.ocdbt is missing" (or both files), None when orbax's files are all there."""
+    """ "state/manifest.ocdbt is missing" (or both files), None when orbax's files are all there."""
     missing = [f for f in _ORBAX_FILES if not (step_dir / f).exists()]
     return f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing" if missing else None
 
@@ -356,7 +365,7 @@ def unreadable_reason(e: BaseException, step_dir: pathlib.Path) -> str:
     text = re.split(r" \[tensorstore_spec|\. See full TensorStore details", text, maxsplit=1)[0]
     text = re.sub(r'Error opening "\w+" driver: ', "", text)
     text = re.sub(r' in OCDBT database at local file "[^"]*"', "", text)
-    text = text.replace(f"local file \"{step_dir}/", '"')
+    text = text.replace(f'local file "{step_dir}/', '"')
     if len(text) > 240:
         text = text[:237] + "..."
     return f"{_READ_ERRORS[code]}: {text}" if code in _READ_ERRORS else text
@@ -416,7 +425,9 @@ class Checkpoints:
             "optimizer": dataclasses.asdict(c.optimizer),
             "data": dataclasses.asdict(c.data),
             "trainer": dataclasses.asdict(c.trainer),
-            "pretrained": dataclasses.asdict(c.pretrained) if c.pretrained is not None else None,  # model=hf: the initial weights
+            "pretrained": dataclasses.asdict(c.pretrained)
+            if c.pretrained is not None
+            else None,  # model=hf: the initial weights
             "lora": dataclasses.asdict(c.lora) if c.lora.enabled else None,  # the state's params are its adapters
             "state": state_signature(self.trainer.saved(self.trainer.abstract_state())),
         }
@@ -446,14 +457,18 @@ class Checkpoints:
             error = e
         if not all_processes_agree(error is None):
             self.release()
-            raise error or ConfigError(f"checkpoint.dir: another process of this run cannot use {d} (see its error line); fix that first")
+            raise error or ConfigError(
+                f"checkpoint.dir: another process of this run cannot use {d} (see its error line); fix that first"
+            )
 
     def _create(self) -> None:
         if not self.dir.exists():
             try:  # a new, empty directory: found unusable now rather than at the first save
                 self.dir.mkdir(parents=True, exist_ok=True)
             except OSError as e:
-                raise ConfigError(f"checkpoint.dir: cannot create {self.dir} ({e.strerror}); choose a writable directory") from None
+                raise ConfigError(
+                    f"checkpoint.dir: cannot create {self.dir} ({e.strerror}); choose a writable directory"
+                ) from None
 
     def release(self) -> None:
         """Give up the directory's lock (at the end of the run, however it ended)."""
@@ -510,7 +525,9 @@ class Checkpoints:
                 f"move the step directories out of {d} to start from step 0, or give another checkpoint.dir"
             )
         self.skipped.append((step, reason))
-        self.echo(f"note: checkpoint.dir: step {step} in {d} is unreadable ({reason}); skipped, trying step {older[-1]}")
+        self.echo(
+            f"note: checkpoint.dir: step {step} in {d} is unreadable ({reason}); skipped, trying step {older[-1]}"
+        )
 
     def _check_fits(self, step: int, there: dict, notes: bool) -> None:
         """ConfigError when step's metadata is of another model or state, or past trainer.steps;
@@ -528,6 +545,7 @@ class Checkpoints:
                 "train that model to resume it, or give this run a new checkpoint.dir"
             )
         if there.get("lora") != here["lora"]:  # adapters there and a whole model here, or other adapters
+
             def show(x):
                 return "no adapters" if not x else f"lora.rank={x['rank']} lora.targets=[{','.join(x['targets'])}]"
 
@@ -539,7 +557,13 @@ class Checkpoints:
         for key in list(dict.fromkeys([*sig_here, *there_state])):
             a, b = there_state.get(key), sig_here.get(key)
             if a != b:
-                what = f"absent there, {_leaf(b)} here" if a is None else f"{_leaf(a)} there, absent here" if b is None else f"{_leaf(a)} there, {_leaf(b)} here"
+                what = (
+                    f"absent there, {_leaf(b)} here"
+                    if a is None
+                    else f"{_leaf(a)} there, absent here"
+                    if b is None
+                    else f"{_leaf(a)} there, {_leaf(b)} here"
+                )
                 opt = _diff(there.get("optimizer", {}), here["optimizer"])
                 hint = f" (optimizer.{opt[0][0]}={_show(opt[0][1])} there, {_show(opt[0][2])} here)" if opt else ""
                 raise ConfigError(
@@ -564,7 +588,9 @@ class Checkpoints:
             for group in ("optimizer", "data", "trainer")
             for k, a, b in _diff(there.get(group, {}), here[group], ("log_every", "progress", "tensorboard"))
         ]
-        changed += [f"model.{k}={_show(a)} -> {_show(b)}" for k, a, b in _diff(there_model, here["model"]) if k in COMPUTE_ONLY]
+        changed += [
+            f"model.{k}={_show(a)} -> {_show(b)}" for k, a, b in _diff(there_model, here["model"]) if k in COMPUTE_ONLY
+        ]
         if changed:
             out.append("settings changed since the checkpoint: " + ", ".join(changed))
         for n in out:
@@ -582,7 +608,9 @@ class Checkpoints:
             try:
                 self.dir.mkdir(parents=True, exist_ok=True)
             except OSError as e:
-                raise ConfigError(f"checkpoint.dir: cannot create {self.dir} ({e.strerror}); choose a writable directory") from None
+                raise ConfigError(
+                    f"checkpoint.dir: cannot create {self.dir} ({e.strerror}); choose a writable directory"
+                ) from None
             # Orbax's default for CPU hosts splits replicated arrays across replicas, slicing them with
             # one small jitted op per shape: tens of seconds of compiling on the first save, for nothing
             # here (replicated leaves are small). Each shard is written by its first replica instead.
@@ -597,7 +625,10 @@ class Checkpoints:
             self.manager = ocp.CheckpointManager(
                 self.dir,
                 options=options,
-                item_handlers={"state": ocp.PyTreeCheckpointHandler(type_handler_registry=registry), "meta": ocp.JsonCheckpointHandler()},
+                item_handlers={
+                    "state": ocp.PyTreeCheckpointHandler(type_handler_registry=registry),
+                    "meta": ocp.JsonCheckpointHandler(),
+                },
             )
         return self.manager
 
@@ -608,7 +639,9 @@ class Checkpoints:
         _require_orbax_files(self.dir / str(step))
         abstract = self.trainer.saved(self.trainer.abstract_state())  # LoRA: no frozen base on disk
         args = ocp.args.Composite(
-            state=ocp.args.PyTreeRestore(item=abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract))
+            state=ocp.args.PyTreeRestore(
+                item=abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract)
+            )
         )
         state = self._manager().restore(step, args=args)["state"]
         return self._with_base(state)
@@ -679,9 +712,16 @@ class Checkpoints:
             return
         meta = {**self.meta(), "step": step}
         saved = {k: v for k, v in state.items() if k != "base"}  # LoRA's frozen base is rebuilt, not saved
-        with ctrl_c_deferred(), self._save_failures(step):  # a Ctrl-C here would abandon the copy half done, and with it this step
+        with (
+            ctrl_c_deferred(),
+            self._save_failures(step),
+        ):  # a Ctrl-C here would abandon the copy half done, and with it this step
             # (orbax first waits for the save before: its failure is reported here, naming that step)
-            self._manager().save(step, args=ocp.args.Composite(state=ocp.args.PyTreeSave(saved), meta=ocp.args.JsonSave(meta)), force=True)
+            self._manager().save(
+                step,
+                args=ocp.args.Composite(state=ocp.args.PyTreeSave(saved), meta=ocp.args.JsonSave(meta)),
+                force=True,
+            )
             self.saved.append(step)
             self.in_flight = step
 
@@ -721,7 +761,11 @@ class Checkpoints:
             if self.failed is not None:
                 raise self.failed from None
             # the save before, which orbax waits for first, unless that one completed
-            step = self.in_flight if self.in_flight is not None and self.in_flight not in self.complete_steps() else starting
+            step = (
+                self.in_flight
+                if self.in_flight is not None and self.in_flight not in self.complete_steps()
+                else starting
+            )
             self.failed = TrainingStopped(
                 f"step {step}: saving its checkpoint failed ({_why_save_failed(e)}), so the run stopped; last good checkpoint: "
                 f"{self._last_good()}; free space in {self.dir} (or give another checkpoint.dir) and run the same command to resume"
@@ -730,7 +774,11 @@ class Checkpoints:
 
     def _last_good(self) -> str:
         last = self.latest()
-        return f"step {last} in {self.dir}" if last is not None else f"none in {self.dir} (the run starts again from step 0)"
+        return (
+            f"step {last} in {self.dir}"
+            if last is not None
+            else f"none in {self.dir} (the run starts again from step 0)"
+        )
 
     def latest(self) -> Optional[int]:
         steps = self.complete_steps()
@@ -770,8 +818,14 @@ def spread_shardings(params, devices) -> Any:
     return jax.tree.map(one, params)
 
 
-def restore_model(checkpoint_dir, step: Optional[int] = None, *, devices=None, echo: Optional[Callable[[str], None]] = None,
-                  lora_form: str = "merged"):
+def restore_model(
+    checkpoint_dir,
+    step: Optional[int] = None,
+    *,
+    devices=None,
+    echo: Optional[Callable[[str], None]] = None,
+    lora_form: str = "merged",
+):
     """`(model, metadata)`: the CausalLM saved by train.py in `checkpoint_dir` (a `checkpoint.dir`) at
     `step` (default: the newest complete step that reads), and that step's metadata (`model`,
     `optimizer`, ...).
@@ -806,7 +860,11 @@ def restore_model(checkpoint_dir, step: Optional[int] = None, *, devices=None, e
         except Unreadable as e:
             if step is not None:
                 others = [o for o in steps if o != step]
-                hint = f"give another step ({', '.join(map(str, others))})" if others else "train again to write an intact step"
+                hint = (
+                    f"give another step ({', '.join(map(str, others))})"
+                    if others
+                    else "train again to write an intact step"
+                )
                 raise ConfigError(f"{d / str(s)}: unreadable ({e}); {hint}") from None
             skipped.append((s, str(e)))
             continue
@@ -816,7 +874,9 @@ def restore_model(checkpoint_dir, step: Optional[int] = None, *, devices=None, e
         return model, meta
     first, why = skipped[-1]
     newer = f", as are steps {', '.join(str(k) for k, _ in reversed(skipped[:-1]))}" if len(skipped) > 1 else ""
-    raise ConfigError(f"{d}: step {first} is unreadable ({why}){newer}: no intact checkpoint is left; give the checkpoint.dir of another run")
+    raise ConfigError(
+        f"{d}: step {first} is unreadable ({why}){newer}: no intact checkpoint is left; give the checkpoint.dir of another run"
+    )
 
 
 def _restore_params(d: pathlib.Path, step: int, devices, lora_form: str = "merged"):
@@ -852,7 +912,9 @@ def _restore_params(d: pathlib.Path, step: int, devices, lora_form: str = "merge
         try:
             saved = ckptr.metadata(step_dir / "state").item_metadata
             if saved is None:  # orbax returns no tree, rather than raising (its files were there a moment ago)
-                raise Unreadable(_missing_orbax_files(step_dir) or "orbax cannot read its state metadata (damaged files)")
+                raise Unreadable(
+                    _missing_orbax_files(step_dir) or "orbax cannot read its state metadata (damaged files)"
+                )
             saved = saved.tree["params"]
             # Orbax restores its own nested dicts here (a partial restore cannot rebuild Equinox modules);
             # the arrays are put back into the model by their key paths below.
@@ -861,9 +923,14 @@ def _restore_params(d: pathlib.Path, step: int, devices, lora_form: str = "merge
                 shardings = jax.tree.map(lambda m: device, saved)
             else:
                 shardings = spread_shardings(saved, devices)
-            args = jax.tree.map(lambda m, sh: ocp.ArrayRestoreArgs(sharding=sh, global_shape=m.shape, dtype=m.dtype), saved, shardings)
+            args = jax.tree.map(
+                lambda m, sh: ocp.ArrayRestoreArgs(sharding=sh, global_shape=m.shape, dtype=m.dtype), saved, shardings
+            )
             restored = ckptr.restore(
-                step_dir / "state", args=ocp.args.PyTreeRestore(item={"params": saved}, restore_args={"params": args}, partial_restore=True)
+                step_dir / "state",
+                args=ocp.args.PyTreeRestore(
+                    item={"params": saved}, restore_args={"params": args}, partial_restore=True
+                ),
             )["params"]
             jax.block_until_ready(restored)
         except Unreadable:
@@ -891,7 +958,11 @@ def _restore_params(d: pathlib.Path, step: int, devices, lora_form: str = "merge
     if adapters_config is None:
         return eqx.combine(jax.tree_util.tree_map_with_path(take, params), static), meta
     adapters = jax.tree_util.tree_map_with_path(take, wanted)
-    base = abstract(config) if lora_form == "adapters" else eqx.combine(_lora_base(meta, config, params, devices, step_dir), static)
+    base = (
+        abstract(config)
+        if lora_form == "adapters"
+        else eqx.combine(_lora_base(meta, config, params, devices, step_dir), static)
+    )
     attached = lora.attach(base, adapters, adapters_config)
     return (lora.merge(attached) if lora_form == "merged" else attached), meta
 
@@ -917,7 +988,10 @@ def _lora_base(meta: dict, config, params, devices, step_dir: pathlib.Path):
         return eqx.filter(zoo_model.build(config, key=jax.random.key(int(meta["trainer"]["seed"]))), eqx.is_array)
 
     base_dir = pathlib.Path(source["path"])
-    if not all((base_dir / f).is_file() for f in source.get("weight_files") or []) or not (base_dir / "config.json").is_file():
+    if (
+        not all((base_dir / f).is_file() for f in source.get("weight_files") or [])
+        or not (base_dir / "config.json").is_file()
+    ):
         raise ConfigError(
             f"{step_dir}: holds LoRA adapters over the base model {base_dir}, which is gone or incomplete; "
             "put the base checkpoint back at that path (checkpoints keep only the adapters)"

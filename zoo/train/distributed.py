@@ -80,7 +80,9 @@ def resolve(c: DistributedConfig) -> Optional[Cluster]:
     if slurm:
         address, count, pid, local = _jax_cluster_defaults(c, local)
         source = "slurm"
-    missing = [k for k, v in (("coordinator_address", address), ("num_processes", count), ("process_id", pid)) if v is None]
+    missing = [
+        k for k, v in (("coordinator_address", address), ("num_processes", count), ("process_id", pid)) if v is None
+    ]
     if missing:
         given = ", ".join(f"distributed.{k}={getattr(c, k)}" for k in explicit)
         raise ConfigError(
@@ -88,7 +90,9 @@ def resolve(c: DistributedConfig) -> Optional[Cluster]:
             "set distributed.coordinator_address, distributed.num_processes and distributed.process_id together"
         )
     if not 0 <= pid < count:
-        raise ConfigError(f"distributed.process_id: {pid} is not in 0..{count - 1} (num_processes={count}); fix the process id")
+        raise ConfigError(
+            f"distributed.process_id: {pid} is not in 0..{count - 1} (num_processes={count}); fix the process id"
+        )
     return Cluster(address, int(count), int(pid), list(local) if local is not None else None, source)
 
 
@@ -103,7 +107,9 @@ def _check_coordinator_host(address: str) -> None:
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as e:
-        raise ConfigError(f"distributed.coordinator_address={address}: cannot resolve host {host!r} ({e.strerror}); check the host name") from None
+        raise ConfigError(
+            f"distributed.coordinator_address={address}: cannot resolve host {host!r} ({e.strerror}); check the host name"
+        ) from None
     local_ok, port_free = False, False
     for family, kind, proto, _, sockaddr in infos:
         with socket.socket(family, kind, proto) as s:
@@ -126,7 +132,9 @@ def _check_coordinator_host(address: str) -> None:
             "coordinator; start process 0 on that host or give this host's address"
         )
     if not port_free:
-        raise ConfigError(f"distributed.coordinator_address={address}: port {port} is already in use here; choose a free port")
+        raise ConfigError(
+            f"distributed.coordinator_address={address}: port {port} is already in use here; choose a free port"
+        )
 
 
 def _wait_for_coordinator(address: str, deadline: float, timeout_s: int) -> None:
@@ -173,14 +181,20 @@ def initialize(c: DistributedConfig) -> Optional[Cluster]:
 
     if cluster is None:
         if _JOINED is not None:
-            raise ConfigError("distributed: this process already joined a cluster for an earlier job; run this job in its own process")
+            raise ConfigError(
+                "distributed: this process already joined a cluster for an earlier job; run this job in its own process"
+            )
         return None
     if _JOINED is not None:
         if _JOINED != cluster:
-            raise ConfigError("distributed: this process already joined another cluster for an earlier job; run this job in its own process")
+            raise ConfigError(
+                "distributed: this process already joined another cluster for an earlier job; run this job in its own process"
+            )
         return cluster
     if backends_are_initialized():
-        raise ConfigError("distributed: JAX already started in this process as a single process; run this job in its own process")
+        raise ConfigError(
+            "distributed: JAX already started in this process as a single process; run this job in its own process"
+        )
 
     deadline = time.monotonic() + c.timeout_s
     if cluster.process_id == 0:

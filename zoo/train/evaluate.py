@@ -28,7 +28,9 @@ class Evaluator:
         self.num_batches = min(c.trainer.eval_batches, eval_data.num_batches)
         self.last: Optional[dict] = None  # the latest result, with its step
         self._sums = jax.jit(
-            self._batch_sums, in_shardings=(trainer.param_shardings, trainer.token_sharding), out_shardings=trainer.replicated
+            self._batch_sums,
+            in_shardings=(trainer.param_shardings, trainer.token_sharding),
+            out_shardings=trainer.replicated,
         )
 
     def _batch_sums(self, params, batch):
@@ -57,7 +59,12 @@ class Evaluator:
             total, count = total + t, count + n
         total, count = (float(x) for x in jax.device_get((total, count)))
         loss = total / max(count, 1.0)
-        self.last = {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700.0)), "eval_tokens": int(count), "step": step}
+        self.last = {
+            "eval_loss": loss,
+            "eval_perplexity": math.exp(min(loss, 700.0)),
+            "eval_tokens": int(count),
+            "step": step,
+        }
         return {k: v for k, v in self.last.items() if k != "step"}
 
     def describe(self) -> str:

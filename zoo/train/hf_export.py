@@ -47,7 +47,9 @@ def _carried(meta: dict, tokenizer: Optional[str]) -> dict[str, pathlib.Path]:
         d = d.parent if d.is_file() else d
         found = {n: d / n for n in CARRIED_FILES if (d / n).is_file()}
         if "tokenizer.json" not in found and "tokenizer.model" not in found:
-            raise ConfigError(f"--tokenizer: {d} holds no tokenizer.json or tokenizer.model; give the folder of the tokenizer files")
+            raise ConfigError(
+                f"--tokenizer: {d} holds no tokenizer.json or tokenizer.model; give the folder of the tokenizer files"
+            )
         return found
     source = meta.get("pretrained")
     if source:
@@ -71,8 +73,16 @@ def _carried(meta: dict, tokenizer: Optional[str]) -> dict[str, pathlib.Path]:
     return {}
 
 
-def hf_export(checkpoint_dir, out_dir, step: Optional[int] = None, dtype=None, tokenizer: Optional[str] = None,
-              max_shard_bytes: int = 5 * 2**30, devices=None, adapters_only: bool = False) -> dict:
+def hf_export(
+    checkpoint_dir,
+    out_dir,
+    step: Optional[int] = None,
+    dtype=None,
+    tokenizer: Optional[str] = None,
+    max_shard_bytes: int = 5 * 2**30,
+    devices=None,
+    adapters_only: bool = False,
+) -> dict:
     """Write the train.py checkpoint `checkpoint_dir` (a `checkpoint.dir`; `step`: default the latest)
     as a Hugging Face directory `out_dir`; returns what was written (`step`, `files`, `dtype`). Bad input
     raises ConfigError (one line) before anything is written.
@@ -82,26 +92,40 @@ def hf_export(checkpoint_dir, out_dir, step: Optional[int] = None, dtype=None, t
     written (`save_pretrained`), so the host holds about one leaf at a time."""
     out = pathlib.Path(out_dir).expanduser().absolute()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ConfigError(f"{out}: exists and is not an empty directory; choose a new one (an export never writes over files)")
+        raise ConfigError(
+            f"{out}: exists and is not an empty directory; choose a new one (an export never writes over files)"
+        )
     try:
         target = None if dtype is None else dtype_name(dtype, "--dtype")
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if adapters_only and tokenizer is not None:
-        raise ConfigError("--tokenizer: an adapters-only export carries no tokenizer (the base model's directory has it); drop --tokenizer")
+        raise ConfigError(
+            "--tokenizer: an adapters-only export carries no tokenizer (the base model's directory has it); drop --tokenizer"
+        )
     devices = jax.local_devices() if devices is None else devices
-    set_phase(f"reading the checkpoint {pathlib.Path(checkpoint_dir)}", f"nothing was written to {out}; run the same command again")
+    set_phase(
+        f"reading the checkpoint {pathlib.Path(checkpoint_dir)}",
+        f"nothing was written to {out}; run the same command again",
+    )
     if adapters_only:
         return _export_adapters(checkpoint_dir, out, step, target, devices)
     model, meta = restore_model(checkpoint_dir, step, devices=devices)
     carried = _carried(meta, tokenizer)
-    extras = (meta.get("pretrained") or {}).get("config_extras") or tokenizer_token_ids(meta.get("data") or {}, tokenizer)
+    extras = (meta.get("pretrained") or {}).get("config_extras") or tokenizer_token_ids(
+        meta.get("data") or {}, tokenizer
+    )
     with _staged(out) as tmp:
         save_pretrained(model, tmp, dtype=target, max_shard_bytes=max_shard_bytes, extra_config=extras)
         for name, src in carried.items():
             shutil.copyfile(src, tmp / name)
     written_dtype = target or model.config.param_dtype
-    return {"step": meta["step"], "files": sorted(p.name for p in out.iterdir()), "dtype": written_dtype, "out": str(out)}
+    return {
+        "step": meta["step"],
+        "files": sorted(p.name for p in out.iterdir()),
+        "dtype": written_dtype,
+        "out": str(out),
+    }
 
 
 def _export_adapters(checkpoint_dir, out: pathlib.Path, step: Optional[int], dtype: Optional[str], devices) -> dict:
@@ -114,8 +138,15 @@ def _export_adapters(checkpoint_dir, out: pathlib.Path, step: Optional[int], dty
         )
     source = (meta.get("pretrained") or {}).get("path")
     with _staged(out) as tmp:
-        files = save_adapters(model, tmp, rank=int(cfg["rank"]), alpha=float(cfg.get("alpha", 16.0)),
-                              dropout=float(cfg.get("dropout", 0.0)), base_model=source, dtype=dtype)
+        files = save_adapters(
+            model,
+            tmp,
+            rank=int(cfg["rank"]),
+            alpha=float(cfg.get("alpha", 16.0)),
+            dropout=float(cfg.get("dropout", 0.0)),
+            base_model=source,
+            dtype=dtype,
+        )
     dtypes = {str(leaf.a.dtype) for leaf in _lora_leaves(model)}
     return {"step": meta["step"], "files": sorted(files), "dtype": dtype or ", ".join(sorted(dtypes)), "out": str(out)}
 
@@ -129,7 +160,9 @@ def _staged(out: pathlib.Path):
     tmp = out.with_name(out.name + ".export-tmp")
     if tmp.exists():
         shutil.rmtree(tmp)  # an earlier export that did not finish
-    set_phase(f"writing {out}", f"nothing was written to {out} (the partial export was removed); run the same command again")
+    set_phase(
+        f"writing {out}", f"nothing was written to {out} (the partial export was removed); run the same command again"
+    )
     try:
         yield tmp
         raise_if_interrupted()  # a Ctrl-C Python swallowed while writing: not committed either

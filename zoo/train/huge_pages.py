@@ -66,7 +66,9 @@ def plan(
         return None, set_here[-1] not in ("0", ""), f"GLIBC_TUNABLES={tunables}"
     switch = environ.get(SWITCH, "1")
     if switch not in ("0", "1"):
-        raise ValueError(f"{SWITCH}: got {switch!r}; give 0 (large buffers on 4 KiB pages) or 1 (on huge pages, the default)")
+        raise ValueError(
+            f"{SWITCH}: got {switch!r}; give 0 (large buffers on 4 KiB pages) or 1 (on huge pages, the default)"
+        )
     if switch == "0":
         return None, False, f"{SWITCH}=0"
     if sys.platform != "linux":

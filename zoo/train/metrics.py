@@ -95,7 +95,10 @@ def compiled_memory(compiled, platform: Optional[str] = None) -> Optional[dict]:
         return None
     out = {f: int(getattr(ma, f)) for f in _MEMORY_FIELDS if hasattr(ma, f)}
     out["summed_peak_bytes"] = (
-        out.get("argument_size_in_bytes", 0) + out.get("output_size_in_bytes", 0) - out.get("alias_size_in_bytes", 0) + out.get("temp_size_in_bytes", 0)
+        out.get("argument_size_in_bytes", 0)
+        + out.get("output_size_in_bytes", 0)
+        - out.get("alias_size_in_bytes", 0)
+        + out.get("temp_size_in_bytes", 0)
     )
     simulated = getattr(ma, "peak_memory_in_bytes", None)
     out["simulated_peak_bytes"] = int(simulated) if simulated is not None else None
@@ -136,8 +139,14 @@ class Progress:
     printed even off the `every` grid, so a drift is not missed between lines."""
 
     def __init__(
-        self, total: int, every: int, enabled: bool = True, stream=None, *,
-        moe_imbalance_warn: float = 0.0, moe_layers: Optional[list[int]] = None,
+        self,
+        total: int,
+        every: int,
+        enabled: bool = True,
+        stream=None,
+        *,
+        moe_imbalance_warn: float = 0.0,
+        moe_layers: Optional[list[int]] = None,
     ):
         self.total, self.every, self.enabled = total, every, enabled
         self.stream = stream or sys.stdout
@@ -183,7 +192,13 @@ class MetricsWriter:
     # Per-step arrays that go to TensorBoard only (too large for a line of metrics.jsonl at scale).
     TENSORBOARD_ONLY = ("expert_token_share",)
 
-    def __init__(self, out_dir: pathlib.Path, tensorboard: bool = False, start_step: int = 0, moe_layers: Optional[list[int]] = None):
+    def __init__(
+        self,
+        out_dir: pathlib.Path,
+        tensorboard: bool = False,
+        start_step: int = 0,
+        moe_layers: Optional[list[int]] = None,
+    ):
         out_dir.mkdir(parents=True, exist_ok=True)
         self.moe_layers = moe_layers
         self.path = out_dir / "metrics.jsonl"

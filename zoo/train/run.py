@@ -27,11 +27,26 @@ from zoo.train.distributed import initialize
 from zoo.train.evaluate import attach_data
 from zoo.train import run_dir
 from zoo.train.metrics import (
-    MetricsWriter, Progress, Throughput, compiled_flops, compiled_memory, device_memory, write_json,
+    MetricsWriter,
+    Progress,
+    Throughput,
+    compiled_flops,
+    compiled_memory,
+    device_memory,
+    write_json,
 )
 from zoo.train.run_config import (
-    ConfigError, HardwareConfig, TrainConfig, TrainingStopped, XlaConfig, auto_hardware, check_hardware_platform, exchange_rounds_block,
-    load, to_dict, validate,
+    ConfigError,
+    HardwareConfig,
+    TrainConfig,
+    TrainingStopped,
+    XlaConfig,
+    auto_hardware,
+    check_hardware_platform,
+    exchange_rounds_block,
+    load,
+    to_dict,
+    validate,
 )
 from zoo.train.step import Trainer
 from zoo.train.stop import EXIT_REQUEUE, StopSignals, set_phase
@@ -61,8 +76,9 @@ def _flag_name(flag: str) -> str:
     return flag.split("=", 1)[0]
 
 
-def merged_xla_flags(c: XlaConfig, env: Optional[str], host_offload: bool = False, scheduler: bool = True,
-                     platform: Optional[str] = None) -> str:
+def merged_xla_flags(
+    c: XlaConfig, env: Optional[str], host_offload: bool = False, scheduler: bool = True, platform: Optional[str] = None
+) -> str:
     """The environment's XLA_FLAGS plus the group's flags; the group wins where both set one flag.
     `host_offload` (some state or tag lives in pinned host memory) adds XLA:GPU's host-offloading
     switch and its latency hiding scheduler (`GPU_HOST_OFFLOAD_FLAGS`), each unless the environment
@@ -99,8 +115,10 @@ def dropless_note(family: str, impl: str) -> Optional[str]:
     # Qwen3-MoE, Mixtral, GPT-OSS).
     if impl != "capacity" or family not in families.names() or not families.get(family).dropless:
         return None
-    return (f"model.moe.impl=capacity: {family} is trained dropless; this run drops the assignments past each expert's "
-            f"capacity (counted as `dropped`); model.moe.impl=ragged routes every token")
+    return (
+        f"model.moe.impl=capacity: {family} is trained dropless; this run drops the assignments past each expert's "
+        f"capacity (counted as `dropped`); model.moe.impl=ragged routes every token"
+    )
 
 
 def uses_host_memory(o: OffloadConfig) -> bool:
@@ -233,7 +251,9 @@ def _train(c: TrainConfig, plan, devices, out_dir: pathlib.Path, xla_flags: str,
     echo(backend.choices(trainer.mesh.devices.flat[0].platform).describe())
     optimize, why = trainer.cpu_optimization()
     if optimize is not None:
-        echo(f"XLA:CPU compile: LLVM optimisations {'on (slower compile, faster steps)' if optimize else 'off (faster compile, slower steps)'}; {why}")
+        echo(
+            f"XLA:CPU compile: LLVM optimisations {'on (slower compile, faster steps)' if optimize else 'off (faster compile, slower steps)'}; {why}"
+        )
         echo(huge_pages.describe())
     if c.pretrained is not None:
         for line in describe_pretrained(c.pretrained, c.model):
@@ -247,11 +267,17 @@ def _train(c: TrainConfig, plan, devices, out_dir: pathlib.Path, xla_flags: str,
         if ckpt:
             ckpt.open()  # writable, and ours alone: else one line, before any compile
         start = (ckpt.check() if ckpt else None) or 0  # a checkpoint that does not fit: ConfigError, before any compile
-        taken = run_dir.taken_line(out_dir, start, overrides) if main else None  # it would replace an earlier run's record
+        taken = (
+            run_dir.taken_line(out_dir, start, overrides) if main else None
+        )  # it would replace an earlier run's record
         if not all_processes_agree(taken is None):
-            raise run_dir.RunDirTaken(taken or "hydra.run.dir: process 0 refused the run directory (see its error line)")
+            raise run_dir.RunDirTaken(
+                taken or "hydra.run.dir: process 0 refused the run directory (see its error line)"
+            )
         if start == steps:
-            echo(f"checkpoints: {ckpt.dir}, step {start} is trainer.steps={steps}: nothing left to train; raise trainer.steps to go on")
+            echo(
+                f"checkpoints: {ckpt.dir}, step {start} is trainer.steps={steps}: nothing left to train; raise trainer.steps to go on"
+            )
             summary = {"status": "ok", "overrides": list(overrides), "steps": steps, "start_step": start, "steps_run": 0,
                        "checkpoint": {"dir": str(ckpt.dir), "steps": ckpt.complete_steps()}, "config": to_dict(c)}  # fmt: skip
             if main and not run_dir.finished(out_dir):  # the summary of the run that trained those steps stays
@@ -261,17 +287,26 @@ def _train(c: TrainConfig, plan, devices, out_dir: pathlib.Path, xla_flags: str,
             echo(f"checkpoints: {ckpt.dir}, none yet: starting from step 0")
 
         t0 = time.perf_counter()
-        set_phase(f"{'restoring step ' + str(start) if start else 'initialising the parameters'}, before any step ran",
-                  "nothing was trained or saved; run the same command again")
+        set_phase(
+            f"{'restoring step ' + str(start) if start else 'initialising the parameters'}, before any step ran",
+            "nothing was trained or saved; run the same command again",
+        )
         state, start = initial_state(trainer, ckpt, start)
         jax.block_until_ready(state)
         init_s = time.perf_counter() - t0
         if ckpt and start:
-            set_aside = f" (unreadable steps {', '.join(str(s) for s, _ in ckpt.skipped)} renamed <step>.unreadable)" if ckpt.skipped else ""
+            set_aside = (
+                f" (unreadable steps {', '.join(str(s) for s, _ in ckpt.skipped)} renamed <step>.unreadable)"
+                if ckpt.skipped
+                else ""
+            )
             echo(f"checkpoints: {ckpt.dir}, resuming from step {start}{set_aside}")
         batches = Batches(data, trainer)
         t0 = time.perf_counter()
-        set_phase(f"compiling the training step, before step {start + 1}", "nothing was trained or saved; run the same command again")
+        set_phase(
+            f"compiling the training step, before step {start + 1}",
+            "nothing was trained or saved; run the same command again",
+        )
         compiled = trainer.compile(state, batches.prefetch(start))
         compile_s = time.perf_counter() - t0
         mem_compiled = compiled_memory(compiled)
@@ -283,7 +318,10 @@ def _train(c: TrainConfig, plan, devices, out_dir: pathlib.Path, xla_flags: str,
         try:
             state = loop.run(state, start)
         except KeyboardInterrupt:
-            raise TrainingStopped(f"interrupted during step {log.completed + 1}; {_kept(ckpt)}" + ("; run the same command to resume" if ckpt else "")) from None
+            raise TrainingStopped(
+                f"interrupted during step {log.completed + 1}; {_kept(ckpt)}"
+                + ("; run the same command to resume" if ckpt else "")
+            ) from None
         except Diverged as e:
             raise TrainingStopped(_diverged(c, e.step, e.metrics, ckpt)) from None  # this state is not saved
         finally:
@@ -396,13 +434,24 @@ class StepLog:
     """What is done with a finished step's metrics: read them (this waits for the step), time it,
     write metrics.jsonl and the progress line, and stop on a non-finite loss or gradient norm."""
 
-    def __init__(self, c: TrainConfig, out_dir: Optional[pathlib.Path], start: int, num_devices: int, local_devices, show: bool):
-        self.throughput = Throughput(c.model, c.data.seq_len, c.data.batch_size * c.data.seq_len, num_devices, c.hardware.peak_flops)
+    def __init__(
+        self, c: TrainConfig, out_dir: Optional[pathlib.Path], start: int, num_devices: int, local_devices, show: bool
+    ):
+        self.throughput = Throughput(
+            c.model, c.data.seq_len, c.data.batch_size * c.data.seq_len, num_devices, c.hardware.peak_flops
+        )
         moe_layers = moe_layer_indices(c)
-        self.writer = MetricsWriter(out_dir, c.trainer.tensorboard, start_step=start, moe_layers=moe_layers) if out_dir is not None else None
+        self.writer = (
+            MetricsWriter(out_dir, c.trainer.tensorboard, start_step=start, moe_layers=moe_layers)
+            if out_dir is not None
+            else None
+        )
         self.progress = Progress(
-            c.trainer.steps, c.trainer.log_every, c.trainer.progress and show,
-            moe_imbalance_warn=c.trainer.moe_imbalance_warn, moe_layers=moe_layers,
+            c.trainer.steps,
+            c.trainer.log_every,
+            c.trainer.progress and show,
+            moe_imbalance_warn=c.trainer.moe_imbalance_warn,
+            moe_layers=moe_layers,
         )
         self.local_devices = local_devices
         self.losses: list[float] = []
@@ -464,7 +513,18 @@ class StepLoop:
     `pipelined=False` reads every step's metrics before dispatching the next (the old loop; the
     benchmark compares the two)."""
 
-    def __init__(self, compiled, batches: Batches, log, ckpt, stop, steps: int, every: int, pipelined: bool = True, evaluator=None):
+    def __init__(
+        self,
+        compiled,
+        batches: Batches,
+        log,
+        ckpt,
+        stop,
+        steps: int,
+        every: int,
+        pipelined: bool = True,
+        evaluator=None,
+    ):
         self.compiled, self.batches, self.log, self.ckpt, self.stop = compiled, batches, log, ckpt, stop
         self.evaluator = evaluator  # the held-out loss, evaluated on the state a due step leaves
         self.steps, self.every, self.pipelined = steps, every, pipelined
@@ -523,13 +583,19 @@ class StepLoop:
             self.stopped = True
 
 
-def _stop_for_requeue(c: TrainConfig, stop, log: StepLog, ckpt, start: int, out_dir: Optional[pathlib.Path], overrides) -> None:
+def _stop_for_requeue(
+    c: TrainConfig, stop, log: StepLog, ckpt, start: int, out_dir: Optional[pathlib.Path], overrides
+) -> None:
     """After a stop signal (the last completed step saved, the save complete): one line naming the
     step and the checkpoint, the summary, the handler that was there before ours (submitit's
     requeues), and the exit code a requeue script reads (zoo.train.stop.EXIT_REQUEUE)."""
     done = log.completed
     # XLA cannot be interrupted mid-compile: a signal sent while it compiles is acted on when it ends.
-    when = f"after step {done}" if done > start else f"before step {done + 1} (a signal during compilation is acted on once it ends)"
+    when = (
+        f"after step {done}"
+        if done > start
+        else f"before step {done + 1} (a signal during compilation is acted on once it ends)"
+    )
     if ckpt is None:
         raise TrainingStopped(
             f"stopped by {stop.received} {when}; checkpointing is off (checkpoint.dir=null), so nothing was "
@@ -560,7 +626,11 @@ def _summary(c: TrainConfig, plan, trainer, state, data, log: StepLog, ckpt, sta
     return {
         "status": "ok",
         "overrides": list(overrides),
-        "model": {"family": c.model.family, "params": count_params(c.model), "active_params": count_params(c.model, active=True)},
+        "model": {
+            "family": c.model.family,
+            "params": count_params(c.model),
+            "active_params": count_params(c.model, active=True),
+        },
         "mesh": plan.mesh.sizes,
         "num_devices": len(mesh_devices),
         "platform": mesh_devices[0].platform,
@@ -570,7 +640,9 @@ def _summary(c: TrainConfig, plan, trainer, state, data, log: StepLog, ckpt, sta
         "steps": c.trainer.steps,
         "start_step": start,
         "steps_run": len(log.losses),
-        "checkpoint": {"dir": str(ckpt.dir), "steps": ckpt.complete_steps(), "resumed_from": start or None} if ckpt else None,
+        "checkpoint": {"dir": str(ckpt.dir), "steps": ckpt.complete_steps(), "resumed_from": start or None}
+        if ckpt
+        else None,
         "first_loss": log.losses[0],
         "last_loss": log.losses[-1],
         "eval": evaluator.last if evaluator else None,
@@ -598,7 +670,9 @@ def _summary(c: TrainConfig, plan, trainer, state, data, log: StepLog, ckpt, sta
         # The model layer of each row of metrics.jsonl's per-MoE-layer lists (zoo.tools.report labels by it).
         "moe_layers": moe_layer_indices(c),
         "xla_flags": xla_flags,
-        "gpu_host_pool_gib": os.environ.get(GPU_HOST_POOL_ENV),  # XLA:GPU's pinned-host cap (null: XLA's 64 GiB default)
+        "gpu_host_pool_gib": os.environ.get(
+            GPU_HOST_POOL_ENV
+        ),  # XLA:GPU's pinned-host cap (null: XLA's 64 GiB default)
         "config": to_dict(c),
     }
 
@@ -606,7 +680,9 @@ def _summary(c: TrainConfig, plan, trainer, state, data, log: StepLog, ckpt, sta
 def peak_memory(runtime: Optional[int], compiled: Optional[int]) -> dict:
     """summary.json's `peak_memory_bytes` and where it comes from: the larger of the runtime's
     high-water mark (device.memory_stats) and XLA's estimate (compiled.memory_analysis)."""
-    known = {k: v for k, v in (("device.memory_stats", runtime), ("compiled.memory_analysis", compiled)) if v is not None}
+    known = {
+        k: v for k, v in (("device.memory_stats", runtime), ("compiled.memory_analysis", compiled)) if v is not None
+    }
     if not known:
         return {"peak_memory_bytes": None, "peak_memory_source": None}
     source = max(known, key=known.get)
@@ -640,10 +716,16 @@ def kernels_line(c: TrainConfig, plan) -> str:
         exchange = ""
         block = exchange_rounds_block(c, plan.mesh.sizes, plan.microbatch)
         if block is not None:
-            exchange = (f", exchanged over the expert axis in rounds of {block} rows per device and shard "
-                        f"(model.moe.exchange_factor={c.model.moe.exchange_factor:g})")
+            exchange = (
+                f", exchanged over the expert axis in rounds of {block} rows per device and shard "
+                f"(model.moe.exchange_factor={c.model.moe.exchange_factor:g})"
+            )
         parts.append(f"routed experts {k['moe']} (model.moe.impl={c.model.moe.impl}){exchange}")
-    parts.append(f"loss over chunks of {k['loss_chunk_size']} positions" if k["loss_chunk_size"] else "loss over the whole logits")
+    parts.append(
+        f"loss over chunks of {k['loss_chunk_size']} positions"
+        if k["loss_chunk_size"]
+        else "loss over the whole logits"
+    )
     return "kernels: " + ", ".join(parts)
 
 
@@ -659,18 +741,30 @@ def _kept(ckpt) -> str:
     set_phase(
         "waiting for the checkpoint save in flight, after a first Ctrl-C",
         f"the steps saved before it are intact (last: {last} in {ckpt.dir}); a save cut short is left as a temporary "
-        "directory no resume reads; run the same command to resume" if last is not None else f"no checkpoint in {ckpt.dir} yet",
+        "directory no resume reads; run the same command to resume"
+        if last is not None
+        else f"no checkpoint in {ckpt.dir} yet",
     )
     ckpt.wait()
     last = ckpt.latest()
-    return f"last good checkpoint: step {last} in {ckpt.dir}" if last is not None else f"no checkpoint in {ckpt.dir} yet"
+    return (
+        f"last good checkpoint: step {last} in {ckpt.dir}" if last is not None else f"no checkpoint in {ckpt.dir} yet"
+    )
 
 
 def _diverged(c: TrainConfig, step: int, m: dict, ckpt) -> str:
     """The one line a non-finite loss stops the run with."""
     kept = _kept(ckpt)
-    clip = f"optimizer.grad_clip (now {c.optimizer.grad_clip})" if c.optimizer.grad_clip > 0 else "set optimizer.grad_clip (now off)"
-    what = f"loss is {m['loss']}" if not math.isfinite(m["loss"]) else f"gradient norm is {m['grad_norm']} (loss {m['loss']:.4f})"
+    clip = (
+        f"optimizer.grad_clip (now {c.optimizer.grad_clip})"
+        if c.optimizer.grad_clip > 0
+        else "set optimizer.grad_clip (now off)"
+    )
+    what = (
+        f"loss is {m['loss']}"
+        if not math.isfinite(m["loss"])
+        else f"gradient norm is {m['grad_norm']} (loss {m['loss']:.4f})"
+    )
     return (
         f"step {step + 1}: {what}: training diverged, and this state was not saved; "
         f"lower optimizer.lr (now {c.optimizer.lr:g}) or {clip}; {kept}"

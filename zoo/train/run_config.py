@@ -28,8 +28,16 @@ from zoo.nn.expert_rounds import round_block
 from zoo.nn.moe_dispatch import check_expert_parallel, exchanges_in_rounds
 from zoo.offload import OffloadConfig, check_tags_emitted
 from zoo.sharding import (
-    CONTEXT, CONTEXT_BALANCED, DEFAULT_RULES, MESH_AXES, MeshShape, ShardingError, check_replication, logical_ways,
-    param_specs, resolve_mesh_shape,
+    CONTEXT,
+    CONTEXT_BALANCED,
+    DEFAULT_RULES,
+    MESH_AXES,
+    MeshShape,
+    ShardingError,
+    check_replication,
+    logical_ways,
+    param_specs,
+    resolve_mesh_shape,
 )
 from zoo.train.xla_flags import flag_name, unknown_flags, unknown_tpu_flags
 
@@ -52,7 +60,9 @@ class MeshConfig:
     fsdp: int = -1
     tensor: int = 1
     expert: int = 1
-    rules: dict[str, list[str]] = dataclasses.field(default_factory=lambda: {k: list(v) for k, v in DEFAULT_RULES.items()})
+    rules: dict[str, list[str]] = dataclasses.field(
+        default_factory=lambda: {k: list(v) for k, v in DEFAULT_RULES.items()}
+    )
     # With fsdp > 1, a parameter larger than this left whole on every device is refused (it would cost
     # 4x its size per device with its gradient and AdamW moments).
     max_replicated_mb: float = 16.0
@@ -77,9 +87,14 @@ class MeshConfig:
         if self.context_parallel is not None:
             axis = self.context_parallel
             if axis not in CONTEXT_AXES:
-                why = "splits the heads inside attention (mesh.sequence_parallel splits the sequence over it between the blocks)" if axis == "tensor" else (
-                    "routes the tokens to their experts" if axis == "expert" else "is not a mesh axis")
-                raise ConfigError(f"mesh.context_parallel: {axis!r} {why}; use one of {', '.join(CONTEXT_AXES)} (or null: off)")
+                why = (
+                    "splits the heads inside attention (mesh.sequence_parallel splits the sequence over it between the blocks)"
+                    if axis == "tensor"
+                    else ("routes the tokens to their experts" if axis == "expert" else "is not a mesh axis")
+                )
+                raise ConfigError(
+                    f"mesh.context_parallel: {axis!r} {why}; use one of {', '.join(CONTEXT_AXES)} (or null: off)"
+                )
             rules = {k: list(v) for k, v in self.rules.items()}
             rules["batch"] = [a for a in rules.get("batch", []) if a != axis]
             rules["seq"] = [axis, *(a for a in rules.get("seq", []) if a != axis)]
@@ -92,7 +107,9 @@ class MeshConfig:
         for logical, axes in self.rules.items():
             for a in axes:
                 if a not in MESH_AXES:
-                    raise ConfigError(f"mesh.rules.{logical}: unknown mesh axis {a!r}; use some of {', '.join(MESH_AXES)}")
+                    raise ConfigError(
+                        f"mesh.rules.{logical}: unknown mesh axis {a!r}; use some of {', '.join(MESH_AXES)}"
+                    )
         if self.devices == 0 or self.devices < -1:
             raise ConfigError(f"mesh.devices: got {self.devices}; use a positive count or -1 for all devices")
 
@@ -154,7 +171,13 @@ def foreign_data_key_line(key: str, value: Any = None, name: Optional[str] = Non
     if owners == ("text",):
         what = "has a held-out split" if key.startswith("eval_") else "reads it"
         return f"data.{key}: only data=text {what}, and {chosen} is synthetic tokens; set `data=text` (python train.py data=text{example})"
-    source = "takes its tokens from the text" if name == "text" else "draws i.i.d. tokens" if name == "uniform" else "does not draw from a Markov chain"
+    source = (
+        "takes its tokens from the text"
+        if name == "text"
+        else "draws i.i.d. tokens"
+        if name == "uniform"
+        else "does not draw from a Markov chain"
+    )
     return f"data.{key}: only data=markov reads it ({chosen} {source}); drop it, or set `data=markov`"
 
 
@@ -193,19 +216,27 @@ class DataConfig:
             raise ConfigError(f"data.seq_len: next-token loss needs at least 2 tokens, got {self.seq_len}")
         for name in ("path", "tokenizer", "eval_path"):  # `data.path=` (an unset shell variable) is not null
             if getattr(self, name) is not None and not str(getattr(self, name)).strip():
-                raise ConfigError(f"data.{name}: empty (an unset shell variable?); give a path, or leave data.{name} out (null: {_DATA_NULL[name]})")
+                raise ConfigError(
+                    f"data.{name}: empty (an unset shell variable?); give a path, or leave data.{name} out (null: {_DATA_NULL[name]})"
+                )
         if self.name == "text":
             from zoo.data.text import FORMATS  # zoo.data (grain, about 1.1 s; tokenizers) only for text runs
 
             if self.format not in FORMATS:
                 raise ConfigError(f"data.format: unknown format {self.format!r}; choose one of {', '.join(FORMATS)}")
         if not 0.0 <= self.eval_fraction < 1.0:
-            raise ConfigError(f"data.eval_fraction: must be in [0, 1), got {self.eval_fraction}; e.g. data.eval_fraction=0.05")
+            raise ConfigError(
+                f"data.eval_fraction: must be in [0, 1), got {self.eval_fraction}; e.g. data.eval_fraction=0.05"
+            )
         if self.eval_fraction and self.eval_path:
-            raise ConfigError("data.eval_fraction: set it or data.eval_path, not both; data.eval_fraction=0 to evaluate on data.eval_path")
+            raise ConfigError(
+                "data.eval_fraction: set it or data.eval_path, not both; data.eval_fraction=0 to evaluate on data.eval_path"
+            )
         if self.name != "text" and (self.eval_fraction or self.eval_path):
             key = "data.eval_fraction" if self.eval_fraction else "data.eval_path"
-            raise ConfigError(f"{key}: only data=text has a held-out split ({self.name} data is endless); drop it or use data=text")
+            raise ConfigError(
+                f"{key}: only data=text has a held-out split ({self.name} data is endless); drop it or use data=text"
+            )
 
 
 def _jaxlib_version() -> str:
@@ -258,8 +289,14 @@ class XlaConfig:
             )
         if self.cpu_devices is not None and self.cpu_devices < 1:
             raise ConfigError(f"xla.cpu_devices: must be >= 1 or null, got {self.cpu_devices}")
-        if self.cpu_ynn_fusions is not None and not set(self.cpu_ynn_fusions.split(",")) <= {"dot", "eltwise", "reduce"}:
-            raise ConfigError(f"xla.cpu_ynn_fusions: got {self.cpu_ynn_fusions!r}; give a comma list of dot, eltwise, reduce or null")
+        if self.cpu_ynn_fusions is not None and not set(self.cpu_ynn_fusions.split(",")) <= {
+            "dot",
+            "eltwise",
+            "reduce",
+        }:
+            raise ConfigError(
+                f"xla.cpu_ynn_fusions: got {self.cpu_ynn_fusions!r}; give a comma list of dot, eltwise, reduce or null"
+            )
         if self.cpu_fast_compile not in (True, False, "auto"):
             raise ConfigError(f"xla.cpu_fast_compile: got {self.cpu_fast_compile!r}; give true, false or auto")
 
@@ -295,7 +332,9 @@ class TrainerConfig:
         if self.log_every <= 0:
             raise ConfigError(f"trainer.log_every: must be positive, got {self.log_every}")
         if self.moe_bias_update_rate < 0:
-            raise ConfigError(f"trainer.moe_bias_update_rate: must be >= 0 (0 disables), got {self.moe_bias_update_rate}")
+            raise ConfigError(
+                f"trainer.moe_bias_update_rate: must be >= 0 (0 disables), got {self.moe_bias_update_rate}"
+            )
         if self.moe_imbalance_warn < 0 or (0 < self.moe_imbalance_warn <= 1):
             raise ConfigError(
                 f"trainer.moe_imbalance_warn: the max/mean expert load is >= 1, so a threshold must be > 1 "
@@ -354,14 +393,18 @@ class HardwareConfig:
         if self.peak_flops <= 0:
             raise ConfigError(f"hardware.peak_flops: must be positive, got {self.peak_flops}")
         if not 0 < self.step_efficiency <= 1:
-            raise ConfigError(f"hardware.step_efficiency: a fraction of matmul_flops in (0, 1], got {self.step_efficiency}; e.g. hardware.step_efficiency=0.56")
+            raise ConfigError(
+                f"hardware.step_efficiency: a fraction of matmul_flops in (0, 1], got {self.step_efficiency}; e.g. hardware.step_efficiency=0.56"
+            )
         if self.host_bytes_per_device < 0:
             raise ConfigError(
                 f"hardware.host_bytes_per_device: must be >= 0 (0: no host budget), got {self.host_bytes_per_device}; "
                 "e.g. hardware.host_bytes_per_device=240000000000"
             )
         if self.devices_per_node < 1:
-            raise ConfigError(f"hardware.devices_per_node: must be >= 1, got {self.devices_per_node}; e.g. hardware.devices_per_node=8")
+            raise ConfigError(
+                f"hardware.devices_per_node: must be >= 1, got {self.devices_per_node}; e.g. hardware.devices_per_node=8"
+            )
         if self.platform not in (None, *PLATFORMS):
             raise ConfigError(f"hardware.platform: got {self.platform!r}; choose {', '.join(PLATFORMS)} or null (any)")
         for key in ("host_to_device_gbps", "device_to_host_gbps"):
@@ -395,8 +438,14 @@ class HardwareConfig:
 
 AUTO_HARDWARE = "auto"
 # Device kinds (jax.Device.device_kind) whose profile conf/hardware holds; hardware=auto takes it.
-HARDWARE_OF_KIND = {"cpu": "cpu", "TPU v5 lite": "tpu_v5e", "NVIDIA H100 PCIe": "h100_pcie", "NVIDIA H200": "h200_pcie",
-                    "NVIDIA GH200 480GB": "gh200", "NVIDIA GB200": "gb200"}
+HARDWARE_OF_KIND = {
+    "cpu": "cpu",
+    "TPU v5 lite": "tpu_v5e",
+    "NVIDIA H100 PCIe": "h100_pcie",
+    "NVIDIA H200": "h200_pcie",
+    "NVIDIA GH200 480GB": "gh200",
+    "NVIDIA GB200": "gb200",
+}
 
 
 def auto_hardware(hw: HardwareConfig, device) -> tuple[HardwareConfig, Optional[str]]:
@@ -409,14 +458,26 @@ def auto_hardware(hw: HardwareConfig, device) -> tuple[HardwareConfig, Optional[
 
     kind = getattr(device, "device_kind", device.platform)
     name = HARDWARE_OF_KIND.get(kind) or (device.platform if device.platform == "cpu" else None)
-    given = {f.name: getattr(hw, f.name) for f in dataclasses.fields(hw) if f.name != "name" and getattr(hw, f.name) != f.default}
+    given = {
+        f.name: getattr(hw, f.name)
+        for f in dataclasses.fields(hw)
+        if f.name != "name" and getattr(hw, f.name) != f.default
+    }
     if name is not None and (conf_dir() / "hardware" / f"{name}.yaml").exists():
         # keys given on the command line (+hardware.host_bytes_per_device=...) apply to the profile taken
-        return dataclasses.replace(load_group("hardware", OmegaConf.load(conf_dir() / "hardware" / f"{name}.yaml")), **given), None
-    nominal = HardwareConfig(name=f"unknown ({kind})", nominal=True, platform=device.platform,
-                             note="hardware=auto: no profile for this device kind; peak_flops is a nominal 1 TFLOP/s")
-    return nominal, (f"hardware=auto: no profile for a {kind!r} in conf/hardware, so MFU is against a nominal 1 TFLOP/s; "
-                     f"measure one (python -m zoo.tools.measure_hardware name=<name>) and pass hardware=<name>")
+        return dataclasses.replace(
+            load_group("hardware", OmegaConf.load(conf_dir() / "hardware" / f"{name}.yaml")), **given
+        ), None
+    nominal = HardwareConfig(
+        name=f"unknown ({kind})",
+        nominal=True,
+        platform=device.platform,
+        note="hardware=auto: no profile for this device kind; peak_flops is a nominal 1 TFLOP/s",
+    )
+    return nominal, (
+        f"hardware=auto: no profile for a {kind!r} in conf/hardware, so MFU is against a nominal 1 TFLOP/s; "
+        f"measure one (python -m zoo.tools.measure_hardware name=<name>) and pass hardware=<name>"
+    )
 
 
 def check_hardware_platform(hw: HardwareConfig, platform: str) -> None:
@@ -530,7 +591,9 @@ def _known_keys(schema: type, full_key: str) -> list[str]:
 
 
 def _names_path(node: Any) -> bool:
-    return isinstance(node, (DictConfig, dict)) and "path" in node.keys()  # `in node` is False for a missing (???) value
+    return (
+        isinstance(node, (DictConfig, dict)) and "path" in node.keys()
+    )  # `in node` is False for a missing (???) value
 
 
 def load_model(node: Any) -> tuple[ModelConfig, Optional[PretrainedSource]]:
@@ -568,7 +631,9 @@ def load_group(group: str, node: Any) -> Any:
     except ValidationError as e:
         msg = str(e).splitlines()[0]
         if "is not a ListConfig" in msg:
-            raise ConfigError(f"{group}.{e.full_key}: not a list; give one in brackets, e.g. {group}.{e.full_key}=[a,b]") from None
+            raise ConfigError(
+                f"{group}.{e.full_key}: not a list; give one in brackets, e.g. {group}.{e.full_key}=[a,b]"
+            ) from None
         raise ConfigError(f"{group}.{e.full_key}: {msg}; give a value of the right type") from None
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None) or "?"
@@ -600,8 +665,10 @@ def load(cfg: DictConfig) -> TrainConfig:
     lora = cfg.get("lora")
     if isinstance(lora, DictConfig) and lora.get("rank") == 0 and len(lora.keys()) > 1:
         ignored = ", ".join(f"lora.{k}" for k in lora.keys() if k != "rank")
-        raise ConfigError(f"lora.rank: 0 turns LoRA off, so {ignored} would be ignored and every parameter would train; "
-                          "give a positive rank (e.g. lora.rank=8), or choose lora=none for full fine-tuning")
+        raise ConfigError(
+            f"lora.rank: 0 turns LoRA off, so {ignored} would be ignored and every parameter would train; "
+            "give a positive rank (e.g. lora.rank=8), or choose lora=none for full fine-tuning"
+        )
     model, pretrained = load_model(cfg["model"])
     c = TrainConfig(model=model, pretrained=pretrained, **{g: load_group(g, cfg[g]) for g in GROUPS if g != "model"})
     if pretrained is not None:
@@ -707,7 +774,9 @@ def validate(c: TrainConfig, available_devices: int, abstract_model=None) -> Pla
         # what auto runs there (zoo.nn.attention_kernels.context_shard_attention)
         attention_impl = "blockwise" if c.data.seq_len >= min_blockwise_seq(jax.default_backend()) else "xla"
     if c.trainer.tensorboard and importlib.util.find_spec("tensorboardX") is None:
-        raise ConfigError("trainer.tensorboard: needs the tensorboardX package; pip install -e '.[tensorboard]' or set trainer.tensorboard=false")
+        raise ConfigError(
+            "trainer.tensorboard: needs the tensorboardX package; pip install -e '.[tensorboard]' or set trainer.tensorboard=false"
+        )
     if abstract_model is not None and c.pretrained is not None:
         try:  # every tensor's name, shape and dtype, from the safetensors headers
             check_weights(c.pretrained, abstract_model)
@@ -745,7 +814,11 @@ def _check_mesh_fits(mesh: MeshConfig, devices: int) -> None:
         if jax.default_backend() == "cpu"
         else f"run on a multiple of {ways} devices"
     )
-    other = "use mesh=fsdp, which fits any device count" if mesh.name != "fsdp" else f"make {' and '.join(f'mesh.{a}' for a in fixed)} divide {devices}"
+    other = (
+        "use mesh=fsdp, which fits any device count"
+        if mesh.name != "fsdp"
+        else f"make {' and '.join(f'mesh.{a}' for a in fixed)} divide {devices}"
+    )
     raise ConfigError(
         f"mesh.{next(iter(fixed))}: {shown} (mesh={mesh.name}) needs a multiple of {ways} devices, and {are} available "
         f"(mesh.{fill[0]}=-1 only fills what the other axes leave); {more}, or {other}"
@@ -761,9 +834,15 @@ def resolve_kernels(c: TrainConfig) -> tuple[str, Optional[str]]:
     packed = c.data.name == "text"  # segment ids; the data's bound on them (>= 2) reaches attend when traced
     try:
         attention = resolve_impl(
-            m.attention_impl, backend=target_platform(), dtype=m.compute_dtype, qk_dim=m.qk_head_dim,
-            v_dim=m.v_head_dim, seq_len=c.data.seq_len, has_sinks=m.attention_sinks,
-            has_segments=packed, max_segments=2 if packed else None,
+            m.attention_impl,
+            backend=target_platform(),
+            dtype=m.compute_dtype,
+            qk_dim=m.qk_head_dim,
+            v_dim=m.v_head_dim,
+            seq_len=c.data.seq_len,
+            has_sinks=m.attention_sinks,
+            has_segments=packed,
+            max_segments=2 if packed else None,
         )
     except ValueError as e:
         raise ConfigError(str(e).splitlines()[0]) from None
@@ -809,8 +888,14 @@ def _check_expert_parallel(c: TrainConfig, shape: MeshShape, batch_ways: int) ->
             return
         ep = logical_ways(rules, shape.sizes, "experts")
         check_expert_parallel(
-            m.moe.n_routed_experts, ep, c.data.batch_size, batch_ways, grad_accum=c.trainer.grad_accum,
-            batch_includes_expert=all(a in rules.get("batch", []) for a in rules.get("experts", []) if shape.sizes.get(a, 1) > 1),
+            m.moe.n_routed_experts,
+            ep,
+            c.data.batch_size,
+            batch_ways,
+            grad_accum=c.trainer.grad_accum,
+            batch_includes_expert=all(
+                a in rules.get("batch", []) for a in rules.get("experts", []) if shape.sizes.get(a, 1) > 1
+            ),
         )
     except ValueError as e:
         raise ConfigError(str(e).splitlines()[0]) from None
@@ -835,7 +920,9 @@ def _field_default(f: dataclasses.Field) -> Any:
 
 def _register_python_options() -> None:
     store = ConfigStore.instance()
-    store.store(group="mesh", name=MESH_DEFAULTS_NAME, node={f.name: _field_default(f) for f in dataclasses.fields(MeshConfig)})
+    store.store(
+        group="mesh", name=MESH_DEFAULTS_NAME, node={f.name: _field_default(f) for f in dataclasses.fields(MeshConfig)}
+    )
     for name, size in families.SIZES.items():
         store.store(group="model", name=name, node=dataclasses.asdict(size))
     store.store(group="model", name="hf", node=hf_option())

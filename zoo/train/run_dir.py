@@ -74,7 +74,13 @@ def taken_line(run_dir: pathlib.Path, start: int, overrides) -> Optional[str]:
     done = summary.get("status") == "ok"
     if not done and _earlier_overrides(run_dir, summary) == list(overrides):
         return None  # the same command again after an attempt that stopped before its first checkpoint
-    what = "a finished run" if done else "an earlier run" if _earlier_overrides(run_dir, summary) is None else "a run of another command"
+    what = (
+        "a finished run"
+        if done
+        else "an earlier run"
+        if _earlier_overrides(run_dir, summary) is None
+        else "a run of another command"
+    )
     files = " and ".join(f for f in (METRICS, SUMMARY) if (run_dir / f).exists())
     return (
         f"hydra.run.dir: {run_dir} holds the {files} of {what}, which this run would replace (it starts from step 0); "

@@ -39,7 +39,6 @@ from zoo.train.run_config import ConfigError, OptimizerConfig, Plan, TrainConfig
 from zoo.train.update import UPDATE_SCOPE, accumulate, global_norm, streamed_update, whole_tree_update, zeros_where
 
 
-
 def cpu_optimization(c: TrainConfig, platform: str) -> tuple[Optional[bool], str]:
     """Whether XLA:CPU compiles the step with LLVM's optimisations (None off CPU), and why:
     `xla.cpu_fast_compile` true / false, or auto: on when the run's model FLOPs (steps x step FLOPs)
@@ -79,7 +78,9 @@ def trainable_labels(params):
 
 def decay_mask(params):
     """Weight decay on matrices only: not on RMSNorm weights (field `weight`) nor buffers."""
-    return jax.tree_util.tree_map_with_path(lambda p, _: _last_name(p) != "weight" and not zoo_model.is_buffer_path(p), params)
+    return jax.tree_util.tree_map_with_path(
+        lambda p, _: _last_name(p) != "weight" and not zoo_model.is_buffer_path(p), params
+    )
 
 
 def make_schedule(c: OptimizerConfig, total_steps: int) -> optax.Schedule:
@@ -94,7 +95,9 @@ def make_schedule(c: OptimizerConfig, total_steps: int) -> optax.Schedule:
     )
 
 
-def make_optimizer(c: OptimizerConfig, total_steps: int, *, clip: bool = True) -> tuple[optax.GradientTransformation, optax.Schedule]:
+def make_optimizer(
+    c: OptimizerConfig, total_steps: int, *, clip: bool = True
+) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """AdamW under the schedule, gradients clipped by their global norm (`optimizer.grad_clip` > 0),
     buffers frozen. `clip=False` leaves the clipping to the caller (the streamed update, which
     computes the norm of the whole gradient first) with the state's structure unchanged."""
@@ -130,7 +133,9 @@ class Trainer:
         rules = cfg.mesh.rules
         self.rules = rules
         # The dropless expert-parallel exchange runs a round count the routing decides (zoo.nn.expert_rounds).
-        self.exchanges_in_rounds = plan.moe_impl is not None and exchanges_in_rounds(plan.moe_impl, rules, plan.mesh.sizes)
+        self.exchanges_in_rounds = plan.moe_impl is not None and exchanges_in_rounds(
+            plan.moe_impl, rules, plan.mesh.sizes
+        )
         abstract = zoo_model.abstract(cfg.model)
         self.abstract_params, self.static = eqx.partition(abstract, is_array_like)
         # LoRA: the trainable `params` are the adapters (zoo.lora); the frozen base is the state's
@@ -215,11 +220,15 @@ class Trainer:
         lowered = jax.jit(self._init, out_shardings=self.state_shardings).lower(key)
         # Init runs once: on CPU its LLVM level is chosen by the parameters a device draws; values agree
         # to float32 rounding.
-        return lowered.compile(zoo_model.init_compile_options(self.mesh.devices.flat[0].platform, self.params_per_device()))(key)
+        return lowered.compile(
+            zoo_model.init_compile_options(self.mesh.devices.flat[0].platform, self.params_per_device())
+        )(key)
 
     def params_per_device(self) -> int:
         """Parameters one device holds: replicated leaves whole, sharded ones a shard."""
-        per_leaf = jax.tree.map(lambda x, sh: math.prod(sh.shard_shape(x.shape)), self.abstract_params, self.param_shardings)
+        per_leaf = jax.tree.map(
+            lambda x, sh: math.prod(sh.shard_shape(x.shape)), self.abstract_params, self.param_shardings
+        )
         return sum(jax.tree.leaves(per_leaf))
 
     def init_pretrained(self):
@@ -227,18 +236,29 @@ class Trainer:
         memory kinds, in param_dtype (each process reads only its devices' slices: zoo.hf.load_sharded);
         the optimizer state initialised from them, sharded, as `init` does."""
         try:
-            params = load_sharded(self.cfg.pretrained.path, self.cfg.model, self.base_shardings if self.lora is not None else self.param_shardings)
+            params = load_sharded(
+                self.cfg.pretrained.path,
+                self.cfg.model,
+                self.base_shardings if self.lora is not None else self.param_shardings,
+            )
         except CheckpointError as e:  # bad weights (non-finite values): before anything compiles
             raise ConfigError(f"model.path: {str(e).splitlines()[0]}") from None
         llvm_off = backend.LLVM_OFF if backend.choices(self.mesh.devices.flat[0].platform).state_init_llvm_off else None
         if self.lora is not None:
             key = jax.random.key(self.cfg.trainer.seed)
             shardings = {k: v for k, v in self.state_shardings.items() if k != "base"}
-            init = jax.jit(lambda k: {k2: v for k2, v in self._lora_state(self.abstract_zero_base(), k).items() if k2 != "base"}, out_shardings=shardings)
+            init = jax.jit(
+                lambda k: {k2: v for k2, v in self._lora_state(self.abstract_zero_base(), k).items() if k2 != "base"},
+                out_shardings=shardings,
+            )
             return {**init.lower(key).compile(llvm_off)(key), "base": params}
         opt_init = jax.jit(self.tx.init, out_shardings=self.opt_shardings).lower(params)
         opt_state = opt_init.compile(llvm_off)(params)
-        return {"params": params, "opt_state": opt_state, "step": jax.device_put(jnp.zeros((), jnp.int32), self.state_shardings["step"])}
+        return {
+            "params": params,
+            "opt_state": opt_state,
+            "step": jax.device_put(jnp.zeros((), jnp.int32), self.state_shardings["step"]),
+        }
 
     def abstract_zero_base(self):
         """Base-shaped zeros: the adapters' shapes depend only on the base's (traced inside jit)."""
@@ -247,7 +267,9 @@ class Trainer:
     def abstract_state(self):
         """The state as ShapeDtypeStructs carrying their shardings: lower/compile without allocating."""
         shapes = jax.eval_shape(self._init, jax.random.key(0))
-        return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, self.state_shardings)
+        return jax.tree.map(
+            lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, self.state_shardings
+        )
 
     def abstract_tokens(self):
         """A step's batch as ShapeDtypeStructs: the token array, or for packed text the dict of arrays."""
@@ -276,7 +298,10 @@ class Trainer:
         micro = self.plan.microbatch
         shape = (self.cfg.trainer.grad_accum, micro, self.cfg.data.seq_len)
         rows = sorted(
-            {(i[1].start or 0, micro if i[1].stop is None else i[1].stop) for i in self.token_sharding.addressable_devices_indices_map(shape).values()}
+            {
+                (i[1].start or 0, micro if i[1].stop is None else i[1].stop)
+                for i in self.token_sharding.addressable_devices_indices_map(shape).values()
+            }
         )
         lo, hi = rows[0][0], max(b for _, b in rows)
         reach = lo
@@ -289,7 +314,9 @@ class Trainer:
             reach = max(reach, b)
         n = hi - lo
         if micro % n or lo % n:
-            raise zs.ShardingError(f"mesh: process {jax.process_index()} holds rows {lo}..{hi} of {micro}, not an equal slice; use a mesh whose batch axes split evenly over processes")
+            raise zs.ShardingError(
+                f"mesh: process {jax.process_index()} holds rows {lo}..{hi} of {micro}, not an equal slice; use a mesh whose batch axes split evenly over processes"
+            )
         self._data_shard = (lo // n, micro // n)
         return self._data_shard
 
@@ -304,7 +331,9 @@ class Trainer:
             batch = one_document_per_row(np.asarray(batch, np.int32))
         if isinstance(batch, dict):
             if not self.packed:
-                raise ValueError("shard_tokens: a dict batch needs data.name=text (packed documents); give the token array")
+                raise ValueError(
+                    "shard_tokens: a dict batch needs data.name=text (packed documents); give the token array"
+                )
             return {k: self._shard_rows(v) for k, v in batch.items()}
         return self._shard_rows(batch)
 
@@ -323,7 +352,9 @@ class Trainer:
             stop = (self.plan.microbatch if i[1].stop is None else i[1].stop) - lo
             return local[i[0], start:stop, i[2]]
 
-        return jax.make_array_from_callback((c.trainer.grad_accum, self.plan.microbatch, c.data.seq_len), self.token_sharding, rows)
+        return jax.make_array_from_callback(
+            (c.trainer.grad_accum, self.plan.microbatch, c.data.seq_len), self.token_sharding, rows
+        )
 
     # --- the step ------------------------------------------------------------------------------
 
@@ -343,12 +374,19 @@ class Trainer:
         chunk = self.cfg.trainer.loss_chunk_size
         packed = isinstance(batch, dict)
         if packed:
-            fields = {k: zs.constrain(batch[k], zs.TOKEN_AXES) for k in ("tokens", "segment_ids", "positions", "loss_mask")}
+            fields = {
+                k: zs.constrain(batch[k], zs.TOKEN_AXES) for k in ("tokens", "segment_ids", "positions", "loss_mask")
+            }
             tokens, segment_ids = fields["tokens"], fields["segment_ids"]
             with segments_bound(self.max_segments):
                 hidden, aux = zoo_model.features(
-                    model, tokens, positions=fields["positions"], segment_ids=segment_ids, remat_policy=self.policy,
-                    layer_transform=layer_transform, context_order=bool(chunk),
+                    model,
+                    tokens,
+                    positions=fields["positions"],
+                    segment_ids=segment_ids,
+                    remat_policy=self.policy,
+                    layer_transform=layer_transform,
+                    context_order=bool(chunk),
                 )
             weights = target_weights(fields["loss_mask"], segment_ids)
             count = weights.sum()
@@ -356,13 +394,22 @@ class Trainer:
             denominator = batch.get("loss_denominator", jnp.float32(1.0))
         else:
             tokens = zs.constrain(batch, zs.TOKEN_AXES)
-            hidden, aux = zoo_model.features(model, tokens, remat_policy=self.policy, layer_transform=layer_transform, context_order=bool(chunk))
+            hidden, aux = zoo_model.features(
+                model, tokens, remat_policy=self.policy, layer_transform=layer_transform, context_order=bool(chunk)
+            )
             weights = denominator = None
         m = self.cfg.model
         if chunk:
             loss = chunked_next_token_loss(
-                hidden, model.head_weight(), tokens, weights, chunk_size=chunk, final_softcap=m.final_logit_softcap,
-                compute_dtype=m.compute_dtype, denominator=denominator, context_order=True,
+                hidden,
+                model.head_weight(),
+                tokens,
+                weights,
+                chunk_size=chunk,
+                final_softcap=m.final_logit_softcap,
+                compute_dtype=m.compute_dtype,
+                denominator=denominator,
+                context_order=True,
             )
         else:
             logits = zs.constrain(model.logits(hidden), zs.LOGIT_AXES)
@@ -389,7 +436,9 @@ class Trainer:
         if not self.params_on_host:
             return params
         in_stack = _stack_paths(params)
-        return jax.tree_util.tree_map_with_path(lambda p, x: x if in_stack(p) else jax.device_put(x, jax.memory.Space.Device), params)
+        return jax.tree_util.tree_map_with_path(
+            lambda p, x: x if in_stack(p) else jax.device_put(x, jax.memory.Space.Device), params
+        )
 
     def train_step(self, state, tokens):
         # Modules read the mesh and the logical-axis rules from the active layout while traced.
@@ -429,7 +478,13 @@ class Trainer:
 
             def body(carry, xs):
                 loss, grads, load, dropped, entropy, rounds = micro(*xs) if dropping else micro(xs)
-                sums = (carry[0] + loss, accumulate(carry[1], grads), carry[2] + load, carry[3] + dropped, carry[4] + entropy)
+                sums = (
+                    carry[0] + loss,
+                    accumulate(carry[1], grads),
+                    carry[2] + load,
+                    carry[3] + dropped,
+                    carry[4] + entropy,
+                )
                 return (*sums, jnp.maximum(carry[5], rounds)), None
 
             zero = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(micro, first))
@@ -483,7 +538,13 @@ class Trainer:
                 )
                 return new_params, opt_state, norm
             return whole_tree_update(
-                self.tx, grads, opt_state, params, trainable=trainable, max_norm=self.cfg.optimizer.grad_clip, divide=accum
+                self.tx,
+                grads,
+                opt_state,
+                params,
+                trainable=trainable,
+                max_norm=self.cfg.optimizer.grad_clip,
+                divide=accum,
             )
 
     def _bias_range(self, params) -> Optional[tuple[Float[Array, " moe_layers"], Float[Array, " moe_layers"]]]:

@@ -57,7 +57,10 @@ def ctrl_c_noted():
     note raises it again). Left as it is where SIGINT is ignored (a shell's background job) or handled
     by someone else, and outside the main thread."""
     global _PRESSED
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
         yield
         return
 

@@ -134,7 +134,9 @@ def sum_of_squares(x: jax.Array) -> jax.Array:
     dims = tuple(range(x.ndim))
     sharding = jax.typeof(x).sharding
     explicit = jax.sharding.AxisType.Explicit in getattr(sharding.mesh, "axis_types", ())
-    where = {"out_sharding": jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())} if explicit else {}
+    where = (
+        {"out_sharding": jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())} if explicit else {}
+    )
     return jax.lax.dot_general(
         x, x, ((dims, dims), ((), ())), precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32, **where
     )
@@ -200,7 +202,9 @@ def clip_by_norm(tree, norm, max_norm: float):
     return jax.tree.map(lambda t: jax.lax.select(trigger, t, (t / norm.astype(t.dtype)) * max_norm), tree)
 
 
-def whole_tree_update(tx: optax.GradientTransformation, grads, opt_state, params, *, trainable, max_norm: float, divide: int = 1):
+def whole_tree_update(
+    tx: optax.GradientTransformation, grads, opt_state, params, *, trainable, max_norm: float, divide: int = 1
+):
     """`(new params, new opt_state, norm)` with the state on the device, updated at once: the
     streamed update's norm (`global_norm` of `trainable`, the gradient leaves that are trained, the
     others None) and clipping, so that both paths use one formula. `tx` is the optimizer built with
@@ -213,7 +217,9 @@ def whole_tree_update(tx: optax.GradientTransformation, grads, opt_state, params
     return optax.apply_updates(params, updates), opt_state, norm
 
 
-def streamed_update(tx: optax.GradientTransformation, grads, opt_state, params, *, norm, max_norm: float, divide: int = 1):
+def streamed_update(
+    tx: optax.GradientTransformation, grads, opt_state, params, *, norm, max_norm: float, divide: int = 1
+):
     """`(new params, new opt_state)` as `optax.apply_updates(params, tx.update(clip(grads / divide),
     opt_state, params))`, one slice at a time (see the module docstring). `tx` is the optimizer built
     with `clip=False`, `norm` the global norm of `grads / divide` (`global_norm`); `max_norm` <= 0
@@ -229,6 +235,7 @@ def streamed_update(tx: optax.GradientTransformation, grads, opt_state, params, 
     counts = _select(opt_state, _is_count)
     new_params, new_state = [], []
     for grp in layer_groups(params):
+
         def mine(path, x, grp=grp):
             return group_of(path) == grp
 
