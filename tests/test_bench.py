@@ -186,3 +186,32 @@ def test_gpu_bench_renders_the_recorded_h200_session():
     )  # docs: 71.2% of the rate
     assert round(off["median_step_s"] / full["median_step_s"], 3) == 1.225
     assert all(res["dropped_xla_flags"] == [] for res in results)
+
+
+@pytest.mark.slow
+def test_tpu_bench_toy_on_cpu(tmp_path):
+    """`bench/tpu.py --toy`: the hardware child, every toy policy compiled and run in alternation, the
+    planner against each run, the derived fastest / fastest recompute-only, the JSON and the plot."""
+    out = tmp_path / "t.json"
+    _run(["bench/tpu.py", "--toy", "--out", str(out), "--plot", str(tmp_path / "t.png")], tmp_path, timeout=900)
+    res = json.loads(out.read_text())
+    dense = res["setups"]["dense"]
+    assert {r["status"] for r in dense["runs"].values()} == {"ok"}, dense["runs"]
+    assert dense["fastest"] in dense["runs"] and dense["runs"][dense["fastest_recompute_only"]]["recompute_only"]
+    assert all(r["planner"]["time_s"] > 0 for r in dense["runs"].values())
+    assert res["hw"]["program_link"]["moves"] is False  # on a CPU nothing moves inside a program
+    assert (tmp_path / "t.png").stat().st_size > 0
+
+
+def test_tpu_bench_renders_the_recorded_v5e_session():
+    """`bench/tpu.py --render docs/bench_tpu.json` prints each recorded run of the v5e with its measured
+    step, and the record holds what docs/benchmarks.md quotes: offload beat the best recompute-only policy."""
+    record = json.loads((ROOT / "docs" / "bench_tpu.json").read_text())
+    proc = _run(["bench/tpu.py", "--render", "docs/bench_tpu.json"], None, timeout=120)
+    runs = record["setups"]["dense"]["runs"]
+    for label, r in runs.items():
+        if r.get("median_step_s"):
+            assert f"| {label} | ok | {1e3 * r['median_step_s']:.1f} |" in proc.stdout, label
+    step = {k: r["median_step_s"] for k, r in runs.items() if r.get("median_step_s")}
+    assert round(step["minimal_context_offloaded"] / step["minimal"], 3) == 0.935
+    assert "fastest minimal_context_offloaded, fastest recompute-only minimal, ratio 0.935" in proc.stdout
