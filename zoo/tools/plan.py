@@ -1591,17 +1591,17 @@ def loss_working_bytes(
 
     Whole logits (`chunk` 0): the float32 logits, their softmax and their gradient [batch, T, vocab].
     Chunked (zoo.loss, fused): the same three for [batch, chunk, vocab] at a time, plus what the
-    fused backward keeps through the chunks: the hidden states' gradient [batch, T, embed] in the
-    compute dtype and the head cast to the compute dtype (`head_cast_bytes`, 0 when the dtypes agree)."""
+    fused backward keeps through the chunks: the float32 head-gradient accumulator [embed, vocab], the
+    hidden states' gradient [batch, T, embed] in the compute dtype and the head cast to the compute dtype (`head_cast_bytes`, 0 when the dtypes agree)."""
     if not chunk:
         return 3.0 * batch * seq * vocab * 4
     rows = min(chunk, seq)
     gathered = float(batch * row_group * rows * embed * compute_bytes) if row_group > 1 else 0.0
-    # The head-gradient accumulator becomes the head's gradient, which the planner counts with the
-    # other gradients: counted here too, it put the planner 13-15% over XLA's peak on a TPU v5e
-    # (docs/benchmarks.md, "TPU v5e").
+    # The head-gradient accumulator may end as the head's gradient, counted with the gradients too:
+    # on a TPU v5e that put the planner up to 15% over XLA's peak (docs/benchmarks.md, "TPU v5e").
     return (
         3.0 * batch * row_group * rows * vocab * 4
+        + 4.0 * embed * vocab
         + float(batch * seq * embed * compute_bytes)
         + head_cast_bytes
         + gathered
