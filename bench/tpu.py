@@ -350,16 +350,7 @@ def child_setups(spec: dict, result_path: pathlib.Path) -> dict:
                     try:
                         for i in range(1 + spec["steps"]):
                             t = time.perf_counter()
-                            try:
-                                state, m = exe(state, tokens)
-                            except TypeError as e:
-                                if "compiled for" not in str(e):
-                                    raise
-                                # The compiled step takes arguments its Compiled object does not pass: run it through jit.
-                                runs[label]["called_through_jit"] = _first_line(e)
-                                exe = trainers[label].jitted_step()
-                                compiled[label] = (exe, compiled[label][1])
-                                state, m = exe(state, tokens)
+                            state, m = exe(state, tokens)
                             jax.block_until_ready(m)
                             if i:
                                 times[label].append(time.perf_counter() - t)
@@ -445,17 +436,13 @@ def replan(res: dict, profile: str) -> None:
     """Replace each compiled run's planner estimate with zoo.tools.plan's from the hardware profile
     `profile` (traced here for a TPU: its kernels in Pallas' interpret mode; nothing compiles)."""
     import jax
-    import yaml
+    from omegaconf import OmegaConf
 
     from bench import common as C
     from zoo.backend import lowering_for, pallas_interpreted
-    from zoo.train.run_config import HardwareConfig
+    from zoo.train.run_config import load_group
 
-    fields = {f.name: f.type for f in dataclasses.fields(HardwareConfig)}
-    raw = yaml.safe_load((ROOT / "conf" / "hardware" / f"{profile}.yaml").read_text())
-    hw = HardwareConfig(
-        **{k: float(v) if isinstance(v, str) and "float" in str(fields[k]) else v for k, v in raw.items()}
-    )
+    hw = load_group("hardware", OmegaConf.load(ROOT / "conf" / "hardware" / f"{profile}.yaml"))
     for s in (res.get("setups") or {}).values():
         for label, r in (s.get("runs") or {}).items():
             if r.get("status") not in ("ok", "compiled"):
