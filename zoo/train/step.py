@@ -95,6 +95,18 @@ def make_schedule(c: OptimizerConfig, total_steps: int) -> optax.Schedule:
     )
 
 
+def whole_axis(x, sharding) -> Optional[int]:
+    """The first axis of `x` that `sharding` does not split (None if it splits them all): where the
+    streamed update may cut a large leaf into runs of rows without moving it between devices."""
+    spec = tuple(getattr(sharding, "spec", ())) + (None,) * x.ndim
+    sizes = dict(getattr(getattr(sharding, "mesh", None), "shape", {}) or {})
+    for axis in range(x.ndim):
+        names = spec[axis] if isinstance(spec[axis], tuple) else (spec[axis],)
+        if math.prod(sizes.get(n, 1) for n in names if n is not None) == 1:
+            return axis
+    return None
+
+
 def make_optimizer(
     c: OptimizerConfig, total_steps: int, *, clip: bool = True
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
@@ -534,7 +546,14 @@ class Trainer:
             if self.layerwise_update:
                 norm = global_norm(trainable, divide=accum)
                 new_params, opt_state = streamed_update(
-                    self.tx, grads, opt_state, params, norm=norm, max_norm=self.cfg.optimizer.grad_clip, divide=accum
+                    self.tx,
+                    grads,
+                    opt_state,
+                    params,
+                    norm=norm,
+                    max_norm=self.cfg.optimizer.grad_clip,
+                    divide=accum,
+                    chunk_axes=jax.tree.map(whole_axis, params, self.state_shardings["params"]),
                 )
                 return new_params, opt_state, norm
             return whole_tree_update(

@@ -8,7 +8,9 @@ one slice at a time:
   `repeats` axis) in a loop over that axis: the layer's parameter, gradient and moment slices come
   to the device, are clipped by the global norm and updated, and the new values go back to where
   they live (host or device), written in place into the stacked arrays;
-- everything outside the stacks (embeddings, final norm, head) at once.
+- everything outside the stacks (embeddings, final norm, head) one leaf at a time, and a leaf larger
+  than the largest layer slice (a 128k-vocabulary embedding is 263M parameters: its two float32
+  moments alone are 2.1 GB) in runs of rows along an axis its sharding leaves whole (`chunk_axes`).
 
 So the update holds about one layer of host-resident state in HBM, where the whole-tree update
 holds parameters, gradients and both moments at once.
@@ -217,13 +219,45 @@ def whole_tree_update(
     return optax.apply_updates(params, updates), opt_state, norm
 
 
+def _names(path) -> tuple[str, ...]:
+    return tuple(zs._key_name(k) for k in path)
+
+
+def _slice_rows(tree, start, size: int, axis: int):
+    return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, start, size, axis), tree)
+
+
+def _write_rows(tree, new, start, axis: int):
+    return jax.tree.map(lambda x, y: jax.lax.dynamic_update_slice_in_dim(x, y, start, axis), tree, new)
+
+
+def _largest_layer_slice(params) -> int:
+    """Elements of the largest leaf slice one layer of a stack holds (0 without stacks)."""
+    return max(
+        (x.size // x.shape[0] for path, x in jax.tree_util.tree_leaves_with_path(params) if group_of(path) is not None),
+        default=0,
+    )
+
+
 def streamed_update(
-    tx: optax.GradientTransformation, grads, opt_state, params, *, norm, max_norm: float, divide: int = 1
+    tx: optax.GradientTransformation,
+    grads,
+    opt_state,
+    params,
+    *,
+    norm,
+    max_norm: float,
+    divide: int = 1,
+    chunk_axes=None,
 ):
     """`(new params, new opt_state)` as `optax.apply_updates(params, tx.update(clip(grads / divide),
     opt_state, params))`, one slice at a time (see the module docstring). `tx` is the optimizer built
     with `clip=False`, `norm` the global norm of `grads / divide` (`global_norm`); `max_norm` <= 0
-    turns clipping off. Every leaf goes back to the memory space it came from."""
+    turns clipping off. Every leaf goes back to the memory space it came from.
+
+    `chunk_axes`: a tree like `params` giving, per leaf outside the stacks, an axis that no mesh axis
+    splits (or None): a leaf larger than the largest layer slice is updated in runs of rows along it
+    (`zoo.train.step` derives it from the parameters' shardings). None: axis 0 of every leaf."""
 
     def update(g, s, p):
         g, s, p = _divided(zs.to_device(g), divide), zs.to_device(s), zs.to_device(p)
@@ -255,8 +289,51 @@ def streamed_update(
     def outside(path, x):
         return group_of(path) is None
 
-    p_r, g_r, s_r = _select(params, outside), _select(grads, outside), _select(opt_state, outside)
-    p_new, s_new = update(g_r, s_r, p_r)
-    new_params.append(_to(p_new, _homes(p_r)))
-    new_state.append(_to(s_new, _homes(s_r)))  # the counts advance here, once
+    limit = max(_largest_layer_slice(params), 1)
+    axes = dict(
+        (_names(path), a)
+        for path, a in jax.tree_util.tree_leaves_with_path(
+            chunk_axes if chunk_axes is not None else jax.tree.map(lambda x: 0 if x.ndim else None, params)
+        )
+    )
+    for path, leaf in jax.tree_util.tree_leaves_with_path(_select(params, outside)):
+        name = _names(path)
+
+        def this(q, x, name=name):  # the parameter, its gradient, and the moments that mirror it
+            return group_of(q) is None and _names(q)[-len(name) :] == name and not _is_count(q, x)
+
+        p_l, g_l, s_l = _select(params, this), _select(grads, this), _select(opt_state, this)
+        axis = axes.get(name)
+        if axis is None or leaf.size <= limit or leaf.shape[axis] < 2:
+            p_new, s_new = update(g_l, _merge(s_l, counts), p_l)
+            new_params.append(_to(p_new, _homes(p_l)))
+            new_state.append(_to(_select(s_new, lambda q, x: not _is_count(q, x)), _homes(s_l)))
+            continue
+        rows = leaf.shape[axis]
+        size = max(1, min(rows, limit // max(1, leaf.size // rows)))
+        runs = -(-rows // size)
+
+        def rows_body(i, carry, p_l=p_l, g_l=g_l, s_l=s_l, axis=axis, size=size, rows=rows):
+            # The last run starts early enough to end at the last row; rows it shares with the run
+            # before are computed again from the same inputs (the originals), so they come out the same.
+            start = jnp.minimum(i * size, rows - size)
+            p_all, s_all = carry
+            p, s = _slice_rows(p_l, start, size, axis), _slice_rows(s_l, start, size, axis)
+            p_new, s_new = update(_slice_rows(g_l, start, size, axis), _merge(s, counts), p)
+            s_new = _select(s_new, lambda q, x: not _is_count(q, x))
+            return (
+                _write_rows(p_all, _to(p_new, _homes(p)), start, axis),
+                _write_rows(s_all, _to(s_new, _homes(s)), start, axis),
+            )
+
+        p_l, s_l = jax.lax.fori_loop(0, runs, rows_body, (p_l, s_l))
+        new_params.append(p_l)
+        new_state.append(s_l)
+
+    # The step counts advance once: each slice computed the same new count; this one is kept.
+    def none(q, x):
+        return False
+
+    _, s_counts = update(_select(grads, none), counts, _select(params, none))
+    new_state.append(_to(_select(s_counts, _is_count), _homes(counts)))
     return _merge(*new_params), _merge(*new_state)
