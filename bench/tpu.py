@@ -23,7 +23,12 @@ What it runs, each XLA group in a process of its own (libtpu reads its flags onc
 
 Derived per setup: the fastest policy that fit, the fastest recompute-only one (no tag, parameter or
 state on host), their ratio, and for each offloading policy the exposed transfer time: its step time
-minus that of the same placement kept on device, where that variant ran.
+minus that of the same placement kept on device, where that variant ran; for each `X+optimizer_host`,
+its step time over X's.
+
+3. `kernels` (in --setups; in the default set): attention (xla, blockwise, splash) and the routed
+   experts' grouped matmul (tile loop, ragged_dot, megablox, the capacity einsum), value and gradient,
+   at the setups' shapes (`KERNEL_CASES`).
 
 `--aot` compiles the setups' steps for a TPU v5e topology on this machine (libtpu installed, no TPU:
 jax.experimental.topologies) and records only the memory figures, which equal the chip's (the same
@@ -79,10 +84,13 @@ SETUPS = {
         "group": "tpu_host_offload",
         "policies": ["minimal:context=device", "minimal_context_offloaded", "minimal", "save_qkv_proj", "full"],
     },
-    # A DeepSeek-V3-shaped MoE (MLA, 16 routed experts, dropless) likewise.
+    # A DeepSeek-V3-shaped MoE (MLA, 16 routed experts, dropless) at the batch where keeping the attention
+    # output no longer fits (XLA for a v5e, `--aot`: `minimal:context=device` 15.86 G of temporaries,
+    # `minimal_context_offloaded` 15.80 GB peak). `planned` is zoo.tools.plan's choice here with the
+    # tpu_v5e profile; `planned_remat` the same with nothing offloaded (a custom recompute-only policy).
     "moe": {
         "model": ["dsv3_100m", {}],
-        "batch": 16,
+        "batch": 28,
         "seq": 4096,
         "group": "tpu_host_offload",
         "policies": [
@@ -92,7 +100,21 @@ SETUPS = {
             "minimal",
             "save_qkv_proj",
             "full",
-            "deepseek_mla_moe_offload",
+            "minimal:context=device,key_proj=remat,value_proj=remat,out_proj=offload",
+            "minimal:context=device,key_proj=remat,value_proj=remat,out_proj=remat",
+            "minimal_context_offloaded:key_proj=remat,value_proj=remat",
+        ],
+    },
+    # zoo.tools.plan's own choice for `dense` (tpu_v5e profile), against the measured best there.
+    "dense_planned": {
+        "model": ["llama_1b", {"num_layers": 4}],
+        "batch": 3,
+        "seq": 8192,
+        "group": "tpu_host_offload",
+        "policies": [
+            "minimal:context=device,query_proj=offload,out_proj=offload",
+            "minimal_context_offloaded",
+            "minimal",
         ],
     },
     # llama_1b's layers at 2048 where `none` fits: MFU of the unconstrained step with splash.
@@ -103,13 +125,25 @@ SETUPS = {
         "group": "tpu_host_offload",
         "policies": ["none", "minimal", "full"],
     },
-    # The optimizer state on host against on device, where both fit.
+    # The optimizer state on host against on device, where both fit. Each update moves the AdamW moments
+    # (8 bytes a parameter) to the device and back: over a 14 GB/s link that is ~0.6 s for these 506M
+    # parameters, more than a step of 8 x 2048 computes, so per step it cannot cost < 1.3x (measured
+    # below as the crossover); with 8 microbatches per update (how a run that offloads its state trains)
+    # the same transfer is spread over 8x the compute.
     "optimizer_host": {
+        "model": ["llama_1b", {"num_layers": 4}],
+        "batch": 64,
+        "grad_accum": 8,
+        "seq": 2048,
+        "group": "tpu_host_offload",
+        "policies": ["full", "full+optimizer_host"],
+    },
+    "optimizer_host_every_step": {
         "model": ["llama_1b", {"num_layers": 4}],
         "batch": 8,
         "seq": 2048,
         "group": "tpu_host_offload",
-        "policies": ["full", "full+optimizer_host", "minimal", "minimal+optimizer_host"],
+        "policies": ["minimal", "minimal+optimizer_host"],
     },
     # dropless (the TPU's grouped matmul) against the capacity kernel.
     "dropless": {
@@ -126,6 +160,7 @@ TOY_SETUPS = {
         "batch": 2,
         "seq": 128,
         "group": "default",
+        "grad_accum": 2,
         "policies": ["none", "minimal:context=device", "minimal_context_offloaded", "full", "full+optimizer_host"],
     },
     "moe": {
@@ -174,6 +209,8 @@ def build(setup: dict, label: str, devices, hardware, toy: bool):
         model, ["none"], setup["batch"], setup["seq"], hardware=hardware, xla_name=setup["group"], fast_compile=toy
     )
     c = dataclasses.replace(c, offload=o)
+    if setup.get("grad_accum", 1) > 1:  # the update runs once per `grad_accum` microbatches
+        c = dataclasses.replace(c, trainer=dataclasses.replace(c.trainer, grad_accum=setup["grad_accum"]))
     return c, C.make_trainer(c, devices)
 
 
@@ -209,6 +246,94 @@ def child_hw(spec: dict) -> dict:
     )
     stats = dev.memory_stats() or {}
     out["bytes_limit"] = int(stats["bytes_limit"]) if stats.get("bytes_limit") else None
+    return out
+
+
+# --- child: kernels ------------------------------------------------------------------------------
+
+# Attention (value and gradient) per impl, and the routed experts' grouped matmul per impl against the
+# capacity einsum (every expert given rows / experts rows), at the shapes the setups' models run.
+KERNEL_CASES = {
+    "attention": [
+        # name, batch, seq, heads, kv_heads, qk dim, v dim, impls
+        ("llama_1b heads (32 over 8, dim 64)", 8, 2048, 32, 8, 64, 64, ["xla", "blockwise", "splash"]),
+        ("llama_1b heads, long rows", 2, 8192, 32, 8, 64, 64, ["blockwise", "splash"]),
+        ("MLA heads (qk 96, v 64), dsv3_100m", 8, 2048, 16, 16, 96, 64, ["blockwise", "splash"]),
+    ],
+    "experts": [
+        # name, rows, experts, d_in, d_out, impls
+        ("dsv3_100m's routed experts", 32768, 16, 512, 512, ["tiles", "ragged_dot", "megablox", "capacity"]),
+        ("8 wide experts", 8192, 8, 4096, 8192, ["ragged_dot", "megablox", "capacity"]),
+    ],
+}
+TOY_KERNEL_CASES = {
+    "attention": [("toy heads", 2, 256, 4, 2, 32, 32, ["xla", "blockwise"])],
+    "experts": [("toy experts", 512, 4, 64, 64, ["tiles", "ragged_dot", "capacity"])],
+}
+
+
+def _time_grad(fn, args, repeats: int) -> float:
+    """Median seconds of jit(value and gradient of sum(fn(*args) * a fixed cotangent))."""
+    import jax
+    import jax.numpy as jnp
+
+    def loss(*a):
+        out = fn(*a)
+        return jnp.sum(out.astype(jnp.float32) * jnp.cos(jnp.arange(out.size, dtype=jnp.float32)).reshape(out.shape))
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(args)))))
+    jax.block_until_ready(step(*args))
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(step(*args))
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def child_kernels(spec: dict) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    from zoo.nn.attention_kernels import attend
+    from zoo.nn.grouped_matmul import grouped_matmul
+
+    cases = TOY_KERNEL_CASES if spec.get("toy") else KERNEL_CASES
+    repeats = 3 if spec.get("toy") else 10
+    keys = iter(jax.random.split(jax.random.key(0), 64))
+    out = {"attention": [], "experts": [], "repeats": repeats, "dtype": "bfloat16"}
+    for name, b, t, h, kvh, dqk, dv, impls in cases["attention"]:
+        q = jax.random.normal(next(keys), (b, t, h, dqk), jnp.bfloat16)
+        k = jax.random.normal(next(keys), (b, t, kvh, dqk), jnp.bfloat16)
+        v = jax.random.normal(next(keys), (b, t, kvh, dv), jnp.bfloat16)
+        row = {"case": name, "shape": f"{b} x {t}", "ms": {}}
+        for impl in impls:
+            try:
+                fn = lambda q, k, v, impl=impl: attend(q, k, v, scale=dqk**-0.5, impl=impl)  # noqa: E731
+                row["ms"][impl] = 1e3 * _time_grad(fn, (q, k, v), repeats)
+            except Exception as e:  # noqa: BLE001 - recorded (an impl this backend lacks, or out of memory)
+                row["ms"][impl] = _first_line(e)
+        log(f"kernels: attention {name} {row['shape']}: {row['ms']}")
+        out["attention"].append(row)
+    for name, rows, e, d_in, d_out, impls in cases["experts"]:
+        x = jax.random.normal(next(keys), (rows, d_in), jnp.bfloat16)
+        w = jax.random.normal(next(keys), (e, d_in, d_out), jnp.bfloat16) * d_in**-0.5
+        # Uneven groups (dropless routing is never balanced), summing to all rows.
+        shares = jnp.linspace(0.5, 1.5, e)
+        sizes = jnp.floor(rows * shares / shares.sum()).astype(jnp.int32)
+        sizes = sizes.at[-1].add(rows - sizes.sum())
+        row = {"case": name, "shape": f"{rows} rows, {e} experts, {d_in} -> {d_out}", "ms": {}}
+        for impl in impls:
+            try:
+                if impl == "capacity":
+                    fn = lambda x, w: jnp.einsum("ecd,edf->ecf", x.reshape(e, rows // e, d_in), w)  # noqa: E731
+                else:
+                    fn = lambda x, w, impl=impl: grouped_matmul(x, w, sizes, impl=impl)  # noqa: E731
+                row["ms"][impl] = 1e3 * _time_grad(fn, (x, w), repeats)
+            except Exception as e_:  # noqa: BLE001
+                row["ms"][impl] = _first_line(e_)
+        log(f"kernels: experts {name}: {row['ms']}")
+        out["experts"].append(row)
     return out
 
 
@@ -417,6 +542,10 @@ def derive(res: dict) -> None:
             best_rec = min(rec, key=lambda k: rec[k]["median_step_s"])
             s["fastest_recompute_only"] = best_rec
             s["fastest_over_recompute_only"] = ok[best]["median_step_s"] / rec[best_rec]["median_step_s"]
+        for k, r in ok.items():
+            base = k.replace("+optimizer_host", "")
+            if base != k and base in ok:
+                r["over_state_on_device"] = r["median_step_s"] / ok[base]["median_step_s"]
         # Exposed transfer: an offloading run against the run that keeps the same tags on device (same state).
         for k, r in ok.items():
             if r.get("recompute_only") or "actions" not in r:
@@ -430,6 +559,23 @@ def derive(res: dict) -> None:
                 r["on_device_twin"] = twin
                 if runs[twin].get("median_step_s"):
                     r["exposed_transfer_s"] = r["median_step_s"] - runs[twin]["median_step_s"]
+
+
+def merge(records: list[dict]) -> dict:
+    """Several runs' records as one (the chip's commands are limited in time, so a session is several):
+    each setup keeps the command that measured it; a later record's setups, hardware figures and
+    kernels replace an earlier one's."""
+    out = {k: v for k, v in records[0].items() if k != "setups"}
+    out["setups"] = {}
+    for rec in records:
+        for name, setup in (rec.get("setups") or {}).items():
+            out["setups"][name] = {**setup, "command": setup.get("command") or rec.get("command")}
+        for key in ("hw", "kernels"):
+            if rec.get(key):
+                out[key] = rec[key]
+    if len(records) > 1:
+        out["command"] = "; ".join(dict.fromkeys(r.get("command", "") for r in records))
+    return out
 
 
 def replan(res: dict, profile: str) -> None:
@@ -492,13 +638,29 @@ def markdown(res: dict) -> str:
             f"{100 * pl['overlap']['hidden_fraction']:.0f}% of a round trip hidden under matmuls; plain device_put "
             f"{hw['plain_link']['h2d_gbps']:.2f} / {hw['plain_link']['d2h_gbps']:.2f} GB/s\n"
         )
+    kern = res.get("kernels") or {}
+    if kern.get("attention") or kern.get("experts"):
+        lines.append(
+            f"Kernels, value and gradient ({kern.get('dtype')}, median of {kern.get('repeats')}), ms:\n\n"
+            "| kernel | case | shape | per impl (ms) |\n|---|---|---|---|"
+        )
+        for kind in ("attention", "experts"):
+            for row in kern.get(kind) or []:
+                cells = ", ".join(
+                    f"{impl} {ms:.2f}" if isinstance(ms, float) else f"{impl}: {ms.split(':')[0]}"
+                    for impl, ms in row["ms"].items()
+                )
+                lines.append(f"| {kind} | {row['case']} | {row['shape']} | {cells} |")
+        lines.append("")
     for name, s in (res.get("setups") or {}).items():
         if "runs" not in s:
             lines.append(f"**{name}**: {s.get('status')} ({s.get('reason', '')})\n")
             continue
         st = s["setup"]
         lines.append(
-            f"**{name}**: {st['model'][0]} {st['model'][1] or ''}, batch {st['batch']} x {st['seq']}, xla={st['group']}"
+            f"**{name}**: {st['model'][0]} {st['model'][1] or ''}, batch {st['batch']} x {st['seq']}"
+            + (f" in {st['grad_accum']} microbatches" if st.get("grad_accum", 1) > 1 else "")
+            + f", xla={st['group']}"
             + (
                 f"; fastest {s['fastest']}, fastest recompute-only {s.get('fastest_recompute_only')}, ratio "
                 f"{s.get('fastest_over_recompute_only', float('nan')):.3f}"
@@ -506,6 +668,8 @@ def markdown(res: dict) -> str:
                 else ""
             )
         )
+        if s.get("command"):
+            lines.append(f"`{s['command']}`")
         lines.append("")
         lines.append(
             "| policy | status | step (ms) | TFLOP/s | MFU | XLA peak (GB) | offloaded (GB) | planner peak (GB) | planner step (ms) | compile (s) |"
@@ -514,7 +678,9 @@ def markdown(res: dict) -> str:
         for label, r in s["runs"].items():
             p = r.get("planner") or {}
             lines.append(
-                f"| {label} | {r.get('status')} | {1e3 * r['median_step_s']:.1f} | {r['tflops']:.1f} | {100 * r['mfu']:.1f}% | "
+                f"| {label} | {r.get('status')} | {1e3 * r['median_step_s']:.1f}"
+                + (f" ({r['over_state_on_device']:.2f}x on device)" if r.get("over_state_on_device") else "")
+                + f" | {r['tflops']:.1f} | {100 * r['mfu']:.1f}% | "
                 if r.get("median_step_s")
                 else f"| {label} | {r.get('status')} | - | - | - | "
             )
@@ -535,11 +701,20 @@ def plot(res: dict, path: pathlib.Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    setups = [(n, s) for n, s in (res.get("setups") or {}).items() if s.get("runs")]
+    # The setups where something ran (a setup where nothing fit is in the tables).
+    setups = [
+        (n, s)
+        for n, s in (res.get("setups") or {}).items()
+        if any(r.get("status") == "ok" for r in (s.get("runs") or {}).values())
+    ]
     if not setups:
         return
-    fig, axes = plt.subplots(1, len(setups), figsize=(5.5 * len(setups), 4.5), squeeze=False)
-    for ax, (name, s) in zip(axes[0], setups):
+    cols = min(4, len(setups))
+    rows = -(-len(setups) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5.5 * cols, 5.2 * rows), squeeze=False)
+    for ax in axes.flat[len(setups) :]:
+        ax.axis("off")
+    for ax, (name, s) in zip(axes.flat, setups):
         labels = list(s["runs"])
         steps = [1e3 * (s["runs"][k].get("median_step_s") or 0) for k in labels]
         colors = [
@@ -555,8 +730,8 @@ def plot(res: dict, path: pathlib.Path) -> None:
             text = f"{peak / 1e9:.1f} GB" if r.get("status") == "ok" and peak else r.get("status", "")
             ax.annotate(text, (x, steps[x]), ha="center", fontsize=7, xytext=(0, 2), textcoords="offset points")
         ax.set_xticks(range(len(labels)))
-        ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=7)
-        ax.set_ylabel("step (ms); blue recompute-only, orange offload, gray did not run")
+        ax.set_xticklabels([k.replace(",", ",\n") for k in labels], rotation=30, ha="right", fontsize=6)
+        ax.set_ylabel("step (ms); blue recompute-only, orange offload, gray did not run", fontsize=7)
         st = s["setup"]
         ax.set_title(f"{name}: {st['model'][0]} {st['batch']}x{st['seq']}", fontsize=9)
     env = (res.get("hw") or {}).get("env") or {}
@@ -578,7 +753,11 @@ def main(argv=None) -> int:
         action="store_true",
         help="compile the setups for a TPU v5e on this machine (libtpu, no TPU): memory only",
     )
-    ap.add_argument("--setups", default=None, help=f"comma list of {', '.join(SETUPS)}")
+    ap.add_argument(
+        "--setups",
+        default=None,
+        help=f"comma list of {', '.join(SETUPS)}, and `kernels` (the attention and grouped-matmul kernels timed)",
+    )
     ap.add_argument("--batch", type=int, default=None, help="override every chosen setup's batch")
     ap.add_argument("--policies", default=None, help="override every chosen setup's policies (comma list)")
     ap.add_argument("--rounds", type=int, default=None)
@@ -588,7 +767,12 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="bench_tpu.json")
     ap.add_argument("--plot", default=None)
     ap.add_argument("--md", default=None)
-    ap.add_argument("--render", default=None, help="print the tables of a recorded --out JSON; nothing runs")
+    ap.add_argument(
+        "--render",
+        default=None,
+        help="print the tables of recorded --out JSONs (comma list: later setups replace earlier); nothing runs",
+    )
+    ap.add_argument("--merged", default=None, help="with --render: write the records merged into one JSON here")
     ap.add_argument(
         "--replan",
         default=None,
@@ -604,11 +788,14 @@ def main(argv=None) -> int:
         from bench import common as C
 
         spec = json.loads(pathlib.Path(args.spec).read_text())
-        out = child_hw(spec) if args.child == "hw" else child_setups(spec, pathlib.Path(args.result))
+        children = {"hw": child_hw, "kernels": child_kernels}
+        out = children[args.child](spec) if args.child in children else child_setups(spec, pathlib.Path(args.result))
         C.write_json(pathlib.Path(args.result), out)
         return 0
     if args.render:
-        res = json.loads(pathlib.Path(args.render).read_text())
+        res = merge([json.loads(pathlib.Path(f).read_text()) for f in args.render.split(",")])
+        if args.merged:
+            pathlib.Path(args.merged).write_text(json.dumps(res, indent=1) + "\n")
         if args.replan:
             replan(res, args.replan)
         derive(res)
@@ -621,7 +808,9 @@ def main(argv=None) -> int:
 
     t_start = time.time()
     table = TOY_SETUPS if args.toy else SETUPS
-    names = args.setups.split(",") if args.setups else list(table)
+    names = args.setups.split(",") if args.setups else [*table, "kernels"]
+    kernels = "kernels" in names
+    names = [n for n in names if n != "kernels"]
     for n in names:
         if n not in table:
             print(f"error: --setups: unknown setup {n!r}; choose from {', '.join(table)}", file=sys.stderr)
@@ -661,6 +850,9 @@ def main(argv=None) -> int:
         res["hw"] = run_child("hw", spec, workdir, env, args.budget_s)
         spec["hw"] = res["hw"]
         spec["limit_bytes"] = res["hw"].get("bytes_limit")
+        C.write_json(out, res)
+    if kernels and not args.aot:
+        res["kernels"] = run_child("kernels", spec, workdir, env, t_start + args.budget_s - time.time())
         C.write_json(out, res)
     groups = dict.fromkeys(s["group"] for s in setups.values())
     for g in groups:

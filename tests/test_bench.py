@@ -190,8 +190,9 @@ def test_gpu_bench_renders_the_recorded_h200_session():
 
 @pytest.mark.slow
 def test_tpu_bench_toy_on_cpu(tmp_path):
-    """`bench/tpu.py --toy`: the hardware child, every toy policy compiled and run in alternation, the
-    planner against each run, the derived fastest / fastest recompute-only, the JSON and the plot."""
+    """`bench/tpu.py --toy`: the hardware child, the kernels timed, every toy policy compiled and run in
+    alternation (in microbatches), the planner against each run, the derived fastest / fastest
+    recompute-only and state-on-host ratio, the JSON and the plot."""
     out = tmp_path / "t.json"
     _run(["bench/tpu.py", "--toy", "--out", str(out), "--plot", str(tmp_path / "t.png")], tmp_path, timeout=900)
     res = json.loads(out.read_text())
@@ -200,6 +201,13 @@ def test_tpu_bench_toy_on_cpu(tmp_path):
     assert dense["fastest"] in dense["runs"] and dense["runs"][dense["fastest_recompute_only"]]["recompute_only"]
     assert all(r["planner"]["time_s"] > 0 for r in dense["runs"].values())
     assert res["hw"]["program_link"]["moves"] is False  # on a CPU nothing moves inside a program
+    assert dense["runs"]["full+optimizer_host"]["over_state_on_device"] > 0  # against `full`, same run
+    kernels = res["kernels"]
+    assert all(
+        isinstance(ms, float) and ms > 0
+        for row in kernels["attention"] + kernels["experts"]
+        for ms in row["ms"].values()
+    )
     assert (tmp_path / "t.png").stat().st_size > 0
 
 
