@@ -95,6 +95,6 @@ def test_inspect_writes_under_outputs_by_default(tmp_path, monkeypatch, capsys):
     assert len(written) == 1 and f"wrote {written[0].relative_to(tmp_path)}" in capsys.readouterr().out
     rep = json.loads(written[0].read_text())
     assert (
-        rep["kernels"]["loss_chunk_size"] == 512 and rep["update"]["streamed"] and rep["update"]["layer_loops"] == 1
-    )  # moments only: one loop
+        rep["kernels"]["loss_chunk_size"] == 512 and rep["update"]["streamed"] and rep["update"]["layer_loops"] == 3
+    )  # moments only: the stack, and the embedding and head in runs of rows (each larger than a layer slice)
     assert not (tmp_path / "inspect.json").exists()

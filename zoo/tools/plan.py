@@ -3,7 +3,7 @@ time within an HBM budget.
 
 The cost model (per device, per step; every number it uses is printed in the estimates table):
 
-- compute: the step's training FLOPs (`zoo.config.flops_per_token`) at the device's matmul rate,
+- compute: the step's training FLOPs (`zoo.counts.flops_per_token`) at the device's matmul rate,
   `hardware.peak_flops * plan.flops_efficiency` (or a measured profile's `peak_flops` with
   `plan.flops_efficiency=1`).
 - `remat` of a tag costs its producer's FLOPs (the matmul, attention or norm that makes it; formulas
@@ -23,7 +23,8 @@ The cost model (per device, per step; every number it uses is printed in the est
   `attention_working_bytes` by the implementation the planned hardware runs,
   `loss_working_bytes` by `trainer.loss_chunk_size`) and the optimizer update (all state on device;
   with state on host the update streams layer by layer, zoo.train.update: the device-resident
-  state, the host-resident leaves outside the stacks, and two layers' host-resident slices).
+  state, with parameters on host the gradients outside the stacks, and two layers' worth of
+  host-resident slices).
 - Parameters in host memory move one layer at a time inside the scan (forward and backward, hidden
   behind compute like offloaded tags), their gradients stay on host; host-resident state moves in
   and out for the update, exposed.
@@ -64,7 +65,8 @@ from typing import Optional, Sequence, Union
 import numpy as np
 
 from zoo import model as zoo_model
-from zoo.config import attended_keys, flops_per_token, moe_capacity
+from zoo.config import attended_keys, moe_capacity
+from zoo.counts import flops_per_token
 from zoo.model import block_classes, loss_fn, stack_layout
 from zoo.nn.attention_kernels import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, resolve_impl
 from zoo.nn.expert_rounds import round_block
@@ -365,12 +367,11 @@ def _fixed_state_bytes(p: Problem) -> tuple[float, float]:
     backward = params + grads + opt + p.other_bytes + p.working_bytes + cut
     if not _streamed(p):
         return backward, p.param_bytes + p.grad_bytes + p.opt_bytes
-    # Streamed: what lives on device stays; the host-resident leaves outside the stacks come whole;
-    # the stacks' host-resident slices come one layer at a time (this one and the next in flight).
+    # Streamed: what lives on device stays (with parameters on host, the gradients of the leaves outside
+    # the stacks, made on device by the backward); host-resident slices come at most a layer's worth at
+    # a time (a stack's layer, or a run of a large leaf's rows), this one and the next in flight.
     resident = (0.0 if p.params_on_host else p.param_bytes + p.grad_bytes) + (0.0 if p.opt_on_host else p.opt_bytes)
-    outside = (2 * outside_params if p.params_on_host else 0.0) + (
-        p.opt_bytes - p.stack_opt_bytes if p.opt_on_host else 0.0
-    )
+    outside = outside_params if p.params_on_host else 0.0
     return backward, resident + outside + 2 * _biggest_layer(p, p.params_on_host, p.opt_on_host)
 
 
@@ -762,16 +763,9 @@ def holders(p: Problem, e: Estimate, memory: str = "hbm") -> list[Holder]:
             if not p.params_on_host:
                 out += [Holder("parameters (update)", p.param_bytes), Holder("gradients (update)", p.grad_bytes)]
             else:
-                out.append(
-                    Holder(
-                        "parameters and gradients outside the stacks (update)",
-                        2 * (p.param_bytes - p.stack_param_bytes),
-                    )
-                )
+                out.append(Holder("gradients outside the stacks (update)", p.param_bytes - p.stack_param_bytes))
             if not p.opt_on_host:
                 out.append(Holder("optimizer state (update)", p.opt_bytes))
-            else:
-                out.append(Holder("optimizer state outside the stacks (update)", p.opt_bytes - p.stack_opt_bytes))
             out.append(
                 Holder(
                     "two layers of host-resident state in flight (update)",
