@@ -15,7 +15,7 @@ builds train.py's own step (`zoo.train.step.Trainer`) from the dataclasses, and 
 - the step time, timed round-robin: every round runs one step of every preset in a rotated order,
   so load from other processes hits all presets alike; the ratio to `none` is the median over rounds
   of (this preset's step / `none`'s step in the same round);
-- the model-FLOP rate (zoo.config.flops_per_token: the model's FLOPs, not the recomputation) as a
+- the model-FLOP rate (zoo.counts.flops_per_token: the model's FLOPs, not the recomputation) as a
   fraction of the float32 matmul rate measured in the same run (the best of n = 1024 and 2048, at
   the start and at the end).
 
@@ -100,7 +100,7 @@ def bench_family(
 ) -> dict:
     import jax
 
-    from zoo.config import count_params, flops_per_token
+    from zoo.counts import count_params, flops_per_token
 
     tokens_per_step = batch * seq
     fpt = flops_per_token(model, seq)

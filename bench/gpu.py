@@ -15,7 +15,7 @@ What it runs (each part in its own process: XLA reads its flags once per process
    preset (llama_qkv_offload / deepseek_mla_moe_offload), full, optimizer_host and minimal. All steps of
    a process are traced first, then compiled in parallel threads (XLA compiles without the GIL), then
    run one after another: warm-up, then timed steps (median). Per run: TFLOP/s per device (model FLOPs,
-   zoo.config.flops_per_token), MFU against the measured matmul rate, XLA's compiled memory (device
+   zoo.counts.flops_per_token), MFU against the measured matmul rate, XLA's compiled memory (device
    and host temp), the process's device-memory high-water mark (runs go in ascending order of XLA's
    estimate, so it is the run's own peak unless an earlier run peaked higher), the bytes moved to and
    from the host per step (offloaded residuals read from the traced program, plus host-resident state),
@@ -279,7 +279,7 @@ def child_group(spec: dict, result_path: pathlib.Path) -> dict:
     import jax
 
     from bench import common as C
-    from zoo.config import flops_per_token
+    from zoo.counts import flops_per_token
     from zoo.train.metrics import device_memory
 
     group = spec["group"]

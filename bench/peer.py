@@ -65,8 +65,8 @@ def zoo_train_config(d: dict, remat: str, **xla_changes):
 
 def model_flops_per_step(d: dict) -> float:
     """6 x matmul weights (LM head included, embedding lookup not) x tokens + causal attention, as
-    zoo.config.flops_per_token counts them (152.2 / 613.6 GFLOP per step, the peer's own published count)."""
-    from zoo.config import flops_per_token
+    zoo.counts.flops_per_token counts them (152.2 / 613.6 GFLOP per step, the peer's own published count)."""
+    from zoo.counts import flops_per_token
 
     return flops_per_token(zoo_model(d), d["seq"]) * d["batch"] * d["seq"]
 

@@ -15,7 +15,7 @@ What it runs, each XLA group in a process of its own (libtpu reads its flags onc
    proof that it does not fit this chip). The parameters are initialised once per state layout
    (timed: lowering, compile, run), then the policies run in alternation: `rounds` rounds of one
    warm-up and `steps` timed steps each, so a slow drift of the machine falls on every policy alike.
-   Per policy: median step time, model TFLOP/s (zoo.config.flops_per_token) and MFU against the
+   Per policy: median step time, model TFLOP/s (zoo.counts.flops_per_token) and MFU against the
    datasheet peak (hardware=tpu_v5e), XLA's compiled memory (the TPU compiler's simulated peak and
    host temporaries), the runtime's high-water mark, bytes offloaded per step (read from the traced
    program), and zoo.tools.plan's estimate of the same policy (HBM peak and step time, at the link
@@ -381,7 +381,7 @@ def child_setups(spec: dict, result_path: pathlib.Path) -> dict:
 
     from bench import common as C
     from zoo.backend import lowering_for
-    from zoo.config import flops_per_token
+    from zoo.counts import flops_per_token
     from zoo.train.metrics import device_memory
 
     aot = spec.get("aot", False)

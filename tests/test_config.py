@@ -6,7 +6,8 @@ import re
 import pytest
 
 from zoo import families
-from zoo.config import MLAConfig, MoEConfig, RopeConfig, count_params, moe_capacity
+from zoo.config import MLAConfig, MoEConfig, RopeConfig, moe_capacity
+from zoo.counts import count_params
 from zoo.families import SIZES, get_size
 from zoo.model import abstract, count_leaves
 
@@ -225,13 +226,22 @@ def test_cpu_sizes_of_the_families_are_about_100m(name):
 
 
 @pytest.mark.parametrize("name", sorted(SIZES))
-def test_count_params_equals_abstract_model_leaves(name):
+def test_every_leaf_of_the_model_is_declared_so_the_counts_see_it(name):
+    """zoo.counts reads weights through the blocks' PARAMS: every array of the model must be declared
+    there (an undeclared one would be missing from the FLOPs), and a token uses top_k of the routed
+    experts' declared leaves."""
+    from zoo.counts import declared_leaves
+
     c = SIZES[name]
-    assert count_leaves(abstract(c)) == count_params(c)
+    model = abstract(c)
+    declared = list(declared_leaves(model))
+    assert sum(x.size for x, _ in declared) == count_leaves(model) == count_params(c)
+    routed = sum(x.size for x, leaf in declared if leaf.axes and leaf.axes[0] == "experts")
     if c.moe is None:
-        assert count_params(c, active=True) == count_params(c)
+        assert routed == 0 and count_params(c, active=True) == count_params(c)
     else:
-        assert count_params(c, active=True) < count_params(c)
+        unused = routed * (1 - c.moe.num_experts_per_tok / c.moe.n_routed_experts)
+        assert 0 < unused and count_params(c, active=True) == round(count_params(c) - unused)
 
 
 @pytest.mark.parametrize("name", ["llama_tiny_a", "dsv3_tiny_a"])

@@ -7,7 +7,7 @@ import pathlib
 import pytest
 from omegaconf import OmegaConf
 
-from zoo.config import count_params
+from zoo.counts import count_params
 from zoo.families import SIZES
 from zoo.offload import load_preset
 from zoo.train.run_config import (

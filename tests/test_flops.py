@@ -1,4 +1,4 @@
-"""`zoo.config.flops_per_token` against the matmuls the traced model actually runs, for every family
+"""`zoo.counts.flops_per_token` against the matmuls the traced model actually runs, for every family
 (MFU is this count divided by time, so a wrong count is a wrong MFU)."""
 
 import dataclasses
@@ -11,7 +11,8 @@ import jax.extend.core as jex_core
 import numpy as np
 import pytest
 
-from zoo.config import attended_keys, flops_per_token
+from zoo.config import attended_keys
+from zoo.counts import flops_per_token
 from zoo.families import SIZES
 from zoo.model import abstract
 from zoo.nn import moe_dispatch

@@ -349,7 +349,7 @@ def test_the_inspector_counts_the_adapters_and_the_frozen_base_where_it_lives(tm
     import json
     import re
 
-    from zoo.config import count_params
+    from zoo.counts import count_params
     from zoo.tools.inspect_step import main
 
     args = [

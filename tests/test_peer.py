@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from zoo.config import count_params, flops_per_token
+from zoo.counts import count_params, flops_per_token
 from zoo.families import SIZES
 
 ROOT = Path(__file__).resolve().parent.parent

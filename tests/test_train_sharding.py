@@ -286,7 +286,7 @@ def test_params_and_opt_state_live_on_pinned_host_between_steps():
 def test_params_per_device_counts_what_each_device_holds():
     """What picks the initialiser's LLVM level (zoo.model.init_compile_options): a replicated leaf counts
     whole on every device, a sharded one by its shard."""
-    from zoo.config import count_params
+    from zoo.counts import count_params
 
     def per_device(mesh):
         c = make_config("llama_tiny_a", mesh)

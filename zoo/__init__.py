@@ -10,9 +10,8 @@ import importlib
 # name -> the module it lives in (a submodule: the module itself)
 _HOMES = {
     "tags": "zoo.tags",
-    **dict.fromkeys(
-        ("MLAConfig", "ModelConfig", "MoEConfig", "RopeConfig", "count_params", "flops_per_token"), "zoo.config"
-    ),
+    **dict.fromkeys(("MLAConfig", "ModelConfig", "MoEConfig", "RopeConfig"), "zoo.config"),
+    **dict.fromkeys(("count_params", "flops_per_token"), "zoo.counts"),
     **dict.fromkeys(("SIZES", "get_size"), "zoo.families"),
     **dict.fromkeys(("capture", "capture_layers"), "zoo.intermediates"),
     **dict.fromkeys(("CausalLM", "abstract", "build", "loss_fn", "next_token_loss"), "zoo.model"),

@@ -451,66 +451,7 @@ class ModelConfig:
         )
 
 
-# --- parameter and FLOP counts ---------------------------------------------------------------
-
-
-def _attention_params(c: ModelConfig) -> int:
-    d = c.hidden_size
-    if not c.uses_mla:
-        n, k, h = c.num_heads, c.num_kv_heads, c.head_dim
-        total = d * n * h * 2 + d * k * h * 2
-        total += (n * h + 2 * k * h) if c.attention_bias else 0
-        total += d if c.attention_out_bias else 0
-        total += 2 * h if c.qk_norm else 0
-        total += n if c.attention_sinks else 0
-        return total
-    m = c.mla
-    n = c.num_heads
-    if m.q_lora_rank is None:
-        q = d * n * m.qk_head_dim
-    else:
-        q = d * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * n * m.qk_head_dim
-    kv = (
-        d * (m.kv_lora_rank + m.qk_rope_head_dim)
-        + m.kv_lora_rank
-        + m.kv_lora_rank * n * (m.qk_nope_head_dim + m.v_head_dim)
-    )
-    return q + kv + n * m.v_head_dim * d
-
-
-def _expert_params(c: ModelConfig) -> int:
-    m = c.moe
-    d, i = c.hidden_size, m.moe_intermediate_size
-    return 3 * d * i + ((2 * i + d) if m.expert_bias else 0)
-
-
-def _router_params(c: ModelConfig) -> int:
-    m = c.moe
-    router = m.n_routed_experts * c.hidden_size
-    if m.router == "sigmoid_grouped":
-        router += m.n_routed_experts  # the correction bias (a buffer, counted as DeepSeek counts it)
-    if m.router_bias:
-        router += m.n_routed_experts
-    return router
-
-
-def _moe_params(c: ModelConfig, active: bool) -> int:
-    m = c.moe
-    experts = m.num_experts_per_tok if active else m.n_routed_experts
-    shared = m.n_shared_experts * 3 * c.hidden_size * m.moe_intermediate_size
-    return _router_params(c) + experts * _expert_params(c) + shared
-
-
-def count_params(c: ModelConfig, active: bool = False) -> int:
-    """Parameters of the model (`active`: those one token uses, counting top_k routed experts)."""
-    d = c.hidden_size
-    norms = (4 if c.sandwich_norms else 2) * d
-    per_layer = _attention_params(c) + norms
-    dense = c.num_dense_layers * (per_layer + 3 * d * c.intermediate_size)
-    moe = c.num_moe_layers * (per_layer + _moe_params(c, active)) if c.num_moe_layers else 0
-    embed = c.vocab_size * d
-    head = 0 if c.tie_word_embeddings else c.vocab_size * d
-    return embed + dense + moe + d + head
+# --- counts the configuration alone gives (parameter and FLOP counts: zoo.counts) ---------------
 
 
 def attended_keys(seq_len: int, window: Optional[int], causal: bool = True) -> float:
@@ -522,40 +463,6 @@ def attended_keys(seq_len: int, window: Optional[int], causal: bool = True) -> f
         return seq_len / 2
     full = window * (window + 1) / 2 + (seq_len - window) * window  # sum over i of min(i + 1, W)
     return full / seq_len
-
-
-def flops_per_token(c: ModelConfig, seq_len: int, causal: bool = True) -> float:
-    """Training FLOPs (forward + backward = 3x forward) per token, counted analytically.
-
-    Matmuls: 6 per active matmul weight (the embedding lookup is no matmul; biases, norms, sinks and
-    the DeepSeek correction bias are no matmul weights). Attention: the score and context products,
-    6 * heads * (qk_dim + v_dim) per attended key, per layer; a causal layer attends T/2 keys on
-    average, a sliding one the mean of min(i + 1, W). The router is a matmul (hidden x experts).
-    """
-    d = c.hidden_size
-    matmul_weights = count_params(c, active=True) - c.vocab_size * d * (1 if c.tie_word_embeddings else 2)
-    matmul_weights -= c.num_layers * (4 if c.sandwich_norms else 2) * d + d  # norms
-    if c.uses_mla:
-        m = c.mla
-        matmul_weights -= c.num_layers * (m.kv_lora_rank + (m.q_lora_rank or 0))  # latent norms
-    else:
-        n, k, h = c.num_heads, c.num_kv_heads, c.head_dim
-        matmul_weights -= c.num_layers * (
-            ((n * h + 2 * k * h) if c.attention_bias else 0)
-            + (d if c.attention_out_bias else 0)
-            + (2 * h if c.qk_norm else 0)
-            + (n if c.attention_sinks else 0)
-        )
-    if c.num_moe_layers:
-        m = c.moe
-        not_matmul = _router_params(c) - m.n_routed_experts * d
-        if m.expert_bias:
-            not_matmul += m.num_experts_per_tok * (2 * m.moe_intermediate_size + d)
-        matmul_weights -= c.num_moe_layers * not_matmul
-    matmul_weights += c.vocab_size * d  # the output head is a matmul, tied or not
-    keys = sum(attended_keys(seq_len, c.layer_spec(i).window, causal) for i in range(c.num_layers))
-    attention = 6 * keys * c.num_heads * (c.qk_head_dim + c.v_head_dim)
-    return 6.0 * matmul_weights + attention
 
 
 def moe_capacity(tokens: int, c: MoEConfig) -> int:

@@ -28,7 +28,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray, PyTree
 from zoo import backend
 from zoo import sharding as zs
 from zoo import tags
-from zoo.config import LayerSpec, ModelConfig, count_params
+from zoo.config import LayerSpec, ModelConfig
 from zoo.lora import merge_block
 from zoo.loss import vocab_parallel_lookup
 from zoo.nn import GatedMLP, GQAttention, MLAttention, MoE, MoEAux, RMSNorm
@@ -714,7 +714,7 @@ def build(config: ModelConfig, *, key: PRNGKeyArray) -> CausalLM:
     if cache_key not in _INITIALISERS:
         static = eqx.partition(eqx.filter_eval_shape(CausalLM, config, key=key), eqx.is_array)[1]
         lowered = jax.jit(lambda k: eqx.filter(CausalLM(config, key=k), eqx.is_array)).lower(key)
-        options = init_compile_options(jax.default_backend(), count_params(config))
+        options = init_compile_options(jax.default_backend(), count_leaves(abstract(config)))
         _INITIALISERS[cache_key] = (lowered.compile(options), static)
     compiled, static = _INITIALISERS[cache_key]
     return eqx.combine(compiled(key), static)

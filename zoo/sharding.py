@@ -53,27 +53,31 @@ class Leaf:
     `inputs`: a projection of the block (`projection`), whose first `inputs` axes are what it reads:
     LoRA adapts it (zoo.lora) and its hub matrix is `[out, in]` (zoo.families._hf); 0: no projection
     (a bias, a norm, a router, the routed experts' stacked weights). `hub`: its module's name in
-    transformers (the tensor `<hub>.weight`), where the block is transformers' module too."""
+    transformers (the tensor `<hub>.weight`), where the block is transformers' module too.
+    `matmul`: a weight that multiplies the activations (every projection, the routed experts' weights,
+    a router), as opposed to a bias, scale or table: zoo.counts counts 6 training FLOPs per token for
+    each of its (active) elements."""
 
     axes: Optional[tuple[Optional[str], ...]]
     compute: bool
     inputs: int = 0
     hub: Optional[str] = None
+    matmul: bool = False
 
 
-def compute(*axes: Optional[str]) -> Leaf:
+def compute(*axes: Optional[str], matmul: bool = False) -> Leaf:
     """A leaf cast to the compute dtype before it is gathered (a matmul weight or its output bias)."""
-    return Leaf(tuple(axes), True)
+    return Leaf(tuple(axes), True, matmul=matmul)
 
 
 def projection(*axes: Optional[str], inputs: int = 1, hub: Optional[str] = None) -> Leaf:
     """A block's projection weight: cast like `compute`, its first `inputs` axes read (see `Leaf`)."""
-    return Leaf(tuple(axes), True, inputs, hub)
+    return Leaf(tuple(axes), True, inputs, hub, matmul=True)
 
 
-def float32(*axes: Optional[str]) -> Leaf:
+def float32(*axes: Optional[str], matmul: bool = False) -> Leaf:
     """A leaf used in its own dtype (float32): never cast, gathered as it is."""
-    return Leaf(tuple(axes), False)
+    return Leaf(tuple(axes), False, matmul=matmul)
 
 
 # Under context parallelism (zoo.train.run_config.MeshConfig.context_parallel) the rules carry this key too:

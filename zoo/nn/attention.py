@@ -63,7 +63,7 @@ OUT_PROJ = tags.TagInfo(
 
 def context_flops(s: tags.FlopShape) -> int | float:
     """Scores and context products over the keys a query attends (causal: T/2; sliding: the window,
-    as `zoo.config.flops_per_token` counts them)."""
+    as `zoo.counts.flops_per_token` counts them)."""
     c = s.config
     return 2 * s.batch * c.num_heads * s.seq * s.keys * (c.qk_head_dim + c.v_head_dim)
 

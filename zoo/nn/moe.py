@@ -226,7 +226,7 @@ class MoE(eqx.Module):
     # zoo.sharding: the router and its biases stay float32 where they are used; the routed experts'
     # leaves are declared by ExpertWeights (the shared experts are a GatedMLP, which declares its own).
     PARAMS: ClassVar[dict[str, zs.Leaf]] = {
-        "router": zs.float32("embed", None),
+        "router": zs.float32("embed", None, matmul=True),
         "e_score_correction_bias": zs.float32(None),
         "router_bias": zs.float32(None),
         **ExpertWeights.PARAMS,

@@ -96,9 +96,9 @@ class ExpertWeights(eqx.Module):
     # zoo.sharding: the routed experts' leaves (zoo.nn.moe.MoE declares its own as these), all cast to
     # the compute dtype; the biases as GPT-OSS lays them out, one row per expert.
     PARAMS: ClassVar[dict[str, zs.Leaf]] = {
-        "w_gate": zs.compute("experts", "embed", "mlp"),
-        "w_up": zs.compute("experts", "embed", "mlp"),
-        "w_down": zs.compute("experts", "mlp", "embed"),
+        "w_gate": zs.compute("experts", "embed", "mlp", matmul=True),
+        "w_up": zs.compute("experts", "embed", "mlp", matmul=True),
+        "w_down": zs.compute("experts", "mlp", "embed", matmul=True),
         "b_gate": zs.compute("experts", "mlp"),
         "b_up": zs.compute("experts", "mlp"),
         "b_down": zs.compute("experts", "embed"),

@@ -16,7 +16,7 @@ import jax
 
 from zoo import hlo
 from zoo import model as zoo_model
-from zoo.config import count_params
+from zoo.counts import count_params
 from zoo.offload import expected_placement, layer_policies, placement_matches, resolve, scan_policies
 from zoo.placement import Placement, placement_from_jaxpr, scan_names, update_buffers
 from zoo.tools import scale

@@ -3,7 +3,8 @@ active per token), as a Markdown table. `python -m zoo.tools.sizes <name> ...` p
 
 import sys
 
-from zoo.config import ModelConfig, count_params
+from zoo.config import ModelConfig
+from zoo.counts import count_params
 from zoo.families import SIZES
 
 

@@ -1,6 +1,6 @@
 """Throughput, model FLOPs, MFU, memory, and where metrics go (jsonl, summary, progress, TensorBoard).
 
-Model FLOPs are counted analytically by `zoo.config.flops_per_token` (forward + backward, attention
+Model FLOPs are counted analytically by `zoo.counts.flops_per_token` (forward + backward, attention
 included, MoE counting the top-k routed experts only); MFU is those FLOPs per second per device over
 the hardware profile's peak.
 """
@@ -17,7 +17,8 @@ import jax
 import numpy as np
 
 from zoo.backend import target_platform
-from zoo.config import ModelConfig, flops_per_token
+from zoo.config import ModelConfig
+from zoo.counts import flops_per_token
 
 
 def to_python(x: Any) -> Any:

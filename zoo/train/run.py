@@ -15,7 +15,7 @@ from omegaconf import DictConfig
 
 from zoo import backend, families
 from zoo._compat import backends_are_initialized
-from zoo.config import count_params
+from zoo.counts import count_params
 from zoo.hf.pretrained import describe as describe_pretrained
 from zoo.model import abstract
 from zoo.offload import OffloadConfig, parse_ranges, range_configs

@@ -28,7 +28,7 @@ from jaxtyping import Array, Float
 from zoo import backend, lora
 from zoo import model as zoo_model
 from zoo import sharding as zs
-from zoo.config import flops_per_token
+from zoo.counts import flops_per_token
 from zoo.hf import CheckpointError, load_sharded
 from zoo.loss import chunked_next_token_loss, target_weights
 from zoo.nn.attention_kernels import segments_bound
@@ -58,7 +58,7 @@ def cpu_optimization(c: TrainConfig, platform: str) -> tuple[Optional[bool], str
 
 
 def run_model_flops(c: TrainConfig) -> float:
-    """The model FLOPs (zoo.config.flops_per_token: forward + backward, no recomputation) of the run's steps."""
+    """The model FLOPs (zoo.counts.flops_per_token: forward + backward, no recomputation) of the run's steps."""
     tokens = c.data.batch_size * c.data.seq_len * c.trainer.grad_accum
     return float(flops_per_token(c.model, c.data.seq_len)) * tokens * c.trainer.steps
 
