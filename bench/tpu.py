@@ -458,11 +458,12 @@ def child_setups(spec: dict, result_path: pathlib.Path) -> dict:
                 if key not in states:
                     tr = trainers[label]
                     t = time.perf_counter()
-                    low = jax.jit(tr._init, out_shardings=tr.state_shardings).lower(jax.random.key(0))
+                    init_key = tr.init_key(0)  # the backend's generator, as Trainer.init uses
+                    low = jax.jit(tr._init, out_shardings=tr.state_shardings).lower(init_key)
                     t1 = time.perf_counter()
                     exe = low.compile()
                     t2 = time.perf_counter()
-                    states[key] = jax.block_until_ready(exe(jax.random.key(0)))
+                    states[key] = jax.block_until_ready(exe(init_key))
                     init_s[str(key)] = {"lower_s": t1 - t, "compile_s": t2 - t1, "run_s": time.perf_counter() - t2}
                     tokens = tokens if tokens is not None else C.tokens_for(tr)
             res["setups"][name]["init"] = init_s

@@ -66,16 +66,23 @@ class BackendChoices:
     # How the dropless experts' grouped matmul runs (zoo.nn.grouped_matmul): "tiles" (a loop over
     # tiles of rows, any backend), "megablox" (the Pallas TPU kernel `gmm`, falling back to
     # "ragged_dot" for widths its tiles cannot cut), "ragged_dot" (`lax.ragged_dot`, native on TPU).
-    # TPU v5e, value and gradient of 16 experts x 2048 rows, 512 -> 512, bf16: megablox (512-row
-    # tiles) 1.31 ms, ragged_dot 1.40, tiles 2.53-5.28; 8 x 1024 rows, 4096 -> 8192: 13.3 / 28.0 /
-    # 20.4-41.1 ms (docs/benchmarks.md, "TPU v5e").
+    # TPU v5e, value and gradient, bf16 (`python bench/tpu.py --setups kernels`): 16 experts, 32768
+    # uneven rows, 512 -> 512: megablox 2.24 ms, ragged_dot 2.21, tiles 6.44; 8 experts, 8192 rows,
+    # 4096 -> 8192: megablox 20.1 ms, ragged_dot 31.9 (docs/benchmarks.md, "TPU v5e").
     grouped_matmul: str = "tiles"
     # The fused attention kernel `model.attention_impl=auto` takes where it can run the case (None:
     # none; cuDNN on a GPU is resolve_impl's own rule). TPU: Pallas splash attention, which ran
-    # llama_1b's attention (8 x 2048, 32 heads over 8, head dim 64, value and gradient) in 13.2 ms
-    # against 17.9 for blockwise and 51.4 for XLA's, and 32.8 / 62.4 ms at 2 x 8192 (XLA's: out of
-    # memory).
+    # llama_1b's attention (8 x 2048, 32 heads over 8, head dim 64, value and gradient) in 18.0 ms
+    # against 20.1 for blockwise and 51.4 for XLA's, and 37.6 / 64.5 ms at 2 x 8192; MLA's heads
+    # 10.0 / 14.3 ms (`python bench/tpu.py --setups kernels`).
     fused_attention: Optional[str] = None
+    # The random-number generator of the parameters' initialiser (jax.random.key's `impl`; None: JAX's
+    # default, threefry). TPU: "rbg", XLA's RngBitGenerator: on a v5e llama_1b's 4-layer initialiser
+    # compiled in 8.5-8.7 s against 19.6-20.3 s with threefry (alternated, two rounds; both ran in
+    # 0.02-0.03 s), so Trainer.init took 7.6 s. Other bits than threefry's, from the same
+    # distributions; a LoRA run's base keeps threefry (a checkpoint rebuilds it from the seed on any
+    # machine).
+    init_prng: Optional[str] = None
 
     def describe(self) -> str:
         """One line for train.py's startup output."""
@@ -107,7 +114,7 @@ CPU = BackendChoices(
 )
 
 
-TPU = BackendChoices(platform="tpu", grouped_matmul="megablox", fused_attention="splash")
+TPU = BackendChoices(platform="tpu", grouped_matmul="megablox", fused_attention="splash", init_prng="rbg")
 
 
 def choices(platform: Optional[str] = None) -> BackendChoices:

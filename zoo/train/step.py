@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, PRNGKeyArray
 
 from zoo import backend, lora
 from zoo import model as zoo_model
@@ -227,14 +227,21 @@ class Trainer:
         the Hugging Face checkpoint when the model group names one (`init_pretrained`)."""
         if self.cfg.pretrained is not None:
             return self.init_pretrained()
-        seed = self.cfg.trainer.seed if seed is None else seed
-        key = jax.random.key(seed)
+        key = self.init_key(seed)
         lowered = jax.jit(self._init, out_shardings=self.state_shardings).lower(key)
         # Init runs once: on CPU its LLVM level is chosen by the parameters a device draws; values agree
         # to float32 rounding.
         return lowered.compile(
             zoo_model.init_compile_options(self.mesh.devices.flat[0].platform, self.params_per_device())
         )(key)
+
+    def init_key(self, seed: Optional[int] = None) -> PRNGKeyArray:
+        """The initialiser's key: `trainer.seed` (or `seed`) with the backend's generator
+        (`zoo.backend.BackendChoices.init_prng`); threefry for a LoRA base, which checkpoints rebuild
+        from the seed wherever they are read."""
+        seed = self.cfg.trainer.seed if seed is None else seed
+        impl = backend.choices(self.mesh.devices.flat[0].platform).init_prng if self.lora is None else None
+        return jax.random.key(seed, impl=impl) if impl else jax.random.key(seed)
 
     def params_per_device(self) -> int:
         """Parameters one device holds: replicated leaves whole, sharded ones a shard."""
