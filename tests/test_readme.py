@@ -62,7 +62,8 @@ NOT_RUN = {
     r"hydra/launcher=joblib": "needs the hydra-joblib-launcher plugin, which the project does not install",
     r"data\.path=(books\.jsonl|corpus/|pairs\.jsonl)": "placeholder paths for the user's own text (the `$HOME/notes/` line runs, on a copy of the shipped text)",
     r"<train\.py overrides>": "a placeholder, not a command",
-    r"^python bench/tpu\.py --setups": "needs a TPU (tests/test_bench.py runs its --toy form in the slow tier and renders the recorded docs/bench_tpu.json)",
+    r"^python bench/tpu\.py --(setups|out)": "needs a TPU (tests/test_bench.py runs its --toy form in the slow tier and renders the recorded docs/bench_tpu.json)",
+    r"^python bench/tpu\.py --render docs/bench_tpu\.json --replan": "re-plans all 27 recorded runs (minutes); tests/test_bench.py renders the record, tests/test_plan.py plans a TPU profile off the chip",
     r"^ruff check": ".ci/run runs it before the tests",
     r"offload=minimal_context_offloaded xla=tpu_host_offload": "sized for a TPU v5e (3 x 8192 on llama_1b's layers); the preset runs on every tiny family in tests/test_offload.py",
     r"^python -m zoo\.tools\.inspect_step model=llama_1b hardware=h100_pcie data\.batch_size=2 data\.seq_len=4096 'hydra\.searchpath=\[file:///<plan dir>\]' offload=planned$": (
