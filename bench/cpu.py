@@ -132,7 +132,8 @@ def bench_family(
             concurrent=workers,
         )
         log(
-            f"  {p}: temp {mem['temp_size_in_bytes'] / 1e6:.1f} MB, kept on device {kept['device_bytes'] / 1e6:.1f} MB, "
+            f"  {p}: temp {mem['temp_size_in_bytes'] / 1e6:.1f} MB, kept on device {kept['device_bytes'] / 1e6:.1f} "
+            "MB, "
             f"on host {kept['host_bytes'] / 1e6:.1f} MB, recomputed {kept['recomputed_bytes'] / 1e6:.1f} MB"
         )
 
@@ -221,7 +222,8 @@ def compile_vs_depth(
             _, _, secs = C.trace_and_compile(tr)
             out.append({"preset": p, "num_layers": d, **secs})
             log(
-                f"compile {p} at {d} layers: {secs['total_s']:.1f}s (trace {secs['trace_s']:.1f}, lower {secs['lower_s']:.1f}, compile {secs['compile_s']:.1f})"
+                f"compile {p} at {d} layers: {secs['total_s']:.1f}s (trace {secs['trace_s']:.1f}, lower "
+                f"{secs['lower_s']:.1f}, compile {secs['compile_s']:.1f})"
             )
     return out
 
@@ -239,18 +241,24 @@ def markdown(res: dict) -> str:
     for key, fam in res["families"].items():
         m = fam["model"]
         lines += [
-            f"**{key}** ({m['config']['family']}, {m['params'] / 1e6:.1f}M params, {m['active_params'] / 1e6:.1f}M active; "
-            f"batch {fam['batch']} x {fam['seq']}; {fam['model_flops_per_token'] / 1e6:.1f} MFLOP/token; medians of {fam['rounds']} rounds)",
+            f"**{key}** ({m['config']['family']}, {m['params'] / 1e6:.1f}M params, {m['active_params'] / 1e6:.1f}M "
+            "active; "
+            f"batch {fam['batch']} x {fam['seq']}; {fam['model_flops_per_token'] / 1e6:.1f} MFLOP/token; medians of "
+            f"{fam['rounds']} rounds)",
             "",
-            "| preset | tags kept on device (MB) | on host (MB) | recomputed (MB) | compiled temp (MB) | host temp (MB) | step (s) | ratio to none | model GFLOP/s | of matmul rate (same round) | of best matmul rate | compile (s, 2 at a time) |",
+            "| preset | tags kept on device (MB) | on host (MB) | recomputed (MB) | compiled temp (MB) | host temp "
+            "(MB) | step (s) | ratio to none | model GFLOP/s | of matmul rate (same round) | of best matmul rate | "
+            "compile (s, 2 at a time) |",
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for p, r in fam["presets"].items():
             k, mem = r["kept"], r["compiled_memory"] or {}
             lines.append(
-                f"| {p} | {_mb(k['device_bytes'])} | {_mb(k['host_bytes'])} | {_mb(k['recomputed_bytes'])} | {_mb(mem.get('temp_size_in_bytes'))} | "
+                f"| {p} | {_mb(k['device_bytes'])} | {_mb(k['host_bytes'])} | {_mb(k['recomputed_bytes'])} | "
+                f"{_mb(mem.get('temp_size_in_bytes'))} | "
                 f"{_mb(mem.get('host_temp_size_in_bytes'))} | {r['median_step_s']:.3f} | {r['ratio_to_none']:.3f} | "
-                f"{r['model_flops_per_s'] / 1e9:.1f} | {100 * r['fraction_of_round_matmul_rate']:.1f}% | {100 * r['model_flops_per_s'] / peak:.1f}% | "
+                f"{r['model_flops_per_s'] / 1e9:.1f} | {100 * r['fraction_of_round_matmul_rate']:.1f}% | "
+                f"{100 * r['model_flops_per_s'] / peak:.1f}% | "
                 f"{r['compile']['total_s']:.1f} |"
             )
         lines.append("")
@@ -266,7 +274,8 @@ def markdown(res: dict) -> str:
                 else ""
             )
             lines.append(
-                f"profile of one `none` step ({prof['step_wall_s']:.3f} s wall, {prof['op_seconds_per_step']:.3f} s in XLA ops{gaps}), seconds by kind of op: {cats}"
+                f"profile of one `none` step ({prof['step_wall_s']:.3f} s wall, {prof['op_seconds_per_step']:.3f} s "
+                f"in XLA ops{gaps}), seconds by kind of op: {cats}"
             )
             lines.append("")
     if res.get("compile_vs_depth"):
@@ -276,7 +285,8 @@ def markdown(res: dict) -> str:
         ]
         for d in res["compile_vs_depth"]:
             lines.append(
-                f"| {d['preset']} | {d['num_layers']} | {d['trace_s']:.1f} | {d['lower_s']:.1f} | {d['compile_s']:.1f} | {d['total_s']:.1f} |"
+                f"| {d['preset']} | {d['num_layers']} | {d['trace_s']:.1f} | {d['lower_s']:.1f} | "
+                f"{d['compile_s']:.1f} | {d['total_s']:.1f} |"
             )
         lines.append("")
     mm = ", ".join(f"{x['n']}: {x['flops_per_s'] / 1e9:.1f}" for x in res["matmul"]["start"] + res["matmul"]["end"])
@@ -295,7 +305,8 @@ def tag_tables(res: dict) -> str:
         presets = list(fam["presets"])
         tags = list(dict.fromkeys(t for r in fam["presets"].values() for t in r["kept"]["tags"]))
         lines += [
-            f"**{key}**: MB per tag over all layers, and where the backward pass finds it (D device, H host, R recomputed, - unread)",
+            f"**{key}**: MB per tag over all layers, and where the backward pass finds it (D device, H host, R "
+            "recomputed, - unread)",
             "",
             "| tag | " + " | ".join(presets) + " |",
             "|---|" + "---|" * len(presets),
@@ -391,7 +402,8 @@ def main(argv=None) -> int:
 
     env = C.env_info(jax.devices()[:1])
     log(
-        f"bench/cpu.py on {env['host_cpu']} ({env['cpu_count']} cores), load {env['load_average']}, jax {env['versions']['jax']}"
+        f"bench/cpu.py on {env['host_cpu']} ({env['cpu_count']} cores), load {env['load_average']}, jax "
+        f"{env['versions']['jax']}"
     )
     res = {
         "schema": SCHEMA,

@@ -689,7 +689,9 @@ def markdown(res: dict) -> str:
         )
         lines.append("")
     lines += [
-        "| group | model | preset | status | step (ms) | TFLOP/s/dev | MFU vs matmul | / none | / full | compiled peak (GiB) | host temp (GiB) | measured peak (GiB) | to host / step (GB) | exposed | planner step (ms) | planner peak (GiB) | planner hides |",
+        "| group | model | preset | status | step (ms) | TFLOP/s/dev | MFU vs matmul | / none | / full | compiled "
+        "peak (GiB) | host temp (GiB) | measured peak (GiB) | to host / step (GB) | exposed | planner step (ms) | "
+        "planner peak (GiB) | planner hides |",
         "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
 
@@ -700,12 +702,18 @@ def markdown(res: dict) -> str:
         for r in g.get("runs", []):
             mem = r.get("compiled_memory") or {}
             lines.append(
-                f"| {gname} | {r['model']} | {r['preset']} | {r.get('status')} | {f(r.get('median_step_s'), '.1f', 1e3)} | {f(r.get('tflops_per_device'), '.2f')} | "
-                f"{f(r.get('mfu_vs_matmul'), '.1%')} | {f(r.get('ratio_to_none'), '.3f')} | {f(r.get('ratio_to_full'), '.3f')} | "
-                f"{f(mem.get('estimated_peak_bytes'), '.2f', 2**-30)} | {f(mem.get('host_temp_size_in_bytes'), '.2f', 2**-30)} | "
-                f"{f(r.get('process_peak_bytes'), '.2f', 2**-30)} | {f((r.get('transfer') or {}).get('to_host_bytes'), '.3f', 1e-9)} | "
-                f"{f(r.get('exposed_fraction_vs_none'), '.2f')} | {f((r.get('planner') or {}).get('time_s'), '.1f', 1e3)} | "
-                f"{f((r.get('planner') or {}).get('peak_bytes'), '.2f', 2**-30)} | {(r.get('planner') or {}).get('hides', '-')} |"
+                f"| {gname} | {r['model']} | {r['preset']} | {r.get('status')} | "
+                f"{f(r.get('median_step_s'), '.1f', 1e3)} | {f(r.get('tflops_per_device'), '.2f')} | "
+                f"{f(r.get('mfu_vs_matmul'), '.1%')} | {f(r.get('ratio_to_none'), '.3f')} | "
+                f"{f(r.get('ratio_to_full'), '.3f')} | "
+                f"{f(mem.get('estimated_peak_bytes'), '.2f', 2**-30)} | "
+                f"{f(mem.get('host_temp_size_in_bytes'), '.2f', 2**-30)} | "
+                f"{f(r.get('process_peak_bytes'), '.2f', 2**-30)} | "
+                f"{f((r.get('transfer') or {}).get('to_host_bytes'), '.3f', 1e-9)} | "
+                f"{f(r.get('exposed_fraction_vs_none'), '.2f')} | "
+                f"{f((r.get('planner') or {}).get('time_s'), '.1f', 1e3)} | "
+                f"{f((r.get('planner') or {}).get('peak_bytes'), '.2f', 2**-30)} | "
+                f"{(r.get('planner') or {}).get('hides', '-')} |"
             )
     probes = (res.get("probe") or {}).get("probes", [])
     if probes:
@@ -717,7 +725,8 @@ def markdown(res: dict) -> str:
         for p in probes:
             runs = ", ".join(f"{b}: {v}" for b, v in (p.get("runs") or {}).items()) or "-"
             lines.append(
-                f"| {p['model']} | {p['preset']} | {f(p.get('bytes_per_sequence'), '.3f', 2**-30)} | {p.get('predicted_max_batch', '-')} | {runs} | {p.get('largest_batch_run', '-')} |"
+                f"| {p['model']} | {p['preset']} | {f(p.get('bytes_per_sequence'), '.3f', 2**-30)} | "
+                f"{p.get('predicted_max_batch', '-')} | {runs} | {p.get('largest_batch_run', '-')} |"
             )
     return "\n".join(lines)
 
@@ -776,7 +785,8 @@ def plot(res: dict, path: pathlib.Path) -> None:
         ax.legend(fontsize=7)
     env = (res.get("hw") or {}).get("env") or {}
     fig.suptitle(
-        f"bench/gpu.py{' --toy' if res.get('toy') else ''}, {env.get('date_utc', '')}, {(env.get('device') or {}).get('kind', '')}",
+        f"bench/gpu.py{' --toy' if res.get('toy') else ''}, {env.get('date_utc', '')}, "
+        f"{(env.get('device') or {}).get('kind', '')}",
         fontsize=9,
     )
     fig.tight_layout()
@@ -947,7 +957,8 @@ def main(argv=None) -> int:
     }
 
     log(
-        f"bench/gpu.py{' --toy' if args.toy else ''}{' --scale' if args.scale else ''}: models {model_keys}, presets {presets}, groups {groups}, "
+        f"bench/gpu.py{' --toy' if args.toy else ''}{' --scale' if args.scale else ''}: models {model_keys}, presets "
+        f"{presets}, groups {groups}, "
         f"budget {budget:.0f}s"
     )
     earlier = (
@@ -1043,10 +1054,12 @@ def plan_only(args) -> int:
     )
     batch, seq = args.batch or base["batch"], args.seq or base["seq"]
     print(
-        f"zoo.tools.plan estimates at {rate / 1e12:.0f} TFLOP/s, host link {args.link_gbps:g} GB/s per direction, HBM {args.hbm_gb:g} GB; batch {batch} x {seq}"
+        f"zoo.tools.plan estimates at {rate / 1e12:.0f} TFLOP/s, host link {args.link_gbps:g} GB/s per direction, HBM "
+        f"{args.hbm_gb:g} GB; batch {batch} x {seq}"
     )
     print(
-        "| model | preset | estimated step (ms) | compute | recompute | exposed transfers | state transfers | HBM peak (GB) | on host (GB) | offload hides |"
+        "| model | preset | estimated step (ms) | compute | recompute | exposed transfers | state transfers | HBM "
+        "peak (GB) | on host (GB) | offload hides |"
     )
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
     keys = args.models.split(",") if args.models else list(base["models"])
@@ -1058,8 +1071,10 @@ def plan_only(args) -> int:
             c = C.train_config(model, [preset], batch, seq, hardware=hw)
             e = C.planner_estimate(c, C.make_trainer(c, jax.devices()[:1]), args.hbm_gb * 1e9)
             print(
-                f"| {key} ({name}) | {preset} | {e['time_s'] * 1e3:.1f} | {e['compute_s'] * 1e3:.1f} | {e['recompute_s'] * 1e3:.1f} | "
-                f"{e['exposed_transfer_s'] * 1e3:.1f} | {e['state_transfer_s'] * 1e3:.1f} | {e['peak_bytes'] / 1e9:.1f} | {e['host_tag_bytes'] / 1e9:.2f} | "
+                f"| {key} ({name}) | {preset} | {e['time_s'] * 1e3:.1f} | {e['compute_s'] * 1e3:.1f} | "
+                f"{e['recompute_s'] * 1e3:.1f} | "
+                f"{e['exposed_transfer_s'] * 1e3:.1f} | {e['state_transfer_s'] * 1e3:.1f} | "
+                f"{e['peak_bytes'] / 1e9:.1f} | {e['host_tag_bytes'] / 1e9:.2f} | "
                 f"{'yes' if e['hides'] else '-'} |",
                 flush=True,
             )

@@ -65,13 +65,15 @@ def main() -> int:
     q = statistics.quantiles(ratios, n=4)
     print(
         f"model {c.model.family} ({c.model.num_moe_layers} MoE layers x {c.model.moe.n_routed_experts} experts), "
-        f"batch {c.data.batch_size} x {c.data.seq_len}, {a.rounds} rounds, compile {compile_s[True]:.1f}s on / {compile_s[False]:.1f}s off"
+        f"batch {c.data.batch_size} x {c.data.seq_len}, {a.rounds} rounds, compile {compile_s[True]:.1f}s on / "
+        f"{compile_s[False]:.1f}s off"
     )
     print(f"metrics only with moe_metrics on: {', '.join(sorted(keys[True] - keys[False]))}")
     cost = {on: C.compiled_flops(compiled[on]) for on in (True, False)}
     if cost[True] and cost[False]:
         print(
-            f"XLA cost analysis FLOPs per step: on {cost[True]:.6g}, off {cost[False]:.6g}, ratio {cost[True] / cost[False]:.6f}"
+            f"XLA cost analysis FLOPs per step: on {cost[True]:.6g}, off {cost[False]:.6g}, ratio "
+            f"{cost[True] / cost[False]:.6f}"
         )
     print(f"median step: moe_metrics on {1e3 * on_s:.2f} ms, off {1e3 * off_s:.2f} ms, ratio {on_s / off_s:.3f}")
     print(f"per-round ratio on/off: median {statistics.median(ratios):.3f} (p25 {q[0]:.3f}, p75 {q[2]:.3f})")

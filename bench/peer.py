@@ -118,7 +118,8 @@ def zoo_one(config: str, remat: str, steps: int, json_path=None) -> dict:
         "host_memory": huge_pages.describe(),
     }
     print(
-        f"zoo {remat}: median step (steps 3..{steps}) {rec['median_step_s_3_to_end'] * 1e3:.1f} ms, compile {compile_s:.1f}s, "
+        f"zoo {remat}: median step (steps 3..{steps}) {rec['median_step_s_3_to_end'] * 1e3:.1f} ms, compile "
+        f"{compile_s:.1f}s, "
         f"loss {losses[0]:.4f} -> {losses[-1]:.4f}",
         flush=True,
     )
@@ -174,7 +175,8 @@ def table(results: dict) -> str:
         extra = f" {r['torch_huge_pages_ms']:.0f} ms | {r['ratio_torch_huge_pages']:.2f} |" if thp else ""
         lines.append(
             f"| `{config}` | {remat} | {r['zoo_ms']:.0f} ms | {r['torch_ms']:.0f} ms | **{r['ratio']:.2f}** | "
-            f"{', '.join(f'{x:.2f}' for x in r['ratios'])} |{extra} {r['zoo_fraction']:.0%} | {r['torch_fraction']:.0%} | "
+            f"{', '.join(f'{x:.2f}' for x in r['ratios'])} |{extra} {r['zoo_fraction']:.0%} | "
+            f"{r['torch_fraction']:.0%} | "
             f"{r['matmul_gflops']:.0f} GFLOP/s |"
         )
     return "\n".join(lines)
@@ -223,7 +225,8 @@ def main(argv=None) -> int:
     for c, r in keys:
         if c not in CONFIGS or r not in REMATS:
             print(
-                f"error: --configs/--remats: {c}/{r} unknown; choose configs from {','.join(CONFIGS)} and remats from {','.join(REMATS)}",
+                f"error: --configs/--remats: {c}/{r} unknown; choose configs from {','.join(CONFIGS)} and remats from "
+                f"{','.join(REMATS)}",
                 file=sys.stderr,
             )
             return 2

@@ -200,7 +200,8 @@ def main(argv=None) -> int:
                 {"round": r + 1, "zoo": got["zoo"], "torch": got["torch"], "ratio": ratio, "same_tokens": same}
             )
             log(
-                f"round {r + 1}: zoo {got['zoo']['s_per_token']:.4f} s/token, torch {got['torch']['s_per_token']:.4f} s/token, "
+                f"round {r + 1}: zoo {got['zoo']['s_per_token']:.4f} s/token, torch {got['torch']['s_per_token']:.4f} "
+                "s/token, "
                 f"zoo/torch {ratio:.2f}, same tokens: {same}"
             )
     ratios = [x["ratio"] for x in results]
@@ -219,7 +220,8 @@ def main(argv=None) -> int:
     }
     print(
         f"zoo/torch seconds per token, median of {rounds} round(s): {summary['median_ratio']:.2f} "
-        f"(zoo {statistics.median(summary['zoo_s_per_token']):.4f}, torch {statistics.median(summary['torch_s_per_token']):.4f}); "
+        f"(zoo {statistics.median(summary['zoo_s_per_token']):.4f}, torch "
+        f"{statistics.median(summary['torch_s_per_token']):.4f}); "
         f"same tokens: {summary['same_tokens']}"
     )
     if args.json:

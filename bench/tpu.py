@@ -241,8 +241,10 @@ def child_hw(spec: dict) -> dict:
     out["plain_link"] = {"h2d_gbps": h2d, "d2h_gbps": d2h}
     pl = out["program_link"]
     log(
-        f"hw: inside a program host->device {pl['to_device_gbps']:.2f} GB/s, device->host {pl['to_host_gbps']:.2f} GB/s, "
-        f"{100 * pl['overlap']['hidden_fraction']:.0f}% of a round trip hidden under matmuls; plain device_put {h2d:.2f} / {d2h:.2f} GB/s"
+        f"hw: inside a program host->device {pl['to_device_gbps']:.2f} GB/s, device->host {pl['to_host_gbps']:.2f} "
+        "GB/s, "
+        f"{100 * pl['overlap']['hidden_fraction']:.0f}% of a round trip hidden under matmuls; plain device_put "
+        f"{h2d:.2f} / {d2h:.2f} GB/s"
     )
     stats = dev.memory_stats() or {}
     out["bytes_limit"] = int(stats["bytes_limit"]) if stats.get("bytes_limit") else None
@@ -427,7 +429,8 @@ def child_setups(spec: dict, result_path: pathlib.Path) -> dict:
                 [(k, low, trainers[k].compiler_options) for k, low in lowered.items()], spec["workers"]
             )
             log(
-                f"{name}: traced and compiled {len(lowered)} steps in {time.perf_counter() - t0:.1f}s ({time.perf_counter() - t:.1f}s compiling)"
+                f"{name}: traced and compiled {len(lowered)} steps in {time.perf_counter() - t0:.1f}s "
+                f"({time.perf_counter() - t:.1f}s compiling)"
             )
             for label, (exe, secs) in compiled.items():
                 run = runs[label]
@@ -506,7 +509,8 @@ def child_setups(spec: dict, result_path: pathlib.Path) -> dict:
                 process_peak_bytes=(mem or {}).get("peak_bytes_in_use"),
             )
             log(
-                f"{name} {label}: {1e3 * step:.1f} ms/step, {fl / step / 1e12:.1f} TFLOP/s (MFU {100 * fl / step / PEAK_FLOPS:.1f}%)"
+                f"{name} {label}: {1e3 * step:.1f} ms/step, {fl / step / 1e12:.1f} TFLOP/s (MFU "
+                f"{100 * fl / step / PEAK_FLOPS:.1f}%)"
                 + (
                     f", planner {1e3 * run['planner']['time_s']:.1f} ms"
                     if "time_s" in (run.get("planner") or {})
@@ -673,7 +677,8 @@ def markdown(res: dict) -> str:
             lines.append(f"`{s['command']}`")
         lines.append("")
         lines.append(
-            "| policy | status | step (ms) | TFLOP/s | MFU | XLA peak (GB) | offloaded (GB) | planner peak (GB) | planner step (ms) | compile (s) |"
+            "| policy | status | step (ms) | TFLOP/s | MFU | XLA peak (GB) | offloaded (GB) | planner peak (GB) | "
+            "planner step (ms) | compile (s) |"
         )
         lines.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         for label, r in s["runs"].items():
@@ -686,7 +691,8 @@ def markdown(res: dict) -> str:
                 else f"| {label} | {r.get('status')} | - | - | - | "
             )
             lines[-1] += (
-                f"{_gb((r.get('compiled_memory') or {}).get('estimated_peak_bytes'))} | {_gb(r.get('offloaded_bytes'))} | "
+                f"{_gb((r.get('compiled_memory') or {}).get('estimated_peak_bytes'))} | "
+                f"{_gb(r.get('offloaded_bytes'))} | "
                 f"{_gb(p.get('peak_bytes'))} | {1e3 * p['time_s']:.1f} | "
                 if p.get("time_s")
                 else f"{_gb((r.get('compiled_memory') or {}).get('estimated_peak_bytes'))} | {_gb(r.get('offloaded_bytes'))} | - | - | "
@@ -737,7 +743,8 @@ def plot(res: dict, path: pathlib.Path) -> None:
         ax.set_title(f"{name}: {st['model'][0]} {st['batch']}x{st['seq']}", fontsize=9)
     env = (res.get("hw") or {}).get("env") or {}
     fig.suptitle(
-        f"bench/tpu.py{' --toy' if res.get('toy') else ''} {env.get('date_utc', '')} {(env.get('device') or {}).get('kind', '')}",
+        f"bench/tpu.py{' --toy' if res.get('toy') else ''} {env.get('date_utc', '')} "
+        f"{(env.get('device') or {}).get('kind', '')}",
         fontsize=9,
     )
     fig.tight_layout()

@@ -567,7 +567,8 @@ def main(argv=None) -> int:
     unknown = [n for n in args.names if n not in RECIPES]
     if unknown:
         print(
-            f"error: unknown recipe {', '.join(unknown)}; choose from {', '.join(RECIPES)} (python tests/make_fixtures.py --list)",
+            f"error: unknown recipe {', '.join(unknown)}; choose from {', '.join(RECIPES)} (python "
+            "tests/make_fixtures.py --list)",
             file=sys.stderr,
         )
         return 2

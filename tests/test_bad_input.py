@@ -301,7 +301,8 @@ CASES = {
         lambda t, d: (train_cmd(LLAMA, *TINY, f"data.path={_books(t)}", f"hydra.run.dir={t / 'run'}"), t, [_books(t)]),
         (
             2,
-            r"data\.path: only data=text reads it, .*; set `data=text` \(python train\.py data=text data\.path=.*books\.jsonl\)",
+            r"data\.path: only data=text reads it, .*; set `data=text` \(python train\.py data=text "
+            r"data\.path=.*books\.jsonl\)",
         ),
     ),
     "+data.path with markov data": (
@@ -320,14 +321,16 @@ CASES = {
         lambda t, d: (train_cmd(LLAMA, *TINY, "data=text", "data.path=", f"hydra.run.dir={t / 'run'}"), t, []),
         (
             2,
-            r"data\.path: empty \(an unset shell variable\?\); give a path, or leave data\.path out \(null: the shipped corpus\)",
+            r"data\.path: empty \(an unset shell variable\?\); give a path, or leave data\.path out \(null: the "
+            r"shipped corpus\)",
         ),
     ),
     "trainer.eval_every with synthetic data": (
         lambda t, d: (train_cmd(LLAMA, *TINY, "trainer.eval_every=5", f"hydra.run.dir={t / 'run'}"), t, []),
         (
             2,
-            r"trainer\.eval_every: evaluates the held-out split, and data=markov has none \(its synthetic tokens are endless\); drop it, "
+            r"trainer\.eval_every: evaluates the held-out split, and data=markov has none \(its synthetic tokens are "
+            r"endless\); drop it, "
             r"or train on text with a split \(data=text data\.eval_fraction=0\.05\)",
         ),  # fmt: skip
     ),
@@ -336,7 +339,8 @@ CASES = {
         lambda t, d: (train_cmd(LLAMA, *TINY, "lora=default", "lora.rank=0", f"hydra.run.dir={t / 'run'}"), t, []),
         (
             2,
-            r"lora\.rank: 0 turns LoRA off, so lora\.alpha, .* would be ignored and every parameter would train; give a positive rank "
+            r"lora\.rank: 0 turns LoRA off, so lora\.alpha, .* would be ignored and every parameter would train; give "
+            r"a positive rank "
             r"\(e\.g\. lora\.rank=8\), or choose lora=none for full fine-tuning",
         ),  # fmt: skip
     ),
@@ -350,7 +354,8 @@ CASES = {
         ),
         (
             2,
-            r"offload\.block_tags\.mla: the llama model has no mla blocks \(its optional blocks: mlp\), so this would be ignored; drop it",
+            r"offload\.block_tags\.mla: the llama model has no mla blocks \(its optional blocks: mlp\), so this would "
+            r"be ignored; drop it",
         ),
     ),
     "missing data.eval_path": (
@@ -378,7 +383,8 @@ CASES = {
         lambda t, d: (train_cmd(LLAMA, *TINY), _unwritable_dir(t), []),
         (
             2,
-            r"hydra\.run\.dir: cannot create \S+/outputs in \S+ \(.*\) \(the working directory: .*\); run from a writable directory "
+            r"hydra\.run\.dir: cannot create \S+/outputs in \S+ \(.*\) \(the working directory: .*\); run from a "
+            r"writable directory "
             r"or set hydra\.run\.dir=.*",
         ),  # fmt: skip
     ),
@@ -386,7 +392,8 @@ CASES = {
         lambda t, d: (train_cmd(LLAMA, *TINY, "hydra.run.dir="), t, [t]),
         (
             2,
-            r"hydra\.run\.dir: empty \(an unset shell variable\?\); give a directory, e\.g\. hydra\.run\.dir=runs/1, or leave it out "
+            r"hydra\.run\.dir: empty \(an unset shell variable\?\); give a directory, e\.g\. hydra\.run\.dir=runs/1, "
+            r"or leave it out "
             r"for Hydra's default \(outputs/<date>/<time>\)",
         ),  # fmt: skip
     ),
@@ -399,8 +406,10 @@ CASES = {
         ),
         (
             2,
-            r"hydra\.run\.dir: (\S+/run) holds the metrics\.jsonl and summary\.json of a finished run, which this run would replace "
-            r"\(it starts from step 0\); give this run another hydra\.run\.dir, or move \1 away \(a run that resumes a checkpoint continues "
+            r"hydra\.run\.dir: (\S+/run) holds the metrics\.jsonl and summary\.json of a finished run, which this run "
+            r"would replace "
+            r"\(it starts from step 0\); give this run another hydra\.run\.dir, or move \1 away \(a run that resumes "
+            r"a checkpoint continues "
             r"the record there\)",
         ),  # fmt: skip
     ),
@@ -420,7 +429,8 @@ CASES = {
         ),  # fmt: skip
         (
             2,
-            r"hydra\.run\.dir: \S+/run is in use by another run \(pid \d+ on .*\); wait for it to end or give this run another hydra\.run\.dir .*",
+            r"hydra\.run\.dir: \S+/run is in use by another run \(pid \d+ on .*\); wait for it to end or give this "
+            r"run another hydra\.run\.dir .*",
         ),
     ),
     # Ctrl-C.
@@ -444,7 +454,8 @@ CASES = {
         ),
         (
             130,
-            r"interrupted \(Ctrl-C\) while waiting for the checkpoint save in flight, after a first Ctrl-C; the steps saved before it are "
+            r"interrupted \(Ctrl-C\) while waiting for the checkpoint save in flight, after a first Ctrl-C; the steps "
+            r"saved before it are "
             r"intact \(last: \d+ in .*\);.* run the same command to resume",
         ),  # fmt: skip
         _ctrl_c_twice,
@@ -463,7 +474,8 @@ CASES = {
         lambda t, d: (tool_cmd("export", str(_copy_run(t, d)[1]), str(t / "out")), t, [t / "ckpt"]),
         (
             130,
-            r"interrupted \(Ctrl-C\) while reading the checkpoint \S+/ckpt; nothing was written to \S+/out; run the same command again",
+            r"interrupted \(Ctrl-C\) while reading the checkpoint \S+/ckpt; nothing was written to \S+/out; run the "
+            r"same command again",
         ),
         _ctrl_c_when_waiting,
         ("zoo.train.hf_export", STALLED_EXPORT),
@@ -484,7 +496,8 @@ CASES = {
         ),  # fmt: skip
         (
             1,
-            r"step 4: saving its checkpoint failed \(No space left on device\), so the run stopped; last good checkpoint: step 2 in (\S+/ckpt); "
+            r"step 4: saving its checkpoint failed \(No space left on device\), so the run stopped; last good "
+            r"checkpoint: step 2 in (\S+/ckpt); "
             r"free space in \1 \(or give another checkpoint\.dir\) and run the same command to resume",
         ),  # fmt: skip
         None,
@@ -499,8 +512,10 @@ CASES = {
         ),
         (
             2,
-            r"out of device memory \(XLA: 16\.11G needed, 15\.75G available\): the planner puts this step at [\d.]+ MB per device, "
-            r"the largest holders optimizer state [\d.]+ kB, parameters .*; the change that frees the most: .*; the whole table: "
+            r"out of device memory \(XLA: 16\.11G needed, 15\.75G available\): the planner puts this step at [\d.]+ "
+            r"MB per device, "
+            r"the largest holders optimizer state [\d.]+ kB, parameters .*; the change that frees the most: .*; the "
+            r"whole table: "
             r"python -m zoo\.tools\.plan .*hardware\.hbm_bytes=1000000 plan\.holders=true$",
         ),  # fmt: skip
         None,
@@ -519,7 +534,8 @@ CASES = {
         lambda t, d: (tool_cmd("export", str(_copy_run(t, d)[1]), str(t / "out"), "--adapters-only"), t, [t / "ckpt"]),
         (
             2,
-            r"\S+/ckpt: not a LoRA run \(its checkpoint holds the whole model, no adapters\); export it without --adapters-only",
+            r"\S+/ckpt: not a LoRA run \(its checkpoint holds the whole model, no adapters\); export it without "
+            r"--adapters-only",
         ),
     ),
     "zoo.tools.generate, every step without its manifest": (
@@ -531,7 +547,8 @@ CASES = {
         ),
         (
             2,
-            r"\S+/ckpt: step 1 is unreadable \(state/manifest\.ocdbt is missing\), as are steps 2, 3: no intact checkpoint is left; .*",
+            r"\S+/ckpt: step 1 is unreadable \(state/manifest\.ocdbt is missing\), as are steps 2, 3: no intact "
+            r"checkpoint is left; .*",
         ),
     ),
     "zoo.tools.report, a job ran no steps": (
@@ -542,7 +559,8 @@ CASES = {
         lambda t, d: (tool_cmd("report", str(_sweep_of_one(t, d, b"\x80\xff binary"))), t, [t / "sweep" / "0"]),
         (
             0,
-            r"note: \S+/sweep/0/summary\.json is unreadable \(not UTF-8 text: byte 0x80 at offset 0\); marked failed in report\.md",
+            r"note: \S+/sweep/0/summary\.json is unreadable \(not UTF-8 text: byte 0x80 at offset 0\); marked failed "
+            r"in report\.md",
         ),
     ),
     "zoo.tools.report, a binary metrics.jsonl": (
@@ -554,7 +572,8 @@ CASES = {
         ),  # fmt: skip
         (
             2,
-            r"dir: \S+/run/metrics\.jsonl holds no step record \(not UTF-8 text: byte 0x80 at offset 0\): damaged, or not train\.py's; "
+            r"dir: \S+/run/metrics\.jsonl holds no step record \(not UTF-8 text: byte 0x80 at offset 0\): damaged, or "
+            r"not train\.py's; "
             r"give the directory of a train\.py run",
         ),  # fmt: skip
     ),
@@ -569,7 +588,8 @@ CASES = {
         ),  # fmt: skip
         (
             2,
-            r"model\.path: \S+/model\.safetensors: not a safetensors file \(it does not start with a header length and a JSON header\); .*",
+            r"model\.path: \S+/model\.safetensors: not a safetensors file \(it does not start with a header length "
+            r"and a JSON header\); .*",
         ),
     ),
     "NaN weights in model.path": (

@@ -130,7 +130,8 @@ def test_resume_skips_damaged_steps_and_reproduces_the_losses_exactly(uninterrup
     assert len(notes) == 3, p.stdout
     for line, (step, why) in zip(notes, expected.items()):
         assert re.fullmatch(
-            rf"note: checkpoint\.dir: step {step} in {re.escape(str(ckpt))} is unreadable \({why}\); skipped, trying step {step - 1}",
+            rf"note: checkpoint\.dir: step {step} in {re.escape(str(ckpt))} is unreadable \({why}\); skipped, trying "
+            rf"step {step - 1}",
             line,
         ), line
         assert "tensorstore_spec" not in line and len(line) < 500
@@ -171,8 +172,10 @@ def test_every_step_unreadable_stops_in_one_line_before_compiling(uninterrupted,
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert p.returncode == 2 and len(lines) == 1, p.stderr[-3000:]
     assert re.fullmatch(
-        rf"error: checkpoint\.dir: step 4 in {re.escape(str(ckpt))} is unreadable \(a file is missing: NOT_FOUND: .*\), as are the newer "
-        rf"steps 5, 6, 7: no intact checkpoint is left; move the step directories out of {re.escape(str(ckpt))} to start from step 0, "
+        rf"error: checkpoint\.dir: step 4 in {re.escape(str(ckpt))} is unreadable \(a file is missing: NOT_FOUND: "
+        rf".*\), as are the newer "
+        rf"steps 5, 6, 7: no intact checkpoint is left; move the step directories out of {re.escape(str(ckpt))} to "
+        rf"start from step 0, "
         "or give another checkpoint.dir",
         lines[0],
     ), lines[0]
@@ -205,7 +208,8 @@ def test_sigterm_mid_run_then_the_same_command_resumes_bit_for_bit(uninterrupted
         lines = [ln for ln in second.stderr.splitlines() if ln.strip()]
         assert second.returncode == 2 and len(lines) == 1, second.stderr[-3000:]
         assert lines[0].startswith(
-            f"error: checkpoint.dir: {ckpt} is in use by another run (pid {proc.pid} on {socket.gethostname()}, started "
+            f"error: checkpoint.dir: {ckpt} is in use by another run (pid {proc.pid} on {socket.gethostname()}, "
+            "started "
         )
         assert "s, compile " not in second.stdout and not (tmp_path / "second" / "metrics.jsonl").exists()
 
@@ -222,7 +226,8 @@ def test_sigterm_mid_run_then_the_same_command_resumes_bit_for_bit(uninterrupted
     assert proc.returncode == 75, err[-3000:]
     assert len(lines) == 1, err
     m = re.fullmatch(
-        rf"stopped by SIGTERM after step (\d+): checkpoint step (\d+) in {re.escape(str(ckpt))}; run the same command to resume \(exit code 75\)",
+        rf"stopped by SIGTERM after step (\d+): checkpoint step (\d+) in {re.escape(str(ckpt))}; run the same command "
+        rf"to resume \(exit code 75\)",
         lines[0],
     )
     assert m and m.group(1) == m.group(2), lines[0]
@@ -385,8 +390,10 @@ def test_nan_loss_stops_with_one_line_and_keeps_the_last_good_checkpoint(tmp_pat
     assert p.returncode == 1, p.stderr[-3000:]
     assert len(lines) == 1, p.stderr
     m = re.fullmatch(
-        r"error: step (\d+): (loss|gradient norm) is (nan|inf|-inf).*: training diverged, and this state was not saved; "
-        r"lower optimizer\.lr \(now 1e\+30\) or optimizer\.grad_clip \(now 1\.0\); last good checkpoint: step (\d+) in (.+)",
+        r"error: step (\d+): (loss|gradient norm) is (nan|inf|-inf).*: training diverged, and this state was not "
+        r"saved; "
+        r"lower optimizer\.lr \(now 1e\+30\) or optimizer\.grad_clip \(now 1\.0\); last good checkpoint: step (\d+) "
+        r"in (.+)",
         lines[0],
     )
     assert m, lines[0]
@@ -502,7 +509,8 @@ def test_save_killed_leaves_a_stale_lock_that_the_next_run_takes_over(tmp_path):
                 lock.acquire(notes.append)
                 assert json.loads((tmp_path / "zoo.lock").read_text())["pid"] == os.getpid()
                 assert notes == [
-                    f"note: checkpoint.dir: took over the lock of pid {owner['pid']} on {host} (started t0), which no longer runs"
+                    f"note: checkpoint.dir: took over the lock of pid {owner['pid']} on {host} (started t0), which no "
+                    "longer runs"
                 ]
                 lock.release()
                 assert not (tmp_path / "zoo.lock").exists()

@@ -157,7 +157,8 @@ def test_pyproject_bounds_jax_to_the_tested_releases():
         installed = tuple(int(x) for x in importlib.metadata.version(name).split(".")[:2])
         upper = tuple(int(x) for x in m.group(2).split(".")[:2])
         assert installed < upper, (
-            f"{name} {importlib.metadata.version(name)} is installed, pyproject.toml allows <{m.group(2)}: run this file "
+            f"{name} {importlib.metadata.version(name)} is installed, pyproject.toml allows <{m.group(2)}: run this "
+            "file "
             "and the checks its docstring lists on it, then raise the bound"
         )
 

@@ -364,8 +364,10 @@ def test_train_py_bad_data_input_exits_2_with_one_line(tmp_path, case):
         small.write_text(numbered_text(40))  # 321 bytes: 5 windows of 64
         args = [f"data.path={small}", "data.batch_size=8"]
         want = (
-            f"error: data.batch_size: {small} (321 tokens) gives 5 windows of data.seq_len=64 tokens, fewer than one batch of "
-            "data.batch_size=8; a step would read more than the corpus; lower data.batch_size or data.seq_len, or add text"
+            f"error: data.batch_size: {small} (321 tokens) gives 5 windows of data.seq_len=64 tokens, fewer than one "
+            "batch of "
+            "data.batch_size=8; a step would read more than the corpus; lower data.batch_size or data.seq_len, or add "
+            "text"
         )
     r = run_train(tmp_path, "data=text", *args)
     assert r.returncode == 2, r.stderr
@@ -583,7 +585,8 @@ def test_eval_path_and_the_splits_too_small_for_a_batch(tmp_path):
     assert data.eval.source == str(held) and len(data.eval.window_ids) == num_windows(28 * 8 + 1, 16)
     assert data.eval.tokens.tobytes() != data.tokens.tobytes()
     one_line_error(
-        r"^data\.eval_path: .*held\.txt \(\d+ tokens\) gives 14 windows of data\.seq_len=16 tokens, fewer than one batch of "
+        r"^data\.eval_path: .*held\.txt \(\d+ tokens\) gives 14 windows of data\.seq_len=16 tokens, fewer than one "
+        r"batch of "
         r"data\.batch_size=16; add text",
         load_text,
         train,
@@ -619,7 +622,8 @@ def test_eval_path_and_the_splits_too_small_for_a_batch(tmp_path):
     )
     # issue 13: a batch larger than the corpus (under one step per epoch)
     one_line_error(
-        r"^data\.batch_size: .*train\.txt \(801 tokens\) gives 53 windows of data\.seq_len=16 tokens, fewer than one batch "
+        r"^data\.batch_size: .*train\.txt \(801 tokens\) gives 53 windows of data\.seq_len=16 tokens, fewer than one "
+        r"batch "
         r"of data\.batch_size=64; a step would read more than the corpus; lower data\.batch_size or data\.seq_len",
         load_text,
         train,

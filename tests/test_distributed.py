@@ -158,7 +158,8 @@ def test_coordinator_port_in_use_one_line(tmp_path):
     [
         (
             ["distributed.num_processes=2"],
-            "error: distributed.coordinator_address: not set (distributed.num_processes=2 given, no SLURM job step found); ",
+            "error: distributed.coordinator_address: not set (distributed.num_processes=2 given, no SLURM job step "
+            "found); ",
         ),
         (
             ["distributed.num_processes=2", "distributed.process_id=2"],

@@ -257,7 +257,8 @@ def test_moe_capacity_models_decode_dropless():
     [
         (
             dict(prompts=[[1] * 128]),
-            r"^prompt: the prompt has 128 tokens but the model's max_position_embeddings allows 128 positions.*shorten it to at most 127",
+            r"^prompt: the prompt has 128 tokens but the model's max_position_embeddings allows 128 "
+            r"positions.*shorten it to at most 127",
         ),
         (
             dict(prompts=[[1] * 120], max_new_tokens=20),
@@ -302,7 +303,8 @@ def test_cli_bad_input_exits_2_with_one_line_before_compiling():
         ),
         (
             (llama, "prompt=hi"),
-            "error: tokenizer: tests/data/llama_tiny_a has no tokenizer.json; give tokenizer=<a tokenizer.json>, or tokenizer=bytes",
+            "error: tokenizer: tests/data/llama_tiny_a has no tokenizer.json; give tokenizer=<a tokenizer.json>, or "
+            "tokenizer=bytes",
         ),
         ((llama, "tokenizer=bytes", "prompt="), "error: prompt: the prompt is empty"),
         ((llama, "tokenizer=bytes", "prompt=hi", "top_p=2"), "error: top_p: must be in (0, 1]"),

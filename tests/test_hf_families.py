@@ -580,7 +580,8 @@ def test_llama_attention_bias(tmp_path):
         (
             "qwen3",
             lambda c: c.update(model_type="falcon"),
-            r"model_type 'falcon' is not supported; supported: llama, deepseek_v3, gemma3_text, .*qwen2, qwen3, qwen3_moe",
+            r"model_type 'falcon' is not supported; supported: llama, deepseek_v3, gemma3_text, .*qwen2, qwen3, "
+            r"qwen3_moe",
         ),
         (
             "gemma3",
@@ -701,7 +702,8 @@ def _set(key, value):
         (
             "mixtral",
             _set("model.layers.1.block_sparse_moe.experts.3.w2.weight", np.zeros((64, 32), np.float32)),
-            r"model.safetensors: tensor 'model.layers.1.block_sparse_moe.experts.3.w2.weight' has shape \[64, 32\], the config implies \[64, 64\]",
+            r"model.safetensors: tensor 'model.layers.1.block_sparse_moe.experts.3.w2.weight' has shape \[64, 32\], "
+            r"the config implies \[64, 64\]",
         ),
         (
             "gpt_oss",
@@ -711,7 +713,8 @@ def _set(key, value):
         (
             "qwen3",
             _set("model.layers.0.self_attn.q_norm.weight", np.ones(16, np.int32)),
-            r"model.safetensors: tensor 'model.layers.0.self_attn.q_norm.weight' has dtype I32; a floating-point tensor \(F32, BF16, F16, F64\)",
+            r"model.safetensors: tensor 'model.layers.0.self_attn.q_norm.weight' has dtype I32; a floating-point "
+            r"tensor \(F32, BF16, F16, F64\)",
         ),
         (
             "qwen3",

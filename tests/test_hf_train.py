@@ -144,7 +144,8 @@ def test_model_group_takes_the_architecture_from_config_json_and_runtime_fields_
     )  # dropless, as the checkpoint was trained
     refused = {
         "model.num_layers=4": rf"^model.num_layers: 4 contradicts {llama}/config.json \(which gives 2\); with model.path the architecture "
-        r"comes from the checkpoint: drop model.num_layers \(model=hf sets only param_dtype, compute_dtype, attention_impl, moe.impl, moe.capacity_factor\)$",
+        r"comes from the checkpoint: drop model.num_layers \(model=hf sets only param_dtype, compute_dtype, "
+        r"attention_impl, moe.impl, moe.capacity_factor\)$",
         "model.rope.theta=5.0": r"^model.rope.theta: 5.0 contradicts .*config.json \(which gives 10000.0\)",
         "model.mla.kv_lora_rank=8": r"^model.mla.kv_lora_rank: 8 contradicts .*config.json \(the checkpoint's model has no mla section\)",
         "model.moe.impl=capacity": rf"^model.moe.impl: {llama}/config.json describes a dense llama model \(no experts\); drop model.moe.impl$",
@@ -592,7 +593,8 @@ BAD = {
     "no_weights": (
         lambda t: (_hf_copy(t) / "model.safetensors").unlink() or t / "hf",
         [],
-        r"^error: model.path: .*/hf: no \*.safetensors files; a Hugging Face checkpoint directory \(config.json \+ \*.safetensors\) is needed$",
+        r"^error: model.path: .*/hf: no \*.safetensors files; a Hugging Face checkpoint directory \(config.json \+ "
+        r"\*.safetensors\) is needed$",
     ),
     "architecture": (
         lambda t: _hf_copy(t, _set("model_type", "gpt2")),
@@ -602,18 +604,21 @@ BAD = {
     "shapes": (
         lambda t: _hf_copy(t, _set("intermediate_size", 96)),
         [],
-        r"^error: model.path: .*/hf/model.safetensors: tensor 'model.layers.0.mlp.gate_proj.weight' has shape \[128, 64\], "
+        r"^error: model.path: .*/hf/model.safetensors: tensor 'model.layers.0.mlp.gate_proj.weight' has shape \[128, "
+        r"64\], "
         r"the config implies \[96, 64\]; config.json and the weights disagree",
     ),
     "int_tensor": (
         lambda t: _hf_copy(t, tensors=lambda s: s.__setitem__("model.norm.weight", np.ones(64, np.int32))),
         [],
-        r"^error: model.path: .*/hf/model.safetensors: tensor 'model.norm.weight' has dtype I32; a floating-point tensor \(F32, BF16, F16, F64\) is expected$",
+        r"^error: model.path: .*/hf/model.safetensors: tensor 'model.norm.weight' has dtype I32; a floating-point "
+        r"tensor \(F32, BF16, F16, F64\) is expected$",
     ),
     "tokenizer": (
         lambda t: _hf_copy(t),
         ["data=text", "data.tokenizer={tmp}/big.json"],
-        r"^error: data.tokenizer: .*/big.json has 300 token ids but .*/hf/config.json has vocab_size=256, so its ids would index "
+        r"^error: data.tokenizer: .*/big.json has 300 token ids but .*/hf/config.json has vocab_size=256, so its ids "
+        r"would index "
         r"past the embedding; give the tokenizer the checkpoint was trained with$",
     ),
     "shape_override": (
@@ -625,7 +630,8 @@ BAD = {
         lambda t: _hf_copy(t),
         ["data=text", "data.eval_fraction=0.001"],
         r"^error: data.eval_fraction: 0.001 of .* gives 6 windows of data.seq_len=64 tokens, fewer than one batch of "
-        r"data.batch_size=16; raise data.eval_fraction to at least 0.003, lower data.batch_size, or give data.eval_path$",
+        r"data.batch_size=16; raise data.eval_fraction to at least 0.003, lower data.batch_size, or give "
+        r"data.eval_path$",
     ),
 }
 

@@ -39,7 +39,8 @@ def _train(args, tmp_path):
     [
         (
             ["model.attention_impl=cudnn"],
-            "error: model.attention_impl: cudnn needs a GPU (backend is cpu); valid choices: auto, xla, blockwise, cudnn, splash",
+            "error: model.attention_impl: cudnn needs a GPU (backend is cpu); valid choices: auto, xla, blockwise, "
+            "cudnn, splash",
         ),
         (
             ["trainer.loss_chunk_size=-3"],

@@ -474,7 +474,8 @@ def test_the_planner_plans_the_layers_outside_the_ranges(tmp_path):
     )
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.splitlines()[0] == (
-        "note: offload.ranges: layers 0 llama_qkv_offload (1 layer) counted as given; the plan is the policy of the other 1 layer "
+        "note: offload.ranges: layers 0 llama_qkv_offload (1 layer) counted as given; the plan is the policy of the "
+        "other 1 layer "
         "(the YAML it writes; the commands below keep the ranges)"
     )
     assert (

@@ -388,7 +388,8 @@ def test_cli_loss_chunk_size_is_a_key_and_is_counted(tmp_path):
     [
         (
             ["hardware=cpu", "plan.link=pcie_gen5", "plan.hbm_budget_gb=80", "model.attention_impl=cudnn"],
-            "error: model.attention_impl: cudnn needs a GPU (backend is cpu); valid choices: auto, xla, blockwise, cudnn, splash (planning for hardware=cpu)",
+            "error: model.attention_impl: cudnn needs a GPU (backend is cpu); valid choices: auto, xla, blockwise, "
+            "cudnn, splash (planning for hardware=cpu)",
         ),
         (
             ["model.attention_impl=flash"],

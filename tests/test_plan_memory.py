@@ -50,7 +50,8 @@ def test_host_budget_refuses_the_only_assignment_that_fits_hbm():
     assert len(msg.splitlines()) == 1
     assert msg.startswith(
         "plan.host_budget_gb: no policy within the HBM budget of 2.500 GB fits the host budget of 0.500 GB per device "
-        "(2.000 GB per node of 4); the smallest host memory such a policy needs is 1.000 GB per device (4.000 GB per node; offload: x)"
+        "(2.000 GB per node of 4); the smallest host memory such a policy needs is 1.000 GB per device (4.000 GB per "
+        "node; offload: x)"
     ), msg
     # ... and the smallest of each budget that would do: host 1 GB with this HBM, or HBM 3 GB with this host budget.
     assert "raise plan.host_budget_gb to at least 1.000, or plan.hbm_budget_gb to at least 3.000" in msg
@@ -89,7 +90,8 @@ def test_both_budgets_failing_names_both():
         search(p)
     msg = str(e.value)
     assert msg.startswith(
-        "plan.hbm_budget_gb: no policy fits 1.000 GB, and none of the smallest fits the host budget of 0.500 GB per device"
+        "plan.hbm_budget_gb: no policy fits 1.000 GB, and none of the smallest fits the host budget of 0.500 GB per "
+        "device"
     )
     # the smallest HBM (the tag offloaded) and the host memory that assignment needs (tag + state)
     assert "raise plan.hbm_budget_gb to at least 2.200 and plan.host_budget_gb to at least 2.000" in msg

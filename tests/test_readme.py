@@ -67,7 +67,8 @@ NOT_RUN = {
     r"^ruff check": ".ci/run runs it before the tests",
     r"offload=minimal_context_offloaded xla=tpu_host_offload": "sized for a TPU v5e (3 x 8192 on llama_1b's layers); the preset runs on every tiny family in tests/test_offload.py",
     r"^python -m zoo\.tools\.inspect_step model=llama_1b hardware=h100_pcie data\.batch_size=2 data\.seq_len=4096 'hydra\.searchpath=\[file:///<plan dir>\]' offload=planned$": (
-        "a recorded run of an earlier plan (`<plan dir>` is a placeholder), and a llama_1b step at 2 x 4096 compiles for "
+        "a recorded run of an earlier plan (`<plan dir>` is a placeholder), and a llama_1b step at 2 x 4096 compiles "
+        "for "
         "many minutes on CPU; tests/test_plan.py runs plan -> YAML -> inspector at tiny size"
     ),
     r"bench/gpu\.py(?! --plan-only)|bench/gpu_wheels\.sh": "the GPU benchmark: needs a GPU (tests/test_bench.py runs `--toy` on CPU, slow tier)",
@@ -148,9 +149,11 @@ EXIT = {r"optimizer\.lr=1e30": 1}  # a diverged run: one error line, exit code 1
 # The shown lines a command is held to: the figures that say it did what the docs claim. Everything
 # else shown under a command is illustration and may differ (or be edited) freely.
 FIGURE = re.compile(
-    r"^(error: |note: checkpoint|lora: rank |loss \S+ -> |step \d+/\d+ loss |checkpoints: |stopped by |estimated |counted: |"
+    r"^(error: |note: checkpoint|lora: rank |loss \S+ -> |step \d+/\d+ loss |checkpoints: |stopped by |estimated "
+    r"|counted: |"
     r"scale: |per device: |tags on host |update: |policy |model \w+ \(|wrote |exported |peft: |cpu: matmul |split: |"
-    r"[a-z][a-z0-9_]*\s+(dense_layers|moe_layers|layers)(\[\d+-\d+\])?\s|[a-z][a-z0-9_]*\s+[\d.]+ [kMG]?B\s|\| \w+ \(\w+\) \||"
+    r"[a-z][a-z0-9_]*\s+(dense_layers|moe_layers|layers)(\[\d+-\d+\])?\s|[a-z][a-z0-9_]*\s+[\d.]+ [kMG]?B\s|\| \w+ "
+    r"\(\w+\) \||"
     r"  layers \d+-\d+ \()"
 )
 
@@ -558,7 +561,8 @@ def _after(name: str, cmd: str, out: list[str], d: pathlib.Path, env: dict, fail
     if name == "preemption" and "ck4" in cmd:
         # "The same command run again resumed from step N and ended at the uninterrupted run's loss, X at step S"
         claim = re.search(
-            r"same command run again resumed from step \d+ and ended at the uninterrupted run's loss, ([\d.]+)\s+at step (\d+)",
+            r"same command run again resumed from step \d+ and ended at the uninterrupted run's loss, ([\d.]+)\s+at "
+            r"step (\d+)",
             readme,
         )
         if claim is None:

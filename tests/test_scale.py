@@ -8,7 +8,8 @@ from zoo.tools.inspect_step import main
 EP_BAD_INPUTS = {
     "expert_axis_does_not_divide_the_experts": (
         ["mesh=fsdp_ep", "model.moe.n_routed_experts=6"],
-        "error: model.moe.n_routed_experts: 6 experts cannot be split over mesh.expert=4; use an expert axis that divides 6",
+        "error: model.moe.n_routed_experts: 6 experts cannot be split over mesh.expert=4; use an expert axis that "
+        "divides 6",
     ),
     "expert_axis_on_a_dense_model": (
         ["model=llama_tiny_a", "mesh=fsdp_ep"],
@@ -16,7 +17,8 @@ EP_BAD_INPUTS = {
     ),
     "batch_not_split_over_the_expert_devices": (
         ["mesh=fsdp_ep", "data.batch_size=4"],
-        "error: data.batch_size: 4 is not divisible by the data-parallel size 8 (batch is split over data=1*fsdp=2*expert=4)",
+        "error: data.batch_size: 4 is not divisible by the data-parallel size 8 (batch is split over "
+        "data=1*fsdp=2*expert=4)",
     ),
     "microbatch_not_split_over_the_expert_devices": (
         ["mesh=fsdp_ep", "data.batch_size=16", "trainer.grad_accum=4"],
@@ -24,7 +26,8 @@ EP_BAD_INPUTS = {
     ),
     "batch_rule_without_the_expert_axis": (
         ["mesh=fsdp_ep", "mesh.rules.batch=[data,fsdp]"],
-        "error: mesh.rules.batch: expert parallelism needs the batch split over the expert axis; add expert to mesh.rules.batch",
+        "error: mesh.rules.batch: expert parallelism needs the batch split over the expert axis; add expert to "
+        "mesh.rules.batch",
     ),
 }
 

@@ -74,7 +74,8 @@ def test_the_scale_reports_of_docs_scale_print_what_the_doc_shows(heading, tmp_p
 def test_the_planner_commands_of_docs_scale_print_what_the_doc_quotes(tmp_path):
     text = DOC.read_text()
     quoted = re.search(
-        r"`decoder_layer_input` ([\d.]+) GB and ([\d.]+) GB\) plus its working set \(`working_bytes` in\s+plan\.json: ([\d.]+) GB and ([\d.]+) GB\)",
+        r"`decoder_layer_input` ([\d.]+) GB and ([\d.]+) GB\) plus its working set \(`working_bytes` in\s+plan\.json: "
+        r"([\d.]+) GB and ([\d.]+) GB\)",
         text,
     )
     assert quoted, (

@@ -85,7 +85,8 @@ FUZZ = [
     (
         "train",
         ["offload.tags.query_proj=offload"],
-        "offload.tags.query_proj: the chosen offload option does not list it; add it with +offload.tags.query_proj=offload",
+        "offload.tags.query_proj: the chosen offload option does not list it; add it with "
+        "+offload.tags.query_proj=offload",
     ),
     (
         "train",
@@ -240,7 +241,8 @@ FUZZ = [
     (
         "train",
         ["data=text", "data.path=~/notes/"],
-        "data.path: '~/notes/' starts with ~, which neither bash (after key=) nor Hydra expands; write data.path=$HOME/notes/",
+        "data.path: '~/notes/' starts with ~, which neither bash (after key=) nor Hydra expands; write "
+        "data.path=$HOME/notes/",
     ),
     # the tools
     ("zoo.tools.inspect_step", ["inspect.foo=1"], "inspect.foo: unknown key; the keys are out, measure, strict"),

@@ -89,14 +89,18 @@ class BackendChoices:
         if self.platform != "cpu":
             fused = f"{self.fused_attention} attention where it runs the case, else " if self.fused_attention else ""
             return (
-                f"backend {self.platform} (zoo.backend): XLA's default compile options; {fused}blockwise attention from "
+                f"backend {self.platform} (zoo.backend): XLA's default compile options; {fused}blockwise attention "
+                "from "
                 f"{self.blockwise_from_seq} positions; routed experts' grouped matmul: {self.grouped_matmul}"
                 + (f" (tiles of {self.grouped_matmul_tile} rows)" if self.grouped_matmul == "tiles" else "")
             )
         return (
-            f"backend cpu (zoo.backend): LLVM's optimisations for steps from {self.step_llvm_from_run_flops / 1e12:g} TFLOP per run "
-            f"(xla.cpu_fast_compile=auto), initialisers from {self.init_llvm_from_params / 1e6:g}M parameters, sampling from "
-            f"{self.decode_llvm_from_params / 1e6:g}M; blockwise attention from {self.blockwise_from_seq} positions; the head's "
+            f"backend cpu (zoo.backend): LLVM's optimisations for steps from {self.step_llvm_from_run_flops / 1e12:g} "
+            "TFLOP per run "
+            f"(xla.cpu_fast_compile=auto), initialisers from {self.init_llvm_from_params / 1e6:g}M parameters, "
+            "sampling from "
+            f"{self.decode_llvm_from_params / 1e6:g}M; blockwise attention from {self.blockwise_from_seq} positions; "
+            "the head's "
             f"float32 gradient rows-last; decoding unrolls the layers; expert tiles of {self.grouped_matmul_tile} rows"
         )
 

@@ -46,7 +46,8 @@ def dtype_name(value, argument: str = "dtype") -> str:
         name = None
     if name not in DTYPES:
         raise ValueError(
-            f"{argument}={value!r}: not a parameter dtype zoo keeps; use one of {', '.join(DTYPES)} (a string, jnp or numpy dtype)"
+            f"{argument}={value!r}: not a parameter dtype zoo keeps; use one of {', '.join(DTYPES)} (a string, jnp or "
+            "numpy dtype)"
         )
     return name
 
@@ -205,13 +206,15 @@ class MoEConfig:
             _require(
                 self.topk_group * per_group >= self.num_experts_per_tok,
                 "moe.topk_group",
-                f"topk_group={self.topk_group} groups of {per_group} experts cannot supply top_k={self.num_experts_per_tok}",
+                f"topk_group={self.topk_group} groups of {per_group} experts cannot supply "
+                f"top_k={self.num_experts_per_tok}",
             )
         else:
             _require(
                 self.n_group == 1 and self.topk_group == 1,
                 "moe.n_group",
-                f"group-limited routing belongs to the sigmoid_grouped router; set n_group=1 and topk_group=1 for router {self.router}",
+                "group-limited routing belongs to the sigmoid_grouped router; set n_group=1 and topk_group=1 for "
+                f"router {self.router}",
             )
         _require(self.capacity_factor > 0, "moe.capacity_factor", "must be positive")
         _require(self.exchange_factor > 0, "moe.exchange_factor", f"must be positive, got {self.exchange_factor}")

@@ -350,7 +350,8 @@ class Stack(eqx.Module):
         is named `<stack>[<first>-<last>]`. Works on an abstract model too (shapes only)."""
         if not self.first <= start < stop <= self.first + self.num_layers:
             raise ValueError(
-                f"{self.name}: cannot cut layers {start}-{stop - 1} out of layers {self.first}-{self.first + self.num_layers - 1}"
+                f"{self.name}: cannot cut layers {start}-{stop - 1} out of layers "
+                f"{self.first}-{self.first + self.num_layers - 1}"
             )
         if (start, stop) == (self.first, self.first + self.num_layers):
             return [self]

@@ -125,7 +125,8 @@ class OffloadConfig:
         for field in ("params", "opt_state"):
             if getattr(self, field) not in MEMORY_KINDS:
                 raise ValueError(
-                    f"offload.{field}: {getattr(self, field)!r} is not a memory kind; choose one of {', '.join(MEMORY_KINDS)}"
+                    f"offload.{field}: {getattr(self, field)!r} is not a memory kind; choose one of "
+                    f"{', '.join(MEMORY_KINDS)}"
                 )
         if not self.checkpoint and (self.tags or any(self.block_tags.values())):
             named = next(iter(self.tags), None) or next(t for s in self.block_tags.values() for t in (s or {}))
@@ -182,7 +183,8 @@ def parse_ranges(ranges: dict) -> list[LayerRange]:
         m = _RANGE.match(key)
         if not m or (m.group(2) is not None and int(m.group(2)) < int(m.group(1))):
             raise ValueError(
-                f"offload.ranges.{key}: not a layer range; write first-last (0-based, inclusive, first <= last) or one layer, "
+                f"offload.ranges.{key}: not a layer range; write first-last (0-based, inclusive, first <= last) or "
+                "one layer, "
                 f"e.g. +offload.ranges={{0-3:llama_qkv_offload}}"
             )
         if not isinstance(preset, str) or not preset:
@@ -225,18 +227,22 @@ def range_configs(policy: OffloadConfig) -> list[tuple[LayerRange, OffloadConfig
             raw = OmegaConf.to_container(OmegaConf.load(path or conf_dir() / "offload" / f"{r.preset}.yaml")) or {}
         except Exception as e:  # a file that is not YAML, or not a mapping
             raise ValueError(
-                f"offload.ranges.{r.key}: {r.preset} is not a YAML mapping ({type(e).__name__}); give an offload policy file"
+                f"offload.ranges.{r.key}: {r.preset} is not a YAML mapping ({type(e).__name__}); give an offload "
+                "policy file"
             ) from None
         if not isinstance(raw, dict):
             raise ValueError(f"offload.ranges.{r.key}: {r.preset} is not a YAML mapping; give an offload policy file")
         if "checkpoint" not in raw:
             raise ValueError(
-                f"offload.ranges.{r.key}: {r.preset} only sets where parameters or optimizer state live, one choice for the "
-                f"whole model; give the range an activation preset (e.g. full) and set offload.params / offload.opt_state instead"
+                f"offload.ranges.{r.key}: {r.preset} only sets where parameters or optimizer state live, one choice "
+                "for the "
+                "whole model; give the range an activation preset (e.g. full) and set offload.params / "
+                "offload.opt_state instead"
             )
         if raw.get("ranges"):
             raise ValueError(
-                f"offload.ranges.{r.key}: preset {r.preset} has ranges of its own; give the range a preset without offload.ranges"
+                f"offload.ranges.{r.key}: preset {r.preset} has ranges of its own; give the range a preset without "
+                "offload.ranges"
             )
         try:
             if path is None:
@@ -260,7 +266,8 @@ def range_file(r: LayerRange):
     path = pathlib.Path(r.preset).expanduser()
     if not path.is_file():
         raise ValueError(
-            f"offload.ranges.{r.key}: no file {r.preset}; give an existing offload policy YAML (e.g. one zoo.tools.plan wrote) or a preset name"
+            f"offload.ranges.{r.key}: no file {r.preset}; give an existing offload policy YAML (e.g. one "
+            "zoo.tools.plan wrote) or a preset name"
         )
     return path
 
@@ -272,7 +279,8 @@ def check_ranges(policy: OffloadConfig, model_config) -> None:
     for r, config in range_configs(policy):
         if r.last >= n:
             raise ValueError(
-                f"offload.ranges.{r.key}: layer {r.last} is past the model's last layer (the {model_config.family} model has "
+                f"offload.ranges.{r.key}: layer {r.last} is past the model's last layer (the {model_config.family} "
+                "model has "
                 f"{n} layers, 0-{n - 1}); keep every range within 0-{n - 1}"
             )
         try:

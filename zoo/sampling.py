@@ -302,16 +302,19 @@ def check_request(
         outside = [t for t in p if not 0 <= t < vocab]
         if outside:
             raise GenerationError(
-                f"prompt: {which} has token id {outside[0]} outside the model's vocabulary 0..{vocab - 1}; give ids in that range"
+                f"prompt: {which} has token id {outside[0]} outside the model's vocabulary 0..{vocab - 1}; give ids "
+                "in that range"
             )
         if len(p) >= limit:
             raise GenerationError(
-                f"prompt: {which} has {len(p)} tokens but {limit_key} allows {limit} positions, prompt and new tokens together; "
+                f"prompt: {which} has {len(p)} tokens but {limit_key} allows {limit} positions, prompt and new tokens "
+                "together; "
                 f"shorten it to at most {limit - 1} tokens"
             )
         if len(p) + max_new_tokens > limit:
             raise GenerationError(
-                f"max_new_tokens: {max_new_tokens} new tokens after {which}'s {len(p)} tokens pass the {limit} positions of {limit_key}; "
+                f"max_new_tokens: {max_new_tokens} new tokens after {which}'s {len(p)} tokens pass the {limit} "
+                f"positions of {limit_key}; "
                 f"use max_new_tokens<={limit - len(p)} or a shorter prompt"
             )
 

@@ -295,8 +295,10 @@ def check_replication(model, specs, mesh_sizes: Mapping[str, int], limit_bytes: 
         if nbytes > limit_bytes and shard_ways(spec, mesh_sizes) == 1:
             axes = param_logical_axes(model, path, len(leaf.shape))
             raise ShardingError(
-                f"mesh.rules: parameter {path_str(path)} ({nbytes / 2**20:.0f} MiB, logical axes {', '.join(a or '-' for a in axes)}) would be "
-                f"replicated on every device; map one of its axes to fsdp in mesh.rules (or raise mesh.max_replicated_mb)"
+                f"mesh.rules: parameter {path_str(path)} ({nbytes / 2**20:.0f} MiB, logical axes "
+                f"{', '.join(a or '-' for a in axes)}) would be "
+                "replicated on every device; map one of its axes to fsdp in mesh.rules (or raise "
+                "mesh.max_replicated_mb)"
             )
 
 

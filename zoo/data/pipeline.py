@@ -323,8 +323,10 @@ class TextData:
             marks.append(f"loss on responses only ({100 * counted:.1f}% of tokens)")
         line = (
             f"text {self.source}: {len(self.corpus.files)} file(s), {len(self.corpus.documents)} document(s), "
-            f"{self.num_tokens} tokens ({'bytes' if tok.name == 'bytes' else tok.name}, vocab {tok.vocab_size}, {', '.join(marks)}), "
-            f"{len(self.window_ids)} windows of {self.seq_len}, {self.steps_per_epoch:.1f} steps/epoch at batch {self.batch_size}"
+            f"{self.num_tokens} tokens ({'bytes' if tok.name == 'bytes' else tok.name}, vocab {tok.vocab_size}, "
+            f"{', '.join(marks)}), "
+            f"{len(self.window_ids)} windows of {self.seq_len}, {self.steps_per_epoch:.1f} steps/epoch at batch "
+            f"{self.batch_size}"
             + (f", process {self.process_index} of {self.process_count}" if self.process_count > 1 else "")
         )
         if self.eval is not None:
@@ -338,7 +340,8 @@ def _check_fits(n: int, batch_size: int, seq_len: int, key: str, what: str, fix:
     """A split must fill one batch: `<key>: <what> gives n windows ..., fewer than one batch; <fix>`."""
     if n < batch_size:
         raise DataError(
-            f"{key}: {what} gives {n} windows of data.seq_len={seq_len} tokens, fewer than one batch of data.batch_size={batch_size}; {fix}"
+            f"{key}: {what} gives {n} windows of data.seq_len={seq_len} tokens, fewer than one batch of "
+            f"data.batch_size={batch_size}; {fix}"
         )
 
 

@@ -143,7 +143,8 @@ def _chat(obj: dict, where: str) -> Chat:
         out.append((m["role"], m["content"]))
     if not any(role == "assistant" for role, _ in out):
         raise DataError(
-            f"data.path: {where}: no message has role 'assistant', so nothing would count in the loss; add the reply or drop the line"
+            f"data.path: {where}: no message has role 'assistant', so nothing would count in the loss; add the reply "
+            "or drop the line"
         )
     return Chat(tuple(out))
 

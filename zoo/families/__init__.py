@@ -45,7 +45,8 @@ def get(name: str) -> FamilyDef:
     module = importlib.import_module(f"{__name__}.{name}")
     if module.NAME != name or module.FAMILY.name != name:
         raise ValueError(
-            f"zoo/families/{name}.py defines family {module.FAMILY.name!r}; the module, its NAME and its family share one name"
+            f"zoo/families/{name}.py defines family {module.FAMILY.name!r}; the module, its NAME and its family share "
+            "one name"
         )
     return module.FAMILY
 

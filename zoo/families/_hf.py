@@ -177,7 +177,8 @@ def rope_from_params(params: dict, k: Keys, *, where: str = "rope", interleaved:
         raise k.error(f"{where}: rope type {kind!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
     if params.get("partial_rotary_factor") not in (None, 1, 1.0):
         raise k.error(
-            f"{where}: partial_rotary_factor={params['partial_rotary_factor']} is not supported (zoo rotates the whole head)"
+            f"{where}: partial_rotary_factor={params['partial_rotary_factor']} is not supported (zoo rotates the "
+            "whole head)"
         )
     if params.get("mrope_section") is not None:
         raise k.error(f"{where}: mrope_section (multimodal rope) is not supported")
@@ -280,7 +281,8 @@ def window_fields(k: Keys, layer_types: Sequence[str], window: Optional[int]) ->
     if window is None:
         raise k.error(
             f"layer_types makes layers {sliding} sliding_attention but the config leaves no sliding_window "
-            "(null, or use_sliding_window false); transformers refuses this too. Give the window or make them full_attention"
+            "(null, or use_sliding_window false); transformers refuses this too. Give the window or make them "
+            "full_attention"
         )
     if window <= 0:
         raise k.error(f"sliding_window must be positive, got {window}")

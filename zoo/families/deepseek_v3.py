@@ -336,7 +336,8 @@ FAMILY = FamilyDef(
             1.03e12,
             32e9,
             (0.01, 0.03),
-            "hub (moonshotai/Kimi-K2-Instruct): 1.03T total; Kimi K2 model card: '32B' activated (2 significant figures)",
+            "hub (moonshotai/Kimi-K2-Instruct): 1.03T total; Kimi K2 model card: '32B' activated (2 significant "
+            "figures)",
         ),
     },
     dropless=True,

@@ -33,7 +33,8 @@ def read(k: Keys) -> dict:
     k.choice("hidden_act", SILU, "Mixtral's experts")
     if k.number("router_jitter_noise"):
         warnings.warn(
-            f"{k.source}: router_jitter_noise={k.cfg['router_jitter_noise']} is ignored (zoo's router has no training jitter)"
+            f"{k.source}: router_jitter_noise={k.cfg['router_jitter_noise']} is ignored (zoo's router has no training "
+            "jitter)"
         )
     fields = common_fields(k)
     window = k.opt_int("sliding_window")

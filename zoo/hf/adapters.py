@@ -130,8 +130,10 @@ def check_names(model, ranks: dict[str, int]) -> None:
     if clash is not None:
         module, name = clash
         raise CheckpointError(
-            f"lora.targets: this {family.model_type} model's {module} shares the name {name} with adapted projections but is "
-            f"not adapted, and peft picks modules by name; export the merged model, or train without {', '.join(sorted(zoo_names[name]))} in lora.targets"
+            f"lora.targets: this {family.model_type} model's {module} shares the name {name} with adapted projections "
+            "but is "
+            "not adapted, and peft picks modules by name; export the merged model, or train without "
+            f"{', '.join(sorted(zoo_names[name]))} in lora.targets"
         )
 
 

@@ -67,7 +67,8 @@ class SafetensorsFile:
             raw_len = f.read(8)
             if len(raw_len) < 8:
                 raise CheckpointError(
-                    f"{path}: truncated or not a safetensors file (shorter than its 8-byte header length); download or copy it again"
+                    f"{path}: truncated or not a safetensors file (shorter than its 8-byte header length); download "
+                    "or copy it again"
                 )
             header_len = int.from_bytes(raw_len, "little")
             # A safetensors header is a JSON object: a file whose ninth byte is not `{` is something
@@ -80,7 +81,8 @@ class SafetensorsFile:
                 )
             if 8 + header_len > size:
                 raise CheckpointError(
-                    f"{path}: truncated: the header claims {header_len} bytes, the file has {size}; download or copy it again"
+                    f"{path}: truncated: the header claims {header_len} bytes, the file has {size}; download or copy "
+                    "it again"
                 )
             try:
                 f.seek(8)
@@ -94,7 +96,8 @@ class SafetensorsFile:
         end = max((v["data_offsets"][1] for v in header.values()), default=0)
         if self.data_start + end > size:
             raise CheckpointError(
-                f"{path}: truncated: tensors need {self.data_start + end} bytes, the file has {size}; download or copy it again"
+                f"{path}: truncated: tensors need {self.data_start + end} bytes, the file has {size}; download or "
+                "copy it again"
             )
         try:  # the library's checks of the layout: offsets that overlap, leave gaps or disagree with shape x dtype
             safe_open(path, framework="np")
@@ -177,7 +180,8 @@ class SafetensorsStream:
         offset, shape, dtype = self._where[name]
         if array.shape != shape or array.dtype != dtype:
             raise ValueError(
-                f"{self.path}: tensor {name!r} is {array.dtype}{list(array.shape)}, the header says {dtype}{list(shape)}"
+                f"{self.path}: tensor {name!r} is {array.dtype}{list(array.shape)}, the header says "
+                f"{dtype}{list(shape)}"
             )
         self._file.seek(self._data_start + offset)
         np.ascontiguousarray(array).tofile(self._file)
@@ -230,19 +234,22 @@ class CheckpointReader:
                 if file not in self.files:
                     if not (directory / file).exists():
                         raise CheckpointError(
-                            f"{index_path}: names shard {file!r}, which is missing from {directory}; download or copy it again"
+                            f"{index_path}: names shard {file!r}, which is missing from {directory}; download or copy "
+                            "it again"
                         )
                     self.files[file] = SafetensorsFile(directory / file)
                 if name not in self.files[file].header:
                     raise CheckpointError(
-                        f"{index_path}: tensor {name!r} is mapped to {file}, which does not contain it; download or copy it again"
+                        f"{index_path}: tensor {name!r} is mapped to {file}, which does not contain it; download or "
+                        "copy it again"
                     )
                 self.location[name] = file
         else:
             paths = sorted(directory.glob("*.safetensors"))
             if not paths:
                 raise CheckpointError(
-                    f"{directory}: no *.safetensors files; a Hugging Face checkpoint directory (config.json + *.safetensors) is needed"
+                    f"{directory}: no *.safetensors files; a Hugging Face checkpoint directory (config.json + "
+                    "*.safetensors) is needed"
                 )
             for p in paths:
                 self.files[p.name] = SafetensorsFile(p)
@@ -270,7 +277,8 @@ class CheckpointReader:
         elif dtype not in FLOAT_DTYPES:
             fp8 = " (an FP8 checkpoint's config.json names its quantization_config)" if dtype.startswith("F8") else ""
             raise CheckpointError(
-                f"{file.path}: tensor {name!r} has dtype {dtype}; a floating-point tensor ({', '.join(FLOAT_DTYPES)}) is expected{fp8}"
+                f"{file.path}: tensor {name!r} has dtype {dtype}; a floating-point tensor ({', '.join(FLOAT_DTYPES)}) "
+                f"is expected{fp8}"
             )
         if shape != tuple(expected_shape):
             raise CheckpointError(

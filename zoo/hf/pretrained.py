@@ -130,7 +130,8 @@ def model_from_node(node: dict) -> tuple[ModelConfig, PretrainedSource]:
         if moe_runtime and config.moe is None:
             key = next(iter(moe_runtime)).replace("moe_", "moe.")
             raise ValueError(
-                f"model.{key}: {directory / 'config.json'} describes a dense {config.family} model (no experts); drop model.{key}"
+                f"model.{key}: {directory / 'config.json'} describes a dense {config.family} model (no experts); drop "
+                f"model.{key}"
             )
         _check_agrees({**values, "moe": moe}, config, directory)
         reader = CheckpointReader(directory, fp8_block(cfg, str(directory / "config.json")))  # headers only
@@ -218,7 +219,8 @@ def describe(source: PretrainedSource, config: ModelConfig) -> list[str]:
     n = len(source.weight_files)
     fp8 = f", FP8 blocks {source.fp8_block[0]}x{source.fp8_block[1]} dequantised" if source.fp8_block else ""
     lines = [
-        f"weights: {source.path} ({source.model_type}, {n} safetensors file{'s' * (n != 1)}{fp8}) as {config.param_dtype}"
+        f"weights: {source.path} ({source.model_type}, {n} safetensors file{'s' * (n != 1)}{fp8}) as "
+        f"{config.param_dtype}"
     ]
     note = capacity_note(config, "model.moe.impl", "model.moe.capacity_factor")
     if note:

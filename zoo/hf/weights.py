@@ -181,7 +181,8 @@ def _by_leaf(
     missing = [p for p, _ in leaves if p not in by_path]
     if missing:
         raise CheckpointError(
-            f"zoo.hf: no rule reads the leaves {missing} of a {skeleton.config.family} model; a zoo.hf family module is incomplete"
+            f"zoo.hf: no rule reads the leaves {missing} of a {skeleton.config.family} model; a zoo.hf family module "
+            "is incomplete"
         )
     return params, leaves, by_path
 
@@ -197,7 +198,8 @@ def capacity_note(c: ModelConfig, impl_key: str = "moe_impl", factor_key: str = 
     if m.capacity_factor >= dropless:
         return None
     return (
-        f"{impl_key}={m.impl} with {factor_key}={m.capacity_factor:g} keeps ceil({m.capacity_factor:g} x tokens x top_k / experts) "
+        f"{impl_key}={m.impl} with {factor_key}={m.capacity_factor:g} keeps ceil({m.capacity_factor:g} x tokens x "
+        "top_k / experts) "
         f"tokens per expert and drops the rest, so the outputs differ from the checkpoint's (transformers drops none); "
         f"{factor_key}={dropless:g} (experts / top_k) drops nothing, {impl_key}=ragged is dropless at any size"
     )
@@ -248,7 +250,8 @@ def _finite(x: np.ndarray, source: LeafSource, index, directory: pathlib.Path) -
         names = ", ".join(source.hub_names(start + int(bad[0]) if source.layers is not None else None))
     where = f"tensor {names}" if names else f"the tensor of zoo parameter {source.path}"
     raise CheckpointError(
-        f"{directory}: {where} holds non-finite values (NaN or inf); the checkpoint is damaged or was saved from a diverged run: "
+        f"{directory}: {where} holds non-finite values (NaN or inf); the checkpoint is damaged or was saved from a "
+        "diverged run: "
         "download it again or give another model.path"
     )
 

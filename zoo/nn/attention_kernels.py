@@ -584,7 +584,8 @@ def context_shard_attention(
         raise ValueError(f"attention: {shards} query chunks of {q_len} do not make the {kv_len} keys")
     if impl == "cudnn":
         raise _bad(
-            "cudnn cannot run context-parallel attention (mesh.context_parallel: its queries start at key 0); use blockwise or xla"
+            "cudnn cannot run context-parallel attention (mesh.context_parallel: its queries start at key 0); use "
+            "blockwise or xla"
         )
     if impl not in IMPLS:
         raise _bad(f"got {impl!r}")

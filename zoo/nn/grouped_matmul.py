@@ -199,7 +199,8 @@ def grouped_matmul(
         group_weights = jnp.arange(w.shape[0], dtype=jnp.int32)
     if group_weights.shape != group_sizes.shape:
         raise ValueError(
-            f"grouped_matmul: group_weights {group_weights.shape} and group_sizes {group_sizes.shape} differ; give one weight index per group"
+            f"grouped_matmul: group_weights {group_weights.shape} and group_sizes {group_sizes.shape} differ; give "
+            "one weight index per group"
         )
     return _grouped(h, w, group_sizes, group_weights, fitted_tile(h.shape[0], group_sizes.shape[0], int(tile)))
 

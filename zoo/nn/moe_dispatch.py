@@ -586,7 +586,8 @@ def check_expert_parallel(
         )
     if not batch_includes_expert:
         raise ValueError(
-            "mesh.rules.batch: expert parallelism needs the batch split over the expert axis; add expert to mesh.rules.batch"
+            "mesh.rules.batch: expert parallelism needs the batch split over the expert axis; add expert to "
+            "mesh.rules.batch"
         )
     micro = batch_size // grad_accum if grad_accum else batch_size
     if batch_size % max(grad_accum, 1) or micro % batch_ways:

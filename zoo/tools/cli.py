@@ -121,7 +121,8 @@ def ignored_override_line(c, overrides) -> Optional[str]:
         if key in ("trainer.eval_every", "trainer.eval_batches") and not (c.data.eval_fraction or c.data.eval_path):
             if c.data.name != "text":
                 return (
-                    f"{key}: evaluates the held-out split, and data={c.data.name} has none (its synthetic tokens are endless); "
+                    f"{key}: evaluates the held-out split, and data={c.data.name} has none (its synthetic tokens are "
+                    "endless); "
                     "drop it, or train on text with a split (data=text data.eval_fraction=0.05)"
                 )
             return f"{key}: evaluates the held-out split, and this run has none; add data.eval_fraction=0.05 (or data.eval_path=<file>), or drop it"
@@ -129,12 +130,14 @@ def ignored_override_line(c, overrides) -> Optional[str]:
             kinds = [k for k in block_kinds(c.model) if k in OPTIONAL_KINDS]
             if parts[2] in OPTIONAL_KINDS and parts[2] not in kinds:
                 return (
-                    f"offload.block_tags.{parts[2]}: the {c.model.family} model has no {parts[2]} blocks (its optional blocks: "
+                    f"offload.block_tags.{parts[2]}: the {c.model.family} model has no {parts[2]} blocks (its "
+                    "optional blocks: "
                     f"{', '.join(kinds) or 'none'}), so this would be ignored; drop it"
                 )
             if len(parts) == 4 and parts[3] in dropped_block_tags(c.offload, c.model):
                 return (
-                    f"{key}: this {c.model.family} configuration does not emit {parts[3]}, so this would be ignored; drop it "
+                    f"{key}: this {c.model.family} configuration does not emit {parts[3]}, so this would be ignored; "
+                    "drop it "
                     f"(python -m zoo.tools.inspect_step lists the tags it emits)"
                 )
     return None
@@ -435,7 +438,8 @@ def _argparse_one_line(tool: str):
 
     def one_line_error(parser, message):
         raise UsageError(
-            f"command line: {message}; overrides are key=value (e.g. trainer.steps=20), flags are Hydra's; see {tool} --help"
+            f"command line: {message}; overrides are key=value (e.g. trainer.steps=20), flags are Hydra's; see {tool} "
+            "--help"
         )
 
     argparse.ArgumentParser.error = one_line_error

@@ -59,7 +59,8 @@ def _export(args) -> int:
     )
     what = "the LoRA adapters (peft layout) of step" if args.adapters_only else "step"
     print(
-        f"exported {what} {done['step']} of {pathlib.Path(args.checkpoint_dir)} as {done['dtype']} to {done['out']}: {', '.join(done['files'])}"
+        f"exported {what} {done['step']} of {pathlib.Path(args.checkpoint_dir)} as {done['dtype']} to {done['out']}: "
+        f"{', '.join(done['files'])}"
     )
     return 0
 

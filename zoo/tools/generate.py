@@ -112,7 +112,8 @@ def _load_tokenizer(spec: str, key: str = "tokenizer"):
     path = pathlib.Path(spec).expanduser()
     if not path.exists():
         raise GenerationError(
-            f"{key}: {path} does not exist; give a tokenizer.json (or its folder), or tokenizer=bytes for UTF-8 byte ids"
+            f"{key}: {path} does not exist; give a tokenizer.json (or its folder), or tokenizer=bytes for UTF-8 byte "
+            "ids"
         )
     try:
         return HFTokenizer(path)
@@ -154,7 +155,8 @@ def _hf_source(opts: GenerateOptions):
         tokenizer = _load_tokenizer(str(directory / "tokenizer.json"))
     else:
         raise GenerationError(
-            f"tokenizer: {directory} has no tokenizer.json; give tokenizer=<a tokenizer.json>, or tokenizer=bytes for UTF-8 byte ids"
+            f"tokenizer: {directory} has no tokenizer.json; give tokenizer=<a tokenizer.json>, or tokenizer=bytes for "
+            "UTF-8 byte ids"
         )
     load = functools.partial(hf.from_pretrained, directory, dtype=dtypes["dtype"], compute_dtype=compute)
     return config, load, tokenizer, _hf_stop_tokens(directory)
@@ -169,7 +171,8 @@ def _checkpoint_source(opts: GenerateOptions):
     model, meta = restore_model(opts.checkpoint.dir, step=opts.checkpoint.step, lora_form=form)
     if form == "attached" and not (meta.get("lora") or {}).get("rank"):
         raise GenerationError(
-            f"checkpoint.lora: {opts.checkpoint.dir} is not a LoRA run (no adapters to attach); drop checkpoint.lora=attached"
+            f"checkpoint.lora: {opts.checkpoint.dir} is not a LoRA run (no adapters to attach); drop "
+            "checkpoint.lora=attached"
         )
     data = meta.get("data", {})
     if opts.tokenizer is not None:
@@ -192,7 +195,8 @@ def run(argv: Sequence[str]) -> int:
     opts, prompts = parse_args(argv)
     if (opts.model.path is None) == (opts.checkpoint.dir is None):
         raise GenerationError(
-            "model.path: give exactly one of model.path=<Hugging Face directory> and checkpoint.dir=<train.py checkpoint>"
+            "model.path: give exactly one of model.path=<Hugging Face directory> and checkpoint.dir=<train.py "
+            "checkpoint>"
         )
     if opts.model.path is not None and opts.checkpoint.lora != "merged":
         raise GenerationError("checkpoint.lora: applies to a LoRA run's checkpoint.dir, not to model.path; drop it")
@@ -223,7 +227,8 @@ def run(argv: Sequence[str]) -> int:
     t0 = time.perf_counter()
     model = load()
     _log(
-        f"model {config.family} from {opts.model.path or opts.checkpoint.dir} in {time.perf_counter() - t0:.1f}s; tokenizer {tokenizer!r}"
+        f"model {config.family} from {opts.model.path or opts.checkpoint.dir} in {time.perf_counter() - t0:.1f}s; "
+        f"tokenizer {tokenizer!r}"
     )
     compile_s = []
 

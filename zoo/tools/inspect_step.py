@@ -82,7 +82,8 @@ def report(
         for r, t in zip(placement.records, tags)
     ):
         notes.append(
-            "decoder_layer_input: the checkpointed layer's input is kept by the scan, so remat leaves it on device (offload moves it to host)"
+            "decoder_layer_input: the checkpointed layer's input is kept by the scan, so remat leaves it on device "
+            "(offload moves it to host)"
         )
     checkpointed = [r for r in placement.records if policy_of(r.stack).checkpoint]
     if any(r.placement == "unread" for r in checkpointed):
@@ -91,8 +92,10 @@ def report(
     weights = sum(o.total_bytes for o in placement.other if o.source == "device_put" and o.memory == "device")
     if weights:
         notes.append(
-            f"{fmt_bytes(weights)} of per-layer values moved to the device inside the scan (parameters) are kept for the backward pass: "
-            "without a checkpoint every layer's weights stay on device; with params on host use a checkpointing policy, "
+            f"{fmt_bytes(weights)} of per-layer values moved to the device inside the scan (parameters) are kept for "
+            "the backward pass: "
+            "without a checkpoint every layer's weights stay on device; with params on host use a checkpointing "
+            "policy, "
             "e.g. offload=[full,params_host]"
         )
     kinds = {
@@ -201,7 +204,8 @@ def render_memory_sections(rep: dict) -> list[str]:
 
         if u["streamed"]:
             lines.append(
-                f"update: streamed over {u['layer_loops']} layer loops; largest device value inside them {buf(u['device_in_loops'])}, "
+                f"update: streamed over {u['layer_loops']} layer loops; largest device value inside them "
+                f"{buf(u['device_in_loops'])}, "
                 f"outside them {buf(u['device_outside_loops'])}; largest host->device move {buf(u['moved_to_device'])}"
             )
         else:
@@ -243,7 +247,8 @@ def render(rep: dict) -> str:
     out += render_ranges(rep.get("ranges"))
     tot = rep["totals_bytes"]
     out.append(
-        f"tags on host {fmt_bytes(tot['host'])}, kept on device {fmt_bytes(tot['device'])}, recomputed {fmt_bytes(tot['recomputed'])}; "
+        f"tags on host {fmt_bytes(tot['host'])}, kept on device {fmt_bytes(tot['device'])}, recomputed "
+        f"{fmt_bytes(tot['recomputed'])}; "
         f"untagged residuals on device {fmt_bytes(tot['untagged_device'])}, on host {fmt_bytes(tot['untagged_host'])} "
         f"({len(rep['untagged_residuals'])} per-layer outputs)"
     )
@@ -327,14 +332,16 @@ def render_holders(h: dict, overrides: Sequence[str] = ()) -> str:
         out += ["    " + ln for ln in text_table(rows).splitlines()]
     if h["largest_temp"]:
         out.append(
-            f"  temporaries {fmt_bytes(h['temp_bytes'])} in all; the largest values (they share that allocation over the step):"
+            f"  temporaries {fmt_bytes(h['temp_bytes'])} in all; the largest values (they share that allocation over "
+            "the step):"
         )
         rows = [(b["name"], fmt_bytes(b["bytes"]), b["shape"], b["op_name"]) for b in h["largest_temp"]]
         out += ["    " + ln for ln in text_table(rows).splitlines()]
     if h["over_budget"]:
         args = " ".join(a for a in overrides if not a.startswith(("hydra.run.", "hydra.sweep.")))
         out.append(
-            f"  to find what frees the most: python -m zoo.tools.plan {args} plan.holders=true (per-tag offload / remat and state presets, "
+            f"  to find what frees the most: python -m zoo.tools.plan {args} plan.holders=true (per-tag offload / "
+            "remat and state presets, "
             "with the saving of each)"
         )
     return "\n".join(out)

@@ -199,11 +199,13 @@ def measure(opts: MeasureOptions) -> dict:
     when = datetime.date.today().isoformat()
     ov = program["overlap"]
     note = (
-        f"measured {when} on {kind} ({device.platform}) by zoo.tools.measure_hardware: {n}x{n} {dtype} matmul x{opts.chain} "
+        f"measured {when} on {kind} ({device.platform}) by zoo.tools.measure_hardware: {n}x{n} {dtype} matmul "
+        f"x{opts.chain} "
         f"-> {flops / 1e12:.3f} TFLOP/s; {opts.transfer_mb:g} MB "
         + (
             f"inside a program: host->device {to_device:.2f} GB/s, device->host {to_host:.2f} GB/s, "
-            f"{100 * ov['hidden_fraction']:.0f}% of a round trip hidden under matmuls; plain device_put {h2d:.2f} / {d2h:.2f} GB/s"
+            f"{100 * ov['hidden_fraction']:.0f}% of a round trip hidden under matmuls; plain device_put {h2d:.2f} / "
+            f"{d2h:.2f} GB/s"
             if program["moves"]
             else f"by plain device_put (inside a program nothing moves): host->device {h2d:.2f}, device->host {d2h:.2f} GB/s"
         )
@@ -255,7 +257,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         bad = [a for a in argv if "=" not in a]
         if bad:
             raise ValueError(
-                f"{bad[0]}: arguments are key=value; keys: {', '.join(f.name for f in dataclasses.fields(MeasureOptions))}"
+                f"{bad[0]}: arguments are key=value; keys: "
+                f"{', '.join(f.name for f in dataclasses.fields(MeasureOptions))}"
             )
         try:
             opts, rest = split_tool_args([f"measure.{a}" for a in argv], "measure", MeasureOptions)
@@ -276,7 +279,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             "this backend moves nothing)"
         )
         print(
-            f"{d['device']}: matmul {d['n']}x{d['n']} {d['dtype']} {profile['matmul_flops'] / 1e12:.3f} TFLOP/s; {link}; "
+            f"{d['device']}: matmul {d['n']}x{d['n']} {d['dtype']} {profile['matmul_flops'] / 1e12:.3f} TFLOP/s; "
+            f"{link}; "
             f"HBM {profile['hbm_bytes'] / 1e9:.1f} GB"
         )
         print(

@@ -137,7 +137,8 @@ class PlanConfig:
             )
         if self.host_budget_gb is not None and self.host_budget_gb <= 0:
             raise PlanError(
-                f"plan.host_budget_gb: must be positive GB per device, got {self.host_budget_gb}; e.g. plan.host_budget_gb=240"
+                f"plan.host_budget_gb: must be positive GB per device, got {self.host_budget_gb}; e.g. "
+                "plan.host_budget_gb=240"
             )
         if not 0 < self.flops_efficiency <= 1:
             raise PlanError(f"plan.flops_efficiency: must be in (0, 1], got {self.flops_efficiency}")
@@ -152,7 +153,8 @@ def resolve_link(link, default_gbps: Union[int, float, None], hardware_dir=None)
     if link is None:
         if not default_gbps or default_gbps <= 0:
             raise PlanError(
-                "plan.link: the hardware profile has no host_link_gbps; give one, e.g. plan.link=pcie_gen5 or plan.link=64"
+                "plan.link: the hardware profile has no host_link_gbps; give one, e.g. plan.link=pcie_gen5 or "
+                "plan.link=64"
             )
         return float(default_gbps)
     try:
@@ -601,7 +603,8 @@ def _infeasible(p: Problem, min_peak: "_Lowest", min_peak_host_ok: "_Lowest", mi
             best = evaluate(p, _assignment_of(p, min_peak_host_ok.digits))
             within = " within the host budget" if min_peak_host_ok.value > min_peak.value else ""
             return Infeasible(
-                f"plan.hbm_budget_gb: no policy fits {p.budget / GB:.3f} GB; the smallest HBM any policy{within} needs is "
+                f"plan.hbm_budget_gb: no policy fits {p.budget / GB:.3f} GB; the smallest HBM any policy{within} "
+                "needs is "
                 f"{best.peak_bytes / GB:.3f} GB ({_describe(best.assignment)}); raise plan.hbm_budget_gb to at least "
                 f"{_at_least(best.peak_bytes)}" + _state_hint(p),
                 best.peak_bytes,
@@ -612,7 +615,8 @@ def _infeasible(p: Problem, min_peak: "_Lowest", min_peak_host_ok: "_Lowest", mi
         # Neither budget can be met by any one assignment: the smallest HBM, with its host memory.
         best = evaluate(p, _assignment_of(p, min_peak.digits))
         return Infeasible(
-            f"plan.hbm_budget_gb: no policy fits {p.budget / GB:.3f} GB, and none of the smallest fits the host budget of "
+            f"plan.hbm_budget_gb: no policy fits {p.budget / GB:.3f} GB, and none of the smallest fits the host "
+            "budget of "
             f"{_host_budget_text(p)}; the smallest HBM any policy needs is {best.peak_bytes / GB:.3f} GB "
             f"({_describe(best.assignment)}) with {best.host_bytes / GB:.3f} GB of host memory per device; raise "
             f"plan.hbm_budget_gb to at least {_at_least(best.peak_bytes)} and plan.host_budget_gb to at least "
@@ -635,8 +639,10 @@ def _infeasible(p: Problem, min_peak: "_Lowest", min_peak_host_ok: "_Lowest", mi
         hints.insert(0, "keep the parameters on device (offload.params=device)")
     return Infeasible(
         f"plan.host_budget_gb: no policy within the HBM budget of {p.budget / GB:.3f} GB fits the host budget of "
-        f"{_host_budget_text(p)}; the smallest host memory such a policy needs is {best.host_bytes / GB:.3f} GB per device "
-        f"({n * best.host_bytes / GB:.3f} GB per node; {_describe(best.assignment)}); raise plan.host_budget_gb to at least "
+        f"{_host_budget_text(p)}; the smallest host memory such a policy needs is {best.host_bytes / GB:.3f} GB per "
+        "device "
+        f"({n * best.host_bytes / GB:.3f} GB per node; {_describe(best.assignment)}); raise plan.host_budget_gb to at "
+        "least "
         f"{_at_least(best.host_bytes)}{other}, or {', or '.join(hints)}",
         min_peak_host_ok.value,
         best,
@@ -1211,7 +1217,8 @@ def split_line(
             default=("", 0.0),
         )
         cost = (
-            f" (a split inside {stacks[0]} costs {_fmt_bytes(RANGE_CUT_COPIES * stacks[1])} of HBM: copies of its parameters)"
+            f" (a split inside {stacks[0]} costs {_fmt_bytes(RANGE_CUT_COPIES * stacks[1])} of HBM: copies of its "
+            "parameters)"
             if stacks[1] and not p.params_on_host
             else ""
         )
@@ -1312,7 +1319,8 @@ def producer_flops(config, tag: str, stack: str, batch: int, seq: int) -> float:
     if tag not in table:
         # A tag this stack emits that no block declares a formula for would cost 0 FLOPs to recompute.
         raise ValueError(
-            f"zoo.tools.plan.producer_flops: no FLOP count for tag {tag!r} on stack {stack!r}; declare it in its block's EMITS"
+            f"zoo.tools.plan.producer_flops: no FLOP count for tag {tag!r} on stack {stack!r}; declare it in its "
+            "block's EMITS"
         )
     return float(table[tag](FlopShape(c, batch, seq, n, keys, ffn, rows)))
 
@@ -1449,12 +1457,15 @@ def estimates_table(p: Problem, chosen: Estimate) -> str:
     e = chosen
     out.append("")
     out.append(
-        f"estimated step {1e3 * e.time_s:.3f} ms = compute {1e3 * e.compute_s:.3f} + recompute {1e3 * e.recompute_s:.3f} "
+        f"estimated step {1e3 * e.time_s:.3f} ms = compute {1e3 * e.compute_s:.3f} + recompute "
+        f"{1e3 * e.recompute_s:.3f} "
         f"+ exposed transfers {1e3 * e.exposed_transfer_s:.3f} + state transfers {1e3 * e.state_transfer_s:.3f}"
     )
     out.append(
-        f"estimated HBM peak {_fmt_bytes(e.peak_bytes)} of {_fmt_bytes(p.budget)} (forward/backward {_fmt_bytes(e.backward_phase_bytes)}, "
-        f"update {_fmt_bytes(e.update_phase_bytes)}); tags on device {_fmt_bytes(e.device_tag_bytes)}, on host {_fmt_bytes(e.host_tag_bytes)}"
+        f"estimated HBM peak {_fmt_bytes(e.peak_bytes)} of {_fmt_bytes(p.budget)} (forward/backward "
+        f"{_fmt_bytes(e.backward_phase_bytes)}, "
+        f"update {_fmt_bytes(e.update_phase_bytes)}); tags on device {_fmt_bytes(e.device_tag_bytes)}, on host "
+        f"{_fmt_bytes(e.host_tag_bytes)}"
     )
     n = _devices_on_node(p)
     parts = {"tags": e.host_tag_bytes, **_host_fixed_parts(p)}
@@ -1464,9 +1475,8 @@ def estimates_table(p: Problem, chosen: Estimate) -> str:
         else " (no host budget)"
     )
     out.append(
-        f"estimated host memory {_fmt_bytes(e.host_bytes)} per device, {_fmt_bytes(e.host_node_bytes)} per node of {n}{budget} ("
-        + ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in parts.items() if v or k == "tags")
-        + ")"
+        f"estimated host memory {_fmt_bytes(e.host_bytes)} per device, {_fmt_bytes(e.host_node_bytes)} per node of "
+        f"{n}{budget} (" + ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in parts.items() if v or k == "tags") + ")"
     )
     return "\n".join(out)
 
@@ -1751,7 +1761,8 @@ def problem_from_config(
         budget = float(hw.hbm_bytes)
     else:
         raise PlanError(
-            f"plan.hbm_budget_gb: hardware profile {hw.name!r} has no hbm_bytes; give a budget, e.g. plan.hbm_budget_gb=80"
+            f"plan.hbm_budget_gb: hardware profile {hw.name!r} has no hbm_bytes; give a budget, e.g. "
+            "plan.hbm_budget_gb=80"
         )
 
     # Working set: two layers' intermediates (the one in backward, the next in flight) with one
@@ -1874,7 +1885,8 @@ def use_plan_lines(out, overrides: Sequence[str]) -> list[str]:
     out = out.resolve()
     if out.parent.name != "offload" or out.suffix != ".yaml":
         return [
-            f"to use it, copy it to conf/offload/{out.stem}.yaml (or write it to <dir>/offload/{out.stem}.yaml with plan.out) and pass offload={out.stem}"
+            f"to use it, copy it to conf/offload/{out.stem}.yaml (or write it to <dir>/offload/{out.stem}.yaml with "
+            f"plan.out) and pass offload={out.stem}"
         ]
     args = " ".join(shlex.quote(a) for a in overrides)
     search = shlex.quote(f"hydra.searchpath=[file://{out.parent.parent}]")
@@ -1916,16 +1928,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 + f"; the plan is the policy of the other {_layers(free)} (the YAML it writes; the commands below keep the ranges)"
             )
         print(
-            f"planning {c.model.family} ({c.model.num_layers} layers), per device batch {info['per_device_batch']} x {info['seq_len']} "
+            f"planning {c.model.family} ({c.model.num_layers} layers), per device batch {info['per_device_batch']} x "
+            f"{info['seq_len']} "
             + (
                 f"(layer inputs split {info['sequence_parallel']} ways along the sequence) "
                 if info["sequence_parallel"] > 1
                 else ""
             )
             + f"on {info['devices']} device(s); matmul rate {info['rate_flops'] / 1e12:.1f} TFLOP/s ({info['rate_source']}), "
-            f"host link {info['link_gbps_per_direction']:g} GB/s per direction, HBM budget {_fmt_bytes(info['budget_bytes'])}, "
+            f"host link {info['link_gbps_per_direction']:g} GB/s per direction, HBM budget "
+            f"{_fmt_bytes(info['budget_bytes'])}, "
             + (
-                f"host budget {_fmt_bytes(p.host_budget)} per device ({_fmt_bytes(p.devices_per_node * p.host_budget)} per node of {p.devices_per_node}); "
+                f"host budget {_fmt_bytes(p.host_budget)} per device "
+                f"({_fmt_bytes(p.devices_per_node * p.host_budget)} per node of {p.devices_per_node}); "
                 if math.isfinite(p.host_budget)
                 else "no host budget (hardware.host_bytes_per_device 0); "
             )
@@ -1933,7 +1948,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 f"params {c.offload.params}, optimizer state {c.offload.opt_state}"
                 if p.frozen_bytes == 0
                 else f"LoRA adapters {_fmt_bytes(p.param_bytes)} trainable (optimizer state {_fmt_bytes(p.opt_bytes)}, {c.offload.opt_state}), "
-                f"frozen base {_fmt_bytes(p.frozen_bytes)} per device on {'host, streamed per layer' if p.frozen_on_host else 'device'}"
+                f"frozen base {_fmt_bytes(p.frozen_bytes)} per device on "
+                f"{'host, streamed per layer' if p.frozen_on_host else 'device'}"
             )
         )
         chunk = c.trainer.loss_chunk_size
@@ -1958,8 +1974,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 print(holders_table(p, best, "host"))
         header = (
             f"Planned by: python -m zoo.tools.plan {' '.join(argv)}\n"
-            f"Estimated step {1e3 * best.time_s:.3f} ms, HBM peak {_fmt_bytes(best.peak_bytes)} of {_fmt_bytes(p.budget)} per device,\n"
-            f"host memory {_fmt_bytes(best.host_bytes)} per device ({_fmt_bytes(best.host_node_bytes)} per node of {p.devices_per_node}).\n"
+            f"Estimated step {1e3 * best.time_s:.3f} ms, HBM peak {_fmt_bytes(best.peak_bytes)} of "
+            f"{_fmt_bytes(p.budget)} per device,\n"
+            f"host memory {_fmt_bytes(best.host_bytes)} per device ({_fmt_bytes(best.host_node_bytes)} per node of "
+            f"{p.devices_per_node}).\n"
             f"Tags left out are recomputed."
         )
         out.write_text(to_yaml(policy, header))

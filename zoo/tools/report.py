@@ -121,7 +121,8 @@ def markdown(jobs: list[dict]) -> str:
         f"Overrides of every job: `{' '.join(common)}`\n" if common else "",
         "Step time: the median over the timed steps (all but the first); a Pareto front uses a time difference only "
         "where the p25-p75 ranges do not overlap.\n",
-        "| job | status | step time (ms) | p25-p75 (ms) | min-max (ms) | timed steps | peak memory (MiB) | memory source | tokens/s | TFLOP/s/device | MFU | loss first -> last | eval loss (ppl) | Pareto |",
+        "| job | status | step time (ms) | p25-p75 (ms) | min-max (ms) | timed steps | peak memory (MiB) | memory "
+        "source | tokens/s | TFLOP/s/device | MFU | loss first -> last | eval loss (ppl) | Pareto |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | --- | ---: | :---: |",
     ]
     for j in jobs:
@@ -137,9 +138,11 @@ def markdown(jobs: list[dict]) -> str:
             rows.append(
                 f"| {label(j, common)} | ok | {_fmt(1e3 * j['step_time_s'], '.1f')} | {spread[0]} | {spread[1]} | "
                 f"{j.get('timed_steps', '-')} | {_mib(j.get('peak_memory_bytes'))} | "
-                f"{j.get('peak_memory_source', '-')} | {_fmt(j.get('tokens_per_s'), '.0f')} | {_fmt(j.get('tflops_per_device'), '.4f')} | "
+                f"{j.get('peak_memory_source', '-')} | {_fmt(j.get('tokens_per_s'), '.0f')} | "
+                f"{_fmt(j.get('tflops_per_device'), '.4f')} | "
                 f"{_fmt(100 * j['mfu'] if j.get('mfu') is not None else None, '.2f')}% | "
-                f"{_fmt(j.get('first_loss'), '.4f')} -> {_fmt(j.get('last_loss'), '.4f')} | {_eval(j.get('eval'))} | {'yes' if j.get('_pareto') else ''} |"
+                f"{_fmt(j.get('first_loss'), '.4f')} -> {_fmt(j.get('last_loss'), '.4f')} | {_eval(j.get('eval'))} | "
+                f"{'yes' if j.get('_pareto') else ''} |"
             )
         else:
             err = str(j.get("error", "")).replace("|", "\\|")
@@ -376,13 +379,15 @@ def main(argv=None) -> int:
     for j in jobs:
         if j.get("_unreadable"):
             print(
-                f"note: {a.dir / j['_dir'] / 'summary.json'} is unreadable ({j['_unreadable']}); marked failed in {md.name}",
+                f"note: {a.dir / j['_dir'] / 'summary.json'} is unreadable ({j['_unreadable']}); marked failed in "
+                f"{md.name}",
                 file=sys.stderr,
             )
     idle = [j for j in jobs if ran_no_steps(j)]
     if idle:
         print(
-            f"note: job(s) {', '.join(j['_dir'] for j in idle)} ran no steps, so they have no timing; marked in {md.name}",
+            f"note: job(s) {', '.join(j['_dir'] for j in idle)} ran no steps, so they have no timing; marked in "
+            f"{md.name}",
             file=sys.stderr,
         )
     print(f"wrote {md} and {png}")

@@ -233,7 +233,8 @@ def _routed_experts_line(moe: dict) -> str:
     if moe["exchange"] == "rounds":
         return line + (
             f", over {moe['expert_ways']} expert shards in rounds of {moe['round_rows']} rows per device and shard: "
-            f"{fmt_bytes(moe['exchange_bytes'])} sent per device and round, {ratio:.2f}x its {fmt_bytes(moe['assignment_bytes'])} "
+            f"{fmt_bytes(moe['exchange_bytes'])} sent per device and round, {ratio:.2f}x its "
+            f"{fmt_bytes(moe['assignment_bytes'])} "
             f"of assignments (one round while no device sends a shard more than {moe['exchange_factor']:g}x the mean)"
         )
     return (
@@ -260,7 +261,8 @@ def render(rep: dict) -> str:
             .replace("; all parameters", "; all adapters", 1)
         )
         out.append(
-            f"frozen LoRA base per device: {fmt_bytes(s['frozen_base'])} in {s['frozen_base_memory']} (no gradient, no optimizer state; in the total)"
+            f"frozen LoRA base per device: {fmt_bytes(s['frozen_base'])} in {s['frozen_base_memory']} (no gradient, "
+            "no optimizer state; in the total)"
         )
     kept = rep.get("kept_layer_inputs")
     if kept:

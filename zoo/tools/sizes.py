@@ -34,7 +34,8 @@ def table(names: list[str]) -> str:
         c = SIZES[name]
         total, active = count_params(c), count_params(c, active=True)
         rows.append(
-            f"| `{name}` | {c.family} | {c.num_layers} | {c.hidden_size} | {describe(c)} | {_count(total)} | {_count(active)} |"
+            f"| `{name}` | {c.family} | {c.num_layers} | {c.hidden_size} | {describe(c)} | {_count(total)} | "
+            f"{_count(active)} |"
         )
     return "\n".join(rows)
 

@@ -59,7 +59,8 @@ class SyntheticData:
         self.vocab_size = vocab_size
         if c.batch_size % process_count:
             raise ConfigError(
-                f"data.batch_size: {c.batch_size} does not split over {process_count} processes; use a multiple of {process_count}"
+                f"data.batch_size: {c.batch_size} does not split over {process_count} processes; use a multiple of "
+                f"{process_count}"
             )
         self.rows = slice(
             process_index * c.batch_size // process_count, (process_index + 1) * c.batch_size // process_count

@@ -490,7 +490,8 @@ class Checkpoints:
             return None
         if not c.checkpoint.resume:
             raise ConfigError(
-                f"checkpoint.dir: {d} already holds checkpoints (latest step {steps[-1]}); set checkpoint.resume=true to "
+                f"checkpoint.dir: {d} already holds checkpoints (latest step {steps[-1]}); set checkpoint.resume=true "
+                "to "
                 "continue from it, or choose an empty directory"
             )
         for step in reversed(steps):
@@ -767,8 +768,10 @@ class Checkpoints:
                 else starting
             )
             self.failed = TrainingStopped(
-                f"step {step}: saving its checkpoint failed ({_why_save_failed(e)}), so the run stopped; last good checkpoint: "
-                f"{self._last_good()}; free space in {self.dir} (or give another checkpoint.dir) and run the same command to resume"
+                f"step {step}: saving its checkpoint failed ({_why_save_failed(e)}), so the run stopped; last good "
+                "checkpoint: "
+                f"{self._last_good()}; free space in {self.dir} (or give another checkpoint.dir) and run the same "
+                "command to resume"
             )
             raise self.failed from None
 
@@ -875,7 +878,8 @@ def restore_model(
     first, why = skipped[-1]
     newer = f", as are steps {', '.join(str(k) for k, _ in reversed(skipped[:-1]))}" if len(skipped) > 1 else ""
     raise ConfigError(
-        f"{d}: step {first} is unreadable ({why}){newer}: no intact checkpoint is left; give the checkpoint.dir of another run"
+        f"{d}: step {first} is unreadable ({why}){newer}: no intact checkpoint is left; give the checkpoint.dir of "
+        "another run"
     )
 
 
@@ -950,7 +954,8 @@ def _restore_params(d: pathlib.Path, step: int, devices, lora_form: str = "merge
             node = _child(node, key)
         if tuple(node.shape) != tuple(want.shape) or node.dtype != want.dtype:
             raise ConfigError(
-                f"{path}: the saved leaf {jax.tree_util.keystr(key_path)} is {node.dtype}{list(node.shape)}, its model config "
+                f"{path}: the saved leaf {jax.tree_util.keystr(key_path)} is {node.dtype}{list(node.shape)}, its "
+                "model config "
                 f"implies {want.dtype}{list(want.shape)}; the checkpoint is damaged"
             )
         return node

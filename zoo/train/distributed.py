@@ -108,7 +108,8 @@ def _check_coordinator_host(address: str) -> None:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as e:
         raise ConfigError(
-            f"distributed.coordinator_address={address}: cannot resolve host {host!r} ({e.strerror}); check the host name"
+            f"distributed.coordinator_address={address}: cannot resolve host {host!r} ({e.strerror}); check the host "
+            "name"
         ) from None
     local_ok, port_free = False, False
     for family, kind, proto, _, sockaddr in infos:
@@ -128,7 +129,8 @@ def _check_coordinator_host(address: str) -> None:
         break
     if not local_ok:
         raise ConfigError(
-            f"distributed.coordinator_address={address}: {host} is not an address of this machine, and process 0 runs the "
+            f"distributed.coordinator_address={address}: {host} is not an address of this machine, and process 0 runs "
+            "the "
             "coordinator; start process 0 on that host or give this host's address"
         )
     if not port_free:
@@ -188,7 +190,8 @@ def initialize(c: DistributedConfig) -> Optional[Cluster]:
     if _JOINED is not None:
         if _JOINED != cluster:
             raise ConfigError(
-                "distributed: this process already joined another cluster for an earlier job; run this job in its own process"
+                "distributed: this process already joined another cluster for an earlier job; run this job in its own "
+                "process"
             )
         return cluster
     if backends_are_initialized():

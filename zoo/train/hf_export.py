@@ -60,7 +60,8 @@ def _carried(meta: dict, tokenizer: Optional[str]) -> dict[str, pathlib.Path]:
             if not p.is_file() or sha256(p) != digest:
                 what = "is gone" if not p.is_file() else "changed since training"
                 raise ConfigError(
-                    f"{p}: the source checkpoint's {name} {what}; pass --tokenizer <dir> with the files the model was trained with"
+                    f"{p}: the source checkpoint's {name} {what}; pass --tokenizer <dir> with the files the model was "
+                    "trained with"
                 )
             out[name] = p
         return out
@@ -101,7 +102,8 @@ def hf_export(
         raise ConfigError(str(e)) from None
     if adapters_only and tokenizer is not None:
         raise ConfigError(
-            "--tokenizer: an adapters-only export carries no tokenizer (the base model's directory has it); drop --tokenizer"
+            "--tokenizer: an adapters-only export carries no tokenizer (the base model's directory has it); drop "
+            "--tokenizer"
         )
     devices = jax.local_devices() if devices is None else devices
     set_phase(
@@ -134,7 +136,8 @@ def _export_adapters(checkpoint_dir, out: pathlib.Path, step: Optional[int], dty
     cfg = meta.get("lora")
     if not cfg or not cfg.get("rank"):
         raise ConfigError(
-            f"{pathlib.Path(checkpoint_dir)}: not a LoRA run (its checkpoint holds the whole model, no adapters); export it without --adapters-only"
+            f"{pathlib.Path(checkpoint_dir)}: not a LoRA run (its checkpoint holds the whole model, no adapters); "
+            "export it without --adapters-only"
         )
     source = (meta.get("pretrained") or {}).get("path")
     with _staged(out) as tmp:

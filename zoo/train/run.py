@@ -237,8 +237,10 @@ def _train(c: TrainConfig, plan, devices, out_dir: pathlib.Path, xla_flags: str,
     steps = c.trainer.steps
     processes = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
     echo(
-        f"model {c.model.family} ({count_params(c.model) / 1e6:.2f}M params, {count_params(c.model, active=True) / 1e6:.2f}M active) "
-        f"mesh {plan.mesh.sizes} on {len(mesh_devices)} {mesh_devices[0].platform} device(s){processes}, offload {offload_label(c, overrides)}, "
+        f"model {c.model.family} ({count_params(c.model) / 1e6:.2f}M params, "
+        f"{count_params(c.model, active=True) / 1e6:.2f}M active) "
+        f"mesh {plan.mesh.sizes} on {len(mesh_devices)} {mesh_devices[0].platform} device(s){processes}, offload "
+        f"{offload_label(c, overrides)}, "
         f"batch {c.data.batch_size}x{c.data.seq_len}, {steps} steps"
     )
     echo(kernels_line(c, plan))
@@ -252,7 +254,8 @@ def _train(c: TrainConfig, plan, devices, out_dir: pathlib.Path, xla_flags: str,
     optimize, why = trainer.cpu_optimization()
     if optimize is not None:
         echo(
-            f"XLA:CPU compile: LLVM optimisations {'on (slower compile, faster steps)' if optimize else 'off (faster compile, slower steps)'}; {why}"
+            "XLA:CPU compile: LLVM optimisations "
+            f"{'on (slower compile, faster steps)' if optimize else 'off (faster compile, slower steps)'}; {why}"
         )
         echo(huge_pages.describe())
     if c.pretrained is not None:
@@ -276,7 +279,8 @@ def _train(c: TrainConfig, plan, devices, out_dir: pathlib.Path, xla_flags: str,
             )
         if start == steps:
             echo(
-                f"checkpoints: {ckpt.dir}, step {start} is trainer.steps={steps}: nothing left to train; raise trainer.steps to go on"
+                f"checkpoints: {ckpt.dir}, step {start} is trainer.steps={steps}: nothing left to train; raise "
+                "trainer.steps to go on"
             )
             summary = {"status": "ok", "overrides": list(overrides), "steps": steps, "start_step": start, "steps_run": 0,
                        "checkpoint": {"dir": str(ckpt.dir), "steps": ckpt.complete_steps()}, "config": to_dict(c)}  # fmt: skip
@@ -344,8 +348,10 @@ def _train(c: TrainConfig, plan, devices, out_dir: pathlib.Path, xla_flags: str,
     ev = evaluator.last if evaluator else None
     eval_note = f", eval loss {ev['eval_loss']:.4f} (perplexity {ev['eval_perplexity']:.2f})" if ev else ""
     echo(
-        f"loss {log.losses[0]:.4f} -> {log.losses[-1]:.4f} ({floor_note}){eval_note}; step {1e3 * summary['step_time_s']:.1f} ms, "
-        f"{perf['tokens_per_s']:.0f} tok/s, {perf['tflops_per_device']:.4f} TFLOP/s/device, MFU {100 * perf['mfu']:.2f}% "
+        f"loss {log.losses[0]:.4f} -> {log.losses[-1]:.4f} ({floor_note}){eval_note}; step "
+        f"{1e3 * summary['step_time_s']:.1f} ms, "
+        f"{perf['tokens_per_s']:.0f} tok/s, {perf['tflops_per_device']:.4f} TFLOP/s/device, MFU "
+        f"{100 * perf['mfu']:.2f}% "
         f"of {c.hardware.name}{' (nominal)' if c.hardware.nominal else ''}; summary: {out_dir / 'summary.json'}"
     )
     return summary
@@ -366,7 +372,8 @@ def lora_line(c: TrainConfig, trainer) -> str:
     return (
         f"lora: rank {c.lora.rank}, alpha {c.lora.alpha:g}{f', dropout {c.lora.dropout:g} (adapters unmerged while training)' if c.lora.dropout else ''} "
         f"on {','.join(c.lora.targets)}; trainable {trainable:,} of {total:,} "
-        f"parameters ({100 * trainable / total:.2f}%), optimizer state {lora_opt / 2**20:.2f} MiB vs {full_opt / 2**20:.2f} MiB "
+        f"parameters ({100 * trainable / total:.2f}%), optimizer state {lora_opt / 2**20:.2f} MiB vs "
+        f"{full_opt / 2**20:.2f} MiB "
         f"full fine-tuning; frozen base in {where}"
     )
 

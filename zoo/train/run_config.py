@@ -88,7 +88,8 @@ class MeshConfig:
             axis = self.context_parallel
             if axis not in CONTEXT_AXES:
                 why = (
-                    "splits the heads inside attention (mesh.sequence_parallel splits the sequence over it between the blocks)"
+                    "splits the heads inside attention (mesh.sequence_parallel splits the sequence over it between "
+                    "the blocks)"
                     if axis == "tensor"
                     else ("routes the tokens to their experts" if axis == "expert" else "is not a mesh axis")
                 )
@@ -217,7 +218,8 @@ class DataConfig:
         for name in ("path", "tokenizer", "eval_path"):  # `data.path=` (an unset shell variable) is not null
             if getattr(self, name) is not None and not str(getattr(self, name)).strip():
                 raise ConfigError(
-                    f"data.{name}: empty (an unset shell variable?); give a path, or leave data.{name} out (null: {_DATA_NULL[name]})"
+                    f"data.{name}: empty (an unset shell variable?); give a path, or leave data.{name} out (null: "
+                    f"{_DATA_NULL[name]})"
                 )
         if self.name == "text":
             from zoo.data.text import FORMATS  # zoo.data (grain, about 1.1 s; tokenizers) only for text runs
@@ -230,7 +232,8 @@ class DataConfig:
             )
         if self.eval_fraction and self.eval_path:
             raise ConfigError(
-                "data.eval_fraction: set it or data.eval_path, not both; data.eval_fraction=0 to evaluate on data.eval_path"
+                "data.eval_fraction: set it or data.eval_path, not both; data.eval_fraction=0 to evaluate on "
+                "data.eval_path"
             )
         if self.name != "text" and (self.eval_fraction or self.eval_path):
             key = "data.eval_fraction" if self.eval_fraction else "data.eval_path"
@@ -276,7 +279,8 @@ class XlaConfig:
         # XLA aborts the process on a flag it does not know, when JAX starts; say so first, in one line.
         for f in unknown_flags(self.flags):
             raise ConfigError(
-                f"xla.flags: {flag_name(f)} is not a flag this jaxlib ({_jaxlib_version()}) knows, and XLA would refuse "
+                f"xla.flags: {flag_name(f)} is not a flag this jaxlib ({_jaxlib_version()}) knows, and XLA would "
+                "refuse "
                 f"to start; remove it or check its spelling"
             )
         for f in self.tpu_flags:
@@ -284,7 +288,8 @@ class XlaConfig:
                 raise ConfigError(f"xla.tpu_flags: {f!r} is not an XLA flag; write it as --xla_<name>=<value>")
         for f in unknown_tpu_flags(self.tpu_flags):
             raise ConfigError(
-                f"xla.tpu_flags: {flag_name(f)} is not a flag the installed libtpu knows, and the TPU backend would refuse "
+                f"xla.tpu_flags: {flag_name(f)} is not a flag the installed libtpu knows, and the TPU backend would "
+                "refuse "
                 f"to start; remove it or check its spelling"
             )
         if self.cpu_devices is not None and self.cpu_devices < 1:
@@ -394,7 +399,8 @@ class HardwareConfig:
             raise ConfigError(f"hardware.peak_flops: must be positive, got {self.peak_flops}")
         if not 0 < self.step_efficiency <= 1:
             raise ConfigError(
-                f"hardware.step_efficiency: a fraction of matmul_flops in (0, 1], got {self.step_efficiency}; e.g. hardware.step_efficiency=0.56"
+                f"hardware.step_efficiency: a fraction of matmul_flops in (0, 1], got {self.step_efficiency}; e.g. "
+                "hardware.step_efficiency=0.56"
             )
         if self.host_bytes_per_device < 0:
             raise ConfigError(
@@ -403,7 +409,8 @@ class HardwareConfig:
             )
         if self.devices_per_node < 1:
             raise ConfigError(
-                f"hardware.devices_per_node: must be >= 1, got {self.devices_per_node}; e.g. hardware.devices_per_node=8"
+                f"hardware.devices_per_node: must be >= 1, got {self.devices_per_node}; e.g. "
+                "hardware.devices_per_node=8"
             )
         if self.platform not in (None, *PLATFORMS):
             raise ConfigError(f"hardware.platform: got {self.platform!r}; choose {', '.join(PLATFORMS)} or null (any)")
@@ -485,7 +492,8 @@ def check_hardware_platform(hw: HardwareConfig, platform: str) -> None:
     its planner figures are read against its profile."""
     if hw.platform is not None and hw.platform != platform:
         raise ConfigError(
-            f"hardware: {hw.name} is a profile of a {hw.platform}, and this run's devices are {platform}s; use hardware=auto "
+            f"hardware: {hw.name} is a profile of a {hw.platform}, and this run's devices are {platform}s; use "
+            "hardware=auto "
             f"(this machine's profile) or one of its own; to plan for a {hw.platform} from here, "
             f"python -m zoo.tools.plan ... hardware={hw.name}"
         )
@@ -540,7 +548,8 @@ class DistributedConfig:
                 raise ConfigError(f"distributed.process_id: must be >= 0, got {self.process_id}")
             if self.num_processes is not None and self.process_id >= self.num_processes:
                 raise ConfigError(
-                    f"distributed.process_id: {self.process_id} is not below distributed.num_processes={self.num_processes}; "
+                    f"distributed.process_id: {self.process_id} is not below "
+                    f"distributed.num_processes={self.num_processes}; "
                     f"use 0..{self.num_processes - 1}"
                 )
         if self.timeout_s <= 0:
@@ -728,7 +737,8 @@ def validate(c: TrainConfig, available_devices: int, abstract_model=None) -> Pla
     m = c.model
     if c.mesh.sequence_parallel and shape.tensor == 1:
         raise ConfigError(
-            f"mesh.sequence_parallel: splits the sequence over the tensor axis, but mesh.tensor is 1 (mesh={c.mesh.name}); "
+            "mesh.sequence_parallel: splits the sequence over the tensor axis, but mesh.tensor is 1 "
+            f"(mesh={c.mesh.name}); "
             f"set mesh.tensor to 2 or more, or mesh.sequence_parallel=false"
         )
     cp = c.mesh.context_parallel
@@ -743,12 +753,15 @@ def validate(c: TrainConfig, available_devices: int, abstract_model=None) -> Pla
         desc = "*".join(f"{a}={shape.sizes[a]}" for a in seq_axes)
         raise ConfigError(
             f"data.seq_len: {c.data.seq_len} is not divisible by the sequence-parallel size {seq_ways} "
-            f"({'mesh.context_parallel and ' if cp else ''}mesh.rules.seq split{'' if cp else 's'} it over {desc}); use a multiple of {seq_ways}"
+            f"({'mesh.context_parallel and ' if cp else ''}mesh.rules.seq split{'' if cp else 's'} it over {desc}); "
+            f"use a multiple of {seq_ways}"
         )
     if cp is not None and c.mesh.context_balance and c.data.seq_len % (2 * shape.sizes[cp]):
         raise ConfigError(
-            f"data.seq_len: {c.data.seq_len} does not cut into 2 x {shape.sizes[cp]} equal chunks, which balanced context "
-            f"parallelism deals out (mesh.context_parallel={cp}); use a multiple of {2 * shape.sizes[cp]}, or mesh.context_balance=false"
+            f"data.seq_len: {c.data.seq_len} does not cut into 2 x {shape.sizes[cp]} equal chunks, which balanced "
+            "context "
+            f"parallelism deals out (mesh.context_parallel={cp}); use a multiple of {2 * shape.sizes[cp]}, or "
+            "mesh.context_balance=false"
         )
     if c.data.seq_len > m.max_position_embeddings:
         raise ConfigError(
@@ -766,7 +779,8 @@ def validate(c: TrainConfig, available_devices: int, abstract_model=None) -> Pla
     if cp is not None and attention_impl == "cudnn":
         if m.attention_impl == "cudnn":
             raise ConfigError(
-                f"model.attention_impl: cudnn cannot run context-parallel attention (mesh.context_parallel={cp}): its queries "
+                f"model.attention_impl: cudnn cannot run context-parallel attention (mesh.context_parallel={cp}): its "
+                "queries "
                 f"start at key 0, not at their chunk; use blockwise, xla or auto"
             )
         import jax
@@ -775,7 +789,8 @@ def validate(c: TrainConfig, available_devices: int, abstract_model=None) -> Pla
         attention_impl = "blockwise" if c.data.seq_len >= min_blockwise_seq(jax.default_backend()) else "xla"
     if c.trainer.tensorboard and importlib.util.find_spec("tensorboardX") is None:
         raise ConfigError(
-            "trainer.tensorboard: needs the tensorboardX package; pip install -e '.[tensorboard]' or set trainer.tensorboard=false"
+            "trainer.tensorboard: needs the tensorboardX package; pip install -e '.[tensorboard]' or set "
+            "trainer.tensorboard=false"
         )
     if abstract_model is not None and c.pretrained is not None:
         try:  # every tensor's name, shape and dtype, from the safetensors headers

@@ -84,5 +84,6 @@ def taken_line(run_dir: pathlib.Path, start: int, overrides) -> Optional[str]:
     files = " and ".join(f for f in (METRICS, SUMMARY) if (run_dir / f).exists())
     return (
         f"hydra.run.dir: {run_dir} holds the {files} of {what}, which this run would replace (it starts from step 0); "
-        f"give this run another hydra.run.dir, or move {run_dir} away (a run that resumes a checkpoint continues the record there)"
+        f"give this run another hydra.run.dir, or move {run_dir} away (a run that resumes a checkpoint continues the "
+        "record there)"
     )

@@ -334,7 +334,8 @@ class Trainer:
         n = hi - lo
         if micro % n or lo % n:
             raise zs.ShardingError(
-                f"mesh: process {jax.process_index()} holds rows {lo}..{hi} of {micro}, not an equal slice; use a mesh whose batch axes split evenly over processes"
+                f"mesh: process {jax.process_index()} holds rows {lo}..{hi} of {micro}, not an equal slice; use a "
+                "mesh whose batch axes split evenly over processes"
             )
         self._data_shard = (lo // n, micro // n)
         return self._data_shard
