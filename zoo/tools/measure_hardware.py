@@ -160,7 +160,9 @@ def measure_program_link(
     t_trip = _median_time(lambda: trip(x_dev).block_until_ready(), repeats)
     in_s = max(t_in - _median_time(lambda: in_base(x_dev).block_until_ready(), repeats), 1e-9)
     moved_s = max(t_trip - _median_time(lambda: trip_base(x_dev).block_until_ready(), repeats), 2e-9)
-    moves = moved_s > 0.05 * t_trip  # XLA:CPU ignores memory kinds: nothing moves inside its programs
+    # XLA:CPU ignores memory kinds: nothing moves inside its programs, whatever a noisy timing says
+    # (both programs do the same work there, so their difference is the machine's jitter).
+    moves = device.platform != "cpu" and moved_s > 0.05 * t_trip
     out_s = moved_s - in_s
     if out_s < 0.1 * moved_s:  # the directions cannot be told apart (on a CPU both memories are RAM): halves
         in_s = out_s = moved_s / 2
