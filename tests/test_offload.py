@@ -550,3 +550,18 @@ def test_streamed_update_traces_for_every_stack_and_the_expert_biases():
         "model=dsv3_tiny_a", "offload=[full,params_host,optimizer_host]", "trainer.moe_bias_update_rate=0.01"
     )
     assert host["layer_loops"] == 4 and host["moved_to_device"] is not None
+
+
+def test_streamed_update_cuts_a_large_leaf_along_an_axis_its_sharding_leaves_whole():
+    """zoo.train.step.whole_axis: the first axis no mesh axis of size > 1 splits (a size-1 mesh axis
+    splits nothing), None when every axis is split, so runs of rows never cross devices."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from zoo.train.step import whole_axis
+
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2, 1), ("fsdp", "tensor", "expert"))
+    leaf = jax.ShapeDtypeStruct((1000, 64), np.float32)
+    assert whole_axis(leaf, NamedSharding(mesh, PartitionSpec(None, "fsdp"))) == 0
+    assert whole_axis(leaf, NamedSharding(mesh, PartitionSpec("tensor", "fsdp"))) is None
+    assert whole_axis(leaf, NamedSharding(mesh, PartitionSpec(("fsdp", "tensor"), None))) == 1
+    assert whole_axis(leaf, NamedSharding(mesh, PartitionSpec("expert", "fsdp"))) == 0  # size 1: whole
