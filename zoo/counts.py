@@ -21,7 +21,7 @@ import jax
 
 from zoo import sharding as zs
 from zoo.config import ModelConfig, attended_keys
-from zoo.model import abstract
+from zoo.model import abstract, count_leaves
 
 __all__ = ["count_params", "flops_per_token", "declared_leaves"]
 
@@ -56,7 +56,7 @@ def _active_share(c: ModelConfig) -> float:
 def count_params(c: ModelConfig, active: bool = False) -> int:
     """Parameters of the model (`active`: those one token uses, counting top_k routed experts)."""
     model = abstract(c)
-    total = sum(x.size for x in jax.tree_util.tree_leaves(model) if isinstance(x, jax.ShapeDtypeStruct))
+    total = count_leaves(model)
     if not active:
         return int(total)
     routed = sum(x.size for x, leaf in declared_leaves(model) if _routed(leaf))
