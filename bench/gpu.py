@@ -804,7 +804,9 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--render",
         default=None,
-        help="print the tables of recorded runs (a --out JSON, or a record of several: docs/gpu_h200.json); nothing runs",
+        help=(
+            "print the tables of recorded runs (a --out JSON, or a record of several: docs/gpu_h200.json); nothing runs"
+        ),
     )
     ap.add_argument(
         "--run-reserve-s",
@@ -856,7 +858,10 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--plan-only",
         action="store_true",
-        help="no runs: zoo.tools.plan's estimate of every (model, preset) at --link-gbps and --matmul-tflops, in this process (CPU is fine)",
+        help=(
+            "no runs: zoo.tools.plan's estimate of every (model, preset) at --link-gbps and --matmul-tflops, "
+            "in this process (CPU is fine)"
+        ),
     )
     ap.add_argument(
         "--link-gbps",

@@ -2,7 +2,8 @@
 # steps on CPU, in its own environment (torch is not a Zoo dependency):
 #
 #   python3 -m venv /tmp/torchpeer && /tmp/torchpeer/bin/pip install torch==2.13.0 transformers==5.24.0
-#   /tmp/torchpeer/bin/python bench/torch_llama_step.py --config tiny|100m --remat none|full [--steps 12] [--json out.json]
+#   /tmp/torchpeer/bin/python bench/torch_llama_step.py --config tiny|100m --remat none|full \
+#       [--steps 12] [--json out.json]
 #
 # Every step: forward + loss (labels=x, shifted inside the model) + backward + grad-norm clip 1.0 + AdamW step.
 # Each step gets a fresh uniform-random batch (made before the step clock starts), like zoo's data=uniform.
@@ -62,7 +63,8 @@ def main():
     cfg = llama_config(d)
     m = LlamaForCausalLM(cfg).to(torch.float32)
     if a.remat == "full":
-        # one checkpoint per decoder layer (torch.utils.checkpoint, use_reentrant=False): keeps its input, recomputes the rest
+        # one checkpoint per decoder layer (torch.utils.checkpoint, use_reentrant=False):
+        # keeps its input, recomputes the rest
         (getattr(m, "activation_checkpointing_enable", None) or m.gradient_checkpointing_enable)()
     m.train()
     # zoo's optimizer settings (conf/optimizer/adamw.yaml): b1 .9, b2 .95, eps 1e-8, wd .1, clip 1.0 (no schedule here)

@@ -237,7 +237,9 @@ RECIPES = {
         21100,
         (r"embed_tokens", r"self_attn\.q_proj\.weight$", r"mlp\.(gate|down)_proj", r"q_norm"),
         std_rules=((r"embed_tokens", 0.3),),
-        what="final_logit_softcapping 0.75 with most logits past it, layers [S, S, F] window 8 < 32, GeGLU, head_dim 20",
+        what=(
+            "final_logit_softcapping 0.75 with most logits past it, layers [S, S, F] window 8 < 32, GeGLU, head_dim 20"
+        ),
     ),
     "qwen2_tiny_hard": Recipe(
         "qwen2",
@@ -340,7 +342,10 @@ RECIPES = {
         ),
         21600,
         (r"mlp\.(gate|experts|shared_experts)\.", r"self_attn\.(q_b_proj|kv_a_proj_with_mqa)"),
-        what="MLA with YaRN (mscale), group-limited sigmoid router with a correction bias, a shared expert, a dense first layer",
+        what=(
+            "MLA with YaRN (mscale), group-limited sigmoid router with a correction bias, a shared expert, a "
+            "dense first layer"
+        ),
     ),
 }
 

@@ -58,10 +58,21 @@ def base(tmp_path_factory):
     """One finished run (its run directory and checkpoints of steps 1-3) and its step 3 exported."""
     d = tmp_path_factory.mktemp("base")
     p = subprocess.run(
-        train_cmd(LLAMA, *TINY, *EVERY, "offload=[llama_qkv_offload,optimizer_host]", "trainer.steps=3", f"checkpoint.dir={d / 'ckpt'}",
-                  f"hydra.run.dir={d / 'run'}"),
-        cwd=d, env=env(), capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        train_cmd(
+            LLAMA,
+            *TINY,
+            *EVERY,
+            "offload=[llama_qkv_offload,optimizer_host]",
+            "trainer.steps=3",
+            f"checkpoint.dir={d / 'ckpt'}",
+            f"hydra.run.dir={d / 'run'}",
+        ),
+        cwd=d,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     from zoo.train.hf_export import hf_export
 
@@ -75,8 +86,22 @@ def test_the_same_command_over_a_finished_run_changes_none_of_its_files(base, tm
     d, _ = base
     run, ckpt = _copy_run(tmp_path, d)
     before = fingerprint(run, ckpt)
-    p = subprocess.run(train_cmd(LLAMA, *TINY, *EVERY, "offload=[llama_qkv_offload,optimizer_host]", "trainer.steps=3", f"checkpoint.dir={ckpt}",
-                                 f"hydra.run.dir={run}"), cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=600)  # fmt: skip
+    p = subprocess.run(
+        train_cmd(
+            LLAMA,
+            *TINY,
+            *EVERY,
+            "offload=[llama_qkv_offload,optimizer_host]",
+            "trainer.steps=3",
+            f"checkpoint.dir={ckpt}",
+            f"hydra.run.dir={run}",
+        ),
+        cwd=tmp_path,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert p.returncode == 0 and "nothing left to train" in p.stdout, p.stderr[-3000:]
     assert fingerprint(run, ckpt) == before
 
@@ -88,8 +113,14 @@ def test_a_resumed_run_continues_the_record_of_its_run_directory(base, tmp_path)
     run, ckpt = _copy_run(tmp_path, d)
     first = (run / "metrics.jsonl").read_text()
     hydra = fingerprint(run / ".hydra")
-    p = subprocess.run(train_cmd(LLAMA, *TINY, *EVERY, "trainer.steps=5", f"checkpoint.dir={ckpt}", f"hydra.run.dir={run}"),
-                       cwd=tmp_path, env=env(), capture_output=True, text=True, timeout=600)  # fmt: skip
+    p = subprocess.run(
+        train_cmd(LLAMA, *TINY, *EVERY, "trainer.steps=5", f"checkpoint.dir={ckpt}", f"hydra.run.dir={run}"),
+        cwd=tmp_path,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert p.returncode == 0 and "resuming from step 3" in p.stdout, p.stderr[-3000:]
     metrics = (run / "metrics.jsonl").read_text()
     assert metrics.startswith(first) and [json.loads(ln)["step"] for ln in metrics.splitlines()] == [0, 1, 2, 3, 4]
@@ -147,8 +178,17 @@ def _live_lock(d: pathlib.Path, name: str):
     """A lock file as a live run writes it, owned by this (live) test process."""
     from zoo.train.checkpoint import _process_start
 
-    (d / name).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "pid_start": _process_start(os.getpid()),
-                                      "started": "now", "command": "python train.py (the live run)"}))  # fmt: skip
+    (d / name).write_text(
+        json.dumps(
+            {
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "pid_start": _process_start(os.getpid()),
+                "started": "now",
+                "command": "python train.py (the live run)",
+            }
+        )
+    )
 
 
 def _hf_with(tmp, d, weights: bytes = None, nan_tensor: str = None):
@@ -183,8 +223,18 @@ def _sweep(tmp, d):
     sweep = tmp / "sweep"
     shutil.copytree(d / "run", sweep / "0")
     (sweep / "1").mkdir()
-    (sweep / "1" / "summary.json").write_text(json.dumps({"status": "ok", "overrides": ["trainer.steps=3"], "steps": 3, "start_step": 3,
-                                                          "steps_run": 0, "checkpoint": {"dir": "ckpt", "steps": [3]}}))  # fmt: skip
+    (sweep / "1" / "summary.json").write_text(
+        json.dumps(
+            {
+                "status": "ok",
+                "overrides": ["trainer.steps=3"],
+                "steps": 3,
+                "start_step": 3,
+                "steps_run": 0,
+                "checkpoint": {"dir": "ckpt", "steps": [3]},
+            }
+        )
+    )
     return sweep
 
 
@@ -253,7 +303,8 @@ def _patch(run):
 OUT_OF_MEMORY = """
 def _patch(run):
     def compile(self, *a, **k):
-        raise RuntimeError('RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space hbm. '
+        raise RuntimeError('RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. '
+                           'Ran out of memory in memory space hbm. '
                            'Used 16.11G of 15.75G hbm. Exceeded hbm capacity by 368.49M.')
     run.Trainer.compile = compile
 """

@@ -2,8 +2,8 @@
 
 bench/cpu.py --quick (both families, four presets, LLVM optimisations off, one step profiled) and bench/gpu.py --toy
 (Llama, none and its offload preset, two XLA groups in their own processes, the largest-batch
-prediction against a made-up memory limit, and the predicted batches run) each run as a subprocess, as a user would run them.
-The default run renders the recorded docs/bench_cpu.json the same way. Nothing here imports bench/.
+prediction against a made-up memory limit, and the predicted batches run) each run as a subprocess, as a user would run
+them. The default run renders the recorded docs/bench_cpu.json the same way. Nothing here imports bench/.
 """
 
 import json

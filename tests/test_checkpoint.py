@@ -267,8 +267,12 @@ def test_unwritable_checkpoint_dir_is_refused_before_any_step(tmp_path):
     p = run([*SMALL, f"checkpoint.dir={d}"], tmp_path / "run")
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert p.returncode == 2 and len(lines) == 1, p.stderr[-3000:]
-    assert re.fullmatch(rf"error: checkpoint\.dir: cannot write in {re.escape(str(d))} \((Permission denied|Read-only file system)\); "
-                        "choose a writable directory or fix its permissions", lines[0]), lines[0]  # fmt: skip
+    assert re.fullmatch(
+        rf"error: checkpoint\.dir: cannot write in {re.escape(str(d))} "
+        r"\((Permission denied|Read-only file system)\); "
+        "choose a writable directory or fix its permissions",
+        lines[0],
+    ), lines[0]
     assert "s, compile " not in p.stdout and "step 1" not in p.stdout
 
 
@@ -372,19 +376,29 @@ def test_checkpoint_dir_that_is_a_file(tmp_path):
     )
     assert f.read_text() == "x"
     p = run([*SMALL, "checkpoint.dir=/proc/no/such/dir"], tmp_path / "run2")  # /proc takes no new directories
-    assert (
-        p.returncode == 2
-        and p.stderr.strip()
-        == "error: checkpoint.dir: cannot create /proc/no/such/dir (No such file or directory); choose a writable directory"
+    assert p.returncode == 2 and p.stderr.strip() == (
+        "error: checkpoint.dir: cannot create /proc/no/such/dir (No such file or directory); choose a "
+        "writable directory"
     )
 
 
 def test_nan_loss_stops_with_one_line_and_keeps_the_last_good_checkpoint(tmp_path):
     """A learning rate of 1e30 really diverges; the run stops at the first non-finite value."""
     ckpt = tmp_path / "ckpt"
-    args = ["model=llama_tiny_a", "mesh=single", "xla.cpu_devices=1", "trainer.steps=10", "data.batch_size=8", "data.seq_len=16",
-            "trainer.progress=false", "optimizer.lr=1e30", "optimizer.warmup_steps=0", "checkpoint.every_n_steps=1",
-            "checkpoint.keep_last=3", f"checkpoint.dir={ckpt}"]  # fmt: skip
+    args = [
+        "model=llama_tiny_a",
+        "mesh=single",
+        "xla.cpu_devices=1",
+        "trainer.steps=10",
+        "data.batch_size=8",
+        "data.seq_len=16",
+        "trainer.progress=false",
+        "optimizer.lr=1e30",
+        "optimizer.warmup_steps=0",
+        "checkpoint.every_n_steps=1",
+        "checkpoint.keep_last=3",
+        f"checkpoint.dir={ckpt}",
+    ]
     p = run(args, tmp_path / "run")
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert p.returncode == 1, p.stderr[-3000:]
@@ -517,7 +531,10 @@ def test_save_killed_leaves_a_stale_lock_that_the_next_run_takes_over(tmp_path):
             else:
                 with pytest.raises(
                     ConfigError,
-                    match=rf"^checkpoint\.dir: {re.escape(str(tmp_path))} is in use by another run \(pid {owner['pid']} on {owner['host']}, started t0\); ",
+                    match=(
+                        rf"^checkpoint\.dir: {re.escape(str(tmp_path))} is in use by another run \(pid "
+                        rf"{owner['pid']} on {owner['host']}, started t0\); "
+                    ),
                 ):
                     lock.acquire(notes.append)
                 assert json.loads((tmp_path / "zoo.lock").read_text()) == owner  # untouched

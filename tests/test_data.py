@@ -358,7 +358,10 @@ def test_train_py_bad_data_input_exits_2_with_one_line(tmp_path, case):
         latin = tmp_path / "latin.txt"
         latin.write_bytes("caf\xe9".encode("latin-1"))
         args = [f"data.path={latin}"]
-        want = f"error: data.path: {latin} is not UTF-8 text (byte 0xe9 at offset 3, line 1); convert it, e.g. iconv -f latin1 -t utf-8, or remove it from data.path"
+        want = (
+            f"error: data.path: {latin} is not UTF-8 text (byte 0xe9 at offset 3, line 1); convert it, e.g. "
+            "iconv -f latin1 -t utf-8, or remove it from data.path"
+        )
     else:
         small = tmp_path / "small.txt"
         small.write_text(numbered_text(40))  # 321 bytes: 5 windows of 64

@@ -15,8 +15,16 @@ from zoo.train.distributed import resolve
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # Real text through zoo.data, so each process reads its own rows of every batch.
-COMMON = ["model=llama_tiny_a", "mesh=fsdp", "data=text", "data.batch_size=8", "data.seq_len=32", "optimizer.decay_steps=6",
-          "trainer.log_every=1", "trainer.progress=false"]  # fmt: skip
+COMMON = [
+    "model=llama_tiny_a",
+    "mesh=fsdp",
+    "data=text",
+    "data.batch_size=8",
+    "data.seq_len=32",
+    "optimizer.decay_steps=6",
+    "trainer.log_every=1",
+    "trainer.progress=false",
+]
 SLURM_VARS = [k for k in os.environ if k.startswith("SLURM_") or k.startswith("JAX_COORDINATOR")]
 
 
@@ -70,8 +78,15 @@ def test_two_processes_reproduce_one_process_then_resume_under_slurm(tmp_path):
     # Two processes, 2 devices each, an explicit coordinator; checkpoints at steps 2 and 4.
     port = free_port()
     ckpt = tmp_path / "ckpt"
-    two = [*COMMON, "trainer.steps=4", "checkpoint.every_n_steps=2", f"checkpoint.dir={ckpt}",
-           f"distributed.coordinator_address=127.0.0.1:{port}", "distributed.num_processes=2", "distributed.timeout_s=120"]  # fmt: skip
+    two = [
+        *COMMON,
+        "trainer.steps=4",
+        "checkpoint.every_n_steps=2",
+        f"checkpoint.dir={ckpt}",
+        f"distributed.coordinator_address=127.0.0.1:{port}",
+        "distributed.num_processes=2",
+        "distributed.timeout_s=120",
+    ]
     results = finish([train([*two, f"distributed.process_id={i}"], tmp_path / "two", env_with(2)) for i in (0, 1)])
     for rc, out, err in results:
         assert rc == 0, err[-3000:]
@@ -91,11 +106,22 @@ def test_two_processes_reproduce_one_process_then_resume_under_slurm(tmp_path):
     # variables (JAX picks the coordinator port from the job id). They resume the checkpoint at step 4.
     job = next(j for j in range(1000, 5096) if port_is_free(61440 + j % 4096))
     slurm = {"SLURM_JOB_ID": str(job), "SLURM_STEP_NODELIST": "localhost", "SLURM_NTASKS": "2"}
-    results = finish([
-        train([*COMMON, "trainer.steps=6", "checkpoint.every_n_steps=2", f"checkpoint.dir={ckpt}", "distributed.timeout_s=120"],
-              tmp_path / "slurm", env_with(2, **slurm, SLURM_PROCID=str(i), SLURM_LOCALID=str(i)))
-        for i in (0, 1)
-    ])  # fmt: skip
+    results = finish(
+        [
+            train(
+                [
+                    *COMMON,
+                    "trainer.steps=6",
+                    "checkpoint.every_n_steps=2",
+                    f"checkpoint.dir={ckpt}",
+                    "distributed.timeout_s=120",
+                ],
+                tmp_path / "slurm",
+                env_with(2, **slurm, SLURM_PROCID=str(i), SLURM_LOCALID=str(i)),
+            )
+            for i in (0, 1)
+        ]
+    )
     for rc, out, err in results:
         assert rc == 0, err[-3000:]
     assert "resuming from step 4" in results[0][1] and "in 2 processes" in results[0][1]
@@ -145,11 +171,20 @@ def test_coordinator_port_in_use_one_line(tmp_path):
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        line = one_error_line(run_cli([f"distributed.coordinator_address=127.0.0.1:{port}", "distributed.num_processes=2",
-                                       "distributed.process_id=0", "distributed.timeout_s=3"], tmp_path))  # fmt: skip
-    assert (
-        line
-        == f"error: distributed.coordinator_address=127.0.0.1:{port}: port {port} is already in use here; choose a free port"
+        line = one_error_line(
+            run_cli(
+                [
+                    f"distributed.coordinator_address=127.0.0.1:{port}",
+                    "distributed.num_processes=2",
+                    "distributed.process_id=0",
+                    "distributed.timeout_s=3",
+                ],
+                tmp_path,
+            )
+        )
+    assert line == (
+        f"error: distributed.coordinator_address=127.0.0.1:{port}: port {port} is already in use here; "
+        "choose a free port"
     )
 
 
@@ -217,8 +252,14 @@ def test_only_a_joined_process_other_than_0_is_not_main(monkeypatch):
 
 def test_slurm_launcher_config_composes(tmp_path):
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
-    p = subprocess.run([sys.executable, str(ROOT / "train.py"), "hydra/launcher=slurm", "hydra.launcher.nodes=4", "--cfg", "hydra"],
-                       cwd=tmp_path, env=env_with(1), capture_output=True, text=True, timeout=60)  # fmt: skip
+    p = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "hydra/launcher=slurm", "hydra.launcher.nodes=4", "--cfg", "hydra"],
+        cwd=tmp_path,
+        env=env_with(1),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode == 0, p.stderr
     assert "_target_: hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher" in p.stdout
     assert "nodes: 4" in p.stdout and "tasks_per_node: 8" in p.stdout and "gpus_per_node: 8" in p.stdout

@@ -1,7 +1,7 @@
 """zoo.tools.gpu_lowering: train.py's step lowered for the `cuda` platform on this CPU-only machine, and the
 host placements that survive in it (the CPU lowering of the same step drops the offloaded residuals'
-ones, and the placements inside the layer loops). Tiny Llama and DeepSeek-V3 here; the real widths at reduced depth, on 128
-simulated devices, are docs/scale.md's commands (tests/test_scale_doc.py, slow tier)."""
+ones, and the placements inside the layer loops). Tiny Llama and DeepSeek-V3 here; the real widths at reduced depth, on
+128 simulated devices, are docs/scale.md's commands (tests/test_scale_doc.py, slow tier)."""
 
 import pytest
 
@@ -15,10 +15,15 @@ ACTIVATION_PRESETS = ("llama_qkv_offload", "deepseek_mla_moe_offload")
 
 
 def test_host_placements_reads_annotations_and_memory_kinds():
-    text = """func.func public @main(%arg0: tensor<4xf32> {mhlo.memory_kind = "pinned_host"}, %arg1: tensor<4xf32> {mhlo.memory_kind = "device"}) -> (tensor<4xf32> {mhlo.memory_kind = "pinned_host"}) {
-    %0 = stablehlo.custom_call @annotate_device_placement(%arg1) {backend_config = "", has_side_effect = true, mhlo.frontend_attributes = {_xla_buffer_placement = "pinned_host"}} : (tensor<4xf32>) -> tensor<4xf32>
-    %1 = stablehlo.custom_call @annotate_device_placement(%0) {backend_config = "", has_side_effect = true, mhlo.frontend_attributes = {_xla_buffer_placement = "device"}} : (tensor<4xf32>) -> tensor<4xf32>
-    %2 = stablehlo.custom_call @other(%1) {mhlo.frontend_attributes = {_xla_buffer_placement = "pinned_host"}} : (tensor<4xf32>) -> tensor<4xf32>
+    # a line ending in a backslash goes on in the next (Python drops the backslash and the newline)
+    text = """func.func public @main(%arg0: tensor<4xf32> {mhlo.memory_kind = "pinned_host"}, \
+%arg1: tensor<4xf32> {mhlo.memory_kind = "device"}) -> (tensor<4xf32> {mhlo.memory_kind = "pinned_host"}) {
+    %0 = stablehlo.custom_call @annotate_device_placement(%arg1) {backend_config = "", has_side_effect = true, \
+mhlo.frontend_attributes = {_xla_buffer_placement = "pinned_host"}} : (tensor<4xf32>) -> tensor<4xf32>
+    %1 = stablehlo.custom_call @annotate_device_placement(%0) {backend_config = "", has_side_effect = true, \
+mhlo.frontend_attributes = {_xla_buffer_placement = "device"}} : (tensor<4xf32>) -> tensor<4xf32>
+    %2 = stablehlo.custom_call @other(%1) {mhlo.frontend_attributes = {_xla_buffer_placement = "pinned_host"}} : \
+(tensor<4xf32>) -> tensor<4xf32>
 """
     found = host_placements(text)
     assert found.annotations == {HOST: 1, "device": 1}

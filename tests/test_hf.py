@@ -334,7 +334,10 @@ def test_dtype_arguments_take_jnp_and_numpy_dtypes(ref_dir):
     # A bad dtype names the argument, not config.json.
     with pytest.raises(
         ValueError,
-        match=r"^dtype=<class 'jax.numpy.int32'>: not a parameter dtype zoo keeps; use one of float32, bfloat16, float16",
+        match=(
+            r"^dtype=<class 'jax.numpy.int32'>: not a parameter dtype zoo keeps; use one of float32, bfloat16, "
+            r"float16"
+        ),
     ):
         hf.from_pretrained(d, dtype=jnp.int32)
     with pytest.raises(ValueError, match=r"^compute_dtype='fp8': not a parameter dtype"):
@@ -431,7 +434,10 @@ def test_fp8_needs_its_scales_and_its_quantization_config(ref_dir, tmp_path):
     (tmp_path / "fp8" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(
         hf.CheckpointError,
-        match=r"has dtype F8_E4M3; a floating-point tensor .* \(an FP8 checkpoint's config.json names its quantization_config\)",
+        match=(
+            r"has dtype F8_E4M3; a floating-point tensor .* \(an FP8 checkpoint's config.json names its "
+            r"quantization_config\)"
+        ),
     ):
         hf.from_pretrained(tmp_path / "fp8")
     cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]}

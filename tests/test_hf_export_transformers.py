@@ -34,8 +34,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data"
 MODEL_TYPES = {f.name: f.model_type for f in hf.families()}  # the registry: every family zoo converts
 FAMILIES = list(MODEL_TYPES)
-ATOL = 1e-4
-CLI_FAMILY = "gemma3"  # the family exported by `python -m zoo.tools.export` (the others call hf_export, its code path)  # float32, what the fixtures' README gives a reimplementation
+ATOL = 1e-4  # float32, what the fixtures' README gives a reimplementation
+CLI_FAMILY = "gemma3"  # the family exported by `python -m zoo.tools.export` (the others call hf_export, its code path)
 
 _logits = eqx.filter_jit(lambda model, tokens: model(tokens))
 

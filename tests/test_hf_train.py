@@ -143,12 +143,17 @@ def test_model_group_takes_the_architecture_from_config_json_and_runtime_fields_
         load(compose(["model=hf", f"model.path={dsv3}"])).model.moe.impl == "ragged"
     )  # dropless, as the checkpoint was trained
     refused = {
-        "model.num_layers=4": rf"^model.num_layers: 4 contradicts {llama}/config.json \(which gives 2\); with model.path the architecture "
-        r"comes from the checkpoint: drop model.num_layers \(model=hf sets only param_dtype, compute_dtype, "
-        r"attention_impl, moe.impl, moe.capacity_factor\)$",
+        "model.num_layers=4": rf"^model.num_layers: 4 contradicts {llama}/config.json \(which gives 2\); "
+        r"with model.path the architecture comes from the checkpoint: drop model.num_layers "
+        r"\(model=hf sets only param_dtype, compute_dtype, attention_impl, moe.impl, moe.capacity_factor\)$",
         "model.rope.theta=5.0": r"^model.rope.theta: 5.0 contradicts .*config.json \(which gives 10000.0\)",
-        "model.mla.kv_lora_rank=8": r"^model.mla.kv_lora_rank: 8 contradicts .*config.json \(the checkpoint's model has no mla section\)",
-        "model.moe.impl=capacity": rf"^model.moe.impl: {llama}/config.json describes a dense llama model \(no experts\); drop model.moe.impl$",
+        "model.mla.kv_lora_rank=8": (
+            r"^model.mla.kv_lora_rank: 8 contradicts .*config.json \(the checkpoint's model has no mla section\)"
+        ),
+        "model.moe.impl=capacity": (
+            rf"^model.moe.impl: {llama}/config.json describes a dense llama model \(no experts\); drop "
+            r"model.moe.impl$"
+        ),
         "+model.hidden=3": r"^model.hidden: unknown key; known keys here: attention_bias, ",
     }
     for override, message in refused.items():

@@ -10,7 +10,8 @@ from zoo.hlo import by_kind_and_dtype, collectives, parse_shapes, summarize
 
 # A module in the compiled text form: a loop of known trip count holding an async all-gather, a
 # tuple all-to-all, a collective-permute and an all-reduce over one-device groups; the entry holds
-# a reduce-scatter and a loop of unknown trip count.
+# a reduce-scatter and a loop of unknown trip count. A line ending in a backslash goes on in the next
+# (Python drops the backslash and the newline).
 MODULE = """HloModule jit_step, entry_computation_layout={(f32[8,16]{1,0})->f32[4,16]{1,0}}
 
 %add (a: f32[], b: f32[]) -> f32[] {
@@ -22,9 +23,11 @@ MODULE = """HloModule jit_step, entry_computation_layout={(f32[8,16]{1,0})->f32[
 %body (p: (s32[], bf16[4,16])) -> (s32[], bf16[4,16]) {
   %p = (s32[], bf16[4,16]{1,0}) parameter(0)
   %x = bf16[4,16]{1,0} get-tuple-element(%p), index=1
-  %ag-start = (bf16[4,16]{1,0}, bf16[16,16]{1,0}) all-gather-start(%x), channel_id=1, replica_groups=[2,4]<=[8], dimensions={0}, use_global_device_ids=true
+  %ag-start = (bf16[4,16]{1,0}, bf16[16,16]{1,0}) all-gather-start(%x), channel_id=1, replica_groups=[2,4]<=[8], \
+dimensions={0}, use_global_device_ids=true
   %ag-done = bf16[16,16]{1,0} all-gather-done(%ag-start)
-  %parts = (bf16[4,4]{1,0}, bf16[4,4]{1,0}, /*index=2*/bf16[4,4]{1,0}, bf16[4,4]{1,0}) all-to-all(%x, %x, %x, %x), channel_id=2, replica_groups={{0,1,2,3},{4,5,6,7}}
+  %parts = (bf16[4,4]{1,0}, bf16[4,4]{1,0}, /*index=2*/bf16[4,4]{1,0}, bf16[4,4]{1,0}) all-to-all(%x, %x, %x, %x), \
+channel_id=2, replica_groups={{0,1,2,3},{4,5,6,7}}
   %perm = bf16[4,16]{1,0} collective-permute(%x), channel_id=3, source_target_pairs={{0,1},{1,0}}
   %noop = f32[4,16]{1,0} all-reduce(%x), channel_id=4, replica_groups={{0},{1},{2},{3},{4},{5},{6},{7}}, to_apply=%add
   ROOT %t = (s32[], bf16[4,16]{1,0}) tuple(%i, %perm)
@@ -43,9 +46,11 @@ MODULE = """HloModule jit_step, entry_computation_layout={(f32[8,16]{1,0})->f32[
 ENTRY %main (arg: f32[8,16]) -> f32[4,16] {
   %arg = f32[8,16]{1,0} parameter(0)
   %init = (s32[], bf16[4,16]{1,0}) tuple(%zero, %y)
-  %loop = (s32[], bf16[4,16]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"5"}}
+  %loop = (s32[], bf16[4,16]{1,0}) while(%init), condition=%cond, body=%body, \
+backend_config={"known_trip_count":{"n":"5"}}
   %loop2 = f32[8,16]{1,0} while(%arg), condition=%cond, body=%body2
-  ROOT %rs = f32[4,16]{1,0} reduce-scatter(%arg), channel_id=5, replica_groups={{0,1},{2,3},{4,5},{6,7}}, dimensions={0}, to_apply=%add, metadata={op_name="jit(step)/reduce_scatter"}
+  ROOT %rs = f32[4,16]{1,0} reduce-scatter(%arg), channel_id=5, replica_groups={{0,1},{2,3},{4,5},{6,7}}, \
+dimensions={0}, to_apply=%add, metadata={op_name="jit(step)/reduce_scatter"}
 }
 """
 

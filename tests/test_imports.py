@@ -196,7 +196,8 @@ def test_no_import_cycle():
 def test_no_two_modules_share_a_name():
     # `zoo.config` beside a `zoo.train.config`, or `zoo.data` beside `zoo.train.data`, read as one module in
     # prose, tracebacks and `from ... import config`. The exception: each `errors` module holds its own
-    # package's exceptions (zoo.errors.ConfigError and CheckpointError, zoo.data.errors.DataError; zoo.data stands alone).
+    # package's exceptions (zoo.errors.ConfigError and CheckpointError, zoo.data.errors.DataError;
+    # zoo.data stands alone).
     seen: dict[str, list[str]] = {}
     for m in MODULES:
         seen.setdefault(m.rsplit(".", 1)[-1], []).append(m)

@@ -260,6 +260,7 @@ allocation 3: size 98304, preallocated-temp:
  value: <2411 dot_fusion.1 @0> (size=65536,offset=8192): f32[256,64]{1,0}
  value: <2412 wrapped_reduce @0> (size=128,offset=8192): f32[2,16]{1,0}
 """
+# A line ending in a backslash goes on in the next (Python drops the backslash and the newline).
 MODULE = """HloModule jit_train_step
 
 %fused_computation (param_0: f32[256,64]) -> f32[256,64] {
@@ -268,9 +269,11 @@ MODULE = """HloModule jit_train_step
 }
 
 ENTRY %main.94 (state__opt_state__mu.1: f32[2,64], state__params__embed.1: f32[256,64]) -> (s32[], f32[]) {
-  %state__opt_state__mu.1 = f32[2,64]{1,0} parameter(0), sharding={replicated}, metadata={op_name="state[\\'opt_state\\'].inner_states[\\'train\\'].inner_state[1][0].mu.w"}
+  %state__opt_state__mu.1 = f32[2,64]{1,0} parameter(0), sharding={replicated}, \
+metadata={op_name="state[\\'opt_state\\'].inner_states[\\'train\\'].inner_state[1][0].mu.w"}
   %state__params__embed.1 = f32[256,64]{1,0} parameter(1), metadata={op_name="state[\\'params\\'].embed"}
-  %dot_fusion.1 = f32[256,64]{1,0} fusion(%state__params__embed.1), kind=kLoop, calls=%fused_computation, metadata={op_name="jit(train_step)/transpose(jvp())/dot_general"}
+  %dot_fusion.1 = f32[256,64]{1,0} fusion(%state__params__embed.1), kind=kLoop, calls=%fused_computation, \
+metadata={op_name="jit(train_step)/transpose(jvp())/dot_general"}
   %copy.212 = f32[2,16,64]{2,1,0} copy(%x)
 }
 """

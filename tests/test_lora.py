@@ -185,7 +185,8 @@ def test_dropout_runs_the_adapter_on_a_dropped_input(fan_in_axes, spec, x_shape,
     assert float(jnp.abs(mean - merged).max()) < 0.05 * float(jnp.abs(merged).max())
 
 
-@pytest.mark.slow  # ~34 s: every adaptable projection of DeepSeek-V3; the definition: test_dropout_runs_the_adapter_on_a_dropped_input
+# ~34 s: every adaptable projection of DeepSeek-V3; the definition: test_dropout_runs_the_adapter_on_a_dropped_input
+@pytest.mark.slow
 def test_dropout_is_on_only_with_a_key_and_otherwise_the_merged_model():
     """DeepSeek-V3's every adaptable projection (latent attention, the dense MLP, the shared experts),
     B != 0: attached with a key and dropout, the loss moves and changes with the key; with a dropout
@@ -227,10 +228,22 @@ def test_train_py_lora_base_on_host_checkpoints_only_adapters_and_resumes(tmp_pa
 
     root = pathlib.Path(__file__).resolve().parents[1]
     args = [
-        sys.executable, str(root / "train.py"), "model=hf", f"model.path={root / 'tests/data/llama_tiny_a'}", "data=text",
-        f"data.path={root / 'zoo/data/corpus/shakespeare'}", "lora=default", "lora.base_on_host=true", "lora.dropout=0.05", "data.batch_size=16",
-        "data.seq_len=32", "trainer.grad_accum=2", "optimizer.lr=1e-2", "optimizer.warmup_steps=2", f"checkpoint.dir={tmp_path / 'ck'}",
-    ]  # fmt: skip
+        sys.executable,
+        str(root / "train.py"),
+        "model=hf",
+        f"model.path={root / 'tests/data/llama_tiny_a'}",
+        "data=text",
+        f"data.path={root / 'zoo/data/corpus/shakespeare'}",
+        "lora=default",
+        "lora.base_on_host=true",
+        "lora.dropout=0.05",
+        "data.batch_size=16",
+        "data.seq_len=32",
+        "trainer.grad_accum=2",
+        "optimizer.lr=1e-2",
+        "optimizer.warmup_steps=2",
+        f"checkpoint.dir={tmp_path / 'ck'}",
+    ]
 
     def run(steps, name):
         p = subprocess.run([*args, f"trainer.steps={steps}", f"hydra.run.dir={tmp_path / name}"], cwd=tmp_path,
@@ -253,8 +266,14 @@ def test_train_py_lora_base_on_host_checkpoints_only_adapters_and_resumes(tmp_pa
     out, summary = run(8, "b")
     assert "resuming from step 6" in out and summary["start_step"] == 6 and summary["steps_run"] == 2
     # The same checkpoint.dir without adapters: one line, exit 2, before compiling.
-    p = subprocess.run([a for a in args if not a.startswith("lora")] + ["trainer.steps=10", f"hydra.run.dir={tmp_path / 'c'}"],
-                       cwd=tmp_path, env=dict(os.environ), capture_output=True, text=True, timeout=600)  # fmt: skip
+    p = subprocess.run(
+        [a for a in args if not a.startswith("lora")] + ["trainer.steps=10", f"hydra.run.dir={tmp_path / 'c'}"],
+        cwd=tmp_path,
+        env=dict(os.environ),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert p.returncode == 2 and len(lines) == 1, p.stderr[-2000:]
     assert "holds lora.rank=8 lora.targets=[wq,wk,wv,wo,w_gate,w_up,w_down], this run trains no adapters;" in lines[0]
@@ -324,8 +343,21 @@ def test_a_lora_checkpoint_exports_and_samples_merged(tmp_path):
     np.testing.assert_allclose(np.asarray(exported(tokens)), np.asarray(merged(tokens)), rtol=1e-5, atol=1e-5)
     assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
 
-    p = subprocess.run([sys.executable, "-m", "zoo.tools.generate", f"checkpoint.dir={ck}", "prompt=to be", "tokenizer=bytes", "max_new_tokens=4"],
-                       cwd=root, capture_output=True, text=True, timeout=600)  # fmt: skip
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "zoo.tools.generate",
+            f"checkpoint.dir={ck}",
+            "prompt=to be",
+            "tokenizer=bytes",
+            "max_new_tokens=4",
+        ],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert p.returncode == 0 and p.stdout.strip(), p.stderr[-3000:]
 
     shutil.rmtree(base_dir)

@@ -28,7 +28,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data"
 TARGETS = {
     "llama_tiny_a": ["wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"],
-    # latent attention: kv_b_proj holds wk_b and wv_b (both adapted: one rank-2r adapter), q_a/q_b, the shared experts' MLP
+    # latent attention: kv_b_proj holds wk_b and wv_b (both adapted: one rank-2r adapter), q_a/q_b,
+    # the shared experts' MLP
     "dsv3_tiny_a": ["wq_a", "wq_b", "wkv_a", "wk_b", "wv_b", "wo", "w_gate", "w_up", "w_down"],
 }
 RANK, ALPHA = 2, 6.0
@@ -148,12 +149,27 @@ def test_a_lora_run_exports_adapters_peft_loads_and_samples_attached(peft_lib, t
     base_dir = tmp_path / "base"
     shutil.copytree(DATA / "llama_tiny_a", base_dir)
     ck = tmp_path / "ck"
-    _run([
-        sys.executable, str(ROOT / "train.py"), "model=hf", f"model.path={base_dir}", "data=text",
-        f"data.path={ROOT / 'zoo/data/corpus/shakespeare'}", "lora=default", "lora.rank=4", "data.batch_size=4", "data.seq_len=32",
-        "optimizer.lr=3e-2", "trainer.steps=4", f"checkpoint.dir={ck}", f"hydra.run.dir={tmp_path / 'run'}", "mesh=single",
-        "xla.cpu_devices=1",
-    ], env=dict(os.environ))  # fmt: skip
+    _run(
+        [
+            sys.executable,
+            str(ROOT / "train.py"),
+            "model=hf",
+            f"model.path={base_dir}",
+            "data=text",
+            f"data.path={ROOT / 'zoo/data/corpus/shakespeare'}",
+            "lora=default",
+            "lora.rank=4",
+            "data.batch_size=4",
+            "data.seq_len=32",
+            "optimizer.lr=3e-2",
+            "trainer.steps=4",
+            f"checkpoint.dir={ck}",
+            f"hydra.run.dir={tmp_path / 'run'}",
+            "mesh=single",
+            "xla.cpu_devices=1",
+        ],
+        env=dict(os.environ),
+    )
     from zoo.tools.export import main as export_main
 
     assert export_main([str(ck), str(tmp_path / "adapters"), "--adapters-only"]) == 0  # in this process: shape-checked
@@ -161,10 +177,18 @@ def test_a_lora_run_exports_adapters_peft_loads_and_samples_attached(peft_lib, t
     _run([sys.executable, "-m", "zoo.tools.export", str(ck), str(tmp_path / "merged")])
     assert sorted(os.listdir(tmp_path / "adapters")) == ["adapter_config.json", "adapter_model.safetensors"]
     config = json.loads((tmp_path / "adapters" / ADAPTER_CONFIG).read_text())
-    assert {k: config[k] for k in ("peft_type", "task_type", "r", "lora_alpha", "bias", "fan_in_fan_out", "base_model_name_or_path")} == {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": 4, "lora_alpha": 16.0, "bias": "none", "fan_in_fan_out": False,
+    assert {
+        k: config[k]
+        for k in ("peft_type", "task_type", "r", "lora_alpha", "bias", "fan_in_fan_out", "base_model_name_or_path")
+    } == {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": 4,
+        "lora_alpha": 16.0,
+        "bias": "none",
+        "fan_in_fan_out": False,
         "base_model_name_or_path": str(base_dir),
-    }  # fmt: skip
+    }
     assert config["target_modules"] == sorted(
         ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     )

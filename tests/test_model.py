@@ -381,7 +381,9 @@ def test_plan_stacks_covers_random_patterns():
         assert len(plan) <= runs  # never more stacks than scanning each run of one spec
 
 
-@pytest.mark.slow  # ~18 s; the presets on a model with dense and MoE stacks: tests/test_offload.py (dsv3_tiny_a), the stack layout: test_stack_layout_of_the_real_sizes
+# ~18 s; the presets on a model with dense and MoE stacks: tests/test_offload.py (dsv3_tiny_a),
+# the stack layout: test_stack_layout_of_the_real_sizes
+@pytest.mark.slow
 def test_qwen3_moe_dense_and_sparse_blocks_of_one_period_take_the_offload_presets():
     """A period holding a dense-MLP block and a MoE block: presets that place the mlp and moe tags
     differently give the loss and gradients of `none`, and the inspector finds every tag where each

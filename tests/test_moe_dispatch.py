@@ -165,8 +165,8 @@ def test_single_program_capacity_drops_later_tokens():
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_expert_matmul_differentiates_as_the_einsum(dtype):
     """zoo's expert matmul against `jnp.einsum`: reverse mode for each operand alone and for both,
-    forward mode, per-example gradients under jax.vmap, and, for float32 weights cast to bfloat16 inside (the MoE layer's case), a
-    compiled weight gradient with no transpose after its dot, where the einsum's has one."""
+    forward mode, per-example gradients under jax.vmap, and, for float32 weights cast to bfloat16 inside (the MoE
+    layer's case), a compiled weight gradient with no transpose after its dot, where the einsum's has one."""
     from zoo.nn.moe_dispatch import expert_matmul
 
     rng = np.random.default_rng(11)

@@ -70,7 +70,8 @@ def _moe(router: str, seed: int) -> MoE:
 
 
 def _entropy_numpy(logits: np.ndarray, router: str, bias) -> np.ndarray:
-    """Per token, in float64: each router kind's probabilities over all experts (zoo.nn.moe.router_entropy's docstring)."""
+    """Per token, in float64: each router kind's probabilities over all experts
+    (zoo.nn.moe.router_entropy's docstring)."""
     logits = np.asarray(logits, np.float64)
     if router == "sigmoid_grouped":
         p = 1 / (1 + np.exp(-logits))
@@ -337,7 +338,9 @@ def _histogram_tags(event_dir: pathlib.Path) -> set:
     return tags
 
 
-@pytest.mark.slow  # a train.py run and a report; docs/training.md's moe_routing group (tests/test_readme.py) runs the same two commands in the default tier
+# a train.py run and a report; docs/training.md's moe_routing group (tests/test_readme.py) runs the same two commands in
+# the default tier
+@pytest.mark.slow
 def test_train_writes_moe_metrics_then_report_plots_them(tmp_path):
     try:
         import tensorboardX  # noqa: F401

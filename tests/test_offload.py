@@ -95,7 +95,10 @@ def test_q_lora_null_does_not_emit_the_q_latent():
 def test_block_sections_hold_only_their_kinds_tags():
     with pytest.raises(
         ValueError,
-        match=r"offload.block_tags.mla.query_proj: query_proj belongs to the attention block, not mla; move it under offload.tags",
+        match=(
+            r"offload.block_tags.mla.query_proj: query_proj belongs to the attention block, not mla; move it "
+            r"under offload.tags"
+        ),
     ):
         OffloadConfig(checkpoint=True, block_tags={"mla": {"query_proj": "device"}})
     with pytest.raises(ValueError, match=r"offload.block_tags.moe.mla_q: .* move it under offload.block_tags.mla"):
@@ -260,7 +263,8 @@ def test_every_preset_gives_the_loss_and_gradients_of_none(size):
     cannot share work between policies and every policy's backward pass runs as that policy says.
     The routed experts run the capacity kernel with room for every assignment (the same maths as the
     dropless kernel, whose tile loops, compiled once per policy, doubled this test's time); a policy
-    over the dropless kernel: tests/test_offload_ranges.py::test_a_split_policy_gives_the_loss_and_gradients_of_none[dsv3]."""
+    over the dropless kernel:
+    tests/test_offload_ranges.py::test_a_split_policy_gives_the_loss_and_gradients_of_none[dsv3]."""
     config = zoo.get_size(size)
     if config.moe is not None:
         config = config.replace(

@@ -52,8 +52,11 @@ def test_ranges_are_parsed_sorted_and_named_in_the_description():
     assert p.describe() == "full + layers 0-3 llama_qkv_offload + layers 5 none"
     segs = offload.layer_policies(p, 8)
     assert [(s.first, s.stop, s.config.name, s.label) for s in segs] == [
-        (0, 4, "llama_qkv_offload", "offload.ranges.0-3"), (4, 5, "full", "offload"), (5, 6, "none", "offload.ranges.5"), (6, 8, "full", "offload"),
-    ]  # fmt: skip
+        (0, 4, "llama_qkv_offload", "offload.ranges.0-3"),
+        (4, 5, "full", "offload"),
+        (5, 6, "none", "offload.ranges.5"),
+        (6, 8, "full", "offload"),
+    ]
     # A range's preset is loaded as the top-level one is; where state lives stays the top level's.
     host = load_preset("full", "params_host", ranges={"0": "none"})
     ((_, config),) = offload.range_configs(host)
@@ -80,13 +83,24 @@ def test_the_xla_host_offload_switch_sees_a_range_that_offloads():
 # --- validation: one line naming the key and the fix ---------------------------------------------------
 
 BAD = {
-    "{1-0:full}": r"^offload.ranges.1-0: not a layer range; write first-last \(0-based, inclusive, first <= last\) or one layer, e\.g\. \+offload",
+    "{1-0:full}": (
+        r"^offload.ranges.1-0: not a layer range; write first-last \(0-based, inclusive, first <= last\) or "
+        r"one layer, e\.g\. \+offload"
+    ),
     "{a-b:full}": r"^offload.ranges.a-b: not a layer range; ",
     "{0-1:full,1:none}": r"^offload.ranges.1: overlaps offload.ranges.0-1 \(layer 1\); make the ranges disjoint",
     "{0:nope}": r"^offload.ranges.0: unknown preset 'nope'; choose one of custom, .*full.*",
-    "{0:params_host}": r"^offload.ranges.0: params_host only sets where parameters or optimizer state live.*set offload.params",
-    "{0:/nonexistent/mine.yaml}": r"^offload.ranges.0: no file /nonexistent/mine.yaml; give an existing offload policy YAML \(e\.g\. one zoo\.tools\.plan wrote\) or a preset name$",
-    "{0-5:full}": r"^offload.ranges.0-5: layer 5 is past the model's last layer \(the llama model has 2 layers, 0-1\); keep every range within 0-1$",
+    "{0:params_host}": (
+        r"^offload.ranges.0: params_host only sets where parameters or optimizer state live.*set offload.params"
+    ),
+    "{0:/nonexistent/mine.yaml}": (
+        r"^offload.ranges.0: no file /nonexistent/mine.yaml; give an existing offload policy YAML \(e\.g\. one "
+        r"zoo\.tools\.plan wrote\) or a preset name$"
+    ),
+    "{0-5:full}": (
+        r"^offload.ranges.0-5: layer 5 is past the model's last layer \(the llama model has 2 layers, 0-1\); "
+        r"keep every range within 0-1$"
+    ),
 }
 
 
@@ -168,10 +182,25 @@ def test_train_py_refuses_a_bad_range_in_one_line_with_exit_2(tmp_path):
         f"hydra.run.dir={tmp_path / 'run'}",
     ]
     for arg, line in (
-        ("+offload.ranges={0-5:full}", "error: offload.ranges.0-5: layer 5 is past the model's last layer (the llama model has 2 layers, 0-1); keep every range within 0-1"),
-        ("offload.ranges={0:full}", "error: offload.ranges: the chosen offload option does not list it; add it with +offload.ranges={0:full}"),
-        ("+offload.ranges={0:nope/mine.yaml}", "error: offload.ranges.0: no file nope/mine.yaml; give an existing offload policy YAML (e.g. one zoo.tools.plan wrote) or a preset name"),
-    ):  # fmt: skip
+        (
+            "+offload.ranges={0-5:full}",
+            (
+                "error: offload.ranges.0-5: layer 5 is past the model's last layer (the llama model has 2 layers, "
+                "0-1); keep every range within 0-1"
+            ),
+        ),
+        (
+            "offload.ranges={0:full}",
+            "error: offload.ranges: the chosen offload option does not list it; add it with +offload.ranges={0:full}",
+        ),
+        (
+            "+offload.ranges={0:nope/mine.yaml}",
+            (
+                "error: offload.ranges.0: no file nope/mine.yaml; give an existing offload policy YAML (e.g. one "
+                "zoo.tools.plan wrote) or a preset name"
+            ),
+        ),
+    ):
         p = subprocess.run([*base, arg], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
         assert p.returncode == 2, p.stderr[-2000:]
         assert p.stderr.strip().splitlines() == [line]
@@ -181,9 +210,19 @@ def test_train_py_trains_with_ranges_and_records_them(tmp_path):
     import json
 
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    args = ["model=llama_tiny_a", "mesh=single", "xla.cpu_devices=1", "data.batch_size=4", "data.seq_len=16", "xla.cpu_fast_compile=true",
-            "trainer.progress=false", "trainer.steps=2", "offload=full", "+offload.ranges={0:llama_qkv_offload}",
-            f"hydra.run.dir={tmp_path / 'run'}"]  # fmt: skip
+    args = [
+        "model=llama_tiny_a",
+        "mesh=single",
+        "xla.cpu_devices=1",
+        "data.batch_size=4",
+        "data.seq_len=16",
+        "xla.cpu_fast_compile=true",
+        "trainer.progress=false",
+        "trainer.steps=2",
+        "offload=full",
+        "+offload.ranges={0:llama_qkv_offload}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    ]
     p = subprocess.run(
         [sys.executable, str(ROOT / "train.py"), *args],
         cwd=tmp_path,
@@ -347,8 +386,10 @@ def test_the_inspector_reports_placement_per_range():
     c = type("C", (), {"offload": policy, "model": config})
     sections = range_sections(c, placement, scans)
     assert [(s["layers"], s["source"], s["preset"]) for s in sections] == [
-        ("0-0", "offload.ranges.0", "qkv_proj_offloaded"), ("1-1", "offload", "full"), ("2-2", "offload.ranges.2", "none"),
-    ]  # fmt: skip
+        ("0-0", "offload.ranges.0", "qkv_proj_offloaded"),
+        ("1-1", "offload", "full"),
+        ("2-2", "offload.ranges.2", "none"),
+    ]
     assert sections[0]["host"] == ["key_proj", "query_proj", "value_proj"]
     assert sections[1]["host"] == [] and "query_proj" in sections[1]["recomputed"]
     assert sections[2]["host"] == [] and sections[2]["recomputed"] == [] and "value_proj" in sections[2]["device"]
@@ -432,9 +473,12 @@ def test_the_planners_range_estimates_follow_the_compiled_memory():
 
     base = ["model=llama_100m", "model.vocab_size=1024", "mesh=single", "data.batch_size=2", "data.seq_len=256"]
     cases = {
-        "full": ["offload=full"], "minimal": ["offload=minimal"], "full, layers 0-3 minimal": ["offload=full", "+offload.ranges={0-3:minimal}"],
-        "minimal, layers 4-7 full": ["offload=minimal", "+offload.ranges={4-7:full}"], "full, layers 0-3 full": ["offload=full", "+offload.ranges={0-3:full}"],
-    }  # fmt: skip
+        "full": ["offload=full"],
+        "minimal": ["offload=minimal"],
+        "full, layers 0-3 minimal": ["offload=full", "+offload.ranges={0-3:minimal}"],
+        "minimal, layers 4-7 full": ["offload=minimal", "+offload.ranges={4-7:full}"],
+        "full, layers 0-3 full": ["offload=full", "+offload.ranges={0-3:full}"],
+    }
     planned, compiled = {}, {}
     for name, extra in cases.items():
         c, _, _, trainer, _ = prepare_step(base + extra)

@@ -673,8 +673,18 @@ def test_planner_sizes_each_tag_as_the_context_parallel_program_keeps_it():
             "mlpwi_1",
         )
     ]
-    args = ["model=llama_tiny_a", "model.intermediate_size=96", "mesh=fsdp", "mesh.data=2", "mesh.context_parallel=data", "data.batch_size=8",
-            "data.seq_len=32", "hardware=h100_pcie", "offload=custom", *keep]  # fmt: skip
+    args = [
+        "model=llama_tiny_a",
+        "model.intermediate_size=96",
+        "mesh=fsdp",
+        "mesh.data=2",
+        "mesh.context_parallel=data",
+        "data.batch_size=8",
+        "data.seq_len=32",
+        "hardware=h100_pcie",
+        "offload=custom",
+        *keep,
+    ]
     c, _, _, trainer, _ = prepare_step(args)
     p, _ = zp.problem_from_config(c, trainer, zp.PlanConfig())
     (stack,) = p.stacks

@@ -116,10 +116,12 @@ def test_the_split_search_is_exact_on_a_random_problem():
 
     rng = np.random.default_rng(0)
     layers = {"a": 2, "b": 3}
-    tags = [TagCost("decoder_layer_input", {s: float(rng.uniform(50, 150)) for s in layers}, {}, ("device", "offload"))] + [
+    tags = [
+        TagCost("decoder_layer_input", {s: float(rng.uniform(50, 150)) for s in layers}, {}, ("device", "offload"))
+    ] + [
         TagCost(t, {s: float(rng.uniform(50, 150)) for s in layers}, {s: float(rng.uniform(1e8, 3e9)) for s in layers})
         for t in ("query_proj", "context", "mlpwi_0")
-    ]  # fmt: skip
+    ]
     stacks = {"a": StackCost(2, 3e9, layer_range="0-1"), "b": StackCost(3, 3e9, layer_range="2-4")}
     p = Problem(
         tags=tags, stacks=stacks, rate=1e12, link=1e5, budget=1200.0, step_flops=1e10, latency=1e-4, host_budget=600.0
@@ -161,8 +163,14 @@ def test_cli_split_writes_the_sides_and_its_command_runs(tmp_path, capsys):
     assert "(dense_layers_0_2, layers 0-2 planned_head)" in split_holders
     assert "the stacks the layer ranges cut" not in split_holders
     line = next(ln for ln in printed.splitlines() if ln.startswith("split: "))
-    plan_ms, split_ms, presets_ms = (float(x) for x in (line.split("(the plan: ")[1].split(" ms")[0], line.split("estimated step ")[1].split(" ms")[0],
-                                                        line.split("the best split of two presets: ")[1].split(" ms")[0]))  # fmt: skip
+    plan_ms, split_ms, presets_ms = (
+        float(x)
+        for x in (
+            line.split("(the plan: ")[1].split(" ms")[0],
+            line.split("estimated step ")[1].split(" ms")[0],
+            line.split("the best split of two presets: ")[1].split(" ms")[0],
+        )
+    )
     assert split_ms < plan_ms and split_ms < presets_ms
     command = _printed_command(printed)
     assert command[:2] == ["python", "train.py"] and "offload=none" in command
@@ -200,9 +208,9 @@ def test_cli_split_names_the_copy_a_cut_would_cost(capsys, tmp_path):
         == 0
     )
     line = capsys.readouterr().out.strip().splitlines()[-1]
-    assert (
-        line
-        == "split: no split fits the budgets (a split inside dense_layers costs 443.904 kB of HBM: copies of its parameters)"
+    assert line == (
+        "split: no split fits the budgets (a split inside dense_layers costs 443.904 kB of HBM: copies of "
+        "its parameters)"
     ), line
 
 
@@ -228,8 +236,14 @@ def test_train_py_runs_the_printed_split(tmp_path, capsys):
         "xla.cpu_fast_compile=true",
         f"hydra.run.dir={tmp_path / 'run'}",
     ]
-    p = subprocess.run([sys.executable, str(root / "train.py"), *args], cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(root)),
-                       capture_output=True, text=True, timeout=600)  # fmt: skip
+    p = subprocess.run(
+        [sys.executable, str(root / "train.py"), *args],
+        cwd=tmp_path,
+        env=dict(os.environ, PYTHONPATH=str(root)),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     assert "layers 3 " + str(tmp_path / "offload" / "planned_tail.yaml") in p.stdout.splitlines()[0]
 

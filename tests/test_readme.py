@@ -55,36 +55,72 @@ DOCS = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").g
 
 # Commands not run here, by a pattern they match, with why. Keep reasons specific.
 NOT_RUN = {
-    r"^pip install": "installs packages (CI installs the project; the quickstart's `python train.py` runs as the `$ python train.py` block)",
+    r"^pip install": (
+        "installs packages (CI installs the project; the quickstart's `python train.py` runs as the `$ python "
+        "train.py` block)"
+    ),
     r"python -m pytest": "the test suite itself",
     r"^srun |scontrol requeue": "needs a SLURM cluster",
     r"hydra/launcher=slurm": "needs a SLURM cluster (tests/test_distributed.py composes the launcher config)",
     r"hydra/launcher=joblib": "needs the hydra-joblib-launcher plugin, which the project does not install",
-    r"data\.path=(books\.jsonl|corpus/|pairs\.jsonl)": "placeholder paths for the user's own text (the `$HOME/notes/` line runs, on a copy of the shipped text)",
+    r"data\.path=(books\.jsonl|corpus/|pairs\.jsonl)": (
+        "placeholder paths for the user's own text (the `$HOME/notes/` line runs, on a copy of the shipped text)"
+    ),
     r"<train\.py overrides>": "a placeholder, not a command",
-    r"^python bench/tpu\.py --(setups|out)": "needs a TPU (tests/test_bench.py runs its --toy form in the slow tier and renders the recorded docs/bench_tpu.json)",
-    r"^python bench/tpu\.py --render docs/bench_tpu\.json --replan": "re-plans all 27 recorded runs (minutes); tests/test_bench.py renders the record, tests/test_plan.py plans a TPU profile off the chip",
+    r"^python bench/tpu\.py --(setups|out)": (
+        "needs a TPU (tests/test_bench.py runs its --toy form in the slow tier and renders the recorded "
+        "docs/bench_tpu.json)"
+    ),
+    r"^python bench/tpu\.py --render docs/bench_tpu\.json --replan": (
+        "re-plans all 27 recorded runs (minutes); tests/test_bench.py renders the record, tests/test_plan.py "
+        "plans a TPU profile off the chip"
+    ),
     r"^ruff check": ".ci/run runs it before the tests",
-    r"offload=minimal_context_offloaded xla=tpu_host_offload": "sized for a TPU v5e (3 x 8192 on llama_1b's layers); the preset runs on every tiny family in tests/test_offload.py",
-    r"^python -m zoo\.tools\.inspect_step model=llama_1b hardware=h100_pcie data\.batch_size=2 data\.seq_len=4096 'hydra\.searchpath=\[file:///<plan dir>\]' offload=planned$": (
+    r"offload=minimal_context_offloaded xla=tpu_host_offload": (
+        "sized for a TPU v5e (3 x 8192 on llama_1b's layers); the preset runs on every tiny family in "
+        "tests/test_offload.py"
+    ),
+    (
+        r"^python -m zoo\.tools\.inspect_step model=llama_1b hardware=h100_pcie data\.batch_size=2 "
+        r"data\.seq_len=4096 'hydra\.searchpath=\[file:///<plan dir>\]' offload=planned$"
+    ): (
         "a recorded run of an earlier plan (`<plan dir>` is a placeholder), and a llama_1b step at 2 x 4096 compiles "
         "for "
         "many minutes on CPU; tests/test_plan.py runs plan -> YAML -> inspector at tiny size"
     ),
-    r"bench/gpu\.py(?! --plan-only)|bench/gpu_wheels\.sh": "the GPU benchmark: needs a GPU (tests/test_bench.py runs `--toy` on CPU, slow tier)",
-    r"^XLA_FLAGS= python bench/cpu\.py|bench/cpu\.py --models": "the CPU benchmark at full size (7 min; tests/test_bench.py runs --quick, slow tier)",
-    r"bench/peer\.py|^python3 -m venv /tmp/torchpeer": "the PyTorch comparison: needs torch in another Python and 14 min (tests/test_peer.py checks its parts)",
-    r"bench/sampling\.py": "Zoo's sampling against transformers' generate: needs torch and transformers and about 9 min (tests/test_bench.py runs --small, slow tier)",
-    r"bench/moe_metrics\.py": "a timing A/B of the MoE metrics, 40 rounds of step pairs (tests/test_moe_metrics.py checks the metrics and the switch it times)",
-    r"tests/make_fixtures\.py": "writes transformers fixtures: needs torch and transformers, the hf extra (tests/test_hf_families.py checks the fixtures it wrote)",
-    r"model=hf model\.path=tests/data/llama_tiny_a data=text|^python -m zoo\.tools\.(export |generate checkpoint\.dir=)outputs/finetune": (
-        "the fine-tuning walk-through: tests/test_hf_train.py runs its bash block as written and checks what it wrote"
+    r"bench/gpu\.py(?! --plan-only)|bench/gpu_wheels\.sh": (
+        "the GPU benchmark: needs a GPU (tests/test_bench.py runs `--toy` on CPU, slow tier)"
     ),
+    r"^XLA_FLAGS= python bench/cpu\.py|bench/cpu\.py --models": (
+        "the CPU benchmark at full size (7 min; tests/test_bench.py runs --quick, slow tier)"
+    ),
+    r"bench/peer\.py|^python3 -m venv /tmp/torchpeer": (
+        "the PyTorch comparison: needs torch in another Python and 14 min (tests/test_peer.py checks its parts)"
+    ),
+    r"bench/sampling\.py": (
+        "Zoo's sampling against transformers' generate: needs torch and transformers and about 9 min "
+        "(tests/test_bench.py runs --small, slow tier)"
+    ),
+    r"bench/moe_metrics\.py": (
+        "a timing A/B of the MoE metrics, 40 rounds of step pairs (tests/test_moe_metrics.py checks the "
+        "metrics and the switch it times)"
+    ),
+    r"tests/make_fixtures\.py": (
+        "writes transformers fixtures: needs torch and transformers, the hf extra (tests/test_hf_families.py "
+        "checks the fixtures it wrote)"
+    ),
+    (
+        r"model=hf model\.path=tests/data/llama_tiny_a data=text"
+        r"|^python -m zoo\.tools\.(export |generate checkpoint\.dir=)outputs/finetune"
+    ): "the fine-tuning walk-through: tests/test_hf_train.py runs its bash block as written and checks what it wrote",
 }
 
 # Whole pages whose commands another test runs as written.
 RUN_ELSEWHERE = {
-    "docs/scale.md": "the 128-device scale reports and planner runs: tests/test_scale_doc.py runs them as written and checks the quoted figures (slow tier)",
+    "docs/scale.md": (
+        "the 128-device scale reports and planner runs: tests/test_scale_doc.py runs them as written and "
+        "checks the quoted figures (slow tier)"
+    ),
 }
 
 # Python snippets another test runs (by page), with the test; every other ```python block runs here.
@@ -623,7 +659,8 @@ def test_every_doc_command_is_run_or_skipped_for_a_reason():
                 f"group {name}: no command matches {pat}"
             )
     assert len([c for p, c, s in commands if _bad_input(p, c, s)]) >= 5
-    # every group's command shows a figure, or `_after` or the falling loss checks it (none is held to its exit code alone)
+    # every group's command shows a figure, or `_after` or the falling loss checks it
+    # (none is held to its exit code alone)
     checked_after = {
         "offload_composition",
         "xla_sweep_loop",
@@ -716,21 +753,53 @@ def group_runs(request, tmp_path_factory):
 # Groups in the slow tier (`python -m pytest -m slow`), each with the default-tier test that checks
 # the same behaviour as directly.
 SLOW_GROUPS = {
-    "recorded_100m_qwen": "tests/test_hf_families.py (every family's tiny size against transformers) and tests/test_train_sharding.py (the Trainer, the same for every family)",
+    "recorded_100m_qwen": (
+        "tests/test_hf_families.py (every family's tiny size against transformers) and "
+        "tests/test_train_sharding.py (the Trainer, the same for every family)"
+    ),
     "recorded_100m_gemma3_qwen3_moe": "as recorded_100m_qwen",
     "recorded_100m_mixtral_gpt_oss": "as recorded_100m_qwen",
     "two_processes": "tests/test_distributed.py (two real processes, the one-process losses within 1e-5)",
     "preemption": "tests/test_checkpoint.py::test_sigterm_mid_run_then_the_same_command_resumes_bit_for_bit",
-    "scale_report_671b": "tests/test_train_sharding.py (the scale report at small size); at real size tests/test_scale_doc.py (slow)",
-    "lora_peft": "tests/test_lora_peft.py (the PEFT layout against the merged weights, peft over the base in transformers; slow: train.py -> export -> peft -> generate attached)",
-    "xla_sweep_loop": "tests/test_train_cli.py (the xla group's flags); a sweep's report: tests/test_train_cli.py::test_sweep_reports_failed_job_and_continues_then_report",
-    "sweep_and_report": "tests/test_train_cli.py::test_sweep_reports_failed_job_and_continues_then_report (a sweep that goes on past a failed job, then zoo.tools.report's table, Pareto front and plot)",
-    "offload_composition": "tests/test_offload.py::test_hydra_composes_a_policy_plus_optimizer_on_host_in_one_command_line (the composed preset list) and the quickstart group (train.py end to end)",
-    "own_text_home": "the text_with_eval group (train.py on data=text from a folder) and tests/test_data.py (folder reading order, packing)",
-    "inspector": "tests/test_inspect.py (the CLI's table and inspect.json, the placements under the presets, the holders) and tests/test_offload_ranges.py (placement per range)",
-    "planner": "tests/test_plan.py (the CLI in its own process, plan.json, the printed training command) and tests/test_plan_split.py (the split search and its lines)",
-    "checkpoint_ctrl_c_and_resume": "tests/test_checkpoint.py::test_sigterm_mid_run_then_the_same_command_resumes_bit_for_bit and tests/test_bad_input.py (Ctrl-C before the first step, a second Ctrl-C during the save)",
-    "offload_ranges": "tests/test_offload_ranges.py::test_train_py_trains_with_ranges_and_records_them (train.py with ranges, recorded in summary.json)",
+    "scale_report_671b": (
+        "tests/test_train_sharding.py (the scale report at small size); at real size tests/test_scale_doc.py (slow)"
+    ),
+    "lora_peft": (
+        "tests/test_lora_peft.py (the PEFT layout against the merged weights, peft over the base in "
+        "transformers; slow: train.py -> export -> peft -> generate attached)"
+    ),
+    "xla_sweep_loop": (
+        "tests/test_train_cli.py (the xla group's flags); a sweep's report: "
+        "tests/test_train_cli.py::test_sweep_reports_failed_job_and_continues_then_report"
+    ),
+    "sweep_and_report": (
+        "tests/test_train_cli.py::test_sweep_reports_failed_job_and_continues_then_report (a sweep that goes "
+        "on past a failed job, then zoo.tools.report's table, Pareto front and plot)"
+    ),
+    "offload_composition": (
+        "tests/test_offload.py::test_hydra_composes_a_policy_plus_optimizer_on_host_in_one_command_line (the "
+        "composed preset list) and the quickstart group (train.py end to end)"
+    ),
+    "own_text_home": (
+        "the text_with_eval group (train.py on data=text from a folder) and tests/test_data.py (folder reading "
+        "order, packing)"
+    ),
+    "inspector": (
+        "tests/test_inspect.py (the CLI's table and inspect.json, the placements under the presets, the "
+        "holders) and tests/test_offload_ranges.py (placement per range)"
+    ),
+    "planner": (
+        "tests/test_plan.py (the CLI in its own process, plan.json, the printed training command) and "
+        "tests/test_plan_split.py (the split search and its lines)"
+    ),
+    "checkpoint_ctrl_c_and_resume": (
+        "tests/test_checkpoint.py::test_sigterm_mid_run_then_the_same_command_resumes_bit_for_bit and "
+        "tests/test_bad_input.py (Ctrl-C before the first step, a second Ctrl-C during the save)"
+    ),
+    "offload_ranges": (
+        "tests/test_offload_ranges.py::test_train_py_trains_with_ranges_and_records_them (train.py with "
+        "ranges, recorded in summary.json)"
+    ),
 }
 
 

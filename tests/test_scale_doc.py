@@ -1,6 +1,6 @@
 """docs/scale.md's commands, run as written (each in a process of its own, as a user runs them, on
-128 simulated devices), print the figures the doc quotes (those that do not depend on the CPU). The planner's once stopped with "JAX
-already started in this process with other XLA flags" for two days, and the report's figures had
+128 simulated devices), print the figures the doc quotes (those that do not depend on the CPU). The planner's once
+stopped with "JAX already started in this process with other XLA flags" for two days, and the report's figures had
 drifted from the code, while no test ran them."""
 
 import json

@@ -150,7 +150,8 @@ def test_sharded_losses_match_single_device(model, mesh):
         assert "shard_map" in text or "manual" in text.lower()  # routed per device
         assert ("all_to_all" in text) == (mesh == "fsdp_ep")  # tokens travel to the experts only under EP
     assert run.trainer.mesh.devices.size == 8
-    # expert parallelism is held to the issue's 1e-5 (test_expert_parallel_train_step_is_local); the other layouts to 1e-4
+    # expert parallelism is held to the issue's 1e-5 (test_expert_parallel_train_step_is_local);
+    # the other layouts to 1e-4
     np.testing.assert_allclose(run.losses, ref.losses, atol=1e-5 if mesh == "fsdp_ep" else 1e-4, rtol=0)
     assert ref.losses[-1] < ref.losses[0]  # it trains
     # The parameters really are split: some leaf holds less than its full size per device.
@@ -250,8 +251,9 @@ def test_scale_report_of_the_expert_parallel_step():
 
 
 # 25 s of CPU: the slow tier. Its parts each have a default-tier test: test_sharded_losses_match_single_device
-# (fsdp_ep), test_gradient_accumulation_matches_one_big_batch, test_params_and_opt_state_live_on_pinned_host_between_steps,
-# and tests/test_moe_dispatch.py::test_checkpoint_policies_reach_tags_inside_the_shard_map.
+# (fsdp_ep), test_gradient_accumulation_matches_one_big_batch,
+# test_params_and_opt_state_live_on_pinned_host_between_steps, and
+# tests/test_moe_dispatch.py::test_checkpoint_policies_reach_tags_inside_the_shard_map.
 @pytest.mark.slow
 def test_expert_parallel_with_gradient_accumulation_and_host_offload():
     """fsdp_ep through the Trainer with 2 microbatches, the MoE tags offloaded from inside the
@@ -443,7 +445,10 @@ def test_an_undeclared_leaf_is_an_error_naming_it():
 
     block = GatedMLPWithScale()
     rules = mesh_preset("fsdp_tp").rules
-    message = r"^sharding: GatedMLPWithScale.w_scale \(leaf w_scale\) is not declared; add 'w_scale' to GatedMLPWithScale.PARAMS[^\n]*$"
+    message = (
+        r"^sharding: GatedMLPWithScale.w_scale \(leaf w_scale\) is not declared; add 'w_scale' to "
+        r"GatedMLPWithScale.PARAMS[^\n]*$"
+    )
     with pytest.raises(ShardingError, match=message):
         param_specs(block, rules)
     mesh = zs.make_mesh(zs.MeshShape(1, 1, 1, 1))
@@ -627,9 +632,13 @@ def test_sequence_parallel_step_matches_single_device(model):
     from zoo import hlo
 
     seq_gathers = [
-        c for c in hlo.collectives(run.partitioned)
-        if c.kind == "all-gather" and c.operands[0].dims[1:2] == (SEQ // 2,) and c.results[0].dims[1:2] == (SEQ,) and "while" in c.op_name
-    ]  # fmt: skip
+        c
+        for c in hlo.collectives(run.partitioned)
+        if c.kind == "all-gather"
+        and c.operands[0].dims[1:2] == (SEQ // 2,)
+        and c.results[0].dims[1:2] == (SEQ,)
+        and "while" in c.op_name
+    ]
     assert len(seq_gathers) >= 2
 
 
@@ -783,9 +792,15 @@ def test_context_parallel_packed_rows_match_and_gather_keys_once_per_layer():
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5, rtol=1e-4)
         found = hlo.collectives(text)
         kv = {
-            kind: sum(c.executions for c in found if c.kind == kind and len(c.operands[0].dims) == 4 and (c.operands[0].dims[1], c.results[0].dims[1]) == dims)
+            kind: sum(
+                c.executions
+                for c in found
+                if c.kind == kind
+                and len(c.operands[0].dims) == 4
+                and (c.operands[0].dims[1], c.results[0].dims[1]) == dims
+            )
             for kind, dims in (("all-gather", (n // 2, n)), ("reduce-scatter", (n, n // 2)))
-        }  # fmt: skip
+        }
         assert kv == {"all-gather": 2 * layers, "reduce-scatter": 2 * layers}, kv  # k and v, each layer once
         executions[n] = sum(r["executions"] for r in hlo.summarize(found).values())
     assert executions[512] == executions[1024], executions

@@ -120,10 +120,23 @@ def test_gpu_host_pool_set_before_jax_starts(tmp_path):
     profile would be refused on this CPU: the CPU's, given gb200's host memory.)"""
     import json
 
-    argv = [sys.executable, str(ROOT / "train.py"), "model=llama_tiny_a", "mesh=single", "xla.cpu_devices=1", "data.batch_size=2",
-            "data.seq_len=16", "trainer.steps=1", "trainer.progress=false", "xla.cpu_fast_compile=true", "offload=optimizer_host",
-            "hardware=cpu", "hardware.host_bytes_per_device=240000000000", "hardware.devices_per_node=4",
-            f"hydra.run.dir={tmp_path / 'run'}"]  # fmt: skip
+    argv = [
+        sys.executable,
+        str(ROOT / "train.py"),
+        "model=llama_tiny_a",
+        "mesh=single",
+        "xla.cpu_devices=1",
+        "data.batch_size=2",
+        "data.seq_len=16",
+        "trainer.steps=1",
+        "trainer.progress=false",
+        "xla.cpu_fast_compile=true",
+        "offload=optimizer_host",
+        "hardware=cpu",
+        "hardware.host_bytes_per_device=240000000000",
+        "hardware.devices_per_node=4",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    ]
     env = {k: v for k, v in os.environ.items() if k != "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"}
     p = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]

@@ -3,8 +3,8 @@
 One config describes every family: a family is a choice of blocks and a few flags (which attention,
 which MLP or MoE router, which norms, which layers slide), never a copy of the model. The dataclasses
 use only types OmegaConf understands (str, int, float, bool, Optional, lists, nested dataclasses), so
-the same classes are the schema of Hydra's model group (zoo.train.run_config registers every named size as an option). A config is a static part
-of the model, so it hashes (its list fields as tuples). Validation runs in
+the same classes are the schema of Hydra's model group (zoo.train.run_config registers every named size as an option). A
+config is a static part of the model, so it hashes (its list fields as tuples). Validation runs in
 `__post_init__` and raises a ValueError that names the field and the fix.
 
 This module is the ground floor of the model code: it imports no block and no family. `family` is a

@@ -11,8 +11,8 @@ every leaf with the stack's leading `repeats` axis, so the layer scan slices the
 see the adapted weights and the base is never merged whole. With `lora.dropout` and a key
 (`attach(..., key=)`, the trainer's per step and microbatch), each weight also carries a per-layer
 key and stays unmerged: its projection (`project`) runs the base and the adapter apart, the adapter
-on a dropped-out copy of its input, as LoRA defines dropout. Evaluation and sampling attach no key. Only the adapters are differentiated:
-callers take gradients with respect to `adapters` with the base closed over
+on a dropped-out copy of its input, as LoRA defines dropout. Evaluation and sampling attach no key. Only the adapters
+are differentiated: callers take gradients with respect to `adapters` with the base closed over
 (`zoo.loss_fn(attach(base, adapters, config), tokens)`).
 
 Targets are the names of the projections the blocks declare (`zoo.sharding.projection` in their
@@ -250,7 +250,10 @@ def check_family(adapters: PyTree, model, config: LoraConfig, family: Optional[s
     want = jax.tree.map(lambda x: x.shape, init_shapes(model, config))
     got = jax.tree.map(lambda x: tuple(x.shape), adapters)
     if jax.tree.structure(want) != jax.tree.structure(got) or want != got:
-        return "lora: the saved adapters do not fit this model (another family, size, targets or rank); train new adapters or load the model they were made for"
+        return (
+            "lora: the saved adapters do not fit this model (another family, size, targets or rank); train new "
+            "adapters or load the model they were made for"
+        )
     return None
 
 

@@ -6,8 +6,9 @@ loss mask, hold out an eval split, shuffle, split across data-parallel processes
     data = load_text("my_corpus/", seq_len=256, batch_size=32, vocab_size=256, eval_fraction=0.05,
                      process_index=jax.process_index(), process_count=jax.process_count())
     for step in range(start, steps):
-        batch = data.batch(step)   # {"tokens", "segment_ids", "positions", "loss_mask"}: int32 [32 / process_count, 256]
-    data.eval.batch(0)             # the held-out split's first batch
+        # {"tokens", "segment_ids", "positions", "loss_mask"}: int32 [32 / process_count, 256]
+        batch = data.batch(step)
+    data.eval.batch(0)  # the held-out split's first batch
 """
 
 from zoo.data.errors import DataError

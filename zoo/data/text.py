@@ -132,13 +132,15 @@ def _chat(obj: dict, where: str) -> Chat:
     messages = obj["messages"]
     if not isinstance(messages, list) or not messages:
         raise DataError(
-            f'data.path: {where}: \'messages\' must be a non-empty list of {{"role": ..., "content": ...}}; fix the line'
+            f"data.path: {where}: 'messages' must be a non-empty list of "
+            '{"role": ..., "content": ...}; fix the line'
         )
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise DataError(
-                f'data.path: {where}: message {i} is not {{"role": <string>, "content": <string>}} (got {json.dumps(m)[:80]}); fix the line'
+                f'data.path: {where}: message {i} is not {{"role": <string>, "content": <string>}} '
+                f"(got {json.dumps(m)[:80]}); fix the line"
             )
         out.append((m["role"], m["content"]))
     if not any(role == "assistant" for role, _ in out):

@@ -176,7 +176,10 @@ class HFTokenizer:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
     def __repr__(self) -> str:
-        return f"HFTokenizer({str(self.path)!r}, vocab_size={self.vocab_size}, bos={self.bos_token!r}, eos={self.eos_token!r})"
+        return (
+            f"HFTokenizer({str(self.path)!r}, vocab_size={self.vocab_size}, bos={self.bos_token!r}, "
+            f"eos={self.eos_token!r})"
+        )
 
 
 Tokenizer = Union[ByteTokenizer, HFTokenizer]
@@ -199,6 +202,9 @@ def check_vocab(tokenizer: Tokenizer, model_vocab_size: int) -> None:
             fix = "use a model with model.vocab_size>=256, or give data.tokenizer a smaller tokenizer.json"
             what = "byte-level tokens (data.tokenizer=null) need 256 ids"
         else:
-            fix = f"set model.vocab_size>={tokenizer.vocab_size} or give data.tokenizer a tokenizer with at most {model_vocab_size} tokens"
+            fix = (
+                f"set model.vocab_size>={tokenizer.vocab_size} or give data.tokenizer a tokenizer with at most "
+                f"{model_vocab_size} tokens"
+            )
             what = f"{tokenizer.name} has {tokenizer.vocab_size} token ids"
         raise DataError(f"data.tokenizer: {what} but model.vocab_size={model_vocab_size}; {fix}")

@@ -94,7 +94,8 @@ def write(c: ModelConfig) -> dict:
 
 
 def _interleaved(hub: str, gate: str, up: str) -> Rule:
-    """A fused hub tensor `[..., 2I]` whose even columns are the gate and odd columns up <-> two zoo leaves `[..., I]`."""
+    """A fused hub tensor `[..., 2I]` whose even columns are the gate and odd columns up <-> two zoo leaves
+    `[..., I]`."""
 
     def to_zoo(gu, gate_shape, up_shape):
         return gu[..., ::2], gu[..., 1::2]

@@ -103,7 +103,8 @@ def sizes() -> dict[str, ModelConfig]:
             ),
             compute_dtype="bfloat16",
         ),
-        # A 64M Llama (its name is the size class): big enough on CPU that matmuls dominate (benchmarks, memory ordering tests).
+        # A 64M Llama (its name is the size class): big enough on CPU that matmuls dominate
+        # (benchmarks, memory ordering tests).
         "llama_100m": ModelConfig(
             family=NAME,
             vocab_size=32000,

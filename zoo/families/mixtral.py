@@ -1,5 +1,5 @@
-"""Mixtral (`MixtralForCausalLM`), the family in one file: grouped-query attention, a softmax router over all experts whose
-top-k weights are always renormalised, SwiGLU experts of `intermediate_size`.
+"""Mixtral (`MixtralForCausalLM`), the family in one file: grouped-query attention, a softmax router over all experts
+whose top-k weights are always renormalised, SwiGLU experts of `intermediate_size`.
 
 `sliding_window` (null by default) applies to every layer. Hub tensors: the router
 `block_sparse_moe.gate`, experts `block_sparse_moe.experts.E.{w1,w3,w2}` (gate, up, down).

@@ -2,8 +2,8 @@
 
 `python train.py model=hf model.path=<dir>` takes the architecture from `<dir>/config.json` and the
 weights from its safetensors. The option (`hf_option`, registered in Hydra's ConfigStore by
-zoo.train.run_config) lists `path`, the fields that say how zoo runs the model (`RUNTIME`: dtypes, kernels) and every other
-ModelConfig field as null: null is config.json's value, and a value given on the command line must
+zoo.train.run_config) lists `path`, the fields that say how zoo runs the model (`RUNTIME`: dtypes, kernels) and every
+other ModelConfig field as null: null is config.json's value, and a value given on the command line must
 agree with it, so an override cannot contradict the weights. `model_from_node` resolves the group
 into the full ModelConfig and a `PretrainedSource` (what train.py records in summary.json and in its
 checkpoints' metadata); `check_weights` then checks every tensor's name, shape and dtype from the

@@ -138,7 +138,10 @@ def _splash_refusal(backend: str, seq_len: int, kv_len: int) -> Optional[str]:
         return f"is a TPU kernel (Pallas), and the backend is {backend}; use blockwise, xla or auto"
     for name, n in (("query", seq_len), ("key", kv_len)):
         if n % SPLASH_MIN_BLOCK:
-            return f"tiles the sequence in blocks of {SPLASH_MIN_BLOCK} or more, and the {name} length {n} is not a multiple of {SPLASH_MIN_BLOCK}"
+            return (
+                f"tiles the sequence in blocks of {SPLASH_MIN_BLOCK} or more, and the {name} length {n} is not "
+                f"a multiple of {SPLASH_MIN_BLOCK}"
+            )
     return None
 
 

@@ -46,8 +46,9 @@ def gated(
     in the forward pass and read back in the backward; the partials, computed in the forward pass
     by JAX's own derivative of fn, replace them. The whole `100m` step without remat: compiled temp
     21% smaller, time 0.95-1.00 of the old in four A/Bs (`bench/ab_variants.py 100m 6 plainglu base`,
-    docs/benchmarks.md); `tiny` 0.985; full remat and the bfloat16 MoE even. A checkpoint policy that keeps gate and up (`minimal`) recomputes the
-    partials from those tags; forward-mode AD and higher derivatives go through the rule below."""
+    docs/benchmarks.md); `tiny` 0.985; full remat and the bfloat16 MoE even. A checkpoint policy that keeps gate and up
+    (`minimal`) recomputes the partials from those tags; forward-mode AD and higher derivatives go through the rule
+    below."""
     return fn(gate, up)
 
 

@@ -125,7 +125,10 @@ def ignored_override_line(c, overrides) -> Optional[str]:
                     "endless); "
                     "drop it, or train on text with a split (data=text data.eval_fraction=0.05)"
                 )
-            return f"{key}: evaluates the held-out split, and this run has none; add data.eval_fraction=0.05 (or data.eval_path=<file>), or drop it"
+            return (
+                f"{key}: evaluates the held-out split, and this run has none; add data.eval_fraction=0.05 (or "
+                "data.eval_path=<file>), or drop it"
+            )
         if parts[:2] == ["offload", "block_tags"] and len(parts) > 2:
             kinds = [k for k in block_kinds(c.model) if k in OPTIONAL_KINDS]
             if parts[2] in OPTIONAL_KINDS and parts[2] not in kinds:
@@ -191,7 +194,8 @@ def _keep_earlier_hydra_record(args: list[str]) -> list[str]:
         or "${" in text
         or any(a.lstrip("+").startswith("hydra.output_subdir=") for a in args)
     ):
-        return []  # Hydra's default directory is new (it is named by the time), and interpolations are Hydra's to resolve
+        # Hydra's default directory is new (it is named by the time), and interpolations are Hydra's to resolve
+        return []
     d = pathlib.Path(text).expanduser()
     runs = [d] if key == "hydra.run.dir" else [j for j in d.iterdir() if j.is_dir()] if d.is_dir() else []
     return ["hydra.output_subdir=null"] if any(run_dir.holds_steps(r) for r in runs) else []
@@ -293,18 +297,30 @@ def _unparsable(args) -> Optional[tuple[str, str]]:
 def _parse_error_line(args, tool: str) -> str:
     bad = _unparsable(args)
     if bad is None:
-        return f"command line: an argument is not an override; arguments are key=value (e.g. trainer.steps=20); see {tool} --help"
+        return (
+            "command line: an argument is not an override; arguments are key=value (e.g. trainer.steps=20); "
+            f"see {tool} --help"
+        )
     arg, why = bad
     if arg.startswith("-"):
-        return f"{arg}: not a flag of {tool} nor an override; arguments are key=value (e.g. trainer.steps=20); see {tool} --help"
+        return (
+            f"{arg}: not a flag of {tool} nor an override; arguments are key=value (e.g. trainer.steps=20); "
+            f"see {tool} --help"
+        )
     if "=" not in arg:
         return f"{arg}: no value; write {arg}=<value> (+{arg}=<value> adds a key, ~{arg} deletes one)"
     key, value = arg.split("=", 1)
     key = key.lstrip("+~")
     if value.startswith("~"):  # bash leaves ~ unexpanded after `key=`, and Hydra's grammar has no ~
         if value[1:2] in ("", "/"):
-            return f"{key}: {value!r} starts with ~, which neither bash (after key=) nor Hydra expands; write {key}=$HOME{value[1:]} (the shell expands $HOME)"
-        return f"{key}: {value!r} starts with ~, which neither bash (after key=) nor Hydra expands; write {key}=<the absolute path>"
+            return (
+                f"{key}: {value!r} starts with ~, which neither bash (after key=) nor Hydra expands; write "
+                f"{key}=$HOME{value[1:]} (the shell expands $HOME)"
+            )
+        return (
+            f"{key}: {value!r} starts with ~, which neither bash (after key=) nor Hydra expands; write "
+            f"{key}=<the absolute path>"
+        )
     return f"{key}: cannot parse {arg!r} ({why}); quote the value, e.g. {key}='<value>', or see https://hydra.cc/docs/advanced/override_grammar/basic"
 
 
@@ -329,7 +345,10 @@ def _map_key_line(key: str, value: Optional[str]) -> Optional[str]:
         return f"{key}: {add}"
     if parts[:2] == ["mesh", "rules"] and len(parts) == 3:
         if parts[2] not in LOGICAL_AXES:
-            return f"{key}: unknown logical axis{_closest(parts[2], LOGICAL_AXES)}; the logical axes are {', '.join(LOGICAL_AXES)}"
+            return (
+                f"{key}: unknown logical axis{_closest(parts[2], LOGICAL_AXES)}; the logical axes are "
+                f"{', '.join(LOGICAL_AXES)}"
+            )
         return f"{key}: {add}"
     return None
 

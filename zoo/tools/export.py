@@ -40,8 +40,8 @@ def main(argv=None) -> int:
     p.add_argument(
         "--adapters-only",
         action="store_true",
-        help="a LoRA run: write its adapters alone in the peft layout (adapter_config.json, adapter_model.safetensors), "
-        "for peft.PeftModel.from_pretrained over the base; default: the merged model",
+        help="a LoRA run: write its adapters alone in the peft layout (adapter_config.json, "
+        "adapter_model.safetensors), for peft.PeftModel.from_pretrained over the base; default: the merged model",
     )
     args = p.parse_args(argv)
     return run_tool(lambda: _export(args), p.prog)  # bad input: one line, exit code 2; Ctrl-C: one line, 130

@@ -1,6 +1,6 @@
-"""The kit the command-line tools share (zoo.tools.inspect_step, zoo.tools.plan, zoo.tools.scale, zoo.tools.gpu_lowering,
-zoo.tools.measure_hardware): compose train.py's Hydra config and build its step without training, split a
-tool's own `<tool>.key=value` options from the Hydra overrides, choose and probe where a tool writes,
+"""The kit the command-line tools share (zoo.tools.inspect_step, zoo.tools.plan, zoo.tools.scale,
+zoo.tools.gpu_lowering, zoo.tools.measure_hardware): compose train.py's Hydra config and build its step without
+training, split a tool's own `<tool>.key=value` options from the Hydra overrides, choose and probe where a tool writes,
 format bytes and tables. With `zoo.tools.cli` (one-line errors, exit codes, `run_tool`), which
 train.py shares. Library modules never import this: it sits above them.
 """

@@ -209,7 +209,10 @@ def measure(opts: MeasureOptions) -> dict:
             f"{100 * ov['hidden_fraction']:.0f}% of a round trip hidden under matmuls; plain device_put {h2d:.2f} / "
             f"{d2h:.2f} GB/s"
             if program["moves"]
-            else f"by plain device_put (inside a program nothing moves): host->device {h2d:.2f}, device->host {d2h:.2f} GB/s"
+            else (
+                f"by plain device_put (inside a program nothing moves): host->device {h2d:.2f}, device->host "
+                f"{d2h:.2f} GB/s"
+            )
         )
         + f"; medians of {opts.repeats}; "
         + ("hbm_bytes from memory_stats bytes_limit" if hbm else "no device memory statistics (hbm_bytes 0)")
@@ -277,8 +280,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             f"{100 * d['overlap']['hidden_fraction']:.0f}% of a round trip hidden under matmuls "
             f"(plain device_put {d['plain_h2d_gbps']:.2f} / {d['plain_d2h_gbps']:.2f} GB/s)"
             if d["moves"]
-            else f"host->device {d['h2d_gbps']:.2f} GB/s, device->host {d['d2h_gbps']:.2f} GB/s by plain device_put (inside a program "
-            "this backend moves nothing)"
+            else f"host->device {d['h2d_gbps']:.2f} GB/s, device->host {d['d2h_gbps']:.2f} GB/s by plain "
+            "device_put (inside a program this backend moves nothing)"
         )
         print(
             f"{d['device']}: matmul {d['n']}x{d['n']} {d['dtype']} {profile['matmul_flops'] / 1e12:.3f} TFLOP/s; "

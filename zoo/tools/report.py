@@ -1,8 +1,8 @@
 """Sweep results -> a markdown table and a PNG: step time against peak device memory, Pareto front marked.
 
-    python -m zoo.tools.report multirun/2026-11-30/12-00-00            # writes report.md and report.png there
-    python -m zoo.tools.report <dir> --out /tmp/report                  # elsewhere
-    python -m zoo.tools.report outputs/2026-11-30/12-00-00             # one run: its expert load over steps (expert_load.png)
+    python -m zoo.tools.report multirun/2026-11-30/12-00-00   # writes report.md and report.png there
+    python -m zoo.tools.report <dir> --out /tmp/report         # elsewhere
+    python -m zoo.tools.report outputs/2026-11-30/12-00-00    # one run: its expert load over steps (expert_load.png)
 
 Every `summary.json` under the directory is one job (train.py writes one per job, failed jobs too).
 Step times on a shared machine are noisy, so each job's time is its interquartile range over the
@@ -263,9 +263,10 @@ def _per_layer(records: list[dict], key: str) -> tuple[list[int], list[list[floa
 def run_report(run_dir: pathlib.Path, out: Optional[pathlib.Path] = None) -> Optional[pathlib.Path]:
     """One training run's MoE routing over its steps, plotted from `run_dir/metrics.jsonl`: expert
     load max/mean per MoE layer, the fraction of assignments dropped per layer, and (when logged) the
-    router entropy, the correction bias's range (max - min) and the expert exchange's rounds per layer. Writes `expert_load.png` in `out` (default `run_dir`) and returns it;
-    None for a run without MoE metrics (a dense model). Layers are labelled by their model index
-    (summary.json's `moe_layers`) where the run finished, else by their row among the MoE layers."""
+    router entropy, the correction bias's range (max - min) and the expert exchange's rounds per layer. Writes
+    `expert_load.png` in `out` (default `run_dir`) and returns it; None for a run without MoE metrics (a dense model).
+    Layers are labelled by their model index (summary.json's `moe_layers`) where the run finished, else by their row
+    among the MoE layers."""
     records = load_metrics(run_dir)
     steps, load = _per_layer(records, "expert_load_max_over_mean")
     if not steps:

@@ -237,9 +237,9 @@ def _routed_experts_line(moe: dict) -> str:
             f"{fmt_bytes(moe['assignment_bytes'])} "
             f"of assignments (one round while no device sends a shard more than {moe['exchange_factor']:g}x the mean)"
         )
-    return (
-        line
-        + f", over {moe['expert_ways']} expert shards: {fmt_bytes(moe['exchange_bytes'])} sent per device and exchange, {ratio:.2f}x its {fmt_bytes(moe['assignment_bytes'])} of assignments"
+    return line + (
+        f", over {moe['expert_ways']} expert shards: {fmt_bytes(moe['exchange_bytes'])} sent per device "
+        f"and exchange, {ratio:.2f}x its {fmt_bytes(moe['assignment_bytes'])} of assignments"
     )
 
 
@@ -282,7 +282,10 @@ def render(rep: dict) -> str:
         out.append(
             "whole vocabulary per device: none (every vocabulary-sized dim is split)"
             if v is None
-            else f"whole vocabulary per device: largest {v['largest']} {fmt_bytes(v['bytes'])} ({v['shapes']} such shapes)"
+            else (
+                f"whole vocabulary per device: largest {v['largest']} {fmt_bytes(v['bytes'])} ({v['shapes']} "
+                "such shapes)"
+            )
         )
     moe = rep.get("routed_experts")
     if moe:

@@ -2,8 +2,8 @@
 picks them or real text (zoo.data) by `data.name`.
 
 `markov`: a fixed random transition table in which every token has `branching` successors with
-random probabilities (drawn with replacement: rarely two coincide); a model that learns the table reaches a loss near the table's entropy
-(at most log(branching)). `uniform`: i.i.d. uniform tokens (loss cannot fall below log(vocab)).
+random probabilities (drawn with replacement: rarely two coincide); a model that learns the table reaches a loss near
+the table's entropy (at most log(branching)). `uniform`: i.i.d. uniform tokens (loss cannot fall below log(vocab)).
 
 A markov batch costs one compiled scan over the sequence (on the host's CPU device, whatever the
 accelerator) for this process's rows only; its tokens are those of the step-by-step definition

@@ -7,8 +7,8 @@ Writes `config.json` (what `zoo.hf.config_to_hf` writes for the family, plus the
 checkpoint's tokenizer and generation files, which must still be where training read them, unchanged
 (their sha256 is in the checkpoint's metadata); `--tokenizer DIR` takes them from DIR instead, and a
 run trained on `data.tokenizer` carries that tokenizer.json (`tokenizer=`: `--tokenizer` on the command
-line). `zoo.hf.from_pretrained` (and transformers) load the result. The weights keep the checkpoint's dtype unless `--dtype` is given.
-The parameters are restored split over the process's devices and written leaf by leaf, so neither a
+line). `zoo.hf.from_pretrained` (and transformers) load the result. The weights keep the checkpoint's dtype unless
+`--dtype` is given. The parameters are restored split over the process's devices and written leaf by leaf, so neither a
 device nor the host ever holds the whole model (`hf_export`).
 
 A LoRA run (train.py `lora=default`) exports as its merged model: base + alpha/r A@B in every adapted

@@ -171,7 +171,8 @@ def gpu_host_pool_gib(offload: OffloadConfig, hardware: HardwareConfig) -> Optio
 
 
 def apply_gpu_host_pool(c: TrainConfig) -> Optional[str]:
-    """Set the pool's cap before JAX starts unless the environment sets it; the value in effect (None: XLA's default)."""
+    """Set the pool's cap before JAX starts unless the environment sets it; the value in effect
+    (None: XLA's default)."""
     return set_gpu_host_pool(gpu_host_pool_gib(c.offload, c.hardware), os.environ, started=backends_are_initialized())
 
 
@@ -282,8 +283,15 @@ def _train(c: TrainConfig, plan, devices, out_dir: pathlib.Path, xla_flags: str,
                 f"checkpoints: {ckpt.dir}, step {start} is trainer.steps={steps}: nothing left to train; raise "
                 "trainer.steps to go on"
             )
-            summary = {"status": "ok", "overrides": list(overrides), "steps": steps, "start_step": start, "steps_run": 0,
-                       "checkpoint": {"dir": str(ckpt.dir), "steps": ckpt.complete_steps()}, "config": to_dict(c)}  # fmt: skip
+            summary = {
+                "status": "ok",
+                "overrides": list(overrides),
+                "steps": steps,
+                "start_step": start,
+                "steps_run": 0,
+                "checkpoint": {"dir": str(ckpt.dir), "steps": ckpt.complete_steps()},
+                "config": to_dict(c),
+            }
             if main and not run_dir.finished(out_dir):  # the summary of the run that trained those steps stays
                 write_summary(out_dir, summary)
             return summary
@@ -369,8 +377,9 @@ def lora_line(c: TrainConfig, trainer) -> str:
     trainable = sum(x.size for x in jax.tree.leaves(trainer.abstract_params))
     total = sum(x.size for x in jax.tree.leaves(trainer.abstract_base))
     where = "pinned host memory, streamed per layer" if trainer.params_on_host else "device memory"
+    dropout = f", dropout {c.lora.dropout:g} (adapters unmerged while training)" if c.lora.dropout else ""
     return (
-        f"lora: rank {c.lora.rank}, alpha {c.lora.alpha:g}{f', dropout {c.lora.dropout:g} (adapters unmerged while training)' if c.lora.dropout else ''} "
+        f"lora: rank {c.lora.rank}, alpha {c.lora.alpha:g}{dropout} "
         f"on {','.join(c.lora.targets)}; trainable {trainable:,} of {total:,} "
         f"parameters ({100 * trainable / total:.2f}%), optimizer state {lora_opt / 2**20:.2f} MiB vs "
         f"{full_opt / 2**20:.2f} MiB "
@@ -612,17 +621,43 @@ def _stop_for_requeue(
     kept = f"checkpoint step {last} in {ckpt.dir}" if last is not None else f"no checkpoint in {ckpt.dir} yet"
     line = f"stopped by {stop.received} {when}: {kept}; run the same command to resume (exit code {EXIT_REQUEUE})"
     if out_dir is not None:
-        summary = {"status": "stopped", "signal": stop.received, "overrides": list(overrides), "steps": c.trainer.steps,
-                   "start_step": start, "steps_run": done - start, "last_step": done, "exit_code": EXIT_REQUEUE,
-                   "checkpoint": {"dir": str(ckpt.dir), "steps": ckpt.complete_steps()}, "config": to_dict(c)}  # fmt: skip
+        summary = {
+            "status": "stopped",
+            "signal": stop.received,
+            "overrides": list(overrides),
+            "steps": c.trainer.steps,
+            "start_step": start,
+            "steps_run": done - start,
+            "last_step": done,
+            "exit_code": EXIT_REQUEUE,
+            "checkpoint": {"dir": str(ckpt.dir), "steps": ckpt.complete_steps()},
+            "config": to_dict(c),
+        }
         write_summary(out_dir, summary)
         print(line, file=sys.stderr, flush=True)
     stop.chain()
     raise SystemExit(EXIT_REQUEUE)
 
 
-def _summary(c: TrainConfig, plan, trainer, state, data, log: StepLog, ckpt, start, mesh_devices, init_s, compile_s, mem_compiled,
-             compiled, t_start, xla_flags, overrides, evaluator=None) -> dict:  # fmt: skip
+def _summary(
+    c: TrainConfig,
+    plan,
+    trainer,
+    state,
+    data,
+    log: StepLog,
+    ckpt,
+    start,
+    mesh_devices,
+    init_s,
+    compile_s,
+    mem_compiled,
+    compiled,
+    t_start,
+    xla_flags,
+    overrides,
+    evaluator=None,
+) -> dict:
     kinds = {"params": sorted(memory_kinds(state["params"])), "opt_state": sorted(memory_kinds(state["opt_state"]))}
     if "base" in state:  # LoRA's frozen base
         kinds["base"] = sorted(memory_kinds(state["base"]))

@@ -171,7 +171,10 @@ def foreign_data_key_line(key: str, value: Any = None, name: Optional[str] = Non
     example = f" data.{key}={value}" if value is not None else ""
     if owners == ("text",):
         what = "has a held-out split" if key.startswith("eval_") else "reads it"
-        return f"data.{key}: only data=text {what}, and {chosen} is synthetic tokens; set `data=text` (python train.py data=text{example})"
+        return (
+            f"data.{key}: only data=text {what}, and {chosen} is synthetic tokens; set `data=text` (python "
+            f"train.py data=text{example})"
+        )
     source = (
         "takes its tokens from the text"
         if name == "text"
