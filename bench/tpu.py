@@ -117,6 +117,31 @@ SETUPS = {
             "minimal",
         ],
     },
+    # zoo.tools.plan's pick with `plan.compile=4` (its candidates compiled for the chip, `--aot` here) at
+    # batches where the estimate alone found nothing that fits (its smallest: 16.9 GB at 8 x 2048, 19.6 GB
+    # at 12 x 2048), against the presets.
+    "compiled_plan_8": {
+        "model": ["llama_1b", {"num_layers": 4}],
+        "batch": 8,
+        "seq": 2048,
+        "group": "tpu_host_offload",
+        "policies": ["none", "minimal:context=device", "minimal", "full"],
+    },
+    "compiled_plan_12": {
+        "model": ["llama_1b", {"num_layers": 4}],
+        "batch": 12,
+        "seq": 2048,
+        "group": "tpu_host_offload",
+        "policies": [
+            "none",
+            "minimal:context=device",
+            "minimal:context=device,value_proj=offload,out_proj=offload",
+            "minimal_context_offloaded",
+            "minimal",
+            "save_qkv_proj",
+            "full",
+        ],
+    },
     # llama_1b's layers at 2048 where `none` fits: MFU of the unconstrained step with splash.
     "mfu": {
         "model": ["llama_1b", {"num_layers": 4}],
@@ -211,6 +236,8 @@ def build(setup: dict, label: str, devices, hardware, toy: bool):
     c = dataclasses.replace(c, offload=o)
     if setup.get("grad_accum", 1) > 1:  # the update runs once per `grad_accum` microbatches
         c = dataclasses.replace(c, trainer=dataclasses.replace(c.trainer, grad_accum=setup["grad_accum"]))
+    if "loss_chunk" in setup:  # trainer.loss_chunk_size (0: whole logits)
+        c = dataclasses.replace(c, trainer=dataclasses.replace(c.trainer, loss_chunk_size=setup["loss_chunk"]))
     return c, C.make_trainer(c, devices)
 
 

@@ -129,6 +129,9 @@ class PlanConfig:
     split: bool = False
     json: Optional[str] = None  # also write the estimates as JSON here
     holders: bool = False  # also print who holds the memory for a plan that fits (always printed when none does)
+    # Compile up to this many candidate policies for the target with XLA (nothing runs) and keep the
+    # fastest whose compiled peak fits the budget (zoo.tools.plan_check); 0: the estimate alone.
+    compile: int = 0
 
     def __post_init__(self):
         if self.hbm_budget_gb is not None and self.hbm_budget_gb <= 0:
@@ -144,6 +147,8 @@ class PlanConfig:
             raise PlanError(f"plan.flops_efficiency: must be in (0, 1], got {self.flops_efficiency}")
         if self.transfer_latency_us < 0:
             raise PlanError(f"plan.transfer_latency_us: must be >= 0, got {self.transfer_latency_us}")
+        if self.compile < 0:
+            raise PlanError(f"plan.compile: the number of candidates to compile, >= 0; got {self.compile}")
         if not self.name or "/" in self.name:
             raise PlanError(f"plan.name: {self.name!r} is not a file stem; e.g. plan.name=planned")
 
@@ -1594,9 +1599,12 @@ def loss_working_bytes(
     devices share a vocab axis that also splits the batch, so each chunk's logits cover their rows).
 
     Whole logits (`chunk` 0): the float32 logits, their softmax and their gradient [batch, T, vocab].
-    Chunked (zoo.loss, fused): the same three for [batch, chunk, vocab] at a time, plus what the
-    fused backward keeps through the chunks: the float32 head-gradient accumulator [embed, vocab], the
-    hidden states' gradient [batch, T, embed] in the compute dtype and the head cast to the compute dtype (`head_cast_bytes`, 0 when the dtypes agree)."""
+    Chunked (zoo.loss, fused): one float32 [batch, chunk, vocab] at a time (XLA fuses the softmax and
+    its gradient into the logits' buffer: a TPU v5e's compiled peak of llama_1b's layers grew by 0.95
+    of one such buffer from chunks of 512 to 1024, `bench/tpu.py --aot`), plus what the fused backward
+    keeps through the chunks: the float32 head-gradient accumulator [embed, vocab], the hidden states'
+    gradient [batch, T, embed] in the compute dtype and the head cast to the compute dtype
+    (`head_cast_bytes`, 0 when the dtypes agree)."""
     if not chunk:
         return 3.0 * batch * seq * vocab * 4
     rows = min(chunk, seq)
@@ -1604,7 +1612,7 @@ def loss_working_bytes(
     # The head-gradient accumulator may end as the head's gradient, counted with the gradients too:
     # on a TPU v5e that put the planner up to 15% over XLA's peak (docs/benchmarks.md, "TPU v5e").
     return (
-        3.0 * batch * row_group * rows * vocab * 4
+        float(batch * row_group * rows * vocab * 4)
         + 4.0 * embed * vocab
         + float(batch * seq * embed * compute_bytes)
         + head_cast_bytes
@@ -1642,7 +1650,7 @@ def host_budget_bytes(opts: PlanConfig, hardware) -> float:
 def policy_estimate(c, trainer, opts: PlanConfig):
     """(problem, estimate, info) of the run's own policy (`c.offload`): each tag as the policy places it;
     a tag the planner cannot recompute (the checkpointed layer's input) counts as kept."""
-    p, info = problem_from_config(c, trainer, opts)
+    p, info = problem_from_config(c, trainer, opts, own_policy=True)
     actions = resolve(c.offload, c.model)
     assignment = {}
     for t in p.tags:
@@ -1680,11 +1688,17 @@ def out_of_memory_line(c, trainer, error: BaseException, overrides=()) -> str:
     )
 
 
+# Residual producers whose output XLA derives from another kept value instead of keeping it.
+FOLDED_BY_XLA = ("reshape", "transpose", "broadcast_in_dim", "squeeze", "expand_dims", "convert_element_type")
+
+
 def problem_from_config(
-    c, trainer, opts: PlanConfig, hardware_dir=None, attention_impl: Optional[str] = None
+    c, trainer, opts: PlanConfig, hardware_dir=None, attention_impl: Optional[str] = None, own_policy: bool = False
 ) -> tuple[Problem, dict]:
     """The planning problem for a composed, validated train config (sizes per device);
-    `attention_impl`: the implementation the target runs (default: `target_attention_impl(c)`)."""
+    `attention_impl`: the implementation the target runs (default: `target_attention_impl(c)`).
+    `own_policy`: the problem of the run's own policy (`policy_estimate`): a policy without checkpoints
+    (`none`) keeps every intermediate its backward reads, tagged or not, and those count as residuals."""
     import jax
     import jax.numpy as jnp
 
@@ -1715,6 +1729,14 @@ def problem_from_config(
             tokens,
             stacks=stack_names(abstract),
         )
+        uncheckpointed = None
+        if own_policy and not c.offload.checkpoint:
+            uncheckpointed = inspect_placement(
+                jax.grad(lambda mod, tok: loss_fn(mod, tok, remat_policy=remat_policy(c.offload, m))),
+                abstract,
+                tokens,
+                stacks=stack_names(abstract),
+            )
     # The traced records are whole sequences, heads and MLP hidden dims: each tag sized as the mesh
     # splits it (tensor parallelism; sequence parallelism for the kept layer input, zoo.model.DecoderBlock).
     sequence_ways = _ways(c, trainer, "seq")
@@ -1818,6 +1840,11 @@ def problem_from_config(
     # The step's token batch and the next one's (built a step ahead, zoo.train.run.Batches), int32.
     staging = 2.0 * c.data.batch_size * seq * 4 / num_devices
     other = float(sum(o.total_bytes for o in placement.other))
+    if uncheckpointed is not None:
+        # Views and casts of kept values are left out: XLA folds a view into the buffer it views and
+        # fuses a cast into its consumer, recomputing it there (a TPU v5e's compiled peak of `none`
+        # on llama_1b's layers and on dsv3_100m: docs/benchmarks.md, "TPU v5e").
+        other = float(sum(o.total_bytes for o in uncheckpointed.other if o.source not in FOLDED_BY_XLA))
 
     p = Problem(
         tags=tags,
@@ -1896,6 +1923,30 @@ def use_plan_lines(out, overrides: Sequence[str]) -> list[str]:
     ]
 
 
+def compile_checked(p: Problem, c, step_plan, devices, opts: PlanConfig):
+    """(estimate, zoo.tools.plan_check.Checked) of the fastest of up to `plan.compile` candidates whose
+    compiled peak fits; PlanError (one line) when none does."""
+    import jax
+
+    from zoo.tools import plan_check
+
+    platform = c.hardware.platform or jax.default_backend()
+    with plan_check.compile_target(c, platform, devices) as (target, where):
+        print(f"compiling up to {opts.compile} candidate policies ({where}) ...", flush=True)
+        peak = plan_check.compile_peak_fn(c, step_plan, target, opts.name, platform)
+        tried = plan_check.checked_search(p, peak, opts.compile)
+    print(plan_check.table(tried, p.budget, where))
+    pick = plan_check.chosen(tried, p.budget)
+    if pick is None:
+        least = min(tried, key=lambda t: t.compiled_peak)
+        raise PlanError(
+            f"plan.compile: none of the {len(tried)} policies compiled fits {_fmt_bytes(p.budget)} per device; the "
+            f"smallest, {_describe(least.estimate.assignment)}, compiled to {_fmt_bytes(least.compiled_peak)}; "
+            f"{_state_hint(p).removeprefix(', or ')}"
+        )
+    return pick.estimate, pick
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     after_error: list[str] = []  # printed after the one error line: who holds the memory
@@ -1914,7 +1965,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         attention_impl = target_attention_impl(typed)
         cfg.model.attention_impl = host_attention_impl(attention_impl)
         with planning_for(typed.hardware.platform):
-            c, _, _, trainer, notes = prepare_step(overrides, cfg)
+            c, step_plan, devices, trainer, notes = prepare_step(overrides, cfg)
             p, info = problem_from_config(c, trainer, opts, conf_dir() / "hardware", attention_impl)
         for n in notes:
             print(f"note: {n}")
@@ -1960,14 +2011,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             + f" {_fmt_bytes(info['loss_working_bytes'])}, update "
             + ("streamed layer by layer" if _streamed(p) else "whole tree on device")
         )
-        try:
-            best = search(p)
-        except Infeasible as e:
-            print(estimates_table(p, e.best))
-            after_error.append(holders_table(p, e.best, e.budget))
-            raise
+        compiled = None
+        if opts.compile:
+            best, compiled = compile_checked(p, c, step_plan, devices, opts)
+        else:
+            try:
+                best = search(p)
+            except Infeasible as e:
+                print(estimates_table(p, e.best))
+                after_error.append(holders_table(p, e.best, e.budget))
+                raise
         policy = to_offload_config(best, opts.name, c.offload.params, c.offload.opt_state)
         print(estimates_table(p, best))
+        if compiled:
+            print(
+                f"XLA compiled this policy to {_fmt_bytes(compiled.compiled_peak)} of {_fmt_bytes(p.budget)} per device "
+                "(plan.compile): that, not the estimate above, is what decides whether it fits"
+            )
         if opts.holders:
             print(holders_table(p, best, "hbm"))
             if best.host_bytes:
@@ -1978,7 +2038,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             f"{_fmt_bytes(p.budget)} per device,\n"
             f"host memory {_fmt_bytes(best.host_bytes)} per device ({_fmt_bytes(best.host_node_bytes)} per node of "
             f"{p.devices_per_node}).\n"
-            f"Tags left out are recomputed."
+            + (f"XLA's compiled peak {_fmt_bytes(compiled.compiled_peak)} (plan.compile).\n" if compiled else "")
+            + "Tags left out are recomputed."
         )
         out.write_text(to_yaml(policy, header))
         print(f"wrote {out}")
@@ -1992,7 +2053,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             held = {m: [dataclasses.asdict(h) for h in holders(p, best, m)] for m in ("hbm", "host")}
             pathlib.Path(opts.json).write_text(
                 json.dumps(
-                    {"info": info, "estimate": best.as_dict(), "holders": held, "policy": dataclasses.asdict(policy)},
+                    {
+                        "info": info,
+                        "estimate": best.as_dict(),
+                        "compiled_peak_bytes": compiled.compiled_peak if compiled else None,
+                        "holders": held,
+                        "policy": dataclasses.asdict(policy),
+                    },
                     indent=2,
                 )
                 + "\n"

@@ -1,0 +1,134 @@
+"""`plan.compile`: the planner's candidates compiled by XLA for the target (zoo.tools.plan_check)."""
+
+import json
+import math
+
+import pytest
+from omegaconf import OmegaConf
+
+from zoo.tools import plan as zp
+from zoo.tools import plan_check as pc
+from zoo.tools.plan import GB, Infeasible, Problem, StackCost, TagCost, search
+
+MB = 1e6
+
+
+def _problem(budget_gb: float) -> Problem:
+    # Two tags of 1 GB per layer over 4 layers, costly to recompute, slow to move: keeping both is the
+    # fastest; each one given up costs time.
+    return Problem(
+        tags=[TagCost(t, {"s": 1 * GB}, {"s": 4e12}) for t in ("a", "b")],
+        stacks={"s": StackCost(layers=4, forward_flops_per_layer=1e12)},
+        rate=1e14,
+        link=1 * GB,
+        budget=budget_gb * GB,
+        step_flops=12e12,
+        param_bytes=1 * GB,
+    )
+
+
+def _compiler(ratio: float):
+    """A stand-in compiler whose peak is `ratio` times the model's, recording what it compiled."""
+    seen = []
+
+    def peak(e):
+        seen.append(dict(e.assignment))
+        return ratio * e.peak_bytes, 0.0
+
+    return peak, seen
+
+
+def test_a_model_that_overstates_is_corrected_to_the_policy_that_fits():
+    # Keeping both tags is 9 GB by the model; the compiler puts it at 6.3 GB. Under a 7 GB budget the
+    # estimate alone gives up a tag; compiled, the first pick comes out at 0.7x its estimate, the
+    # search is repeated with the budget scaled by that, and keeping both is compiled and fits.
+    p = _problem(7.0)
+    assert search(p).assignment != {"a": "device", "b": "device"}
+    peak, seen = _compiler(0.7)
+    tried = pc.checked_search(p, peak, 4)
+    pick = pc.chosen(tried, p.budget)
+    assert pick.estimate.assignment == {"a": "device", "b": "device"}
+    assert pick.compiled_peak == pytest.approx(6.3 * GB)
+    assert len(seen) == len(tried) == 2  # then the search repeats its pick: no third compile
+
+
+def test_a_model_that_understates_gives_up_more_until_the_compiler_agrees():
+    # The compiler puts every policy at 1.5x the model: the estimate's pick does not fit; the next
+    # search asks for 1/1.5 of the budget and that pick does.
+    p = _problem(9.0)
+    peak, _ = _compiler(1.5)
+    tried = pc.checked_search(p, peak, 4)
+    assert not tried[0].fits(p.budget) and tried[0].estimate.assignment == {"a": "device", "b": "device"}
+    pick = pc.chosen(tried, p.budget)
+    assert pick is not None and pick.compiled_peak <= p.budget
+    assert pick.estimate.time_s > tried[0].estimate.time_s
+
+
+def test_nothing_fits_when_even_the_smallest_does_not_compile_within_the_budget():
+    p = _problem(0.5)  # below the parameters alone
+    with pytest.raises(Infeasible):
+        search(p)
+    peak, _ = _compiler(1.0)
+    tried = pc.checked_search(p, peak, 3)
+    assert tried and pc.chosen(tried, p.budget) is None
+
+
+@pytest.mark.parametrize(
+    "message, want",
+    [
+        ("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm. Used 16.11G of 15.75G hbm.", 16.11 * 2**30),
+        (
+            "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO temporaries (17.2G) "
+            "exceeds available HBM (15.75G).",
+            None,
+        ),
+        ("RESOURCE_EXHAUSTED: out of memory, no figure", math.inf),
+        ("INVALID_ARGUMENT: something else", "none"),
+    ],
+)
+def test_the_compilers_out_of_memory_figure_is_read(message, want):
+    got = pc._oom_bytes(RuntimeError(message))
+    if want == "none":
+        assert got is None
+    elif want is None:
+        assert got == pytest.approx(17.2 * 2**30)
+    else:
+        assert got == pytest.approx(want)
+
+
+BASE = ["model=llama_tiny_a", "mesh=single", "data.batch_size=2", "data.seq_len=64", "hardware=cpu", "plan.link=16"]
+
+
+def test_cli_prints_and_writes_the_compiled_peak_of_the_policy_train_py_builds(tmp_path, capsys):
+    from zoo.tools.kit import prepare_step
+    from zoo.train.metrics import compiled_memory
+
+    out, js = tmp_path / "offload" / "checked.yaml", tmp_path / "p.json"
+    args = [*BASE, "plan.hbm_budget_gb=1", "plan.compile=2", f"plan.out={out}", f"plan.json={js}", "plan.name=checked"]
+    assert zp.main(args) == 0
+    printed = capsys.readouterr().out
+    assert "compiled by XLA (compiled on this cpu" in printed
+    record = json.loads(js.read_text())
+    got = record["compiled_peak_bytes"]
+    assert f"XLA compiled this policy to {zp._fmt_bytes(got)}" in printed
+    assert f"XLA's compiled peak {zp._fmt_bytes(got)}" in out.read_text()
+    # The figure is that of the step train.py compiles from the written plan.
+    overrides = [*BASE[:-1], f"hydra.searchpath=[file://{tmp_path}]", "offload=checked"]
+    c, _, _, trainer, _ = prepare_step(overrides)
+    assert c.offload.tags == dict(OmegaConf.load(out)["tags"])
+    exe = trainer.lower().compile(trainer.compiler_options)
+    assert compiled_memory(exe)["estimated_peak_bytes"] == got
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["plan.compile=-1"], "error: plan.compile: the number of candidates to compile, >= 0; got -1"),
+        (["hardware=h100_pcie", "plan.compile=2"], "error: plan.compile: compiling for gpu needs a gpu here"),
+    ],
+)
+def test_cli_compile_bad_input_is_one_line(args, message, tmp_path, capsys):
+    assert zp.main([*BASE, "plan.hbm_budget_gb=1", *args, f"plan.out={tmp_path / 'x.yaml'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(message), err
+    assert not (tmp_path / "x.yaml").exists()
