@@ -1,5 +1,7 @@
-"""`plan.compile`: the planner's candidates compiled by XLA for the target (zoo.tools.plan_check)."""
+"""`plan.compile`: the planner's candidates compiled by XLA for the target (zoo.tools.plan_check);
+`plan.measure`: those that fit, and the presets, timed on the device."""
 
+import dataclasses
 import json
 import math
 
@@ -125,6 +127,11 @@ def test_cli_prints_and_writes_the_compiled_peak_of_the_policy_train_py_builds(t
     [
         (["plan.compile=-1"], "error: plan.compile: the number of candidates to compile, >= 0; got -1"),
         (["hardware=h100_pcie", "plan.compile=2"], "error: plan.compile: compiling for gpu needs a gpu here"),
+        (["plan.measure=2"], "error: plan.measure: it times the compiled candidates; add plan.compile=4"),
+        (
+            ["hardware=tpu_v5e", "plan.compile=2", "plan.measure=2"],
+            "error: plan.measure: it runs the candidates, so it needs the target (tpu) here, not cpu",
+        ),
     ],
 )
 def test_cli_compile_bad_input_is_one_line(args, message, tmp_path, capsys):
@@ -132,3 +139,29 @@ def test_cli_compile_bad_input_is_one_line(args, message, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(message), err
     assert not (tmp_path / "x.yaml").exists()
+
+
+def test_measured_candidates_are_chosen_by_their_measured_step():
+    p = _problem(20.0)
+    fast, slow = search(p), search(dataclasses.replace(p, budget=6 * GB))
+    tried = [pc.Checked(fast, 9 * GB, 0.0, measured_s=0.30), pc.Checked(slow, 5 * GB, 0.0, measured_s=0.20)]
+    assert fast.time_s < slow.time_s and pc.chosen(tried, p.budget) is tried[1]
+    tried[1].compiled_peak = 21 * GB  # the measured-fastest does not fit: the other one
+    assert pc.chosen(tried, p.budget) is tried[0]
+    assert "measured step" in pc.table(tried, p.budget, "here")
+
+
+def test_cli_measure_times_the_candidates_and_the_presets_and_keeps_the_fastest(tmp_path, capsys):
+    out, js = tmp_path / "offload" / "timed.yaml", tmp_path / "p.json"
+    args = [*BASE, "plan.hbm_budget_gb=1", "plan.compile=2", "plan.measure=1", f"plan.out={out}", f"plan.json={js}"]
+    assert zp.main(args) == 0
+    printed = capsys.readouterr().out
+    assert "measured round 2/2" in printed
+    cands = json.loads(js.read_text())["candidates"]
+    presets = {c["preset"] for c in cands} - {None}
+    assert presets <= set(zp.MEASURED_PRESETS) and "full" in presets  # full differs from every planner pick here
+    assert all(c["measured_step_s"] > 0 for c in cands)  # everything fits 1 GB
+    fastest = min(cands, key=lambda c: c["measured_step_s"])
+    written = OmegaConf.to_container(OmegaConf.load(out)["tags"])
+    assert written == {t: a for t, a in fastest["assignment"].items() if a != "remat"}
+    assert f"Measured step {1e3 * fastest['measured_step_s']:.1f} ms, the fastest of {len(cands)}" in out.read_text()

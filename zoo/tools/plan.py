@@ -132,6 +132,10 @@ class PlanConfig:
     # Compile up to this many candidate policies for the target with XLA (nothing runs) and keep the
     # fastest whose compiled peak fits the budget (zoo.tools.plan_check); 0: the estimate alone.
     compile: int = 0
+    # With plan.compile on the target itself: also compile the presets (MEASURED_PRESETS), run every
+    # candidate that fits for this many steps per round on the device, in alternation, and keep the
+    # fastest measured; 0: pick by the estimate.
+    measure: int = 0
 
     def __post_init__(self):
         if self.hbm_budget_gb is not None and self.hbm_budget_gb <= 0:
@@ -149,6 +153,10 @@ class PlanConfig:
             raise PlanError(f"plan.transfer_latency_us: must be >= 0, got {self.transfer_latency_us}")
         if self.compile < 0:
             raise PlanError(f"plan.compile: the number of candidates to compile, >= 0; got {self.compile}")
+        if self.measure < 0:
+            raise PlanError(f"plan.measure: timed steps per candidate, >= 0; got {self.measure}")
+        if self.measure and not self.compile:
+            raise PlanError("plan.measure: it times the compiled candidates; add plan.compile=4")
         if not self.name or "/" in self.name:
             raise PlanError(f"plan.name: {self.name!r} is not a file stem; e.g. plan.name=planned")
 
@@ -1923,6 +1931,11 @@ def use_plan_lines(out, overrides: Sequence[str]) -> list[str]:
     ]
 
 
+# The recompute-only presets (and the context offload that won at long rows on a v5e) that
+# `plan.measure` times beside the planner's own candidates.
+MEASURED_PRESETS = ("full", "save_qkv_proj", "minimal", "minimal_context_offloaded")
+
+
 def compile_checked(p: Problem, c, step_plan, devices, opts: PlanConfig):
     """(estimate, zoo.tools.plan_check.Checked) of the fastest of up to `plan.compile` candidates whose
     compiled peak fits; PlanError (one line) when none does."""
@@ -1931,10 +1944,25 @@ def compile_checked(p: Problem, c, step_plan, devices, opts: PlanConfig):
     from zoo.tools import plan_check
 
     platform = c.hardware.platform or jax.default_backend()
+    if opts.measure and platform != jax.default_backend():
+        raise PlanError(
+            f"plan.measure: it runs the candidates, so it needs the target ({platform}) here, not "
+            f"{jax.default_backend()}; drop plan.measure to compile only"
+        )
     with plan_check.compile_target(c, platform, devices) as (target, where):
         print(f"compiling up to {opts.compile} candidate policies ({where}) ...", flush=True)
-        peak = plan_check.compile_peak_fn(c, step_plan, target, opts.name, platform)
-        tried = plan_check.checked_search(p, peak, opts.compile)
+        compiler = plan_check.Compiler(c, step_plan, target, opts.name, platform)
+        tried = plan_check.checked_search(p, compiler, opts.compile)
+        if opts.measure:
+            seen = {tuple(sorted(t.estimate.assignment.items())) for t in tried}
+            for name in MEASURED_PRESETS:
+                e = evaluate(p, preset_assignment(p, load_preset(name), c.model))
+                if tuple(sorted(e.assignment.items())) not in seen:
+                    seen.add(tuple(sorted(e.assignment.items())))
+                    peak, secs = compiler(e)
+                    tried.append(plan_check.Checked(e, peak, secs, label=name))
+            print(f"measuring {opts.measure} steps per round of each that fits ...", flush=True)
+            compiler.measure(tried, p.budget, opts.measure)
     print(plan_check.table(tried, p.budget, where))
     pick = plan_check.chosen(tried, p.budget)
     if pick is None:
@@ -1944,7 +1972,7 @@ def compile_checked(p: Problem, c, step_plan, devices, opts: PlanConfig):
             f"smallest, {_describe(least.estimate.assignment)}, compiled to {_fmt_bytes(least.compiled_peak)}; "
             f"{_state_hint(p).removeprefix(', or ')}"
         )
-    return pick.estimate, pick
+    return pick.estimate, pick, tried
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -2011,9 +2039,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             + f" {_fmt_bytes(info['loss_working_bytes'])}, update "
             + ("streamed layer by layer" if _streamed(p) else "whole tree on device")
         )
-        compiled = None
+        compiled, candidates = None, []
         if opts.compile:
-            best, compiled = compile_checked(p, c, step_plan, devices, opts)
+            best, compiled, candidates = compile_checked(p, c, step_plan, devices, opts)
         else:
             try:
                 best = search(p)
@@ -2039,6 +2067,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             f"host memory {_fmt_bytes(best.host_bytes)} per device ({_fmt_bytes(best.host_node_bytes)} per node of "
             f"{p.devices_per_node}).\n"
             + (f"XLA's compiled peak {_fmt_bytes(compiled.compiled_peak)} (plan.compile).\n" if compiled else "")
+            + (
+                f"Measured step {1e3 * compiled.measured_s:.1f} ms, the fastest of {len(candidates)} candidates "
+                "(plan.measure).\n"
+                if compiled and compiled.measured_s is not None
+                else ""
+            )
             + "Tags left out are recomputed."
         )
         out.write_text(to_yaml(policy, header))
@@ -2057,6 +2091,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         "info": info,
                         "estimate": best.as_dict(),
                         "compiled_peak_bytes": compiled.compiled_peak if compiled else None,
+                        "candidates": [
+                            {
+                                "assignment": t.estimate.assignment,
+                                "preset": t.label or None,
+                                "estimated_step_s": t.estimate.time_s,
+                                "estimated_peak_bytes": t.estimate.peak_bytes,
+                                "compiled_peak_bytes": t.compiled_peak,
+                                "measured_step_s": t.measured_s,
+                            }
+                            for t in candidates
+                        ],
                         "holders": held,
                         "policy": dataclasses.asdict(policy),
                     },

@@ -42,6 +42,8 @@ class Checked:
     estimate: Estimate
     compiled_peak: float
     compile_s: float
+    label: str = ""  # a preset's name, for one compiled because `plan.measure` asked for the presets
+    measured_s: Optional[float] = None  # the median step on the device (`plan.measure`)
 
     def fits(self, budget: float) -> bool:
         return self.compiled_peak <= budget
@@ -72,23 +74,31 @@ def checked_search(p: Problem, compile_peak: Callable[[Estimate], tuple[float, f
 
 
 def chosen(tried: list[Checked], budget: float) -> Optional[Checked]:
-    """The fastest (by the estimate) candidate whose compiled peak fits; None if none does."""
+    """The fastest candidate whose compiled peak fits (measured where they were, else by the
+    estimate); None if none fits."""
     fits = [c for c in tried if c.fits(budget)]
+    if any(c.measured_s is not None for c in fits):
+        return min((c for c in fits if c.measured_s is not None), key=lambda c: c.measured_s)
     return min(fits, key=lambda c: (c.estimate.time_s, c.compiled_peak)) if fits else None
 
 
 def table(tried: list[Checked], budget: float, where: str) -> str:
-    rows = [("", "estimated step", "estimated HBM", "XLA's HBM", "fits", "policy")]
+    measured = any(c.measured_s is not None for c in tried)
+    rows = [
+        ("", "estimated step", *(["measured step"] if measured else []), "estimated HBM", "XLA's HBM", "fits", "policy")
+    ]
     pick = chosen(tried, budget)
     for c in tried:
+        step = [f"{1e3 * c.measured_s:.1f} ms" if c.measured_s is not None else "-"] if measured else []
         rows.append(
             (
                 "*" if c is pick else "",
                 f"{1e3 * c.estimate.time_s:.1f} ms",
+                *step,
                 _fmt_bytes(c.estimate.peak_bytes),
                 _fmt_bytes(c.compiled_peak) if math.isfinite(c.compiled_peak) else "out of memory",
                 "yes" if c.fits(budget) else "no",
-                _describe(c.estimate.assignment),
+                (f"{c.label} = " if c.label else "") + _describe(c.estimate.assignment),
             )
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -154,16 +164,23 @@ def compile_target(c, platform: str, devices):
         yield list(topo.devices)[:n], f"ahead of time for a {chip} {shape} on this {here}, libtpu"
 
 
-def compile_peak_fn(c, plan, devices, name: str, platform: str) -> Callable[[Estimate], tuple[float, float]]:
-    """The candidate's step as train.py builds it (the run's config with the candidate's policy),
-    lowered on abstract inputs and compiled: (XLA's peak bytes per device, seconds)."""
-    from zoo.train.metrics import compiled_memory
-    from zoo.train.step import Trainer
+class Compiler:
+    """Candidates' steps as train.py builds them (the run's config with the candidate's policy),
+    lowered on abstract inputs and compiled; the executables are kept for `measure`."""
 
-    def peak(e: Estimate) -> tuple[float, float]:
-        policy = to_offload_config(e, name, c.offload.params, c.offload.opt_state)
+    def __init__(self, c, plan, devices, name: str, platform: str):
+        self.c, self.plan, self.devices, self.name, self.platform = c, plan, devices, name, platform
+        self.compiled: dict[tuple, tuple] = {}  # candidate key -> (trainer, executable)
+
+    def __call__(self, e: Estimate) -> tuple[float, float]:
+        """(XLA's peak bytes per device, seconds to compile)."""
+        from zoo.train.metrics import compiled_memory
+        from zoo.train.step import Trainer
+
+        c = self.c
+        policy = to_offload_config(e, self.name, c.offload.params, c.offload.opt_state)
         policy = dataclasses.replace(policy, ranges=c.offload.ranges)
-        trainer = Trainer(dataclasses.replace(c, offload=policy), plan, devices)
+        trainer = Trainer(dataclasses.replace(c, offload=policy), self.plan, self.devices)
         t = time.perf_counter()
         try:
             exe = trainer.lower().compile(trainer.compiler_options)
@@ -172,10 +189,43 @@ def compile_peak_fn(c, plan, devices, name: str, platform: str) -> Callable[[Est
             if got is None:
                 raise
             return got, time.perf_counter() - t
-        mem = compiled_memory(exe, platform) or {}
+        mem = compiled_memory(exe, self.platform) or {}
         got = mem.get("estimated_peak_bytes")
         if got is None:
-            raise PlanError(f"plan.compile: XLA for {platform} reports no memory analysis here; drop plan.compile")
+            raise PlanError(f"plan.compile: XLA for {self.platform} reports no memory analysis here; drop plan.compile")
+        self.compiled[_key(e)] = (trainer, exe)
         return float(got), time.perf_counter() - t
 
-    return peak
+    def measure(self, tried: list[Checked], budget: float, steps: int, rounds: int = 2, echo=print) -> None:
+        """Run every candidate that fits for `steps` timed steps (after one warm-up) per round, the
+        candidates in alternation (a drift of the machine falls on all alike), on one state and one
+        batch of random tokens; sets each one's median `measured_s`."""
+        import statistics
+
+        import jax
+        import numpy as np
+
+        runs = [
+            (t, *self.compiled[_key(t.estimate)]) for t in tried if t.fits(budget) and _key(t.estimate) in self.compiled
+        ]
+        if not runs:
+            return
+        first = runs[0][1]
+        state = first.init()
+        cfg = first.cfg
+        rng = np.random.default_rng(0)
+        tokens = first.shard_tokens(
+            rng.integers(0, cfg.model.vocab_size, size=(cfg.data.batch_size, cfg.data.seq_len), dtype=np.int32)
+        )
+        times: dict[int, list[float]] = {id(t): [] for t, _, _ in runs}
+        for r in range(rounds):
+            for t, _, exe in runs:
+                for i in range(1 + steps):
+                    start = time.perf_counter()
+                    state, metrics = exe(state, tokens)
+                    jax.block_until_ready(metrics)
+                    if i:
+                        times[id(t)].append(time.perf_counter() - start)
+            echo(f"measured round {r + 1}/{rounds} of {len(runs)} candidates")
+        for t, _, _ in runs:
+            t.measured_s = statistics.median(times[id(t)])
