@@ -127,7 +127,14 @@ def test_cli_prints_and_writes_the_compiled_peak_of_the_policy_train_py_builds(t
     [
         (["plan.compile=-1"], "error: plan.compile: the number of candidates to compile, >= 0; got -1"),
         (["hardware=h100_pcie", "plan.compile=2"], "error: plan.compile: compiling for gpu needs a gpu here"),
-        (["plan.measure=2"], "error: plan.measure: it times the compiled candidates; add plan.compile=4"),
+        (
+            ["plan.measure=2", "plan.compile=0"],
+            "error: plan.measure: it times the compiled candidates; drop plan.compile=0",
+        ),
+        (
+            ["plan.measure=2"],
+            "error: plan.measure: it times the compiled candidates, and nothing compiles for cpu here",
+        ),
         (
             ["hardware=tpu_v5e", "plan.compile=2", "plan.measure=2"],
             "error: plan.measure: it runs the candidates, so it needs the target (tpu) here, not cpu",

@@ -130,8 +130,9 @@ class PlanConfig:
     json: Optional[str] = None  # also write the estimates as JSON here
     holders: bool = False  # also print who holds the memory for a plan that fits (always printed when none does)
     # Compile up to this many candidate policies for the target with XLA (nothing runs) and keep the
-    # fastest whose compiled peak fits the budget (zoo.tools.plan_check); 0: the estimate alone.
-    compile: int = 0
+    # fastest whose compiled peak fits the budget (zoo.tools.plan_check); 0: the estimate alone; null:
+    # 4 for a TPU where its compiler is here (on the chip, or libtpu installed), else 0.
+    compile: Optional[int] = None
     # With plan.compile on the target itself: also compile the presets (MEASURED_PRESETS), run every
     # candidate that fits for this many steps per round on the device, in alternation, and keep the
     # fastest measured; 0: pick by the estimate.
@@ -151,12 +152,14 @@ class PlanConfig:
             raise PlanError(f"plan.flops_efficiency: must be in (0, 1], got {self.flops_efficiency}")
         if self.transfer_latency_us < 0:
             raise PlanError(f"plan.transfer_latency_us: must be >= 0, got {self.transfer_latency_us}")
-        if self.compile < 0:
+        if self.compile is not None and self.compile < 0:
             raise PlanError(f"plan.compile: the number of candidates to compile, >= 0; got {self.compile}")
         if self.measure < 0:
             raise PlanError(f"plan.measure: timed steps per candidate, >= 0; got {self.measure}")
-        if self.measure and not self.compile:
-            raise PlanError("plan.measure: it times the compiled candidates; add plan.compile=4")
+        if self.measure and self.compile == 0:
+            raise PlanError(
+                "plan.measure: it times the compiled candidates; drop plan.compile=0 or give plan.compile=4"
+            )
         if not self.name or "/" in self.name:
             raise PlanError(f"plan.name: {self.name!r} is not a file stem; e.g. plan.name=planned")
 
@@ -1931,6 +1934,20 @@ def use_plan_lines(out, overrides: Sequence[str]) -> list[str]:
     ]
 
 
+def compile_count(opts: PlanConfig, c) -> int:
+    """`plan.compile`, its default (null) resolved: 4 for a TPU target whose compiler is on this
+    machine (the estimate alone misjudged a v5e by -18..+16%, docs/benchmarks.md), else 0."""
+    import importlib.util
+
+    import jax
+
+    if opts.compile is not None:
+        return opts.compile
+    if c.hardware.platform != "tpu":
+        return 0
+    return 4 if jax.default_backend() == "tpu" or importlib.util.find_spec("libtpu") is not None else 0
+
+
 # The recompute-only presets (and the context offload that won at long rows on a v5e) that
 # `plan.measure` times beside the planner's own candidates.
 MEASURED_PRESETS = ("full", "save_qkv_proj", "minimal", "minimal_context_offloaded")
@@ -2040,6 +2057,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             + ("streamed layer by layer" if _streamed(p) else "whole tree on device")
         )
         compiled, candidates = None, []
+        if opts.measure and not compile_count(opts, c):
+            raise PlanError(
+                f"plan.measure: it times the compiled candidates, and nothing compiles for {c.hardware.name} "
+                "here by default; give plan.compile=4"
+            )
+        opts = dataclasses.replace(opts, compile=compile_count(opts, c))
         if opts.compile:
             best, compiled, candidates = compile_checked(p, c, step_plan, devices, opts)
         else:
