@@ -4,7 +4,7 @@ every policy of interest compiled, run in alternation in one process, and set ag
     python bench/tpu.py --out bench_tpu.json --plot bench_tpu.png          # one TPU v5e (see --budget-s)
     python bench/tpu.py --setups dense,moe --out bench_tpu.json            # some setups
     python bench/tpu.py --toy --out /tmp/t.json --plot /tmp/t.png          # any CPU: tiny sizes (tests)
-    python bench/tpu.py --aot --setups dense --out /tmp/aot.json           # compile for a v5e here (needs libtpu): memory only
+    python bench/tpu.py --aot --setups dense --out /tmp/aot.json           # compile for a v5e here (libtpu): memory
 
 What it runs, each XLA group in a process of its own (libtpu reads its flags once):
 
@@ -105,13 +105,16 @@ SETUPS = {
             "minimal_context_offloaded:key_proj=remat,value_proj=remat",
         ],
     },
-    # zoo.tools.plan's own choice for `dense` (tpu_v5e profile), against the measured best there.
+    # zoo.tools.plan's choices for `dense` (tpu_v5e profile) against the measured best there: today's
+    # (plan.compile, its default for a TPU: Q/K/V/O to host, the attention output and MLP kept) and an
+    # earlier cost model's (Q and O to host).
     "dense_planned": {
         "model": ["llama_1b", {"num_layers": 4}],
         "batch": 3,
         "seq": 8192,
         "group": "tpu_host_offload",
         "policies": [
+            "minimal:context=device,query_proj=offload,key_proj=offload,value_proj=offload,out_proj=offload",
             "minimal:context=device,query_proj=offload,out_proj=offload",
             "minimal_context_offloaded",
             "minimal",
@@ -723,7 +726,8 @@ def markdown(res: dict) -> str:
                 f"{_gb(r.get('offloaded_bytes'))} | "
                 f"{_gb(p.get('peak_bytes'))} | {1e3 * p['time_s']:.1f} | "
                 if p.get("time_s")
-                else f"{_gb((r.get('compiled_memory') or {}).get('estimated_peak_bytes'))} | {_gb(r.get('offloaded_bytes'))} | - | - | "
+                else f"{_gb((r.get('compiled_memory') or {}).get('estimated_peak_bytes'))} | "
+                f"{_gb(r.get('offloaded_bytes'))} | - | - | "
             )
             lines[-1] += f"{r.get('compile_s', 0):.1f} |"
         lines.append("")
@@ -813,7 +817,10 @@ def main(argv=None) -> int:
         "--replan",
         default=None,
         metavar="PROFILE",
-        help="with --render: the planner's estimates again, from conf/hardware/PROFILE.yaml (e.g. tpu_v5e), on this machine",
+        help=(
+            "with --render: the planner's estimates again, from conf/hardware/PROFILE.yaml (e.g. tpu_v5e), "
+            "on this machine"
+        ),
     )
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--spec", default=None, help=argparse.SUPPRESS)

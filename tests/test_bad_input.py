@@ -53,26 +53,31 @@ def fingerprint(*paths: pathlib.Path) -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    """One finished run (its run directory and checkpoints of steps 1-3) and its step 3 exported."""
-    d = tmp_path_factory.mktemp("base")
-    p = subprocess.run(
+def _train_base(ckpt, run, cwd):
+    """The base run's command: 3 steps of the tiny Llama with every group set, state on host."""
+    return subprocess.run(
         train_cmd(
             LLAMA,
             *TINY,
             *EVERY,
             "offload=[llama_qkv_offload,optimizer_host]",
             "trainer.steps=3",
-            f"checkpoint.dir={d / 'ckpt'}",
-            f"hydra.run.dir={d / 'run'}",
+            f"checkpoint.dir={ckpt}",
+            f"hydra.run.dir={run}",
         ),
-        cwd=d,
+        cwd=cwd,
         env=env(),
         capture_output=True,
         text=True,
         timeout=600,
     )
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """One finished run (its run directory and checkpoints of steps 1-3) and its step 3 exported."""
+    d = tmp_path_factory.mktemp("base")
+    p = _train_base(d / "ckpt", d / "run", cwd=d)
     assert p.returncode == 0, p.stderr[-3000:]
     from zoo.train.hf_export import hf_export
 
@@ -86,22 +91,7 @@ def test_the_same_command_over_a_finished_run_changes_none_of_its_files(base, tm
     d, _ = base
     run, ckpt = _copy_run(tmp_path, d)
     before = fingerprint(run, ckpt)
-    p = subprocess.run(
-        train_cmd(
-            LLAMA,
-            *TINY,
-            *EVERY,
-            "offload=[llama_qkv_offload,optimizer_host]",
-            "trainer.steps=3",
-            f"checkpoint.dir={ckpt}",
-            f"hydra.run.dir={run}",
-        ),
-        cwd=tmp_path,
-        env=env(),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    p = _train_base(ckpt, run, cwd=tmp_path)
     assert p.returncode == 0 and "nothing left to train" in p.stdout, p.stderr[-3000:]
     assert fingerprint(run, ckpt) == before
 

@@ -1,4 +1,4 @@
-"""`plan.compile`: the planner's candidates compiled by XLA for the target (zoo.tools.plan_check);
+"""`plan.compile`: the planner's candidates compiled by XLA for the target (zoo.tools.plan.checked_search);
 `plan.measure`: those that fit, and the presets, timed on the device."""
 
 import dataclasses
@@ -9,7 +9,6 @@ import pytest
 from omegaconf import OmegaConf
 
 from zoo.tools import plan as zp
-from zoo.tools import plan_check as pc
 from zoo.tools.plan import GB, Infeasible, Problem, StackCost, TagCost, search
 
 MB = 1e6
@@ -47,8 +46,8 @@ def test_a_model_that_overstates_is_corrected_to_the_policy_that_fits():
     p = _problem(7.0)
     assert search(p).assignment != {"a": "device", "b": "device"}
     peak, seen = _compiler(0.7)
-    tried = pc.checked_search(p, peak, 4)
-    pick = pc.chosen(tried, p.budget)
+    tried = zp.checked_search(p, peak, 4)
+    pick = zp.chosen(tried, p.budget)
     assert pick.estimate.assignment == {"a": "device", "b": "device"}
     assert pick.compiled_peak == pytest.approx(6.3 * GB)
     assert len(seen) == len(tried) == 2  # then the search repeats its pick: no third compile
@@ -59,9 +58,9 @@ def test_a_model_that_understates_gives_up_more_until_the_compiler_agrees():
     # search asks for 1/1.5 of the budget and that pick does.
     p = _problem(9.0)
     peak, _ = _compiler(1.5)
-    tried = pc.checked_search(p, peak, 4)
+    tried = zp.checked_search(p, peak, 4)
     assert not tried[0].fits(p.budget) and tried[0].estimate.assignment == {"a": "device", "b": "device"}
-    pick = pc.chosen(tried, p.budget)
+    pick = zp.chosen(tried, p.budget)
     assert pick is not None and pick.compiled_peak <= p.budget
     assert pick.estimate.time_s > tried[0].estimate.time_s
 
@@ -71,8 +70,8 @@ def test_nothing_fits_when_even_the_smallest_does_not_compile_within_the_budget(
     with pytest.raises(Infeasible):
         search(p)
     peak, _ = _compiler(1.0)
-    tried = pc.checked_search(p, peak, 3)
-    assert tried and pc.chosen(tried, p.budget) is None
+    tried = zp.checked_search(p, peak, 3)
+    assert tried and zp.chosen(tried, p.budget) is None
 
 
 @pytest.mark.parametrize(
@@ -89,7 +88,7 @@ def test_nothing_fits_when_even_the_smallest_does_not_compile_within_the_budget(
     ],
 )
 def test_the_compilers_out_of_memory_figure_is_read(message, want):
-    got = pc._oom_bytes(RuntimeError(message))
+    got = zp._oom_bytes(RuntimeError(message))
     if want == "none":
         assert got is None
     elif want is None:
@@ -151,11 +150,11 @@ def test_cli_compile_bad_input_is_one_line(args, message, tmp_path, capsys):
 def test_measured_candidates_are_chosen_by_their_measured_step():
     p = _problem(20.0)
     fast, slow = search(p), search(dataclasses.replace(p, budget=6 * GB))
-    tried = [pc.Checked(fast, 9 * GB, 0.0, measured_s=0.30), pc.Checked(slow, 5 * GB, 0.0, measured_s=0.20)]
-    assert fast.time_s < slow.time_s and pc.chosen(tried, p.budget) is tried[1]
+    tried = [zp.Checked(fast, 9 * GB, 0.0, measured_s=0.30), zp.Checked(slow, 5 * GB, 0.0, measured_s=0.20)]
+    assert fast.time_s < slow.time_s and zp.chosen(tried, p.budget) is tried[1]
     tried[1].compiled_peak = 21 * GB  # the measured-fastest does not fit: the other one
-    assert pc.chosen(tried, p.budget) is tried[0]
-    assert "measured step" in pc.table(tried, p.budget, "here")
+    assert zp.chosen(tried, p.budget) is tried[0]
+    assert "measured step" in zp.checked_table(tried, p.budget, "here")
 
 
 def test_cli_measure_times_the_candidates_and_the_presets_and_keeps_the_fastest(tmp_path, capsys):

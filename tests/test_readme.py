@@ -76,6 +76,10 @@ NOT_RUN = {
         "plans a TPU profile off the chip"
     ),
     r"^ruff check": ".ci/run runs it before the tests",
+    r"hardware=tpu_v5e .*plan\.measure=3": (
+        "compiles and times eight policies on a TPU v5e (tests/test_plan_check.py runs plan.compile and "
+        "plan.measure at tiny size on CPU)"
+    ),
     r"offload=minimal_context_offloaded xla=tpu_host_offload": (
         "sized for a TPU v5e (3 x 8192 on llama_1b's layers); the preset runs on every tiny family in "
         "tests/test_offload.py"
@@ -157,6 +161,7 @@ GROUPS = {
     "planner": [
         r"^python -m zoo\.tools\.plan model=llama_1b",
         r"^python -m zoo\.tools\.plan model=gemma3_tiny_a .*plan\.split=true",
+        r"^python -m zoo\.tools\.plan model=llama_tiny_a .*plan\.measure=2$",
     ],
     "measure_hardware": [r"^python -m zoo\.tools\.measure_hardware"],
     "divergence": [r"optimizer\.lr=1e30"],
@@ -186,7 +191,7 @@ EXIT = {r"optimizer\.lr=1e30": 1}  # a diverged run: one error line, exit code 1
 # else shown under a command is illustration and may differ (or be edited) freely.
 FIGURE = re.compile(
     r"^(error: |note: checkpoint|lora: rank |loss \S+ -> |step \d+/\d+ loss |checkpoints: |stopped by |estimated "
-    r"|counted: |"
+    r"|counted: |compiled by XLA |"
     r"scale: |per device: |tags on host |update: |policy |model \w+ \(|wrote |exported |peft: |cpu: matmul |split: |"
     r"[a-z][a-z0-9_]*\s+(dense_layers|moe_layers|layers)(\[\d+-\d+\])?\s|[a-z][a-z0-9_]*\s+[\d.]+ [kMG]?B\s|\| \w+ "
     r"\(\w+\) \||"

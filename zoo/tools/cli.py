@@ -98,6 +98,10 @@ def run_job(cfg: DictConfig, out_of_memory_line: Optional[Callable] = None) -> N
             # Exit here: a raised exception would make Hydra log a second line about the job.
             what = one_line(e) if bad_input or stopped else f"training failed: {type(e).__name__}: {one_line(e)}"
             print(f"error: {what}", file=sys.stderr, flush=True)
+            if stopped:
+                # A failed checkpoint save leaves orbax's threads reporting into a closing event loop as the
+                # interpreter shuts down (seen under load); the one line above is the run's last word.
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())
             raise SystemExit(EXIT_BAD_INPUT if bad_input else EXIT_FAILED) from None
         print(f"error: {label} failed: {one_line(e)}", file=sys.stderr, flush=True)
         _FAILED_JOBS.append(label)

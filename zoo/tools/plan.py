@@ -54,13 +54,16 @@ policy files that `offload.ranges` takes by path.
 
 import contextlib
 import dataclasses
+import importlib.util
 import itertools
 import json
 import math
+import os
 import pathlib
 import re
 import sys
-from typing import Optional, Sequence, Union
+import time
+from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 
@@ -130,7 +133,7 @@ class PlanConfig:
     json: Optional[str] = None  # also write the estimates as JSON here
     holders: bool = False  # also print who holds the memory for a plan that fits (always printed when none does)
     # Compile up to this many candidate policies for the target with XLA (nothing runs) and keep the
-    # fastest whose compiled peak fits the budget (zoo.tools.plan_check); 0: the estimate alone; null:
+    # fastest whose compiled peak fits the budget (`checked_search`); 0: the estimate alone; null:
     # 4 for a TPU where its compiler is here (on the chip, or libtpu installed), else 0.
     compile: Optional[int] = None
     # With plan.compile on the target itself: also compile the presets (MEASURED_PRESETS), run every
@@ -647,7 +650,10 @@ def _infeasible(p: Problem, min_peak: "_Lowest", min_peak_host_ok: "_Lowest", mi
     n = _devices_on_node(p)
     other = ""
     if min_peak_host_ok.digits is not None:
-        other = f", or plan.hbm_budget_gb to at least {_at_least(min_peak_host_ok.value)} (the smallest HBM within the host budget)"
+        other = (
+            f", or plan.hbm_budget_gb to at least {_at_least(min_peak_host_ok.value)} "
+            "(the smallest HBM within the host budget)"
+        )
     hints = ["shard over more devices"]
     if p.opt_on_host:
         hints.insert(0, "keep the optimizer state on device (offload.opt_state=device)")
@@ -680,7 +686,10 @@ def _state_hint(p: Problem) -> str:
         hints.append("offload.params=pinned_host")
     if not hints:
         return ", or shrink the batch / sequence or shard over more devices"
-    return f", or shrink the batch / sequence, or try {' '.join(hints)} (the update then streams that state layer by layer)"
+    return (
+        f", or shrink the batch / sequence, or try {' '.join(hints)} "
+        "(the update then streams that state layer by layer)"
+    )
 
 
 # --- who holds the memory ----------------------------------------------------------------------
@@ -876,7 +885,10 @@ def holders_table(p: Problem, e: Estimate, memory: str = "hbm", top: int = 8) ->
             if math.isfinite(p.host_budget)
             else " (no host budget)"
         )
-        title = f"who holds the host memory: {_fmt_bytes(e.host_bytes)} per device, {_fmt_bytes(e.host_node_bytes)} per node of {n}{budget}"
+        title = (
+            f"who holds the host memory: {_fmt_bytes(e.host_bytes)} per device, "
+            f"{_fmt_bytes(e.host_node_bytes)} per node of {n}{budget}"
+        )
     hs = holders(p, e, memory)
     rows = [("holder", "bytes", "share", "")] + [
         (h.name, _fmt_bytes(h.bytes), f"{100 * h.bytes / max(sum(x.bytes for x in hs), 1.0):.1f}%", h.detail)
@@ -1264,7 +1276,10 @@ def split_line(
             c.offload.params,
             c.offload.opt_state,
         )
-        header = f"The policy of layers {layers} of a split planned by python -m zoo.tools.plan plan.split=true,\nfor offload.ranges (a value ending in .yaml is a file). Tags left out are recomputed."
+        header = (
+            f"The policy of layers {layers} of a split planned by python -m zoo.tools.plan plan.split=true,\n"
+            "for offload.ranges (a value ending in .yaml is a file). Tags left out are recomputed."
+        )
         path.write_text(to_yaml(policy, header))
         lines.append(f"wrote {path}")
         values.append((path.stem, f'"{path}"'))  # quoted for Hydra: a path may hold characters its grammar reserves
@@ -1690,7 +1705,10 @@ def out_of_memory_line(c, trainer, error: BaseException, overrides=()) -> str:
         top = holders(p, e)[:3]
         change = next(iter(best_changes(p, e)), None)
     except Exception as why:  # noqa: BLE001 - the line must come out whatever the planner makes of the run
-        return f"out of device memory{xla}; the planner could not size this run ({type(why).__name__}); for who holds it: {table}"
+        return (
+            f"out of device memory{xla}; the planner could not size this run ({type(why).__name__}); "
+            f"for who holds it: {table}"
+        )
     held = ", ".join(f"{h.name} {_fmt_bytes(h.bytes)}" for h in top)
     fix = f"; the change that frees the most: {change.action} (-{_fmt_bytes(change.saving)})" if change else ""
     return (
@@ -1934,11 +1952,232 @@ def use_plan_lines(out, overrides: Sequence[str]) -> list[str]:
     ]
 
 
+# --- candidates compiled by XLA: plan.compile, plan.measure ---------------------------------------
+
+# The planner's candidates compiled by XLA for the target (`python -m zoo.tools.plan plan.compile=N`).
+#
+# The planner's HBM model is a sum of holders; the compiler's peak is a schedule with reuse and padding.
+# On a TPU v5e the two differ by -12..+47% over 27 runs (docs/benchmarks.md, "TPU v5e"), so an estimate
+# alone can refuse a batch that runs or pick a policy that does not fit. With `plan.compile=N` the
+# planner compiles (never runs) up to N candidates for the target and keeps the fastest whose compiled
+# peak fits:
+#
+# 1. search with the HBM budget; compile the pick and read XLA's peak (`estimated_peak_bytes`: on a
+#    TPU the compiler's simulated heap, which is what decides an out-of-memory there);
+# 2. the ratio compiled / estimated is the model's error near that policy: search again with the budget
+#    divided by it (a model that overstates gets room, one that understates loses it), and compile
+#    that pick, until a pick repeats or N are compiled.
+#
+# Where a compile is possible: on the target itself (a TPU on a TPU, the CPU for `hardware=cpu`), and for
+# a TPU on any machine with libtpu installed (ahead of time, for the chip's topology; the same compiler,
+# so the same figures). A GPU target needs its GPU.
+
+# One chip's name in jax.experimental.topologies per hardware profile (tpu_<chip>).
+_TOPOLOGY_SHAPES = {1: "1x1", 4: "2x2", 8: "2x4"}
+
+
+@dataclasses.dataclass
+class Checked:
+    """One candidate: the planner's estimate and XLA's compiled peak (inf: XLA reported out of memory
+    without a figure)."""
+
+    estimate: Estimate
+    compiled_peak: float
+    compile_s: float
+    label: str = ""  # a preset's name, for one compiled because `plan.measure` asked for the presets
+    measured_s: Optional[float] = None  # the median step on the device (`plan.measure`)
+
+    def fits(self, budget: float) -> bool:
+        return self.compiled_peak <= budget
+
+
+def _candidate_key(e: Estimate) -> tuple:
+    return tuple(sorted(e.assignment.items()))
+
+
+def checked_search(p: Problem, compile_peak: Callable[[Estimate], tuple[float, float]], n: int) -> list[Checked]:
+    """Up to `n` candidates compiled (`compile_peak(estimate) -> (peak bytes, seconds)`), in the order tried."""
+    tried: list[Checked] = []
+    budget = p.budget
+    for _ in range(n):
+        try:
+            e = search(dataclasses.replace(p, budget=budget))
+        except Infeasible as why:  # the smallest the model knows: compile it, XLA may disagree
+            e = why.best
+        if any(_candidate_key(c.estimate) == _candidate_key(e) for c in tried):
+            break
+        peak, secs = compile_peak(e)
+        tried.append(Checked(e, peak, secs))
+        if not math.isfinite(peak):
+            budget = min(budget, e.peak_bytes) * 0.9  # out of memory without a figure: ask for less
+        else:
+            budget = p.budget * e.peak_bytes / peak
+    return tried
+
+
+def chosen(tried: list[Checked], budget: float) -> Optional[Checked]:
+    """The fastest candidate whose compiled peak fits (measured where they were, else by the
+    estimate); None if none fits."""
+    fits = [c for c in tried if c.fits(budget)]
+    if any(c.measured_s is not None for c in fits):
+        return min((c for c in fits if c.measured_s is not None), key=lambda c: c.measured_s)
+    return min(fits, key=lambda c: (c.estimate.time_s, c.compiled_peak)) if fits else None
+
+
+def checked_table(tried: list[Checked], budget: float, where: str) -> str:
+    measured = any(c.measured_s is not None for c in tried)
+    rows = [
+        ("", "estimated step", *(["measured step"] if measured else []), "estimated HBM", "XLA's HBM", "fits", "policy")
+    ]
+    pick = chosen(tried, budget)
+    for c in tried:
+        step = [f"{1e3 * c.measured_s:.1f} ms" if c.measured_s is not None else "-"] if measured else []
+        rows.append(
+            (
+                "*" if c is pick else "",
+                f"{1e3 * c.estimate.time_s:.1f} ms",
+                *step,
+                _fmt_bytes(c.estimate.peak_bytes),
+                _fmt_bytes(c.compiled_peak) if math.isfinite(c.compiled_peak) else "out of memory",
+                "yes" if c.fits(budget) else "no",
+                (f"{c.label} = " if c.label else "") + _describe(c.estimate.assignment),
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
+    return f"compiled by XLA ({where}; HBM budget {_fmt_bytes(budget)}):\n" + "\n".join(lines)
+
+
+_OOM = re.compile(r"Used ([\d.]+)([KMGT]?) of [\d.]+[KMGT]? hbm|\(([\d.]+)([KMGT]?)i?B?\) exceeds available HBM")
+_SCALE = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def _oom_bytes(error: BaseException) -> Optional[float]:
+    """XLA's figure from its out-of-memory error at compile time (inf when it gives none); None when the
+    error is something else."""
+    s = str(error)
+    if "RESOURCE_EXHAUSTED" not in s and "out of memory" not in s.lower():
+        return None
+    m = _OOM.search(s)
+    if not m:
+        return math.inf
+    value, unit = (m.group(1), m.group(2)) if m.group(1) else (m.group(3), m.group(4))
+    return float(value) * _SCALE[unit]
+
+
+@contextlib.contextmanager
+def compile_target(c, platform: str, devices):
+    """(devices, description) to compile for `platform` on this machine; PlanError (one line) where it
+    cannot. A TPU off a TPU: the chip's topology from libtpu, with xla.tpu_flags set for its compiler."""
+    import jax
+
+    from zoo.backend import lowering_for
+
+    here = jax.default_backend()
+    if platform == here:
+        yield devices, f"compiled on this {here}"
+        return
+    if platform != "tpu":
+        raise PlanError(
+            f"plan.compile: compiling for {platform} needs a {platform} here (this machine has {here}); "
+            "run the plan there, or drop plan.compile"
+        )
+    if importlib.util.find_spec("libtpu") is None:
+        raise PlanError(
+            "plan.compile: compiling for a TPU off the chip needs libtpu (pip install libtpu); or plan on the TPU, "
+            "or drop plan.compile"
+        )
+    n = len(devices)
+    if n not in _TOPOLOGY_SHAPES:
+        raise PlanError(
+            f"plan.compile: ahead-of-time for {n} TPU chips is not set up here (1, 4 or 8 chips); plan on the TPU"
+        )
+    from jax.experimental import topologies
+
+    from zoo.train.run import merged_tpu_flags
+
+    if c.xla.tpu_flags and "LIBTPU_INIT_ARGS" not in os.environ:
+        os.environ["LIBTPU_INIT_ARGS"] = merged_tpu_flags(c.xla, None)  # read once, when libtpu starts
+    chip = c.hardware.name.removeprefix("tpu_")
+    shape = _TOPOLOGY_SHAPES[n]
+    bounds = (1, 1, 1) if n == 1 else (2, 2, 1)
+    topo = topologies.get_topology_desc(platform="tpu", topology_name=f"{chip}:{shape}", chips_per_host_bounds=bounds)
+    with lowering_for("tpu"):
+        yield list(topo.devices)[:n], f"ahead of time for a {chip} {shape} on this {here}, libtpu"
+
+
+class Compiler:
+    """Candidates' steps as train.py builds them (the run's config with the candidate's policy),
+    lowered on abstract inputs and compiled; the executables are kept for `measure`."""
+
+    def __init__(self, c, plan, devices, name: str, platform: str):
+        self.c, self.plan, self.devices, self.name, self.platform = c, plan, devices, name, platform
+        self.compiled: dict[tuple, tuple] = {}  # candidate key -> (trainer, executable)
+
+    def __call__(self, e: Estimate) -> tuple[float, float]:
+        """(XLA's peak bytes per device, seconds to compile)."""
+        from zoo.train.metrics import compiled_memory
+        from zoo.train.step import Trainer
+
+        c = self.c
+        policy = to_offload_config(e, self.name, c.offload.params, c.offload.opt_state)
+        policy = dataclasses.replace(policy, ranges=c.offload.ranges)
+        trainer = Trainer(dataclasses.replace(c, offload=policy), self.plan, self.devices)
+        t = time.perf_counter()
+        try:
+            exe = trainer.lower().compile(trainer.compiler_options)
+        except Exception as why:  # noqa: BLE001 - XLA's out-of-memory is an answer; anything else is not
+            got = _oom_bytes(why)
+            if got is None:
+                raise
+            return got, time.perf_counter() - t
+        mem = compiled_memory(exe, self.platform) or {}
+        got = mem.get("estimated_peak_bytes")
+        if got is None:
+            raise PlanError(f"plan.compile: XLA for {self.platform} reports no memory analysis here; drop plan.compile")
+        self.compiled[_candidate_key(e)] = (trainer, exe)
+        return float(got), time.perf_counter() - t
+
+    def measure(self, tried: list[Checked], budget: float, steps: int, rounds: int = 2, echo=print) -> None:
+        """Run every candidate that fits for `steps` timed steps (after one warm-up) per round, the
+        candidates in alternation (a drift of the machine falls on all alike), on one state and one
+        batch of random tokens; sets each one's median `measured_s`."""
+        import statistics
+
+        import jax
+        import numpy as np
+
+        runs = [
+            (t, *self.compiled[_candidate_key(t.estimate)])
+            for t in tried
+            if t.fits(budget) and _candidate_key(t.estimate) in self.compiled
+        ]
+        if not runs:
+            return
+        first = runs[0][1]
+        state = first.init()
+        cfg = first.cfg
+        rng = np.random.default_rng(0)
+        tokens = first.shard_tokens(
+            rng.integers(0, cfg.model.vocab_size, size=(cfg.data.batch_size, cfg.data.seq_len), dtype=np.int32)
+        )
+        times: dict[int, list[float]] = {id(t): [] for t, _, _ in runs}
+        for r in range(rounds):
+            for t, _, exe in runs:
+                for i in range(1 + steps):
+                    start = time.perf_counter()
+                    state, metrics = exe(state, tokens)
+                    jax.block_until_ready(metrics)
+                    if i:
+                        times[id(t)].append(time.perf_counter() - start)
+            echo(f"measured round {r + 1}/{rounds} of {len(runs)} candidates")
+        for t, _, _ in runs:
+            t.measured_s = statistics.median(times[id(t)])
+
+
 def compile_count(opts: PlanConfig, c) -> int:
     """`plan.compile`, its default (null) resolved: 4 for a TPU target whose compiler is on this
     machine (the estimate alone misjudged a v5e by -18..+16%, docs/benchmarks.md), else 0."""
-    import importlib.util
-
     import jax
 
     if opts.compile is not None:
@@ -1954,11 +2193,9 @@ MEASURED_PRESETS = ("full", "save_qkv_proj", "minimal", "minimal_context_offload
 
 
 def compile_checked(p: Problem, c, step_plan, devices, opts: PlanConfig):
-    """(estimate, zoo.tools.plan_check.Checked) of the fastest of up to `plan.compile` candidates whose
+    """(estimate, `Checked`) of the fastest of up to `plan.compile` candidates whose
     compiled peak fits; PlanError (one line) when none does."""
     import jax
-
-    from zoo.tools import plan_check
 
     platform = c.hardware.platform or jax.default_backend()
     if opts.measure and platform != jax.default_backend():
@@ -1966,10 +2203,10 @@ def compile_checked(p: Problem, c, step_plan, devices, opts: PlanConfig):
             f"plan.measure: it runs the candidates, so it needs the target ({platform}) here, not "
             f"{jax.default_backend()}; drop plan.measure to compile only"
         )
-    with plan_check.compile_target(c, platform, devices) as (target, where):
+    with compile_target(c, platform, devices) as (target, where):
         print(f"compiling up to {opts.compile} candidate policies ({where}) ...", flush=True)
-        compiler = plan_check.Compiler(c, step_plan, target, opts.name, platform)
-        tried = plan_check.checked_search(p, compiler, opts.compile)
+        compiler = Compiler(c, step_plan, target, opts.name, platform)
+        tried = checked_search(p, compiler, opts.compile)
         if opts.measure:
             seen = {tuple(sorted(t.estimate.assignment.items())) for t in tried}
             for name in MEASURED_PRESETS:
@@ -1977,11 +2214,11 @@ def compile_checked(p: Problem, c, step_plan, devices, opts: PlanConfig):
                 if tuple(sorted(e.assignment.items())) not in seen:
                     seen.add(tuple(sorted(e.assignment.items())))
                     peak, secs = compiler(e)
-                    tried.append(plan_check.Checked(e, peak, secs, label=name))
+                    tried.append(Checked(e, peak, secs, label=name))
             print(f"measuring {opts.measure} steps per round of each that fits ...", flush=True)
             compiler.measure(tried, p.budget, opts.measure)
-    print(plan_check.table(tried, p.budget, where))
-    pick = plan_check.chosen(tried, p.budget)
+    print(checked_table(tried, p.budget, where))
+    pick = chosen(tried, p.budget)
     if pick is None:
         least = min(tried, key=lambda t: t.compiled_peak)
         raise PlanError(
@@ -2021,7 +2258,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(
                 "note: offload.ranges: "
                 + "; ".join(f"{f.label} ({_layers(sum(f.layers.values()))}) counted as given" for f in p.fixed)
-                + f"; the plan is the policy of the other {_layers(free)} (the YAML it writes; the commands below keep the ranges)"
+                + f"; the plan is the policy of the other {_layers(free)} "
+                "(the YAML it writes; the commands below keep the ranges)"
             )
         print(
             f"planning {c.model.family} ({c.model.num_layers} layers), per device batch {info['per_device_batch']} x "
@@ -2031,7 +2269,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 if info["sequence_parallel"] > 1
                 else ""
             )
-            + f"on {info['devices']} device(s); matmul rate {info['rate_flops'] / 1e12:.1f} TFLOP/s ({info['rate_source']}), "
+            + f"on {info['devices']} device(s); matmul rate {info['rate_flops'] / 1e12:.1f} TFLOP/s "
+            f"({info['rate_source']}), "
             f"host link {info['link_gbps_per_direction']:g} GB/s per direction, HBM budget "
             f"{_fmt_bytes(info['budget_bytes'])}, "
             + (
@@ -2043,7 +2282,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             + (
                 f"params {c.offload.params}, optimizer state {c.offload.opt_state}"
                 if p.frozen_bytes == 0
-                else f"LoRA adapters {_fmt_bytes(p.param_bytes)} trainable (optimizer state {_fmt_bytes(p.opt_bytes)}, {c.offload.opt_state}), "
+                else f"LoRA adapters {_fmt_bytes(p.param_bytes)} trainable "
+                f"(optimizer state {_fmt_bytes(p.opt_bytes)}, {c.offload.opt_state}), "
                 f"frozen base {_fmt_bytes(p.frozen_bytes)} per device on "
                 f"{'host, streamed per layer' if p.frozen_on_host else 'device'}"
             )
@@ -2076,7 +2316,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(estimates_table(p, best))
         if compiled:
             print(
-                f"XLA compiled this policy to {_fmt_bytes(compiled.compiled_peak)} of {_fmt_bytes(p.budget)} per device "
+                f"XLA compiled this policy to {_fmt_bytes(compiled.compiled_peak)} of {_fmt_bytes(p.budget)} "
+                "per device "
                 "(plan.compile): that, not the estimate above, is what decides whether it fits"
             )
         if opts.holders:

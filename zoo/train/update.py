@@ -131,7 +131,8 @@ def sum_of_squares(x: jax.Array) -> jax.Array:
     XLA:CPU a new buffer the size of the leaf: the square is an op of its own. XLA turns this dot
     into a multiply and a reduce fused in one pass over the leaf. No reshape: flattening a leaf
     sharded on an inner dim would make GSPMD gather it, where a contraction over sharded dims is a
-    partial sum and an all-reduce of one scalar (on a mesh of explicit axes jax asks where that scalar goes: everywhere).
+    partial sum and an all-reduce of one scalar (on a mesh of explicit axes jax asks where that scalar goes:
+    everywhere).
     HIGHEST keeps float32 dots out of reduced-precision (TF32) units."""
     dims = tuple(range(x.ndim))
     sharding = jax.typeof(x).sharding
