@@ -374,22 +374,39 @@ def child_kernels(spec: dict) -> dict:
 
 
 def _hardware(spec: dict):
-    from zoo.train.run_config import HardwareConfig
+    """The planner's hardware: conf/hardware/tpu_v5e.yaml (its step efficiency included, as
+    `--replan tpu_v5e` uses it), with the matmul rate and the link this run measured in its `hw` step
+    when it ran one; for `--toy`, a CPU stand-in."""
+    from omegaconf import OmegaConf
+
+    from zoo.train.run_config import HardwareConfig, load_group
 
     hw = spec.get("hw") or {}
-    rate = (hw.get("matmul") or {}).get("flops_per_s") or PEAK_FLOPS * 0.9
+    limit = int(spec.get("limit_bytes") or 16909336064)
+    if spec.get("toy"):
+        return HardwareConfig(
+            name="measured",
+            peak_flops=PEAK_FLOPS,
+            matmul_flops=(hw.get("matmul") or {}).get("flops_per_s") or PEAK_FLOPS * 0.9,
+            hbm_bytes=limit,
+            host_link_gbps=13.9,
+            platform="cpu",
+            note="bench/tpu.py --toy: a CPU stand-in",
+        )
+    profile = load_group("hardware", OmegaConf.load(ROOT / "conf" / "hardware" / "tpu_v5e.yaml"))
     link = hw.get("program_link") or {}
-    to_dev, to_host = link.get("to_device_gbps") or 13.9, link.get("to_host_gbps") or 4.5
-    return HardwareConfig(
+    if not (hw.get("matmul") and link):
+        return dataclasses.replace(profile, hbm_bytes=limit)
+    to_dev, to_host = link["to_device_gbps"], link["to_host_gbps"]
+    return dataclasses.replace(
+        profile,
         name="measured",
-        peak_flops=PEAK_FLOPS,
-        matmul_flops=rate,
-        hbm_bytes=int(spec.get("limit_bytes") or 16909336064),
+        matmul_flops=hw["matmul"]["flops_per_s"],
+        hbm_bytes=limit,
         host_link_gbps=min(to_dev, to_host),
         host_to_device_gbps=to_dev,
         device_to_host_gbps=to_host,
-        platform="cpu" if spec.get("toy") else "tpu",
-        note="bench/tpu.py: measured in the hw step of the same run",
+        note="bench/tpu.py: tpu_v5e's profile with the matmul rate and link measured in the hw step of the same run",
     )
 
 
