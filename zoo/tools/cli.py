@@ -99,8 +99,8 @@ def run_job(cfg: DictConfig, out_of_memory_line: Optional[Callable] = None) -> N
             what = one_line(e) if bad_input or stopped else f"training failed: {type(e).__name__}: {one_line(e)}"
             print(f"error: {what}", file=sys.stderr, flush=True)
             if stopped:
-                # A failed checkpoint save leaves orbax's threads reporting into a closing event loop as the
-                # interpreter shuts down (seen under load); the one line above is the run's last word.
+                # A run that stopped itself has said why in the line above; nothing after it is news (a failed
+                # checkpoint save leaves orbax's threads reporting into a closing event loop at shutdown).
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())
             raise SystemExit(EXIT_BAD_INPUT if bad_input else EXIT_FAILED) from None
         print(f"error: {label} failed: {one_line(e)}", file=sys.stderr, flush=True)

@@ -1957,7 +1957,7 @@ def use_plan_lines(out, overrides: Sequence[str]) -> list[str]:
 # The planner's candidates compiled by XLA for the target (`python -m zoo.tools.plan plan.compile=N`).
 #
 # The planner's HBM model is a sum of holders; the compiler's peak is a schedule with reuse and padding.
-# On a TPU v5e the two differ by -12..+47% over 27 runs (docs/benchmarks.md, "TPU v5e"), so an estimate
+# On a TPU v5e the two differ by -37..+16% over 37 runs (docs/benchmarks.md, "TPU v5e"), so an estimate
 # alone can refuse a batch that runs or pick a policy that does not fit. With `plan.compile=N` the
 # planner compiles (never runs) up to N candidates for the target and keeps the fastest whose compiled
 # peak fits:
@@ -1972,7 +1972,7 @@ def use_plan_lines(out, overrides: Sequence[str]) -> list[str]:
 # a TPU on any machine with libtpu installed (ahead of time, for the chip's topology; the same compiler,
 # so the same figures). A GPU target needs its GPU.
 
-# One chip's name in jax.experimental.topologies per hardware profile (tpu_<chip>).
+# The chip grid jax.experimental.topologies is asked for, by the number of devices planned for.
 _TOPOLOGY_SHAPES = {1: "1x1", 4: "2x2", 8: "2x4"}
 
 
@@ -2177,7 +2177,7 @@ class Compiler:
 
 def compile_count(opts: PlanConfig, c) -> int:
     """`plan.compile`, its default (null) resolved: 4 for a TPU target whose compiler is on this
-    machine (the estimate alone misjudged a v5e by -18..+16%, docs/benchmarks.md), else 0."""
+    machine (the estimate alone was -37..+16% off XLA's peak on a v5e, docs/benchmarks.md), else 0."""
     import jax
 
     if opts.compile is not None:
@@ -2208,11 +2208,11 @@ def compile_checked(p: Problem, c, step_plan, devices, opts: PlanConfig):
         compiler = Compiler(c, step_plan, target, opts.name, platform)
         tried = checked_search(p, compiler, opts.compile)
         if opts.measure:
-            seen = {tuple(sorted(t.estimate.assignment.items())) for t in tried}
+            seen = {_candidate_key(t.estimate) for t in tried}
             for name in MEASURED_PRESETS:
                 e = evaluate(p, preset_assignment(p, load_preset(name), c.model))
-                if tuple(sorted(e.assignment.items())) not in seen:
-                    seen.add(tuple(sorted(e.assignment.items())))
+                if _candidate_key(e) not in seen:
+                    seen.add(_candidate_key(e))
                     peak, secs = compiler(e)
                     tried.append(Checked(e, peak, secs, label=name))
             print(f"measuring {opts.measure} steps per round of each that fits ...", flush=True)
@@ -2297,12 +2297,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             + ("streamed layer by layer" if _streamed(p) else "whole tree on device")
         )
         compiled, candidates = None, []
-        if opts.measure and not compile_count(opts, c):
+        n_compile = compile_count(opts, c)
+        if opts.measure and not n_compile:
             raise PlanError(
                 f"plan.measure: it times the compiled candidates, and nothing compiles for {c.hardware.name} "
                 "here by default; give plan.compile=4"
             )
-        opts = dataclasses.replace(opts, compile=compile_count(opts, c))
+        opts = dataclasses.replace(opts, compile=n_compile)
         if opts.compile:
             best, compiled, candidates = compile_checked(p, c, step_plan, devices, opts)
         else:
