@@ -105,6 +105,31 @@ SETUPS = {
             "minimal_context_offloaded:key_proj=remat,value_proj=remat",
         ],
     },
+    # The same MoE at larger batches, everything recomputed but the layer input and perhaps the attention
+    # output: is keeping that output off the device (its recompute is splash's forward) faster than
+    # recomputing it, and where does keeping it on the device stop fitting?
+    "moe_full": {
+        "model": ["dsv3_100m", {}],
+        "batch": 68,
+        "seq": 4096,
+        "group": "tpu_host_offload",
+        "policies": [
+            "none",
+            "full:context=device",
+            "full",
+            "full:context=offload",
+            "full:kv_wa_proj=device,mla_kv=device",
+            "full:context=offload,decoder_layer_input=offload",
+        ],
+    },
+    # Larger, where keeping the attention output with everything else recomputed runs out of memory.
+    "moe_full_84": {
+        "model": ["dsv3_100m", {}],
+        "batch": 84,
+        "seq": 4096,
+        "group": "tpu_host_offload",
+        "policies": ["full:context=device", "full", "full:context=offload"],
+    },
     # zoo.tools.plan's choices for `dense` (tpu_v5e profile) against the measured best there: today's
     # (plan.compile, its default for a TPU: Q/K/V/O to host, the attention output and MLP kept) and an
     # earlier cost model's (Q and O to host).
@@ -816,7 +841,11 @@ def main(argv=None) -> int:
         help=f"comma list of {', '.join(SETUPS)}, and `kernels` (the attention and grouped-matmul kernels timed)",
     )
     ap.add_argument("--batch", type=int, default=None, help="override every chosen setup's batch")
-    ap.add_argument("--policies", default=None, help="override every chosen setup's policies (comma list)")
+    ap.add_argument(
+        "--policies",
+        default=None,
+        help="override every chosen setup's policies, separated by ';' (a policy's tag actions use commas)",
+    )
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--budget-s", type=float, default=500.0)
@@ -880,7 +909,7 @@ def main(argv=None) -> int:
         if args.batch:
             s["batch"] = args.batch
         if args.policies:
-            s["policies"] = args.policies.split(",")
+            s["policies"] = [x for x in args.policies.split(";") if x]
     spec = {
         "setups": setups,
         "toy": args.toy,
