@@ -135,6 +135,24 @@ def test_optimizer_on_host_frees_the_backward_phase_and_streams_the_update():
     # params + grads on device, 2 x 0.18 GB of one layer's moments (the 0.2 GB outside come in such runs)
     assert on_host.update_phase_bytes == pytest.approx(1 * GB + 1 * GB + 2 * 0.18 * GB)
     assert on_host.state_transfer_s == pytest.approx(2 * GB / (64 * GB))
+    p.duplex = False  # a link that carries one direction at a time (a TPU v5e's): the way in, then out
+    assert evaluate(p, {"a": "device"}).state_transfer_s == pytest.approx(2 * 2 * GB / (64 * GB))
+
+
+def test_a_link_without_duplex_exposes_the_sum_of_what_crosses_together():
+    """With parameters on host, a layer's forward sends its activations out while its weights come in,
+    and its backward brings both in while the weight gradients go out: on a link that carries one
+    direction at a time the two add up (compute here hides nothing: 1 GFLOP a layer at 100 TFLOP/s)."""
+    p = make_problem({"a": (100, 1e9)}, link_gbps=1.0, layer_flops=1e9, latency=0.0)
+    p.params_on_host = True
+    p.stacks["s"].param_bytes_per_layer = 50 * MB
+    out, weights = 100 * MB / GB, 50 * MB / GB  # seconds over 1 GB/s
+    compute_fwd, compute_bwd = 1e9 / 1e14, 2e9 / 1e14
+    duplex = evaluate(p, {"a": "offload"}).exposed_transfer_s
+    assert duplex == pytest.approx(LAYERS * (max(out, weights) - compute_fwd + (out + weights) - compute_bwd))
+    p.duplex = False
+    half = evaluate(p, {"a": "offload"}).exposed_transfer_s
+    assert half == pytest.approx(LAYERS * ((out + weights) - compute_fwd + (out + 2 * weights) - compute_bwd))
 
 
 def test_params_on_host_stream_weights_and_gradients():
@@ -156,6 +174,10 @@ def test_params_on_host_stream_weights_and_gradients():
     p.microbatches = 2  # and summed in place per microbatch: in twice, out once
     assert evaluate(p, {"a": "device"}).state_transfer_s == pytest.approx(
         (1 * GB + 2 * 0.9 * GB + 2 * 2 * 0.9 * GB) / (64 * GB)
+    )
+    p.duplex = False  # one direction at a time: everything in, plus everything out
+    assert evaluate(p, {"a": "device"}).state_transfer_s == pytest.approx(
+        (1 * GB + 2 * 0.9 * GB + 2 * 2 * 0.9 * GB + 1 * GB + 2 * 0.9 * GB) / (64 * GB)
     )
 
 
@@ -423,6 +445,8 @@ def test_measure_hardware_writes_a_profile_train_py_accepts(tmp_path, capsys):
     assert hw.name == "here" and hw.matmul_flops > 0 and hw.peak_flops == hw.matmul_flops
     assert hw.host_link_gbps > 0 and not hw.nominal and "measured" in hw.note and hw.platform == "cpu"
     assert hw.host_link_gbps == min(hw.host_to_device_gbps, hw.device_to_host_gbps)  # measured inside a program
+    # nothing moves inside an XLA:CPU program, so whether the link is duplex is not measured: the default
+    assert "host_link_duplex" not in OmegaConf.load(out) and hw.host_link_duplex
     assert measure_main(["n=3"]) == 2
 
 

@@ -122,7 +122,10 @@ def measure_program_link(
       transfers and less the reload's time;
     - `overlap`: the same round trip under a chain of `matmul_n` matmuls in one program: `exposed_s`
       is what it added to the chain's time, `hidden_fraction` the share of the round trip's own time
-      that the compute covered (1: all of it)."""
+      that the compute covered (1: all of it);
+    - `duplex`: whether the link carries both directions at once: a program reading one array in
+      while sending another out, with nothing between them, against the two directions' own times
+      (True where it took less than 3/4 of their sum; None where nothing moves)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -155,6 +158,17 @@ def measure_program_link(
     in_base, trip_base = jax.jit(lambda x: x * 2), jax.jit(lambda x: x * 2 + 1)
     compute = jax.jit(chain)
     both = jax.jit(lambda a, x: (chain(a), round_trip(x)))
+    # One array in while another goes out, the two independent; the outgoing one lands in a donated
+    # host buffer, as an updated optimizer state does (a fresh host output takes a slower path on a
+    # TPU v5e). The pair's base: the same program without moves.
+    in_and_out = jax.jit(
+        lambda xh, xd, into: (
+            jax.device_put(xh, jax.memory.Space.Device) * 2,
+            jax.device_put(xd * 2, jax.memory.Space.Host),
+        ),
+        donate_argnums=2,
+    )
+    in_and_out_base = jax.jit(lambda xd: (xd * 2, xd * 2))
     jax.block_until_ready((x_host, x_dev, a))
     t_in = _median_time(lambda: to_device(x_host).block_until_ready(), repeats)
     t_trip = _median_time(lambda: trip(x_dev).block_until_ready(), repeats)
@@ -166,6 +180,15 @@ def measure_program_link(
     out_s = moved_s - in_s
     if out_s < 0.1 * moved_s:  # the directions cannot be told apart (on a CPU both memories are RAM): halves
         in_s = out_s = moved_s / 2
+    landing = [jax.device_put(x_host, host)]
+
+    def pair():
+        came, landing[0] = in_and_out(x_host, x_dev, landing[0])
+        jax.block_until_ready((came, landing[0]))
+
+    t_pair = _median_time(pair, repeats)
+    pair_s = t_pair - _median_time(lambda: jax.block_until_ready(in_and_out_base(x_dev)), repeats)
+    duplex = bool(pair_s < 0.75 * (in_s + out_s)) if moves else None
     t_chain = _median_time(lambda: compute(a).block_until_ready(), repeats)
     t_both = _median_time(lambda: jax.block_until_ready(both(a, x_dev)), repeats)
     exposed = max(0.0, t_both - t_chain)
@@ -175,6 +198,8 @@ def measure_program_link(
         "to_device_gbps": nbytes / in_s / 1e9,
         "to_host_gbps": nbytes / out_s / 1e9,
         "round_trip_s": t_trip,
+        "in_and_out_s": pair_s,
+        "duplex": duplex,
         "overlap": {
             "matmul_chain_s": t_chain,
             "chain_and_round_trip_s": t_both,
@@ -206,6 +231,7 @@ def measure(opts: MeasureOptions) -> dict:
         f"-> {flops / 1e12:.3f} TFLOP/s; {opts.transfer_mb:g} MB "
         + (
             f"inside a program: host->device {to_device:.2f} GB/s, device->host {to_host:.2f} GB/s, "
+            f"{'both directions at once' if program['duplex'] else 'one direction at a time'}, "
             f"{100 * ov['hidden_fraction']:.0f}% of a round trip hidden under matmuls; plain device_put {h2d:.2f} / "
             f"{d2h:.2f} GB/s"
             if program["moves"]
@@ -226,6 +252,7 @@ def measure(opts: MeasureOptions) -> dict:
         "host_link_gbps": float(round(min(to_device, to_host), 3)),
         "host_to_device_gbps": float(round(to_device, 3)),
         "device_to_host_gbps": float(round(to_host, 3)),
+        **({"host_link_duplex": program["duplex"]} if program["moves"] else {}),
         "nominal": False,
         "note": note,
         "platform": device.platform,

@@ -167,6 +167,18 @@ class PlanConfig:
             raise PlanError(f"plan.name: {self.name!r} is not a file stem; e.g. plan.name=planned")
 
 
+def link_duplex(link, profile_duplex: bool, hardware_dir=None) -> bool:
+    """Whether the link `plan.link` names carries both directions at once: a number or a LINKS name
+    does (PCIe, NVLink), a hardware profile says for itself; null: the run's profile."""
+    if link is None:
+        return bool(profile_duplex)
+    if hardware_dir is not None and isinstance(link, str) and (hardware_dir / f"{link}.yaml").exists():
+        from omegaconf import OmegaConf
+
+        return bool(OmegaConf.load(hardware_dir / f"{link}.yaml").get("host_link_duplex", True))
+    return True
+
+
 def resolve_link(link, default_gbps: Union[int, float, None], hardware_dir=None) -> float:
     """GB/s per direction from `plan.link` (number, LINKS name, or hardware profile name)."""
     if link is None:
@@ -245,6 +257,10 @@ class Problem:
     step_flops: float  # the whole step's FLOPs on one device (all microbatches)
     microbatches: int = 1
     latency: float = 10e-6  # seconds per transfer
+    # Whether the link carries both directions at once (hardware.host_link_duplex); if not, transfers
+    # the model overlaps across directions (a layer's activations out while its weights come in, the
+    # optimizer state's way in and way out) take the sum of their times.
+    duplex: bool = True
     param_bytes: float = 0.0
     stack_param_bytes: float = 0.0  # the part of param_bytes inside layer stacks
     grad_bytes: float = 0.0
@@ -420,10 +436,10 @@ def _host_fixed_parts(p: Problem) -> dict[str, float]:
 
 
 def _state_transfer_s(p: Problem) -> float:
-    """Host-resident state moved for the optimizer update, exposed (in and out overlap: full duplex,
-    so the busier direction counts). With params on host the stacks' gradients come in twice (the
-    norm, then the update) and, with several microbatches, are summed in place once per microbatch
-    (in twice, out once)."""
+    """Host-resident state moved for the optimizer update, exposed (in and out overlap on a full-duplex
+    link, so the busier direction counts; otherwise their sum). With params on host the stacks'
+    gradients come in twice (the norm, then the update) and, with several microbatches, are summed in
+    place once per microbatch (in twice, out once)."""
     opt = p.opt_bytes if p.opt_on_host else 0.0
     # A host-resident LoRA base comes in per layer in the forward and again in the backward of each
     # microbatch (counted as exposed, like the state here: the planner does not model its overlap).
@@ -431,11 +447,11 @@ def _state_transfer_s(p: Problem) -> float:
         (2 * p.stack_frozen_bytes * p.microbatches + p.frozen_bytes - p.stack_frozen_bytes) if p.frozen_on_host else 0.0
     )
     if not p.params_on_host:
-        return (opt + frozen) / p.link
+        return (opt + frozen) / p.link if p.duplex else (2 * opt + frozen) / p.link
     grads = p.stack_param_bytes
     into = frozen + opt + p.param_bytes + 2 * grads + (2 * grads * p.microbatches if p.microbatches > 1 else 0.0)
     out = opt + p.param_bytes + (grads * p.microbatches if p.microbatches > 1 else 0.0)
-    return max(into, out) / p.link
+    return (max(into, out) if p.duplex else into + out) / p.link
 
 
 def free_layers(p: Problem) -> dict[str, int]:
@@ -489,9 +505,9 @@ def _layer_parts(p: Problem, digits: np.ndarray, layers_of: dict[str, int]) -> t
         offload_time = per_stack_off[s] / p.link + per_stack_count[s] * p.latency
         params_time = sc.param_bytes_per_layer / p.link + p.latency if p.params_on_host else 0.0
         # forward: activations out (device->host), this layer's weights in (host->device)
-        fwd = np.maximum(offload_time, params_time)
+        fwd = np.maximum(offload_time, params_time) if p.duplex else offload_time + params_time
         # backward: activations and weights in, the layer's weight gradients out
-        bwd = np.maximum(offload_time + params_time, params_time)
+        bwd = np.maximum(offload_time + params_time, params_time) if p.duplex else offload_time + 2 * params_time
         exposed += layers_of.get(s, 0) * (np.maximum(0.0, fwd - fwd_compute) + np.maximum(0.0, bwd - bwd_compute))
     return recompute_flops, device_bytes, host_bytes, exposed
 
@@ -1884,6 +1900,7 @@ def problem_from_config(
         step_flops=flops_per_token(m, seq) * c.data.batch_size * seq / num_devices,
         microbatches=c.trainer.grad_accum,
         latency=opts.transfer_latency_us * 1e-6,
+        duplex=link_duplex(opts.link, hw.host_link_duplex, hardware_dir),
         param_bytes=param_bytes,
         stack_param_bytes=float(sum(stack_params.values())),
         grad_bytes=param_bytes,
@@ -1917,6 +1934,7 @@ def problem_from_config(
         "rate_flops": rate,
         "rate_source": rate_source,
         "link_gbps_per_direction": link_gbps,
+        "link_duplex": p.duplex,
         "budget_bytes": budget,
         "host_budget_bytes": host_budget if math.isfinite(host_budget) else None,
         "devices_per_node": p.devices_per_node,
@@ -2271,7 +2289,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             )
             + f"on {info['devices']} device(s); matmul rate {info['rate_flops'] / 1e12:.1f} TFLOP/s "
             f"({info['rate_source']}), "
-            f"host link {info['link_gbps_per_direction']:g} GB/s per direction, HBM budget "
+            f"host link {info['link_gbps_per_direction']:g} GB/s per direction"
+            + ("" if info["link_duplex"] else " (one direction at a time)")
+            + ", HBM budget "
             f"{_fmt_bytes(info['budget_bytes'])}, "
             + (
                 f"host budget {_fmt_bytes(p.host_budget)} per device "

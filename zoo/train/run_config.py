@@ -376,6 +376,11 @@ class HardwareConfig:
     # from it): each direction's GB/s, as a step moves it; null: host_link_gbps.
     host_to_device_gbps: Optional[float] = None
     device_to_host_gbps: Optional[float] = None
+    # Whether the link carries both directions at once (PCIe and NVLink are full duplex); false where a
+    # program moving one array in and another out takes the sum of the two (a TPU v5e's, measured by
+    # zoo.tools.measure_hardware): the planner then adds, where it would overlap, the optimizer state's
+    # way in and way out.
+    host_link_duplex: bool = True
     # Measured dense matmul FLOP/s (python -m zoo.tools.measure_hardware); the planner prefers it to
     # peak_flops * plan.flops_efficiency. null: not measured.
     matmul_flops: Optional[float] = None
