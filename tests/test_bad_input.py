@@ -247,15 +247,15 @@ def _hooked(tmp, module: str, patch: str) -> dict:
     return {"ZOO_TEST_WAITING": str(tmp / "waiting"), "PYTHONPATH": os.pathsep.join([str(hook), str(ROOT)])}
 
 
-# The wait for a save in flight takes 30 s and says when it starts, so a second Ctrl-C can be sent
-# during it (a tiny model's save is otherwise over at once).
+# The wait for a save in flight takes 10 s and says when it starts, so a second Ctrl-C can be sent
+# during it (a tiny model's save is otherwise over at once; the test sends it 0.5 s after the start).
 SLOW_SAVE = """
 def _patch(run):
     from zoo.train import checkpoint
     wait = checkpoint.Checkpoints.wait
     def slow(self):
         pathlib.Path(os.environ['ZOO_TEST_WAITING']).touch()
-        time.sleep(30)
+        time.sleep(10)
         wait(self)
     checkpoint.Checkpoints.wait = slow
 """

@@ -124,7 +124,12 @@ def test_jvp_through_the_chunked_loss(method, softcap):
     np.testing.assert_allclose(float(val), float(loss(h, head)), rtol=1e-6)
 
 
-@pytest.mark.parametrize("case", ["gqa", "everything", "non_divisible"])
+# "everything" (grouped queries, a window, sinks, segments, blocks that do not divide the sequence) in
+# the default tier; its parts one at a time in the slow tier.
+@pytest.mark.parametrize(
+    "case",
+    [pytest.param("gqa", marks=pytest.mark.slow), "everything", pytest.param("non_divisible", marks=pytest.mark.slow)],
+)
 def test_jvp_of_blockwise_attention_matches_xla_attention(case):
     (q, k, v, sinks), kw, blocks = case_inputs(case)
     primals = (q, k, v) if sinks is None else (q, k, v, sinks)

@@ -180,15 +180,17 @@ def measure_program_link(
     out_s = moved_s - in_s
     if out_s < 0.1 * moved_s:  # the directions cannot be told apart (on a CPU both memories are RAM): halves
         in_s = out_s = moved_s / 2
-    landing = [jax.device_put(x_host, host)]
+    pair_s = duplex = None
+    if moves:  # on XLA:CPU nothing moves inside a program: nothing to tell
+        landing = [jax.device_put(x_host, host)]
 
-    def pair():
-        came, landing[0] = in_and_out(x_host, x_dev, landing[0])
-        jax.block_until_ready((came, landing[0]))
+        def pair():
+            came, landing[0] = in_and_out(x_host, x_dev, landing[0])
+            jax.block_until_ready((came, landing[0]))
 
-    t_pair = _median_time(pair, repeats)
-    pair_s = t_pair - _median_time(lambda: jax.block_until_ready(in_and_out_base(x_dev)), repeats)
-    duplex = bool(pair_s < 0.75 * (in_s + out_s)) if moves else None
+        t_pair = _median_time(pair, repeats)
+        pair_s = t_pair - _median_time(lambda: jax.block_until_ready(in_and_out_base(x_dev)), repeats)
+        duplex = bool(pair_s < 0.75 * (in_s + out_s))
     t_chain = _median_time(lambda: compute(a).block_until_ready(), repeats)
     t_both = _median_time(lambda: jax.block_until_ready(both(a, x_dev)), repeats)
     exposed = max(0.0, t_both - t_chain)
