@@ -316,7 +316,7 @@ KERNEL_CASES = {
         # name, batch, seq, heads, kv_heads, qk dim, v dim, impls
         ("llama_1b heads (32 over 8, dim 64)", 8, 2048, 32, 8, 64, 64, ["xla", "blockwise", "splash"]),
         ("llama_1b heads, long rows", 2, 8192, 32, 8, 64, 64, ["blockwise", "splash"]),
-        ("MLA heads (qk 96, v 64), dsv3_100m", 8, 2048, 16, 16, 96, 64, ["blockwise", "splash"]),
+        ("MLA-shaped heads (16, qk 96, v 64)", 8, 2048, 16, 16, 96, 64, ["blockwise", "splash"]),
     ],
     "experts": [
         # name, rows, experts, d_in, d_out, impls
