@@ -229,6 +229,12 @@ def test_links():
         zp.resolve_link("pcie9", 0, conf_dir() / "hardware")
     with pytest.raises(PlanError, match=r"^plan.link: the hardware profile has no host_link_gbps"):
         zp.resolve_link(None, 0.0)
+    # Whether the link carries both directions at once: the run's profile, or the profile plan.link
+    # names (a TPU v5e's does not); a number or a named PCIe / NVLink link does.
+    hardware = conf_dir() / "hardware"
+    assert zp.link_duplex(None, False, hardware) is False and zp.link_duplex(None, True, hardware) is True
+    assert zp.link_duplex("tpu_v5e", True, hardware) is False and zp.link_duplex("gh200", False, hardware) is True
+    assert zp.link_duplex("pcie_gen5", False, hardware) is True and zp.link_duplex("12.5", False, hardware) is True
 
 
 def test_producer_flops_match_the_model_flop_count():
