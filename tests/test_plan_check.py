@@ -166,6 +166,9 @@ def test_cli_measure_times_the_candidates_and_the_presets_and_keeps_the_fastest(
     cands = json.loads(js.read_text())["candidates"]
     presets = {c["preset"] for c in cands} - {None}
     assert presets <= set(zp.MEASURED_PRESETS) and "full" in presets  # full differs from every planner pick here
+    # a preset with tag actions: full, its attention output to host
+    (offloaded,) = [c for c in cands if c["preset"] == "full:context=offload"]
+    assert offloaded["assignment"]["context"] == "offload" and offloaded["assignment"]["mlpwi_0"] == "remat"
     assert all(c["measured_step_s"] > 0 for c in cands)  # everything fits 1 GB
     fastest = min(cands, key=lambda c: c["measured_step_s"])
     written = OmegaConf.to_container(OmegaConf.load(out)["tags"])

@@ -2205,9 +2205,23 @@ def compile_count(opts: PlanConfig, c) -> int:
     return 4 if jax.default_backend() == "tpu" or importlib.util.find_spec("libtpu") is not None else 0
 
 
-# The recompute-only presets (and the context offload that won at long rows on a v5e) that
-# `plan.measure` times beside the planner's own candidates.
-MEASURED_PRESETS = ("full", "save_qkv_proj", "minimal", "minimal_context_offloaded")
+# The recompute-only presets, and the attention output's offload on top of two of them, that
+# `plan.measure` times beside the planner's own candidates: "preset" or "preset:tag=action". On a
+# v5e the context's offload won where keeping it did not fit: on llama_1b's layers at long rows
+# (minimal_context_offloaded) and on dsv3_100m at 84 x 4096 (full:context=offload), where the
+# estimate's HBM kept the search from the latter (docs/benchmarks.md, "TPU v5e").
+MEASURED_PRESETS = ("full", "save_qkv_proj", "minimal", "minimal_context_offloaded", "full:context=offload")
+
+
+def measured_preset(label: str):
+    """The OffloadConfig of a MEASURED_PRESETS entry: a preset, with tag actions after a colon."""
+    name, _, actions = label.partition(":")
+    o = load_preset(name)
+    if actions:
+        tags = dict(o.tags)
+        tags.update(item.split("=", 1) for item in actions.split(","))
+        o = dataclasses.replace(o, name=label, tags=tags)
+    return o
 
 
 def compile_checked(p: Problem, c, step_plan, devices, opts: PlanConfig):
@@ -2228,7 +2242,7 @@ def compile_checked(p: Problem, c, step_plan, devices, opts: PlanConfig):
         if opts.measure:
             seen = {_candidate_key(t.estimate) for t in tried}
             for name in MEASURED_PRESETS:
-                e = evaluate(p, preset_assignment(p, load_preset(name), c.model))
+                e = evaluate(p, preset_assignment(p, measured_preset(name), c.model))
                 if _candidate_key(e) not in seen:
                     seen.add(_candidate_key(e))
                     peak, secs = compiler(e)
