@@ -58,6 +58,27 @@ def pytest_collection_finish(session):
     gc.freeze()
 
 
+# The files that take longest, first: xdist hands a worker whole files (`--dist loadfile`), in the
+# order collected, to whichever worker is free; long files collected late (alphabetically) kept one
+# worker busy while the other had nothing left to take.
+LONGEST_FIRST = (
+    "test_train_sharding.py",
+    "test_readme.py",
+    "test_offload.py",
+    "test_forward_mode.py",
+    "test_bad_input.py",
+    "test_train_cli.py",
+    "test_offload_ranges.py",
+    "test_checkpoint.py",
+    "test_distributed.py",
+)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's own order kept
+
+
 import pathlib  # noqa: E402
 
 import pytest  # noqa: E402
