@@ -233,18 +233,10 @@ def log(msg: str) -> None:
 
 def parse_policy(label: str):
     """`presets[+preset][:tag=action,...][@moe_impl]` -> (OffloadConfig, moe impl or None)."""
-    from zoo.offload import load_preset
+    from zoo.offload import policy_from_label
 
     label, _, moe = label.partition("@")
-    presets, _, actions = label.partition(":")
-    o = load_preset(*presets.split("+"))
-    if actions:
-        tags = dict(o.tags)
-        for item in actions.split(","):
-            tag, _, action = item.partition("=")
-            tags[tag] = action
-        o = dataclasses.replace(o, tags=tags)
-    return dataclasses.replace(o, name=label), (moe or None)
+    return policy_from_label(label), (moe or None)
 
 
 def recompute_only(o) -> bool:

@@ -156,6 +156,20 @@ def test_modifiers_compose_with_an_activation_policy():
     assert load_preset("full", "params_host", "optimizer_host").params == "pinned_host"
 
 
+def test_a_label_names_presets_merged_then_tag_actions():
+    """`policy_from_label`: how bench/tpu.py and plan.measure name a policy."""
+    from zoo.offload import policy_from_label
+
+    o = policy_from_label("full+optimizer_host:context=offload,query_proj=device")
+    assert o.name == "full+optimizer_host:context=offload,query_proj=device" and o.opt_state == "pinned_host"
+    assert o.tags == {**load_preset("full").tags, "context": "offload", "query_proj": "device"} and o.checkpoint
+    assert resolve(o, zoo.get_size("llama_tiny_a"))["mlpwi_0"] == "remat"
+    with pytest.raises(ValueError, match=r"^full:context: 'context' is not tag=action"):
+        policy_from_label("full:context")
+    with pytest.raises(ValueError, match=r"^offload=fuller: unknown preset"):
+        policy_from_label("fuller:context=offload")
+
+
 # --- through Hydra, as train.py composes it -------------------------------------------------------
 
 

@@ -551,3 +551,18 @@ def load_preset(*names: str, **overrides) -> OffloadConfig:
         merged = OmegaConf.merge(merged, loaded)
     merged = OmegaConf.merge(merged, overrides)
     return from_mapping(merged)
+
+
+def policy_from_label(label: str) -> OffloadConfig:
+    """The policy a label names, `preset[+preset...][:tag=action,...]` (as the benchmarks and
+    `plan.measure` name policies: `minimal:context=device`, `full+optimizer_host`): the presets merged
+    in order (`load_preset`), then each tag's action; named by the label."""
+    presets, _, actions = label.partition(":")
+    o = load_preset(*presets.split("+"))
+    tags = dict(o.tags)
+    for item in filter(None, actions.split(",")):
+        tag, sep, action = item.partition("=")
+        if not sep:
+            raise ValueError(f"{label}: {item!r} is not tag=action (e.g. {presets}:context=offload)")
+        tags[tag] = action
+    return dataclasses.replace(o, name=label, tags=tags)

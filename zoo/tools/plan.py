@@ -81,6 +81,7 @@ from zoo.offload import (
     backward_never_reads,
     conf_dir,
     load_preset,
+    policy_from_label,
     preset_names,
     range_configs,
     remat_policy,
@@ -167,16 +168,22 @@ class PlanConfig:
             raise PlanError(f"plan.name: {self.name!r} is not a file stem; e.g. plan.name=planned")
 
 
+def _link_profile(link, hardware_dir):
+    """The conf/hardware profile `plan.link` names (its YAML, loaded), or None."""
+    if hardware_dir is None or not isinstance(link, str) or not (hardware_dir / f"{link}.yaml").exists():
+        return None
+    from omegaconf import OmegaConf
+
+    return OmegaConf.load(hardware_dir / f"{link}.yaml")
+
+
 def link_duplex(link, profile_duplex: bool, hardware_dir=None) -> bool:
     """Whether the link `plan.link` names carries both directions at once: a number or a LINKS name
     does (PCIe, NVLink), a hardware profile says for itself; null: the run's profile."""
     if link is None:
         return bool(profile_duplex)
-    if hardware_dir is not None and isinstance(link, str) and (hardware_dir / f"{link}.yaml").exists():
-        from omegaconf import OmegaConf
-
-        return bool(OmegaConf.load(hardware_dir / f"{link}.yaml").get("host_link_duplex", True))
-    return True
+    profile = _link_profile(link, hardware_dir)
+    return True if profile is None else bool(profile.get("host_link_duplex", True))
 
 
 def resolve_link(link, default_gbps: Union[int, float, None], hardware_dir=None) -> float:
@@ -198,16 +205,13 @@ def resolve_link(link, default_gbps: Union[int, float, None], hardware_dir=None)
         return value
     if link in LINKS:
         return LINKS[link]
-    profiles = []
-    if hardware_dir is not None:
-        profiles = sorted(p.stem for p in hardware_dir.glob("*.yaml"))
-        if link in profiles:
-            from omegaconf import OmegaConf
-
-            gbps = OmegaConf.load(hardware_dir / f"{link}.yaml").get("host_link_gbps", 0)
-            if gbps and gbps > 0:
-                return float(gbps)
-            raise PlanError(f"plan.link: hardware profile {link!r} has no host_link_gbps; give GB/s, e.g. plan.link=64")
+    profile = _link_profile(link, hardware_dir)
+    if profile is not None:
+        gbps = profile.get("host_link_gbps", 0)
+        if gbps and gbps > 0:
+            return float(gbps)
+        raise PlanError(f"plan.link: hardware profile {link!r} has no host_link_gbps; give GB/s, e.g. plan.link=64")
+    profiles = sorted(p.stem for p in hardware_dir.glob("*.yaml")) if hardware_dir is not None else []
     raise PlanError(
         f"plan.link: unknown link {link!r}; give GB/s per direction, or one of {', '.join([*LINKS, *profiles])}"
     )
@@ -1975,7 +1979,7 @@ def use_plan_lines(out, overrides: Sequence[str]) -> list[str]:
 # The planner's candidates compiled by XLA for the target (`python -m zoo.tools.plan plan.compile=N`).
 #
 # The planner's HBM model is a sum of holders; the compiler's peak is a schedule with reuse and padding.
-# On a TPU v5e the two differ by -37..+16% over 37 runs (docs/benchmarks.md, "TPU v5e"), so an estimate
+# On a TPU v5e the two differ by -37..+35% over 44 runs (docs/benchmarks.md, "TPU v5e"), so an estimate
 # alone can refuse a batch that runs or pick a policy that does not fit. With `plan.compile=N` the
 # planner compiles (never runs) up to N candidates for the target and keeps the fastest whose compiled
 # peak fits:
@@ -2195,7 +2199,7 @@ class Compiler:
 
 def compile_count(opts: PlanConfig, c) -> int:
     """`plan.compile`, its default (null) resolved: 4 for a TPU target whose compiler is on this
-    machine (the estimate alone was -37..+16% off XLA's peak on a v5e, docs/benchmarks.md), else 0."""
+    machine (the estimate alone was -37..+35% off XLA's peak on a v5e, docs/benchmarks.md), else 0."""
     import jax
 
     if opts.compile is not None:
@@ -2206,22 +2210,11 @@ def compile_count(opts: PlanConfig, c) -> int:
 
 
 # The recompute-only presets, and the attention output's offload on top of two of them, that
-# `plan.measure` times beside the planner's own candidates: "preset" or "preset:tag=action". On a
+# `plan.measure` times beside the planner's own candidates (labels of `policy_from_label`). On a
 # v5e the context's offload won where keeping it did not fit: on llama_1b's layers at long rows
 # (minimal_context_offloaded) and on dsv3_100m at 84 x 4096 (full:context=offload), where the
 # estimate's HBM kept the search from the latter (docs/benchmarks.md, "TPU v5e").
 MEASURED_PRESETS = ("full", "save_qkv_proj", "minimal", "minimal_context_offloaded", "full:context=offload")
-
-
-def measured_preset(label: str):
-    """The OffloadConfig of a MEASURED_PRESETS entry: a preset, with tag actions after a colon."""
-    name, _, actions = label.partition(":")
-    o = load_preset(name)
-    if actions:
-        tags = dict(o.tags)
-        tags.update(item.split("=", 1) for item in actions.split(","))
-        o = dataclasses.replace(o, name=label, tags=tags)
-    return o
 
 
 def compile_checked(p: Problem, c, step_plan, devices, opts: PlanConfig):
@@ -2242,7 +2235,7 @@ def compile_checked(p: Problem, c, step_plan, devices, opts: PlanConfig):
         if opts.measure:
             seen = {_candidate_key(t.estimate) for t in tried}
             for name in MEASURED_PRESETS:
-                e = evaluate(p, preset_assignment(p, measured_preset(name), c.model))
+                e = evaluate(p, preset_assignment(p, policy_from_label(name), c.model))
                 if _candidate_key(e) not in seen:
                     seen.add(_candidate_key(e))
                     peak, secs = compiler(e)
