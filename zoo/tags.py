@@ -23,7 +23,7 @@ buffers) on the capacity path; I moe intermediate.
 import contextlib
 import contextvars
 import dataclasses
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Union
 
 from jax.ad_checkpoint import checkpoint_name
 
@@ -76,6 +76,10 @@ class FlopShape:
     rows: int
 
 
+# An op's kind and shape, which its measured rate is looked up by (zoo.op_rates.rate).
+Op = tuple[str, Union[int, float], Union[int, float]]
+
+
 @dataclasses.dataclass(frozen=True)
 class Emit:
     """A tag a block emits, and the forward FLOPs of the op that produces it from its inputs
@@ -83,6 +87,11 @@ class Emit:
 
     tag: TagInfo
     flops: Callable[[FlopShape], int | float]  # an int for exact counts; producer_flops makes it a float
+    # The kind and shape of that op, which its measured rate depends on (zoo.op_rates): ("matmul",
+    # "grouped_matmul" or "capacity_einsum", contraction width, output width) or ("attention",
+    # sequence, query head dim).
+    # None (norms, elementwise ops): counted at the step's rate.
+    op: Optional[Callable[[FlopShape], Op]] = None
 
 
 # The vocabulary: every tag some block declares (`declares`), kind by kind. Filled as the blocks are

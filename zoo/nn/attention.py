@@ -68,6 +68,18 @@ def context_flops(s: tags.FlopShape) -> int | float:
     return 2 * s.batch * c.num_heads * s.seq * s.keys * (c.qk_head_dim + c.v_head_dim)
 
 
+def context_op(s: tags.FlopShape) -> tags.Op:
+    return ("attention", s.seq, s.config.qk_head_dim)
+
+
+def _kv_proj_op(s: tags.FlopShape) -> tags.Op:
+    return ("matmul", s.config.hidden_size, s.config.num_kv_heads * s.config.head_dim)
+
+
+def out_proj_op(s: tags.FlopShape) -> tags.Op:
+    return ("matmul", s.config.num_heads * s.config.v_head_dim, s.config.hidden_size)
+
+
 def out_proj_flops(s: tags.FlopShape) -> int | float:
     c = s.config
     return 2 * s.tokens * c.num_heads * c.v_head_dim * c.hidden_size
@@ -114,13 +126,23 @@ class GQAttention(eqx.Module):
     }
     # zoo.tags: the tags it emits, each with its producer's forward FLOPs (matmuls: 2 * outputs * contraction).
     EMITS: ClassVar[tuple[tags.Emit, ...]] = (
-        tags.Emit(QUERY_PROJ, lambda s: 2 * s.tokens * s.config.hidden_size * (s.config.num_heads * s.config.head_dim)),
-        tags.Emit(KEY_PROJ, lambda s: 2 * s.tokens * s.config.hidden_size * s.config.num_kv_heads * s.config.head_dim),
         tags.Emit(
-            VALUE_PROJ, lambda s: 2 * s.tokens * s.config.hidden_size * s.config.num_kv_heads * s.config.head_dim
+            QUERY_PROJ,
+            lambda s: 2 * s.tokens * s.config.hidden_size * (s.config.num_heads * s.config.head_dim),
+            lambda s: ("matmul", s.config.hidden_size, s.config.num_heads * s.config.head_dim),
         ),
-        tags.Emit(CONTEXT, context_flops),
-        tags.Emit(OUT_PROJ, out_proj_flops),
+        tags.Emit(
+            KEY_PROJ,
+            lambda s: 2 * s.tokens * s.config.hidden_size * s.config.num_kv_heads * s.config.head_dim,
+            _kv_proj_op,
+        ),
+        tags.Emit(
+            VALUE_PROJ,
+            lambda s: 2 * s.tokens * s.config.hidden_size * s.config.num_kv_heads * s.config.head_dim,
+            _kv_proj_op,
+        ),
+        tags.Emit(CONTEXT, context_flops, context_op),
+        tags.Emit(OUT_PROJ, out_proj_flops, out_proj_op),
     )
 
     def __init__(

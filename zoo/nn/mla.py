@@ -63,17 +63,27 @@ class MLAttention(eqx.Module):
     # zoo.tags: the attention tags (GQA's records, MLA's FLOPs) and the latent ones; the norms cost
     # about 5 FLOPs per element. The q latent's are 0 when q_lora_rank is null (they are not emitted).
     EMITS: ClassVar[tuple[tags.Emit, ...]] = (
-        tags.Emit(gqa.QUERY_PROJ, _query_flops),
+        tags.Emit(
+            gqa.QUERY_PROJ,
+            _query_flops,
+            lambda s: (
+                "matmul",
+                s.config.mla.q_lora_rank or s.config.hidden_size,
+                s.config.num_heads * s.config.qk_head_dim,
+            ),
+        ),
         tags.Emit(
             gqa.KEY_PROJ,
             lambda s: 2 * s.tokens * s.config.mla.kv_lora_rank * s.config.num_heads * s.config.mla.qk_nope_head_dim,
+            lambda s: ("matmul", s.config.mla.kv_lora_rank, s.config.num_heads * s.config.mla.qk_nope_head_dim),
         ),
         tags.Emit(
             gqa.VALUE_PROJ,
             lambda s: 2 * s.tokens * s.config.mla.kv_lora_rank * s.config.num_heads * s.config.v_head_dim,
+            lambda s: ("matmul", s.config.mla.kv_lora_rank, s.config.num_heads * s.config.v_head_dim),
         ),
-        tags.Emit(gqa.CONTEXT, gqa.context_flops),
-        tags.Emit(gqa.OUT_PROJ, gqa.out_proj_flops),
+        tags.Emit(gqa.CONTEXT, gqa.context_flops, gqa.context_op),
+        tags.Emit(gqa.OUT_PROJ, gqa.out_proj_flops, gqa.out_proj_op),
         tags.Emit(
             tags.TagInfo(
                 tags.QUERY_WA_PROJ,
@@ -83,6 +93,7 @@ class MLAttention(eqx.Module):
                 ((*tags.IN_BLOCK, None),),
             ),
             lambda s: 2 * s.tokens * s.config.hidden_size * (s.config.mla.q_lora_rank or 0),
+            lambda s: ("matmul", s.config.hidden_size, s.config.mla.q_lora_rank or 1),
         ),
         tags.Emit(
             tags.TagInfo(
@@ -103,6 +114,7 @@ class MLAttention(eqx.Module):
                 ((*tags.IN_BLOCK, None),),
             ),
             lambda s: 2 * s.tokens * s.config.hidden_size * (s.config.mla.kv_lora_rank + s.config.mla.qk_rope_head_dim),
+            lambda s: ("matmul", s.config.hidden_size, s.config.mla.kv_lora_rank + s.config.mla.qk_rope_head_dim),
         ),
         tags.Emit(
             tags.TagInfo(tags.MLA_KV, "B T L", "MLA kv latent after its RMSNorm", tags.MLA, ((*tags.IN_BLOCK, None),)),

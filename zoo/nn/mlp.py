@@ -79,6 +79,10 @@ def _ffn_flops(s: tags.FlopShape) -> int | float:
     return 2 * s.tokens * s.config.hidden_size * s.ffn
 
 
+def _ffn_in_op(s: tags.FlopShape) -> tags.Op:
+    return ("matmul", s.config.hidden_size, s.ffn)
+
+
 # The tags it emits (their records: `GatedMLP.EMITS`).
 MLPWI_0 = "mlpwi_0"
 MLPWI_1 = "mlpwi_1"
@@ -115,9 +119,12 @@ class GatedMLP(eqx.Module):
                 ((*tags.IN_BLOCK, "mlp"),),
             ),
             _ffn_flops,
+            _ffn_in_op,
         ),
         tags.Emit(
-            tags.TagInfo(MLPWI_1, "B T F", "dense MLP up projection", tags.MLP, ((*tags.IN_BLOCK, "mlp"),)), _ffn_flops
+            tags.TagInfo(MLPWI_1, "B T F", "dense MLP up projection", tags.MLP, ((*tags.IN_BLOCK, "mlp"),)),
+            _ffn_flops,
+            _ffn_in_op,
         ),
         tags.Emit(
             tags.TagInfo(
@@ -129,6 +136,7 @@ class GatedMLP(eqx.Module):
                 only_feeds_residual=True,
             ),
             lambda s: 2 * s.tokens * s.ffn * s.config.hidden_size,
+            lambda s: ("matmul", s.ffn, s.config.hidden_size),
         ),
     )
 

@@ -205,6 +205,19 @@ def _rows_flops(s: tags.FlopShape) -> int | float:
     return 2 * s.rows * s.config.hidden_size * s.config.moe.moe_intermediate_size
 
 
+def _rows_kind(s: tags.FlopShape) -> str:
+    # The capacity path is a batched einsum over equal buffers; the dropless ones a grouped matmul.
+    return "capacity_einsum" if s.config.moe.impl == "capacity" else "grouped_matmul"
+
+
+def _rows_in_op(s: tags.FlopShape) -> tags.Op:
+    return (_rows_kind(s), s.config.hidden_size, s.config.moe.moe_intermediate_size)
+
+
+def _rows_out_op(s: tags.FlopShape) -> tags.Op:
+    return (_rows_kind(s), s.config.moe.moe_intermediate_size, s.config.hidden_size)
+
+
 @tags.declares
 class MoE(eqx.Module):
     router: Float[Array, "embed experts"]
@@ -243,6 +256,7 @@ class MoE(eqx.Module):
                 (("rows", "mlp"), ("rows", "rows", "mlp")),
             ),
             _rows_flops,
+            _rows_in_op,
         ),
         tags.Emit(
             tags.TagInfo(
@@ -253,6 +267,7 @@ class MoE(eqx.Module):
                 (("rows", "mlp"), ("rows", "rows", "mlp")),
             ),
             _rows_flops,
+            _rows_in_op,
         ),
         tags.Emit(
             tags.TagInfo(
@@ -263,6 +278,7 @@ class MoE(eqx.Module):
                 (("rows", "embed"), ("rows", "rows", "embed")),
             ),
             _rows_flops,
+            _rows_out_op,
         ),
     )
 

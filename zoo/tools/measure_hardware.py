@@ -22,7 +22,7 @@ import pathlib
 import statistics
 import sys
 import time
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from zoo.offload import conf_dir
 from zoo.tools.cli import check_writable
@@ -38,6 +38,9 @@ class MeasureOptions:
     transfer_mb: float = 256.0
     repeats: int = 5
     chain: int = 8  # matmuls per timed call (amortises dispatch)
+    # Time the ops a layer is made of over a grid of shapes (`measure_op_rates`), the planner's
+    # per-op rates; null: on an accelerator (a few minutes), not on a CPU.
+    op_rates: Optional[bool] = None
 
     def __post_init__(self):
         if self.repeats < 1:
@@ -211,6 +214,177 @@ def measure_program_link(
     }
 
 
+# The shapes `op_rates` times (see `measure_op_rates`): on an accelerator the widths and lengths
+# LLM layers have; on a CPU a small grid (its rates are for this machine's planner, at toy sizes).
+OP_GRID = {
+    "accelerator": {
+        "matmul_rows": 16384,
+        "widths": (256, 512, 1024, 2048, 4096, 8192),
+        "grouped_rows": 65536,
+        "groups": 16,
+        "grouped_widths": (256, 512, 1024, 2048, 4096),
+        "attention_tokens": 16384,
+        "attention_heads": 16,
+        "seqs": (1024, 2048, 4096, 8192),
+        "head_dims": (64, 96, 128, 192, 256),
+    },
+    "cpu": {
+        "matmul_rows": 1024,
+        "widths": (64, 256),
+        "grouped_rows": 1024,
+        "groups": 4,
+        "grouped_widths": (64, 256),
+        "attention_tokens": 1024,
+        "attention_heads": 2,
+        "seqs": (256, 512),
+        "head_dims": (32, 64),
+    },
+}
+
+
+def _median_call_s(fn, args, repeats: int) -> float:
+    import jax
+
+    jax.block_until_ready(fn(*args))  # compile and first touch
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _value_and_grad(fn):
+    """jit of fn's value and its inputs' cotangents for a given output cotangent: the forward and
+    backward a training step runs, without a loss's own reduction in the timing."""
+    import jax
+
+    def run(ct, *args):
+        out, pull = jax.vjp(fn, *args)
+        return out, pull(ct)
+
+    return jax.jit(run)
+
+
+def measure_op_rates(
+    device=None, *, repeats: int = 5, grid: Optional[dict] = None, log: Callable[[str], None] = lambda s: None
+) -> dict:
+    """FLOP/s of value and gradient (forward and backward, 3x the forward's FLOPs) of the ops a layer
+    is made of, per shape, in bfloat16 on an accelerator (float32 on a CPU), as the planner counts
+    them (zoo.tools.plan, `op_rate`):
+
+    - `matmul`: [rows, k] @ [k, n], a grid of k x n;
+    - `grouped_matmul`: the routed experts' grouped matmul as `zoo.backend` runs it on this platform
+      (megablox on TPU), `groups` uneven groups summing to `rows`, a grid of k x n;
+    - `capacity_einsum`: the capacity path's experts, `groups` buffers of rows / groups, a grid of k x n;
+    - `attention`: causal self-attention as `model.attention_impl=auto` runs it here (splash on TPU),
+      `tokens` = batch x seq, `heads` heads, a grid of seq x head dim (the values' head dim equals the
+      queries' but for 96 and 192, MLA's shapes, where it is 64 and 128); FLOPs as the planner counts
+      the `context` tag's (`zoo.nn.attention.context_flops`: the causal mean of attended keys).
+
+    A shape that fails (out of memory, a kernel's limit) is recorded as null, and the planner
+    interpolates around it."""
+    import jax
+    import jax.numpy as jnp
+
+    from zoo import backend
+    from zoo.config import attended_keys
+    from zoo.nn.attention_kernels import attend, resolve_impl
+    from zoo.nn.grouped_matmul import grouped_matmul
+
+    device = device or jax.devices()[0]
+    accel = device.platform != "cpu"
+    g = grid or OP_GRID["accelerator" if accel else "cpu"]
+    dtype = jnp.bfloat16 if accel else jnp.float32
+    choices = backend.choices(device.platform)
+    keys = iter(jax.random.split(jax.random.key(0), 4096))
+
+    def normal(shape, scale=1.0):
+        return jax.device_put((jax.random.normal(next(keys), shape, jnp.float32) * scale).astype(dtype), device)
+
+    def timed(flops, fn, *args):
+        try:
+            return flops / _median_call_s(fn, args, repeats)
+        except Exception as e:  # noqa: BLE001 - a shape this device cannot run is a hole in the table, not the end
+            log(f"op rates: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
+            return None
+
+    rows, widths = g["matmul_rows"], g["widths"]
+    matmul = _value_and_grad(lambda x, w: x @ w)
+    table = []
+    for k in widths:
+        line = []
+        for n in widths:
+            x, w, ct = normal((rows, k)), normal((k, n), k**-0.5), normal((rows, n))
+            line.append(timed(6.0 * rows * k * n, matmul, ct, x, w))
+        table.append(line)
+        log(f"op rates: matmul k={k}: " + " ".join(f"{r / 1e12:.3g}" if r else "-" for r in line) + " TFLOP/s")
+    out = {"matmul": {"rows": rows, "k": list(widths), "n": list(widths), "flops": table}}
+
+    rows, groups, widths = g["grouped_rows"], g["groups"], g["grouped_widths"]
+    shares = jnp.linspace(0.5, 1.5, groups)  # uneven, as dropless routing is
+    sizes = jnp.floor(rows * shares / shares.sum()).astype(jnp.int32)
+    sizes = jax.device_put(sizes.at[-1].add(rows - sizes.sum()), device)
+    impl = choices.grouped_matmul
+    grouped = _value_and_grad(lambda x, w: grouped_matmul(x, w, sizes, impl=impl, tile=choices.grouped_matmul_tile))
+    table = []
+    for k in widths:
+        line = []
+        for n in widths:
+            x, w, ct = normal((rows, k)), normal((groups, k, n), k**-0.5), normal((rows, n))
+            line.append(timed(6.0 * rows * k * n, grouped, ct, x, w))
+        table.append(line)
+        log(f"op rates: grouped matmul k={k}: " + " ".join(f"{r / 1e12:.3g}" if r else "-" for r in line))
+    capacity = _value_and_grad(lambda x, w: jnp.einsum("ecd,edf->ecf", x, w))
+    table = []
+    for k in widths:
+        line = []
+        for n in widths:
+            x, w, ct = (
+                normal((groups, rows // groups, k)),
+                normal((groups, k, n), k**-0.5),
+                normal((groups, rows // groups, n)),
+            )
+            line.append(timed(6.0 * (rows // groups) * groups * k * n, capacity, ct, x, w))
+        table.append(line)
+        log(f"op rates: capacity einsum k={k}: " + " ".join(f"{r / 1e12:.3g}" if r else "-" for r in line))
+    out["capacity_einsum"] = {"rows": rows, "groups": groups, "k": list(widths), "n": list(widths), "flops": table}
+    out["grouped_matmul"] = {
+        "impl": impl,
+        "rows": rows,
+        "groups": groups,
+        "k": list(widths),
+        "n": list(widths),
+        "flops": table,
+    }
+
+    tokens, heads, seqs, dims = g["attention_tokens"], g["attention_heads"], g["seqs"], g["head_dims"]
+    impl = resolve_impl("auto", backend=device.platform, dtype=dtype, qk_dim=dims[0], v_dim=dims[0], seq_len=seqs[-1])
+    table = []
+    for seq in seqs:
+        line = []
+        batch = max(1, tokens // seq)
+        for d in dims:
+            dv = {96: 64, 192: 128}.get(d, d)
+            q, k_, v = normal((batch, seq, heads, d)), normal((batch, seq, heads, d)), normal((batch, seq, heads, dv))
+            ct = normal((batch, seq, heads, dv))
+            fn = _value_and_grad(lambda q, k, v, d=d: attend(q, k, v, scale=d**-0.5, impl=impl))
+            forward = 2.0 * batch * seq * attended_keys(seq, None) * heads * (d + dv)
+            line.append(timed(3.0 * forward, fn, ct, q, k_, v))
+        table.append(line)
+        log(f"op rates: attention ({impl}) seq={seq}: " + " ".join(f"{r / 1e12:.3g}" if r else "-" for r in line))
+    out["attention"] = {
+        "impl": impl,
+        "tokens": tokens,
+        "heads": heads,
+        "seq": list(seqs),
+        "head_dim": list(dims),
+        "flops": table,
+    }
+    out["dtype"] = str(jnp.dtype(dtype))
+    return out
+
+
 def measure(opts: MeasureOptions) -> dict:
     import jax
 
@@ -222,6 +396,9 @@ def measure(opts: MeasureOptions) -> dict:
     h2d, d2h = measure_link(opts.transfer_mb, opts.repeats, device)
     program = measure_program_link(opts.transfer_mb, opts.repeats, device, matmul_n=n, dtype=dtype)
     to_device, to_host = (program["to_device_gbps"], program["to_host_gbps"]) if program["moves"] else (h2d, d2h)
+    rates = None
+    if opts.op_rates if opts.op_rates is not None else accel:
+        rates = measure_op_rates(device, repeats=opts.repeats, log=lambda line: print(line, file=sys.stderr))
     stats = device.memory_stats() or {}
     hbm = int(stats.get("bytes_limit", 0))
     kind = getattr(device, "device_kind", device.platform)
@@ -245,6 +422,7 @@ def measure(opts: MeasureOptions) -> dict:
         + f"; medians of {opts.repeats}; "
         + ("hbm_bytes from memory_stats bytes_limit" if hbm else "no device memory statistics (hbm_bytes 0)")
         + ("; on CPU both memories are host RAM, so the link figure is a memory copy" if not accel else "")
+        + ("; op_rates: value and gradient per shape (measure_op_rates)" if rates else "")
     )
     return {
         "name": opts.name,
@@ -258,6 +436,7 @@ def measure(opts: MeasureOptions) -> dict:
         "nominal": False,
         "note": note,
         "platform": device.platform,
+        **({"op_rates": rates} if rates else {}),
         "_detail": {
             "h2d_gbps": to_device,
             "d2h_gbps": to_host,

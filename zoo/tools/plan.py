@@ -3,11 +3,13 @@ time within an HBM budget.
 
 The cost model (per device, per step; every number it uses is printed in the estimates table):
 
-- compute: the step's training FLOPs (`zoo.counts.flops_per_token`) at the device's matmul rate,
-  `hardware.peak_flops * plan.flops_efficiency` (or a measured profile's `peak_flops` with
-  `plan.flops_efficiency=1`).
+- compute: the step's training FLOPs (`zoo.counts.flops_per_token`) at the device's rate,
+  `hardware.matmul_flops * hardware.step_efficiency` for a measured profile, else
+  `hardware.peak_flops * plan.flops_efficiency`; where the profile measured rates per op and shape
+  (`hardware.op_rates`: attention, the experts' grouped matmul, matmuls by width), each tag's producer
+  takes its measured time instead (`OpSlowness`: its FLOPs weighted by the rate over its op's).
 - `remat` of a tag costs its producer's FLOPs (the matmul, attention or norm that makes it; formulas
-  in `producer_flops`) once more per layer, at the same rate. Nothing else changes.
+  in `producer_flops`, ops in `producer_op`) once more per layer, at the same rate. Nothing else changes.
 - `offload` of a tag costs its bytes over the host link, device->host in the layer's forward and
   host->device in its backward, plus a fixed latency per transfer (`plan.transfer_latency_us`: tiny
   tensors gain nothing). The link is full duplex, `link` GB/s each way. Within a layer, transfers
@@ -74,7 +76,9 @@ from zoo.model import block_classes, loss_fn, stack_layout
 from zoo.nn.attention_kernels import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, resolve_impl
 from zoo.nn.expert_rounds import round_block
 from zoo.nn.moe_dispatch import exchanges_in_rounds
+from zoo.backend import choices as backend_choices
 from zoo.backend import lowering_for, pallas_interpreted
+from zoo.op_rates import rate as op_rate
 from zoo.offload import (
     CHECKPOINT_INPUTS,
     OffloadConfig,
@@ -89,7 +93,7 @@ from zoo.offload import (
 )
 from zoo.placement import inspect_placement, stack_names
 from zoo.sharding import CONTEXT, logical_to_spec, logical_ways
-from zoo.tags import MOE, TAGS, FlopShape, emitted_tags
+from zoo.tags import MOE, TAGS, FlopShape, Op, emitted_tags
 from zoo.tools.kit import compose, output_path, prepare_step, run_tool, split_tool_args
 from zoo.train.run import start_jax
 from zoo.train.run_config import load
@@ -1353,11 +1357,28 @@ def producer_flops(config, tag: str, stack: str, batch: int, seq: int) -> float:
     input cannot be recomputed: 0.
     """
     c = config
+    table = _stack_emits(c, stack)
+    if tag not in table:
+        # A tag this stack emits that no block declares a formula for would cost 0 FLOPs to recompute.
+        raise ValueError(
+            f"zoo.tools.plan.producer_flops: no FLOP count for tag {tag!r} on stack {stack!r}; declare it in its "
+            "block's EMITS"
+        )
+    return float(table[tag].flops(_flop_shape(c, stack, batch, seq)))
+
+
+def producer_op(config, tag: str, stack: str, batch: int, seq: int) -> Optional[Op]:
+    """The kind and shape of the op producing `tag` on `stack` (`zoo.tags.Emit.op`): what its
+    measured rate is looked up by (`zoo.op_rates.rate`); None: no measured rate applies."""
+    emit = _stack_emits(config, stack).get(tag)
+    return None if emit is None or emit.op is None else emit.op(_flop_shape(config, stack, batch, seq))
+
+
+def _flop_shape(c, stack: str, batch: int, seq: int) -> FlopShape:
     n = batch * seq
     layers = _stack_layers(c, stack)
-    moe_stack = all(c.is_moe_layer(i) for i in layers)
     keys = sum(attended_keys(seq, c.layer_spec(i).window) for i in layers) / len(layers)
-    if moe_stack:
+    if all(c.is_moe_layer(i) for i in layers):
         mo = c.moe
         ffn = mo.moe_intermediate_size * mo.n_shared_experts
         if mo.impl == "capacity":  # the config as the run builds it: `auto` resolved (zoo.train.run_config.as_built)
@@ -1366,30 +1387,55 @@ def producer_flops(config, tag: str, stack: str, batch: int, seq: int) -> float:
             rows = n * mo.num_experts_per_tok
     else:
         ffn, rows = c.intermediate_size, 0
-    table = _stack_emits(c, stack)
-    if tag not in table:
-        # A tag this stack emits that no block declares a formula for would cost 0 FLOPs to recompute.
-        raise ValueError(
-            f"zoo.tools.plan.producer_flops: no FLOP count for tag {tag!r} on stack {stack!r}; declare it in its "
-            "block's EMITS"
-        )
-    return float(table[tag](FlopShape(c, batch, seq, n, keys, ffn, rows)))
+    return FlopShape(c, batch, seq, n, keys, ffn, rows)
 
 
 def _stack_emits(config, stack: str) -> dict:
-    """Tag -> FLOP formula, of the blocks this stack's layers are built of (`EMITS` of
-    zoo.model.block_classes: its attention, its feed-forward, a MoE's shared experts)."""
+    """Tag -> its `zoo.tags.Emit` (FLOP formula and op), of the blocks this stack's layers are built
+    of (`EMITS` of zoo.model.block_classes: its attention, its feed-forward, a MoE's shared experts)."""
     layers = _stack_layers(config, stack)
     blocks = dict.fromkeys(b for i in layers for b in block_classes(config, config.layer_spec(i)))
-    return {e.tag.name: e.flops for b in blocks for e in getattr(b, "EMITS", ())}
+    return {e.tag.name: e for b in blocks for e in getattr(b, "EMITS", ())}
 
 
-def layer_forward_flops(config, stack: str, batch: int, seq: int) -> float:
+def layer_forward_flops(config, stack: str, batch: int, seq: int, slowness: Optional["OpSlowness"] = None) -> float:
     """Forward FLOPs of one layer on one device: the sum of its producers (mlpwo included), over the
     tags the model emits that this stack's blocks declare (a dense stack of an MoE model has no routed
-    experts; an MoE stack without shared experts no dense MLP)."""
+    experts; an MoE stack without shared experts no dense MLP); with `slowness`, each weighted by
+    its op's."""
     declared = _stack_emits(config, stack)
-    return sum(producer_flops(config, t, stack, batch, seq) for t in emitted_tags(config) if t in declared)
+    return sum(
+        producer_flops(config, t, stack, batch, seq)
+        * (slowness(producer_op(config, t, stack, batch, seq)) if slowness else 1.0)
+        for t in emitted_tags(config)
+        if t in declared
+    )
+
+
+class OpSlowness:
+    """How many times longer an op takes than its FLOPs at the `reference` rate: `reference` over its
+    measured rate (`zoo.op_rates.rate` over the `table` of hardware.op_rates), 1 where none applies
+    (no table, an op the table lacks, or a table measured with another kernel than `impls` names,
+    e.g. splash's rates for a run on blockwise attention). `used` lists the ops it weighed."""
+
+    def __init__(self, table: Optional[dict], reference: float, impls: dict):
+        self.table, self.reference, self.impls = table or {}, reference, impls
+        self.used: list[str] = []
+
+    def __call__(self, op: Optional[Op]) -> float:
+        if op is None:
+            return 1.0
+        kind, a, b = op
+        grid = self.table.get(kind)
+        if not grid or grid.get("impl", self.impls.get(kind)) != self.impls.get(kind):
+            return 1.0
+        measured = op_rate(self.table, kind, a, b)
+        if not measured:
+            return 1.0
+        label = kind + (f" ({grid['impl']})" if grid.get("impl") else "")
+        if label not in self.used:
+            self.used.append(label)
+        return self.reference / measured
 
 
 def per_device_shape(tag: str, shape: Sequence[int], rules=None, sizes=None) -> tuple[int, ...]:
@@ -1804,27 +1850,46 @@ def problem_from_config(
         )
         layers_of = {s["name"]: s["layers"] for s in placement.stacks}
         frozen_layer = max((b / layers_of[n] for n, b in stack_frozen.items() if layers_of.get(n)), default=0.0)
+    hw = c.hardware
+    reference = float(hw.matmul_flops) if hw.matmul_flops else hw.peak_flops * opts.flops_efficiency
+    if hw.matmul_flops:
+        rate, rate_source = reference * hw.step_efficiency, f"hardware.matmul_flops (measured) {hw.matmul_flops:.3g}"
+        if hw.step_efficiency != 1.0:
+            rate_source += f" x hardware.step_efficiency {hw.step_efficiency:g}"
+    else:
+        rate = reference
+        rate_source = f"hardware.peak_flops {hw.peak_flops:.3g} x plan.flops_efficiency {opts.flops_efficiency}"
+    # An op with a measured rate at its shape (hardware.op_rates) takes its measured time, the rest
+    # run at `rate`: each producer's FLOPs are weighted by `rate` over its op's rate, so that the
+    # problem's FLOPs all run at `rate`.
+    slowness = OpSlowness(
+        hw.op_rates,
+        rate,
+        {
+            "attention": attention_impl,
+            "grouped_matmul": backend_choices(hw.platform or jax.default_backend()).grouped_matmul,
+        },
+    )
+    for t in tags:
+        for s, f in t.recompute_flops_per_layer.items():
+            t.recompute_flops_per_layer[s] = f * slowness(producer_op(m, t.tag, s, batch, seq))
+    extra_flops = 0.0  # per microbatch and device: what the slower ops add, forward and backward
     for s in placement.stacks:
         indices = _stack_layers(m, s["name"])
+        forward = layer_forward_flops(m, s["name"], batch, seq, slowness)
+        extra_flops += 3 * s["layers"] * (forward - layer_forward_flops(m, s["name"], batch, seq))
         stacks[s["name"]] = StackCost(
             layers=s["layers"],
-            forward_flops_per_layer=layer_forward_flops(m, s["name"], batch, seq),
+            forward_flops_per_layer=forward,
             param_bytes_per_layer=stack_params.get(s["name"], 0.0) / s["layers"],
             opt_bytes_per_layer=stack_opt.get(s["name"], 0.0) / s["layers"],
             layer_range=f"{indices[0]}-{indices[-1]}" if len(indices) == s["layers"] else "",
         )
-
-    hw = c.hardware
-    if hw.matmul_flops:
-        rate, rate_source = (
-            float(hw.matmul_flops) * hw.step_efficiency,
-            f"hardware.matmul_flops (measured) {hw.matmul_flops:.3g}",
-        )
-        if hw.step_efficiency != 1.0:
-            rate_source += f" x hardware.step_efficiency {hw.step_efficiency:g}"
-    else:
-        rate = hw.peak_flops * opts.flops_efficiency
-        rate_source = f"hardware.peak_flops {hw.peak_flops:.3g} x plan.flops_efficiency {opts.flops_efficiency}"
+    vocab_per_device = -(-m.vocab_size // _ways(c, trainer, "vocab"))
+    head_flops = 2.0 * batch * seq * m.hidden_size * vocab_per_device
+    extra_flops += 3 * head_flops * (slowness(("matmul", m.hidden_size, vocab_per_device)) - 1)
+    if slowness.used:
+        rate_source += "; each op at its measured rate (hardware.op_rates: " + ", ".join(slowness.used) + ")"
     link_gbps = resolve_link(opts.link, hw.host_link_gbps, hardware_dir)
     if opts.hbm_budget_gb is not None:
         budget = opts.hbm_budget_gb * GB
@@ -1901,7 +1966,7 @@ def problem_from_config(
         rate=float(rate),
         link=link_gbps * GB,
         budget=float(budget),
-        step_flops=flops_per_token(m, seq) * c.data.batch_size * seq / num_devices,
+        step_flops=flops_per_token(m, seq) * c.data.batch_size * seq / num_devices + extra_flops * c.trainer.grad_accum,
         microbatches=c.trainer.grad_accum,
         latency=opts.transfer_latency_us * 1e-6,
         duplex=link_duplex(opts.link, hw.host_link_duplex, hardware_dir),

@@ -26,6 +26,7 @@ from zoo.nn.attention_kernels import min_blockwise_seq, resolve_impl
 from zoo.nn.moe import resolve_moe_impl
 from zoo.nn.expert_rounds import round_block
 from zoo.nn.moe_dispatch import check_expert_parallel, exchanges_in_rounds
+from zoo import op_rates
 from zoo.offload import OffloadConfig, check_tags_emitted
 from zoo.sharding import (
     CONTEXT,
@@ -384,10 +385,15 @@ class HardwareConfig:
     # Measured dense matmul FLOP/s (python -m zoo.tools.measure_hardware); the planner prefers it to
     # peak_flops * plan.flops_efficiency. null: not measured.
     matmul_flops: Optional[float] = None
-    # The fraction of matmul_flops a whole training step's FLOPs run at (attention kernels, norms,
-    # the loss and layout changes run slower than a large matmul): the planner's rate is
-    # matmul_flops x step_efficiency. Measured with bench/tpu.py (docs/benchmarks.md, "TPU v5e").
+    # The fraction of matmul_flops a step's FLOPs run at where op_rates has no rate for their op
+    # (norms, the loss and layout changes run slower than a large matmul, and so do attention kernels
+    # where they are not in op_rates): the planner's rate is matmul_flops x step_efficiency. Fitted with
+    # bench/tpu.py (docs/benchmarks.md, "TPU v5e").
     step_efficiency: float = 1.0
+    # Measured FLOP/s per op and shape (zoo.op_rates; python -m zoo.tools.measure_hardware writes it on
+    # an accelerator): the planner gives each tag's producer its op's measured time. null: every op at
+    # the planner's rate.
+    op_rates: Optional[dict[str, Any]] = None
     nominal: bool = False  # true: peak_flops is a round number, not a datasheet figure
     note: str = ""
     # The platform the profile describes ("cpu", "gpu", "tpu"; null: any): train.py runs only on it
@@ -410,6 +416,9 @@ class HardwareConfig:
                 f"hardware.step_efficiency: a fraction of matmul_flops in (0, 1], got {self.step_efficiency}; e.g. "
                 "hardware.step_efficiency=0.56"
             )
+        bad_rates = op_rates.check(self.op_rates)
+        if bad_rates:
+            raise ConfigError(f"{bad_rates}; measure them with python -m zoo.tools.measure_hardware, or set it to null")
         if self.host_bytes_per_device < 0:
             raise ConfigError(
                 f"hardware.host_bytes_per_device: must be >= 0 (0: no host budget), got {self.host_bytes_per_device}; "

@@ -1,0 +1,145 @@
+"""Measured rates per op and shape (zoo.op_rates): the lookup, the profile's validation, the
+measurement that writes them, and the planner pricing each tag's producer at its op's rate."""
+
+import dataclasses
+import math
+
+import pytest
+from omegaconf import OmegaConf
+
+import zoo
+from zoo import op_rates
+from zoo.tags import TAGS, emitted_tags
+from zoo.tools import plan as zp
+from zoo.train.run_config import ConfigError, HardwareConfig, load_group
+
+GRID = {
+    "matmul": {"k": [512, 2048], "n": [512, 8192], "flops": [[20e12, 40e12], [60e12, 160e12]]},
+    "attention": {
+        "impl": "splash",
+        "seq": [2048, 8192],
+        "head_dim": [64, 128],
+        "flops": [[20e12, 30e12], [40e12, None]],
+    },
+}
+
+
+def test_rates_at_the_grid_between_it_and_beyond_it():
+    assert op_rates.rate(GRID, "matmul", 512, 8192) == 40e12  # a measured point
+    # halfway in log2 of both axes: the time (1 / rate) averaged over the four corners
+    mid = op_rates.rate(GRID, "matmul", 1024, 2048)
+    assert mid == pytest.approx(1 / (0.25 * (1 / 20e12 + 1 / 40e12 + 1 / 60e12 + 1 / 160e12)))
+    assert op_rates.rate(GRID, "matmul", 64, 100_000) == 40e12  # held at the edge: k 512, n 8192
+    assert op_rates.rate(GRID, "matmul", 1 << 20, 1) == 60e12
+    # a corner not measured: the nearest measured point in log2 (seq 4096 is as far from 2048 as from
+    # 8192, head dim 128 exact: (2048, 128) is 1 away, (8192, 64) 2)
+    assert op_rates.rate(GRID, "attention", 4096, 128) == 30e12
+    assert op_rates.rate(GRID, "grouped_matmul", 512, 512) is None  # not measured
+    assert op_rates.rate(None, "matmul", 512, 512) is None
+
+
+@pytest.mark.parametrize(
+    "table, message",
+    [
+        ({"matmul": {"k": [512], "n": [512], "flops": [[1e12, 2e12]]}}, "matmul.flops: each row one FLOP/s per n (1)"),
+        ({"matmul": {"k": [2048, 512], "n": [512], "flops": [[1], [1]]}}, "matmul.k: sizes in increasing order"),
+        ({"matmul": {"k": [512], "n": [512], "flops": [[None]]}}, "matmul.flops: every entry is null"),
+        ({"matmul": {"k": [512], "n": [512], "flops": [[-3.0]]}}, "matmul.flops: positive FLOP/s or null"),
+        ({"conv": {"k": [1], "n": [1], "flops": [[1.0]]}}, "conv: not an op kind; the kinds are matmul, "),
+        (
+            {"attention": {"seq": [], "head_dim": [64], "flops": []}},
+            "attention.seq: a non-empty list of positive sizes",
+        ),
+    ],
+)
+def test_a_malformed_table_is_one_line_naming_the_key(table, message):
+    assert op_rates.check(GRID) is None
+    with pytest.raises(ConfigError) as e:
+        load_group("hardware", OmegaConf.create({"name": "x", "op_rates": table}))
+    assert f"hardware.op_rates.{message}" in str(e.value) and "\n" not in str(e.value)
+    assert "measure_hardware" in str(e.value)
+
+
+def test_every_tag_a_matmul_or_attention_produces_declares_its_op():
+    """A producer without an op would be priced at the step's rate whatever the table says: only
+    elementwise producers (norms: a few FLOPs per element) may go without."""
+    for name in ("llama_tiny_a", "dsv3_tiny_a", "gemma3_tiny_a", "gpt_oss_tiny_a", "qwen3_moe_tiny_a"):
+        c = zoo.get_size(name)
+        for stack in {s for s, *_ in zp.stack_layout(c)}:
+            emits = zp._stack_emits(c, stack)
+            for tag in emitted_tags(c):
+                if tag not in emits or TAGS[tag].name == "decoder_layer_input":
+                    continue
+                op = zp.producer_op(c, tag, stack, 2, 64)
+                flops = zp.producer_flops(c, tag, stack, 2, 64)
+                if op is None:
+                    assert flops <= 5 * 2 * 64 * c.hidden_size, (name, tag)
+                else:
+                    kind, a, b = op
+                    assert kind in op_rates.AXES and a > 0 and b > 0, (name, tag, op)
+
+
+def test_the_planner_prices_each_producer_at_its_measured_rate():
+    from zoo.tools.kit import prepare_step
+
+    c, _, _, trainer, _ = prepare_step(
+        [
+            "model=llama_tiny_a",
+            "mesh=single",
+            "data.batch_size=2",
+            "data.seq_len=128",
+            "hardware=h100_pcie",
+            "model.attention_impl=blockwise",
+        ]
+    )
+    base, _ = zp.problem_from_config(c, trainer, zp.PlanConfig())
+    m, (stack,) = trainer.cfg.model, base.stacks
+    layers = base.stacks[stack].layers
+
+    def planned(table):
+        hw = dataclasses.replace(c.hardware, op_rates=table)
+        return zp.problem_from_config(dataclasses.replace(c, hardware=hw), trainer, zp.PlanConfig())
+
+    # attention 4x slower than the problem's rate, measured with the kernel this run uses
+    table = {"attention": {"impl": "blockwise", "seq": [128], "head_dim": [m.qk_head_dim], "flops": [[base.rate / 4]]}}
+    p, info = planned(table)
+    context = zp.producer_flops(m, "context", stack, 2, 128)
+    costs = {t.tag: t.recompute_flops_per_layer[stack] for t in p.tags}
+    assert costs["context"] == pytest.approx(4 * context)
+    assert all(costs[t.tag] == t.recompute_flops_per_layer[stack] for t in base.tags if t.tag != "context")
+    assert p.stacks[stack].forward_flops_per_layer == pytest.approx(
+        base.stacks[stack].forward_flops_per_layer + 3 * context
+    )
+    assert p.step_flops == pytest.approx(base.step_flops + 3 * layers * 3 * context)
+    assert "hardware.op_rates: attention (blockwise)" in info["rate_source"]
+    # measured with another kernel than the run's: not this run's rate
+    other = {"attention": {**table["attention"], "impl": "splash"}}
+    assert planned(other)[0].step_flops == base.step_flops
+    # matmuls at half the rate: the projections, the MLP and the head take twice their time
+    p, _ = planned({"matmul": {"k": [1], "n": [1], "flops": [[base.rate / 2]]}})
+    head = 2 * 2 * 128 * m.hidden_size * m.vocab_size
+    matmuls = base.stacks[stack].forward_flops_per_layer - context
+    assert p.step_flops == pytest.approx(base.step_flops + 3 * (layers * matmuls + head))
+    assert math.isclose(p.rate, base.rate)
+
+
+def test_measure_hardware_times_a_table_the_planner_reads():
+    from zoo.tools.measure_hardware import measure_op_rates
+
+    grid = {
+        "matmul_rows": 256,
+        "widths": (32, 64),
+        "grouped_rows": 256,
+        "groups": 4,
+        "grouped_widths": (32,),
+        "attention_tokens": 512,
+        "attention_heads": 2,
+        "seqs": (256,),
+        "head_dims": (32,),
+    }
+    table = measure_op_rates(repeats=1, grid=grid)
+    assert op_rates.check(table) is None
+    assert set(op_rates.AXES) <= set(table) and table["attention"]["impl"] == "blockwise"
+    assert all(v > 0 for kind in op_rates.AXES for row in table[kind]["flops"] for v in row)
+    hw = HardwareConfig(name="m", op_rates=table)
+    assert op_rates.rate(hw.op_rates, "matmul", 48, 48) > 0
