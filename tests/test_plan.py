@@ -139,6 +139,20 @@ def test_optimizer_on_host_frees_the_backward_phase_and_streams_the_update():
     assert evaluate(p, {"a": "device"}).state_transfer_s == pytest.approx(2 * 2 * GB / (64 * GB))
 
 
+def test_microbatches_hold_the_gradients_running_sum_beside_their_own():
+    p = make_problem({"a": (100, 1e9)})
+    p.grad_bytes, p.stack_param_bytes = p.param_bytes, 0.8 * GB
+    one = evaluate(p, {"a": "device"}).backward_phase_bytes
+    p.microbatches = 4
+    assert evaluate(p, {"a": "device"}).backward_phase_bytes == pytest.approx(one + 1 * GB)
+    # parameters on host: the stacks' gradients leave for host layer by layer; the rest sum on device
+    p.params_on_host = True
+    p.stacks["s"].param_bytes_per_layer = 0.8 * GB / LAYERS
+    streamed = evaluate(p, {"a": "device"}).backward_phase_bytes
+    p.microbatches = 1
+    assert streamed - evaluate(p, {"a": "device"}).backward_phase_bytes == pytest.approx(0.2 * GB)
+
+
 def test_a_link_without_duplex_exposes_the_sum_of_what_crosses_together():
     """With parameters on host, a layer's forward sends its activations out while its weights come in,
     and its backward brings both in while the weight gradients go out: on a link that carries one
@@ -213,6 +227,16 @@ def test_loss_working_set_counts_the_chunks_and_what_the_fused_backward_keeps():
         batch=2, seq=4096, vocab=128256 // 8, embed=2048, chunk=512, compute_bytes=2, row_group=8
     )
     assert shared == 16 * 512 * 16032 * 4 + 2048 * 16032 * 4 + 2 * 4096 * 2048 * 2 + 16 * 512 * 2048 * 2
+    # As each backend's compiler allocates it (zoo.backend): a TPU accumulates the head's gradient in
+    # its own buffer (no accumulator, no cast); XLA:CPU keeps 1.75 chunks of logits at once.
+    from zoo import backend
+
+    args = dict(batch=2, seq=4096, vocab=128256, embed=2048, chunk=512, compute_bytes=2, head_cast_bytes=cast)
+    assert zp.loss_working_bytes(**args, backend=backend.choices("tpu")) == 2 * 512 * 128256 * 4 + 2 * 4096 * 2048 * 2
+    assert zp.loss_working_bytes(**args, backend=backend.choices("cpu")) == pytest.approx(
+        chunked + 0.75 * 2 * 512 * 128256 * 4
+    )
+    assert zp.loss_working_bytes(**args, backend=backend.choices("gpu")) == chunked  # not measured: counted whole
 
 
 def test_links():

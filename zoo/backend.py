@@ -83,6 +83,17 @@ class BackendChoices:
     # distributions; a LoRA run's base keeps threefry (a checkpoint rebuilds it from the seed on any
     # machine).
     init_prng: Optional[str] = None
+    # The chunked loss's transient as the compiler allocates it (zoo.tools.plan.loss_working_bytes):
+    # the float32 [rows, chunk, vocabulary] buffers of one chunk it keeps at once, and whether the
+    # head's gradient accumulates in the gradient's own buffer (no separate float32 accumulator, the
+    # head's cast to the compute dtype fused into its matmuls). TPU v5e: one buffer, in place (the
+    # compiled peaks of llama_1b's layers at 6, 8 and 12 x 2048 with chunks of 512 are the state, the
+    # kept residuals and 0.97-1.04 of one chunk; growing the chunk from 512 to 1024 rows added 0.95 of
+    # one: docs/benchmarks.md, "TPU v5e"). CPU: 1.75 buffers and a separate accumulator (llama_100m at
+    # 8 x 512, float32: XLA:CPU's temp grew by 1.74 buffers from chunks of 256 to 512). Elsewhere
+    # not measured: one buffer, the accumulator and the cast counted.
+    loss_chunk_buffers: float = 1.0
+    head_gradient_in_place: bool = False
 
     def describe(self) -> str:
         """One line for train.py's startup output."""
@@ -115,10 +126,17 @@ CPU = BackendChoices(
     blockwise_from_seq=256,
     head_grad_rows_last=True,
     grouped_matmul_tile=128,
+    loss_chunk_buffers=1.75,
 )
 
 
-TPU = BackendChoices(platform="tpu", grouped_matmul="megablox", fused_attention="splash", init_prng="rbg")
+TPU = BackendChoices(
+    platform="tpu",
+    grouped_matmul="megablox",
+    fused_attention="splash",
+    init_prng="rbg",
+    head_gradient_in_place=True,
+)
 
 
 def choices(platform: Optional[str] = None) -> BackendChoices:

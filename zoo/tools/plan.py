@@ -76,6 +76,7 @@ from zoo.model import block_classes, loss_fn, stack_layout
 from zoo.nn.attention_kernels import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, resolve_impl
 from zoo.nn.expert_rounds import round_block
 from zoo.nn.moe_dispatch import exchanges_in_rounds
+from zoo.backend import BackendChoices
 from zoo.backend import choices as backend_choices
 from zoo.backend import lowering_for, pallas_interpreted
 from zoo.op_rates import rate as op_rate
@@ -406,6 +407,12 @@ def _fixed_state_bytes(p: Problem) -> tuple[float, float]:
         grads = p.grad_bytes - p.stack_param_bytes + 2 * biggest_layer
     else:
         params, grads = p.param_bytes, p.grad_bytes
+    if p.microbatches > 1:
+        # zoo.train.step scans the microbatches with the gradients' running sum as its carry: at each
+        # microbatch's end the sum and that microbatch's gradients are both on device (the stacks' with
+        # parameters on host go to host layer by layer). TPU v5e, llama_1b's layers, 8 microbatches
+        # of 8 x 2048: XLA's peak 13.26 GB, this estimate 12.83 (10.81 without the sum).
+        grads += p.grad_bytes - (p.stack_param_bytes if p.params_on_host else 0.0)
     opt = 0.0 if p.opt_on_host else p.opt_bytes
     # Host-resident stacks are sliced in host memory: the cut's copies are on device only otherwise.
     cut = 0.0 if p.params_on_host else RANGE_CUT_COPIES * p.cut_bytes
@@ -1686,28 +1693,29 @@ def loss_working_bytes(
     compute_bytes: int,
     head_cast_bytes: float = 0.0,
     row_group: int = 1,
+    backend: Optional[BackendChoices] = None,
 ) -> float:
     """The transient bytes of the head + loss, per device (`vocab` is the device's share; `row_group`
     devices share a vocab axis that also splits the batch, so each chunk's logits cover their rows).
 
     Whole logits (`chunk` 0): the float32 logits, their softmax and their gradient [batch, T, vocab].
-    Chunked (zoo.loss, fused): one float32 [batch, chunk, vocab] at a time (XLA fuses the softmax and
-    its gradient into the logits' buffer: a TPU v5e's compiled peak of llama_1b's layers grew by 0.95
-    of one such buffer from chunks of 512 to 1024, `bench/tpu.py --aot`), plus what the fused backward
-    keeps through the chunks: the float32 head-gradient accumulator [embed, vocab], the hidden states'
-    gradient [batch, T, embed] in the compute dtype and the head cast to the compute dtype
-    (`head_cast_bytes`, 0 when the dtypes agree)."""
+    Chunked (zoo.loss, fused): float32 [batch, chunk, vocab] buffers of one chunk at a time, as many
+    as the backend's compiler keeps (`BackendChoices.loss_chunk_buffers`), plus what the fused
+    backward keeps through the chunks: the hidden states' gradient [batch, T, embed] in the compute
+    dtype, and unless the backend accumulates the head's gradient in its own buffer
+    (`BackendChoices.head_gradient_in_place`), the float32 accumulator [embed, vocab] and the head
+    cast to the compute dtype (`head_cast_bytes`, 0 when the dtypes agree). `backend`: the planned
+    platform's record (None: one chunk buffer, the accumulator and the cast counted)."""
     if not chunk:
         return 3.0 * batch * seq * vocab * 4
+    buffers = backend.loss_chunk_buffers if backend else 1.0
+    in_place = backend.head_gradient_in_place if backend else False
     rows = min(chunk, seq)
     gathered = float(batch * row_group * rows * embed * compute_bytes) if row_group > 1 else 0.0
-    # The head-gradient accumulator may end as the head's gradient, counted with the gradients too:
-    # on a TPU v5e that put the planner up to 15% over XLA's peak (docs/benchmarks.md, "TPU v5e").
     return (
-        float(batch * row_group * rows * vocab * 4)
-        + 4.0 * embed * vocab
+        buffers * float(batch * row_group * rows * vocab * 4)
+        + (0.0 if in_place else 4.0 * embed * vocab + head_cast_bytes)
         + float(batch * seq * embed * compute_bytes)
-        + head_cast_bytes
         + gathered
     )
 
@@ -1941,6 +1949,7 @@ def problem_from_config(
         compute_bytes=compute_bytes,
         head_cast_bytes=head_cast,
         row_group=row_group,
+        backend=backend_choices(hw.platform or jax.default_backend()),
     )
     layers_working = 2.0 * (per_layer + mlpwo_bytes) + attention
     working = max(layers_working, loss)
