@@ -2053,7 +2053,7 @@ def use_plan_lines(out, overrides: Sequence[str]) -> list[str]:
 # The planner's candidates compiled by XLA for the target (`python -m zoo.tools.plan plan.compile=N`).
 #
 # The planner's HBM model is a sum of holders; the compiler's peak is a schedule with reuse and padding.
-# On a TPU v5e the two differ by -37..+35% over 44 runs (docs/benchmarks.md, "TPU v5e"), so an estimate
+# On a TPU v5e the two differ by -34..+35% over 44 runs (docs/benchmarks.md, "TPU v5e"), so an estimate
 # alone can refuse a batch that runs or pick a policy that does not fit. With `plan.compile=N` the
 # planner compiles (never runs) up to N candidates for the target and keeps the fastest whose compiled
 # peak fits:
@@ -2273,7 +2273,7 @@ class Compiler:
 
 def compile_count(opts: PlanConfig, c) -> int:
     """`plan.compile`, its default (null) resolved: 4 for a TPU target whose compiler is on this
-    machine (the estimate alone was -37..+35% off XLA's peak on a v5e, docs/benchmarks.md), else 0."""
+    machine (the estimate alone was -34..+35% off XLA's peak on a v5e, docs/benchmarks.md), else 0."""
     import jax
 
     if opts.compile is not None:
