@@ -275,6 +275,21 @@ def _patch(hf_export):
         return restore(*a, **k)
     hf_export.restore_model = stalled
 """
+# The same garbage collection as the parameters are initialised, before train.py's first step: the Ctrl-C
+# Python swallows there still ends the run, at the next phase (compiling).
+STALLED_INIT = """
+def _patch(run):
+    initial_state = run.initial_state
+    def stalled(*a, **k):
+        def collecting(phase, info):
+            gc.callbacks.remove(collecting)
+            pathlib.Path(os.environ['ZOO_TEST_WAITING']).touch()
+            time.sleep(30)
+        gc.callbacks.append(collecting)
+        gc.collect()
+        return initial_state(*a, **k)
+    run.initial_state = stalled
+"""
 # The disk fills up while step 4's checkpoint is written: orbax's background thread fails writing its
 # metadata file (the arrays before it were written).
 DISK_FULL = """
@@ -521,6 +536,16 @@ CASES = {
         _ctrl_c_when_waiting,
         ("zoo.train.hf_export", STALLED_EXPORT),
     ),
+    "Ctrl-C swallowed by a garbage-collector callback before train.py's first step": (
+        lambda t, d: (train_cmd(LLAMA, *TINY, "trainer.steps=3", f"hydra.run.dir={t / 'run'}"), t, []),
+        (
+            130,
+            r"interrupted \(Ctrl-C\) while initialising the parameters, before any step ran; nothing was trained or "
+            r"saved; run the same command again",
+        ),
+        _ctrl_c_when_waiting,
+        ("zoo.train.run", STALLED_INIT),
+    ),
     # The disk fills up during a save: the run stops at once, naming the step and the last good checkpoint.
     "disk full during a checkpoint save": (
         lambda t, d: (
@@ -683,7 +708,9 @@ def test_bad_input_ends_in_one_line_and_changes_no_file(case, base, tmp_path):
         )
     if case == "zoo.tools.export, newest step damaged":
         assert "exported step 2 of " in out
-    if case.startswith("Ctrl-C swallowed"):
+    if case == "Ctrl-C swallowed by a garbage-collector callback before train.py's first step":
+        assert not (tmp_path / "run" / "metrics.jsonl").exists()  # it stopped before any step
+    if case == "Ctrl-C swallowed by a garbage-collector callback in zoo.tools.export":
         assert (
             not (tmp_path / "out").exists() and not (tmp_path / "out.export-tmp").exists()
         )  # nothing looks like an export

@@ -545,7 +545,9 @@ def main(hydra_main: Callable, conf_dir: pathlib.Path) -> int:
         argv = sys.argv
         sys.argv = [*argv, *_keep_earlier_hydra_record(argv[1:])]
         try:
-            with _argparse_one_line(TRAIN):
+            # As for the tools (run_tool): a Ctrl-C Python swallows (in JAX's garbage-collector callback,
+            # say) is raised again at the run's next phase or step (zoo.train.run), not lost.
+            with _argparse_one_line(TRAIN), stop.ctrl_c_noted():
                 hydra_main()
         finally:
             sys.argv = argv

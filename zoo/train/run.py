@@ -49,7 +49,7 @@ from zoo.train.run_config import (
     validate,
 )
 from zoo.train.step import Trainer
-from zoo.train.stop import EXIT_REQUEUE, StopSignals, set_phase
+from zoo.train.stop import EXIT_REQUEUE, StopSignals, ctrl_c_served, raise_if_interrupted, set_phase
 from zoo.train.xla_flags import GPU_HOST_OFFLOAD_FLAG, GPU_HOST_OFFLOAD_FLAGS, known_flag
 
 # The XLA flags this process started JAX with (None: not started by us).
@@ -327,6 +327,7 @@ def _train(c: TrainConfig, plan, devices, out_dir: pathlib.Path, xla_flags: str,
         local_devices = [d for d in mesh_devices if d.process_index == jax.process_index()]
         log = StepLog(c, out_dir if main else None, start, len(mesh_devices), local_devices, main)
         loop = StepLoop(compiled, batches, log, ckpt, stop, steps, c.checkpoint.every_n_steps, evaluator=evaluator)
+        raise_if_interrupted()  # a Ctrl-C Python swallowed while compiling ends the run as one during the compile
         try:
             state = loop.run(state, start)
         except KeyboardInterrupt:
@@ -558,6 +559,7 @@ class StepLoop:
         for step in range(start, self.steps):
             if self.ckpt is not None:
                 self.ckpt.check_saves()  # a save that failed in the background stops the run now
+            raise_if_interrupted()  # a Ctrl-C Python swallowed during the step before stops the run as any Ctrl-C does
             if self.stop.requested_here():
                 self.stopped = True
                 break
@@ -780,6 +782,8 @@ def _kept(ckpt) -> str:
     if ckpt is None:
         return "checkpointing is off (checkpoint.dir=null)"
     last = ckpt.latest()
+    # The run is stopping, which serves a Ctrl-C noted so far; only another one cuts this wait short.
+    ctrl_c_served()
     set_phase(
         "waiting for the checkpoint save in flight, after a first Ctrl-C",
         f"the steps saved before it are intact (last: {last} in {ckpt.dir}); a save cut short is left as a temporary "

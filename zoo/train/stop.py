@@ -50,12 +50,19 @@ def raise_if_interrupted() -> None:
         raise KeyboardInterrupt
 
 
+def ctrl_c_served() -> None:
+    """The command is acting on the Ctrl-C noted so far (train.py finishing the save in flight before it
+    stops): the next `set_phase` starts a phase that only another Ctrl-C interrupts."""
+    global _PRESSED
+    _PRESSED = False
+
+
 @contextlib.contextmanager
 def ctrl_c_noted():
-    """For the tools (zoo.tools.cli.run_tool): Ctrl-C raises KeyboardInterrupt as Python's own handler
-    does, and is noted, and the "Exception ignored" report of one Python swallowed is left out (the
-    note raises it again). Left as it is where SIGINT is ignored (a shell's background job) or handled
-    by someone else, and outside the main thread."""
+    """For the commands (zoo.tools.cli: `run_tool`, and `main` for train.py): Ctrl-C raises
+    KeyboardInterrupt as Python's own handler does, and is noted, and the "Exception ignored" report of
+    one Python swallowed is left out (the note raises it again). Left as it is where SIGINT is ignored
+    (a shell's background job) or handled by someone else, and outside the main thread."""
     global _PRESSED
     if (
         threading.current_thread() is not threading.main_thread()
