@@ -65,6 +65,24 @@ def test_a_model_that_understates_gives_up_more_until_the_compiler_agrees():
     assert pick.estimate.time_s > tried[0].estimate.time_s
 
 
+def test_when_the_smallest_offloads_and_does_not_compile_within_budget_recompute_is_tried():
+    # Offloading is free in the estimate and hidden under compute, so the estimate's pick under a tight
+    # budget offloads both tags; its compiled peak is over the budget (offloads hold device memory in
+    # flight) and nothing smaller is left to the estimate: the same with recompute is compiled, and fits.
+    p = _problem(2.0)
+    p.link = 1000 * GB
+
+    def peak(e):
+        offloads = sum(a == "offload" for a in e.assignment.values())
+        return e.peak_bytes + offloads * 1.5 * GB, 0.0
+
+    tried = zp.checked_search(p, peak, 4)
+    assert tried[0].estimate.assignment == {"a": "offload", "b": "offload"} and not tried[0].fits(p.budget)
+    pick = zp.chosen(tried, p.budget)
+    assert pick is tried[-1] and pick.estimate.assignment == {"a": "remat", "b": "remat"}
+    assert len(tried) == 2
+
+
 def test_nothing_fits_when_even_the_smallest_does_not_compile_within_the_budget():
     p = _problem(0.5)  # below the parameters alone
     with pytest.raises(Infeasible):
