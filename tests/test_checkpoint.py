@@ -890,3 +890,23 @@ def test_a_step_without_an_orbax_file_is_refused_before_orbax_reads_it(uninterru
     monkeypatch.setattr(ocp, "PyTreeCheckpointer", untouchable)
     with pytest.raises(Unreadable, match=r"^state/manifest\.ocdbt is missing$"):
         _restore_params(ckpt, 8, None)
+
+
+def test_two_processes_writing_one_summary_do_not_trip_over_each_others_temporary_file(tmp_path):
+    # Two commands started in the same second share Hydra's default run directory and both write
+    # summary.json there; each must land whole, neither fail on the other's rename.
+    code = (
+        "import pathlib, sys, time\n"
+        "from zoo.train.metrics import write_json\n"
+        "p = pathlib.Path(sys.argv[1])\n"
+        "(p.parent / sys.argv[2]).touch()\n"  # ready; both start writing together
+        "while not all((p.parent / w).exists() for w in 'ab'):\n"
+        "    time.sleep(0.001)\n"
+        "for i in range(300):\n"
+        "    write_json(p, {'writer': sys.argv[2], 'i': i, 'pad': 'x' * 4096})\n"
+    )
+    path = tmp_path / "summary.json"
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(path), w], stderr=subprocess.PIPE) for w in "ab"]
+    errors = [p.communicate(timeout=120)[1].decode() for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], errors
+    assert json.loads(path.read_text())["i"] == 299 and not list(tmp_path.glob("*.tmp"))

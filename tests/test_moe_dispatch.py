@@ -495,9 +495,10 @@ def test_checkpoint_policies_reach_tags_inside_the_shard_map(policy, impl):
         scale = float(jnp.abs(e).max())
         assert scale > 0, name
         # The dropless exchange adds each token's k outputs and each expert's rows in another order
-        # than the single program (float32: up to 8e-6 of the leaf's largest gradient through two
-        # layers of sin and two microbatches, with or without later rounds); capacity's is the same order.
-        atol = 1e-5 if impl == "capacity" else 1e-5 * scale
+        # than the single program (float32, through two layers of sin and two microbatches, with or
+        # without later rounds: up to 8e-6 of the leaf's largest gradient on an AVX-512 Xeon, 5.1e-5 on
+        # an AMD Zen 3, whose XLA:CPU kernels sum in another order); capacity's is the same order.
+        atol = 1e-5 if impl == "capacity" else 1e-4 * scale
         np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-5, atol=atol, err_msg=name)
 
     # Saving every tag (on device or on host) needs no more matmuls than saving everything; recomputing

@@ -242,7 +242,7 @@ OP_GRID = {
 }
 
 
-def _median_call_s(fn, args, repeats: int) -> float:
+def median_call_s(fn, args, repeats: int) -> float:
     import jax
 
     jax.block_until_ready(fn(*args))  # compile and first touch
@@ -254,7 +254,7 @@ def _median_call_s(fn, args, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _value_and_grad(fn):
+def value_and_grad_call(fn):
     """jit of fn's value and its inputs' cotangents for a given output cotangent: the forward and
     backward a training step runs, without a loss's own reduction in the timing."""
     import jax
@@ -304,13 +304,13 @@ def measure_op_rates(
 
     def timed(flops, fn, *args):
         try:
-            return flops / _median_call_s(fn, args, repeats)
+            return flops / median_call_s(fn, args, repeats)
         except Exception as e:  # noqa: BLE001 - a shape this device cannot run is a hole in the table, not the end
             log(f"op rates: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
             return None
 
     rows, widths = g["matmul_rows"], g["widths"]
-    matmul = _value_and_grad(lambda x, w: x @ w)
+    matmul = value_and_grad_call(lambda x, w: x @ w)
     table = []
     for k in widths:
         line = []
@@ -326,7 +326,7 @@ def measure_op_rates(
     sizes = jnp.floor(rows * shares / shares.sum()).astype(jnp.int32)
     sizes = jax.device_put(sizes.at[-1].add(rows - sizes.sum()), device)
     impl = choices.grouped_matmul
-    grouped = _value_and_grad(lambda x, w: grouped_matmul(x, w, sizes, impl=impl, tile=choices.grouped_matmul_tile))
+    grouped = value_and_grad_call(lambda x, w: grouped_matmul(x, w, sizes, impl=impl, tile=choices.grouped_matmul_tile))
     table = []
     for k in widths:
         line = []
@@ -335,7 +335,7 @@ def measure_op_rates(
             line.append(timed(6.0 * rows * k * n, grouped, ct, x, w))
         table.append(line)
         log(f"op rates: grouped matmul k={k}: " + " ".join(f"{r / 1e12:.3g}" if r else "-" for r in line))
-    capacity = _value_and_grad(lambda x, w: jnp.einsum("ecd,edf->ecf", x, w))
+    capacity = value_and_grad_call(lambda x, w: jnp.einsum("ecd,edf->ecf", x, w))
     table = []
     for k in widths:
         line = []
@@ -368,7 +368,7 @@ def measure_op_rates(
             dv = {96: 64, 192: 128}.get(d, d)
             q, k_, v = normal((batch, seq, heads, d)), normal((batch, seq, heads, d)), normal((batch, seq, heads, dv))
             ct = normal((batch, seq, heads, dv))
-            fn = _value_and_grad(lambda q, k, v, d=d: attend(q, k, v, scale=d**-0.5, impl=impl))
+            fn = value_and_grad_call(lambda q, k, v, d=d: attend(q, k, v, scale=d**-0.5, impl=impl))
             forward = 2.0 * batch * seq * attended_keys(seq, None) * heads * (d + dv)
             line.append(timed(3.0 * forward, fn, ct, q, k_, v))
         table.append(line)

@@ -1949,7 +1949,8 @@ def problem_from_config(
         compute_bytes=compute_bytes,
         head_cast_bytes=head_cast,
         row_group=row_group,
-        backend=backend_choices(hw.platform or jax.default_backend()),
+        # A profile for any platform (no hardware.platform) says nothing of its compiler: counted whole.
+        backend=backend_choices(hw.platform) if hw.platform else None,
     )
     layers_working = 2.0 * (per_layer + mlpwo_bytes) + attention
     working = max(layers_working, loss)

@@ -255,6 +255,9 @@ class MetricsWriter:
 
 
 def write_json(path: pathlib.Path, obj: dict) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
+    # The temporary file is this process's own: two commands started in the same second share Hydra's
+    # default run directory, and both write their summary there (two bad commands' error summaries
+    # raced on one temporary name, and the second rename found it gone).
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(to_python(obj), indent=2) + "\n")
     os.replace(tmp, path)

@@ -88,7 +88,10 @@ def ctrl_c_noted():
         yield
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        sys.unraisablehook = unraisable
+        # A hook installed on top of this one (zoo.train.checkpoint's, quieting what a failed restore
+        # leaves behind until the interpreter exits) stays: this one, under it, passes all through now.
+        if sys.unraisablehook is hook:
+            sys.unraisablehook = unraisable
         _PRESSED = False
 
 
