@@ -259,12 +259,15 @@ def _patch(run):
         wait(self)
     checkpoint.Checkpoints.wait = slow
 """
-# Before the export reads the checkpoint, a garbage collection whose callback takes 30 s (JAX registers
-# such a callback): a Ctrl-C there is raised inside the callback, where Python reports it as "Exception
-# ignored" and goes on.
-STALLED_EXPORT = """
-def _patch(hf_export):
-    restore = hf_export.restore_model
+
+
+def _stalled_gc(module: str, function: str) -> str:
+    """A patch: before `module.function` runs, a garbage collection whose callback takes 30 s (JAX
+    registers such a callback): a Ctrl-C there is raised inside the callback, where Python reports it as
+    "Exception ignored" and goes on."""
+    return f"""
+def _patch({module}):
+    original = {module}.{function}
     def stalled(*a, **k):
         def collecting(phase, info):
             gc.callbacks.remove(collecting)
@@ -272,24 +275,16 @@ def _patch(hf_export):
             time.sleep(30)
         gc.callbacks.append(collecting)
         gc.collect()
-        return restore(*a, **k)
-    hf_export.restore_model = stalled
+        return original(*a, **k)
+    {module}.{function} = stalled
 """
-# The same garbage collection as the parameters are initialised, before train.py's first step: the Ctrl-C
-# Python swallows there still ends the run, at the next phase (compiling).
-STALLED_INIT = """
-def _patch(run):
-    initial_state = run.initial_state
-    def stalled(*a, **k):
-        def collecting(phase, info):
-            gc.callbacks.remove(collecting)
-            pathlib.Path(os.environ['ZOO_TEST_WAITING']).touch()
-            time.sleep(30)
-        gc.callbacks.append(collecting)
-        gc.collect()
-        return initial_state(*a, **k)
-    run.initial_state = stalled
-"""
+
+
+# Before the export reads the checkpoint.
+STALLED_EXPORT = _stalled_gc("hf_export", "restore_model")
+# As the parameters are initialised, before train.py's first step: the Ctrl-C Python swallows there still
+# ends the run, at the next phase (compiling).
+STALLED_INIT = _stalled_gc("run", "initial_state")
 # The disk fills up while step 4's checkpoint is written: orbax's background thread fails writing its
 # metadata file (the arrays before it were written).
 DISK_FULL = """
