@@ -329,11 +329,12 @@ def _time_grad(fn, args, repeats: int) -> float:
     element) inside the timed program."""
     import jax
 
-    from zoo.tools.measure_hardware import median_call_s, value_and_grad_call
+    from zoo.tools.measure_hardware import median_time, value_and_grad_call
 
     out = jax.eval_shape(fn, *args)
     ct = jax.random.normal(jax.random.key(1), out.shape, out.dtype)
-    return median_call_s(value_and_grad_call(fn), (ct, *args), repeats)
+    step = value_and_grad_call(fn)
+    return median_time(lambda: jax.block_until_ready(step(ct, *args)), repeats)
 
 
 def child_kernels(spec: dict) -> dict:

@@ -143,3 +143,35 @@ def test_measure_hardware_times_a_table_the_planner_reads():
     assert all(v > 0 for kind in op_rates.AXES for row in table[kind]["flops"] for v in row)
     hw = HardwareConfig(name="m", op_rates=table)
     assert op_rates.rate(hw.op_rates, "matmul", 48, 48) > 0
+
+
+def test_each_op_rate_is_its_own_ops_flops_over_its_own_time(monkeypatch):
+    """Every entry is the FLOPs of its own op and shape over the time of its own program (a timer that
+    runs the program and reports 1 s leaves the FLOPs): the experts' two kernels differ in rows here
+    (the capacity buffers hold rows // groups each), so one kind's table filed under another shows."""
+    import jax
+
+    from zoo.config import attended_keys
+    from zoo.tools import measure_hardware as mh
+
+    def one_second(call, repeats):
+        jax.block_until_ready(call())
+        return 1.0
+
+    monkeypatch.setattr(mh, "median_time", one_second)
+    grid = {
+        "matmul_rows": 16,
+        "widths": (8, 16),
+        "grouped_rows": 30,
+        "groups": 4,
+        "grouped_widths": (8,),
+        "attention_tokens": 512,
+        "attention_heads": 2,
+        "seqs": (256,),
+        "head_dims": (32,),
+    }
+    table = mh.measure_op_rates(repeats=1, grid=grid)
+    assert table["matmul"]["flops"] == [[6.0 * 16 * k * n for n in (8, 16)] for k in (8, 16)]
+    assert table["grouped_matmul"]["flops"] == [[6.0 * 30 * 8 * 8]]
+    assert table["capacity_einsum"]["flops"] == [[6.0 * 28 * 8 * 8]] and table["capacity_einsum"]["rows"] == 28
+    assert table["attention"]["flops"] == [[3 * 2.0 * 2 * 256 * attended_keys(256, None) * 2 * 64]]

@@ -55,7 +55,7 @@ class MeasureOptions:
             raise ValueError(f"name: {self.name!r} is not a file stem; e.g. name=measured")
 
 
-def _median_time(fn, repeats: int) -> float:
+def median_time(fn, repeats: int) -> float:
     fn()  # warm-up (compile, first touch)
     times = []
     for _ in range(repeats):
@@ -87,7 +87,7 @@ def measure_matmul(n: int, dtype: str, repeats: int = 5, chain: int = 8, device=
             x = (x @ w) * one
         return x
 
-    t = _median_time(lambda: f(a, b, one).block_until_ready(), repeats)
+    t = median_time(lambda: f(a, b, one).block_until_ready(), repeats)
     return 2.0 * n**3 * chain / t
 
 
@@ -108,8 +108,8 @@ def measure_link(mbytes: float, repeats: int = 5, device=None) -> tuple[float, f
     x_dev = jax.device_put(x_host, dev)
     jax.block_until_ready((x_host, x_dev))
     nbytes = elems * 4
-    h2d = _median_time(lambda: jax.device_put(x_host, dev).block_until_ready(), repeats)
-    d2h = _median_time(lambda: jax.device_put(x_dev, host).block_until_ready(), repeats)
+    h2d = median_time(lambda: jax.device_put(x_host, dev).block_until_ready(), repeats)
+    d2h = median_time(lambda: jax.device_put(x_dev, host).block_until_ready(), repeats)
     return nbytes / h2d / 1e9, nbytes / d2h / 1e9
 
 
@@ -173,10 +173,10 @@ def measure_program_link(
     )
     in_and_out_base = jax.jit(lambda xd: (xd * 2, xd * 2))
     jax.block_until_ready((x_host, x_dev, a))
-    t_in = _median_time(lambda: to_device(x_host).block_until_ready(), repeats)
-    t_trip = _median_time(lambda: trip(x_dev).block_until_ready(), repeats)
-    in_s = max(t_in - _median_time(lambda: in_base(x_dev).block_until_ready(), repeats), 1e-9)
-    moved_s = max(t_trip - _median_time(lambda: trip_base(x_dev).block_until_ready(), repeats), 2e-9)
+    t_in = median_time(lambda: to_device(x_host).block_until_ready(), repeats)
+    t_trip = median_time(lambda: trip(x_dev).block_until_ready(), repeats)
+    in_s = max(t_in - median_time(lambda: in_base(x_dev).block_until_ready(), repeats), 1e-9)
+    moved_s = max(t_trip - median_time(lambda: trip_base(x_dev).block_until_ready(), repeats), 2e-9)
     # XLA:CPU ignores memory kinds: nothing moves inside its programs, whatever a noisy timing says
     # (both programs do the same work there, so their difference is the machine's jitter).
     moves = device.platform != "cpu" and moved_s > 0.05 * t_trip
@@ -191,11 +191,11 @@ def measure_program_link(
             came, landing[0] = in_and_out(x_host, x_dev, landing[0])
             jax.block_until_ready((came, landing[0]))
 
-        t_pair = _median_time(pair, repeats)
-        pair_s = t_pair - _median_time(lambda: jax.block_until_ready(in_and_out_base(x_dev)), repeats)
+        t_pair = median_time(pair, repeats)
+        pair_s = t_pair - median_time(lambda: jax.block_until_ready(in_and_out_base(x_dev)), repeats)
         duplex = bool(pair_s < 0.75 * (in_s + out_s))
-    t_chain = _median_time(lambda: compute(a).block_until_ready(), repeats)
-    t_both = _median_time(lambda: jax.block_until_ready(both(a, x_dev)), repeats)
+    t_chain = median_time(lambda: compute(a).block_until_ready(), repeats)
+    t_both = median_time(lambda: jax.block_until_ready(both(a, x_dev)), repeats)
     exposed = max(0.0, t_both - t_chain)
     return {
         "bytes": nbytes,
@@ -240,18 +240,6 @@ OP_GRID = {
         "head_dims": (32, 64),
     },
 }
-
-
-def median_call_s(fn, args, repeats: int) -> float:
-    import jax
-
-    jax.block_until_ready(fn(*args))  # compile and first touch
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def value_and_grad_call(fn):
@@ -302,24 +290,42 @@ def measure_op_rates(
     def normal(shape, scale=1.0):
         return jax.device_put((jax.random.normal(next(keys), shape, jnp.float32) * scale).astype(dtype), device)
 
-    def timed(flops, fn, *args):
+    def timed(case, a, b):
         try:
-            return flops / median_call_s(fn, args, repeats)
+            flops, fn, *args = case(a, b)
+            return flops / median_time(lambda: jax.block_until_ready(fn(*args)), repeats)
         except Exception as e:  # noqa: BLE001 - a shape this device cannot run is a hole in the table, not the end
             log(f"op rates: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
             return None
 
+    def grid_of(name: str, rows_axis, cols_axis, case) -> list:
+        """flops[i][j] of `case(rows_axis[i], cols_axis[j]) -> (FLOPs, program, *arguments)`."""
+        table = [[timed(case, a, b) for b in cols_axis] for a in rows_axis]
+        for a, line in zip(rows_axis, table):
+            log(f"op rates: {name} {a}: " + " ".join(f"{r / 1e12:.3g}" if r else "-" for r in line) + " TFLOP/s")
+        return table
+
     rows, widths = g["matmul_rows"], g["widths"]
     matmul = value_and_grad_call(lambda x, w: x @ w)
-    table = []
-    for k in widths:
-        line = []
-        for n in widths:
-            x, w, ct = normal((rows, k)), normal((k, n), k**-0.5), normal((rows, n))
-            line.append(timed(6.0 * rows * k * n, matmul, ct, x, w))
-        table.append(line)
-        log(f"op rates: matmul k={k}: " + " ".join(f"{r / 1e12:.3g}" if r else "-" for r in line) + " TFLOP/s")
-    out = {"matmul": {"rows": rows, "k": list(widths), "n": list(widths), "flops": table}}
+    out = {
+        "matmul": {
+            "rows": rows,
+            "k": list(widths),
+            "n": list(widths),
+            "flops": grid_of(
+                "matmul k=",
+                widths,
+                widths,
+                lambda k, n: (
+                    6.0 * rows * k * n,
+                    matmul,
+                    normal((rows, n)),
+                    normal((rows, k)),
+                    normal((k, n), k**-0.5),
+                ),
+            ),
+        }
+    }
 
     rows, groups, widths = g["grouped_rows"], g["groups"], g["grouped_widths"]
     shares = jnp.linspace(0.5, 1.5, groups)  # uneven, as dropless routing is
@@ -327,59 +333,63 @@ def measure_op_rates(
     sizes = jax.device_put(sizes.at[-1].add(rows - sizes.sum()), device)
     impl = choices.grouped_matmul
     grouped = value_and_grad_call(lambda x, w: grouped_matmul(x, w, sizes, impl=impl, tile=choices.grouped_matmul_tile))
-    table = []
-    for k in widths:
-        line = []
-        for n in widths:
-            x, w, ct = normal((rows, k)), normal((groups, k, n), k**-0.5), normal((rows, n))
-            line.append(timed(6.0 * rows * k * n, grouped, ct, x, w))
-        table.append(line)
-        log(f"op rates: grouped matmul k={k}: " + " ".join(f"{r / 1e12:.3g}" if r else "-" for r in line))
-    capacity = value_and_grad_call(lambda x, w: jnp.einsum("ecd,edf->ecf", x, w))
-    table = []
-    for k in widths:
-        line = []
-        for n in widths:
-            x, w, ct = (
-                normal((groups, rows // groups, k)),
-                normal((groups, k, n), k**-0.5),
-                normal((groups, rows // groups, n)),
-            )
-            line.append(timed(6.0 * (rows // groups) * groups * k * n, capacity, ct, x, w))
-        table.append(line)
-        log(f"op rates: capacity einsum k={k}: " + " ".join(f"{r / 1e12:.3g}" if r else "-" for r in line))
-    out["capacity_einsum"] = {"rows": rows, "groups": groups, "k": list(widths), "n": list(widths), "flops": table}
     out["grouped_matmul"] = {
         "impl": impl,
         "rows": rows,
         "groups": groups,
         "k": list(widths),
         "n": list(widths),
-        "flops": table,
+        "flops": grid_of(
+            "grouped matmul k=",
+            widths,
+            widths,
+            lambda k, n: (
+                6.0 * rows * k * n,
+                grouped,
+                normal((rows, n)),
+                normal((rows, k)),
+                normal((groups, k, n), k**-0.5),
+            ),
+        ),
+    }
+    per_group = rows // groups  # the capacity path's buffers: every expert given the same rows
+    capacity = value_and_grad_call(lambda x, w: jnp.einsum("ecd,edf->ecf", x, w))
+    out["capacity_einsum"] = {
+        "rows": per_group * groups,
+        "groups": groups,
+        "k": list(widths),
+        "n": list(widths),
+        "flops": grid_of(
+            "capacity einsum k=",
+            widths,
+            widths,
+            lambda k, n: (
+                6.0 * per_group * groups * k * n,
+                capacity,
+                normal((groups, per_group, n)),
+                normal((groups, per_group, k)),
+                normal((groups, k, n), k**-0.5),
+            ),
+        ),
     }
 
     tokens, heads, seqs, dims = g["attention_tokens"], g["attention_heads"], g["seqs"], g["head_dims"]
     impl = resolve_impl("auto", backend=device.platform, dtype=dtype, qk_dim=dims[0], v_dim=dims[0], seq_len=seqs[-1])
-    table = []
-    for seq in seqs:
-        line = []
-        batch = max(1, tokens // seq)
-        for d in dims:
-            dv = {96: 64, 192: 128}.get(d, d)
-            q, k_, v = normal((batch, seq, heads, d)), normal((batch, seq, heads, d)), normal((batch, seq, heads, dv))
-            ct = normal((batch, seq, heads, dv))
-            fn = value_and_grad_call(lambda q, k, v, d=d: attend(q, k, v, scale=d**-0.5, impl=impl))
-            forward = 2.0 * batch * seq * attended_keys(seq, None) * heads * (d + dv)
-            line.append(timed(3.0 * forward, fn, ct, q, k_, v))
-        table.append(line)
-        log(f"op rates: attention ({impl}) seq={seq}: " + " ".join(f"{r / 1e12:.3g}" if r else "-" for r in line))
+
+    def attention_case(seq, d):
+        batch, dv = max(1, tokens // seq), {96: 64, 192: 128}.get(d, d)
+        forward = 2.0 * batch * seq * attended_keys(seq, None) * heads * (d + dv)
+        fn = value_and_grad_call(lambda q, k, v: attend(q, k, v, scale=d**-0.5, impl=impl))
+        q, k, v = (normal((batch, seq, heads, x)) for x in (d, d, dv))
+        return 3.0 * forward, fn, normal((batch, seq, heads, dv)), q, k, v
+
     out["attention"] = {
         "impl": impl,
         "tokens": tokens,
         "heads": heads,
         "seq": list(seqs),
         "head_dim": list(dims),
-        "flops": table,
+        "flops": grid_of(f"attention ({impl}) seq=", seqs, dims, attention_case),
     }
     out["dtype"] = str(jnp.dtype(dtype))
     return out
