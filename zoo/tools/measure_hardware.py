@@ -275,7 +275,7 @@ def measure_op_rates(
     import jax
     import jax.numpy as jnp
 
-    from zoo import backend
+    from zoo import backend, op_rates
     from zoo.config import attended_keys
     from zoo.nn.attention_kernels import attend, resolve_impl
     from zoo.nn.grouped_matmul import grouped_matmul
@@ -298,33 +298,25 @@ def measure_op_rates(
             log(f"op rates: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
             return None
 
-    def grid_of(name: str, rows_axis, cols_axis, case) -> list:
-        """flops[i][j] of `case(rows_axis[i], cols_axis[j]) -> (FLOPs, program, *arguments)`."""
-        table = [[timed(case, a, b) for b in cols_axis] for a in rows_axis]
-        for a, line in zip(rows_axis, table):
-            log(f"op rates: {name} {a}: " + " ".join(f"{r / 1e12:.3g}" if r else "-" for r in line) + " TFLOP/s")
-        return table
+    def grid_of(kind: str, axes: tuple, case, **record) -> dict:
+        """The table of `kind` over the grid `axes` (two lists), flops[i][j] from `case(axes[0][i],
+        axes[1][j]) -> (FLOPs, program, *arguments)`, with `record` (how it was measured)."""
+        names = op_rates.AXES[kind]
+        table = [[timed(case, a, b) for b in axes[1]] for a in axes[0]]
+        for a, line in zip(axes[0], table):
+            rates = " ".join(f"{r / 1e12:.3g}" if r else "-" for r in line)
+            log(f"op rates: {kind} {names[0]}={a}: {rates} TFLOP/s")
+        return {**record, names[0]: list(axes[0]), names[1]: list(axes[1]), "flops": table}
 
     rows, widths = g["matmul_rows"], g["widths"]
     matmul = value_and_grad_call(lambda x, w: x @ w)
     out = {
-        "matmul": {
-            "rows": rows,
-            "k": list(widths),
-            "n": list(widths),
-            "flops": grid_of(
-                "matmul k=",
-                widths,
-                widths,
-                lambda k, n: (
-                    6.0 * rows * k * n,
-                    matmul,
-                    normal((rows, n)),
-                    normal((rows, k)),
-                    normal((k, n), k**-0.5),
-                ),
-            ),
-        }
+        "matmul": grid_of(
+            "matmul",
+            (widths, widths),
+            lambda k, n: (6.0 * rows * k * n, matmul, normal((rows, n)), normal((rows, k)), normal((k, n), k**-0.5)),
+            rows=rows,
+        )
     }
 
     rows, groups, widths = g["grouped_rows"], g["groups"], g["grouped_widths"]
@@ -333,45 +325,35 @@ def measure_op_rates(
     sizes = jax.device_put(sizes.at[-1].add(rows - sizes.sum()), device)
     impl = choices.grouped_matmul
     grouped = value_and_grad_call(lambda x, w: grouped_matmul(x, w, sizes, impl=impl, tile=choices.grouped_matmul_tile))
-    out["grouped_matmul"] = {
-        "impl": impl,
-        "rows": rows,
-        "groups": groups,
-        "k": list(widths),
-        "n": list(widths),
-        "flops": grid_of(
-            "grouped matmul k=",
-            widths,
-            widths,
-            lambda k, n: (
-                6.0 * rows * k * n,
-                grouped,
-                normal((rows, n)),
-                normal((rows, k)),
-                normal((groups, k, n), k**-0.5),
-            ),
+    out["grouped_matmul"] = grid_of(
+        "grouped_matmul",
+        (widths, widths),
+        lambda k, n: (
+            6.0 * rows * k * n,
+            grouped,
+            normal((rows, n)),
+            normal((rows, k)),
+            normal((groups, k, n), k**-0.5),
         ),
-    }
+        impl=impl,
+        rows=rows,
+        groups=groups,
+    )
     per_group = rows // groups  # the capacity path's buffers: every expert given the same rows
     capacity = value_and_grad_call(lambda x, w: jnp.einsum("ecd,edf->ecf", x, w))
-    out["capacity_einsum"] = {
-        "rows": per_group * groups,
-        "groups": groups,
-        "k": list(widths),
-        "n": list(widths),
-        "flops": grid_of(
-            "capacity einsum k=",
-            widths,
-            widths,
-            lambda k, n: (
-                6.0 * per_group * groups * k * n,
-                capacity,
-                normal((groups, per_group, n)),
-                normal((groups, per_group, k)),
-                normal((groups, k, n), k**-0.5),
-            ),
+    out["capacity_einsum"] = grid_of(
+        "capacity_einsum",
+        (widths, widths),
+        lambda k, n: (
+            6.0 * per_group * groups * k * n,
+            capacity,
+            normal((groups, per_group, n)),
+            normal((groups, per_group, k)),
+            normal((groups, k, n), k**-0.5),
         ),
-    }
+        rows=per_group * groups,
+        groups=groups,
+    )
 
     tokens, heads, seqs, dims = g["attention_tokens"], g["attention_heads"], g["seqs"], g["head_dims"]
     impl = resolve_impl("auto", backend=device.platform, dtype=dtype, qk_dim=dims[0], v_dim=dims[0], seq_len=seqs[-1])
@@ -383,14 +365,7 @@ def measure_op_rates(
         q, k, v = (normal((batch, seq, heads, x)) for x in (d, d, dv))
         return 3.0 * forward, fn, normal((batch, seq, heads, dv)), q, k, v
 
-    out["attention"] = {
-        "impl": impl,
-        "tokens": tokens,
-        "heads": heads,
-        "seq": list(seqs),
-        "head_dim": list(dims),
-        "flops": grid_of(f"attention ({impl}) seq=", seqs, dims, attention_case),
-    }
+    out["attention"] = grid_of("attention", (seqs, dims), attention_case, impl=impl, tokens=tokens, heads=heads)
     out["dtype"] = str(jnp.dtype(dtype))
     return out
 
