@@ -121,6 +121,12 @@ def test_the_planner_prices_each_producer_at_its_measured_rate():
     matmuls = base.stacks[stack].forward_flops_per_layer - context
     assert p.step_flops == pytest.approx(base.step_flops + 3 * (layers * matmuls + head))
     assert math.isclose(p.rate, base.rate)
+    # a measured profile: a measured op runs at step_efficiency of its rate, as the rest do of matmul_flops
+    table = {"matmul": {"k": [1], "n": [1], "flops": [[base.rate]]}}
+    hw = dataclasses.replace(c.hardware, matmul_flops=4 * base.rate, step_efficiency=0.5, op_rates=table)
+    p, info = zp.problem_from_config(dataclasses.replace(c, hardware=hw), trainer, zp.PlanConfig())
+    assert p.rate == pytest.approx(2 * base.rate) and "each op at 0.5 x its measured rate" in info["rate_source"]
+    assert p.step_flops == pytest.approx(base.step_flops + 3 * 3 * (layers * matmuls + head))
 
 
 def test_measure_hardware_times_a_table_the_planner_reads():

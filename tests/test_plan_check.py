@@ -79,8 +79,26 @@ def test_when_the_smallest_offloads_and_does_not_compile_within_budget_recompute
     tried = zp.checked_search(p, peak, 4)
     assert tried[0].estimate.assignment == {"a": "offload", "b": "offload"} and not tried[0].fits(p.budget)
     pick = zp.chosen(tried, p.budget)
-    assert pick is tried[-1] and pick.estimate.assignment == {"a": "remat", "b": "remat"}
-    assert len(tried) == 2
+    assert pick is tried[1] and pick.estimate.assignment == {"a": "remat", "b": "remat"}
+    # then each tag offloaded alone in place of its recompute: 2.5 GB compiled, over the budget too
+    alone = [{"a": "offload", "b": "remat"}, {"a": "remat", "b": "offload"}]
+    assert [c.estimate.assignment for c in tried[2:]] == alone
+    assert not any(c.fits(p.budget) for c in tried[2:])
+
+
+def test_from_the_recompute_that_fits_one_tag_offloaded_in_its_place_is_tried_and_wins():
+    # As above with room for one tag in flight (3 GB): recompute fits, and offloading one of the
+    # two in its place (2.5 GB compiled, faster by the estimate) fits and is the pick; no compile after.
+    p = _problem(3.0)
+    p.link = 1000 * GB
+
+    def peak(e):
+        return e.peak_bytes + sum(a == "offload" for a in e.assignment.values()) * 1.5 * GB, 0.0
+
+    tried = zp.checked_search(p, peak, 6)
+    assert [c.estimate.assignment for c in tried[1:]] == [{"a": "remat", "b": "remat"}, {"a": "offload", "b": "remat"}]
+    pick = zp.chosen(tried, p.budget)
+    assert pick is tried[-1] and pick.estimate.time_s < tried[1].estimate.time_s
 
 
 def test_nothing_fits_when_even_the_smallest_does_not_compile_within_the_budget():

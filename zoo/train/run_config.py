@@ -385,10 +385,10 @@ class HardwareConfig:
     # Measured dense matmul FLOP/s (python -m zoo.tools.measure_hardware); the planner prefers it to
     # peak_flops * plan.flops_efficiency. null: not measured.
     matmul_flops: Optional[float] = None
-    # The fraction of matmul_flops a step's FLOPs run at where op_rates has no rate for their op
-    # (norms, the loss and layout changes run slower than a large matmul, and so do attention kernels
-    # where they are not in op_rates): the planner's rate is matmul_flops x step_efficiency. Fitted with
-    # bench/tpu.py (docs/benchmarks.md, "TPU v5e").
+    # The fraction of its measured rate each op reaches inside a step (op_rates' rate for its shape;
+    # matmul_flops where op_rates has none): an op timed on its own does not pay for the fusions,
+    # layout changes, norms and elementwise work around it in a step. Fitted with bench/tpu.py
+    # (docs/benchmarks.md, "TPU v5e").
     step_efficiency: float = 1.0
     # Measured FLOP/s per op and shape (zoo.op_rates; python -m zoo.tools.measure_hardware writes it on
     # an accelerator): the planner gives each tag's producer its op's measured time. null: every op at
@@ -414,7 +414,7 @@ class HardwareConfig:
         if not 0 < self.step_efficiency <= 1:
             raise ConfigError(
                 f"hardware.step_efficiency: a fraction of matmul_flops in (0, 1], got {self.step_efficiency}; e.g. "
-                "hardware.step_efficiency=0.56"
+                "hardware.step_efficiency=0.84"
             )
         bad_rates = op_rates.check(self.op_rates)
         if bad_rates:
