@@ -39,7 +39,7 @@ class MeasureOptions:
     repeats: int = 5
     chain: int = 8  # matmuls per timed call (amortises dispatch)
     # Time the ops a layer is made of over a grid of shapes (`measure_op_rates`), the planner's
-    # per-op rates; null: on an accelerator (a few minutes), not on a CPU.
+    # per-op rates; null: on an accelerator (about 10 minutes on a TPU v5e), not on a CPU.
     op_rates: Optional[bool] = None
 
     def __post_init__(self):
@@ -285,10 +285,16 @@ def measure_op_rates(
     g = grid or OP_GRID["accelerator" if accel else "cpu"]
     dtype = jnp.bfloat16 if accel else jnp.float32
     choices = backend.choices(device.platform)
-    keys = iter(jax.random.split(jax.random.key(0), 4096))
+    inputs: dict = {}
 
-    def normal(shape, scale=1.0):
-        return jax.device_put((jax.random.normal(next(keys), shape, jnp.float32) * scale).astype(dtype), device)
+    def normal(shape):
+        """A standard normal array of `shape`, one per shape and grid: a timing depends on the shape
+        only, and every array made eagerly is a compile of its own (on a TPU v5e generating each
+        case's inputs afresh took longer than timing it)."""
+        if shape not in inputs:
+            with jax.default_device(device):
+                inputs[shape] = jax.random.normal(jax.random.key(len(inputs)), shape, dtype)
+        return inputs[shape]
 
     def timed(case, a, b):
         try:
@@ -301,11 +307,12 @@ def measure_op_rates(
     def grid_of(kind: str, axes: tuple, case, **record) -> dict:
         """The table of `kind` over the grid `axes` (two lists), flops[i][j] from `case(axes[0][i],
         axes[1][j]) -> (FLOPs, program, *arguments)`, with `record` (how it was measured)."""
-        names = op_rates.AXES[kind]
-        table = [[timed(case, a, b) for b in axes[1]] for a in axes[0]]
-        for a, line in zip(axes[0], table):
-            rates = " ".join(f"{r / 1e12:.3g}" if r else "-" for r in line)
-            log(f"op rates: {kind} {names[0]}={a}: {rates} TFLOP/s")
+        names, table, start = op_rates.AXES[kind], [], time.perf_counter()
+        inputs.clear()  # the previous grid's arrays: device memory this one may need
+        for a in axes[0]:
+            table.append([timed(case, a, b) for b in axes[1]])
+            rates = " ".join(f"{r / 1e12:.3g}" if r else "-" for r in table[-1])
+            log(f"op rates: {kind} {names[0]}={a}: {rates} TFLOP/s ({time.perf_counter() - start:.0f} s)")
         return {**record, names[0]: list(axes[0]), names[1]: list(axes[1]), "flops": table}
 
     rows, widths = g["matmul_rows"], g["widths"]
@@ -314,7 +321,7 @@ def measure_op_rates(
         "matmul": grid_of(
             "matmul",
             (widths, widths),
-            lambda k, n: (6.0 * rows * k * n, matmul, normal((rows, n)), normal((rows, k)), normal((k, n), k**-0.5)),
+            lambda k, n: (6.0 * rows * k * n, matmul, normal((rows, n)), normal((rows, k)), normal((k, n))),
             rows=rows,
         )
     }
@@ -333,7 +340,7 @@ def measure_op_rates(
             grouped,
             normal((rows, n)),
             normal((rows, k)),
-            normal((groups, k, n), k**-0.5),
+            normal((groups, k, n)),
         ),
         impl=impl,
         rows=rows,
@@ -349,7 +356,7 @@ def measure_op_rates(
             capacity,
             normal((groups, per_group, n)),
             normal((groups, per_group, k)),
-            normal((groups, k, n), k**-0.5),
+            normal((groups, k, n)),
         ),
         rows=per_group * groups,
         groups=groups,
