@@ -15,6 +15,7 @@ from zoo.placement import inspect_placement, stack_names
 from zoo.offload import expected_placement, load_preset, placement_matches, remat_policy
 
 from test_offload import FAMILIES, PRESETS
+from tiers import by_family
 
 
 def _placement(config, rp, batch=2, seq=16):
@@ -26,7 +27,7 @@ def _placement(config, rp, batch=2, seq=16):
 
 
 @pytest.mark.parametrize("preset", PRESETS)
-@pytest.mark.parametrize("size", FAMILIES)
+@pytest.mark.parametrize("size", by_family(FAMILIES))  # the families that reuse another's blocks: slow tier
 def test_inspector_finds_exactly_the_configured_placement(size, preset):
     config = zoo.get_size(size)
     policy = load_preset(preset)

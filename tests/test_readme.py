@@ -695,6 +695,7 @@ def test_readme_tour_commands_are_checked_with_the_manuals_copy():
         assert any(c == d for p, d, _ in doc_commands() if p != "README.md")
 
 
+@pytest.mark.slow  # ~35 s of processes; each case (one line, exit 2, no file changed): tests/test_bad_input.py
 def test_bad_input_commands_print_the_shown_error_line(tmp_path):
     d = workdir(tmp_path)
     env = _env(d)
@@ -804,6 +805,15 @@ SLOW_GROUPS = {
     "offload_ranges": (
         "tests/test_offload_ranges.py::test_train_py_trains_with_ranges_and_records_them (train.py with "
         "ranges, recorded in summary.json)"
+    ),
+    "measure_hardware": (
+        "tests/test_plan.py::test_measure_hardware_writes_a_profile_train_py_accepts (the command, its "
+        "profile loaded by train.py) and tests/test_op_rates.py (its op-rate grid)"
+    ),
+    "divergence": "tests/test_checkpoint.py::test_nan_loss_stops_with_one_line_and_keeps_the_last_good_checkpoint",
+    "moe_routing": (
+        "tests/test_moe_metrics.py (the imbalance line past trainer.moe_imbalance_warn, zoo.tools.report's "
+        "expert-load plot of a run directory)"
     ),
 }
 

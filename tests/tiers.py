@@ -2,9 +2,9 @@
 
 Qwen2 and Qwen3 are Llama's blocks plus a QKV bias or a Q/K norm, which add no tag; Mixtral's
 routing (softmax over the top-k logits) is Qwen3-MoE's (softmax, then the top k renormalised), its
-experts the same SwiGLU, without the Q/K norm. A check repeated on them runs in the slow tier. Their
-loss and gradients against transformers (tests/test_hf_families.py) and the inspector's placement
-under every preset (tests/test_inspect.py) stay in the default run.
+experts the same SwiGLU, without the Q/K norm. A check repeated on them runs in the slow tier (the
+inspector's placement under every preset too: they emit the tags of the family they reuse). Their
+loss and gradients against transformers (tests/test_hf_families.py) stay in the default run.
 """
 
 import pytest
