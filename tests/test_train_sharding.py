@@ -129,11 +129,11 @@ def expert_parallel_run(impl: str) -> Run:
     return _EP_RUNS[impl]
 
 
-# DeepSeek-V3 runs in the slow tier: what dp, fsdp and fsdp_tp change (the batch's and the weights'
-# layout) Llama's cases check, its losses under fsdp_ep (experts routed across devices)
-# test_expert_parallel_train_step_is_local, and the experts' mlp split over tensor
+# DeepSeek-V3 on dp, fsdp and fsdp_tp runs in the slow tier: its experts route per device under fsdp_ep
+# here (the run test_expert_parallel_train_step_is_local reads too), what dp, fsdp and fsdp_tp change
+# (the batch's and the weights' layout) Llama's cases check, and the experts' mlp split over tensor
 # tests/test_moe_dispatch.py::test_expert_parallel_matches_single_program.
-SLOW_CASES = (("dsv3_tiny_a", "dp"), ("dsv3_tiny_a", "fsdp"), ("dsv3_tiny_a", "fsdp_tp"), ("dsv3_tiny_a", "fsdp_ep"))
+SLOW_CASES = (("dsv3_tiny_a", "dp"), ("dsv3_tiny_a", "fsdp"), ("dsv3_tiny_a", "fsdp_tp"))
 CASES = [
     pytest.param(model, mesh, marks=pytest.mark.slow) if (model, mesh) in SLOW_CASES else (model, mesh)
     for model in MODELS for mesh in MESHES if not (model == "llama_tiny_a" and mesh == "fsdp_ep")
