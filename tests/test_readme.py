@@ -811,10 +811,6 @@ SLOW_GROUPS = {
         "profile loaded by train.py) and tests/test_op_rates.py (its op-rate grid)"
     ),
     "divergence": "tests/test_checkpoint.py::test_nan_loss_stops_with_one_line_and_keeps_the_last_good_checkpoint",
-    "moe_routing": (
-        "tests/test_moe_metrics.py (the imbalance line past trainer.moe_imbalance_warn, zoo.tools.report's "
-        "expert-load plot of a run directory)"
-    ),
 }
 
 
