@@ -181,3 +181,39 @@ def test_each_op_rate_is_its_own_ops_flops_over_its_own_time(monkeypatch):
     assert table["grouped_matmul"]["flops"] == [[6.0 * 30 * 8 * 8]]
     assert table["capacity_einsum"]["flops"] == [[6.0 * 28 * 8 * 8]] and table["capacity_einsum"]["rows"] == 28
     assert table["attention"]["flops"] == [[3 * 2.0 * 2 * 256 * attended_keys(256, None) * 2 * 64]]
+
+
+def test_measure_hardware_writes_what_it_measured_as_it_goes_and_only_the_grids_asked_for(tmp_path, monkeypatch):
+    """`op_kinds` picks the grids; the profile is written before the grids and after each one (a run
+    stopped midway leaves a profile train.py loads, with the grids measured so far), a grid where no
+    shape ran is left out, and a kind that is not one is one line, exit 2, before anything runs."""
+    import jax
+    import yaml
+
+    from zoo.tools import measure_hardware as mh
+
+    def timer(call, repeats):  # after the first grid every shape fails: a kernel this device lacks
+        if broken:
+            raise RuntimeError("RESOURCE_EXHAUSTED: no such kernel here")
+        jax.block_until_ready(call())
+        return 1.0
+
+    broken, written = [], []
+    monkeypatch.setattr(mh, "median_time", timer)
+    monkeypatch.setitem(mh.OP_GRID, "cpu", {**mh.OP_GRID["cpu"], "matmul_rows": 16, "widths": (8, 16)})
+
+    def write(profile):
+        written.append(profile)
+        if "op_rates" in profile:
+            broken.append(True)
+
+    opts = mh.MeasureOptions(name="t", n=64, transfer_mb=1.0, repeats=1, op_kinds=["matmul", "attention"])
+    final = mh.measure(opts, write=write)
+    assert [sorted(p.get("op_rates", {})) for p in written] == [[], ["dtype", "matmul"], ["dtype", "matmul"]]
+    assert all("still being measured" in p["note"] for p in written) and "still" not in final["note"]
+    assert sorted(final["op_rates"]) == ["dtype", "matmul"]  # attention: no shape ran, left out
+    assert final["op_rates"]["matmul"]["flops"] == [[6.0 * 16 * k * n for n in (8, 16)] for k in (8, 16)]
+    for p in (*written, final):  # each one a profile train.py accepts
+        load_group("hardware", OmegaConf.create(yaml.safe_load(mh.to_yaml(p))))
+    out = tmp_path / "x.yaml"
+    assert mh.main([f"out={out}", "op_kinds=[matmul,attn]"]) == 2 and not out.exists()

@@ -8,7 +8,7 @@ kinds is measured too, for comparison only: on a TPU v5e it ran device -> host a
 step's own offloads moved at about 14 GB/s (docs/benchmarks.md, "TPU v5e").
 
     python -m zoo.tools.measure_hardware [name=measured] [out=conf/hardware/<name>.yaml] [n=...] [dtype=...]
-                                   [transfer_mb=256] [repeats=5]
+                                   [transfer_mb=256] [repeats=5] [op_rates=true] [op_kinds=[attention]]
 
 On CPU the "device" and "pinned host" memories are both host RAM: the transfer figure is a memory copy,
 honest for this machine and meaningless for a GPU. The numbers are medians of `repeats` timed runs
@@ -41,6 +41,9 @@ class MeasureOptions:
     # Time the ops a layer is made of over a grid of shapes (`measure_op_rates`), the planner's
     # per-op rates; null: on an accelerator (about 10 minutes on a TPU v5e), not on a CPU.
     op_rates: Optional[bool] = None
+    # Which of those grids (zoo.op_rates.AXES: matmul, grouped_matmul, capacity_einsum, attention);
+    # null: all. E.g. op_kinds=[attention] to measure one again (on any device).
+    op_kinds: Optional[list[str]] = None
 
     def __post_init__(self):
         if self.repeats < 1:
@@ -53,6 +56,14 @@ class MeasureOptions:
             raise ValueError(f"dtype: choose bfloat16, float16 or float32, got {self.dtype!r}")
         if not self.name or "/" in self.name:
             raise ValueError(f"name: {self.name!r} is not a file stem; e.g. name=measured")
+        from zoo.op_rates import AXES
+
+        unknown = [k for k in self.op_kinds or () if k not in AXES]
+        if unknown or self.op_kinds == []:
+            raise ValueError(
+                f"op_kinds: {unknown[0] if unknown else '[]'} is not an op kind; choose from {', '.join(AXES)}, "
+                "e.g. op_kinds=[attention]"
+            )
 
 
 def median_time(fn, repeats: int) -> float:
@@ -255,7 +266,13 @@ def value_and_grad_call(fn):
 
 
 def measure_op_rates(
-    device=None, *, repeats: int = 5, grid: Optional[dict] = None, log: Callable[[str], None] = lambda s: None
+    device=None,
+    *,
+    repeats: int = 5,
+    grid: Optional[dict] = None,
+    kinds: Optional[Sequence[str]] = None,
+    log: Callable[[str], None] = lambda s: None,
+    on_table: Callable[[dict], None] = lambda rates: None,
 ) -> dict:
     """FLOP/s of value and gradient (forward and backward, 3x the forward's FLOPs) of the ops a layer
     is made of, per shape, in bfloat16 on an accelerator (float32 on a CPU), as the planner counts
@@ -271,7 +288,9 @@ def measure_op_rates(
       the `context` tag's (`zoo.nn.attention.context_flops`: the causal mean of attended keys).
 
     A shape that fails (out of memory, a kernel's limit) is recorded as null, and the planner
-    interpolates around it."""
+    interpolates around it; a grid where every shape failed is left out. `kinds`: the grids to
+    measure (None: all); `on_table(rates so far)` after each one, so a caller can keep what a run
+    stopped midway has measured."""
     import jax
     import jax.numpy as jnp
 
@@ -315,70 +334,98 @@ def measure_op_rates(
             log(f"op rates: {kind} {names[0]}={a}: {rates} TFLOP/s ({time.perf_counter() - start:.0f} s)")
         return {**record, names[0]: list(axes[0]), names[1]: list(axes[1]), "flops": table}
 
-    rows, widths = g["matmul_rows"], g["widths"]
-    matmul = value_and_grad_call(lambda x, w: x @ w)
-    out = {
-        "matmul": grid_of(
+    wanted = list(kinds or op_rates.AXES)
+    out: dict = {"dtype": str(jnp.dtype(dtype))}
+
+    def add(kind: str, table: dict) -> None:
+        if all(v is None for row in table["flops"] for v in row):
+            log(f"op rates: {kind}: no shape ran on this device; left out of the table")
+        else:
+            out[kind] = table
+        on_table(dict(out))
+
+    if "matmul" in wanted:
+        rows, widths = g["matmul_rows"], g["widths"]
+        matmul = value_and_grad_call(lambda x, w: x @ w)
+        add(
             "matmul",
-            (widths, widths),
-            lambda k, n: (6.0 * rows * k * n, matmul, normal((rows, n)), normal((rows, k)), normal((k, n))),
-            rows=rows,
+            grid_of(
+                "matmul",
+                (widths, widths),
+                lambda k, n: (6.0 * rows * k * n, matmul, normal((rows, n)), normal((rows, k)), normal((k, n))),
+                rows=rows,
+            ),
         )
-    }
 
     rows, groups, widths = g["grouped_rows"], g["groups"], g["grouped_widths"]
-    shares = jnp.linspace(0.5, 1.5, groups)  # uneven, as dropless routing is
-    sizes = jnp.floor(rows * shares / shares.sum()).astype(jnp.int32)
-    sizes = jax.device_put(sizes.at[-1].add(rows - sizes.sum()), device)
-    impl = choices.grouped_matmul
-    grouped = value_and_grad_call(lambda x, w: grouped_matmul(x, w, sizes, impl=impl, tile=choices.grouped_matmul_tile))
-    out["grouped_matmul"] = grid_of(
-        "grouped_matmul",
-        (widths, widths),
-        lambda k, n: (
-            6.0 * rows * k * n,
-            grouped,
-            normal((rows, n)),
-            normal((rows, k)),
-            normal((groups, k, n)),
-        ),
-        impl=impl,
-        rows=rows,
-        groups=groups,
-    )
-    per_group = rows // groups  # the capacity path's buffers: every expert given the same rows
-    capacity = value_and_grad_call(lambda x, w: jnp.einsum("ecd,edf->ecf", x, w))
-    out["capacity_einsum"] = grid_of(
-        "capacity_einsum",
-        (widths, widths),
-        lambda k, n: (
-            6.0 * per_group * groups * k * n,
-            capacity,
-            normal((groups, per_group, n)),
-            normal((groups, per_group, k)),
-            normal((groups, k, n)),
-        ),
-        rows=per_group * groups,
-        groups=groups,
-    )
+    if "grouped_matmul" in wanted:
+        shares = jnp.linspace(0.5, 1.5, groups)  # uneven, as dropless routing is
+        sizes = jnp.floor(rows * shares / shares.sum()).astype(jnp.int32)
+        sizes = jax.device_put(sizes.at[-1].add(rows - sizes.sum()), device)
+        impl = choices.grouped_matmul
+        grouped = value_and_grad_call(
+            lambda x, w: grouped_matmul(x, w, sizes, impl=impl, tile=choices.grouped_matmul_tile)
+        )
+        add(
+            "grouped_matmul",
+            grid_of(
+                "grouped_matmul",
+                (widths, widths),
+                lambda k, n: (
+                    6.0 * rows * k * n,
+                    grouped,
+                    normal((rows, n)),
+                    normal((rows, k)),
+                    normal((groups, k, n)),
+                ),
+                impl=impl,
+                rows=rows,
+                groups=groups,
+            ),
+        )
+    if "capacity_einsum" in wanted:
+        per_group = rows // groups  # the capacity path's buffers: every expert given the same rows
+        capacity = value_and_grad_call(lambda x, w: jnp.einsum("ecd,edf->ecf", x, w))
+        add(
+            "capacity_einsum",
+            grid_of(
+                "capacity_einsum",
+                (widths, widths),
+                lambda k, n: (
+                    6.0 * per_group * groups * k * n,
+                    capacity,
+                    normal((groups, per_group, n)),
+                    normal((groups, per_group, k)),
+                    normal((groups, k, n)),
+                ),
+                rows=per_group * groups,
+                groups=groups,
+            ),
+        )
 
-    tokens, heads, seqs, dims = g["attention_tokens"], g["attention_heads"], g["seqs"], g["head_dims"]
-    impl = resolve_impl("auto", backend=device.platform, dtype=dtype, qk_dim=dims[0], v_dim=dims[0], seq_len=seqs[-1])
+    if "attention" in wanted:
+        tokens, heads, seqs, dims = g["attention_tokens"], g["attention_heads"], g["seqs"], g["head_dims"]
+        impl = resolve_impl(
+            "auto", backend=device.platform, dtype=dtype, qk_dim=dims[0], v_dim=dims[0], seq_len=seqs[-1]
+        )
 
-    def attention_case(seq, d):
-        batch, dv = max(1, tokens // seq), {96: 64, 192: 128}.get(d, d)
-        forward = 2.0 * batch * seq * attended_keys(seq, None) * heads * (d + dv)
-        fn = value_and_grad_call(lambda q, k, v: attend(q, k, v, scale=d**-0.5, impl=impl))
-        q, k, v = (normal((batch, seq, heads, x)) for x in (d, d, dv))
-        return 3.0 * forward, fn, normal((batch, seq, heads, dv)), q, k, v
+        def attention_case(seq, d):
+            batch, dv = max(1, tokens // seq), {96: 64, 192: 128}.get(d, d)
+            forward = 2.0 * batch * seq * attended_keys(seq, None) * heads * (d + dv)
+            fn = value_and_grad_call(lambda q, k, v: attend(q, k, v, scale=d**-0.5, impl=impl))
+            q, k, v = (normal((batch, seq, heads, x)) for x in (d, d, dv))
+            return 3.0 * forward, fn, normal((batch, seq, heads, dv)), q, k, v
 
-    out["attention"] = grid_of("attention", (seqs, dims), attention_case, impl=impl, tokens=tokens, heads=heads)
-    out["dtype"] = str(jnp.dtype(dtype))
+        add("attention", grid_of("attention", (seqs, dims), attention_case, impl=impl, tokens=tokens, heads=heads))
     return out
 
 
-def measure(opts: MeasureOptions) -> dict:
+def measure(opts: MeasureOptions, write: Callable[[dict], None] = lambda profile: None) -> dict:
+    """The profile; `write(profile)` once the matmul rate and the link are measured, and again after
+    each op-rate grid (minutes each on an accelerator), so a run stopped midway leaves what it measured."""
     import jax
+
+    from zoo import op_rates
 
     device = jax.devices()[0]
     accel = device.platform != "cpu"
@@ -388,14 +435,42 @@ def measure(opts: MeasureOptions) -> dict:
     h2d, d2h = measure_link(opts.transfer_mb, opts.repeats, device)
     program = measure_program_link(opts.transfer_mb, opts.repeats, device, matmul_n=n, dtype=dtype)
     to_device, to_host = (program["to_device_gbps"], program["to_host_gbps"]) if program["moves"] else (h2d, d2h)
-    rates = None
-    if opts.op_rates if opts.op_rates is not None else accel:
-        rates = measure_op_rates(device, repeats=opts.repeats, log=lambda line: print(line, file=sys.stderr))
     stats = device.memory_stats() or {}
     hbm = int(stats.get("bytes_limit", 0))
     kind = getattr(device, "device_kind", device.platform)
     when = datetime.date.today().isoformat()
     ov = program["overlap"]
+
+    def profile(rates: Optional[dict], measuring: bool) -> dict:
+        kinds = [k for k in rates or {} if k in op_rates.AXES]
+        return {
+            "name": opts.name,
+            "peak_flops": float(flops),
+            "matmul_flops": float(flops),
+            "hbm_bytes": hbm,
+            "host_link_gbps": float(round(min(to_device, to_host), 3)),
+            "host_to_device_gbps": float(round(to_device, 3)),
+            "device_to_host_gbps": float(round(to_host, 3)),
+            **({"host_link_duplex": program["duplex"]} if program["moves"] else {}),
+            "nominal": False,
+            "note": note
+            + (f"; op_rates: value and gradient per shape (measure_op_rates): {', '.join(kinds)}" if kinds else "")
+            + ("; written while op rates were still being measured" if measuring else ""),
+            "platform": device.platform,
+            **({"op_rates": {k: v for k, v in rates.items() if k in kinds or k == "dtype"}} if kinds else {}),
+            "_detail": {
+                "h2d_gbps": to_device,
+                "d2h_gbps": to_host,
+                "plain_h2d_gbps": h2d,
+                "plain_d2h_gbps": d2h,
+                "overlap": ov,
+                "moves": program["moves"],
+                "n": n,
+                "dtype": dtype,
+                "device": str(kind),
+            },
+        }
+
     note = (
         f"measured {when} on {kind} ({device.platform}) by zoo.tools.measure_hardware: {n}x{n} {dtype} matmul "
         f"x{opts.chain} "
@@ -414,33 +489,18 @@ def measure(opts: MeasureOptions) -> dict:
         + f"; medians of {opts.repeats}; "
         + ("hbm_bytes from memory_stats bytes_limit" if hbm else "no device memory statistics (hbm_bytes 0)")
         + ("; on CPU both memories are host RAM, so the link figure is a memory copy" if not accel else "")
-        + ("; op_rates: value and gradient per shape (measure_op_rates)" if rates else "")
     )
-    return {
-        "name": opts.name,
-        "peak_flops": float(flops),
-        "matmul_flops": float(flops),
-        "hbm_bytes": hbm,
-        "host_link_gbps": float(round(min(to_device, to_host), 3)),
-        "host_to_device_gbps": float(round(to_device, 3)),
-        "device_to_host_gbps": float(round(to_host, 3)),
-        **({"host_link_duplex": program["duplex"]} if program["moves"] else {}),
-        "nominal": False,
-        "note": note,
-        "platform": device.platform,
-        **({"op_rates": rates} if rates else {}),
-        "_detail": {
-            "h2d_gbps": to_device,
-            "d2h_gbps": to_host,
-            "plain_h2d_gbps": h2d,
-            "plain_d2h_gbps": d2h,
-            "overlap": ov,
-            "moves": program["moves"],
-            "n": n,
-            "dtype": dtype,
-            "device": str(kind),
-        },
-    }
+    if not (opts.op_rates if opts.op_rates is not None else accel or opts.op_kinds is not None):
+        return profile(None, False)
+    write(profile(None, True))
+    rates = measure_op_rates(
+        device,
+        repeats=opts.repeats,
+        kinds=opts.op_kinds,
+        log=lambda line: print(line, file=sys.stderr),
+        on_table=lambda so_far: write(profile(so_far, True)),
+    )
+    return profile(rates, False)
 
 
 def to_yaml(profile: dict) -> str:
@@ -472,7 +532,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         assert not rest
         out = pathlib.Path(opts.out) if opts.out else conf_dir() / "hardware" / f"{opts.name}.yaml"
         check_writable(out, "out" if opts.out else "name")  # before measuring, not after
-        profile = measure(opts)
+        profile = measure(opts, write=lambda partial: out.write_text(to_yaml(partial)))
         out.write_text(to_yaml(profile))
         d = profile["_detail"]
         link = (
