@@ -441,3 +441,28 @@ def test_ynn_default_only_on_the_jaxlibs_it_was_measured_with(monkeypatch):
     assert run.merged_xla_flags(XlaConfig(), None) == ""
     mine = "--xla_cpu_experimental_ynn_fusion_type=dot,eltwise"
     assert run.merged_xla_flags(XlaConfig(flags=[mine]), None) == mine
+
+
+def test_a_ctrl_c_as_a_sweeps_job_starts_names_that_job_not_the_last_phase_of_the_one_before(tmp_path, monkeypatch):
+    """A sweep's jobs share one process: the phase the previous job ended in (its last save) must not be
+    what the Ctrl-C line says when the next job is interrupted while it starts."""
+    from omegaconf import OmegaConf
+
+    from zoo.tools import cli
+    from zoo.train import stop
+
+    monkeypatch.setattr(stop, "PHASE", "saving step 20, the last")  # where job 0 ended
+    monkeypatch.setattr(stop, "PHASE_AFTER", "step 20 is saved")
+    monkeypatch.setattr(cli, "_hydra_context", lambda: (tmp_path, ["optimizer.lr=1e-3"], True, 1))
+
+    def ctrl_c(cfg):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "prepare", ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        cli.run_job(OmegaConf.create({}))
+    assert cli.interrupted_line() == (
+        "error: interrupted (Ctrl-C) while starting job 1 [optimizer.lr=1e-3]; no step of this job ran (the jobs "
+        "before it are done)"
+    )
+    assert not (tmp_path / "summary.json").exists()  # a Ctrl-C is not a failed job's record

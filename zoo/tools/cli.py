@@ -57,6 +57,12 @@ def run_job(cfg: DictConfig, out_of_memory_line: Optional[Callable] = None) -> N
     logging.getLogger("absl").setLevel(logging.WARNING)  # and orbax's, one per save
     out_dir, overrides, multirun, num = _hydra_context()
     label = f"job {num} [{' '.join(overrides)}]" if multirun else "run"
+    # A sweep's jobs run in this one process: a Ctrl-C as this job starts must not name the phase the
+    # job before it ended in (its last save, say).
+    stop.set_phase(
+        f"starting {label}" if multirun else "starting",
+        "no step of this job ran (the jobs before it are done)" if multirun else stop.PHASE_AFTER_START,
+    )
     lock, refused = None, False
     earlier = run_dir.holds_steps(out_dir)  # another run's record is there (this run may only continue it)
     try:

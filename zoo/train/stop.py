@@ -28,10 +28,11 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 # What the run is doing and what a Ctrl-C there leaves: the one line a KeyboardInterrupt that reaches
 # zoo.tools.cli ends the process with (exit code 130). Set by zoo.train.run as the run goes on.
 PHASE = "starting"
-PHASE_AFTER = "no step ran; run the command again"
+PHASE_AFTER_START = "no step ran; run the command again"
+PHASE_AFTER = PHASE_AFTER_START
 
 
-def set_phase(doing: str, after: str = PHASE_AFTER) -> None:
+def set_phase(doing: str, after: str = PHASE_AFTER_START) -> None:
     """Enter the next phase; a Ctrl-C Python swallowed during the last one (`ctrl_c_noted`) is raised here."""
     global PHASE, PHASE_AFTER
     raise_if_interrupted()
