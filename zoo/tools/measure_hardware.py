@@ -39,7 +39,7 @@ class MeasureOptions:
     repeats: int = 5
     chain: int = 8  # matmuls per timed call (amortises dispatch)
     # Time the ops a layer is made of over a grid of shapes (`measure_op_rates`), the planner's
-    # per-op rates; null: on an accelerator (about 10 minutes on a TPU v5e), not on a CPU.
+    # per-op rates; null: on an accelerator (minutes: on a TPU v5e the grid outran a 520 s run), not on a CPU.
     op_rates: Optional[bool] = None
     # Which of those grids (zoo.op_rates.AXES: matmul, grouped_matmul, capacity_einsum, attention);
     # null: all. E.g. op_kinds=[attention] to measure one again (on any device).
