@@ -112,6 +112,12 @@ def test_the_planner_prices_each_producer_at_its_measured_rate():
     )
     assert p.step_flops == pytest.approx(base.step_flops + 3 * layers * 3 * context)
     assert "hardware.op_rates: attention (blockwise)" in info["rate_source"]
+    # the forward alone measured at twice the rate: the recompute (a forward) at it, the step's
+    # forward and backward still at the value-and-gradient rate
+    forward = {"attention_forward": {**table["attention"], "flops": [[base.rate / 2]]}}
+    p_fwd, _ = planned({**table, **forward})
+    costs = {t.tag: t.recompute_flops_per_layer[stack] for t in p_fwd.tags}
+    assert costs["context"] == pytest.approx(2 * context) and p_fwd.step_flops == pytest.approx(p.step_flops)
     # measured with another kernel than the run's: not this run's rate
     other = {"attention": {**table["attention"], "impl": "splash"}}
     assert planned(other)[0].step_flops == base.step_flops
@@ -127,6 +133,13 @@ def test_the_planner_prices_each_producer_at_its_measured_rate():
     p, info = zp.problem_from_config(dataclasses.replace(c, hardware=hw), trainer, zp.PlanConfig())
     assert p.rate == pytest.approx(2 * base.rate) and "each op at 0.5 x its measured rate" in info["rate_source"]
     assert p.step_flops == pytest.approx(base.step_flops + 3 * 3 * (layers * matmuls + head))
+    # a profile where a recompute costs a quarter of its time: every tag's recompute, nothing else
+    hw = dataclasses.replace(c.hardware, recompute_cost=0.25)
+    p, info = zp.problem_from_config(dataclasses.replace(c, hardware=hw), trainer, zp.PlanConfig())
+    assert {t.tag: t.recompute_flops_per_layer for t in p.tags} == {
+        t.tag: {s: pytest.approx(f / 4) for s, f in t.recompute_flops_per_layer.items()} for t in base.tags
+    }
+    assert p.step_flops == base.step_flops and "recompute_cost 0.25" in info["rate_source"]
 
 
 def test_each_op_rate_is_its_own_ops_flops_over_its_own_time(monkeypatch):
@@ -161,8 +174,10 @@ def test_each_op_rate_is_its_own_ops_flops_over_its_own_time(monkeypatch):
     assert op_rates.rate(hw.op_rates, "matmul", 12, 12) > 0
     assert table["matmul"]["flops"] == [[6.0 * 16 * k * n for n in (8, 16)] for k in (8, 16)]
     assert table["grouped_matmul"]["flops"] == [[6.0 * 30 * 8 * 8]]
+    assert table["grouped_matmul_forward"]["flops"] == [[2.0 * 30 * 8 * 8]]
     assert table["capacity_einsum"]["flops"] == [[6.0 * 28 * 8 * 8]] and table["capacity_einsum"]["rows"] == 28
     assert table["attention"]["flops"] == [[3 * 2.0 * 2 * 256 * attended_keys(256, None) * 2 * 64]]
+    assert table["attention_forward"]["flops"] == [[2.0 * 2 * 256 * attended_keys(256, None) * 2 * 64]]
 
 
 def test_measure_hardware_writes_what_it_measured_as_it_goes_and_only_the_grids_asked_for(tmp_path, monkeypatch):

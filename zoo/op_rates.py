@@ -11,11 +11,17 @@ grid. A table is
     {"matmul": {"k": [...], "n": [...], "flops": [[...], ...]},          # flops[i][j]: k[i] x n[j]
      "grouped_matmul": {"impl": ..., "k": [...], "n": [...], "flops": [...]},   # dropless experts
      "capacity_einsum": {"k": [...], "n": [...], "flops": [...]},   # the capacity path's experts
-     "attention": {"impl": ..., "seq": [...], "head_dim": [...], "flops": [...]}}
+     "attention": {"impl": ..., "seq": [...], "head_dim": [...], "flops": [...]},
+     "attention_forward": {...}}   # as attention, the forward alone
 
-with FLOP/s counted as the planner counts FLOPs (forward + backward = 3x the forward). Entries may be
-null (a shape the machine could not run). Other keys (rows, groups, dtype, ...) record how it was
-measured.
+with FLOP/s counted as the planner counts FLOPs (forward + backward = 3x the forward; the forward
+alone: 1x). Entries may be null (a shape the machine could not run). Other keys (rows, groups, dtype,
+...) record how it was measured.
+
+`attention_forward` prices a recomputed `context`: the backward's recompute runs the forward kernel
+only, and splash's forward runs faster than its forward and backward together (on the v5e dsv3_100m
+at 68 x 4096 with the attention output kept ran 4.2% faster than `full`, where the value-and-gradient
+rate put the recompute at 8%: docs/benchmarks.md, "The planner against the chip").
 """
 
 import math
@@ -25,9 +31,14 @@ from typing import Any, Optional, Union
 AXES = {
     "matmul": ("k", "n"),
     "grouped_matmul": ("k", "n"),
+    "grouped_matmul_forward": ("k", "n"),
     "capacity_einsum": ("k", "n"),
     "attention": ("seq", "head_dim"),
+    "attention_forward": ("seq", "head_dim"),
 }
+
+# A kind whose forward alone has its own grid: what a recompute (the forward again) is priced at.
+FORWARD_KIND = {"attention": "attention_forward", "grouped_matmul": "grouped_matmul_forward"}
 
 
 def check(table: Any, where: str = "hardware.op_rates") -> Optional[str]:

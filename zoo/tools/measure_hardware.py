@@ -41,8 +41,9 @@ class MeasureOptions:
     # Time the ops a layer is made of over a grid of shapes (`measure_op_rates`), the planner's
     # per-op rates; null: on an accelerator (minutes: on a TPU v5e the grid outran a 520 s run), not on a CPU.
     op_rates: Optional[bool] = None
-    # Which of those grids (zoo.op_rates.AXES: matmul, grouped_matmul, capacity_einsum, attention);
-    # null: all. E.g. op_kinds=[attention] to measure one again (on any device).
+    # Which of those grids (zoo.op_rates.AXES: matmul, grouped_matmul, grouped_matmul_forward,
+    # capacity_einsum, attention, attention_forward); null: all. E.g. op_kinds=[attention] to
+    # measure one again (on any device).
     op_kinds: Optional[list[str]] = None
 
     def __post_init__(self):
@@ -281,11 +282,14 @@ def measure_op_rates(
     - `matmul`: [rows, k] @ [k, n], a grid of k x n;
     - `grouped_matmul`: the routed experts' grouped matmul as `zoo.backend` runs it on this platform
       (megablox on TPU), `groups` uneven groups summing to `rows`, a grid of k x n;
+    - `grouped_matmul_forward`: the same, the forward alone (1x its FLOPs): what recomputing an
+      expert's projection costs;
     - `capacity_einsum`: the capacity path's experts, `groups` buffers of rows / groups, a grid of k x n;
     - `attention`: causal self-attention as `model.attention_impl=auto` runs it here (splash on TPU),
       `tokens` = batch x seq, `heads` heads, a grid of seq x head dim (the values' head dim equals the
       queries' but for 96 and 192, MLA's shapes, where it is 64 and 128); FLOPs as the planner counts
-      the `context` tag's (`zoo.nn.attention.context_flops`: the causal mean of attended keys).
+      the `context` tag's (`zoo.nn.attention.context_flops`: the causal mean of attended keys);
+    - `attention_forward`: the same, the forward alone (1x its FLOPs): what recomputing `context` costs.
 
     A shape that fails (out of memory, a kernel's limit) is recorded as null, and the planner
     interpolates around it; a grid where every shape failed is left out. `kinds`: the grids to
@@ -358,11 +362,11 @@ def measure_op_rates(
         )
 
     rows, groups, widths = g["grouped_rows"], g["groups"], g["grouped_widths"]
+    shares = jnp.linspace(0.5, 1.5, groups)  # uneven, as dropless routing is
+    sizes = jnp.floor(rows * shares / shares.sum()).astype(jnp.int32)
+    sizes = jax.device_put(sizes.at[-1].add(rows - sizes.sum()), device)
+    impl = choices.grouped_matmul
     if "grouped_matmul" in wanted:
-        shares = jnp.linspace(0.5, 1.5, groups)  # uneven, as dropless routing is
-        sizes = jnp.floor(rows * shares / shares.sum()).astype(jnp.int32)
-        sizes = jax.device_put(sizes.at[-1].add(rows - sizes.sum()), device)
-        impl = choices.grouped_matmul
         grouped = value_and_grad_call(
             lambda x, w: grouped_matmul(x, w, sizes, impl=impl, tile=choices.grouped_matmul_tile)
         )
@@ -378,6 +382,19 @@ def measure_op_rates(
                     normal((rows, k)),
                     normal((groups, k, n)),
                 ),
+                impl=impl,
+                rows=rows,
+                groups=groups,
+            ),
+        )
+    if "grouped_matmul_forward" in wanted:
+        forward = jax.jit(lambda x, w: grouped_matmul(x, w, sizes, impl=impl, tile=choices.grouped_matmul_tile))
+        add(
+            "grouped_matmul_forward",
+            grid_of(
+                "grouped_matmul_forward",
+                (widths, widths),
+                lambda k, n: (2.0 * rows * k * n, forward, normal((rows, k)), normal((groups, k, n))),
                 impl=impl,
                 rows=rows,
                 groups=groups,
@@ -403,20 +420,25 @@ def measure_op_rates(
             ),
         )
 
-    if "attention" in wanted:
-        tokens, heads, seqs, dims = g["attention_tokens"], g["attention_heads"], g["seqs"], g["head_dims"]
-        impl = resolve_impl(
-            "auto", backend=device.platform, dtype=dtype, qk_dim=dims[0], v_dim=dims[0], seq_len=seqs[-1]
-        )
+    tokens, heads, seqs, dims = g["attention_tokens"], g["attention_heads"], g["seqs"], g["head_dims"]
+    impl = resolve_impl("auto", backend=device.platform, dtype=dtype, qk_dim=dims[0], v_dim=dims[0], seq_len=seqs[-1])
 
-        def attention_case(seq, d):
+    def attention_case(with_backward: bool):
+        def case(seq, d):
             batch, dv = max(1, tokens // seq), {96: 64, 192: 128}.get(d, d)
             forward = 2.0 * batch * seq * attended_keys(seq, None) * heads * (d + dv)
-            fn = value_and_grad_call(lambda q, k, v: attend(q, k, v, scale=d**-0.5, impl=impl))
             q, k, v = (normal((batch, seq, heads, x)) for x in (d, d, dv))
+            if not with_backward:
+                return forward, jax.jit(lambda q, k, v: attend(q, k, v, scale=d**-0.5, impl=impl)), q, k, v
+            fn = value_and_grad_call(lambda q, k, v: attend(q, k, v, scale=d**-0.5, impl=impl))
             return 3.0 * forward, fn, normal((batch, seq, heads, dv)), q, k, v
 
-        add("attention", grid_of("attention", (seqs, dims), attention_case, impl=impl, tokens=tokens, heads=heads))
+        return case
+
+    for kind, with_backward in (("attention", True), ("attention_forward", False)):
+        if kind in wanted:
+            record = dict(impl=impl, tokens=tokens, heads=heads)
+            add(kind, grid_of(kind, (seqs, dims), attention_case(with_backward), **record))
     return out
 
 
@@ -454,7 +476,7 @@ def measure(opts: MeasureOptions, write: Callable[[dict], None] = lambda profile
             **({"host_link_duplex": program["duplex"]} if program["moves"] else {}),
             "nominal": False,
             "note": note
-            + (f"; op_rates: value and gradient per shape (measure_op_rates): {', '.join(kinds)}" if kinds else "")
+            + (f"; op_rates: per shape (measure_op_rates): {', '.join(kinds)}" if kinds else "")
             + ("; written while op rates were still being measured" if measuring else ""),
             "platform": device.platform,
             **({"op_rates": {k: v for k, v in rates.items() if k in kinds or k == "dtype"}} if kinds else {}),

@@ -10,7 +10,9 @@ The cost model (per device, per step; every number it uses is printed in the est
   runs at its measured rate times `step_efficiency` instead (`OpSlowness`: its FLOPs weighted by
   the matmul rate over its op's).
 - `remat` of a tag costs its producer's FLOPs (the matmul, attention or norm that makes it; formulas
-  in `producer_flops`, ops in `producer_op`) once more per layer, at the same rate. Nothing else changes.
+  in `producer_flops`, ops in `producer_op`) once more per layer, at the same rate (the forward's
+  where `op_rates` measured the forward alone), times `hardware.recompute_cost` (the share of a
+  recompute the step pays for; fitted on the chip). Nothing else changes.
 - `offload` of a tag costs its bytes over the host link, device->host in the layer's forward and
   host->device in its backward, plus a fixed latency per transfer (`plan.transfer_latency_us`: tiny
   tensors gain nothing). The link is full duplex, `link` GB/s each way. Within a layer, transfers
@@ -80,6 +82,7 @@ from zoo.nn.moe_dispatch import exchanges_in_rounds
 from zoo.backend import BackendChoices
 from zoo.backend import choices as backend_choices
 from zoo.backend import lowering_for, pallas_interpreted
+from zoo.op_rates import FORWARD_KIND
 from zoo.op_rates import rate as op_rate
 from zoo.offload import (
     CHECKPOINT_INPUTS,
@@ -1430,12 +1433,17 @@ class OpSlowness:
         self.table, self.reference, self.impls = table or {}, reference, impls
         self.used: list[str] = []
 
-    def __call__(self, op: Optional[Op]) -> float:
+    def __call__(self, op: Optional[Op], forward_only: bool = False) -> float:
+        """`forward_only`: the op's forward alone (a recompute), at its forward grid where the table
+        has one (`zoo.op_rates.FORWARD_KIND`), else at its value-and-gradient rate."""
         if op is None:
             return 1.0
         kind, a, b = op
+        impl = self.impls.get(kind)
+        if forward_only and FORWARD_KIND.get(kind) in self.table:
+            kind = FORWARD_KIND[kind]
         grid = self.table.get(kind)
-        if not grid or grid.get("impl", self.impls.get(kind)) != self.impls.get(kind):
+        if not grid or grid.get("impl", impl) != impl:
             return 1.0
         measured = op_rate(self.table, kind, a, b)
         if not measured:
@@ -1882,7 +1890,9 @@ def problem_from_config(
     )
     for t in tags:
         for s, f in t.recompute_flops_per_layer.items():
-            t.recompute_flops_per_layer[s] = f * slowness(producer_op(m, t.tag, s, batch, seq))
+            t.recompute_flops_per_layer[s] = (
+                f * slowness(producer_op(m, t.tag, s, batch, seq), forward_only=True) * hw.recompute_cost
+            )
     extra_flops = 0.0  # per microbatch and device: what the slower ops add, forward and backward
     for s in placement.stacks:
         indices = _stack_layers(m, s["name"])
@@ -1901,6 +1911,8 @@ def problem_from_config(
     if slowness.used:
         share = f"{hw.step_efficiency:g} x " if hw.matmul_flops and hw.step_efficiency != 1.0 else ""
         rate_source += f"; each op at {share}its measured rate (hardware.op_rates: " + ", ".join(slowness.used) + ")"
+    if hw.recompute_cost != 1.0:
+        rate_source += f"; a recompute at hardware.recompute_cost {hw.recompute_cost:g} of its time"
     link_gbps = resolve_link(opts.link, hw.host_link_gbps, hardware_dir)
     if opts.hbm_budget_gb is not None:
         budget = opts.hbm_budget_gb * GB
@@ -2057,7 +2069,7 @@ def use_plan_lines(out, overrides: Sequence[str]) -> list[str]:
 # The planner's candidates compiled by XLA for the target (`python -m zoo.tools.plan plan.compile=N`).
 #
 # The planner's HBM model is a sum of holders; the compiler's peak is a schedule with reuse and padding.
-# On a TPU v5e the two differ by -34..+35% over 44 runs (docs/benchmarks.md, "TPU v5e"), so an estimate
+# On a TPU v5e the two differ by -34..+35% over 48 runs (docs/benchmarks.md, "TPU v5e"), so an estimate
 # alone can refuse a batch that runs or pick a policy that does not fit. With `plan.compile=N` the
 # planner compiles (never runs) up to N candidates for the target and keeps the fastest whose compiled
 # peak fits:

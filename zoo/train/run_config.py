@@ -390,6 +390,12 @@ class HardwareConfig:
     # layout changes, norms and elementwise work around it in a step. Fitted with bench/tpu.py
     # (docs/benchmarks.md, "TPU v5e").
     step_efficiency: float = 1.0
+    # The fraction of a recomputed op's own time (its FLOPs at the rate above) that lengthens the step:
+    # a step's backward leaves the matrix units idle while it waits on memory-bound work, and XLA
+    # schedules the recompute into those gaps. 1: recompute costs its full time. Fitted with
+    # bench/tpu.py (docs/benchmarks.md, "The planner against the chip": on a TPU v5e `full` ran
+    # within 1.4% of `minimal` on three of four setups).
+    recompute_cost: float = 1.0
     # Measured FLOP/s per op and shape (zoo.op_rates; python -m zoo.tools.measure_hardware writes it on
     # an accelerator): the planner gives each tag's producer its op's measured time. null: every op at
     # the planner's rate.
@@ -414,7 +420,12 @@ class HardwareConfig:
         if not 0 < self.step_efficiency <= 1:
             raise ConfigError(
                 f"hardware.step_efficiency: a fraction of matmul_flops in (0, 1], got {self.step_efficiency}; e.g. "
-                "hardware.step_efficiency=0.84"
+                "hardware.step_efficiency=0.78"
+            )
+        if not 0 <= self.recompute_cost <= 1:
+            raise ConfigError(
+                f"hardware.recompute_cost: a fraction of a recompute's time in [0, 1], got {self.recompute_cost}; "
+                "e.g. hardware.recompute_cost=1 (recompute costs its full time)"
             )
         bad_rates = op_rates.check(self.op_rates)
         if bad_rates:
