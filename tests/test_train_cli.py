@@ -466,3 +466,38 @@ def test_a_ctrl_c_as_a_sweeps_job_starts_names_that_job_not_the_last_phase_of_th
         "before it are done)"
     )
     assert not (tmp_path / "summary.json").exists()  # a Ctrl-C is not a failed job's record
+
+
+def test_runs_started_in_the_same_second_each_get_their_own_run_directory(tmp_path, monkeypatch):
+    """Hydra's default run directory is named by the second: a second run started in it would share the
+    first's, and Hydra rewrote the first's `.hydra/` before the run-directory lock refused the second.
+    Each run claims its own (`os.mkdir`, a suffix while taken); a command that names its directory, a
+    sweep, a command that writes nothing and the processes of one multi-process run claim none; a
+    command Hydra refuses leaves no empty directory behind."""
+    import datetime
+
+    from zoo.tools import cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("SLURM_NTASKS", raising=False)
+    now = datetime.datetime(2026, 12, 6, 16, 1, 7)
+    first, second = (cli._fresh_run_dir(["model=llama_tiny_a"], now) for _ in range(2))
+    day = pathlib.Path("outputs/2026-12-06")
+    assert first == [day.parent, day, day / "16-01-07"] and first[-1].is_dir()
+    assert second == [day / "16-01-07-1"] and second[-1].is_dir()
+    for args in (["hydra.run.dir=mine"], ["-m", "trainer.steps=1,2"], ["--cfg", "job"], ["distributed.process_id=1"]):
+        assert cli._fresh_run_dir(args, now) == [], args
+    p = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "trainer.no_such_key=1"],
+        cwd=tmp_path / "outputs",
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 2 and p.stderr.startswith("error: "), p.stderr[-2000:]
+    assert sorted(str(d.relative_to(tmp_path)) for d in tmp_path.rglob("*")) == [
+        "outputs",
+        "outputs/2026-12-06",
+        "outputs/2026-12-06/16-01-07",
+        "outputs/2026-12-06/16-01-07-1",
+    ]

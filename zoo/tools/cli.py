@@ -9,6 +9,7 @@ Set ZOO_TRACEBACK=1 to see Python tracebacks for configuration errors too.
 
 import argparse
 import contextlib
+import datetime
 import os
 import pathlib
 import re
@@ -191,6 +192,39 @@ def _output_dir_arg(args: list[str]) -> tuple[str, list[str]]:
     return key, [a.split("=", 1)[1] for a in args if a.lstrip("+").split("=", 1)[0] == key and "=" in a]
 
 
+def _several_processes(args: list[str]) -> bool:
+    """Whether this is one process of a multi-process run (they share one run directory)."""
+    return (
+        any(a.lstrip("+").startswith("distributed.") for a in args) or int(os.environ.get("SLURM_NTASKS", "1") or 1) > 1
+    )
+
+
+def _fresh_run_dir(args: list[str], now: Optional[datetime.datetime] = None) -> list[pathlib.Path]:
+    """Hydra's default run directory (outputs/<date>/<time>, by the second) claimed for this run alone:
+    created here with `os.mkdir`, which one process wins, and `-1`, `-2`, ... appended while it is
+    taken. Two runs started in the same second otherwise share it, and Hydra rewrites the first one's
+    `.hydra/` (its config and overrides) before the second is refused. None where the command gives
+    its own directory, runs a sweep, writes nothing, or is one of several processes of one run (those
+    share the directory: process 0 locks it). Returns the directories it created, the run directory
+    last (none: nothing claimed)."""
+    key, given = _output_dir_arg(args)
+    if given or key != "hydra.run.dir" or _writes_nothing(args) or _several_processes(args):
+        return []
+    now = now or datetime.datetime.now()
+    # Relative, as Hydra's own default: digits and dashes only, nothing its override grammar reads.
+    base = pathlib.Path("outputs") / now.strftime("%Y-%m-%d") / now.strftime("%H-%M-%S")
+    made = [d for d in (base.parent.parent, base.parent) if not d.exists()]
+    base.parent.mkdir(parents=True, exist_ok=True)
+    for i in range(1000):
+        candidate = base if i == 0 else base.with_name(f"{base.name}-{i}")
+        try:
+            candidate.mkdir()
+        except FileExistsError:
+            continue
+        return [*made, candidate]
+    raise ConfigError(f"hydra.run.dir: {base} and its next 999 suffixes are all taken; give hydra.run.dir=<dir>")
+
+
 def _keep_earlier_hydra_record(args: list[str]) -> list[str]:
     """`hydra.output_subdir=null` when the output directory given already holds a run's steps (a sweep:
     one of its jobs'): Hydra would rewrite the `.hydra/` there (the config and the overrides of the run
@@ -247,10 +281,7 @@ def _output_dir_line(args: list[str]) -> Optional[str]:
         where = f" (the working directory: Hydra's default {key} is under it)" if not given and existing == cwd else ""
         return f"{key}: {what} ({e.strerror or e}){where}; {fix}"
     # The processes of one multi-process run share the run directory, and process 0 holds its lock.
-    several = (
-        any(a.lstrip("+").startswith("distributed.") for a in args) or int(os.environ.get("SLURM_NTASKS", "1") or 1) > 1
-    )
-    if given and not several and target.is_dir() and (target / RUN_LOCK).exists():
+    if given and not _several_processes(args) and target.is_dir() and (target / RUN_LOCK).exists():
         lock = DirLock(target, RUN_LOCK, key)
         owner = lock.held_by_another()
         if owner:
@@ -549,7 +580,8 @@ def main(hydra_main: Callable, conf_dir: pathlib.Path) -> int:
             print(f"error: {line}", file=sys.stderr)
             return EXIT_BAD_INPUT
         argv = sys.argv
-        sys.argv = [*argv, *_keep_earlier_hydra_record(argv[1:])]
+        made = _fresh_run_dir(argv[1:])
+        sys.argv = [*argv, *_keep_earlier_hydra_record(argv[1:]), *([f"hydra.run.dir={made[-1]}"] if made else [])]
         try:
             # As for the tools (run_tool): a Ctrl-C Python swallows (in JAX's garbage-collector callback,
             # say) is raised again at the run's next phase or step (zoo.train.run), not lost.
@@ -557,6 +589,9 @@ def main(hydra_main: Callable, conf_dir: pathlib.Path) -> int:
                 hydra_main()
         finally:
             sys.argv = argv
+            for d in reversed(made):
+                if d.is_dir() and not any(d.iterdir()):
+                    d.rmdir()  # stopped before Hydra wrote anything (a bad override): no empty directory left
     except KeyboardInterrupt:
         print(interrupted_line(), file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
