@@ -12,16 +12,15 @@ grid. A table is
      "grouped_matmul": {"impl": ..., "k": [...], "n": [...], "flops": [...]},   # dropless experts
      "capacity_einsum": {"k": [...], "n": [...], "flops": [...]},   # the capacity path's experts
      "attention": {"impl": ..., "seq": [...], "head_dim": [...], "flops": [...]},
-     "attention_forward": {...}}   # as attention, the forward alone
+     "grouped_matmul_forward": {...}, "attention_forward": {...}}   # the forward alone
 
 with FLOP/s counted as the planner counts FLOPs (forward + backward = 3x the forward; the forward
 alone: 1x). Entries may be null (a shape the machine could not run). Other keys (rows, groups, dtype,
 ...) record how it was measured.
 
-`attention_forward` prices a recomputed `context`: the backward's recompute runs the forward kernel
-only, and splash's forward runs faster than its forward and backward together (on the v5e dsv3_100m
-at 68 x 4096 with the attention output kept ran 4.2% faster than `full`, where the value-and-gradient
-rate put the recompute at 8%: docs/benchmarks.md, "The planner against the chip").
+The `_forward` grids price a recompute, which runs an op's forward alone, at a rate of its own: on a
+TPU v5e splash's forward ran at 0.7-1.0x the rate of its forward and backward together and megablox's
+at 0.5-1.0x (docs/benchmarks.md, "The planner against the chip").
 """
 
 import math
