@@ -210,3 +210,33 @@ def test_cli_measure_times_the_candidates_and_the_presets_and_keeps_the_fastest(
     written = OmegaConf.to_container(OmegaConf.load(out)["tags"])
     assert written == {t: a for t, a in fastest["assignment"].items() if a != "remat"}
     assert f"Measured step {1e3 * fastest['measured_step_s']:.1f} ms, the fastest of {len(cands)}" in out.read_text()
+
+
+def test_a_libtpu_that_cannot_start_is_one_line_not_a_traceback(tmp_path, monkeypatch, capsys):
+    """A folder named libtpu on the path (a `pip install --target` directory found from the working
+    directory) is no TPU compiler: not counted as installed, so plan.compile stays 0 by default. A
+    libtpu that is installed but cannot describe the chip ends plan.compile in one line."""
+    from jax.experimental import topologies
+
+    from zoo import backend
+
+    (tmp_path / "libtpu").mkdir()
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert not backend.libtpu_installed()
+    args = [*BASE[:-2], "hardware=tpu_v5e", "plan.hbm_budget_gb=80"]
+    assert zp.main([*args, f"plan.out={tmp_path / 'a.yaml'}"]) == 0  # the estimate alone: nothing compiled
+    assert "compiled by XLA" not in capsys.readouterr().out
+
+    def broken(**_):
+        raise AttributeError("module 'libtpu' has no attribute 'get_library_path'")
+
+    monkeypatch.setattr(zp, "libtpu_installed", lambda: True)
+    monkeypatch.setattr(topologies, "get_topology_desc", broken)
+    assert zp.main([*args, "plan.compile=1", f"plan.out={tmp_path / 'b.yaml'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: plan.compile: libtpu could not describe a v5e "), err
+    assert err[0].endswith(
+        "(AttributeError: module 'libtpu' has no attribute 'get_library_path'); reinstall libtpu (pip install "
+        "libtpu), plan on the TPU, or drop plan.compile"
+    )
+    assert not (tmp_path / "b.yaml").exists()

@@ -175,11 +175,22 @@ def expected_platform(environ=os.environ) -> str:
     wanted = [p.strip() for p in environ.get("JAX_PLATFORMS", "").split(",") if p.strip()]
     if wanted:
         return {"cuda": "gpu", "rocm": "gpu"}.get(wanted[0], wanted[0])
-    if (importlib.util.find_spec("libtpu") is not None or environ.get("TPU_LIBRARY_PATH")) and _has_tpu_chips():
+    if (libtpu_installed() or environ.get("TPU_LIBRARY_PATH")) and _has_tpu_chips():
         return "tpu"
     if any(importlib.util.find_spec(m) is not None for m in ("jax_cuda13_plugin", "jax_cuda12_plugin")):
         return "gpu"
     return "cpu"
+
+
+def libtpu_installed() -> bool:
+    """Whether the TPU compiler's package is importable as a package: a directory named `libtpu`
+    without one (a `pip install --target` folder, say, found from the working directory) is a
+    namespace package JAX cannot start a TPU from."""
+    try:
+        spec = importlib.util.find_spec("libtpu")
+    except (ImportError, ValueError):
+        return False
+    return spec is not None and spec.origin is not None
 
 
 def _has_tpu_chips() -> bool:

@@ -59,7 +59,6 @@ policy files that `offload.ranges` takes by path.
 
 import contextlib
 import dataclasses
-import importlib.util
 import itertools
 import json
 import math
@@ -81,7 +80,7 @@ from zoo.nn.expert_rounds import round_block
 from zoo.nn.moe_dispatch import exchanges_in_rounds
 from zoo.backend import BackendChoices
 from zoo.backend import choices as backend_choices
-from zoo.backend import lowering_for, pallas_interpreted
+from zoo.backend import libtpu_installed, lowering_for, pallas_interpreted
 from zoo.op_rates import FORWARD_KIND
 from zoo.op_rates import rate as op_rate
 from zoo.offload import (
@@ -2236,7 +2235,7 @@ def compile_target(c, platform: str, devices):
             f"plan.compile: compiling for {platform} needs a {platform} here (this machine has {here}); "
             "run the plan there, or drop plan.compile"
         )
-    if importlib.util.find_spec("libtpu") is None:
+    if not libtpu_installed():
         raise PlanError(
             "plan.compile: compiling for a TPU off the chip needs libtpu (pip install libtpu); or plan on the TPU, "
             "or drop plan.compile"
@@ -2255,7 +2254,16 @@ def compile_target(c, platform: str, devices):
     chip = c.hardware.name.removeprefix("tpu_")
     shape = _TOPOLOGY_SHAPES[n]
     bounds = (1, 1, 1) if n == 1 else (2, 2, 1)
-    topo = topologies.get_topology_desc(platform="tpu", topology_name=f"{chip}:{shape}", chips_per_host_bounds=bounds)
+    try:
+        topo = topologies.get_topology_desc(
+            platform="tpu", topology_name=f"{chip}:{shape}", chips_per_host_bounds=bounds
+        )
+    except Exception as e:  # noqa: BLE001 - a libtpu that does not start: one line, not its traceback
+        raise PlanError(
+            f"plan.compile: libtpu could not describe a {chip} {shape} ({type(e).__name__}: "
+            f"{str(e).strip().splitlines()[0][:160] if str(e).strip() else 'no message'}); reinstall libtpu "
+            "(pip install libtpu), plan on the TPU, or drop plan.compile"
+        ) from e
     with lowering_for("tpu"):
         yield list(topo.devices)[:n], f"ahead of time for a {chip} {shape} on this {here}, libtpu"
 
@@ -2338,7 +2346,7 @@ def compile_count(opts: PlanConfig, c) -> int:
         return opts.compile
     if c.hardware.platform != "tpu":
         return 0
-    return 4 if jax.default_backend() == "tpu" or importlib.util.find_spec("libtpu") is not None else 0
+    return 4 if jax.default_backend() == "tpu" or libtpu_installed() else 0
 
 
 # The recompute-only presets, and the attention output's offload on top of two of them, that
