@@ -390,11 +390,10 @@ class HardwareConfig:
     # layout changes, norms and elementwise work around it in a step. Fitted with bench/tpu.py
     # (docs/benchmarks.md, "TPU v5e").
     step_efficiency: float = 1.0
-    # The fraction of a recomputed op's own time (its FLOPs at the rate above) that lengthens the step:
-    # a step's backward leaves the matrix units idle while it waits on memory-bound work, and XLA
-    # schedules the recompute into those gaps. 1: recompute costs its full time. Fitted with
-    # bench/tpu.py (docs/benchmarks.md, "The planner against the chip": on a TPU v5e `full` ran
-    # within 1.4% of `minimal` on three of four setups).
+    # The fraction of a recomputed op's own time (its FLOPs at the rate above) that lengthens the step
+    # (likely: the recompute fills time the backward's memory-bound work leaves the matrix units idle).
+    # 1: recompute costs its full time. Fitted with bench/tpu.py (docs/benchmarks.md, "The planner
+    # against the chip": on a TPU v5e `full` ran 0.93-1.06x `minimal`'s step on six setups).
     recompute_cost: float = 1.0
     # Measured FLOP/s per op and shape (zoo.op_rates; python -m zoo.tools.measure_hardware writes it on
     # an accelerator): the planner gives each tag's producer its op's measured time. null: every op at
