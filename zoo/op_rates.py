@@ -19,8 +19,8 @@ alone: 1x). Entries may be null (a shape the machine could not run). Other keys 
 ...) record how it was measured.
 
 The `_forward` grids price a recompute, which runs an op's forward alone, at a rate of its own: on a
-TPU v5e splash's forward ran at 0.7-1.0x the rate of its forward and backward together and megablox's
-at 0.5-1.0x (docs/benchmarks.md, "The planner against the chip").
+TPU v5e splash's forward ran at 0.72-1.04x the rate of its forward and backward together and megablox's
+at 0.54-0.94x (docs/benchmarks.md, "The planner against the chip").
 """
 
 import math

@@ -203,10 +203,10 @@ def _fresh_run_dir(args: list[str], now: Optional[datetime.datetime] = None) -> 
     """Hydra's default run directory (outputs/<date>/<time>, by the second) claimed for this run alone:
     created here with `os.mkdir`, which one process wins, and `-1`, `-2`, ... appended while it is
     taken. Two runs started in the same second otherwise share it, and Hydra rewrites the first one's
-    `.hydra/` (its config and overrides) before the second is refused. None where the command gives
-    its own directory, runs a sweep, writes nothing, or is one of several processes of one run (those
-    share the directory: process 0 locks it). Returns the directories it created, the run directory
-    last (none: nothing claimed)."""
+    `.hydra/` (its config and overrides) before the second is refused. Returns the directories it
+    created, the run directory last; none where the command gives its own directory, runs a sweep,
+    writes nothing, or is one of several processes of one run (those share the directory: process 0
+    locks it)."""
     key, given = _output_dir_arg(args)
     if given or key != "hydra.run.dir" or _writes_nothing(args) or _several_processes(args):
         return []

@@ -348,15 +348,22 @@ def measure_op_rates(
             out[kind] = table
         on_table(dict(out))
 
+    def case(fn, forward_flops: float, out_shape, arg_shapes, with_backward: bool = True):
+        """(FLOPs, program, *arguments) of `fn`'s value and gradient (3x its forward FLOPs, the output's
+        cotangent first), or of its forward alone."""
+        args = [normal(s) for s in arg_shapes]
+        if with_backward:
+            return 3.0 * forward_flops, value_and_grad_call(fn), normal(out_shape), *args
+        return forward_flops, jax.jit(fn), *args
+
     if "matmul" in wanted:
         rows, widths = g["matmul_rows"], g["widths"]
-        matmul = value_and_grad_call(lambda x, w: x @ w)
         add(
             "matmul",
             grid_of(
                 "matmul",
                 (widths, widths),
-                lambda k, n: (6.0 * rows * k * n, matmul, normal((rows, n)), normal((rows, k)), normal((k, n))),
+                lambda k, n: case(lambda x, w: x @ w, 2.0 * rows * k * n, (rows, n), [(rows, k), (k, n)]),
                 rows=rows,
             ),
         )
@@ -366,54 +373,37 @@ def measure_op_rates(
     sizes = jnp.floor(rows * shares / shares.sum()).astype(jnp.int32)
     sizes = jax.device_put(sizes.at[-1].add(rows - sizes.sum()), device)
     impl = choices.grouped_matmul
-    if "grouped_matmul" in wanted:
-        grouped = value_and_grad_call(
-            lambda x, w: grouped_matmul(x, w, sizes, impl=impl, tile=choices.grouped_matmul_tile)
-        )
-        add(
-            "grouped_matmul",
-            grid_of(
-                "grouped_matmul",
-                (widths, widths),
-                lambda k, n: (
-                    6.0 * rows * k * n,
-                    grouped,
-                    normal((rows, n)),
-                    normal((rows, k)),
-                    normal((groups, k, n)),
+
+    def grouped(x, w):
+        return grouped_matmul(x, w, sizes, impl=impl, tile=choices.grouped_matmul_tile)
+
+    for kind, with_backward in (("grouped_matmul", True), ("grouped_matmul_forward", False)):
+        if kind in wanted:
+            add(
+                kind,
+                grid_of(
+                    kind,
+                    (widths, widths),
+                    lambda k, n, b=with_backward: case(
+                        grouped, 2.0 * rows * k * n, (rows, n), [(rows, k), (groups, k, n)], b
+                    ),
+                    impl=impl,
+                    rows=rows,
+                    groups=groups,
                 ),
-                impl=impl,
-                rows=rows,
-                groups=groups,
-            ),
-        )
-    if "grouped_matmul_forward" in wanted:
-        forward = jax.jit(lambda x, w: grouped_matmul(x, w, sizes, impl=impl, tile=choices.grouped_matmul_tile))
-        add(
-            "grouped_matmul_forward",
-            grid_of(
-                "grouped_matmul_forward",
-                (widths, widths),
-                lambda k, n: (2.0 * rows * k * n, forward, normal((rows, k)), normal((groups, k, n))),
-                impl=impl,
-                rows=rows,
-                groups=groups,
-            ),
-        )
+            )
     if "capacity_einsum" in wanted:
         per_group = rows // groups  # the capacity path's buffers: every expert given the same rows
-        capacity = value_and_grad_call(lambda x, w: jnp.einsum("ecd,edf->ecf", x, w))
         add(
             "capacity_einsum",
             grid_of(
                 "capacity_einsum",
                 (widths, widths),
-                lambda k, n: (
-                    6.0 * per_group * groups * k * n,
-                    capacity,
-                    normal((groups, per_group, n)),
-                    normal((groups, per_group, k)),
-                    normal((groups, k, n)),
+                lambda k, n: case(
+                    lambda x, w: jnp.einsum("ecd,edf->ecf", x, w),
+                    2.0 * per_group * groups * k * n,
+                    (groups, per_group, n),
+                    [(groups, per_group, k), (groups, k, n)],
                 ),
                 rows=per_group * groups,
                 groups=groups,
@@ -423,22 +413,29 @@ def measure_op_rates(
     tokens, heads, seqs, dims = g["attention_tokens"], g["attention_heads"], g["seqs"], g["head_dims"]
     impl = resolve_impl("auto", backend=device.platform, dtype=dtype, qk_dim=dims[0], v_dim=dims[0], seq_len=seqs[-1])
 
-    def attention_case(with_backward: bool):
-        def case(seq, d):
-            batch, dv = max(1, tokens // seq), {96: 64, 192: 128}.get(d, d)
-            forward = 2.0 * batch * seq * attended_keys(seq, None) * heads * (d + dv)
-            q, k, v = (normal((batch, seq, heads, x)) for x in (d, d, dv))
-            if not with_backward:
-                return forward, jax.jit(lambda q, k, v: attend(q, k, v, scale=d**-0.5, impl=impl)), q, k, v
-            fn = value_and_grad_call(lambda q, k, v: attend(q, k, v, scale=d**-0.5, impl=impl))
-            return 3.0 * forward, fn, normal((batch, seq, heads, dv)), q, k, v
-
-        return case
+    def attention_case(seq, d, with_backward):
+        batch, dv = max(1, tokens // seq), {96: 64, 192: 128}.get(d, d)
+        return case(
+            lambda q, k, v: attend(q, k, v, scale=d**-0.5, impl=impl),
+            2.0 * batch * seq * attended_keys(seq, None) * heads * (d + dv),
+            (batch, seq, heads, dv),
+            [(batch, seq, heads, x) for x in (d, d, dv)],
+            with_backward,
+        )
 
     for kind, with_backward in (("attention", True), ("attention_forward", False)):
         if kind in wanted:
-            record = dict(impl=impl, tokens=tokens, heads=heads)
-            add(kind, grid_of(kind, (seqs, dims), attention_case(with_backward), **record))
+            add(
+                kind,
+                grid_of(
+                    kind,
+                    (seqs, dims),
+                    lambda s, d, b=with_backward: attention_case(s, d, b),
+                    impl=impl,
+                    tokens=tokens,
+                    heads=heads,
+                ),
+            )
     return out
 
 

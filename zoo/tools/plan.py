@@ -98,6 +98,7 @@ from zoo.offload import (
 from zoo.placement import inspect_placement, stack_names
 from zoo.sharding import CONTEXT, logical_to_spec, logical_ways
 from zoo.tags import MOE, TAGS, FlopShape, Op, emitted_tags
+from zoo.tools.cli import one_line
 from zoo.tools.kit import compose, output_path, prepare_step, run_tool, split_tool_args
 from zoo.train.run import start_jax
 from zoo.train.run_config import load
@@ -2260,9 +2261,8 @@ def compile_target(c, platform: str, devices):
         )
     except Exception as e:  # noqa: BLE001 - a libtpu that does not start: one line, not its traceback
         raise PlanError(
-            f"plan.compile: libtpu could not describe a {chip} {shape} ({type(e).__name__}: "
-            f"{str(e).strip().splitlines()[0][:160] if str(e).strip() else 'no message'}); reinstall libtpu "
-            "(pip install libtpu), plan on the TPU, or drop plan.compile"
+            f"plan.compile: libtpu could not describe a {chip} {shape} ({type(e).__name__}: {one_line(e)[:160]}); "
+            "reinstall libtpu (pip install libtpu), plan on the TPU, or drop plan.compile"
         ) from e
     with lowering_for("tpu"):
         yield list(topo.devices)[:n], f"ahead of time for a {chip} {shape} on this {here}, libtpu"
