@@ -445,6 +445,7 @@ def child_setups(spec: dict, result_path: pathlib.Path) -> dict:
     from bench import common as C
     from zoo.backend import lowering_for
     from zoo.counts import flops_per_token
+    from zoo.hlo import rematerialized
     from zoo.train.metrics import device_memory
 
     aot = spec.get("aot", False)
@@ -500,7 +501,10 @@ def child_setups(spec: dict, result_path: pathlib.Path) -> dict:
                     run.update(status="oom" if _oom(exe) else "error", error=_first_line(exe))
                     continue
                 run.update(
-                    status="compiled", compiled_memory=C.compiled_memory(exe), xla_flops_per_step=C.compiled_flops(exe)
+                    status="compiled",
+                    compiled_memory=C.compiled_memory(exe),
+                    xla_flops_per_step=C.compiled_flops(exe),
+                    xla_rematerialized_bytes=sum(v.bytes for v in rematerialized(exe.as_text())),
                 )
                 try:
                     run["planner"] = C.planner_estimate(trainers[label].cfg, trainers[label], hardware.hbm_bytes)
@@ -751,13 +755,13 @@ def markdown(res: dict) -> str:
                 if r.get("median_step_s")
                 else f"| {label} | {r.get('status')} | - | - | - | "
             )
+            xla = _gb((r.get("compiled_memory") or {}).get("estimated_peak_bytes"))
+            if r.get("xla_rematerialized_bytes"):  # XLA fitted it by recomputing values (zoo.hlo.rematerialized)
+                xla += f" ({_gb(r['xla_rematerialized_bytes'])} rematerialized)"
             lines[-1] += (
-                f"{_gb((r.get('compiled_memory') or {}).get('estimated_peak_bytes'))} | "
-                f"{_gb(r.get('offloaded_bytes'))} | "
-                f"{_gb(p.get('peak_bytes'))} | {1e3 * p['time_s']:.1f} | "
+                f"{xla} | {_gb(r.get('offloaded_bytes'))} | {_gb(p.get('peak_bytes'))} | {1e3 * p['time_s']:.1f} | "
                 if p.get("time_s")
-                else f"{_gb((r.get('compiled_memory') or {}).get('estimated_peak_bytes'))} | "
-                f"{_gb(r.get('offloaded_bytes'))} | - | - | "
+                else f"{xla} | {_gb(r.get('offloaded_bytes'))} | - | - | "
             )
             lines[-1] += f"{r.get('compile_s', 0):.1f} |"
         lines.append("")

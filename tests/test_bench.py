@@ -200,6 +200,7 @@ def test_tpu_bench_toy_on_cpu(tmp_path):
     assert {r["status"] for r in dense["runs"].values()} == {"ok"}, dense["runs"]
     assert dense["fastest"] in dense["runs"] and dense["runs"][dense["fastest_recompute_only"]]["recompute_only"]
     assert all(r["planner"]["time_s"] > 0 for r in dense["runs"].values())
+    assert all(r["xla_rematerialized_bytes"] == 0 for r in dense["runs"].values())  # XLA:CPU has no such pass
     assert res["hw"]["program_link"]["moves"] is False  # on a CPU nothing moves inside a program
     assert dense["runs"]["full+optimizer_host"]["over_state_on_device"] > 0  # against `full`, same run
     kernels = res["kernels"]
@@ -223,3 +224,5 @@ def test_tpu_bench_renders_the_recorded_v5e_session():
     step = {k: r["median_step_s"] for k, r in runs.items() if r.get("median_step_s")}
     assert round(step["minimal_context_offloaded"] / step["minimal"], 3) == 0.935
     assert "fastest minimal_context_offloaded, fastest recompute-only minimal, ratio 0.935" in proc.stdout
+    full_68 = record["setups"]["moe_full"]["runs"]["full"]  # XLA rematerialized 2.35 GB to fit it
+    assert f"| {full_68['compiled_memory']['estimated_peak_bytes'] / 1e9:.2f} (2.35 rematerialized) |" in proc.stdout

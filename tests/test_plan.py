@@ -844,3 +844,30 @@ def test_a_tpu_profile_plans_its_kernels_here_and_counts_each_residual_of_a_laye
     batch, kv, group, t, d = record.shape
     # the output (compute dtype) and the float32 statistics, not their average
     assert record.bytes_per_layer == batch * kv * group * t * (d * jnp.dtype(record.dtype).itemsize + 4)
+
+
+def test_a_tpu_counts_each_kept_tag_in_its_compilers_tiles():
+    """On a TPU a tag's two minor dimensions are stored in whole tiles of 8 x 128 elements (the v5e's
+    compiled buffers: [.., 8, 96] queries 4/3 of their size, [.., 8, 64] keys twice, [.., 32, 64] and
+    [.., 4096, 160] their own size); elsewhere as traced."""
+    import types
+
+    from zoo.backend import choices
+    from zoo.tools.plan import tag_costs, tiled_elements
+
+    tile = choices("tpu").layout_tile_elements
+    assert tile == 1024 and choices("cpu").layout_tile_elements == 1
+    shapes = {"query_proj": (2, 4096, 8, 96), "key_proj": (2, 4096, 8, 64), "value_proj": (2, 4096, 32, 64),
+              "kv_wa_proj": (2, 4096, 160)}  # fmt: skip
+    records = [
+        types.SimpleNamespace(tag=t, stack="layers", shape=s, bytes_per_layer=2.0 * math.prod(s))
+        for t, s in shapes.items()
+    ]
+    m = SIZES["dsv3_tiny_a"]
+    tiled = {t.tag: t.bytes_per_layer["layers"] for t in tag_costs(m, records, 2, 4096, tile=tile)}
+    as_traced = {t.tag: t.bytes_per_layer["layers"] for t in tag_costs(m, records, 2, 4096)}
+    assert {t: tiled[t] / as_traced[t] for t in shapes} == pytest.approx(
+        {"query_proj": 4 / 3, "key_proj": 2.0, "value_proj": 1.0, "kv_wa_proj": 1.0}
+    )
+    assert tiled_elements((3, 5), 1024) == 1024 and tiled_elements((7,), 1024) == 1024
+    assert tiled_elements((2, 3, 5), 1) == 30

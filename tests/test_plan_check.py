@@ -193,6 +193,21 @@ def test_measured_candidates_are_chosen_by_their_measured_step():
     assert "measured step" in zp.checked_table(tried, p.budget, "here")
 
 
+def test_the_table_says_what_xla_rematerialized():
+    """A candidate XLA fitted by rematerializing values (zoo.hlo.rematerialized) shows how many bytes,
+    and the table says why its HBM is below the estimate; with none, no such column."""
+    p = _problem(20.0)
+    e = search(p)
+    plain = zp.checked_table([zp.Checked(e, 9 * GB, 0.0, rematerialized_bytes=0.0)], p.budget, "here")
+    assert "rematerialized" not in plain
+    table = zp.checked_table(
+        [zp.Checked(e, 9 * GB, 0.0, rematerialized_bytes=2.35 * GB), zp.Checked(e, 8 * GB, 0.0)], p.budget, "here"
+    )
+    header, first, second = table.splitlines()[1:4]
+    assert "XLA rematerialized" in header and "2.350 GB" in first and "2.350 GB" not in second
+    assert table.splitlines()[-1].startswith("XLA rematerialized values to fit its memory limit")
+
+
 def test_cli_measure_times_the_candidates_and_the_presets_and_keeps_the_fastest(tmp_path, capsys):
     out, js = tmp_path / "offload" / "timed.yaml", tmp_path / "p.json"
     args = [*BASE, "plan.hbm_budget_gb=1", "plan.compile=2", "plan.measure=1", f"plan.out={out}", f"plan.json={js}"]

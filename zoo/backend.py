@@ -94,6 +94,13 @@ class BackendChoices:
     # not measured: one buffer, the accumulator and the cast counted.
     loss_chunk_buffers: float = 1.0
     head_gradient_in_place: bool = False
+    # How the compiler stores an activation: the elements of its two minor dimensions in whole tiles
+    # of this many (zoo.tools.plan counts a kept tag's bytes so). TPU: 8 x 128. Every kept tag in the
+    # v5e's compiled buffers fits it (XLA's memory-usage report of the step, llama_1b and dsv3_100m):
+    # llama_1b's [..., 32, 64] queries take their own size, its [..., 8, 64] keys and values twice it,
+    # dsv3_100m's [..., 8, 96] queries 4/3 and [..., 8, 64] keys and values twice, its [..., 4096, 160]
+    # and [..., 4096, 512] tensors their own size. 1: stored as they are.
+    layout_tile_elements: int = 1
 
     def describe(self) -> str:
         """One line for train.py's startup output."""
@@ -136,6 +143,7 @@ TPU = BackendChoices(
     fused_attention="splash",
     init_prng="rbg",
     head_gradient_in_place=True,
+    layout_tile_elements=8 * 128,
 )
 
 

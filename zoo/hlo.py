@@ -442,3 +442,34 @@ def buffer_assignment(text: str, hlo_text: str = "") -> list[Buffer]:
 def partitioned_hlo(lowered, compiler_options: Optional[dict] = None) -> str:
     """The HLO text of `lowered` right after SPMD partitioning (see `compile_with_partitioned_hlo`)."""
     return compile_with_partitioned_hlo(lowered, compiler_options)[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class Rematerialized:
+    """A value XLA's rematerialization pass computes a second time to stay within its memory limit
+    (its clone is named `<value>.remat`): the program the compiler runs holds less than the one
+    written, and runs the clone's producer again."""
+
+    name: str  # the clone's name in the module
+    result: tuple[Array, ...]
+    op_name: str  # jax's metadata op_name ("" when absent)
+
+    @property
+    def bytes(self) -> int:
+        return sum(a.bytes for a in self.result)
+
+
+_REMAT = re.compile(r"\.remat\d*$")
+
+
+def rematerialized(hlo_text: str) -> list[Rematerialized]:
+    """The values of a compiled module (`compiled.as_text()`) that XLA rematerialized, each once
+    however often its clone runs. JAX's own recomputation (jax.checkpoint) is written in the program
+    before XLA sees it and is not listed."""
+    out = []
+    for instrs in _parse(hlo_text)[0].values():
+        for i in instrs:
+            if _REMAT.search(i.name):
+                name = re.search(r'op_name="([^"]*)"', i.attrs)
+                out.append(Rematerialized(i.name, parse_shapes(i.shape), name.group(1) if name else ""))
+    return out

@@ -1498,12 +1498,19 @@ def round_rows_factor(config, ep: int, assignments: int) -> float:
     return ep * round_block(tokens, k, ep, m.n_routed_experts // ep, m.exchange_factor) / (tokens * k)
 
 
-def tag_costs(config, records, batch: int, seq: int, rules=None, sizes=None) -> list[TagCost]:
+def tiled_elements(shape: Sequence[int], tile: int) -> int:
+    """Elements an array of `shape` occupies when its two minor dimensions are stored in whole tiles
+    of `tile` elements (`zoo.backend.BackendChoices.layout_tile_elements`; 1: as it is)."""
+    minor = math.prod(shape[-2:])
+    return math.prod(shape[:-2]) * -(-minor // tile) * tile
+
+
+def tag_costs(config, records, batch: int, seq: int, rules=None, sizes=None, tile: int = 1) -> list[TagCost]:
     """TagCosts from the inspector's records (traced shapes and dtypes, per data-parallel rank), each
     tag's bytes per device as `per_device_shape` splits it under `rules` on a mesh of axis `sizes`
-    (tensor parallelism: the heads and the MLP hidden dim; sequence parallelism: the kept layer input).
-    Tags the backward never reads are left out; the layer input can be kept or offloaded, not
-    recomputed."""
+    (tensor parallelism: the heads and the MLP hidden dim; sequence parallelism: the kept layer input),
+    stored in the compiler's tiles of `tile` elements. Tags the backward never reads are left out; the
+    layer input can be kept or offloaded, not recomputed."""
     by_tag: dict[str, TagCost] = {}
     # The dropless expert-parallel exchange's tagged intermediates are its first round's blocks,
     # `exchange_factor` x the mean rows per (device, shard): more than the traced program's assignments.
@@ -1514,7 +1521,7 @@ def tag_costs(config, records, batch: int, seq: int, rules=None, sizes=None) -> 
         choices = ("device", "offload") if r.tag in CHECKPOINT_INPUTS else CHOICES
         t = by_tag.setdefault(r.tag, TagCost(r.tag, {}, {}, choices))
         device_shape = per_device_shape(r.tag, r.shape, rules, sizes)
-        share = math.prod(device_shape) / max(1, math.prod(r.shape))
+        share = tiled_elements(device_shape, tile) / max(1, math.prod(r.shape))
         if (
             rounds and TAGS[r.tag].block == MOE and len(r.shape) == 2
         ):  # a routed-expert tag traced as [assignments, ...]
@@ -1852,7 +1859,9 @@ def problem_from_config(
     # The traced records are whole sequences, heads and MLP hidden dims: each tag sized as the mesh
     # splits it (tensor parallelism; sequence parallelism for the kept layer input, zoo.model.DecoderBlock).
     sequence_ways = _ways(c, trainer, "seq")
-    tags = tag_costs(m, placement.records, batch, seq, rules=c.mesh.rules, sizes=sizes)
+    # Each sized as the planned hardware's compiler stores it (a profile for any platform: as traced).
+    tile = backend_choices(c.hardware.platform).layout_tile_elements if c.hardware.platform else 1
+    tags = tag_costs(m, placement.records, batch, seq, rules=c.mesh.rules, sizes=sizes, tile=tile)
 
     stacks = {}
     param_bytes, stack_params = per_device_bytes(
@@ -1926,7 +1935,10 @@ def problem_from_config(
 
     # Working set: two layers' intermediates (the one in backward, the next in flight) with one
     # layer's attention transient, or the head + loss, whichever is larger (they do not overlap).
-    per_layer = max((sum(t.bytes_per_layer.get(s, 0.0) for t in tags) for s in stacks), default=0.0)
+    # (the intermediates as traced: the tiling counted above is measured on the kept tags; inside a
+    # layer the compiler fuses and lays out the rest its own way)
+    as_traced = tag_costs(m, placement.records, batch, seq, rules=c.mesh.rules, sizes=sizes) if tile > 1 else tags
+    per_layer = max((sum(t.bytes_per_layer.get(s, 0.0) for t in as_traced) for s in stacks), default=0.0)
     mlpwo_bytes = max(
         (
             r.bytes_per_layer
@@ -2098,6 +2110,9 @@ class Checked:
     compile_s: float
     label: str = ""  # a preset's name, for one compiled because `plan.measure` asked for the presets
     measured_s: Optional[float] = None  # the median step on the device (`plan.measure`)
+    # Bytes of the values XLA rematerialized to stay within its memory limit (zoo.hlo.rematerialized):
+    # its peak is then that of a program holding less than the one the estimate counts.
+    rematerialized_bytes: Optional[float] = None
 
     def fits(self, budget: float) -> bool:
         return self.compiled_peak <= budget
@@ -2180,12 +2195,23 @@ def chosen(tried: list[Checked], budget: float) -> Optional[Checked]:
 
 def checked_table(tried: list[Checked], budget: float, where: str) -> str:
     measured = any(c.measured_s is not None for c in tried)
+    remat = any(c.rematerialized_bytes for c in tried)
     rows = [
-        ("", "estimated step", *(["measured step"] if measured else []), "estimated HBM", "XLA's HBM", "fits", "policy")
+        (
+            "",
+            "estimated step",
+            *(["measured step"] if measured else []),
+            "estimated HBM",
+            "XLA's HBM",
+            *(["XLA rematerialized"] if remat else []),
+            "fits",
+            "policy",
+        )
     ]
     pick = chosen(tried, budget)
     for c in tried:
         step = [f"{1e3 * c.measured_s:.1f} ms" if c.measured_s is not None else "-"] if measured else []
+        rematerialized = [_fmt_bytes(c.rematerialized_bytes) if c.rematerialized_bytes else "-"] if remat else []
         rows.append(
             (
                 "*" if c is pick else "",
@@ -2193,13 +2219,20 @@ def checked_table(tried: list[Checked], budget: float, where: str) -> str:
                 *step,
                 _fmt_bytes(c.estimate.peak_bytes),
                 _fmt_bytes(c.compiled_peak) if math.isfinite(c.compiled_peak) else "out of memory",
+                *rematerialized,
                 "yes" if c.fits(budget) else "no",
                 (f"{c.label} = " if c.label else "") + _describe(c.estimate.assignment),
             )
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
-    return f"compiled by XLA ({where}; HBM budget {_fmt_bytes(budget)}):\n" + "\n".join(lines)
+    note = (
+        "\nXLA rematerialized values to fit its memory limit where a size is given: its HBM is that of a "
+        "program holding less than the one estimated (and recomputing more)"
+        if remat
+        else ""
+    )
+    return f"compiled by XLA ({where}; HBM budget {_fmt_bytes(budget)}):\n" + "\n".join(lines) + note
 
 
 _OOM = re.compile(r"Used ([\d.]+)([KMGT]?) of [\d.]+[KMGT]? hbm|\(([\d.]+)([KMGT]?)i?B?\) exceeds available HBM")
@@ -2275,9 +2308,11 @@ class Compiler:
     def __init__(self, c, plan, devices, name: str, platform: str):
         self.c, self.plan, self.devices, self.name, self.platform = c, plan, devices, name, platform
         self.compiled: dict[tuple, tuple] = {}  # candidate key -> (trainer, executable)
+        self.rematerialized: dict[tuple, float] = {}  # candidate key -> bytes XLA rematerialized
 
     def __call__(self, e: Estimate) -> tuple[float, float]:
         """(XLA's peak bytes per device, seconds to compile)."""
+        from zoo.hlo import rematerialized
         from zoo.train.metrics import compiled_memory
         from zoo.train.step import Trainer
 
@@ -2298,6 +2333,7 @@ class Compiler:
         if got is None:
             raise PlanError(f"plan.compile: XLA for {self.platform} reports no memory analysis here; drop plan.compile")
         self.compiled[_candidate_key(e)] = (trainer, exe)
+        self.rematerialized[_candidate_key(e)] = float(sum(v.bytes for v in rematerialized(exe.as_text())))
         return float(got), time.perf_counter() - t
 
     def measure(self, tried: list[Checked], budget: float, steps: int, rounds: int = 2, echo=print) -> None:
@@ -2382,6 +2418,8 @@ def compile_checked(p: Problem, c, step_plan, devices, opts: PlanConfig):
                     tried.append(Checked(e, peak, secs, label=name))
             print(f"measuring {opts.measure} steps per round of each that fits ...", flush=True)
             compiler.measure(tried, p.budget, opts.measure)
+    for t in tried:
+        t.rematerialized_bytes = compiler.rematerialized.get(_candidate_key(t.estimate))
     print(checked_table(tried, p.budget, where))
     pick = chosen(tried, p.budget)
     if pick is None:
