@@ -355,7 +355,21 @@ def test_cli_infeasible_budget_is_one_line_with_the_smallest_budget(tmp_path, ca
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: plan.hbm_budget_gb: no policy fits 0.000 GB")
     assert "raise plan.hbm_budget_gb to at least" in err[0]
+    assert "plan.compile" not in err[0]  # an H100's program does not compile on this CPU
     assert not (tmp_path / "x.yaml").exists()
+
+
+@pytest.mark.parametrize("hardware", ["cpu", "tpu_v5e"])
+def test_an_hbm_refusal_points_at_plan_compile_where_the_compiler_runs(hardware, tmp_path, capsys, monkeypatch):
+    """The estimate counts the program as written and XLA may rematerialize to fit it: where the
+    target's compiler can run here (this CPU; a TPU's with libtpu) the one line says plan.compile asks it."""
+    monkeypatch.setattr(zp, "libtpu_installed", lambda: False)
+    args = [*BASE[:-1], f"hardware={hardware}", "plan.link=16", "plan.hbm_budget_gb=0.000001", "plan.compile=0"]
+    assert zp.main([*args, f"plan.out={tmp_path / 'x.yaml'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: plan.hbm_budget_gb: no policy fits 0.000 GB")
+    needs = " (with libtpu installed: pip install libtpu)" if hardware == "tpu_v5e" else ""
+    assert err[0].endswith("XLA may rematerialize values to fit it: plan.compile=4 asks the compiler" + needs)
 
 
 @pytest.mark.parametrize(

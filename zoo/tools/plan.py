@@ -2373,6 +2373,22 @@ class Compiler:
             t.measured_s = statistics.median(times[id(t)])
 
 
+def _compile_hint(c) -> str:
+    """The refusal's pointer to `plan.compile` where the target's compiler can run here: the estimate
+    counts the program as written, and near its memory limit XLA rematerializes values to fit (on a
+    v5e dsv3_100m's `full` at 84 x 4096: 19.15 GB estimated, 14.20 GB compiled, 4.44 GB rematerialized)."""
+    import jax
+
+    platform = c.hardware.platform or jax.default_backend()
+    if platform != jax.default_backend() and platform != "tpu":
+        return ""  # a GPU's program compiles on its GPU only
+    needs = " (with libtpu installed: pip install libtpu)" if platform == "tpu" and not libtpu_installed() else ""
+    return (
+        "; that is the program as written, and XLA may rematerialize values to fit it: plan.compile=4 asks the "
+        f"compiler{needs}"
+    )
+
+
 def compile_count(opts: PlanConfig, c) -> int:
     """`plan.compile`, its default (null) resolved: 4 for a TPU target whose compiler is on this
     machine (the estimate alone was -34..+35% off XLA's peak on a v5e, docs/benchmarks.md), else 0."""
@@ -2517,6 +2533,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             except Infeasible as e:
                 print(estimates_table(p, e.best))
                 after_error.append(holders_table(p, e.best, e.budget))
+                hint = _compile_hint(c) if e.budget == "hbm" else ""
+                if hint:
+                    raise Infeasible(str(e) + hint, e.min_bytes, e.best, e.budget, e.min_host_bytes) from None
                 raise
         policy = to_offload_config(best, opts.name, c.offload.params, c.offload.opt_state)
         print(estimates_table(p, best))
