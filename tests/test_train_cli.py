@@ -468,12 +468,27 @@ def test_a_ctrl_c_as_a_sweeps_job_starts_names_that_job_not_the_last_phase_of_th
     assert not (tmp_path / "summary.json").exists()  # a Ctrl-C is not a failed job's record
 
 
+def test_tools_started_in_the_same_second_each_get_their_own_output_folder(tmp_path, monkeypatch):
+    """A tool's default output folder (outputs/<tool>/<date>_<time>) is claimed as train.py's run
+    directory is: a second plan started in the same second writes beside the first, not over it."""
+    import time
+
+    from zoo.tools.kit import output_path
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(time, "strftime", lambda fmt, *a: "2026-12-06_16-01-07")
+    first, second = (output_path(None, "plan.out", "plan", "offload/planned.yaml") for _ in range(2))
+    assert first == pathlib.Path("outputs/plan/2026-12-06_16-01-07/offload/planned.yaml")
+    assert second == pathlib.Path("outputs/plan/2026-12-06_16-01-07-1/offload/planned.yaml")
+    assert output_path(str(tmp_path / "mine.yaml"), "plan.out", "plan", "x.yaml") == tmp_path / "mine.yaml"
+
+
 def test_runs_started_in_the_same_second_each_get_their_own_run_directory(tmp_path, monkeypatch):
     """Hydra's default run directory is named by the second: a second run started in it would share the
     first's, and Hydra rewrote the first's `.hydra/` before the run-directory lock refused the second.
-    Each run claims its own (`os.mkdir`, a suffix while taken); a command that names its directory, a
-    sweep, a command that writes nothing and the processes of one multi-process run claim none; a
-    command Hydra refuses leaves no empty directory behind."""
+    Each run claims its own (`os.mkdir`, a suffix while taken), and a sweep its sweep directory; a
+    command that names its directory, one that writes nothing and the processes of one multi-process
+    run claim none; a command Hydra refuses leaves no empty directory behind."""
     import datetime
 
     from zoo.tools import cli
@@ -485,7 +500,17 @@ def test_runs_started_in_the_same_second_each_get_their_own_run_directory(tmp_pa
     day = pathlib.Path("outputs/2026-12-06")
     assert first == [day.parent, day, day / "16-01-07"] and first[-1].is_dir()
     assert second == [day / "16-01-07-1"] and second[-1].is_dir()
-    for args in (["hydra.run.dir=mine"], ["-m", "trainer.steps=1,2"], ["--cfg", "job"], ["distributed.process_id=1"]):
+    sweeps = [cli._fresh_run_dir(["-m", "trainer.steps=1,2"], now) for _ in range(2)]  # a sweep claims its own too
+    assert [s[-1] for s in sweeps] == [
+        pathlib.Path("multirun/2026-12-06/16-01-07"),
+        pathlib.Path("multirun/2026-12-06/16-01-07-1"),
+    ]
+    for args in (
+        ["hydra.run.dir=mine"],
+        ["-m", "hydra.sweep.dir=mine"],
+        ["--cfg", "job"],
+        ["distributed.process_id=1"],
+    ):
         assert cli._fresh_run_dir(args, now) == [], args
     p = subprocess.run(
         [sys.executable, str(ROOT / "train.py"), "trainer.no_such_key=1"],
@@ -495,7 +520,9 @@ def test_runs_started_in_the_same_second_each_get_their_own_run_directory(tmp_pa
         timeout=300,
     )
     assert p.returncode == 2 and p.stderr.startswith("error: "), p.stderr[-2000:]
-    assert sorted(str(d.relative_to(tmp_path)) for d in tmp_path.rglob("*")) == [
+    assert sorted(
+        str(d.relative_to(tmp_path)) for d in tmp_path.rglob("*") if "multirun" not in d.relative_to(tmp_path).parts
+    ) == [
         "outputs",
         "outputs/2026-12-06",
         "outputs/2026-12-06/16-01-07",

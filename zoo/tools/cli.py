@@ -199,21 +199,12 @@ def _several_processes(args: list[str]) -> bool:
     )
 
 
-def _fresh_run_dir(args: list[str], now: Optional[datetime.datetime] = None) -> list[pathlib.Path]:
-    """Hydra's default run directory (outputs/<date>/<time>, by the second) claimed for this run alone:
-    created here with `os.mkdir`, which one process wins, and `-1`, `-2`, ... appended while it is
-    taken. Two runs started in the same second otherwise share it, and Hydra rewrites the first one's
-    `.hydra/` (its config and overrides) before the second is refused. Returns the directories it
-    created, the run directory last; none where the command gives its own directory, runs a sweep,
-    writes nothing, or is one of several processes of one run (those share the directory: process 0
-    locks it)."""
-    key, given = _output_dir_arg(args)
-    if given or key != "hydra.run.dir" or _writes_nothing(args) or _several_processes(args):
-        return []
-    now = now or datetime.datetime.now()
-    # Relative, as Hydra's own default: digits and dashes only, nothing its override grammar reads.
-    base = pathlib.Path("outputs") / now.strftime("%Y-%m-%d") / now.strftime("%H-%M-%S")
-    made = [d for d in (base.parent.parent, base.parent) if not d.exists()]
+def claim_dir(base: pathlib.Path) -> list[pathlib.Path]:
+    """`base`, or `base-1`, `base-2`, ... where it is taken, created with `os.mkdir` (which one process
+    wins) for one run alone: directories named by the second are otherwise shared by two commands
+    started in the same second, and the second rewrites what the first wrote. Returns the directories
+    created, the claimed one last."""
+    made = [d for d in reversed(base.parents) if str(d) != "." and not d.exists()]
     base.parent.mkdir(parents=True, exist_ok=True)
     for i in range(1000):
         candidate = base if i == 0 else base.with_name(f"{base.name}-{i}")
@@ -222,7 +213,27 @@ def _fresh_run_dir(args: list[str], now: Optional[datetime.datetime] = None) -> 
         except FileExistsError:
             continue
         return [*made, candidate]
-    raise ConfigError(f"hydra.run.dir: {base} and its next 999 suffixes are all taken; give hydra.run.dir=<dir>")
+    raise ConfigError(f"{base} and its next 999 suffixes are all taken; name an output directory")
+
+
+def _fresh_run_dir(args: list[str], now: Optional[datetime.datetime] = None) -> list[pathlib.Path]:
+    """Hydra's default run directory (outputs/<date>/<time>, by the second), or with -m its sweep
+    directory (multirun/<date>/<time>), claimed for this command alone (`claim_dir`). Two runs started
+    in the same second otherwise share it, and Hydra rewrites the first one's `.hydra/` (its config and
+    overrides) before the second is refused; two sweeps would share their jobs' directories. Returns
+    the directories it created, the claimed one last; none where the command gives its own directory,
+    writes nothing, or is one of several processes of one run (those share the directory: process 0
+    locks it)."""
+    key, given = _output_dir_arg(args)
+    if given or _writes_nothing(args) or _several_processes(args):
+        return []
+    now = now or datetime.datetime.now()
+    # Relative, as Hydra's own default: digits and dashes only, nothing its override grammar reads.
+    root = "multirun" if key == "hydra.sweep.dir" else "outputs"
+    try:
+        return claim_dir(pathlib.Path(root) / now.strftime("%Y-%m-%d") / now.strftime("%H-%M-%S"))
+    except ConfigError as e:
+        raise ConfigError(f"{key}: {e}".replace("name an output directory", f"give {key}=<dir>")) from None
 
 
 def _keep_earlier_hydra_record(args: list[str]) -> list[str]:
@@ -581,7 +592,8 @@ def main(hydra_main: Callable, conf_dir: pathlib.Path) -> int:
             return EXIT_BAD_INPUT
         argv = sys.argv
         made = _fresh_run_dir(argv[1:])
-        sys.argv = [*argv, *_keep_earlier_hydra_record(argv[1:]), *([f"hydra.run.dir={made[-1]}"] if made else [])]
+        key = _output_dir_arg(argv[1:])[0]
+        sys.argv = [*argv, *_keep_earlier_hydra_record(argv[1:]), *([f"{key}={made[-1]}"] if made else [])]
         try:
             # As for the tools (run_tool): a Ctrl-C Python swallows (in JAX's garbage-collector callback,
             # say) is raised again at the run's next phase or step (zoo.train.run), not lost.

@@ -16,21 +16,28 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from zoo.offload import conf_dir, dropped_block_tags, resolve
-from zoo.tools.cli import EXIT_BAD_INPUT, check_writable, run_tool  # noqa: F401 (the kit's other half)
+from zoo.tools.cli import EXIT_BAD_INPUT, check_writable, claim_dir, run_tool  # noqa: F401 (the kit's other half)
 from zoo.train.run import prepare
+from zoo.train.run_config import ConfigError
 from zoo.train.step import Trainer
 
 
 def output_path(explicit: Optional[str], key: str, tool: str, relative: str):
     """Where a tool writes: `explicit`, or `outputs/<tool>/<date>_<time>/<relative>` under the current
-    directory (as train.py's Hydra runs go under outputs/). The folder is created and probed now
-    (`zoo.tools.cli.check_writable`), so an unwritable path is one line before anything compiles."""
-    path = (
-        pathlib.Path(explicit)
-        if explicit
-        else pathlib.Path("outputs") / tool / time.strftime("%Y-%m-%d_%H-%M-%S") / relative
-    )
-    return check_writable(path, key)
+    directory (as train.py's Hydra runs go under outputs/), that folder claimed for this command alone
+    (`zoo.tools.cli.claim_dir`: `-1`, `-2`, ... when one started in the same second has it). The folder
+    is created and probed now (`zoo.tools.cli.check_writable`), so an unwritable path is one line
+    before anything compiles."""
+    if explicit:
+        return check_writable(pathlib.Path(explicit), key)
+    base = pathlib.Path("outputs") / tool / time.strftime("%Y-%m-%d_%H-%M-%S")
+    try:
+        folder = claim_dir(base)[-1]
+    except OSError as err:
+        raise ConfigError(
+            f"{key}: cannot create {base} ({err.strerror or err}); give a writable path, e.g. {key}=/tmp/{relative}"
+        ) from None
+    return check_writable(folder / relative, key)
 
 
 def split_tool_args(argv: Sequence[str], prefix: str, schema: type):
