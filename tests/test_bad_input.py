@@ -7,7 +7,6 @@ step) and exported once as a Hugging Face directory; every case works on copies 
 """
 
 import hashlib
-import importlib
 import json
 import os
 import pathlib
@@ -18,9 +17,8 @@ import socket
 import subprocess
 import sys
 import time
-import traceback
-import warnings
 
+import in_process
 import numpy as np
 import pytest
 
@@ -79,6 +77,8 @@ def _train_base(ckpt, run, cwd):
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
     """One finished run (its run directory and checkpoints of steps 1-3) and its step 3 exported."""
+    if in_process.INNER:
+        return pathlib.Path(os.environ[BASE_ENV]), None
     d = tmp_path_factory.mktemp("base")
     p = _train_base(d / "ckpt", d / "run", cwd=d)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -169,11 +169,11 @@ def _truncate_newest(ckpt):
 
 def _live_lock(d: pathlib.Path, name: str):
     """A lock file as a live run writes it, owned by a live process other than the command's: this test
-    process, or, where the command runs in this process (test_cases_in_process), the test process that
-    started this one."""
+    process, or, where the command runs in this process (in_process.INNER), the test process that started
+    this one."""
     from zoo.train.checkpoint import _process_start
 
-    owner = os.getppid() if os.environ.get(IN_PROCESS_RESULTS) else os.getpid()
+    owner = os.getppid() if in_process.INNER else os.getpid()
     (d / name).write_text(
         json.dumps(
             {
@@ -678,114 +678,36 @@ CASES = {
 
 # Cases that need a process of their own: a signal sent to it (Ctrl-C), a module patched as it starts
 # (`_hooked`), or a checkpoint read that fails (what orbax left reading may speak as the process
-# exits). Every other case runs in one pytest process of its own, through the command's entry point
-# (test_cases_in_process): the same checks, without a Python start and Hydra's imports per case.
+# exits). Every other case runs in one pytest process through the command's entry point
+# (tests/in_process.py): the same checks, without a Python start and Hydra's imports per case.
 OWN_PROCESS = {case for case, spec in CASES.items() if len(spec) > 2} | {"zoo.tools.export, newest step damaged"}
-IN_PROCESS_BASE, IN_PROCESS_RESULTS = "ZOO_BAD_INPUT_BASE", "ZOO_BAD_INPUT_RESULTS"
+BASE_ENV = "ZOO_TEST_BAD_INPUT_BASE"  # the in-process run's base: this module's
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_bad_input_ends_in_one_line_and_changes_no_file(case, base, tmp_path, request):
-    if case not in OWN_PROCESS:
-        results, log = request.getfixturevalue("in_process")
-        result = results.get(case, f"the in-process run ended before this case:\n{log}")
-        if result.startswith("skipped: "):
-            pytest.skip(result.removeprefix("skipped: "))
-        assert result == "passed", result
-        return
+@pytest.mark.parametrize("case", [c if c in OWN_PROCESS else pytest.param(c, marks=in_process.MARK) for c in CASES])
+def test_bad_input_ends_in_one_line_and_changes_no_file(case, base, tmp_path, request, capfd, monkeypatch):
+    if case not in OWN_PROCESS and not in_process.INNER:
+        # JAX started as train.py starts it for xla.cpu_devices=1 (TINY)
+        return in_process.outcome(request, {BASE_ENV: str(base[0]), "XLA_FLAGS": in_process.xla_flags(1)})
     setup, (code, line), interact, hook = (*CASES[case], None, None)[:4]
     cmd, cwd, guarded = setup(tmp_path, base[0])
     before = fingerprint(*guarded)
-    extra = _hooked(tmp_path, *hook) if hook else {}
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env(**extra), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        if interact:
-            interact(proc, tmp_path)
-        out, err = proc.communicate(timeout=600)
-    finally:
-        proc.kill()
-    _check(case, tmp_path, code, line, proc.returncode, out, err, guarded, before)
-
-
-@pytest.fixture(scope="module")
-def in_process(base, tmp_path_factory):
-    """Every case not in OWN_PROCESS, run once by test_cases_in_process in a pytest process of its own
-    (JAX started as train.py starts it for `xla.cpu_devices=1`): {case: "passed", "skipped: why" or the
-    failure}, and the end of that process's output."""
-    from zoo.train.run import merged_xla_flags
-    from zoo.train.run_config import XlaConfig
-
-    d = tmp_path_factory.mktemp("in_process")
-    flags = merged_xla_flags(XlaConfig(cpu_devices=1, cpu_ynn_fusions=None), os.environ.get("XLA_FLAGS"))
-    p = subprocess.run(
-        [sys.executable, "-m", "pytest", "-n0", "-p", "no:cacheprovider", f"--basetemp={d / 'tmp'}",
-         f"{__file__}::test_cases_in_process"],
-        env={**os.environ, IN_PROCESS_BASE: str(base[0]), IN_PROCESS_RESULTS: str(d / "results.json"),
-             "XLA_FLAGS": flags},
-        cwd=ROOT, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    results = json.loads((d / "results.json").read_text()) if (d / "results.json").exists() else {}
-    return results, p.stdout[-6000:] + p.stderr[-2000:]
-
-
-@pytest.mark.skipif(os.environ.get(IN_PROCESS_RESULTS) is None, reason="run by the in_process fixture")
-def test_cases_in_process(tmp_path, capfd, monkeypatch):
-    """The cases not in OWN_PROCESS, one after another in this process: each command through its entry
-    point (train.py's is zoo.tools.cli.main around its @hydra.main function, a tool's its main), its
-    stdout and stderr read from the file descriptors, and a Python warning counted as a line of stderr,
-    as a process of its own would print it."""
-    monkeypatch.delenv("ZOO_TRACEBACK", raising=False)
-    d, results_file = pathlib.Path(os.environ[IN_PROCESS_BASE]), pathlib.Path(os.environ[IN_PROCESS_RESULTS])
-    results = {}
-    for i, case in enumerate(c for c in CASES if c not in OWN_PROCESS):
-        t = tmp_path / f"case{i}"
-        t.mkdir()
+    if in_process.INNER:
+        p = in_process.run(cmd, cwd, capfd, monkeypatch)
+        returncode, out, err = p.returncode, p.stdout, p.stderr
+    else:
+        extra = _hooked(tmp_path, *hook) if hook else {}
+        proc = subprocess.Popen(
+            cmd, cwd=cwd, env=env(**extra), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
         try:
-            setup, (code, line) = CASES[case]
-            cmd, cwd, guarded = setup(t, d)
-            before = fingerprint(*guarded)
-            monkeypatch.chdir(cwd)
-            capfd.readouterr()
-            with warnings.catch_warnings(record=True) as caught:
-                for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
-                    warnings.filterwarnings("ignore", category=category)  # what Python ignores by default
-                code_got = _main_in_process(cmd)
-            out, err = capfd.readouterr()
-            err += "".join(warnings.formatwarning(w.message, w.category, w.filename, w.lineno) for w in caught)
-            monkeypatch.chdir(ROOT)
-            _check(case, t, code, line, code_got, out, err, guarded, before)
-            results[case] = "passed"
-        except pytest.skip.Exception as e:
-            results[case] = f"skipped: {e.msg}"
-        except Exception:  # noqa: BLE001 - every case is run and reported
-            results[case] = traceback.format_exc()
-        results_file.write_text(json.dumps(results))
-    failed = {case: r for case, r in results.items() if r != "passed" and not r.startswith("skipped: ")}
-    assert not failed, "\n\n".join(f"{case}:\n{r}" for case, r in failed.items())
-
-
-def _main_in_process(cmd: list[str]) -> int:
-    """The exit code of `cmd` (train_cmd's or tool_cmd's), run in this process through its entry point."""
-    assert cmd[0] == sys.executable, cmd
-    if cmd[1] == str(ROOT / "train.py"):
-        sys.path.insert(0, str(ROOT))
-        try:
-            import train
+            if interact:
+                interact(proc, tmp_path)
+            out, err = proc.communicate(timeout=600)
         finally:
-            sys.path.remove(str(ROOT))
-        from zoo.tools.cli import main
-
-        saved = sys.argv
-        sys.argv = cmd[1:]
-        try:
-            return main(train.main, train.CONF)
-        finally:
-            sys.argv = saved
-    assert cmd[1] == "-m", cmd
-    try:
-        return importlib.import_module(cmd[2]).main(cmd[3:])
-    except SystemExit as e:  # argparse-based tools exit through SystemExit
-        return e.code
+            proc.kill()
+        returncode = proc.returncode
+    _check(case, tmp_path, code, line, returncode, out, err, guarded, before)
 
 
 def _check(case, tmp_path, code, line, returncode, out, err, guarded, before):
