@@ -17,6 +17,7 @@ import sys
 import time
 import types
 
+import in_process
 import jax
 import numpy as np
 import pytest
@@ -44,6 +45,20 @@ def run(args, run_dir, timeout=900):
     return subprocess.run(
         train_cmd(args, run_dir), cwd=run_dir.parent, env=clean_env(), capture_output=True, text=True, timeout=timeout
     )
+
+
+# The commands of the tests marked `in_process` run in one pytest process (tests/in_process.py), with JAX
+# started as train.py starts it for SMALL's xla.cpu_devices=4; `uninterrupted` there is this process's.
+UNINTERRUPTED_ENV = "ZOO_TEST_UNINTERRUPTED"
+
+
+def in_process_env(request) -> dict:
+    return {UNINTERRUPTED_ENV: str(request.getfixturevalue("uninterrupted")), "XLA_FLAGS": in_process.xla_flags(4)}
+
+
+def run_in_process(args, run_dir, capfd, monkeypatch):
+    """`run`'s command in this process (in_process.INNER)."""
+    return in_process.run(train_cmd(args, run_dir), run_dir.parent, capfd, monkeypatch)
 
 
 def metrics(run_dir) -> list[dict]:
@@ -79,6 +94,8 @@ KEYS = ("loss", "grad_norm", "lr", "expert_load_max_over_mean", "moe_dropped_fra
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     """8 steps on fsdp over 4 devices, a checkpoint every step, the last 5 kept: steps 4 to 8."""
+    if in_process.INNER:
+        return pathlib.Path(os.environ[UNINTERRUPTED_ENV])
     d = tmp_path_factory.mktemp("uninterrupted")
     p = run([*SMALL, *EVERY, f"checkpoint.dir={d / 'ckpt'}"], d / "run")
     assert p.returncode == 0, p.stderr[-3000:]
@@ -263,9 +280,12 @@ def unwritable_dir(tmp_path: pathlib.Path) -> pathlib.Path:
     return pathlib.Path("/sys/kernel")
 
 
-def test_unwritable_checkpoint_dir_is_refused_before_any_step(tmp_path):
+@in_process.MARK
+def test_unwritable_checkpoint_dir_is_refused_before_any_step(tmp_path, request, capfd, monkeypatch):
+    if not in_process.INNER:
+        return in_process.outcome(request, in_process_env)
     d = unwritable_dir(tmp_path)
-    p = run([*SMALL, f"checkpoint.dir={d}"], tmp_path / "run")
+    p = run_in_process([*SMALL, f"checkpoint.dir={d}"], tmp_path / "run", capfd, monkeypatch)
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert p.returncode == 2 and len(lines) == 1, p.stderr[-3000:]
     assert re.fullmatch(
@@ -348,13 +368,18 @@ MISFITS = {
 }
 
 
+@in_process.MARK
 @pytest.mark.parametrize("case", sorted(MISFITS))
-def test_checkpoint_that_does_not_fit_one_line_exit_2_untouched(case, uninterrupted, tmp_path):
+def test_checkpoint_that_does_not_fit_one_line_exit_2_untouched(
+    case, uninterrupted, tmp_path, request, capfd, monkeypatch
+):
+    if not in_process.INNER:
+        return in_process.outcome(request, in_process_env)
     args, expected = MISFITS[case]
     ckpt = uninterrupted / "ckpt"
     before = fingerprint(ckpt)
     t0 = time.perf_counter()
-    p = run([*SMALL, *args, f"checkpoint.dir={ckpt}"], tmp_path / "run")
+    p = run_in_process([*SMALL, *args, f"checkpoint.dir={ckpt}"], tmp_path / "run", capfd, monkeypatch)
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert p.returncode == 2, p.stderr[-3000:]
     assert len(lines) == 1 and lines[0].startswith("error: "), p.stderr
@@ -366,17 +391,22 @@ def test_checkpoint_that_does_not_fit_one_line_exit_2_untouched(case, uninterrup
     assert time.perf_counter() - t0 < 120
 
 
-def test_checkpoint_dir_that_is_a_file(tmp_path):
+@in_process.MARK
+def test_checkpoint_dir_that_is_a_file(tmp_path, request, capfd, monkeypatch):
+    if not in_process.INNER:
+        return in_process.outcome(request, in_process_env)
     f = tmp_path / "not_a_dir"
     f.write_text("x")
-    p = run([*SMALL, f"checkpoint.dir={f}"], tmp_path / "run")
+    p = run_in_process([*SMALL, f"checkpoint.dir={f}"], tmp_path / "run", capfd, monkeypatch)
     assert (
         p.returncode == 2
         and p.stderr.strip()
         == f"error: checkpoint.dir: {f} is a file; give a directory (or null to disable checkpointing)"
     )
     assert f.read_text() == "x"
-    p = run([*SMALL, "checkpoint.dir=/proc/no/such/dir"], tmp_path / "run2")  # /proc takes no new directories
+    p = run_in_process(  # /proc takes no new directories
+        [*SMALL, "checkpoint.dir=/proc/no/such/dir"], tmp_path / "run2", capfd, monkeypatch
+    )
     assert p.returncode == 2 and p.stderr.strip() == (
         "error: checkpoint.dir: cannot create /proc/no/such/dir (No such file or directory); choose a "
         "writable directory"

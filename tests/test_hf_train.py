@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 
+import in_process
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -641,8 +642,13 @@ BAD = {
 }
 
 
+@in_process.MARK  # the commands run in one pytest process (tests/in_process.py)
 @pytest.mark.parametrize("case", sorted(BAD))
-def test_bad_pretrained_input_one_line_exit_2_before_compile_nothing_touched(case, tmp_path):
+def test_bad_pretrained_input_one_line_exit_2_before_compile_nothing_touched(
+    case, tmp_path, request, capfd, monkeypatch
+):
+    if not in_process.INNER:
+        return in_process.outcome(request)  # conftest.py's 8 devices, as the command starts JAX
     make, extra, expected = BAD[case]
     d = make(tmp_path)
     if case == "tokenizer":
@@ -654,14 +660,8 @@ def test_bad_pretrained_input_one_line_exit_2_before_compile_nothing_touched(cas
         f"checkpoint.dir={tmp_path / 'ckpt'}",
         *(a.format(tmp=tmp_path) for a in extra),
     ]
-    p = subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), *args, f"hydra.run.dir={tmp_path / 'run'}"],
-        cwd=tmp_path,
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    cmd = [sys.executable, str(ROOT / "train.py"), *args, f"hydra.run.dir={tmp_path / 'run'}"]
+    p = in_process.run(cmd, tmp_path, capfd, monkeypatch)
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert p.returncode == 2, p.stderr[-3000:]
     assert len(lines) == 1 and re.match(expected, lines[0]), lines
