@@ -72,6 +72,16 @@ def test_transfers_without_compute_to_hide_behind_are_exposed():
     assert search(p).assignment == {"a": "remat"}
 
 
+def test_the_layer_inputs_transfers_are_exposed_whole():
+    """What a layer's backward starts from cannot hide behind that backward: offloading the layer input
+    costs its transfer both ways even where compute would hide another tag of its size."""
+    p = make_problem({"decoder_layer_input": (100, 0.0), "a": (100, 1e12)}, link_gbps=64.0)
+    xfer = 100 * MB / (64 * GB) + 10e-6
+    assert evaluate(p, {"decoder_layer_input": "device", "a": "offload"}).exposed_transfer_s == 0
+    both = evaluate(p, {"decoder_layer_input": "offload", "a": "offload"})
+    assert both.exposed_transfer_s == pytest.approx(LAYERS * 2 * xfer)
+
+
 def test_tiny_tensors_are_not_worth_offloading():
     # 4 kB per layer: the transfer's fixed latency (10 us) exceeds the 1 us of compute there is to hide it.
     p = make_problem({"a": (0.004, 1e7)}, link_gbps=900.0, budget_gb=1.0, layer_flops=1e8)

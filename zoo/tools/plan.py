@@ -17,7 +17,8 @@ The cost model (per device, per step; every number it uses is printed in the est
   host->device in its backward, plus a fixed latency per transfer (`plan.transfer_latency_us`: tiny
   tensors gain nothing). The link is full duplex, `link` GB/s each way. Within a layer, transfers
   overlap the layer's compute (forward: its forward FLOPs; backward: twice those plus what it
-  recomputes), so only the excess `max(0, transfer - compute)` is exposed.
+  recomputes), so only the excess `max(0, transfer - compute)` is exposed; the layer input's
+  (what the layer's backward starts from) is exposed whole, both ways (measured on a TPU v5e).
 - `device` costs HBM: the tag's bytes per layer times the layers. A tag's bytes are one device's:
   its traced array's logical axes (`zoo.tags.TagInfo.axes`) under the run's sharding rules
   (`per_device_shape`: tensor parallelism splits the heads and the MLP hidden dim, sequence
@@ -502,6 +503,7 @@ def _layer_parts(p: Problem, digits: np.ndarray, layers_of: dict[str, int]) -> t
     per_stack_off = {s: np.zeros(n) for s in stacks}
     per_stack_count = {s: np.zeros(n) for s in stacks}
     per_stack_remat = {s: np.zeros(n) for s in stacks}
+    exposed = np.zeros(n)
     for j, t in enumerate(p.tags):
         d = digits[:, j]
         for s in stacks:
@@ -511,12 +513,17 @@ def _layer_parts(p: Problem, digits: np.ndarray, layers_of: dict[str, int]) -> t
             if b:
                 device_bytes += (d == 0) * b * layers
                 host_bytes += (d == 1) * b * layers
+                if t.tag in CHECKPOINT_INPUTS:
+                    # What a layer's backward starts from: nothing hides its way back (on a v5e the layer
+                    # input's offload cost dsv3_100m 363 ms a step at 68 x 4096, more than its 243 ms round
+                    # trip over the link), so both directions count whole.
+                    exposed += (d == 1) * layers * 2 * (b / p.link + p.latency)
+                    continue
                 per_stack_off[s] += (d == 1) * b
                 per_stack_count[s] += d == 1
             if f:
                 per_stack_remat[s] += (d == 2) * f
                 recompute_flops += (d == 2) * f * layers
-    exposed = np.zeros(n)
     for s in stacks:
         sc = p.stacks[s]
         fwd_compute = sc.forward_flops_per_layer / p.rate
