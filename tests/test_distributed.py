@@ -29,8 +29,12 @@ SLURM_VARS = [k for k in os.environ if k.startswith("SLURM_") or k.startswith("J
 
 
 def env_with(devices: int, **extra) -> dict:
+    """This environment with `devices` simulated CPU devices (conftest.py's other XLA flags kept: LLVM's
+    optimisations and the fusion emitters off, for the compiles) and neither SLURM's variables nor
+    ZOO_TRACEBACK."""
     env = {k: v for k, v in os.environ.items() if k not in SLURM_VARS and k != "ZOO_TRACEBACK"}
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count=")]
+    env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"])
     env.update(extra)
     return env
 
