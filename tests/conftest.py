@@ -67,19 +67,26 @@ def pytest_collection_finish(session):
     gc.freeze()
 
 
-# The files that take longest, first: xdist hands a worker whole files (`--dist loadfile`), in the
-# order collected, to whichever worker is free; long files collected late (alphabetically) kept one
-# worker busy while the other had nothing left to take.
+# The files that take longest, first (by their CPU time in the default tier): xdist hands a worker whole
+# files (`--dist loadfile`), in the order collected (`--no-loadscope-reorder`: xdist's own order, most
+# tests first, ran test_distributed.py's few long tests last), to whichever worker is free; long files
+# collected late (alphabetically) kept one worker busy while the other had nothing left to take.
+# test_train_cli.py, whose bad-input processes must end within 15 s, comes after the README's commands
+# (tests/test_readme.py runs two at a time), not beside them.
 LONGEST_FIRST = (
-    "test_train_sharding.py",
     "test_readme.py",
-    "test_offload.py",
-    "test_forward_mode.py",
-    "test_bad_input.py",
-    "test_train_cli.py",
-    "test_offload_ranges.py",
+    "test_train_sharding.py",
     "test_checkpoint.py",
+    "test_offload.py",
+    "test_bad_input.py",
+    "test_hf_families.py",
+    "test_inspect.py",
+    "test_train_cli.py",
     "test_distributed.py",
+    "test_moe_dispatch.py",
+    "test_hf_train.py",
+    "test_offload_ranges.py",
+    "test_forward_mode.py",
 )
 
 
