@@ -39,9 +39,10 @@ from zoo.nn.cache import KVCache, LatentCache
 # layer's position in the stack's period (static) and `block_params` its array leaves.
 LayerFn = Callable[..., tuple]
 # Wraps that function, e.g. in `jax.checkpoint` with a remat/offload policy, or with a move of
-# host-resident weights to the device (`layer_wrapper` below builds the trainer's). The forward
-# values are unchanged; only what the program keeps, recomputes or moves is.
-LayerWrapper = Callable[[LayerFn], LayerFn]
+# host-resident weights to the device (`layer_wrapper` below builds the trainer's), given whether the
+# stack's scan runs more than one trip (`looped`). The forward values are unchanged; only what the
+# program keeps, recomputes or moves is.
+LayerWrapper = Callable[[LayerFn, bool], LayerFn]
 # One attention layer's decode-time cache (zoo.nn.cache).
 LayerCache = Union[KVCache, LatentCache]
 
@@ -278,7 +279,7 @@ class Stack(eqx.Module):
             return out, kept
 
         if wrap_layer is not None:
-            run_block = wrap_layer(run_block)
+            run_block = wrap_layer(run_block, self.repeats > 1)
 
         def body(h, period_params):
             auxes, kept = [], []
@@ -781,7 +782,7 @@ def layer_wrapper(remat_policy: Optional[Callable] = None, layer_transform: Opti
     if remat_policy is None and layer_transform is None:
         return None
 
-    def wrap(run_block):
+    def wrap(run_block, looped: bool = True):
         def run(h, block_params, j):
             if layer_transform is not None:
                 block_params = layer_transform(block_params)
@@ -789,7 +790,10 @@ def layer_wrapper(remat_policy: Optional[Callable] = None, layer_transform: Opti
 
         if remat_policy is not None:
             # The policy decides, per tagged intermediate, what the backward pass keeps, offloads or recomputes.
-            run = jax.checkpoint(run, policy=remat_policy, prevent_cse=False, static_argnums=(2,))
+            # A scan of one trip is no loop once XLA simplifies it: the layer's forward and its backward's
+            # recomputation then sit in one computation, and XLA's CSE merges them unless barred
+            # (prevent_cse), so the recomputation keeps the forward's values instead.
+            run = jax.checkpoint(run, policy=remat_policy, prevent_cse=not looped, static_argnums=(2,))
         return run
 
     return wrap

@@ -35,6 +35,8 @@ from zoo.train.update import UPDATE_SCOPE
 
 # Ops that pass a value through unchanged (as far as placement goes).
 _ALIAS_OPS = ("reduce_precision", "sharding_constraint", "copy", "copy_p", "optimization_barrier")
+# Calls whose outputs are their body's outputs, one for one (a tag named inside leaves under its name).
+_CALLS_RETURNING_TAGS = ("shard_map", "jit", "pjit")
 
 
 class _PerLayerRecord:
@@ -170,8 +172,11 @@ def _tag_vars(jaxpr) -> dict:
             if src is not None:
                 for v in e.outvars:
                     tag_of_var.setdefault(v, src)
-        elif e.primitive.name == "shard_map":
+        elif e.primitive.name in _CALLS_RETURNING_TAGS:
+            # A shard_map's body, or a jitted function's (a kernel that names its own residuals
+            # inside its jit: splash's output and softmax statistics under the attention output's tag).
             body = e.params["jaxpr"]
+            body = getattr(body, "jaxpr", body)
             inner = _tag_vars(body)
             for outer, v in zip(e.outvars, body.outvars):
                 if isinstance(v, core.Var) and v in inner:
