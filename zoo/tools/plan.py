@@ -2135,16 +2135,15 @@ def checked_search(p: Problem, compile_peak: Callable[[Estimate], tuple[float, f
     When the search has nothing new to offer (its pick at the scaled budget was compiled already)
     and that pick offloads, it searches on among the policies that recompute in place of offloading:
     an offloaded tag also holds device memory while it is in flight, which the estimate does not
-    count (on a TPU v5e, XLA's peak of dsv3_100m at 84 x 4096 rose 1.3 GB when its attention output
-    went to host instead of being recomputed, and the estimate's smallest there, offloading seven
-    tags, compiled to 18.78 GB where `full` compiled to 14.20: docs/benchmarks.md), so where the
-    estimate's smallest offloads, a policy without offloads may fit where it did not.
+    count (on a TPU v5e, dsv3_100m at 84 x 4096 compiled to 16.65 GB as written with its attention
+    output sent to host and to 12.84 GB with it recomputed, which the estimate puts equal; the
+    estimate's smallest there once, offloading seven tags, compiled to 18.78 GB: docs/benchmarks.md),
+    so where the estimate's smallest offloads, a policy without offloads may fit where it did not.
 
     Last, from the fastest candidate that fits, it offloads one of the tags that candidate recomputes,
     the estimate's fastest first, until one fits: an offload in place of a recompute adds no kept
     bytes, only the in-flight ones the estimate does not see (on the same chip and batch, `full` with
-    the attention output offloaded compiled 1.3 GB over `full`, within the budget, and ran 2.6%
-    faster)."""
+    the attention output offloaded compiled within the budget and ran 3.0% faster than `full`)."""
     tried: list[Checked] = []
     budget = p.budget
     space = p
@@ -2383,7 +2382,8 @@ class Compiler:
 def _compile_hint(c) -> str:
     """The refusal's pointer to `plan.compile` where the target's compiler can run here: the estimate
     counts the program as written, and near its memory limit XLA rematerializes values to fit (on a
-    v5e dsv3_100m's `full` at 84 x 4096: 19.15 GB estimated, 14.20 GB compiled, 4.44 GB rematerialized)."""
+    v5e dsv3_100m's `full:context=device` at 84 x 4096: 19.15 GB estimated, 16.05 GB compiled, 2.14 GB
+    rematerialized)."""
     import jax
 
     platform = c.hardware.platform or jax.default_backend()
@@ -2398,7 +2398,7 @@ def _compile_hint(c) -> str:
 
 def compile_count(opts: PlanConfig, c) -> int:
     """`plan.compile`, its default (null) resolved: 4 for a TPU target whose compiler is on this
-    machine (the estimate alone was -34..+35% off XLA's peak on a v5e, docs/benchmarks.md), else 0."""
+    machine (the estimate alone was -36..+32% off XLA's peak on a v5e, docs/benchmarks.md), else 0."""
     import jax
 
     if opts.compile is not None:
@@ -2410,9 +2410,9 @@ def compile_count(opts: PlanConfig, c) -> int:
 
 # The recompute-only presets, and the attention output's offload on top of two of them, that
 # `plan.measure` times beside the planner's own candidates (labels of `policy_from_label`). On a
-# v5e the context's offload won where keeping it did not fit: on llama_1b's layers at long rows
-# (minimal_context_offloaded) and on dsv3_100m at 84 x 4096 (full:context=offload), where the
-# estimate's HBM kept the search from the latter (docs/benchmarks.md, "TPU v5e").
+# v5e the context's offload won where keeping it did not fit (llama_1b's layers at long rows:
+# minimal_context_offloaded) and beat recomputing it (dsv3_100m at 68 and 84 x 4096:
+# full:context=offload, 0.96-0.97x full; docs/benchmarks.md, "TPU v5e").
 MEASURED_PRESETS = ("full", "save_qkv_proj", "minimal", "minimal_context_offloaded", "full:context=offload")
 
 
