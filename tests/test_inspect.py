@@ -302,6 +302,38 @@ def test_buffer_assignment_names_arguments_by_path_and_values_by_op():
     assert not compiled_holders(found, mem, hbm_bytes=0)["over_budget"]  # no budget given: nothing is over it
 
 
+LIVE_RANGE = """HloLiveRange (max 12):
+  InstructionSequence:
+    0:state__opt_state__mu.1
+  BufferLiveRange:
+    dot_fusion.1{}:3-9
+  Live ranges at 7 (peak):
+    state__params__embed.1{}: 65536 bytes (cumulative: 65536 bytes)
+    copy.212{}: 8192 bytes (cumulative: 73728 bytes)
+    dot_fusion.1{}: 65536 bytes (cumulative: 139264 bytes)
+    while.3{1}: 512 bytes (cumulative: 139776 bytes)
+  Stack trace breakdown for peak usage: 139 776 bytes
+    main.94 (100.0%, total: 139 776 bytes, current: 0 bytes, remaining: 139 776 bytes)
+"""
+
+
+def test_live_at_peak_lists_the_values_xla_holds_together_at_its_peak():
+    """zoo.hlo.live_at_peak reads XLA's live-range dump: the values live at the simulated peak, largest
+    first, named by their instruction's op_name, the arguments marked, tuple indices kept."""
+    from zoo.hlo import live_at_peak
+
+    found = live_at_peak(LIVE_RANGE, MODULE)
+    assert [(v.name, v.bytes, v.argument) for v in found] == [
+        ("state__params__embed.1", 65536, True),
+        ("dot_fusion.1", 65536, False),
+        ("copy.212", 8192, False),
+        ("while.3{1}", 512, False),
+    ]
+    assert found[0].op_name == "state['params'].embed"
+    assert found[1].op_name == "jit(train_step)/transpose(jvp())/dot_general"
+    assert live_at_peak("no peak here", MODULE) == []
+
+
 def test_cli_over_the_hbm_budget_says_who_holds_it(tmp_path, capsys):
     """hardware.hbm_bytes below XLA's estimated peak: the inspector lists the compiled step's largest
     arguments (by their paths) and temporaries, largest first, and points to the planner."""
@@ -326,6 +358,12 @@ def test_cli_over_the_hbm_budget_says_who_holds_it(tmp_path, capsys):
     temp = [b["bytes"] for b in h["largest_temp"]]
     assert temp == sorted(temp, reverse=True) and 0 < temp[0] <= mem["temp_size_in_bytes"]
     assert h["largest_arguments"][0]["op_name"].startswith("state[")
+    # What coexists at XLA's peak (its live-range dump): the state, and the step's own values beside it.
+    assert h["live_at_peak_argument_bytes"] <= mem["argument_size_in_bytes"] < h["live_at_peak_bytes"]
+    assert h["live_at_peak_bytes"] <= mem["argument_size_in_bytes"] + mem["temp_size_in_bytes"]
+    live = [b["bytes"] for b in h["live_at_peak"]]
+    assert live == sorted(live, reverse=True) and not any(b["name"].startswith("state__") for b in h["live_at_peak"])
+    assert "live together at XLA's peak" in printed
     assert (
         "who holds the HBM: the compiled step's buffers, XLA's estimated peak" in printed
         and "over hardware.hbm_bytes 100.00 kB" in printed

@@ -17,7 +17,7 @@ import math
 import pathlib
 import re
 import tempfile
-from typing import Iterable, Optional
+from typing import Any, Iterable, NamedTuple, Optional
 
 from zoo._compat import persistent_cache_bypassed
 
@@ -328,13 +328,22 @@ def by_kind_and_dtype(
     return {k: dict(sorted(table[k].items())) for k in KINDS if k in table}
 
 
-def compile_with_dumps(lowered, compiler_options: Optional[dict] = None, partitioned: bool = True):
-    """`(compiled, partitioned text or None, buffer assignment text or None)`: `lowered` (a
-    `jax.stages.Lowered`) compiled once with XLA dumping into a temporary directory, and two of its
-    dumps read back: the HLO right after SPMD partitioning (`partitioned`; the collectives and their
-    dtypes as the partitioner chose them, before any backend-specific rewrite: XLA:CPU later widens
-    bf16 collectives to float32, which a GPU does not) and the buffer assignment of the optimised
-    program (`buffer_assignment` reads it). None for a dump XLA did not write."""
+class Dumps(NamedTuple):
+    """`compile_with_dumps`'s result: the executable and three of XLA's dumps of it (None where XLA
+    wrote none)."""
+
+    compiled: Any
+    partitioned: Optional[str]  # the HLO right after SPMD partitioning
+    assignment: Optional[str]  # the buffer assignment of the optimised program (`buffer_assignment`)
+    live_range: Optional[str]  # its buffers' live ranges over the schedule, and the ones live at the peak
+
+
+def compile_with_dumps(lowered, compiler_options: Optional[dict] = None, partitioned: bool = True) -> Dumps:
+    """`lowered` (a `jax.stages.Lowered`) compiled once with XLA dumping into a temporary directory,
+    and three of its dumps read back: the HLO right after SPMD partitioning (`partitioned`; the
+    collectives and their dtypes as the partitioner chose them, before any backend-specific rewrite:
+    XLA:CPU later widens bf16 collectives to float32, which a GPU does not), the buffer assignment of
+    the optimised program (`buffer_assignment` reads it) and its live ranges (`live_at_peak`)."""
     with tempfile.TemporaryDirectory() as d:
         options = dict(compiler_options or {})
         # The pass filter only limits the per-pass dumps; the buffer assignment is written regardless.
@@ -343,16 +352,20 @@ def compile_with_dumps(lowered, compiler_options: Optional[dict] = None, partiti
         with persistent_cache_bypassed():
             compiled = lowered.compile(options)
         texts = []
-        for pattern in ("*after_spmd-partitioning*.txt", "*after_optimizations-buffer-assignment.txt"):
+        for pattern in (
+            "*after_spmd-partitioning*.txt",
+            "*after_optimizations-buffer-assignment.txt",
+            "*after_optimizations-live-range.txt",
+        ):
             found = sorted(pathlib.Path(d).glob(pattern))
             texts.append(found[-1].read_text() if found else None)
-        return compiled, texts[0] if partitioned else None, texts[1]
+        return Dumps(compiled, texts[0] if partitioned else None, texts[1], texts[2])
 
 
 def compile_with_partitioned_hlo(lowered, compiler_options: Optional[dict] = None):
     """`(compiled, text)`: `lowered` compiled once, and its HLO text right after SPMD partitioning
     (`compile_with_dumps`). A single-device program is not partitioned: RuntimeError."""
-    compiled, text, _ = compile_with_dumps(lowered, compiler_options)
+    compiled, text, _, _ = compile_with_dumps(lowered, compiler_options)
     if text is None:
         raise RuntimeError("XLA wrote no HLO after SPMD partitioning (a single-device program is not partitioned)")
     return compiled, text
@@ -437,6 +450,43 @@ def buffer_assignment(text: str, hlo_text: str = "") -> list[Buffer]:
                 )
             )
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class LiveValue:
+    """A value live at the peak of XLA's simulation of a compiled program's memory."""
+
+    name: str  # the instruction's name, with the tuple index XLA gives it (`fusion.12{1}`; `{}` dropped)
+    bytes: int  # as XLA's live-range dump counts it (its shape's size, before any layout padding)
+    op_name: str  # jax's metadata op_name of the instruction ("" when absent)
+    argument: bool = False  # one of the program's arguments (an entry parameter)
+
+
+_PEAK_HEADER = re.compile(r"^\s*Live ranges at (\d+) \(peak\):\s*$")
+_PEAK_VALUE = re.compile(r"^\s*([\w.\-]+)(\{[\d,]*\})?: (\d+) bytes")
+
+
+def live_at_peak(live_range_text: str, hlo_text: str = "") -> list[LiveValue]:
+    """The values live at the peak of a compiled program's memory, largest first, from XLA's
+    live-range dump (`compile_with_dumps(...).live_range`), named by `hlo_text` (`compiled.as_text()`).
+    Unlike the buffer assignment's values, which share their allocation over the step, these are the
+    ones that coexist where the program holds the most: arguments included."""
+    names, _ = op_names(hlo_text)
+    entry = hlo_text[hlo_text.find("\nENTRY") :] if "\nENTRY" in hlo_text else ""
+    arguments = {m.group(1) for m in map(_PARAMETER.match, entry.splitlines()[1:]) if m}
+    out, inside = [], False
+    for line in live_range_text.splitlines():
+        if _PEAK_HEADER.match(line):
+            inside = True
+            continue
+        if inside:
+            m = _PEAK_VALUE.match(line)
+            if not m:
+                break
+            index = m.group(2) if m.group(2) not in (None, "{}") else ""
+            name = m.group(1)
+            out.append(LiveValue(name + index, int(m.group(3)), names.get(name, ""), name in arguments))
+    return sorted(out, key=lambda v: -v.bytes)
 
 
 def partitioned_hlo(lowered, compiler_options: Optional[dict] = None) -> str:

@@ -283,10 +283,13 @@ def _state_kind(op_name: str) -> str:
     return (m.group(2) or m.group(1)) if m else "other"
 
 
-def compiled_holders(buffers, compiled_mem: Optional[dict], hbm_bytes: int, top: int = 8) -> dict:
+def compiled_holders(
+    buffers, compiled_mem: Optional[dict], hbm_bytes: int, top: int = 8, live: Optional[list] = None
+) -> dict:
     """Who holds the compiled step's device memory: its arguments by kind (params, opt_state, tokens)
-    and their largest leaves, and the largest values of the temp allocation; with XLA's estimated
-    peak against `hardware.hbm_bytes` (0: none given)."""
+    and their largest leaves, the largest values of the temp allocation, and (`live`: `zoo.hlo.live_at_peak`)
+    the values live together at XLA's peak, largest first; with XLA's estimated peak against
+    `hardware.hbm_bytes` (0: none given)."""
     device = [b for b in buffers if b.memory_space == 0]
     args = sorted((b for b in device if b.kind == "argument"), key=lambda b: -b.bytes)
     by_kind: dict[str, int] = {}
@@ -299,6 +302,8 @@ def compiled_holders(buffers, compiled_mem: Optional[dict], hbm_bytes: int, top:
     def row(b):
         return {"name": b.name, "bytes": b.bytes, "shape": b.shape, "op_name": b.op_name}
 
+    shapes = {b.name: b.shape for b in buffers}
+
     return {
         "estimated_peak_bytes": peak,
         "hbm_bytes": hbm_bytes,
@@ -307,6 +312,13 @@ def compiled_holders(buffers, compiled_mem: Optional[dict], hbm_bytes: int, top:
         "largest_arguments": [row(b) for b in args[:top]],
         "temp_bytes": (compiled_mem or {}).get("temp_size_in_bytes"),
         "largest_temp": [row(b) for b in temp[:top]],
+        "live_at_peak_bytes": None if live is None else sum(v.bytes for v in live),
+        "live_at_peak_argument_bytes": None if live is None else sum(v.bytes for v in live if v.argument),
+        # The state is listed above: these are the step's own values that coexist at the peak.
+        "live_at_peak": [
+            {"name": v.name, "bytes": v.bytes, "shape": shapes.get(v.name.split("{")[0], ""), "op_name": v.op_name}
+            for v in [v for v in (live or []) if not v.argument][:top]
+        ],
     }
 
 
@@ -330,7 +342,14 @@ def render_holders(h: dict, overrides: Sequence[str] = ()) -> str:
     if rows:
         out.append("  largest arguments:")
         out += ["    " + ln for ln in text_table(rows).splitlines()]
-    if h["largest_temp"]:
+    if h.get("live_at_peak"):
+        out.append(
+            f"  live together at XLA's peak: {fmt_bytes(h['live_at_peak_bytes'])} as their shapes count them (before "
+            f"layout padding), {fmt_bytes(h['live_at_peak_argument_bytes'])} of it arguments; the largest of the rest:"
+        )
+        rows = [(b["name"], fmt_bytes(b["bytes"]), b["shape"], b["op_name"]) for b in h["live_at_peak"]]
+        out += ["    " + ln for ln in text_table(rows).splitlines()]
+    elif h["largest_temp"]:
         out.append(
             f"  temporaries {fmt_bytes(h['temp_bytes'])} in all; the largest values (they share that allocation over "
             "the step):"
@@ -352,19 +371,24 @@ def inspect_step(
 ):
     """Trace, compile and (optionally) run the train step: placement, compiled memory, measured peak.
     `on_compiled(compiled, partitioned_hlo_text)` sees the executable (the text is None on one device);
-    `on_buffers(buffers)` its buffer assignment (`zoo.hlo.buffer_assignment`; None where XLA wrote none)."""
+    `on_buffers(buffers, live)` its buffer assignment (`zoo.hlo.buffer_assignment`) and the values live at
+    XLA's peak (`zoo.hlo.live_at_peak`), each None where XLA wrote no such dump."""
     state, tokens = trainer.abstract_state(), trainer.abstract_tokens()
     traced = trainer.jitted_step().trace(state, tokens)
     placement = placement_from_jaxpr(
         traced.jaxpr, scan_names(zoo_model.abstract(trainer.cfg.model), trainer.cfg.offload)
     )
-    compiled, partitioned, assignment = hlo.compile_with_dumps(
+    compiled, partitioned, assignment, live_range = hlo.compile_with_dumps(
         traced.lower(), partitioned=trainer.mesh.devices.size > 1
     )
     if on_compiled is not None:
         on_compiled(compiled, partitioned)
     if on_buffers is not None:
-        on_buffers(None if assignment is None else hlo.buffer_assignment(assignment, compiled.as_text()))
+        text = compiled.as_text()
+        on_buffers(
+            None if assignment is None else hlo.buffer_assignment(assignment, text),
+            None if live_range is None else hlo.live_at_peak(live_range, text),
+        )
     compiled_mem = compiled_memory(compiled)
     devices = list(trainer.mesh.devices.flat)
     measured = None
@@ -398,7 +422,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             trainer,
             opts.measure,
             on_compiled=lambda compiled, text: seen.update(scale=scale.scale_report(trainer, compiled, text)),
-            on_buffers=lambda buffers: seen.update(buffers=buffers),
+            on_buffers=lambda buffers, live: seen.update(buffers=buffers, live=live),
         )
         update = update_buffers(trainer.jitted_step().trace(trainer.abstract_state(), trainer.abstract_tokens()).jaxpr)
         rep = report(c, trainer, placement, compiled_mem, measured, overrides, update)
@@ -406,7 +430,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         rep["holders"] = (
             None
             if seen.get("buffers") is None
-            else compiled_holders(seen["buffers"], compiled_mem, c.hardware.hbm_bytes)
+            else compiled_holders(seen["buffers"], compiled_mem, c.hardware.hbm_bytes, live=seen.get("live"))
         )
         print(render(rep))
         print(scale.render(rep["scale"]))
