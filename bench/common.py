@@ -7,6 +7,7 @@ antlr4 runtime carried as wheels (zoo.train.run_config reads configs through ome
 bench/gpu_wheels.sh.
 """
 
+import contextlib
 import dataclasses
 import datetime
 import gzip
@@ -140,21 +141,36 @@ def trace_and_compile(trainer):
     return compiled, kept, secs
 
 
-def compile_many(items, workers: int) -> dict:
+def compile_many(items, workers: int, live: Optional[dict] = None) -> dict:
     """items: (key, lowered, compiler options) -> {key: (compiled or the exception, seconds)}, compiled
-    in `workers` threads (XLA compiles without holding the GIL)."""
+    in `workers` threads (XLA compiles without holding the GIL). With a dict `live`, each program is
+    compiled dumping its live ranges, and `live[key]` gets the values live at XLA's peak
+    (`zoo.hlo.live_at_peak`; [] where XLA wrote none)."""
     from concurrent.futures import ThreadPoolExecutor
+
+    from zoo import hlo
 
     def one(item):
         key, lowered, options = item
         t = time.perf_counter()
         try:
-            return key, (lowered.compile(options), time.perf_counter() - t)
+            if live is None:
+                return key, (lowered.compile(options), time.perf_counter() - t)
+            dumps = hlo.compile_with_dumps(lowered, options, partitioned=False)
+            secs = time.perf_counter() - t
+            text = dumps.live_range
+            live[key] = [] if text is None else hlo.live_at_peak(text, dumps.compiled.as_text())
+            return key, (dumps.compiled, secs)
         except Exception as e:  # noqa: BLE001 - recorded per item by the caller
             return key, (e, time.perf_counter() - t)
 
-    with ThreadPoolExecutor(max(1, workers)) as ex:
-        return dict(ex.map(one, items))
+    from zoo._compat import persistent_cache_bypassed
+
+    # Held around the pool: each compile's own bypass (compile_with_dumps) then saves and restores the
+    # same state, however the threads interleave.
+    with persistent_cache_bypassed() if live is not None else contextlib.nullcontext():
+        with ThreadPoolExecutor(max(1, workers)) as ex:
+            return dict(ex.map(one, items))
 
 
 def kept_by_tag(placement) -> dict:

@@ -487,8 +487,9 @@ def child_setups(spec: dict, result_path: pathlib.Path) -> dict:
                 )
                 trainers[label], lowered[label] = tr, low
             t = time.perf_counter()
+            live: dict = {}
             compiled = C.compile_many(
-                [(k, low, trainers[k].compiler_options) for k, low in lowered.items()], spec["workers"]
+                [(k, low, trainers[k].compiler_options) for k, low in lowered.items()], spec["workers"], live
             )
             log(
                 f"{name}: traced and compiled {len(lowered)} steps in {time.perf_counter() - t0:.1f}s "
@@ -505,6 +506,11 @@ def child_setups(spec: dict, result_path: pathlib.Path) -> dict:
                     compiled_memory=C.compiled_memory(exe),
                     xla_flops_per_step=C.compiled_flops(exe),
                     xla_rematerialized_bytes=sum(v.bytes for v in rematerialized(exe.as_text())),
+                    # What XLA holds together at its peak, besides the state (zoo.hlo.live_at_peak; unpadded sizes).
+                    xla_live_at_peak=[
+                        {"name": v.name, "bytes": v.bytes, "op_name": v.op_name}
+                        for v in [v for v in live.get(label, []) if not v.argument][:12]
+                    ],
                 )
                 try:
                     run["planner"] = C.planner_estimate(trainers[label].cfg, trainers[label], hardware.hbm_bytes)

@@ -201,6 +201,9 @@ def test_tpu_bench_toy_on_cpu(tmp_path):
     assert dense["fastest"] in dense["runs"] and dense["runs"][dense["fastest_recompute_only"]]["recompute_only"]
     assert all(r["planner"]["time_s"] > 0 for r in dense["runs"].values())
     assert all(r["xla_rematerialized_bytes"] == 0 for r in dense["runs"].values())  # XLA:CPU has no such pass
+    # What XLA holds at its peak besides the state, largest first (its live-range dump).
+    live = [[v["bytes"] for v in r["xla_live_at_peak"]] for r in dense["runs"].values()]
+    assert all(b and b == sorted(b, reverse=True) and b[0] > 0 for b in live), live
     assert res["hw"]["program_link"]["moves"] is False  # on a CPU nothing moves inside a program
     assert dense["runs"]["full+optimizer_host"]["over_state_on_device"] > 0  # against `full`, same run
     kernels = res["kernels"]
