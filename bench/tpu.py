@@ -507,6 +507,7 @@ def child_setups(spec: dict, result_path: pathlib.Path) -> dict:
                     xla_flops_per_step=C.compiled_flops(exe),
                     xla_rematerialized_bytes=sum(v.bytes for v in rematerialized(exe.as_text())),
                     # What XLA holds together at its peak, besides the state (zoo.hlo.live_at_peak; unpadded sizes).
+                    xla_live_at_peak_bytes=sum(v.bytes for v in live.get(label, [])) or None,
                     xla_live_at_peak=[
                         {"name": v.name, "bytes": v.bytes, "op_name": v.op_name}
                         for v in [v for v in live.get(label, []) if not v.argument][:12]

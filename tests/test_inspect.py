@@ -320,7 +320,7 @@ LIVE_RANGE = """HloLiveRange (max 12):
 def test_live_at_peak_lists_the_values_xla_holds_together_at_its_peak():
     """zoo.hlo.live_at_peak reads XLA's live-range dump: the values live at the simulated peak, largest
     first, named by their instruction's op_name, the arguments marked, tuple indices kept."""
-    from zoo.hlo import live_at_peak
+    from zoo.hlo import buffer_assignment, live_at_peak
 
     found = live_at_peak(LIVE_RANGE, MODULE)
     assert [(v.name, v.bytes, v.argument) for v in found] == [
@@ -332,6 +332,17 @@ def test_live_at_peak_lists_the_values_xla_holds_together_at_its_peak():
     assert found[0].op_name == "state['params'].embed"
     assert found[1].op_name == "jit(train_step)/transpose(jvp())/dot_general"
     assert live_at_peak("no peak here", MODULE) == []
+    # The inspector lists them as the peak's only where they make most of XLA's estimated peak (on a
+    # TPU with host offload the dump's own peak was seen at half the compiled one).
+    from zoo.tools.inspect_step import compiled_holders, render_holders
+
+    buffers = buffer_assignment(BUFFER_ASSIGNMENT, MODULE)
+    shown = compiled_holders(buffers, {"estimated_peak_bytes": 150_000}, 0, live=found)
+    assert [b["name"] for b in shown["live_at_peak"]] == ["dot_fusion.1", "copy.212", "while.3{1}"]
+    assert shown["live_at_peak_argument_bytes"] == 65536 and "live together at XLA's peak" in render_holders(shown)
+    short = compiled_holders(buffers, {"estimated_peak_bytes": 200_000}, 0, live=found)
+    assert short["live_at_peak"] == [] and short["live_at_peak_bytes"] == 139776
+    assert "live together" not in render_holders(short) and "the largest values" in render_holders(short)
 
 
 def test_cli_over_the_hbm_budget_says_who_holds_it(tmp_path, capsys):
