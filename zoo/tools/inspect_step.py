@@ -310,8 +310,8 @@ def compiled_holders(
     shapes = {b.name: b.shape for b in buffers}
     live_bytes = None if live is None else sum(v.bytes for v in live)
     # XLA's live-range dump names the moment its own count peaks, which for a TPU was seen to miss the
-    # compiled peak (v5e: 2.81 of 5.78 GB for dsv3_100m with its attention output offloaded, 7.41 of
-    # 10.58 GB for llama_1b's layers under `minimal`; 4.18 of 4.45 GB for dsv3_100m under `full`):
+    # compiled peak (v5e: 2.81 of 5.78 GB for dsv3_100m with its attention output offloaded, 9.78 of
+    # 13.74 GB for llama_1b's layers under `minimal`; 4.18 of 4.45 GB for dsv3_100m under `full`):
     # a listing short of most of the peak is not shown as the peak's.
     at_peak = live is not None and bool(peak) and live_bytes >= LIVE_AT_PEAK_MIN_SHARE * peak
 
