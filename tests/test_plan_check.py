@@ -157,6 +157,47 @@ def test_cli_prints_and_writes_the_compiled_peak_of_the_policy_train_py_builds(t
     assert compiled_memory(exe)["estimated_peak_bytes"] == got
 
 
+GiB = 2**30
+
+
+@pytest.mark.parametrize(
+    "fields, device_peak",
+    [
+        # XLA:TPU's memory analysis of three programs compiled for a v5e (libtpu, ahead of time): a
+        # pinned-host argument of 1 GiB read into device temporaries; a device argument sent to a
+        # pinned-host output; a donated pinned-host argument returned as it is.
+        (dict(peak_memory_in_bytes=2 * GiB, temp_size_in_bytes=GiB, host_argument_size_in_bytes=GiB), GiB),
+        (dict(peak_memory_in_bytes=2 * GiB, argument_size_in_bytes=GiB, host_output_size_in_bytes=GiB), GiB),
+        (
+            dict(
+                peak_memory_in_bytes=GiB,
+                host_argument_size_in_bytes=GiB,
+                host_output_size_in_bytes=GiB,
+                host_alias_size_in_bytes=GiB,
+            ),
+            0,
+        ),
+        # offloaded temporaries are not in the simulated peak, and stay in
+        (dict(peak_memory_in_bytes=3 * GiB // 2, temp_size_in_bytes=GiB, host_temp_size_in_bytes=GiB), 3 * GiB // 2),
+    ],
+)
+def test_a_tpus_compiled_peak_leaves_out_what_lives_on_the_host(fields, device_peak):
+    from types import SimpleNamespace
+
+    from zoo.train.metrics import compiled_memory
+
+    names = ("argument", "output", "alias", "temp", "host_argument", "host_output", "host_alias", "host_temp")
+    analysis = {f"{n}_size_in_bytes": 0 for n in names} | {"generated_code_size_in_bytes": 0} | fields
+    exe = SimpleNamespace(memory_analysis=lambda: SimpleNamespace(**analysis))
+    mem = compiled_memory(exe, platform="tpu")
+    assert mem["simulated_peak_bytes"] == fields["peak_memory_in_bytes"]
+    assert mem["estimated_peak_bytes"] == device_peak
+    # elsewhere the figure is the device's arguments, outputs and temporaries, host ones apart
+    assert compiled_memory(exe, platform="gpu")["estimated_peak_bytes"] == sum(
+        analysis[f"{n}_size_in_bytes"] for n in ("argument", "output", "temp")
+    ) - analysis["alias_size_in_bytes"]
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

@@ -409,38 +409,3 @@ def update_buffers(closed, scope: Optional[str] = None) -> dict:
         "moved_to_device": _largest(found["moved"]),
     }
     return {"layer_loops": found["loops"], **{k: None if b is None else b.as_dict() for k, b in buffers.items()}}
-
-
-# --- compiled memory --------------------------------------------------------------------------
-
-MEMORY_FIELDS = (
-    "argument_size_in_bytes",
-    "output_size_in_bytes",
-    "alias_size_in_bytes",
-    "temp_size_in_bytes",
-    "host_argument_size_in_bytes",
-    "host_output_size_in_bytes",
-    "host_temp_size_in_bytes",
-    "generated_code_size_in_bytes",
-)
-
-
-def memory_analysis(compiled) -> Optional[dict]:
-    """The compiled executable's memory analysis as a dict (None where the backend gives none)."""
-    stats = compiled.memory_analysis()
-    if stats is None:
-        return None
-    out = {f: int(getattr(stats, f)) for f in MEMORY_FIELDS if getattr(stats, f, None) is not None}
-    peak = getattr(stats, "peak_memory_in_bytes", None)
-    out["peak_memory_in_bytes"] = None if peak is None else int(peak)
-    return out
-
-
-def device_peak_bytes(device=None) -> Optional[int]:
-    """The device's measured peak memory (bytes in use at the high-water mark), None where the
-    backend reports no memory statistics (CPU)."""
-    device = device or jax.devices()[0]
-    stats = device.memory_stats()
-    if not stats:
-        return None
-    return stats.get("peak_bytes_in_use")
