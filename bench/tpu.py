@@ -130,6 +130,20 @@ SETUPS = {
         "group": "tpu_host_offload",
         "policies": ["full:context=device", "full", "full:context=offload"],
     },
+    # Larger still, where (compiled for a v5e here) keeping the attention output no longer fits and
+    # offloading it still does: an offload policy against every recompute-only policy that fits.
+    "moe_full_90": {
+        "model": ["dsv3_100m", {}],
+        "batch": 90,
+        "seq": 4096,
+        "group": "tpu_host_offload",
+        "policies": [
+            "full:context=device",
+            "full",
+            "full:context=offload",
+            "full:kv_wa_proj=device,mla_kv=device",
+        ],
+    },
     # zoo.tools.plan's choices for `dense` (tpu_v5e profile) against the measured best there: today's
     # (plan.compile, its default for a TPU: Q/K/V/O to host, the attention output and MLP kept) and an
     # earlier cost model's (Q and O to host).
