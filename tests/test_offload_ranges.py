@@ -522,9 +522,8 @@ def test_the_planner_plans_the_layers_outside_the_ranges(tmp_path):
         "other 1 layer "
         "(the YAML it writes; the commands below keep the ranges)"
     )
-    assert (
-        "tags on device 73.728 kB, on host 24.576 kB" in p.stdout
-    )  # layer 0's q/k/v and input on host, layer 1's kept
+    # layer 0's q/k/v and input on host (one layer of them coming back in flight), layer 1's kept
+    assert "tags on device 73.728 kB (and 24.576 kB in flight), on host 24.576 kB" in p.stdout
     assert "+offload.ranges={0:llama_qkv_offload}" in p.stdout.splitlines()[-2]  # the train command
     # plan.split=true (its search and its lines: tests/test_plan_split.py) places every layer itself.
     p = subprocess.run(
@@ -562,5 +561,8 @@ def test_the_planner_finds_the_split_point_that_beats_one_policy():
     assert split.at == 3 and {split.head, split.tail} == {"keep", "recompute"}
     assert split.estimate.recompute_s == pytest.approx(3e-3) and split.estimate.device_tag_bytes == 300.0
     assert split.estimate.time_s < whole.time_s
-    # With HBM for no layer's tag, no split keeps it anywhere.
-    assert search_split(p.__class__(**{**p.__dict__, "budget": 50.0}), presets, 6).estimate.device_tag_bytes == 0.0
+    # With HBM for no layer's tag, no split keeps it anywhere: keeping it in one layer recomputes it in
+    # five; offloading it instead would hold one layer of it in flight, which does not fit either.
+    tight = search_split(p.__class__(**{**p.__dict__, "budget": 150.0}), presets, 6)
+    assert (tight.at, tight.head, tight.tail, tight.estimate.device_tag_bytes) == (1, "keep", "recompute", 100.0)
+    assert search_split(p.__class__(**{**p.__dict__, "budget": 50.0}), presets, 6) is None

@@ -66,10 +66,11 @@ def test_a_model_that_understates_gives_up_more_until_the_compiler_agrees():
 
 
 def test_when_the_smallest_offloads_and_does_not_compile_within_budget_recompute_is_tried():
-    # Offloading is free in the estimate and hidden under compute, so the estimate's pick under a tight
-    # budget offloads both tags; its compiled peak is over the budget (offloads hold device memory in
-    # flight) and nothing smaller is left to the estimate: the same with recompute is compiled, and fits.
-    p = _problem(2.0)
+    # Offloading costs one layer in flight in the estimate and hides under compute, so the estimate's pick
+    # under a tight budget offloads both tags; its compiled peak is over the budget (here the compiler
+    # holds 1.5 GB more per offloaded tag) and nothing smaller is left to the estimate: the same with
+    # recompute is compiled, and fits.
+    p = _problem(3.0)
     p.link = 1000 * GB
 
     def peak(e):
@@ -80,16 +81,16 @@ def test_when_the_smallest_offloads_and_does_not_compile_within_budget_recompute
     assert tried[0].estimate.assignment == {"a": "offload", "b": "offload"} and not tried[0].fits(p.budget)
     pick = zp.chosen(tried, p.budget)
     assert pick is tried[1] and pick.estimate.assignment == {"a": "remat", "b": "remat"}
-    # then each tag offloaded alone in place of its recompute: 2.5 GB compiled, over the budget too
+    # then each tag offloaded alone in place of its recompute: 3.5 GB compiled, over the budget too
     alone = [{"a": "offload", "b": "remat"}, {"a": "remat", "b": "offload"}]
     assert [c.estimate.assignment for c in tried[2:]] == alone
     assert not any(c.fits(p.budget) for c in tried[2:])
 
 
 def test_from_the_recompute_that_fits_one_tag_offloaded_in_its_place_is_tried_and_wins():
-    # As above with room for one tag in flight (3 GB): recompute fits, and offloading one of the
-    # two in its place (2.5 GB compiled, faster by the estimate) fits and is the pick; no compile after.
-    p = _problem(3.0)
+    # As above with room for one offloaded tag (3.75 GB): recompute fits, and offloading one of the
+    # two in its place (3.5 GB compiled, faster by the estimate) fits and is the pick; no compile after.
+    p = _problem(3.75)
     p.link = 1000 * GB
 
     def peak(e):
@@ -193,9 +194,10 @@ def test_a_tpus_compiled_peak_leaves_out_what_lives_on_the_host(fields, device_p
     assert mem["simulated_peak_bytes"] == fields["peak_memory_in_bytes"]
     assert mem["estimated_peak_bytes"] == device_peak
     # elsewhere the figure is the device's arguments, outputs and temporaries, host ones apart
-    assert compiled_memory(exe, platform="gpu")["estimated_peak_bytes"] == sum(
-        analysis[f"{n}_size_in_bytes"] for n in ("argument", "output", "temp")
-    ) - analysis["alias_size_in_bytes"]
+    assert (
+        compiled_memory(exe, platform="gpu")["estimated_peak_bytes"]
+        == sum(analysis[f"{n}_size_in_bytes"] for n in ("argument", "output", "temp")) - analysis["alias_size_in_bytes"]
+    )
 
 
 @pytest.mark.parametrize(

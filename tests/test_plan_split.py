@@ -154,7 +154,7 @@ def test_cli_split_writes_the_sides_and_its_command_runs(tmp_path, capsys):
     the plan and named by path; the holders name each range with its policy."""
     out = tmp_path / "offload" / "p.yaml"
     assert (
-        zp.main([*GEMMA3_SPLIT, "plan.hbm_budget_gb=0.02", "plan.split=true", "plan.holders=true", f"plan.out={out}"])
+        zp.main([*GEMMA3_SPLIT, "plan.hbm_budget_gb=0.021", "plan.split=true", "plan.holders=true", f"plan.out={out}"])
         == 0
     )
     printed = capsys.readouterr().out

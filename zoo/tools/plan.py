@@ -19,13 +19,15 @@ The cost model (per device, per step; every number it uses is printed in the est
   overlap the layer's compute (forward: its forward FLOPs; backward: twice those plus what it
   recomputes), so only the excess `max(0, transfer - compute)` is exposed; the layer input's
   (what the layer's backward starts from) is exposed whole, both ways (measured on a TPU v5e).
-- `device` costs HBM: the tag's bytes per layer times the layers. A tag's bytes are one device's:
+- `device` costs HBM: the tag's bytes per layer times the layers; `offload` one layer's worth, the
+  next layer's copy in flight while this one's backward runs. A tag's bytes are one device's:
   its traced array's logical axes (`zoo.tags.TagInfo.axes`) under the run's sharding rules
   (`per_device_shape`: tensor parallelism splits the heads and the MLP hidden dim, sequence
   parallelism the kept layer input).
 - HBM is the larger of two phases: forward/backward (parameters on device, gradients, optimizer
-  state if on device, the kept tags, untagged residuals and a working set: two layers'
-  intermediates with one layer's attention transient, or the head + loss, whichever is larger;
+  state if on device, the kept tags, untagged residuals and a working set: one layer's
+  intermediates, the gradients of its largest block and one layer's attention transient, or the
+  head + loss, whichever is larger;
   `attention_working_bytes` by the implementation the planned hardware runs,
   `loss_working_bytes` by `trainer.loss_chunk_size`) and the optimizer update (all state on device;
   with state on host the update streams layer by layer, zoo.train.update: the device-resident
@@ -98,7 +100,7 @@ from zoo.offload import (
 )
 from zoo.placement import inspect_placement, stack_names
 from zoo.sharding import CONTEXT, logical_to_spec, logical_ways
-from zoo.tags import MOE, TAGS, FlopShape, Op, emitted_tags
+from zoo.tags import ATTENTION, MLA, MLP, MOE, TAGS, FlopShape, Op, emitted_tags
 from zoo.tools.cli import one_line
 from zoo.tools.kit import compose, output_path, prepare_step, run_tool, split_tool_args
 from zoo.train.run import start_jax
@@ -329,6 +331,7 @@ class Estimate:
     backward_phase_bytes: float
     update_phase_bytes: float
     device_tag_bytes: float
+    offload_in_flight_bytes: float  # offloaded tags' next layer, coming back in the backward
     host_tag_bytes: float
     host_bytes: float  # pinned host memory per device (tags, host-resident state, staging)
     host_node_bytes: float  # host_bytes times the devices sharing a node
@@ -484,12 +487,26 @@ def _evaluate_arrays(p: Problem, digits: np.ndarray) -> dict[str, np.ndarray]:
     layers outside `p.fixed`; the fixed ranges' layers count with their own assignment)."""
     n = digits.shape[0]
     recompute_flops, device_bytes, host_bytes, exposed = _layer_parts(p, digits, free_layers(p))
+    inflight = _offloaded_per_layer(p, digits, free_layers(p))
     for f in p.fixed:
         parts = _layer_parts(p, _digits_of(p, f.assignment), f.layers)
         recompute_flops, device_bytes, host_bytes, exposed = (
             a + b for a, b in zip((recompute_flops, device_bytes, host_bytes, exposed), parts)
         )
-    return _totals(p, n, recompute_flops, device_bytes, host_bytes, exposed)
+        inflight = np.maximum(inflight, _offloaded_per_layer(p, _digits_of(p, f.assignment), f.layers))
+    return _totals(p, n, recompute_flops, device_bytes, host_bytes, exposed, inflight)
+
+
+def _offloaded_per_layer(p: Problem, digits: np.ndarray, layers_of: dict[str, int]) -> np.ndarray:
+    """One layer's offloaded tag bytes (the largest among the stacks with layers in `layers_of`): in
+    the backward the next layer's copies come back while this layer's run (read off a v5e's buffer
+    assignment: dsv3_100m with its attention output offloaded held this layer's and the next's)."""
+    out = np.zeros(digits.shape[0])
+    for s in p.stacks:
+        if layers_of.get(s, 0):
+            offloaded = sum((digits[:, j] == 1) * float(t.bytes_per_layer.get(s, 0.0)) for j, t in enumerate(p.tags))
+            out = np.maximum(out, offloaded)
+    return out
 
 
 def _layer_parts(p: Problem, digits: np.ndarray, layers_of: dict[str, int]) -> tuple[np.ndarray, ...]:
@@ -538,10 +555,10 @@ def _layer_parts(p: Problem, digits: np.ndarray, layers_of: dict[str, int]) -> t
     return recompute_flops, device_bytes, host_bytes, exposed
 
 
-def _totals(p: Problem, n: int, recompute_flops, device_bytes, host_bytes, exposed) -> dict[str, np.ndarray]:
+def _totals(p: Problem, n: int, recompute_flops, device_bytes, host_bytes, exposed, inflight) -> dict[str, np.ndarray]:
     mb = p.microbatches
     fixed_backward, update = _fixed_bytes(p)
-    backward_phase = fixed_backward + device_bytes
+    backward_phase = fixed_backward + device_bytes + inflight
     peak = np.maximum(backward_phase, update)
     host = sum(_host_fixed_parts(p).values()) + host_bytes
     compute_s = p.step_flops / p.rate
@@ -558,6 +575,7 @@ def _totals(p: Problem, n: int, recompute_flops, device_bytes, host_bytes, expos
         "backward_phase_bytes": backward_phase,
         "update_phase_bytes": np.full(n, update),
         "device_tag_bytes": device_bytes,
+        "offload_in_flight_bytes": inflight,
         "host_tag_bytes": host_bytes,
         "host_bytes": host,
         "host_node_bytes": host * _devices_on_node(p),
@@ -816,6 +834,8 @@ def holders(p: Problem, e: Estimate, memory: str = "hbm") -> list[Holder]:
             out.append(Holder(f"frozen LoRA base{where}", _frozen_on_device(p)))
         out.append(Holder("untagged residuals", p.other_bytes))
         out.append(Holder(p.working_label, p.working_bytes))
+        if e.offload_in_flight_bytes:
+            out.append(Holder("offloaded tags in flight (the next layer's, coming back)", e.offload_in_flight_bytes))
         if p.cut_bytes and not p.params_on_host:
             out.append(
                 Holder(
@@ -1066,13 +1086,15 @@ def _pareto(x: np.ndarray) -> np.ndarray:
 
 
 def _per_layer_costs(p: Problem, digits: np.ndarray) -> np.ndarray:
-    """[assignments, stacks, 3]: one layer of each stack under each assignment: its step seconds
-    (recompute and exposed transfers, all microbatches), device tag bytes, host tag bytes. A range's
-    costs are these times its layers per stack, so they add up over the ranges."""
-    out = np.zeros((digits.shape[0], len(p.stacks), 3))
+    """[assignments, stacks, 4]: one layer of each stack under each assignment: its step seconds
+    (recompute and exposed transfers, all microbatches), device tag bytes, host tag bytes, and its
+    offloaded bytes (in flight). A range's first three are these times its layers per stack, so they
+    add up over the ranges; the in-flight bytes are the largest of its stacks' with layers."""
+    out = np.zeros((digits.shape[0], len(p.stacks), 4))
     for k, s in enumerate(p.stacks):
         flops, device, host, exposed = _layer_parts(p, digits, {s: 1})
-        out[:, k] = np.stack([p.microbatches * (flops / p.rate + exposed), device, host], axis=1)
+        inflight = _offloaded_per_layer(p, digits, {s: 1})
+        out[:, k] = np.stack([p.microbatches * (flops / p.rate + exposed), device, host, inflight], axis=1)
     return out
 
 
@@ -1097,8 +1119,9 @@ def _best_pair(
 ):
     """The best (key, head index, tail index) over every pair of assignments for a head of `head`
     layers per stack and a tail of `tail`, within both budgets; None if no pair fits. Only each
-    side's Pareto front in (seconds, device bytes, host bytes) is paired: an assignment another
-    beats in all three, swapped for it, leaves the step no slower and both budgets no fuller.
+    side's Pareto front in (seconds, device bytes, host bytes, bytes in flight) is paired: an
+    assignment another beats in all four, swapped for it, leaves the step no slower and both budgets
+    no fuller (the pair's in-flight bytes are the larger side's).
     `fronts` caches them by the side's layers per stack (a front is the same for any multiple)."""
     order = list(p.stacks)
     lh = np.asarray([head.get(s, 0) for s in order], dtype=float)
@@ -1106,7 +1129,9 @@ def _best_pair(
 
     def front(layers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         key = tuple(np.round(layers / max(layers.max(), 1.0), 12))
-        side = np.einsum("nsc,s->nc", costs, layers)  # [assignments, (seconds, device, host)]
+        side = np.einsum("nsc,s->nc", costs[..., :3], layers)  # [assignments, (seconds, device, host)]
+        inflight = np.max(np.where(layers > 0, costs[..., 3], 0.0), axis=1, initial=0.0)
+        side = np.concatenate([side, inflight[:, None]], axis=1)
         if key not in fronts:
             fronts[key] = _pareto(side)
         return fronts[key], side[fronts[key]]
@@ -1124,7 +1149,7 @@ def _best_pair(
         seconds = const_s + hc[..., 0] + t[None, :, 0]
         device = hc[..., 1] + t[None, :, 1]
         host = hc[..., 2] + t[None, :, 2]
-        peak = np.maximum(fixed_backward + device, update)
+        peak = np.maximum(fixed_backward + device + np.maximum(hc[..., 3], t[None, :, 3]), update)
         ok = np.nonzero((peak <= p.budget) & (host_fixed + host <= p.host_budget))
         if not ok[0].size:
             continue
@@ -1178,7 +1203,8 @@ def search_split_tags(
 
     Exact for each split point tried: the estimate is a sum over layers, so a range's seconds, device
     and host bytes are its layers per stack times one layer's (`_per_layer_costs`, tabled once for
-    every assignment: `split_costs`); only the assignments no other beats in all three for that range
+    every assignment: `split_costs`; its bytes in flight, one layer's, the largest of its stacks');
+    only the assignments no other beats in all four for that range
     can be part of a best split, and every pair of those of the head and the tail is tried
     (`_best_pair`; one stack: one front serves every split point). The enumeration is `search`'s
     (3^k assignments of k tags, held whole). Above `exact_rows` assignments (DeepSeek-V3's 16 tags:
@@ -1591,8 +1617,9 @@ def estimates_table(p: Problem, chosen: Estimate) -> str:
     out.append(
         f"estimated HBM peak {_fmt_bytes(e.peak_bytes)} of {_fmt_bytes(p.budget)} (forward/backward "
         f"{_fmt_bytes(e.backward_phase_bytes)}, "
-        f"update {_fmt_bytes(e.update_phase_bytes)}); tags on device {_fmt_bytes(e.device_tag_bytes)}, on host "
-        f"{_fmt_bytes(e.host_tag_bytes)}"
+        f"update {_fmt_bytes(e.update_phase_bytes)}); tags on device {_fmt_bytes(e.device_tag_bytes)}"
+        + (f" (and {_fmt_bytes(e.offload_in_flight_bytes)} in flight)" if e.offload_in_flight_bytes else "")
+        + f", on host {_fmt_bytes(e.host_tag_bytes)}"
     )
     n = _devices_on_node(p)
     parts = {"tags": e.host_tag_bytes, **_host_fixed_parts(p)}
@@ -1681,6 +1708,18 @@ def host_attention_impl(target: str) -> str:
     import jax
 
     return "blockwise" if target == "cudnn" and jax.default_backend() != "gpu" else target
+
+
+def _largest_block(tags, stack: str) -> float:
+    """Per layer of `stack`, the tags' bytes of its largest block: the attention (MLA's latents with
+    it) or the feed-forward block (an MoE's routed and shared experts together)."""
+    of = {ATTENTION: ATTENTION, MLA: ATTENTION, MLP: MLP, MOE: MLP}
+    found: dict[str, float] = {}
+    for t in tags:
+        kind = of.get(TAGS[t.tag].block) if t.tag in TAGS else None
+        if kind:
+            found[kind] = found.get(kind, 0.0) + t.bytes_per_layer.get(stack, 0.0)
+    return max(found.values(), default=0.0)
 
 
 def attention_working_bytes(
@@ -1940,8 +1979,11 @@ def problem_from_config(
             "plan.hbm_budget_gb=80"
         )
 
-    # Working set: two layers' intermediates (the one in backward, the next in flight) with one
-    # layer's attention transient, or the head + loss, whichever is larger (they do not overlap).
+    # Working set: the layer in backward, its intermediates and the gradients of its largest block
+    # (about that block's intermediates again), with one layer's attention transient, or the head +
+    # loss, whichever is larger (they do not overlap). What XLA holds at a v5e's compiled peak:
+    # dsv3_100m under `full` one MoE layer's backward, 26-27 KB a token at 20 to 90 x 4096, its
+    # intermediates 16.5 KB, its MoE block's 8 (docs/benchmarks.md, "The planner against the chip").
     # (the intermediates as traced: the tiling counted above is measured on the kept tags; inside a
     # layer the compiler fuses and lays out the rest its own way)
     as_traced = tag_costs(m, placement.records, batch, seq, rules=c.mesh.rules, sizes=sizes) if tile > 1 else tags
@@ -1986,10 +2028,11 @@ def problem_from_config(
         # A profile for any platform (no hardware.platform) says nothing of its compiler: counted whole.
         backend=backend_choices(hw.platform) if hw.platform else None,
     )
-    layers_working = 2.0 * (per_layer + mlpwo_bytes) + attention
+    block = max((_largest_block(as_traced, s) for s in stacks), default=0.0)
+    layers_working = per_layer + mlpwo_bytes + block + attention
     working = max(layers_working, loss)
     working_label = (
-        f"working set: two layers' intermediates + one layer's {attention_impl} attention"
+        f"working set: a layer's intermediates + its largest block's gradients + its {attention_impl} attention"
         if layers_working >= loss
         else "working set: the head + loss"
         + (f" (chunks of {c.trainer.loss_chunk_size})" if c.trainer.loss_chunk_size else " (whole logits)")
