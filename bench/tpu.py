@@ -752,10 +752,11 @@ def markdown(res: dict) -> str:
             f"**{name}**: {st['model'][0]} {st['model'][1] or ''}, batch {st['batch']} x {st['seq']}"
             + (f" in {st['grad_accum']} microbatches" if st.get("grad_accum", 1) > 1 else "")
             + f", xla={st['group']}"
+            + (f"; fastest {s['fastest']}" if s.get("fastest") else "")
             + (
-                f"; fastest {s['fastest']}, fastest recompute-only {s.get('fastest_recompute_only')}, ratio "
+                f", fastest recompute-only {s['fastest_recompute_only']}, ratio "
                 f"{s.get('fastest_over_recompute_only', float('nan')):.3f}"
-                if s.get("fastest")
+                if s.get("fastest") and s.get("fastest_recompute_only")
                 else ""
             )
         )

@@ -2441,7 +2441,8 @@ def _compile_hint(c) -> str:
 
 def compile_count(opts: PlanConfig, c) -> int:
     """`plan.compile`, its default (null) resolved: 4 for a TPU target whose compiler is on this
-    machine (the estimate alone was -36..+32% off XLA's peak on a v5e, docs/benchmarks.md), else 0."""
+    machine (the estimate alone is -17..+11% off XLA's peak on a v5e, and misses what offloading
+    several tags costs: docs/benchmarks.md), else 0."""
     import jax
 
     if opts.compile is not None:
