@@ -9,7 +9,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from zoo.tools import plan as zp
-from zoo.tools.plan import GB, Infeasible, Problem, StackCost, TagCost, search
+from zoo.tools.plan import GB, Infeasible, Problem, StackCost, TagCost, evaluate, search
 
 MB = 1e6
 
@@ -298,3 +298,15 @@ def test_a_libtpu_that_cannot_start_is_one_line_not_a_traceback(tmp_path, monkey
         "libtpu), plan on the TPU, or drop plan.compile"
     )
     assert not (tmp_path / "b.yaml").exists()
+
+
+def test_a_pick_that_offloads_several_tags_untimed_says_to_time_it():
+    p = _problem(100.0)
+    one = zp.Checked(evaluate(p, {"a": "offload", "b": "remat"}), 1.0, 0.0)
+    two = zp.Checked(evaluate(p, {"a": "offload", "b": "offload"}), 1.0, 0.0)
+    assert zp.unmeasured_offload_note(one, on_target=False, measured=False) is None
+    assert zp.unmeasured_offload_note(two, on_target=True, measured=True) is None  # timed: plan.measure
+    note = zp.unmeasured_offload_note(two, on_target=False, measured=False)
+    assert note.startswith("note: the pick sends 2 tags to host (a, b), compiled ahead of time, not on the target")
+    assert "plan.measure=2" in note
+    assert "ahead of time" not in zp.unmeasured_offload_note(two, on_target=True, measured=False)
