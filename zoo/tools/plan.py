@@ -2177,16 +2177,16 @@ def checked_search(p: Problem, compile_peak: Callable[[Estimate], tuple[float, f
 
     When the search has nothing new to offer (its pick at the scaled budget was compiled already)
     and that pick offloads, it searches on among the policies that recompute in place of offloading:
-    an offloaded tag also holds device memory while it is in flight, which the estimate does not
-    count (on a TPU v5e, dsv3_100m at 84 x 4096 compiled to 16.65 GB as written with its attention
-    output sent to host and to 12.84 GB with it recomputed, which the estimate puts equal; the
-    estimate's smallest there once, offloading seven tags, compiled to 18.78 GB: docs/benchmarks.md),
-    so where the estimate's smallest offloads, a policy without offloads may fit where it did not.
+    offloads can hold more device memory than the estimate's one layer in flight (on a TPU v5e,
+    dsv3_100m at 84 x 4096 compiled to 16.65 GB as written with its attention output sent to host and
+    to 12.84 GB with it recomputed; the estimate's smallest there once, offloading seven tags,
+    compiled to 18.78 GB: docs/benchmarks.md), so where the estimate's smallest offloads, a policy
+    without offloads may fit where it did not.
 
     Last, from the fastest candidate that fits, it offloads one of the tags that candidate recomputes,
     the estimate's fastest first, until one fits: an offload in place of a recompute adds no kept
-    bytes, only the in-flight ones the estimate does not see (on the same chip and batch, `full` with
-    the attention output offloaded compiled within the budget and ran 3.0% faster than `full`)."""
+    bytes, only in-flight ones (on the same chip and batch, `full` with the attention output
+    offloaded compiled within the budget and ran 3.0% faster than `full`)."""
     tried: list[Checked] = []
     budget = p.budget
     space = p
