@@ -310,3 +310,21 @@ def test_a_pick_that_offloads_several_tags_untimed_says_to_time_it():
     assert note.startswith("note: the pick sends 2 tags to host (a, b), compiled ahead of time, not on the target")
     assert "plan.measure=2" in note
     assert "ahead of time" not in zp.unmeasured_offload_note(two, on_target=True, measured=False)
+
+
+def test_a_program_xla_had_to_rematerialize_much_of_does_not_count_as_fitting():
+    """Within the budget as compiled is not enough when XLA rematerialized so much to get there that the
+    program as written is over REMAT_SLACK x the budget (on a v5e such a pick ran 1.44x the fastest);
+    a little, near its limit, is fine. The search takes it from the compiler, where it records it."""
+    p = _problem(10.0)
+    e = evaluate(p, {"a": "remat", "b": "remat"})
+    assert zp.Checked(e, 9.5 * GB, 0.0, rematerialized_bytes=0.9 * GB).fits(p.budget)  # 10.4 as written
+    assert not zp.Checked(e, 9.5 * GB, 0.0, rematerialized_bytes=2.0 * GB).fits(p.budget)  # 11.5
+    assert not zp.Checked(e, 10.5 * GB, 0.0).fits(p.budget)
+
+    def compiler(e):
+        return 9.0 * GB, 0.0
+
+    compiler.rematerialized = {zp._candidate_key(search(p)): 3.0 * GB}
+    tried = zp.checked_search(p, compiler, 1)
+    assert tried[0].rematerialized_bytes == 3.0 * GB and zp.chosen(tried, p.budget) is None

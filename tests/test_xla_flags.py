@@ -153,3 +153,24 @@ def test_gpu_host_pool_the_environment_wins():
     assert set_gpu_host_pool(894, environ := {}, started=False) == "894" and environ == {GPU_HOST_POOL_ENV: "894"}
     assert set_gpu_host_pool(894, environ := {}, started=True) is None and environ == {}
     assert set_gpu_host_pool(None, environ := {}, started=False) is None and environ == {}
+
+
+@pytest.mark.parametrize("libtpu", [True, False])
+def test_the_tpu_flags_are_set_before_jax_starts_where_libtpu_can_compile(libtpu):
+    """libtpu reads LIBTPU_INIT_ARGS once, when JAX's backends start, also on a machine without a chip
+    where it compiles for one ahead of time; there the group's TPU flags are set before JAX starts
+    (before, plan.compile's programs compiled without them). Without libtpu nothing is set."""
+    script = (
+        "import os, zoo.backend as b\n"
+        f"b.libtpu_installed = lambda: {libtpu}\n"
+        "from zoo.train.run import apply_xla_flags\n"
+        "from zoo.train.run_config import XlaConfig\n"
+        "shown = apply_xla_flags(XlaConfig(tpu_flags=['--xla_tpu_host_transfer_overlap_limit=24']))\n"
+        "import jax\n"
+        "print(repr(os.environ.get('LIBTPU_INIT_ARGS')), 'LIBTPU' in shown, jax.default_backend())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "LIBTPU_INIT_ARGS"} | {"JAX_PLATFORMS": "cpu"}
+    p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-2000:]
+    want = "'--xla_tpu_host_transfer_overlap_limit=24'" if libtpu else "None"
+    assert p.stdout.split() == [want, "False", "cpu"]  # the CPU run's own flags do not name them

@@ -149,9 +149,12 @@ def apply_xla_flags(c: XlaConfig, host_offload: bool = False) -> str:
     flags = merged_xla_flags(c, os.environ.get("XLA_FLAGS"), host_offload, platform=platform)
     os.environ["XLA_FLAGS"] = flags
     _APPLIED_XLA_FLAGS = flags
-    if platform == "tpu" and c.tpu_flags:
+    # libtpu reads its flags once, when JAX's backends start, also on a machine without a chip, where it
+    # then compiles for one ahead of time (zoo.tools.plan's plan.compile): set them for it there too.
+    if c.tpu_flags and (platform == "tpu" or backend.libtpu_installed()):
         os.environ["LIBTPU_INIT_ARGS"] = merged_tpu_flags(c, os.environ.get("LIBTPU_INIT_ARGS"))
-        return f"{flags} LIBTPU_INIT_ARGS={os.environ['LIBTPU_INIT_ARGS']}".strip()
+        if platform == "tpu":
+            return f"{flags} LIBTPU_INIT_ARGS={os.environ['LIBTPU_INIT_ARGS']}".strip()
     return flags
 
 
