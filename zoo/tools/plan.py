@@ -65,7 +65,6 @@ import dataclasses
 import itertools
 import json
 import math
-import os
 import pathlib
 import re
 import sys
@@ -2322,7 +2321,7 @@ def _oom_bytes(error: BaseException) -> Optional[float]:
 @contextlib.contextmanager
 def compile_target(c, platform: str, devices):
     """(devices, description) to compile for `platform` on this machine; PlanError (one line) where it
-    cannot. A TPU off a TPU: the chip's topology from libtpu, with xla.tpu_flags set for its compiler."""
+    cannot. A TPU off a TPU: the chip's topology from libtpu."""
     import jax
 
     from zoo.backend import lowering_for
@@ -2348,10 +2347,8 @@ def compile_target(c, platform: str, devices):
         )
     from jax.experimental import topologies
 
-    from zoo.train.run import merged_tpu_flags
-
-    if c.xla.tpu_flags and "LIBTPU_INIT_ARGS" not in os.environ:
-        os.environ["LIBTPU_INIT_ARGS"] = merged_tpu_flags(c.xla, None)  # read once, when libtpu starts
+    # The xla group's TPU flags reach this compile only if they were set before JAX started (libtpu reads
+    # them once, then): zoo.train.run.apply_xla_flags, which main's start_jax calls, does so.
     chip = c.hardware.name.removeprefix("tpu_")
     shape = _TOPOLOGY_SHAPES[n]
     bounds = (1, 1, 1) if n == 1 else (2, 2, 1)
