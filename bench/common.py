@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # `python bench/cpu.py` from a checkout that is not pip-installed
@@ -141,16 +141,28 @@ def trace_and_compile(trainer):
     return compiled, kept, secs
 
 
-def compile_many(items, workers: int, live: Optional[dict] = None) -> dict:
+def compile_many(items, workers: int, live: Optional[dict] = None, done: Optional[Callable] = None) -> dict:
     """items: (key, lowered, compiler options) -> {key: (compiled or the exception, seconds)}, compiled
     in `workers` threads (XLA compiles without holding the GIL). With a dict `live`, each program is
     compiled dumping its live ranges, and `live[key]` gets the values live at XLA's peak
-    (`zoo.hlo.live_at_peak`; [] where XLA wrote none)."""
+    (`zoo.hlo.live_at_peak`; [] where XLA wrote none). `done(key, compiled or exception, seconds)` is
+    called as each one finishes, one call at a time: a caller that records each as it comes keeps the
+    finished ones when the process is stopped before the rest."""
+    import threading
     from concurrent.futures import ThreadPoolExecutor
+
+    lock = threading.Lock()
 
     from zoo import hlo
 
     def one(item):
+        key, out = compile_one(item)
+        if done is not None:
+            with lock:
+                done(key, *out)
+        return key, out
+
+    def compile_one(item):
         key, lowered, options = item
         t = time.perf_counter()
         try:

@@ -47,6 +47,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Optional
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -502,35 +503,40 @@ def child_setups(spec: dict, result_path: pathlib.Path) -> dict:
                 trainers[label], lowered[label] = tr, low
             t = time.perf_counter()
             live: dict = {}
+            res["setups"][name] = {"setup": setup, "runs": runs}
+
+            def record(label, exe, secs, runs=runs, live=live):
+                # Written as each compile finishes: a process stopped at --budget-s keeps the finished ones.
+                run = runs[label]
+                run["compile_s"] = secs
+                if isinstance(exe, Exception):
+                    run.update(status="oom" if _oom(exe) else "error", error=_first_line(exe))
+                else:
+                    run.update(
+                        status="compiled",
+                        compiled_memory=C.compiled_memory(exe),
+                        xla_flops_per_step=C.compiled_flops(exe),
+                        xla_rematerialized_bytes=sum(v.bytes for v in rematerialized(exe.as_text())),
+                        # What XLA holds together at its peak, besides the state (zoo.hlo.live_at_peak; unpadded sizes).
+                        xla_live_at_peak_bytes=sum(v.bytes for v in live.get(label, [])) or None,
+                        xla_live_at_peak=[
+                            {"name": v.name, "bytes": v.bytes, "op_name": v.op_name}
+                            for v in [v for v in live.get(label, []) if not v.argument][:12]
+                        ],
+                    )
+                    try:
+                        run["planner"] = C.planner_estimate(trainers[label].cfg, trainers[label], hardware.hbm_bytes)
+                    except Exception as e:  # noqa: BLE001
+                        run["planner"] = {"error": _first_line(e)}
+                C.write_json(result_path, res)
+
             compiled = C.compile_many(
-                [(k, low, trainers[k].compiler_options) for k, low in lowered.items()], spec["workers"], live
+                [(k, low, trainers[k].compiler_options) for k, low in lowered.items()], spec["workers"], live, record
             )
             log(
                 f"{name}: traced and compiled {len(lowered)} steps in {time.perf_counter() - t0:.1f}s "
                 f"({time.perf_counter() - t:.1f}s compiling)"
             )
-            for label, (exe, secs) in compiled.items():
-                run = runs[label]
-                run["compile_s"] = secs
-                if isinstance(exe, Exception):
-                    run.update(status="oom" if _oom(exe) else "error", error=_first_line(exe))
-                    continue
-                run.update(
-                    status="compiled",
-                    compiled_memory=C.compiled_memory(exe),
-                    xla_flops_per_step=C.compiled_flops(exe),
-                    xla_rematerialized_bytes=sum(v.bytes for v in rematerialized(exe.as_text())),
-                    # What XLA holds together at its peak, besides the state (zoo.hlo.live_at_peak; unpadded sizes).
-                    xla_live_at_peak_bytes=sum(v.bytes for v in live.get(label, [])) or None,
-                    xla_live_at_peak=[
-                        {"name": v.name, "bytes": v.bytes, "op_name": v.op_name}
-                        for v in [v for v in live.get(label, []) if not v.argument][:12]
-                    ],
-                )
-                try:
-                    run["planner"] = C.planner_estimate(trainers[label].cfg, trainers[label], hardware.hbm_bytes)
-                except Exception as e:  # noqa: BLE001
-                    run["planner"] = {"error": _first_line(e)}
         res["setups"][name] = {"setup": setup, "runs": runs}
         C.write_json(result_path, res)
         if aot:
@@ -688,6 +694,14 @@ def replan(res: dict, profile: str) -> None:
                 c, tr = build(s["setup"], label, jax.devices()[:1], hw, False)
                 r["planner"] = C.planner_estimate(c, tr, hw.hbm_bytes)
             r["planner"]["profile"] = profile
+
+
+def mark_unfinished(setup: Optional[dict], budget_s: float) -> None:
+    """A setup's runs that were traced and whose compile had not finished when the child process was
+    stopped (each finished compile is recorded as it comes) become `timeout`, the others stay."""
+    for run in ((setup or {}).get("runs") or {}).values():
+        if "status" not in run:
+            run.update(status="timeout", error=f"compile unfinished at --budget-s ({budget_s:.0f} s)")
 
 
 def run_child(kind: str, spec: dict, workdir: pathlib.Path, env_extra: dict, timeout: float) -> dict:
@@ -969,6 +983,7 @@ def main(argv=None) -> int:
             f"setups_{g}", dict(spec, setup_names=mine), workdir, extra, t_start + args.budget_s + 60 - time.time()
         )
         for n in mine:
+            mark_unfinished((got.get("setups") or {}).get(n), args.budget_s)
             res["setups"][n] = (got.get("setups") or {}).get(n) or {
                 "status": "lost",
                 "reason": f"process {got.get('process')}",

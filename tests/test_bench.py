@@ -3,7 +3,8 @@
 bench/cpu.py --quick (both families, four presets, LLVM optimisations off, one step profiled) and bench/gpu.py --toy
 (Llama, none and its offload preset, two XLA groups in their own processes, the largest-batch
 prediction against a made-up memory limit, and the predicted batches run) each run as a subprocess, as a user would run
-them. The default run renders the recorded docs/bench_cpu.json the same way. Nothing here imports bench/.
+them. The default run renders the recorded docs/bench_cpu.json the same way. Nothing here imports bench/ (one
+child process does, to stop a bench mid-compile without waiting for one).
 """
 
 import json
@@ -251,3 +252,28 @@ def test_the_planners_estimates_against_every_v5e_run():
         hbm.append(abs(planned / xla - 1) <= 0.10)
         step.append(abs(estimated / measured - 1) <= 0.15)
     assert len(rows) == 53 and sum(hbm) >= 50 and sum(step) >= 50, (len(rows), sum(hbm), sum(step))
+
+
+def test_a_stopped_bench_keeps_the_compiles_that_finished():
+    """bench/common.py's compile_many reports each compile as it finishes (bench/tpu.py writes each
+    one then), and bench/tpu.py's parent marks a run whose compile had not finished when the process
+    was stopped at --budget-s as `timeout`, keeping the finished ones. Run in a child, as bench's own
+    processes are."""
+    code = """
+import json, jax, jax.numpy as jnp
+from bench import common as C
+from bench.tpu import mark_unfinished
+x = jnp.ones((8, 8))
+items = [(k, jax.jit(lambda a, f=f: a * f).lower(x), None) for f, k in enumerate("abc")]
+seen = []
+out = C.compile_many(items, 2, done=lambda k, exe, secs: seen.append((k, type(exe).__name__, secs > 0)))
+setup = {"runs": {"a": {"status": "compiled"}, "b": {"policy": "b"}, "c": {"status": "oom"}}}
+mark_unfinished(setup, 500)
+print(json.dumps({"seen": sorted(seen), "keys": sorted(out), "runs": setup["runs"]}))
+"""
+    proc = _run(["-c", code], None, timeout=120)
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [k for k, name, positive in got["seen"]] == ["a", "b", "c"] == got["keys"]
+    assert all(name != "Exception" and positive for _, name, positive in got["seen"])
+    assert got["runs"]["b"] == {"policy": "b", "status": "timeout", "error": "compile unfinished at --budget-s (500 s)"}
+    assert got["runs"]["a"] == {"status": "compiled"} and got["runs"]["c"] == {"status": "oom"}
