@@ -34,8 +34,9 @@ its step time over X's.
 jax.experimental.topologies) and records only the memory figures, which equal the chip's (the same
 compiler): how the setups' batches were chosen without spending device time.
 
-Everything is written to --out after every step (partial results survive a timeout); a setup that would
-not finish before --budget-s is skipped and recorded as skipped. No Hydra (bench/common.py).
+Everything is written to --out after every compile and step (partial results survive a timeout); a
+setup that would not finish before --budget-s is skipped and recorded as skipped, and a compile still
+running when the budget (plus a minute) runs out is recorded as `timeout`. No Hydra (bench/common.py).
 """
 
 import argparse
