@@ -558,6 +558,27 @@ def test_planner_counts_the_layer_inputs_the_sequence_parallel_program_keeps(tmp
     assert printed["false"] == zp._fmt_bytes(2.0 * kept["bytes"])
 
 
+def test_planner_counts_each_devices_share_of_the_flops_under_tensor_parallelism():
+    # 8 sequences on 8 devices, by FSDP alone or FSDP 4 x tensor 2: each device does the same work, so
+    # the recompute FLOPs and a layer's forward (what hides transfers) per device are the same both ways
+    # (the formulas count a data-parallel rank's whole heads and MLP: tensor 2 halves them).
+    from zoo.tools.kit import prepare_step
+
+    got = {}
+    for mesh in ("fsdp", "fsdp_tp"):
+        args = ["model=llama_tiny_a", f"mesh={mesh}", "data.batch_size=8", "data.seq_len=32", "hardware=h100_pcie"]
+        c, _, _, trainer, _ = prepare_step([*args, "offload=full"])
+        p, _ = zp.problem_from_config(c, trainer, zp.PlanConfig())
+        (s,) = p.stacks
+        got[mesh] = (
+            p.step_flops,
+            p.stacks[s].forward_flops_per_layer,
+            {t.tag: t.recompute_flops_per_layer[s] for t in p.tags},
+        )
+    assert got["fsdp"] == got["fsdp_tp"]
+    assert got["fsdp"][2]["mlpwi_0"] > 0
+
+
 def test_planner_sizes_each_tag_as_the_partitioned_program_keeps_it():
     # Tensor parallelism (2 ways, fsdp 4) splits the heads and the MLP hidden dim: every tag kept on
     # device, each tag's per-device bytes in the planner are those of the array the partitioned program

@@ -10,7 +10,8 @@ The cost model (per device, per step; every number it uses is printed in the est
   runs at its measured rate times `step_efficiency` instead (`OpSlowness`: its FLOPs weighted by
   the matmul rate over its op's).
 - `remat` of a tag costs its producer's FLOPs (the matmul, attention or norm that makes it; formulas
-  in `producer_flops`, ops in `producer_op`) once more per layer, at the same rate (the forward's
+  in `producer_flops`, ops in `producer_op`; a data-parallel rank's, shared by the devices its batch
+  is not split over: tensor and context parallelism) once more per layer, at the same rate (the forward's
   where `op_rates` measured the forward alone), times `hardware.recompute_cost` (the share of a
   recompute the step pays for; fitted on the chip). Nothing else changes.
 - `offload` of a tag costs its bytes over the host link, device->host in the layer's forward and
@@ -1942,16 +1943,19 @@ def problem_from_config(
             "grouped_matmul": backend_choices(hw.platform or jax.default_backend()).grouped_matmul,
         },
     )
+    # The formulas count a data-parallel rank's work (whole heads, MLP and sequence); the devices that
+    # share the rank's batch (tensor, context: every axis the batch is not split over) each do their part.
+    shared_by = num_devices / dp
     for t in tags:
         for s, f in t.recompute_flops_per_layer.items():
             t.recompute_flops_per_layer[s] = (
-                f * slowness(producer_op(m, t.tag, s, batch, seq), forward_only=True) * hw.recompute_cost
+                f * slowness(producer_op(m, t.tag, s, batch, seq), forward_only=True) * hw.recompute_cost / shared_by
             )
     extra_flops = 0.0  # per microbatch and device: what the slower ops add, forward and backward
     for s in placement.stacks:
         indices = _stack_layers(m, s["name"])
-        forward = layer_forward_flops(m, s["name"], batch, seq, slowness)
-        extra_flops += 3 * s["layers"] * (forward - layer_forward_flops(m, s["name"], batch, seq))
+        forward = layer_forward_flops(m, s["name"], batch, seq, slowness) / shared_by
+        extra_flops += 3 * s["layers"] * (forward - layer_forward_flops(m, s["name"], batch, seq) / shared_by)
         stacks[s["name"]] = StackCost(
             layers=s["layers"],
             forward_flops_per_layer=forward,
