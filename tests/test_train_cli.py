@@ -161,6 +161,12 @@ FUZZ = [
     ("train", ["xla.flags=notalist"], "xla.flags: not a list; give one in brackets"),
     ("train", ["xla.cpu_devices=0"], "xla.cpu_devices: must be >= 1 or null"),
     ("train", ["hardware=tpu"], "hardware: unknown option 'tpu'; choose one of auto, cpu, "),
+    ("train", ["hardware=tpu_v5e"], "hardware: tpu_v5e is a profile of a tpu, and this run's devices are cpus; use"),
+    (
+        "train",
+        ["model.attention_impl=splash"],
+        "model.attention_impl: splash is a TPU kernel (Pallas), and the backend is cpu; use blockwise",
+    ),
     ("train", ["hardware=cpu", "hardware.matmul_flops=fast"], "hardware.matmul_flops: Value 'fast'"),
     ("train", ["checkpoint.dir=''"], "checkpoint.dir: empty"),
     ("train", [f"checkpoint.dir={OUT}"], f"checkpoint.dir: cannot create {OUT}"),
