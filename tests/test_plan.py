@@ -579,6 +579,34 @@ def test_planner_counts_each_devices_share_of_the_flops_under_tensor_parallelism
     assert got["fsdp"][2]["mlpwi_0"] > 0
 
 
+def test_planner_looks_up_each_ops_rate_at_the_width_one_device_computes():
+    # With a profile's measured op rates (tpu_v5e's), an MLP of 1024 over tensor 2 runs at the rate of a
+    # 512-wide matmul, as an MLP of 512 without tensor parallelism does, not at the 1024-wide one's.
+    from zoo.tools.kit import prepare_step
+
+    def slowness(mesh, width):
+        args = [
+            "model=llama_tiny_a",
+            f"model.intermediate_size={width}",
+            f"mesh={mesh}",
+            "data.batch_size=8",
+            "data.seq_len=32",
+            "hardware=tpu_v5e",
+            "offload=full",
+        ]
+        c, _, _, trainer, _ = prepare_step(args)
+        p, _ = zp.problem_from_config(c, trainer, zp.PlanConfig())
+        (s,) = p.stacks
+        (t,) = [t for t in p.tags if t.tag == "mlpwi_0"]
+        batch = 8 // (4 if mesh == "fsdp_tp" else 8)
+        share = 2 if mesh == "fsdp_tp" else 1
+        per_device = zp.producer_flops(trainer.cfg.model, "mlpwi_0", s, batch, 32) / share
+        return t.recompute_flops_per_layer[s] / per_device
+
+    split, narrow, wide = slowness("fsdp_tp", 1024), slowness("fsdp", 512), slowness("fsdp", 1024)
+    assert split == pytest.approx(narrow) and split != pytest.approx(wide), (split, narrow, wide)
+
+
 def test_planner_sizes_each_tag_as_the_partitioned_program_keeps_it():
     # Tensor parallelism (2 ways, fsdp 4) splits the heads and the MLP hidden dim: every tag kept on
     # device, each tag's per-device bytes in the planner are those of the array the partitioned program

@@ -1442,18 +1442,45 @@ def _stack_emits(config, stack: str) -> dict:
     return {e.tag.name: e for b in blocks for e in getattr(b, "EMITS", ())}
 
 
-def layer_forward_flops(config, stack: str, batch: int, seq: int, slowness: Optional["OpSlowness"] = None) -> float:
+def layer_forward_flops(
+    config, stack: str, batch: int, seq: int, slowness: Optional["OpSlowness"] = None, op_config=None
+) -> float:
     """Forward FLOPs of one layer on one device: the sum of its producers (mlpwo included), over the
     tags the model emits that this stack's blocks declare (a dense stack of an MoE model has no routed
     experts; an MoE stack without shared experts no dense MLP); with `slowness`, each weighted by
-    its op's."""
+    its op's, its shape read from `op_config` (default `config`; `per_device_widths`)."""
     declared = _stack_emits(config, stack)
     return sum(
         producer_flops(config, t, stack, batch, seq)
-        * (slowness(producer_op(config, t, stack, batch, seq)) if slowness else 1.0)
+        * (slowness(producer_op(op_config or config, t, stack, batch, seq)) if slowness else 1.0)
         for t in emitted_tags(config)
         if t in declared
     )
+
+
+def per_device_widths(config, rules=None, sizes=None):
+    """`config` with the widths one device computes under the sharding `rules` on a mesh of axis
+    `sizes` (tensor parallelism splits the heads, the kv heads and the MLP's hidden dim, dense and
+    experts'; rounded up, as the partitioner pads): what an op's measured rate is looked up by."""
+    if not (rules and sizes):
+        return config
+
+    def ways(logical):
+        return logical_ways(rules, sizes, logical)
+
+    heads, kv_heads, mlp = ways("heads"), ways("kv_heads"), ways("mlp")
+    if heads == kv_heads == mlp == 1:
+        return config
+    num_heads = -(-config.num_heads // heads)
+    num_kv_heads = -(-config.num_kv_heads // kv_heads)
+    changes = {"num_heads": num_heads, "intermediate_size": -(-config.intermediate_size // mlp)}
+    if num_heads % num_kv_heads == 0:
+        changes["num_kv_heads"] = num_kv_heads
+    if config.moe is not None:
+        changes["moe"] = dataclasses.replace(
+            config.moe, moe_intermediate_size=-(-config.moe.moe_intermediate_size // mlp)
+        )
+    return config.replace(**changes)
 
 
 class OpSlowness:
@@ -1945,16 +1972,21 @@ def problem_from_config(
     )
     # The formulas count a data-parallel rank's work (whole heads, MLP and sequence); the devices that
     # share the rank's batch (tensor, context: every axis the batch is not split over) each do their part.
+    # Each op's rate at the widths one device computes (tensor parallelism splits its heads and MLP).
     shared_by = num_devices / dp
+    m_ops = per_device_widths(m, c.mesh.rules, sizes)
     for t in tags:
         for s, f in t.recompute_flops_per_layer.items():
             t.recompute_flops_per_layer[s] = (
-                f * slowness(producer_op(m, t.tag, s, batch, seq), forward_only=True) * hw.recompute_cost / shared_by
+                f
+                * slowness(producer_op(m_ops, t.tag, s, batch, seq), forward_only=True)
+                * hw.recompute_cost
+                / shared_by
             )
     extra_flops = 0.0  # per microbatch and device: what the slower ops add, forward and backward
     for s in placement.stacks:
         indices = _stack_layers(m, s["name"])
-        forward = layer_forward_flops(m, s["name"], batch, seq, slowness) / shared_by
+        forward = layer_forward_flops(m, s["name"], batch, seq, slowness, m_ops) / shared_by
         extra_flops += 3 * s["layers"] * (forward - layer_forward_flops(m, s["name"], batch, seq) / shared_by)
         stacks[s["name"]] = StackCost(
             layers=s["layers"],
