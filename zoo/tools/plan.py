@@ -8,7 +8,7 @@ The cost model (per device, per step; every number it uses is printed in the est
   `hardware.peak_flops * plan.flops_efficiency`; where the profile measured rates per op and shape
   (`hardware.op_rates`: attention, the experts' grouped matmul, matmuls by width), each tag's producer
   runs at its measured rate times `step_efficiency` instead (`OpSlowness`: its FLOPs weighted by
-  the matmul rate over its op's).
+  the matmul rate over its op's), at the widths one device computes (`per_device_widths`).
 - `remat` of a tag costs its producer's FLOPs (the matmul, attention or norm that makes it; formulas
   in `producer_flops`, ops in `producer_op`; a data-parallel rank's, shared by the devices its batch
   is not split over: tensor and context parallelism) once more per layer, at the same rate (the forward's
