@@ -151,9 +151,9 @@ def compile_many(items, workers: int, live: Optional[dict] = None, done: Optiona
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    lock = threading.Lock()
-
     from zoo import hlo
+
+    lock = threading.Lock()
 
     def one(item):
         key, out = compile_one(item)
