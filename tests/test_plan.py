@@ -558,17 +558,22 @@ def test_planner_counts_the_layer_inputs_the_sequence_parallel_program_keeps(tmp
     assert printed["false"] == zp._fmt_bytes(2.0 * kept["bytes"])
 
 
+def _planned_on(mesh: str, *overrides: str):
+    """(trainer, planning problem) of llama_tiny_a, 8 sequences of 32 on the 8 devices of `mesh`, under `full`."""
+    from zoo.tools.kit import prepare_step
+
+    args = ["model=llama_tiny_a", f"mesh={mesh}", "data.batch_size=8", "data.seq_len=32", "offload=full", *overrides]
+    c, _, _, trainer, _ = prepare_step(args)
+    return trainer, zp.problem_from_config(c, trainer, zp.PlanConfig())[0]
+
+
 def test_planner_counts_each_devices_share_of_the_flops_under_tensor_parallelism():
     # 8 sequences on 8 devices, by FSDP alone or FSDP 4 x tensor 2: each device does the same work, so
     # the recompute FLOPs and a layer's forward (what hides transfers) per device are the same both ways
     # (the formulas count a data-parallel rank's whole heads and MLP: tensor 2 halves them).
-    from zoo.tools.kit import prepare_step
-
     got = {}
     for mesh in ("fsdp", "fsdp_tp"):
-        args = ["model=llama_tiny_a", f"mesh={mesh}", "data.batch_size=8", "data.seq_len=32", "hardware=h100_pcie"]
-        c, _, _, trainer, _ = prepare_step([*args, "offload=full"])
-        p, _ = zp.problem_from_config(c, trainer, zp.PlanConfig())
+        _, p = _planned_on(mesh, "hardware=h100_pcie")
         (s,) = p.stacks
         got[mesh] = (
             p.step_flops,
@@ -582,24 +587,11 @@ def test_planner_counts_each_devices_share_of_the_flops_under_tensor_parallelism
 def test_planner_looks_up_each_ops_rate_at_the_width_one_device_computes():
     # With a profile's measured op rates (tpu_v5e's), an MLP of 1024 over tensor 2 runs at the rate of a
     # 512-wide matmul, as an MLP of 512 without tensor parallelism does, not at the 1024-wide one's.
-    from zoo.tools.kit import prepare_step
-
     def slowness(mesh, width):
-        args = [
-            "model=llama_tiny_a",
-            f"model.intermediate_size={width}",
-            f"mesh={mesh}",
-            "data.batch_size=8",
-            "data.seq_len=32",
-            "hardware=tpu_v5e",
-            "offload=full",
-        ]
-        c, _, _, trainer, _ = prepare_step(args)
-        p, _ = zp.problem_from_config(c, trainer, zp.PlanConfig())
+        trainer, p = _planned_on(mesh, f"model.intermediate_size={width}", "hardware=tpu_v5e")
         (s,) = p.stacks
         (t,) = [t for t in p.tags if t.tag == "mlpwi_0"]
-        batch = 8 // (4 if mesh == "fsdp_tp" else 8)
-        share = 2 if mesh == "fsdp_tp" else 1
+        batch, share = (2, 2) if mesh == "fsdp_tp" else (1, 1)  # sequences per data-parallel rank, tensor ways
         per_device = zp.producer_flops(trainer.cfg.model, "mlpwi_0", s, batch, 32) / share
         return t.recompute_flops_per_layer[s] / per_device
 
