@@ -124,6 +124,15 @@ SETUPS = {
             "full:context=offload,decoder_layer_input=offload",
         ],
     },
+    # The MoE with nothing recomputed at a batch that fills most of the chip: the planner's `none`
+    # against the recompute-only presets where all three fit.
+    "moe_none": {
+        "model": ["dsv3_100m", {}],
+        "batch": 10,
+        "seq": 4096,
+        "group": "tpu_host_offload",
+        "policies": ["none", "minimal", "full"],
+    },
     # Larger, where keeping the attention output with everything else recomputed runs out of memory.
     "moe_full_84": {
         "model": ["dsv3_100m", {}],
