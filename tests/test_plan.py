@@ -597,6 +597,13 @@ def test_planner_looks_up_each_ops_rate_at_the_width_one_device_computes():
 
     split, narrow, wide = slowness("fsdp_tp", 1024), slowness("fsdp", 512), slowness("fsdp", 1024)
     assert split == pytest.approx(narrow) and split != pytest.approx(wide), (split, narrow, wide)
+    # Heads that do not split evenly round up and stay a valid config: 10 heads in 5 groups over 4 ways.
+    odd = zp.per_device_widths(
+        SIZES["llama_tiny_a"].replace(num_heads=10, num_kv_heads=5),
+        {"heads": ["tensor"], "kv_heads": ["tensor"]},
+        {"tensor": 4},
+    )
+    assert (odd.num_heads, odd.num_kv_heads) == (3, 1)
 
 
 def test_planner_sizes_each_tag_as_the_partitioned_program_keeps_it():

@@ -1445,10 +1445,11 @@ def _stack_emits(config, stack: str) -> dict:
 def layer_forward_flops(
     config, stack: str, batch: int, seq: int, slowness: Optional["OpSlowness"] = None, op_config=None
 ) -> float:
-    """Forward FLOPs of one layer on one device: the sum of its producers (mlpwo included), over the
-    tags the model emits that this stack's blocks declare (a dense stack of an MoE model has no routed
-    experts; an MoE stack without shared experts no dense MLP); with `slowness`, each weighted by
-    its op's, its shape read from `op_config` (default `config`; `per_device_widths`)."""
+    """Forward FLOPs of one layer of a data-parallel rank (the devices sharing its batch split them):
+    the sum of its producers (mlpwo included), over the tags the model emits that this stack's blocks
+    declare (a dense stack of an MoE model has no routed experts; an MoE stack without shared experts
+    no dense MLP); with `slowness`, each weighted by its op's, its shape read from `op_config`
+    (default `config`; `per_device_widths`)."""
     declared = _stack_emits(config, stack)
     return sum(
         producer_flops(config, t, stack, batch, seq)
@@ -1473,9 +1474,13 @@ def per_device_widths(config, rules=None, sizes=None):
         return config
     num_heads = -(-config.num_heads // heads)
     num_kv_heads = -(-config.num_kv_heads // kv_heads)
-    changes = {"num_heads": num_heads, "intermediate_size": -(-config.intermediate_size // mlp)}
-    if num_heads % num_kv_heads == 0:
-        changes["num_kv_heads"] = num_kv_heads
+    # The config must stay valid (query heads a multiple of kv heads); where rounding up broke that,
+    # the nearest kv width that divides (only a rate lookup reads it).
+    changes = {
+        "num_heads": num_heads,
+        "num_kv_heads": num_kv_heads if num_heads % num_kv_heads == 0 else math.gcd(num_heads, num_kv_heads),
+        "intermediate_size": -(-config.intermediate_size // mlp),
+    }
     if config.moe is not None:
         changes["moe"] = dataclasses.replace(
             config.moe, moe_intermediate_size=-(-config.moe.moe_intermediate_size // mlp)
