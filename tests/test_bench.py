@@ -4,7 +4,7 @@ bench/cpu.py --quick (both families, four presets, LLVM optimisations off, one s
 (Llama, none and its offload preset, two XLA groups in their own processes, the largest-batch
 prediction against a made-up memory limit, and the predicted batches run) each run as a subprocess, as a user would run
 them. The default run renders the recorded docs/bench_cpu.json the same way. Nothing here imports bench/ (one
-child process does, to stop a bench mid-compile without waiting for one).
+child process does: the pieces that keep a stopped bench's finished compiles, checked without stopping one).
 """
 
 import json
