@@ -358,7 +358,7 @@ def _time_grad(fn, args, repeats: int) -> float:
 
     out = jax.eval_shape(fn, *args)
     ct = jax.random.normal(jax.random.key(1), out.shape, out.dtype)
-    step = value_and_grad_call(fn)
+    step = jax.jit(value_and_grad_call(fn))
     return median_time(lambda: jax.block_until_ready(step(ct, *args)), repeats)
 
 

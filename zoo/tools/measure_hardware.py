@@ -38,6 +38,10 @@ class MeasureOptions:
     transfer_mb: float = 256.0
     repeats: int = 5
     chain: int = 8  # matmuls per timed call (amortises dispatch)
+    # Each op-rate shape is timed as one program running it once and one running `copies`
+    # independent copies; the difference per copy is the op's time inside a program, the call's own
+    # dispatch and wait taken out (on a TPU v5e about 0.85 ms a call, more than a narrow matmul's run).
+    copies: int = 3
     # Time the ops a layer is made of over a grid of shapes (`measure_op_rates`), the planner's
     # per-op rates; null: on an accelerator (minutes: on a TPU v5e the grid outran a 520 s run), not on a CPU.
     op_rates: Optional[bool] = None
@@ -49,6 +53,8 @@ class MeasureOptions:
     def __post_init__(self):
         if self.repeats < 1:
             raise ValueError(f"repeats: must be >= 1, got {self.repeats}")
+        if self.copies < 2:
+            raise ValueError(f"copies: must be >= 2 (the op once and `copies` times), got {self.copies}")
         if self.transfer_mb <= 0:
             raise ValueError(f"transfer_mb: must be positive, got {self.transfer_mb}")
         if self.n is not None and self.n < 16:
@@ -101,6 +107,24 @@ def measure_matmul(n: int, dtype: str, repeats: int = 5, chain: int = 8, device=
 
     t = median_time(lambda: f(a, b, one).block_until_ready(), repeats)
     return 2.0 * n**3 * chain / t
+
+
+def measure_hbm(mbytes: float, repeats: int = 5, device=None, copies: int = 3) -> float:
+    """Device memory bandwidth, GB/s: bytes read plus written by an elementwise op over `mbytes` MB
+    arrays, per second, the call's dispatch taken out as the op rates' are (one array against
+    `copies` independent ones in one program)."""
+    import jax
+    import jax.numpy as jnp
+
+    device = device or jax.devices()[0]
+    n = int(mbytes * 1e6) // 4
+    xs = [jax.device_put(jnp.full((n,), float(i + 1), jnp.float32), device) for i in range(copies)]
+    scale = jax.device_put(jnp.float32(0.5), device)
+    run = jax.jit(lambda a, *ys: [y * a + 1.0 for y in ys])
+    one = median_time(lambda: jax.block_until_ready(run(scale, xs[0])), repeats)
+    many = median_time(lambda: jax.block_until_ready(run(scale, *xs)), repeats)
+    per_array = (many - one) / (copies - 1) if many > one else many / copies
+    return 2 * n * 4 / per_array / 1e9
 
 
 def measure_link(mbytes: float, repeats: int = 5, device=None) -> tuple[float, float]:
@@ -254,22 +278,28 @@ OP_GRID = {
 }
 
 
+# The most bytes of arguments the copies of one op-rate shape may take (`measure_op_rates`): room
+# beside their outputs on a 16 GB device.
+ARGUMENT_BUDGET = 4e9
+
+
 def value_and_grad_call(fn):
-    """jit of fn's value and its inputs' cotangents for a given output cotangent: the forward and
-    backward a training step runs, without a loss's own reduction in the timing."""
+    """fn's value and its inputs' cotangents for a given output cotangent: the forward and backward a
+    training step runs, without a loss's own reduction in the timing."""
     import jax
 
     def run(ct, *args):
         out, pull = jax.vjp(fn, *args)
         return out, pull(ct)
 
-    return jax.jit(run)
+    return run
 
 
 def measure_op_rates(
     device=None,
     *,
     repeats: int = 5,
+    copies: int = 3,
     grid: Optional[dict] = None,
     kinds: Optional[Sequence[str]] = None,
     log: Callable[[str], None] = lambda s: None,
@@ -309,23 +339,39 @@ def measure_op_rates(
     dtype = jnp.bfloat16 if accel else jnp.float32
     choices = backend.choices(device.platform)
     inputs: dict = {}
+    dispatch: list[float] = []  # per shape: one call's time less its op's (what `op_time` takes out)
 
-    def normal(shape):
-        """A standard normal array of `shape`, one per shape and grid: a timing depends on the shape
-        only, and every array made eagerly is a compile of its own (on a TPU v5e generating each
-        case's inputs afresh took longer than timing it)."""
-        if shape not in inputs:
+    def normal(shape, copy: int = 0):
+        """A standard normal array of `shape`, one per shape, copy and grid: a timing depends on the
+        shape only, and every array made eagerly is a compile of its own (on a TPU v5e generating each
+        case's inputs afresh took longer than timing it); copies differ, so that XLA cannot merge them."""
+        if (shape, copy) not in inputs:
             with jax.default_device(device):
-                inputs[shape] = jax.random.normal(jax.random.key(len(inputs)), shape, dtype)
-        return inputs[shape]
+                inputs[shape, copy] = jax.random.normal(jax.random.key(len(inputs)), shape, dtype)
+        return inputs[shape, copy]
 
     def timed(case, a, b):
         try:
-            flops, fn, *args = case(a, b)
-            return flops / median_time(lambda: jax.block_until_ready(fn(*args)), repeats)
+            flops, program = case(a, b)
+            return flops / op_time(program)
         except Exception as e:  # noqa: BLE001 - a shape this device cannot run is a hole in the table, not the end
             log(f"op rates: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
             return None
+
+    def op_time(program) -> float:
+        """Seconds of one op inside a program: (t(n copies) - t(1 copy)) / (n - 1), the call's
+        dispatch and wait (the same for both) taken out; n is `copies`, fewer where the copies'
+        arguments would pass ARGUMENT_BUDGET (at least 2). Where noise leaves no positive
+        difference, t(n copies) / n (the dispatch shared among the copies)."""
+        fn, args = program(1)
+        one = median_time(lambda: jax.block_until_ready(fn(*args)), repeats)
+        per_copy = sum(a.size * a.dtype.itemsize for a in args)
+        n = max(2, min(copies, int(ARGUMENT_BUDGET // max(per_copy, 1))))
+        fn, args = program(n)
+        many = median_time(lambda: jax.block_until_ready(fn(*args)), repeats)
+        op = (many - one) / (n - 1) if many > one else many / n
+        dispatch.append(one - op)
+        return op
 
     def grid_of(kind: str, axes: tuple, case, **record) -> dict:
         """The table of `kind` over the grid `axes` (two lists), flops[i][j] from `case(axes[0][i],
@@ -333,9 +379,11 @@ def measure_op_rates(
         names, table, start = op_rates.AXES[kind], [], time.perf_counter()
         inputs.clear()  # the previous grid's arrays: device memory this one may need
         for a in axes[0]:
+            dispatch.clear()
             table.append([timed(case, a, b) for b in axes[1]])
             rates = " ".join(f"{r / 1e12:.3g}" if r else "-" for r in table[-1])
-            log(f"op rates: {kind} {names[0]}={a}: {rates} TFLOP/s ({time.perf_counter() - start:.0f} s)")
+            calls = f"; a call's own dispatch {1e3 * statistics.median(dispatch):.2f} ms" if dispatch else ""
+            log(f"op rates: {kind} {names[0]}={a}: {rates} TFLOP/s{calls} ({time.perf_counter() - start:.0f} s)")
         return {**record, names[0]: list(axes[0]), names[1]: list(axes[1]), "flops": table}
 
     wanted = list(kinds or op_rates.AXES)
@@ -349,12 +397,18 @@ def measure_op_rates(
         on_table(dict(out))
 
     def case(fn, forward_flops: float, out_shape, arg_shapes, with_backward: bool = True):
-        """(FLOPs, program, *arguments) of `fn`'s value and gradient (3x its forward FLOPs, the output's
-        cotangent first), or of its forward alone."""
-        args = [normal(s) for s in arg_shapes]
-        if with_backward:
-            return 3.0 * forward_flops, value_and_grad_call(fn), normal(out_shape), *args
-        return forward_flops, jax.jit(fn), *args
+        """(FLOPs, program) of `fn`'s value and gradient (3x its forward FLOPs, the output's cotangent
+        first), or of its forward alone; `program(n)` is (a jitted call running n independent copies,
+        its arguments)."""
+        body = value_and_grad_call(fn) if with_backward else fn
+        shapes = ([out_shape] if with_backward else []) + list(arg_shapes)
+
+        def program(n: int):
+            k = len(shapes)
+            run = jax.jit(lambda *flat: [body(*flat[i * k : (i + 1) * k]) for i in range(n)])
+            return run, [normal(s, i) for i in range(n) for s in shapes]
+
+        return (3.0 if with_backward else 1.0) * forward_flops, program
 
     if "matmul" in wanted:
         rows, widths = g["matmul_rows"], g["widths"]
@@ -452,6 +506,8 @@ def measure(opts: MeasureOptions, write: Callable[[dict], None] = lambda profile
     dtype = opts.dtype or ("bfloat16" if accel else "float32")
     flops = measure_matmul(n, dtype, opts.repeats, opts.chain, device)
     h2d, d2h = measure_link(opts.transfer_mb, opts.repeats, device)
+    hbm_mb = opts.transfer_mb * (4 if accel else 1)
+    hbm_gbps = measure_hbm(hbm_mb, opts.repeats, device, opts.copies)
     program = measure_program_link(opts.transfer_mb, opts.repeats, device, matmul_n=n, dtype=dtype)
     to_device, to_host = (program["to_device_gbps"], program["to_host_gbps"]) if program["moves"] else (h2d, d2h)
     stats = device.memory_stats() or {}
@@ -467,6 +523,7 @@ def measure(opts: MeasureOptions, write: Callable[[dict], None] = lambda profile
             "peak_flops": float(flops),
             "matmul_flops": float(flops),
             "hbm_bytes": hbm,
+            "hbm_gbps": float(round(hbm_gbps, 1)),
             "host_link_gbps": float(round(min(to_device, to_host), 3)),
             "host_to_device_gbps": float(round(to_device, 3)),
             "device_to_host_gbps": float(round(to_host, 3)),
@@ -505,6 +562,7 @@ def measure(opts: MeasureOptions, write: Callable[[dict], None] = lambda profile
                 f"{d2h:.2f} GB/s"
             )
         )
+        + f"; device memory {hbm_gbps:.0f} GB/s (read + write, elementwise over {hbm_mb:g} MB)"
         + f"; medians of {opts.repeats}; "
         + ("hbm_bytes from memory_stats bytes_limit" if hbm else "no device memory statistics (hbm_bytes 0)")
         + ("; on CPU both memories are host RAM, so the link figure is a memory copy" if not accel else "")
@@ -515,6 +573,7 @@ def measure(opts: MeasureOptions, write: Callable[[dict], None] = lambda profile
     rates = measure_op_rates(
         device,
         repeats=opts.repeats,
+        copies=opts.copies,
         kinds=opts.op_kinds,
         log=lambda line: print(line, file=sys.stderr),
         on_table=lambda so_far: write(profile(so_far, True)),

@@ -372,6 +372,9 @@ class HardwareConfig:
     name: str = "cpu"
     peak_flops: float = 1e12  # dense bf16 FLOP/s per device
     hbm_bytes: int = 0  # device memory
+    # Device memory bandwidth, GB/s (read + write; python -m zoo.tools.measure_hardware measures it):
+    # what the planner prices a step's memory-bound work at (`activation_passes`). null: unknown.
+    hbm_gbps: Optional[float] = None
     host_link_gbps: float = 0.0  # host <-> device bandwidth, GB/s per direction
     # Where the two directions differ (plain device_put on a TPU v5e: 13.9 GB/s to the device, 0.6
     # from it): each direction's GB/s, as a step moves it; null: host_link_gbps.
