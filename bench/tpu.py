@@ -133,6 +133,22 @@ SETUPS = {
         "group": "tpu_host_offload",
         "policies": ["none", "minimal", "full"],
     },
+    # Out of sample for the step model fitted on the setups above (hardware.activation_passes): the
+    # same two models at another sequence length, run after the fit.
+    "moe_none_2048": {
+        "model": ["dsv3_100m", {}],
+        "batch": 16,
+        "seq": 2048,
+        "group": "tpu_host_offload",
+        "policies": ["none", "minimal", "full"],
+    },
+    "dense_none_4096": {
+        "model": ["llama_1b", {"num_layers": 4}],
+        "batch": 3,
+        "seq": 4096,
+        "group": "tpu_host_offload",
+        "policies": ["none", "minimal", "full"],
+    },
     # Larger, where keeping the attention output with everything else recomputed runs out of memory.
     "moe_full_84": {
         "model": ["dsv3_100m", {}],

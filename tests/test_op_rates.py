@@ -142,20 +142,52 @@ def test_the_planner_prices_each_producer_at_its_measured_rate():
     assert p.step_flops == base.step_flops and "recompute_cost 0.25" in info["rate_source"]
 
 
-def test_each_op_rate_is_its_own_ops_flops_over_its_own_time(monkeypatch):
+def test_the_planner_prices_memory_bound_work_by_passes_over_the_activations():
+    """`hardware.activation_passes` adds, to every policy's compute, that many passes over the layers'
+    activations (every tag and what `none` keeps besides) at `hbm_gbps`; `recompute_passes` adds, to
+    a policy that checkpoints, that many again (the forward run twice), whatever its tags' places,
+    and nothing to `none`."""
+    from zoo.offload import load_preset
+    from zoo.tools.kit import prepare_step
+
+    args = ["model=llama_tiny_a", "mesh=single", "data.batch_size=2", "data.seq_len=128", "hardware=h100_pcie"]
+    estimates = {}
+    for policy in ("none", "full", "minimal"):
+        c, _, _, trainer, _ = prepare_step([*args, f"offload={policy}"])
+        for passes in ((0.0, 0.0), (3.0, 2.0)):
+            hw = dataclasses.replace(c.hardware, hbm_gbps=1.0, activation_passes=passes[0], recompute_passes=passes[1])
+            planned = dataclasses.replace(c, hardware=hw)
+            estimates[policy, passes] = zp.policy_estimate(planned, trainer, zp.PlanConfig())
+    p_none, _, _ = estimates["none", (0.0, 0.0)]
+    activations = p_none.other_bytes + sum(zp._tag_totals(p_none, t) for t in p_none.tags)
+    for policy in ("none", "full", "minimal"):
+        (_, base, _), (p, e, _) = estimates[policy, (0.0, 0.0)], estimates[policy, (3.0, 2.0)]
+        assert p.memory_s == pytest.approx(3 * activations / 1e9) and p.memory_s > 0
+        assert e.compute_s == pytest.approx(base.compute_s + p.memory_s)
+        rerun = 0.0 if policy == "none" else 2 * activations / 1e9
+        assert e.recompute_s == pytest.approx(base.recompute_s + rerun)
+    assert not load_preset("none").checkpoint and load_preset("full").checkpoint
+
+
+@pytest.mark.parametrize("dispatch_s", [0.5, 10.0])
+def test_each_op_rate_is_its_own_ops_flops_over_its_own_time(monkeypatch, dispatch_s):
     """Every entry is the FLOPs of its own op and shape over the time of one copy of it inside a
-    program, the call's own dispatch taken out (a timer that runs the program and reports 0.5 s plus
-    1 s a copy leaves the FLOPs; without the subtraction they would be 2/3 or 1/1.5 of them): the
-    experts' two kernels differ in rows here (the capacity buffers hold rows // groups each), so one
-    kind's table filed under another shows."""
+    program, the call's own dispatch taken out (a timer that runs the program and reports the
+    dispatch plus 1 s a copy leaves the FLOPs; without the subtraction they would be 2/3 or 1/11 of
+    them; a dispatch ten times an op's is timed with more copies): the experts' two kernels differ in
+    rows here (the capacity buffers hold rows // groups each), so one kind's table filed under
+    another shows."""
     import jax
 
     from zoo.config import attended_keys
     from zoo.tools import measure_hardware as mh
 
+    copies = []
+
     def a_second_a_copy(call, repeats):
-        """A call's dispatch takes 0.5 s, each copy of the op in it 1 s (the rate: FLOPs per second)."""
-        return 0.5 + len(jax.block_until_ready(call()))
+        """A call's dispatch takes `dispatch_s`, each copy of the op in it 1 s."""
+        copies.append(len(jax.block_until_ready(call())))
+        return dispatch_s + copies[-1]
 
     monkeypatch.setattr(mh, "median_time", a_second_a_copy)
     grid = {
@@ -180,6 +212,7 @@ def test_each_op_rate_is_its_own_ops_flops_over_its_own_time(monkeypatch):
     assert table["capacity_einsum"]["flops"] == [[6.0 * 28 * 8 * 8]] and table["capacity_einsum"]["rows"] == 28
     assert table["attention"]["flops"] == [[3 * 2.0 * 2 * 256 * attended_keys(256, None) * 2 * 64]]
     assert table["attention_forward"]["flops"] == [[2.0 * 2 * 256 * attended_keys(256, None) * 2 * 64]]
+    assert max(copies) == (3 if dispatch_s < 1 else mh.MAX_COPIES)
 
 
 def test_measure_hardware_writes_what_it_measured_as_it_goes_and_only_the_grids_asked_for(tmp_path, monkeypatch):

@@ -246,6 +246,8 @@ def test_cli_prints_the_holders_when_asked(tmp_path, capsys):
         (["hardware.host_bytes_per_device=-5"], "error: hardware.host_bytes_per_device: must be >= 0"),
         (["hardware.devices_per_node=0"], "error: hardware.devices_per_node: must be >= 1"),
         (["+hardware.recompute_cost=1.5"], "error: hardware.recompute_cost: a fraction of a recompute's time"),
+        (["+hardware.activation_passes=6"], "error: hardware.activation_passes: prices memory-bound"),
+        (["+hardware.recompute_passes=-1"], "error: hardware.recompute_passes: must be >= 0"),
     ],
 )
 def test_cli_bad_host_settings_are_one_line(args, message, capsys):

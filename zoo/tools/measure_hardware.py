@@ -281,6 +281,7 @@ OP_GRID = {
 # The most bytes of arguments the copies of one op-rate shape may take (`measure_op_rates`): room
 # beside their outputs on a 16 GB device.
 ARGUMENT_BUDGET = 4e9
+MAX_COPIES = 32
 
 
 def value_and_grad_call(fn):
@@ -361,15 +362,23 @@ def measure_op_rates(
     def op_time(program) -> float:
         """Seconds of one op inside a program: (t(n copies) - t(1 copy)) / (n - 1), the call's
         dispatch and wait (the same for both) taken out; n is `copies`, fewer where the copies'
-        arguments would pass ARGUMENT_BUDGET (at least 2). Where noise leaves no positive
-        difference, t(n copies) / n (the dispatch shared among the copies)."""
+        arguments would pass ARGUMENT_BUDGET (at least 2). An op whose copies add less than one
+        call's time (a narrow matmul: tens of microseconds against a TPU's ~0.85 ms call) is timed
+        again with enough copies to add four calls' worth (at most MAX_COPIES): at 3 copies a
+        16384 x 256 x 256 matmul's difference was noise (326 TFLOP/s on a 197 TFLOP/s chip). Where
+        noise leaves no positive difference, t(n copies) / n (the dispatch shared among the copies)."""
         fn, args = program(1)
         one = median_time(lambda: jax.block_until_ready(fn(*args)), repeats)
         per_copy = sum(a.size * a.dtype.itemsize for a in args)
-        n = max(2, min(copies, int(ARGUMENT_BUDGET // max(per_copy, 1))))
-        fn, args = program(n)
-        many = median_time(lambda: jax.block_until_ready(fn(*args)), repeats)
-        op = (many - one) / (n - 1) if many > one else many / n
+        most = max(2, int(ARGUMENT_BUDGET // max(per_copy, 1)))
+        n, op = 1, one
+        for wanted in (copies, MAX_COPIES):
+            m = min(most, MAX_COPIES, max(2, wanted if n == 1 else math.ceil(4 * one / max(op, 1e-9)) + 1))
+            if m <= n or (n > 1 and (n - 1) * op >= one):
+                break
+            fn, args = program(m)
+            many = median_time(lambda: jax.block_until_ready(fn(*args)), repeats)
+            n, op = m, (many - one) / (m - 1) if many > one else many / m
         dispatch.append(one - op)
         return op
 
@@ -523,7 +532,7 @@ def measure(opts: MeasureOptions, write: Callable[[dict], None] = lambda profile
             "peak_flops": float(flops),
             "matmul_flops": float(flops),
             "hbm_bytes": hbm,
-            "hbm_gbps": float(round(hbm_gbps, 1)),
+            "hbm_gbps": float(f"{hbm_gbps:.4g}"),
             "host_link_gbps": float(round(min(to_device, to_host), 3)),
             "host_to_device_gbps": float(round(to_device, 3)),
             "device_to_host_gbps": float(round(to_host, 3)),

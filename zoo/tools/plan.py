@@ -308,6 +308,12 @@ class Problem:
     # stack): the step slices those stacks into pieces, a copy, and joins their gradients
     # (`RANGE_CUT_COPIES`).
     cut_bytes: float = 0.0
+    # The step's memory-bound work (`hardware.activation_passes`: norms, RoPE, routing, casts, what no
+    # op's FLOPs count), seconds per step, part of compute_s; and what a checkpointed layer's forward,
+    # run again in the backward, adds of it (`hardware.recompute_passes`), part of recompute_s
+    # whatever the tags' assignment (0 for a policy that does not checkpoint).
+    memory_s: float = 0.0
+    rerun_s: float = 0.0
 
     def __post_init__(self):
         for t in self.tags:
@@ -357,7 +363,11 @@ class Infeasible(PlanError):
 
 
 def _tag_totals(p: Problem, t: TagCost) -> float:
-    return sum(b * p.stacks[s].layers for s, b in t.bytes_per_layer.items())
+    return _tag_totals_of(t, p.stacks)
+
+
+def _tag_totals_of(t: TagCost, stacks: dict[str, StackCost]) -> float:
+    return sum(b * stacks[s].layers for s, b in t.bytes_per_layer.items())
 
 
 def _streamed(p: Problem) -> bool:
@@ -561,8 +571,8 @@ def _totals(p: Problem, n: int, recompute_flops, device_bytes, host_bytes, expos
     backward_phase = fixed_backward + device_bytes + inflight
     peak = np.maximum(backward_phase, update)
     host = sum(_host_fixed_parts(p).values()) + host_bytes
-    compute_s = p.step_flops / p.rate
-    recompute_s = mb * recompute_flops / p.rate
+    compute_s = p.step_flops / p.rate + p.memory_s
+    recompute_s = mb * recompute_flops / p.rate + p.rerun_s
     exposed_s = mb * exposed
     state_s = _state_transfer_s(p)
     return {
@@ -1641,9 +1651,11 @@ def estimates_table(p: Problem, chosen: Estimate) -> str:
     out = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
     e = chosen
     out.append("")
+    memory = f" (memory-bound work {1e3 * p.memory_s:.3f})" if p.memory_s else ""
+    rerun = f" (the checkpointed forward's memory-bound work again {1e3 * p.rerun_s:.3f})" if p.rerun_s else ""
     out.append(
-        f"estimated step {1e3 * e.time_s:.3f} ms = compute {1e3 * e.compute_s:.3f} + recompute "
-        f"{1e3 * e.recompute_s:.3f} "
+        f"estimated step {1e3 * e.time_s:.3f} ms = compute {1e3 * e.compute_s:.3f}{memory} + recompute "
+        f"{1e3 * e.recompute_s:.3f}{rerun} "
         f"+ exposed transfers {1e3 * e.exposed_transfer_s:.3f} + state transfers {1e3 * e.state_transfer_s:.3f}"
     )
     out.append(
@@ -1927,9 +1939,13 @@ def problem_from_config(
             stacks=stack_names(abstract),
         )
         uncheckpointed = None
-        if own_policy and not c.offload.checkpoint:
+        memory_bound = c.hardware.activation_passes or c.hardware.recompute_passes
+        no_checkpoint = c.offload if not c.offload.checkpoint else OffloadConfig()  # `none`
+        if (own_policy and not c.offload.checkpoint) or memory_bound:
+            # What `none` keeps: the policy's untagged residuals, and the activations whose
+            # memory-bound work the step pays for (hardware.activation_passes).
             uncheckpointed = inspect_placement(
-                jax.grad(lambda mod, tok: loss_fn(mod, tok, remat_policy=remat_policy(c.offload, m))),
+                jax.grad(lambda mod, tok: loss_fn(mod, tok, remat_policy=remat_policy(no_checkpoint, m))),
                 abstract,
                 tokens,
                 stacks=stack_names(abstract),
@@ -2081,11 +2097,21 @@ def problem_from_config(
     # The step's token batch and the next one's (built a step ahead, zoo.train.run.Batches), int32.
     staging = 2.0 * c.data.batch_size * seq * 4 / num_devices
     other = float(sum(o.total_bytes for o in placement.other))
-    if uncheckpointed is not None:
-        # Views and casts of kept values are left out: XLA folds a view into the buffer it views and
-        # fuses a cast into its consumer, recomputing it there (a TPU v5e's compiled peak of `none`
-        # on llama_1b's layers and on dsv3_100m: docs/benchmarks.md, "TPU v5e").
-        other = float(sum(o.total_bytes for o in uncheckpointed.other if o.source not in FOLDED_BY_XLA))
+    # Views and casts of kept values are left out: XLA folds a view into the buffer it views and
+    # fuses a cast into its consumer, recomputing it there (a TPU v5e's compiled peak of `none`
+    # on llama_1b's layers and on dsv3_100m: docs/benchmarks.md, "TPU v5e").
+    untagged = (
+        float(sum(o.total_bytes for o in uncheckpointed.other if o.source not in FOLDED_BY_XLA))
+        if uncheckpointed is not None
+        else 0.0
+    )
+    if own_policy and not c.offload.checkpoint:
+        other = untagged
+    # The layers' activations (every tag and what `none` keeps besides, one microbatch's) at the
+    # device's memory bandwidth: the memory-bound work's seconds per pass over them.
+    activation_bytes = untagged + sum(_tag_totals_of(t, stacks) for t in tags)
+    memory_pass_s = activation_bytes / (hw.hbm_gbps * 1e9) * c.trainer.grad_accum if memory_bound else 0.0
+    checkpoints = c.offload.checkpoint or not own_policy
 
     p = Problem(
         tags=tags,
@@ -2116,6 +2142,8 @@ def problem_from_config(
         stack_frozen_bytes=float(sum(stack_frozen.values())),
         frozen_layer_bytes=float(frozen_layer),
         frozen_on_host=trainer.lora is not None and trainer.params_on_host,
+        memory_s=hw.activation_passes * memory_pass_s,
+        rerun_s=hw.recompute_passes * memory_pass_s if checkpoints else 0.0,
         largest_leaves=largest_leaves(trainer.abstract_params, trainer.param_shardings, "params")
         + largest_leaves(abstract_opt, trainer.opt_shardings, "opt_state"),
     )

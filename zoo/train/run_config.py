@@ -398,6 +398,13 @@ class HardwareConfig:
     # 1: recompute costs its full time. Fitted with bench/tpu.py (docs/benchmarks.md, "The planner
     # against the chip": on a TPU v5e `full` ran 0.93-1.06x `minimal`'s step on six setups).
     recompute_cost: float = 1.0
+    # The step's memory-bound work, which no op's FLOPs count (norms, RoPE, an MoE's routing and
+    # permutations, casts, layout changes): this many passes over the layers' activations (every
+    # tag and what `none` keeps besides) at hbm_gbps; and what a checkpointed layer's forward, run
+    # again in the backward, adds (recompute_passes), whatever its tags' assignment. 0: not priced.
+    # Fitted with bench/tpu.py (docs/benchmarks.md, "The planner against the chip").
+    activation_passes: float = 0.0
+    recompute_passes: float = 0.0
     # Measured FLOP/s per op and shape (zoo.op_rates; python -m zoo.tools.measure_hardware writes it on
     # an accelerator): the planner gives each tag's producer its op's measured time. null: every op at
     # the planner's rate.
@@ -429,6 +436,16 @@ class HardwareConfig:
                 f"hardware.recompute_cost: a fraction of a recompute's time in [0, 1], got {self.recompute_cost}; "
                 "e.g. hardware.recompute_cost=1 (recompute costs its full time)"
             )
+        for key in ("activation_passes", "recompute_passes"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"hardware.{key}: must be >= 0 (0: not priced), got {getattr(self, key)}")
+            if getattr(self, key) and not self.hbm_gbps:
+                raise ConfigError(
+                    f"hardware.{key}: prices memory-bound work at hardware.hbm_gbps, which is not set; give it "
+                    f"(e.g. hardware.hbm_gbps=819) or set hardware.{key}=0"
+                )
+        if self.hbm_gbps is not None and self.hbm_gbps <= 0:
+            raise ConfigError(f"hardware.hbm_gbps: must be positive or null (unknown), got {self.hbm_gbps}")
         bad_rates = op_rates.check(self.op_rates)
         if bad_rates:
             raise ConfigError(f"{bad_rates}; measure them with python -m zoo.tools.measure_hardware, or set it to null")
