@@ -633,7 +633,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(
             f"{d['device']}: matmul {d['n']}x{d['n']} {d['dtype']} {profile['matmul_flops'] / 1e12:.3f} TFLOP/s; "
             f"{link}; "
-            f"HBM {profile['hbm_bytes'] / 1e9:.1f} GB"
+            f"HBM {profile['hbm_bytes'] / 1e9:.1f} GB at {profile['hbm_gbps']:.4g} GB/s"
         )
         print(
             f"wrote {out}; use it with hardware={out.stem}" if out.parent == conf_dir() / "hardware" else f"wrote {out}"

@@ -2024,6 +2024,12 @@ def problem_from_config(
         rate_source += f"; each op at {share}its measured rate (hardware.op_rates: " + ", ".join(slowness.used) + ")"
     if hw.recompute_cost != 1.0:
         rate_source += f"; a recompute at hardware.recompute_cost {hw.recompute_cost:g} of its time"
+    if hw.activation_passes or hw.recompute_passes:
+        rate_source += (
+            f"; memory-bound work: hardware.activation_passes {hw.activation_passes:g} over the layers' activations"
+            f" at hardware.hbm_gbps {hw.hbm_gbps:g}, hardware.recompute_passes {hw.recompute_passes:g} more where"
+            " the policy checkpoints"
+        )
     link_gbps = resolve_link(opts.link, hw.host_link_gbps, hardware_dir)
     if opts.hbm_budget_gb is not None:
         budget = opts.hbm_budget_gb * GB

@@ -429,7 +429,7 @@ class HardwareConfig:
         if not 0 < self.step_efficiency <= 1:
             raise ConfigError(
                 f"hardware.step_efficiency: a fraction of matmul_flops in (0, 1], got {self.step_efficiency}; e.g. "
-                "hardware.step_efficiency=0.78"
+                "hardware.step_efficiency=0.88"
             )
         if not 0 <= self.recompute_cost <= 1:
             raise ConfigError(
