@@ -5,6 +5,7 @@ import dataclasses
 import itertools
 import json
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -292,6 +293,27 @@ def test_producer_flops_match_the_model_flop_count():
 # --- the command line ----------------------------------------------------------------------------
 
 BASE = ["model=llama_tiny_a", "mesh=single", "data.batch_size=2", "data.seq_len=16", "hardware=h100_pcie"]
+
+
+def test_cli_plan_notes_none_where_it_fits_and_the_profile_prices_the_checkpoint(tmp_path, capsys):
+    """The search plans checkpointed policies; where the profile prices a checkpointed layer's forward
+    run twice (tpu_v5e's recompute_passes) and `none` fits, the plan says so, with `none`'s estimate;
+    not where `none` does not fit (a budget between the plan's peak and `none`'s), nor on a profile
+    where keeping every tag under a checkpoint costs what `none` does (h100_pcie: no such term)."""
+    args = ["model=llama_tiny_a", "mesh=single", "data.batch_size=2", "data.seq_len=64", "plan.compile=0"]
+    ample = tmp_path / "ample.json"
+    assert zp.main([*args, "hardware=tpu_v5e", f"plan.out={tmp_path / 'a.yaml'}", f"plan.json={ample}"]) == 0
+    printed = capsys.readouterr().out
+    note = re.search(r"note: offload=none \(nothing checkpointed\) fits too by the estimate \(([\d.]+) (\w+)\)", printed)
+    assert note, printed
+    none_peak = float(note.group(1)) * {"kB": 1e3, "MB": 1e6, "GB": 1e9}[note.group(2)]
+    plan_peak = json.loads(ample.read_text())["estimate"]["peak_bytes"]
+    assert plan_peak < none_peak
+    between = (plan_peak + none_peak) / 2 / GB
+    assert zp.main([*args, "hardware=tpu_v5e", f"plan.hbm_budget_gb={between}", f"plan.out={tmp_path / 'b.yaml'}"]) == 0
+    assert "offload=none" not in capsys.readouterr().out
+    assert zp.main([*args, "hardware=h100_pcie", f"plan.out={tmp_path / 'c.yaml'}"]) == 0
+    assert "offload=none" not in capsys.readouterr().out
 
 
 def test_cli_plan_then_the_inspector_confirms_it(tmp_path, capsys):

@@ -1853,10 +1853,10 @@ def host_budget_bytes(opts: PlanConfig, hardware) -> float:
     return float(hardware.host_bytes_per_device) if hardware.host_bytes_per_device else math.inf
 
 
-def policy_estimate(c, trainer, opts: PlanConfig):
+def policy_estimate(c, trainer, opts: PlanConfig, hardware_dir=None, attention_impl: Optional[str] = None):
     """(problem, estimate, info) of the run's own policy (`c.offload`): each tag as the policy places it;
     a tag the planner cannot recompute (the checkpointed layer's input) counts as kept."""
-    p, info = problem_from_config(c, trainer, opts, own_policy=True)
+    p, info = problem_from_config(c, trainer, opts, hardware_dir, attention_impl, own_policy=True)
     actions = resolve(c.offload, c.model)
     assignment = {}
     for t in p.tags:
@@ -2179,6 +2179,21 @@ def problem_from_config(
         "untagged_residual_bytes": other,
     }
     return p, info
+
+
+def none_note(p: Problem, best: Estimate, none: Estimate, compiled: bool) -> Optional[str]:
+    """A note where `none` (nothing checkpointed; its estimate `none`) fits both budgets by the estimate
+    and is faster than the plan `best` by more than 1%: the planner's search assigns tags under a
+    checkpoint, and a checkpointed layer runs its forward again in the backward (`Problem.rerun_s`:
+    on a TPU v5e's MoE that alone made every recompute policy 1.27x `none`'s step)."""
+    if none.peak_bytes > p.budget or none.host_bytes > p.host_budget or none.time_s >= 0.99 * best.time_s:
+        return None
+    return (
+        f"note: offload=none (nothing checkpointed) fits too by the estimate ({_fmt_bytes(none.peak_bytes)}) and is "
+        f"estimated {100 * (1 - none.time_s / best.time_s):.0f}% faster ({1e3 * none.time_s:.1f} ms): a checkpointed "
+        "layer runs its forward again in the backward; train with offload=none"
+        + (" (its peak is the estimate's: plan.compile checks the plan's candidates, not it)" if compiled else "")
+    )
 
 
 def use_plan_lines(out, overrides: Sequence[str]) -> list[str]:
@@ -2696,6 +2711,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 raise
         policy = to_offload_config(best, opts.name, c.offload.params, c.offload.opt_state)
         print(estimates_table(p, best))
+        if p.rerun_s and not p.fixed:
+            # `none` differs from keeping every tag only where the profile prices the checkpoint's re-run.
+            none_config = dataclasses.replace(
+                c, offload=load_preset("none", params=c.offload.params, opt_state=c.offload.opt_state)
+            )
+            with planning_for(typed.hardware.platform):
+                _, e_none, _ = policy_estimate(none_config, trainer, opts, conf_dir() / "hardware", attention_impl)
+            note = none_note(p, best, e_none, compiled is not None)
+            if note:
+                print(note)
         if compiled:
             print(
                 f"XLA compiled this policy to {_fmt_bytes(compiled.compiled_peak)} of {_fmt_bytes(p.budget)} "
