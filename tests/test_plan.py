@@ -304,7 +304,8 @@ def test_cli_plan_notes_none_where_it_fits_and_the_profile_prices_the_checkpoint
     ample = tmp_path / "ample.json"
     assert zp.main([*args, "hardware=tpu_v5e", f"plan.out={tmp_path / 'a.yaml'}", f"plan.json={ample}"]) == 0
     printed = capsys.readouterr().out
-    note = re.search(r"note: offload=none \(nothing checkpointed\) fits too by the estimate \(([\d.]+) (\w+)\)", printed)
+    pattern = r"note: offload=none \(nothing checkpointed\) fits too by the estimate \(([\d.]+) (\w+)\)"
+    note = re.search(pattern, printed)
     assert note, printed
     none_peak = float(note.group(1)) * {"kB": 1e3, "MB": 1e6, "GB": 1e9}[note.group(2)]
     plan_peak = json.loads(ample.read_text())["estimate"]["peak_bytes"]
