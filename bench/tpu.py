@@ -149,6 +149,22 @@ SETUPS = {
         "group": "tpu_host_offload",
         "policies": ["none", "minimal", "full"],
     },
+    # Out of sample for the step model in another family each: Mixtral's softmax top-2 routing over
+    # 8 experts with grouped-query attention, and Qwen3-MoE's top-8 over 128, run after the fit.
+    "mixtral_none": {
+        "model": ["mixtral_100m", {}],
+        "batch": 4,
+        "seq": 4096,
+        "group": "tpu_host_offload",
+        "policies": ["none", "minimal", "full"],
+    },
+    "qwen3_moe_none": {
+        "model": ["qwen3_moe_100m", {}],
+        "batch": 4,
+        "seq": 4096,
+        "group": "tpu_host_offload",
+        "policies": ["none", "minimal", "full"],
+    },
     # Larger, where keeping the attention output with everything else recomputed runs out of memory.
     "moe_full_84": {
         "model": ["dsv3_100m", {}],

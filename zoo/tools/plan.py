@@ -9,6 +9,11 @@ The cost model (per device, per step; every number it uses is printed in the est
   (`hardware.op_rates`: attention, the experts' grouped matmul, matmuls by width), each tag's producer
   runs at its measured rate times `step_efficiency` instead (`OpSlowness`: its FLOPs weighted by
   the matmul rate over its op's), at the widths one device computes (`per_device_widths`).
+- memory-bound work (norms, RoPE, an MoE's routing, casts: what no op's FLOPs count), where the
+  profile prices it: `hardware.activation_passes` passes over the layers' activations (every tag and
+  what `none` keeps besides) at `hardware.hbm_gbps`, part of compute; and for a policy that
+  checkpoints `hardware.recompute_passes` more (its layers' forward runs again in the backward),
+  part of recompute, whatever the tags' assignment (`Problem.memory_s`, `Problem.rerun_s`).
 - `remat` of a tag costs its producer's FLOPs (the matmul, attention or norm that makes it; formulas
   in `producer_flops`, ops in `producer_op`; a data-parallel rank's, shared by the devices its batch
   is not split over: tensor and context parallelism) once more per layer, at the same rate (the forward's
@@ -2117,7 +2122,7 @@ def problem_from_config(
     # device's memory bandwidth: the memory-bound work's seconds per pass over them.
     activation_bytes = untagged + sum(_tag_totals_of(t, stacks) for t in tags)
     memory_pass_s = activation_bytes / (hw.hbm_gbps * 1e9) * c.trainer.grad_accum if memory_bound else 0.0
-    checkpoints = c.offload.checkpoint or not own_policy
+    checkpoints = c.offload.checkpoint or bool(c.offload.ranges) or not own_policy
 
     p = Problem(
         tags=tags,
