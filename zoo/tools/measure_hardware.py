@@ -384,7 +384,7 @@ def measure_op_rates(
 
     def grid_of(kind: str, axes: tuple, case, **record) -> dict:
         """The table of `kind` over the grid `axes` (two lists), flops[i][j] from `case(axes[0][i],
-        axes[1][j]) -> (FLOPs, program, *arguments)`, with `record` (how it was measured)."""
+        axes[1][j]) -> (FLOPs, program)` (`case` below), with `record` (how it was measured)."""
         names, table, start = op_rates.AXES[kind], [], time.perf_counter()
         inputs.clear()  # the previous grid's arrays: device memory this one may need
         for a in axes[0]:
