@@ -167,6 +167,13 @@ def test_the_planner_prices_memory_bound_work_by_passes_over_the_activations():
         rerun = 0.0 if policy == "none" else 2 * activations / 1e9
         assert e.recompute_s == pytest.approx(base.recompute_s + rerun)
     assert not load_preset("none").checkpoint and load_preset("full").checkpoint
+    # `none`'s estimate derived from a checkpointing policy's problem (what zoo.tools.plan's note
+    # uses, no second trace) is the one `offload=none` gets traced on its own
+    c, _, _, trainer, _ = prepare_step([*args, "offload=full"])
+    hw = dataclasses.replace(c.hardware, hbm_gbps=1.0, activation_passes=3.0, recompute_passes=2.0)
+    p_full, info = zp.problem_from_config(dataclasses.replace(c, hardware=hw), trainer, zp.PlanConfig())
+    derived, traced = zp.none_estimate(p_full, info["none_residual_bytes"]), estimates["none", (3.0, 2.0)][1]
+    assert derived.time_s == pytest.approx(traced.time_s) and derived.peak_bytes == pytest.approx(traced.peak_bytes)
 
 
 @pytest.mark.parametrize("dispatch_s", [0.5, 10.0])

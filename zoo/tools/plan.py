@@ -1858,10 +1858,10 @@ def host_budget_bytes(opts: PlanConfig, hardware) -> float:
     return float(hardware.host_bytes_per_device) if hardware.host_bytes_per_device else math.inf
 
 
-def policy_estimate(c, trainer, opts: PlanConfig, hardware_dir=None, attention_impl: Optional[str] = None):
+def policy_estimate(c, trainer, opts: PlanConfig):
     """(problem, estimate, info) of the run's own policy (`c.offload`): each tag as the policy places it;
     a tag the planner cannot recompute (the checkpointed layer's input) counts as kept."""
-    p, info = problem_from_config(c, trainer, opts, hardware_dir, attention_impl, own_policy=True)
+    p, info = problem_from_config(c, trainer, opts, own_policy=True)
     actions = resolve(c.offload, c.model)
     assignment = {}
     for t in p.tags:
@@ -2182,8 +2182,18 @@ def problem_from_config(
         "loss_chunk_size": c.trainer.loss_chunk_size,
         "loss_working_bytes": loss,
         "untagged_residual_bytes": other,
+        # what `none` keeps besides the tags, where it was traced (the memory-bound term needs it)
+        "none_residual_bytes": untagged if uncheckpointed is not None else None,
     }
     return p, info
+
+
+def none_estimate(p: Problem, none_residual_bytes: float) -> Estimate:
+    """`none`'s estimate from the search's problem `p` (no fixed ranges): every tag kept, the untagged
+    residuals `none` keeps (`problem_from_config`'s info), and no checkpoint to re-run; what
+    `policy_estimate` gives for `offload=none`, without tracing the model again."""
+    kept = {t.tag: "device" if "device" in t.choices else t.choices[0] for t in p.tags}
+    return evaluate(dataclasses.replace(p, other_bytes=none_residual_bytes, rerun_s=0.0), kept)
 
 
 def none_note(p: Problem, best: Estimate, none: Estimate, compiled: bool) -> Optional[str]:
@@ -2716,14 +2726,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 raise
         policy = to_offload_config(best, opts.name, c.offload.params, c.offload.opt_state)
         print(estimates_table(p, best))
-        if p.rerun_s and not p.fixed:
+        if p.rerun_s and not p.fixed and info["none_residual_bytes"] is not None:
             # `none` differs from keeping every tag only where the profile prices the checkpoint's re-run.
-            none_config = dataclasses.replace(
-                c, offload=load_preset("none", params=c.offload.params, opt_state=c.offload.opt_state)
-            )
-            with planning_for(typed.hardware.platform):
-                _, e_none, _ = policy_estimate(none_config, trainer, opts, conf_dir() / "hardware", attention_impl)
-            note = none_note(p, best, e_none, compiled is not None)
+            note = none_note(p, best, none_estimate(p, info["none_residual_bytes"]), compiled is not None)
             if note:
                 print(note)
         if compiled:
