@@ -1,4 +1,4 @@
-"""`plan.compile`: the planner's candidates compiled by XLA for the target (zoo.tools.plan.checked_search);
+"""`plan.compile`: the planner's candidates compiled by XLA for the target (zoo.plan.compiled.checked_search);
 `plan.measure`: those that fit, and the presets, timed on the device."""
 
 import dataclasses

@@ -1,5 +1,5 @@
 """`plan.split=true`: the planner searches the split point and each side's per-tag actions
-(`zoo.tools.plan.search_split_tags`), and the command it prints runs the split (`offload.ranges` values
+(`zoo.plan.split.search_split_tags`), and the command it prints runs the split (`offload.ranges` values
 that are policy files)."""
 
 import itertools

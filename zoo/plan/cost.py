@@ -12,6 +12,15 @@ from zoo.offload import CHECKPOINT_INPUTS
 from zoo.plan.problem import CHOICES, Estimate, Problem, StackCost, TagCost, fmt_bytes, stack_bounds
 
 
+def transfer_s(p: Problem, nbytes, transfers=1):
+    """Seconds to move `nbytes` one way over the host link in `transfers` transfers: its bandwidth
+    (`Problem.link`, bytes/s per direction) and a fixed latency per transfer (plan.transfer_latency_us;
+    the optimizer update's state moves are counted as 0 transfers: one stream each way). Every host
+    transfer the model prices comes here: the tags' (`layer_parts`, where they overlap compute), the
+    host-resident weights' and the state's (`state_transfer_s`). Works on arrays of assignments."""
+    return nbytes / p.link + transfers * p.latency
+
+
 def tag_totals(p: Problem, t: TagCost) -> float:
     return tag_totals_of(t, p.stacks)
 
@@ -130,11 +139,11 @@ def state_transfer_s(p: Problem) -> float:
         (2 * p.stack_frozen_bytes * p.microbatches + p.frozen_bytes - p.stack_frozen_bytes) if p.frozen_on_host else 0.0
     )
     if not p.params_on_host:
-        return (opt + frozen) / p.link if p.duplex else (2 * opt + frozen) / p.link
+        return transfer_s(p, opt + frozen, 0) if p.duplex else transfer_s(p, 2 * opt + frozen, 0)
     grads = p.stack_param_bytes
     into = frozen + opt + p.param_bytes + 2 * grads + (2 * grads * p.microbatches if p.microbatches > 1 else 0.0)
     out = opt + p.param_bytes + (grads * p.microbatches if p.microbatches > 1 else 0.0)
-    return (max(into, out) if p.duplex else into + out) / p.link
+    return transfer_s(p, max(into, out) if p.duplex else into + out, 0)
 
 
 def free_layers(p: Problem) -> dict[str, int]:
@@ -194,7 +203,7 @@ def layer_parts(p: Problem, digits: np.ndarray, layers_of: dict[str, int]) -> tu
                     # What a layer's backward starts from: nothing hides its way back (on a v5e the layer
                     # input's offload cost dsv3_100m 363 ms a step at 68 x 4096, more than its 243 ms round
                     # trip over the link), so both directions count whole.
-                    exposed += (d == 1) * layers * 2 * (b / p.link + p.latency)
+                    exposed += (d == 1) * layers * 2 * transfer_s(p, b)
                     continue
                 per_stack_off[s] += (d == 1) * b
                 per_stack_count[s] += d == 1
@@ -205,8 +214,8 @@ def layer_parts(p: Problem, digits: np.ndarray, layers_of: dict[str, int]) -> tu
         sc = p.stacks[s]
         fwd_compute = sc.forward_flops_per_layer / p.rate
         bwd_compute = (2 * sc.forward_flops_per_layer + per_stack_remat[s]) / p.rate
-        offload_time = per_stack_off[s] / p.link + per_stack_count[s] * p.latency
-        params_time = sc.param_bytes_per_layer / p.link + p.latency if p.params_on_host else 0.0
+        offload_time = transfer_s(p, per_stack_off[s], per_stack_count[s])
+        params_time = transfer_s(p, sc.param_bytes_per_layer) if p.params_on_host else 0.0
         # forward: activations out (device->host), this layer's weights in (host->device)
         fwd = np.maximum(offload_time, params_time) if p.duplex else offload_time + params_time
         # backward: activations and weights in, the layer's weight gradients out
@@ -266,11 +275,7 @@ def estimates_table(p: Problem, chosen: Estimate) -> str:
     for t in p.tags:
         total = tag_totals(p, t)
         flops = sum(f * p.stacks[s].layers for s, f in t.recompute_flops_per_layer.items()) * p.microbatches
-        xfer = (
-            sum((b / p.link + p.latency) * p.stacks[s].layers for s, b in t.bytes_per_layer.items())
-            * 2
-            * p.microbatches
-        )
+        xfer = sum(transfer_s(p, b) * p.stacks[s].layers for s, b in t.bytes_per_layer.items()) * 2 * p.microbatches
         rows.append(
             (
                 t.tag,

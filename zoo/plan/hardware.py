@@ -63,16 +63,16 @@ class HardwareConfig:
     nominal: bool = False  # true: peak_flops is a round number, not a datasheet figure
     note: str = ""
     # The platform the profile describes ("cpu", "gpu", "tpu"; null: any): train.py runs only on it
-    # (MFU against another machine's peak is meaningless), and zoo.tools.plan resolves
+    # (MFU against another machine's peak is meaningless), and the planner (zoo.plan) resolves
     # model.attention_impl and the kernels for it when it plans from another machine; with a GPU's
     # CUDA compute capability ("9.0").
     platform: Optional[str] = None
     compute_capability: Optional[str] = None
     # Pinned host memory one device may use (offloaded activations, host-resident state, staging),
-    # zoo.tools.plan's host budget; 0: no budget (the planner refuses nothing for host memory). Profiles
+    # the planner's host budget; 0: no budget (the planner refuses nothing for host memory). Profiles
     # derive it from datasheets (the CPU memory of a node shared by its GPUs), not measurements.
     host_bytes_per_device: int = 0
-    devices_per_node: int = 1  # devices sharing one node's host memory (zoo.tools.plan's per-node figure)
+    devices_per_node: int = 1  # devices sharing one node's host memory (the planner's per-node figure)
 
     def __post_init__(self):
         if self.peak_flops <= 0:

@@ -108,7 +108,7 @@ def holders(p: Problem, e: Estimate, memory: str = "hbm") -> list[Holder]:
                 )
             )
     else:
-        # The update phase: zoo.tools.plan's fixed_bytes, by holder.
+        # The update phase: zoo.plan.cost.fixed_bytes, by holder.
         if not streamed(p):
             out = [
                 Holder("parameters (update)", p.param_bytes, _leaves_detail(p, "params")),

@@ -39,7 +39,7 @@ def producer_flops(config, tag: str, stack: str, batch: int, seq: int) -> float:
     if tag not in table:
         # A tag this stack emits that no block declares a formula for would cost 0 FLOPs to recompute.
         raise ValueError(
-            f"zoo.tools.plan.producer_flops: no FLOP count for tag {tag!r} on stack {stack!r}; declare it in its "
+            f"zoo.plan.pricing.producer_flops: no FLOP count for tag {tag!r} on stack {stack!r}; declare it in its "
             "block's EMITS"
         )
     return float(table[tag].flops(_flop_shape(c, stack, batch, seq)))
