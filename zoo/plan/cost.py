@@ -1,8 +1,8 @@
-"""The cost model (numpy only): an assignment of device / offload / remat to the tags, priced per
-device and step (time: compute, recompute, exposed host transfers, state transfers; memory: the
-HBM peak of two phases and the host memory), vectorised over many assignments at once
-(`evaluate_arrays`; `evaluate` for one). What a host transfer costs is `transfer_s`. The model's
-terms are listed in zoo.plan's docstring; `estimates_table` prints every number it used."""
+"""The cost model (numpy arithmetic, no JAX call): an assignment of device / offload / remat to the tags,
+priced per device and step (time: compute, recompute, exposed host transfers, state transfers; memory:
+the HBM peak of two phases and the host memory), vectorised over many assignments at once
+(`evaluate_arrays`; `evaluate` for one). What a host transfer costs is `transfer_s`. The model's terms
+are listed in zoo.plan's docstring; `estimates_table` prints every number it used."""
 
 import math
 
