@@ -252,9 +252,16 @@ def test_cli_prints_the_holders_when_asked(tmp_path, capsys):
         (["+hardware.recompute_cost=1.5"], "error: hardware.recompute_cost: a fraction of a recompute's time"),
         (["+hardware.activation_passes=6"], "error: hardware.activation_passes: prices memory-bound"),
         (["+hardware.recompute_passes=-1"], "error: hardware.recompute_passes: must be >= 0"),
+        (["+hardware.activation_passes=nan"], "error: hardware.activation_passes: must be >= 0"),
+        (["hardware.peak_flops=nan"], "error: hardware.peak_flops: must be positive and finite, got nan"),
+        (["hardware.peak_flops=inf"], "error: hardware.peak_flops: must be positive and finite, got inf"),
+        (["hardware.matmul_flops=-1"], "error: hardware.matmul_flops: must be positive and finite, or null"),
+        (["hardware.hbm_bytes=-1"], "error: hardware.hbm_bytes: must be >= 0"),
+        (["hardware.host_link_gbps=-5"], "error: hardware.host_link_gbps: GB/s per direction, >= 0"),
+        (["+hardware.hbm_gbps=nan"], "error: hardware.hbm_gbps: must be positive or null"),
     ],
 )
-def test_cli_bad_host_settings_are_one_line(args, message, capsys):
+def test_cli_bad_host_and_hardware_settings_are_one_line(args, message, capsys):
     assert zp.main([*BASE, *args]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith(message), err

@@ -5,6 +5,7 @@ YAML file, conf/hardware/<name>.yaml, merged into this dataclass (`hardware=<nam
 `hardware=auto` takes for a device kind."""
 
 import dataclasses
+import math
 from typing import Any, Optional
 
 from zoo import op_rates
@@ -75,8 +76,7 @@ class HardwareConfig:
     devices_per_node: int = 1  # devices sharing one node's host memory (the planner's per-node figure)
 
     def __post_init__(self):
-        if self.peak_flops <= 0:
-            raise ConfigError(f"hardware.peak_flops: must be positive, got {self.peak_flops}")
+        self._check_figures()
         if not 0 < self.step_efficiency <= 1:
             raise ConfigError(
                 f"hardware.step_efficiency: a fraction of matmul_flops in (0, 1], got {self.step_efficiency}; e.g. "
@@ -88,14 +88,14 @@ class HardwareConfig:
                 "e.g. hardware.recompute_cost=1 (recompute costs its full time)"
             )
         for key in ("activation_passes", "recompute_passes"):
-            if getattr(self, key) < 0:
+            if not 0 <= getattr(self, key) < math.inf:
                 raise ConfigError(f"hardware.{key}: must be >= 0 (0: not priced), got {getattr(self, key)}")
             if getattr(self, key) and not self.hbm_gbps:
                 raise ConfigError(
                     f"hardware.{key}: prices memory-bound work at hardware.hbm_gbps, which is not set; give it "
                     f"(e.g. hardware.hbm_gbps=819) or set hardware.{key}=0"
                 )
-        if self.hbm_gbps is not None and self.hbm_gbps <= 0:
+        if self.hbm_gbps is not None and not 0 < self.hbm_gbps < math.inf:
             raise ConfigError(f"hardware.hbm_gbps: must be positive or null (unknown), got {self.hbm_gbps}")
         bad_rates = op_rates.check(self.op_rates)
         if bad_rates:
@@ -114,7 +114,7 @@ class HardwareConfig:
             raise ConfigError(f"hardware.platform: got {self.platform!r}; choose {', '.join(PLATFORMS)} or null (any)")
         for key in ("host_to_device_gbps", "device_to_host_gbps"):
             value = getattr(self, key)
-            if value is not None and value <= 0:
+            if value is not None and not 0 < value < math.inf:
                 raise ConfigError(f"hardware.{key}: must be positive or null (host_link_gbps), got {value}")
         if self.compute_capability is not None:
             major, _, minor = str(self.compute_capability).partition(".")
@@ -123,6 +123,25 @@ class HardwareConfig:
                     f"hardware.compute_capability: got {self.compute_capability!r}; give a GPU's major.minor "
                     "(e.g. 9.0) with hardware.platform=gpu, or null"
                 )
+
+    def _check_figures(self) -> None:
+        """The rates, sizes and link a finite number in range (a NaN passes any comparison, and an
+        infinite rate or link would price everything at 0 seconds)."""
+        if not 0 < self.peak_flops < math.inf:
+            raise ConfigError(
+                f"hardware.peak_flops: must be positive and finite, got {self.peak_flops}; e.g. "
+                "hardware.peak_flops=1.0e12"
+            )
+        if self.matmul_flops is not None and not 0 < self.matmul_flops < math.inf:
+            raise ConfigError(
+                f"hardware.matmul_flops: must be positive and finite, or null (not measured), got {self.matmul_flops}"
+            )
+        if self.hbm_bytes < 0:
+            raise ConfigError(f"hardware.hbm_bytes: must be >= 0 (0: unknown), got {self.hbm_bytes}")
+        if not 0 <= self.host_link_gbps < math.inf:
+            raise ConfigError(
+                f"hardware.host_link_gbps: GB/s per direction, >= 0 and finite (0: unknown), got {self.host_link_gbps}"
+            )
 
     @property
     def auto(self) -> bool:
