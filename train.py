@@ -40,7 +40,7 @@ def main(cfg: DictConfig) -> None:
 
 def _out_of_memory_line(*args) -> str:
     # The planner names who holds the memory; imported only when a run has run out of it.
-    from zoo.tools.plan import out_of_memory_line
+    from zoo.plan.oom import out_of_memory_line
 
     return out_of_memory_line(*args)
 

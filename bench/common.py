@@ -470,7 +470,8 @@ def planner_estimate(c, trainer, budget_bytes: float) -> dict:
     """zoo.tools.plan's estimate for the policy of `c` (its hardware profile gives the matmul rate and the
     link): step time split into compute / recompute / exposed transfers / state transfers, and the
     HBM peak. A tag the planner cannot recompute (the checkpointed layer's input) counts as kept."""
-    from zoo.tools.plan import PlanConfig, policy_estimate
+    from zoo.plan.options import PlanConfig
+    from zoo.plan.traced import policy_estimate
 
     p, e, info = policy_estimate(c, trainer, PlanConfig(hbm_budget_gb=budget_bytes / 1e9))
     out = e.as_dict()

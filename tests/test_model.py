@@ -185,7 +185,7 @@ def test_a_block_is_read_from_its_own_declarations(monkeypatch):
     from zoo import model as zoo_model
     from zoo import sharding as zs
     from zoo.nn import GatedMLP
-    from zoo.tools import plan as zp
+    from zoo.plan.pricing import producer_flops
 
     monkeypatch.setattr(tags, "TAGS", dict(tags.TAGS))  # declarations below stay in this test
     monkeypatch.setattr(offload, "TAGS", tags.TAGS)  # which zoo.offload reads by name
@@ -212,7 +212,7 @@ def test_a_block_is_read_from_its_own_declarations(monkeypatch):
     c = LLAMA.replace(num_layers=5)
     assert ResidualMLP in zoo_model.block_classes(c, c.layer_spec(0))
     ((stack, *_),) = stack_layout(c)
-    assert zp.producer_flops(c, "mlp_residual", stack, 2, 16) == 7.0
+    assert producer_flops(c, "mlp_residual", stack, 2, 16) == 7.0
     assert set(offload.backward_never_reads(c)) == {MLPWO, "mlp_residual"}
     assert lora.family_targets(zoo.abstract(c)) == {"wq", "wk", "wv", "wo", "w_gate", "w_up"}
 

@@ -398,7 +398,9 @@ def test_the_inspector_reports_placement_per_range():
 def test_the_planner_counts_each_range_with_its_own_policy():
     """Layers 1-2 of a 6-layer model (two stacks: 0-1, 2-5) offload the layer input and query_proj
     (llama_qkv_offload); the search assigns the other four layers. The estimate adds both parts."""
-    from zoo.tools.plan import Problem, StackCost, TagCost, evaluate, free_layers, with_ranges
+    from zoo.plan.cost import evaluate, free_layers
+    from zoo.plan.policies import with_ranges
+    from zoo.plan.problem import Problem, StackCost, TagCost
 
     tags = [
         TagCost("decoder_layer_input", {"a": 100.0, "b": 100.0}, {}, ("device", "offload")),
@@ -431,7 +433,9 @@ def test_the_planner_counts_each_range_with_its_own_policy():
 def test_the_planner_counts_the_copies_of_the_stacks_a_range_cuts():
     """A range boundary strictly inside a stack costs RANGE_CUT_COPIES of that stack's parameters in
     the backward phase (slices and joined gradients); a boundary on a stack's edge costs nothing."""
-    from zoo.tools.plan import RANGE_CUT_COPIES, Problem, StackCost, TagCost, cut_bytes, evaluate, with_ranges
+    from zoo.plan.cost import RANGE_CUT_COPIES, cut_bytes, evaluate
+    from zoo.plan.policies import with_ranges
+    from zoo.plan.problem import Problem, StackCost, TagCost
 
     tags = [TagCost("query_proj", {"a": 50.0, "b": 60.0}, {"a": 1e9, "b": 2e9})]
     stacks = {
@@ -467,7 +471,10 @@ def test_the_planners_range_estimates_follow_the_compiled_memory():
     memory less under `full` (XLA:CPU, optimisation level 0). The ranged policies' difference is
     mostly the copies of the cut stack (`RANGE_CUT_COPIES`); without them the planner would say 46 MB
     where the program takes 231 MB. Prints the table docs/offload.md quotes."""
-    from zoo.tools.plan import PlanConfig, evaluate, preset_assignment, problem_from_config
+    from zoo.plan.cost import evaluate
+    from zoo.plan.options import PlanConfig
+    from zoo.plan.policies import preset_assignment
+    from zoo.plan.traced import problem_from_config
     from zoo.tools.kit import prepare_step
     from zoo.offload import conf_dir
 
@@ -543,7 +550,9 @@ def test_the_planner_finds_the_split_point_that_beats_one_policy():
     """Six uniform layers, HBM for three layers' tag: keeping it everywhere does not fit, recomputing
     it everywhere costs six recomputes, offloading it is slow (a slow link); the best split keeps it
     in three layers and recomputes it in the other three."""
-    from zoo.tools.plan import Problem, StackCost, TagCost, search, search_split
+    from zoo.plan.problem import Problem, StackCost, TagCost
+    from zoo.plan.search import search
+    from zoo.plan.split import search_split
 
     p = Problem(
         tags=[TagCost("query_proj", {"a": 100.0}, {"a": 1e9})],

@@ -9,8 +9,12 @@ from omegaconf import OmegaConf
 
 import zoo
 from zoo import op_rates
+from zoo.model import stack_layout
+from zoo.plan.cost import tag_totals
+from zoo.plan.options import PlanConfig
+from zoo.plan.pricing import producer_flops, producer_op, stack_emits
+from zoo.plan.traced import none_estimate, policy_estimate, problem_from_config
 from zoo.tags import TAGS, emitted_tags
-from zoo.tools import plan as zp
 from zoo.train.run_config import ConfigError, HardwareConfig, load_group
 
 GRID = {
@@ -65,13 +69,13 @@ def test_every_tag_a_matmul_or_attention_produces_declares_its_op():
     elementwise producers (norms: a few FLOPs per element) may go without."""
     for name in ("llama_tiny_a", "dsv3_tiny_a", "gemma3_tiny_a", "gpt_oss_tiny_a", "qwen3_moe_tiny_a"):
         c = zoo.get_size(name)
-        for stack in {s for s, *_ in zp.stack_layout(c)}:
-            emits = zp._stack_emits(c, stack)
+        for stack in {s for s, *_ in stack_layout(c)}:
+            emits = stack_emits(c, stack)
             for tag in emitted_tags(c):
                 if tag not in emits or TAGS[tag].name == "decoder_layer_input":
                     continue
-                op = zp.producer_op(c, tag, stack, 2, 64)
-                flops = zp.producer_flops(c, tag, stack, 2, 64)
+                op = producer_op(c, tag, stack, 2, 64)
+                flops = producer_flops(c, tag, stack, 2, 64)
                 if op is None:
                     assert flops <= 5 * 2 * 64 * c.hidden_size, (name, tag)
                 else:
@@ -92,18 +96,18 @@ def test_the_planner_prices_each_producer_at_its_measured_rate():
             "model.attention_impl=blockwise",
         ]
     )
-    base, _ = zp.problem_from_config(c, trainer, zp.PlanConfig())
+    base, _ = problem_from_config(c, trainer, PlanConfig())
     m, (stack,) = trainer.cfg.model, base.stacks
     layers = base.stacks[stack].layers
 
     def planned(table):
         hw = dataclasses.replace(c.hardware, op_rates=table)
-        return zp.problem_from_config(dataclasses.replace(c, hardware=hw), trainer, zp.PlanConfig())
+        return problem_from_config(dataclasses.replace(c, hardware=hw), trainer, PlanConfig())
 
     # attention 4x slower than the problem's rate, measured with the kernel this run uses
     table = {"attention": {"impl": "blockwise", "seq": [128], "head_dim": [m.qk_head_dim], "flops": [[base.rate / 4]]}}
     p, info = planned(table)
-    context = zp.producer_flops(m, "context", stack, 2, 128)
+    context = producer_flops(m, "context", stack, 2, 128)
     costs = {t.tag: t.recompute_flops_per_layer[stack] for t in p.tags}
     assert costs["context"] == pytest.approx(4 * context)
     assert all(costs[t.tag] == t.recompute_flops_per_layer[stack] for t in base.tags if t.tag != "context")
@@ -130,12 +134,12 @@ def test_the_planner_prices_each_producer_at_its_measured_rate():
     # a measured profile: a measured op runs at step_efficiency of its rate, as the rest do of matmul_flops
     table = {"matmul": {"k": [1], "n": [1], "flops": [[base.rate]]}}
     hw = dataclasses.replace(c.hardware, matmul_flops=4 * base.rate, step_efficiency=0.5, op_rates=table)
-    p, info = zp.problem_from_config(dataclasses.replace(c, hardware=hw), trainer, zp.PlanConfig())
+    p, info = problem_from_config(dataclasses.replace(c, hardware=hw), trainer, PlanConfig())
     assert p.rate == pytest.approx(2 * base.rate) and "each op at 0.5 x its measured rate" in info["rate_source"]
     assert p.step_flops == pytest.approx(base.step_flops + 3 * 3 * (layers * matmuls + head))
     # a profile where a recompute costs a quarter of its time: every tag's recompute, nothing else
     hw = dataclasses.replace(c.hardware, recompute_cost=0.25)
-    p, info = zp.problem_from_config(dataclasses.replace(c, hardware=hw), trainer, zp.PlanConfig())
+    p, info = problem_from_config(dataclasses.replace(c, hardware=hw), trainer, PlanConfig())
     assert {t.tag: t.recompute_flops_per_layer for t in p.tags} == {
         t.tag: {s: pytest.approx(f / 4) for s, f in t.recompute_flops_per_layer.items()} for t in base.tags
     }
@@ -157,9 +161,9 @@ def test_the_planner_prices_memory_bound_work_by_passes_over_the_activations():
         for passes in ((0.0, 0.0), (3.0, 2.0)):
             hw = dataclasses.replace(c.hardware, hbm_gbps=1.0, activation_passes=passes[0], recompute_passes=passes[1])
             planned = dataclasses.replace(c, hardware=hw)
-            estimates[policy, passes] = zp.policy_estimate(planned, trainer, zp.PlanConfig())
+            estimates[policy, passes] = policy_estimate(planned, trainer, PlanConfig())
     p_none, _, _ = estimates["none", (0.0, 0.0)]
-    activations = p_none.other_bytes + sum(zp._tag_totals(p_none, t) for t in p_none.tags)
+    activations = p_none.other_bytes + sum(tag_totals(p_none, t) for t in p_none.tags)
     for policy in ("none", "full", "minimal"):
         (_, base, _), (p, e, _) = estimates[policy, (0.0, 0.0)], estimates[policy, (3.0, 2.0)]
         assert p.memory_s == pytest.approx(3 * activations / 1e9) and p.memory_s > 0
@@ -171,8 +175,8 @@ def test_the_planner_prices_memory_bound_work_by_passes_over_the_activations():
     # uses, no second trace) is the one `offload=none` gets traced on its own
     c, _, _, trainer, _ = prepare_step([*args, "offload=full"])
     hw = dataclasses.replace(c.hardware, hbm_gbps=1.0, activation_passes=3.0, recompute_passes=2.0)
-    p_full, info = zp.problem_from_config(dataclasses.replace(c, hardware=hw), trainer, zp.PlanConfig())
-    derived, traced = zp.none_estimate(p_full, info["none_residual_bytes"]), estimates["none", (3.0, 2.0)][1]
+    p_full, info = problem_from_config(dataclasses.replace(c, hardware=hw), trainer, PlanConfig())
+    derived, traced = none_estimate(p_full, info["none_residual_bytes"]), estimates["none", (3.0, 2.0)][1]
     assert derived.time_s == pytest.approx(traced.time_s) and derived.peak_bytes == pytest.approx(traced.peak_bytes)
 
 

@@ -13,11 +13,18 @@ import pytest
 from omegaconf import OmegaConf
 
 import zoo
-from zoo.tools import plan as zp
+import zoo.plan.compiled
 from zoo.families import SIZES
-from zoo.placement import inspect_placement, stack_names
 from zoo.offload import expected_placement, from_mapping, placement_matches, remat_policy, resolve
-from zoo.tools.plan import GB, Infeasible, PlanError, Problem, StackCost, TagCost, evaluate, search
+from zoo.placement import inspect_placement, stack_names
+from zoo.plan.cost import evaluate
+from zoo.plan.options import PlanConfig, link_duplex, resolve_link
+from zoo.plan.pricing import layer_forward_flops, per_device_shape, per_device_widths, producer_flops, stack_layers
+from zoo.plan.problem import CHOICES, GB, Infeasible, PlanError, Problem, StackCost, TagCost, fmt_bytes
+from zoo.plan.search import search
+from zoo.plan.traced import problem_from_config
+from zoo.plan.working_set import attention_working_bytes, loss_working_bytes
+from zoo.tools import plan as zp
 
 MB = 1e6
 LAYERS = 10
@@ -116,7 +123,7 @@ def test_search_is_optimal_on_a_random_problem():
     p = make_problem(tags, link_gbps=rng.uniform(10, 500), budget_gb=1.0 + 0.6, layer_flops=2e11)
     best = search(p, inner_tags=3)  # exercise the chunked enumeration
     tolerance = 1e-3 * p.step_flops / p.rate
-    for combo in itertools.product(zp.CHOICES, repeat=len(tags)):
+    for combo in itertools.product(CHOICES, repeat=len(tags)):
         e = evaluate(p, dict(zip(tags, combo)))
         if e.peak_bytes <= p.budget:
             assert best.time_s <= e.time_s + tolerance
@@ -209,20 +216,20 @@ def test_params_on_host_stream_weights_and_gradients():
 
 def test_attention_working_set_by_implementation():
     dims = dict(batch=2, heads=8, kv_heads=2, qk_dim=64, v_dim=64)
-    xla = [zp.attention_working_bytes("xla", seq=t, **dims) for t in (2048, 8192)]
+    xla = [attention_working_bytes("xla", seq=t, **dims) for t in (2048, 8192)]
     assert xla[0] == 2 * 2 * 8 * 2048**2 * 4 and xla[1] == 16 * xla[0]  # T x T float32 scores and probabilities
     for impl in ("blockwise", "cudnn"):
-        small, large = (zp.attention_working_bytes(impl, seq=t, **dims) for t in (2048, 8192))
+        small, large = (attention_working_bytes(impl, seq=t, **dims) for t in (2048, 8192))
         assert 2 * small < large <= 4 * small and large < xla[1] / 50, impl  # linear in T, not quadratic
     with pytest.raises(ValueError):
-        zp.attention_working_bytes("flash", seq=16, **dims)
+        attention_working_bytes("flash", seq=16, **dims)
 
 
 def test_loss_working_set_counts_the_chunks_and_what_the_fused_backward_keeps():
-    whole = zp.loss_working_bytes(batch=2, seq=4096, vocab=128256, embed=2048, chunk=0, compute_bytes=2)
+    whole = loss_working_bytes(batch=2, seq=4096, vocab=128256, embed=2048, chunk=0, compute_bytes=2)
     assert whole == 3 * 2 * 4096 * 128256 * 4  # logits, softmax, gradient: float32
     cast = 2048 * 128256 * 2.0
-    chunked = zp.loss_working_bytes(
+    chunked = loss_working_bytes(
         batch=2, seq=4096, vocab=128256, embed=2048, chunk=512, compute_bytes=2, head_cast_bytes=cast
     )
     # One float32 chunk of logits (the softmax and its gradient fused into it), the head-gradient
@@ -230,12 +237,12 @@ def test_loss_working_set_counts_the_chunks_and_what_the_fused_backward_keeps():
     assert chunked == 2 * 512 * 128256 * 4 + 2048 * 128256 * 4 + 2 * 4096 * 2048 * 2 + cast
     assert whole / chunked > 5
     # A chunk longer than the sequence is the sequence.
-    assert zp.loss_working_bytes(batch=1, seq=64, vocab=10, embed=4, chunk=512, compute_bytes=4) == pytest.approx(
+    assert loss_working_bytes(batch=1, seq=64, vocab=10, embed=4, chunk=512, compute_bytes=4) == pytest.approx(
         64 * 10 * 4 + 4 * 10 * 4 + 64 * 4 * 4
     )
     # A vocab axis shared with the batch (8 devices): each chunk's logits cover the group's rows, over
     # the device's 1/8 of the vocabulary, and the group's chunk of hidden states is gathered.
-    shared = zp.loss_working_bytes(
+    shared = loss_working_bytes(
         batch=2, seq=4096, vocab=128256 // 8, embed=2048, chunk=512, compute_bytes=2, row_group=8
     )
     assert shared == 16 * 512 * 16032 * 4 + 2048 * 16032 * 4 + 2 * 4096 * 2048 * 2 + 16 * 512 * 2048 * 2
@@ -244,33 +251,33 @@ def test_loss_working_set_counts_the_chunks_and_what_the_fused_backward_keeps():
     from zoo import backend
 
     args = dict(batch=2, seq=4096, vocab=128256, embed=2048, chunk=512, compute_bytes=2, head_cast_bytes=cast)
-    assert zp.loss_working_bytes(**args, backend=backend.choices("tpu")) == 2 * 512 * 128256 * 4 + 2 * 4096 * 2048 * 2
-    assert zp.loss_working_bytes(**args, backend=backend.choices("cpu")) == pytest.approx(
+    assert loss_working_bytes(**args, backend=backend.choices("tpu")) == 2 * 512 * 128256 * 4 + 2 * 4096 * 2048 * 2
+    assert loss_working_bytes(**args, backend=backend.choices("cpu")) == pytest.approx(
         chunked + 0.75 * 2 * 512 * 128256 * 4
     )
-    assert zp.loss_working_bytes(**args, backend=backend.choices("gpu")) == chunked  # not measured: counted whole
+    assert loss_working_bytes(**args, backend=backend.choices("gpu")) == chunked  # not measured: counted whole
 
 
 def test_links():
-    assert zp.resolve_link(None, 64.0) == 64.0
-    assert zp.resolve_link("pcie_gen5", 0.0) == 64.0
-    assert zp.resolve_link("nvlink_c2c", 0.0) == 450.0  # 900 GB/s both directions together
-    assert zp.resolve_link("nvlink_c2c_rubin", 0.0) == 900.0
-    assert zp.resolve_link("12.5", 0.0) == 12.5
+    assert resolve_link(None, 64.0) == 64.0
+    assert resolve_link("pcie_gen5", 0.0) == 64.0
+    assert resolve_link("nvlink_c2c", 0.0) == 450.0  # 900 GB/s both directions together
+    assert resolve_link("nvlink_c2c_rubin", 0.0) == 900.0
+    assert resolve_link("12.5", 0.0) == 12.5
     from zoo.offload import conf_dir
 
-    assert zp.resolve_link("gh200", 0, conf_dir() / "hardware") == 450.0
-    assert zp.resolve_link("vera_rubin", 0, conf_dir() / "hardware") == 900.0
+    assert resolve_link("gh200", 0, conf_dir() / "hardware") == 450.0
+    assert resolve_link("vera_rubin", 0, conf_dir() / "hardware") == 900.0
     with pytest.raises(PlanError, match=r"^plan.link: unknown link 'pcie9'"):
-        zp.resolve_link("pcie9", 0, conf_dir() / "hardware")
+        resolve_link("pcie9", 0, conf_dir() / "hardware")
     with pytest.raises(PlanError, match=r"^plan.link: the hardware profile has no host_link_gbps"):
-        zp.resolve_link(None, 0.0)
+        resolve_link(None, 0.0)
     # Whether the link carries both directions at once: the run's profile, or the profile plan.link
     # names (a TPU v5e's does not); a number or a named PCIe / NVLink link does.
     hardware = conf_dir() / "hardware"
-    assert zp.link_duplex(None, False, hardware) is False and zp.link_duplex(None, True, hardware) is True
-    assert zp.link_duplex("tpu_v5e", True, hardware) is False and zp.link_duplex("gh200", False, hardware) is True
-    assert zp.link_duplex("pcie_gen5", False, hardware) is True and zp.link_duplex("12.5", False, hardware) is True
+    assert link_duplex(None, False, hardware) is False and link_duplex(None, True, hardware) is True
+    assert link_duplex("tpu_v5e", True, hardware) is False and link_duplex("gh200", False, hardware) is True
+    assert link_duplex("pcie_gen5", False, hardware) is True and link_duplex("12.5", False, hardware) is True
 
 
 def test_producer_flops_match_the_model_flop_count():
@@ -283,7 +290,7 @@ def test_producer_flops_match_the_model_flop_count():
             c = c.replace(moe=dataclasses.replace(c.moe, impl="ragged"))
         b, t = 2, 512
         stacks = (("dense_layers", c.num_dense_layers), ("moe_layers", c.num_moe_layers))
-        layers = sum(zp.layer_forward_flops(c, s, b, t) * n for s, n in stacks if n)
+        layers = sum(layer_forward_flops(c, s, b, t) * n for s, n in stacks if n)
         head = 2 * b * t * c.hidden_size * c.vocab_size
         norms = 5 * b * t * (c.mla.q_lora_rank + c.mla.kv_lora_rank) * c.num_layers if c.mla else 0
         router = 2 * b * t * c.hidden_size * c.moe.n_routed_experts * c.num_moe_layers if c.moe else 0
@@ -397,7 +404,7 @@ def test_cli_infeasible_budget_is_one_line_with_the_smallest_budget(tmp_path, ca
 def test_an_hbm_refusal_points_at_plan_compile_where_the_compiler_runs(hardware, tmp_path, capsys, monkeypatch):
     """The estimate counts the program as written and XLA may rematerialize to fit it: where the
     target's compiler can run here (this CPU; a TPU's with libtpu) the one line says plan.compile asks it."""
-    monkeypatch.setattr(zp, "libtpu_installed", lambda: False)
+    monkeypatch.setattr(zoo.plan.compiled, "libtpu_installed", lambda: False)
     args = [*BASE[:-1], f"hardware={hardware}", "plan.link=16", "plan.hbm_budget_gb=0.000001", "plan.compile=0"]
     assert zp.main([*args, f"plan.out={tmp_path / 'x.yaml'}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -529,8 +536,8 @@ def test_measure_hardware_writes_a_profile_train_py_accepts(tmp_path, capsys):
 
 
 def test_cli_writes_under_outputs_and_prints_how_to_train_with_the_plan(tmp_path, monkeypatch, capsys):
-    from zoo.tools.kit import compose
     from zoo.offload import conf_dir
+    from zoo.tools.kit import compose
 
     monkeypatch.chdir(tmp_path)
     assert zp.main([*BASE, "plan.hbm_budget_gb=80", "plan.name=mine", f"hydra.run.dir={tmp_path / 'plan_run'}"]) == 0
@@ -577,8 +584,8 @@ def test_planner_counts_the_layer_inputs_the_sequence_parallel_program_keeps(tmp
     _, text = hlo.compile_with_partitioned_hlo(trainer.lower(), trainer.compiler_options)
     kept = scale.kept_layer_inputs(trainer, text, per_device_batch=2)  # 8 sequences over fsdp 4
     assert kept["stacks"][0]["shape"].endswith("[2,2,16,64]"), kept  # 2 layers, 2 sequences, 16 of 32 positions
-    assert printed["true"] == zp._fmt_bytes(float(kept["bytes"]))
-    assert printed["false"] == zp._fmt_bytes(2.0 * kept["bytes"])
+    assert printed["true"] == fmt_bytes(float(kept["bytes"]))
+    assert printed["false"] == fmt_bytes(2.0 * kept["bytes"])
 
 
 def _planned_on(mesh: str, *overrides: str):
@@ -587,7 +594,7 @@ def _planned_on(mesh: str, *overrides: str):
 
     args = ["model=llama_tiny_a", f"mesh={mesh}", "data.batch_size=8", "data.seq_len=32", "offload=full", *overrides]
     c, _, _, trainer, _ = prepare_step(args)
-    return trainer, zp.problem_from_config(c, trainer, zp.PlanConfig())[0]
+    return trainer, problem_from_config(c, trainer, PlanConfig())[0]
 
 
 def test_planner_counts_each_devices_share_of_the_flops_under_tensor_parallelism():
@@ -615,13 +622,13 @@ def test_planner_looks_up_each_ops_rate_at_the_width_one_device_computes():
         (s,) = p.stacks
         (t,) = [t for t in p.tags if t.tag == "mlpwi_0"]
         batch, share = (2, 2) if mesh == "fsdp_tp" else (1, 1)  # sequences per data-parallel rank, tensor ways
-        per_device = zp.producer_flops(trainer.cfg.model, "mlpwi_0", s, batch, 32) / share
+        per_device = producer_flops(trainer.cfg.model, "mlpwi_0", s, batch, 32) / share
         return t.recompute_flops_per_layer[s] / per_device
 
     split, narrow, wide = slowness("fsdp_tp", 1024), slowness("fsdp", 512), slowness("fsdp", 1024)
     assert split == pytest.approx(narrow) and split != pytest.approx(wide), (split, narrow, wide)
     # Heads that do not split evenly round up and stay a valid config: 10 heads in 5 groups over 4 ways.
-    odd = zp.per_device_widths(
+    odd = per_device_widths(
         SIZES["llama_tiny_a"].replace(num_heads=10, num_kv_heads=5),
         {"heads": ["tensor"], "kv_heads": ["tensor"]},
         {"tensor": 4},
@@ -662,7 +669,7 @@ def test_planner_sizes_each_tag_as_the_partitioned_program_keeps_it():
         *keep,
     ]
     c, _, _, trainer, _ = prepare_step(args)
-    p, _ = zp.problem_from_config(c, trainer, zp.PlanConfig())
+    p, _ = problem_from_config(c, trainer, PlanConfig())
     (stack,) = p.stacks
     planned = {t.tag: t.bytes_per_layer[stack] for t in p.tags}
     _, text = hlo.compile_with_partitioned_hlo(trainer.lower(), trainer.compiler_options)
@@ -707,33 +714,33 @@ def test_per_device_shape_follows_the_rules_and_refuses_an_unknown_layout():
         "experts": ["expert"],
     }
     sizes = {"data": 1, "fsdp": 4, "tensor": 8, "expert": 1}
-    assert zp.per_device_shape("query_proj", (2, 64, 16, 8), rules, sizes) == (2, 64, 2, 8)
-    assert zp.per_device_shape("key_proj", (2, 64, 4, 8), rules, sizes) == (
+    assert per_device_shape("query_proj", (2, 64, 16, 8), rules, sizes) == (2, 64, 2, 8)
+    assert per_device_shape("key_proj", (2, 64, 4, 8), rules, sizes) == (
         2,
         64,
         1,
         8,
     )  # 4 kv heads over 8: padded to 1
-    assert zp.per_device_shape("decoder_layer_input", (2, 64, 32), rules, sizes) == (
+    assert per_device_shape("decoder_layer_input", (2, 64, 32), rules, sizes) == (
         2,
         8,
         32,
     )  # embed's fsdp taken by batch
-    assert zp.per_device_shape("moe_mlpwi_0", (96, 40), rules, sizes) == (
+    assert per_device_shape("moe_mlpwi_0", (96, 40), rules, sizes) == (
         96,
         5,
     )  # routed rows as traced, mlp over tensor
-    assert zp.per_device_shape("query_proj", (2, 64, 16, 8)) == (2, 64, 16, 8)  # no rules: as traced
+    assert per_device_shape("query_proj", (2, 64, 16, 8)) == (2, 64, 16, 8)  # no rules: as traced
     with pytest.raises(PlanError, match="query_proj"):
-        zp.per_device_shape("query_proj", (2, 64, 128), rules, sizes)
+        per_device_shape("query_proj", (2, 64, 128), rules, sizes)
 
 
 def test_planner_counts_the_lora_adapters_as_state_and_the_frozen_base_where_it_lives():
     # LoRA: the trainable state is the adapters (their AdamW moments the optimizer state); the frozen
     # base is counted once, with no gradient and no moments, on device or, with lora.base_on_host, in
     # host memory with two layers in flight on device and streamed in per layer (forward and backward).
+    from zoo.plan.cost import fixed_bytes, host_fixed_parts, state_transfer_s
     from zoo.tools.kit import prepare_step
-    from zoo.tools.plan import _fixed_bytes, _host_fixed_parts, _state_transfer_s
 
     base = ["model=llama_tiny_a", "mesh=single", "data.batch_size=4", "data.seq_len=32", "hardware=h100_pcie"]
     problems = {}
@@ -743,7 +750,7 @@ def test_planner_counts_the_lora_adapters_as_state_and_the_frozen_base_where_it_
         ("host", ["lora=default", "lora.rank=2", "lora.base_on_host=true"]),
     ):
         c, _, _, trainer, _ = prepare_step([*base, *extra])
-        problems[name] = (zp.problem_from_config(c, trainer, zp.PlanConfig())[0], trainer)
+        problems[name] = (problem_from_config(c, trainer, PlanConfig())[0], trainer)
     full, _ = problems["full"]
     lora_p, trainer = problems["lora"]
     host, _ = problems["host"]
@@ -755,18 +762,18 @@ def test_planner_counts_the_lora_adapters_as_state_and_the_frozen_base_where_it_
     )  # AdamW's two moments of the adapters (and its step count)
     # On device: the base once, no gradient or moments for it.
     assert (
-        _fixed_bytes(lora_p)[0] - lora_p.other_bytes - lora_p.working_bytes
+        fixed_bytes(lora_p)[0] - lora_p.other_bytes - lora_p.working_bytes
         == full.param_bytes + 2 * adapters + lora_p.opt_bytes
     )
     # On host: the host holds the base; the device two layers of it in flight and what lies outside the stacks.
-    assert host.frozen_on_host and _host_fixed_parts(host)["frozen LoRA base"] == full.param_bytes
+    assert host.frozen_on_host and host_fixed_parts(host)["frozen LoRA base"] == full.param_bytes
     layer = host.frozen_layer_bytes
     assert 0 < layer and host.stack_frozen_bytes == 2 * layer  # llama_tiny_a: 2 equal layers
-    assert _fixed_bytes(host)[0] == _fixed_bytes(lora_p)[0] - host.stack_frozen_bytes + 2 * layer
-    assert _state_transfer_s(host) * host.link == pytest.approx(
+    assert fixed_bytes(host)[0] == fixed_bytes(lora_p)[0] - host.stack_frozen_bytes + 2 * layer
+    assert state_transfer_s(host) * host.link == pytest.approx(
         2 * host.stack_frozen_bytes + host.frozen_bytes - host.stack_frozen_bytes
     )
-    assert _state_transfer_s(lora_p) == 0.0
+    assert state_transfer_s(lora_p) == 0.0
 
 
 def test_a_tag_without_a_flop_formula_is_an_error_not_free():
@@ -776,15 +783,15 @@ def test_a_tag_without_a_flop_formula_is_an_error_not_free():
     from zoo.tags import MOE, TAGS, emitted_tags
 
     with pytest.raises(ValueError, match="no FLOP count for tag 'made_up'"):
-        zp.producer_flops(SIZES["llama_tiny_a"], "made_up", "layers", 2, 16)
+        producer_flops(SIZES["llama_tiny_a"], "made_up", "layers", 2, 16)
     for name in ("llama_tiny_a", "dsv3_tiny_a", "gemma3_tiny_a", "gpt_oss_tiny_a"):
         c = SIZES[name]
         for stack, *_ in stack_layout(c):
-            assert zp.layer_forward_flops(c, stack, 2, 16) > 0
-            moe = any(c.is_moe_layer(i) for i in zp._stack_layers(c, stack))
+            assert layer_forward_flops(c, stack, 2, 16) > 0
+            moe = any(c.is_moe_layer(i) for i in stack_layers(c, stack))
             for t in emitted_tags(c):
                 if moe or TAGS[t].block != MOE:
-                    assert zp.producer_flops(c, t, stack, 2, 16) >= 0
+                    assert producer_flops(c, t, stack, 2, 16) >= 0
 
 
 def test_planner_sizes_each_tag_as_the_context_parallel_program_keeps_it():
@@ -806,8 +813,8 @@ def test_planner_sizes_each_tag_as_the_context_parallel_program_keeps_it():
         "mlp": ["tensor"],
     }
     sizes = {"data": 2, "fsdp": 4, "tensor": 1, "expert": 1}
-    assert zp.per_device_shape("moe_mlpwi_0", (96, 40), rules, sizes) == (48, 40)  # the routed rows of a chunk's tokens
-    assert zp.per_device_shape("moe_mlpwi_0", (8, 12, 40), rules, sizes) == (
+    assert per_device_shape("moe_mlpwi_0", (96, 40), rules, sizes) == (48, 40)  # the routed rows of a chunk's tokens
+    assert per_device_shape("moe_mlpwi_0", (8, 12, 40), rules, sizes) == (
         8,
         6,
         40,
@@ -838,7 +845,7 @@ def test_planner_sizes_each_tag_as_the_context_parallel_program_keeps_it():
         *keep,
     ]
     c, _, _, trainer, _ = prepare_step(args)
-    p, _ = zp.problem_from_config(c, trainer, zp.PlanConfig())
+    p, _ = problem_from_config(c, trainer, PlanConfig())
     (stack,) = p.stacks
     planned = {t.tag: t.bytes_per_layer[stack] for t in p.tags}
     _, text = hlo.compile_with_partitioned_hlo(trainer.lower(), trainer.compiler_options)
@@ -873,9 +880,10 @@ def test_dropless_expert_parallel_tags_are_sized_as_the_first_rounds_blocks():
 
     from zoo.families import SIZES
     from zoo.nn.expert_rounds import round_block
-    from zoo.sharding import DEFAULT_RULES
     from zoo.nn.moe_dispatch import exchanges_in_rounds
-    from zoo.tools.plan import CHOICES, tag_costs
+    from zoo.plan.pricing import tag_costs
+    from zoo.plan.problem import CHOICES
+    from zoo.sharding import DEFAULT_RULES
 
     auto = SIZES["deepseek_v3_671b"]  # 256 experts, top-8
     capacity = auto.replace(moe=dataclasses.replace(auto.moe, impl="capacity"))
@@ -953,7 +961,7 @@ def test_a_tpu_counts_each_kept_tag_in_its_compilers_tiles():
     import types
 
     from zoo.backend import choices
-    from zoo.tools.plan import tag_costs, tiled_elements
+    from zoo.plan.pricing import tag_costs, tiled_elements
 
     tile = choices("tpu").layout_tile_elements
     assert tile == 1024 and choices("cpu").layout_tile_elements == 1

@@ -1,4 +1,4 @@
-"""`plan.compile`: the planner's candidates compiled by XLA for the target (zoo.tools.plan.checked_search);
+"""`plan.compile`: the planner's candidates compiled by XLA for the target (zoo.plan.compiled.checked_search);
 `plan.measure`: those that fit, and the presets, timed on the device."""
 
 import dataclasses
@@ -8,8 +8,21 @@ import math
 import pytest
 from omegaconf import OmegaConf
 
+import zoo.plan.compiled
+from zoo.plan.compiled import (
+    MEASURED_PRESETS,
+    Checked,
+    candidate_key,
+    checked_search,
+    checked_table,
+    chosen,
+    oom_bytes,
+    unmeasured_offload_note,
+)
+from zoo.plan.cost import evaluate
+from zoo.plan.problem import GB, Infeasible, Problem, StackCost, TagCost, fmt_bytes
+from zoo.plan.search import search
 from zoo.tools import plan as zp
-from zoo.tools.plan import GB, Infeasible, Problem, StackCost, TagCost, evaluate, search
 
 MB = 1e6
 
@@ -46,8 +59,8 @@ def test_a_model_that_overstates_is_corrected_to_the_policy_that_fits():
     p = _problem(7.0)
     assert search(p).assignment != {"a": "device", "b": "device"}
     peak, seen = _compiler(0.7)
-    tried = zp.checked_search(p, peak, 4)
-    pick = zp.chosen(tried, p.budget)
+    tried = checked_search(p, peak, 4)
+    pick = chosen(tried, p.budget)
     assert pick.estimate.assignment == {"a": "device", "b": "device"}
     assert pick.compiled_peak == pytest.approx(6.3 * GB)
     assert len(seen) == len(tried) == 2  # then the search repeats its pick: no third compile
@@ -58,9 +71,9 @@ def test_a_model_that_understates_gives_up_more_until_the_compiler_agrees():
     # search asks for 1/1.5 of the budget and that pick does.
     p = _problem(9.0)
     peak, _ = _compiler(1.5)
-    tried = zp.checked_search(p, peak, 4)
+    tried = checked_search(p, peak, 4)
     assert not tried[0].fits(p.budget) and tried[0].estimate.assignment == {"a": "device", "b": "device"}
-    pick = zp.chosen(tried, p.budget)
+    pick = chosen(tried, p.budget)
     assert pick is not None and pick.compiled_peak <= p.budget
     assert pick.estimate.time_s > tried[0].estimate.time_s
 
@@ -77,9 +90,9 @@ def test_when_the_smallest_offloads_and_does_not_compile_within_budget_recompute
         offloads = sum(a == "offload" for a in e.assignment.values())
         return e.peak_bytes + offloads * 1.5 * GB, 0.0
 
-    tried = zp.checked_search(p, peak, 4)
+    tried = checked_search(p, peak, 4)
     assert tried[0].estimate.assignment == {"a": "offload", "b": "offload"} and not tried[0].fits(p.budget)
-    pick = zp.chosen(tried, p.budget)
+    pick = chosen(tried, p.budget)
     assert pick is tried[1] and pick.estimate.assignment == {"a": "remat", "b": "remat"}
     # then each tag offloaded alone in place of its recompute: 3.5 GB compiled, over the budget too
     alone = [{"a": "offload", "b": "remat"}, {"a": "remat", "b": "offload"}]
@@ -96,9 +109,9 @@ def test_from_the_recompute_that_fits_one_tag_offloaded_in_its_place_is_tried_an
     def peak(e):
         return e.peak_bytes + sum(a == "offload" for a in e.assignment.values()) * 1.5 * GB, 0.0
 
-    tried = zp.checked_search(p, peak, 6)
+    tried = checked_search(p, peak, 6)
     assert [c.estimate.assignment for c in tried[1:]] == [{"a": "remat", "b": "remat"}, {"a": "offload", "b": "remat"}]
-    pick = zp.chosen(tried, p.budget)
+    pick = chosen(tried, p.budget)
     assert pick is tried[-1] and pick.estimate.time_s < tried[1].estimate.time_s
 
 
@@ -107,8 +120,8 @@ def test_nothing_fits_when_even_the_smallest_does_not_compile_within_the_budget(
     with pytest.raises(Infeasible):
         search(p)
     peak, _ = _compiler(1.0)
-    tried = zp.checked_search(p, peak, 3)
-    assert tried and zp.chosen(tried, p.budget) is None
+    tried = checked_search(p, peak, 3)
+    assert tried and chosen(tried, p.budget) is None
 
 
 @pytest.mark.parametrize(
@@ -125,7 +138,7 @@ def test_nothing_fits_when_even_the_smallest_does_not_compile_within_the_budget(
     ],
 )
 def test_the_compilers_out_of_memory_figure_is_read(message, want):
-    got = zp._oom_bytes(RuntimeError(message))
+    got = oom_bytes(RuntimeError(message))
     if want == "none":
         assert got is None
     elif want is None:
@@ -148,8 +161,8 @@ def test_cli_prints_and_writes_the_compiled_peak_of_the_policy_train_py_builds(t
     assert "compiled by XLA (compiled on this cpu" in printed
     record = json.loads(js.read_text())
     got = record["compiled_peak_bytes"]
-    assert f"XLA compiled this policy to {zp._fmt_bytes(got)}" in printed
-    assert f"XLA's compiled peak {zp._fmt_bytes(got)}" in out.read_text()
+    assert f"XLA compiled this policy to {fmt_bytes(got)}" in printed
+    assert f"XLA's compiled peak {fmt_bytes(got)}" in out.read_text()
     # The figure is that of the step train.py compiles from the written plan.
     overrides = [*BASE[:-1], f"hydra.searchpath=[file://{tmp_path}]", "offload=checked"]
     c, _, _, trainer, _ = prepare_step(overrides)
@@ -229,11 +242,11 @@ def test_cli_compile_bad_input_is_one_line(args, message, tmp_path, capsys):
 def test_measured_candidates_are_chosen_by_their_measured_step():
     p = _problem(20.0)
     fast, slow = search(p), search(dataclasses.replace(p, budget=6 * GB))
-    tried = [zp.Checked(fast, 9 * GB, 0.0, measured_s=0.30), zp.Checked(slow, 5 * GB, 0.0, measured_s=0.20)]
-    assert fast.time_s < slow.time_s and zp.chosen(tried, p.budget) is tried[1]
+    tried = [Checked(fast, 9 * GB, 0.0, measured_s=0.30), Checked(slow, 5 * GB, 0.0, measured_s=0.20)]
+    assert fast.time_s < slow.time_s and chosen(tried, p.budget) is tried[1]
     tried[1].compiled_peak = 21 * GB  # the measured-fastest does not fit: the other one
-    assert zp.chosen(tried, p.budget) is tried[0]
-    assert "measured step" in zp.checked_table(tried, p.budget, "here")
+    assert chosen(tried, p.budget) is tried[0]
+    assert "measured step" in checked_table(tried, p.budget, "here")
 
 
 def test_the_table_says_what_xla_rematerialized():
@@ -241,10 +254,10 @@ def test_the_table_says_what_xla_rematerialized():
     and the table says why its HBM is below the estimate; with none, no such column."""
     p = _problem(20.0)
     e = search(p)
-    plain = zp.checked_table([zp.Checked(e, 9 * GB, 0.0, rematerialized_bytes=0.0)], p.budget, "here")
+    plain = checked_table([Checked(e, 9 * GB, 0.0, rematerialized_bytes=0.0)], p.budget, "here")
     assert "rematerialized" not in plain
-    table = zp.checked_table(
-        [zp.Checked(e, 9 * GB, 0.0, rematerialized_bytes=2.35 * GB), zp.Checked(e, 8 * GB, 0.0)], p.budget, "here"
+    table = checked_table(
+        [Checked(e, 9 * GB, 0.0, rematerialized_bytes=2.35 * GB), Checked(e, 8 * GB, 0.0)], p.budget, "here"
     )
     header, first, second = table.splitlines()[1:4]
     assert "XLA rematerialized" in header and "2.350 GB" in first and "2.350 GB" not in second
@@ -259,7 +272,7 @@ def test_cli_measure_times_the_candidates_and_the_presets_and_keeps_the_fastest(
     assert "measured round 2/2" in printed
     cands = json.loads(js.read_text())["candidates"]
     presets = {c["preset"] for c in cands} - {None}
-    assert presets <= set(zp.MEASURED_PRESETS) and "full" in presets  # full differs from every planner pick here
+    assert presets <= set(MEASURED_PRESETS) and "full" in presets  # full differs from every planner pick here
     # a preset with tag actions: full, its attention output to host
     (offloaded,) = [c for c in cands if c["preset"] == "full:context=offload"]
     assert offloaded["assignment"]["context"] == "offload" and offloaded["assignment"]["mlpwi_0"] == "remat"
@@ -288,7 +301,7 @@ def test_a_libtpu_that_cannot_start_is_one_line_not_a_traceback(tmp_path, monkey
     def broken(**_):
         raise AttributeError("module 'libtpu' has no attribute 'get_library_path'")
 
-    monkeypatch.setattr(zp, "libtpu_installed", lambda: True)
+    monkeypatch.setattr(zoo.plan.compiled, "libtpu_installed", lambda: True)
     monkeypatch.setattr(topologies, "get_topology_desc", broken)
     assert zp.main([*args, "plan.compile=1", f"plan.out={tmp_path / 'b.yaml'}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -302,14 +315,14 @@ def test_a_libtpu_that_cannot_start_is_one_line_not_a_traceback(tmp_path, monkey
 
 def test_a_pick_that_offloads_several_tags_untimed_says_to_time_it():
     p = _problem(100.0)
-    one = zp.Checked(evaluate(p, {"a": "offload", "b": "remat"}), 1.0, 0.0)
-    two = zp.Checked(evaluate(p, {"a": "offload", "b": "offload"}), 1.0, 0.0)
-    assert zp.unmeasured_offload_note(one, on_target=False, measured=False) is None
-    assert zp.unmeasured_offload_note(two, on_target=True, measured=True) is None  # timed: plan.measure
-    note = zp.unmeasured_offload_note(two, on_target=False, measured=False)
+    one = Checked(evaluate(p, {"a": "offload", "b": "remat"}), 1.0, 0.0)
+    two = Checked(evaluate(p, {"a": "offload", "b": "offload"}), 1.0, 0.0)
+    assert unmeasured_offload_note(one, on_target=False, measured=False) is None
+    assert unmeasured_offload_note(two, on_target=True, measured=True) is None  # timed: plan.measure
+    note = unmeasured_offload_note(two, on_target=False, measured=False)
     assert note.startswith("note: the pick sends 2 tags to host (a, b), compiled ahead of time, not on the target")
     assert "plan.measure=2" in note
-    assert "ahead of time" not in zp.unmeasured_offload_note(two, on_target=True, measured=False)
+    assert "ahead of time" not in unmeasured_offload_note(two, on_target=True, measured=False)
 
 
 def test_a_program_xla_had_to_rematerialize_much_of_does_not_count_as_fitting():
@@ -318,13 +331,13 @@ def test_a_program_xla_had_to_rematerialize_much_of_does_not_count_as_fitting():
     a little, near its limit, is fine. The search takes it from the compiler, where it records it."""
     p = _problem(10.0)
     e = evaluate(p, {"a": "remat", "b": "remat"})
-    assert zp.Checked(e, 9.5 * GB, 0.0, rematerialized_bytes=0.9 * GB).fits(p.budget)  # 10.4 as written
-    assert not zp.Checked(e, 9.5 * GB, 0.0, rematerialized_bytes=2.0 * GB).fits(p.budget)  # 11.5
-    assert not zp.Checked(e, 10.5 * GB, 0.0).fits(p.budget)
+    assert Checked(e, 9.5 * GB, 0.0, rematerialized_bytes=0.9 * GB).fits(p.budget)  # 10.4 as written
+    assert not Checked(e, 9.5 * GB, 0.0, rematerialized_bytes=2.0 * GB).fits(p.budget)  # 11.5
+    assert not Checked(e, 10.5 * GB, 0.0).fits(p.budget)
 
     def compiler(e):
         return 9.0 * GB, 0.0
 
-    compiler.rematerialized = {zp._candidate_key(search(p)): 3.0 * GB}
-    tried = zp.checked_search(p, compiler, 1)
-    assert tried[0].rematerialized_bytes == 3.0 * GB and zp.chosen(tried, p.budget) is None
+    compiler.rematerialized = {candidate_key(search(p)): 3.0 * GB}
+    tried = checked_search(p, compiler, 1)
+    assert tried[0].rematerialized_bytes == 3.0 * GB and chosen(tried, p.budget) is None

@@ -10,8 +10,12 @@ import sys
 
 import pytest
 
+from zoo.plan.cost import estimates_table, evaluate
+from zoo.plan.holders import best_changes, holders, holders_table
+from zoo.plan.problem import CHOICES, GB, FixedRange, Infeasible, Problem, StackCost, TagCost, fmt_bytes
+from zoo.plan.search import search
+from zoo.plan.working_set import largest_block
 from zoo.tools import plan as zp
-from zoo.tools.plan import GB, Infeasible, Problem, StackCost, TagCost, evaluate, search
 
 MB = 1e6
 LAYERS = 10
@@ -72,7 +76,7 @@ def test_host_budget_turns_offloads_into_recomputation():
     # A fast link hides the transfers: without a host budget the tags go to host (no recompute);
     # with one that holds only one of them, the other is recomputed.
     # (The HBM budget holds the state and one layer of both in flight, not a tag kept in every layer.)
-    tags = {"a": (100, 1e12, zp.CHOICES), "b": (100, 1e12, zp.CHOICES)}
+    tags = {"a": (100, 1e12, CHOICES), "b": (100, 1e12, CHOICES)}
     free = search(make_problem(tags, budget_gb=2.25))
     assert free.assignment == {"a": "offload", "b": "offload"} and free.host_bytes == pytest.approx(2 * GB)
     tight = search(make_problem(tags, budget_gb=2.25, host_budget_gb=1.5))
@@ -103,7 +107,7 @@ def test_host_bytes_per_device_and_per_node():
     """Offloaded tags for one microbatch, host-resident parameters with the stacks' gradients (and one
     microbatch's arriving to be summed in), host-resident optimizer state, the input staging; a node
     holds devices_per_node times that."""
-    p = make_problem({"a": (100, 1e12, zp.CHOICES), "b": (50, 1e12, zp.CHOICES)}, devices_per_node=4)
+    p = make_problem({"a": (100, 1e12, CHOICES), "b": (50, 1e12, CHOICES)}, devices_per_node=4)
     p.stack_param_bytes = 0.8 * GB
     p.stacks["s"].param_bytes_per_layer = 0.08 * GB
     p.opt_bytes, p.stack_opt_bytes = 2 * GB, 1.6 * GB
@@ -116,23 +120,23 @@ def test_host_bytes_per_device_and_per_node():
     want = 150 * MB * LAYERS + 1 * GB + 0.8 * GB + 0.8 * GB + 2 * GB + 3 * MB
     assert e.host_bytes == pytest.approx(want)
     assert e.host_node_bytes == pytest.approx(4 * want)
-    table = zp.estimates_table(p, e)
-    assert f"estimated host memory {zp._fmt_bytes(want)} per device, {zp._fmt_bytes(4 * want)} per node of 4" in table
+    table = estimates_table(p, e)
+    assert f"estimated host memory {fmt_bytes(want)} per device, {fmt_bytes(4 * want)} per node of 4" in table
 
 
 def test_holders_rank_the_biggest_first_and_the_best_change_saves_what_the_estimates_say():
     p = make_problem(
-        {"small": (10, 1e9, zp.CHOICES), "big": (300, 1e9, zp.CHOICES), "mid": (40, 1e9, zp.CHOICES)}, budget_gb=1.0
+        {"small": (10, 1e9, CHOICES), "big": (300, 1e9, CHOICES), "mid": (40, 1e9, CHOICES)}, budget_gb=1.0
     )
     p.opt_bytes = 0.5 * GB
     with pytest.raises(Infeasible) as e:
         search(dataclasses.replace(p, tags=[dataclasses.replace(t, choices=("device",)) for t in p.tags]))
     kept = e.value.best  # everything on device: 3.5 GB of tags + 2.5 GB of state
-    held = zp.holders(p, kept)
+    held = holders(p, kept)
     assert held[0].name == "tag big (s, layers 3-12)" and held[0].bytes == pytest.approx(300 * MB * LAYERS)
     assert [h.bytes for h in held] == sorted((h.bytes for h in held), reverse=True)
     assert sum(h.bytes for h in held) == pytest.approx(kept.peak_bytes)  # every byte of the peak has a holder
-    first = zp.best_changes(p, kept)[0]
+    first = best_changes(p, kept)[0]
     assert first.action.startswith("recompute tag big")
     assert first.saving == pytest.approx(kept.peak_bytes - evaluate(p, {**kept.assignment, "big": "remat"}).peak_bytes)
     assert first.saving == pytest.approx(300 * MB * LAYERS)
@@ -142,13 +146,13 @@ def test_an_offloaded_tag_holds_its_next_layer_in_flight():
     """Offloading costs no kept bytes but one layer of the tag on the device (the next layer's copy
     coming back while this layer's backward runs), counted once, beside the kept tags, and listed as
     a holder; recomputing it costs neither."""
-    p = make_problem({"a": (300, 1e9, zp.CHOICES), "b": (40, 1e9, zp.CHOICES)})
+    p = make_problem({"a": (300, 1e9, CHOICES), "b": (40, 1e9, CHOICES)})
     remat = evaluate(p, {"a": "remat", "b": "remat"})
     off = evaluate(p, {"a": "offload", "b": "offload"})
     assert remat.offload_in_flight_bytes == 0 and off.device_tag_bytes == remat.device_tag_bytes == 0
     assert off.offload_in_flight_bytes == pytest.approx(340 * MB)  # one layer of each, not LAYERS
     assert off.backward_phase_bytes - remat.backward_phase_bytes == pytest.approx(340 * MB)
-    held = {h.name: h.bytes for h in zp.holders(p, off)}
+    held = {h.name: h.bytes for h in holders(p, off)}
     assert held["offloaded tags in flight (the next layer's, coming back)"] == pytest.approx(340 * MB)
     assert sum(held.values()) == pytest.approx(off.peak_bytes)
 
@@ -165,34 +169,34 @@ def test_the_working_set_counts_a_layers_largest_block_once_more():
         return SimpleNamespace(tag=name, bytes_per_layer={"s": mb * MB})
 
     attention_heavy = [tag(QUERY_PROJ, 30), tag(MLA_KV, 20), tag("mlpwi_0", 40), tag(MOE_MLPWI_0, 5)]
-    assert zp._largest_block(attention_heavy, "s") == pytest.approx(50 * MB)
+    assert largest_block(attention_heavy, "s") == pytest.approx(50 * MB)
     ffn_heavy = [tag(QUERY_PROJ, 30), tag("mlpwi_0", 20), tag(MOE_MLPWI_0, 15), tag("decoder_layer_input", 99)]
-    assert zp._largest_block(ffn_heavy, "s") == pytest.approx(35 * MB)  # the layer input is no block's
-    assert zp._largest_block(ffn_heavy, "other") == 0
+    assert largest_block(ffn_heavy, "s") == pytest.approx(35 * MB)  # the layer input is no block's
+    assert largest_block(ffn_heavy, "other") == 0
 
 
 def test_a_state_preset_is_named_when_it_frees_the_most():
-    p = make_problem({"a": (10, 1e9, zp.CHOICES)}, budget_gb=1.0)
+    p = make_problem({"a": (10, 1e9, CHOICES)}, budget_gb=1.0)
     p.opt_bytes = p.stack_opt_bytes = 10 * GB
     p.stacks["s"].opt_bytes_per_layer = 1 * GB
     e = evaluate(p, {"a": "remat"})
-    assert zp.holders(p, e)[0].name == "optimizer state"
-    first = zp.best_changes(p, e)[0]
+    assert holders(p, e)[0].name == "optimizer state"
+    first = best_changes(p, e)[0]
     assert first.action == "offload.opt_state=pinned_host"
     assert first.saving == pytest.approx(
         e.peak_bytes - evaluate(dataclasses.replace(p, opt_on_host=True), e.assignment).peak_bytes
     )
-    assert "what would free the most" in zp.holders_table(p, e)
+    assert "what would free the most" in holders_table(p, e)
 
 
 def test_host_holders_and_what_frees_host_memory():
-    p = make_problem({"x": (100, 0.0, KEEP_OR_OFFLOAD), "y": (30, 1e9, zp.CHOICES)}, host_budget_gb=0.1)
+    p = make_problem({"x": (100, 0.0, KEEP_OR_OFFLOAD), "y": (30, 1e9, CHOICES)}, host_budget_gb=0.1)
     p.opt_bytes = 0.5 * GB
     p.opt_on_host = True
     e = evaluate(p, {"x": "offload", "y": "offload"})
-    held = zp.holders(p, e, "host")
+    held = holders(p, e, "host")
     assert [h.name for h in held] == ["tag x (s, layers 3-12)", "optimizer state", "tag y (s, layers 3-12)"]
-    changes = {c.action: c.saving for c in zp.best_changes(p, e, "host")}
+    changes = {c.action: c.saving for c in best_changes(p, e, "host")}
     assert changes["offload.opt_state=device"] == pytest.approx(0.5 * GB)
     assert changes["recompute tag y (tags.y: remat)"] == pytest.approx(0.3 * GB)
     assert changes["keep on device tag x (tags.x: device)"] == pytest.approx(1 * GB)
@@ -248,9 +252,16 @@ def test_cli_prints_the_holders_when_asked(tmp_path, capsys):
         (["+hardware.recompute_cost=1.5"], "error: hardware.recompute_cost: a fraction of a recompute's time"),
         (["+hardware.activation_passes=6"], "error: hardware.activation_passes: prices memory-bound"),
         (["+hardware.recompute_passes=-1"], "error: hardware.recompute_passes: must be >= 0"),
+        (["+hardware.activation_passes=nan"], "error: hardware.activation_passes: must be >= 0"),
+        (["hardware.peak_flops=nan"], "error: hardware.peak_flops: must be positive and finite, got nan"),
+        (["hardware.peak_flops=inf"], "error: hardware.peak_flops: must be positive and finite, got inf"),
+        (["hardware.matmul_flops=-1"], "error: hardware.matmul_flops: must be positive and finite, or null"),
+        (["hardware.hbm_bytes=-1"], "error: hardware.hbm_bytes: must be >= 0"),
+        (["hardware.host_link_gbps=-5"], "error: hardware.host_link_gbps: GB/s per direction, >= 0"),
+        (["+hardware.hbm_gbps=nan"], "error: hardware.hbm_gbps: must be positive or null"),
     ],
 )
-def test_cli_bad_host_settings_are_one_line(args, message, capsys):
+def test_cli_bad_host_and_hardware_settings_are_one_line(args, message, capsys):
     assert zp.main([*BASE, *args]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith(message), err
@@ -300,20 +311,20 @@ def test_llama_405b_on_gb200_stays_within_the_host_memory_of_a_compute_tray(tmp_
 def test_holders_count_each_layer_range_under_its_own_preset():
     # offload.ranges: layers 3-6 (4 of the stack's 10) offload both tags, the other 6 keep them. The
     # holders' tag bytes add up to the estimate's, on device and on host, and name the range.
-    p = make_problem({"a": (100, 1e9, KEEP_OR_OFFLOAD), "b": (300, 1e9, zp.CHOICES)})
-    p = dataclasses.replace(p, fixed=[zp.FixedRange("layers 3-6 qkv", {"s": 4}, {"a": "offload", "b": "offload"})])
+    p = make_problem({"a": (100, 1e9, KEEP_OR_OFFLOAD), "b": (300, 1e9, CHOICES)})
+    p = dataclasses.replace(p, fixed=[FixedRange("layers 3-6 qkv", {"s": 4}, {"a": "offload", "b": "offload"})])
     e = evaluate(p, {"a": "device", "b": "device"})
     for memory, total, where in (("hbm", e.device_tag_bytes, "device"), ("host", e.host_tag_bytes, "offload")):
-        tags = [h for h in zp.holders(p, e, memory) if h.name.startswith("tag ")]
+        tags = [h for h in holders(p, e, memory) if h.name.startswith("tag ")]
         assert sum(h.bytes for h in tags) == pytest.approx(total) and total > 0, (memory, tags)
-    held = {h.name: h.bytes for h in zp.holders(p, e, "host") if h.name.startswith("tag ")}
+    held = {h.name: h.bytes for h in holders(p, e, "host") if h.name.startswith("tag ")}
     assert held == {
         "tag a (s, layers 3-6 qkv)": pytest.approx(400 * MB),
         "tag b (s, layers 3-6 qkv)": pytest.approx(1200 * MB),
     }
-    held = {h.name: h.bytes for h in zp.holders(p, e, "hbm") if h.name.startswith("tag ")}
+    held = {h.name: h.bytes for h in holders(p, e, "hbm") if h.name.startswith("tag ")}
     assert held == {
         "tag a (s, 6 layers outside the ranges)": pytest.approx(600 * MB),
         "tag b (s, 6 layers outside the ranges)": pytest.approx(1800 * MB),
     }
-    assert "layers 3-6 qkv" in zp.holders_table(p, e, "host")
+    assert "layers 3-6 qkv" in holders_table(p, e, "host")

@@ -1,5 +1,5 @@
 """`plan.split=true`: the planner searches the split point and each side's per-tag actions
-(`zoo.tools.plan.search_split_tags`), and the command it prints runs the split (`offload.ranges` values
+(`zoo.plan.split.search_split_tags`), and the command it prints runs the split (`offload.ranges` values
 that are policy files)."""
 
 import itertools
@@ -10,8 +10,11 @@ import jax.numpy as jnp
 import pytest
 
 import zoo
+from zoo.plan.holders import holders
+from zoo.plan.problem import Infeasible, Problem, StackCost, TagCost
+from zoo.plan.search import search
+from zoo.plan.split import search_split, search_split_tags, split_points, split_problem
 from zoo.tools import plan as zp
-from zoo.tools.plan import Infeasible, Problem, StackCost, TagCost, holders, search, search_split, search_split_tags
 
 BASE = ["model=llama_tiny_a", "mesh=single", "data.batch_size=2", "data.seq_len=16", "hardware=h100_pcie"]
 
@@ -55,7 +58,7 @@ def _brute_force(p: Problem, num_layers: int) -> float:
     for at in range(1, num_layers):
         for digits in itertools.product(*[t.choices for t in p.tags]):
             head = dict(zip([t.tag for t in p.tags], digits))
-            q = zp._split_problem(p, at, num_layers, head, head)
+            q = split_problem(p, at, num_layers, head, head)
             q.fixed.pop()  # the tail's layers are free: search assigns them
             try:
                 best = min(best, search(q).time_s)
@@ -80,7 +83,7 @@ def test_a_per_tag_split_beats_every_preset_split_and_one_policy():
     assert {split.head_assignment["query_proj"], split.tail_assignment["query_proj"]} == {"device", "remat"}
     assert e.time_s == pytest.approx(_brute_force(p, 6), abs=1e-6)
     # The estimate accounts for each range: its holders are the two ranges' tags, adding up.
-    q = zp._split_problem(p, split.at, 6, split.head_assignment, split.tail_assignment)
+    q = split_problem(p, split.at, 6, split.head_assignment, split.tail_assignment)
     tag_holders = [h for h in holders(q, e, "hbm") if h.name.startswith("tag ")]
     assert sum(h.bytes for h in tag_holders) == pytest.approx(e.device_tag_bytes) == pytest.approx(p.budget)
     labels = {r.label for r in q.fixed}
@@ -98,13 +101,13 @@ def test_a_per_tag_split_beats_every_preset_split_and_one_policy():
 
 
 def test_deep_models_try_coarse_split_points_then_refine():
-    assert zp.split_points(6) == [1, 2, 3, 4, 5]
-    coarse = zp.split_points(126)
+    assert split_points(6) == [1, 2, 3, 4, 5]
+    coarse = split_points(126)
     assert len(coarse) <= 16 and all(b % coarse[0] == 0 for b in coarse) and coarse[0] > 1
     # 40 layers, HBM for query_proj in 8 more: the best split (at 8 or 32) is no coarse point
     # (every third layer); the refinement finds it, as brute force over every point does.
     p = _problem({"layers": 40}, extra_kept=8)
-    assert 8 not in zp.split_points(40) and 32 not in zp.split_points(40)
+    assert 8 not in split_points(40) and 32 not in split_points(40)
     split = search_split_tags(p, 40)
     assert split.at in (8, 32) and split.estimate.recompute_s == pytest.approx(32e-3)
     assert split.estimate.time_s == pytest.approx(_brute_force(p, 40), abs=1e-6)
@@ -175,8 +178,8 @@ def test_cli_split_writes_the_sides_and_its_command_runs(tmp_path, capsys):
     command = _printed_command(printed)
     assert command[:2] == ["python", "train.py"] and "offload=none" in command
     # The ranges parse, the files load, and the step traces under them.
-    from zoo.tools.kit import compose
     from zoo.offload import parse_ranges, range_configs, remat_policy
+    from zoo.tools.kit import compose
     from zoo.train.run_config import load
 
     c = load(compose(command[2:]))

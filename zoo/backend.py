@@ -83,7 +83,7 @@ class BackendChoices:
     # distributions; a LoRA run's base keeps threefry (a checkpoint rebuilds it from the seed on any
     # machine).
     init_prng: Optional[str] = None
-    # The chunked loss's transient as the compiler allocates it (zoo.tools.plan.loss_working_bytes):
+    # The chunked loss's transient as the compiler allocates it (zoo.plan.working_set.loss_working_bytes):
     # the float32 [rows, chunk, vocabulary] buffers of one chunk it keeps at once, and whether the
     # head's gradient accumulates in the gradient's own buffer (no separate float32 accumulator, the
     # head's cast to the compute dtype fused into its matmuls). TPU v5e: one buffer, in place (the
@@ -95,7 +95,7 @@ class BackendChoices:
     loss_chunk_buffers: float = 1.0
     head_gradient_in_place: bool = False
     # How the compiler stores an activation: the elements of its two minor dimensions in whole tiles
-    # of this many (zoo.tools.plan counts a kept tag's bytes so). TPU: 8 x 128. Every kept tag in the
+    # of this many (zoo.plan.pricing counts a kept tag's bytes so). TPU: 8 x 128. Every kept tag in the
     # v5e's compiled buffers fits it (XLA's memory-usage report of the step, llama_1b and dsv3_100m):
     # llama_1b's [..., 32, 64] queries take their own size, its [..., 8, 64] keys and values twice it,
     # dsv3_100m's [..., 8, 96] queries 4/3 and [..., 8, 64] keys and values twice, its [..., 4096, 160]

@@ -158,7 +158,7 @@ def make_block(c: ModelConfig, spec: LayerSpec, key: PRNGKeyArray) -> DecoderBlo
 def block_classes(c: ModelConfig, spec: LayerSpec) -> tuple[type, ...]:
     """The module classes a layer of `spec` is made of, the DecoderBlock first and then what it holds
     (its attention, its feed-forward, a MoE's shared experts, the norms), read from the block
-    `make_block` builds (as shapes: nothing is allocated). Their `EMITS` price its tags (zoo.tools.plan)."""
+    `make_block` builds (as shapes: nothing is allocated). Their `EMITS` price its tags (zoo.plan.pricing)."""
     found: dict[type, None] = {}
 
     def visit(module):

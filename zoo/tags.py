@@ -83,7 +83,7 @@ Op = tuple[str, Union[int, float], Union[int, float]]
 @dataclasses.dataclass(frozen=True)
 class Emit:
     """A tag a block emits, and the forward FLOPs of the op that produces it from its inputs
-    (`zoo.tools.plan.producer_flops`: what recomputing it costs)."""
+    (`zoo.plan.pricing.producer_flops`: what recomputing it costs)."""
 
     tag: TagInfo
     flops: Callable[[FlopShape], int | float]  # an int for exact counts; producer_flops makes it a float

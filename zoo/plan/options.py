@@ -1,0 +1,132 @@
+"""The planner's own settings (`PlanConfig`, the `plan.*` keys of python -m zoo.tools.plan) and the
+host link they name (`resolve_link`: GB/s per direction from a number, a name of LINKS or a hardware
+profile)."""
+
+import dataclasses
+import math
+from typing import Optional, Union
+
+
+from zoo.plan.problem import GB, PlanError
+
+# Named host links, GB/s per direction (full duplex).
+LINKS = {
+    "pcie_gen4": 32.0,  # PCIe Gen4 x16
+    "pcie_gen5": 64.0,  # PCIe Gen5 x16 (H100 / H200 PCIe)
+    "pcie_gen6": 128.0,
+    "nvlink_c2c": 450.0,  # Grace <-> Hopper/Blackwell, 900 GB/s both directions together (GH200, GB200)
+    "nvlink_c2c_rubin": 900.0,  # Vera <-> Rubin, 1.8 TB/s both directions together
+}
+
+
+@dataclasses.dataclass
+class PlanConfig:
+    """`plan.*` keys of `python -m zoo.tools.plan`."""
+
+    hbm_budget_gb: Optional[float] = None  # null: the hardware profile's hbm_bytes
+    host_budget_gb: Optional[float] = (
+        None  # pinned host memory per device; null: hardware.host_bytes_per_device (0 there: no budget)
+    )
+    link: Optional[str] = (
+        None  # GB/s per direction, a name of LINKS, or a conf/hardware profile; null: hardware.host_link_gbps
+    )
+    flops_efficiency: float = 0.5  # fraction of hardware.peak_flops matmuls reach
+    transfer_latency_us: float = 10.0  # fixed cost of one host transfer
+    # Where the offload YAML goes; null: outputs/plan/<date>_<time>/offload/<name>.yaml (a folder
+    # named offload, so train.py finds it with hydra.searchpath=[file://<the folder above>]).
+    out: Optional[str] = None
+    name: str = "planned"
+    # Also search one split point: layers 0..b-1 under one per-tag assignment, the rest under another
+    # (offload.ranges; `search_split_tags`), and print the fastest that fits with its command line.
+    split: bool = False
+    json: Optional[str] = None  # also write the estimates as JSON here
+    holders: bool = False  # also print who holds the memory for a plan that fits (always printed when none does)
+    # Compile up to this many candidate policies for the target with XLA (nothing runs) and keep the
+    # fastest whose compiled peak fits the budget (`checked_search`); 0: the estimate alone; null:
+    # 4 for a TPU where its compiler is here (on the chip, or libtpu installed), else 0.
+    compile: Optional[int] = None
+    # With plan.compile on the target itself: also compile the presets (MEASURED_PRESETS), run every
+    # candidate that fits for this many steps per round on the device, in alternation, and keep the
+    # fastest measured; 0: pick by the estimate.
+    measure: int = 0
+
+    def __post_init__(self):
+        if self.hbm_budget_gb is not None and self.hbm_budget_gb <= 0:
+            raise PlanError(
+                f"plan.hbm_budget_gb: must be positive, got {self.hbm_budget_gb}; e.g. plan.hbm_budget_gb=80"
+            )
+        if self.host_budget_gb is not None and self.host_budget_gb <= 0:
+            raise PlanError(
+                f"plan.host_budget_gb: must be positive GB per device, got {self.host_budget_gb}; e.g. "
+                "plan.host_budget_gb=240"
+            )
+        if not 0 < self.flops_efficiency <= 1:
+            raise PlanError(f"plan.flops_efficiency: must be in (0, 1], got {self.flops_efficiency}")
+        if self.transfer_latency_us < 0:
+            raise PlanError(f"plan.transfer_latency_us: must be >= 0, got {self.transfer_latency_us}")
+        if self.compile is not None and self.compile < 0:
+            raise PlanError(f"plan.compile: the number of candidates to compile, >= 0; got {self.compile}")
+        if self.measure < 0:
+            raise PlanError(f"plan.measure: timed steps per candidate, >= 0; got {self.measure}")
+        if self.measure and self.compile == 0:
+            raise PlanError(
+                "plan.measure: it times the compiled candidates; drop plan.compile=0 or give plan.compile=4"
+            )
+        if not self.name or "/" in self.name:
+            raise PlanError(f"plan.name: {self.name!r} is not a file stem; e.g. plan.name=planned")
+
+
+def _link_profile(link, hardware_dir):
+    """The conf/hardware profile `plan.link` names (its YAML, loaded), or None."""
+    if hardware_dir is None or not isinstance(link, str) or not (hardware_dir / f"{link}.yaml").exists():
+        return None
+    from omegaconf import OmegaConf
+
+    return OmegaConf.load(hardware_dir / f"{link}.yaml")
+
+
+def link_duplex(link, profile_duplex: bool, hardware_dir=None) -> bool:
+    """Whether the link `plan.link` names carries both directions at once: a number or a LINKS name
+    does (PCIe, NVLink), a hardware profile says for itself; null: the run's profile."""
+    if link is None:
+        return bool(profile_duplex)
+    profile = _link_profile(link, hardware_dir)
+    return True if profile is None else bool(profile.get("host_link_duplex", True))
+
+
+def resolve_link(link, default_gbps: Union[int, float, None], hardware_dir=None) -> float:
+    """GB/s per direction from `plan.link` (number, LINKS name, or hardware profile name)."""
+    if link is None:
+        if not default_gbps or default_gbps <= 0:
+            raise PlanError(
+                "plan.link: the hardware profile has no host_link_gbps; give one, e.g. plan.link=pcie_gen5 or "
+                "plan.link=64"
+            )
+        return float(default_gbps)
+    try:
+        value = float(link)
+    except (TypeError, ValueError):
+        value = None
+    if value is not None:
+        if value <= 0:
+            raise PlanError(f"plan.link: must be positive GB/s per direction, got {link}")
+        return value
+    if link in LINKS:
+        return LINKS[link]
+    profile = _link_profile(link, hardware_dir)
+    if profile is not None:
+        gbps = profile.get("host_link_gbps", 0)
+        if gbps and gbps > 0:
+            return float(gbps)
+        raise PlanError(f"plan.link: hardware profile {link!r} has no host_link_gbps; give GB/s, e.g. plan.link=64")
+    profiles = sorted(p.stem for p in hardware_dir.glob("*.yaml")) if hardware_dir is not None else []
+    raise PlanError(
+        f"plan.link: unknown link {link!r}; give GB/s per direction, or one of {', '.join([*LINKS, *profiles])}"
+    )
+
+
+def host_budget_bytes(opts: PlanConfig, hardware) -> float:
+    """Pinned host bytes per device: `plan.host_budget_gb`, else the profile's; inf where neither gives one."""
+    if opts.host_budget_gb is not None:
+        return opts.host_budget_gb * GB
+    return float(hardware.host_bytes_per_device) if hardware.host_bytes_per_device else math.inf
