@@ -256,7 +256,7 @@ def _keep_earlier_hydra_record(args: list[str]) -> list[str]:
     return ["hydra.output_subdir=null"] if any(run_dir.holds_steps(r) for r in runs) else []
 
 
-def _output_dir_line(args: list[str]) -> Optional[str]:
+def output_dir_line(args: list[str]) -> Optional[str]:
     """Before Hydra creates the output directory (and configures logging, writes .hydra/ into it):
     one line when it cannot be created or written, or a live run holds it; None when it is fine."""
     if _writes_nothing(args):
@@ -547,6 +547,25 @@ def check_writable(path, key: str) -> pathlib.Path:
     return out
 
 
+# The tools that write into `hydra.run.dir` when it is given (zoo.tools.kit.output_path); the others refuse it.
+RUN_DIR_TOOLS = ("python -m zoo.tools.plan", "python -m zoo.tools.inspect_step")
+
+
+def hydra_dir_line(argv, tool: str) -> Optional[str]:
+    """One line for Hydra's output-directory options given to a tool that would not honour them: a tool runs
+    once (no sweep directory), and only `RUN_DIR_TOOLS` write into `hydra.run.dir`; None when all is well."""
+    for arg in argv:
+        key = str(arg).lstrip("+").split("=", 1)[0]
+        if key in ("-m", "--multirun", "hydra.sweep.dir", "hydra.sweep.subdir"):
+            return f"{key}: {tool} runs once, not a sweep (Hydra's multirun is train.py's); drop it"
+        if key == "hydra.run.dir" and tool not in RUN_DIR_TOOLS:
+            return (
+                f"hydra.run.dir: {tool} does not write into a run directory (where it writes, if anywhere, its own "
+                "options say); drop it"
+            )
+    return None
+
+
 def run_tool(body: Callable[[], int], tool: str, argv=(), doc: Optional[str] = None) -> int:
     """A command-line tool's body (`python -m zoo.<tool> ...`): `--help` prints `doc`; bad input ->
     one `error:` line naming the key or file and exit code 2, before any compile; Ctrl-C -> one line
@@ -561,6 +580,9 @@ def run_tool(body: Callable[[], int], tool: str, argv=(), doc: Optional[str] = N
     try:
         with stop.ctrl_c_noted():
             stop.set_phase("starting", "nothing was done; run the command again")
+            line = hydra_dir_line(argv, tool)
+            if line:
+                raise ConfigError(line)
             return body()
     except KeyboardInterrupt:
         print(interrupted_line(), file=sys.stderr, flush=True)
@@ -586,7 +608,7 @@ def main(hydra_main: Callable, conf_dir: pathlib.Path) -> int:
     """Run the @hydra.main function; turn every error into one line and an exit code."""
     os.environ["HYDRA_FULL_ERROR"] = "1"  # let errors reach us instead of Hydra's multi-line report
     try:
-        line = _output_dir_line(sys.argv[1:])
+        line = output_dir_line(sys.argv[1:])
         if line:
             print(f"error: {line}", file=sys.stderr)
             return EXIT_BAD_INPUT

@@ -425,7 +425,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     def body() -> int:
         opts, overrides = split_tool_args(argv, "inspect", InspectOptions)
-        out = output_path(opts.out, "inspect.out", "inspect", "inspect.json")
+        out = output_path(opts.out, "inspect.out", "inspect", "inspect.json", argv)
         c, plan, devices, trainer, notes = prepare_step(overrides)
         for n in notes:
             print(f"note: {n}")

@@ -2641,9 +2641,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     def body() -> int:
         opts, overrides = split_tool_args(argv, "plan", PlanConfig)
-        out = output_path(opts.out, "plan.out", "plan", f"offload/{opts.name}.yaml")
+        out = output_path(opts.out, "plan.out", "plan", f"offload/{opts.name}.yaml", argv)
         if opts.json:
-            output_path(opts.json, "plan.json", "plan", "plan.json")
+            output_path(opts.json, "plan.json", "plan", "plan.json", argv)
         cfg = compose(overrides)
         typed = load(cfg)
         start_jax(typed)  # the xla group's flags before target_attention_impl asks JAX for its backend
