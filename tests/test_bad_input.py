@@ -490,6 +490,27 @@ CASES = {
             r"run another hydra\.run\.dir .*",
         ),
     ),
+    # A tool's output over a file it did not write: refused before anything is measured or compiled.
+    "zoo.tools.measure_hardware over the shipped cpu profile": (
+        lambda t, d: (tool_cmd("measure_hardware", "name=cpu"), t, [ROOT / "conf" / "hardware" / "cpu.yaml"]),
+        (
+            2,
+            r"name: \S+/conf/hardware/cpu\.yaml is a file shipped with Zoo \(conf/hardware/cpu\.yaml\), which this "
+            r"would replace; give another name, or add overwrite=true to replace it",
+        ),
+    ),
+    "zoo.tools.inspect_step inspect.out over a run's metrics.jsonl": (
+        lambda t, d: (
+            tool_cmd("inspect_step", LLAMA, *TINY, f"inspect.out={_copy_run(t, d)[0] / 'metrics.jsonl'}"),
+            t,
+            [t / "run"],
+        ),
+        (
+            2,
+            r"inspect\.out: \S+/run/metrics\.jsonl is a file of the train\.py run in \S+/run, which this would "
+            r"replace; give another inspect\.out, or add inspect\.overwrite=true to replace it",
+        ),
+    ),
     # Ctrl-C.
     "Ctrl-C before the first step": (
         lambda t, d: (train_cmd(LLAMA, *TINY, "trainer.steps=3", f"hydra.run.dir={t / 'run'}"), t, []),
