@@ -288,6 +288,15 @@ def _patch({module}):
 
 # Before the export reads the checkpoint.
 STALLED_EXPORT = _stalled_gc("hf_export", "restore_model")
+# In the planner's body, as it composes the config: the Ctrl-C Python swallows there ended nothing (the plan was
+# written, exit 0); a tool's is raised again as soon as the callback has returned.
+STALLED_PLAN = _stalled_gc("kit", "compose")
+# A tool's imports (JAX's, Hydra's) take seconds; stalled here, as zoo.tools.cli is imported.
+STALLED_IMPORTS = """
+def _patch(cli):
+    pathlib.Path(os.environ['ZOO_TEST_WAITING']).touch()
+    time.sleep(30)
+"""
 # As the parameters are initialised, before train.py's first step: the Ctrl-C Python swallows there still
 # ends the run, at the next phase (compiling).
 STALLED_INIT = _stalled_gc("run", "initial_state")
@@ -558,6 +567,22 @@ CASES = {
         _ctrl_c_when_waiting,
         ("zoo.train.hf_export", STALLED_EXPORT),
     ),
+    "Ctrl-C swallowed by a garbage-collector callback in zoo.tools.plan": (
+        lambda t, d: (
+            tool_cmd("plan", LLAMA, "mesh=single", "data.batch_size=2", "data.seq_len=16", "hardware=h100_pcie"),
+            t,
+            [],
+        ),
+        (130, r"interrupted \(Ctrl-C\) while starting; nothing was done; run the command again"),
+        _ctrl_c_when_waiting,
+        ("zoo.tools.kit", STALLED_PLAN),
+    ),
+    "Ctrl-C during a tool's imports": (
+        lambda t, d: (tool_cmd("report", str(_sweep(t, d))), t, [t / "sweep"]),
+        (130, r"interrupted \(Ctrl-C\) while starting; nothing was done; run the command again"),
+        _ctrl_c_when_waiting,
+        ("zoo.tools.cli", STALLED_IMPORTS),
+    ),
     "Ctrl-C swallowed by a garbage-collector callback before train.py's first step": (
         lambda t, d: (train_cmd(LLAMA, *TINY, "trainer.steps=3", f"hydra.run.dir={t / 'run'}"), t, []),
         (
@@ -759,6 +784,8 @@ def _check(case, tmp_path, code, line, returncode, out, err, guarded, before):
         assert (
             not (tmp_path / "out").exists() and not (tmp_path / "out.export-tmp").exists()
         )  # nothing looks like an export
+    if case == "Ctrl-C swallowed by a garbage-collector callback in zoo.tools.plan":
+        assert not list(tmp_path.rglob("*.yaml"))  # it stopped there: no plan written
     if case == "disk full during a checkpoint save":
         from zoo.train.checkpoint import restore_model
 

@@ -13,6 +13,7 @@ import datetime
 import os
 import pathlib
 import re
+import signal
 import sys
 import tempfile
 import traceback
@@ -578,14 +579,22 @@ def run_tool(body: Callable[[], int], tool: str, argv=(), doc: Optional[str] = N
         print(f"usage: {tool} [key=value ...]  (docs/training.md describes the keys)\n\n{doc or ''}".rstrip())
         return 0
     try:
-        with stop.ctrl_c_noted():
+        _take_ctrl_c_from_starting()
+        with stop.ctrl_c_noted(again_at_once=True):
             stop.set_phase("starting", "nothing was done; run the command again")
             line = hydra_dir_line(argv, tool)
             if line:
                 raise ConfigError(line)
-            return body()
+            code = body()
+            stop.raise_if_interrupted()  # one a library swallowed (no unraisable report) still ends the command
+            return code
     except KeyboardInterrupt:
         print(interrupted_line(), file=sys.stderr, flush=True)
+        if _is_this_process(tool):
+            # Leave at once: the interpreter's shutdown, with XLA's compile still running on its threads, crashed
+            # the process after this line (exit -11, 3 of 4 Ctrl-C during zoo.tools.generate's compile).
+            sys.stdout.flush()
+            os._exit(EXIT_INTERRUPTED)
         return EXIT_INTERRUPTED
     except Exception as e:  # noqa: BLE001
         line = bad_input_line(e, _conf_dir(), also=(ValueError,), tool=tool, args=argv)
@@ -593,6 +602,22 @@ def run_tool(body: Callable[[], int], tool: str, argv=(), doc: Optional[str] = N
             raise
         print(f"error: {line}", file=sys.stderr)
         return EXIT_BAD_INPUT
+
+
+def _take_ctrl_c_from_starting() -> None:
+    """Python's own Ctrl-C handler back in place of the one zoo.tools set for the tool's imports, so that
+    `stop.ctrl_c_noted` installs the body's."""
+    import zoo.tools
+
+    if signal.getsignal(signal.SIGINT) is zoo.tools._interrupted_while_starting:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _is_this_process(tool: str) -> bool:
+    """Whether `tool` ("python -m zoo.tools.<name>") is what this process was started as, not a call of its
+    entry point from other code (a test's)."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    return getattr(spec, "name", None) == tool.removeprefix("python -m ")
 
 
 def interrupted_line() -> str:
