@@ -96,11 +96,31 @@ def ctrl_c_noted(again_at_once: bool = False):
         if again is not None:
             again.stop()
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        # A hook installed on top of this one (zoo.train.checkpoint's, quieting what a failed restore
+        # A hook installed on top of this one (zoo.train.checkpoint_errors', quieting what a failed restore
         # leaves behind until the interpreter exits) stays: this one, under it, passes all through now.
         if sys.unraisablehook is hook:
             sys.unraisablehook = unraisable
         _PRESSED = False
+
+
+@contextlib.contextmanager
+def ctrl_c_deferred():
+    """Hold a Ctrl-C (SIGINT) back until the block is done, then deliver it again to the handler that
+    was there before (Python's own raises KeyboardInterrupt; a process that ignores SIGINT, e.g. one
+    started in the background by a shell, goes on): the block always completes. Only the main thread
+    receives signals; elsewhere the block runs as it is, and so it does where SIGINT's handler was not
+    installed from Python (an embedding program's): Python could not put that one back."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
+        yield
+        return
+    pressed = []
+    before = signal.signal(signal.SIGINT, lambda signum, frame: pressed.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
+    if pressed:  # now, as it would have been handled without the block
+        signal.raise_signal(signal.SIGINT)
 
 
 class _InterruptAgain:
