@@ -167,11 +167,18 @@ def _truncate_newest(ckpt):
         f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
 
 
+def _cut_metrics(run: pathlib.Path) -> pathlib.Path:
+    """The run directory, its metrics.jsonl cut to its first 50 bytes (no step record reads)."""
+    metrics = run / "metrics.jsonl"
+    metrics.write_bytes(metrics.read_bytes()[:50])
+    return run
+
+
 def _live_lock(d: pathlib.Path, name: str):
     """A lock file as a live run writes it, owned by a live process other than the command's: this test
     process, or, where the command runs in this process (in_process.INNER), the test process that started
     this one."""
-    from zoo.train.checkpoint import _process_start
+    from zoo.train.run_lock import _process_start
 
     owner = os.getppid() if in_process.INNER else os.getpid()
     (d / name).write_text(
@@ -478,6 +485,18 @@ CASES = {
             r"a checkpoint continues "
             r"the record there\)",
         ),  # fmt: skip
+    ),
+    "hydra.run.dir of a finished run whose metrics.jsonl is cut short": (  # damaged: still that run's record
+        lambda t, d: (
+            train_cmd(LLAMA, *TINY, "trainer.steps=2", f"hydra.run.dir={_cut_metrics(_copy_run(t, d)[0])}"),
+            t,
+            [t / "run"],
+        ),
+        (
+            2,
+            r"hydra\.run\.dir: (\S+/run) holds the metrics\.jsonl and summary\.json of a finished run, which this run "
+            r"would replace \(it starts from step 0\); give this run another hydra\.run\.dir, or move \1 away .*",
+        ),
     ),
     # A second run into the directories of a live one: refused before Hydra writes into its run directory.
     "same run dir and checkpoint as a live run": (

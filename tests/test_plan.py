@@ -310,6 +310,10 @@ def test_cli_plan_notes_none_where_it_fits_and_the_profile_prices_the_checkpoint
     none_peak = float(note.group(1)) * {"kB": 1e3, "MB": 1e6, "GB": 1e9}[note.group(2)]
     plan_peak = json.loads(ample.read_text())["estimate"]["peak_bytes"]
     assert plan_peak < none_peak
+    from zoo.tools.kit import check_output
+
+    for key, path in (("plan.out", tmp_path / "a.yaml"), ("plan.json", ample)):  # its own: the same command replaces
+        assert check_output(path, key, "plan", "plan.overwrite=true") == path
     between = (plan_peak + none_peak) / 2 / GB
     assert zp.main([*args, "hardware=tpu_v5e", f"plan.hbm_budget_gb={between}", f"plan.out={tmp_path / 'b.yaml'}"]) == 0
     assert "offload=none" not in capsys.readouterr().out
@@ -526,6 +530,9 @@ def test_measure_hardware_writes_a_profile_train_py_accepts(tmp_path, capsys):
     # nothing moves inside an XLA:CPU program, so whether the link is duplex is not measured: the default
     assert "host_link_duplex" not in OmegaConf.load(out) and hw.host_link_duplex
     assert measure_main(["n=3"]) == 2
+    from zoo.tools.kit import check_output
+
+    assert check_output(out, "out", "measure_hardware", "overwrite=true") == out  # its own: measured again over it
 
 
 def test_cli_writes_into_hydra_run_dir_and_prints_how_to_train_with_the_plan(tmp_path, monkeypatch, capsys):

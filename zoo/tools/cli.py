@@ -25,7 +25,7 @@ from zoo.offload import ACTIONS, conf_dir, dropped_block_tags
 from zoo.sharding import LOGICAL_AXES
 from zoo.tags import OPTIONAL_KINDS, TAGS, block_kinds
 from zoo.train import distributed, run_dir, stop
-from zoo.train.checkpoint import DirLock
+from zoo.train.run_lock import DirLock
 from zoo.train.metrics import write_json
 from zoo.train.run import prepare, train
 from zoo.train.run_config import GROUPS, ConfigError, TrainingStopped, _known_keys, foreign_data_key_line
@@ -66,7 +66,7 @@ def run_job(cfg: DictConfig, out_of_memory_line: Optional[Callable] = None) -> N
         "no step of this job ran (the jobs before it are done)" if multirun else stop.PHASE_AFTER_START,
     )
     lock, refused = None, False
-    earlier = run_dir.holds_steps(out_dir)  # another run's record is there (this run may only continue it)
+    earlier = run_dir.holds_record(out_dir)  # another run's record is there (this run may only continue it)
     try:
         c, plan, devices, flags = prepare(cfg)
         line = ignored_override_line(c, overrides)
@@ -254,7 +254,7 @@ def _keep_earlier_hydra_record(args: list[str]) -> list[str]:
         return []
     d = pathlib.Path(text).expanduser()
     runs = [d] if key == "hydra.run.dir" else [j for j in d.iterdir() if j.is_dir()] if d.is_dir() else []
-    return ["hydra.output_subdir=null"] if any(run_dir.holds_steps(r) for r in runs) else []
+    return ["hydra.output_subdir=null"] if any(run_dir.holds_record(r) for r in runs) else []
 
 
 def output_dir_line(args: list[str]) -> Optional[str]:

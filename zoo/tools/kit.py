@@ -108,7 +108,7 @@ def check_output(path, key: str, tool: str, flag: str, overwrite: bool = False) 
         if not mine:
             if out.resolve().is_relative_to(conf_dir().resolve()):
                 what = f"is a file shipped with Zoo ({out.resolve().relative_to(conf_dir().resolve().parent)})"
-            elif out.name in (run_record.METRICS, run_record.SUMMARY) or run_record.holds_steps(out.parent):
+            elif out.name in (run_record.METRICS, run_record.SUMMARY) or run_record.holds_record(out.parent):
                 what = f"is a file of the train.py run in {out.parent}"
             else:
                 what = f"exists and was not written by python -m zoo.tools.{tool}"
