@@ -167,11 +167,18 @@ def _truncate_newest(ckpt):
         f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
 
 
+def _cut_metrics(run: pathlib.Path) -> pathlib.Path:
+    """The run directory, its metrics.jsonl cut to its first 50 bytes (no step record reads)."""
+    metrics = run / "metrics.jsonl"
+    metrics.write_bytes(metrics.read_bytes()[:50])
+    return run
+
+
 def _live_lock(d: pathlib.Path, name: str):
     """A lock file as a live run writes it, owned by a live process other than the command's: this test
     process, or, where the command runs in this process (in_process.INNER), the test process that started
     this one."""
-    from zoo.train.checkpoint import _process_start
+    from zoo.train.run_lock import _process_start
 
     owner = os.getppid() if in_process.INNER else os.getpid()
     (d / name).write_text(
@@ -288,6 +295,15 @@ def _patch({module}):
 
 # Before the export reads the checkpoint.
 STALLED_EXPORT = _stalled_gc("hf_export", "restore_model")
+# In the planner's body, as it composes the config: the Ctrl-C Python swallows there ended nothing (the plan was
+# written, exit 0); a tool's is raised again as soon as the callback has returned.
+STALLED_PLAN = _stalled_gc("kit", "compose")
+# A tool's imports (JAX's, Hydra's) take seconds; stalled here, as zoo.tools.cli is imported.
+STALLED_IMPORTS = """
+def _patch(cli):
+    pathlib.Path(os.environ['ZOO_TEST_WAITING']).touch()
+    time.sleep(30)
+"""
 # As the parameters are initialised, before train.py's first step: the Ctrl-C Python swallows there still
 # ends the run, at the next phase (compiling).
 STALLED_INIT = _stalled_gc("run", "initial_state")
@@ -470,6 +486,18 @@ CASES = {
             r"the record there\)",
         ),  # fmt: skip
     ),
+    "hydra.run.dir of a finished run whose metrics.jsonl is cut short": (  # damaged: still that run's record
+        lambda t, d: (
+            train_cmd(LLAMA, *TINY, "trainer.steps=2", f"hydra.run.dir={_cut_metrics(_copy_run(t, d)[0])}"),
+            t,
+            [t / "run"],
+        ),
+        (
+            2,
+            r"hydra\.run\.dir: (\S+/run) holds the metrics\.jsonl and summary\.json of a finished run, which this run "
+            r"would replace \(it starts from step 0\); give this run another hydra\.run\.dir, or move \1 away .*",
+        ),
+    ),
     # A second run into the directories of a live one: refused before Hydra writes into its run directory.
     "same run dir and checkpoint as a live run": (
         lambda t, d: (
@@ -488,6 +516,27 @@ CASES = {
             2,
             r"hydra\.run\.dir: \S+/run is in use by another run \(pid \d+ on .*\); wait for it to end or give this "
             r"run another hydra\.run\.dir .*",
+        ),
+    ),
+    # A tool's output over a file it did not write: refused before anything is measured or compiled.
+    "zoo.tools.measure_hardware over the shipped cpu profile": (
+        lambda t, d: (tool_cmd("measure_hardware", "name=cpu"), t, [ROOT / "conf" / "hardware" / "cpu.yaml"]),
+        (
+            2,
+            r"name: \S+/conf/hardware/cpu\.yaml is a file shipped with Zoo \(conf/hardware/cpu\.yaml\), which this "
+            r"would replace; give another name, or add overwrite=true to replace it",
+        ),
+    ),
+    "zoo.tools.inspect_step inspect.out over a run's metrics.jsonl": (
+        lambda t, d: (
+            tool_cmd("inspect_step", LLAMA, *TINY, f"inspect.out={_copy_run(t, d)[0] / 'metrics.jsonl'}"),
+            t,
+            [t / "run"],
+        ),
+        (
+            2,
+            r"inspect\.out: \S+/run/metrics\.jsonl is a file of the train\.py run in \S+/run, which this would "
+            r"replace; give another inspect\.out, or add inspect\.overwrite=true to replace it",
         ),
     ),
     # Ctrl-C.
@@ -536,6 +585,22 @@ CASES = {
         ),
         _ctrl_c_when_waiting,
         ("zoo.train.hf_export", STALLED_EXPORT),
+    ),
+    "Ctrl-C swallowed by a garbage-collector callback in zoo.tools.plan": (
+        lambda t, d: (
+            tool_cmd("plan", LLAMA, "mesh=single", "data.batch_size=2", "data.seq_len=16", "hardware=h100_pcie"),
+            t,
+            [],
+        ),
+        (130, r"interrupted \(Ctrl-C\) while starting; nothing was done; run the command again"),
+        _ctrl_c_when_waiting,
+        ("zoo.tools.kit", STALLED_PLAN),
+    ),
+    "Ctrl-C during a tool's imports": (
+        lambda t, d: (tool_cmd("report", str(_sweep(t, d))), t, [t / "sweep"]),
+        (130, r"interrupted \(Ctrl-C\) while starting; nothing was done; run the command again"),
+        _ctrl_c_when_waiting,
+        ("zoo.tools.cli", STALLED_IMPORTS),
     ),
     "Ctrl-C swallowed by a garbage-collector callback before train.py's first step": (
         lambda t, d: (train_cmd(LLAMA, *TINY, "trainer.steps=3", f"hydra.run.dir={t / 'run'}"), t, []),
@@ -738,6 +803,8 @@ def _check(case, tmp_path, code, line, returncode, out, err, guarded, before):
         assert (
             not (tmp_path / "out").exists() and not (tmp_path / "out.export-tmp").exists()
         )  # nothing looks like an export
+    if case == "Ctrl-C swallowed by a garbage-collector callback in zoo.tools.plan":
+        assert not list(tmp_path.rglob("*.yaml"))  # it stopped there: no plan written
     if case == "disk full during a checkpoint save":
         from zoo.train.checkpoint import restore_model
 

@@ -531,7 +531,7 @@ def test_save_killed_midway_leaves_the_latest_checkpoint_loadable(tmp_path):
 def test_save_killed_leaves_a_stale_lock_that_the_next_run_takes_over(tmp_path):
     """(In process.) A lock whose process is gone, or whose pid now belongs to a younger process, is
     stale; a live owner's is not, and names it."""
-    from zoo.train.checkpoint import DirLock, _process_start
+    from zoo.train.run_lock import DirLock, _process_start
     from zoo.train.run_config import ConfigError
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -740,7 +740,7 @@ def test_ctrl_c_during_a_save_lets_the_copy_finish_then_interrupts():
 def test_ctrl_c_deferred_leaves_a_handler_python_cannot_restore_alone(monkeypatch):
     # signal.getsignal gives None for a handler installed from C; signal.signal(SIGINT, None) would
     # raise after the save and leave the deferring handler installed.
-    from zoo.train import checkpoint as ck
+    from zoo.train import stop as ck
 
     monkeypatch.setattr(ck.signal, "getsignal", lambda signum: None)
     calls = []
@@ -824,7 +824,7 @@ def test_only_the_failed_restores_leftover_reads_are_silenced():
     # kinds (and nothing else) are dropped, so the one-line note stays the only output.
     import types
 
-    from zoo.train.checkpoint import _abandoned_read
+    from zoo.train.checkpoint_errors import _abandoned_read
 
     async def _read_array_index_and_device_put():
         return None
@@ -852,11 +852,11 @@ def test_a_coroutine_the_failed_restore_left_unawaited_does_not_warn_at_exit():
     # awaited" after the one error line: orbax had created it for the failed restore.
     script = (
         "import sys\n"
-        "from zoo.train.checkpoint import _quiet_closed_loop_callbacks\n"
+        "from zoo.train.checkpoint_errors import quiet_closed_loop_callbacks\n"
         "class Store:\n"
         "    async def _get_array_metadatas(self): pass\n"
         "if sys.argv[1] == 'quiet':\n"
-        "    _quiet_closed_loop_callbacks()\n"
+        "    quiet_closed_loop_callbacks()\n"
         "LEFT = [Store()._get_array_metadatas()]  # finalized as the interpreter exits\n"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -874,11 +874,11 @@ def test_an_abandoned_read_task_collected_unretrieved_is_not_logged():
     script = (
         "import asyncio, gc, logging, sys\n"
         "logging.basicConfig()\n"
-        "from zoo.train.checkpoint import _quiet_closed_loop_callbacks\n"
+        "from zoo.train.checkpoint_errors import quiet_closed_loop_callbacks\n"
         "async def read(msg):\n"
         "    raise Exception(msg)\n"
         "if sys.argv[1] == 'quiet':\n"
-        "    _quiet_closed_loop_callbacks()\n"
+        "    quiet_closed_loop_callbacks()\n"
         "loop = asyncio.new_event_loop()\n"
         "task = loop.create_task(read(sys.argv[2]))\n"
         "loop.run_until_complete(asyncio.sleep(0.01))\n"
@@ -908,7 +908,8 @@ def test_a_step_without_an_orbax_file_is_refused_before_orbax_reads_it(uninterru
     # A restore orbax starts and abandons leaves reads behind that can report after the one line.
     import orbax.checkpoint as ocp
 
-    from zoo.train.checkpoint import Unreadable, _restore_params
+    from zoo.train.checkpoint import _restore_params
+    from zoo.train.checkpoint_errors import Unreadable
 
     ckpt = tmp_path / "ckpt"
     shutil.copytree(uninterrupted / "ckpt" / "8", ckpt / "8")

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import this_python
 
 import zoo
 from zoo import hf
@@ -455,6 +456,7 @@ def walkthrough(tmp_path_factory):
     d = workdir(tmp_path_factory.mktemp("walkthrough"))
     env = {k: v for k, v in clean_env().items() if k != "XLA_FLAGS"}  # a default CPU (one device), as the README says
     env["PYTHONUNBUFFERED"] = "1"  # stdout and stderr in the order a terminal shows them
+    env = this_python.on_path(env, d / ".bin")  # the block's `python`: this interpreter, venv and all
     t0 = time.perf_counter()
     p = subprocess.run(
         ["bash", "-e", "-c", blocks[0]],

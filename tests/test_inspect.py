@@ -135,6 +135,9 @@ def test_cli_writes_inspect_json(tmp_path, capsys):
     assert "query_proj" in printed and "compiled: argument" in printed
     rep = json.loads(out.read_text())
     assert rep["schema"] == "zoo.inspect/1"
+    from zoo.tools.kit import check_output
+
+    assert check_output(out, "inspect.out", "inspect", "inspect.overwrite=true") == out  # its own, replaced again
     assert rep["state_memory_kinds"] == {"params": ["device"], "opt_state": ["pinned_host"]}
     placement = {t["tag"]: t["placement"] for t in rep["tags"]}
     assert {t for t, p in placement.items() if p == "host"} == {"query_proj", "key_proj", "value_proj"}

@@ -317,6 +317,10 @@ def test_cli_plan_notes_none_where_it_fits_and_the_profile_prices_the_checkpoint
     none_peak = float(note.group(1)) * {"kB": 1e3, "MB": 1e6, "GB": 1e9}[note.group(2)]
     plan_peak = json.loads(ample.read_text())["estimate"]["peak_bytes"]
     assert plan_peak < none_peak
+    from zoo.tools.kit import check_output
+
+    for key, path in (("plan.out", tmp_path / "a.yaml"), ("plan.json", ample)):  # its own: the same command replaces
+        assert check_output(path, key, "plan", "plan.overwrite=true") == path
     between = (plan_peak + none_peak) / 2 / GB
     assert zp.main([*args, "hardware=tpu_v5e", f"plan.hbm_budget_gb={between}", f"plan.out={tmp_path / 'b.yaml'}"]) == 0
     assert "offload=none" not in capsys.readouterr().out
@@ -533,18 +537,22 @@ def test_measure_hardware_writes_a_profile_train_py_accepts(tmp_path, capsys):
     # nothing moves inside an XLA:CPU program, so whether the link is duplex is not measured: the default
     assert "host_link_duplex" not in OmegaConf.load(out) and hw.host_link_duplex
     assert measure_main(["n=3"]) == 2
+    from zoo.tools.kit import check_output
+
+    assert check_output(out, "out", "measure_hardware", "overwrite=true") == out  # its own: measured again over it
 
 
-def test_cli_writes_under_outputs_and_prints_how_to_train_with_the_plan(tmp_path, monkeypatch, capsys):
+def test_cli_writes_into_hydra_run_dir_and_prints_how_to_train_with_the_plan(tmp_path, monkeypatch, capsys):
     from zoo.offload import conf_dir
     from zoo.tools.kit import compose
 
     monkeypatch.chdir(tmp_path)
     assert zp.main([*BASE, "plan.hbm_budget_gb=80", "plan.name=mine", f"hydra.run.dir={tmp_path / 'plan_run'}"]) == 0
-    written = list(tmp_path.glob("outputs/plan/*/offload/mine.yaml"))
-    assert len(written) == 1 and not (conf_dir() / "offload" / "mine.yaml").exists()
+    written = list(tmp_path.rglob("mine.yaml"))
+    assert written == [tmp_path / "plan_run" / "offload" / "mine.yaml"], written  # not under ./outputs/plan
+    assert not (conf_dir() / "offload" / "mine.yaml").exists()
     printed = capsys.readouterr().out
-    assert f"wrote {written[0].relative_to(tmp_path)}" in printed
+    assert f"wrote {written[0]}" in printed
     train = next(ln for ln in printed.splitlines() if ln.startswith("train with it: python train.py "))
     search = f"hydra.searchpath=[file://{written[0].resolve().parent.parent}]"
     assert f"'{search}' offload=mine" in train

@@ -27,7 +27,8 @@ once, with the page's copy, and is held to the lines both show.
   `^C`; a shown `stopped by SIGTERM` line, likewise SIGTERM. From that line on, numbers are not
   compared (where a signal lands varies).
 
-What the test changes in a command: `python` is this interpreter; absolute `/tmp/` paths are taken
+What the test changes in a command: `python` and `python3` are this interpreter, its virtual environment
+included (tests/this_python.py); absolute `/tmp/` paths are taken
 inside the group's directory; the two-process example gets a free port instead of 12355; the report
 of a sweep is given the directory the sweep wrote in place of `multirun/<date>/<time>`.
 """
@@ -48,6 +49,7 @@ import threading
 import time
 
 import pytest
+import this_python
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RTOL = 5e-3
@@ -456,11 +458,31 @@ def _env(workdir: pathlib.Path) -> dict:
     env["PYTHONUNBUFFERED"] = "1"  # stdout and stderr interleaved as a terminal shows them
     # conftest.py's compilation cache, shared by every command (and the rest of the suite)
     env.setdefault("JAX_COMPILATION_CACHE_DIR", str(workdir.parent / "jax_cache"))
-    bin_dir = workdir / ".bin"
-    bin_dir.mkdir(exist_ok=True)
-    (bin_dir / "python").symlink_to(sys.executable)
-    env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
-    return env
+    return this_python.on_path(env, workdir / ".bin")  # `python` and `python3`: this interpreter, venv and all
+
+
+def test_doc_commands_run_on_the_tests_interpreter(tmp_path):
+    """`python` and `python3` in a documented command are the interpreter running the tests, in a virtual
+    environment too (where a link to it would start the base interpreter, without the environment's packages):
+    from a fresh environment's interpreter, the commands' sys.prefix is the environment's."""
+    venv = tmp_path / "venv"
+    # --system-site-packages: the environment sees pytest, which importing this file needs; its prefix is its own
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages", str(venv)], check=True)
+    probe = "; ".join(f'{name} -c "import sys; print(sys.prefix)"' for name in ("python", "python3"))
+    child = (
+        "import os, pathlib, subprocess, sys\n"
+        f"sys.path.insert(0, {str(ROOT / 'tests')!r})\n"
+        "import test_readme\n"
+        "d = pathlib.Path(sys.argv[1])\n"
+        "d.mkdir()\n"
+        f"print(subprocess.run(['bash', '-c', {probe!r}], env=test_readme._env(d), capture_output=True, text=True,"
+        " check=True).stdout, end='')\n"
+    )
+    cases = [(sys.executable, sys.prefix), (str(venv / "bin" / "python"), str(venv))]
+    for i, (python, prefix) in enumerate(cases):
+        p = subprocess.run([python, "-c", child, str(tmp_path / f"d{i}")], capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, p.stderr[-2000:]
+        assert [os.path.realpath(x) for x in p.stdout.split()] == [os.path.realpath(prefix)] * 2, (python, p.stdout)
 
 
 def workdir(base: pathlib.Path) -> pathlib.Path:

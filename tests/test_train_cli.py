@@ -495,6 +495,67 @@ def test_tools_started_in_the_same_second_each_get_their_own_output_folder(tmp_p
     assert output_path(str(tmp_path / "mine.yaml"), "plan.out", "plan", "x.yaml") == tmp_path / "mine.yaml"
 
 
+def test_a_tool_replaces_its_own_output_and_no_other_file_without_overwrite(tmp_path, monkeypatch):
+    """A tool's output path is checked before anything compiles: the file it wrote itself (the same command
+    again) is replaced; a run's summary.json, a profile shipped in conf/ or any other file is one line naming the
+    key and the overwrite option, unless that option is given; hydra.run.dir names the tool's output folder."""
+    from zoo.offload import conf_dir
+    from zoo.tools.kit import check_output, output_path
+    from zoo.train.run_config import ConfigError
+
+    monkeypatch.chdir(tmp_path)
+    plan = tmp_path / "planned.yaml"
+    plan.write_text("# Planned by: python -m zoo.tools.plan model=llama_tiny_a\nname: planned\n")
+    assert output_path(str(plan), "plan.out", "plan", "x.yaml") == plan  # its own earlier plan
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "summary.json").write_text('{"status": "ok"}')
+    (tmp_path / "notes.json").write_text('{"mine": 1}')
+    cases = [
+        ("plan.out", "plan", tmp_path / "run" / "summary.json", "is a file of the train.py run in "),
+        (
+            "inspect.out",
+            "inspect",
+            tmp_path / "notes.json",
+            "exists and was not written by python -m zoo.tools.inspect",
+        ),
+        ("inspect.out", "inspect", plan, "exists and was not written by python -m zoo.tools.inspect"),  # not a plan's
+        ("name", "measure_hardware", conf_dir() / "hardware" / "cpu.yaml", "is a file shipped with Zoo"),
+    ]
+    for key, tool, path, what in cases:
+        before = path.read_bytes()
+        with pytest.raises(ConfigError) as e:
+            check_output(path, key, tool, f"{tool}.overwrite=true")
+        assert str(e.value).startswith(f"{key}: {path} {what}") and str(e.value).endswith(
+            f"give another {key}, or add {tool}.overwrite=true to replace it"
+        ), str(e.value)
+        assert path.read_bytes() == before
+    notes = output_path(str(tmp_path / "notes.json"), "inspect.out", "inspect", "x", ["inspect.overwrite=true"])
+    assert notes == tmp_path / "notes.json"  # asked for
+    into = output_path(None, "plan.out", "plan", "offload/planned.yaml", [f"hydra.run.dir={tmp_path / 'mine'}"])
+    assert into == tmp_path / "mine" / "offload" / "planned.yaml" and not (tmp_path / "outputs").exists()
+    with pytest.raises(ConfigError, match=r"^hydra\.run\.dir: .*notes\.json is a file, not a directory"):
+        output_path(None, "plan.out", "plan", "offload/planned.yaml", [f"hydra.run.dir={tmp_path / 'notes.json'}"])
+
+
+@pytest.mark.parametrize(
+    "tool, arg, line",
+    [
+        ("gpu_lowering", "hydra.run.dir=x", "error: hydra.run.dir: python -m zoo.tools.gpu_lowering does not write "),
+        ("measure_hardware", "hydra.run.dir=x", "error: hydra.run.dir: python -m zoo.tools.measure_hardware does not "),
+        ("plan", "hydra.sweep.dir=x", "error: hydra.sweep.dir: python -m zoo.tools.plan runs once, not a sweep"),
+        ("gpu_lowering", "lower.overwrite=true", "error: lower.overwrite: unknown key"),  # it writes no file
+    ],
+)
+def test_tools_refuse_hydra_output_dirs_they_would_ignore(tool, arg, line, tmp_path, monkeypatch, capsys):
+    import importlib
+
+    monkeypatch.chdir(tmp_path)
+    assert importlib.import_module(f"zoo.tools.{tool}").main([arg]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(line) and len(err.splitlines()) == 1, err
+    assert not any(tmp_path.iterdir())  # nothing written, nothing measured
+
+
 def test_runs_started_in_the_same_second_each_get_their_own_run_directory(tmp_path, monkeypatch):
     """Hydra's default run directory is named by the second: a second run started in it would share the
     first's, and Hydra rewrote the first's `.hydra/` before the run-directory lock refused the second.

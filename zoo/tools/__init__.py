@@ -11,4 +11,37 @@ step from.
 The library (everything under `zoo` outside this package) never imports it, so a tool can be renamed
 or removed without touching research code; tests/test_imports.py checks that, and that there is no
 import cycle.
+
+Started as a command (`python -m zoo.tools.<name>`), this package takes Ctrl-C first, before any import of the
+tool's: one line and exit code 130 (`_interrupted_while_starting`) until `zoo.tools.cli.run_tool` runs the body.
 """
+
+import os
+import signal
+import sys
+
+INTERRUPTED_STARTING = "error: interrupted (Ctrl-C) while starting; nothing was done; run the command again"
+
+
+def _interrupted_while_starting(signum, frame) -> None:
+    """Ctrl-C before the tool's body runs (JAX's, Hydra's, the tool's own imports: seconds): nothing was done, so
+    the process ends here, in one line and exit code 130. A KeyboardInterrupt raised inside those imports instead
+    printed a traceback, aborted the process inside a C extension's start, or was swallowed by a callback and the
+    command went on (exit 0)."""
+    os.write(2, (INTERRUPTED_STARTING + "\n").encode())
+    os._exit(130)
+
+
+def _started_as_a_tool() -> bool:
+    """Whether this package is being imported because the process was started as `python -m zoo.tools.<name>`:
+    Python then sets sys.argv[0] to "-m" until the module is found (and imports its packages meanwhile)."""
+    argv = list(getattr(sys, "orig_argv", []))
+    if sys.argv[:1] != ["-m"] or "-m" not in argv[:-1]:
+        return False
+    return argv[argv.index("-m") + 1].startswith(__name__ + ".")
+
+
+# zoo.tools.cli.run_tool hands Ctrl-C back to Python's own handler as the body starts. Left alone where SIGINT is
+# ignored (a shell's background job) or handled by someone else.
+if _started_as_a_tool() and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+    signal.signal(signal.SIGINT, _interrupted_while_starting)

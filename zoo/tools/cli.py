@@ -13,6 +13,7 @@ import datetime
 import os
 import pathlib
 import re
+import signal
 import sys
 import tempfile
 import traceback
@@ -24,7 +25,7 @@ from zoo.offload import ACTIONS, conf_dir, dropped_block_tags
 from zoo.sharding import LOGICAL_AXES
 from zoo.tags import OPTIONAL_KINDS, TAGS, block_kinds
 from zoo.train import distributed, run_dir, stop
-from zoo.train.checkpoint import DirLock
+from zoo.train.run_lock import DirLock
 from zoo.train.metrics import write_json
 from zoo.train.run import prepare, train
 from zoo.train.run_config import GROUPS, ConfigError, TrainingStopped, _known_keys, foreign_data_key_line
@@ -65,7 +66,7 @@ def run_job(cfg: DictConfig, out_of_memory_line: Optional[Callable] = None) -> N
         "no step of this job ran (the jobs before it are done)" if multirun else stop.PHASE_AFTER_START,
     )
     lock, refused = None, False
-    earlier = run_dir.holds_steps(out_dir)  # another run's record is there (this run may only continue it)
+    earlier = run_dir.holds_record(out_dir)  # another run's record is there (this run may only continue it)
     try:
         c, plan, devices, flags = prepare(cfg)
         line = ignored_override_line(c, overrides)
@@ -253,10 +254,10 @@ def _keep_earlier_hydra_record(args: list[str]) -> list[str]:
         return []
     d = pathlib.Path(text).expanduser()
     runs = [d] if key == "hydra.run.dir" else [j for j in d.iterdir() if j.is_dir()] if d.is_dir() else []
-    return ["hydra.output_subdir=null"] if any(run_dir.holds_steps(r) for r in runs) else []
+    return ["hydra.output_subdir=null"] if any(run_dir.holds_record(r) for r in runs) else []
 
 
-def _output_dir_line(args: list[str]) -> Optional[str]:
+def output_dir_line(args: list[str]) -> Optional[str]:
     """Before Hydra creates the output directory (and configures logging, writes .hydra/ into it):
     one line when it cannot be created or written, or a live run holds it; None when it is fine."""
     if _writes_nothing(args):
@@ -547,6 +548,25 @@ def check_writable(path, key: str) -> pathlib.Path:
     return out
 
 
+# The tools that write into `hydra.run.dir` when it is given (zoo.tools.kit.output_path); the others refuse it.
+RUN_DIR_TOOLS = ("python -m zoo.tools.plan", "python -m zoo.tools.inspect_step")
+
+
+def hydra_dir_line(argv, tool: str) -> Optional[str]:
+    """One line for Hydra's output-directory options given to a tool that would not honour them: a tool runs
+    once (no sweep directory), and only `RUN_DIR_TOOLS` write into `hydra.run.dir`; None when all is well."""
+    for arg in argv:
+        key = str(arg).lstrip("+").split("=", 1)[0]
+        if key in ("-m", "--multirun", "hydra.sweep.dir", "hydra.sweep.subdir"):
+            return f"{key}: {tool} runs once, not a sweep (Hydra's multirun is train.py's); drop it"
+        if key == "hydra.run.dir" and tool not in RUN_DIR_TOOLS:
+            return (
+                f"hydra.run.dir: {tool} does not write into a run directory (where it writes, if anywhere, its own "
+                "options say); drop it"
+            )
+    return None
+
+
 def run_tool(body: Callable[[], int], tool: str, argv=(), doc: Optional[str] = None) -> int:
     """A command-line tool's body (`python -m zoo.<tool> ...`): `--help` prints `doc`; bad input ->
     one `error:` line naming the key or file and exit code 2, before any compile; Ctrl-C -> one line
@@ -559,11 +579,22 @@ def run_tool(body: Callable[[], int], tool: str, argv=(), doc: Optional[str] = N
         print(f"usage: {tool} [key=value ...]  (docs/training.md describes the keys)\n\n{doc or ''}".rstrip())
         return 0
     try:
-        with stop.ctrl_c_noted():
+        _take_ctrl_c_from_starting()
+        with stop.ctrl_c_noted(again_at_once=True):
             stop.set_phase("starting", "nothing was done; run the command again")
-            return body()
+            line = hydra_dir_line(argv, tool)
+            if line:
+                raise ConfigError(line)
+            code = body()
+            stop.raise_if_interrupted()  # one a library swallowed (no unraisable report) still ends the command
+            return code
     except KeyboardInterrupt:
         print(interrupted_line(), file=sys.stderr, flush=True)
+        if _is_this_process(tool):
+            # Leave at once: the interpreter's shutdown, with XLA's compile still running on its threads, crashed
+            # the process after this line (exit -11, 3 of 4 Ctrl-C during zoo.tools.generate's compile).
+            sys.stdout.flush()
+            os._exit(EXIT_INTERRUPTED)
         return EXIT_INTERRUPTED
     except Exception as e:  # noqa: BLE001
         line = bad_input_line(e, _conf_dir(), also=(ValueError,), tool=tool, args=argv)
@@ -571,6 +602,22 @@ def run_tool(body: Callable[[], int], tool: str, argv=(), doc: Optional[str] = N
             raise
         print(f"error: {line}", file=sys.stderr)
         return EXIT_BAD_INPUT
+
+
+def _take_ctrl_c_from_starting() -> None:
+    """Python's own Ctrl-C handler back in place of the one zoo.tools set for the tool's imports, so that
+    `stop.ctrl_c_noted` installs the body's."""
+    import zoo.tools
+
+    if signal.getsignal(signal.SIGINT) is zoo.tools._interrupted_while_starting:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _is_this_process(tool: str) -> bool:
+    """Whether `tool` ("python -m zoo.tools.<name>") is what this process was started as, not a call of its
+    entry point from other code (a test's)."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    return getattr(spec, "name", None) == tool.removeprefix("python -m ")
 
 
 def interrupted_line() -> str:
@@ -586,7 +633,7 @@ def main(hydra_main: Callable, conf_dir: pathlib.Path) -> int:
     """Run the @hydra.main function; turn every error into one line and an exit code."""
     os.environ["HYDRA_FULL_ERROR"] = "1"  # let errors reach us instead of Hydra's multi-line report
     try:
-        line = _output_dir_line(sys.argv[1:])
+        line = output_dir_line(sys.argv[1:])
         if line:
             print(f"error: {line}", file=sys.stderr)
             return EXIT_BAD_INPUT

@@ -32,7 +32,9 @@ EXIT_MISMATCH = 1
 class InspectOptions:
     """`inspect.*` keys of `python -m zoo.tools.inspect_step` (the other arguments are train.py's overrides)."""
 
-    out: Optional[str] = None  # null: outputs/inspect/<date>_<time>/inspect.json (under the current directory)
+    # null: outputs/inspect/<date>_<time>/inspect.json under the current directory, or <hydra.run.dir>/inspect.json;
+    # an existing file the inspector did not write is replaced only with inspect.overwrite=true (zoo.tools.kit)
+    out: Optional[str] = None
     # Run one real step to read the device's peak memory, where the backend reports it (not CPU).
     measure: bool = True
     # Exit 1 when a tag is not where the policy says it should be.
@@ -425,7 +427,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     def body() -> int:
         opts, overrides = split_tool_args(argv, "inspect", InspectOptions)
-        out = output_path(opts.out, "inspect.out", "inspect", "inspect.json")
+        out = output_path(opts.out, "inspect.out", "inspect", "inspect.json", argv)
         c, plan, devices, trainer, notes = prepare_step(overrides)
         for n in notes:
             print(f"note: {n}")

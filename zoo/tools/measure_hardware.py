@@ -9,6 +9,10 @@ step's own offloads moved at about 14 GB/s (docs/benchmarks.md, "TPU v5e").
 
     python -m zoo.tools.measure_hardware [name=measured] [out=conf/hardware/<name>.yaml] [n=...] [dtype=...]
                                    [transfer_mb=256] [repeats=5] [op_rates=true] [op_kinds=[attention]]
+                                   [overwrite=false]
+
+It replaces a profile it wrote itself (an earlier `name=measured`), and no other file (a profile shipped in
+conf/hardware, a file of the user's) unless overwrite=true is given.
 
 On CPU the "device" and "pinned host" memories are both host RAM: the transfer figure is a memory copy,
 honest for this machine and meaningless for a GPU. The numbers are medians of `repeats` timed runs
@@ -25,8 +29,7 @@ import time
 from typing import Callable, Optional, Sequence
 
 from zoo.offload import conf_dir
-from zoo.tools.cli import check_writable
-from zoo.tools.kit import run_tool, split_tool_args
+from zoo.tools.kit import check_output, overwrite_asked, run_tool, split_tool_args
 
 
 @dataclasses.dataclass
@@ -612,13 +615,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 f"{bad[0]}: arguments are key=value; keys: "
                 f"{', '.join(f.name for f in dataclasses.fields(MeasureOptions))}"
             )
+        prefixed = [f"measure.{a}" for a in argv]
         try:
-            opts, rest = split_tool_args([f"measure.{a}" for a in argv], "measure", MeasureOptions)
+            opts, rest = split_tool_args(prefixed, "measure", MeasureOptions)
+            overwrite = overwrite_asked(prefixed, "measure")
         except ValueError as e:  # the keys are given without the prefix the parser adds
             raise ValueError(str(e).replace("measure.", "")) from None
         assert not rest
         out = pathlib.Path(opts.out) if opts.out else conf_dir() / "hardware" / f"{opts.name}.yaml"
-        check_writable(out, "out" if opts.out else "name")  # before measuring, not after
+        # before measuring, not after: writable, and no shipped profile or other file replaced without overwrite=true
+        check_output(out, "out" if opts.out else "name", "measure_hardware", "overwrite=true", overwrite)
         profile = measure(opts, write=lambda partial: out.write_text(to_yaml(partial)))
         out.write_text(to_yaml(profile))
         d = profile["_detail"]

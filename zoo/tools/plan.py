@@ -174,9 +174,9 @@ class Planning:
 def _compose(argv: Sequence[str]) -> Planning:
     """The command line read, the run's config composed and validated, its step traced into the problem."""
     opts, overrides = split_tool_args(argv, "plan", PlanConfig)
-    out = output_path(opts.out, "plan.out", "plan", f"offload/{opts.name}.yaml")
+    out = output_path(opts.out, "plan.out", "plan", f"offload/{opts.name}.yaml", argv)
     if opts.json:
-        output_path(opts.json, "plan.json", "plan", "plan.json")
+        output_path(opts.json, "plan.json", "plan", "plan.json", argv)
     cfg = compose(overrides)
     typed = load(cfg)
     start_jax(typed)  # the xla group's flags before target_attention_impl asks JAX for its backend

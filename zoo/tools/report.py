@@ -18,7 +18,7 @@ import sys
 import warnings
 from typing import Optional
 
-from zoo.tools.cli import ArgumentParser, ConfigError, check_writable
+from zoo.tools.cli import ArgumentParser, ConfigError, check_writable, run_tool
 
 
 def load_summaries(root: pathlib.Path) -> list[dict]:
@@ -359,6 +359,10 @@ def main(argv=None) -> int:
         help="where report.md and report.png (or a run's plot) go (default: dir)",
     )
     a = p.parse_args(argv)
+    return run_tool(lambda: _main(a), p.prog)  # Ctrl-C: one line, exit code 130
+
+
+def _main(a) -> int:
     if not a.dir.is_dir():
         print(f"error: dir: {a.dir} is not a directory; pass the multirun output directory", file=sys.stderr)
         return 2

@@ -15,8 +15,8 @@ batch k depends on k alone (zoo.train.batches, zoo.data), so the step number is 
 
 Before anything compiles, `open()` writes (and deletes) a probe file in the directory, so one that
 cannot be written is refused now rather than at the first save, and takes the directory's lock
-(`zoo.lock`: the owner's host, process id and start time; process 0 of a multi-process run takes
-it), so a second run on the same directory stops at once naming the first. A lock whose process is
+(`zoo.lock`, zoo.train.run_lock: the owner's host, process id and start time; process 0 of a multi-process
+run takes it), so a second run on the same directory stops at once naming the first. A lock whose process is
 gone (same host) is stale and taken over with a note. Then `check()` reads the newest complete
 step's metadata and refuses, in one line naming the file and the key, a checkpoint of another model
 (any model field but the compute-only ones below) or of a state with other leaves (another
@@ -28,23 +28,17 @@ A step that cannot be read (a truncated array file, deleted data files, a delete
 metadata file) is skipped with one line saying why, and the newest older step that restores is
 used; the skipped directories are renamed `<step>.unreadable` (nothing is deleted) so that the run
 can save those steps again. When no step restores, the run stops with one line naming the step and
-the fix, before compiling.
+the fix, before compiling (zoo.train.checkpoint_errors says why a step does not read, in one clause). A save
+is not interrupted by Ctrl-C midway (zoo.train.stop.ctrl_c_deferred).
 """
 
 import contextlib
 import dataclasses
 import importlib.metadata
 import json
-import logging
 import os
 import pathlib
-import re
-import signal
-import socket
 import sys
-import threading
-import time
-import warnings
 from typing import Any, Callable, Optional
 
 import jax
@@ -56,18 +50,23 @@ from zoo._compat import orbax_array_metadata_store
 from zoo.hf import CheckpointError, load_sharded
 from zoo.lora import LoraConfig
 from zoo.model import abstract
+from zoo.train.checkpoint_errors import (
+    Unreadable,
+    missing_orbax_files,
+    quiet_closed_loop_callbacks,
+    require_orbax_files,
+    unreadable_reason,
+    why_save_failed,
+)
 from zoo.train.run_config import ConfigError, TrainConfig, TrainingStopped, load_group
+from zoo.train.run_lock import DirLock, probe_writable
+from zoo.train.stop import ctrl_c_deferred
 
 # Model fields that change how the step computes, not what the state holds: a checkpoint may be
 # resumed with other values (the losses then differ from the uninterrupted run's).
 COMPUTE_ONLY = ("compute_dtype", "attention_impl", "moe.impl", "moe.capacity_factor")
 META_FILE = "meta/metadata"
-LOCK_FILE = "zoo.lock"
 UNREADABLE_SUFFIX = ".unreadable"  # a skipped step's new name: orbax no longer takes it for a step
-
-
-class Unreadable(Exception):
-    """A step directory that cannot be restored; the message is one short clause saying why."""
 
 
 def zoo_version() -> str:
@@ -118,277 +117,6 @@ def all_processes_agree(ok: bool) -> bool:
     from jax.experimental import multihost_utils
 
     return bool(np.min(multihost_utils.process_allgather(np.int32(ok))))
-
-
-def probe_writable(d: pathlib.Path, key: str) -> None:
-    """Write and delete a small file in `d`: a directory that cannot be written is found before
-    training, not when the first save fails after the run's work."""
-    probe = d / f".zoo-write-probe-{socket.gethostname()}-{os.getpid()}"
-    try:
-        d.mkdir(parents=True, exist_ok=True)
-        with open(probe, "wb") as f:
-            f.write(b"zoo")
-        probe.unlink()
-    except OSError as e:
-        raise ConfigError(
-            f"{key}: cannot write in {d} ({e.strerror}); choose a writable directory or fix its permissions"
-        ) from None
-
-
-def _process_start(pid: int) -> Optional[str]:
-    """The kernel's start time of `pid` (Linux), which tells a live owner from a reused process id."""
-    try:
-        stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat.rsplit(")", 1)[-1].split()  # after the command name, which may hold spaces
-    return fields[19] if len(fields) > 19 else None
-
-
-def _alive(owner: dict) -> bool:
-    """Whether the lock's owner still runs (only decidable on its own host: elsewhere, assume so)."""
-    if owner.get("host") != socket.gethostname() or not isinstance(owner.get("pid"), int):
-        return True
-    pid = owner["pid"]
-    if pid == os.getpid():
-        return False  # left by an earlier job of this same process
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # another user's live process
-    start = owner.get("pid_start")
-    return start is None or _process_start(pid) in (None, start)
-
-
-class DirLock:
-    """`<checkpoint.dir>/zoo.lock`, created exclusively: which run (host, pid, start time, command)
-    owns the directory. Two runs saving into one directory would overwrite each other's steps."""
-
-    def __init__(self, d: pathlib.Path, name: str = LOCK_FILE, key: str = "checkpoint.dir"):
-        self.dir = d
-        self.path = d / name
-        self.key = key  # the setting that chose the directory, named in the error lines
-        self.mine: Optional[dict] = None
-
-    def held_by_another(self) -> Optional[dict]:
-        """The live owner of the lock, when it is another process's (read-only)."""
-        owner = self._read()
-        return owner if owner and _alive(owner) and owner.get("pid") != os.getpid() else None
-
-    def in_use_line(self, owner: dict) -> str:
-        return (
-            f"{self.key}: {self.dir} is in use by another run (pid {owner.get('pid')} on {owner.get('host')}, "
-            f"started {owner.get('started')}); wait for it to end or give this run another {self.key} "
-            f"(if that run is gone, delete {self.path})"
-        )
-
-    def _read(self) -> Optional[dict]:
-        try:
-            owner = json.loads(self.path.read_text())
-        except FileNotFoundError:
-            return {}
-        except (OSError, ValueError):
-            return None
-        return owner if isinstance(owner, dict) else None
-
-    def acquire(self, echo: Callable = print) -> None:
-        me = {
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "pid_start": _process_start(os.getpid()),
-            "started": time.strftime("%Y-%m-%d %H:%M:%S %z"),
-            "command": " ".join(sys.argv),
-        }
-        for _ in range(20):
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                owner = self._read()
-                if owner is None:  # being written this instant, or garbage: look again shortly
-                    time.sleep(0.05)
-                    continue
-                if owner and _alive(owner):
-                    raise ConfigError(self.in_use_line(owner))
-                if owner and self._remove_stale(owner):
-                    echo(f"note: {self.key}: took over the lock of pid {owner.get('pid')} on {owner.get('host')} "
-                         f"(started {owner.get('started')}), which no longer runs")  # fmt: skip
-                continue
-            except OSError as e:
-                raise ConfigError(
-                    f"{self.key}: cannot create the lock file {self.path} ({e.strerror}); choose a writable directory"
-                ) from None
-            with os.fdopen(fd, "w") as f:
-                json.dump(me, f)
-                f.flush()
-                os.fsync(f.fileno())
-            self.mine = me
-            return
-        raise ConfigError(f"{self.key}: the lock file {self.path} is unreadable; delete it if no run uses {self.dir}")
-
-    def _remove_stale(self, owner: dict) -> bool:
-        """Move the stale lock away atomically (of two runs taking it over, one wins the rename)."""
-        aside = self.path.with_name(f"{self.path.name}.stale-{os.getpid()}")
-        try:
-            os.rename(self.path, aside)
-        except FileNotFoundError:
-            return False  # another run took it over first
-        try:
-            moved = json.loads(aside.read_text())
-        except (OSError, ValueError):
-            moved = None
-        if moved != owner:  # a fresh lock replaced the stale one meanwhile: put it back
-            try:
-                os.link(aside, self.path)
-            except OSError:
-                pass
-            aside.unlink(missing_ok=True)
-            return False
-        aside.unlink(missing_ok=True)
-        return True
-
-    def release(self) -> None:
-        if self.mine is None:
-            return
-        owner = self._read()
-        if owner and owner.get("pid") == self.mine["pid"] and owner.get("host") == self.mine["host"]:
-            self.path.unlink(missing_ok=True)
-        self.mine = None
-
-
-# The status codes TensorStore puts in front of what it could not read, in plain words.
-_READ_ERRORS = {
-    "OUT_OF_RANGE": "an array file is truncated",
-    "DATA_LOSS": "an array file is damaged",
-    "NOT_FOUND": "a file is missing",
-    "PERMISSION_DENIED": "a file cannot be read",
-}
-_STATUS = re.compile(
-    r"\b(OUT_OF_RANGE|DATA_LOSS|NOT_FOUND|PERMISSION_DENIED|INVALID_ARGUMENT|FAILED_PRECONDITION|UNKNOWN|INTERNAL): "
-)
-# Files orbax writes into every step; named when a restore fails without them.
-_ORBAX_FILES = ("state/_METADATA", "state/manifest.ocdbt")
-
-
-def _abandoned_read(unraisable) -> bool:
-    """An unraisable exception from a read of a restore that already failed (see below)."""
-    e, obj = unraisable.exc_value, unraisable.object
-    if isinstance(e, RuntimeError) and str(e) == "Event loop is closed":
-        return True
-    # The other reads of the failed restore: orbax's per-array coroutine, closed unfinished when its
-    # loop goes away, raises its own read error again (orbax-checkpoint 0.12.8 on the 2-core machine).
-    return getattr(obj, "__qualname__", "").endswith("_read_array_index_and_device_put") and str(e).startswith(
-        "Encountered error while reading array index"
-    )
-
-
-def _quiet_closed_loop_callbacks() -> None:
-    """After a failed restore, TensorStore still completes the reads orbax gave up on, and their
-    callbacks find orbax's event loop closed: a `RuntimeError('Event loop is closed')` traceback
-    each, or the read's own error raised again as its coroutine is closed (via sys.unraisablehook),
-    even after the one line that said why the step was skipped; and a coroutine orbax created for
-    the failed restore but never awaited warns as the interpreter exits ("coroutine
-    'Store._get_array_metadatas' was never awaited", orbax-checkpoint 0.12.8 on CI's 2-core machine).
-    Those, and only those, are dropped from the first restore of a resume on (zoo has no coroutines)."""
-    previous = sys.unraisablehook
-    if getattr(previous, "_zoo_quiet", False):
-        return
-    warnings.filterwarnings("ignore", message=r"coroutine '[\w.<>]+' was never awaited", category=RuntimeWarning)
-
-    def hook(unraisable):
-        if _abandoned_read(unraisable):
-            return
-        previous(unraisable)
-
-    hook._zoo_quiet = True
-    sys.unraisablehook = hook
-    # Or an abandoned read's task is collected with its error unretrieved, which asyncio logs
-    # ("Task exception was never retrieved", seen once in a few hundred damaged-step restores).
-    logging.getLogger("asyncio").addFilter(_not_an_abandoned_read_task)
-
-
-def _not_an_abandoned_read_task(record) -> bool:
-    e = record.exc_info[1] if record.exc_info else None
-    text = record.getMessage() + (str(e) if e is not None else "")
-    if "Encountered error while reading array index" in text:
-        return False
-    # A TensorStore read error (it carries a status code) in a task nobody awaited: an abandoned read.
-    return not (text.startswith("Task exception was never retrieved") and _STATUS.search(text))
-
-
-def _missing_orbax_files(step_dir: pathlib.Path) -> Optional[str]:
-    """ "state/manifest.ocdbt is missing" (or both files), None when orbax's files are all there."""
-    missing = [f for f in _ORBAX_FILES if not (step_dir / f).exists()]
-    return f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing" if missing else None
-
-
-def _require_orbax_files(step_dir: pathlib.Path) -> None:
-    """Unreadable when a file orbax writes into every step is gone: said before any read starts, so
-    no half-started restore leaves reads behind to report after the one line."""
-    missing = _missing_orbax_files(step_dir)
-    if missing:
-        raise Unreadable(missing)
-
-
-def _why_save_failed(e: BaseException) -> str:
-    """The operating system's reason when an OSError is in the chain (`No space left on device`), else
-    the error's first line."""
-    seen = []
-    while e is not None and e not in seen:
-        seen.append(e)
-        if isinstance(e, OSError) and e.strerror:
-            return e.strerror
-        e = e.__cause__ or e.__context__
-    first = str(seen[0]).strip().splitlines()
-    return f"{type(seen[0]).__name__}: {first[0][:200] if first else ''}"
-
-
-def unreadable_reason(e: BaseException, step_dir: pathlib.Path) -> str:
-    """One short clause for why restoring `step_dir` failed: TensorStore's innermost status message
-    without its multi-kilobyte spec, paths relative to the step directory."""
-    missing = _missing_orbax_files(step_dir)
-    if missing:
-        return missing
-    chain: list[BaseException] = []
-    while e is not None and e not in chain:
-        chain.append(e)
-        e = e.__cause__ or e.__context__
-    for x in reversed(chain):  # the innermost error names the array and the file
-        m = _STATUS.search(str(x))
-        if m:
-            text, code = str(x)[m.start() :], m.group(1)
-            break
-    else:
-        first = str(chain[0]).strip().splitlines()
-        text, code = f"{type(chain[0]).__name__}: {first[0] if first else ''}", None
-    text = re.split(r" \[tensorstore_spec|\. See full TensorStore details", text, maxsplit=1)[0]
-    text = re.sub(r'Error opening "\w+" driver: ', "", text)
-    text = re.sub(r' in OCDBT database at local file "[^"]*"', "", text)
-    text = text.replace(f'local file "{step_dir}/', '"')
-    if len(text) > 240:
-        text = text[:237] + "..."
-    return f"{_READ_ERRORS[code]}: {text}" if code in _READ_ERRORS else text
-
-
-@contextlib.contextmanager
-def ctrl_c_deferred():
-    """Hold a Ctrl-C (SIGINT) back until the block is done, then deliver it again to the handler that
-    was there before (Python's own raises KeyboardInterrupt; a process that ignores SIGINT, e.g. one
-    started in the background by a shell, goes on): the block always completes. Only the main thread
-    receives signals; elsewhere the block runs as it is, and so it does where SIGINT's handler was not
-    installed from Python (an embedding program's): Python could not put that one back."""
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
-        yield
-        return
-    pressed = []
-    before = signal.signal(signal.SIGINT, lambda signum, frame: pressed.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, before)
-    if pressed:  # now, as it would have been handled without the block
-        signal.raise_signal(signal.SIGINT)
 
 
 class Checkpoints:
@@ -637,7 +365,7 @@ class Checkpoints:
         """The state saved at `step`, read into this run's shardings and memory kinds."""
         import orbax.checkpoint as ocp
 
-        _require_orbax_files(self.dir / str(step))
+        require_orbax_files(self.dir / str(step))
         abstract = self.trainer.saved(self.trainer.abstract_state())  # LoRA: no frozen base on disk
         args = ocp.args.Composite(
             state=ocp.args.PyTreeRestore(
@@ -663,7 +391,7 @@ class Checkpoints:
             reason, state = None, None
             # Before the restore, not after it fails: the abandoned reads' callbacks can run on
             # TensorStore's threads while the failure is still on its way here.
-            _quiet_closed_loop_callbacks()
+            quiet_closed_loop_callbacks()
             try:
                 if step != first:  # check() has read the first one's metadata
                     self._check_fits(step, self._read_meta(step), notes=False)
@@ -768,7 +496,7 @@ class Checkpoints:
                 else starting
             )
             self.failed = TrainingStopped(
-                f"step {step}: saving its checkpoint failed ({_why_save_failed(e)}), so the run stopped; last good "
+                f"step {step}: saving its checkpoint failed ({why_save_failed(e)}), so the run stopped; last good "
                 "checkpoint: "
                 f"{self._last_good()}; free space in {self.dir} (or give another checkpoint.dir) and run the same "
                 "command to resume"
@@ -857,7 +585,7 @@ def restore_model(
         echo = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731 - stdout may carry the tool's output
     skipped: list[tuple[int, str]] = []
     for s in [step] if step is not None else reversed(steps):
-        _quiet_closed_loop_callbacks()  # before the read: a failed one's abandoned reads report after it
+        quiet_closed_loop_callbacks()  # before the read: a failed one's abandoned reads report after it
         try:
             model, meta = _restore_params(d, s, devices, lora_form)
         except Unreadable as e:
@@ -907,7 +635,7 @@ def _restore_params(d: pathlib.Path, step: int, devices, lora_form: str = "merge
         return abstract(config), meta
     else:
         wanted = params
-    _require_orbax_files(step_dir)
+    require_orbax_files(step_dir)
     absl = logging.getLogger("absl")
     level = absl.level
     absl.setLevel(logging.ERROR)  # orbax warns that a bare item directory has no step metadata
@@ -917,7 +645,7 @@ def _restore_params(d: pathlib.Path, step: int, devices, lora_form: str = "merge
             saved = ckptr.metadata(step_dir / "state").item_metadata
             if saved is None:  # orbax returns no tree, rather than raising (its files were there a moment ago)
                 raise Unreadable(
-                    _missing_orbax_files(step_dir) or "orbax cannot read its state metadata (damaged files)"
+                    missing_orbax_files(step_dir) or "orbax cannot read its state metadata (damaged files)"
                 )
             saved = saved.tree["params"]
             # Orbax restores its own nested dicts here (a partial restore cannot rebuild Equinox modules);

@@ -22,7 +22,8 @@ from zoo.offload import OffloadConfig, parse_ranges, range_configs
 from zoo.sharding import ShardingError, memory_kinds
 from zoo.train import huge_pages
 from zoo.train.batches import make_data
-from zoo.train.checkpoint import Checkpoints, all_processes_agree, probe_writable
+from zoo.train.checkpoint import Checkpoints, all_processes_agree
+from zoo.train.run_lock import probe_writable
 from zoo.train.distributed import initialize
 from zoo.train.evaluate import attach_data
 from zoo.train import run_dir

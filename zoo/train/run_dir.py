@@ -1,11 +1,12 @@
 """One run's record per run directory (`hydra.run.dir`): its `metrics.jsonl`, `summary.json` and `.hydra/`.
 
-A run started into a directory whose `metrics.jsonl` already holds steps may only continue that record:
+A run started into a directory whose `metrics.jsonl` already holds steps (or, damaged, no longer reads beside the
+`summary.json` of the run that wrote it) may only continue that record:
 resume from a checkpoint (zoo.train.metrics.MetricsWriter keeps the records before the resumed step and
 appends), or start the same command again after an attempt that did not finish (a Ctrl-C or a kill before
 its first checkpoint: the same steps are computed again). Any other run from step 0 would replace the
 earlier run's files, so it is refused (`RunDirTaken`, one line) before it writes anything; train.py
-keeps Hydra from rewriting that directory's `.hydra/` (`holds_steps`, zoo.tools.cli), and a run refused
+keeps Hydra from rewriting that directory's `.hydra/` (`holds_record`, zoo.tools.cli), and a run refused
 for bad input there leaves the earlier `summary.json` alone.
 """
 
@@ -39,6 +40,18 @@ def holds_steps(run_dir: pathlib.Path) -> bool:
     return False
 
 
+def holds_record(run_dir: pathlib.Path) -> bool:
+    """Whether `run_dir` holds an earlier run's record: a step in its metrics.jsonl (`holds_steps`), or a
+    metrics.jsonl that no longer reads (binary, cut short) beside the summary.json of the run that wrote it."""
+    if holds_steps(run_dir):
+        return True
+    try:
+        damaged = (run_dir / METRICS).stat().st_size > 0
+    except OSError:
+        return False
+    return damaged and "status" in _earlier_summary(run_dir)
+
+
 def _earlier_summary(run_dir: pathlib.Path) -> dict:
     try:
         summary = json.loads((run_dir / SUMMARY).read_bytes())
@@ -68,7 +81,7 @@ def finished(run_dir: pathlib.Path) -> bool:
 def taken_line(run_dir: pathlib.Path, start: int, overrides) -> Optional[str]:
     """The one line refusing a run that starts at step `start` with these overrides into `run_dir`, when
     it would replace an earlier run's record there; None when it continues that record or there is none."""
-    if start > 0 or not holds_steps(run_dir):
+    if start > 0 or not holds_record(run_dir):
         return None
     summary = _earlier_summary(run_dir)
     done = summary.get("status") == "ok"

@@ -12,6 +12,7 @@ same one (saving is collective). So each step also dispatches a max over every p
 read together with that step's metrics: all processes see the same vote at the same step.
 """
 
+import _thread
 import contextlib
 import signal
 import sys
@@ -59,10 +60,11 @@ def ctrl_c_served() -> None:
 
 
 @contextlib.contextmanager
-def ctrl_c_noted():
+def ctrl_c_noted(again_at_once: bool = False):
     """For the commands (zoo.tools.cli: `run_tool`, and `main` for train.py): Ctrl-C raises
     KeyboardInterrupt as Python's own handler does, and is noted, and the "Exception ignored" report of
-    one Python swallowed is left out (the note raises it again). Left as it is where SIGINT is ignored
+    one Python swallowed is left out (the note raises it again at the next `set_phase`; with `again_at_once`,
+    a tool's, as soon as the code that swallowed it has returned). Left as it is where SIGINT is ignored
     (a shell's background job) or handled by someone else, and outside the main thread."""
     global _PRESSED
     if (
@@ -78,22 +80,80 @@ def ctrl_c_noted():
         raise KeyboardInterrupt
 
     unraisable = sys.unraisablehook
+    again = _InterruptAgain() if again_at_once else None
 
     def hook(u):
         if not (_PRESSED and isinstance(u.exc_value, KeyboardInterrupt)):
             unraisable(u)
+        elif again is not None:
+            again.ask()
 
     signal.signal(signal.SIGINT, note)
     sys.unraisablehook = hook
     try:
         yield
     finally:
+        if again is not None:
+            again.stop()
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        # A hook installed on top of this one (zoo.train.checkpoint's, quieting what a failed restore
+        # A hook installed on top of this one (zoo.train.checkpoint_errors', quieting what a failed restore
         # leaves behind until the interpreter exits) stays: this one, under it, passes all through now.
         if sys.unraisablehook is hook:
             sys.unraisablehook = unraisable
         _PRESSED = False
+
+
+@contextlib.contextmanager
+def ctrl_c_deferred():
+    """Hold a Ctrl-C (SIGINT) back until the block is done, then deliver it again to the handler that
+    was there before (Python's own raises KeyboardInterrupt; a process that ignores SIGINT, e.g. one
+    started in the background by a shell, goes on): the block always completes. Only the main thread
+    receives signals; elsewhere the block runs as it is, and so it does where SIGINT's handler was not
+    installed from Python (an embedding program's): Python could not put that one back."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
+        yield
+        return
+    pressed = []
+    before = signal.signal(signal.SIGINT, lambda signum, frame: pressed.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
+    if pressed:  # now, as it would have been handled without the block
+        signal.raise_signal(signal.SIGINT)
+
+
+class _InterruptAgain:
+    """A thread that delivers Ctrl-C to the main thread again (`_thread.interrupt_main`) each time `ask` is
+    called: from the main thread itself (the unraisable hook, right after Python swallowed one), interrupt_main
+    would run the handler at once, inside the hook, which would swallow it too. Delivered from here, it lands once
+    the main thread is back in Python: in the code that was running, or in the next callback that swallows it, which
+    asks again."""
+
+    def __init__(self):
+        self.wanted = threading.Event()
+        self.done = False
+        threading.Thread(target=self._deliver, daemon=True, name="zoo-ctrl-c-again").start()
+
+    def _deliver(self) -> None:
+        while True:
+            self.wanted.wait()
+            self.wanted.clear()
+            if self.done:
+                return
+            _thread.interrupt_main()
+
+    def ask(self) -> None:
+        while True:
+            try:
+                self.wanted.set()
+                return
+            except KeyboardInterrupt:
+                continue  # the one asked for before landed here, in the hook: ask again
+
+    def stop(self) -> None:
+        self.done = True
+        self.wanted.set()
 
 
 class StopSignals:
