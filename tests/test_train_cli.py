@@ -309,12 +309,10 @@ def _cli(tool: str, argv: list[str], out_dir: pathlib.Path) -> int:
         import train
     finally:
         sys.path.remove(str(ROOT))
-    from zoo.tools.cli import main
-
     saved = sys.argv
     sys.argv = ["train.py", *argv, f"hydra.run.dir={out_dir / 'run'}", "hydra.job.chdir=false"]
     try:
-        return main(train.main, train.CONF)
+        return train.entry()
     finally:
         sys.argv = saved
 

@@ -32,6 +32,7 @@ from jaxtyping import PRNGKeyArray, PyTree
 
 from zoo import nn
 from zoo.errors import ConfigError
+from zoo.ranges import ranged
 
 # The adapted weight and its projection live with the blocks that use them; re-exported here.
 from zoo.nn.lora_weight import LoRAWeight, _is_lora, project  # noqa: F401
@@ -46,6 +47,7 @@ def _projections(block_class) -> dict[str, int]:
 TARGETS = tuple(dict.fromkeys(f for name in nn.__all__ for f in _projections(getattr(nn, name))))
 
 
+@ranged("lora", rank="[0, inf): 0 turns LoRA off", alpha="(0, inf)", dropout="[0, 1)")
 @dataclasses.dataclass
 class LoraConfig:
     """The `lora` group. `rank: 0` (lora=none) trains the whole model as before."""
@@ -57,12 +59,6 @@ class LoraConfig:
     base_on_host: bool = False  # the frozen base in pinned host memory, brought to the device per layer
 
     def __post_init__(self):
-        if self.rank < 0:
-            raise ConfigError(f"lora.rank: must be >= 0 (0 turns LoRA off), got {self.rank}")
-        if self.rank and self.alpha <= 0:
-            raise ConfigError(f"lora.alpha: must be positive, got {self.alpha}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"lora.dropout: {self.dropout} is not a probability in [0, 1); e.g. lora.dropout=0.05")
         if self.rank and not self.targets:
             raise ConfigError("lora.targets: empty; name at least one projection, e.g. lora.targets=[wq,wv]")
         unknown = [t for t in self.targets if t not in TARGETS]

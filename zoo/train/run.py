@@ -202,14 +202,30 @@ def prepare(cfg: DictConfig):
     Bad input raises ConfigError (one line) from here."""
     c = load(cfg)
     flags = start_jax(c)
-    import jax
-
-    devices = jax.devices()
+    devices = started_devices()
     c.hardware, note = auto_hardware(c.hardware, devices[0])
     if note:
         print(f"note: {note}", flush=True)
     plan = validate(c, len(devices), abstract(c.model))
     return c, plan, devices, flags
+
+
+def started_devices() -> list:
+    """`jax.devices()`, or one line when JAX_PLATFORMS names a backend this machine cannot start (JAX
+    raises a RuntimeError for a TPU without libtpu, an AssertionError for CUDA without its plugin)."""
+    import jax
+
+    try:
+        return jax.devices()
+    except (RuntimeError, AssertionError) as e:
+        wanted = os.environ.get("JAX_PLATFORMS", "").strip()
+        if not wanted:
+            raise
+        why = str(e).split(" (set JAX_PLATFORMS")[0].strip() or "its plugin is not installed"
+        raise ConfigError(
+            f"JAX_PLATFORMS: {wanted!r} in the environment names a backend this machine cannot start ({why}); unset "
+            "JAX_PLATFORMS (JAX then takes the best one here), or install that backend's jax plugin"
+        ) from None
 
 
 def train(c: TrainConfig, plan, devices, out_dir: pathlib.Path, xla_flags: str = "", overrides=(), echo=print) -> dict:

@@ -28,6 +28,7 @@ from zoo.nn.expert_rounds import round_block
 from zoo.nn.moe_dispatch import check_expert_parallel, exchanges_in_rounds
 from zoo import op_rates
 from zoo.offload import OffloadConfig, check_tags_emitted
+from zoo.ranges import ranged
 from zoo.sharding import (
     CONTEXT,
     CONTEXT_BALANCED,
@@ -51,6 +52,11 @@ class TrainingStopped(RuntimeError):
     """Training stopped itself for a reason it can state in one line (a non-finite loss): no traceback."""
 
 
+@ranged(
+    "mesh",
+    **dict.fromkeys(("devices", *MESH_AXES), "-1 or [1, inf): -1 fills the devices left"),
+    max_replicated_mb="[0, inf)",
+)
 @dataclasses.dataclass
 class MeshConfig:
     """Mesh axes (-1: fills the devices left) and the logical-axis rules (logical dim -> mesh axes)."""
@@ -112,8 +118,6 @@ class MeshConfig:
                     raise ConfigError(
                         f"mesh.rules.{logical}: unknown mesh axis {a!r}; use some of {', '.join(MESH_AXES)}"
                     )
-        if self.devices == 0 or self.devices < -1:
-            raise ConfigError(f"mesh.devices: got {self.devices}; use a positive count or -1 for all devices")
 
     @property
     def axes(self) -> dict[str, int]:
@@ -123,6 +127,18 @@ class MeshConfig:
 OPTIMIZERS = ("adamw",)
 
 
+@ranged(
+    "optimizer",
+    lr="(0, inf)",
+    warmup_steps="[0, inf)",
+    decay_steps="(0, inf): null decays over trainer.steps",
+    min_lr_ratio="[0, 1]",
+    b1="[0, 1)",
+    b2="[0, 1)",
+    eps="(0, inf)",
+    weight_decay="[0, inf)",
+    grad_clip="[0, inf): 0 disables",
+)
 @dataclasses.dataclass
 class OptimizerConfig:
     """AdamW with linear warmup, cosine decay to lr * min_lr_ratio, and global-norm clipping."""
@@ -141,14 +157,6 @@ class OptimizerConfig:
     def __post_init__(self):
         if self.name not in OPTIMIZERS:
             raise ConfigError(f"optimizer.name: unknown optimizer {self.name!r}; choose one of {', '.join(OPTIMIZERS)}")
-        if self.lr <= 0:
-            raise ConfigError(f"optimizer.lr: must be positive, got {self.lr}; e.g. optimizer.lr=3e-4")
-        if self.warmup_steps < 0:
-            raise ConfigError(f"optimizer.warmup_steps: must be >= 0, got {self.warmup_steps}")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ConfigError(f"optimizer.min_lr_ratio: must be in [0, 1], got {self.min_lr_ratio}")
-        if self.grad_clip < 0:
-            raise ConfigError(f"optimizer.grad_clip: must be >= 0 (0 disables), got {self.grad_clip}")
 
 
 DATASETS = ("markov", "uniform", "text")
@@ -190,6 +198,18 @@ def foreign_data_key_line(key: str, value: Any = None, name: Optional[str] = Non
 _DATA_NULL = {"path": "the shipped corpus", "tokenizer": "UTF-8 bytes", "eval_path": "no separate eval file"}
 
 
+# Seeds: what numpy's and JAX's generators take (a seed outside it overflows or is refused as they start).
+SEED_RANGE = "[0, 2**32)"
+
+
+@ranged(
+    "data",
+    batch_size="(0, inf)",
+    seq_len="[2, inf): next-token loss needs 2 tokens",
+    branching="(0, inf)",
+    seed=SEED_RANGE,
+    eval_fraction="[0, 1): 0 holds nothing out",
+)
 @dataclasses.dataclass
 class DataConfig:
     """Synthetic tokens, or real text. markov: each token has `branching` likely successors (learnable,
@@ -214,11 +234,6 @@ class DataConfig:
     def __post_init__(self):
         if self.name not in DATASETS:
             raise ConfigError(f"data.name: unknown dataset {self.name!r}; choose one of {', '.join(DATASETS)}")
-        for name in ("batch_size", "seq_len", "branching"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"data.{name}: must be positive, got {getattr(self, name)}")
-        if self.seq_len < 2:
-            raise ConfigError(f"data.seq_len: next-token loss needs at least 2 tokens, got {self.seq_len}")
         for name in ("path", "tokenizer", "eval_path"):  # `data.path=` (an unset shell variable) is not null
             if getattr(self, name) is not None and not str(getattr(self, name)).strip():
                 raise ConfigError(
@@ -230,10 +245,6 @@ class DataConfig:
 
             if self.format not in FORMATS:
                 raise ConfigError(f"data.format: unknown format {self.format!r}; choose one of {', '.join(FORMATS)}")
-        if not 0.0 <= self.eval_fraction < 1.0:
-            raise ConfigError(
-                f"data.eval_fraction: must be in [0, 1), got {self.eval_fraction}; e.g. data.eval_fraction=0.05"
-            )
         if self.eval_fraction and self.eval_path:
             raise ConfigError(
                 "data.eval_fraction: set it or data.eval_path, not both; data.eval_fraction=0 to evaluate on "
@@ -255,6 +266,12 @@ def _jaxlib_version() -> str:
         return "not installed"
 
 
+# Simulated CPU devices beyond this take minutes to start (XLA builds each device's runtime), and no
+# mesh of conf/mesh needs more.
+MAX_CPU_DEVICES = 1024
+
+
+@ranged("xla", cpu_devices=f"[1, {MAX_CPU_DEVICES}]: simulated devices beyond that take minutes to start")
 @dataclasses.dataclass
 class XlaConfig:
     """XLA flags set before JAX starts, merged with the XLA_FLAGS already in the environment."""
@@ -296,8 +313,6 @@ class XlaConfig:
                 "refuse "
                 f"to start; remove it or check its spelling"
             )
-        if self.cpu_devices is not None and self.cpu_devices < 1:
-            raise ConfigError(f"xla.cpu_devices: must be >= 1 or null, got {self.cpu_devices}")
         if self.cpu_ynn_fusions is not None and not set(self.cpu_ynn_fusions.split(",")) <= {
             "dot",
             "eltwise",
@@ -310,6 +325,18 @@ class XlaConfig:
             raise ConfigError(f"xla.cpu_fast_compile: got {self.cpu_fast_compile!r}; give true, false or auto")
 
 
+@ranged(
+    "trainer",
+    steps="(0, inf)",
+    grad_accum="(0, inf)",
+    seed=SEED_RANGE,
+    log_every="(0, inf)",
+    moe_bias_update_rate="[0, inf): 0 disables",
+    moe_imbalance_warn="0 or (1, inf): the max/mean expert load is >= 1; 0 disables",
+    loss_chunk_size="[0, inf): sequence positions, 0 for the whole logits",
+    eval_every="[0, inf): 0 evaluates at the end only",
+    eval_batches="(0, inf)",
+)
 @dataclasses.dataclass
 class TrainerConfig:
     steps: int = 100
@@ -334,30 +361,7 @@ class TrainerConfig:
     eval_batches: int = 8
 
     def __post_init__(self):
-        if self.steps <= 0:
-            raise ConfigError(f"trainer.steps: must be positive, got {self.steps}")
-        if self.grad_accum <= 0:
-            raise ConfigError(f"trainer.grad_accum: must be positive, got {self.grad_accum}")
-        if self.log_every <= 0:
-            raise ConfigError(f"trainer.log_every: must be positive, got {self.log_every}")
-        if self.moe_bias_update_rate < 0:
-            raise ConfigError(
-                f"trainer.moe_bias_update_rate: must be >= 0 (0 disables), got {self.moe_bias_update_rate}"
-            )
-        if self.moe_imbalance_warn < 0 or (0 < self.moe_imbalance_warn <= 1):
-            raise ConfigError(
-                f"trainer.moe_imbalance_warn: the max/mean expert load is >= 1, so a threshold must be > 1 "
-                f"(e.g. 2.0) or 0 to disable, got {self.moe_imbalance_warn}"
-            )
-        if self.eval_every < 0:
-            raise ConfigError(f"trainer.eval_every: must be >= 0 (0: evaluate at the end only), got {self.eval_every}")
-        if self.eval_batches <= 0:
-            raise ConfigError(f"trainer.eval_batches: must be positive, got {self.eval_batches}")
-        if self.loss_chunk_size < 0:
-            raise ConfigError(
-                f"trainer.loss_chunk_size: must be a positive number of sequence positions (any size; it need not "
-                f"divide data.seq_len) or 0 for the whole logits, got {self.loss_chunk_size}"
-            )
+        pass  # ranges only (`ranged`)
 
 
 PLATFORMS = ("cpu", "gpu", "tpu")
@@ -546,6 +550,7 @@ def check_hardware_platform(hw: HardwareConfig, platform: str) -> None:
         )
 
 
+@ranged("checkpoint", every_n_steps="(0, inf)", keep_last="(0, inf): null keeps all")
 @dataclasses.dataclass
 class CheckpointConfig:
     """Orbax checkpoints of the train state (params with the MoE biases, optimizer state, step).
@@ -562,12 +567,9 @@ class CheckpointConfig:
     def __post_init__(self):
         if self.dir is not None and not str(self.dir).strip():
             raise ConfigError("checkpoint.dir: empty; give a directory or null to disable checkpointing")
-        if self.every_n_steps <= 0:
-            raise ConfigError(f"checkpoint.every_n_steps: must be positive, got {self.every_n_steps}")
-        if self.keep_last is not None and self.keep_last <= 0:
-            raise ConfigError(f"checkpoint.keep_last: must be positive or null (keep all), got {self.keep_last}")
 
 
+@ranged("distributed", num_processes="[1, inf)", process_id="[0, inf)", timeout_s="(0, inf)")
 @dataclasses.dataclass
 class DistributedConfig:
     """JAX's multi-controller runtime (`jax.distributed.initialize`), one process per host or per GPU.
@@ -588,19 +590,13 @@ class DistributedConfig:
             host, sep, port = str(a).rpartition(":")
             if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
                 raise ConfigError(f"distributed.coordinator_address: {a!r} is not host:port; e.g. 10.0.0.1:1234")
-        if self.num_processes is not None and self.num_processes < 1:
-            raise ConfigError(f"distributed.num_processes: must be >= 1, got {self.num_processes}")
         if self.process_id is not None:
-            if self.process_id < 0:
-                raise ConfigError(f"distributed.process_id: must be >= 0, got {self.process_id}")
             if self.num_processes is not None and self.process_id >= self.num_processes:
                 raise ConfigError(
                     f"distributed.process_id: {self.process_id} is not below "
                     f"distributed.num_processes={self.num_processes}; "
                     f"use 0..{self.num_processes - 1}"
                 )
-        if self.timeout_s <= 0:
-            raise ConfigError(f"distributed.timeout_s: must be positive, got {self.timeout_s}")
 
 
 @dataclasses.dataclass
