@@ -37,7 +37,7 @@ class Interval:
     lo_closed: bool
     hi_closed: bool
 
-    def __contains__(self, v: float) -> bool:
+    def __contains__(self, v: Number) -> bool:
         above = v >= self.lo if self.lo_closed else v > self.lo
         below = v <= self.hi if self.hi_closed else v < self.hi
         return above and below
@@ -66,7 +66,7 @@ class Range:
                 values.append(_number(part))
         return cls(text.strip(), tuple(values), tuple(intervals), note.strip())
 
-    def __contains__(self, v: Number) -> bool:
+    def __contains__(self, v: object) -> bool:
         if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
             return False
         return v in self.values or any(v in i for i in self.intervals)
@@ -100,7 +100,7 @@ class Range:
         return max(self.values) + 1
 
 
-def _show(v: float) -> str:
+def _show(v: Number) -> str:
     if math.isinf(v):
         return "inf" if v > 0 else "-inf"
     return str(int(v)) if float(v).is_integer() else f"{v:g}"
@@ -128,7 +128,7 @@ def check(obj) -> None:
             continue
         key = f"{prefix}.{name}" if prefix else name
         default = _default(type(obj), name)
-        example = default if default in rng else rng.example()
+        example = default if default is not None and default in rng else rng.example()
         note = f" ({rng.note})" if rng.note else ""
         shown = _show(example) if isinstance(example, float) and isinstance(default, int) else example
         raise ConfigError(f"{key}: must be {rng.describe()}{note}, got {value!r}; e.g. {key}={shown}")

@@ -10,7 +10,7 @@ as transformers skips them.
 import numpy as np
 
 from zoo.config import MLAConfig, ModelConfig, MoEConfig, RopeConfig
-from zoo.families._family import FamilyDef
+from zoo.families._family import FamilyDef, Recipe
 from zoo.families._hf import (
     SILU,
     Family,
@@ -328,6 +328,10 @@ FAMILY = FamilyDef(
     mla=True,
     hf=HF,
     sizes=sizes,
+    recipes={
+        "deepseek_v3_671b": Recipe(2.2e-4, 2000, "DeepSeek-V3 report, 4.2: 0 to 2.2e-4 over the first 2K steps"),
+        "kimi_k2_1t": Recipe(2e-4, 500, "Kimi K2 technical report: 2e-4 after 500 warmup steps (with MuonClip)"),
+    },
     published={
         "deepseek_v3_671b": (671e9, None, 0.01, "DeepSeek-V3 report: 671B total without the 14B MTP module"),
         # The hub's 1026.5B includes the FP8 checkpoint's weight_scale_inv blocks (62.5M scales, one per

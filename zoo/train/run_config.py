@@ -333,7 +333,7 @@ class XlaConfig:
     log_every="(0, inf)",
     moe_bias_update_rate="[0, inf): 0 disables",
     moe_imbalance_warn="0 or (1, inf): the max/mean expert load is >= 1; 0 disables",
-    loss_chunk_size="[0, inf): sequence positions, 0 for the whole logits",
+    loss_chunk_size="[0, inf): sequence positions per chunk, any size, or 0 for the whole logits",
     eval_every="[0, inf): 0 evaluates at the end only",
     eval_batches="(0, inf)",
 )
@@ -970,6 +970,10 @@ def to_dict(c: TrainConfig) -> dict:
 # conf/mesh preset starts from and changes (the default rules live once, in zoo.sharding.DEFAULT_RULES).
 # Plain nodes, not the dataclasses: validation stays with load_group, whose messages name the key.
 MESH_DEFAULTS_NAME = "_defaults"
+# The named sizes' learning rate and warmup (zoo.families' recipes), a group of their own that
+# conf/config.yaml chooses by the model's name after the optimizer's: optimizer.lr and
+# optimizer.warmup_steps on the command line still win, and `--cfg job` shows the values used.
+RECIPE_GROUP = "recipe"
 
 
 def _field_default(f: dataclasses.Field) -> Any:
@@ -983,6 +987,10 @@ def _register_python_options() -> None:
     )
     for name, size in families.SIZES.items():
         store.store(group="model", name=name, node=dataclasses.asdict(size))
+        recipe = families.get(size.family).recipe(name)
+        if recipe is not None:  # conf/config.yaml: `optional recipe: ${model}`, after the optimizer group
+            node = {"optimizer": {"lr": recipe.lr, "warmup_steps": recipe.warmup_steps}}
+            store.store(group=RECIPE_GROUP, name=name, node=node, package="_global_")
     store.store(group="model", name="hf", node=hf_option())
 
 
