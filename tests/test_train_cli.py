@@ -100,7 +100,6 @@ FUZZ = [
     ("train", ["hydra/launcher=nosuch"], "hydra/launcher: unknown option 'nosuch'; choose one of basic, slurm"),
     ("train", ["modle=llama_tiny_a"], "modle: not a config group (did you mean model?)"),
     ("train", ["+foo=bar"], "foo: unknown top-level key; the groups are "),
-    ("train", ["~model"], "model: the group is missing"),
     ("train", ["trainer.stepz=3"], "trainer.stepz: unknown key (did you mean steps?); known keys here: steps, "),
     ("train", ["model.rope.typ=yarn"], "model.rope.typ: unknown key (did you mean type?)"),
     ("train", ["mesh.rulez.vocab=[tensor]"], "mesh.rulez.vocab: unknown key"),
@@ -184,6 +183,20 @@ FUZZ = [
     ("train", ["hydra.run.dir=$HOME/x"], "hydra.run.dir: '$HOME/x' holds $HOME, which the shell did not expand"),
     ("train", ["data.path=$DATA/books.txt"], "data.path: '$DATA/books.txt' holds $DATA, which the shell did not"),
     ("train", ["hydra/launcher=slurm"], "hydra/launcher: slurm launches the jobs of a sweep, and without -m"),
+    ("train", ["~model"], "model: the group is missing (~model deletes it); choose an option"),
+    # what cannot fit: refused before anything is initialised (zoo.train.machine_fit), or too deep to judge
+    (
+        "train",
+        ["model=llama3.1_405b", "mesh=single", "data.batch_size=1", "data.seq_len=16"],
+        "model: training 405.85B parameters needs at least 6493.7 GB (weights 1623.4 GB, gradients and AdamW",
+    ),
+    ("train", ["model.num_layers=1000000"], "model.num_layers: must be in [1, 10000] (beyond that, building"),
+    # a block the model lacks, named before the tag's action
+    (
+        "train",
+        ["model=llama_tiny_a", "+offload.block_tags.mla.mla_q=offload"],
+        "offload.block_tags.mla: the llama model has no mla blocks (its optional blocks: mlp), so this would be",
+    ),
     ("train", ["hardware=tpu"], "hardware: unknown option 'tpu'; choose one of auto, cpu, "),
     ("train", ["hardware=tpu_v5e"], "hardware: tpu_v5e is a profile of a tpu, and this run's devices are cpus; use"),
     (

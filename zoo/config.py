@@ -23,6 +23,7 @@ from zoo.ranges import ranged
 
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+MAX_LAYERS = 10000
 MOE_IMPLS = ("auto", "ragged", "capacity")
 # sigmoid_grouped: DeepSeek-V3 (sigmoid scores + correction bias, group-limited top-k, renormalised, scaled).
 # softmax: Mixtral, Qwen3-MoE (softmax over all experts, top-k, renormalised when norm_topk_prob).
@@ -258,7 +259,6 @@ class LayerSpec:
         (
             "vocab_size",
             "hidden_size",
-            "num_layers",
             "num_heads",
             "num_kv_heads",
             "head_dim",
@@ -270,6 +270,9 @@ class LayerSpec:
         ),
         "(0, inf)",
     ),
+    # No published model has more than 126 layers; judging a deeper one's size (zoo.train.machine_fit)
+    # takes zoo minutes per hundred thousand layers.
+    num_layers=f"[1, {MAX_LAYERS}]: beyond that, building the model to judge its size takes minutes",
     rms_norm_eps="(0, 1)",
     pad_token_id="[0, inf)",
     first_k_dense_replace="[0, inf)",

@@ -52,18 +52,28 @@ def line(args: list[str], environ: Mapping[str, str], conf: pathlib.Path) -> Opt
         found = _override_line(arg)
         if found:
             return found
-    launcher = [a for a in overrides if a.lstrip("+").startswith("hydra/launcher=")]
-    if launcher and not any(a in MULTIRUN_FLAGS for a in args):
+    launchers = [a.split("=", 1)[1] for a in overrides if a.lstrip("+").startswith("hydra/launcher=")]
+    dirs = _search_dirs(overrides, conf)
+    if launchers and not any(a in MULTIRUN_FLAGS for a in args) and _submits(launchers[-1], dirs):
         return (
-            f"hydra/launcher: {launcher[0].split('=', 1)[1]} launches the jobs of a sweep, and without -m this command "
-            "runs here, ignoring it; add -m (python train.py -m hydra/launcher=... ...), or drop it (srun python "
-            "train.py ... inside an allocation)"
+            f"hydra/launcher: {launchers[-1]} launches the jobs of a sweep, and without -m this command runs here, "
+            "ignoring it; add -m (python train.py -m hydra/launcher=... ...), or drop it (srun python train.py ... "
+            "inside an allocation)"
         )
-    return _option_file_line(overrides, conf)
+    return _option_file_line(overrides, dirs)
+
+
+def _submits(launcher: str, dirs: list[pathlib.Path]) -> bool:
+    """Whether the launcher option exists and runs the jobs elsewhere (`basic`, Hydra's default, runs
+    them here; an unknown option is Hydra's to name)."""
+    files = (d / "hydra" / "launcher" / f"{launcher}.yaml" for d in dirs)
+    return launcher != "basic" and (launcher.startswith("submitit") or any(f.is_file() for f in files))
 
 
 def _override_line(arg: str) -> Optional[str]:
     key, eq, value = arg.partition("=")
+    if key == "~model":  # conf/config.yaml's recipe is chosen by the model's name
+        return "model: the group is missing (~model deletes it); choose an option, e.g. model=llama_tiny_a"
     key = key.lstrip("+~")
     if not eq:
         return None  # Hydra's own message names it (`no value`)
@@ -97,10 +107,9 @@ def _search_dirs(overrides: list[str], conf: pathlib.Path) -> list[pathlib.Path]
     return dirs
 
 
-def _option_file_line(overrides: list[str], conf: pathlib.Path) -> Optional[str]:
-    """A group option (`hardware=x`, `offload=[a,b]`) whose YAML file is not UTF-8 text: Hydra's reader
-    would end in a UnicodeDecodeError."""
-    dirs = _search_dirs(overrides, conf)
+def _option_file_line(overrides: list[str], dirs: list[pathlib.Path]) -> Optional[str]:
+    """A group option (`hardware=x`, `offload=[a,b]`) whose YAML file in `dirs` (conf/ and
+    hydra.searchpath's) is not UTF-8 text: Hydra's reader would end in a UnicodeDecodeError."""
     for a in overrides:
         group, _, value = a.lstrip("+~").partition("=")
         if not group or "." in group or not value:

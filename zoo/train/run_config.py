@@ -722,13 +722,34 @@ def load(cfg: DictConfig) -> TrainConfig:
             "give a positive rank (e.g. lora.rank=8), or choose lora=none for full fine-tuning"
         )
     model, pretrained = load_model(cfg["model"])
-    c = TrainConfig(model=model, pretrained=pretrained, **{g: load_group(g, cfg[g]) for g in GROUPS if g != "model"})
+    try:
+        groups = {g: load_group(g, cfg[g]) for g in GROUPS if g != "model"}
+    except ConfigError as e:
+        raise ConfigError(_absent_block_line(str(e), model) or str(e)) from None
+    c = TrainConfig(model=model, pretrained=pretrained, **groups)
     if pretrained is not None:
         try:
             fit_tokenizer(c.data, pretrained, model)  # data.tokenizer null: the checkpoint's own
         except ValueError as e:
             raise ConfigError(str(e).splitlines()[0]) from None
     return c
+
+
+def _absent_block_line(message: str, model: ModelConfig) -> Optional[str]:
+    """For an offload.block_tags.<kind> key refused as it is: the line that matters first, when the
+    model has no <kind> blocks (no fix of the tag's action would apply to it)."""
+    from zoo.tags import OPTIONAL_KINDS, block_kinds
+
+    parts = message.split(":", 1)[0].split(".")
+    if parts[:2] != ["offload", "block_tags"] or len(parts) < 3 or parts[2] not in OPTIONAL_KINDS:
+        return None
+    kinds = [k for k in block_kinds(model) if k in OPTIONAL_KINDS]
+    if parts[2] in kinds:
+        return None
+    return (
+        f"offload.block_tags.{parts[2]}: the {model.family} model has no {parts[2]} blocks (its optional blocks: "
+        f"{', '.join(kinds) or 'none'}), so this would be ignored; drop it"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
