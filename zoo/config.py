@@ -172,19 +172,22 @@ class MLAConfig:
 class MoEConfig:
     """Mixture of experts: a router (`router`, see ROUTERS), routed experts, optional shared experts.
 
-    The group fields (`n_group`, `topk_group`) and `routed_scaling_factor` belong to the DeepSeek-V3
-    router; `router_bias`, `expert_bias` and the clamped SwiGLU to GPT-OSS.
+    The defaults are a small plain MoE that fits any expert count: 8 experts, the top 2 of a softmax
+    over them renormalised (Mixtral's router), no shared expert, no groups. The group fields
+    (`n_group`, `topk_group`) and `routed_scaling_factor` belong to the DeepSeek-V3 router
+    (`sigmoid_grouped`), whose sizes name them (zoo/families/deepseek_v3.py); `router_bias`,
+    `expert_bias` and the clamped SwiGLU to GPT-OSS.
     """
 
-    n_routed_experts: int = 256
-    num_experts_per_tok: int = 8
-    moe_intermediate_size: int = 2048
-    n_shared_experts: int = 1
-    router: str = "sigmoid_grouped"
-    n_group: int = 8
-    topk_group: int = 4
+    n_routed_experts: int = 8
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 128
+    n_shared_experts: int = 0
+    router: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
     norm_topk_prob: bool = True
-    routed_scaling_factor: float = 2.5
+    routed_scaling_factor: float = 1.0
     router_bias: bool = False  # a learned bias on the router logits (GPT-OSS)
     expert_bias: bool = False  # biases on the experts' gate, up and down projections (GPT-OSS)
     activation: str = "silu"  # silu: silu(gate) * up; clamped_swiglu: GPT-OSS's clamped variant

@@ -17,6 +17,7 @@ from zoo import backend, families
 from zoo._compat import backends_are_initialized
 from zoo.counts import count_params
 from zoo.hf.pretrained import describe as describe_pretrained
+from zoo.lora import resolved as resolved_lora
 from zoo.model import abstract
 from zoo.offload import OffloadConfig, parse_ranges, range_configs
 from zoo.sharding import ShardingError, memory_kinds
@@ -207,7 +208,9 @@ def prepare(cfg: DictConfig):
     c.hardware, note = auto_hardware(c.hardware, devices[0])
     if note:
         print(f"note: {note}", flush=True)
-    plan = validate(c, len(devices), abstract(c.model))
+    model = abstract(c.model)
+    c.lora = resolved_lora(model, c.lora)  # lora.targets=[all]: the model's projections, by name
+    plan = validate(c, len(devices), model)
     return c, plan, devices, flags
 
 
