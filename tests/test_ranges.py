@@ -12,7 +12,6 @@ import typing
 import pytest
 from omegaconf import OmegaConf, open_dict
 
-from zoo import families
 from zoo.errors import ConfigError
 from zoo.ranges import Range, ranges_of
 from zoo.train.run_config import GROUPS, HardwareConfig, load, load_group, load_model
@@ -124,23 +123,3 @@ def test_the_line_says_the_range_and_a_valid_value():
 
     with pytest.raises(ConfigError, match=r"^optimizer\.b1: must be in \[0, 1\), got 1\.5; e\.g\. optimizer\.b1=0\.9$"):
         OptimizerConfig(b1=1.5)
-
-
-def test_a_model_larger_than_the_machine_is_refused_in_one_line(monkeypatch):
-    """Against the host memory (and the accelerators'), from the parameter count alone."""
-    from types import SimpleNamespace
-
-    from zoo.lora import LoraConfig
-    from zoo.train import machine_fit
-    from zoo.train.run_config import DataConfig
-
-    c = SimpleNamespace(model=families.get_size("llama_1b"), lora=LoraConfig(), data=DataConfig(seq_len=2048))
-    cpu = [SimpleNamespace(platform="cpu")] * 8
-    monkeypatch.setattr(machine_fit, "host_memory_bytes", lambda: 32 * 10**9)
-    machine_fit.check_fits(c, 1_000_000_000, 8, cpu)  # 16 GB of state and 1 GB of layer inputs fit 32 GB
-    need = r"^model: training 3\.00B parameters needs at least 49\.1 GB \(weights 12\.0 GB, gradients and AdamW"
-    with pytest.raises(ConfigError, match=need):
-        machine_fit.check_fits(c, 3_000_000_000, 8, cpu)
-    machine_fit.check_fits(c, 3_000_000_000, 8, cpu, processes=2)  # two hosts' memory
-    lora = SimpleNamespace(model=c.model, lora=LoraConfig(rank=8), data=c.data)
-    machine_fit.check_fits(lora, 3_000_000_000, 8, cpu)  # a frozen base: no gradients, no moments

@@ -184,6 +184,7 @@ FUZZ = [
     ("train", ["data.path=$DATA/books.txt"], "data.path: '$DATA/books.txt' holds $DATA, which the shell did not"),
     ("train", ["hydra/launcher=slurm"], "hydra/launcher: slurm launches the jobs of a sweep, and without -m"),
     ("train", ["~model"], "model: the group is missing (~model deletes it); choose an option"),
+    ("train", ["distributed.local_device_ids=[7]"], "distributed.local_device_ids: [7] picks the devices of one"),
     # what cannot fit: refused before anything is initialised (zoo.train.machine_fit), or too deep to judge
     (
         "train",

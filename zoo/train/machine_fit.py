@@ -1,9 +1,10 @@
-"""Whether a training run can fit this machine at all, judged from its config before anything is
-initialised: a model whose weights, gradients, AdamW moments and layer inputs outgrow every byte the
-machine has (its devices' memory and its host memory together) would otherwise spend minutes
-initialising, or compiling, before it failed. A lower bound, not the planner's estimate
-(`python -m zoo.tools.plan` says what a step holds and where): what is refused here cannot run
-under any offload policy.
+"""Whether a training run fits this machine, judged from its config before anything is initialised:
+a backend JAX_PLATFORMS names that cannot start here, device ids the machine lacks, XLA flags of
+another platform's compiler (a note: they change nothing), and a model whose weights, gradients,
+AdamW moments and layer inputs outgrow every byte the machine has (its devices' memory and its host
+memory together), which would otherwise spend minutes initialising, or compiling, before it failed.
+That last is a lower bound, not the planner's estimate (`python -m zoo.tools.plan` says what a step
+holds and where): what is refused here cannot run under any offload policy.
 """
 
 import os
@@ -12,6 +13,7 @@ from typing import Optional, Union
 import numpy as np
 
 from zoo.errors import ConfigError
+from zoo.train.xla_flags import flag_name
 
 
 def host_memory_bytes() -> Optional[int]:
@@ -70,3 +72,69 @@ def check_fits(c, params: int, microbatch: int, devices, processes: int = 1) -> 
         f"{has}; choose a smaller model (model.num_layers={c.model.num_layers}, model.hidden_size="
         f"{c.model.hidden_size}), LoRA (lora=default), or a machine with more memory"
     )
+
+
+def started_devices() -> list:
+    """`jax.devices()`, or one line when JAX_PLATFORMS names a backend this machine cannot start (JAX
+    raises a RuntimeError for a TPU without libtpu, an AssertionError for CUDA without its plugin)."""
+    import jax
+
+    try:
+        return jax.devices()
+    except (RuntimeError, AssertionError) as e:
+        wanted = os.environ.get("JAX_PLATFORMS", "").strip()
+        if not wanted:
+            raise
+        why = str(e).split(" (set JAX_PLATFORMS")[0].strip() or "its plugin is not installed"
+        raise ConfigError(
+            f"JAX_PLATFORMS: {wanted!r} in the environment names a backend this machine cannot start ({why}); unset "
+            "JAX_PLATFORMS (JAX then takes the best one here), or install that backend's jax plugin"
+        ) from None
+
+
+def check_local_device_ids(c, devices) -> None:
+    """distributed.local_device_ids naming a device this machine lacks, or given to a single process
+    (which reads it nowhere): one line."""
+    import jax
+
+    wanted = c.distributed.local_device_ids
+    if not wanted:
+        return
+    if jax.process_count() == 1:
+        raise ConfigError(
+            f"distributed.local_device_ids: {list(wanted)} picks the devices of one process of a multi-process run, "
+            "and this run is one process, which would ignore it; drop it (mesh.devices=<n> uses fewer devices)"
+        )
+    local = sorted(d.local_hardware_id for d in jax.local_devices() if d.local_hardware_id is not None)
+    missing = [i for i in wanted if i not in local]
+    if missing:
+        raise ConfigError(
+            f"distributed.local_device_ids: this machine has no device {missing[0]} (its devices: "
+            f"{', '.join(map(str, local))}); give ids of these, or null for all"
+        )
+
+
+def other_platform_flags_note(c, platform: str) -> Optional[str]:
+    """One line for an xla group whose flags are another platform's compiler's (xla=gpu_overlap, or
+    xla=tpu_host_offload, on a CPU): they change nothing here; None where none are."""
+    gpu = [flag_name(f) for f in c.flags if flag_name(f).startswith("--xla_gpu_")]
+    if platform != "gpu" and gpu:
+        more = f" and {len(gpu) - 1} more" if len(gpu) > 1 else ""
+        return (
+            f"xla={c.name}: its flags ({gpu[0]}{more}) are XLA:GPU's, and this run's devices are {platform}s, so they "
+            "change nothing here (the same run as xla=default)"
+        )
+    if platform != "tpu" and c.tpu_flags:
+        return (
+            f"xla={c.name}: its xla.tpu_flags go to a TPU's compiler (libtpu), and this run's devices are {platform}s, "
+            "so they change nothing here (the same run as xla=default)"
+        )
+    return None
+
+
+def machine_notes(c, devices) -> list[str]:
+    """The notes for a run on these devices (flags of another platform's compiler); ConfigError for
+    device ids the machine lacks."""
+    check_local_device_ids(c, devices)
+    note = other_platform_flags_note(c.xla, devices[0].platform)
+    return [note] if note else []

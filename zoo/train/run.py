@@ -24,7 +24,7 @@ from zoo.sharding import ShardingError, memory_kinds
 from zoo.train import huge_pages
 from zoo.train.batches import make_data
 from zoo.train.checkpoint import Checkpoints, all_processes_agree, probe_writable
-from zoo.train.machine_fit import check_fits
+from zoo.train.machine_fit import check_fits, machine_notes, started_devices
 from zoo.train.distributed import initialize
 from zoo.train.evaluate import attach_data
 from zoo.train import run_dir
@@ -205,6 +205,8 @@ def prepare(cfg: DictConfig):
     c = load(cfg)
     flags = start_jax(c)
     devices = started_devices()
+    for note in machine_notes(c, devices):  # refuses device ids the machine lacks
+        print(f"note: {note}", flush=True)
     c.hardware, note = auto_hardware(c.hardware, devices[0])
     if note:
         print(f"note: {note}", flush=True)
@@ -212,24 +214,6 @@ def prepare(cfg: DictConfig):
     c.lora = resolved_lora(model, c.lora)  # lora.targets=[all]: the model's projections, by name
     plan = validate(c, len(devices), model)
     return c, plan, devices, flags
-
-
-def started_devices() -> list:
-    """`jax.devices()`, or one line when JAX_PLATFORMS names a backend this machine cannot start (JAX
-    raises a RuntimeError for a TPU without libtpu, an AssertionError for CUDA without its plugin)."""
-    import jax
-
-    try:
-        return jax.devices()
-    except (RuntimeError, AssertionError) as e:
-        wanted = os.environ.get("JAX_PLATFORMS", "").strip()
-        if not wanted:
-            raise
-        why = str(e).split(" (set JAX_PLATFORMS")[0].strip() or "its plugin is not installed"
-        raise ConfigError(
-            f"JAX_PLATFORMS: {wanted!r} in the environment names a backend this machine cannot start ({why}); unset "
-            "JAX_PLATFORMS (JAX then takes the best one here), or install that backend's jax plugin"
-        ) from None
 
 
 def train(c: TrainConfig, plan, devices, out_dir: pathlib.Path, xla_flags: str = "", overrides=(), echo=print) -> dict:
