@@ -659,6 +659,14 @@ CASES = {
             r"and a JSON header\); .*",
         ),
     ),
+    "NaN weights in zoo.tools.generate's model.path": (  # refused as train.py refuses them, not loaded
+        lambda t, d: (
+            tool_cmd("generate", f"model.path={_hf_with(t, d, nan_tensor=HF_Q)}", "tokenizer=bytes", "prompt=hi"),
+            t,
+            [t / "hf"],
+        ),
+        (2, rf"\S+/hf: tensor {re.escape(HF_Q)} holds non-finite values \(NaN or inf\); .*"),
+    ),
     "NaN weights in model.path": (
         lambda t, d: (
             train_cmd(

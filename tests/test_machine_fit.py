@@ -1,6 +1,6 @@
-"""What a run needs of the machine, judged before anything is initialised (zoo.train.machine_fit), and
-train.py's command line and environment before Hydra reads them (zoo.train.command_line). The same
-through the real command: tests/test_train_cli.py's table."""
+"""What a run needs of the machine, judged before anything is initialised (zoo.train.machine_fit);
+train.py's command line and environment before Hydra reads them (zoo.train.command_line); options
+that would change nothing (a note). The same through the real command: tests/test_train_cli.py's table."""
 
 import os
 import pathlib
@@ -98,3 +98,10 @@ def test_a_backend_this_machine_cannot_start_is_one_line(tmp_path):
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert p.returncode == 2 and len(lines) == 1, p.stderr[-3000:]
     assert lines[0].startswith("error: JAX_PLATFORMS: 'tpu' in the environment names a backend this machine cannot")
+
+
+def test_top_k_with_greedy_decoding_is_a_note():
+    from zoo.tools.generate import GenerateOptions, greedy_note
+
+    assert greedy_note(GenerateOptions(top_k=5)).startswith("top_k=5 shape sampling, and temperature=0 is greedy")
+    assert greedy_note(GenerateOptions(top_k=5, temperature=0.8)) is None and greedy_note(GenerateOptions()) is None

@@ -85,11 +85,11 @@ class Range:
     def example(self) -> Optional[Number]:
         """A value inside the range (an out-of-range test and a message's fallback example)."""
         if self.values:
-            return self.values[0]
-        i = self.intervals[0]
-        if i.lo_closed:
-            return i.lo
-        return i.lo + 1 if i.hi > i.lo + 1 else (i.lo + i.hi) / 2
+            v = self.values[0]
+        else:
+            i = self.intervals[0]
+            v = i.lo if i.lo_closed else i.lo + 1 if i.hi > i.lo + 1 else (i.lo + i.hi) / 2
+        return int(v) if float(v).is_integer() else v
 
     def outside(self) -> Number:
         """A finite value outside the range (tests feed it to every field)."""
@@ -130,8 +130,7 @@ def check(obj) -> None:
         default = _default(type(obj), name)
         example = default if default is not None and default in rng else rng.example()
         note = f" ({rng.note})" if rng.note else ""
-        shown = _show(example) if isinstance(example, float) and isinstance(default, int) else example
-        raise ConfigError(f"{key}: must be {rng.describe()}{note}, got {value!r}; e.g. {key}={shown}")
+        raise ConfigError(f"{key}: must be {rng.describe()}{note}, got {value!r}; e.g. {key}={example}")
 
 
 def _default(cls, name: str):
