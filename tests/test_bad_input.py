@@ -630,6 +630,14 @@ CASES = {
             r"in report\.md",
         ),
     ),
+    "zoo.tools.report, a summary.json of the wrong types": (  # a number where train.py writes a list: a traceback
+        lambda t, d: (
+            tool_cmd("report", str(_sweep_of_one(t, d, json.dumps({"status": "ok", "overrides": 5}).encode()))),
+            t,
+            [t / "sweep" / "0"],
+        ),
+        (0, r"note: \S+/sweep/0/summary\.json is unreadable \(its overrides is 5, not a list\); marked failed in .*"),
+    ),
     "zoo.tools.report, a binary metrics.jsonl": (
         lambda t, d: (
             (_copy_run(t, d), (t / "run" / "metrics.jsonl").write_bytes(b"\x80\xff binary"))
