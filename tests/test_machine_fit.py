@@ -105,3 +105,16 @@ def test_top_k_with_greedy_decoding_is_a_note():
 
     assert greedy_note(GenerateOptions(top_k=5)).startswith("top_k=5 shape sampling, and temperature=0 is greedy")
     assert greedy_note(GenerateOptions(top_k=5, temperature=0.8)) is None and greedy_note(GenerateOptions()) is None
+
+
+def test_a_full_disk_is_one_line(tmp_path):
+    """Before Hydra writes its record (the filesystem's free space), and while the run writes its own."""
+    from zoo.train.run_config import TrainingStopped
+
+    full = lambda path: SimpleNamespace(f_bavail=0, f_frsize=4096)  # noqa: E731
+    line = command_line._full_disk_line([], [f"hydra.run.dir={tmp_path}/run"], statvfs=full)
+    assert line.startswith(f"hydra.run.dir: no space left on the filesystem of {tmp_path} (0 bytes free)"), line
+    assert command_line._full_disk_line([], [f"hydra.run.dir={tmp_path}/run"]) is None  # this disk has room
+    with pytest.raises(TrainingStopped, match=r"^hydra\.run\.dir: no space left writing \S+metrics\.jsonl \(No space"):
+        with machine_fit.disk_full_stops(tmp_path):
+            raise OSError(28, "No space left on device", str(tmp_path / "metrics.jsonl"))

@@ -8,6 +8,7 @@ variable that is not a number. `ordered` puts `-m` before the overrides, where H
 it (after them it took the run directory train.py adds for a flag's argument).
 """
 
+import os
 import pathlib
 import re
 from typing import Mapping, Optional
@@ -60,7 +61,32 @@ def line(args: list[str], environ: Mapping[str, str], conf: pathlib.Path) -> Opt
             "ignoring it; add -m (python train.py -m hydra/launcher=... ...), or drop it (srun python train.py ... "
             "inside an allocation)"
         )
-    return _option_file_line(overrides, dirs)
+    return _option_file_line(overrides, dirs) or _full_disk_line(args, overrides)
+
+
+# Less free space than this where the run directory goes: Hydra's record of the config alone would not fit.
+MIN_FREE_BYTES = 1 << 20
+
+
+def _full_disk_line(args: list[str], overrides: list[str], statvfs=os.statvfs) -> Optional[str]:
+    """The run (or sweep) directory's filesystem full: Hydra would fail writing its .hydra/ record."""
+    key = "hydra.sweep.dir" if any(a in MULTIRUN_FLAGS for a in args) else "hydra.run.dir"
+    given = [a.split("=", 1)[1] for a in overrides if a.lstrip("+").split("=", 1)[0] == key]
+    where = pathlib.Path(given[-1].strip("'\"").split("${", 1)[0] or ".").expanduser() if given else pathlib.Path(".")
+    where = where.absolute()
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    try:
+        st = statvfs(where)
+    except OSError:
+        return None  # not a directory that exists: the run directory's own checks name it
+    free = st.f_bavail * st.f_frsize
+    if free >= MIN_FREE_BYTES:
+        return None
+    return (
+        f"{key}: no space left on the filesystem of {where} ({free} bytes free); free some space, or give {key}=<a "
+        "directory on another disk>"
+    )
 
 
 def _submits(launcher: str, dirs: list[pathlib.Path]) -> bool:

@@ -7,12 +7,16 @@ That last is a lower bound, not the planner's estimate (`python -m zoo.tools.pla
 holds and where): what is refused here cannot run under any offload policy.
 """
 
+import contextlib
+import errno
 import os
+import pathlib
 from typing import Optional, Union
 
 import numpy as np
 
 from zoo.errors import ConfigError
+from zoo.train.run_config import TrainingStopped
 from zoo.train.xla_flags import flag_name
 
 
@@ -138,3 +142,18 @@ def machine_notes(c, devices) -> list[str]:
     check_local_device_ids(c, devices)
     note = other_platform_flags_note(c.xla, devices[0].platform)
     return [note] if note else []
+
+
+@contextlib.contextmanager
+def disk_full_stops(out_dir: pathlib.Path):
+    """A disk that fills up while the run writes its record (metrics.jsonl, summary.json): one line
+    naming the file, exit code 1, not a traceback. (A checkpoint save that fails says so itself.)"""
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise TrainingStopped(
+            f"hydra.run.dir: no space left writing {e.filename or out_dir} ({e.strerror}), so the run stopped; free "
+            "space (or give another hydra.run.dir) and run the same command again (with checkpoint.dir it resumes)"
+        ) from None

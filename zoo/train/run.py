@@ -24,7 +24,7 @@ from zoo.sharding import ShardingError, memory_kinds
 from zoo.train import huge_pages
 from zoo.train.batches import make_data
 from zoo.train.checkpoint import Checkpoints, all_processes_agree, probe_writable
-from zoo.train.machine_fit import check_fits, machine_notes, started_devices
+from zoo.train.machine_fit import check_fits, disk_full_stops, machine_notes, started_devices
 from zoo.train.distributed import initialize
 from zoo.train.evaluate import attach_data
 from zoo.train import run_dir
@@ -222,7 +222,7 @@ def train(c: TrainConfig, plan, devices, out_dir: pathlib.Path, xla_flags: str =
     check_hardware_platform(c.hardware, devices[0].platform)  # MFU is read against the profile
     check_fits(c, count_params(c.model), plan.microbatch, devices, jax.process_count())  # before any init
     # From here on SIGTERM / SIGUSR1 stop the run after a step, with a checkpoint (zoo.train.stop).
-    with StopSignals(jax.process_count()) as stop:
+    with StopSignals(jax.process_count()) as stop, disk_full_stops(out_dir):
         return _train(c, plan, devices, out_dir, xla_flags, overrides, echo, stop)
 
 
