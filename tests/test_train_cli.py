@@ -185,6 +185,11 @@ FUZZ = [
     ("train", ["hydra/launcher=slurm"], "hydra/launcher: slurm launches the jobs of a sweep, and without -m"),
     ("train", ["~model"], "model: the group is missing (~model deletes it); choose an option"),
     ("train", ["distributed.local_device_ids=[7]"], "distributed.local_device_ids: [7] picks the devices of one"),
+    (
+        "train",
+        ["data=text", "data.path={tmp}/latin1.txt", "data.format=chat"],
+        "data.format: chat reads the fields of .jsonl lines, and {tmp}/latin1.txt holds no .jsonl file",
+    ),
     # what cannot fit: refused before anything is initialised (zoo.train.machine_fit), or too deep to judge
     (
         "train",
