@@ -23,6 +23,7 @@ from zoo.offload import OffloadConfig, parse_ranges, range_configs
 from zoo.sharding import ShardingError, memory_kinds
 from zoo.train import huge_pages
 from zoo.train.batches import make_data
+from zoo.train.config_checks import exchange_rounds_block
 from zoo.train.checkpoint import Checkpoints, all_processes_agree, probe_writable
 from zoo.train.machine_fit import check_fits, disk_full_stops, machine_notes, started_devices
 from zoo.train.distributed import initialize
@@ -45,7 +46,6 @@ from zoo.train.run_config import (
     XlaConfig,
     auto_hardware,
     check_hardware_platform,
-    exchange_rounds_block,
     load,
     to_dict,
     validate,

@@ -24,8 +24,6 @@ from zoo.lora import LoraConfig
 from zoo.lora import check as check_lora
 from zoo.nn.attention_kernels import min_blockwise_seq, resolve_impl
 from zoo.nn.moe import resolve_moe_impl
-from zoo.nn.expert_rounds import round_block
-from zoo.nn.moe_dispatch import check_expert_parallel, exchanges_in_rounds
 from zoo import op_rates
 from zoo.offload import OffloadConfig, check_tags_emitted
 from zoo.ranges import ranged
@@ -37,10 +35,10 @@ from zoo.sharding import (
     MeshShape,
     ShardingError,
     check_replication,
-    logical_ways,
     param_specs,
     resolve_mesh_shape,
 )
+from zoo.train.config_checks import absent_block_line, check_expert_parallel_line, check_mesh_fits
 from zoo.train.xla_flags import flag_name, unknown_flags, unknown_tpu_flags
 
 # The mesh axes mesh.context_parallel may split the sequence over: tensor splits the heads inside
@@ -725,7 +723,7 @@ def load(cfg: DictConfig) -> TrainConfig:
     try:
         groups = {g: load_group(g, cfg[g]) for g in GROUPS if g != "model"}
     except ConfigError as e:
-        raise ConfigError(_absent_block_line(str(e), model) or str(e)) from None
+        raise ConfigError(absent_block_line(str(e), model) or str(e)) from None
     c = TrainConfig(model=model, pretrained=pretrained, **groups)
     if pretrained is not None:
         try:
@@ -733,23 +731,6 @@ def load(cfg: DictConfig) -> TrainConfig:
         except ValueError as e:
             raise ConfigError(str(e).splitlines()[0]) from None
     return c
-
-
-def _absent_block_line(message: str, model: ModelConfig) -> Optional[str]:
-    """For an offload.block_tags.<kind> key refused as it is: the line that matters first, when the
-    model has no <kind> blocks (no fix of the tag's action would apply to it)."""
-    from zoo.tags import OPTIONAL_KINDS, block_kinds
-
-    parts = message.split(":", 1)[0].split(".")
-    if parts[:2] != ["offload", "block_tags"] or len(parts) < 3 or parts[2] not in OPTIONAL_KINDS:
-        return None
-    kinds = [k for k in block_kinds(model) if k in OPTIONAL_KINDS]
-    if parts[2] in kinds:
-        return None
-    return (
-        f"offload.block_tags.{parts[2]}: the {model.family} model has no {parts[2]} blocks (its optional blocks: "
-        f"{', '.join(kinds) or 'none'}), so this would be ignored; drop it"
-    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -771,7 +752,7 @@ def validate(c: TrainConfig, available_devices: int, abstract_model=None) -> Pla
             f"mesh.devices: {wanted} requested, {available_devices} available; lower mesh.devices "
             f"(on CPU, xla.cpu_devices={wanted} simulates more)"
         )
-    _check_mesh_fits(c.mesh, wanted)
+    check_mesh_fits(c.mesh, wanted)
     try:
         shape = resolve_mesh_shape(c.mesh.axes, wanted)
     except ShardingError as e:
@@ -838,7 +819,7 @@ def validate(c: TrainConfig, available_devices: int, abstract_model=None) -> Pla
         check_tags_emitted(c.offload, m)
     except ValueError as e:
         raise ConfigError(str(e).splitlines()[0]) from None
-    _check_expert_parallel(c, shape, dp)
+    check_expert_parallel_line(c, shape, dp)
     attention_impl, moe_impl = resolve_kernels(c)
     if cp is not None and attention_impl == "cudnn":
         if m.attention_impl == "cudnn":
@@ -874,36 +855,6 @@ def validate(c: TrainConfig, available_devices: int, abstract_model=None) -> Pla
     return Plan(mesh=shape, num_devices=wanted, microbatch=micro, attention_impl=attention_impl, moe_impl=moe_impl)
 
 
-def _check_mesh_fits(mesh: MeshConfig, devices: int) -> None:
-    """A mesh whose fixed axes cannot split the devices: name the option and the axes it fixes (the
-    -1 axis only fills what they leave), and how to get enough devices."""
-    axes = mesh.axes
-    fill = [a for a, n in axes.items() if n == -1]
-    fixed = {a: n for a, n in axes.items() if n > 1}
-    ways = math.prod(fixed.values())
-    if len(fill) != 1 or not fixed or devices % ways == 0:
-        return  # resolve_mesh_shape reports the other cases
-    import jax
-
-    shown = str(ways) if len(fixed) == 1 else "*".join(f"{a}={n}" for a, n in fixed.items())
-    are = f"{devices} is" if devices == 1 else f"{devices} are"
-    simulate = -(-8 // ways) * ways  # the smallest multiple of the fixed axes from 8 up
-    more = (
-        f"on CPU add xla.cpu_devices={simulate} to simulate {simulate} devices"
-        if jax.default_backend() == "cpu"
-        else f"run on a multiple of {ways} devices"
-    )
-    other = (
-        "use mesh=fsdp, which fits any device count"
-        if mesh.name != "fsdp"
-        else f"make {' and '.join(f'mesh.{a}' for a in fixed)} divide {devices}"
-    )
-    raise ConfigError(
-        f"mesh.{next(iter(fixed))}: {shown} (mesh={mesh.name}) needs a multiple of {ways} devices, and {are} available "
-        f"(mesh.{fill[0]}=-1 only fills what the other axes leave); {more}, or {other}"
-    )
-
-
 def resolve_kernels(c: TrainConfig) -> tuple[str, Optional[str]]:
     """The attention and MoE kernels this run uses on this backend and mesh (what `auto` stands
     for); an attention_impl the backend cannot run for the model's head dims is a ConfigError."""
@@ -937,47 +888,6 @@ def as_built(c: TrainConfig, plan: Plan) -> TrainConfig:
     if plan.moe_impl is None or m.moe.impl == plan.moe_impl:
         return c
     return dataclasses.replace(c, model=m.replace(moe=dataclasses.replace(m.moe, impl=plan.moe_impl)))
-
-
-def routed_tokens_per_device(c: TrainConfig, sizes: dict, microbatch: int) -> int:
-    """Tokens one device routes per microbatch: its batch shard's sequences, its context chunk of each."""
-    rules, cp = c.mesh.rules, c.mesh.context_parallel
-    batch_ways = logical_ways(rules, sizes, "batch")
-    context_ways = math.prod(sizes.get(a, 1) for a in ([cp] if isinstance(cp, str) else list(cp or [])))
-    return max(1, microbatch // max(1, batch_ways)) * c.data.seq_len // max(1, context_ways)
-
-
-def exchange_rounds_block(c: TrainConfig, sizes: dict, microbatch: int) -> Optional[int]:
-    """Rows one device sends one expert shard per round of the dropless expert-parallel exchange
-    (zoo.nn.expert_rounds.round_block); None unless the run is dropless and expert-parallel."""
-    m = c.model
-    if not m.num_moe_layers or not exchanges_in_rounds(m.moe.impl, c.mesh.rules, sizes):
-        return None
-    ep = logical_ways(c.mesh.rules, sizes, "experts")
-    k, experts = m.moe.num_experts_per_tok, m.moe.n_routed_experts
-    return round_block(routed_tokens_per_device(c, sizes, microbatch), k, ep, experts // ep, m.moe.exchange_factor)
-
-
-def _check_expert_parallel(c: TrainConfig, shape: MeshShape, batch_ways: int) -> None:
-    """An expert axis the model or the batch cannot use: one line naming the key (see zoo.nn.moe_dispatch)."""
-    m, rules = c.model, c.mesh.rules
-    try:
-        if not m.num_moe_layers:
-            check_expert_parallel(0, shape.expert, c.data.batch_size, batch_ways)  # an expert axis > 1 raises
-            return
-        ep = logical_ways(rules, shape.sizes, "experts")
-        check_expert_parallel(
-            m.moe.n_routed_experts,
-            ep,
-            c.data.batch_size,
-            batch_ways,
-            grad_accum=c.trainer.grad_accum,
-            batch_includes_expert=all(
-                a in rules.get("batch", []) for a in rules.get("experts", []) if shape.sizes.get(a, 1) > 1
-            ),
-        )
-    except ValueError as e:
-        raise ConfigError(str(e).splitlines()[0]) from None
 
 
 def to_dict(c: TrainConfig) -> dict:
