@@ -7,8 +7,10 @@ import copy
 import dataclasses
 import math
 import pathlib
+import sys
 import typing
 
+import in_process
 import pytest
 from omegaconf import OmegaConf, open_dict
 
@@ -123,3 +125,25 @@ def test_the_line_says_the_range_and_a_valid_value():
 
     with pytest.raises(ConfigError, match=r"^optimizer\.b1: must be in \[0, 1\), got 1\.5; e\.g\. optimizer\.b1=0\.9$"):
         OptimizerConfig(b1=1.5)
+
+
+# Through train.py itself (in one pytest process: tests/in_process.py): every numeric key, NaN and a value
+# outside its range, is one `error:` line naming the key and exit code 2. Every twelfth key's value outside
+# its range in the default tier (the loader test above holds every key), all of them in the slow tier.
+def _command_cases():
+    for n, (key, cls, name) in enumerate(FIELDS):
+        for value in (str(_outside(cls, name)), "nan"):
+            sampled = n % 12 == 0 and value != "nan"
+            marks = [in_process.MARK] + ([] if sampled else [pytest.mark.slow])
+            yield pytest.param(key, value, marks=marks, id=f"{key}={value}")
+
+
+@pytest.mark.parametrize("key,value", list(_command_cases()))
+def test_train_py_refuses_every_numeric_key_out_of_range_in_one_line(key, value, request, tmp_path, capfd, monkeypatch):
+    if not in_process.INNER:
+        return in_process.outcome(request)
+    extra = ["lora=default"] if key.startswith("lora.") else []
+    cmd = [sys.executable, str(ROOT / "train.py"), "model=dsv3_tiny_a", *extra, f"{key}={value}"]
+    p = in_process.run(cmd, tmp_path, capfd, monkeypatch)
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert p.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"error: {key}: "), p.stderr[-2000:]
