@@ -4,6 +4,7 @@ Hydra composes conf/ (docs/training.md); `-m` sweeps. Bad input exits 2 with one
 """
 
 import importlib.util
+import os
 import pathlib
 import sys
 
@@ -25,8 +26,9 @@ if __name__ == "__main__":
 import hydra
 from omegaconf import DictConfig
 
+from zoo.tools.cli import EXIT_BAD_INPUT, run_job
 from zoo.tools.cli import main as cli_main
-from zoo.tools.cli import run_job
+from zoo.train import command_line
 
 CONF = pathlib.Path(__file__).resolve().parent / "conf"
 
@@ -45,5 +47,15 @@ def _out_of_memory_line(*args) -> str:
     return out_of_memory_line(*args)
 
 
+def entry() -> int:
+    """The command: its arguments and environment checked before Hydra reads them, then the job."""
+    sys.argv = [sys.argv[0], *command_line.ordered(sys.argv[1:])]
+    problem = command_line.line(sys.argv[1:], os.environ, CONF)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return cli_main(main, CONF)
+
+
 if __name__ == "__main__":
-    sys.exit(cli_main(main, CONF))
+    sys.exit(entry())

@@ -109,7 +109,7 @@ def run(cmd: list[str], cwd, capfd, monkeypatch) -> subprocess.CompletedProcess:
 
 def main(cmd: list[str]) -> int:
     """The exit code of `cmd`, run in this process through its entry point: train.py's is
-    zoo.tools.cli.main around its @hydra.main function, a tool's (`-m zoo.tools.X`) its main."""
+    train.entry (zoo.tools.cli.main around its @hydra.main function), a tool's (`-m zoo.tools.X`) its main."""
     assert cmd[0] == sys.executable, cmd
     if pathlib.Path(cmd[1]).name == "train.py":
         sys.path.insert(0, str(pathlib.Path(cmd[1]).parent))
@@ -117,12 +117,10 @@ def main(cmd: list[str]) -> int:
             import train
         finally:
             sys.path.pop(0)
-        from zoo.tools.cli import main as cli_main
-
         saved = sys.argv
         sys.argv = cmd[1:]
         try:
-            return cli_main(train.main, train.CONF)
+            return train.entry()
         finally:
             sys.argv = saved
     assert cmd[1] == "-m", cmd

@@ -695,6 +695,14 @@ CASES = {
             r"in report\.md",
         ),
     ),
+    "zoo.tools.report, a summary.json of the wrong types": (  # a number where train.py writes a list: a traceback
+        lambda t, d: (
+            tool_cmd("report", str(_sweep_of_one(t, d, json.dumps({"status": "ok", "overrides": 5}).encode()))),
+            t,
+            [t / "sweep" / "0"],
+        ),
+        (0, r"note: \S+/sweep/0/summary\.json is unreadable \(its overrides is 5, not a list\); marked failed in .*"),
+    ),
     "zoo.tools.report, a binary metrics.jsonl": (
         lambda t, d: (
             (_copy_run(t, d), (t / "run" / "metrics.jsonl").write_bytes(b"\x80\xff binary"))
@@ -723,6 +731,14 @@ CASES = {
             r"model\.path: \S+/model\.safetensors: not a safetensors file \(it does not start with a header length "
             r"and a JSON header\); .*",
         ),
+    ),
+    "NaN weights in zoo.tools.generate's model.path": (  # refused as train.py refuses them, not loaded
+        lambda t, d: (
+            tool_cmd("generate", f"model.path={_hf_with(t, d, nan_tensor=HF_Q)}", "tokenizer=bytes", "prompt=hi"),
+            t,
+            [t / "hf"],
+        ),
+        (2, rf"\S+/hf: tensor {re.escape(HF_Q)} holds non-finite values \(NaN or inf\); .*"),
     ),
     "NaN weights in model.path": (
         lambda t, d: (

@@ -266,3 +266,9 @@ def test_sizes_table_lists_every_size_with_its_counts(capsys):
     assert "| 671.03B | 37.55B |" in out
     assert sizes.main(["no_such_size"]) == 2
     assert capsys.readouterr().err.startswith("error: no_such_size: no such size; choose from llama_tiny_a,")
+
+
+def test_moe_config_defaults_fit_a_small_moe_without_naming_the_router():
+    """A plain top-2 softmax router over 8 experts; DeepSeek-V3's grouped routing only where named."""
+    assert MoEConfig().router == "softmax" and MoEConfig(n_routed_experts=3).n_routed_experts == 3
+    assert DSV3.moe.router == "sigmoid_grouped" and SIZES["deepseek_v3_671b"].moe.n_group == 8

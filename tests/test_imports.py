@@ -238,8 +238,9 @@ def test_the_cycle_check_follows_the_registry(monkeypatch):
     assert {"zoo.families", "zoo.families.llama"} <= set(_cycle())
 
 
-# The modules below zoo.config's floor: what a config needs. Blocks, families and the loader stand above it.
-GROUND = {"zoo", "zoo.config"}
+# The modules below zoo.config's floor: what a config needs (its fields' declared ranges and the one-line
+# error they raise). Blocks, families and the loader stand above it.
+GROUND = {"zoo", "zoo.config", "zoo.ranges", "zoo.errors"}
 
 
 def _loaded_by(statement: str) -> set[str]:

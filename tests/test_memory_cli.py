@@ -44,7 +44,7 @@ def _train(args, tmp_path):
         ),
         (
             ["trainer.loss_chunk_size=-3"],
-            "error: trainer.loss_chunk_size: must be a positive number of sequence positions",
+            "error: trainer.loss_chunk_size: must be >= 0 (sequence positions per chunk, any size, or 0 for the whole",
         ),
     ],
 )

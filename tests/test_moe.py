@@ -55,6 +55,7 @@ def moe_config(**kw) -> MoEConfig:
         num_experts_per_tok=2,
         moe_intermediate_size=I,
         n_shared_experts=1,
+        router="sigmoid_grouped",
         n_group=4,
         topk_group=2,
         norm_topk_prob=True,

@@ -510,7 +510,7 @@ def test_cli_loss_chunk_size_is_a_key_and_is_counted(tmp_path):
         ),
         (
             ["trainer.loss_chunk_size=-3"],
-            "error: trainer.loss_chunk_size: must be a positive number of sequence positions",
+            "error: trainer.loss_chunk_size: must be >= 0 (sequence positions per chunk, any size, or 0 for the whole",
         ),
         (
             ["trainer.loss_chunk_size=big"],

@@ -100,7 +100,6 @@ FUZZ = [
     ("train", ["hydra/launcher=nosuch"], "hydra/launcher: unknown option 'nosuch'; choose one of basic, slurm"),
     ("train", ["modle=llama_tiny_a"], "modle: not a config group (did you mean model?)"),
     ("train", ["+foo=bar"], "foo: unknown top-level key; the groups are "),
-    ("train", ["~model"], "model: the group is missing"),
     ("train", ["trainer.stepz=3"], "trainer.stepz: unknown key (did you mean steps?); known keys here: steps, "),
     ("train", ["model.rope.typ=yarn"], "model.rope.typ: unknown key (did you mean type?)"),
     ("train", ["mesh.rulez.vocab=[tensor]"], "mesh.rulez.vocab: unknown key"),
@@ -148,7 +147,7 @@ FUZZ = [
     # wrong types and bad values
     ("train", ["trainer.steps=many"], "trainer.steps: Value 'many' of type 'str' could not be converted to Integer"),
     ("train", ["trainer.steps=-1"], "trainer.steps: must be positive"),
-    ("train", ["trainer.loss_chunk_size=-1"], "trainer.loss_chunk_size: must be a positive number"),  # in the YAML now
+    ("train", ["trainer.loss_chunk_size=-1"], "trainer.loss_chunk_size: must be >= 0 (sequence positions per chunk"),
     ("train", ["trainer.grad_accum=3"], "data.batch_size: 16 is not divisible by trainer.grad_accum=3"),
     ("train", ["data.batch_size=0"], "data.batch_size: must be positive"),
     ("train", ["data.batch_size=12"], "data.batch_size: 12 is not divisible by the data-parallel size 8"),
@@ -159,7 +158,51 @@ FUZZ = [
     ("train", ["optimizer.lr=-1"], "optimizer.lr: must be positive"),
     ("train", ["xla.flags=[foo]"], "xla.flags: 'foo' is not an XLA flag"),
     ("train", ["xla.flags=notalist"], "xla.flags: not a list; give one in brackets"),
-    ("train", ["xla.cpu_devices=0"], "xla.cpu_devices: must be >= 1 or null"),
+    ("train", ["xla.cpu_devices=0"], "xla.cpu_devices: must be in [1, 1024]"),
+    ("train", ["xla.cpu_devices=100000"], "xla.cpu_devices: must be in [1, 1024] (simulated devices beyond that"),
+    # every numeric key by its range (tests/test_ranges.py walks them all): NaN, inf, out of range
+    ("train", ["optimizer.lr=nan"], "optimizer.lr: must be positive, got nan; e.g. optimizer.lr="),
+    ("train", ["optimizer.lr=inf"], "optimizer.lr: must be positive, got inf"),
+    ("train", ["optimizer.b1=1.0"], "optimizer.b1: must be in [0, 1), got 1.0; e.g. optimizer.b1=0.9"),
+    ("train", ["optimizer.b2=-0.1"], "optimizer.b2: must be in [0, 1), got -0.1"),
+    ("train", ["optimizer.eps=0"], "optimizer.eps: must be positive, got 0.0"),
+    ("train", ["optimizer.decay_steps=-1"], "optimizer.decay_steps: must be positive (null decays over"),
+    ("train", ["optimizer.weight_decay=-1"], "optimizer.weight_decay: must be >= 0, got -1.0"),
+    ("train", ["optimizer.grad_clip=nan"], "optimizer.grad_clip: must be >= 0 (0 disables), got nan"),
+    ("train", ["lora=default", "lora.alpha=nan"], "lora.alpha: must be positive, got nan"),
+    ("train", ["model.moe.routed_scaling_factor=nan"], "model.moe.routed_scaling_factor: must be positive, got nan"),
+    ("train", ["model.rope.theta=inf"], "model.rope.theta: must be positive, got inf"),
+    ("train", ["model.rms_norm_eps=inf"], "model.rms_norm_eps: must be in (0, 1), got inf"),
+    ("train", ["trainer.moe_bias_update_rate=nan"], "trainer.moe_bias_update_rate: must be >= 0 (0 disables), got"),
+    ("train", ["trainer.seed=99999999999999999999"], "trainer.seed: must be in [0, 4294967296), got 9999999999"),
+    ("train", ["data.seed=-1"], "data.seed: must be in [0, 4294967296), got -1"),
+    ("train", ["model.num_layers=nan"], "model.num_layers: Value 'nan' of type 'float' could not be converted"),
+    # the command line before Hydra reads it (zoo.train.command_line)
+    ("train", ["=3"], "command line: '=3' has no key before its '='; write <key>=3"),
+    ("train", ["m\u00f6del.x=3"], "m\u00f6del.x: '\u00f6' cannot be in a key"),
+    ("train", ["hydra.run.dir=$HOME/x"], "hydra.run.dir: '$HOME/x' holds $HOME, which the shell did not expand"),
+    ("train", ["data.path=$DATA/books.txt"], "data.path: '$DATA/books.txt' holds $DATA, which the shell did not"),
+    ("train", ["hydra/launcher=slurm"], "hydra/launcher: slurm launches the jobs of a sweep, and without -m"),
+    ("train", ["~model"], "model: the group is missing (~model deletes it); choose an option"),
+    ("train", ["distributed.local_device_ids=[7]"], "distributed.local_device_ids: [7] picks the devices of one"),
+    (
+        "train",
+        ["data=text", "data.path={tmp}/latin1.txt", "data.format=chat"],
+        "data.format: chat reads the fields of .jsonl lines, and {tmp}/latin1.txt holds no .jsonl file",
+    ),
+    # what cannot fit: refused before anything is initialised (zoo.train.machine_fit), or too deep to judge
+    (
+        "train",
+        ["model=llama3.1_405b", "mesh=single", "data.batch_size=1", "data.seq_len=16"],
+        "model: training 405.85B parameters needs at least 6493.7 GB (weights 1623.4 GB, gradients and AdamW",
+    ),
+    ("train", ["model.num_layers=1000000"], "model.num_layers: must be in [1, 10000] (beyond that, building"),
+    # a block the model lacks, named before the tag's action
+    (
+        "train",
+        ["model=llama_tiny_a", "+offload.block_tags.mla.mla_q=offload"],
+        "offload.block_tags.mla: the llama model has no mla blocks (its optional blocks: mlp), so this would be",
+    ),
     ("train", ["hardware=tpu"], "hardware: unknown option 'tpu'; choose one of auto, cpu, "),
     ("train", ["hardware=tpu_v5e"], "hardware: tpu_v5e is a profile of a tpu, and this run's devices are cpus; use"),
     (
@@ -275,6 +318,10 @@ FUZZ = [
     ("zoo.tools.measure_hardware", ["foo=1"], "foo: unknown key; the keys are name, out, "),
     ("zoo.tools.measure_hardware", ["bare"], "bare: arguments are key=value"),
     ("zoo.tools.measure_hardware", ["dtype=int4"], "dtype: choose bfloat16, float16 or float32"),
+    ("zoo.tools.measure_hardware", ["chain=0"], "chain: must be >= 1 (matmuls per timed call), got 0; e.g. chain=8"),
+    ("zoo.tools.measure_hardware", ["transfer_mb=nan"], "transfer_mb: must be positive, got nan"),
+    ("zoo.tools.export", ["{tmp}/ckpt", "{tmp}/out", "--max-shard-gb", "0"], "--max-shard-gb: must be a positive"),
+    ("zoo.tools.export", ["{tmp}/ckpt", "{tmp}/out", "--max-shard-gb", "nan"], "--max-shard-gb: must be a positive"),
     ("zoo.tools.measure_hardware", [f"out={OUT}/m.yaml"], f"out: cannot write {OUT}/m.yaml"),
     ("zoo.tools.report", ["/no/such/multirun"], "dir: /no/such/multirun is not a directory"),
     ("zoo.tools.report", [], "command line: the following arguments are required: dir"),
@@ -309,12 +356,10 @@ def _cli(tool: str, argv: list[str], out_dir: pathlib.Path) -> int:
         import train
     finally:
         sys.path.remove(str(ROOT))
-    from zoo.tools.cli import main
-
     saved = sys.argv
     sys.argv = ["train.py", *argv, f"hydra.run.dir={out_dir / 'run'}", "hydra.job.chdir=false"]
     try:
-        return main(train.main, train.CONF)
+        return train.entry()
     finally:
         sys.argv = saved
 

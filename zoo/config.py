@@ -19,8 +19,11 @@ from typing import Any, Optional
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, so np.dtype("bfloat16") resolves)
 import numpy as np
 
+from zoo.ranges import ranged
+
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+MAX_LAYERS = 10000
 MOE_IMPLS = ("auto", "ragged", "capacity")
 # sigmoid_grouped: DeepSeek-V3 (sigmoid scores + correction bias, group-limited top-k, renormalised, scaled).
 # softmax: Mixtral, Qwen3-MoE (softmax over all experts, top-k, renormalised when norm_topk_prob).
@@ -68,6 +71,19 @@ def _as_list(obj, name: str) -> None:
         object.__setattr__(obj, name, list(value))
 
 
+@ranged(
+    "model.rope",
+    theta="(0, inf)",
+    factor="(0, inf)",
+    original_max_position_embeddings="(0, inf)",
+    low_freq_factor="(0, inf)",
+    high_freq_factor="(0, inf)",
+    beta_fast="(0, inf)",
+    beta_slow="(0, inf)",
+    mscale="[0, inf)",
+    mscale_all_dim="[0, inf)",
+    attention_factor="(0, inf)",
+)
 @dataclasses.dataclass(frozen=True)
 class RopeConfig:
     """Rotary embedding frequencies. `type` picks the rule; the other fields belong to one rule each."""
@@ -92,7 +108,6 @@ class RopeConfig:
 
     def __post_init__(self):
         _require(self.type in ROPE_TYPES, "rope.type", f"got {self.type!r}; choose one of {_choices(ROPE_TYPES)}")
-        _require(self.theta > 0, "rope.theta", f"must be positive, got {self.theta}")
         if self.type in ("linear", "llama3", "yarn"):
             _require(self.factor >= 1, "rope.factor", f"must be >= 1 for rope type {self.type}, got {self.factor}")
         if self.type == "llama3":
@@ -106,15 +121,12 @@ class RopeConfig:
                 "rope.high_freq_factor",
                 f"must exceed rope.low_freq_factor ({self.high_freq_factor} <= {self.low_freq_factor})",
             )
-        if self.type == "yarn":
-            # transformers reads `beta_fast or 32`: a zero is not a legal value there either.
-            _require(
-                self.beta_fast > 0 and self.beta_slow > 0,
-                "rope.beta_fast",
-                "yarn needs positive beta_fast and beta_slow",
-            )
 
 
+@ranged(
+    "model.mla",
+    **dict.fromkeys(("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"), "(0, inf)"),
+)
 @dataclasses.dataclass(frozen=True)
 class MLAConfig:
     """Multi-head latent attention (DeepSeek-V2/V3)."""
@@ -130,10 +142,6 @@ class MLAConfig:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     def __post_init__(self):
-        if self.q_lora_rank is not None:
-            _require(self.q_lora_rank > 0, "mla.q_lora_rank", "must be positive or null")
-        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-            _require(getattr(self, name) > 0, f"mla.{name}", "must be positive")
         _require(
             self.qk_rope_head_dim % 2 == 0,
             "mla.qk_rope_head_dim",
@@ -141,23 +149,45 @@ class MLAConfig:
         )
 
 
+@ranged(
+    "model.moe",
+    **dict.fromkeys(
+        (
+            "n_routed_experts",
+            "num_experts_per_tok",
+            "moe_intermediate_size",
+            "n_group",
+            "topk_group",
+            "routed_scaling_factor",
+            "swiglu_limit",
+            "swiglu_alpha",
+            "capacity_factor",
+            "exchange_factor",
+        ),
+        "(0, inf)",
+    ),
+    n_shared_experts="[0, inf)",
+)
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
     """Mixture of experts: a router (`router`, see ROUTERS), routed experts, optional shared experts.
 
-    The group fields (`n_group`, `topk_group`) and `routed_scaling_factor` belong to the DeepSeek-V3
-    router; `router_bias`, `expert_bias` and the clamped SwiGLU to GPT-OSS.
+    The defaults are a small plain MoE that fits any expert count: 8 experts, the top 2 of a softmax
+    over them renormalised (Mixtral's router), no shared expert, no groups. The group fields
+    (`n_group`, `topk_group`) and `routed_scaling_factor` belong to the DeepSeek-V3 router
+    (`sigmoid_grouped`), whose sizes name them (zoo/families/deepseek_v3.py); `router_bias`,
+    `expert_bias` and the clamped SwiGLU to GPT-OSS.
     """
 
-    n_routed_experts: int = 256
-    num_experts_per_tok: int = 8
-    moe_intermediate_size: int = 2048
-    n_shared_experts: int = 1
-    router: str = "sigmoid_grouped"
-    n_group: int = 8
-    topk_group: int = 4
+    n_routed_experts: int = 8
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 128
+    n_shared_experts: int = 0
+    router: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
     norm_topk_prob: bool = True
-    routed_scaling_factor: float = 2.5
+    routed_scaling_factor: float = 1.0
     router_bias: bool = False  # a learned bias on the router logits (GPT-OSS)
     expert_bias: bool = False  # biases on the experts' gate, up and down projections (GPT-OSS)
     activation: str = "silu"  # silu: silu(gate) * up; clamped_swiglu: GPT-OSS's clamped variant
@@ -179,8 +209,6 @@ class MoEConfig:
             "moe.activation",
             f"got {self.activation!r}; choose one of {_choices(EXPERT_ACTIVATIONS)}",
         )
-        _require(self.n_routed_experts > 0, "moe.n_routed_experts", "must be positive")
-        _require(self.moe_intermediate_size > 0, "moe.moe_intermediate_size", "must be positive")
         _require(
             0 < self.num_experts_per_tok <= self.n_routed_experts,
             "moe.num_experts_per_tok",
@@ -216,11 +244,6 @@ class MoEConfig:
                 "group-limited routing belongs to the sigmoid_grouped router; set n_group=1 and topk_group=1 for "
                 f"router {self.router}",
             )
-        _require(self.capacity_factor > 0, "moe.capacity_factor", "must be positive")
-        _require(self.exchange_factor > 0, "moe.exchange_factor", f"must be positive, got {self.exchange_factor}")
-        _require(self.n_shared_experts >= 0, "moe.n_shared_experts", "must be >= 0")
-        if self.activation == "clamped_swiglu":
-            _require(self.swiglu_limit > 0, "moe.swiglu_limit", f"must be positive, got {self.swiglu_limit}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,6 +256,32 @@ class LayerSpec:
     moe: bool
 
 
+@ranged(
+    "model",
+    **dict.fromkeys(
+        (
+            "vocab_size",
+            "hidden_size",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "intermediate_size",
+            "max_position_embeddings",
+            "query_pre_attn_scalar",
+            "sliding_window",
+            "final_logit_softcap",
+        ),
+        "(0, inf)",
+    ),
+    # No published model has more than 126 layers; judging a deeper one's size (zoo.train.machine_fit)
+    # takes zoo minutes per hundred thousand layers.
+    num_layers=f"[1, {MAX_LAYERS}]: beyond that, building the model to judge its size takes minutes",
+    rms_norm_eps="(0, 1)",
+    pad_token_id="[0, inf)",
+    first_k_dense_replace="[0, inf)",
+    decoder_sparse_step="[1, inf)",
+    norm_weight_offset="0 or 1: Gemma's norms scale by 1 + w",
+)
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     family: str = "llama"  # a module of zoo/families/ (zoo.families.check holds a config to it)
@@ -285,16 +334,6 @@ class ModelConfig:
     def __post_init__(self):
         _as_list(self, "mlp_only_layers")
         _as_list(self, "layer_types")
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "num_layers",
-            "num_heads",
-            "intermediate_size",
-            "max_position_embeddings",
-        ):
-            _require(getattr(self, name) > 0, name, f"must be positive, got {getattr(self, name)}")
-        _require(self.rms_norm_eps > 0, "rms_norm_eps", "must be positive")
         for name in ("param_dtype", "compute_dtype"):
             try:  # jnp / numpy dtypes become their names: the config stays hashable and YAML-serialisable
                 object.__setattr__(self, name, dtype_name(getattr(self, name), name))
@@ -345,7 +384,6 @@ class ModelConfig:
             "first_k_dense_replace",
             f"must be in 0..num_layers={self.num_layers}, got {self.first_k_dense_replace}",
         )
-        _require(self.decoder_sparse_step >= 1, "decoder_sparse_step", f"must be >= 1, got {self.decoder_sparse_step}")
         bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_layers]
         _require(not bad, "mlp_only_layers", f"layer {bad[0] if bad else ''} is not in 0..{self.num_layers - 1}")
         if self.rope.interleaved:
@@ -358,8 +396,6 @@ class ModelConfig:
                 "pad_token_id",
                 f"must be in 0..{self.vocab_size - 1} or null, got {self.pad_token_id}",
             )
-        if self.sliding_window is not None:
-            _require(self.sliding_window > 0, "sliding_window", f"must be positive or null, got {self.sliding_window}")
         if self.layer_types is not None:
             _require(
                 len(self.layer_types) == self.num_layers,
@@ -377,15 +413,6 @@ class ModelConfig:
                 "sliding_window",
                 "layer_types has sliding_attention layers but sliding_window is null; give the window size",
             )
-        if self.query_pre_attn_scalar is not None:
-            _require(self.query_pre_attn_scalar > 0, "query_pre_attn_scalar", "must be positive or null")
-        if self.final_logit_softcap is not None:
-            _require(self.final_logit_softcap > 0, "final_logit_softcap", "must be positive or null")
-        _require(
-            self.norm_weight_offset in (0.0, 1.0),
-            "norm_weight_offset",
-            f"0 (w) or 1 (Gemma's 1 + w), got {self.norm_weight_offset}",
-        )
 
     # --- derived structure ---------------------------------------------------------------------
 

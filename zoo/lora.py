@@ -32,6 +32,7 @@ from jaxtyping import PRNGKeyArray, PyTree
 
 from zoo import nn
 from zoo.errors import ConfigError
+from zoo.ranges import ranged
 
 # The adapted weight and its projection live with the blocks that use them; re-exported here.
 from zoo.nn.lora_weight import LoRAWeight, _is_lora, project  # noqa: F401
@@ -44,8 +45,12 @@ def _projections(block_class) -> dict[str, int]:
 
 # Every projection name a block of zoo.nn declares, in the order zoo.nn lists the blocks.
 TARGETS = tuple(dict.fromkeys(f for name in nn.__all__ for f in _projections(getattr(nn, name))))
+# A target that names every projection the model has (lora=default's): the same option adapts a Llama's
+# wq, wk, wv, wo and a DeepSeek's wq_a ... wv_b, and their MLPs.
+ALL = "all"
 
 
+@ranged("lora", rank="[0, inf): 0 turns LoRA off", alpha="(0, inf)", dropout="[0, 1)")
 @dataclasses.dataclass
 class LoraConfig:
     """The `lora` group. `rank: 0` (lora=none) trains the whole model as before."""
@@ -57,21 +62,22 @@ class LoraConfig:
     base_on_host: bool = False  # the frozen base in pinned host memory, brought to the device per layer
 
     def __post_init__(self):
-        if self.rank < 0:
-            raise ConfigError(f"lora.rank: must be >= 0 (0 turns LoRA off), got {self.rank}")
-        if self.rank and self.alpha <= 0:
-            raise ConfigError(f"lora.alpha: must be positive, got {self.alpha}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"lora.dropout: {self.dropout} is not a probability in [0, 1); e.g. lora.dropout=0.05")
         if self.rank and not self.targets:
             raise ConfigError("lora.targets: empty; name at least one projection, e.g. lora.targets=[wq,wv]")
-        unknown = [t for t in self.targets if t not in TARGETS]
+        unknown = [t for t in self.targets if t not in TARGETS and t != ALL]
         if unknown:
-            raise ConfigError(f"lora.targets: unknown projection {unknown[0]!r}; choose from {', '.join(TARGETS)}")
+            raise ConfigError(
+                f"lora.targets: unknown projection {unknown[0]!r}; choose from {', '.join(TARGETS)}, or {ALL} (every "
+                "projection the model has)"
+            )
 
     @property
     def enabled(self) -> bool:
         return self.rank > 0
+
+    def adapts(self, name: str) -> bool:
+        """Whether a projection of this name gets an adapter."""
+        return ALL in self.targets or name in self.targets
 
     @property
     def scale(self) -> float:
@@ -119,6 +125,15 @@ def family_targets(model) -> set[str]:
     return {key.rsplit(".", 1)[1] for stack in model.stacks for block in stack.layers for key in _sites(block)}
 
 
+def resolved(model, config: LoraConfig) -> LoraConfig:
+    """`config` with `all` replaced by the names of the projections `model` has (in TARGETS' order),
+    so what a run records and prints (summary.json, its checkpoints, the startup line) names them."""
+    if ALL not in config.targets:
+        return config
+    have = family_targets(model)
+    return dataclasses.replace(config, targets=[t for t in TARGETS if t in have])
+
+
 def projection_shapes(model, config: LoraConfig) -> list[list[dict[str, tuple[int, int, int]]]]:
     """Per stack, per period position: adapter key -> (repeats, fan_in, fan_out)."""
     out = []
@@ -128,7 +143,7 @@ def projection_shapes(model, config: LoraConfig) -> list[list[dict[str, tuple[in
             sites = {}
             for key, path in _sites(block).items():
                 name = path[-1]
-                if name not in config.targets:
+                if not config.adapts(name):
                     continue
                 shape = _get(block, path).shape  # [repeats, ...]
                 fan_in = math.prod(shape[1:][: _fan_in_axes(block, path)])
@@ -144,7 +159,7 @@ def check(model, config: LoraConfig) -> Optional[str]:
         return None
     have = family_targets(model)
     for t in config.targets:
-        if t not in have:
+        if t not in have and t != ALL:
             return f"lora.targets: this model has no {t!r} projection; its projections are {', '.join(sorted(have))}"
     for per_pos in projection_shapes(model, config):
         for sites in per_pos:

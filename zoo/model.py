@@ -191,17 +191,36 @@ def plan_stacks(specs: Sequence[LayerSpec], max_period: int = 8) -> list[tuple[i
     """Cut the layers into the fewest scanned stacks: `(first layer, period, repeats)` each, covering
     the layers in order. A stack repeats a period of `period` layers `repeats` times; a repeating
     pattern with a prefix or a tail (DeepSeek-V3's dense layers, Gemma 3-27B's 62 = 10 x 6 + 2 layers)
-    gives a few stacks, so the count does not grow with depth. Ties go to the shorter period."""
+    gives a few stacks, so the count does not grow with depth. Ties go to the shorter period, then the
+    earlier start. Every start of every period is judged at once (numpy), so the time is linear in
+    the layers: a config of a million layers is planned, and its size judged, in about a second."""
     n = len(specs)
-    candidates = [_runs(specs, 0, n)]
+    index = {s: i for i, s in enumerate(dict.fromkeys(specs))}
+    ids = np.array([index[s] for s in specs], dtype=np.int64)
+    # boundaries[k]: layers i < k that start a new run of one spec (i > 0 and spec i != spec i - 1)
+    boundaries = np.concatenate([[0, 0], np.cumsum(ids[1:] != ids[:-1])])
+
+    def runs_in(lo, hi):  # how many runs of one spec cover layers [lo, hi) (elementwise)
+        return np.where(hi > lo, 1 + boundaries[hi] - boundaries[np.minimum(lo + 1, n)], 0)
+
+    every_run = int(runs_in(np.array(0), np.array(n)))
+    best, best_key = None, (every_run, every_run)  # one stack per run
     for p in range(2, min(max_period, n) + 1):
-        for a in range(n):
-            r = 0
-            while a + (r + 1) * p <= n and list(specs[a + r * p : a + (r + 1) * p]) == list(specs[a : a + p]):
-                r += 1
-            if r >= 2:
-                candidates.append(_runs(specs, 0, a) + [(a, p, r)] + _runs(specs, a + r * p, n))
-    return min(candidates, key=lambda segs: (len(segs), sum(p for _, p, _ in segs)))
+        starts = np.arange(n - p + 1)
+        # chain[a]: how many layers from a on each equal the layer p after them, so the period at a
+        # repeats 1 + chain[a] // p times
+        differs = np.flatnonzero(ids[: n - p] != ids[p:])
+        next_differs = np.append(differs, n - p)[np.searchsorted(differs, starts)]
+        repeats = 1 + (next_differs - starts) // p
+        count = runs_in(np.zeros_like(starts), starts) + 1 + runs_in(starts + repeats * p, np.full_like(starts, n))
+        key = np.where(repeats >= 2, count * (n + max_period + 1) + count - 1 + p, np.iinfo(np.int64).max)
+        a = int(np.argmin(key))  # the first of the best: the earlier start
+        if repeats[a] >= 2 and (int(count[a]), int(count[a]) - 1 + p) < best_key:
+            best, best_key = (a, p, int(repeats[a])), (int(count[a]), int(count[a]) - 1 + p)
+    if best is None:
+        return _runs(specs, 0, n)
+    a, p, r = best
+    return _runs(specs, 0, a) + [best] + _runs(specs, a + r * p, n)
 
 
 def _stack_names(config: ModelConfig, plan: Sequence[tuple[int, int, int]]) -> list[str]:

@@ -129,9 +129,11 @@ class OffloadConfig:
                     f"{', '.join(MEMORY_KINDS)}"
                 )
         if not self.checkpoint and (self.tags or any(self.block_tags.values())):
-            named = next(iter(self.tags), None) or next(t for s in self.block_tags.values() for t in (s or {}))
+            named = next((f"tags.{t}" for t in self.tags), None) or next(
+                f"block_tags.{kind}.{t}" for kind, s in self.block_tags.items() for t in (s or {})
+            )
             raise ValueError(
-                f"offload.tags.{named}: with offload.checkpoint=false nothing is recomputed and every tag is kept, "
+                f"offload.{named}: with offload.checkpoint=false nothing is recomputed and every tag is kept, "
                 f"so per-tag actions would be ignored; set offload.checkpoint=true"
             )
 

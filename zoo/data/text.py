@@ -207,6 +207,11 @@ def read_corpus(path: Union[str, pathlib.Path], text_field: str = "text", format
     if format not in FORMATS:
         raise DataError(f"data.format: unknown format {format!r}; choose one of {', '.join(FORMATS)}")
     files = list_files(path)
+    if format not in ("auto", "text") and not any(f.suffix.lower() in JSONL_SUFFIXES for f in files):
+        raise DataError(
+            f"data.format: {format} reads the fields of .jsonl lines, and {path} holds no .jsonl file (its text is "
+            "read as it is); drop data.format (auto), or give a .jsonl file"
+        )
     documents: list[Document] = []
     for f in files:
         text = decode_utf8(f)

@@ -8,6 +8,28 @@ from zoo.families._hf import Family
 
 
 @dataclasses.dataclass(frozen=True)
+class Recipe:
+    """A named size's training recipe: its peak learning rate and linear warmup (optimizer steps),
+    what train.py uses unless optimizer.lr / optimizer.warmup_steps are given, and where they come from."""
+
+    lr: float
+    warmup_steps: int
+    source: str
+
+
+# A recipe's value where the model's publisher gives no learning rate: Llama's published peak for the
+# nearest of its sizes by the size's published total parameters (Llama 2's 7B 3e-4 and 70B 1.5e-4,
+# Llama 3's 405B 8e-5; the boundaries: 22.1B and 168B, their geometric means), with Llama 2's 2,000
+# warmup steps. Scaled, not published.
+SCALED = "scaled"
+
+
+def scaled(total_params: float) -> Recipe:
+    lr = 3e-4 if total_params <= 22.1e9 else 1.5e-4 if total_params <= 168e9 else 8e-5
+    return Recipe(lr, 2000, "scaled: none published; Llama's peak for its size class, Llama 2's warmup")
+
+
+@dataclasses.dataclass(frozen=True)
 class FamilyDef:
     """One family. `hf` is its Hugging Face mapping (None: no checkpoint mapping); `sizes()` returns
     the named `ModelConfig`s, built on demand (the registry checks each against this family)."""
@@ -28,7 +50,18 @@ class FamilyDef:
     dropless: bool = False
     # Its published active parameter counts leave out the embedding table (OpenAI's convention).
     active_without_embedding: bool = False
+    # The published sizes' training recipes (size name -> Recipe, or SCALED where none is published):
+    # train.py's learning rate and warmup for them unless optimizer.lr / optimizer.warmup_steps are
+    # given (docs/training.md, "Recipes"). `recipe(name)` resolves them.
+    recipes: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
         if self.mla and not self.moe:
             raise ValueError(f"family {self.name}: mla without moe is not a combination zoo builds")
+        if not set(self.recipes) <= set(self.published) | {"llama_1b"}:
+            raise ValueError(f"family {self.name}: recipes for sizes it does not publish: {sorted(self.recipes)}")
+
+    def recipe(self, size: str) -> Optional[Recipe]:
+        """The recipe of the named size (None: it has none)."""
+        found = self.recipes.get(size)
+        return scaled(self.published[size][0]) if found == SCALED else found

@@ -10,7 +10,7 @@ as transformers skips them.
 import numpy as np
 
 from zoo.config import MLAConfig, ModelConfig, MoEConfig, RopeConfig
-from zoo.families._family import FamilyDef
+from zoo.families._family import FamilyDef, Recipe
 from zoo.families._hf import (
     SILU,
     Family,
@@ -55,6 +55,7 @@ def read(k: Keys) -> dict:
             v_head_dim=k.integer("v_head_dim"),
         ),
         moe=MoEConfig(
+            router="sigmoid_grouped",
             n_routed_experts=k.integer("n_routed_experts"),
             num_experts_per_tok=k.integer("num_experts_per_tok"),
             moe_intermediate_size=k.integer("moe_intermediate_size"),
@@ -202,6 +203,7 @@ def sizes() -> dict[str, ModelConfig]:
             rope=RopeConfig(theta=10000.0, interleaved=True),
             mla=MLAConfig(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16),
             moe=MoEConfig(
+                router="sigmoid_grouped",
                 n_routed_experts=8,
                 num_experts_per_tok=2,
                 moe_intermediate_size=32,
@@ -224,6 +226,7 @@ def sizes() -> dict[str, ModelConfig]:
             rope=RopeConfig(theta=10000.0, interleaved=True),
             mla=MLAConfig(q_lora_rank=512, kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64),
             moe=MoEConfig(
+                router="sigmoid_grouped",
                 n_routed_experts=64,
                 num_experts_per_tok=6,
                 moe_intermediate_size=704,
@@ -245,6 +248,7 @@ def sizes() -> dict[str, ModelConfig]:
             rope=RopeConfig(theta=10000.0, interleaved=True),
             mla=MLAConfig(q_lora_rank=256, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64),
             moe=MoEConfig(
+                router="sigmoid_grouped",
                 n_routed_experts=16,
                 num_experts_per_tok=2,
                 moe_intermediate_size=512,
@@ -277,6 +281,7 @@ def sizes() -> dict[str, ModelConfig]:
                 q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128
             ),
             moe=MoEConfig(
+                router="sigmoid_grouped",
                 n_routed_experts=256,
                 num_experts_per_tok=8,
                 moe_intermediate_size=2048,
@@ -310,6 +315,7 @@ def sizes() -> dict[str, ModelConfig]:
                 q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128
             ),
             moe=MoEConfig(
+                router="sigmoid_grouped",
                 n_routed_experts=384,
                 num_experts_per_tok=8,
                 moe_intermediate_size=2048,
@@ -328,6 +334,10 @@ FAMILY = FamilyDef(
     mla=True,
     hf=HF,
     sizes=sizes,
+    recipes={
+        "deepseek_v3_671b": Recipe(2.2e-4, 2000, "DeepSeek-V3 report, 4.2: 0 to 2.2e-4 over the first 2K steps"),
+        "kimi_k2_1t": Recipe(2e-4, 500, "Kimi K2 technical report: 2e-4 after 500 warmup steps (with MuonClip)"),
+    },
     published={
         "deepseek_v3_671b": (671e9, None, 0.01, "DeepSeek-V3 report: 671B total without the 14B MTP module"),
         # The hub's 1026.5B includes the FP8 checkpoint's weight_scale_inv blocks (62.5M scales, one per

@@ -22,7 +22,7 @@ from typing import Optional
 
 from zoo.config import LAYER_TYPES, ModelConfig, RopeConfig
 from zoo.errors import CheckpointError
-from zoo.families._family import FamilyDef
+from zoo.families._family import SCALED, FamilyDef
 from zoo.families._hf import (
     Family,
     Keys,
@@ -232,6 +232,7 @@ FAMILY = FamilyDef(
     name=NAME,
     hf=HF,
     sizes=sizes,
+    recipes={"gemma3_27b": SCALED},
     published={
         "gemma3_27b": (27.016e9, None, 0.01, "Gemma 3 report, table 1: 1,416M embedding + 25,600M non-embedding (text)")
     },

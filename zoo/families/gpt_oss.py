@@ -13,7 +13,7 @@ interleaved columns (gate = [..., ::2], up = [..., 1::2]) and its bias `[E, 2I]`
 import numpy as np
 
 from zoo.config import ModelConfig, MoEConfig, RopeConfig
-from zoo.families._family import FamilyDef
+from zoo.families._family import SCALED, FamilyDef
 from zoo.families._hf import (
     Family,
     Keys,
@@ -260,6 +260,7 @@ FAMILY = FamilyDef(
     moe=True,
     hf=HF,
     sizes=sizes,
+    recipes={"gpt_oss_20b": SCALED, "gpt_oss_120b": SCALED},
     # OpenAI counts active parameters without the embedding table (a lookup touches one row).
     published={
         "gpt_oss_20b": (20.91e9, 3.61e9, 0.01, "OpenAI gpt-oss model card: 20.91B total, 3.61B active"),

@@ -5,7 +5,7 @@ and is refused.
 """
 
 from zoo.config import ModelConfig, RopeConfig
-from zoo.families._family import FamilyDef
+from zoo.families._family import FamilyDef, Recipe
 from zoo.families._hf import SILU, Family, Keys, common_fields, rope_from_params, rope_hf, rope_params
 
 NAME = "llama"
@@ -127,6 +127,15 @@ FAMILY = FamilyDef(
     name=NAME,
     hf=HF,
     sizes=sizes,
+    recipes={
+        # Not published (Llama 3.2 1B's is not): on a TPU v5e at 8 x 2048, 3e-3 rose from 12.27 to 13.15 by
+        # step 30 before falling; 3e-4 fell steadily (docs/training.md, "Recipes").
+        "llama_1b": Recipe(3e-4, 10, "measured: 3e-4 fell steadily on a TPU v5e where 3e-3 rose first"),
+        # Meta publishes no peak for Llama 3's 8B and 70B: Llama 2's for its sizes (Llama 2 paper, table 1).
+        "llama3.1_8b": Recipe(3e-4, 2000, "Llama 2 paper, table 1 (7B, 13B): peak 3e-4, 2,000 warmup steps"),
+        "llama3.1_70b": Recipe(1.5e-4, 2000, "Llama 2 paper, table 1 (70B): peak 1.5e-4, 2,000 warmup steps"),
+        "llama3.1_405b": Recipe(8e-5, 8000, "The Llama 3 Herd of Models, 3.4.1: peak 8e-5, 8,000 warmup steps"),
+    },
     published={
         "llama3.1_8b": (8.03e9, None, 0.005, "Meta model card (8.03B, hub)"),
         "llama3.1_70b": (70.6e9, None, 0.005, "Meta model card / hub"),

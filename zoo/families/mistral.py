@@ -7,7 +7,7 @@ warns and points to Ministral), so zoo refuses it rather than run a pattern tran
 """
 
 from zoo.config import ModelConfig, RopeConfig
-from zoo.families._family import FamilyDef
+from zoo.families._family import SCALED, FamilyDef
 from zoo.families._hf import (
     SILU,
     Family,
@@ -90,6 +90,7 @@ FAMILY = FamilyDef(
         write,
     ),
     sizes=sizes,
+    recipes={"mistral_7b": SCALED},
     published={"mistral_7b": (7.24e9, None, 0.005, "hub (mistralai/Mistral-7B-v0.1): 7.24B")},
     like="llama",
 )

@@ -10,7 +10,7 @@ jitter, so a non-zero value is accepted with a warning (inference is unaffected)
 import warnings
 
 from zoo.config import ModelConfig, MoEConfig, RopeConfig
-from zoo.families._family import FamilyDef
+from zoo.families._family import SCALED, FamilyDef
 from zoo.families._hf import (
     SILU,
     Family,
@@ -167,6 +167,7 @@ FAMILY = FamilyDef(
     moe=True,
     hf=HF,
     sizes=sizes,
+    recipes={"mixtral_8x7b": SCALED, "mixtral_8x22b": SCALED},
     published={
         "mixtral_8x7b": (46.7e9, 12.9e9, 0.01, "Mistral AI, 'Mixtral of experts': 46.7B total, 12.9B per token"),
         "mixtral_8x22b": (141e9, 39e9, 0.01, "Mistral AI, 'Cheaper, Better, Faster, Stronger': 141B total, 39B active"),

@@ -4,7 +4,7 @@
 """
 
 from zoo.config import ModelConfig, RopeConfig
-from zoo.families._family import FamilyDef
+from zoo.families._family import SCALED, FamilyDef
 from zoo.families._hf import Family, Keys, rope_hf
 from zoo.families._qwen import DEFAULTS, read_dense, window_by_depth_hf
 
@@ -83,6 +83,7 @@ FAMILY = FamilyDef(
     name=NAME,
     hf=HF,
     sizes=sizes,
+    recipes={"qwen2.5_7b": SCALED},
     published={"qwen2.5_7b": (7.61e9, None, 0.01, "Qwen2.5-7B model card: 7.61B")},
     like="llama",  # + q/k/v biases
 )

@@ -4,7 +4,7 @@ absent. Sliding windows by depth (`use_sliding_window`, `max_window_layers`; zoo
 """
 
 from zoo.config import ModelConfig
-from zoo.families._family import FamilyDef
+from zoo.families._family import SCALED, FamilyDef
 from zoo.families._hf import Family, Keys, rope_hf
 from zoo.families._qwen import DEFAULTS, QWEN3_SIZE, read_dense, window_by_depth_hf
 
@@ -78,6 +78,7 @@ FAMILY = FamilyDef(
     name=NAME,
     hf=HF,
     sizes=sizes,
+    recipes={"qwen3_8b": SCALED},
     published={"qwen3_8b": (8.2e9, None, 0.01, "Qwen3-8B model card: 8.2B")},
     like="llama",  # + q/k norms
 )

@@ -9,7 +9,7 @@ layer slides when `use_sliding_window` is on.
 """
 
 from zoo.config import ModelConfig, MoEConfig
-from zoo.families._family import FamilyDef
+from zoo.families._family import SCALED, FamilyDef
 from zoo.families._hf import (
     SILU,
     Family,
@@ -192,6 +192,7 @@ FAMILY = FamilyDef(
     moe=True,
     hf=HF,
     sizes=sizes,
+    recipes={"qwen3_30b_a3b": SCALED, "qwen3_235b_a22b": SCALED},
     published={
         "qwen3_30b_a3b": (
             30.5e9,

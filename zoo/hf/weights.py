@@ -230,7 +230,8 @@ def from_pretrained(path, dtype="float32", compute_dtype=None, **config_override
     skeleton = abstract(config)
     reader = open_checkpoint(directory, config, cfg, skeleton)
     _, leaves, by_path = _by_leaf(skeleton, leaf_sources(skeleton, reader))
-    values = [jnp.asarray(by_path[p].read()) for p, _ in leaves]
+    # non-finite weights refused as train.py refuses them (load_sharded), naming the tensor
+    values = [jnp.asarray(_finite(by_path[p].read(), by_path[p], (), directory)) for p, _ in leaves]
     return eqx.tree_at(lambda m: [_get(m, p) for p, _ in leaves], skeleton, values)
 
 

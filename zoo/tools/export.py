@@ -19,8 +19,10 @@ never over files (`zoo.train.hf_export` says how). Bad input: one line, exit cod
 code 130, and no partial directory left.
 """
 
+import math
 import pathlib
 
+from zoo.errors import ConfigError
 from zoo.tools.cli import ArgumentParser, run_tool
 from zoo.train.hf_export import hf_export
 
@@ -48,6 +50,12 @@ def main(argv=None) -> int:
 
 
 def _export(args) -> int:
+    if not (math.isfinite(args.max_shard_gb) and args.max_shard_gb > 0):
+        raise ConfigError(
+            f"--max-shard-gb: must be a positive number of GB, got {args.max_shard_gb}; e.g. --max-shard-gb 5"
+        )
+    if args.max_shard_gb * 2**30 < 1:
+        raise ConfigError(f"--max-shard-gb: {args.max_shard_gb} GB is less than a byte; e.g. --max-shard-gb 5")
     done = hf_export(
         args.checkpoint_dir,
         args.out_dir,

@@ -187,6 +187,18 @@ def _checkpoint_source(opts: GenerateOptions):
     return model.config, lambda: model, tokenizer, None
 
 
+def greedy_note(opts: GenerateOptions) -> Optional[str]:
+    """The line for top_k / top_p given with greedy decoding (temperature=0), which ignores them."""
+    unused = [f"top_k={opts.top_k}"] * (opts.top_k != 0) + [f"top_p={opts.top_p}"] * (opts.top_p != 1)
+    if opts.temperature != 0 or not unused:
+        return None
+    return (
+        f"{' and '.join(unused)} shape sampling, and temperature=0 is greedy (the most likely token each step), so "
+        f"{'they change' if len(unused) > 1 else 'it changes'} nothing; give a temperature (e.g. temperature=0.8) to "
+        "sample"
+    )
+
+
 def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
@@ -222,6 +234,9 @@ def run(argv: Sequence[str]) -> int:
         stop = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
     tokens = encode_prompts(prompts, tokenizer)
     check_request(config, tokens, opts.max_new_tokens, opts.temperature, opts.top_k, opts.top_p, stop, opts.max_len)
+    note = greedy_note(opts)
+    if note:
+        _log(f"note: {note}")
     decode_compile_options("cpu", 0, opts.cpu_fast_compile)  # a bad value stops here, before loading
 
     t0 = time.perf_counter()

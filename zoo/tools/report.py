@@ -28,12 +28,56 @@ def load_summaries(root: pathlib.Path) -> list[dict]:
             s = json.loads(path.read_bytes().decode())
             if not isinstance(s, dict):
                 raise ValueError(f"a JSON {type(s).__name__}, not an object")
+            _check_types(s)
         except (OSError, ValueError) as e:  # not UTF-8 (UnicodeDecodeError), not JSON: damaged, or not train.py's
             why = _unreadable(e)
             s = {"status": "failed", "error": f"unreadable summary.json ({why})", "_unreadable": why}
         s["_dir"] = str(path.parent.relative_to(root)) or "."
         jobs.append(s)
     return jobs
+
+
+_NUMBER = (int, float)
+# What the report reads of a summary.json, and what train.py writes there (null where it has none).
+SUMMARY_TYPES = {
+    "status": str,
+    "overrides": list,
+    "steps": int,
+    "start_step": int,
+    "timed_steps": int,
+    "step_time_s": _NUMBER,
+    "step_time_quantiles_s": dict,
+    "peak_memory_bytes": _NUMBER,
+    "peak_memory_source": str,
+    "tokens_per_s": _NUMBER,
+    "tflops_per_device": _NUMBER,
+    "mfu": _NUMBER,
+    "first_loss": _NUMBER,
+    "last_loss": _NUMBER,
+    "eval": dict,
+}
+_TYPE_NAMES = {str: "text", list: "a list", int: "a whole number", dict: "an object"}
+_EVAL_TYPES = {"eval_loss": _NUMBER, "eval_perplexity": _NUMBER}
+_QUANTILES = ("min", "p25", "median", "p75", "max")
+
+
+def _check_types(s: dict) -> None:
+    """ValueError naming the first key of a summary whose value is not of the type train.py writes."""
+
+    def bad(key, value, want) -> bool:
+        return value is not None and (isinstance(value, bool) or not isinstance(value, want))
+
+    for key, want in SUMMARY_TYPES.items():
+        if bad(key, s.get(key), want):
+            raise ValueError(f"its {key} is {json.dumps(s[key])[:40]}, not {_TYPE_NAMES.get(want, 'a number')}")
+    if any(not isinstance(o, str) for o in s.get("overrides") or []):
+        raise ValueError("its overrides are not all text")
+    for key, value in (s.get("step_time_quantiles_s") or {}).items():
+        if key in _QUANTILES and bad(key, value, _NUMBER):
+            raise ValueError(f"its step_time_quantiles_s.{key} is {json.dumps(value)[:40]}, not a number")
+    for key, want in _EVAL_TYPES.items():
+        if s.get("eval") and bad(key, s["eval"].get(key), want):
+            raise ValueError(f"its eval.{key} is {json.dumps(s['eval'][key])[:40]}, not a number")
 
 
 def _unreadable(e: BaseException) -> str:

@@ -38,7 +38,7 @@ from zoo.nn.moe_dispatch import expert_capacity
 from zoo.sharding import logical_ways
 from zoo.tools.kit import fmt_bytes, text_table
 from zoo.plan.traced import per_device_bytes
-from zoo.train.run_config import exchange_rounds_block, routed_tokens_per_device
+from zoo.train.config_checks import exchange_rounds_block, routed_tokens_per_device
 
 LARGEST = 12  # collectives listed one by one (by bytes per step)
 

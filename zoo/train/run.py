@@ -17,12 +17,15 @@ from zoo import backend, families
 from zoo._compat import backends_are_initialized
 from zoo.counts import count_params
 from zoo.hf.pretrained import describe as describe_pretrained
+from zoo.lora import resolved as resolved_lora
 from zoo.model import abstract
 from zoo.offload import OffloadConfig, parse_ranges, range_configs
 from zoo.sharding import ShardingError, memory_kinds
 from zoo.train import huge_pages
 from zoo.train.batches import make_data
+from zoo.train.config_checks import exchange_rounds_block
 from zoo.train.checkpoint import Checkpoints, all_processes_agree
+from zoo.train.machine_fit import check_fits, disk_full_stops, machine_notes, started_devices
 from zoo.train.run_lock import probe_writable
 from zoo.train.distributed import initialize
 from zoo.train.evaluate import attach_data
@@ -44,7 +47,6 @@ from zoo.train.run_config import (
     XlaConfig,
     auto_hardware,
     check_hardware_platform,
-    exchange_rounds_block,
     load,
     to_dict,
     validate,
@@ -203,13 +205,15 @@ def prepare(cfg: DictConfig):
     Bad input raises ConfigError (one line) from here."""
     c = load(cfg)
     flags = start_jax(c)
-    import jax
-
-    devices = jax.devices()
+    devices = started_devices()
+    for note in machine_notes(c, devices):  # refuses device ids the machine lacks
+        print(f"note: {note}", flush=True)
     c.hardware, note = auto_hardware(c.hardware, devices[0])
     if note:
         print(f"note: {note}", flush=True)
-    plan = validate(c, len(devices), abstract(c.model))
+    model = abstract(c.model)
+    c.lora = resolved_lora(model, c.lora)  # lora.targets=[all]: the model's projections, by name
+    plan = validate(c, len(devices), model)
     return c, plan, devices, flags
 
 
@@ -217,8 +221,9 @@ def train(c: TrainConfig, plan, devices, out_dir: pathlib.Path, xla_flags: str =
     import jax
 
     check_hardware_platform(c.hardware, devices[0].platform)  # MFU is read against the profile
+    check_fits(c, count_params(c.model), plan.microbatch, devices, jax.process_count())  # before any init
     # From here on SIGTERM / SIGUSR1 stop the run after a step, with a checkpoint (zoo.train.stop).
-    with StopSignals(jax.process_count()) as stop:
+    with StopSignals(jax.process_count()) as stop, disk_full_stops(out_dir):
         return _train(c, plan, devices, out_dir, xla_flags, overrides, echo, stop)
 
 

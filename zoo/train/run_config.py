@@ -24,9 +24,8 @@ from zoo.lora import LoraConfig
 from zoo.lora import check as check_lora
 from zoo.nn.attention_kernels import min_blockwise_seq, resolve_impl
 from zoo.nn.moe import resolve_moe_impl
-from zoo.nn.expert_rounds import round_block
-from zoo.nn.moe_dispatch import check_expert_parallel, exchanges_in_rounds
 from zoo.offload import OffloadConfig, check_tags_emitted
+from zoo.ranges import ranged
 
 # The hardware profile's schema lives with the planner; re-exported: the trainer and its tests take it from here.
 from zoo.plan.hardware import AUTO_HARDWARE, HARDWARE_OF_KIND, PLATFORMS, HardwareConfig  # noqa: F401
@@ -38,10 +37,10 @@ from zoo.sharding import (
     MeshShape,
     ShardingError,
     check_replication,
-    logical_ways,
     param_specs,
     resolve_mesh_shape,
 )
+from zoo.train.config_checks import absent_block_line, check_expert_parallel_line, check_mesh_fits
 from zoo.train.xla_flags import flag_name, unknown_flags, unknown_tpu_flags
 
 # The mesh axes mesh.context_parallel may split the sequence over: tensor splits the heads inside
@@ -53,6 +52,11 @@ class TrainingStopped(RuntimeError):
     """Training stopped itself for a reason it can state in one line (a non-finite loss): no traceback."""
 
 
+@ranged(
+    "mesh",
+    **dict.fromkeys(("devices", *MESH_AXES), "-1 or [1, inf): -1 fills the devices left"),
+    max_replicated_mb="[0, inf)",
+)
 @dataclasses.dataclass
 class MeshConfig:
     """Mesh axes (-1: fills the devices left) and the logical-axis rules (logical dim -> mesh axes)."""
@@ -114,8 +118,6 @@ class MeshConfig:
                     raise ConfigError(
                         f"mesh.rules.{logical}: unknown mesh axis {a!r}; use some of {', '.join(MESH_AXES)}"
                     )
-        if self.devices == 0 or self.devices < -1:
-            raise ConfigError(f"mesh.devices: got {self.devices}; use a positive count or -1 for all devices")
 
     @property
     def axes(self) -> dict[str, int]:
@@ -125,6 +127,18 @@ class MeshConfig:
 OPTIMIZERS = ("adamw",)
 
 
+@ranged(
+    "optimizer",
+    lr="(0, inf)",
+    warmup_steps="[0, inf)",
+    decay_steps="(0, inf): null decays over trainer.steps",
+    min_lr_ratio="[0, 1]",
+    b1="[0, 1)",
+    b2="[0, 1)",
+    eps="(0, inf)",
+    weight_decay="[0, inf)",
+    grad_clip="[0, inf): 0 disables",
+)
 @dataclasses.dataclass
 class OptimizerConfig:
     """AdamW with linear warmup, cosine decay to lr * min_lr_ratio, and global-norm clipping."""
@@ -143,14 +157,6 @@ class OptimizerConfig:
     def __post_init__(self):
         if self.name not in OPTIMIZERS:
             raise ConfigError(f"optimizer.name: unknown optimizer {self.name!r}; choose one of {', '.join(OPTIMIZERS)}")
-        if self.lr <= 0:
-            raise ConfigError(f"optimizer.lr: must be positive, got {self.lr}; e.g. optimizer.lr=3e-4")
-        if self.warmup_steps < 0:
-            raise ConfigError(f"optimizer.warmup_steps: must be >= 0, got {self.warmup_steps}")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ConfigError(f"optimizer.min_lr_ratio: must be in [0, 1], got {self.min_lr_ratio}")
-        if self.grad_clip < 0:
-            raise ConfigError(f"optimizer.grad_clip: must be >= 0 (0 disables), got {self.grad_clip}")
 
 
 DATASETS = ("markov", "uniform", "text")
@@ -192,6 +198,18 @@ def foreign_data_key_line(key: str, value: Any = None, name: Optional[str] = Non
 _DATA_NULL = {"path": "the shipped corpus", "tokenizer": "UTF-8 bytes", "eval_path": "no separate eval file"}
 
 
+# Seeds: what numpy's and JAX's generators take (a seed outside it overflows or is refused as they start).
+SEED_RANGE = "[0, 2**32)"
+
+
+@ranged(
+    "data",
+    batch_size="(0, inf)",
+    seq_len="[2, inf): next-token loss needs 2 tokens",
+    branching="(0, inf)",
+    seed=SEED_RANGE,
+    eval_fraction="[0, 1): 0 holds nothing out",
+)
 @dataclasses.dataclass
 class DataConfig:
     """Synthetic tokens, or real text. markov: each token has `branching` likely successors (learnable,
@@ -216,11 +234,6 @@ class DataConfig:
     def __post_init__(self):
         if self.name not in DATASETS:
             raise ConfigError(f"data.name: unknown dataset {self.name!r}; choose one of {', '.join(DATASETS)}")
-        for name in ("batch_size", "seq_len", "branching"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"data.{name}: must be positive, got {getattr(self, name)}")
-        if self.seq_len < 2:
-            raise ConfigError(f"data.seq_len: next-token loss needs at least 2 tokens, got {self.seq_len}")
         for name in ("path", "tokenizer", "eval_path"):  # `data.path=` (an unset shell variable) is not null
             if getattr(self, name) is not None and not str(getattr(self, name)).strip():
                 raise ConfigError(
@@ -232,10 +245,6 @@ class DataConfig:
 
             if self.format not in FORMATS:
                 raise ConfigError(f"data.format: unknown format {self.format!r}; choose one of {', '.join(FORMATS)}")
-        if not 0.0 <= self.eval_fraction < 1.0:
-            raise ConfigError(
-                f"data.eval_fraction: must be in [0, 1), got {self.eval_fraction}; e.g. data.eval_fraction=0.05"
-            )
         if self.eval_fraction and self.eval_path:
             raise ConfigError(
                 "data.eval_fraction: set it or data.eval_path, not both; data.eval_fraction=0 to evaluate on "
@@ -257,6 +266,12 @@ def _jaxlib_version() -> str:
         return "not installed"
 
 
+# Simulated CPU devices beyond this take minutes to start (XLA builds each device's runtime), and no
+# mesh of conf/mesh needs more.
+MAX_CPU_DEVICES = 1024
+
+
+@ranged("xla", cpu_devices=f"[1, {MAX_CPU_DEVICES}]: simulated devices beyond that take minutes to start")
 @dataclasses.dataclass
 class XlaConfig:
     """XLA flags set before JAX starts, merged with the XLA_FLAGS already in the environment."""
@@ -298,8 +313,6 @@ class XlaConfig:
                 "refuse "
                 f"to start; remove it or check its spelling"
             )
-        if self.cpu_devices is not None and self.cpu_devices < 1:
-            raise ConfigError(f"xla.cpu_devices: must be >= 1 or null, got {self.cpu_devices}")
         if self.cpu_ynn_fusions is not None and not set(self.cpu_ynn_fusions.split(",")) <= {
             "dot",
             "eltwise",
@@ -312,6 +325,18 @@ class XlaConfig:
             raise ConfigError(f"xla.cpu_fast_compile: got {self.cpu_fast_compile!r}; give true, false or auto")
 
 
+@ranged(
+    "trainer",
+    steps="(0, inf)",
+    grad_accum="(0, inf)",
+    seed=SEED_RANGE,
+    log_every="(0, inf)",
+    moe_bias_update_rate="[0, inf): 0 disables",
+    moe_imbalance_warn="0 or (1, inf): the max/mean expert load is >= 1; 0 disables",
+    loss_chunk_size="[0, inf): sequence positions per chunk, any size, or 0 for the whole logits",
+    eval_every="[0, inf): 0 evaluates at the end only",
+    eval_batches="(0, inf)",
+)
 @dataclasses.dataclass
 class TrainerConfig:
     steps: int = 100
@@ -336,30 +361,7 @@ class TrainerConfig:
     eval_batches: int = 8
 
     def __post_init__(self):
-        if self.steps <= 0:
-            raise ConfigError(f"trainer.steps: must be positive, got {self.steps}")
-        if self.grad_accum <= 0:
-            raise ConfigError(f"trainer.grad_accum: must be positive, got {self.grad_accum}")
-        if self.log_every <= 0:
-            raise ConfigError(f"trainer.log_every: must be positive, got {self.log_every}")
-        if self.moe_bias_update_rate < 0:
-            raise ConfigError(
-                f"trainer.moe_bias_update_rate: must be >= 0 (0 disables), got {self.moe_bias_update_rate}"
-            )
-        if self.moe_imbalance_warn < 0 or (0 < self.moe_imbalance_warn <= 1):
-            raise ConfigError(
-                f"trainer.moe_imbalance_warn: the max/mean expert load is >= 1, so a threshold must be > 1 "
-                f"(e.g. 2.0) or 0 to disable, got {self.moe_imbalance_warn}"
-            )
-        if self.eval_every < 0:
-            raise ConfigError(f"trainer.eval_every: must be >= 0 (0: evaluate at the end only), got {self.eval_every}")
-        if self.eval_batches <= 0:
-            raise ConfigError(f"trainer.eval_batches: must be positive, got {self.eval_batches}")
-        if self.loss_chunk_size < 0:
-            raise ConfigError(
-                f"trainer.loss_chunk_size: must be a positive number of sequence positions (any size; it need not "
-                f"divide data.seq_len) or 0 for the whole logits, got {self.loss_chunk_size}"
-            )
+        pass  # ranges only (`ranged`)
 
 
 def auto_hardware(hw: HardwareConfig, device) -> tuple[HardwareConfig, Optional[str]]:
@@ -406,6 +408,7 @@ def check_hardware_platform(hw: HardwareConfig, platform: str) -> None:
         )
 
 
+@ranged("checkpoint", every_n_steps="(0, inf)", keep_last="(0, inf): null keeps all")
 @dataclasses.dataclass
 class CheckpointConfig:
     """Orbax checkpoints of the train state (params with the MoE biases, optimizer state, step).
@@ -422,12 +425,9 @@ class CheckpointConfig:
     def __post_init__(self):
         if self.dir is not None and not str(self.dir).strip():
             raise ConfigError("checkpoint.dir: empty; give a directory or null to disable checkpointing")
-        if self.every_n_steps <= 0:
-            raise ConfigError(f"checkpoint.every_n_steps: must be positive, got {self.every_n_steps}")
-        if self.keep_last is not None and self.keep_last <= 0:
-            raise ConfigError(f"checkpoint.keep_last: must be positive or null (keep all), got {self.keep_last}")
 
 
+@ranged("distributed", num_processes="[1, inf)", process_id="[0, inf)", timeout_s="(0, inf)")
 @dataclasses.dataclass
 class DistributedConfig:
     """JAX's multi-controller runtime (`jax.distributed.initialize`), one process per host or per GPU.
@@ -448,19 +448,13 @@ class DistributedConfig:
             host, sep, port = str(a).rpartition(":")
             if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
                 raise ConfigError(f"distributed.coordinator_address: {a!r} is not host:port; e.g. 10.0.0.1:1234")
-        if self.num_processes is not None and self.num_processes < 1:
-            raise ConfigError(f"distributed.num_processes: must be >= 1, got {self.num_processes}")
         if self.process_id is not None:
-            if self.process_id < 0:
-                raise ConfigError(f"distributed.process_id: must be >= 0, got {self.process_id}")
             if self.num_processes is not None and self.process_id >= self.num_processes:
                 raise ConfigError(
                     f"distributed.process_id: {self.process_id} is not below "
                     f"distributed.num_processes={self.num_processes}; "
                     f"use 0..{self.num_processes - 1}"
                 )
-        if self.timeout_s <= 0:
-            raise ConfigError(f"distributed.timeout_s: must be positive, got {self.timeout_s}")
 
 
 @dataclasses.dataclass
@@ -586,7 +580,11 @@ def load(cfg: DictConfig) -> TrainConfig:
             "give a positive rank (e.g. lora.rank=8), or choose lora=none for full fine-tuning"
         )
     model, pretrained = load_model(cfg["model"])
-    c = TrainConfig(model=model, pretrained=pretrained, **{g: load_group(g, cfg[g]) for g in GROUPS if g != "model"})
+    try:
+        groups = {g: load_group(g, cfg[g]) for g in GROUPS if g != "model"}
+    except ConfigError as e:
+        raise ConfigError(absent_block_line(str(e), model) or str(e)) from None
+    c = TrainConfig(model=model, pretrained=pretrained, **groups)
     if pretrained is not None:
         try:
             fit_tokenizer(c.data, pretrained, model)  # data.tokenizer null: the checkpoint's own
@@ -614,7 +612,7 @@ def validate(c: TrainConfig, available_devices: int, abstract_model=None) -> Pla
             f"mesh.devices: {wanted} requested, {available_devices} available; lower mesh.devices "
             f"(on CPU, xla.cpu_devices={wanted} simulates more)"
         )
-    _check_mesh_fits(c.mesh, wanted)
+    check_mesh_fits(c.mesh, wanted)
     try:
         shape = resolve_mesh_shape(c.mesh.axes, wanted)
     except ShardingError as e:
@@ -681,7 +679,7 @@ def validate(c: TrainConfig, available_devices: int, abstract_model=None) -> Pla
         check_tags_emitted(c.offload, m)
     except ValueError as e:
         raise ConfigError(str(e).splitlines()[0]) from None
-    _check_expert_parallel(c, shape, dp)
+    check_expert_parallel_line(c, shape, dp)
     attention_impl, moe_impl = resolve_kernels(c)
     if cp is not None and attention_impl == "cudnn":
         if m.attention_impl == "cudnn":
@@ -715,36 +713,6 @@ def validate(c: TrainConfig, available_devices: int, abstract_model=None) -> Pla
         except ShardingError as e:
             raise ConfigError(str(e)) from None
     return Plan(mesh=shape, num_devices=wanted, microbatch=micro, attention_impl=attention_impl, moe_impl=moe_impl)
-
-
-def _check_mesh_fits(mesh: MeshConfig, devices: int) -> None:
-    """A mesh whose fixed axes cannot split the devices: name the option and the axes it fixes (the
-    -1 axis only fills what they leave), and how to get enough devices."""
-    axes = mesh.axes
-    fill = [a for a, n in axes.items() if n == -1]
-    fixed = {a: n for a, n in axes.items() if n > 1}
-    ways = math.prod(fixed.values())
-    if len(fill) != 1 or not fixed or devices % ways == 0:
-        return  # resolve_mesh_shape reports the other cases
-    import jax
-
-    shown = str(ways) if len(fixed) == 1 else "*".join(f"{a}={n}" for a, n in fixed.items())
-    are = f"{devices} is" if devices == 1 else f"{devices} are"
-    simulate = -(-8 // ways) * ways  # the smallest multiple of the fixed axes from 8 up
-    more = (
-        f"on CPU add xla.cpu_devices={simulate} to simulate {simulate} devices"
-        if jax.default_backend() == "cpu"
-        else f"run on a multiple of {ways} devices"
-    )
-    other = (
-        "use mesh=fsdp, which fits any device count"
-        if mesh.name != "fsdp"
-        else f"make {' and '.join(f'mesh.{a}' for a in fixed)} divide {devices}"
-    )
-    raise ConfigError(
-        f"mesh.{next(iter(fixed))}: {shown} (mesh={mesh.name}) needs a multiple of {ways} devices, and {are} available "
-        f"(mesh.{fill[0]}=-1 only fills what the other axes leave); {more}, or {other}"
-    )
 
 
 def resolve_kernels(c: TrainConfig) -> tuple[str, Optional[str]]:
@@ -782,47 +750,6 @@ def as_built(c: TrainConfig, plan: Plan) -> TrainConfig:
     return dataclasses.replace(c, model=m.replace(moe=dataclasses.replace(m.moe, impl=plan.moe_impl)))
 
 
-def routed_tokens_per_device(c: TrainConfig, sizes: dict, microbatch: int) -> int:
-    """Tokens one device routes per microbatch: its batch shard's sequences, its context chunk of each."""
-    rules, cp = c.mesh.rules, c.mesh.context_parallel
-    batch_ways = logical_ways(rules, sizes, "batch")
-    context_ways = math.prod(sizes.get(a, 1) for a in ([cp] if isinstance(cp, str) else list(cp or [])))
-    return max(1, microbatch // max(1, batch_ways)) * c.data.seq_len // max(1, context_ways)
-
-
-def exchange_rounds_block(c: TrainConfig, sizes: dict, microbatch: int) -> Optional[int]:
-    """Rows one device sends one expert shard per round of the dropless expert-parallel exchange
-    (zoo.nn.expert_rounds.round_block); None unless the run is dropless and expert-parallel."""
-    m = c.model
-    if not m.num_moe_layers or not exchanges_in_rounds(m.moe.impl, c.mesh.rules, sizes):
-        return None
-    ep = logical_ways(c.mesh.rules, sizes, "experts")
-    k, experts = m.moe.num_experts_per_tok, m.moe.n_routed_experts
-    return round_block(routed_tokens_per_device(c, sizes, microbatch), k, ep, experts // ep, m.moe.exchange_factor)
-
-
-def _check_expert_parallel(c: TrainConfig, shape: MeshShape, batch_ways: int) -> None:
-    """An expert axis the model or the batch cannot use: one line naming the key (see zoo.nn.moe_dispatch)."""
-    m, rules = c.model, c.mesh.rules
-    try:
-        if not m.num_moe_layers:
-            check_expert_parallel(0, shape.expert, c.data.batch_size, batch_ways)  # an expert axis > 1 raises
-            return
-        ep = logical_ways(rules, shape.sizes, "experts")
-        check_expert_parallel(
-            m.moe.n_routed_experts,
-            ep,
-            c.data.batch_size,
-            batch_ways,
-            grad_accum=c.trainer.grad_accum,
-            batch_includes_expert=all(
-                a in rules.get("batch", []) for a in rules.get("experts", []) if shape.sizes.get(a, 1) > 1
-            ),
-        )
-    except ValueError as e:
-        raise ConfigError(str(e).splitlines()[0]) from None
-
-
 def to_dict(c: TrainConfig) -> dict:
     return dataclasses.asdict(c)
 
@@ -834,6 +761,10 @@ def to_dict(c: TrainConfig) -> dict:
 # conf/mesh preset starts from and changes (the default rules live once, in zoo.sharding.DEFAULT_RULES).
 # Plain nodes, not the dataclasses: validation stays with load_group, whose messages name the key.
 MESH_DEFAULTS_NAME = "_defaults"
+# The named sizes' learning rate and warmup (zoo.families' recipes), a group of their own that
+# conf/config.yaml chooses by the model's name after the optimizer's: optimizer.lr and
+# optimizer.warmup_steps on the command line still win, and `--cfg job` shows the values used.
+RECIPE_GROUP = "recipe"
 
 
 def _field_default(f: dataclasses.Field) -> Any:
@@ -847,6 +778,10 @@ def _register_python_options() -> None:
     )
     for name, size in families.SIZES.items():
         store.store(group="model", name=name, node=dataclasses.asdict(size))
+        recipe = families.get(size.family).recipe(name)
+        if recipe is not None:  # conf/config.yaml: `optional recipe: ${model}`, after the optimizer group
+            node = {"optimizer": {"lr": recipe.lr, "warmup_steps": recipe.warmup_steps}}
+            store.store(group=RECIPE_GROUP, name=name, node=node, package="_global_")
     store.store(group="model", name="hf", node=hf_option())
 
 

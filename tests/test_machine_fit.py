@@ -1,0 +1,120 @@
+"""What a run needs of the machine, judged before anything is initialised (zoo.train.machine_fit);
+train.py's command line and environment before Hydra reads them (zoo.train.command_line); options
+that would change nothing (a note). The same through the real command: tests/test_train_cli.py's table."""
+
+import os
+import pathlib
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from zoo import families
+from zoo.errors import ConfigError
+from zoo.train import command_line, machine_fit
+from zoo.train.run_config import XlaConfig
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_a_model_larger_than_the_machine_is_refused_in_one_line(monkeypatch):
+    """Against the host memory (and the accelerators'), from the parameter count alone."""
+    from types import SimpleNamespace
+
+    from zoo.lora import LoraConfig
+    from zoo.train import machine_fit
+    from zoo.train.run_config import DataConfig
+
+    c = SimpleNamespace(model=families.get_size("llama_1b"), lora=LoraConfig(), data=DataConfig(seq_len=2048))
+    cpu = [SimpleNamespace(platform="cpu")] * 8
+    monkeypatch.setattr(machine_fit, "host_memory_bytes", lambda: 32 * 10**9)
+    machine_fit.check_fits(c, 1_000_000_000, 8, cpu)  # 16 GB of state and 1 GB of layer inputs fit 32 GB
+    need = r"^model: training 3\.00B parameters needs at least 49\.1 GB \(weights 12\.0 GB, gradients and AdamW"
+    with pytest.raises(ConfigError, match=need):
+        machine_fit.check_fits(c, 3_000_000_000, 8, cpu)
+    machine_fit.check_fits(c, 3_000_000_000, 8, cpu, processes=2)  # two hosts' memory
+    lora = SimpleNamespace(model=c.model, lora=LoraConfig(rank=8), data=c.data)
+    machine_fit.check_fits(lora, 3_000_000_000, 8, cpu)  # a frozen base: no gradients, no moments
+
+
+def test_flags_of_another_platforms_compiler_are_a_note():
+    gpu = XlaConfig(name="gpu_overlap", flags=["--xla_gpu_enable_latency_hiding_scheduler=true"])
+    tpu = XlaConfig(name="tpu_host_offload", tpu_flags=["--xla_tpu_host_transfer_overlap_limit=24"])
+    assert machine_fit.other_platform_flags_note(gpu, "cpu").startswith("xla=gpu_overlap: its flags (--xla_gpu_")
+    assert "go to a TPU's compiler (libtpu)" in machine_fit.other_platform_flags_note(tpu, "cpu")
+    note = machine_fit.other_platform_flags_note
+    assert note(gpu, "gpu") is None and note(tpu, "tpu") is None
+
+
+def test_local_device_ids_of_a_single_process_run_are_refused():
+    c = SimpleNamespace(distributed=SimpleNamespace(local_device_ids=[7]))
+    with pytest.raises(ConfigError, match=r"^distributed\.local_device_ids: \[7\] picks the devices of one process"):
+        machine_fit.check_local_device_ids(c, [])
+
+
+@pytest.mark.parametrize(
+    "args,environ,line",
+    [
+        (["=3"], {}, "command line: '=3' has no key before its '='; write <key>=3"),
+        (["m\u00f6del.x=3"], {}, "m\u00f6del.x: '\u00f6' cannot be in a key"),
+        (["hydra.run.dir=$HOME/x"], {}, "hydra.run.dir: '$HOME/x' holds $HOME, which the shell did not expand"),
+        (["hydra/launcher=slurm"], {}, "hydra/launcher: slurm launches the jobs of a sweep, and without -m"),
+        ([], {"SLURM_NTASKS": "abc"}, "SLURM_NTASKS: 'abc' in the environment is not a number"),
+        (["-m", "hydra/launcher=slurm", "hydra.run.dir=${now:%H}"], {"SLURM_NTASKS": "4"}, None),
+        (["hydra/launcher=basic"], {}, None),
+    ],
+)
+def test_the_command_line_before_hydra(args, environ, line):
+    found = command_line.line(args, environ, ROOT / "conf")
+    assert (found is None) if line is None else found.startswith(line), found
+
+
+def test_a_binary_option_file_on_the_search_path_is_named(tmp_path):
+    (tmp_path / "hardware").mkdir()
+    (tmp_path / "hardware" / "bad.yaml").write_bytes(b"\x80\xff binary")
+    found = command_line.line([f"hydra.searchpath=[file://{tmp_path}]", "hardware=bad"], {}, ROOT / "conf")
+    where = f"{tmp_path}/hardware/bad.yaml"
+    assert found.startswith(f"hardware: option 'bad' is {where}, which is not UTF-8 text (byte 0x80"), found
+
+
+def test_multirun_after_the_overrides_goes_first():
+    assert command_line.ordered(["a=1", "-m", "b=2"]) == ["-m", "a=1", "b=2"]
+
+
+def test_a_backend_this_machine_cannot_start_is_one_line(tmp_path):
+    """JAX_PLATFORMS=tpu without libtpu: JAX's RuntimeError as one line (a process of its own: JAX starts once)."""
+    pytest.importorskip("jax")
+    from zoo.backend import libtpu_installed
+
+    if libtpu_installed():
+        pytest.skip("libtpu is installed here")
+    env = {**os.environ, "JAX_PLATFORMS": "tpu"}
+    env.pop("ZOO_TRACEBACK", None)
+    p = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "model=llama_tiny_a", f"hydra.run.dir={tmp_path / 'run'}"],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert p.returncode == 2 and len(lines) == 1, p.stderr[-3000:]
+    assert lines[0].startswith("error: JAX_PLATFORMS: 'tpu' in the environment names a backend this machine cannot")
+
+
+def test_top_k_with_greedy_decoding_is_a_note():
+    from zoo.tools.generate import GenerateOptions, greedy_note
+
+    assert greedy_note(GenerateOptions(top_k=5)).startswith("top_k=5 shape sampling, and temperature=0 is greedy")
+    assert greedy_note(GenerateOptions(top_k=5, temperature=0.8)) is None and greedy_note(GenerateOptions()) is None
+
+
+def test_a_full_disk_is_one_line(tmp_path):
+    """Before Hydra writes its record (the filesystem's free space), and while the run writes its own."""
+    from zoo.train.run_config import TrainingStopped
+
+    full = lambda path: SimpleNamespace(f_bavail=0, f_frsize=4096)  # noqa: E731
+    line = command_line._full_disk_line([], [f"hydra.run.dir={tmp_path}/run"], statvfs=full)
+    assert line.startswith(f"hydra.run.dir: no space left on the filesystem of {tmp_path} (0 bytes free)"), line
+    assert command_line._full_disk_line([], [f"hydra.run.dir={tmp_path}/run"]) is None  # this disk has room
+    with pytest.raises(TrainingStopped, match=r"^hydra\.run\.dir: no space left writing \S+metrics\.jsonl \(No space"):
+        with machine_fit.disk_full_stops(tmp_path):
+            raise OSError(28, "No space left on device", str(tmp_path / "metrics.jsonl"))

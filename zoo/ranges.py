@@ -1,0 +1,163 @@
+"""The range of every numeric config field, declared beside its dataclass and checked in one place.
+
+A config dataclass is decorated with `@ranged("<key prefix>", field="<range>", ...)`; a range is an
+interval in the usual notation, `[0, 1)`, `(0, inf)`, or values and intervals joined by `or`
+(`-1 or [1, inf)`), optionally followed by `: <what a value means>` (`[0, inf): 0 disables`). Every
+instance checks its fields against their ranges before its own `__post_init__` runs, so NaN, an
+infinity or a value out of range is one `ConfigError` naming the key, `optimizer.b1: must be in
+[0, 1), got 1.5; e.g. optimizer.b1=0.9`, wherever the config is built (the command line, YAML,
+Python). A field left `None` (an Optional one) is not checked; `inf` is in a range only where the
+range names it as a value. The rules between fields (`topk_group <= n_group`) stay in `__post_init__`.
+
+This module is on the ground floor: it imports nothing of zoo but the errors.
+"""
+
+import dataclasses
+import math
+import re
+from typing import Optional, Union
+
+from zoo.errors import ConfigError
+
+Number = Union[int, float]
+
+_INTERVAL = re.compile(r"^([\[(])\s*([^,\s]+)\s*,\s*([^\]\s)]+)\s*([\])])$")
+
+
+def _number(text: str) -> float:
+    """`1e-3`, `inf`, `-inf`, or a power `2**32`."""
+    base, power, exponent = text.partition("**")
+    return float(base) ** int(exponent) if power else float(text)
+
+
+@dataclasses.dataclass(frozen=True)
+class Interval:
+    lo: float
+    hi: float
+    lo_closed: bool
+    hi_closed: bool
+
+    def __contains__(self, v: Number) -> bool:
+        above = v >= self.lo if self.lo_closed else v > self.lo
+        below = v <= self.hi if self.hi_closed else v < self.hi
+        return above and below
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """Values and intervals a field may take; `text` is how messages write it, `note` what values mean."""
+
+    text: str
+    values: tuple[float, ...]
+    intervals: tuple[Interval, ...]
+    note: str = ""
+
+    @classmethod
+    def parse(cls, spec: str) -> "Range":
+        text, _, note = spec.partition(":")
+        values, intervals = [], []
+        for part in text.split(" or "):
+            part = part.strip()
+            m = _INTERVAL.match(part)
+            if m:
+                lo, hi = _number(m.group(2)), _number(m.group(3))
+                intervals.append(Interval(lo, hi, m.group(1) == "[", m.group(4) == "]"))
+            else:
+                values.append(_number(part))
+        return cls(text.strip(), tuple(values), tuple(intervals), note.strip())
+
+    def __contains__(self, v: object) -> bool:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v):
+            return False
+        return v in self.values or any(v in i for i in self.intervals)
+
+    def describe(self) -> str:
+        """'positive', '>= 0', or 'in [0, 1)', '-1 or in [1, inf)'."""
+        if not self.values and len(self.intervals) == 1:
+            i = self.intervals[0]
+            if i.hi == math.inf and not i.hi_closed and i.lo == 0:
+                return ">= 0" if i.lo_closed else "positive"
+            if i.hi == math.inf and not i.hi_closed and i.lo_closed:
+                return f">= {_show(i.lo)}"
+        parts = [_show(v) for v in self.values] + [f"in {_interval_text(i)}" for i in self.intervals]
+        return " or ".join(parts)
+
+    def example(self) -> Optional[Number]:
+        """A value inside the range (an out-of-range test and a message's fallback example)."""
+        if self.values:
+            v = self.values[0]
+        else:
+            i = self.intervals[0]
+            v = i.lo if i.lo_closed else i.lo + 1 if i.hi > i.lo + 1 else (i.lo + i.hi) / 2
+        return int(v) if float(v).is_integer() else v
+
+    def outside(self) -> Number:
+        """A finite value outside the range (tests feed it to every field)."""
+        for i in self.intervals:
+            for candidate in (i.lo if not i.lo_closed else i.lo - 1, i.hi if not i.hi_closed else i.hi + 1):
+                if math.isfinite(candidate) and candidate not in self:
+                    return int(candidate) if float(candidate).is_integer() else candidate
+        return max(self.values) + 1
+
+
+def _show(v: Number) -> str:
+    if math.isinf(v):
+        return "inf" if v > 0 else "-inf"
+    return str(int(v)) if float(v).is_integer() else f"{v:g}"
+
+
+def _interval_text(i: Interval) -> str:
+    return f"{'[' if i.lo_closed else '('}{_show(i.lo)}, {_show(i.hi)}{']' if i.hi_closed else ')'}"
+
+
+RANGES_ATTR = "__zoo_ranges__"
+PREFIX_ATTR = "__zoo_key_prefix__"
+
+
+def ranges_of(cls) -> dict[str, Range]:
+    """The declared ranges of a `ranged` dataclass (empty for any other class)."""
+    return getattr(cls, RANGES_ATTR, {})
+
+
+def check(obj) -> None:
+    """ConfigError for the first field of `obj` outside its declared range."""
+    prefix = getattr(type(obj), PREFIX_ATTR, "")
+    for name, rng in ranges_of(type(obj)).items():
+        value = getattr(obj, name)
+        if value is None or value in rng:
+            continue
+        key = f"{prefix}.{name}" if prefix else name
+        default = _default(type(obj), name)
+        example = default if default is not None and default in rng else rng.example()
+        note = f" ({rng.note})" if rng.note else ""
+        raise ConfigError(f"{key}: must be {rng.describe()}{note}, got {value!r}; e.g. {key}={example}")
+
+
+def _default(cls, name: str):
+    f = cls.__dataclass_fields__[name]
+    return f.default if f.default is not dataclasses.MISSING else None
+
+
+def ranged(prefix: str, **specs: str):
+    """Class decorator: declare `cls`'s numeric fields' ranges (field=spec) under the key `prefix`
+    (`optimizer`, `model.moe`), and check them before the class's own `__post_init__`."""
+
+    def decorate(cls):
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(specs) - fields)
+        if unknown:
+            raise TypeError(f"{cls.__name__}: ranges for unknown fields {unknown}")
+        setattr(cls, RANGES_ATTR, {name: Range.parse(spec) for name, spec in specs.items()})
+        setattr(cls, PREFIX_ATTR, prefix)
+        own = cls.__dict__.get("__post_init__")
+        if own is None:  # dataclass's __init__ calls __post_init__ only where the class defined one
+            raise TypeError(f"{cls.__name__}: a ranged dataclass defines __post_init__ (`pass` will do)")
+
+        def __post_init__(self):
+            check(self)
+            own(self)
+
+        cls.__post_init__ = __post_init__
+        return cls
+
+    return decorate

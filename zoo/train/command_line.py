@@ -1,0 +1,158 @@
+"""train.py's command line and environment, checked before Hydra reads them.
+
+What Hydra would turn into a traceback or into a wrong message is one line here, naming the argument
+or variable and the fix: an override without a key (`=3`), a key with characters outside Hydra's
+grammar, a `$NAME` the shell did not expand (Hydra would make a folder named `$HOME`), a launcher
+without `-m` (Hydra ignores it and runs here), a group option whose file is not text, a SLURM
+variable that is not a number. `ordered` puts `-m` before the overrides, where Hydra's parser wants
+it (after them it took the run directory train.py adds for a flag's argument).
+"""
+
+import os
+import pathlib
+import re
+from typing import Mapping, Optional
+
+MULTIRUN_FLAGS = ("-m", "--multirun")
+# SLURM's variables that zoo (zoo.tools.cli, zoo.train.distributed) and JAX read as numbers.
+SLURM_NUMBERS = ("SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NNODES", "SLURM_NODEID")
+_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-@/.]*$")  # Hydra's key grammar, ASCII letters only
+_UNEXPANDED = re.compile(r"(?<![\\$])\$([A-Za-z_]\w*)")  # $NAME, not ${...} (an interpolation)
+
+
+def ordered(argv: list[str]) -> list[str]:
+    """`argv` with `-m` / `--multirun` first (Hydra reads flags before the overrides)."""
+    flags = [a for a in argv if a in MULTIRUN_FLAGS]
+    return [*flags, *(a for a in argv if a not in MULTIRUN_FLAGS)]
+
+
+def _overrides(args: list[str]) -> list[str]:
+    """The key=value arguments (Hydra's flags and their values left out)."""
+    out, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+        elif a.startswith("-"):
+            skip = a in ("-cn", "--config-name", "-cp", "--config-path", "-cd", "--config-dir", "-p", "--package")
+        else:
+            out.append(a)
+    return out
+
+
+def line(args: list[str], environ: Mapping[str, str], conf: pathlib.Path) -> Optional[str]:
+    """The one line for the first problem of the command line `args` or the environment (None: none)."""
+    for name in SLURM_NUMBERS:
+        value = environ.get(name)
+        if value is not None and value.strip() and not value.strip().isdigit():
+            return (
+                f"{name}: {value!r} in the environment is not a number (SLURM sets it to a count or an index); unset "
+                f"it, or run under srun"
+            )
+    overrides = _overrides(args)
+    for arg in overrides:
+        found = _override_line(arg)
+        if found:
+            return found
+    launchers = [a.split("=", 1)[1] for a in overrides if a.lstrip("+").startswith("hydra/launcher=")]
+    dirs = _search_dirs(overrides, conf)
+    if launchers and not any(a in MULTIRUN_FLAGS for a in args) and _submits(launchers[-1], dirs):
+        return (
+            f"hydra/launcher: {launchers[-1]} launches the jobs of a sweep, and without -m this command runs here, "
+            "ignoring it; add -m (python train.py -m hydra/launcher=... ...), or drop it (srun python train.py ... "
+            "inside an allocation)"
+        )
+    return _option_file_line(overrides, dirs) or _full_disk_line(args, overrides)
+
+
+# Less free space than this where the run directory goes: Hydra's record of the config alone would not fit.
+MIN_FREE_BYTES = 1 << 20
+
+
+def _full_disk_line(args: list[str], overrides: list[str], statvfs=os.statvfs) -> Optional[str]:
+    """The run (or sweep) directory's filesystem full: Hydra would fail writing its .hydra/ record."""
+    key = "hydra.sweep.dir" if any(a in MULTIRUN_FLAGS for a in args) else "hydra.run.dir"
+    given = [a.split("=", 1)[1] for a in overrides if a.lstrip("+").split("=", 1)[0] == key]
+    where = pathlib.Path(given[-1].strip("'\"").split("${", 1)[0] or ".").expanduser() if given else pathlib.Path(".")
+    where = where.absolute()
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    try:
+        st = statvfs(where)
+    except OSError:
+        return None  # not a directory that exists: the run directory's own checks name it
+    free = st.f_bavail * st.f_frsize
+    if free >= MIN_FREE_BYTES:
+        return None
+    return (
+        f"{key}: no space left on the filesystem of {where} ({free} bytes free); free some space, or give {key}=<a "
+        "directory on another disk>"
+    )
+
+
+def _submits(launcher: str, dirs: list[pathlib.Path]) -> bool:
+    """Whether the launcher option exists and runs the jobs elsewhere (`basic`, Hydra's default, runs
+    them here; an unknown option is Hydra's to name)."""
+    files = (d / "hydra" / "launcher" / f"{launcher}.yaml" for d in dirs)
+    return launcher != "basic" and (launcher.startswith("submitit") or any(f.is_file() for f in files))
+
+
+def _override_line(arg: str) -> Optional[str]:
+    key, eq, value = arg.partition("=")
+    if key == "~model":  # conf/config.yaml's recipe is chosen by the model's name
+        return "model: the group is missing (~model deletes it); choose an option, e.g. model=llama_tiny_a"
+    key = key.lstrip("+~")
+    if not eq:
+        return None  # Hydra's own message names it (`no value`)
+    if not key.strip():
+        return f"command line: {arg!r} has no key before its '='; write <key>={value} (e.g. trainer.steps={value or 3})"
+    if not _KEY.match(key):
+        bad = next((c for c in key if not (c.isascii() and (c.isalnum() or c in "_-@/."))), key[0])
+        return (
+            f"{key}: {bad!r} cannot be in a key (keys are ASCII letters, digits, _ . / - and @); check the "
+            "spelling of the key"
+        )
+    m = _UNEXPANDED.search(value)
+    if m:
+        name = m.group(1)
+        return (
+            f"{key}: {value!r} holds ${name}, which the shell did not expand (single quotes?), and Hydra would use "
+            f'it as it is; write {key}="{value}" or give the value itself'
+        )
+    return None
+
+
+def _search_dirs(overrides: list[str], conf: pathlib.Path) -> list[pathlib.Path]:
+    dirs = [conf]
+    for a in overrides:
+        key, _, value = a.lstrip("+").partition("=")
+        if key == "hydra.searchpath":
+            for entry in value.strip("[]").split(","):
+                entry = entry.strip().strip("'\"")
+                if entry.startswith("file://"):
+                    dirs.append(pathlib.Path(entry.removeprefix("file://")))
+    return dirs
+
+
+def _option_file_line(overrides: list[str], dirs: list[pathlib.Path]) -> Optional[str]:
+    """A group option (`hardware=x`, `offload=[a,b]`) whose YAML file in `dirs` (conf/ and
+    hydra.searchpath's) is not UTF-8 text: Hydra's reader would end in a UnicodeDecodeError."""
+    for a in overrides:
+        group, _, value = a.lstrip("+~").partition("=")
+        if not group or "." in group or not value:
+            continue
+        for option in value.strip("[]").split(","):
+            option = option.strip()
+            for d in dirs:
+                path = d / group / f"{option}.yaml"
+                try:
+                    path.read_bytes().decode("utf-8")
+                except UnicodeDecodeError as e:
+                    return (
+                        f"{group}: option {option!r} is {path}, which is not UTF-8 text (byte "
+                        f"0x{e.object[e.start]:02x} at offset {e.start}); fix or remove that file, or choose another "
+                        f"{group}"
+                    )
+                except OSError:
+                    continue
+                break  # the first directory that has the option is the one Hydra reads
+    return None
