@@ -68,6 +68,7 @@ from bench.skeleton import (  # noqa: E402
     parser,
     past,
     pyplot,
+    render,
     save_figure,
     state_ok,
     timed_steps,
@@ -855,8 +856,7 @@ def main(argv=None) -> int:
         return child_main(args, children, before=_set_jax_config)
     # No JAX import in this process: every backend starts in a child.
     if args.render:
-        print(render_record(json.loads(pathlib.Path(args.render).read_text())))
-        return 0
+        return render(json.loads(pathlib.Path(args.render).read_text()), args, render_record)
     if args.plan_only:
         return plan_only(args)
 

@@ -147,7 +147,8 @@ def finish(res: dict, args, markdown: Callable[[dict], str], plot: Optional[Call
 
 
 def render(res: dict, args, markdown: Callable[[dict], str], plot: Optional[Callable] = None) -> int:
-    """`--render`: the tables of a recorded run (nothing runs), and its plot where --plot is given."""
+    """`--render`: the tables of a recorded run (nothing runs), and its plot where --plot is given and the
+    bench draws one."""
     print(markdown(res))
     if getattr(args, "plot", None) and plot is not None:
         plot(res, pathlib.Path(args.plot))

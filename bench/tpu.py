@@ -64,6 +64,7 @@ from bench.skeleton import (  # noqa: E402
     parser,
     past,
     pyplot,
+    render,
     round_order,
     save_figure,
     timed_steps,
@@ -1090,12 +1091,7 @@ def _render(args) -> int:
     if args.replan:
         replan(res, args.replan)
     derive(res)
-    print(markdown(res))
-    if args.replan:
-        print(planner_counts(res))
-    if args.plot:
-        plot(res, pathlib.Path(args.plot))
-    return 0
+    return render(res, args, (lambda r: markdown(r) + "\n" + planner_counts(r)) if args.replan else markdown, plot)
 
 
 def _tpu_flags(group: str) -> list[str]:
