@@ -28,7 +28,8 @@ def log(msg: str) -> None:
 
 
 def parser(doc: str, default_out: str) -> argparse.ArgumentParser:
-    """The options every bench has: --out, --plot, --md, --render, and the hidden ones of a child."""
+    """The options every bench has: --out, --plot, --md, and the hidden ones of a child process (each
+    bench adds its own --render: one record, a session's record of several, or records merged)."""
     ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--out", default=default_out, help=f"JSON results (default: {default_out})")
     ap.add_argument("--plot", default=None, help="PNG of the results (optional)")
@@ -44,7 +45,9 @@ def command_line(script: str, argv: Optional[Sequence[str]]) -> str:
     return " ".join(["python", script, *(argv if argv is not None else sys.argv[1:])])
 
 
-def child_main(args, children: dict[str, Callable[[dict, pathlib.Path], dict]], before: Callable = None) -> int:
+def child_main(
+    args, children: dict[str, Callable[[dict, pathlib.Path], dict]], before: Optional[Callable] = None
+) -> int:
     """A child process: its spec in, `children[args.child](spec, result path)`'s record out."""
     spec = json.loads(pathlib.Path(args.spec).read_text())
     result = pathlib.Path(args.result)
@@ -65,7 +68,9 @@ class Runner:
     res: dict
     derive: Callable[[dict], None] = lambda res: None
 
-    def child(self, kind: str, spec: dict, env: dict, timeout: float, name: str = "", process: dict = None) -> dict:
+    def child(
+        self, kind: str, spec: dict, env: dict, timeout: float, name: str = "", process: Optional[dict] = None
+    ) -> dict:
         """Run `--child kind` with `spec`; past `timeout` seconds (at least 30) it is stopped. Returns what it
         wrote (partial where it was stopped), with `process`: its return code ("timeout" where stopped),
         wall seconds and the items of `process`."""
