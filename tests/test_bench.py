@@ -5,6 +5,10 @@ bench/cpu.py --quick (both families, four presets, LLVM optimisations off, one s
 prediction against a made-up memory limit, and the predicted batches run) each run as a subprocess, as a user would run
 them. The default run renders the recorded docs/bench_cpu.json the same way. Nothing here imports bench/ (one
 child process does: the pieces that keep a stopped bench's finished compiles, checked without stopping one).
+
+The docs' TPU figures are checked against what their record renders: each row of docs/benchmarks.md's TPU
+tables against `bench/tpu.py --render docs/bench_tpu.json` (planner columns and the counts quoted in the README,
+docs and conf/hardware/tpu_v5e.yaml against `--replan tpu_v5e`, slow tier), so a retyped figure that drifts fails.
 """
 
 import json
