@@ -22,7 +22,6 @@ builds train.py's own step (`zoo.train.step.Trainer`) from the dataclasses, and 
 One process, one device; nothing here needs Hydra.
 """
 
-import argparse
 import os
 import sys
 import time
@@ -31,6 +30,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import common as C  # noqa: E402
+from bench.skeleton import command_line, finish, log, parser, pyplot, render, round_order, save_figure  # noqa: E402
+from bench.skeleton import timed_steps  # noqa: E402
 
 SCHEMA = "zoo.bench.cpu/1"
 PRESETS = (
@@ -74,10 +75,6 @@ QUICK = {
 }
 
 
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
 def measure_matmuls(sizes) -> list[dict]:
     from zoo.tools.measure_hardware import measure_matmul
 
@@ -95,19 +92,8 @@ def measure_matmul(n, dtype, repeats, chain):
     return mm(n, dtype, repeats=repeats, chain=chain)
 
 
-def bench_family(
-    key: str, model, presets, batch: int, seq: int, rounds: int, profile: bool, fast_compile: bool = False
-) -> dict:
-    import jax
-
-    from zoo.counts import count_params, flops_per_token
-
-    tokens_per_step = batch * seq
-    fpt = flops_per_token(model, seq)
-    log(
-        f"{key}: {count_params(model) / 1e6:.1f}M params ({count_params(model, active=True) / 1e6:.1f}M active), "
-        f"{fpt / 1e6:.1f} MFLOP/token, batch {batch}x{seq}"
-    )
+def _compile_presets(model, presets, batch: int, seq: int, fast_compile: bool) -> tuple[dict, dict, dict]:
+    """Every preset's step traced and lowered, then compiled two at a time: (trainers, compiled, rows)."""
     trainers, lowered, rows = {}, {}, {}
     for p in presets:
         tr = C.make_trainer(C.train_config(model, [p], batch, seq, fast_compile=fast_compile))
@@ -136,21 +122,20 @@ def bench_family(
             "MB, "
             f"on host {kept['host_bytes'] / 1e6:.1f} MB, recomputed {kept['recomputed_bytes'] / 1e6:.1f} MB"
         )
+    return trainers, compiled, rows
 
-    t0 = time.perf_counter()
-    state = trainers["none"].init()
-    jax.block_until_ready(state)
-    init_s = time.perf_counter() - t0
-    tokens = C.tokens_for(trainers["none"])
+
+def _time_presets(trainers: dict, compiled: dict, rows: dict, presets, rounds: int, state, tokens):
+    """A warm-up step of each preset, then `rounds` alternated rounds of one step each, the matmul rate
+    measured before each round. Returns (step seconds per preset, the rounds' matmul rates, state)."""
+    import jax
 
     def run(p):
         nonlocal state
         state = jax.device_put(state, trainers[p].state_shardings)  # memory kinds differ between presets
         jax.block_until_ready(state)
-        t = time.perf_counter()
-        state, m = compiled[p](state, tokens)  # noqa: F821 - the enclosing function's, deleted after these calls
-        jax.block_until_ready((state, m))
-        return time.perf_counter() - t, float(m["loss"])
+        state, m, times = timed_steps(compiled[p], state, tokens, warmup=0, steps=1)
+        return times[0], float(m["loss"])
 
     for p in presets:  # warm-up: first-call allocation and dispatch costs
         rows[p]["warmup_s"], rows[p]["loss"] = run(p)
@@ -159,16 +144,35 @@ def bench_family(
     for r in range(rounds):
         # The matmul rate right before the round, under the same load as the round's steps.
         round_rates.append(max(measure_matmul(n, "float32", repeats=3, chain=4) for n in (512, 1024)))
-        order = list(presets[r % len(presets) :]) + list(presets[: r % len(presets)])
-        if r % 2:
-            order.reverse()
-        for p in order:
+        for p in round_order(presets, r):
             times[p].append(run(p)[0])
         log(
             f"  round {r + 1}/{rounds} (matmul {round_rates[-1] / 1e9:.0f} GFLOP/s): "
             + ", ".join(f"{p} {times[p][-1]:.2f}s" for p in presets)
         )
+    return times, round_rates, state
 
+
+def bench_family(
+    key: str, model, presets, batch: int, seq: int, rounds: int, profile: bool, fast_compile: bool = False
+) -> dict:
+    import jax
+
+    from zoo.counts import count_params, flops_per_token
+
+    tokens_per_step = batch * seq
+    fpt = flops_per_token(model, seq)
+    log(
+        f"{key}: {count_params(model) / 1e6:.1f}M params ({count_params(model, active=True) / 1e6:.1f}M active), "
+        f"{fpt / 1e6:.1f} MFLOP/token, batch {batch}x{seq}"
+    )
+    trainers, compiled, rows = _compile_presets(model, presets, batch, seq, fast_compile)
+    t0 = time.perf_counter()
+    state = trainers["none"].init()
+    jax.block_until_ready(state)
+    init_s = time.perf_counter() - t0
+    tokens = C.tokens_for(trainers["none"])
+    times, round_rates, state = _time_presets(trainers, compiled, rows, presets, rounds, state, tokens)
     for p in presets:
         ratios = [t / n for t, n in zip(times[p], times["none"])]
         med = C.median(times[p])
@@ -322,11 +326,7 @@ def tag_tables(res: dict) -> str:
 
 
 def plot(res: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fams = list(res["families"].items())
     fig, axes = plt.subplots(1, len(fams) + 1, figsize=(6 * (len(fams) + 1), 4.8))
     for ax, (key, fam) in zip(axes, fams):
@@ -357,18 +357,17 @@ def plot(res: dict, path: Path) -> None:
         f"bench/cpu.py, {res['env']['date_utc']}, {res['env']['host_cpu']} ({res['env']['cpu_count']} cores)",
         fontsize=9,
     )
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
+
+
+def tables(res: dict) -> str:
+    """Everything the record renders: the presets' tables, then where each tag went."""
+    return markdown(res) + "\n\n" + tag_tables(res)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = parser(__doc__, "bench_cpu.json")
     ap.add_argument("--quick", action="store_true", help="toy models and sizes (a smoke test, ~1 min)")
-    ap.add_argument("--out", default="bench_cpu.json", help="JSON results (default: bench_cpu.json)")
-    ap.add_argument("--plot", default=None, help="PNG of the results (optional)")
-    ap.add_argument("--md", default=None, help="write the markdown tables here too (optional)")
     ap.add_argument("--models", default=None, help="comma list of llama,dsv3 (default both)")
     ap.add_argument("--presets", default=None, help=f"comma list (default all: {','.join(PRESETS)})")
     ap.add_argument("--rounds", type=int, default=None, help="timed rounds (default 3; quick 2)")
@@ -385,18 +384,11 @@ def main(argv=None) -> int:
     if args.render:
         import json
 
-        res = json.loads(Path(args.render).read_text())
-        print(markdown(res) + "\n\n" + tag_tables(res))
-        return 0
+        return render(json.loads(Path(args.render).read_text()), args, tables)
     spec = dict(QUICK if args.quick else FULL)
-    models = args.models.split(",") if args.models else list(spec["models"])
     presets = tuple(args.presets.split(",")) if args.presets else spec["presets"]
     if "none" not in presets:
         presets = ("none", *presets)
-    batch, seq = args.batch or spec["batch"], args.seq or spec["seq"]
-    rounds = args.rounds or spec["rounds"]
-    depths = spec["depths"] if args.depths is None else tuple(int(x) for x in args.depths.split(",") if x)
-
     t_start = time.perf_counter()
     import jax
 
@@ -407,7 +399,7 @@ def main(argv=None) -> int:
     )
     res = {
         "schema": SCHEMA,
-        "command": " ".join(["python", "bench/cpu.py", *(argv if argv is not None else sys.argv[1:])]),
+        "command": command_line("bench/cpu.py", argv),
         "quick": args.quick,
         "fast_compile": spec["fast_compile"],
         "env": env,
@@ -415,7 +407,20 @@ def main(argv=None) -> int:
         "matmul": {"start": measure_matmuls(spec["matmul_sizes"])},
         "families": {},
     }
-    for key in models:
+    _run(res, args, spec, presets)
+    res["env"]["load_average_end"] = C.env_info()["load_average"]
+    res["wall_s"] = time.perf_counter() - t_start
+    C.write_json(args.out, res)
+    finish(res, args, tables, plot)
+    return 0
+
+
+def _run(res: dict, args, spec: dict, presets) -> None:
+    """Each model's presets (the record written after each), compile time against depth, the matmul rate."""
+    batch, seq = args.batch or spec["batch"], args.seq or spec["seq"]
+    rounds = args.rounds or spec["rounds"]
+    depths = spec["depths"] if args.depths is None else tuple(int(x) for x in args.depths.split(",") if x)
+    for key in args.models.split(",") if args.models else list(spec["models"]):
         name, changes = spec["models"][key]
         model = C.bench_model(name, **changes)
         res["families"][key] = bench_family(key, model, presets, batch, seq, rounds, args.profile, spec["fast_compile"])
@@ -433,17 +438,6 @@ def main(argv=None) -> int:
     for fam in res["families"].values():
         for r in fam["presets"].values():
             r["fraction_of_matmul_rate"] = r["model_flops_per_s"] / best
-    res["env"]["load_average_end"] = C.env_info()["load_average"]
-    res["wall_s"] = time.perf_counter() - t_start
-    C.write_json(args.out, res)
-    md = markdown(res) + "\n\n" + tag_tables(res)
-    print(md)
-    if args.md:
-        Path(args.md).write_text(md + "\n")
-    if args.plot:
-        plot(res, Path(args.plot))
-    log(f"wrote {args.out}" + (f" and {args.plot}" if args.plot else "") + f"; {res['wall_s']:.0f}s in all")
-    return 0
 
 
 if __name__ == "__main__":

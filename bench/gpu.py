@@ -45,18 +45,35 @@ not finish before --budget-s is skipped and recorded as skipped. No Hydra: the G
 needs omegaconf and antlr4 carried as wheels (bench/gpu_wheels.sh, docs/benchmarks.md).
 """
 
-import argparse
 import json
 import math
 import os
 import pathlib
-import subprocess
 import sys
 import time
 from typing import Optional
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from bench import common as C  # noqa: E402
+from bench.skeleton import (  # noqa: E402
+    Runner,
+    child_main,
+    command_line,
+    finish,
+    first_line,
+    is_oom,
+    log,
+    parser,
+    past,
+    pyplot,
+    render,
+    save_figure,
+    state_ok,
+    timed_steps,
+    workdir_for,
+)
 
 SCHEMA = "zoo.bench.gpu/1"
 GROUPS = ("default", "latency_hiding_pipelined_offload", "latency_hiding")
@@ -152,10 +169,6 @@ def all_presets() -> list[str]:
     return [p for p in preset_names() if p != "custom"]
 
 
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
 def preset_name(model_key: str, p: str) -> str:
     return OFFLOAD_PRESET[model_key] if p == "offload" else p
 
@@ -181,18 +194,12 @@ def merged_flags(env_flags: str, ours: list[str], dropped: Optional[list] = None
     return merged_xla_flags(group, " ".join(f for f in env if f not in unknown), host_offload=True, scheduler=False)
 
 
-def is_oom(e: BaseException) -> bool:
-    s = str(e)
-    return "RESOURCE_EXHAUSTED" in s or "Out of memory" in s or "out of memory" in s
-
-
 # --- child: hardware -----------------------------------------------------------------------------
 
 
 def child_hw(spec: dict) -> dict:
     import jax
 
-    from bench import common as C
     from zoo.tools.measure_hardware import measure_link, measure_matmul
 
     dev = jax.devices()[0]
@@ -267,34 +274,62 @@ def transfer_bytes(trainer, kept: dict) -> dict:
     }
 
 
-def _state_ok(state) -> bool:
-    import jax
-
-    return state is not None and not any(
-        getattr(x, "is_deleted", lambda: False)() for x in jax.tree_util.tree_leaves(state)
-    )
-
-
 def child_group(spec: dict, result_path: pathlib.Path) -> dict:
+    """One XLA group: every (model, preset) traced, compiled in threads, then run model by model in
+    ascending order of XLA's estimated peak (warm-up, timed steps); the record rewritten after each run."""
     import jax
-
-    from bench import common as C
-    from zoo.counts import flops_per_token
-    from zoo.train.metrics import device_memory
 
     group = spec["group"]
     devices = jax.devices()[:1]
     hardware = _hardware(spec)
     res = {"group": group, "xla_flags": os.environ.get("XLA_FLAGS", ""), "env": C.env_info(devices), "runs": []}
-    deadline = spec["deadline"]
+    runs, trainers, lowered = _trace_group(spec, devices, hardware)
+    log(f"{group}: traced {len(lowered)} steps; compiling with {spec['workers']} threads")
+    t = time.perf_counter()
+    compiled = C.compile_many([(k, low, trainers[k].compiler_options) for k, low in lowered.items()], spec["workers"])
+    log(f"{group}: compiled in {time.perf_counter() - t:.1f}s")
+    res["compile_wall_s"] = time.perf_counter() - t
+    res["runs"] = runs
+    for run in runs:
+        k = (run["model"], run["preset"])
+        if k in compiled:
+            _compiled_run(run, *compiled[k], trainers[k], spec)
+    C.write_json(result_path, res)
 
+    # Compiling real-width steps takes minutes on XLA:GPU (70-120 s each, 10 at once, on the H200 of
+    # docs/benchmarks.md) while a run takes seconds: the runs get run_reserve_s past the budget.
+    deadline = spec["deadline"]
+    deadline = max(deadline, time.time() + spec.get("run_reserve_s", 0.0)) if spec.get("run_reserve_s") else deadline
+    for key in spec["model_keys"]:
+        mine = [r for r in runs if r["model"] == key and r.get("status") == "compiled"]
+        mine.sort(key=lambda r: (r.get("compiled_memory") or {}).get("estimated_peak_bytes") or 0)
+        state = None
+        for run in mine:
+            k = (key, run["preset"])
+            spent = [r["wall_s"] for r in runs if r.get("wall_s")]
+            if time.time() + (max(spent) if spent else 0.0) > deadline:
+                run.update(status="skipped", reason="budget")
+                continue
+            t_run = time.perf_counter()
+            state = _time_run(run, trainers[k], compiled[k][0], state, spec, devices)
+            run["wall_s"] = time.perf_counter() - t_run
+            C.write_json(result_path, res)
+        del state
+    for k in list(compiled):
+        compiled[k] = None
+    return res
+
+
+def _trace_group(spec: dict, devices, hardware) -> tuple[list, dict, dict]:
+    """Every model's presets traced and lowered in the group: (runs, trainers, lowered)."""
+    group, deadline = spec["group"], spec["deadline"]
     runs, trainers, lowered = [], {}, {}
     for key in spec["model_keys"]:
         name, changes, *own = spec["models"][key]
         model = C.bench_model(name, **changes)
         for p in own[0] if own else spec["presets"]:
             preset = preset_name(key, p)
-            if time.time() > deadline - 30:
+            if past(deadline, 30):
                 runs.append({"model": key, "preset": preset, "status": "skipped", "reason": "budget"})
                 continue
             c = C.train_config(
@@ -310,18 +345,10 @@ def child_group(spec: dict, result_path: pathlib.Path) -> dict:
                 tr = C.make_trainer(c, devices)
                 low, kept, secs = C.trace_lower(tr)
             except Exception as e:  # noqa: BLE001 - recorded; the other runs go on
-                runs.append(
-                    {
-                        "model": key,
-                        "size": name,
-                        "preset": preset,
-                        "status": "error",
-                        "error": f"trace: {type(e).__name__}: {str(e).splitlines()[0][:300]}",
-                    }
-                )
+                error = f"trace: {first_line(e, 300)}"
+                runs.append({"model": key, "size": name, "preset": preset, "status": "error", "error": error})
                 log(f"{group} {key} {preset}: trace failed: {runs[-1]['error'][:200]}")
                 continue
-            trace_s = secs["trace_s"] + secs["lower_s"]
             run = {
                 "model": key,
                 "size": name,
@@ -331,112 +358,82 @@ def child_group(spec: dict, result_path: pathlib.Path) -> dict:
                 "seq": spec["seq"],
                 "kept": kept,
                 "transfer": transfer_bytes(tr, kept),
-                "trace_s": trace_s,
+                "trace_s": secs["trace_s"] + secs["lower_s"],
                 "status": "compiling",
             }
             runs.append(run)
             trainers[(key, preset)], lowered[(key, preset)] = tr, low
-    log(f"{group}: traced {len(lowered)} steps; compiling with {spec['workers']} threads")
-    t = time.perf_counter()
-    compiled = C.compile_many([(k, low, trainers[k].compiler_options) for k, low in lowered.items()], spec["workers"])
-    log(f"{group}: compiled in {time.perf_counter() - t:.1f}s")
-    res["compile_wall_s"] = time.perf_counter() - t
-    res["runs"] = runs
-    for run in runs:
-        k = (run["model"], run["preset"])
-        if k not in compiled:
-            continue
-        exe, secs = compiled[k]
-        run["compile_s"] = secs
-        if isinstance(exe, Exception):
-            run.update(status="error", error=f"compile: {type(exe).__name__}: {str(exe).splitlines()[0][:300]}")
-            continue
-        run["compiled_memory"] = C.compiled_memory(exe)
-        run["xla_flops_per_step"] = C.compiled_flops(exe)
-        run["status"] = "compiled"
-        if spec.get("planner") and run["preset"] in spec.get("planner_presets", ("none", *OFFLOAD_PRESET.values())):
-            try:
-                run["planner"] = C.planner_estimate(
-                    trainers[k].cfg, trainers[k], float(spec.get("limit_bytes") or 1e12)
-                )
-            except Exception as e:  # noqa: BLE001
-                run["planner"] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
-    C.write_json(result_path, res)
+    return runs, trainers, lowered
 
-    # Compiling real-width steps takes minutes on XLA:GPU (70-120 s each, 10 at once, on the H200 of
-    # docs/benchmarks.md) while a run takes seconds: the runs get run_reserve_s past the budget.
-    deadline = max(deadline, time.time() + spec.get("run_reserve_s", 0.0)) if spec.get("run_reserve_s") else deadline
-    for key in spec["model_keys"]:
-        mine = [r for r in runs if r["model"] == key and r.get("status") == "compiled"]
-        mine.sort(key=lambda r: (r.get("compiled_memory") or {}).get("estimated_peak_bytes") or 0)
-        state, seed_trainer = None, None
-        for run in mine:
-            k = (key, run["preset"])
-            tr, exe = trainers[k], compiled[k][0]
-            spent = [r["wall_s"] for r in runs if r.get("wall_s")]
-            guess = max(spent) if spent else 0.0
-            if time.time() + guess > deadline:
-                run.update(status="skipped", reason="budget")
-                continue
-            t_run = time.perf_counter()
-            try:
-                if not _state_ok(state):
-                    seed_trainer = tr
-                    state = tr.init()
-                state = jax.device_put(state, tr.state_shardings)
-                tokens = C.tokens_for(tr)
-                jax.block_until_ready((state, tokens))
-                before = device_memory(devices)
-                for _ in range(spec["warmup"]):
-                    state, m = exe(state, tokens)
-                    jax.block_until_ready((state, m))
-                times = []
-                for _ in range(spec["steps"]):
-                    t0 = time.perf_counter()
-                    state, m = exe(state, tokens)
-                    jax.block_until_ready((state, m))
-                    times.append(time.perf_counter() - t0)
-                after = device_memory(devices)
-                step = C.median(times)
-                tokens_per_step = spec["batch"] * spec["seq"]
-                fl = flops_per_token(tr.cfg.model, spec["seq"]) * tokens_per_step / len(devices)
-                run.update(
-                    status="ok",
-                    loss=float(m["loss"]),
-                    step_times_s=times,
-                    median_step_s=step,
-                    tokens_per_s=tokens_per_step / step,
-                    tflops_per_device=fl / step / 1e12,
-                    bytes_in_use_before=(before or {}).get("bytes_in_use"),
-                    process_peak_bytes=(after or {}).get("peak_bytes_in_use"),
-                    bytes_limit=(after or {}).get("bytes_limit"),
-                )
-                log(
-                    f"{group} {key} {run['preset']}: {1e3 * step:.1f} ms/step, {run['tflops_per_device']:.1f} TFLOP/s"
-                    + (f", peak {run['process_peak_bytes'] / 2**30:.1f} GiB" if run.get("process_peak_bytes") else "")
-                )
-            except Exception as e:  # noqa: BLE001 - one failed run is recorded; the others go on
-                run.update(
-                    status="oom" if is_oom(e) else "error", error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
-                )
-                log(f"{group} {key} {run['preset']}: {run['status']}: {run['error'][:120]}")
-                if not _state_ok(state):
-                    state = None
-            run["wall_s"] = time.perf_counter() - t_run
-            C.write_json(result_path, res)
-        del state, seed_trainer
-    for k in list(compiled):
-        compiled[k] = None
-    return res
+
+def _compiled_run(run: dict, exe, secs: float, trainer, spec: dict) -> None:
+    """A compiled step's record: XLA's memory and FLOPs, and the planner's estimate where asked for."""
+    run["compile_s"] = secs
+    if isinstance(exe, Exception):
+        run.update(status="error", error=f"compile: {first_line(exe, 300)}")
+        return
+    run["compiled_memory"] = C.compiled_memory(exe)
+    run["xla_flops_per_step"] = C.compiled_flops(exe)
+    run["status"] = "compiled"
+    if spec.get("planner") and run["preset"] in spec.get("planner_presets", ("none", *OFFLOAD_PRESET.values())):
+        try:
+            run["planner"] = C.planner_estimate(trainer.cfg, trainer, float(spec.get("limit_bytes") or 1e12))
+        except Exception as e:  # noqa: BLE001
+            run["planner"] = {"error": first_line(e, 200)}
+
+
+def _time_run(run: dict, tr, exe, state, spec: dict, devices):
+    """Warm-up and timed steps of one compiled run, from `state` (the model's previous run's, moved to
+    this run's layout, or a fresh one). Returns the state for the next run (None where it was lost)."""
+    import jax
+
+    from zoo.counts import flops_per_token
+    from zoo.train.metrics import device_memory
+
+    try:
+        if not state_ok(state):
+            state = tr.init()
+        state = jax.device_put(state, tr.state_shardings)
+        tokens = C.tokens_for(tr)
+        jax.block_until_ready((state, tokens))
+        before = device_memory(devices)
+        state, m, times = timed_steps(exe, state, tokens, spec["warmup"], spec["steps"])
+        after = device_memory(devices)
+        step = C.median(times)
+        tokens_per_step = spec["batch"] * spec["seq"]
+        fl = flops_per_token(tr.cfg.model, spec["seq"]) * tokens_per_step / len(devices)
+        run.update(
+            status="ok",
+            loss=float(m["loss"]),
+            step_times_s=times,
+            median_step_s=step,
+            tokens_per_s=tokens_per_step / step,
+            tflops_per_device=fl / step / 1e12,
+            bytes_in_use_before=(before or {}).get("bytes_in_use"),
+            process_peak_bytes=(after or {}).get("peak_bytes_in_use"),
+            bytes_limit=(after or {}).get("bytes_limit"),
+        )
+        log(
+            f"{spec['group']} {run['model']} {run['preset']}: {1e3 * step:.1f} ms/step, "
+            f"{run['tflops_per_device']:.1f} TFLOP/s"
+            + (f", peak {run['process_peak_bytes'] / 2**30:.1f} GiB" if run.get("process_peak_bytes") else "")
+        )
+    except Exception as e:  # noqa: BLE001 - one failed run is recorded; the others go on
+        run.update(status="oom" if is_oom(e) else "error", error=first_line(e, 300))
+        log(f"{spec['group']} {run['model']} {run['preset']}: {run['status']}: {run['error'][:120]}")
+        if not state_ok(state):
+            state = None
+    return state
 
 
 # --- child: largest batch ------------------------------------------------------------------------
 
 
 def child_probe(spec: dict, result_path: pathlib.Path) -> dict:
+    """Per model and preset: XLA's estimated peak at two batches gives bytes per sequence and the largest
+    batch under the limit; where the backend can run out of memory (or --probe-runs), that batch and one
+    more are run."""
     import jax
-
-    from bench import common as C
 
     devices = jax.devices()[:1]
     stats = devices[0].memory_stats() or {}
@@ -453,7 +450,6 @@ def child_probe(spec: dict, result_path: pathlib.Path) -> dict:
         "verified_by_running": can_run,
         "probes": [],
     }
-    deadline = spec["deadline"]
     hardware = _hardware(spec)
 
     def lower_at(model, preset, b):
@@ -461,24 +457,32 @@ def child_probe(spec: dict, result_path: pathlib.Path) -> dict:
         tr = C.make_trainer(c, devices)
         return tr, tr.lower()
 
+    probes = _probe_predict(spec, limit, lower_at)
+    res["probes"] = [{k: v for k, v in p.items() if k != "model_obj"} for p in probes]
+    C.write_json(result_path, res)
+    if can_run:
+        _probe_verify(spec, probes, res, lower_at, result_path)
+    return res
+
+
+def _probe_predict(spec: dict, limit, lower_at) -> list[dict]:
+    """Wave 1: two batch sizes per policy, compiled together; the largest batch under `limit` predicted."""
+
     def estimate(exe):
         mem = C.compiled_memory(exe) if not isinstance(exe, Exception) else None
         return None if mem is None else mem["estimated_peak_bytes"]
 
-    # Wave 1: two batch sizes per policy, compiled together.
     b0 = spec["batch"]
     b1 = 2 * b0
-    items, trainers, probes = [], {}, []
+    items, probes = [], []
     for key in spec["model_keys"]:
         name, changes, *_ = spec["models"][key]
         model = C.bench_model(name, **changes)
         for p in spec["presets"]:
             preset = preset_name(key, p)
-            probe = {"model": key, "preset": preset, "seq": spec["seq"], "model_obj": model}
-            probes.append(probe)
+            probes.append({"model": key, "preset": preset, "seq": spec["seq"], "model_obj": model})
             for b in (b0, b1):
                 tr, low = lower_at(model, preset, b)
-                trainers[(key, preset, b)] = tr
                 items.append(((key, preset, b), low, tr.compiler_options))
     t = time.perf_counter()
     wave1 = C.compile_many(items, spec["workers"])
@@ -496,13 +500,14 @@ def child_probe(spec: dict, result_path: pathlib.Path) -> dict:
         probe["fixed_bytes"] = fixed
         probe["predicted_max_batch"] = int((0.98 * limit - fixed) // per_seq) if per_seq > 0 else None
         probe["status"] = "predicted"
-    res["probes"] = [{k: v for k, v in p.items() if k != "model_obj"} for p in probes]
-    C.write_json(result_path, res)
-    if not can_run:
-        return res
+    return probes
 
-    # Wave 2: the predicted batch (should fit) and one more (should not), run for real.
-    items = []
+
+def _probe_verify(spec: dict, probes: list[dict], res: dict, lower_at, result_path) -> None:
+    """Wave 2: the predicted batch (should fit) and one more (should not), run for real."""
+    import jax
+
+    items, trainers = [], {}
     for probe in probes:
         bp = probe.get("predicted_max_batch")
         if not bp or bp < 1:
@@ -511,9 +516,9 @@ def child_probe(spec: dict, result_path: pathlib.Path) -> dict:
             tr, low = lower_at(probe["model_obj"], probe["preset"], b)
             trainers[(probe["model"], probe["preset"], b)] = tr
             items.append(((probe["model"], probe["preset"], b), low, tr.compiler_options))
-    if time.time() > deadline - 60:
+    if past(spec["deadline"], 60):
         res["note"] = "verification skipped: budget"
-        return res
+        return
     t = time.perf_counter()
     wave2 = C.compile_many(items, spec["workers"])
     log(f"probe: compiled {len(items)} steps at the predicted batches in {time.perf_counter() - t:.1f}s")
@@ -523,7 +528,7 @@ def child_probe(spec: dict, result_path: pathlib.Path) -> dict:
             bp = probe["predicted_max_batch"]
             probe["runs"] = {}
             for b in (bp, bp + 1):
-                if time.time() > deadline - 20:
+                if past(spec["deadline"], 20):
                     probe["runs"][str(b)] = "skipped (budget)"
                     continue
                 tr = trainers[(key, probe["preset"], b)]
@@ -532,7 +537,7 @@ def child_probe(spec: dict, result_path: pathlib.Path) -> dict:
                     probe["runs"][str(b)] = f"compile error: {str(exe).splitlines()[0][:200]}"
                     continue
                 try:
-                    if not _state_ok(state):
+                    if not state_ok(state):
                         state = tr.init()
                     state = jax.device_put(state, tr.state_shardings)
                     state, m = exe(state, C.tokens_for(tr))
@@ -540,7 +545,7 @@ def child_probe(spec: dict, result_path: pathlib.Path) -> dict:
                     probe["runs"][str(b)] = "fits"
                 except Exception as e:  # noqa: BLE001
                     probe["runs"][str(b)] = "oom" if is_oom(e) else f"error: {str(e).splitlines()[0][:200]}"
-                    if not _state_ok(state):
+                    if not state_ok(state):
                         state = None
                 log(f"probe {key} {probe['preset']} batch {b}: {probe['runs'][str(b)]}")
             fits = [int(b) for b, r in probe["runs"].items() if r == "fits"]
@@ -548,43 +553,9 @@ def child_probe(spec: dict, result_path: pathlib.Path) -> dict:
             res["probes"] = [{k: v for k, v in p.items() if k != "model_obj"} for p in probes]
             C.write_json(result_path, res)
         del state
-    return res
 
 
 # --- the orchestrator ----------------------------------------------------------------------------
-
-
-def run_child(kind: str, spec: dict, workdir: pathlib.Path, deadline: float, extra_env: dict) -> dict:
-    spec_path = workdir / f"{kind}_{spec.get('group', '')}_spec.json"
-    result_path = workdir / f"{kind}_{spec.get('group', '')}_result.json"
-    spec_path.write_text(json.dumps(spec))
-    if result_path.exists():
-        result_path.unlink()
-    env = dict(os.environ)
-    env.update(extra_env)
-    cmd = [
-        sys.executable,
-        str(pathlib.Path(__file__).resolve()),
-        "--child",
-        kind,
-        "--spec",
-        str(spec_path),
-        "--result",
-        str(result_path),
-    ]
-    # A child past the deadline (plus its runs' reserve) is stopped; what it wrote stays.
-    timeout = max(30.0, deadline - time.time() + 30 + spec.get("run_reserve_s", 0.0))
-    t = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, env=env, timeout=timeout)
-        rc = proc.returncode
-    except subprocess.TimeoutExpired:
-        rc = "timeout"
-    out = json.loads(result_path.read_text()) if result_path.exists() else {}
-    out["process"] = {"returncode": rc, "wall_s": time.perf_counter() - t, "xla_flags": extra_env.get("XLA_FLAGS", "")}
-    if rc != 0:
-        log(f"{kind} {spec.get('group', '')}: process ended with {rc}; keeping what it wrote")
-    return out
 
 
 def derive(res: dict) -> None:
@@ -732,11 +703,7 @@ def markdown(res: dict) -> str:
 
 
 def plot(res: dict, path: pathlib.Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     groups = list(res.get("groups", {}))
     models = list(dict.fromkeys(r["model"] for g in res.get("groups", {}).values() for r in g.get("runs", [])))
     if not models:
@@ -789,14 +756,11 @@ def plot(res: dict, path: pathlib.Path) -> None:
         f"{(env.get('device') or {}).get('kind', '')}",
         fontsize=9,
     )
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def _parser():
+    ap = parser(__doc__, "bench_gpu.json")
     ap.add_argument("--toy", action="store_true", help="tiny models: a CPU smoke test of the whole pipeline")
     ap.add_argument(
         "--scale", action="store_true", help="the 405B and 671B runs cut to one device, every preset (see SCALE)"
@@ -825,9 +789,6 @@ def main(argv=None) -> int:
         "--hw-json", default=None, help="take the hw part from this earlier --out instead of measuring it again"
     )
     ap.add_argument("--workdir", default=None, help="the children's specs and results (default: beside --out)")
-    ap.add_argument("--out", default="bench_gpu.json")
-    ap.add_argument("--plot", default=None)
-    ap.add_argument("--md", default=None, help="also write the markdown tables here")
     ap.add_argument("--models", default=None, help="comma list of llama,dsv3")
     ap.add_argument(
         "--presets",
@@ -878,30 +839,24 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--hbm-gb", type=float, default=139.0, help="with --plan-only: device memory (default 139, an H200's usable)"
     )
-    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--spec", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--result", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
+    return ap
 
+
+def _set_jax_config(spec: dict) -> None:
+    import jax
+
+    for name, value in (spec.get("jax_config") or {}).items():  # e.g. jax_ragged_dot_use_gpu_pallas_triton_lowering
+        jax.config.update(name, value)
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
     if args.child:
-        spec = json.loads(pathlib.Path(args.spec).read_text())
-        result = pathlib.Path(args.result)
-        from bench import common as C
-
-        import jax
-
-        for name, value in (spec.get("jax_config") or {}).items():  # e.g. jax_ragged_dot_use_gpu_pallas_triton_lowering
-            jax.config.update(name, value)
-        out = {"hw": child_hw, "group": child_group, "probe": child_probe}[args.child]
-        res = out(spec) if args.child == "hw" else out(spec, result)
-        C.write_json(result, res)
-        return 0
-
-    from bench import common as C  # no JAX import in this process: every backend starts in a child
-
+        children = {"hw": lambda s, _: child_hw(s), "group": child_group, "probe": child_probe}
+        return child_main(args, children, before=_set_jax_config)
+    # No JAX import in this process: every backend starts in a child.
     if args.render:
-        print(render_record(json.loads(pathlib.Path(args.render).read_text())))
-        return 0
+        return render(json.loads(pathlib.Path(args.render).read_text()), args, render_record)
     if args.plan_only:
         return plan_only(args)
 
@@ -912,16 +867,39 @@ def main(argv=None) -> int:
     else:
         base = dict(TOY if args.toy else REAL)
     budget = args.budget_s or base["budget_s"]
-    deadline = t_start + budget
-    model_keys = args.models.split(",") if args.models else list(base["models"])
-    presets = args.presets.split(",") if args.presets else (all_presets() if args.scale else list(PRESETS))
     groups = args.groups.split(",") if args.groups else list(base.get("groups", GROUPS))
     for g in groups:
         C.xla_group_flags(g)  # a bad group name fails here, before anything starts
+    spec = _spec(args, base, t_start + budget)
+    res = {
+        "schema": SCHEMA,
+        "command": command_line("bench/gpu.py", argv),
+        "toy": args.toy,
+        "scale": args.scale,
+        "spec": {k: v for k, v in spec.items() if k != "deadline"},
+        "budget_s": budget,
+        "groups": {},
+        "dropped_xla_flags": [],
+    }
+    out = pathlib.Path(args.out)
+    runner = Runner(pathlib.Path(__file__).resolve(), workdir_for(out, args.workdir), out, res, derive)
+    log(
+        f"bench/gpu.py{' --toy' if args.toy else ''}{' --scale' if args.scale else ''}: models {spec['model_keys']}, "
+        f"presets {spec['presets']}, groups {groups}, budget {budget:.0f}s"
+    )
+    _run_children(runner, args, spec, groups)
+    res["wall_s"] = time.time() - t_start
+    runner.save()
+    finish(res, args, markdown, plot)
+    return 0
+
+
+def _spec(args, base: dict, deadline: float) -> dict:
+    """What every child reads: the models, presets and sizes, the budget's deadline, the options."""
     spec = {
         "models": base["models"],
-        "model_keys": model_keys,
-        "presets": presets,
+        "model_keys": args.models.split(",") if args.models else list(base["models"]),
+        "presets": args.presets.split(",") if args.presets else (all_presets() if args.scale else list(PRESETS)),
         "batch": args.batch or base["batch"],
         "seq": args.seq or base["seq"],
         "steps": args.steps or base["steps"],
@@ -939,33 +917,30 @@ def main(argv=None) -> int:
     }
     if args.scale:
         spec["planner_presets"] = ["none", "full", *OFFLOAD_PRESET.values()]
-    dropped: list[str] = []
-    res = {
-        "schema": SCHEMA,
-        "command": " ".join(["python", "bench/gpu.py", *(argv if argv is not None else sys.argv[1:])]),
-        "toy": args.toy,
-        "scale": args.scale,
-        "spec": {k: v for k, v in spec.items() if k != "deadline"},
-        "budget_s": budget,
-        "groups": {},
-        "dropped_xla_flags": dropped,
-    }
-    out = pathlib.Path(args.out)
-    workdir = pathlib.Path(args.workdir) if args.workdir else out.parent / (out.stem + "_work")
-    workdir.mkdir(parents=True, exist_ok=True)
-    env_flags = os.environ.get("XLA_FLAGS", "")
-    common_env = {
+    return spec
+
+
+def _child_env() -> dict:
+    return {
         "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
         "XLA_PYTHON_CLIENT_MEM_FRACTION": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95"),
         "PYTHONUNBUFFERED": "1",
         "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB": os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB", HOST_POOL_GIB),
     }
 
-    log(
-        f"bench/gpu.py{' --toy' if args.toy else ''}{' --scale' if args.scale else ''}: models {model_keys}, presets "
-        f"{presets}, groups {groups}, "
-        f"budget {budget:.0f}s"
-    )
+
+def _group_child(runner: Runner, kind: str, spec: dict, group: str, flags: str) -> dict:
+    """A child in `group`'s flags, stopped past the deadline plus its runs' reserve (what it wrote stays)."""
+    timeout = spec["deadline"] - time.time() + 30 + spec.get("run_reserve_s", 0.0)
+    env = {**_child_env(), "XLA_FLAGS": flags}
+    return runner.child(kind, spec, env, timeout, name=f"{kind}_{group}", process={"xla_flags": flags})
+
+
+def _run_children(runner: Runner, args, spec: dict, groups: list[str]) -> None:
+    """The hardware child (or an earlier run's figures), then a child per XLA group, the probe after the
+    default and pipelined groups."""
+    res, env_flags = runner.res, os.environ.get("XLA_FLAGS", "")
+    dropped = res["dropped_xla_flags"]
     earlier = (
         json.loads(pathlib.Path(args.hw_json).read_text()).get("hw")
         if args.hw_json and pathlib.Path(args.hw_json).exists()
@@ -974,43 +949,27 @@ def main(argv=None) -> int:
     if earlier and earlier.get("link"):
         res["hw"] = earlier
     else:
-        res["hw"] = run_child("hw", spec, workdir, deadline, {**common_env, "XLA_FLAGS": env_flags})
+        res["hw"] = _group_child(runner, "hw", spec, "", env_flags)
     spec["hw"] = res["hw"]
     spec["limit_bytes"] = spec["memory_limit_bytes"] or res["hw"].get("bytes_limit")
-    C.write_json(out, res)
+    C.write_json(runner.out, res)
 
     probe_at = 2 if len(groups) >= 2 else len(groups)  # the probe runs after the default and pipelined groups
     for i, g in enumerate(groups):
         if i == probe_at and not args.no_probe:
-            _probe(args, spec, res, workdir, deadline, common_env, env_flags, out)
-        if time.time() > deadline - 30:
+            _probe(runner, args, spec, env_flags)
+        if past(spec["deadline"], 30):
             res["groups"][g] = {"status": "skipped", "reason": "budget", "runs": []}
             continue
         gspec = dict(spec, group=g, planner=(g == "default" or (args.scale and i == 0)))
-        res["groups"][g] = run_child(
-            "group",
-            gspec,
-            workdir,
-            deadline,
-            {**common_env, "XLA_FLAGS": merged_flags(env_flags, C.xla_group_flags(g), dropped)},
+        res["groups"][g] = _group_child(
+            runner, "group", gspec, g, merged_flags(env_flags, C.xla_group_flags(g), dropped)
         )
         if dropped:
             log(f"flags the installed jaxlib does not know, left out: {' '.join(dropped)}")
-        derive(res)
-        C.write_json(out, res)
+        runner.save()
     if probe_at >= len(groups) and not args.no_probe:
-        _probe(args, spec, res, workdir, deadline, common_env, env_flags, out)
-    derive(res)
-    res["wall_s"] = time.time() - t_start
-    C.write_json(out, res)
-    md = markdown(res)
-    print(md)
-    if args.md:
-        pathlib.Path(args.md).write_text(md + "\n")
-    if args.plot:
-        plot(res, pathlib.Path(args.plot))
-    log(f"wrote {out}" + (f" and {args.plot}" if args.plot else "") + f"; {res['wall_s']:.0f}s in all")
-    return 0
+        _probe(runner, args, spec, env_flags)
 
 
 def _jax_config(items: list[str]) -> dict:
@@ -1045,7 +1004,6 @@ def plan_only(args) -> int:
     """zoo.tools.plan's estimate for each model and preset of the GPU benchmark (abstract: nothing runs)."""
     import jax
 
-    from bench import common as C
     from zoo.train.run_config import HardwareConfig
 
     base = TOY if args.toy else REAL
@@ -1086,24 +1044,15 @@ def plan_only(args) -> int:
     return 0
 
 
-def _probe(args, spec, res, workdir, deadline, common_env, env_flags, out) -> None:
-    from bench import common as C
-
-    if time.time() > deadline - 120:
+def _probe(runner: Runner, args, spec: dict, env_flags: str) -> None:
+    res = runner.res
+    if past(spec["deadline"], 120):
         res["probe"] = {"status": "skipped", "reason": "budget"}
         return
-    pspec = dict(
-        spec, presets=args.probe_presets.split(",") if args.probe_presets else spec["presets"], group="default"
-    )
-    res["probe"] = run_child(
-        "probe",
-        pspec,
-        workdir,
-        deadline,
-        {**common_env, "XLA_FLAGS": merged_flags(env_flags, C.xla_group_flags("default"), res["dropped_xla_flags"])},
-    )
-    derive(res)
-    C.write_json(out, res)
+    presets = args.probe_presets.split(",") if args.probe_presets else spec["presets"]
+    flags = merged_flags(env_flags, C.xla_group_flags("default"), res["dropped_xla_flags"])
+    res["probe"] = _group_child(runner, "probe", dict(spec, presets=presets, group="default"), "default", flags)
+    runner.save()
 
 
 if __name__ == "__main__":

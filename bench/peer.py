@@ -182,6 +182,36 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def summarise(raw: dict) -> dict:
+    """Per model and remat: the medians over rounds of each system's step, their ratio, and each
+    system's model-FLOP rate as a fraction of the matmul rate measured in the same round."""
+    results = {}
+    for key, rec in raw.items():
+        c = key.split("/")[0]
+        flops = model_flops_per_step(CONFIGS[c])
+        z = [x["median_step_s_3_to_end"] for x in rec["zoo"]]
+        t = [x["median_step_s_3_to_end"] for x in rec["torch"]]
+        mm = [x["flops_per_s"] for x in rec["matmul"]]
+        ratios = [a_ / b_ for a_, b_ in zip(z, t)]
+        results[key] = {
+            "zoo_ms": statistics.median(z) * 1e3,
+            "torch_ms": statistics.median(t) * 1e3,
+            "ratio": statistics.median(ratios),
+            "ratios": ratios,
+            "matmul_gflops": statistics.median(mm) / 1e9,
+            "model_gflop_per_step": flops / 1e9,
+            "zoo_fraction": statistics.median([flops / s / m for s, m in zip(z, mm)]),
+            "torch_fraction": statistics.median([flops / s / m for s, m in zip(t, mm)]),
+            "zoo_compile_s": statistics.median([x["compile_s"] for x in rec["zoo"]]),
+            "zoo_cpu_fast_compile": rec["zoo"][0]["cpu_fast_compile"],
+        }
+        if "torch_huge_pages" in rec:
+            th = [x["median_step_s_3_to_end"] for x in rec["torch_huge_pages"]]
+            results[key]["torch_huge_pages_ms"] = statistics.median(th) * 1e3
+            results[key]["ratio_torch_huge_pages"] = statistics.median([a_ / b_ for a_, b_ in zip(z, th)])
+    return results
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--zoo-one", nargs=2, metavar=("CONFIG", "REMAT"), help="run one Zoo measurement in this process")
@@ -248,30 +278,7 @@ def main(argv=None) -> int:
             rec["matmul"].append(_run([sys.executable, "bench/peer.py", "--matmul-one"], log, zoo_env))
             for name, cmd, env in runs if rnd % 2 == 0 else runs[::-1]:
                 rec[name].append(_run(cmd, log, env, name))
-    results = {}
-    for key, rec in raw.items():
-        c = key.split("/")[0]
-        flops = model_flops_per_step(CONFIGS[c])
-        z = [x["median_step_s_3_to_end"] for x in rec["zoo"]]
-        t = [x["median_step_s_3_to_end"] for x in rec["torch"]]
-        mm = [x["flops_per_s"] for x in rec["matmul"]]
-        ratios = [a_ / b_ for a_, b_ in zip(z, t)]
-        results[key] = {
-            "zoo_ms": statistics.median(z) * 1e3,
-            "torch_ms": statistics.median(t) * 1e3,
-            "ratio": statistics.median(ratios),
-            "ratios": ratios,
-            "matmul_gflops": statistics.median(mm) / 1e9,
-            "model_gflop_per_step": flops / 1e9,
-            "zoo_fraction": statistics.median([flops / s / m for s, m in zip(z, mm)]),
-            "torch_fraction": statistics.median([flops / s / m for s, m in zip(t, mm)]),
-            "zoo_compile_s": statistics.median([x["compile_s"] for x in rec["zoo"]]),
-            "zoo_cpu_fast_compile": rec["zoo"][0]["cpu_fast_compile"],
-        }
-        if "torch_huge_pages" in rec:
-            th = [x["median_step_s_3_to_end"] for x in rec["torch_huge_pages"]]
-            results[key]["torch_huge_pages_ms"] = statistics.median(th) * 1e3
-            results[key]["ratio_torch_huge_pages"] = statistics.median([a_ / b_ for a_, b_ in zip(z, th)])
+    results = summarise(raw)
     md = table(results)
     print(md)
     if a.md:

@@ -5,6 +5,10 @@ bench/cpu.py --quick (both families, four presets, LLVM optimisations off, one s
 prediction against a made-up memory limit, and the predicted batches run) each run as a subprocess, as a user would run
 them. The default run renders the recorded docs/bench_cpu.json the same way. Nothing here imports bench/ (one
 child process does: the pieces that keep a stopped bench's finished compiles, checked without stopping one).
+
+The docs' TPU figures are checked against what their record renders: each row of docs/benchmarks.md's TPU
+tables against `bench/tpu.py --render docs/bench_tpu.json` (planner columns and the counts quoted in the README,
+docs and conf/hardware/tpu_v5e.yaml against `--replan tpu_v5e`, slow tier), so a retyped figure that drifts fails.
 """
 
 import json
@@ -262,6 +266,13 @@ def test_the_planners_estimates_against_every_v5e_run():
             presets.setdefault(cells[0], []).append(estimated / measured - 1)
     assert len(rows) == 68 and sum(hbm) >= 62 and sum(step) >= 65, (len(rows), sum(hbm), sum(step))
     assert len(presets["none"]) >= 4 and all(abs(e) <= 0.15 for es in presets.values() for e in es), presets
+    # The docs' tables, planner columns included, are these estimates; their counts are these counts.
+    checked, wrong = _unchecked_doc_rows(proc.stdout, set(_COLUMNS.values()))
+    assert checked >= 40 and not wrong, (checked, wrong)
+    counts = _planner_counts(proc.stdout)
+    assert counts["dense15"] == counts["dense"]  # the docs say "all" of them
+    for path, phrase in COUNTS_QUOTED:
+        assert phrase.format(**counts) in _flat(path), (path, phrase.format(**counts))
 
 
 def test_a_stopped_bench_keeps_the_compiles_that_finished():
@@ -287,3 +298,129 @@ print(json.dumps({"seen": sorted(seen), "keys": sorted(out), "runs": setup["runs
     assert all(name != "Exception" and positive for _, name, positive in got["seen"])
     assert got["runs"]["b"] == {"policy": "b", "status": "timeout", "error": "compile unfinished at --budget-s (500 s)"}
     assert got["runs"]["a"] == {"status": "compiled"} and got["runs"]["c"] == {"status": "oom"}
+
+
+# --- the docs' TPU figures, checked against what the record renders ---------------------------------
+
+# docs/benchmarks.md's column names -> bench/tpu.py's rendered ones (their cells formatted alike).
+_COLUMNS = {
+    "step (ms)": "step (ms)",
+    "model TFLOP/s": "TFLOP/s",
+    "MFU": "MFU",
+    "XLA peak (GB)": "XLA peak (GB)",
+    "offloaded (GB)": "offloaded (GB)",
+    "planner peak (GB)": "planner peak (GB)",
+    "planner step (ms)": "planner step (ms)",
+}
+
+
+def _rows(text: str):
+    """(header cells, row cells) of each markdown table row in `text`."""
+    header = None
+    for line in text.splitlines():
+        if not line.startswith("|"):
+            header = None
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if header is None:
+            header = cells
+        elif not set(line) <= set("|-: "):
+            yield header, cells
+
+
+def _leading_number(cell: str):
+    m = __import__("re").match(r"(-?\d+(?:\.\d+)?%?)", cell.replace("*", "").strip())
+    return m.group(1) if m else None
+
+
+def _unchecked_doc_rows(rendered: str, columns) -> tuple[int, list]:
+    """Each row of docs/benchmarks.md's TPU tables naming a recorded policy must equal, in every one of
+    `columns` it has a figure in, one rendered run of that policy. Returns (rows checked, rows that equal none)."""
+    runs = {}
+    for header, cells in _rows(rendered):
+        if header[:2] == ["policy", "status"]:
+            runs.setdefault(cells[0], []).append(dict(zip(header, cells)))
+    doc = (ROOT / "docs" / "benchmarks.md").read_text()
+    tpu = doc[doc.index("## TPU v5e") : doc.index("## Published figures")]
+    checked, wrong = 0, []
+    for header, cells in _rows(tpu):
+        if "policy" not in header:
+            continue
+        row = dict(zip(header, cells))
+        label = row["policy"].replace("*", "").split(" (")[0].strip()
+        figures = {_COLUMNS[c]: _leading_number(v) for c, v in row.items() if c in _COLUMNS and _COLUMNS[c] in columns}
+        figures = {c: v for c, v in figures.items() if v is not None}
+        if label not in runs or not figures:
+            continue
+        checked += 1
+        if not any(all(_leading_number(run[c]) == v for c, v in figures.items()) for run in runs[label]):
+            wrong.append((label, figures))
+    return checked, wrong
+
+
+def test_the_docs_tpu_tables_are_the_records():
+    """Every measured figure in docs/benchmarks.md's TPU tables (step, throughput, MFU, XLA's peak, bytes
+    offloaded) is what `bench/tpu.py --render docs/bench_tpu.json` prints for that policy: a figure
+    retyped wrong, or a record changed without its docs, fails here."""
+    proc = _run(["bench/tpu.py", "--render", "docs/bench_tpu.json"], None, timeout=120)
+    checked, wrong = _unchecked_doc_rows(
+        proc.stdout, {"step (ms)", "TFLOP/s", "MFU", "XLA peak (GB)", "offloaded (GB)"}
+    )
+    assert checked >= 40 and not wrong, (checked, wrong)
+
+
+# Where the docs, the README and the profile quote the planner's counts against the chip (`--render
+# --replan` prints them: bench/tpu.py's planner_counts), and the profile's fitted figures.
+COUNTS_QUOTED = [
+    ("README.md", "its step estimate is within 15% of the chip's for {step15} of {runs} runs"),
+    ("conf/hardware/tpu_v5e.yaml", "Within 15% of the chip's step for {step15} of {runs} runs, {step10} within 10%"),
+    ("docs/offload.md", "the estimate is within 15% of {step15} of the {runs} runs there"),
+    ("docs/offload.md", "within 10% of XLA's compiled peak for {hbm10} of {runs} runs"),
+    ("docs/benchmarks.md", "as a ratio to the measurement, {runs} runs:"),
+    ("docs/benchmarks.md", "**Step time: {step15} of {runs} within 15%, {step10} within 10%**; all {dense} dense runs"),
+    ("docs/benchmarks.md", "and {moe15} of {moe} MoE runs"),
+    ("docs/benchmarks.md", "**HBM: {hbm10} of {runs} within 10%, {hbm15} within 15%**"),
+    ("docs/benchmarks.md", "plus what XLA rematerialized (the program as written, below), {remat10} of the {runs} are"),
+]
+PROFILE_QUOTED = [
+    ("docs/benchmarks.md", "(`hardware.op_rates`, below) times `step_efficiency` {step_efficiency};"),
+    ("docs/benchmarks.md", "{activation_passes} passes (`activation_passes`) over the layers' activations"),
+    ("docs/benchmarks.md", "and {recompute_passes} more passes for a policy that checkpoints (`recompute_passes`)"),
+    ("docs/benchmarks.md", "a recomputed tag's producer at {recompute_cost} of its own time (`recompute_cost`)"),
+    ("docs/offload.md", "On a TPU v5e {activation_passes} and {recompute_passes} passes at"),
+    ("docs/offload.md", "it is {recompute_cost} (and `step_efficiency` {step_efficiency})"),
+]
+
+
+def _flat(path: str) -> str:
+    """A text's words on one line (a YAML file's comments without their `#`)."""
+    lines = (ROOT / path).read_text().splitlines()
+    return " ".join(" ".join(line.lstrip("# ") for line in lines).split())
+
+
+def _planner_counts(text: str) -> dict:
+    import re
+
+    flat = " ".join(text.split())
+    m = re.search(
+        r"the planner against the chip, (?P<runs>\d+) runs: - step: (?P<step15>\d+) of \d+ within 15%, "
+        r"(?P<step10>\d+) within 10%; dense (?P<dense15>\d+) of (?P<dense>\d+), MoE (?P<moe15>\d+) of "
+        r"(?P<moe>\d+) within 15% - HBM: (?P<hbm10>\d+) of \d+ within 10%, (?P<hbm15>\d+) within 15%; against "
+        r"XLA's peak plus what it rematerialized (?P<remat10>\d+) of \d+ within 10%",
+        flat,
+    )
+    assert m, text[-2000:]
+    return m.groupdict()
+
+
+def test_the_docs_quote_the_profiles_fitted_figures():
+    """The step model's four figures, where the docs quote them, are conf/hardware/tpu_v5e.yaml's (which
+    `bench/tpu.py --fit` rewrites: a refit that moves them fails here until the docs follow)."""
+    import yaml
+
+    profile = yaml.safe_load((ROOT / "conf" / "hardware" / "tpu_v5e.yaml").read_text())
+    values = {
+        k: f"{profile[k]:g}" for k in ("step_efficiency", "recompute_cost", "activation_passes", "recompute_passes")
+    }
+    for path, phrase in PROFILE_QUOTED:
+        assert phrase.format(**values) in _flat(path), (path, phrase.format(**values))
