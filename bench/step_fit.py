@@ -73,7 +73,7 @@ def scaled(p, values: dict):
 
 
 def estimate(sample: Sample, values: dict):
-    from zoo.tools.plan import evaluate
+    from zoo.plan.cost import evaluate
 
     return evaluate(scaled(sample.problem, values), sample.assignment)
 
@@ -184,7 +184,8 @@ def samples_from_record(res: dict, profile: str, out_of_sample: Sequence[str] = 
     """(fitted samples, every sample) of a bench/tpu.py record: each run that ran, traced for `profile`
     with the four figures at 1; the setups in `out_of_sample` are in the second list only."""
     from bench import tpu
-    from zoo.tools.plan import PlanConfig, policy_estimate
+    from zoo.plan.options import PlanConfig
+    from zoo.plan.traced import policy_estimate
 
     hw = dataclasses.replace(tpu.load_profile(profile), **UNIT)
     every = []

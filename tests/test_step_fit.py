@@ -22,7 +22,8 @@ if str(ROOT) not in sys.path:  # bench/ is a folder of scripts beside the packag
     sys.path.insert(0, str(ROOT))
 
 from bench import step_fit  # noqa: E402
-from zoo.tools.plan import GB, Problem, StackCost, TagCost, evaluate  # noqa: E402
+from zoo.plan.cost import evaluate  # noqa: E402
+from zoo.plan.problem import GB, Problem, StackCost, TagCost  # noqa: E402
 
 KNOWN = {"step_efficiency": 0.81, "recompute_cost": 0.37, "activation_passes": 4.6, "recompute_passes": 2.3}
 
