@@ -103,6 +103,10 @@ NOT_RUN = {
     r"bench/peer\.py|^python3 -m venv /tmp/torchpeer": (
         "the PyTorch comparison: needs torch in another Python and 14 min (tests/test_peer.py checks its parts)"
     ),
+    r"bench/peer_maxtext\.py|bench/(tpu|maxtext)_(wheels|setup)\.sh": (
+        "Zoo beside MaxText: needs a TPU, MaxText and its wheels (tests/test_peer_maxtext.py renders the record, "
+        "checks the docs' tables and figures against it, and the script's bad input)"
+    ),
     r"bench/sampling\.py": (
         "Zoo's sampling against transformers' generate: needs torch and transformers and about 9 min "
         "(tests/test_bench.py runs --small, slow tier)"
