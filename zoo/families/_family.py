@@ -1,10 +1,49 @@
-"""`FamilyDef`, what one module of `zoo/families/` defines (its `FAMILY`). It stands apart from the
-registry (`zoo.families`), which imports the family modules: they import it, not the registry."""
+"""`FamilyDef`, what one module of `zoo/families/` defines (its `FAMILY`), and `sized`, the kit its
+named sizes are written with. It stands apart from the registry (`zoo.families`), which imports the
+family modules: they import it, not the registry."""
 
 import dataclasses
 from typing import Callable, Optional
 
+from zoo.config import ModelConfig, MoEConfig
 from zoo.families._hf import Family
+
+# The dimensions of a named size, in the order a model card lists them: vocabulary, hidden width,
+# layers, query heads, kv heads, head dim, MLP width, context length (`sized`'s `dims`).
+DIMS = (
+    "vocab_size",
+    "hidden_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "intermediate_size",
+    "max_position_embeddings",
+)
+
+
+def sized(family: str, dims: tuple, **fields) -> ModelConfig:
+    """A named size of `family`: its `dims` (see `DIMS`; a None head dim is ModelConfig's default, as
+    latent attention has it) and its other fields."""
+    shape = {name: value for name, value in zip(DIMS, dims, strict=True) if value is not None}
+    return ModelConfig(family=family, **shape, **fields)
+
+
+def routed(experts: int, top_k: int, width: int, router: str, **fields) -> MoEConfig:
+    """Routed experts with no groups, no shared experts and unscaled weights (every MoE family but
+    DeepSeek-V3's): `experts` of MLP width `width`, `top_k` per token, a `router` of that kind, and
+    the other MoEConfig fields."""
+    return MoEConfig(
+        n_routed_experts=experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=width,
+        n_shared_experts=0,
+        router=router,
+        n_group=1,
+        topk_group=1,
+        routed_scaling_factor=1.0,
+        **fields,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
