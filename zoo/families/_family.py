@@ -29,19 +29,31 @@ def sized(family: str, dims: tuple, **fields) -> ModelConfig:
     return ModelConfig(family=family, **shape, **fields)
 
 
-def routed(experts: int, top_k: int, width: int, router: str, **fields) -> MoEConfig:
-    """Routed experts with no groups, no shared experts and unscaled weights (every MoE family but
-    DeepSeek-V3's): `experts` of MLP width `width`, `top_k` per token, a `router` of that kind, and
-    the other MoEConfig fields."""
+def routed(
+    experts: int,
+    top_k: int,
+    width: int,
+    router: str,
+    *,
+    shared: int = 0,
+    groups: int = 1,
+    top_groups: int = 1,
+    scale: float = 1.0,
+    **fields,
+) -> MoEConfig:
+    """A family's routed experts: `experts` of MLP width `width`, `top_k` per token, a `router` of that
+    kind, `shared` shared experts, `groups` expert groups of which the `top_groups` best are searched
+    (DeepSeek-V3; by default none, as every other family), the weights scaled by `scale`; and the other
+    MoEConfig fields."""
     return MoEConfig(
         n_routed_experts=experts,
         num_experts_per_tok=top_k,
         moe_intermediate_size=width,
-        n_shared_experts=0,
+        n_shared_experts=shared,
         router=router,
-        n_group=1,
-        topk_group=1,
-        routed_scaling_factor=1.0,
+        n_group=groups,
+        topk_group=top_groups,
+        routed_scaling_factor=scale,
         **fields,
     )
 

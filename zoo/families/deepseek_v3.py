@@ -12,13 +12,14 @@ from typing import Optional
 import numpy as np
 
 from zoo.config import MLAConfig, ModelConfig, MoEConfig, RopeConfig
-from zoo.families._family import FamilyDef, sized
+from zoo.families._family import FamilyDef, routed, sized
 from zoo.families._hf import SILU, Family, Keys, Rule, expert_list_rules, linear, mlp_rules, pad_token_id
 from zoo.families._hf import rope_from_params, rope_hf, rope_params, same
 
 NAME = "deepseek_v3"
 
-# The config.json keys of `_mla`'s arguments after q_lora_rank (which may be null), and of `_moe`'s.
+# The config.json keys of `_mla`'s arguments after q_lora_rank (which may be null), and of `_moe`'s: the
+# names of their MLAConfig and MoEConfig fields too.
 _MLA_KEYS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 _MOE_KEYS = ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts", "n_group")
 _MOE_KEYS += ("topk_group",)
@@ -45,7 +46,7 @@ def read(k: Keys) -> dict:
         mla=_mla(k.opt_int("q_lora_rank"), *(k.integer(key) for key in _MLA_KEYS)),
         moe=_moe(
             *(k.integer(key) for key in _MOE_KEYS),
-            norm=k.flag("norm_topk_prob"),
+            norm_topk_prob=k.flag("norm_topk_prob"),
             scale=k.number("routed_scaling_factor"),
         ),
     )
@@ -56,20 +57,10 @@ def write(c: ModelConfig) -> dict:
     return dict(
         head_dim=m.qk_rope_head_dim,
         q_lora_rank=m.q_lora_rank,
-        kv_lora_rank=m.kv_lora_rank,
-        qk_nope_head_dim=m.qk_nope_head_dim,
-        qk_rope_head_dim=m.qk_rope_head_dim,
-        v_head_dim=m.v_head_dim,
+        **{key: getattr(m, key) for key in _MLA_KEYS},
         rope_interleave=c.rope.interleaved,
         first_k_dense_replace=c.first_k_dense_replace,
-        n_routed_experts=e.n_routed_experts,
-        num_experts_per_tok=e.num_experts_per_tok,
-        moe_intermediate_size=e.moe_intermediate_size,
-        n_shared_experts=e.n_shared_experts,
-        n_group=e.n_group,
-        topk_group=e.topk_group,
-        norm_topk_prob=e.norm_topk_prob,
-        routed_scaling_factor=e.routed_scaling_factor,
+        **{key: getattr(e, key) for key in (*_MOE_KEYS, "norm_topk_prob", "routed_scaling_factor")},
         scoring_func="sigmoid",
         topk_method="noaux_tc",
         num_nextn_predict_layers=0,
@@ -128,22 +119,11 @@ HF = Family(
     name=NAME,
     model_type="deepseek_v3",
     architecture="DeepseekV3ForCausalLM",
-    # DeepseekV3Config's defaults for keys real configs may leave out
-    defaults=dict(
-        rms_norm_eps=1e-6,
-        max_position_embeddings=4096,
-        q_lora_rank=1536,
-        rope_theta=10000.0,
-        rope_interleave=True,
-        first_k_dense_replace=3,
-        n_shared_experts=1,
-        n_group=8,
-        topk_group=4,
-        norm_topk_prob=True,
-        routed_scaling_factor=2.5,
-        scoring_func="sigmoid",
-        hidden_act="silu",
-    ),
+    # DeepseekV3Config's defaults for keys real configs may leave out: the model's, its attention's, its experts'
+    defaults=dict(rms_norm_eps=1e-6, max_position_embeddings=4096, hidden_act="silu", first_k_dense_replace=3)
+    | dict(q_lora_rank=1536, rope_theta=10000.0, rope_interleave=True)
+    | dict(n_shared_experts=1, n_group=8, topk_group=4, norm_topk_prob=True, routed_scaling_factor=2.5)
+    | dict(scoring_func="sigmoid"),
     read=read,
     write=write,
     attention_rules=attention_rules,
@@ -162,20 +142,12 @@ def _mla(q_lora: Optional[int], kv_lora: int, nope: int, rope: int, v: int) -> M
 
 
 def _moe(
-    experts: int, top_k: int, width: int, shared: int, groups: int, top_groups: int, norm: bool = True, scale=2.5
+    experts: int, top_k: int, width: int, shared: int, groups: int, top_groups: int, scale: float = 2.5, **fields
 ) -> MoEConfig:
     """The sigmoid router over expert groups: `experts` of `width`, `top_k` of the `top_groups` best of
-    `groups` groups (renormalised when `norm`), `shared` shared experts, the weights scaled by `scale`."""
-    return MoEConfig(
-        n_routed_experts=experts,
-        num_experts_per_tok=top_k,
-        moe_intermediate_size=width,
-        n_shared_experts=shared,
-        n_group=groups,
-        topk_group=top_groups,
-        norm_topk_prob=norm,
-        routed_scaling_factor=scale,
-    )
+    `groups` groups, `shared` shared experts, the weights scaled by `scale`; other MoEConfig `fields`."""
+    grouping = dict(shared=shared, groups=groups, top_groups=top_groups)
+    return routed(experts, top_k, width, "sigmoid_grouped", scale=scale, **grouping, **fields)
 
 
 def _yarn(theta: float, factor: float, beta_fast: float) -> RopeConfig:

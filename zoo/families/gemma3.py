@@ -125,20 +125,10 @@ HF = Family(
     name=NAME,
     model_type="gemma3_text",
     architecture="Gemma3ForCausalLM",
-    # Gemma3TextConfig's defaults
-    defaults=dict(
-        rms_norm_eps=1e-6,
-        max_position_embeddings=131072,
-        rope_theta=1000000.0,
-        rope_local_base_freq=10000.0,
-        head_dim=256,
-        query_pre_attn_scalar=256,
-        sliding_window=4096,
-        sliding_window_pattern=6,
-        tie_word_embeddings=True,
-        hidden_activation="gelu_pytorch_tanh",
-        attention_bias=False,
-    ),
+    # Gemma3TextConfig's defaults: the model's, its attention's
+    defaults=dict(rms_norm_eps=1e-6, max_position_embeddings=131072, tie_word_embeddings=True)
+    | dict(hidden_activation="gelu_pytorch_tanh", attention_bias=False, head_dim=256, query_pre_attn_scalar=256)
+    | dict(rope_theta=1000000.0, rope_local_base_freq=10000.0, sliding_window=4096, sliding_window_pattern=6),
     read=read,
     write=write,
 )

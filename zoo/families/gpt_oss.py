@@ -120,19 +120,10 @@ HF = Family(
     name=NAME,
     model_type="gpt_oss",
     architecture="GptOssForCausalLM",
-    # GptOssConfig's defaults
-    defaults=dict(
-        rms_norm_eps=1e-5,
-        max_position_embeddings=131072,
-        rope_theta=150000.0,
-        head_dim=64,
-        sliding_window=128,
-        attention_bias=True,
-        num_local_experts=128,
-        num_experts_per_tok=4,
-        swiglu_limit=7.0,
-        swiglu_alpha=1.702,
-    ),
+    # GptOssConfig's defaults: the model's, its attention's, its experts'
+    defaults=dict(rms_norm_eps=1e-5, max_position_embeddings=131072)
+    | dict(rope_theta=150000.0, head_dim=64, sliding_window=128, attention_bias=True)
+    | dict(num_local_experts=128, num_experts_per_tok=4, swiglu_limit=7.0, swiglu_alpha=1.702),
     read=read,
     write=write,
     moe_rules=moe_rules,
@@ -189,16 +180,13 @@ def sizes() -> dict[str, ModelConfig]:
     }
 
 
+# The published parameter counts of the real sizes (FamilyDef.published).
+# OpenAI counts active parameters without the embedding table (a lookup touches one row).
+PUBLISHED = {
+    "gpt_oss_20b": (20.91e9, 3.61e9, 0.01, "OpenAI gpt-oss model card: 20.91B total, 3.61B active"),
+    "gpt_oss_120b": (116.83e9, 5.13e9, 0.01, "OpenAI gpt-oss model card: 116.83B total, 5.13B active"),
+}
+
 FAMILY = FamilyDef(
-    name=NAME,
-    moe=True,
-    hf=HF,
-    sizes=sizes,
-    # OpenAI counts active parameters without the embedding table (a lookup touches one row).
-    published={
-        "gpt_oss_20b": (20.91e9, 3.61e9, 0.01, "OpenAI gpt-oss model card: 20.91B total, 3.61B active"),
-        "gpt_oss_120b": (116.83e9, 5.13e9, 0.01, "OpenAI gpt-oss model card: 116.83B total, 5.13B active"),
-    },
-    active_without_embedding=True,
-    dropless=True,
+    NAME, moe=True, hf=HF, sizes=sizes, published=PUBLISHED, active_without_embedding=True, dropless=True
 )

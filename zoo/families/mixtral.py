@@ -61,15 +61,9 @@ HF = Family(
     name=NAME,
     model_type="mixtral",
     architecture="MixtralForCausalLM",
-    defaults=dict(
-        rms_norm_eps=1e-5,
-        max_position_embeddings=4096 * 32,
-        rope_theta=1000000.0,
-        hidden_act="silu",
-        num_local_experts=8,
-        num_experts_per_tok=2,
-        router_jitter_noise=0.0,
-    ),
+    # MixtralConfig's defaults: the model's, its experts'
+    defaults=dict(rms_norm_eps=1e-5, max_position_embeddings=4096 * 32, rope_theta=1000000.0, hidden_act="silu")
+    | dict(num_local_experts=8, num_experts_per_tok=2, router_jitter_noise=0.0),
     read=read,
     write=write,
     moe_rules=moe_rules,
@@ -96,15 +90,11 @@ def sizes() -> dict[str, ModelConfig]:
     }
 
 
-FAMILY = FamilyDef(
-    name=NAME,
-    moe=True,
-    hf=HF,
-    sizes=sizes,
-    published={
-        "mixtral_8x7b": (46.7e9, 12.9e9, 0.01, "Mistral AI, 'Mixtral of experts': 46.7B total, 12.9B per token"),
-        "mixtral_8x22b": (141e9, 39e9, 0.01, "Mistral AI, 'Cheaper, Better, Faster, Stronger': 141B total, 39B active"),
-    },
-    like="qwen3_moe",  # the same softmax routing and SwiGLU experts, no q/k norm
-    dropless=True,
-)
+# The published parameter counts of the real sizes (FamilyDef.published).
+PUBLISHED = {
+    "mixtral_8x7b": (46.7e9, 12.9e9, 0.01, "Mistral AI, 'Mixtral of experts': 46.7B total, 12.9B per token"),
+    "mixtral_8x22b": (141e9, 39e9, 0.01, "Mistral AI, 'Cheaper, Better, Faster, Stronger': 141B total, 39B active"),
+}
+
+# Like Qwen3-MoE: the same softmax routing and SwiGLU experts, no q/k norm.
+FAMILY = FamilyDef(NAME, moe=True, hf=HF, sizes=sizes, published=PUBLISHED, like="qwen3_moe", dropless=True)

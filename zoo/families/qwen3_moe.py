@@ -35,12 +35,8 @@ def read(k: Keys) -> dict:
         rope=rope_from_params(rope_params(k), k),
         mlp_only_layers=list(only),
         decoder_sparse_step=k.integer("decoder_sparse_step"),
-        moe=routed(
-            experts,
-            k.integer("num_experts_per_tok"),
-            k.integer("moe_intermediate_size"),
-            "softmax",
-            norm_topk_prob=k.flag("norm_topk_prob"),
+        moe=softmax_moe(
+            experts, k.integer("num_experts_per_tok"), k.integer("moe_intermediate_size"), norm=k.flag("norm_topk_prob")
         ),
         **every_layer_window(k, n, window),
     )
@@ -95,10 +91,10 @@ HF = Family(
 # --- the named sizes -------------------------------------------------------------------------------
 
 
-def softmax_moe(experts: int, top_k: int, inter: int) -> MoEConfig:
-    """A softmax router over every expert, the top-k weights renormalised; no groups, no shared experts
-    (Mixtral's sizes route so too)."""
-    return routed(experts, top_k, inter, "softmax", norm_topk_prob=True)
+def softmax_moe(experts: int, top_k: int, inter: int, norm: bool = True) -> MoEConfig:
+    """A softmax router over every expert, the top-k weights renormalised when `norm`; no groups, no
+    shared experts (Mixtral's sizes route so too)."""
+    return routed(experts, top_k, inter, "softmax", norm_topk_prob=norm)
 
 
 def sizes() -> dict[str, ModelConfig]:
@@ -125,19 +121,15 @@ def sizes() -> dict[str, ModelConfig]:
     }
 
 
-FAMILY = FamilyDef(
-    name=NAME,
-    moe=True,
-    hf=HF,
-    sizes=sizes,
-    published={
-        "qwen3_30b_a3b": (
-            30.5e9,
-            3.3e9,
-            0.02,
-            "Qwen3-30B-A3B model card: 30.5B total, 3.3B activated (2 significant figures)",
-        ),
-        "qwen3_235b_a22b": (235e9, 22e9, 0.01, "Qwen3-235B-A22B model card: 235B total, 22B activated"),
-    },
-    dropless=True,
-)
+# The published parameter counts of the real sizes (FamilyDef.published).
+PUBLISHED = {
+    "qwen3_30b_a3b": (
+        30.5e9,
+        3.3e9,
+        0.02,
+        "Qwen3-30B-A3B model card: 30.5B total, 3.3B activated (2 significant figures)",
+    ),
+    "qwen3_235b_a22b": (235e9, 22e9, 0.01, "Qwen3-235B-A22B model card: 235B total, 22B activated"),
+}
+
+FAMILY = FamilyDef(NAME, moe=True, hf=HF, sizes=sizes, published=PUBLISHED, dropless=True)

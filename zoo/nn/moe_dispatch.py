@@ -100,9 +100,11 @@ def _rows_out_op(s: zoo_tags.FlopShape) -> zoo_tags.Op:
     return (_rows_kind(s), s.config.moe.moe_intermediate_size, s.config.hidden_size)
 
 
-# The layouts of the routed experts' tags: the ragged rows `A ...` or the capacity buffers `E C ...`.
-def _rows_axes(last: str) -> tuple[tuple[Optional[str], ...], ...]:
-    return (("rows", last), ("rows", "rows", last))
+def _rows_emit(name: str, shape: str, doc: str, last: str, op: Callable[[zoo_tags.FlopShape], zoo_tags.Op]):
+    """A routed-expert tag, laid out as the ragged rows `A ...` or the capacity buffers `E C ...` with
+    `last` (a logical axis) their last dim, produced by a matmul over the routed rows."""
+    axes = (("rows", last), ("rows", "rows", last))
+    return zoo_tags.Emit(zoo_tags.TagInfo(name, shape, doc, zoo_tags.MOE, axes), _rows_flops, op)
 
 
 @zoo_tags.declares
@@ -131,37 +133,19 @@ class ExpertLeaves(eqx.Module):
     }
     # zoo.tags: the tags `_ffn` emits and their producers' FLOPs over `FlopShape.rows`, the routed rows.
     EMITS: ClassVar[tuple[zoo_tags.Emit, ...]] = (
-        zoo_tags.Emit(
-            zoo_tags.TagInfo(
-                zoo_tags.MOE_MLPWI_0,
-                "A I | E C I",
-                "routed experts' gate projection (and bias), tokens sorted or dispatched by expert",
-                zoo_tags.MOE,
-                _rows_axes("mlp"),
-            ),
-            _rows_flops,
+        _rows_emit(
+            zoo_tags.MOE_MLPWI_0,
+            "A I | E C I",
+            "routed experts' gate projection (and bias), tokens sorted or dispatched by expert",
+            "mlp",
             _rows_in_op,
         ),
-        zoo_tags.Emit(
-            zoo_tags.TagInfo(
-                zoo_tags.MOE_MLPWI_1,
-                "A I | E C I",
-                "routed experts' up projection (and bias)",
-                zoo_tags.MOE,
-                _rows_axes("mlp"),
-            ),
-            _rows_flops,
-            _rows_in_op,
-        ),
-        zoo_tags.Emit(
-            zoo_tags.TagInfo(
-                zoo_tags.MOE_MLPWO,
-                "A D | E C D",
-                "routed experts' down projection output (and bias), before combining",
-                zoo_tags.MOE,
-                _rows_axes("embed"),
-            ),
-            _rows_flops,
+        _rows_emit(zoo_tags.MOE_MLPWI_1, "A I | E C I", "routed experts' up projection (and bias)", "mlp", _rows_in_op),
+        _rows_emit(
+            zoo_tags.MOE_MLPWO,
+            "A D | E C D",
+            "routed experts' down projection output (and bias), before combining",
+            "embed",
             _rows_out_op,
         ),
     )
