@@ -6,6 +6,9 @@ Training steps compile with XLA's backend optimisation off (the numbers are the 
 """
 
 import dataclasses
+import pathlib
+import subprocess
+import sys
 from functools import partial
 import time
 
@@ -139,6 +142,15 @@ def test_the_vocabulary_is_what_the_blocks_declare():
     assert list(tags.TAGS.values()) == list(dict.fromkeys(declared))
     assert [t.block for t in tags.TAGS.values()] == sorted((t.block for t in tags.TAGS.values()), key=tags.KINDS.index)
     assert {e.tag.name for e in MLAttention.EMITS} > {e.tag.name for e in GQAttention.EMITS}
+
+
+def test_importing_the_blocks_defines_every_tag():
+    """`import zoo.nn` defines every block, the decoder layer's input tag included, so the vocabulary
+    is whole before any model is built: importing zoo.model adds no tag."""
+    code = "import zoo.nn, zoo.tags; a = list(zoo.tags.TAGS); import zoo.model; print(a == list(zoo.tags.TAGS), len(a))"
+    root = pathlib.Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["True", str(len(tags.TAGS))]
 
 
 def test_a_block_emitting_an_undeclared_tag_fails(monkeypatch):
