@@ -190,13 +190,13 @@ def test_a_block_is_read_from_its_own_declarations(monkeypatch):
     """What a block is, its PARAMS and EMITS say, and nothing else restates: built into the layers, a
     block's tags are priced by the planner (their FLOPs), its output is kept from offload when it only
     feeds the residual add, and LoRA adapts exactly the projections it declares. So a new block is its
-    file (and the line of zoo.model.make_block that builds it)."""
+    file (and the line of zoo.nn.decoder.make_block that builds it)."""
     from typing import ClassVar
 
     from zoo import lora, offload
-    from zoo import model as zoo_model
     from zoo import sharding as zs
     from zoo.nn import GatedMLP
+    from zoo.nn import decoder
     from zoo.tools import plan as zp
 
     monkeypatch.setattr(tags, "TAGS", dict(tags.TAGS))  # declarations below stay in this test
@@ -219,10 +219,10 @@ def test_a_block_is_read_from_its_own_declarations(monkeypatch):
             return tags.tag(super().__call__(x), "mlp_residual")
 
     c = LLAMA.replace(num_layers=3)  # a config zoo.model.block_classes has not read yet
-    assert GatedMLP in zoo_model.block_classes(c, c.layer_spec(0))
-    monkeypatch.setattr(zoo_model, "GatedMLP", ResidualMLP)
+    assert GatedMLP in decoder.block_classes(c, c.layer_spec(0))
+    monkeypatch.setattr(decoder, "GatedMLP", ResidualMLP)
     c = LLAMA.replace(num_layers=5)
-    assert ResidualMLP in zoo_model.block_classes(c, c.layer_spec(0))
+    assert ResidualMLP in decoder.block_classes(c, c.layer_spec(0))
     ((stack, *_),) = stack_layout(c)
     assert zp.producer_flops(c, "mlp_residual", stack, 2, 16) == 7.0
     assert set(offload.backward_never_reads(c)) == {MLPWO, "mlp_residual"}
