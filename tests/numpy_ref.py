@@ -8,60 +8,17 @@ Used where no transformers-computed fixture exists: the llama3 and yarn rope rul
 import math
 
 import numpy as np
+from numpy_ref_families import inv_freq
 
 
 def rope_inv_freq(cfg: dict, dim: int) -> tuple[np.ndarray, float]:
+    """The rotary inverse frequencies and attention scale of `cfg`'s rope (either style), by the rules
+    of numpy_ref_families (which the transformers fixtures check)."""
     p = dict(cfg.get("rope_parameters") or {})
     if not p:
         p = dict(cfg.get("rope_scaling") or {})
         p.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
-    kind = p.get("rope_type") or p.get("type") or "default"
-    base = p["rope_theta"]
-    inv = 1.0 / base ** (np.arange(0, dim, 2) / dim)
-    if kind == "default":
-        return inv, 1.0
-    if kind == "llama3":
-        factor, lo, hi, old = (
-            p["factor"],
-            p["low_freq_factor"],
-            p["high_freq_factor"],
-            p["original_max_position_embeddings"],
-        )
-        out = []
-        for f in inv:
-            wavelen = 2 * math.pi / f
-            if wavelen < old / hi:
-                out.append(f)
-            elif wavelen > old / lo:
-                out.append(f / factor)
-            else:
-                s = (old / wavelen - lo) / (hi - lo)
-                out.append((1 - s) * f / factor + s * f)
-        return np.array(out), 1.0
-    assert kind == "yarn", kind
-    factor = p["factor"]
-    orig = p.get("original_max_position_embeddings") or cfg["max_position_embeddings"]
-
-    def mscale(scale, m=1.0):
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-    if p.get("attention_factor") is not None:
-        att = p["attention_factor"]
-    elif p.get("mscale") and p.get("mscale_all_dim"):
-        att = mscale(factor, p["mscale"]) / mscale(factor, p["mscale_all_dim"])
-    else:
-        att = mscale(factor)
-    fast, slow = p.get("beta_fast", 32), p.get("beta_slow", 1)
-
-    def corr(rot):
-        return dim * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(base))
-
-    low, high = max(math.floor(corr(fast)), 0), min(math.ceil(corr(slow)), dim - 1)
-    if low == high:
-        high += 0.001
-    extrap = 1 - np.clip((np.arange(dim // 2) - low) / (high - low), 0, 1)
-    inv = (inv / factor) * (1 - extrap) + inv * extrap
-    return inv, att
+    return inv_freq(cfg, p, p.get("truncate", True), dim)
 
 
 def _rms(x, w, eps):

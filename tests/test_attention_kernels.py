@@ -12,6 +12,7 @@ import pytest
 
 from zoo.nn import attention_kernels as A
 from zoo.nn.attention_kernels import attend, resolve_impl
+from zoo.nn.blockwise_attention import _Tiling
 
 SCALE = 0.3
 
@@ -228,7 +229,7 @@ def test_the_tile_mask_is_built_per_tile_inside_a_layer_scan():
 
     q, k, v = make(q_len=64)
     segments = packed_segments(2, 64)
-    tiles = len(A._Tiling(64, 64, 8, 8, SCALE, True, None, 0).pairs()[0])  # 36 of the 8 x 8
+    tiles = len(_Tiling(64, 64, 8, 8, SCALE, True, None, 0).pairs()[0])  # 36 of the 8 x 8
 
     def f(x, ks):
         def body(x, layer_k):

@@ -10,16 +10,8 @@ from omegaconf import OmegaConf
 from zoo.counts import count_params
 from zoo.families import SIZES
 from zoo.offload import load_preset
-from zoo.train.run_config import (
-    ConfigError,
-    DataConfig,
-    HardwareConfig,
-    MeshConfig,
-    OptimizerConfig,
-    TrainConfig,
-    TrainerConfig,
-    XlaConfig,
-)
+from zoo.train.run_config import ConfigError, DataConfig, HardwareConfig, MeshConfig, OptimizerConfig, TrainConfig
+from zoo.train.run_config import TrainerConfig, XlaConfig
 from zoo.backend import CPU
 from zoo.train.step import cpu_optimization, run_model_flops
 

@@ -8,18 +8,8 @@ import time
 import numpy as np
 import pytest
 
-from zoo.data import (
-    BATCH_FIELDS,
-    SHIPPED_CORPUS,
-    ByteTokenizer,
-    DataError,
-    HFTokenizer,
-    check_vocab,
-    load_text,
-    load_tokenizer,
-    read_corpus,
-    unigram_entropy,
-)
+from zoo.data import BATCH_FIELDS, SHIPPED_CORPUS, ByteTokenizer, DataError, HFTokenizer, check_vocab, load_text
+from zoo.data import load_tokenizer, read_corpus, unigram_entropy
 from zoo.data.pipeline import num_windows
 
 
@@ -799,16 +789,8 @@ def text_trainer(tiny_llama):
     import jax
 
     from zoo.offload import OffloadConfig
-    from zoo.train.run_config import (
-        DataConfig,
-        HardwareConfig,
-        MeshConfig,
-        OptimizerConfig,
-        TrainConfig,
-        TrainerConfig,
-        XlaConfig,
-        validate,
-    )
+    from zoo.train.run_config import DataConfig, HardwareConfig, MeshConfig, OptimizerConfig, TrainConfig
+    from zoo.train.run_config import TrainerConfig, XlaConfig, validate
     from zoo.train.step import Trainer
 
     cfg, model = tiny_llama

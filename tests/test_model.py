@@ -6,6 +6,9 @@ Training steps compile with XLA's backend optimisation off (the numbers are the 
 """
 
 import dataclasses
+import pathlib
+import subprocess
+import sys
 from functools import partial
 import time
 
@@ -141,6 +144,15 @@ def test_the_vocabulary_is_what_the_blocks_declare():
     assert {e.tag.name for e in MLAttention.EMITS} > {e.tag.name for e in GQAttention.EMITS}
 
 
+def test_importing_the_blocks_defines_every_tag():
+    """`import zoo.nn` defines every block, the decoder layer's input tag included, so the vocabulary
+    is whole before any model is built: importing zoo.model adds no tag."""
+    code = "import zoo.nn, zoo.tags; a = list(zoo.tags.TAGS); import zoo.model; print(a == list(zoo.tags.TAGS), len(a))"
+    root = pathlib.Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["True", str(len(tags.TAGS))]
+
+
 def test_a_block_emitting_an_undeclared_tag_fails(monkeypatch):
     """A block that tags a tensor under a name no block declares fails when traced; declared (its
     record and its FLOPs in EMITS), the same block traces; two records of one name are refused."""
@@ -178,14 +190,14 @@ def test_a_block_is_read_from_its_own_declarations(monkeypatch):
     """What a block is, its PARAMS and EMITS say, and nothing else restates: built into the layers, a
     block's tags are priced by the planner (their FLOPs), its output is kept from offload when it only
     feeds the residual add, and LoRA adapts exactly the projections it declares. So a new block is its
-    file (and the line of zoo.model.make_block that builds it)."""
+    file (and the line of zoo.nn.decoder.make_block that builds it)."""
     from typing import ClassVar
 
     from zoo import lora, offload
-    from zoo import model as zoo_model
     from zoo import sharding as zs
     from zoo.nn import GatedMLP
     from zoo.plan.pricing import producer_flops
+    from zoo.nn import decoder
 
     monkeypatch.setattr(tags, "TAGS", dict(tags.TAGS))  # declarations below stay in this test
     monkeypatch.setattr(offload, "TAGS", tags.TAGS)  # which zoo.offload reads by name
@@ -207,10 +219,10 @@ def test_a_block_is_read_from_its_own_declarations(monkeypatch):
             return tags.tag(super().__call__(x), "mlp_residual")
 
     c = LLAMA.replace(num_layers=3)  # a config zoo.model.block_classes has not read yet
-    assert GatedMLP in zoo_model.block_classes(c, c.layer_spec(0))
-    monkeypatch.setattr(zoo_model, "GatedMLP", ResidualMLP)
+    assert GatedMLP in decoder.block_classes(c, c.layer_spec(0))
+    monkeypatch.setattr(decoder, "GatedMLP", ResidualMLP)
     c = LLAMA.replace(num_layers=5)
-    assert ResidualMLP in zoo_model.block_classes(c, c.layer_spec(0))
+    assert ResidualMLP in decoder.block_classes(c, c.layer_spec(0))
     ((stack, *_),) = stack_layout(c)
     assert producer_flops(c, "mlp_residual", stack, 2, 16) == 7.0
     assert set(offload.backward_never_reads(c)) == {MLPWO, "mlp_residual"}

@@ -20,14 +20,8 @@ from zoo import sharding as zs
 from zoo import tags
 from zoo.hlo import collectives
 from zoo.nn.expert_rounds import later_block, round_block
-from zoo.nn.moe_dispatch import (
-    ExpertWeights,
-    check_expert_parallel,
-    expert_capacity,
-    expert_specs,
-    routed_experts,
-    swiglu,
-)
+from zoo.nn.moe_dispatch import ExpertWeights, check_expert_parallel, expert_capacity, expert_specs, routed_experts
+from zoo.nn.moe_dispatch import swiglu
 
 E, D, I, K = 8, 16, 8, 2
 EP_MESH = zs.MeshShape(data=1, fsdp=2, tensor=1, expert=4)

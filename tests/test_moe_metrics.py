@@ -27,17 +27,8 @@ from zoo.config import MoEConfig
 from zoo.families import SIZES
 from zoo.nn.moe import MoE, router_statistics
 from zoo.offload import OffloadConfig
-from zoo.train.run_config import (
-    ConfigError,
-    DataConfig,
-    HardwareConfig,
-    OptimizerConfig,
-    TrainConfig,
-    TrainerConfig,
-    XlaConfig,
-    load_group,
-    validate,
-)
+from zoo.train.run_config import ConfigError, DataConfig, HardwareConfig, OptimizerConfig, TrainConfig, TrainerConfig
+from zoo.train.run_config import XlaConfig, load_group, validate
 from zoo.train.metrics import Progress
 from zoo.train.step import Trainer
 

@@ -348,16 +348,8 @@ def test_every_preset_gives_the_loss_and_gradients_of_none(size):
 def _train(offload_config, steps=2):
     from omegaconf import OmegaConf
 
-    from zoo.train.run_config import (
-        DataConfig,
-        HardwareConfig,
-        OptimizerConfig,
-        TrainConfig,
-        TrainerConfig,
-        XlaConfig,
-        load_group,
-        validate,
-    )
+    from zoo.train.run_config import DataConfig, HardwareConfig, OptimizerConfig, TrainConfig, TrainerConfig
+    from zoo.train.run_config import XlaConfig, load_group, validate
     from zoo.train.batches import SyntheticData
     from zoo.train.step import Trainer
 
@@ -484,16 +476,8 @@ def test_streamed_step_equals_the_device_step_with_accumulation():
     from omegaconf import OmegaConf
 
     from zoo import sharding as zs
-    from zoo.train.run_config import (
-        DataConfig,
-        HardwareConfig,
-        OptimizerConfig,
-        TrainConfig,
-        TrainerConfig,
-        XlaConfig,
-        load_group,
-        validate,
-    )
+    from zoo.train.run_config import DataConfig, HardwareConfig, OptimizerConfig, TrainConfig, TrainerConfig
+    from zoo.train.run_config import XlaConfig, load_group, validate
     from zoo.train.batches import SyntheticData
     from zoo.train.step import Trainer
 

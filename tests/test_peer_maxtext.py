@@ -91,7 +91,8 @@ def test_zoos_side_of_each_shape_has_the_stated_widths(name):
             s.experts, s.top_k, s.mlp)  # fmt: skip
         assert "num_experts=4" in s.maxtext_args() and "kv_lora_rank=512" in s.maxtext_args()
     else:
-        assert (m.intermediate_size, m.num_heads, m.num_kv_heads, m.head_dim) == (s.mlp, s.heads, s.kv_heads, s.head_dim)
+        widths = (m.intermediate_size, m.num_heads, m.num_kv_heads, m.head_dim)
+        assert widths == (s.mlp, s.heads, s.kv_heads, s.head_dim)
         assert f"base_mlp_dim={s.mlp}" in s.maxtext_args()
     assert s.state_bytes() < 0.95 * pm.HBM_BYTES  # each fits the chip's state check
 

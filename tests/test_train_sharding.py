@@ -18,16 +18,8 @@ from omegaconf import OmegaConf
 from zoo.families import SIZES
 from zoo.offload import OffloadConfig
 from zoo.sharding import ShardingError, logical_to_spec, param_specs, resolve_mesh_shape
-from zoo.train.run_config import (
-    DataConfig,
-    HardwareConfig,
-    OptimizerConfig,
-    TrainConfig,
-    TrainerConfig,
-    XlaConfig,
-    load_group,
-    validate,
-)
+from zoo.train.run_config import DataConfig, HardwareConfig, OptimizerConfig, TrainConfig, TrainerConfig, XlaConfig
+from zoo.train.run_config import load_group, validate
 from zoo.train.batches import SyntheticData
 from zoo.train.step import Trainer
 

@@ -64,6 +64,17 @@ class Leaf:
     hub: Optional[str] = None
     matmul: bool = False
 
+    @property
+    def output_axes(self) -> tuple[Optional[str], ...]:
+        """A projection's output axes (those past its `inputs`): with the activations' leading axes
+        before them, the axes of what it computes."""
+        return self.axes[self.inputs :]
+
+    def widths(self, shape: Sequence[int]) -> tuple[int, int]:
+        """A projection of `shape` as one matmul: (what it reads, what it writes), its `inputs` axes
+        and the rest flattened; the first is its initialisation's fan-in."""
+        return math.prod(shape[: self.inputs]), math.prod(shape[self.inputs :])
+
 
 def compute(*axes: Optional[str], matmul: bool = False) -> Leaf:
     """A leaf cast to the compute dtype before it is gathered (a matmul weight or its output bias)."""

@@ -1,10 +1,61 @@
-"""`FamilyDef`, what one module of `zoo/families/` defines (its `FAMILY`). It stands apart from the
-registry (`zoo.families`), which imports the family modules: they import it, not the registry."""
+"""`FamilyDef`, what one module of `zoo/families/` defines (its `FAMILY`), and `sized`, the kit its
+named sizes are written with. It stands apart from the registry (`zoo.families`), which imports the
+family modules: they import it, not the registry."""
 
 import dataclasses
 from typing import Callable, Optional
 
+from zoo.config import ModelConfig, MoEConfig
 from zoo.families._hf import Family
+
+# The dimensions of a named size, in the order a model card lists them: vocabulary, hidden width,
+# layers, query heads, kv heads, head dim, MLP width, context length (`sized`'s `dims`).
+DIMS = (
+    "vocab_size",
+    "hidden_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "intermediate_size",
+    "max_position_embeddings",
+)
+
+
+def sized(family: str, dims: tuple, **fields) -> ModelConfig:
+    """A named size of `family`: its `dims` (see `DIMS`; a None head dim is ModelConfig's default, as
+    latent attention has it) and its other fields."""
+    shape = {name: value for name, value in zip(DIMS, dims, strict=True) if value is not None}
+    return ModelConfig(family=family, **shape, **fields)
+
+
+def routed(
+    experts: int,
+    top_k: int,
+    width: int,
+    router: str,
+    *,
+    shared: int = 0,
+    groups: int = 1,
+    top_groups: int = 1,
+    scale: float = 1.0,
+    **fields,
+) -> MoEConfig:
+    """A family's routed experts: `experts` of MLP width `width`, `top_k` per token, a `router` of that
+    kind, `shared` shared experts, `groups` expert groups of which the `top_groups` best are searched
+    (DeepSeek-V3; by default none, as every other family), the weights scaled by `scale`; and the other
+    MoEConfig fields."""
+    return MoEConfig(
+        n_routed_experts=experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=width,
+        n_shared_experts=shared,
+        router=router,
+        n_group=groups,
+        topk_group=top_groups,
+        routed_scaling_factor=scale,
+        **fields,
+    )
 
 
 @dataclasses.dataclass(frozen=True)

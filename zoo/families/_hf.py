@@ -224,28 +224,9 @@ def rope_params(k: Keys) -> dict:
 
 
 def rope_to_params(rope: RopeConfig) -> dict:
-    """A transformers rope parameter dict (with `rope_theta`) for `rope`."""
+    """A transformers rope parameter dict (with `rope_theta`) for `rope`: the keys its rule reads."""
     out = {"rope_type": rope.type, "rope_theta": rope.theta}
-    if rope.type == "linear":
-        out["factor"] = rope.factor
-    elif rope.type == "llama3":
-        out.update(
-            factor=rope.factor,
-            low_freq_factor=rope.low_freq_factor,
-            high_freq_factor=rope.high_freq_factor,
-            original_max_position_embeddings=rope.original_max_position_embeddings,
-        )
-    elif rope.type == "yarn":
-        out.update(
-            factor=rope.factor,
-            original_max_position_embeddings=rope.original_max_position_embeddings,
-            beta_fast=rope.beta_fast,
-            beta_slow=rope.beta_slow,
-            mscale=rope.mscale,
-            mscale_all_dim=rope.mscale_all_dim,
-            attention_factor=rope.attention_factor,
-            truncate=rope.truncate,
-        )
+    out.update((key, getattr(rope, key)) for key in _ROPE_RULE_KEYS[rope.type])
     return {key: v for key, v in out.items() if v is not None}
 
 

@@ -6,16 +6,8 @@ is left and i >= `max_window_layers`, unless `layer_types` lists the types.
 """
 
 from zoo.config import ModelConfig, RopeConfig
-from zoo.families._hf import (
-    SILU,
-    Keys,
-    common_fields,
-    explicit_layer_types,
-    layer_types_of,
-    rope_from_params,
-    rope_params,
-    window_fields,
-)
+from zoo.families._hf import SILU, Keys, common_fields, explicit_layer_types, layer_types_of, rope_from_params
+from zoo.families._hf import rope_params, window_fields
 
 # The transformers config classes' defaults (Qwen2Config, Qwen3Config, Qwen3MoeConfig).
 DEFAULTS = dict(

@@ -7,26 +7,22 @@ Multi-token-prediction layers stored past num_hidden_layers (`num_nextn_predict_
 as transformers skips them.
 """
 
+from typing import Optional
+
 import numpy as np
 
 from zoo.config import MLAConfig, ModelConfig, MoEConfig, RopeConfig
-from zoo.families._family import FamilyDef, Recipe
-from zoo.families._hf import (
-    SILU,
-    Family,
-    Keys,
-    Rule,
-    expert_list_rules,
-    linear,
-    mlp_rules,
-    pad_token_id,
-    rope_from_params,
-    rope_hf,
-    rope_params,
-    same,
-)
+from zoo.families._family import FamilyDef, Recipe, routed, sized
+from zoo.families._hf import SILU, Family, Keys, Rule, expert_list_rules, linear, mlp_rules, pad_token_id
+from zoo.families._hf import rope_from_params, rope_hf, rope_params, same
 
 NAME = "deepseek_v3"
+
+# The config.json keys of `_mla`'s arguments after q_lora_rank (which may be null), and of `_moe`'s: the
+# names of their MLAConfig and MoEConfig fields too.
+_MLA_KEYS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+_MOE_KEYS = ("n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts", "n_group")
+_MOE_KEYS += ("topk_group",)
 
 
 def read(k: Keys) -> dict:
@@ -47,23 +43,11 @@ def read(k: Keys) -> dict:
         pad_token_id=pad_token_id(k),
         first_k_dense_replace=k.integer("first_k_dense_replace"),
         rope=rope_from_params(rope_params(k), k, interleaved=k.flag("rope_interleave")),
-        mla=MLAConfig(
-            q_lora_rank=k.opt_int("q_lora_rank"),
-            kv_lora_rank=k.integer("kv_lora_rank"),
-            qk_nope_head_dim=k.integer("qk_nope_head_dim"),
-            qk_rope_head_dim=k.integer("qk_rope_head_dim"),
-            v_head_dim=k.integer("v_head_dim"),
-        ),
-        moe=MoEConfig(
-            router="sigmoid_grouped",
-            n_routed_experts=k.integer("n_routed_experts"),
-            num_experts_per_tok=k.integer("num_experts_per_tok"),
-            moe_intermediate_size=k.integer("moe_intermediate_size"),
-            n_shared_experts=k.integer("n_shared_experts"),
-            n_group=k.integer("n_group"),
-            topk_group=k.integer("topk_group"),
+        mla=_mla(k.opt_int("q_lora_rank"), *(k.integer(key) for key in _MLA_KEYS)),
+        moe=_moe(
+            *(k.integer(key) for key in _MOE_KEYS),
             norm_topk_prob=k.flag("norm_topk_prob"),
-            routed_scaling_factor=k.number("routed_scaling_factor"),
+            scale=k.number("routed_scaling_factor"),
         ),
     )
 
@@ -73,20 +57,10 @@ def write(c: ModelConfig) -> dict:
     return dict(
         head_dim=m.qk_rope_head_dim,
         q_lora_rank=m.q_lora_rank,
-        kv_lora_rank=m.kv_lora_rank,
-        qk_nope_head_dim=m.qk_nope_head_dim,
-        qk_rope_head_dim=m.qk_rope_head_dim,
-        v_head_dim=m.v_head_dim,
+        **{key: getattr(m, key) for key in _MLA_KEYS},
         rope_interleave=c.rope.interleaved,
         first_k_dense_replace=c.first_k_dense_replace,
-        n_routed_experts=e.n_routed_experts,
-        num_experts_per_tok=e.num_experts_per_tok,
-        moe_intermediate_size=e.moe_intermediate_size,
-        n_shared_experts=e.n_shared_experts,
-        n_group=e.n_group,
-        topk_group=e.topk_group,
-        norm_topk_prob=e.norm_topk_prob,
-        routed_scaling_factor=e.routed_scaling_factor,
+        **{key: getattr(e, key) for key in (*_MOE_KEYS, "norm_topk_prob", "routed_scaling_factor")},
         scoring_func="sigmoid",
         topk_method="noaux_tc",
         num_nextn_predict_layers=0,
@@ -145,22 +119,11 @@ HF = Family(
     name=NAME,
     model_type="deepseek_v3",
     architecture="DeepseekV3ForCausalLM",
-    # DeepseekV3Config's defaults for keys real configs may leave out
-    defaults=dict(
-        rms_norm_eps=1e-6,
-        max_position_embeddings=4096,
-        q_lora_rank=1536,
-        rope_theta=10000.0,
-        rope_interleave=True,
-        first_k_dense_replace=3,
-        n_shared_experts=1,
-        n_group=8,
-        topk_group=4,
-        norm_topk_prob=True,
-        routed_scaling_factor=2.5,
-        scoring_func="sigmoid",
-        hidden_act="silu",
-    ),
+    # DeepseekV3Config's defaults for keys real configs may leave out: the model's, its attention's, its experts'
+    defaults=dict(rms_norm_eps=1e-6, max_position_embeddings=4096, hidden_act="silu", first_k_dense_replace=3)
+    | dict(q_lora_rank=1536, rope_theta=10000.0, rope_interleave=True)
+    | dict(n_shared_experts=1, n_group=8, topk_group=4, norm_topk_prob=True, routed_scaling_factor=2.5)
+    | dict(scoring_func="sigmoid"),
     read=read,
     write=write,
     attention_rules=attention_rules,
@@ -172,158 +135,95 @@ HF = Family(
 # --- the named sizes -------------------------------------------------------------------------------
 
 
-def _dsv3_like(**kw) -> ModelConfig:
-    mla = kw.pop("mla")
-    moe = kw.pop("moe")
-    base = dict(
-        family=NAME,
-        rms_norm_eps=1e-6,
-        num_kv_heads=kw.get("num_heads", 1),
-        param_dtype="float32",
-        compute_dtype="bfloat16",
+def _mla(q_lora: Optional[int], kv_lora: int, nope: int, rope: int, v: int) -> MLAConfig:
+    return MLAConfig(
+        q_lora_rank=q_lora, kv_lora_rank=kv_lora, qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=v
     )
-    base.update(kw)
-    return ModelConfig(mla=mla, moe=moe, **base)
+
+
+def _moe(
+    experts: int, top_k: int, width: int, shared: int, groups: int, top_groups: int, scale: float = 2.5, **fields
+) -> MoEConfig:
+    """The sigmoid router over expert groups: `experts` of `width`, `top_k` of the `top_groups` best of
+    `groups` groups, `shared` shared experts, the weights scaled by `scale`; other MoEConfig `fields`."""
+    grouping = dict(shared=shared, groups=groups, top_groups=top_groups)
+    return routed(experts, top_k, width, "sigmoid_grouped", scale=scale, **grouping, **fields)
+
+
+def _yarn(theta: float, factor: float, beta_fast: float) -> RopeConfig:
+    return RopeConfig(
+        type="yarn",
+        theta=theta,
+        interleaved=True,
+        factor=factor,
+        original_max_position_embeddings=4096,
+        beta_fast=beta_fast,
+        beta_slow=1.0,
+        mscale=1.0,
+        mscale_all_dim=1.0,
+    )
+
+
+def _size(dims: tuple, dense: int, rope: RopeConfig, mla: MLAConfig, moe: MoEConfig, **fields) -> ModelConfig:
+    """Every DeepSeek-V3 size: `dense` dense layers first, then MoE ones; eps 1e-6; a kv head per head."""
+    return sized(
+        NAME,
+        dims,
+        num_kv_heads=dims[3],
+        rms_norm_eps=1e-6,
+        first_k_dense_replace=dense,
+        rope=rope,
+        mla=mla,
+        moe=moe,
+        **fields,
+    )
 
 
 def sizes() -> dict[str, ModelConfig]:
+    small_rope = RopeConfig(theta=10000.0, interleaved=True)
+    full_mla = _mla(1536, 512, 128, 64, 128)
+    mixed = dict(param_dtype="float32", compute_dtype="bfloat16")
     return {
+        # dims: vocab, hidden, layers, heads, kv heads (one per head), head dim (MLA's are its own),
+        # MLP width, context (zoo.families._family.DIMS)
         # The reference model of tests/data (Hugging Face transformers computed its outputs).
-        "dsv3_tiny_a": ModelConfig(
-            family=NAME,
-            vocab_size=256,
-            hidden_size=64,
-            num_layers=3,
-            num_heads=4,
-            num_kv_heads=4,
-            intermediate_size=128,
-            rms_norm_eps=1e-6,
-            max_position_embeddings=128,
-            first_k_dense_replace=1,
-            rope=RopeConfig(theta=10000.0, interleaved=True),
-            mla=MLAConfig(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16),
-            moe=MoEConfig(
-                router="sigmoid_grouped",
-                n_routed_experts=8,
-                num_experts_per_tok=2,
-                moe_intermediate_size=32,
-                n_shared_experts=1,
-                n_group=2,
-                topk_group=1,
-                norm_topk_prob=True,
-                routed_scaling_factor=2.5,
-            ),
+        "dsv3_tiny_a": _size(
+            (256, 64, 3, 4, None, None, 128, 128), 1, small_rope, _mla(32, 16, 16, 8, 16), _moe(8, 2, 32, 1, 2, 1)
         ),
         # ~2B total / ~0.6B active DeepSeek-V3-shaped MoE (MLA, 64 experts, group-limited top-6).
-        "dsv3_2b": _dsv3_like(
-            vocab_size=32000,
-            hidden_size=1024,
-            num_layers=12,
-            num_heads=16,
-            intermediate_size=4096,
-            max_position_embeddings=8192,
-            first_k_dense_replace=1,
-            rope=RopeConfig(theta=10000.0, interleaved=True),
-            mla=MLAConfig(q_lora_rank=512, kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64),
-            moe=MoEConfig(
-                router="sigmoid_grouped",
-                n_routed_experts=64,
-                num_experts_per_tok=6,
-                moe_intermediate_size=704,
-                n_shared_experts=2,
-                n_group=8,
-                topk_group=4,
-                routed_scaling_factor=2.5,
-            ),
+        "dsv3_2b": _size(
+            (32000, 1024, 12, 16, None, None, 4096, 8192),
+            1,
+            small_rope,
+            _mla(512, 256, 64, 32, 64),
+            _moe(64, 6, 704, 2, 8, 4),
+            **mixed,
         ),
         # ~90M DeepSeek-V3-shaped MoE for CPU benchmarks.
-        "dsv3_100m": _dsv3_like(
-            vocab_size=32000,
-            hidden_size=512,
-            num_layers=6,
-            num_heads=8,
-            intermediate_size=2048,
-            max_position_embeddings=4096,
-            first_k_dense_replace=1,
-            rope=RopeConfig(theta=10000.0, interleaved=True),
-            mla=MLAConfig(q_lora_rank=256, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64),
-            moe=MoEConfig(
-                router="sigmoid_grouped",
-                n_routed_experts=16,
-                num_experts_per_tok=2,
-                moe_intermediate_size=512,
-                n_shared_experts=1,
-                n_group=4,
-                topk_group=2,
-                routed_scaling_factor=2.5,
-            ),
+        "dsv3_100m": _size(
+            (32000, 512, 6, 8, None, None, 2048, 4096),
+            1,
+            small_rope,
+            _mla(256, 128, 64, 32, 64),
+            _moe(16, 2, 512, 1, 4, 2),
+            **mixed,
         ),
-        "deepseek_v3_671b": _dsv3_like(
-            vocab_size=129280,
-            hidden_size=7168,
-            num_layers=61,
-            num_heads=128,
-            intermediate_size=18432,
-            max_position_embeddings=163840,
-            first_k_dense_replace=3,
-            rope=RopeConfig(
-                type="yarn",
-                theta=10000.0,
-                interleaved=True,
-                factor=40.0,
-                original_max_position_embeddings=4096,
-                beta_fast=32.0,
-                beta_slow=1.0,
-                mscale=1.0,
-                mscale_all_dim=1.0,
-            ),
-            mla=MLAConfig(
-                q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128
-            ),
-            moe=MoEConfig(
-                router="sigmoid_grouped",
-                n_routed_experts=256,
-                num_experts_per_tok=8,
-                moe_intermediate_size=2048,
-                n_shared_experts=1,
-                n_group=8,
-                topk_group=4,
-                routed_scaling_factor=2.5,
-            ),
+        "deepseek_v3_671b": _size(
+            (129280, 7168, 61, 128, None, None, 18432, 163840),
+            3,
+            _yarn(10000.0, 40.0, 32.0),
+            full_mla,
+            _moe(256, 8, 2048, 1, 8, 4),
+            **mixed,
         ),
         # Kimi K2: DeepSeek-V3's architecture with 384 experts, 64 heads, one dense layer, no expert groups.
-        "kimi_k2_1t": _dsv3_like(
-            vocab_size=163840,
-            hidden_size=7168,
-            num_layers=61,
-            num_heads=64,
-            intermediate_size=18432,
-            max_position_embeddings=131072,
-            first_k_dense_replace=1,
-            rope=RopeConfig(
-                type="yarn",
-                theta=50000.0,
-                interleaved=True,
-                factor=64.0,
-                original_max_position_embeddings=4096,
-                beta_fast=1.0,
-                beta_slow=1.0,
-                mscale=1.0,
-                mscale_all_dim=1.0,
-            ),
-            mla=MLAConfig(
-                q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128
-            ),
-            moe=MoEConfig(
-                router="sigmoid_grouped",
-                n_routed_experts=384,
-                num_experts_per_tok=8,
-                moe_intermediate_size=2048,
-                n_shared_experts=1,
-                n_group=1,
-                topk_group=1,
-                routed_scaling_factor=2.827,
-            ),
+        "kimi_k2_1t": _size(
+            (163840, 7168, 61, 64, None, None, 18432, 131072),
+            1,
+            _yarn(50000.0, 64.0, 1.0),
+            full_mla,
+            _moe(384, 8, 2048, 1, 1, 1, scale=2.827),
+            **mixed,
         ),
     }
 

@@ -22,18 +22,9 @@ from typing import Optional
 
 from zoo.config import LAYER_TYPES, ModelConfig, RopeConfig
 from zoo.errors import CheckpointError
-from zoo.families._family import SCALED, FamilyDef
-from zoo.families._hf import (
-    Family,
-    Keys,
-    common_fields,
-    explicit_layer_types,
-    layer_types_of,
-    rope_from_params,
-    rope_params,
-    rope_to_params,
-    window_fields,
-)
+from zoo.families._family import SCALED, FamilyDef, sized
+from zoo.families._hf import Family, Keys, common_fields, explicit_layer_types, layer_types_of, rope_from_params
+from zoo.families._hf import rope_params, rope_to_params, window_fields
 
 NAME = "gemma3"
 
@@ -134,20 +125,10 @@ HF = Family(
     name=NAME,
     model_type="gemma3_text",
     architecture="Gemma3ForCausalLM",
-    # Gemma3TextConfig's defaults
-    defaults=dict(
-        rms_norm_eps=1e-6,
-        max_position_embeddings=131072,
-        rope_theta=1000000.0,
-        rope_local_base_freq=10000.0,
-        head_dim=256,
-        query_pre_attn_scalar=256,
-        sliding_window=4096,
-        sliding_window_pattern=6,
-        tie_word_embeddings=True,
-        hidden_activation="gelu_pytorch_tanh",
-        attention_bias=False,
-    ),
+    # Gemma3TextConfig's defaults: the model's, its attention's
+    defaults=dict(rms_norm_eps=1e-6, max_position_embeddings=131072, tie_word_embeddings=True)
+    | dict(hidden_activation="gelu_pytorch_tanh", attention_bias=False, head_dim=256, query_pre_attn_scalar=256)
+    | dict(rope_theta=1000000.0, rope_local_base_freq=10000.0, sliding_window=4096, sliding_window_pattern=6),
     read=read,
     write=write,
 )
@@ -161,69 +142,40 @@ def _pattern(layers: int, period: int = 6) -> list[str]:
     return ["full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(layers)]
 
 
-_COMMON = dict(
-    family=NAME,
-    qk_norm=True,
-    norm_weight_offset=1.0,
-    sandwich_norms=True,
-    scale_embeddings=True,
-    mlp_activation="gelu_tanh",
-    tie_word_embeddings=True,
-    rms_norm_eps=1e-6,
-)
+def _size(dims: tuple, scalar: float, window: int, period: int = 6, **fields) -> ModelConfig:
+    """Every Gemma 3 size: (1 + w) sandwich norms, q/k norms, scaled and tied embeddings, GeGLU, a
+    local rope of theta 1e4, `window` on the sliding layers of its pattern; `scalar` the softmax's."""
+    return sized(
+        NAME,
+        dims,
+        qk_norm=True,
+        norm_weight_offset=1.0,
+        sandwich_norms=True,
+        scale_embeddings=True,
+        mlp_activation="gelu_tanh",
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-6,
+        query_pre_attn_scalar=scalar,
+        sliding_window=window,
+        layer_types=_pattern(dims[2], period),
+        rope_local=RopeConfig(theta=10000.0),
+        **fields,
+    )
 
 
 def sizes() -> dict[str, ModelConfig]:
+    rope = RopeConfig(theta=1000000.0)
     return {
-        "gemma3_tiny_a": ModelConfig(
-            vocab_size=256,
-            hidden_size=64,
-            num_layers=4,
-            num_heads=4,
-            num_kv_heads=1,
-            head_dim=32,
-            intermediate_size=128,
-            max_position_embeddings=256,
-            query_pre_attn_scalar=24.0,
-            sliding_window=8,
-            layer_types=_pattern(4, 4),
-            rope=RopeConfig(theta=1000000.0),
-            rope_local=RopeConfig(theta=10000.0),
-            **_COMMON,
-        ),
-        "gemma3_100m": ModelConfig(
-            vocab_size=32000,
-            hidden_size=768,
-            num_layers=12,
-            num_heads=12,
-            num_kv_heads=4,
-            head_dim=64,
-            intermediate_size=2048,
-            max_position_embeddings=4096,
-            query_pre_attn_scalar=64.0,
-            sliding_window=512,
-            layer_types=_pattern(12),
-            rope=RopeConfig(theta=1000000.0),
-            rope_local=RopeConfig(theta=10000.0),
-            **_COMMON,
-        ),
-        "gemma3_27b": ModelConfig(
-            vocab_size=262208,
-            hidden_size=5376,
-            num_layers=62,
-            num_heads=32,
-            num_kv_heads=16,
-            head_dim=128,
-            intermediate_size=21504,
-            max_position_embeddings=131072,
-            query_pre_attn_scalar=168.0,
-            sliding_window=1024,
-            layer_types=_pattern(62),
+        # dims: vocab, hidden, layers, heads, kv heads, head dim, MLP width, context (zoo.families._family.DIMS)
+        "gemma3_tiny_a": _size((256, 64, 4, 4, 1, 32, 128, 256), 24.0, 8, period=4, rope=rope),
+        "gemma3_100m": _size((32000, 768, 12, 12, 4, 64, 2048, 4096), 64.0, 512, rope=rope),
+        "gemma3_27b": _size(
+            (262208, 5376, 62, 32, 16, 128, 21504, 131072),
+            168.0,
+            1024,
             rope=RopeConfig(type="linear", theta=1000000.0, factor=8.0),
-            rope_local=RopeConfig(theta=10000.0),
             pad_token_id=0,
             compute_dtype="bfloat16",
-            **_COMMON,
         ),
     }
 

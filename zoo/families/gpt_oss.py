@@ -13,21 +13,9 @@ interleaved columns (gate = [..., ::2], up = [..., 1::2]) and its bias `[E, 2I]`
 import numpy as np
 
 from zoo.config import ModelConfig, MoEConfig, RopeConfig
-from zoo.families._family import SCALED, FamilyDef
-from zoo.families._hf import (
-    Family,
-    Keys,
-    Rule,
-    common_fields,
-    explicit_layer_types,
-    layer_types_of,
-    linear,
-    rope_from_params,
-    rope_hf,
-    rope_params,
-    same,
-    window_fields,
-)
+from zoo.families._family import SCALED, FamilyDef, routed, sized
+from zoo.families._hf import Family, Keys, Rule, common_fields, explicit_layer_types, layer_types_of, linear
+from zoo.families._hf import rope_from_params, rope_hf, rope_params, same, window_fields
 
 NAME = "gpt_oss"
 
@@ -40,6 +28,23 @@ _DEFAULT_ROPE = {
     "truncate": False,
     "original_max_position_embeddings": 4096,
 }
+
+
+def _moe(experts: int, inter: int, top_k: int = 4, limit: float = 7.0, alpha: float = 1.702) -> MoEConfig:
+    """GPT-OSS's experts: top-k of the biased logits, softmax over those k; biases on the experts;
+    the clamped SwiGLU (`limit`, `alpha`)."""
+    return routed(
+        experts,
+        top_k,
+        inter,
+        "topk_softmax",
+        norm_topk_prob=False,
+        router_bias=True,
+        expert_bias=True,
+        activation="clamped_swiglu",
+        swiglu_limit=limit,
+        swiglu_alpha=alpha,
+    )
 
 
 def read(k: Keys) -> dict:
@@ -58,21 +63,12 @@ def read(k: Keys) -> dict:
         attention_bias=bias,
         attention_out_bias=bias,
         attention_sinks=True,
-        moe=MoEConfig(
-            n_routed_experts=k.integer("num_local_experts"),
-            num_experts_per_tok=k.integer("num_experts_per_tok"),
-            moe_intermediate_size=fields["intermediate_size"],
-            n_shared_experts=0,
-            router="topk_softmax",
-            n_group=1,
-            topk_group=1,
-            norm_topk_prob=False,
-            routed_scaling_factor=1.0,
-            router_bias=True,
-            expert_bias=True,
-            activation="clamped_swiglu",
-            swiglu_limit=k.number("swiglu_limit"),
-            swiglu_alpha=k.number("swiglu_alpha"),
+        moe=_moe(
+            k.integer("num_local_experts"),
+            fields["intermediate_size"],
+            k.integer("num_experts_per_tok"),
+            k.number("swiglu_limit"),
+            k.number("swiglu_alpha"),
         ),
         **window_fields(k, types, k.opt_int("sliding_window")),
     )
@@ -124,44 +120,16 @@ HF = Family(
     name=NAME,
     model_type="gpt_oss",
     architecture="GptOssForCausalLM",
-    # GptOssConfig's defaults
-    defaults=dict(
-        rms_norm_eps=1e-5,
-        max_position_embeddings=131072,
-        rope_theta=150000.0,
-        head_dim=64,
-        sliding_window=128,
-        attention_bias=True,
-        num_local_experts=128,
-        num_experts_per_tok=4,
-        swiglu_limit=7.0,
-        swiglu_alpha=1.702,
-    ),
+    # GptOssConfig's defaults: the model's, its attention's, its experts'
+    defaults=dict(rms_norm_eps=1e-5, max_position_embeddings=131072)
+    | dict(rope_theta=150000.0, head_dim=64, sliding_window=128, attention_bias=True)
+    | dict(num_local_experts=128, num_experts_per_tok=4, swiglu_limit=7.0, swiglu_alpha=1.702),
     read=read,
     write=write,
     moe_rules=moe_rules,
 )
 
 # --- the named sizes -------------------------------------------------------------------------------
-
-
-def _moe(experts: int, inter: int, top_k: int = 4, limit: float = 7.0) -> MoEConfig:
-    return MoEConfig(
-        n_routed_experts=experts,
-        num_experts_per_tok=top_k,
-        moe_intermediate_size=inter,
-        n_shared_experts=0,
-        router="topk_softmax",
-        n_group=1,
-        topk_group=1,
-        norm_topk_prob=False,
-        routed_scaling_factor=1.0,
-        router_bias=True,
-        expert_bias=True,
-        activation="clamped_swiglu",
-        swiglu_limit=limit,
-        swiglu_alpha=1.702,
-    )
 
 
 def _alternating(layers: int) -> list[str]:
@@ -181,91 +149,51 @@ def _rope(original: int) -> RopeConfig:
     )
 
 
-_COMMON = dict(family=NAME, attention_bias=True, attention_out_bias=True, attention_sinks=True, rms_norm_eps=1e-5)
+def _size(dims: tuple, window: int, rope: int, moe: MoEConfig, **fields) -> ModelConfig:
+    """Every GPT-OSS size: biases on q, k, v and o, sinks, sliding and full layers alternating (the
+    sliding ones of `window`), yarn from an `rope`-token original context."""
+    return sized(
+        NAME,
+        dims,
+        attention_bias=True,
+        attention_out_bias=True,
+        attention_sinks=True,
+        rms_norm_eps=1e-5,
+        sliding_window=window,
+        layer_types=_alternating(dims[2]),
+        rope=_rope(rope),
+        moe=moe,
+        **fields,
+    )
 
 
 def sizes() -> dict[str, ModelConfig]:
+    big = dict(pad_token_id=199999, compute_dtype="bfloat16")
     return {
+        # dims: vocab, hidden, layers, heads, kv heads, head dim, MLP width, context (zoo.families._family.DIMS)
         # The reference model of tests/data (transformers computed its outputs).
-        "gpt_oss_tiny_a": ModelConfig(
-            vocab_size=256,
-            hidden_size=64,
-            num_layers=4,
-            num_heads=4,
-            num_kv_heads=2,
-            head_dim=16,
-            intermediate_size=64,
-            max_position_embeddings=2048,
-            sliding_window=8,
-            layer_types=_alternating(4),
-            rope=_rope(64),
-            moe=_moe(4, 64, top_k=2, limit=1.5),
-            **_COMMON,
-        ),
+        "gpt_oss_tiny_a": _size((256, 64, 4, 4, 2, 16, 64, 2048), 8, 64, _moe(4, 64, top_k=2, limit=1.5)),
         # ~100M for a CPU run (docs/models.md records one).
-        "gpt_oss_100m": ModelConfig(
-            vocab_size=32000,
-            hidden_size=512,
-            num_layers=6,
-            num_heads=8,
-            num_kv_heads=2,
-            head_dim=64,
-            intermediate_size=448,
-            max_position_embeddings=4096,
-            sliding_window=128,
-            layer_types=_alternating(6),
-            rope=_rope(4096),
-            moe=_moe(16, 448),
-            **_COMMON,
-        ),
-        "gpt_oss_20b": ModelConfig(
-            vocab_size=201088,
-            hidden_size=2880,
-            num_layers=24,
-            num_heads=64,
-            num_kv_heads=8,
-            head_dim=64,
-            intermediate_size=2880,
-            max_position_embeddings=131072,
-            sliding_window=128,
-            layer_types=_alternating(24),
-            rope=_rope(4096),
-            moe=_moe(32, 2880),
-            pad_token_id=199999,
-            compute_dtype="bfloat16",
-            **_COMMON,
-        ),
-        "gpt_oss_120b": ModelConfig(
-            vocab_size=201088,
-            hidden_size=2880,
-            num_layers=36,
-            num_heads=64,
-            num_kv_heads=8,
-            head_dim=64,
-            intermediate_size=2880,
-            max_position_embeddings=131072,
-            sliding_window=128,
-            layer_types=_alternating(36),
-            rope=_rope(4096),
-            moe=_moe(128, 2880),
-            pad_token_id=199999,
-            compute_dtype="bfloat16",
-            **_COMMON,
-        ),
+        "gpt_oss_100m": _size((32000, 512, 6, 8, 2, 64, 448, 4096), 128, 4096, _moe(16, 448)),
+        "gpt_oss_20b": _size((201088, 2880, 24, 64, 8, 64, 2880, 131072), 128, 4096, _moe(32, 2880), **big),
+        "gpt_oss_120b": _size((201088, 2880, 36, 64, 8, 64, 2880, 131072), 128, 4096, _moe(128, 2880), **big),
     }
 
 
+# The published parameter counts of the real sizes (FamilyDef.published).
+# OpenAI counts active parameters without the embedding table (a lookup touches one row).
+PUBLISHED = {
+    "gpt_oss_20b": (20.91e9, 3.61e9, 0.01, "OpenAI gpt-oss model card: 20.91B total, 3.61B active"),
+    "gpt_oss_120b": (116.83e9, 5.13e9, 0.01, "OpenAI gpt-oss model card: 116.83B total, 5.13B active"),
+}
+
 FAMILY = FamilyDef(
-    name=NAME,
+    NAME,
     moe=True,
     hf=HF,
     sizes=sizes,
-    recipes={"gpt_oss_20b": SCALED, "gpt_oss_120b": SCALED},
-    # OpenAI counts active parameters without the embedding table (a lookup touches one row).
-    published={
-        "gpt_oss_20b": (20.91e9, 3.61e9, 0.01, "OpenAI gpt-oss model card: 20.91B total, 3.61B active"),
-        "gpt_oss_120b": (116.83e9, 5.13e9, 0.01, "OpenAI gpt-oss model card: 116.83B total, 5.13B active"),
-    },
+    published=PUBLISHED,
     active_without_embedding=True,
     dropless=True,
+    recipes={"gpt_oss_20b": SCALED, "gpt_oss_120b": SCALED},
 )

@@ -5,7 +5,7 @@ and is refused.
 """
 
 from zoo.config import ModelConfig, RopeConfig
-from zoo.families._family import FamilyDef, Recipe
+from zoo.families._family import FamilyDef, Recipe, sized
 from zoo.families._hf import SILU, Family, Keys, common_fields, rope_from_params, rope_hf, rope_params
 
 NAME = "llama"
@@ -39,26 +39,23 @@ HF = Family(
 # --- the named sizes -------------------------------------------------------------------------------
 
 
+def _llama3_rope(factor: float) -> RopeConfig:
+    return RopeConfig(
+        type="llama3",
+        theta=500000.0,
+        factor=factor,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=8192,
+    )
+
+
 def _llama31(hidden, layers, heads, ffn) -> ModelConfig:
-    return ModelConfig(
-        family=NAME,
-        vocab_size=128256,
-        hidden_size=hidden,
-        num_layers=layers,
-        num_heads=heads,
-        num_kv_heads=8,
-        head_dim=128,
-        intermediate_size=ffn,
+    return sized(
+        NAME,
+        (128256, hidden, layers, heads, 8, 128, ffn, 131072),
         rms_norm_eps=1e-5,
-        max_position_embeddings=131072,
-        rope=RopeConfig(
-            type="llama3",
-            theta=500000.0,
-            factor=8.0,
-            low_freq_factor=1.0,
-            high_freq_factor=4.0,
-            original_max_position_embeddings=8192,
-        ),
+        rope=_llama3_rope(8.0),
         param_dtype="float32",
         compute_dtype="bfloat16",
     )
@@ -66,57 +63,21 @@ def _llama31(hidden, layers, heads, ffn) -> ModelConfig:
 
 def sizes() -> dict[str, ModelConfig]:
     return {
+        # dims: vocab, hidden, layers, heads, kv heads, head dim, MLP width, context (zoo.families._family.DIMS)
         # The reference model of tests/data (Hugging Face transformers computed its outputs).
-        "llama_tiny_a": ModelConfig(
-            family=NAME,
-            vocab_size=256,
-            hidden_size=64,
-            num_layers=2,
-            num_heads=4,
-            num_kv_heads=2,
-            head_dim=16,
-            intermediate_size=128,
-            rms_norm_eps=1e-5,
-            max_position_embeddings=128,
-            rope=RopeConfig(theta=10000.0),
-        ),
+        "llama_tiny_a": sized(NAME, (256, 64, 2, 4, 2, 16, 128, 128), rms_norm_eps=1e-5, rope=RopeConfig(theta=1e4)),
         # ~1.2B Llama shaped like Llama 3.2 1B (tied embeddings); fits one GPU with room for activations.
-        "llama_1b": ModelConfig(
-            family=NAME,
-            vocab_size=128256,
-            hidden_size=2048,
-            num_layers=16,
-            num_heads=32,
-            num_kv_heads=8,
-            head_dim=64,
-            intermediate_size=8192,
+        "llama_1b": sized(
+            NAME,
+            (128256, 2048, 16, 32, 8, 64, 8192, 131072),
             rms_norm_eps=1e-5,
-            max_position_embeddings=131072,
             tie_word_embeddings=True,
-            rope=RopeConfig(
-                type="llama3",
-                theta=500000.0,
-                factor=32.0,
-                low_freq_factor=1.0,
-                high_freq_factor=4.0,
-                original_max_position_embeddings=8192,
-            ),
+            rope=_llama3_rope(32.0),
             compute_dtype="bfloat16",
         ),
         # A 64M Llama (its name is the size class): big enough on CPU that matmuls dominate
         # (benchmarks, memory ordering tests).
-        "llama_100m": ModelConfig(
-            family=NAME,
-            vocab_size=32000,
-            hidden_size=512,
-            num_layers=8,
-            num_heads=8,
-            num_kv_heads=4,
-            head_dim=64,
-            intermediate_size=2048,
-            max_position_embeddings=4096,
-            rope=RopeConfig(theta=500000.0),
-        ),
+        "llama_100m": sized(NAME, (32000, 512, 8, 8, 4, 64, 2048, 4096), rope=RopeConfig(theta=500000.0)),
         "llama3.1_8b": _llama31(4096, 32, 32, 14336),
         "llama3.1_70b": _llama31(8192, 80, 64, 28672),
         "llama3.1_405b": _llama31(16384, 126, 128, 53248),

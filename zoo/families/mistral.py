@@ -7,17 +7,9 @@ warns and points to Ministral), so zoo refuses it rather than run a pattern tran
 """
 
 from zoo.config import ModelConfig, RopeConfig
-from zoo.families._family import SCALED, FamilyDef
-from zoo.families._hf import (
-    SILU,
-    Family,
-    Keys,
-    common_fields,
-    every_layer_window,
-    rope_from_params,
-    rope_hf,
-    rope_params,
-)
+from zoo.families._family import SCALED, FamilyDef, sized
+from zoo.families._hf import SILU, Family, Keys, common_fields, every_layer_window, rope_from_params, rope_hf
+from zoo.families._hf import rope_params
 
 NAME = "mistral"
 
@@ -40,33 +32,20 @@ def write(c: ModelConfig) -> dict:
 
 
 def sizes() -> dict[str, ModelConfig]:
-    tiny = dict(family=NAME, vocab_size=256, intermediate_size=128, rms_norm_eps=1e-5, max_position_embeddings=2048)
+    rope = RopeConfig(theta=1e4)
     return {
+        # dims: vocab, hidden, layers, heads, kv heads, head dim, MLP width, context (zoo.families._family.DIMS)
         # head_dim 10 (not hidden / heads = 16, and an odd number of rotated pairs), window 8 < a 32-token row
-        "mistral_tiny_a": ModelConfig(
-            hidden_size=64,
-            num_layers=2,
-            num_heads=4,
-            num_kv_heads=2,
-            head_dim=10,
-            sliding_window=8,
-            rope=RopeConfig(theta=1e4),
-            **tiny,
+        "mistral_tiny_a": sized(
+            NAME, (256, 64, 2, 4, 2, 10, 128, 2048), rms_norm_eps=1e-5, sliding_window=8, rope=rope
         ),
-        "mistral_7b": ModelConfig(
-            # Mistral-7B-v0.1
-            family=NAME,
-            vocab_size=32000,
-            hidden_size=4096,
-            num_layers=32,
-            num_heads=32,
-            num_kv_heads=8,
-            head_dim=128,
-            intermediate_size=14336,
+        # Mistral-7B-v0.1
+        "mistral_7b": sized(
+            NAME,
+            (32000, 4096, 32, 32, 8, 128, 14336, 32768),
             rms_norm_eps=1e-5,
-            max_position_embeddings=32768,
             sliding_window=4096,
-            rope=RopeConfig(theta=1e4),
+            rope=rope,
             compute_dtype="bfloat16",
         ),
     }

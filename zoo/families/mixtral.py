@@ -9,21 +9,10 @@ jitter, so a non-zero value is accepted with a warning (inference is unaffected)
 
 import warnings
 
-from zoo.config import ModelConfig, MoEConfig, RopeConfig
-from zoo.families._family import SCALED, FamilyDef
-from zoo.families._hf import (
-    SILU,
-    Family,
-    Keys,
-    Rule,
-    common_fields,
-    every_layer_window,
-    expert_list_rules,
-    linear,
-    rope_from_params,
-    rope_hf,
-    rope_params,
-)
+from zoo.config import ModelConfig, RopeConfig
+from zoo.families._family import SCALED, FamilyDef, sized
+from zoo.families._hf import SILU, Family, Keys, Rule, common_fields, every_layer_window, expert_list_rules, linear
+from zoo.families._hf import rope_from_params, rope_hf, rope_params
 from zoo.families.qwen3_moe import softmax_moe
 
 NAME = "mixtral"
@@ -42,17 +31,7 @@ def read(k: Keys) -> dict:
     return dict(
         fields,
         rope=rope_from_params(rope_params(k), k),
-        moe=MoEConfig(
-            n_routed_experts=experts,
-            num_experts_per_tok=k.integer("num_experts_per_tok"),
-            moe_intermediate_size=fields["intermediate_size"],
-            n_shared_experts=0,
-            router="softmax",
-            n_group=1,
-            topk_group=1,
-            norm_topk_prob=True,
-            routed_scaling_factor=1.0,
-        ),
+        moe=softmax_moe(experts, k.integer("num_experts_per_tok"), fields["intermediate_size"]),
         **every_layer_window(k, fields["num_layers"], window),
     )
 
@@ -82,15 +61,9 @@ HF = Family(
     name=NAME,
     model_type="mixtral",
     architecture="MixtralForCausalLM",
-    defaults=dict(
-        rms_norm_eps=1e-5,
-        max_position_embeddings=4096 * 32,
-        rope_theta=1000000.0,
-        hidden_act="silu",
-        num_local_experts=8,
-        num_experts_per_tok=2,
-        router_jitter_noise=0.0,
-    ),
+    # MixtralConfig's defaults: the model's, its experts'
+    defaults=dict(rms_norm_eps=1e-5, max_position_embeddings=4096 * 32, rope_theta=1000000.0, hidden_act="silu")
+    | dict(num_local_experts=8, num_experts_per_tok=2, router_jitter_noise=0.0),
     read=read,
     write=write,
     moe_rules=moe_rules,
@@ -100,78 +73,37 @@ HF = Family(
 # --- the named sizes -------------------------------------------------------------------------------
 
 
+def _size(dims: tuple, **fields) -> ModelConfig:
+    """Every Mixtral size: 8 experts of the MLP's width, top-2, rope theta 1e6."""
+    return sized(NAME, dims, rope=RopeConfig(theta=1000000.0), moe=softmax_moe(8, 2, dims[6]), **fields)
+
+
 def sizes() -> dict[str, ModelConfig]:
     return {
-        "mixtral_tiny_a": ModelConfig(
-            family=NAME,
-            vocab_size=256,
-            hidden_size=64,
-            num_layers=2,
-            num_heads=4,
-            num_kv_heads=2,
-            head_dim=16,
-            intermediate_size=64,
-            rms_norm_eps=1e-5,
-            max_position_embeddings=256,
-            rope=RopeConfig(theta=1000000.0),
-            moe=softmax_moe(8, 2, 64),
-        ),
-        "mixtral_100m": ModelConfig(
-            family=NAME,
-            vocab_size=32000,
-            hidden_size=512,
-            num_layers=6,
-            num_heads=8,
-            num_kv_heads=4,
-            head_dim=64,
-            intermediate_size=896,
-            max_position_embeddings=4096,
-            rope=RopeConfig(theta=1000000.0),
-            moe=softmax_moe(8, 2, 896),
-        ),
-        "mixtral_8x7b": ModelConfig(
-            family=NAME,
-            vocab_size=32000,
-            hidden_size=4096,
-            num_layers=32,
-            num_heads=32,
-            num_kv_heads=8,
-            head_dim=128,
-            intermediate_size=14336,
-            rms_norm_eps=1e-5,
-            max_position_embeddings=32768,
-            rope=RopeConfig(theta=1000000.0),
-            moe=softmax_moe(8, 2, 14336),
-            compute_dtype="bfloat16",
-        ),
-        "mixtral_8x22b": ModelConfig(
-            family=NAME,
-            vocab_size=32768,
-            hidden_size=6144,
-            num_layers=56,
-            num_heads=48,
-            num_kv_heads=8,
-            head_dim=128,
-            intermediate_size=16384,
-            rms_norm_eps=1e-5,
-            max_position_embeddings=65536,
-            rope=RopeConfig(theta=1000000.0),
-            moe=softmax_moe(8, 2, 16384),
-            compute_dtype="bfloat16",
+        # dims: vocab, hidden, layers, heads, kv heads, head dim, MLP width, context (zoo.families._family.DIMS)
+        "mixtral_tiny_a": _size((256, 64, 2, 4, 2, 16, 64, 256), rms_norm_eps=1e-5),
+        "mixtral_100m": _size((32000, 512, 6, 8, 4, 64, 896, 4096)),
+        "mixtral_8x7b": _size((32000, 4096, 32, 32, 8, 128, 14336, 32768), rms_norm_eps=1e-5, compute_dtype="bfloat16"),
+        "mixtral_8x22b": _size(
+            (32768, 6144, 56, 48, 8, 128, 16384, 65536), rms_norm_eps=1e-5, compute_dtype="bfloat16"
         ),
     }
 
 
+# The published parameter counts of the real sizes (FamilyDef.published).
+PUBLISHED = {
+    "mixtral_8x7b": (46.7e9, 12.9e9, 0.01, "Mistral AI, 'Mixtral of experts': 46.7B total, 12.9B per token"),
+    "mixtral_8x22b": (141e9, 39e9, 0.01, "Mistral AI, 'Cheaper, Better, Faster, Stronger': 141B total, 39B active"),
+}
+
+# Like Qwen3-MoE: the same softmax routing and SwiGLU experts, no q/k norm.
 FAMILY = FamilyDef(
-    name=NAME,
+    NAME,
     moe=True,
     hf=HF,
     sizes=sizes,
-    recipes={"mixtral_8x7b": SCALED, "mixtral_8x22b": SCALED},
-    published={
-        "mixtral_8x7b": (46.7e9, 12.9e9, 0.01, "Mistral AI, 'Mixtral of experts': 46.7B total, 12.9B per token"),
-        "mixtral_8x22b": (141e9, 39e9, 0.01, "Mistral AI, 'Cheaper, Better, Faster, Stronger': 141B total, 39B active"),
-    },
-    like="qwen3_moe",  # the same softmax routing and SwiGLU experts, no q/k norm
+    published=PUBLISHED,
+    like="qwen3_moe",
     dropless=True,
+    recipes={"mixtral_8x7b": SCALED, "mixtral_8x22b": SCALED},
 )

@@ -4,7 +4,7 @@
 """
 
 from zoo.config import ModelConfig, RopeConfig
-from zoo.families._family import SCALED, FamilyDef
+from zoo.families._family import SCALED, FamilyDef, sized
 from zoo.families._hf import Family, Keys, rope_hf
 from zoo.families._qwen import DEFAULTS, read_dense, window_by_depth_hf
 
@@ -27,55 +27,19 @@ HF = Family(NAME, "qwen2", "Qwen2ForCausalLM", DEFAULTS, read, write)
 # --- the named sizes -------------------------------------------------------------------------------
 
 
+def _size(dims: tuple, **fields) -> ModelConfig:
+    """Every Qwen2 size: q/k/v biases, eps 1e-6, rope theta 1e6."""
+    return sized(NAME, dims, rms_norm_eps=1e-6, attention_bias=True, rope=RopeConfig(theta=1000000.0), **fields)
+
+
 def sizes() -> dict[str, ModelConfig]:
     return {
+        # dims: vocab, hidden, layers, heads, kv heads, head dim, MLP width, context (zoo.families._family.DIMS)
         # The reference model of tests/data (Hugging Face transformers computed its outputs).
-        "qwen2_tiny_a": ModelConfig(
-            family=NAME,
-            vocab_size=256,
-            hidden_size=112,
-            num_layers=2,
-            num_heads=14,
-            num_kv_heads=2,
-            head_dim=8,
-            intermediate_size=160,
-            rms_norm_eps=1e-6,
-            max_position_embeddings=256,
-            tie_word_embeddings=True,
-            attention_bias=True,
-            rope=RopeConfig(theta=1000000.0),
-        ),
+        "qwen2_tiny_a": _size((256, 112, 2, 14, 2, 8, 160, 256), tie_word_embeddings=True),
         # ~100M for a CPU run (docs/models.md records one).
-        "qwen2_100m": ModelConfig(
-            family=NAME,
-            vocab_size=32000,
-            hidden_size=768,
-            num_layers=12,
-            num_heads=12,
-            num_kv_heads=2,
-            head_dim=64,
-            intermediate_size=2048,
-            rms_norm_eps=1e-6,
-            max_position_embeddings=4096,
-            tie_word_embeddings=True,
-            attention_bias=True,
-            rope=RopeConfig(theta=1000000.0),
-        ),
-        "qwen2.5_7b": ModelConfig(
-            family=NAME,
-            vocab_size=152064,
-            hidden_size=3584,
-            num_layers=28,
-            num_heads=28,
-            num_kv_heads=4,
-            head_dim=128,
-            intermediate_size=18944,
-            rms_norm_eps=1e-6,
-            max_position_embeddings=131072,
-            attention_bias=True,
-            rope=RopeConfig(theta=1000000.0),
-            compute_dtype="bfloat16",
-        ),
+        "qwen2_100m": _size((32000, 768, 12, 12, 2, 64, 2048, 4096), tie_word_embeddings=True),
+        "qwen2.5_7b": _size((152064, 3584, 28, 28, 4, 128, 18944, 131072), compute_dtype="bfloat16"),
     }
 
 

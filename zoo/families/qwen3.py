@@ -4,7 +4,7 @@ absent. Sliding windows by depth (`use_sliding_window`, `max_window_layers`; zoo
 """
 
 from zoo.config import ModelConfig
-from zoo.families._family import SCALED, FamilyDef
+from zoo.families._family import SCALED, FamilyDef, sized
 from zoo.families._hf import Family, Keys, rope_hf
 from zoo.families._qwen import DEFAULTS, QWEN3_SIZE, read_dense, window_by_depth_hf
 
@@ -30,47 +30,12 @@ HF = Family(NAME, "qwen3", "Qwen3ForCausalLM", dict(DEFAULTS, head_dim=128), rea
 
 def sizes() -> dict[str, ModelConfig]:
     return {
+        # dims: vocab, hidden, layers, heads, kv heads, head dim, MLP width, context (zoo.families._family.DIMS)
         # The reference model of tests/data (Hugging Face transformers computed its outputs).
-        "qwen3_tiny_a": ModelConfig(
-            family=NAME,
-            vocab_size=256,
-            hidden_size=64,
-            num_layers=2,
-            num_heads=4,
-            num_kv_heads=2,
-            head_dim=16,
-            intermediate_size=128,
-            max_position_embeddings=256,
-            tie_word_embeddings=True,
-            **QWEN3_SIZE,
-        ),
+        "qwen3_tiny_a": sized(NAME, (256, 64, 2, 4, 2, 16, 128, 256), tie_word_embeddings=True, **QWEN3_SIZE),
         # ~100M for a CPU run (docs/models.md records one).
-        "qwen3_100m": ModelConfig(
-            family=NAME,
-            vocab_size=32000,
-            hidden_size=768,
-            num_layers=12,
-            num_heads=12,
-            num_kv_heads=4,
-            head_dim=64,
-            intermediate_size=2048,
-            max_position_embeddings=4096,
-            tie_word_embeddings=True,
-            **QWEN3_SIZE,
-        ),
-        "qwen3_8b": ModelConfig(
-            family=NAME,
-            vocab_size=151936,
-            hidden_size=4096,
-            num_layers=36,
-            num_heads=32,
-            num_kv_heads=8,
-            head_dim=128,
-            intermediate_size=12288,
-            max_position_embeddings=40960,
-            compute_dtype="bfloat16",
-            **QWEN3_SIZE,
-        ),
+        "qwen3_100m": sized(NAME, (32000, 768, 12, 12, 4, 64, 2048, 4096), tie_word_embeddings=True, **QWEN3_SIZE),
+        "qwen3_8b": sized(NAME, (151936, 4096, 36, 32, 8, 128, 12288, 40960), compute_dtype="bfloat16", **QWEN3_SIZE),
     }
 
 

@@ -9,20 +9,9 @@ layer slides when `use_sliding_window` is on.
 """
 
 from zoo.config import ModelConfig, MoEConfig
-from zoo.families._family import SCALED, FamilyDef
-from zoo.families._hf import (
-    SILU,
-    Family,
-    Keys,
-    Rule,
-    common_fields,
-    every_layer_window,
-    expert_list_rules,
-    linear,
-    rope_from_params,
-    rope_hf,
-    rope_params,
-)
+from zoo.families._family import SCALED, FamilyDef, routed, sized
+from zoo.families._hf import SILU, Family, Keys, Rule, common_fields, every_layer_window, expert_list_rules, linear
+from zoo.families._hf import rope_from_params, rope_hf, rope_params
 from zoo.families._qwen import DEFAULTS, QWEN3_SIZE
 
 NAME = "qwen3_moe"
@@ -46,16 +35,8 @@ def read(k: Keys) -> dict:
         rope=rope_from_params(rope_params(k), k),
         mlp_only_layers=list(only),
         decoder_sparse_step=k.integer("decoder_sparse_step"),
-        moe=MoEConfig(
-            n_routed_experts=experts,
-            num_experts_per_tok=k.integer("num_experts_per_tok"),
-            moe_intermediate_size=k.integer("moe_intermediate_size"),
-            n_shared_experts=0,
-            router="softmax",
-            n_group=1,
-            topk_group=1,
-            norm_topk_prob=k.flag("norm_topk_prob"),
-            routed_scaling_factor=1.0,
+        moe=softmax_moe(
+            experts, k.integer("num_experts_per_tok"), k.integer("moe_intermediate_size"), norm=k.flag("norm_topk_prob")
         ),
         **every_layer_window(k, n, window),
     )
@@ -110,76 +91,29 @@ HF = Family(
 # --- the named sizes -------------------------------------------------------------------------------
 
 
-def softmax_moe(experts: int, top_k: int, inter: int) -> MoEConfig:
-    """A softmax router over every expert, the top-k weights renormalised; no groups, no shared experts
-    (Mixtral's sizes route so too)."""
-    return MoEConfig(
-        n_routed_experts=experts,
-        num_experts_per_tok=top_k,
-        moe_intermediate_size=inter,
-        n_shared_experts=0,
-        router="softmax",
-        n_group=1,
-        topk_group=1,
-        norm_topk_prob=True,
-        routed_scaling_factor=1.0,
-    )
+def softmax_moe(experts: int, top_k: int, inter: int, norm: bool = True) -> MoEConfig:
+    """A softmax router over every expert, the top-k weights renormalised when `norm`; no groups, no
+    shared experts (Mixtral's sizes route so too)."""
+    return routed(experts, top_k, inter, "softmax", norm_topk_prob=norm)
 
 
 def sizes() -> dict[str, ModelConfig]:
     return {
+        # dims: vocab, hidden, layers, heads, kv heads, head dim, MLP width, context (zoo.families._family.DIMS)
         # The reference model of tests/data (Hugging Face transformers computed its outputs).
-        "qwen3_moe_tiny_a": ModelConfig(
-            family=NAME,
-            vocab_size=256,
-            hidden_size=64,
-            num_layers=2,
-            num_heads=4,
-            num_kv_heads=2,
-            head_dim=24,
-            intermediate_size=128,
-            max_position_embeddings=256,
-            moe=softmax_moe(8, 2, 32),
-            **QWEN3_SIZE,
-        ),
+        "qwen3_moe_tiny_a": sized(NAME, (256, 64, 2, 4, 2, 24, 128, 256), moe=softmax_moe(8, 2, 32), **QWEN3_SIZE),
         # ~100M total, ~50M active, for a CPU run (docs/models.md records one).
-        "qwen3_moe_100m": ModelConfig(
-            family=NAME,
-            vocab_size=32000,
-            hidden_size=512,
-            num_layers=6,
-            num_heads=8,
-            num_kv_heads=4,
-            head_dim=64,
-            intermediate_size=2048,
-            max_position_embeddings=4096,
-            moe=softmax_moe(16, 4, 416),
-            **QWEN3_SIZE,
-        ),
-        "qwen3_30b_a3b": ModelConfig(
-            family=NAME,
-            vocab_size=151936,
-            hidden_size=2048,
-            num_layers=48,
-            num_heads=32,
-            num_kv_heads=4,
-            head_dim=128,
-            intermediate_size=6144,
-            max_position_embeddings=40960,
+        "qwen3_moe_100m": sized(NAME, (32000, 512, 6, 8, 4, 64, 2048, 4096), moe=softmax_moe(16, 4, 416), **QWEN3_SIZE),
+        "qwen3_30b_a3b": sized(
+            NAME,
+            (151936, 2048, 48, 32, 4, 128, 6144, 40960),
             moe=softmax_moe(128, 8, 768),
             compute_dtype="bfloat16",
             **QWEN3_SIZE,
         ),
-        "qwen3_235b_a22b": ModelConfig(
-            family=NAME,
-            vocab_size=151936,
-            hidden_size=4096,
-            num_layers=94,
-            num_heads=64,
-            num_kv_heads=4,
-            head_dim=128,
-            intermediate_size=12288,
-            max_position_embeddings=40960,
+        "qwen3_235b_a22b": sized(
+            NAME,
+            (151936, 4096, 94, 64, 4, 128, 12288, 40960),
             moe=softmax_moe(128, 8, 1536),
             compute_dtype="bfloat16",
             **QWEN3_SIZE,
@@ -187,20 +121,23 @@ def sizes() -> dict[str, ModelConfig]:
     }
 
 
+# The published parameter counts of the real sizes (FamilyDef.published).
+PUBLISHED = {
+    "qwen3_30b_a3b": (
+        30.5e9,
+        3.3e9,
+        0.02,
+        "Qwen3-30B-A3B model card: 30.5B total, 3.3B activated (2 significant figures)",
+    ),
+    "qwen3_235b_a22b": (235e9, 22e9, 0.01, "Qwen3-235B-A22B model card: 235B total, 22B activated"),
+}
+
 FAMILY = FamilyDef(
-    name=NAME,
+    NAME,
     moe=True,
     hf=HF,
     sizes=sizes,
-    recipes={"qwen3_30b_a3b": SCALED, "qwen3_235b_a22b": SCALED},
-    published={
-        "qwen3_30b_a3b": (
-            30.5e9,
-            3.3e9,
-            0.02,
-            "Qwen3-30B-A3B model card: 30.5B total, 3.3B activated (2 significant figures)",
-        ),
-        "qwen3_235b_a22b": (235e9, 22e9, 0.01, "Qwen3-235B-A22B model card: 235B total, 22B activated"),
-    },
+    published=PUBLISHED,
     dropless=True,
+    recipes={"qwen3_30b_a3b": SCALED, "qwen3_235b_a22b": SCALED},
 )

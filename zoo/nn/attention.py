@@ -23,27 +23,46 @@ from zoo.nn.norm import RMSNorm
 from zoo.nn.rope import Rope
 
 
+# GQAttention's array fields: their logical axes and dtype in use (the projections and their biases
+# are cast to the compute dtype; the sinks stay float32). The output projection reads heads x head_dim.
+PARAMS: dict[str, zs.Leaf] = {
+    "wq": zs.projection("embed", "heads", None),
+    "wk": zs.projection("embed", "kv_heads", None),
+    "wv": zs.projection("embed", "kv_heads", None),
+    "wo": zs.projection("heads", None, "embed", inputs=2),
+    "bq": zs.compute("heads", None),
+    "bk": zs.compute("kv_heads", None),
+    "bv": zs.compute("kv_heads", None),
+    "bo": zs.compute(None),
+    "sinks": zs.float32("heads"),
+}
+# Inside the block the per-head queries, keys, values and context, as the projections lay them out
+# (the context is what the output projection reads).
+QUERY_AXES = (*tags.IN_BLOCK, *PARAMS["wq"].output_axes)
+KV_AXES = (*tags.IN_BLOCK, *PARAMS["wk"].output_axes)
+CONTEXT_AXES = (*tags.IN_BLOCK, *PARAMS["wo"].axes[: PARAMS["wo"].inputs])
+
 # The attention tags; MLA emits them too, with its own FLOPs (zoo.nn.mla).
 QUERY_PROJ = tags.TagInfo(
     tags.QUERY_PROJ,
     "B T N H",
     "queries after the q projection (and its bias), before q-norm and RoPE (MLA: q_b_proj output)",
     tags.ATTENTION,
-    ((*tags.IN_BLOCK, "heads", None),),
+    (QUERY_AXES,),
 )
 KEY_PROJ = tags.TagInfo(
     tags.KEY_PROJ,
     "B T K H",
     "keys after the k projection (and its bias), before k-norm and RoPE (MLA: per-head nope keys from kv_b_proj)",
     tags.ATTENTION,
-    ((*tags.IN_BLOCK, "kv_heads", None),),
+    (KV_AXES,),
 )
 VALUE_PROJ = tags.TagInfo(
     tags.VALUE_PROJ,
     "B T K H",
     "values after the v projection (MLA: per-head values from kv_b_proj)",
     tags.ATTENTION,
-    ((*tags.IN_BLOCK, "kv_heads", None),),
+    (KV_AXES,),
 )
 # Splash attention names its own residuals under this tag, in its per-kv-head layout: the output
 # (B, K, G, T, V) and the softmax statistics (B, K, G, T). The statistics share the length of the
@@ -54,10 +73,14 @@ CONTEXT = tags.TagInfo(
     "B T N V",
     "attention output, before the out projection",
     tags.ATTENTION,
-    ((*tags.IN_BLOCK, "heads", None), ("batch", "kv_heads", None, None, None)),
+    (CONTEXT_AXES, ("batch", "kv_heads", None, None, None)),
 )
 OUT_PROJ = tags.TagInfo(
-    tags.OUT_PROJ, "B T D", "attention output after the out projection", tags.ATTENTION, ((*tags.IN_BLOCK, "embed"),)
+    tags.OUT_PROJ,
+    "B T D",
+    "attention output after the out projection",
+    tags.ATTENTION,
+    ((*tags.IN_BLOCK, *PARAMS["wo"].output_axes),),
 )
 
 
@@ -111,19 +134,8 @@ class GQAttention(eqx.Module):
     compute_dtype: str = eqx.field(static=True)
     impl: str = eqx.field(static=True)
 
-    # zoo.sharding: each array field's logical axes and dtype in use (the projections and their biases
-    # are cast to the compute dtype; the sinks stay float32). The output projection reads heads x head_dim.
-    PARAMS: ClassVar[dict[str, zs.Leaf]] = {
-        "wq": zs.projection("embed", "heads", None),
-        "wk": zs.projection("embed", "kv_heads", None),
-        "wv": zs.projection("embed", "kv_heads", None),
-        "wo": zs.projection("heads", None, "embed", inputs=2),
-        "bq": zs.compute("heads", None),
-        "bk": zs.compute("kv_heads", None),
-        "bv": zs.compute("kv_heads", None),
-        "bo": zs.compute(None),
-        "sinks": zs.float32("heads"),
-    }
+    # zoo.sharding: each array field's logical axes and dtype in use (`PARAMS` above).
+    PARAMS: ClassVar[dict[str, zs.Leaf]] = PARAMS
     # zoo.tags: the tags it emits, each with its producer's forward FLOPs (matmuls: 2 * outputs * contraction).
     EMITS: ClassVar[tuple[tags.Emit, ...]] = (
         tags.Emit(
@@ -228,7 +240,7 @@ class GQAttention(eqx.Module):
                 q,
                 k,
                 v,
-                kv_logical="kv_heads",
+                kv_logical=KV_AXES[2],
                 scale=self.scale,
                 impl=self.impl,
                 window=self.window,
@@ -238,9 +250,8 @@ class GQAttention(eqx.Module):
             return self._output(tags.tag(context, tags.CONTEXT)), k, v
         # Whole sequences into the kernel (split over heads): never sequence shards, which the
         # blockwise kernel's tiles would gather one by one.
-        q = zs.sequence_gathered(q, ("batch", None, "heads", None))
-        k = zs.sequence_gathered(k, ("batch", None, "kv_heads", None))
-        v = zs.sequence_gathered(v, ("batch", None, "kv_heads", None))
+        q = zs.sequence_gathered(q, QUERY_AXES)
+        k, v = (zs.sequence_gathered(t, KV_AXES) for t in (k, v))
         context = attend(
             q,
             k,
@@ -252,7 +263,7 @@ class GQAttention(eqx.Module):
             segment_ids=segment_ids,
             tag=tags.CONTEXT,
         )
-        context = zs.sequence_gathered(context, ("batch", None, "heads", None))  # and so its gradient, in the backward
+        context = zs.sequence_gathered(context, CONTEXT_AXES)  # and so its gradient, in the backward
         return self._output(context), k, v
 
     def __call__(

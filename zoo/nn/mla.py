@@ -1,5 +1,6 @@
 """DeepSeek-V3 multi-head latent attention (MLA)."""
 
+import math
 from typing import ClassVar, Optional
 
 import equinox as eqx
@@ -23,9 +24,34 @@ from zoo.nn.rope import Rope, softmax_scale_multiplier
 LATENT_NORM_EPS = 1e-6
 
 
-def _query_flops(s: tags.FlopShape) -> int | float:
+def weight_shapes(embed: int, heads: int, mla: MLAConfig) -> dict[str, Optional[tuple[int, ...]]]:
+    """Each weight's shape (None: absent, `wq_a` without a q LoRA), the one place they are written:
+    `MLAttention` builds them, its tags' FLOPs are counted from them."""
+    return {
+        "wq_a": None if mla.q_lora_rank is None else (embed, mla.q_lora_rank),
+        "wq_b": (mla.q_lora_rank or embed, heads, mla.qk_head_dim),
+        "wkv_a": (embed, mla.kv_lora_rank + mla.qk_rope_head_dim),
+        "wk_b": (mla.kv_lora_rank, heads, mla.qk_nope_head_dim),
+        "wv_b": (mla.kv_lora_rank, heads, mla.v_head_dim),
+        "wo": (heads, mla.v_head_dim, embed),
+    }
+
+
+def _widths(s: tags.FlopShape, field: str) -> tuple[int, int]:
+    """Projection `field` of the model `s` describes, as one matmul: (what it reads, what it writes);
+    an absent one (`wq_a` without a q LoRA) reads the embedding and writes nothing."""
     c = s.config
-    return 2 * s.tokens * (c.mla.q_lora_rank or c.hidden_size) * (c.num_heads * c.qk_head_dim)
+    shape = weight_shapes(c.hidden_size, c.num_heads, c.mla)[field]
+    return (c.hidden_size, 0) if shape is None else MLAttention.PARAMS[field].widths(shape)
+
+
+def _projection(info: tags.TagInfo, field: str) -> tags.Emit:
+    """Tag `info` on projection `field`'s output: its FLOPs and matmul shape are the weight's."""
+    return tags.Emit(
+        info,
+        lambda s: 2 * s.tokens * math.prod(_widths(s, field)),
+        lambda s: ("matmul", _widths(s, field)[0], _widths(s, field)[1] or 1),
+    )
 
 
 @tags.declares
@@ -34,7 +60,8 @@ class MLAttention(eqx.Module):
     compressed latent, and one rope key shared by all heads.
 
     Per head, a query is `[nope | rope]` (qk_nope + qk_rope dims); a key is `[k_nope | shared rope key]`;
-    a value has v_head_dim dims.
+    a value has v_head_dim dims. The weights' shapes are `weight_shapes`; their axes `PARAMS`, which the
+    tags' layouts and the per-head activations' axes are read from.
     """
 
     wq_a: Optional[Float[Array, "embed q_lora"]]
@@ -54,46 +81,30 @@ class MLAttention(eqx.Module):
     # are RMSNorms, which declare their own). `latent`: the up-projections' inputs.
     PARAMS: ClassVar[dict[str, zs.Leaf]] = {
         "wq_a": zs.projection("embed", None),
-        "wq_b": zs.projection("latent", "heads", None),  # [q_lora (or embed without a q LoRA), heads, qk]
+        "wq_b": zs.projection("latent", "heads", None),
         "wkv_a": zs.projection("embed", None),
         "wk_b": zs.projection("latent", "heads", None),
         "wv_b": zs.projection("latent", "heads", None),
         "wo": zs.projection("heads", None, "embed", inputs=2),
     }
-    # zoo.tags: the attention tags (GQA's records, MLA's FLOPs) and the latent ones; the norms cost
-    # about 5 FLOPs per element. The q latent's are 0 when q_lora_rank is null (they are not emitted).
+    # zoo.tags: the attention tags (GQA's records, MLA's FLOPs) and the latent ones, laid out as the
+    # down-projections' outputs; the norms cost about 5 FLOPs per element. The q latent's are 0 when
+    # q_lora_rank is null (they are not emitted).
     EMITS: ClassVar[tuple[tags.Emit, ...]] = (
-        tags.Emit(
-            gqa.QUERY_PROJ,
-            _query_flops,
-            lambda s: (
-                "matmul",
-                s.config.mla.q_lora_rank or s.config.hidden_size,
-                s.config.num_heads * s.config.qk_head_dim,
-            ),
-        ),
-        tags.Emit(
-            gqa.KEY_PROJ,
-            lambda s: 2 * s.tokens * s.config.mla.kv_lora_rank * s.config.num_heads * s.config.mla.qk_nope_head_dim,
-            lambda s: ("matmul", s.config.mla.kv_lora_rank, s.config.num_heads * s.config.mla.qk_nope_head_dim),
-        ),
-        tags.Emit(
-            gqa.VALUE_PROJ,
-            lambda s: 2 * s.tokens * s.config.mla.kv_lora_rank * s.config.num_heads * s.config.v_head_dim,
-            lambda s: ("matmul", s.config.mla.kv_lora_rank, s.config.num_heads * s.config.v_head_dim),
-        ),
+        _projection(gqa.QUERY_PROJ, "wq_b"),
+        _projection(gqa.KEY_PROJ, "wk_b"),
+        _projection(gqa.VALUE_PROJ, "wv_b"),
         tags.Emit(gqa.CONTEXT, gqa.context_flops, gqa.context_op),
-        tags.Emit(gqa.OUT_PROJ, gqa.out_proj_flops, gqa.out_proj_op),
-        tags.Emit(
+        _projection(gqa.OUT_PROJ, "wo"),
+        _projection(
             tags.TagInfo(
                 tags.QUERY_WA_PROJ,
                 "B T R",
                 "MLA q down-projection (q_a_proj) output; absent when q_lora_rank is null",
                 tags.MLA,
-                ((*tags.IN_BLOCK, None),),
+                ((*tags.IN_BLOCK, *PARAMS["wq_a"].output_axes),),
             ),
-            lambda s: 2 * s.tokens * s.config.hidden_size * (s.config.mla.q_lora_rank or 0),
-            lambda s: ("matmul", s.config.hidden_size, s.config.mla.q_lora_rank or 1),
+            "wq_a",
         ),
         tags.Emit(
             tags.TagInfo(
@@ -101,24 +112,29 @@ class MLAttention(eqx.Module):
                 "B T R",
                 "MLA q latent after its RMSNorm; absent when q_lora_rank is null",
                 tags.MLA,
-                ((*tags.IN_BLOCK, None),),
+                ((*tags.IN_BLOCK, *PARAMS["wq_a"].output_axes),),
             ),
-            lambda s: 5 * s.tokens * (s.config.mla.q_lora_rank or 0),
+            lambda s: 5 * s.tokens * _widths(s, "wq_a")[1],
         ),
-        tags.Emit(
+        _projection(
             tags.TagInfo(
                 tags.KV_WA_PROJ,
                 "B T L+P",
                 "MLA kv down-projection (kv_a_proj_with_mqa) output: kv latent and the shared rope key",
                 tags.MLA,
-                ((*tags.IN_BLOCK, None),),
+                ((*tags.IN_BLOCK, *PARAMS["wkv_a"].output_axes),),
             ),
-            lambda s: 2 * s.tokens * s.config.hidden_size * (s.config.mla.kv_lora_rank + s.config.mla.qk_rope_head_dim),
-            lambda s: ("matmul", s.config.hidden_size, s.config.mla.kv_lora_rank + s.config.mla.qk_rope_head_dim),
+            "wkv_a",
         ),
         tags.Emit(
-            tags.TagInfo(tags.MLA_KV, "B T L", "MLA kv latent after its RMSNorm", tags.MLA, ((*tags.IN_BLOCK, None),)),
-            lambda s: 5 * s.tokens * s.config.mla.kv_lora_rank,
+            tags.TagInfo(
+                tags.MLA_KV,
+                "B T L",
+                "MLA kv latent after its RMSNorm",
+                tags.MLA,
+                ((*tags.IN_BLOCK, *PARAMS["wkv_a"].output_axes),),
+            ),
+            lambda s: 5 * s.tokens * _widths(s, "wk_b")[0],  # the latent the up-projections read
         ),
     )
 
@@ -135,20 +151,17 @@ class MLAttention(eqx.Module):
         impl: str = "auto",
         key: PRNGKeyArray,
     ):
-        kqa, kqb, kkva, kkb, kvb, ko = jax.random.split(key, 6)
         param_dtype = dtype_name(param_dtype, "param_dtype")
-        if mla.q_lora_rank is None:
-            self.wq_a, self.q_norm = None, None
-            self.wq_b = normal(kqb, (embed, heads, mla.qk_head_dim), embed, param_dtype)
-        else:
-            self.wq_a = normal(kqa, (embed, mla.q_lora_rank), embed, param_dtype)
-            self.q_norm = RMSNorm(mla.q_lora_rank, eps=LATENT_NORM_EPS, dtype=param_dtype)
-            self.wq_b = normal(kqb, (mla.q_lora_rank, heads, mla.qk_head_dim), mla.q_lora_rank, param_dtype)
-        self.wkv_a = normal(kkva, (embed, mla.kv_lora_rank + mla.qk_rope_head_dim), embed, param_dtype)
-        self.kv_norm = RMSNorm(mla.kv_lora_rank, eps=LATENT_NORM_EPS, dtype=param_dtype)
-        self.wk_b = normal(kkb, (mla.kv_lora_rank, heads, mla.qk_nope_head_dim), mla.kv_lora_rank, param_dtype)
-        self.wv_b = normal(kvb, (mla.kv_lora_rank, heads, mla.v_head_dim), mla.kv_lora_rank, param_dtype)
-        self.wo = normal(ko, (heads, mla.v_head_dim, embed), heads * mla.v_head_dim, param_dtype)
+        keys = jax.random.split(key, 6)
+        for k, (field, shape) in zip(keys, weight_shapes(embed, heads, mla).items(), strict=True):
+            made = None if shape is None else normal(k, shape, self.PARAMS[field].widths(shape)[0], param_dtype)
+            setattr(self, field, made)
+
+        def latent_norm(rank: int) -> RMSNorm:
+            return RMSNorm(rank, eps=LATENT_NORM_EPS, dtype=param_dtype)
+
+        self.q_norm = None if mla.q_lora_rank is None else latent_norm(mla.q_lora_rank)
+        self.kv_norm = latent_norm(mla.kv_lora_rank)
         self.rope = Rope(mla.qk_rope_head_dim, rope, max_position_embeddings)
         self.softmax_scale = mla.qk_head_dim**-0.5 * softmax_scale_multiplier(rope)
         self.compute_dtype = dtype_name(compute_dtype, "compute_dtype")
@@ -198,13 +211,13 @@ class MLAttention(eqx.Module):
         )
         if context_parallel():  # see GQAttention._forward
             context = context_attention(
-                q, k, v, kv_logical="heads", scale=self.softmax_scale, impl=self.impl, segment_ids=segment_ids
+                q, k, v, kv_logical=PER_HEAD[2], scale=self.softmax_scale, impl=self.impl, segment_ids=segment_ids
             )
             return self._output(tags.tag(context, tags.CONTEXT)), jnp.concatenate([kv_latent, k_rope], axis=-1)
         # Whole sequences into the kernel under sequence parallelism (see GQAttention._forward).
-        q, k, v = (zs.sequence_gathered(t, ("batch", None, "heads", None)) for t in (q, k, v))
+        q, k, v = (zs.sequence_gathered(t, PER_HEAD) for t in (q, k, v))
         context = attend(q, k, v, scale=self.softmax_scale, impl=self.impl, segment_ids=segment_ids, tag=tags.CONTEXT)
-        context = zs.sequence_gathered(context, ("batch", None, "heads", None))  # and so its gradient, in the backward
+        context = zs.sequence_gathered(context, PER_HEAD)  # and so its gradient, in the backward
         return self._output(context), jnp.concatenate([kv_latent, k_rope], axis=-1)
 
     def __call__(
@@ -246,3 +259,8 @@ class MLAttention(eqx.Module):
         )
         context = jnp.einsum("BTNL,LNV->BTNV", context_latent, self.wv_b.astype(cdt))
         return self._output(tags.tag(context, tags.CONTEXT)), cache
+
+
+# The per-head queries', keys', values' and context's axes (all heads: the keys and values are per
+# query head), as the up-projections write them.
+PER_HEAD = (*tags.IN_BLOCK, *MLAttention.PARAMS["wq_b"].output_axes)

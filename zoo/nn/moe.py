@@ -37,11 +37,10 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from zoo import sharding as zs
-from zoo import tags
 from zoo.config import DTypeLike, MoEConfig, dtype_name
 from zoo.nn._init import normal
 from zoo.nn.mlp import GatedMLP, swiglu
-from zoo.nn.moe_dispatch import ExpertWeights, resolve_moe_impl, routed_experts  # noqa: F401 - resolve_moe_impl: public here
+from zoo.nn.moe_dispatch import ExpertLeaves, ExpertWeights, resolve_moe_impl, routed_experts  # noqa: F401 - resolve_moe_impl: public here
 
 
 class MoEAux(eqx.Module):
@@ -201,86 +200,37 @@ def expert_activation(c: MoEConfig):
     return clamped_swiglu
 
 
-def _rows_flops(s: tags.FlopShape) -> int | float:
-    return 2 * s.rows * s.config.hidden_size * s.config.moe.moe_intermediate_size
+class RouterLeaves(eqx.Module):
+    """The router's parameters, an abstract base of `MoE` (its first fields): the router matrix, and a
+    bias by router kind."""
 
-
-def _rows_kind(s: tags.FlopShape) -> str:
-    # The capacity path is a batched einsum over equal buffers; the dropless ones a grouped matmul.
-    return "capacity_einsum" if s.config.moe.impl == "capacity" else "grouped_matmul"
-
-
-def _rows_in_op(s: tags.FlopShape) -> tags.Op:
-    return (_rows_kind(s), s.config.hidden_size, s.config.moe.moe_intermediate_size)
-
-
-def _rows_out_op(s: tags.FlopShape) -> tags.Op:
-    return (_rows_kind(s), s.config.moe.moe_intermediate_size, s.config.hidden_size)
-
-
-@tags.declares
-class MoE(eqx.Module):
     router: Float[Array, "embed experts"]
     # sigmoid_grouped: the correction bias, a float32 buffer (no gradient, excluded from the optimizer);
     # topk_softmax with router_bias: a trained bias on the logits (`router_bias`).
     e_score_correction_bias: Optional[Float[Array, " experts"]]
     router_bias: Optional[Float[Array, " experts"]]
-    w_gate: Float[Array, "experts embed moe_mlp"]
-    w_up: Float[Array, "experts embed moe_mlp"]
-    w_down: Float[Array, "experts moe_mlp embed"]
-    b_gate: Optional[Float[Array, "experts moe_mlp"]]
-    b_up: Optional[Float[Array, "experts moe_mlp"]]
-    b_down: Optional[Float[Array, "experts embed"]]
+
+    # zoo.sharding: the router and its biases stay float32 where they are used.
+    PARAMS: ClassVar[dict[str, zs.Leaf]] = {
+        "router": zs.float32("embed", None, matmul=True),
+        "e_score_correction_bias": zs.float32(None),
+        "router_bias": zs.float32(None),
+    }
+
+
+class MoE(ExpertLeaves, RouterLeaves):
+    """A router (`RouterLeaves`), the routed experts (`ExpertLeaves`, zoo.nn.moe_dispatch, which
+    declares their six leaves, `w_gate` ... `b_down`, and the tags the kernel emits, `EMITS`) and
+    optional shared experts (a GatedMLP, which declares its own). Its fields: the router's, the
+    experts', then its own."""
+
     shared: Optional[GatedMLP]
     config: MoEConfig = eqx.field(static=True)
     compute_dtype: str = eqx.field(static=True)
     impl: str = eqx.field(static=True)
 
-    # zoo.sharding: the router and its biases stay float32 where they are used; the routed experts'
-    # leaves are declared by ExpertWeights (the shared experts are a GatedMLP, which declares its own).
-    PARAMS: ClassVar[dict[str, zs.Leaf]] = {
-        "router": zs.float32("embed", None, matmul=True),
-        "e_score_correction_bias": zs.float32(None),
-        "router_bias": zs.float32(None),
-        **ExpertWeights.PARAMS,
-    }
-    # zoo.tags: the routed experts' tags (emitted in zoo.nn.moe_dispatch) and their producers' FLOPs
-    # over `FlopShape.rows`, the routed rows.
-    EMITS: ClassVar[tuple[tags.Emit, ...]] = (
-        tags.Emit(
-            tags.TagInfo(
-                tags.MOE_MLPWI_0,
-                "A I | E C I",
-                "routed experts' gate projection (and bias), tokens sorted or dispatched by expert",
-                tags.MOE,
-                (("rows", "mlp"), ("rows", "rows", "mlp")),
-            ),
-            _rows_flops,
-            _rows_in_op,
-        ),
-        tags.Emit(
-            tags.TagInfo(
-                tags.MOE_MLPWI_1,
-                "A I | E C I",
-                "routed experts' up projection (and bias)",
-                tags.MOE,
-                (("rows", "mlp"), ("rows", "rows", "mlp")),
-            ),
-            _rows_flops,
-            _rows_in_op,
-        ),
-        tags.Emit(
-            tags.TagInfo(
-                tags.MOE_MLPWO,
-                "A D | E C D",
-                "routed experts' down projection output (and bias), before combining",
-                tags.MOE,
-                (("rows", "embed"), ("rows", "rows", "embed")),
-            ),
-            _rows_flops,
-            _rows_out_op,
-        ),
-    )
+    # zoo.sharding: its leaves, as the router and the routed experts declare them.
+    PARAMS: ClassVar[dict[str, zs.Leaf]] = {**RouterLeaves.PARAMS, **ExpertLeaves.PARAMS}
 
     def __init__(
         self,
@@ -297,17 +247,9 @@ class MoE(eqx.Module):
         self.router = normal(kr, (embed, e), embed, param_dtype)
         self.e_score_correction_bias = jnp.zeros((e,), jnp.float32) if c.router == "sigmoid_grouped" else None
         self.router_bias = jnp.zeros((e,), param_dtype) if c.router_bias else None
-        self.w_gate = normal(kg, (e, embed, i), embed, param_dtype)
-        self.w_up = normal(ku, (e, embed, i), embed, param_dtype)
-        self.w_down = normal(kd, (e, i, embed), i, param_dtype)
-        if c.expert_bias:
-            self.b_gate, self.b_up, self.b_down = (
-                jnp.zeros((e, i), param_dtype),
-                jnp.zeros((e, i), param_dtype),
-                jnp.zeros((e, embed), param_dtype),
-            )
-        else:
-            self.b_gate = self.b_up = self.b_down = None
+        experts = ExpertWeights.init((kg, ku, kd), e, embed, i, bias=c.expert_bias, dtype=param_dtype)
+        for name, leaf in experts.leaves().items():
+            setattr(self, name, leaf)
         self.shared = (
             GatedMLP(embed, i * c.n_shared_experts, param_dtype=param_dtype, compute_dtype=compute_dtype, key=ks)
             if c.n_shared_experts
@@ -341,7 +283,7 @@ class MoE(eqx.Module):
             return ids, w, entropy
 
         expert_ids, weights, entropy = _per_device(route_fn)(flat, self.router, bias)
-        experts = ExpertWeights(self.w_gate, self.w_up, self.w_down, self.b_gate, self.b_up, self.b_down)
+        experts = ExpertWeights.of(self)
         routed, counts, dropped, rounds = routed_experts(
             flat,
             expert_ids,

@@ -52,7 +52,7 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero, linear_call
 from jax.sharding import PartitionSpec as P
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from zoo import sharding as zs
 from zoo import tags as zoo_tags
@@ -60,6 +60,7 @@ from zoo._compat import linear_call_vmappable
 from zoo.backend import choices as backend_choices
 from zoo.nn.expert_rounds import Exchange, exchange_in_rounds, round_block
 from zoo.nn.expert_rounds import routing as exchange_routing
+from zoo.nn._init import normal
 from zoo.nn.grouped_matmul import grouped_matmul, summed_like
 from zoo.nn.mlp import gated, swiglu
 
@@ -82,9 +83,36 @@ def _one_round():
     return jnp.ones((), jnp.int32)
 
 
-class ExpertWeights(eqx.Module):
-    """The routed experts' parameters, stacked over experts (biases optional: GPT-OSS has them).
-    A stack of layers may add leading dims; the kernel takes one layer's."""
+def _rows_flops(s: zoo_tags.FlopShape) -> int | float:
+    return 2 * s.rows * s.config.hidden_size * s.config.moe.moe_intermediate_size
+
+
+def _rows_kind(s: zoo_tags.FlopShape) -> str:
+    # The capacity path is a batched einsum over equal buffers; the dropless ones a grouped matmul.
+    return "capacity_einsum" if s.config.moe.impl == "capacity" else "grouped_matmul"
+
+
+def _rows_in_op(s: zoo_tags.FlopShape) -> zoo_tags.Op:
+    return (_rows_kind(s), s.config.hidden_size, s.config.moe.moe_intermediate_size)
+
+
+def _rows_out_op(s: zoo_tags.FlopShape) -> zoo_tags.Op:
+    return (_rows_kind(s), s.config.moe.moe_intermediate_size, s.config.hidden_size)
+
+
+def _rows_emit(name: str, shape: str, doc: str, last: str, op: Callable[[zoo_tags.FlopShape], zoo_tags.Op]):
+    """A routed-expert tag, laid out as the ragged rows `A ...` or the capacity buffers `E C ...` with
+    `last` (a logical axis) their last dim, produced by a matmul over the routed rows."""
+    axes = (("rows", last), ("rows", "rows", last))
+    return zoo_tags.Emit(zoo_tags.TagInfo(name, shape, doc, zoo_tags.MOE, axes), _rows_flops, op)
+
+
+@zoo_tags.declares
+class ExpertLeaves(eqx.Module):
+    """The routed experts' parameters, stacked over experts (biases optional: GPT-OSS has them), their
+    axes and the tags the kernel emits on them, declared here only: an abstract base of the kernel's
+    argument (`ExpertWeights`) and of the block that holds them (`zoo.nn.moe.MoE`, whose fields they
+    are). A stack of layers may add leading dims; the kernel takes one layer's."""
 
     w_gate: Float[Array, "*layers experts embed moe_mlp"]
     w_up: Float[Array, "*layers experts embed moe_mlp"]
@@ -93,8 +121,8 @@ class ExpertWeights(eqx.Module):
     b_up: Optional[Float[Array, "*layers experts moe_mlp"]] = None
     b_down: Optional[Float[Array, "*layers experts embed"]] = None
 
-    # zoo.sharding: the routed experts' leaves (zoo.nn.moe.MoE declares its own as these), all cast to
-    # the compute dtype; the biases as GPT-OSS lays them out, one row per expert.
+    # zoo.sharding: the routed experts' leaves, all cast to the compute dtype; the biases as GPT-OSS
+    # lays them out, one row per expert. Their shapes follow from the axes (`init`).
     PARAMS: ClassVar[dict[str, zs.Leaf]] = {
         "w_gate": zs.compute("experts", "embed", "mlp", matmul=True),
         "w_up": zs.compute("experts", "embed", "mlp", matmul=True),
@@ -103,13 +131,59 @@ class ExpertWeights(eqx.Module):
         "b_up": zs.compute("experts", "mlp"),
         "b_down": zs.compute("experts", "embed"),
     }
+    # zoo.tags: the tags `_ffn` emits and their producers' FLOPs over `FlopShape.rows`, the routed rows.
+    EMITS: ClassVar[tuple[zoo_tags.Emit, ...]] = (
+        _rows_emit(
+            zoo_tags.MOE_MLPWI_0,
+            "A I | E C I",
+            "routed experts' gate projection (and bias), tokens sorted or dispatched by expert",
+            "mlp",
+            _rows_in_op,
+        ),
+        _rows_emit(zoo_tags.MOE_MLPWI_1, "A I | E C I", "routed experts' up projection (and bias)", "mlp", _rows_in_op),
+        _rows_emit(
+            zoo_tags.MOE_MLPWO,
+            "A D | E C D",
+            "routed experts' down projection output (and bias), before combining",
+            "embed",
+            _rows_out_op,
+        ),
+    )
+
+    def leaves(self) -> dict[str, Optional[Array]]:
+        """The routed experts' leaves by name (of a module that may hold more)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(ExpertLeaves)}
 
     @property
     def n_experts(self) -> int:
         return self.w_gate.shape[-3]
 
 
-# Logical axes of the routed-expert leaves, as ExpertWeights (and so the MoE block) declares them.
+class ExpertWeights(ExpertLeaves):
+    """The routed experts' leaves alone: what `routed_experts` takes."""
+
+    @classmethod
+    def init(
+        cls, keys: tuple[PRNGKeyArray, ...], experts: int, embed: int, mlp: int, *, bias: bool, dtype
+    ) -> "ExpertWeights":
+        """New weights (normal, fan-in scaled, one key each: gate, up, down) and zero biases when
+        `bias`, each shaped by its declared axes."""
+        sizes = {"experts": experts, "embed": embed, "mlp": mlp}
+        shapes = {name: tuple(sizes[a] for a in leaf.axes) for name, leaf in cls.PARAMS.items()}
+        weights = [name for name, leaf in cls.PARAMS.items() if leaf.matmul]
+        made = {
+            name: normal(key, shapes[name], shapes[name][1], dtype) for name, key in zip(weights, keys, strict=True)
+        }
+        made.update({name: jnp.zeros(shapes[name], dtype) for name in cls.PARAMS if name not in made and bias})
+        return cls(**made)
+
+    @classmethod
+    def of(cls, module: ExpertLeaves) -> "ExpertWeights":
+        """The routed experts' leaves alone, of a module holding more (`zoo.nn.moe.MoE`)."""
+        return cls(**module.leaves())
+
+
+# Logical axes of the routed-expert leaves, as ExpertLeaves declares them (for the kernel and the MoE block).
 EXPERT_AXES: dict[str, tuple[Optional[str], ...]] = {name: leaf.axes for name, leaf in ExpertWeights.PARAMS.items()}
 
 
