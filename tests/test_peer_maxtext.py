@@ -107,14 +107,36 @@ def _run(monkeypatch, capsys, argv):
 @pytest.mark.parametrize(
     "argv, said",
     [
-        (["--dims", "emb=64,mlp=128,heads=6,kv_heads=4,head_dim=16,layers=1,vocab=256", "--batch", "1", "--seq",
-          "128"], "heads=6 is not a multiple of kv_heads=4"),  # fmt: skip
-        (["--dims", "emb=64,mlp=128,heads=4,kv_heads=2,head_dim=15,layers=1,vocab=256,batch=1,seq=128"],
-         "head_dim=15: rotary dims come in pairs"),  # fmt: skip
-        (["--dims", "emb=512,mlp=128,heads=4,kv_heads=4,head_dim=64,layers=1,vocab=256,batch=1,seq=100"],
-         "seq=100: the TPU attention kernels"),  # fmt: skip
-        (["--dims", "emb=4096,mlp=14336,heads=32,kv_heads=8,head_dim=128,layers=4,vocab=128256", "--batch", "1",
-          "--seq", "8192"], "more than the 16.9 GB the chip holds"),  # fmt: skip
+        (
+            [
+                "--dims",
+                "emb=64,mlp=128,heads=6,kv_heads=4,head_dim=16,layers=1,vocab=256",
+                "--batch",
+                "1",
+                "--seq",
+                "128",
+            ],
+            "heads=6 is not a multiple of kv_heads=4",
+        ),  # fmt: skip
+        (
+            ["--dims", "emb=64,mlp=128,heads=4,kv_heads=2,head_dim=15,layers=1,vocab=256,batch=1,seq=128"],
+            "head_dim=15: rotary dims come in pairs",
+        ),  # fmt: skip
+        (
+            ["--dims", "emb=512,mlp=128,heads=4,kv_heads=4,head_dim=64,layers=1,vocab=256,batch=1,seq=100"],
+            "seq=100: the TPU attention kernels",
+        ),  # fmt: skip
+        (
+            [
+                "--dims",
+                "emb=4096,mlp=14336,heads=32,kv_heads=8,head_dim=128,layers=4,vocab=128256",
+                "--batch",
+                "1",
+                "--seq",
+                "8192",
+            ],
+            "more than the 16.9 GB the chip holds",
+        ),  # fmt: skip
         (["--dims", "emb=64,mlp=128"], "--dims: give heads"),
         (["--dims", "emb=64,width=3"], "'width=3' is not one of"),
         (["--shapes", "llama70b"], "--shapes: unknown 'llama70b'"),
