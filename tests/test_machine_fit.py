@@ -111,9 +111,11 @@ def test_a_full_disk_is_one_line(tmp_path):
     """Before Hydra writes its record (the filesystem's free space), and while the run writes its own."""
     from zoo.train.run_config import TrainingStopped
 
-    full = lambda path: SimpleNamespace(f_bavail=0, f_frsize=4096)  # noqa: E731
+    full = lambda path: SimpleNamespace(f_bavail=0, f_frsize=4096, f_blocks=1 << 20)  # noqa: E731
     line = command_line._full_disk_line([], [f"hydra.run.dir={tmp_path}/run"], statvfs=full)
     assert line.startswith(f"hydra.run.dir: no space left on the filesystem of {tmp_path} (0 bytes free)"), line
+    # /proc and /sys report no blocks at all: not a full disk (the run directory's checks name them)
+    assert command_line._full_disk_line([], ["hydra.run.dir=/proc/no_such_dir/run"]) is None
     assert command_line._full_disk_line([], [f"hydra.run.dir={tmp_path}/run"]) is None  # this disk has room
     with pytest.raises(TrainingStopped, match=r"^hydra\.run\.dir: no space left writing \S+metrics\.jsonl \(No space"):
         with machine_fit.disk_full_stops(tmp_path):

@@ -81,8 +81,8 @@ def _full_disk_line(args: list[str], overrides: list[str], statvfs=os.statvfs) -
     except OSError:
         return None  # not a directory that exists: the run directory's own checks name it
     free = st.f_bavail * st.f_frsize
-    if free >= MIN_FREE_BYTES:
-        return None
+    if free >= MIN_FREE_BYTES or st.f_blocks == 0:
+        return None  # room, or no disk at all (/proc, /sys: the run directory's own checks name those)
     return (
         f"{key}: no space left on the filesystem of {where} ({free} bytes free); free some space, or give {key}=<a "
         "directory on another disk>"
