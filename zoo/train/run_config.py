@@ -28,7 +28,7 @@ from zoo.offload import OffloadConfig, check_tags_emitted
 from zoo.ranges import ranged
 
 # The hardware profile's schema lives with the planner; re-exported: the trainer and its tests take it from here.
-from zoo.plan.hardware import (  # noqa: F401
+from zoo.hardware import (  # noqa: F401
     AUTO_HARDWARE,
     HARDWARE_OF_KIND,
     PLATFORMS,
