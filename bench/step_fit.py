@@ -180,16 +180,16 @@ def rewrite_profile(path: pathlib.Path, values: dict) -> str:
     return text
 
 
-def samples_from_record(res: dict, profile: str, out_of_sample: Sequence[str] = ()) -> tuple[list, list]:
+def samples_from_record(res: dict, profile: str, records, out_of_sample: Sequence[str] = ()) -> tuple[list, list]:
     """(fitted samples, every sample) of a bench/tpu.py record: each run that ran, traced for `profile`
-    with the four figures at 1; the setups in `out_of_sample` are in the second list only."""
-    from bench import tpu
+    with the four figures at 1; the setups in `out_of_sample` are in the second list only. `records`:
+    what reads a record (bench/tpu.py, which passes itself: `load_profile`, `traced_runs`, `merge`)."""
     from zoo.plan.options import PlanConfig
     from zoo.plan.traced import policy_estimate
 
-    hw = dataclasses.replace(tpu.load_profile(profile), **UNIT)
+    hw = dataclasses.replace(records.load_profile(profile), **UNIT)
     every = []
-    for name, label, r, c, tr in tpu.traced_runs(res, hw):
+    for name, label, r, c, tr in records.traced_runs(res, hw):
         if r.get("status") != "ok" or not r.get("median_step_s"):
             continue
         p, e, _ = policy_estimate(c, tr, PlanConfig(hbm_budget_gb=hw.hbm_bytes / 1e9))
@@ -201,11 +201,16 @@ def samples_from_record(res: dict, profile: str, out_of_sample: Sequence[str] = 
 
 
 def main(
-    record: str, profile: str, dry_run: bool = False, out_of_sample: Sequence[str] = (), tolerance: float = 0.005
+    record: str,
+    profile: str,
+    records,
+    dry_run: bool = False,
+    out_of_sample: Sequence[str] = (),
+    tolerance: float = 0.005,
 ) -> int:
+    """`python bench/tpu.py --fit RECORD`: `records` is bench/tpu.py (its record readers), passed in so
+    that this module imports no benchmark script."""
     import json
-
-    from bench import tpu
 
     path = ROOT / "conf" / "hardware" / f"{profile}.yaml"
     if not path.is_file():
@@ -215,12 +220,12 @@ def main(
         print(f"error: --fit-tolerance {tolerance}: a fraction in [0, 1), e.g. 0.005; 0 always refits", file=sys.stderr)
         return 2
     try:
-        res = tpu.merge([json.loads(pathlib.Path(f).read_text()) for f in record.split(",")])
+        res = records.merge([json.loads(pathlib.Path(f).read_text()) for f in record.split(",")])
     except (OSError, ValueError) as e:
         print(f"error: --fit {record}: {e}; give bench/tpu.py --out JSONs (comma list)", file=sys.stderr)
         return 2
-    current = {k: float(getattr(tpu.load_profile(profile), k)) for k in FITTED}
-    fitted, every = samples_from_record(res, profile, out_of_sample)
+    current = {k: float(getattr(records.load_profile(profile), k)) for k in FITTED}
+    fitted, every = samples_from_record(res, profile, records, out_of_sample)
     if len(fitted) < len(FITTED):
         print(f"error: --fit {record}: {len(fitted)} runs that ran; the fit needs at least 4", file=sys.stderr)
         return 2

@@ -1010,7 +1010,12 @@ def main(argv=None) -> int:
         from bench import step_fit
 
         return step_fit.main(
-            args.fit, args.profile, dry_run=args.dry_run, out_of_sample=OUT_OF_SAMPLE, tolerance=args.fit_tolerance
+            args.fit,
+            args.profile,
+            sys.modules[__name__],
+            dry_run=args.dry_run,
+            out_of_sample=OUT_OF_SAMPLE,
+            tolerance=args.fit_tolerance,
         )
 
     t_start = time.time()

@@ -80,5 +80,6 @@ policy files that `offload.ranges` takes by path.
 #   traced       the problem built from a train config and its traced step (problem_from_config)
 #   oom          the line the trainer prints on an out-of-memory
 #   compiled     the candidates compiled by XLA for the target, and timed on it (plan.compile, plan.measure)
-# The command line is zoo.tools.plan. Nothing is imported here: zoo.train.run_config imports
-# zoo.plan.hardware, and the modules that trace a step import the trainer.
+# The hardware profile's schema, the planner's inputs, is zoo.hardware (the trainer reads it too, so it
+# stands below both). The command line is zoo.tools.plan. Nothing is imported here: the modules that
+# trace a step import the trainer.

@@ -52,7 +52,7 @@ def _hydra_context():
 
 def run_job(cfg: DictConfig, out_of_memory_line: Optional[Callable] = None) -> None:
     """The body of @hydra.main. `out_of_memory_line(c, trainer, error, overrides)`: the one line for a
-    run that ran out of device memory (train.py gives zoo.tools.plan's; None: XLA's error as it is)."""
+    run that ran out of device memory (train.py gives zoo.plan.oom's; None: XLA's error as it is)."""
     import logging
 
     logging.getLogger("jax").setLevel(logging.WARNING)  # Hydra's logging config would show JAX's INFO lines

@@ -300,6 +300,159 @@ def value_and_grad_call(fn):
     return run
 
 
+class _OpTimer:
+    """Times one op-rate shape at a time on `device` (`measure_op_rates`): its inputs made once per
+    shape and copy, its program run once and as copies, the call's dispatch taken out."""
+
+    def __init__(self, device, dtype, repeats: int, copies: int, log: Callable[[str], None]):
+        self.device, self.dtype, self.repeats, self.copies, self.log = device, dtype, repeats, copies, log
+        self.inputs: dict = {}
+        self.dispatch: list[float] = []  # per shape: one call's time less its op's (what `op_time` takes out)
+
+    def normal(self, shape, copy: int = 0):
+        """A standard normal array of `shape`, one per shape, copy and grid: a timing depends on the
+        shape only, and every array made eagerly is a compile of its own (on a TPU v5e generating each
+        case's inputs afresh took longer than timing it); copies differ, so that XLA cannot merge them."""
+        import jax
+
+        if (shape, copy) not in self.inputs:
+            with jax.default_device(self.device):
+                self.inputs[shape, copy] = jax.random.normal(jax.random.key(len(self.inputs)), shape, self.dtype)
+        return self.inputs[shape, copy]
+
+    def timed(self, case, a, b):
+        try:
+            flops, program = case(a, b)
+            return flops / self.op_time(program)
+        except Exception as e:  # noqa: BLE001 - a shape this device cannot run is a hole in the table, not the end
+            self.log(f"op rates: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
+            return None
+
+    def op_time(self, program) -> float:
+        """Seconds of one op inside a program: (t(n copies) - t(1 copy)) / (n - 1), the call's
+        dispatch and wait (the same for both) taken out; n is `copies`, fewer where the copies'
+        arguments would pass ARGUMENT_BUDGET (at least 2). An op whose copies add less than one
+        call's time (a narrow matmul: tens of microseconds against a TPU's ~0.85 ms call) is timed
+        again with enough copies to add four calls' worth (at most MAX_COPIES): at 3 copies a
+        16384 x 256 x 256 matmul's difference was noise (326 TFLOP/s on a 197 TFLOP/s chip). Where
+        noise leaves no positive difference, t(n copies) / n (the dispatch shared among the copies)."""
+        import jax
+
+        fn, args = program(1)
+        one = median_time(lambda: jax.block_until_ready(fn(*args)), self.repeats)
+        per_copy = sum(a.size * a.dtype.itemsize for a in args)
+        most = max(2, int(ARGUMENT_BUDGET // max(per_copy, 1)))
+        n, op = 1, one
+        for wanted in (self.copies, MAX_COPIES):
+            m = min(most, MAX_COPIES, max(2, wanted if n == 1 else math.ceil(4 * one / max(op, 1e-9)) + 1))
+            if m <= n or (n > 1 and (n - 1) * op >= one):
+                break
+            fn, args = program(m)
+            many = median_time(lambda: jax.block_until_ready(fn(*args)), self.repeats)
+            n, op = m, (many - one) / (m - 1) if many > one else many / m
+        self.dispatch.append(one - op)
+        return op
+
+    def grid_of(self, kind: str, axes: tuple, case, **record) -> dict:
+        """The table of `kind` over the grid `axes` (two lists), flops[i][j] from `case(axes[0][i],
+        axes[1][j]) -> (FLOPs, program)` (`case` below), with `record` (how it was measured)."""
+        from zoo import op_rates
+
+        names, table, start = op_rates.AXES[kind], [], time.perf_counter()
+        self.inputs.clear()  # the previous grid's arrays: device memory this one may need
+        for a in axes[0]:
+            self.dispatch.clear()
+            table.append([self.timed(case, a, b) for b in axes[1]])
+            rates = " ".join(f"{r / 1e12:.3g}" if r else "-" for r in table[-1])
+            calls = f"; a call's own dispatch {1e3 * statistics.median(self.dispatch):.2f} ms" if self.dispatch else ""
+            self.log(f"op rates: {kind} {names[0]}={a}: {rates} TFLOP/s{calls} ({time.perf_counter() - start:.0f} s)")
+        return {**record, names[0]: list(axes[0]), names[1]: list(axes[1]), "flops": table}
+
+    def case(self, fn, forward_flops: float, out_shape, arg_shapes, with_backward: bool = True):
+        """(FLOPs, program) of `fn`'s value and gradient (3x its forward FLOPs, the output's cotangent
+        first), or of its forward alone; `program(n)` is (a jitted call running n independent copies,
+        its arguments)."""
+        import jax
+
+        body = value_and_grad_call(fn) if with_backward else fn
+        shapes = ([out_shape] if with_backward else []) + list(arg_shapes)
+
+        def program(n: int):
+            k = len(shapes)
+            run = jax.jit(lambda *flat: [body(*flat[i * k : (i + 1) * k]) for i in range(n)])
+            return run, [self.normal(s, i) for i in range(n) for s in shapes]
+
+        return (3.0 if with_backward else 1.0) * forward_flops, program
+
+
+def _matmul_grids(t: _OpTimer, g: dict, wanted, add) -> None:
+    """The dense matmul, the routed experts' grouped matmul (value and gradient, and forward alone) and
+    the capacity path's einsum, each over a grid of k x n."""
+    import jax
+    import jax.numpy as jnp
+
+    from zoo import backend
+    from zoo.nn.grouped_matmul import grouped_matmul
+
+    if "matmul" in wanted:
+        rows, widths = g["matmul_rows"], g["widths"]
+        cell = lambda k, n: t.case(lambda x, w: x @ w, 2.0 * rows * k * n, (rows, n), [(rows, k), (k, n)])  # noqa: E731
+        add("matmul", t.grid_of("matmul", (widths, widths), cell, rows=rows))
+    rows, groups, widths = g["grouped_rows"], g["groups"], g["grouped_widths"]
+    shares = jnp.linspace(0.5, 1.5, groups)  # uneven, as dropless routing is
+    sizes = jnp.floor(rows * shares / shares.sum()).astype(jnp.int32)
+    sizes = jax.device_put(sizes.at[-1].add(rows - sizes.sum()), t.device)
+    choices = backend.choices(t.device.platform)
+    impl = choices.grouped_matmul
+
+    def grouped(x, w):
+        return grouped_matmul(x, w, sizes, impl=impl, tile=choices.grouped_matmul_tile)
+
+    for kind, with_backward in (("grouped_matmul", True), ("grouped_matmul_forward", False)):
+        if kind in wanted:
+
+            def cell(k, n, b=with_backward):
+                return t.case(grouped, 2.0 * rows * k * n, (rows, n), [(rows, k), (groups, k, n)], b)
+
+            add(kind, t.grid_of(kind, (widths, widths), cell, impl=impl, rows=rows, groups=groups))
+    if "capacity_einsum" in wanted:
+        per_group = rows // groups  # the capacity path's buffers: every expert given the same rows
+
+        def capacity(k, n):
+            einsum = lambda x, w: jnp.einsum("ecd,edf->ecf", x, w)  # noqa: E731
+            flops = 2.0 * per_group * groups * k * n
+            return t.case(einsum, flops, (groups, per_group, n), [(groups, per_group, k), (groups, k, n)])
+
+        table = t.grid_of("capacity_einsum", (widths, widths), capacity, rows=per_group * groups, groups=groups)
+        add("capacity_einsum", table)
+
+
+def _attention_grids(t: _OpTimer, g: dict, wanted, add) -> None:
+    """Causal self-attention as `model.attention_impl=auto` runs it here, value and gradient and the
+    forward alone, over a grid of sequence length x head dim."""
+    from zoo.config import attended_keys
+    from zoo.nn.attention_kernels import attend, resolve_impl
+
+    tokens, heads, seqs, dims = g["attention_tokens"], g["attention_heads"], g["seqs"], g["head_dims"]
+    platform = t.device.platform
+    impl = resolve_impl("auto", backend=platform, dtype=t.dtype, qk_dim=dims[0], v_dim=dims[0], seq_len=seqs[-1])
+
+    def attention_case(seq, d, with_backward):
+        batch, dv = max(1, tokens // seq), {96: 64, 192: 128}.get(d, d)
+        return t.case(
+            lambda q, k, v: attend(q, k, v, scale=d**-0.5, impl=impl),
+            2.0 * batch * seq * attended_keys(seq, None) * heads * (d + dv),
+            (batch, seq, heads, dv),
+            [(batch, seq, heads, x) for x in (d, d, dv)],
+            with_backward,
+        )
+
+    for kind, with_backward in (("attention", True), ("attention_forward", False)):
+        if kind in wanted:
+            cell = lambda s, d, b=with_backward: attention_case(s, d, b)  # noqa: E731
+            add(kind, t.grid_of(kind, (seqs, dims), cell, impl=impl, tokens=tokens, heads=heads))
+
+
 def measure_op_rates(
     device=None,
     *,
@@ -333,72 +486,13 @@ def measure_op_rates(
     import jax
     import jax.numpy as jnp
 
-    from zoo import backend, op_rates
-    from zoo.config import attended_keys
-    from zoo.nn.attention_kernels import attend, resolve_impl
-    from zoo.nn.grouped_matmul import grouped_matmul
+    from zoo import op_rates
 
     device = device or jax.devices()[0]
     accel = device.platform != "cpu"
     g = grid or OP_GRID["accelerator" if accel else "cpu"]
     dtype = jnp.bfloat16 if accel else jnp.float32
-    choices = backend.choices(device.platform)
-    inputs: dict = {}
-    dispatch: list[float] = []  # per shape: one call's time less its op's (what `op_time` takes out)
-
-    def normal(shape, copy: int = 0):
-        """A standard normal array of `shape`, one per shape, copy and grid: a timing depends on the
-        shape only, and every array made eagerly is a compile of its own (on a TPU v5e generating each
-        case's inputs afresh took longer than timing it); copies differ, so that XLA cannot merge them."""
-        if (shape, copy) not in inputs:
-            with jax.default_device(device):
-                inputs[shape, copy] = jax.random.normal(jax.random.key(len(inputs)), shape, dtype)
-        return inputs[shape, copy]
-
-    def timed(case, a, b):
-        try:
-            flops, program = case(a, b)
-            return flops / op_time(program)
-        except Exception as e:  # noqa: BLE001 - a shape this device cannot run is a hole in the table, not the end
-            log(f"op rates: {type(e).__name__}: {str(e).splitlines()[0][:160]}")
-            return None
-
-    def op_time(program) -> float:
-        """Seconds of one op inside a program: (t(n copies) - t(1 copy)) / (n - 1), the call's
-        dispatch and wait (the same for both) taken out; n is `copies`, fewer where the copies'
-        arguments would pass ARGUMENT_BUDGET (at least 2). An op whose copies add less than one
-        call's time (a narrow matmul: tens of microseconds against a TPU's ~0.85 ms call) is timed
-        again with enough copies to add four calls' worth (at most MAX_COPIES): at 3 copies a
-        16384 x 256 x 256 matmul's difference was noise (326 TFLOP/s on a 197 TFLOP/s chip). Where
-        noise leaves no positive difference, t(n copies) / n (the dispatch shared among the copies)."""
-        fn, args = program(1)
-        one = median_time(lambda: jax.block_until_ready(fn(*args)), repeats)
-        per_copy = sum(a.size * a.dtype.itemsize for a in args)
-        most = max(2, int(ARGUMENT_BUDGET // max(per_copy, 1)))
-        n, op = 1, one
-        for wanted in (copies, MAX_COPIES):
-            m = min(most, MAX_COPIES, max(2, wanted if n == 1 else math.ceil(4 * one / max(op, 1e-9)) + 1))
-            if m <= n or (n > 1 and (n - 1) * op >= one):
-                break
-            fn, args = program(m)
-            many = median_time(lambda: jax.block_until_ready(fn(*args)), repeats)
-            n, op = m, (many - one) / (m - 1) if many > one else many / m
-        dispatch.append(one - op)
-        return op
-
-    def grid_of(kind: str, axes: tuple, case, **record) -> dict:
-        """The table of `kind` over the grid `axes` (two lists), flops[i][j] from `case(axes[0][i],
-        axes[1][j]) -> (FLOPs, program)` (`case` below), with `record` (how it was measured)."""
-        names, table, start = op_rates.AXES[kind], [], time.perf_counter()
-        inputs.clear()  # the previous grid's arrays: device memory this one may need
-        for a in axes[0]:
-            dispatch.clear()
-            table.append([timed(case, a, b) for b in axes[1]])
-            rates = " ".join(f"{r / 1e12:.3g}" if r else "-" for r in table[-1])
-            calls = f"; a call's own dispatch {1e3 * statistics.median(dispatch):.2f} ms" if dispatch else ""
-            log(f"op rates: {kind} {names[0]}={a}: {rates} TFLOP/s{calls} ({time.perf_counter() - start:.0f} s)")
-        return {**record, names[0]: list(axes[0]), names[1]: list(axes[1]), "flops": table}
-
+    timer = _OpTimer(device, dtype, repeats, copies, log)
     wanted = list(kinds or op_rates.AXES)
     out: dict = {"dtype": str(jnp.dtype(dtype))}
 
@@ -409,100 +503,8 @@ def measure_op_rates(
             out[kind] = table
         on_table(dict(out))
 
-    def case(fn, forward_flops: float, out_shape, arg_shapes, with_backward: bool = True):
-        """(FLOPs, program) of `fn`'s value and gradient (3x its forward FLOPs, the output's cotangent
-        first), or of its forward alone; `program(n)` is (a jitted call running n independent copies,
-        its arguments)."""
-        body = value_and_grad_call(fn) if with_backward else fn
-        shapes = ([out_shape] if with_backward else []) + list(arg_shapes)
-
-        def program(n: int):
-            k = len(shapes)
-            run = jax.jit(lambda *flat: [body(*flat[i * k : (i + 1) * k]) for i in range(n)])
-            return run, [normal(s, i) for i in range(n) for s in shapes]
-
-        return (3.0 if with_backward else 1.0) * forward_flops, program
-
-    if "matmul" in wanted:
-        rows, widths = g["matmul_rows"], g["widths"]
-        add(
-            "matmul",
-            grid_of(
-                "matmul",
-                (widths, widths),
-                lambda k, n: case(lambda x, w: x @ w, 2.0 * rows * k * n, (rows, n), [(rows, k), (k, n)]),
-                rows=rows,
-            ),
-        )
-
-    rows, groups, widths = g["grouped_rows"], g["groups"], g["grouped_widths"]
-    shares = jnp.linspace(0.5, 1.5, groups)  # uneven, as dropless routing is
-    sizes = jnp.floor(rows * shares / shares.sum()).astype(jnp.int32)
-    sizes = jax.device_put(sizes.at[-1].add(rows - sizes.sum()), device)
-    impl = choices.grouped_matmul
-
-    def grouped(x, w):
-        return grouped_matmul(x, w, sizes, impl=impl, tile=choices.grouped_matmul_tile)
-
-    for kind, with_backward in (("grouped_matmul", True), ("grouped_matmul_forward", False)):
-        if kind in wanted:
-            add(
-                kind,
-                grid_of(
-                    kind,
-                    (widths, widths),
-                    lambda k, n, b=with_backward: case(
-                        grouped, 2.0 * rows * k * n, (rows, n), [(rows, k), (groups, k, n)], b
-                    ),
-                    impl=impl,
-                    rows=rows,
-                    groups=groups,
-                ),
-            )
-    if "capacity_einsum" in wanted:
-        per_group = rows // groups  # the capacity path's buffers: every expert given the same rows
-        add(
-            "capacity_einsum",
-            grid_of(
-                "capacity_einsum",
-                (widths, widths),
-                lambda k, n: case(
-                    lambda x, w: jnp.einsum("ecd,edf->ecf", x, w),
-                    2.0 * per_group * groups * k * n,
-                    (groups, per_group, n),
-                    [(groups, per_group, k), (groups, k, n)],
-                ),
-                rows=per_group * groups,
-                groups=groups,
-            ),
-        )
-
-    tokens, heads, seqs, dims = g["attention_tokens"], g["attention_heads"], g["seqs"], g["head_dims"]
-    impl = resolve_impl("auto", backend=device.platform, dtype=dtype, qk_dim=dims[0], v_dim=dims[0], seq_len=seqs[-1])
-
-    def attention_case(seq, d, with_backward):
-        batch, dv = max(1, tokens // seq), {96: 64, 192: 128}.get(d, d)
-        return case(
-            lambda q, k, v: attend(q, k, v, scale=d**-0.5, impl=impl),
-            2.0 * batch * seq * attended_keys(seq, None) * heads * (d + dv),
-            (batch, seq, heads, dv),
-            [(batch, seq, heads, x) for x in (d, d, dv)],
-            with_backward,
-        )
-
-    for kind, with_backward in (("attention", True), ("attention_forward", False)):
-        if kind in wanted:
-            add(
-                kind,
-                grid_of(
-                    kind,
-                    (seqs, dims),
-                    lambda s, d, b=with_backward: attention_case(s, d, b),
-                    impl=impl,
-                    tokens=tokens,
-                    heads=heads,
-                ),
-            )
+    _matmul_grids(timer, g, wanted, add)
+    _attention_grids(timer, g, wanted, add)
     return out
 
 

@@ -9,7 +9,7 @@ import pathlib
 import statistics
 import sys
 import time
-from typing import Any, Callable, Optional
+from typing import Optional
 
 from omegaconf import DictConfig
 
@@ -31,12 +31,8 @@ from zoo.train.distributed import initialize
 from zoo.train.evaluate import attach_data
 from zoo.train import run_dir
 from zoo.train.metrics import (
-    MetricsWriter,
-    Progress,
-    Throughput,
     compiled_flops,
     compiled_memory,
-    device_memory,
     write_json,
 )
 from zoo.train.run_config import (
@@ -52,6 +48,7 @@ from zoo.train.run_config import (
     validate,
 )
 from zoo.train.step import Trainer
+from zoo.train.step_loop import Batches, Diverged, Dispatched, StepLog, StepLoop, moe_layer_indices  # noqa: F401
 from zoo.train.stop import EXIT_REQUEUE, StopSignals, ctrl_c_served, raise_if_interrupted, set_phase
 from zoo.train.xla_flags import GPU_HOST_OFFLOAD_FLAG, GPU_HOST_OFFLOAD_FLAGS, known_flag
 
@@ -245,36 +242,7 @@ def _train(c: TrainConfig, plan, devices, out_dir: pathlib.Path, xla_flags: str,
     evaluator = attach_data(c, trainer, data)  # the held-out loss (None without an eval split)
     mesh_devices = list(trainer.mesh.devices.flat)
     steps = c.trainer.steps
-    processes = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
-    echo(
-        f"model {c.model.family} ({count_params(c.model) / 1e6:.2f}M params, "
-        f"{count_params(c.model, active=True) / 1e6:.2f}M active) "
-        f"mesh {plan.mesh.sizes} on {len(mesh_devices)} {mesh_devices[0].platform} device(s){processes}, offload "
-        f"{offload_label(c, overrides)}, "
-        f"batch {c.data.batch_size}x{c.data.seq_len}, {steps} steps"
-    )
-    echo(kernels_line(c, plan))
-    if plan.moe_impl is not None:
-        note = dropless_note(c.model.family, plan.moe_impl)
-        if note:
-            echo(f"note: {note}")
-    if trainer.lora is not None:
-        echo(lora_line(c, trainer))
-    echo(backend.choices(trainer.mesh.devices.flat[0].platform).describe())
-    optimize, why = trainer.cpu_optimization()
-    if optimize is not None:
-        echo(
-            "XLA:CPU compile: LLVM optimisations "
-            f"{'on (slower compile, faster steps)' if optimize else 'off (faster compile, slower steps)'}; {why}"
-        )
-        echo(huge_pages.describe())
-    if c.pretrained is not None:
-        for line in describe_pretrained(c.pretrained, c.model):
-            echo(line)
-    if hasattr(data, "describe"):
-        echo(data.describe())
-    if evaluator:
-        echo(evaluator.describe())
+    _announce(c, plan, trainer, data, evaluator, mesh_devices, overrides, echo)
     ckpt = Checkpoints(c, plan, trainer, echo) if c.checkpoint.dir is not None else None
     try:
         if ckpt:
@@ -292,18 +260,7 @@ def _train(c: TrainConfig, plan, devices, out_dir: pathlib.Path, xla_flags: str,
                 f"checkpoints: {ckpt.dir}, step {start} is trainer.steps={steps}: nothing left to train; raise "
                 "trainer.steps to go on"
             )
-            summary = {
-                "status": "ok",
-                "overrides": list(overrides),
-                "steps": steps,
-                "start_step": start,
-                "steps_run": 0,
-                "checkpoint": {"dir": str(ckpt.dir), "steps": ckpt.complete_steps()},
-                "config": to_dict(c),
-            }
-            if main and not run_dir.finished(out_dir):  # the summary of the run that trained those steps stays
-                write_summary(out_dir, summary)
-            return summary
+            return _nothing_left(c, ckpt, start, out_dir, overrides, main)
         if ckpt and not start:
             echo(f"checkpoints: {ckpt.dir}, none yet: starting from step 0")
 
@@ -360,19 +317,77 @@ def _train(c: TrainConfig, plan, devices, out_dir: pathlib.Path, xla_flags: str,
                        compiled, t_start, xla_flags, overrides, evaluator)  # fmt: skip
     if main:
         write_summary(out_dir, summary)
+    echo(_last_line(c, data, log, evaluator, summary, out_dir))
+    return summary
+
+
+def _announce(c: TrainConfig, plan, trainer, data, evaluator, mesh_devices, overrides, echo) -> None:
+    """The run's opening lines: the model, mesh, policy and batch, the kernels, and each choice made for it."""
+    import jax
+
+    steps = c.trainer.steps
+    processes = f" in {jax.process_count()} processes" if jax.process_count() > 1 else ""
+    echo(
+        f"model {c.model.family} ({count_params(c.model) / 1e6:.2f}M params, "
+        f"{count_params(c.model, active=True) / 1e6:.2f}M active) "
+        f"mesh {plan.mesh.sizes} on {len(mesh_devices)} {mesh_devices[0].platform} device(s){processes}, offload "
+        f"{offload_label(c, overrides)}, "
+        f"batch {c.data.batch_size}x{c.data.seq_len}, {steps} steps"
+    )
+    echo(kernels_line(c, plan))
+    if plan.moe_impl is not None:
+        note = dropless_note(c.model.family, plan.moe_impl)
+        if note:
+            echo(f"note: {note}")
+    if trainer.lora is not None:
+        echo(lora_line(c, trainer))
+    echo(backend.choices(trainer.mesh.devices.flat[0].platform).describe())
+    optimize, why = trainer.cpu_optimization()
+    if optimize is not None:
+        echo(
+            "XLA:CPU compile: LLVM optimisations "
+            f"{'on (slower compile, faster steps)' if optimize else 'off (faster compile, slower steps)'}; {why}"
+        )
+        echo(huge_pages.describe())
+    if c.pretrained is not None:
+        for line in describe_pretrained(c.pretrained, c.model):
+            echo(line)
+    if hasattr(data, "describe"):
+        echo(data.describe())
+    if evaluator:
+        echo(evaluator.describe())
+
+
+def _nothing_left(c: TrainConfig, ckpt, start: int, out_dir: pathlib.Path, overrides, main: bool) -> dict:
+    """The summary of a run whose checkpoint is already at trainer.steps: nothing to train."""
+    summary = {
+        "status": "ok",
+        "overrides": list(overrides),
+        "steps": c.trainer.steps,
+        "start_step": start,
+        "steps_run": 0,
+        "checkpoint": {"dir": str(ckpt.dir), "steps": ckpt.complete_steps()},
+        "config": to_dict(c),
+    }
+    if main and not run_dir.finished(out_dir):  # the summary of the run that trained those steps stays
+        write_summary(out_dir, summary)
+    return summary
+
+
+def _last_line(c: TrainConfig, data, log, evaluator, summary: dict, out_dir: pathlib.Path) -> str:
+    """The run's closing line: the loss against the data's floor, the held-out loss, the step's speed."""
     floor = data.floor()
     floor_note = f"floor {floor:.3f}" if floor is not None else f"unigram entropy {data.unigram_entropy():.3f}"
     perf = log.throughput(summary["step_time_s"])
     ev = evaluator.last if evaluator else None
     eval_note = f", eval loss {ev['eval_loss']:.4f} (perplexity {ev['eval_perplexity']:.2f})" if ev else ""
-    echo(
+    return (
         f"loss {log.losses[0]:.4f} -> {log.losses[-1]:.4f} ({floor_note}){eval_note}; step "
         f"{1e3 * summary['step_time_s']:.1f} ms, "
         f"{perf['tokens_per_s']:.0f} tok/s, {perf['tflops_per_device']:.4f} TFLOP/s/device, MFU "
         f"{100 * perf['mfu']:.2f}% "
         f"of {c.hardware.name}{' (nominal)' if c.hardware.nominal else ''}; summary: {out_dir / 'summary.json'}"
     )
-    return summary
 
 
 def lora_line(c: TrainConfig, trainer) -> str:
@@ -417,197 +432,6 @@ def initial_state(trainer, ckpt, start: int):
 
 def write_summary(out_dir: pathlib.Path, summary: dict) -> None:
     write_json(out_dir / "summary.json", summary)
-
-
-class Batches:
-    """The batches, one step ahead: step k+1's batch is built on the host and put on the devices
-    while step k runs (`prefetch`); `take(k)` hands it over (or builds it, if none was prefetched)."""
-
-    def __init__(self, data, trainer):
-        self.data, self.trainer = data, trainer
-        self._ahead: Optional[tuple[int, Any]] = None
-
-    def prefetch(self, step: int):
-        self._ahead = (step, self.trainer.shard_tokens(self.data.batch(step)))
-        return self._ahead[1]
-
-    def take(self, step: int):
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None and ahead[0] == step:
-            return ahead[1]
-        return self.trainer.shard_tokens(self.data.batch(step))
-
-
-class Diverged(Exception):
-    """Step `step` (0-based) gave a non-finite loss or gradient norm."""
-
-    def __init__(self, step: int, metrics: dict):
-        super().__init__(f"step {step + 1} diverged")
-        self.step, self.metrics = step, metrics
-
-
-@dataclasses.dataclass
-class Dispatched:
-    """A step handed to the devices whose metrics have not been read yet."""
-
-    step: int  # 0-based: this step turns state `step` into state `step + 1`
-    metrics: dict  # device arrays
-    at: float  # perf_counter() when dispatched
-    vote: Any  # StopSignals.vote() sent with it
-
-
-class StepLog:
-    """What is done with a finished step's metrics: read them (this waits for the step), time it,
-    write metrics.jsonl and the progress line, and stop on a non-finite loss or gradient norm."""
-
-    def __init__(
-        self, c: TrainConfig, out_dir: Optional[pathlib.Path], start: int, num_devices: int, local_devices, show: bool
-    ):
-        self.throughput = Throughput(
-            c.model, c.data.seq_len, c.data.batch_size * c.data.seq_len, num_devices, c.hardware.peak_flops
-        )
-        moe_layers = moe_layer_indices(c)
-        self.writer = (
-            MetricsWriter(out_dir, c.trainer.tensorboard, start_step=start, moe_layers=moe_layers)
-            if out_dir is not None
-            else None
-        )
-        self.progress = Progress(
-            c.trainer.steps,
-            c.trainer.log_every,
-            c.trainer.progress and show,
-            moe_imbalance_warn=c.trainer.moe_imbalance_warn,
-            moe_layers=moe_layers,
-        )
-        self.local_devices = local_devices
-        self.losses: list[float] = []
-        self.times: list[float] = []
-        self.peak_device: Optional[int] = None
-        self.completed = start  # steps done and checked
-        self._last_ready = -math.inf
-
-    def read(self, ds: list[Dispatched], evaluate: Optional[Callable[[], dict]] = None) -> dict:
-        """Wait for the steps `ds` (dispatched in this order) and log each (the last with `evaluate()`'s
-        held-out metrics when given); Diverged at the first whose loss or gradient norm is not finite.
-        The last step's metrics are returned.
-
-        Steps read together (a drain before a save or an evaluation) share their time equally: the
-        earlier one is usually finished by the time it is read (XLA:CPU runs a step inside its dispatch
-        call), so timing each from its own read would give it the later one's time and the later one
-        almost none."""
-        import jax
-
-        ms = jax.device_get([d.metrics for d in ds])  # waits for the steps
-        ready = time.perf_counter()
-        # They ran from the first one's dispatch or from the end of the step before, whichever came later.
-        dt = (ready - max(ds[0].at, self._last_ready)) / len(ds)
-        self._last_ready = ready
-        mem = device_memory(self.local_devices)
-        if mem:
-            self.peak_device = max(self.peak_device or 0, mem["peak_bytes_in_use"])
-        for i, (d, m) in enumerate(zip(ds, ms)):
-            m = {k: (v.tolist() if getattr(v, "ndim", 0) else float(v)) for k, v in m.items()}
-            m.update(self.throughput(dt))
-            m["device_bytes_in_use"] = mem["bytes_in_use"] if mem else None
-            m["device_peak_bytes"] = mem["peak_bytes_in_use"] if mem else None
-            if evaluate is not None and i == len(ds) - 1:
-                m.update(evaluate())
-            self.losses.append(m["loss"])
-            self.times.append(dt)
-            if self.writer:
-                self.writer.write(d.step, m)
-            self.progress.update(d.step, m)
-            if not (math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"])):
-                raise Diverged(d.step, m)
-            self.completed = d.step + 1
-        return m
-
-    def close(self) -> None:
-        if self.writer:
-            self.writer.close()
-
-
-class StepLoop:
-    """The host loop. JAX dispatches a step and returns at once, so step k+1 is handed to the devices
-    before step k's metrics are read, and batch k+2 is built meanwhile: the devices always have the
-    next step queued. Donation stays correct: step k+1 consumes state k+1, and the metrics of step k
-    are separate buffers.
-
-    The checkpoint guarantee is kept by draining at a save: before state k+1 is saved, step k's
-    metrics are read and checked, and only then is step k+1 dispatched (which donates that state).
-    So every saved state comes from a step whose loss and gradient norm were finite.
-    `pipelined=False` reads every step's metrics before dispatching the next (the old loop; the
-    benchmark compares the two)."""
-
-    def __init__(
-        self,
-        compiled,
-        batches: Batches,
-        log,
-        ckpt,
-        stop,
-        steps: int,
-        every: int,
-        pipelined: bool = True,
-        evaluator=None,
-    ):
-        self.compiled, self.batches, self.log, self.ckpt, self.stop = compiled, batches, log, ckpt, stop
-        self.evaluator = evaluator  # the held-out loss, evaluated on the state a due step leaves
-        self.steps, self.every, self.pipelined = steps, every, pipelined
-        self.stopped = False  # ended early on a stop signal, after step log.completed
-
-    def save_due(self, done: int) -> bool:
-        return self.ckpt is not None and (done % self.every == 0 or done == self.steps)
-
-    def eval_due(self, done: int) -> bool:
-        return self.evaluator is not None and self.evaluator.due(done, self.steps)
-
-    def run(self, state, start: int):
-        """Steps `start` .. `steps - 1` from `state`; the state after the last one run."""
-        pending: Optional[Dispatched] = None
-        for step in range(start, self.steps):
-            if self.ckpt is not None:
-                self.ckpt.check_saves()  # a save that failed in the background stops the run now
-            raise_if_interrupted()  # a Ctrl-C Python swallowed during the step before stops the run as any Ctrl-C does
-            if self.stop.requested_here():
-                self.stopped = True
-                break
-            tokens = self.batches.take(step)
-            t = time.perf_counter()
-            state, metrics = self.compiled(state, tokens)  # returns before the step has run
-            current = Dispatched(step, metrics, t, self.stop.vote())
-            if self.pipelined and step + 1 < self.steps:
-                self.batches.prefetch(step + 1)  # while the devices run this step
-            done = step + 1
-            stopping = pending is not None and self.stop.agreed(pending.vote)  # a signal: stop after this step
-            if self.save_due(done) or self.eval_due(done) or stopping or not self.pipelined:
-                # drained: this state is saved (or evaluated) before the next step donates it, and
-                # saved only if its step was finite
-                self._read([d for d in (pending, current) if d is not None], state if self.eval_due(done) else None)
-                pending = None
-                if self.save_due(done):
-                    self.ckpt.save(done, state)  # returns once the arrays are copied: the next step may donate them
-            else:
-                if pending is not None:
-                    self._read([pending])
-                pending = current
-            if self.stopped:
-                break
-        if pending is not None:
-            self._read([pending])
-        if self.log.completed == self.steps:
-            self.stopped = False  # the signal came during the last step: the run is complete
-        if self.stopped and self.ckpt is not None and self.log.completed > start:
-            self.ckpt.save(self.log.completed, state)  # skipped when that step was just saved
-        return state
-
-    def _read(self, ds: list[Dispatched], eval_state=None) -> None:
-        if eval_state is None:
-            self.log.read(ds)
-        else:
-            self.log.read(ds, lambda: self.evaluator(eval_state["params"], ds[-1].step + 1))
-        if any(self.stop.agreed(d.vote) for d in ds):  # a signal: stop after the step in flight
-            self.stopped = True
 
 
 def _stop_for_requeue(
@@ -740,11 +564,6 @@ def peak_memory(runtime: Optional[int], compiled: Optional[int]) -> dict:
         return {"peak_memory_bytes": None, "peak_memory_source": None}
     source = max(known, key=known.get)
     return {"peak_memory_bytes": known[source], "peak_memory_source": source}
-
-
-def moe_layer_indices(c: TrainConfig) -> list[int]:
-    """The model layers that are MoE layers, in order: row r of a per-MoE-layer metric is layer [r]."""
-    return [i for i in range(c.model.num_layers) if c.model.is_moe_layer(i)]
 
 
 def step_quantiles(times: list[float]) -> dict:

@@ -28,7 +28,13 @@ from zoo.offload import OffloadConfig, check_tags_emitted
 from zoo.ranges import ranged
 
 # The hardware profile's schema lives with the planner; re-exported: the trainer and its tests take it from here.
-from zoo.plan.hardware import AUTO_HARDWARE, HARDWARE_OF_KIND, PLATFORMS, HardwareConfig  # noqa: F401
+from zoo.hardware import (  # noqa: F401
+    AUTO_HARDWARE,
+    HARDWARE_OF_KIND,
+    PLATFORMS,
+    HardwareConfig,
+    check_hardware_platform,
+)
 from zoo.sharding import (
     CONTEXT,
     CONTEXT_BALANCED,
@@ -396,18 +402,6 @@ def auto_hardware(hw: HardwareConfig, device) -> tuple[HardwareConfig, Optional[
     )
 
 
-def check_hardware_platform(hw: HardwareConfig, platform: str) -> None:
-    """A profile of another platform than the run's (a TPU's on a CPU): ConfigError. A run's MFU and
-    its planner figures are read against its profile."""
-    if hw.platform is not None and hw.platform != platform:
-        raise ConfigError(
-            f"hardware: {hw.name} is a profile of a {hw.platform}, and this run's devices are {platform}s; use "
-            "hardware=auto "
-            f"(this machine's profile) or one of its own; to plan for a {hw.platform} from here, "
-            f"python -m zoo.tools.plan ... hardware={hw.name}"
-        )
-
-
 @ranged("checkpoint", every_n_steps="(0, inf)", keep_last="(0, inf): null keeps all")
 @dataclasses.dataclass
 class CheckpointConfig:
@@ -622,23 +616,7 @@ def validate(c: TrainConfig, available_devices: int, abstract_model=None) -> Pla
         raise ConfigError(msg) from None
 
     rules = c.mesh.rules
-    batch_axes = [a for a in rules.get("batch", []) if a in MESH_AXES]
-    dp = math.prod(shape.sizes[a] for a in dict.fromkeys(batch_axes)) if batch_axes else 1
-    accum = c.trainer.grad_accum
-    if c.data.batch_size % accum:
-        raise ConfigError(
-            f"data.batch_size: {c.data.batch_size} is not divisible by trainer.grad_accum={accum}; "
-            f"use a multiple of {accum}"
-        )
-    micro = c.data.batch_size // accum
-    if micro % dp:
-        desc = "*".join(f"{a}={shape.sizes[a]}" for a in dict.fromkeys(batch_axes)) or "1"
-        need = dp * accum
-        raise ConfigError(
-            f"data.batch_size: {c.data.batch_size} is not divisible by the data-parallel size {dp}"
-            + (f" times trainer.grad_accum={accum}" if accum > 1 else "")
-            + f" (batch is split over {desc}); use a multiple of {need}"
-        )
+    dp, micro = _check_batch(c, shape, rules)
     m = c.model
     if c.mesh.sequence_parallel and shape.tensor == 1:
         raise ConfigError(
@@ -652,22 +630,7 @@ def validate(c: TrainConfig, available_devices: int, abstract_model=None) -> Pla
             f"mesh.context_parallel: splits the sequence over the {cp} axis, but mesh.{cp} is 1 (mesh={c.mesh.name}); "
             f"set mesh.{cp} to 2 or more, or mesh.context_parallel=null"
         )
-    seq_axes = list(dict.fromkeys(a for a in rules.get("seq", []) if a in MESH_AXES))
-    seq_ways = math.prod(shape.sizes[a] for a in seq_axes) if seq_axes else 1
-    if c.data.seq_len % seq_ways:
-        desc = "*".join(f"{a}={shape.sizes[a]}" for a in seq_axes)
-        raise ConfigError(
-            f"data.seq_len: {c.data.seq_len} is not divisible by the sequence-parallel size {seq_ways} "
-            f"({'mesh.context_parallel and ' if cp else ''}mesh.rules.seq split{'' if cp else 's'} it over {desc}); "
-            f"use a multiple of {seq_ways}"
-        )
-    if cp is not None and c.mesh.context_balance and c.data.seq_len % (2 * shape.sizes[cp]):
-        raise ConfigError(
-            f"data.seq_len: {c.data.seq_len} does not cut into 2 x {shape.sizes[cp]} equal chunks, which balanced "
-            "context "
-            f"parallelism deals out (mesh.context_parallel={cp}); use a multiple of {2 * shape.sizes[cp]}, or "
-            "mesh.context_balance=false"
-        )
+    _check_sequence(c, shape, rules, cp)
     if c.data.seq_len > m.max_position_embeddings:
         raise ConfigError(
             f"data.seq_len: {c.data.seq_len} exceeds model.max_position_embeddings={m.max_position_embeddings}; "
@@ -697,22 +660,69 @@ def validate(c: TrainConfig, available_devices: int, abstract_model=None) -> Pla
             "trainer.tensorboard: needs the tensorboardX package; pip install -e '.[tensorboard]' or set "
             "trainer.tensorboard=false"
         )
-    if abstract_model is not None and c.pretrained is not None:
+    if abstract_model is not None:
+        _check_model_files(c, abstract_model, rules, shape)
+    return Plan(mesh=shape, num_devices=wanted, microbatch=micro, attention_impl=attention_impl, moe_impl=moe_impl)
+
+
+def _check_batch(c: TrainConfig, shape, rules) -> tuple[int, int]:
+    """data.batch_size against gradient accumulation and the data-parallel ways: (dp, microbatch)."""
+    batch_axes = [a for a in rules.get("batch", []) if a in MESH_AXES]
+    dp = math.prod(shape.sizes[a] for a in dict.fromkeys(batch_axes)) if batch_axes else 1
+    accum = c.trainer.grad_accum
+    if c.data.batch_size % accum:
+        raise ConfigError(
+            f"data.batch_size: {c.data.batch_size} is not divisible by trainer.grad_accum={accum}; "
+            f"use a multiple of {accum}"
+        )
+    micro = c.data.batch_size // accum
+    if micro % dp:
+        desc = "*".join(f"{a}={shape.sizes[a]}" for a in dict.fromkeys(batch_axes)) or "1"
+        need = dp * accum
+        raise ConfigError(
+            f"data.batch_size: {c.data.batch_size} is not divisible by the data-parallel size {dp}"
+            + (f" times trainer.grad_accum={accum}" if accum > 1 else "")
+            + f" (batch is split over {desc}); use a multiple of {need}"
+        )
+    return dp, micro
+
+
+def _check_sequence(c: TrainConfig, shape, rules, cp) -> None:
+    """data.seq_len against the ways the sequence is split (sequence and context parallelism)."""
+    seq_axes = list(dict.fromkeys(a for a in rules.get("seq", []) if a in MESH_AXES))
+    seq_ways = math.prod(shape.sizes[a] for a in seq_axes) if seq_axes else 1
+    if c.data.seq_len % seq_ways:
+        desc = "*".join(f"{a}={shape.sizes[a]}" for a in seq_axes)
+        raise ConfigError(
+            f"data.seq_len: {c.data.seq_len} is not divisible by the sequence-parallel size {seq_ways} "
+            f"({'mesh.context_parallel and ' if cp else ''}mesh.rules.seq split{'' if cp else 's'} it over {desc}); "
+            f"use a multiple of {seq_ways}"
+        )
+    if cp is not None and c.mesh.context_balance and c.data.seq_len % (2 * shape.sizes[cp]):
+        raise ConfigError(
+            f"data.seq_len: {c.data.seq_len} does not cut into 2 x {shape.sizes[cp]} equal chunks, which balanced "
+            "context "
+            f"parallelism deals out (mesh.context_parallel={cp}); use a multiple of {2 * shape.sizes[cp]}, or "
+            "mesh.context_balance=false"
+        )
+
+
+def _check_model_files(c: TrainConfig, abstract_model, rules, shape) -> None:
+    """The pretrained weights' headers, LoRA's targets and the parameters' sharding, against the model."""
+    if c.pretrained is not None:
         try:  # every tensor's name, shape and dtype, from the safetensors headers
             check_weights(c.pretrained, abstract_model)
         except ValueError as e:
             raise ConfigError(str(e).splitlines()[0]) from None
-    if abstract_model is not None and c.lora.enabled:
+    if c.lora.enabled:
         problem = check_lora(abstract_model, c.lora)  # a target the family lacks, a rank over a projection
         if problem:
             raise ConfigError(problem)
-    if abstract_model is not None:
-        try:
-            specs = param_specs(abstract_model, rules, shape.sizes)
-            check_replication(abstract_model, specs, shape.sizes, c.mesh.max_replicated_mb * 2**20)
-        except ShardingError as e:
-            raise ConfigError(str(e)) from None
-    return Plan(mesh=shape, num_devices=wanted, microbatch=micro, attention_impl=attention_impl, moe_impl=moe_impl)
+    try:
+        specs = param_specs(abstract_model, rules, shape.sizes)
+        check_replication(abstract_model, specs, shape.sizes, c.mesh.max_replicated_mb * 2**20)
+    except ShardingError as e:
+        raise ConfigError(str(e)) from None
 
 
 def resolve_kernels(c: TrainConfig) -> tuple[str, Optional[str]]:

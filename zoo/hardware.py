@@ -170,3 +170,15 @@ HARDWARE_OF_KIND = {
     "NVIDIA GH200 480GB": "gh200",
     "NVIDIA GB200": "gb200",
 }
+
+
+def check_hardware_platform(hw: HardwareConfig, platform: str) -> None:
+    """A profile of another platform than the run's (a TPU's on a CPU): ConfigError. A run's MFU and
+    its planner figures are read against its profile."""
+    if hw.platform is not None and hw.platform != platform:
+        raise ConfigError(
+            f"hardware: {hw.name} is a profile of a {hw.platform}, and this run's devices are {platform}s; use "
+            "hardware=auto "
+            f"(this machine's profile) or one of its own; to plan for a {hw.platform} from here, "
+            f"python -m zoo.tools.plan ... hardware={hw.name}"
+        )
