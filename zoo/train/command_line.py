@@ -14,6 +14,9 @@ import re
 from typing import Mapping, Optional
 
 MULTIRUN_FLAGS = ("-m", "--multirun")
+# Hydra's flags that print (the composed config, help) and run nothing: no job, no run directory.
+PRINTS = ("--cfg", "-c", "--info", "-i")
+PRINT_ONLY = (*PRINTS, "--help", "-h", "--hydra-help", "--shell-completion", "-sc")
 # SLURM's variables that zoo (zoo.tools.cli, zoo.train.distributed) and JAX read as numbers.
 SLURM_NUMBERS = ("SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID", "SLURM_NNODES", "SLURM_NODEID")
 _KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-@/.]*$")  # Hydra's key grammar, ASCII letters only
@@ -34,6 +37,7 @@ def _overrides(args: list[str]) -> list[str]:
             skip = False
         elif a.startswith("-"):
             skip = a in ("-cn", "--config-name", "-cp", "--config-path", "-cd", "--config-dir", "-p", "--package")
+            skip = skip or a in PRINTS  # --cfg job|hydra|all, --info <topic>: its value is no override
         else:
             out.append(a)
     return out
@@ -55,13 +59,14 @@ def line(args: list[str], environ: Mapping[str, str], conf: pathlib.Path) -> Opt
             return found
     launchers = [a.split("=", 1)[1] for a in overrides if a.lstrip("+").startswith("hydra/launcher=")]
     dirs = _search_dirs(overrides, conf)
-    if launchers and not any(a in MULTIRUN_FLAGS for a in args) and _submits(launchers[-1], dirs):
+    printing = any(a in PRINT_ONLY for a in args)
+    if launchers and not printing and not any(a in MULTIRUN_FLAGS for a in args) and _submits(launchers[-1], dirs):
         return (
             f"hydra/launcher: {launchers[-1]} launches the jobs of a sweep, and without -m this command runs here, "
             "ignoring it; add -m (python train.py -m hydra/launcher=... ...), or drop it (srun python train.py ... "
             "inside an allocation)"
         )
-    return _option_file_line(overrides, dirs) or _full_disk_line(args, overrides)
+    return _option_file_line(overrides, dirs) or (None if printing else _full_disk_line(args, overrides))
 
 
 # Less free space than this where the run directory goes: Hydra's record of the config alone would not fit.
