@@ -1,6 +1,7 @@
 """bench/peer_maxtext.py without a TPU or MaxText: the recorded chip runs rendered and held against what
 docs/benchmarks.md says of them, the shapes it runs (Zoo's side of each), and its bad input."""
 
+import dataclasses
 import importlib.util
 import json
 import pathlib
@@ -66,8 +67,7 @@ def test_maxtext_none_is_its_full_recompute(record):
 
 
 def test_derive_picks_each_sides_fastest_and_the_offload_ratio():
-    r = {"shapes": {"s": {"shape": vars(pm.TOY_SHAPES["toy_dense"]) | {}}}}
-    r["shapes"]["s"]["shape"] = {f: getattr(pm.TOY_SHAPES["toy_dense"], f) for f in pm.Shape.__dataclass_fields__}
+    r = {"shapes": {"s": {"shape": dataclasses.asdict(pm.TOY_SHAPES["toy_dense"])}}}
     r["shapes"]["s"]["zoo"] = {"runs": {"full": {"status": "ok", "step_times_s": [0.3, 0.2, 0.25]},
                                         "context_offloaded": {"status": "ok", "step_times_s": [0.18]},
                                         "none": {"status": "oom", "step_times_s": []}}}  # fmt: skip
