@@ -39,8 +39,11 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench import common as C  # noqa: E402 - stdlib only: MaxText's Python runs this file too
+from bench.skeleton import log  # noqa: E402
+
 SCHEMA = "zoo.bench.maxtext/1"
-PEAK_FLOPS = 1.97e14  # v5e bf16 datasheet (conf/hardware/tpu_v5e.yaml)
+PEAK_FLOPS = 1.97e14  # v5e bf16 datasheet, as bench/tpu.py's (conf/hardware/tpu_v5e.yaml)
 HBM_BYTES = 16909336064  # what the runtime gives one program on the v5e (docs/benchmarks.md)
 MAXTEXT_VERSION = "0.2.4"  # its tpu extra pins jax >= 0.10.2 and libtpu >= 0.0.42.1, the chip's; 0.2.5 wants jax 0.11
 WARMUP_STEPS = 2  # MaxText's steps left out of its median (the first includes compilation's tail)
@@ -232,10 +235,6 @@ POLICIES = {
 RECOMPUTE_ONLY = {"none", "full", "minimal", "save_qkv_proj"}
 
 
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
 class BadInput(ValueError):
     """One line for the user: what is wrong and the fix."""
 
@@ -418,12 +417,6 @@ def common_maxtext_args(spec: dict, shape: Shape, metrics: pathlib.Path) -> list
 # --- parent --------------------------------------------------------------------------------------
 
 
-def _tpu_flags(group: str) -> list[str]:
-    import yaml
-
-    return list(yaml.safe_load((ROOT / "conf" / "xla" / f"{group}.yaml").read_text()).get("tpu_flags") or [])
-
-
 def run_child(side: str, spec: dict, workdir: pathlib.Path, args, timeout: float) -> dict:
     tag = f"{side}_{spec['name']}_{spec['round']}"
     spec_path, result_path = workdir / f"{tag}_spec.json", workdir / f"{tag}_result.json"
@@ -436,6 +429,8 @@ def run_child(side: str, spec: dict, workdir: pathlib.Path, args, timeout: float
         del env["JAX_PLATFORMS"]
     env["JAX_COMPILATION_CACHE_DIR"] = str(workdir / "jax_cache")
     env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    from bench.tpu import _tpu_flags
+
     flags = _tpu_flags(spec["group"])
     if flags:
         env["LIBTPU_INIT_ARGS"] = " ".join([os.environ.get("LIBTPU_INIT_ARGS", ""), *flags]).strip()
@@ -678,10 +673,10 @@ def run(args, shapes: dict[str, Shape], policies: list[str], sides: list[str]) -
                 child = run_child(side, spec, workdir, args, deadline - time.time() + 60)
                 merge_round(record, name, side, child)
                 if args.out:
-                    _write(args.out, record)
+                    C.write_json(args.out, record)
     derive(record)
     if args.out:
-        _write(args.out, record)
+        C.write_json(args.out, record)
     print(markdown(record))
     runs = [r for e in record["shapes"].values() for side in ("zoo", "maxtext") for r in _runs(e, side).values()]
     if not any(r.get("median_step_s") for r in runs):
@@ -697,14 +692,6 @@ def _runs(entry: dict, side: str) -> dict:
 
 def argv_is_cli() -> bool:
     return pathlib.Path(sys.argv[0]).name == "peer_maxtext.py"
-
-
-def _write(path, obj) -> None:
-    p = pathlib.Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_suffix(p.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    tmp.replace(p)
 
 
 if __name__ == "__main__":
