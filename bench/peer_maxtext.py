@@ -279,21 +279,42 @@ def check_shapes(shapes: dict[str, Shape], hbm_bytes: float) -> None:
 # --- children ------------------------------------------------------------------------------------
 
 
+def zoo_label(policy: str) -> str:
+    """Zoo's label of a policy of --policies: a shared one's (POLICIES), or a label of bench/tpu.py's
+    syntax as given (Zoo's side only: `minimal:context=device,out_proj=offload`)."""
+    return POLICIES[policy][0] if policy in POLICIES else policy
+
+
+def zoo_setup(name: str, shape: Shape, labels: list[str], group: str = "default") -> dict:
+    """bench/tpu.py's setup of a shape (its model registered in zoo.families.SIZES under
+    `maxtext_bench_<name>`), running the Zoo labels `labels`."""
+    from zoo.families import SIZES
+
+    model = f"maxtext_bench_{name}"
+    SIZES[model] = shape.zoo_model()
+    return {"model": [model, {}], "batch": shape.batch, "seq": shape.seq, "group": group, "policies": labels}
+
+
+def as_tpu_record(record: dict) -> dict:
+    """This script's record as bench/tpu.py's (its Zoo runs, each shape a setup marked out of sample),
+    for the step model's fit and its transfer evidence (`python bench/tpu.py --fit`)."""
+    setups = {}
+    for name, entry in (record.get("shapes") or {}).items():
+        runs = {}
+        for policy, r in ((entry.get("zoo") or {}).get("runs") or {}).items():
+            times = r.get("step_times_s") or []
+            runs[zoo_label(policy)] = {**r, "median_step_s": statistics.median(times) if times else None}
+        setup = zoo_setup(name, Shape(**entry["shape"]), list(runs))
+        setups[f"maxtext_{name}"] = {"setup": setup, "runs": runs, "command": entry.get("command"), "peer": True}
+    return {"schema": "zoo.bench.tpu/1", "command": "", "setups": setups}
+
+
 def child_zoo(spec: dict, result_path: pathlib.Path) -> dict:
     """Zoo's policies for one shape: bench/tpu.py's setup runner (compile all, time in alternation)."""
     from bench import tpu as T
-    from zoo.families import SIZES
 
     shape = Shape(**spec["shape"])
-    name = f"maxtext_bench_{spec['name']}"
-    SIZES[name] = shape.zoo_model()
-    setup = {
-        "model": [name, {}],
-        "batch": shape.batch,
-        "seq": shape.seq,
-        "group": spec["group"],
-        "policies": [POLICIES[p][0] for p in spec["policies"]],
-    }
+    setup = zoo_setup(spec["name"], shape, [zoo_label(p) for p in spec["policies"]], spec["group"])
     tspec = {
         "setup_names": [spec["name"]],
         "setups": {spec["name"]: setup},
@@ -307,7 +328,7 @@ def child_zoo(spec: dict, result_path: pathlib.Path) -> dict:
     runs = res["setups"][spec["name"]]["runs"]
     out = {}
     for policy in spec["policies"]:
-        r = runs.get(POLICIES[policy][0], {})
+        r = runs.get(zoo_label(policy), {})
         out[policy] = {
             "status": r.get("status", "missing"),
             "error": r.get("error"),
@@ -506,6 +527,66 @@ def derive(record: dict) -> None:
         fast = entry.get("fastest", {})
         if "zoo" in fast and "maxtext" in fast:
             entry["zoo_over_maxtext_fastest"] = fast["zoo"]["step_s"] / fast["maxtext"]["step_s"]
+
+
+def assignment_label(assignment: dict[str, str]) -> str:
+    """An assignment as a label of bench/tpu.py's syntax: `full` (every tag recomputed) and each tag
+    that is not."""
+    return "full:" + ",".join(f"{t}={a}" for t, a in assignment.items() if a != "remat")
+
+
+def planner_picks(record: dict, profile: str = "tpu_v5e", compile_n: int = 0) -> None:
+    """Per shape of `record`: zoo.tools.plan's pick for the shape's model and batch on the hardware
+    `profile` (the estimate alone; `compile_n` > 0: plan.compile, ahead of time with libtpu), beside the
+    fastest Zoo policy the chip measured, in `entry["planner"]`: its label, estimate, and, where the
+    record timed the same assignment, its step and its ratio to the fastest."""
+    import jax
+
+    from bench import tpu as T
+    from zoo.backend import lowering_for, pallas_interpreted
+    from zoo.offload import conf_dir
+    from zoo.plan.options import PlanConfig
+    from zoo.plan.compiled import compile_checked
+    from zoo.plan.search import search
+    from zoo.plan.traced import none_estimate, none_note, problem_from_config
+
+    hw = T.load_profile(profile)
+    for name, entry in record["shapes"].items():
+        setup = zoo_setup(name, Shape(**entry["shape"]), ["full"], "tpu_host_offload")
+        opts = PlanConfig(compile=compile_n)
+        with lowering_for("tpu"), pallas_interpreted():
+            c, tr = T.build(setup, "full", jax.devices()[:1], hw, False)
+            p, info = problem_from_config(c, tr, opts, conf_dir() / "hardware")
+        none = none_estimate(p, info["none_residual_bytes"]) if info["none_residual_bytes"] is not None else None
+        if compile_n:
+            log(f"plan.compile={compile_n} for {name} (ahead of time with libtpu) ...")
+            pick, checked, _ = compile_checked(p, c, tr.plan, jax.devices()[:1], opts, echo=_echo, none=none)
+            label = "none" if checked.label == "none" else assignment_label(pick.assignment)
+        else:
+            pick = search(p)
+            note = none is not None and none_note(p, pick, none, False)
+            pick, label = (none, "none") if note else (pick, assignment_label(pick.assignment))
+        runs = _runs(entry, "zoo")
+        same = [
+            policy
+            for policy, r in runs.items()
+            if r.get("median_step_s")
+            and (policy == "none" if label == "none" else (r.get("planner") or {}).get("assignment") == pick.assignment)
+        ]
+        measured = runs[same[0]]["median_step_s"] if same else (runs.get(label) or {}).get("median_step_s")
+        fastest = (entry.get("fastest") or {}).get("zoo")
+        entry["planner"] = {
+            "profile": profile,
+            "compiled": bool(compile_n),
+            "label": same[0] if same else label,
+            "estimated_step_s": pick.time_s,
+            "measured_step_s": measured,
+            "over_fastest": measured / fastest["step_s"] if measured and fastest else None,
+        }
+
+
+def _echo(*a, **_):
+    log(" ".join(map(str, a)))
 
 
 def _ms(x):

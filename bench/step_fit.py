@@ -168,6 +168,88 @@ def summary(values: dict, best: dict, fitted: Sequence[Sample], every: Sequence[
     return "\n".join(lines)
 
 
+def with_hidden(samples: Sequence[Sample], hidden) -> list:
+    """The samples with their problems pricing the transfers of the tags in `hidden` as overlapping
+    compute and every other tag's as exposed (`zoo.plan.problem.Problem.overlapped`)."""
+    return [
+        dataclasses.replace(s, problem=dataclasses.replace(s.problem, overlapped=frozenset(hidden))) for s in samples
+    ]
+
+
+@dataclasses.dataclass
+class Evidence:
+    """One offloaded tag: the runs that sent it to host, and their squared relative step error with its
+    transfer priced hidden (overlapping compute) and exposed whole."""
+
+    tag: str
+    runs: list
+    error_hidden: float
+    error_exposed: float
+
+    @property
+    def hidden(self) -> bool:
+        return self.error_hidden < self.error_exposed
+
+
+def offloaded_tags(samples: Sequence[Sample]) -> list[str]:
+    """The tags any run sent to host (not the layer input, whose transfer is exposed whatever the
+    profile says)."""
+    from zoo.offload import CHECKPOINT_INPUTS
+
+    return list(
+        dict.fromkeys(
+            t for s in samples for t, a in s.assignment.items() if a == "offload" and t not in CHECKPOINT_INPUTS
+        )
+    )
+
+
+def fit_hidden(samples: Sequence[Sample], values: dict) -> list[str]:
+    """The tags whose transfers the chip hid, as a set fitted to the runs: from none, add the tag whose
+    transfer priced hidden lowers the runs' squared error the most, while one lowers it by more than
+    0.1% (the runs offload several tags at once, so each tag is judged beside the others)."""
+    runs = [s for s in samples if any(a == "offload" for a in s.assignment.values())]
+    hidden: list[str] = []
+    err = squared_error(with_hidden(runs, hidden), values)
+    while True:
+        trials = {
+            t: squared_error(with_hidden(runs, [*hidden, t]), values) for t in offloaded_tags(runs) if t not in hidden
+        }
+        if not trials or min(trials.values()) >= err * (1 - 1e-3):
+            return hidden
+        best = min(trials, key=trials.get)
+        hidden.append(best)
+        err = trials[best]
+
+
+def transfer_evidence(samples: Sequence[Sample], values: dict, hidden) -> list[Evidence]:
+    """Per tag any run offloaded: the squared error of the runs that sent it to host with its transfer
+    priced hidden and exposed, the other tags as `hidden` says (`fit_hidden`)."""
+    out = []
+    for tag in offloaded_tags(samples):
+        runs = [s for s in samples if s.assignment.get(tag) == "offload"]
+        on, off = with_hidden(runs, set(hidden) | {tag}), with_hidden(runs, set(hidden) - {tag})
+        out.append(
+            Evidence(tag, [f"{s.setup}/{s.label}" for s in runs], squared_error(on, values), squared_error(off, values))
+        )
+    return out
+
+
+def evidence_lines(evidence: Sequence[Evidence]) -> str:
+    return "\n".join(
+        f"transfer of {e.tag}: {'hidden' if e.hidden else 'exposed'} (squared error {e.error_hidden:.4f} priced "
+        f"hidden, {e.error_exposed:.4f} exposed, over {len(e.runs)} runs: {', '.join(e.runs)})"
+        for e in evidence
+    )
+
+
+def rewrite_hidden(text: str, path: pathlib.Path, hidden: Sequence[str]) -> str:
+    """The profile's text with its `hidden_transfers:` line set to `hidden`, its comment kept."""
+    pattern = re.compile(r"^(hidden_transfers:[ \t]*)([^#\n]*?)([ \t]*(#.*)?)$", re.MULTILINE)
+    if not pattern.search(text):
+        raise ValueError(f"{path}: no top-level `hidden_transfers:` line to rewrite; add `hidden_transfers: []`")
+    return pattern.sub(lambda m: f"{m.group(1)}[{', '.join(hidden)}]{m.group(3)}", text, count=1)
+
+
 def rewrite_profile(path: pathlib.Path, values: dict) -> str:
     """The profile's text with each fitted key's value (as written: `rounded`) replaced in place, its
     comments kept."""
@@ -220,21 +302,30 @@ def main(
         print(f"error: --fit-tolerance {tolerance}: a fraction in [0, 1), e.g. 0.005; 0 always refits", file=sys.stderr)
         return 2
     try:
-        res = records.merge([json.loads(pathlib.Path(f).read_text()) for f in record.split(",")])
+        res = records.merge([records.as_record(json.loads(pathlib.Path(f).read_text())) for f in record.split(",")])
     except (OSError, ValueError) as e:
         print(f"error: --fit {record}: {e}; give bench/tpu.py --out JSONs (comma list)", file=sys.stderr)
         return 2
-    current = {k: float(getattr(records.load_profile(profile), k)) for k in FITTED}
-    fitted, every = samples_from_record(res, profile, records, out_of_sample)
+    loaded = records.load_profile(profile)
+    current = {k: float(getattr(loaded, k)) for k in FITTED}
+    peers = [n for n, setup in (res.get("setups") or {}).items() if setup.get("peer")]
+    fitted, every = samples_from_record(res, profile, records, (*out_of_sample, *peers))
     if len(fitted) < len(FITTED):
         print(f"error: --fit {record}: {len(fitted)} runs that ran; the fit needs at least 4", file=sys.stderr)
         return 2
+    # Which tags' transfers the chip hid, read at the profile's values; then the four figures with
+    # the transfers priced that way.
+    hidden = fit_hidden(every, current)
+    evidence = transfer_evidence(every, current, hidden)
+    fitted, every = with_hidden(fitted, hidden), with_hidden(every, hidden)
     best = fit(fitted, current)
     values, why = chosen(fitted, best, current, tolerance)
+    print(evidence_lines(evidence))
     print(summary(values, best, fitted, every, left_out_errors(fitted, current)))
     print(why)
-    if dry_run or values == rounded(current):
+    print(f"hidden_transfers: [{', '.join(hidden)}]")
+    if dry_run or (values == rounded(current) and hidden == list(loaded.hidden_transfers)):
         return 0
-    path.write_text(rewrite_profile(path, values))
+    path.write_text(rewrite_hidden(rewrite_profile(path, values), path, hidden))
     print(f"wrote {path.relative_to(ROOT)}")
     return 0

@@ -753,6 +753,16 @@ def merge(records: list[dict]) -> dict:
     return out
 
 
+def as_record(rec: dict) -> dict:
+    """A record this script reads: its own, or bench/peer_maxtext.py's (its Zoo runs, each shape a setup
+    marked `peer`, out of the step model's fit; `as_tpu_record`)."""
+    if rec.get("schema") == "zoo.bench.maxtext/1":
+        from bench.peer_maxtext import as_tpu_record
+
+        return as_tpu_record(rec)
+    return rec
+
+
 def load_profile(profile: str):
     """conf/hardware/<profile>.yaml as the planner reads it."""
     from omegaconf import OmegaConf

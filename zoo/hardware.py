@@ -37,6 +37,12 @@ class HardwareConfig:
     # zoo.tools.measure_hardware): the planner then adds, where it would overlap, the optimizer state's
     # way in and way out.
     host_link_duplex: bool = True
+    # Tags whose host transfer this hardware was measured to hide behind the layer's compute (the
+    # chip's step with the tag offloaded priced closer with the overlap than with the transfer whole:
+    # bench/tpu.py --fit lists them from a record's runs). The planner prices only those with the
+    # overlap (the excess over compute exposed) and every other tag's transfer exposed whole, both ways
+    # (plan.transfers=measured, its default): a transfer nobody saw hidden is not assumed hidden.
+    hidden_transfers: list[str] = dataclasses.field(default_factory=list)
     # Measured dense matmul FLOP/s (python -m zoo.tools.measure_hardware); the planner prefers it to
     # peak_flops * plan.flops_efficiency. null: not measured.
     matmul_flops: Optional[float] = None

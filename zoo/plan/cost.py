@@ -178,6 +178,20 @@ def offloaded_per_layer(p: Problem, digits: np.ndarray, layers_of: dict[str, int
     return out
 
 
+def overlaps(p: Problem, tag: str) -> bool:
+    """Whether `tag`'s host transfer is priced as overlapping its layer's compute (the excess over it
+    exposed) rather than exposed whole, both ways: where the hardware was measured to hide it
+    (`Problem.overlapped`, from hardware.hidden_transfers; plan.transfers). A transfer nobody measured
+    hidden is exposed: on a TPU v5e, llama_1b's layers at 12 x 2048, a pick that sent out_proj and
+    mlpwi_1 to host, priced hidden at 770 ms, ran 932.7 (docs/benchmarks.md, "The planner against the
+    chip"). The layer input is never: it is what the layer's backward starts from, so nothing hides its
+    way back (on a v5e its offload cost dsv3_100m 363 ms a step at 68 x 4096, more than its 243 ms round
+    trip over the link)."""
+    if tag in CHECKPOINT_INPUTS:
+        return False
+    return p.overlapped is None or tag in p.overlapped
+
+
 def layer_parts(p: Problem, digits: np.ndarray, layers_of: dict[str, int]) -> tuple[np.ndarray, ...]:
     """(recompute FLOPs, device tag bytes, host tag bytes, exposed transfer seconds) of `layers_of[s]`
     layers of each stack s under the assignments `digits`, per microbatch."""
@@ -199,14 +213,11 @@ def layer_parts(p: Problem, digits: np.ndarray, layers_of: dict[str, int]) -> tu
             if b:
                 device_bytes += (d == 0) * b * layers
                 host_bytes += (d == 1) * b * layers
-                if t.tag in CHECKPOINT_INPUTS:
-                    # What a layer's backward starts from: nothing hides its way back (on a v5e the layer
-                    # input's offload cost dsv3_100m 363 ms a step at 68 x 4096, more than its 243 ms round
-                    # trip over the link), so both directions count whole.
+                if overlaps(p, t.tag):
+                    per_stack_off[s] += (d == 1) * b
+                    per_stack_count[s] += d == 1
+                else:
                     exposed += (d == 1) * layers * 2 * transfer_s(p, b)
-                    continue
-                per_stack_off[s] += (d == 1) * b
-                per_stack_count[s] += d == 1
             if f:
                 per_stack_remat[s] += (d == 2) * f
                 recompute_flops += (d == 2) * f * layers
@@ -281,7 +292,7 @@ def estimates_table(p: Problem, chosen: Estimate) -> str:
                 t.tag,
                 fmt_bytes(total),
                 f"{1e3 * flops / p.rate:.3f} ms" if "remat" in t.choices else "-",
-                f"{1e3 * xfer:.3f} ms",
+                f"{1e3 * xfer:.3f} ms " + ("overlapped" if overlaps(p, t.tag) else "exposed"),
                 chosen.assignment[t.tag],
             )
         )

@@ -19,6 +19,9 @@ LINKS = {
 }
 
 
+TRANSFERS = ("measured", "exposed", "overlapped")  # plan.transfers
+
+
 @dataclasses.dataclass
 class PlanConfig:
     """`plan.*` keys of `python -m zoo.tools.plan`."""
@@ -32,6 +35,11 @@ class PlanConfig:
     )
     flops_efficiency: float = 0.5  # fraction of hardware.peak_flops matmuls reach
     transfer_latency_us: float = 10.0  # fixed cost of one host transfer
+    # How a tag's host transfer is priced: `measured`, overlapping its layer's compute where the
+    # hardware profile measured it hidden (hardware.hidden_transfers) and exposed whole elsewhere;
+    # `exposed`, every transfer whole; `overlapped`, every transfer overlapping compute (the optimistic
+    # bound, for a link nobody has measured yet).
+    transfers: str = "measured"
     # Where the offload YAML goes; null: outputs/plan/<date>_<time>/offload/<name>.yaml (a folder
     # named offload, so train.py finds it with hydra.searchpath=[file://<the folder above>]).
     out: Optional[str] = None
@@ -64,6 +72,11 @@ class PlanConfig:
             raise PlanError(f"plan.flops_efficiency: must be in (0, 1], got {self.flops_efficiency}")
         if self.transfer_latency_us < 0:
             raise PlanError(f"plan.transfer_latency_us: must be >= 0, got {self.transfer_latency_us}")
+        if self.transfers not in TRANSFERS:
+            raise PlanError(
+                f"plan.transfers: got {self.transfers!r}; choose {', '.join(TRANSFERS)} (measured: hidden only "
+                "where hardware.hidden_transfers says)"
+            )
         if self.compile is not None and self.compile < 0:
             raise PlanError(f"plan.compile: the number of candidates to compile, >= 0; got {self.compile}")
         if self.measure < 0:
@@ -92,6 +105,21 @@ def link_duplex(link, profile_duplex: bool, hardware_dir=None) -> bool:
         return bool(profile_duplex)
     profile = _link_profile(link, hardware_dir)
     return True if profile is None else bool(profile.get("host_link_duplex", True))
+
+
+def hidden_transfers(opts: "PlanConfig", profile_hidden, hardware_dir=None) -> Optional[frozenset]:
+    """The tags whose host transfer is priced as overlapping compute (`zoo.plan.problem.Problem.overlapped`):
+    plan.transfers=overlapped every tag (None), exposed none; measured, those the hardware measured
+    hidden: the run's profile's `hidden_transfers`, or, where plan.link names another profile, that
+    one's; a link given as a number or a LINKS name was measured by nobody: none."""
+    if opts.transfers == "overlapped":
+        return None
+    if opts.transfers == "exposed":
+        return frozenset()
+    if opts.link is None:
+        return frozenset(profile_hidden or ())
+    profile = _link_profile(opts.link, hardware_dir)
+    return frozenset((profile.get("hidden_transfers") or ()) if profile is not None else ())
 
 
 def resolve_link(link, default_gbps: Union[int, float, None], hardware_dir=None) -> float:

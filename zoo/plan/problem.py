@@ -5,6 +5,7 @@ anything."""
 
 import dataclasses
 import math
+from typing import Optional
 
 
 CHOICES = ("device", "offload", "remat")
@@ -97,6 +98,10 @@ class Problem:
     # whatever the tags' assignment (0 for a policy that does not checkpoint).
     memory_s: float = 0.0
     rerun_s: float = 0.0
+    # Tags whose host transfer overlaps its layer's compute (only the excess over it is exposed); every
+    # other tag's transfer is exposed whole, both ways (`zoo.plan.cost.layer_parts`). None: every tag's
+    # overlaps (plan.transfers=overlapped). The layer input's is exposed whole whatever this says.
+    overlapped: Optional[frozenset] = None
 
     def __post_init__(self):
         for t in self.tags:

@@ -16,10 +16,10 @@ from zoo.backend import lowering_for, pallas_interpreted
 from zoo.counts import flops_per_token
 from zoo.model import loss_fn
 from zoo.nn.attention_kernels import resolve_impl
-from zoo.offload import OffloadConfig, backward_never_reads, remat_policy, resolve
+from zoo.offload import CHECKPOINT_INPUTS, OffloadConfig, backward_never_reads, remat_policy, resolve
 from zoo.placement import inspect_placement, stack_names
 from zoo.plan.cost import evaluate, tag_totals_of
-from zoo.plan.options import PlanConfig, host_budget_bytes, link_duplex, resolve_link
+from zoo.plan.options import PlanConfig, hidden_transfers, host_budget_bytes, link_duplex, resolve_link
 from zoo.plan.policies import with_ranges
 from zoo.plan.pricing import (
     OpSlowness,
@@ -32,7 +32,7 @@ from zoo.plan.pricing import (
 from zoo.plan.problem import GB, Estimate, PlanError, Problem, StackCost, fmt_bytes
 from zoo.plan.working_set import WorkingSet, step_working_set
 from zoo.sharding import logical_ways
-from zoo.tags import emitted_tags
+from zoo.tags import TAGS, emitted_tags
 
 
 def per_device_bytes(abstract_tree, shardings, stack_names: Sequence[str] = ()) -> tuple[float, dict]:
@@ -370,6 +370,7 @@ def problem_from_config(
     memory_bound = hw.activation_passes or hw.recompute_passes
     memory_pass_s = activation_bytes / (hw.hbm_gbps * 1e9) * c.trainer.grad_accum if memory_bound else 0.0
     checkpoints = c.offload.checkpoint or bool(c.offload.ranges) or not own_policy
+    overlapped = overlapped_tags(c, opts, hardware_dir)
     p = Problem(
         tags=tags,
         stacks=stacks,
@@ -403,15 +404,74 @@ def problem_from_config(
         frozen_on_host=trainer.lora is not None and trainer.params_on_host,
         memory_s=hw.activation_passes * memory_pass_s,
         rerun_s=hw.recompute_passes * memory_pass_s if checkpoints else 0.0,
+        overlapped=overlapped,
         largest_leaves=largest_leaves(trainer.abstract_params, trainer.param_shardings, "params")
         + largest_leaves(state.abstract_opt, trainer.opt_shardings, "opt_state"),
     )
     if c.offload.ranges:
         p = with_ranges(p, c.offload, m)
     info = problem_info(c, p, shape, (rate, rate_source, link_gbps), state, working)
+    info["figures"] = figures(c, opts, p, slowness, hardware_dir)
     # what `none` keeps besides the tags, where it was traced (the memory-bound term needs it)
     info["none_residual_bytes"] = untagged if uncheckpointed is not None else None
     return p, info
+
+
+def overlapped_tags(c, opts: PlanConfig, hardware_dir=None) -> Optional[frozenset]:
+    """`Problem.overlapped` for this run (`zoo.plan.options.hidden_transfers`); a name in the profile's
+    hardware.hidden_transfers that is no tag: PlanError naming it."""
+    unknown = [t for t in c.hardware.hidden_transfers if t not in TAGS]
+    if unknown:
+        raise PlanError(
+            f"hardware.hidden_transfers: {', '.join(map(repr, unknown))} is no tag (zoo.tags); list tags the "
+            f"hardware was measured to hide, e.g. [context], or [] (bench/tpu.py --fit lists them)"
+        )
+    return hidden_transfers(opts, c.hardware.hidden_transfers, hardware_dir)
+
+
+def figures(c, opts: PlanConfig, p: Problem, slowness: OpSlowness, hardware_dir=None) -> dict[str, list[str]]:
+    """Which of the figures the estimate uses were measured on the hardware (or fitted to its runs) and
+    which are assumed: {"measured": [...], "assumed": [...]}, printed by the plan and kept in plan.json."""
+    hw = c.hardware
+    measured, assumed = [], []
+    if hw.matmul_flops:
+        measured.append(f"the matmul rate (hardware.matmul_flops of {hw.name})")
+    else:
+        assumed.append(f"the compute rate (hardware.peak_flops x plan.flops_efficiency {opts.flops_efficiency:g})")
+    (measured if slowness.used else assumed).append(
+        f"op rates ({', '.join(slowness.used)})" if slowness.used else "every op at that rate (no hardware.op_rates)"
+    )
+    fitted = [
+        k
+        for k, unit in (
+            ("step_efficiency", 1.0),
+            ("recompute_cost", 1.0),
+            ("activation_passes", 0.0),
+            ("recompute_passes", 0.0),
+        )
+        if getattr(hw, k) != unit
+    ]
+    if fitted:
+        measured.append("the step model's " + ", ".join(fitted) + " (fitted to the hardware's runs)")
+    if opts.link is None:
+        measured.append(f"the host link (hardware.host_link_gbps of {hw.name})")
+    elif hardware_dir is not None and (hardware_dir / f"{opts.link}.yaml").exists():
+        measured.append(f"the host link (hardware.host_link_gbps of {opts.link})")
+    else:
+        assumed.append(f"the host link (plan.link={opts.link}, a nominal rate)")
+    tags = [t.tag for t in p.tags if "offload" in t.choices and t.tag not in CHECKPOINT_INPUTS]
+    if p.overlapped is None:
+        assumed.append("every tag's transfer hidden behind its layer's compute (plan.transfers=overlapped)")
+    else:
+        hidden = [t for t in tags if t in p.overlapped]
+        if hidden:
+            measured.append(f"transfers hidden behind compute: {', '.join(hidden)} (hardware.hidden_transfers)")
+        exposed = [t for t in tags if t not in p.overlapped]
+        if exposed:
+            why = "plan.transfers=exposed" if opts.transfers == "exposed" else "not measured hidden"
+            assumed.append(f"transfers exposed whole, both ways: {', '.join(exposed)} ({why})")
+    assumed.append(f"{opts.transfer_latency_us:g} us per transfer (plan.transfer_latency_us)")
+    return {"measured": measured, "assumed": assumed}
 
 
 def problem_info(c, p: Problem, shape: StepShape, rates: tuple, state: StateBytes, working: WorkingSet) -> dict:

@@ -246,6 +246,12 @@ def _counted_line(run: Planning) -> str:
     )
 
 
+def _figures_line(info: dict) -> str:
+    """Which figures of the estimate were measured on the hardware and which are assumed."""
+    f = info["figures"]
+    return "figures measured: " + ("; ".join(f["measured"]) or "none") + "; assumed: " + "; ".join(f["assumed"])
+
+
 def _choose(run: Planning, after_error: list[str]):
     """(the plan's estimate, its compiled candidate or None, the candidates compiled): by the estimate
     alone, or with plan.compile by XLA's compiled peaks. Nothing fits: the refusal, its table printed
@@ -259,7 +265,7 @@ def _choose(run: Planning, after_error: list[str]):
         )
     run.opts = dataclasses.replace(run.opts, compile=n_compile)
     if run.opts.compile:
-        return compile_checked(p, c, run.step_plan, run.devices, run.opts)
+        return compile_checked(p, c, run.step_plan, run.devices, run.opts, none=_none(run))
     try:
         return search(p), None, []
     except Infeasible as e:
@@ -271,13 +277,22 @@ def _choose(run: Planning, after_error: list[str]):
         raise
 
 
+def _none(run: Planning) -> Optional[Estimate]:
+    """`none`'s estimate where it differs from keeping every tag (the profile prices the checkpoint's
+    re-run) and the search plans every layer (no offload.ranges); else None."""
+    p, info = run.p, run.info
+    if p.rerun_s and not p.fixed and info["none_residual_bytes"] is not None:
+        return none_estimate(p, info["none_residual_bytes"])
+    return None
+
+
 def _print_estimate(run: Planning, best: Estimate, compiled) -> None:
     """The estimates table, the note on `none`, XLA's figure and (plan.holders) who holds the memory."""
-    p, info = run.p, run.info
+    p = run.p
     print(estimates_table(p, best))
-    if p.rerun_s and not p.fixed and info["none_residual_bytes"] is not None:
-        # `none` differs from keeping every tag only where the profile prices the checkpoint's re-run.
-        note = none_note(p, best, none_estimate(p, info["none_residual_bytes"]), compiled is not None)
+    none = _none(run)
+    if none is not None and not (compiled and compiled.label == "none"):
+        note = none_note(p, best, none, compiled is not None)
         if note:
             print(note)
     if compiled:
@@ -352,9 +367,12 @@ def _plan(argv: Sequence[str], after_error: list[str]) -> int:
         print(_ranges_note(p))
     print(_planning_line(c, p, run.info))
     print(_counted_line(run))
+    print(_figures_line(run.info))
     best, compiled, candidates = _choose(run, after_error)
     opts = run.opts
     policy = to_offload_config(best, opts.name, c.offload.params, c.offload.opt_state)
+    if compiled is not None and compiled.label == "none":  # nothing checkpointed: no assignment says that
+        policy = dataclasses.replace(policy, checkpoint=False, tags={})
     _print_estimate(run, best, compiled)
     run.out.write_text(to_yaml(policy, _plan_header(argv, p, best, compiled, candidates)))
     print(f"wrote {run.out}")
