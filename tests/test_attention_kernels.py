@@ -394,10 +394,23 @@ SPLASH_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", SPLASH_CASES)
-def test_splash_matches_xla_outputs_and_gradients(case):
+@pytest.mark.parametrize(
+    "case,fused",
+    [(c, True) for c in SPLASH_CASES] + [("gqa_odd_dims", False), ("sinks_window_segments", False)],
+)
+def test_splash_matches_xla_outputs_and_gradients(case, fused, monkeypatch):
+    """Both backwards: the fused dq/dk/dv kernel and the dq and dk/dv kernels."""
     from zoo.backend import pallas_interpreted
 
+    made = []
+    chosen = A._splash_kernel.__wrapped__
+
+    def kernel(*args):  # what splash_attention asked for, the cache bypassed
+        made.append(args[-1])
+        return chosen(*args)
+
+    monkeypatch.setattr(A, "splash_fused_backward", lambda *shape: fused)
+    monkeypatch.setattr(A, "_splash_kernel", kernel)
     kw = dict(SPLASH_CASES[case])
     q, k, v = make(q_len=256, heads=4, kv_heads=2, qk=72, v=40)
     args = [q, k, v]
@@ -421,9 +434,32 @@ def test_splash_matches_xla_outputs_and_gradients(case):
     with pallas_interpreted():
         value, grads = jax.jit(loss("splash"))(*args)
     want_value, want_grads = jax.jit(loss("xla"))(*args)
+    assert made and set(made) == {fused}
     assert np.isclose(value, want_value, rtol=1e-5)
     for g, want in zip(grads, want_grads):
         np.testing.assert_allclose(g, want, atol=2e-5 * float(jnp.abs(want).max()))
+
+
+def test_splash_fused_backward_while_its_dq_partials_are_small():
+    """The fused backward writes a dq per block of keys; past zoo.backend's limit the two kernels run,
+    and the kernel is built with the backward asked for."""
+    from zoo.backend import TPU
+
+    bf16 = jnp.bfloat16
+    # DeepSeek-V3's MLA at 2 x 4096 (128 heads, qk 192 -> 256 lanes): 4 blocks of 1024 keys, 3 extra dq.
+    assert A.splash_dq_partial_bytes(2, 128, 4096, 4096, 192, bf16) == 3 * 2 * 128 * 4096 * 256 * 2
+    assert TPU.splash_fused_backward_max_bytes < A.splash_dq_partial_bytes(2, 128, 4096, 4096, 192, bf16)
+    assert not A.splash_fused_backward(2, 128, 4096, 4096, 192, bf16)
+    # llama_1b at 8 x 2048 (32 heads of 64): one extra dq of 134 MB, fused (measured faster there).
+    assert A.splash_dq_partial_bytes(8, 32, 2048, 2048, 64, bf16) == 8 * 32 * 2048 * 128 * 2
+    assert A.splash_fused_backward(8, 32, 2048, 2048, 64, bf16)
+    assert A.splash_dq_partial_bytes(2, 4, 1024, 1024, 64, bf16) == 0  # one block of keys: no partials
+    blocks = [
+        A._splash_kernel.__wrapped__(256, 256, 2, True, None, None, True, f).kwargs["block_sizes"]
+        for f in (True, False)
+    ]
+    assert [b.use_fused_bwd_kernel for b in blocks] == [True, False]
+    assert (blocks[1].block_q_dq, blocks[1].block_kv_dq) == (256, 256)
 
 
 def test_splash_names_its_residuals_with_the_tag():

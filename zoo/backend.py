@@ -76,6 +76,16 @@ class BackendChoices:
     # against 20.1 for blockwise and 51.4 for XLA's, and 37.6 / 64.5 ms at 2 x 8192; MLA's heads
     # 10.0 / 14.3 ms (`python bench/tpu.py --setups kernels`).
     fused_attention: Optional[str] = None
+    # Splash's backward (zoo.nn.attention_kernels.splash_attention) as one fused dq/dk/dv kernel while
+    # the query gradients it writes beyond the one it returns stay within this many bytes, else as two
+    # kernels (dq; then dk and dv), which compute the scores once more but write one dq. The fused kernel
+    # writes a partial dq per block of keys (kv_len / block copies, summed after the kernel, in the
+    # queries' dtype, head dim in whole lanes of 128). TPU v5e, one DeepSeek-V3 layer (MLA: 128 heads,
+    # qk 192) at 2 x 4096, compiled for the chip: four partials of 0.54 GB, 2.15 GB live at the step's
+    # peak, which was in that kernel (MaxText runs the two kernels: docs/benchmarks.md, "Against
+    # MaxText"). llama_1b at 8 x 2048 (0.13 GB more) ran its attention's value and gradient fused in
+    # 13.2 ms against 17.0 for the two kernels (blocks of 512). None: always fused.
+    splash_fused_backward_max_bytes: Optional[int] = None
     # The random-number generator of the parameters' initialiser (jax.random.key's `impl`; None: JAX's
     # default, threefry). TPU: "rbg", XLA's RngBitGenerator: on a v5e llama_1b's 4-layer initialiser
     # compiled in 8.5-8.7 s against 19.6-20.3 s with threefry (alternated, two rounds; both ran in
@@ -141,6 +151,7 @@ TPU = BackendChoices(
     platform="tpu",
     grouped_matmul="megablox",
     fused_attention="splash",
+    splash_fused_backward_max_bytes=2**30,
     init_prng="rbg",
     head_gradient_in_place=True,
     layout_tile_elements=8 * 128,

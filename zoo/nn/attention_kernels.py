@@ -376,10 +376,12 @@ def _splash_kernel(
     window: Optional[int],
     residual_tag: Optional[str],
     interpret: bool,
+    fused_backward: bool = True,
 ):
     """A splash kernel for one kv head's `group` query heads (the multi-query form: GQA runs it per
     kv head), its mask built once per shape (the kernel reads the mask's block structure, computed
-    from it in numpy, to skip the tiles it masks whole)."""
+    from it in numpy, to skip the tiles it masks whole). `fused_backward`: dq, dk and dv in one kernel
+    (`splash_fused_backward`), else a dq kernel and a dk/dv kernel."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
@@ -398,7 +400,9 @@ def _splash_kernel(
         block_q_dkv=bq,
         block_kv_dkv=bk,
         block_kv_dkv_compute=bk,
-        use_fused_bwd_kernel=True,
+        block_q_dq=None if fused_backward else bq,
+        block_kv_dq=None if fused_backward else bk,
+        use_fused_bwd_kernel=fused_backward,
     )
     # Built outside the trace that first asks for it (the kernel is cached across traces: its mask
     # tables must not be one trace's values), and the tables kept as numpy, embedded in the program:
@@ -412,6 +416,22 @@ def _splash_kernel(
             interpret=interpret,
         )
     return jax.tree.map(np.asarray, kernel)
+
+
+def splash_dq_partial_bytes(batch: int, heads: int, q_len: int, kv_len: int, qk_dim: int, dtype) -> int:
+    """What splash's fused backward writes beyond the one dq it returns: a partial dq of every query
+    row per block of keys (`_splash_block(kv_len)`), in the queries' dtype, the head dim in whole
+    lanes of 128, for `batch` rows of `heads` heads (the kernel's call, as traced)."""
+    partials = kv_len // _splash_block(kv_len)
+    lanes = -(-qk_dim // 128) * 128
+    return (partials - 1) * batch * heads * q_len * lanes * np.dtype(dtype).itemsize
+
+
+def splash_fused_backward(batch: int, heads: int, q_len: int, kv_len: int, qk_dim: int, dtype) -> bool:
+    """Whether splash's backward runs as one fused kernel: while its extra dq partials
+    (`splash_dq_partial_bytes`) stay within the TPU's `splash_fused_backward_max_bytes` (zoo.backend)."""
+    limit = backend_choices("tpu").splash_fused_backward_max_bytes
+    return limit is None or splash_dq_partial_bytes(batch, heads, q_len, kv_len, qk_dim, dtype) <= limit
 
 
 def splash_attention(
@@ -428,8 +448,10 @@ def splash_attention(
     residual_tag: Optional[str] = None,
 ) -> Float[Array, "batch q_len heads v"]:
     """Pallas splash attention (TPU; in Pallas' interpret mode inside `zoo.backend.pallas_interpreted`):
-    one multi-query kernel per kv head and row, its own backward (the fused dq/dk/dv kernel). The
-    sequence lengths must be multiples of 128 (`resolve_impl` says which cases run). The queries are
+    one multi-query kernel per kv head and row, its own backward (the fused dq/dk/dv kernel, or a dq
+    kernel and a dk/dv kernel where the fused one's dq partials would be large:
+    `splash_fused_backward`). The sequence lengths must be multiples of 128 (`resolve_impl` says
+    which cases run). The queries are
     scaled before the kernel, in their own dtype. `residual_tag` names the residuals its backward
     reads (its output and logsumexp), for checkpoint policies."""
     batch, q_len, heads, qk_dim = q.shape
@@ -438,7 +460,8 @@ def splash_attention(
     if reason:
         raise _bad(f"splash {reason}")
     group = heads // kv_heads
-    kernel = _splash_kernel(q_len, kv_len, group, causal, window, residual_tag, bool(pallas_interpret()))
+    fused = splash_fused_backward(batch, heads, q_len, kv_len, qk_dim, q.dtype)
+    kernel = _splash_kernel(q_len, kv_len, group, causal, window, residual_tag, bool(pallas_interpret()), fused)
     qh = (q * jnp.asarray(scale, q.dtype)).reshape(batch, q_len, kv_heads, group, qk_dim).transpose(0, 2, 3, 1, 4)
     kh, vh = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [batch, kv_heads, kv_len, dim]
     sink = None if sinks is None else sinks.astype(jnp.float32).reshape(kv_heads, group)
