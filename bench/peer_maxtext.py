@@ -160,6 +160,13 @@ class Shape:
             f"per_device_batch_size={self.batch}",
             f"max_target_length={self.seq}",
         ]
+        if self.layers == 1:
+            # One layer scanned is a one-trip loop XLA removes, and MaxText's scan lets XLA fold the
+            # checkpoint's recompute back into the forward: its remat policies compile to nearly `none`
+            # (DeepSeek-V3's layer compiled for a v5e: `full` recomputes 2.41 of 17.1 TFLOP, `minimal`
+            # nothing). Unscanned, a policy recomputes what it says, as at any depth; Zoo keeps its
+            # one-layer checkpoint on purpose.
+            a.append("scan_layers=false")
         if not self.mla:
             return a + ["decoder_block=llama2", "rope_type=default", "rope_max_timescale=500000"]
         return a + [
@@ -602,7 +609,7 @@ def markdown(record: dict) -> str:
                      "MaxText XLA peak GB |")  # fmt: skip
         lines.append("|---|---:|---:|---:|---:|---:|---:|---:|")
         z, m = (e.get("zoo") or {}).get("runs", {}), (e.get("maxtext") or {}).get("runs", {})
-        for p in POLICIES:
+        for p in [*POLICIES, *(q for q in z if q not in POLICIES)]:
             if p not in z and p not in m:
                 continue
             zr, mr = z.get(p, {}), m.get(p, {})
@@ -665,6 +672,24 @@ def _maxtext_missing(args) -> Optional[str]:
     return None if rc == 0 else f"{python} has no MaxText"
 
 
+def check_policies(policies: list[str], sides: list[str]) -> None:
+    """Each a shared policy (POLICIES), or with --sides zoo a Zoo label of bench/tpu.py's syntax."""
+    for p in policies:
+        if p in POLICIES:
+            continue
+        if sides != ["zoo"]:
+            raise BadInput(
+                f"--policies: unknown {p!r}; choose from {', '.join(POLICIES)} (a Zoo label such as "
+                "full:context=offload goes with --sides zoo)"
+            )
+        from zoo.offload import policy_from_label
+
+        try:
+            policy_from_label(p)
+        except Exception as e:  # noqa: BLE001 - a bad label: its one line
+            raise BadInput(f"--policies: {p!r} is no Zoo policy ({str(e).splitlines()[0]})") from None
+
+
 def plan_shapes(args) -> dict[str, Shape]:
     if args.dims:
         return {"custom": parse_dims(args.dims, args.batch, args.seq)}
@@ -697,12 +722,10 @@ def main(argv=None) -> int:
     try:
         shapes = plan_shapes(args)
         policies = [p for p in args.policies.split(",") if p]
-        bad = [p for p in policies if p not in POLICIES]
-        if bad:
-            raise BadInput(f"--policies: unknown {bad[0]!r}; choose from {', '.join(POLICIES)}")
         sides = [s for s in args.sides.split(",") if s]
         if not sides or any(s not in ("zoo", "maxtext") for s in sides):
             raise BadInput(f"--sides {args.sides!r}: zoo, maxtext or zoo,maxtext")
+        check_policies(policies, sides)
         if args.rounds < 1 or args.steps < 1:
             raise BadInput("--rounds and --steps: at least 1")
         check_shapes(shapes, HBM_BYTES)
