@@ -641,7 +641,11 @@ def parse_args(argv):
                     "(MLA: q_lora=,kv_lora=,qk_nope=,qk_rope=,v_head=; experts: experts=,top_k=,shared=)")  # fmt: skip
     ap.add_argument("--batch", type=int, help="with --dims: the batch")
     ap.add_argument("--seq", type=int, help="with --dims: the sequence length")
-    ap.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated, of {', '.join(POLICIES)}")
+    ap.add_argument(
+        "--policies",
+        default=",".join(POLICIES),
+        help=f"comma-separated (or ';' where a Zoo label has commas), of {', '.join(POLICIES)}",
+    )
     ap.add_argument("--sides", default="zoo,maxtext", help="zoo, maxtext or both")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5, help="timed steps per policy per round")
@@ -721,7 +725,8 @@ def main(argv=None) -> int:
         return 0
     try:
         shapes = plan_shapes(args)
-        policies = [p for p in args.policies.split(",") if p]
+        # ';' between policies where a Zoo label has commas of its own (full:context=offload,out_proj=offload)
+        policies = [p for p in args.policies.split(";" if ";" in args.policies else ",") if p]
         sides = [s for s in args.sides.split(",") if s]
         if not sides or any(s not in ("zoo", "maxtext") for s in sides):
             raise BadInput(f"--sides {args.sides!r}: zoo, maxtext or zoo,maxtext")

@@ -440,11 +440,18 @@ def test_splash_matches_xla_outputs_and_gradients(case, fused, monkeypatch):
         np.testing.assert_allclose(g, want, atol=2e-5 * float(jnp.abs(want).max()))
 
 
-def test_splash_fused_backward_while_its_dq_partials_are_small():
-    """The fused backward writes a dq per block of keys; past zoo.backend's limit the two kernels run,
-    and the kernel is built with the backward asked for."""
+def test_splash_fused_backward_while_its_dq_partials_are_small(monkeypatch):
+    """The fused backward writes a dq per block of keys; past zoo.backend's limit (set here: the TPU's
+    default is none, always fused) the two kernels run, and the kernel is built with the backward asked for."""
+    import dataclasses
+
     from zoo.backend import TPU
 
+    assert TPU.splash_fused_backward_max_bytes is None and A.splash_fused_backward(
+        2, 128, 4096, 4096, 192, jnp.bfloat16
+    )
+    TPU = dataclasses.replace(TPU, splash_fused_backward_max_bytes=2**30)
+    monkeypatch.setattr(A, "backend_choices", lambda platform: TPU)
     bf16 = jnp.bfloat16
     # DeepSeek-V3's MLA at 2 x 4096 (128 heads, qk 192 -> 256 lanes): 4 blocks of 1024 keys, 3 extra dq.
     assert A.splash_dq_partial_bytes(2, 128, 4096, 4096, 192, bf16) == 3 * 2 * 128 * 4096 * 256 * 2

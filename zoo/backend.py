@@ -84,7 +84,11 @@ class BackendChoices:
     # qk 192) at 2 x 4096, compiled for the chip: four partials of 0.54 GB, 2.15 GB live at the step's
     # peak, which was in that kernel (MaxText runs the two kernels: docs/benchmarks.md, "Against
     # MaxText"). llama_1b at 8 x 2048 (0.13 GB more) ran its attention's value and gradient fused in
-    # 13.2 ms against 17.0 for the two kernels (blocks of 512). None: always fused.
+    # 13.2 ms against 17.0 for the two kernels (blocks of 512). None: always fused, the TPU's default:
+    # on the chip, that DeepSeek-V3 layer with a 1 GiB limit (two kernels) peaked at 13.39 GB against
+    # 14.70 fused, and its step took 327.4 ms against 298.2 under `none` (405.4 against 394.4 under
+    # `full`; `python bench/peer_maxtext.py --shapes dsv3_4096`): a batch that fits only with the two
+    # kernels is where a limit pays.
     splash_fused_backward_max_bytes: Optional[int] = None
     # The random-number generator of the parameters' initialiser (jax.random.key's `impl`; None: JAX's
     # default, threefry). TPU: "rbg", XLA's RngBitGenerator: on a v5e llama_1b's 4-layer initialiser
@@ -151,7 +155,6 @@ TPU = BackendChoices(
     platform="tpu",
     grouped_matmul="megablox",
     fused_attention="splash",
-    splash_fused_backward_max_bytes=2**30,
     init_prng="rbg",
     head_gradient_in_place=True,
     layout_tile_elements=8 * 128,

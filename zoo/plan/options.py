@@ -57,6 +57,11 @@ class PlanConfig:
     # candidate that fits for this many steps per round on the device, in alternation, and keep the
     # fastest measured; 0: pick by the estimate.
     measure: int = 0
+    # Also search the per-device batch (zoo.plan.batch): 1, 2, 3, 4, 6, 8, ... up to the first that
+    # nothing fits or `batch_limit`, each with its fastest policy; plan the one with the most tokens
+    # per second per device (the command's data.batch_size is where the search starts its table).
+    batch_search: bool = False
+    batch_limit: int = 1024
 
     def __post_init__(self):
         if self.hbm_budget_gb is not None and self.hbm_budget_gb <= 0:
@@ -85,6 +90,8 @@ class PlanConfig:
             raise PlanError(
                 "plan.measure: it times the compiled candidates; drop plan.compile=0 or give plan.compile=4"
             )
+        if self.batch_limit < 1:
+            raise PlanError(f"plan.batch_limit: the largest per-device batch to try, >= 1; got {self.batch_limit}")
         if not self.name or "/" in self.name:
             raise PlanError(f"plan.name: {self.name!r} is not a file stem; e.g. plan.name=planned")
 

@@ -18,6 +18,7 @@ from typing import Optional, Sequence
 
 import zoo.plan
 from zoo.offload import conf_dir
+from zoo.plan.batch import batch_table, best_batch, per_device_to_global, search_batches
 from zoo.plan.compiled import compile_checked, compile_count, compile_hint
 from zoo.plan.cost import RANGE_CUT_COPIES, estimates_table, free_layers, streamed
 from zoo.plan.holders import holders, holders_table
@@ -177,6 +178,11 @@ def _compose(argv: Sequence[str]) -> Planning:
     out = output_path(opts.out, "plan.out", "plan", f"offload/{opts.name}.yaml", argv)
     if opts.json:
         output_path(opts.json, "plan.json", "plan", "plan.json", argv)
+    return _traced(opts, overrides, out)
+
+
+def _traced(opts: PlanConfig, overrides: list, out) -> Planning:
+    """The run's config composed from `overrides` and validated, its step traced into the problem."""
     cfg = compose(overrides)
     typed = load(cfg)
     start_jax(typed)  # the xla group's flags before target_attention_impl asks JAX for its backend
@@ -356,8 +362,36 @@ def _write_json(path: str, run: Planning, best: Estimate, compiled, candidates: 
     )
 
 
+def _batch_searched(run: Planning) -> Planning:
+    """plan.batch_search=true: the plan at the per-device batch with the most tokens per second that
+    fits (`zoo.plan.batch`), its table printed."""
+    per_device, given = run.info["per_device_batch"], run.c.data.batch_size
+    kept = [a for a in run.overrides if not a.startswith("data.batch_size=")]
+    traced: dict[int, Planning] = {per_device: run}
+
+    def problem_at(b: int):
+        if b not in traced:
+            traced[b] = _traced(
+                run.opts, [*kept, f"data.batch_size={per_device_to_global(b, given, per_device)}"], run.out
+            )
+        return traced[b].p, _none(traced[b])
+
+    rows = search_batches(
+        problem_at, run.info["seq_len"], limit=run.opts.batch_limit, echo=lambda t: print(t, flush=True)
+    )
+    print(batch_table(rows, run.p.budget))
+    best = best_batch(rows)
+    if best is None:
+        return run
+    chosen = traced[best.batch]
+    print(f"planning per device batch {best.batch} (data.batch_size={chosen.c.data.batch_size})")
+    return chosen
+
+
 def _plan(argv: Sequence[str], after_error: list[str]) -> int:
     run = _compose(argv)
+    if run.opts.batch_search:
+        run = _batch_searched(run)
     c, p, opts = run.c, run.p, run.opts
     for n in run.notes:
         print(f"note: {n}")
