@@ -21,7 +21,7 @@ from typing import Callable, Optional
 
 from omegaconf import DictConfig
 
-from zoo.offload import ACTIONS, conf_dir, dropped_block_tags
+from zoo.offload import ACTIONS, conf_dir, custom_tag_overrides, dropped_block_tags
 from zoo.sharding import LOGICAL_AXES
 from zoo.tags import OPTIONAL_KINDS, TAGS, block_kinds
 from zoo.train import distributed, run_dir, stop
@@ -640,7 +640,12 @@ def main(hydra_main: Callable, conf_dir: pathlib.Path) -> int:
         argv = sys.argv
         made = _fresh_run_dir(argv[1:])
         key = _output_dir_arg(argv[1:])[0]
-        sys.argv = [*argv, *_keep_earlier_hydra_record(argv[1:]), *([f"{key}={made[-1]}"] if made else [])]
+        sys.argv = [
+            argv[0],
+            *custom_tag_overrides(argv[1:]),  # offload=custom takes any tag without `+`
+            *_keep_earlier_hydra_record(argv[1:]),
+            *([f"{key}={made[-1]}"] if made else []),
+        ]
         try:
             # As for the tools (run_tool): a Ctrl-C Python swallows (in JAX's garbage-collector callback,
             # say) is raised again at the run's next phase or step (zoo.train.run), not lost.
