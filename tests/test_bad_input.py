@@ -602,6 +602,12 @@ CASES = {
         _ctrl_c_when_waiting,
         ("zoo.tools.cli", STALLED_IMPORTS),
     ),
+    "Ctrl-C during train.py's imports": (
+        lambda t, d: (train_cmd(LLAMA, *TINY, "trainer.steps=3", f"hydra.run.dir={t / 'run'}"), t, []),
+        (130, r"interrupted \(Ctrl-C\) while starting; nothing was done; run the command again"),
+        _ctrl_c_when_waiting,
+        ("zoo.tools.cli", STALLED_IMPORTS),
+    ),
     "Ctrl-C swallowed by a garbage-collector callback before train.py's first step": (
         lambda t, d: (train_cmd(LLAMA, *TINY, "trainer.steps=3", f"hydra.run.dir={t / 'run'}"), t, []),
         (

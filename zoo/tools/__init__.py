@@ -14,6 +14,7 @@ import cycle.
 
 Started as a command (`python -m zoo.tools.<name>`), this package takes Ctrl-C first, before any import of the
 tool's: one line and exit code 130 (`_interrupted_while_starting`) until `zoo.tools.cli.run_tool` runs the body.
+train.py takes the same handler as its first statement (`take_ctrl_c_while_starting`), until `zoo.tools.cli.main`.
 """
 
 import os
@@ -41,7 +42,14 @@ def _started_as_a_tool() -> bool:
     return argv[argv.index("-m") + 1].startswith(__name__ + ".")
 
 
-# zoo.tools.cli.run_tool hands Ctrl-C back to Python's own handler as the body starts. Left alone where SIGINT is
-# ignored (a shell's background job) or handled by someone else.
-if _started_as_a_tool() and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-    signal.signal(signal.SIGINT, _interrupted_while_starting)
+def take_ctrl_c_while_starting() -> None:
+    """Ctrl-C ends the process in `_interrupted_while_starting`'s line from now until the command's body runs
+    (zoo.tools.cli's `run_tool` and, for train.py, `main` hand it back to Python's own handler): a tool's as this
+    package is imported, train.py's as its first statement. Left alone where SIGINT is ignored (a shell's
+    background job) or handled by someone else."""
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _interrupted_while_starting)
+
+
+if _started_as_a_tool():
+    take_ctrl_c_while_starting()

@@ -633,6 +633,7 @@ def main(hydra_main: Callable, conf_dir: pathlib.Path) -> int:
     """Run the @hydra.main function; turn every error into one line and an exit code."""
     os.environ["HYDRA_FULL_ERROR"] = "1"  # let errors reach us instead of Hydra's multi-line report
     try:
+        _take_ctrl_c_from_starting()  # train.py's handler for its imports (zoo.tools.take_ctrl_c_while_starting)
         line = output_dir_line(sys.argv[1:])
         if line:
             print(f"error: {line}", file=sys.stderr)
