@@ -25,6 +25,7 @@ from zoo.offload import ACTIONS, conf_dir, custom_tag_overrides, dropped_block_t
 from zoo.sharding import LOGICAL_AXES
 from zoo.tags import OPTIONAL_KINDS, TAGS, block_kinds
 from zoo.train import distributed, run_dir, stop
+from zoo.train.command_line import slurm_number
 from zoo.train.run_lock import DirLock
 from zoo.train.metrics import write_json
 from zoo.train.run import prepare, train
@@ -195,9 +196,7 @@ def _output_dir_arg(args: list[str]) -> tuple[str, list[str]]:
 
 def _several_processes(args: list[str]) -> bool:
     """Whether this is one process of a multi-process run (they share one run directory)."""
-    return (
-        any(a.lstrip("+").startswith("distributed.") for a in args) or int(os.environ.get("SLURM_NTASKS", "1") or 1) > 1
-    )
+    return any(a.lstrip("+").startswith("distributed.") for a in args) or slurm_number("SLURM_NTASKS", 1) > 1
 
 
 def claim_dir(base: pathlib.Path) -> list[pathlib.Path]:
