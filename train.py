@@ -14,6 +14,7 @@ if __name__ == "__main__":
     import zoo.tools
 
     zoo.tools.take_ctrl_c_while_starting()
+    zoo.tools.hold_ctrl_c_through_exit()  # and during the interpreter's shutdown, one line (take_ctrl_c_while_exiting)
     # glibc reads its malloc tunables only as a process starts: start again with large buffers on huge
     # pages (zoo/train/huge_pages.py), loaded by path so that this process, about to be replaced, does
     # not import JAX with the zoo package first.
@@ -63,4 +64,6 @@ def entry() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(entry())
+    code = entry()
+    zoo.tools.take_ctrl_c_while_exiting(code)
+    sys.exit(code)

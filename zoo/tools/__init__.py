@@ -51,5 +51,42 @@ def take_ctrl_c_while_starting() -> None:
         signal.signal(signal.SIGINT, _interrupted_while_starting)
 
 
+def _ignore_ctrl_c_in_teardown() -> None:
+    """The last atexit callback (registered before any import, so run after every other): from here Python tears
+    the interpreter down in C, after restoring SIGINT's default action for a handler of its own, so a Ctrl-C
+    would kill the process (exit -2, no line). Ignored instead: the command has ended and only freeing is left."""
+    if signal.getsignal(signal.SIGINT) is _EXITING:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+_EXITING = None  # the handler take_ctrl_c_while_exiting installed
+
+
+def take_ctrl_c_while_exiting(code: int) -> None:
+    """After the command's body returned `code`, for the interpreter's shutdown: Ctrl-C while Python joins the
+    threads and runs the atexit callbacks (JAX's, orbax's: they can take seconds) is one line and exit code 130,
+    not a traceback Python ignores; after the last callback it is ignored (`_ignore_ctrl_c_in_teardown`, which
+    `hold_ctrl_c_through_exit` registered). Left alone where SIGINT is ignored or handled by someone else."""
+    global _EXITING
+
+    def interrupted_while_exiting(signum, frame) -> None:
+        os.write(
+            2, f"error: interrupted (Ctrl-C) while exiting, after the command had ended (exit code {code})\n".encode()
+        )
+        os._exit(130)
+
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        _EXITING = interrupted_while_exiting
+        signal.signal(signal.SIGINT, interrupted_while_exiting)
+
+
+def hold_ctrl_c_through_exit() -> None:
+    """Register `_ignore_ctrl_c_in_teardown` as the process's first atexit callback, so that it runs last: call it
+    before importing anything that registers one (train.py's first statement)."""
+    import atexit
+
+    atexit.register(_ignore_ctrl_c_in_teardown)
+
+
 if _started_as_a_tool():
     take_ctrl_c_while_starting()
