@@ -26,8 +26,28 @@ def _placement(config, rp, batch=2, seq=16):
     )
 
 
-@pytest.mark.parametrize("preset", PRESETS)
-@pytest.mark.parametrize("size", by_family(FAMILIES))  # the families that reuse another's blocks: slow tier
+def _placement_cases():
+    """(size, preset) for every family and preset; in the slow tier the families that reuse another's blocks
+    (tests/tiers.py) and a preset whose jax.checkpoint policy on that family is one an earlier preset already
+    gave (the same resolved actions, checkpoint and parameter memory: the same traced program), e.g. `custom`
+    (`full` until set) and `optimizer_host` (`none` for the activations)."""
+    from zoo.offload import resolve
+
+    later = ("custom", "optimizer_host")  # what they repeat is checked in the default tier
+    out = []
+    for param in by_family(FAMILIES):
+        size = getattr(param, "values", (param,))[0]
+        config, seen = zoo.get_size(size), set()
+        for preset in sorted(PRESETS, key=lambda p: p in later):
+            policy = load_preset(preset)
+            key = (policy.checkpoint, policy.params, tuple(sorted(resolve(policy, config).items())))
+            slow = key in seen or param is not size
+            seen.add(key)
+            out.append(pytest.param(size, preset, id=f"{preset}-{size}", marks=[pytest.mark.slow] if slow else []))
+    return out
+
+
+@pytest.mark.parametrize("size, preset", _placement_cases())
 def test_inspector_finds_exactly_the_configured_placement(size, preset):
     config = zoo.get_size(size)
     policy = load_preset(preset)
