@@ -9,6 +9,12 @@ import pathlib
 import sys
 
 if __name__ == "__main__":
+    # Ctrl-C during the imports below (JAX's, Hydra's: seconds) is one line and exit code 130, as for the
+    # tools, until zoo.tools.cli.main runs the command (zoo.tools is light: the package imports nothing heavy).
+    import zoo.tools
+
+    zoo.tools.take_ctrl_c_while_starting()
+    zoo.tools.hold_ctrl_c_through_exit()  # and during the interpreter's shutdown, one line (take_ctrl_c_while_exiting)
     # glibc reads its malloc tunables only as a process starts: start again with large buffers on huge
     # pages (zoo/train/huge_pages.py), loaded by path so that this process, about to be replaced, does
     # not import JAX with the zoo package first.
@@ -58,4 +64,6 @@ def entry() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(entry())
+    code = entry()
+    zoo.tools.take_ctrl_c_while_exiting(code)
+    sys.exit(code)

@@ -304,6 +304,16 @@ def _patch(cli):
     pathlib.Path(os.environ['ZOO_TEST_WAITING']).touch()
     time.sleep(30)
 """
+# An atexit callback that takes 30 s (JAX's and orbax's run there), registered as zoo.tools.cli is imported: after
+# train.py's own, so before it in the shutdown.
+STALLED_EXIT = """
+def _patch(cli):
+    import atexit
+    def stalled():
+        pathlib.Path(os.environ['ZOO_TEST_WAITING']).touch()
+        time.sleep(30)
+    atexit.register(stalled)
+"""
 # As the parameters are initialised, before train.py's first step: the Ctrl-C Python swallows there still
 # ends the run, at the next phase (compiling).
 STALLED_INIT = _stalled_gc("run", "initial_state")
@@ -601,6 +611,18 @@ CASES = {
         (130, r"interrupted \(Ctrl-C\) while starting; nothing was done; run the command again"),
         _ctrl_c_when_waiting,
         ("zoo.tools.cli", STALLED_IMPORTS),
+    ),
+    "Ctrl-C during train.py's imports": (
+        lambda t, d: (train_cmd(LLAMA, *TINY, "trainer.steps=3", f"hydra.run.dir={t / 'run'}"), t, []),
+        (130, r"interrupted \(Ctrl-C\) while starting; nothing was done; run the command again"),
+        _ctrl_c_when_waiting,
+        ("zoo.tools.cli", STALLED_IMPORTS),
+    ),
+    "Ctrl-C while train.py exits": (
+        lambda t, d: (train_cmd(LLAMA, "--cfg", "job"), t, []),
+        (130, r"interrupted \(Ctrl-C\) while exiting, after the command had ended \(exit code 0\)"),
+        _ctrl_c_when_waiting,
+        ("zoo.tools.cli", STALLED_EXIT),
     ),
     "Ctrl-C swallowed by a garbage-collector callback before train.py's first step": (
         lambda t, d: (train_cmd(LLAMA, *TINY, "trainer.steps=3", f"hydra.run.dir={t / 'run'}"), t, []),

@@ -243,6 +243,36 @@ def test_resolve_reads_slurm_like_jax(monkeypatch):
         resolve(DistributedConfig(num_processes=2))
 
 
+def test_a_slurm_number_that_is_not_one_is_one_line_for_every_caller(monkeypatch, capsys):
+    """train.py checks SLURM's numbers before Hydra reads them (zoo.train.command_line.line); its run-directory
+    rule (zoo.tools.cli, reached without train.py's check through cli.main), zoo.train.distributed.resolve and
+    the tools (through it) read them with the same checked parse: one line naming the variable, never int()'s
+    traceback."""
+    from zoo.tools import cli, inspect_step
+
+    line = (
+        "SLURM_NTASKS: 'four' in the environment is not a number (SLURM sets it to a count or an index); unset it, "
+        "or run under srun"
+    )
+    for k in SLURM_VARS + ["SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID"]:
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("SLURM_NTASKS", "four")
+    with pytest.raises(ConfigError) as e:
+        cli._several_processes([])
+    assert str(e.value) == line
+    monkeypatch.setattr(sys, "argv", ["train.py", "model=llama_tiny_a"])
+    assert cli.main(lambda: pytest.fail("Hydra ran"), ROOT / "conf") == 2
+    assert capsys.readouterr().err == f"error: {line}\n"
+    slurm = {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "localhost", "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}
+    for k, v in slurm.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ConfigError) as e:
+        resolve(DistributedConfig())
+    assert str(e.value) == line
+    assert inspect_step.main(["model=llama_tiny_a", "mesh=single", "data.batch_size=2", "data.seq_len=16"]) == 2
+    assert capsys.readouterr().err == f"error: {line}\n"
+
+
 def test_only_a_joined_process_other_than_0_is_not_main(monkeypatch):
     # train.py asks this after a failure to decide who writes summary.json: from the join zoo made,
     # not from JAX (this process's JAX is one process 0 throughout).

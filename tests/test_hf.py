@@ -41,6 +41,8 @@ _logits = eqx.filter_jit(lambda model, tokens: model(tokens))
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_matches_transformers(name, ref_dir):
+    """Logits, loss and gradients as transformers computed them; on DeepSeek-V3 the routing's correction bias
+    (a buffer the balancing rule moves, not a parameter) gets no gradient where the router's does."""
     d = ref_dir(name)
     tokens, ref_logits, ref_loss, ref_grads = _load_ref(d)
     impls = ["ragged", "capacity"] if name.startswith("dsv3") else [None]
@@ -56,6 +58,10 @@ def test_matches_transformers(name, ref_dir):
         hub_grads = hf.to_hf_state_dict(grads)
         for key, ref in ref_grads.items():
             np.testing.assert_allclose(hub_grads[key], ref, atol=1e-5, rtol=1e-3, err_msg=key)
+        if impl is not None:
+            ffn = grads.stack("moe_layers").layers[0].ffn
+            assert not np.any(np.asarray(ffn.e_score_correction_bias)), impl
+            assert np.any(np.asarray(ffn.router)), impl
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -69,14 +75,6 @@ def test_legacy_config_style_reads_the_same(name, ref_dir):
         assert new.moe.impl == "ragged"
         size = size.replace(moe=dataclasses.replace(size.moe, impl="ragged"))
     assert new == size
-
-
-def test_correction_bias_gets_no_gradient(ref_dir):
-    d = ref_dir("dsv3_tiny_a")
-    model = hf.from_pretrained(d)
-    _, grads = _value_and_grad(model, jnp.asarray(np.load(d / "inputs.npy")))
-    assert not np.any(np.asarray(grads.stack("moe_layers").layers[0].ffn.e_score_correction_bias))
-    assert np.any(np.asarray(grads.stack("moe_layers").layers[0].ffn.router))
 
 
 @pytest.mark.parametrize("name", FAMILIES)

@@ -30,6 +30,8 @@ from zoo.config import RopeConfig
 from zoo.families import SIZES
 from zoo.hf.convert import _architecture_only
 
+from tiers import by_family
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data"
 MODEL_TYPES = {f.name: f.model_type for f in hf.families()}  # the registry: every family zoo converts
@@ -116,7 +118,7 @@ def zoo_logits(checkpoint_dir: pathlib.Path, tokens: np.ndarray) -> np.ndarray:
     return np.asarray(_logits(model, jnp.asarray(tokens)))
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", by_family(FAMILIES))  # repeat families: slow tier
 def test_export_of_a_hugging_face_checkpoint_loads_in_transformers(family, transformers, tmp_path):
     """The family's fixture trained on with `model=hf` (its initial state saved), exported by hf_export:
     transformers loads the directory strictly and computes Zoo's logits on the fixture's tokens; the
@@ -204,7 +206,7 @@ def with_options(family: str):
     return VARIANTS.get(family, lambda c: c)(c)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", by_family(FAMILIES))  # repeat families: slow tier
 def test_export_of_a_zoo_model_with_other_options_loads_in_transformers(family, transformers, tmp_path):
     """A zoo model (its tiny preset with options the fixtures leave out; random weights, biases, norms
     and sinks, not an initialiser's zeros and ones), read by from_pretrained and written by

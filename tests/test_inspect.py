@@ -26,8 +26,41 @@ def _placement(config, rp, batch=2, seq=16):
     )
 
 
-@pytest.mark.parametrize("preset", PRESETS)
-@pytest.mark.parametrize("size", by_family(FAMILIES))  # the families that reuse another's blocks: slow tier
+# Presets that repeat another's policy on every family (`full` until set; `none` for the activations): they
+# come after what they repeat, so that this is what the default tier checks.
+_LATER = ("custom", "optimizer_host")
+
+
+def _repeats(config) -> set:
+    """The presets whose jax.checkpoint policy on `config` an earlier preset already gives (the same resolved
+    actions, checkpoint and parameter memory: the same traced program), e.g. `custom` (`full` until set),
+    `optimizer_host` (`none` for the activations), `qkv_proj_offloaded` (`deepseek_mla_moe_offload` on Llama)."""
+    from zoo.offload import resolve
+
+    seen, out = set(), set()
+    for preset in sorted(PRESETS, key=lambda p: p in _LATER):
+        policy = load_preset(preset)
+        key = (policy.checkpoint, policy.params, tuple(sorted(resolve(policy, config).items())))
+        if key in seen:
+            out.add(preset)
+        seen.add(key)
+    return out
+
+
+def _placement_cases():
+    """(size, preset) for every family and preset; in the slow tier the families that reuse another's blocks
+    (tests/tiers.py) and a preset that repeats an earlier one's policy on that family (`_repeats`)."""
+    out = []
+    for param in by_family(FAMILIES):
+        size = getattr(param, "values", (param,))[0]
+        repeats = _repeats(zoo.get_size(size))
+        for preset in sorted(PRESETS, key=lambda p: p in _LATER):
+            slow = preset in repeats or param is not size
+            out.append(pytest.param(size, preset, id=f"{preset}-{size}", marks=[pytest.mark.slow] if slow else []))
+    return out
+
+
+@pytest.mark.parametrize("size, preset", _placement_cases())
 def test_inspector_finds_exactly_the_configured_placement(size, preset):
     config = zoo.get_size(size)
     policy = load_preset(preset)
@@ -219,7 +252,10 @@ def test_params_on_host_keep_one_layer_of_weights_on_device():
     assert kept_transfers(remat_policy(load_preset("full", "params_host"), config)) == []
 
 
-@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize(
+    "preset",
+    [pytest.param(p, marks=pytest.mark.slow) if p in _repeats(zoo.get_size("dsv3_tiny_a")) else p for p in PRESETS],
+)
 def test_inspector_sees_into_the_expert_parallel_kernel(preset):
     """Under expert parallelism the routed-expert tags are named inside a shard_map body and their
     residuals leave it as its outputs: the inspector finds the same placement and bytes as for one

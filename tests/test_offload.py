@@ -193,6 +193,53 @@ def test_hydra_custom_from_the_command_line():
     assert offload.expected_placement(c.offload, c.model)["mla_kv"] == "device"
 
 
+@pytest.fixture
+def new_llama_tag():
+    """A tag added to the Llama block at test time, as a new tag is added: a record in its block's `EMITS`
+    (`zoo/nn/attention.py`), which `zoo.tags.declares` adds to the vocabulary; no other file names it."""
+    from zoo import tags
+    from zoo.nn.attention import QUERY_AXES, GQAttention
+
+    name = "query_normed"
+    info = tags.TagInfo(name, "B T N H", "the queries after their norm (a test's tag)", tags.ATTENTION, (QUERY_AXES,))
+    saved_emits, saved_tags = GQAttention.EMITS, dict(tags.TAGS)
+    GQAttention.EMITS = (*saved_emits, tags.Emit(info, lambda s: 5 * s.tokens))
+    tags.declares(GQAttention)
+    try:
+        yield name
+    finally:
+        GQAttention.EMITS = saved_emits
+        tags.TAGS.clear()
+        tags.TAGS.update(saved_tags)
+
+
+def test_a_new_tag_on_the_llama_block_is_set_through_custom_with_no_other_file(new_llama_tag):
+    """docs/offload.md, "A new tag on the Llama block": the block's file alone. `offload=custom
+    offload.tags.<tag>=offload` composes (no `+`, no line in conf/offload/custom.yaml), validates and
+    offloads it; a misspelling of it and a tag the model does not emit are refused in one line."""
+    from zoo.train.run_config import ConfigError, validate
+
+    assert new_llama_tag not in (conf := offload.conf_dir() / "offload" / "custom.yaml").read_text(), conf
+    c = _compose("model=llama_tiny_a", "offload=custom", f"offload.tags.{new_llama_tag}=offload")
+    validate(c, len(jax.devices()))
+    assert resolve(c.offload, c.model)[new_llama_tag] == "offload"
+    assert offload.expected_placement(c.offload, c.model)[new_llama_tag] == "host"
+    assert remat_policy(c.offload, c.model) is not None
+    with pytest.raises(
+        ConfigError, match=rf"^offload.tags.query_normd: unknown tag \(did you mean {new_llama_tag}\?\); valid tags: "
+    ):
+        _compose("model=llama_tiny_a", "offload=custom", "offload.tags.query_normd=offload")
+    c = _compose("model=llama_tiny_a", "offload=custom", "offload.tags.mla_q=offload")
+    with pytest.raises(ConfigError, match=r"^offload.tags.mla_q: the llama model never emits this tag; it emits: .*"):
+        validate(c, len(jax.devices()))
+    # Other presets keep Hydra's rule: a tag they do not list needs `+`, and the line says so.
+    with pytest.raises(Exception, match=rf"Could not override 'offload.tags.{new_llama_tag}'"):
+        _compose("model=llama_tiny_a", "offload=full", f"offload.tags.{new_llama_tag}=offload")
+    assert _compose("model=llama_tiny_a", "offload=full", f"+offload.tags.{new_llama_tag}=offload").offload.tags == {
+        new_llama_tag: "offload"
+    }
+
+
 def test_hydra_custom_tag_the_model_never_emits_fails_before_compiling():
     from zoo.train.run_config import ConfigError, validate
 

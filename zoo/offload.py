@@ -30,7 +30,7 @@ Placement rules, which `zoo.tools.inspect_step` reads back from the traced progr
 import dataclasses
 import pathlib
 import re
-from typing import Any, Callable, NamedTuple, Optional, Union
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
 import jax
 
@@ -66,7 +66,11 @@ def _valid_tags() -> str:
 
 def _check_action(key: str, tag_name: str, action) -> None:
     if tag_name not in TAGS:
-        raise ValueError(f"{key}: unknown tag; valid tags: {_valid_tags()}")
+        import difflib
+
+        near = difflib.get_close_matches(str(tag_name), list(TAGS), n=1, cutoff=0.75)
+        hint = f" (did you mean {near[0]}?)" if near else ""
+        raise ValueError(f"{key}: unknown tag{hint}; valid tags: {_valid_tags()}")
     if action not in ACTIONS:
         raise ValueError(f"{key}: {action!r} is not an action; choose one of {', '.join(ACTIONS)}")
 
@@ -319,8 +323,7 @@ def layer_policies(policy: OffloadConfig, num_layers: int) -> list[LayerPolicy]:
 def check_tags_emitted(policy: OffloadConfig, model_config) -> None:
     """A policy naming a tag the model never emits would silently do nothing: refuse it.
 
-    `remat` is the exception: it restates the default, so it changes nothing either way (the
-    `custom` preset lists every tag as `remat` so that any of them can be set from the command line).
+    `remat` is the exception: it restates the default, so it changes nothing either way.
     """
     emitted = emitted_tags(model_config)
     for t, a in policy.tags.items():
@@ -536,6 +539,25 @@ def from_mapping(d) -> OffloadConfig:
     d["tags"] = dict(d.get("tags") or {})
     d["block_tags"] = {k: dict(v or {}) for k, v in (d.get("block_tags") or {}).items()}
     return OffloadConfig(**d)
+
+
+# The preset whose tags the command line names without Hydra's `+` (`custom_tag_overrides`).
+CUSTOM = "custom"
+_TAG_KEY = re.compile(r"^offload\.(tags\.[^.=]+|block_tags\.[^.=]+\.[^.=]+)=")
+
+
+def custom_tag_overrides(overrides: Sequence[str]) -> list[str]:
+    """The command line's overrides, each `offload.tags.<tag>=...` and `offload.block_tags.<kind>.<tag>=...`
+    made Hydra's add-or-override (`++`) where the chosen offload option includes `custom`: that preset lists
+    no tag, so any tag a block declares (its `EMITS`) is set as `offload=custom offload.tags.<tag>=offload`,
+    with no preset file naming it. The tag, its action and whether the model emits it are checked as for any
+    policy (`OffloadConfig`, `check_tags_emitted`). train.py and the tools (`zoo.tools.kit.compose`) call this
+    before Hydra composes; other options keep Hydra's rule (a key the option does not list needs `+`)."""
+    overrides = [str(o) for o in overrides]
+    chosen = [o.split("=", 1)[1] for o in overrides if o.lstrip("+").split("=", 1)[0] == "offload" and "=" in o]
+    if not chosen or CUSTOM not in re.split(r"[\s,\[\]]+", chosen[-1]):
+        return overrides
+    return [f"++{o}" if _TAG_KEY.match(o) else o for o in overrides]
 
 
 def load_preset(*names: str, **overrides) -> OffloadConfig:

@@ -14,6 +14,7 @@ import cycle.
 
 Started as a command (`python -m zoo.tools.<name>`), this package takes Ctrl-C first, before any import of the
 tool's: one line and exit code 130 (`_interrupted_while_starting`) until `zoo.tools.cli.run_tool` runs the body.
+train.py takes the same handler as its first statement (`take_ctrl_c_while_starting`), until `zoo.tools.cli.main`.
 """
 
 import os
@@ -41,7 +42,51 @@ def _started_as_a_tool() -> bool:
     return argv[argv.index("-m") + 1].startswith(__name__ + ".")
 
 
-# zoo.tools.cli.run_tool hands Ctrl-C back to Python's own handler as the body starts. Left alone where SIGINT is
-# ignored (a shell's background job) or handled by someone else.
-if _started_as_a_tool() and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-    signal.signal(signal.SIGINT, _interrupted_while_starting)
+def take_ctrl_c_while_starting() -> None:
+    """Ctrl-C ends the process in `_interrupted_while_starting`'s line from now until the command's body runs
+    (zoo.tools.cli's `run_tool` and, for train.py, `main` hand it back to Python's own handler): a tool's as this
+    package is imported, train.py's as its first statement. Left alone where SIGINT is ignored (a shell's
+    background job) or handled by someone else."""
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        signal.signal(signal.SIGINT, _interrupted_while_starting)
+
+
+def _ignore_ctrl_c_in_teardown() -> None:
+    """The last atexit callback (registered before any import, so run after every other): from here Python tears
+    the interpreter down in C, after restoring SIGINT's default action for a handler of its own, so a Ctrl-C
+    would kill the process (exit -2, no line). Ignored instead: the command has ended and only freeing is left."""
+    if signal.getsignal(signal.SIGINT) is _EXITING:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+_EXITING = None  # the handler take_ctrl_c_while_exiting installed
+
+
+def take_ctrl_c_while_exiting(code: int) -> None:
+    """After the command's body returned `code`, for the interpreter's shutdown: Ctrl-C while Python joins the
+    threads and runs the atexit callbacks (JAX's, orbax's: they can take seconds) is one line and exit code 130,
+    not a traceback Python ignores; after the last callback it is ignored (`_ignore_ctrl_c_in_teardown`, which
+    `hold_ctrl_c_through_exit` registered). Left alone where SIGINT is ignored or handled by someone else."""
+    global _EXITING
+
+    def interrupted_while_exiting(signum, frame) -> None:
+        os.write(
+            2, f"error: interrupted (Ctrl-C) while exiting, after the command had ended (exit code {code})\n".encode()
+        )
+        os._exit(130)
+
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        _EXITING = interrupted_while_exiting
+        signal.signal(signal.SIGINT, interrupted_while_exiting)
+
+
+def hold_ctrl_c_through_exit() -> None:
+    """Register `_ignore_ctrl_c_in_teardown` as the process's first atexit callback, so that it runs last: call it
+    before importing anything that registers one (train.py's first statement)."""
+    import atexit
+
+    atexit.register(_ignore_ctrl_c_in_teardown)
+
+
+if _started_as_a_tool():
+    take_ctrl_c_while_starting()

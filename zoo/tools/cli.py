@@ -21,10 +21,11 @@ from typing import Callable, Optional
 
 from omegaconf import DictConfig
 
-from zoo.offload import ACTIONS, conf_dir, dropped_block_tags
+from zoo.offload import ACTIONS, conf_dir, custom_tag_overrides, dropped_block_tags
 from zoo.sharding import LOGICAL_AXES
 from zoo.tags import OPTIONAL_KINDS, TAGS, block_kinds
 from zoo.train import distributed, run_dir, stop
+from zoo.train.command_line import slurm_number
 from zoo.train.run_lock import DirLock
 from zoo.train.metrics import write_json
 from zoo.train.run import prepare, train
@@ -195,9 +196,7 @@ def _output_dir_arg(args: list[str]) -> tuple[str, list[str]]:
 
 def _several_processes(args: list[str]) -> bool:
     """Whether this is one process of a multi-process run (they share one run directory)."""
-    return (
-        any(a.lstrip("+").startswith("distributed.") for a in args) or int(os.environ.get("SLURM_NTASKS", "1") or 1) > 1
-    )
+    return any(a.lstrip("+").startswith("distributed.") for a in args) or slurm_number("SLURM_NTASKS", 1) > 1
 
 
 def claim_dir(base: pathlib.Path) -> list[pathlib.Path]:
@@ -633,6 +632,7 @@ def main(hydra_main: Callable, conf_dir: pathlib.Path) -> int:
     """Run the @hydra.main function; turn every error into one line and an exit code."""
     os.environ["HYDRA_FULL_ERROR"] = "1"  # let errors reach us instead of Hydra's multi-line report
     try:
+        _take_ctrl_c_from_starting()  # train.py's handler for its imports (zoo.tools.take_ctrl_c_while_starting)
         line = output_dir_line(sys.argv[1:])
         if line:
             print(f"error: {line}", file=sys.stderr)
@@ -640,7 +640,12 @@ def main(hydra_main: Callable, conf_dir: pathlib.Path) -> int:
         argv = sys.argv
         made = _fresh_run_dir(argv[1:])
         key = _output_dir_arg(argv[1:])[0]
-        sys.argv = [*argv, *_keep_earlier_hydra_record(argv[1:]), *([f"{key}={made[-1]}"] if made else [])]
+        sys.argv = [
+            argv[0],
+            *custom_tag_overrides(argv[1:]),  # offload=custom takes any tag without `+`
+            *_keep_earlier_hydra_record(argv[1:]),
+            *([f"{key}={made[-1]}"] if made else []),
+        ]
         try:
             # As for the tools (run_tool): a Ctrl-C Python swallows (in JAX's garbage-collector callback,
             # say) is raised again at the run's next phase or step (zoo.train.run), not lost.

@@ -16,7 +16,7 @@ from hydra import initialize_config_dir
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from zoo.offload import conf_dir, dropped_block_tags, resolve
+from zoo.offload import conf_dir, custom_tag_overrides, dropped_block_tags, resolve
 from zoo.tools.cli import (  # noqa: F401 (the kit's other half)
     EXIT_BAD_INPUT,
     check_writable,
@@ -173,7 +173,7 @@ def split_tool_args(argv: Sequence[str], prefix: str, schema: type):
 def compose(overrides: Sequence[str]):
     """train.py's config, composed from conf/ with these overrides (Hydra's compose API)."""
     with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
-        return hydra_compose(config_name="config", overrides=list(overrides))
+        return hydra_compose(config_name="config", overrides=custom_tag_overrides(overrides))
 
 
 def prepare_step(overrides: Sequence[str], cfg=None):

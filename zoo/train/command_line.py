@@ -43,15 +43,36 @@ def _overrides(args: list[str]) -> list[str]:
     return out
 
 
+def slurm_number_line(name: str, value: Optional[str]) -> Optional[str]:
+    """The one line for SLURM's variable `name` holding `value` where it is not a number (None: unset, empty or
+    a number)."""
+    if value is not None and value.strip() and not value.strip().isdigit():
+        return (
+            f"{name}: {value!r} in the environment is not a number (SLURM sets it to a count or an index); unset "
+            f"it, or run under srun"
+        )
+    return None
+
+
+def slurm_number(name: str, default: Optional[int], environ: Optional[Mapping[str, str]] = None) -> Optional[int]:
+    """SLURM's variable `name` (one of `SLURM_NUMBERS`) as a number, `default` where unset or empty; a value
+    that is not a number is a ConfigError of one line naming the variable and the fix (`slurm_number_line`),
+    for every caller: train.py checks the environment first (`line`), the tools and library code do not."""
+    value = (os.environ if environ is None else environ).get(name)
+    problem = slurm_number_line(name, value)
+    if problem:
+        from zoo.train.run_config import ConfigError
+
+        raise ConfigError(problem)
+    return int(value) if value is not None and value.strip() else default
+
+
 def line(args: list[str], environ: Mapping[str, str], conf: pathlib.Path) -> Optional[str]:
     """The one line for the first problem of the command line `args` or the environment (None: none)."""
     for name in SLURM_NUMBERS:
-        value = environ.get(name)
-        if value is not None and value.strip() and not value.strip().isdigit():
-            return (
-                f"{name}: {value!r} in the environment is not a number (SLURM sets it to a count or an index); unset "
-                f"it, or run under srun"
-            )
+        problem = slurm_number_line(name, environ.get(name))
+        if problem:
+            return problem
     overrides = _overrides(args)
     for arg in overrides:
         found = _override_line(arg)

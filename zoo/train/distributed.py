@@ -24,6 +24,7 @@ import time
 from typing import Optional
 
 from zoo._compat import backends_are_initialized, cluster_env
+from zoo.train.command_line import slurm_number
 from zoo.train.run_config import ConfigError, DistributedConfig
 
 EXIT_BAD_INPUT = 2
@@ -56,8 +57,8 @@ def _jax_cluster_defaults(c: DistributedConfig, local_device_ids):
     if ClusterEnv is None:  # pragma: no cover - JAX moved it: fall back to SLURM's variables
         return (
             c.coordinator_address,
-            c.num_processes if c.num_processes is not None else int(os.environ["SLURM_NTASKS"]),
-            c.process_id if c.process_id is not None else int(os.environ["SLURM_PROCID"]),
+            c.num_processes if c.num_processes is not None else slurm_number("SLURM_NTASKS", None),
+            c.process_id if c.process_id is not None else slurm_number("SLURM_PROCID", None),
             local_device_ids,
         )
     return ClusterEnv.auto_detect_unset_distributed_params(
@@ -71,7 +72,10 @@ def resolve(c: DistributedConfig) -> Optional[Cluster]:
     slurm = c.auto_detect and slurm_present()
     if not explicit and not slurm:
         return None
-    if slurm and not explicit and int(os.environ.get("SLURM_NTASKS", "1")) == 1:
+    if slurm:  # JAX's detection reads them too, and a number that is not one ended it in a traceback
+        for name in ("SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID"):
+            slurm_number(name, 0)
+    if slurm and not explicit and slurm_number("SLURM_NTASKS", 1) == 1:
         return None  # a one-task SLURM job: nothing to join
     if c.num_processes == 1 and (c.process_id in (None, 0)) and not slurm:
         return None
