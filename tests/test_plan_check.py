@@ -341,3 +341,20 @@ def test_a_program_xla_had_to_rematerialize_much_of_does_not_count_as_fitting():
     compiler.rematerialized = {candidate_key(search(p)): 3.0 * GB}
     tried = checked_search(p, compiler, 1)
     assert tried[0].rematerialized_bytes == 3.0 * GB and chosen(tried, p.budget) is None
+
+
+def test_the_next_budget_is_scaled_by_the_program_as_written_not_the_peak_after_remat():
+    """A compiler that fits everything within the budget only by rematerializing: scaled by its peak the
+    search would keep asking for the same program; scaled by what it wrote (peak + rematerialized) it
+    gives up a tag, and that one fits."""
+    p = _problem(9.0)  # keeping both: 9 GB by the estimate
+
+    def compiler(e):
+        return min(e.peak_bytes, 8.9 * GB), 0.0
+
+    kept = evaluate(p, {"a": "device", "b": "device"})
+    compiler.rematerialized = {candidate_key(kept): 3.0 * GB}
+    tried = checked_search(p, compiler, 3)
+    assert tried[0].estimate.assignment == {"a": "device", "b": "device"} and not tried[0].fits(p.budget)
+    assert len(tried) > 1 and chosen(tried, p.budget) is tried[1]
+    assert "remat" in tried[1].estimate.assignment.values()
