@@ -302,7 +302,12 @@ def main(
         print(f"error: --fit-tolerance {tolerance}: a fraction in [0, 1), e.g. 0.005; 0 always refits", file=sys.stderr)
         return 2
     try:
-        res = records.merge([records.as_record(json.loads(pathlib.Path(f).read_text())) for f in record.split(",")])
+        res = records.merge(
+            [
+                records.as_record(json.loads(pathlib.Path(f).read_text()), pathlib.Path(f).stem)
+                for f in record.split(",")
+            ]
+        )
     except (OSError, ValueError) as e:
         print(f"error: --fit {record}: {e}; give bench/tpu.py --out JSONs (comma list)", file=sys.stderr)
         return 2

@@ -753,13 +753,17 @@ def merge(records: list[dict]) -> dict:
     return out
 
 
-def as_record(rec: dict) -> dict:
+def as_record(rec: dict, stem: str = "") -> dict:
     """A record this script reads: its own, or bench/peer_maxtext.py's (its Zoo runs, each shape a setup
-    marked `peer`, out of the step model's fit; `as_tpu_record`)."""
+    marked `peer`, out of the step model's fit; `as_tpu_record`), its setups named after the file's
+    `stem` beyond the first (bench_maxtext), so that two records of one shape both count."""
     if rec.get("schema") == "zoo.bench.maxtext/1":
         from bench.peer_maxtext import as_tpu_record
 
-        return as_tpu_record(rec)
+        out = as_tpu_record(rec)
+        if stem and stem != "bench_maxtext":
+            out["setups"] = {f"{n}_{stem.removeprefix('bench_maxtext_')}": s for n, s in out["setups"].items()}
+        return out
     return rec
 
 
