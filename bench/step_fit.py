@@ -141,8 +141,7 @@ def squared_error(samples: Sequence[Sample], values: dict) -> float:
 
 def chosen(fitted: Sequence[Sample], best: dict, current: dict, tolerance: float) -> tuple[dict, str]:
     """The values the profile gets: its own where their squared error is within `tolerance` (a fraction)
-    of the best fit's, else the best fit's as written (rounded). The error is flat near its minimum
-    (on the v5e's runs a recompute_cost of 0.23 or 0.28 moves it by 0.2%): a refit that gains less than
+    of the best fit's, else the best fit's as written (rounded): a refit that gains less than
     `tolerance` does not move every estimate the profile prices. Returns (values, why)."""
     low, have = squared_error(fitted, best), squared_error(fitted, current)
     change = (have - low) / low if low > 0 else (0.0 if have <= 0 else float("inf"))
