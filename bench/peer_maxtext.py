@@ -691,7 +691,10 @@ def check_policies(policies: list[str], sides: list[str]) -> None:
         try:
             policy_from_label(p)
         except Exception as e:  # noqa: BLE001 - a bad label: its one line
-            raise BadInput(f"--policies: {p!r} is no Zoo policy ({str(e).splitlines()[0]})") from None
+            raise BadInput(
+                f"--policies: unknown {p!r}: neither a shared policy ({', '.join(POLICIES)}) nor a Zoo label "
+                f"({str(e).splitlines()[0]})"
+            ) from None
 
 
 def plan_shapes(args) -> dict[str, Shape]:

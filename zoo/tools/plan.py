@@ -381,8 +381,8 @@ def _batch_searched(run: Planning) -> Planning:
     )
     print(batch_table(rows, run.p.budget))
     best = best_batch(rows)
-    if best is None:
-        return run
+    if best is None:  # not even the smallest fits: its refusal, who holds the memory there
+        return traced[rows[0].batch]
     chosen = traced[best.batch]
     print(f"planning per device batch {best.batch} (data.batch_size={chosen.c.data.batch_size})")
     return chosen
