@@ -127,7 +127,8 @@ def test_refitting_the_v5e_record_gives_the_profiles_figures():
     for k in (*step_fit.FITTED, "hidden_transfers"):
         printed = re.search(rf"^{k}: (.+?)\s*$", out, re.MULTILINE).group(1).split("  (")[0]
         written = re.search(rf"^{k}: (.+?)\s*(#.*)?$", profile, re.MULTILINE).group(1)
-        assert printed == written if k == "hidden_transfers" else float(printed) == float(written), (k, printed, written)
+        same = printed == written if k == "hidden_transfers" else float(printed) == float(written)
+        assert same, (k, printed, written)
     counts = re.search(
         r"fitted over (\d+) runs .* within 15% for (\d+) of (\d+) runs, (\d+) within 10%; "
         r"with each setup left out of the fit in turn, (\d+) and (\d+) of the (\d+)",

@@ -80,6 +80,7 @@ policy files that `offload.ranges` takes by path.
 #   holders      who holds the memory, and the single change that frees the most
 #   policies     between offload policies and assignments (offload.ranges, the plan's YAML)
 #   split        the split search (plan.split=true)
+#   batch        the batch searched with the policy (plan.batch_search=true)
 #   pricing      the tags' FLOPs, ops and bytes per device, from the model's blocks and the sharding
 #   working_set  the transient bytes: a layer's attention backward, the head + loss
 #   traced       the problem built from a train config and its traced step (problem_from_config)
