@@ -758,7 +758,7 @@ def as_record(rec: dict, stem: str = "") -> dict:
     marked `peer`, out of the step model's fit; `as_tpu_record`), its setups named after the file's
     `stem` beyond the first (bench_maxtext), so that two records of one shape both count."""
     if rec.get("schema") == "zoo.bench.maxtext/1":
-        from bench.peer_maxtext import as_tpu_record
+        from bench.maxtext_shapes import as_tpu_record
 
         out = as_tpu_record(rec)
         if stem and stem != "bench_maxtext":
