@@ -241,23 +241,22 @@ def evidence_lines(evidence: Sequence[Evidence]) -> str:
     )
 
 
-def rewrite_hidden(text: str, path: pathlib.Path, hidden: Sequence[str]) -> str:
-    """The profile's text with its `hidden_transfers:` line set to `hidden`, its comment kept."""
-    pattern = re.compile(r"^(hidden_transfers:[ \t]*)([^#\n]*?)([ \t]*(#.*)?)$", re.MULTILINE)
+def rewrite_key(text: str, path: pathlib.Path, key: str, value: str, example: str) -> str:
+    """The profile's text with its top-level `key:` line's value replaced by `value`, its comment kept."""
+    pattern = re.compile(rf"^({re.escape(key)}:[ \t]*)([^#\n]*?)([ \t]*(#.*)?)$", re.MULTILINE)
     if not pattern.search(text):
-        raise ValueError(f"{path}: no top-level `hidden_transfers:` line to rewrite; add `hidden_transfers: []`")
-    return pattern.sub(lambda m: f"{m.group(1)}[{', '.join(hidden)}]{m.group(3)}", text, count=1)
+        raise ValueError(f"{path}: no top-level `{key}:` line to rewrite; add `{key}: {example}` and fit again")
+    return pattern.sub(lambda m: f"{m.group(1)}{value}{m.group(3)}", text, count=1)
 
 
-def rewrite_profile(path: pathlib.Path, values: dict) -> str:
-    """The profile's text with each fitted key's value (as written: `rounded`) replaced in place, its
-    comments kept."""
+def rewrite_profile(path: pathlib.Path, values: dict, hidden: Optional[Sequence[str]] = None) -> str:
+    """The profile's text with each fitted key's value (as written: `rounded`) and, given, its
+    `hidden_transfers` replaced in place, its comments kept."""
     text = path.read_text()
     for k in FITTED:
-        pattern = re.compile(rf"^({re.escape(k)}:[ \t]*)([^#\n]*?)([ \t]*(#.*)?)$", re.MULTILINE)
-        if not pattern.search(text):
-            raise ValueError(f"{path}: no top-level `{k}:` line to rewrite; add `{k}: 1.0` and fit again")
-        text = pattern.sub(lambda m, k=k: f"{m.group(1)}{rounded(values)[k]:g}{m.group(3)}", text, count=1)
+        text = rewrite_key(text, path, k, f"{rounded(values)[k]:g}", "1.0")
+    if hidden is not None:
+        text = rewrite_key(text, path, "hidden_transfers", f"[{', '.join(hidden)}]", "[]")
     return text
 
 
@@ -330,6 +329,6 @@ def main(
     print(f"hidden_transfers: [{', '.join(hidden)}]")
     if dry_run or (values == rounded(current) and hidden == list(loaded.hidden_transfers)):
         return 0
-    path.write_text(rewrite_hidden(rewrite_profile(path, values), path, hidden))
+    path.write_text(rewrite_profile(path, values, hidden))
     print(f"wrote {path.relative_to(ROOT)}")
     return 0

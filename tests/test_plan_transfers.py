@@ -101,3 +101,27 @@ def test_the_fit_names_the_tags_whose_transfers_the_runs_show_hidden():
     assert step_fit.fit_hidden(samples, values) == ["a"]
     evidence = {e.tag: e for e in step_fit.transfer_evidence(samples, values, ["a"])}
     assert evidence["a"].hidden and not evidence["b"].hidden
+
+
+def test_a_profile_naming_no_tag_among_its_hidden_transfers_is_one_line():
+    from types import SimpleNamespace
+
+    from zoo.plan.traced import overlapped_tags
+
+    c = SimpleNamespace(hardware=SimpleNamespace(hidden_transfers=["context", "contxt"]))
+    with pytest.raises(PlanError, match=r"^hardware.hidden_transfers: 'contxt' is no tag \(zoo.tags\)"):
+        overlapped_tags(c, PlanConfig())
+    assert overlapped_tags(SimpleNamespace(hardware=SimpleNamespace(hidden_transfers=["context"])), PlanConfig()) == {
+        "context"
+    }
+
+
+def test_the_fit_rewrites_the_hidden_tags_in_place_with_their_comment(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text("".join(f"{k}: 1.0\n" for k in step_fit.FITTED) + "hidden_transfers: []  # the fit's\nname: x\n")
+    values = {"step_efficiency": 0.9, "recompute_cost": 0.3, "activation_passes": 6.0, "recompute_passes": 4.0}
+    text = step_fit.rewrite_profile(path, values, ["query_proj", "context"])
+    assert "hidden_transfers: [query_proj, context]  # the fit's\nname: x\n" in text and "recompute_cost: 0.3\n" in text
+    path.write_text("step_efficiency: 1.0\n")
+    with pytest.raises(ValueError, match="no top-level `recompute_cost:` line"):
+        step_fit.rewrite_profile(path, values)

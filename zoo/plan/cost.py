@@ -182,9 +182,10 @@ def overlaps(p: Problem, tag: str) -> bool:
     """Whether `tag`'s host transfer is priced as overlapping its layer's compute (the excess over it
     exposed) rather than exposed whole, both ways: where the hardware was measured to hide it
     (`Problem.overlapped`, from hardware.hidden_transfers; plan.transfers). A transfer nobody measured
-    hidden is exposed: on a TPU v5e, llama_1b's layers at 12 x 2048, a pick that sent out_proj and
-    mlpwi_1 to host, priced hidden at 770 ms, ran 932.7 (docs/benchmarks.md, "The planner against the
-    chip"). The layer input is never: it is what the layer's backward starts from, so nothing hides its
+    hidden is exposed: on a TPU v5e, a tag hidden at one width need not be at another (Llama 3.1 8B's
+    layers at 2 x 8192 with query_proj, context and out_proj sent to host, hidden on llama_1b's layers,
+    ran 566.8 ms against `minimal`'s 514.2: docs/benchmarks.md, "DeepSeek-V3's layer again"). The layer
+    input is never: it is what the layer's backward starts from, so nothing hides its
     way back (on a v5e its offload cost dsv3_100m 363 ms a step at 68 x 4096, more than its 243 ms round
     trip over the link)."""
     if tag in CHECKPOINT_INPUTS:

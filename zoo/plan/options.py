@@ -96,7 +96,7 @@ class PlanConfig:
             raise PlanError(f"plan.name: {self.name!r} is not a file stem; e.g. plan.name=planned")
 
 
-def _link_profile(link, hardware_dir):
+def link_profile(link, hardware_dir):
     """The conf/hardware profile `plan.link` names (its YAML, loaded), or None."""
     if hardware_dir is None or not isinstance(link, str) or not (hardware_dir / f"{link}.yaml").exists():
         return None
@@ -110,7 +110,7 @@ def link_duplex(link, profile_duplex: bool, hardware_dir=None) -> bool:
     does (PCIe, NVLink), a hardware profile says for itself; null: the run's profile."""
     if link is None:
         return bool(profile_duplex)
-    profile = _link_profile(link, hardware_dir)
+    profile = link_profile(link, hardware_dir)
     return True if profile is None else bool(profile.get("host_link_duplex", True))
 
 
@@ -125,7 +125,7 @@ def hidden_transfers(opts: "PlanConfig", profile_hidden, hardware_dir=None) -> O
         return frozenset()
     if opts.link is None:
         return frozenset(profile_hidden or ())
-    profile = _link_profile(opts.link, hardware_dir)
+    profile = link_profile(opts.link, hardware_dir)
     return frozenset((profile.get("hidden_transfers") or ()) if profile is not None else ())
 
 
@@ -148,7 +148,7 @@ def resolve_link(link, default_gbps: Union[int, float, None], hardware_dir=None)
         return value
     if link in LINKS:
         return LINKS[link]
-    profile = _link_profile(link, hardware_dir)
+    profile = link_profile(link, hardware_dir)
     if profile is not None:
         gbps = profile.get("host_link_gbps", 0)
         if gbps and gbps > 0:

@@ -19,7 +19,14 @@ from zoo.nn.attention_kernels import resolve_impl
 from zoo.offload import CHECKPOINT_INPUTS, OffloadConfig, backward_never_reads, remat_policy, resolve
 from zoo.placement import inspect_placement, stack_names
 from zoo.plan.cost import evaluate, tag_totals_of
-from zoo.plan.options import PlanConfig, hidden_transfers, host_budget_bytes, link_duplex, resolve_link
+from zoo.plan.options import (
+    PlanConfig,
+    hidden_transfers,
+    host_budget_bytes,
+    link_duplex,
+    link_profile,
+    resolve_link,
+)
 from zoo.plan.policies import with_ranges
 from zoo.plan.pricing import (
     OpSlowness,
@@ -441,21 +448,18 @@ def figures(c, opts: PlanConfig, p: Problem, slowness: OpSlowness, hardware_dir=
     (measured if slowness.used else assumed).append(
         f"op rates ({', '.join(slowness.used)})" if slowness.used else "every op at that rate (no hardware.op_rates)"
     )
+    # The step model's figures away from the schema's defaults (1: not fitted; passes 0: not priced).
+    defaults = {f.name: f.default for f in dataclasses.fields(hw)}
     fitted = [
         k
-        for k, unit in (
-            ("step_efficiency", 1.0),
-            ("recompute_cost", 1.0),
-            ("activation_passes", 0.0),
-            ("recompute_passes", 0.0),
-        )
-        if getattr(hw, k) != unit
+        for k in ("step_efficiency", "recompute_cost", "activation_passes", "recompute_passes")
+        if getattr(hw, k) != defaults[k]
     ]
     if fitted:
         measured.append("the step model's " + ", ".join(fitted) + " (fitted to the hardware's runs)")
     if opts.link is None:
         measured.append(f"the host link (hardware.host_link_gbps of {hw.name})")
-    elif hardware_dir is not None and (hardware_dir / f"{opts.link}.yaml").exists():
+    elif link_profile(opts.link, hardware_dir) is not None:
         measured.append(f"the host link (hardware.host_link_gbps of {opts.link})")
     else:
         assumed.append(f"the host link (plan.link={opts.link}, a nominal rate)")
