@@ -1,8 +1,8 @@
 """The step model's fit: the four figures of a hardware profile that price a step beyond each op's
 measured rate, fitted over a bench record's runs, and written back into the profile.
 
-    python bench/tpu.py --fit docs/bench_tpu.json --dry-run     # print the fitted values and the counts
-    python bench/tpu.py --fit docs/bench_tpu.json               # rewrite them in conf/hardware/tpu_v5e.yaml
+    python bench/tpu.py --fit 'docs/bench_tpu.json,docs/bench_maxtext*.json' --dry-run   # print the fit
+    python bench/tpu.py --fit 'docs/bench_tpu.json,docs/bench_maxtext*.json'   # rewrite conf/hardware/tpu_v5e.yaml
 
 The planner's step estimate (zoo.tools.plan, `_totals`) is, per run,
 
@@ -26,6 +26,7 @@ setup is also estimated with the figures fitted on the others (the counts "with 
 """
 
 import dataclasses
+import glob
 import pathlib
 import re
 import sys
@@ -149,7 +150,9 @@ def chosen(fitted: Sequence[Sample], best: dict, current: dict, tolerance: float
         f"the profile's values: squared relative error {have:.4f} against the best fit's {low:.4f} "
         f"({100 * change:+.2f}%"
     )
-    if change <= tolerance or rounded(best) == rounded(current):
+    if rounded(best) == rounded(current):
+        return rounded(current), text + ", the best fit as written): kept"
+    if change <= tolerance:
         return rounded(current), text + f", within {100 * tolerance:g}%): kept"
     return rounded(best), text + f", over {100 * tolerance:g}%): refitted"
 
@@ -167,77 +170,54 @@ def summary(values: dict, best: dict, fitted: Sequence[Sample], every: Sequence[
     return "\n".join(lines)
 
 
-def with_hidden(samples: Sequence[Sample], hidden) -> list:
-    """The samples with their problems pricing the transfers of the tags in `hidden` as overlapping
-    compute and every other tag's as exposed (`zoo.plan.problem.Problem.overlapped`)."""
+def with_overlap(samples: Sequence[Sample], overlap: Optional[float]) -> list:
+    """The samples with their problems pricing the tags' transfers as overlapping `overlap` of their
+    layer's compute, the last layer's exposed (`zoo.plan.problem.Problem.transfer_overlap`); None: every
+    transfer exposed whole."""
+    share = 0.0 if overlap is None else overlap
     return [
-        dataclasses.replace(s, problem=dataclasses.replace(s.problem, overlapped=frozenset(hidden))) for s in samples
+        dataclasses.replace(s, problem=dataclasses.replace(s.problem, transfer_overlap=share, turn_exposed=True))
+        for s in samples
     ]
 
 
-@dataclasses.dataclass
-class Evidence:
-    """One offloaded tag: the runs that sent it to host, and their squared relative step error with its
-    transfer priced hidden (overlapping compute) and exposed whole."""
-
-    tag: str
-    runs: list
-    error_hidden: float
-    error_exposed: float
-
-    @property
-    def hidden(self) -> bool:
-        return self.error_hidden < self.error_exposed
+OVERLAPS = tuple(round(0.05 * i, 2) for i in range(21))  # the shares fit_overlap tries
 
 
-def offloaded_tags(samples: Sequence[Sample]) -> list[str]:
-    """The tags any run sent to host (not the layer input, whose transfer is exposed whatever the
-    profile says)."""
+def offloading(samples: Sequence[Sample]) -> list:
+    """The runs that sent a tag other than the layer input to host (whose transfer is exposed
+    whatever the profile says)."""
     from zoo.offload import CHECKPOINT_INPUTS
 
-    return list(
-        dict.fromkeys(
-            t for s in samples for t, a in s.assignment.items() if a == "offload" and t not in CHECKPOINT_INPUTS
-        )
-    )
+    return [s for s in samples if any(a == "offload" and t not in CHECKPOINT_INPUTS for t, a in s.assignment.items())]
 
 
-def fit_hidden(samples: Sequence[Sample], values: dict) -> list[str]:
-    """The tags whose transfers the chip hid, as a set fitted to the runs: from none, add the tag whose
-    transfer priced hidden lowers the runs' squared error the most, while one lowers it by more than
-    0.1% (the runs offload several tags at once, so each tag is judged beside the others)."""
-    runs = [s for s in samples if any(a == "offload" for a in s.assignment.values())]
-    hidden: list[str] = []
-    err = squared_error(with_hidden(runs, hidden), values)
-    while True:
-        trials = {
-            t: squared_error(with_hidden(runs, [*hidden, t]), values) for t in offloaded_tags(runs) if t not in hidden
-        }
-        if not trials or min(trials.values()) >= err * (1 - 1e-3):
-            return hidden
-        best = min(trials, key=trials.get)
-        hidden.append(best)
-        err = trials[best]
+def fit_overlap(samples: Sequence[Sample], values: dict) -> tuple[Optional[float], dict]:
+    """The share of a layer's compute its transfers overlap, fitted to the offloading runs: of
+    `OVERLAPS`, the one with the least squared step error (None where no run offloads), and each
+    share's error."""
+    runs = offloading(samples)
+    if not runs:
+        return None, {}
+    errs = {o: squared_error(with_overlap(runs, o), values) for o in OVERLAPS}
+    return min(errs, key=errs.get), errs
 
 
-def transfer_evidence(samples: Sequence[Sample], values: dict, hidden) -> list[Evidence]:
-    """Per tag any run offloaded: the squared error of the runs that sent it to host with its transfer
-    priced hidden and exposed, the other tags as `hidden` says (`fit_hidden`)."""
-    out = []
-    for tag in offloaded_tags(samples):
-        runs = [s for s in samples if s.assignment.get(tag) == "offload"]
-        on, off = with_hidden(runs, set(hidden) | {tag}), with_hidden(runs, set(hidden) - {tag})
-        out.append(
-            Evidence(tag, [f"{s.setup}/{s.label}" for s in runs], squared_error(on, values), squared_error(off, values))
-        )
-    return out
-
-
-def evidence_lines(evidence: Sequence[Evidence]) -> str:
-    return "\n".join(
-        f"transfer of {e.tag}: {'hidden' if e.hidden else 'exposed'} (squared error {e.error_hidden:.4f} priced "
-        f"hidden, {e.error_exposed:.4f} exposed, over {len(e.runs)} runs: {', '.join(e.runs)})"
-        for e in evidence
+def overlap_lines(samples: Sequence[Sample], values: dict, overlap: Optional[float], errs: dict) -> str:
+    """The evidence: the squared error at the fitted share, with every transfer exposed, and with
+    every one hidden up to its layer's compute (the last layer's too), over the offloading runs."""
+    runs = offloading(samples)
+    if overlap is None:
+        return "transfer_overlap: no run offloads a tag, so nothing to fit (the transfers stay priced exposed)"
+    hidden = [
+        dataclasses.replace(s, problem=dataclasses.replace(s.problem, transfer_overlap=1.0, turn_exposed=False))
+        for s in runs
+    ]
+    return (
+        f"transfers overlap {overlap:g} of their layer's compute, the last layer's exposed: squared error "
+        f"{errs[overlap]:.4f} over {len(runs)} offloading runs ({errs[0.0]:.4f} with every transfer exposed, "
+        f"{squared_error(hidden, values):.4f} with every one hidden up to its layer's compute); the runs: "
+        + ", ".join(f"{s.setup}/{s.label}" for s in runs)
     )
 
 
@@ -249,14 +229,14 @@ def rewrite_key(text: str, path: pathlib.Path, key: str, value: str, example: st
     return pattern.sub(lambda m: f"{m.group(1)}{value}{m.group(3)}", text, count=1)
 
 
-def rewrite_profile(path: pathlib.Path, values: dict, hidden: Optional[Sequence[str]] = None) -> str:
+def rewrite_profile(path: pathlib.Path, values: dict, overlap: Optional[float] = None) -> str:
     """The profile's text with each fitted key's value (as written: `rounded`) and, given, its
-    `hidden_transfers` replaced in place, its comments kept."""
+    `transfer_overlap` replaced in place, its comments kept."""
     text = path.read_text()
     for k in FITTED:
         text = rewrite_key(text, path, k, f"{rounded(values)[k]:g}", "1.0")
-    if hidden is not None:
-        text = rewrite_key(text, path, "hidden_transfers", f"[{', '.join(hidden)}]", "[]")
+    if overlap is not None:
+        text = rewrite_key(text, path, "transfer_overlap", f"{overlap:g}", "0.5")
     return text
 
 
@@ -280,6 +260,21 @@ def samples_from_record(res: dict, profile: str, records, out_of_sample: Sequenc
     return [s for s in every if s.setup not in out_of_sample], every
 
 
+def files(record: str) -> list[str]:
+    """The record files of --fit's comma list, each a path or a glob (`docs/bench_maxtext*.json`, in
+    name order); a glob matching nothing: OSError naming it."""
+    out = []
+    for item in record.split(","):
+        if glob.has_magic(item):
+            matched = sorted(glob.glob(item))
+            if not matched:
+                raise OSError(f"{item} matches no file")
+            out += matched
+        else:
+            out.append(item)
+    return out
+
+
 def main(
     record: str,
     profile: str,
@@ -301,10 +296,7 @@ def main(
         return 2
     try:
         res = records.merge(
-            [
-                records.as_record(json.loads(pathlib.Path(f).read_text()), pathlib.Path(f).stem)
-                for f in record.split(",")
-            ]
+            [records.as_record(json.loads(pathlib.Path(f).read_text()), pathlib.Path(f).stem) for f in files(record)]
         )
     except (OSError, ValueError) as e:
         print(f"error: --fit {record}: {e}; give bench/tpu.py --out JSONs (comma list)", file=sys.stderr)
@@ -316,19 +308,18 @@ def main(
     if len(fitted) < len(FITTED):
         print(f"error: --fit {record}: {len(fitted)} runs that ran; the fit needs at least 4", file=sys.stderr)
         return 2
-    # Which tags' transfers the chip hid, read at the profile's values; then the four figures with
-    # the transfers priced that way.
-    hidden = fit_hidden(every, current)
-    evidence = transfer_evidence(every, current, hidden)
-    fitted, every = with_hidden(fitted, hidden), with_hidden(every, hidden)
+    # The share of compute the chip hid the transfers behind, read at the profile's values; then the
+    # four figures with the transfers priced that way.
+    overlap, overlap_errs = fit_overlap(every, current)
+    fitted, every = with_overlap(fitted, overlap), with_overlap(every, overlap)
     best = fit(fitted, current)
     values, why = chosen(fitted, best, current, tolerance)
-    print(evidence_lines(evidence))
+    print(overlap_lines(every, current, overlap, overlap_errs))
     print(summary(values, best, fitted, every, left_out_errors(fitted, current)))
     print(why)
-    print(f"hidden_transfers: [{', '.join(hidden)}]")
-    if dry_run or (values == rounded(current) and hidden == list(loaded.hidden_transfers)):
+    print(f"transfer_overlap: {overlap if overlap is not None else loaded.transfer_overlap}")
+    if dry_run or (values == rounded(current) and overlap in (None, loaded.transfer_overlap)):
         return 0
-    path.write_text(rewrite_profile(path, values, hidden))
+    path.write_text(rewrite_profile(path, values, overlap))
     print(f"wrote {path.relative_to(ROOT)}")
     return 0

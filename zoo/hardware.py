@@ -37,12 +37,13 @@ class HardwareConfig:
     # zoo.tools.measure_hardware): the planner then adds, where it would overlap, the optimizer state's
     # way in and way out.
     host_link_duplex: bool = True
-    # Tags whose host transfer this hardware was measured to hide behind the layer's compute (the
-    # chip's step with the tag offloaded priced closer with the overlap than with the transfer whole:
-    # bench/tpu.py --fit lists them from a record's runs). The planner prices only those with the
-    # overlap (the excess over compute exposed) and every other tag's transfer exposed whole, both ways
-    # (plan.transfers=measured, its default): a transfer nobody saw hidden is not assumed hidden.
-    hidden_transfers: list[str] = dataclasses.field(default_factory=list)
+    # The share of a layer's compute that its offloaded activations' host transfers run behind, as this
+    # hardware was measured to overlap them (bench/tpu.py --fit fits it to the chip's offloading runs);
+    # the layer at the turn from the forward to the backward pays its transfers whole either way, as
+    # nothing is left to hide them behind. The planner prices the rest of each transfer exposed
+    # (plan.transfers=measured, its default). null: never measured, so every transfer is priced exposed
+    # whole, both ways: a transfer nobody saw hidden is not assumed hidden.
+    transfer_overlap: Optional[float] = None
     # Measured dense matmul FLOP/s (python -m zoo.tools.measure_hardware); the planner prefers it to
     # peak_flops * plan.flops_efficiency. null: not measured.
     matmul_flops: Optional[float] = None
@@ -101,6 +102,11 @@ class HardwareConfig:
                     f"hardware.{key}: prices memory-bound work at hardware.hbm_gbps, which is not set; give it "
                     f"(e.g. hardware.hbm_gbps=819) or set hardware.{key}=0"
                 )
+        if self.transfer_overlap is not None and not 0 <= self.transfer_overlap <= 1:
+            raise ConfigError(
+                f"hardware.transfer_overlap: a fraction of a layer's compute in [0, 1], or null (not measured), got "
+                f"{self.transfer_overlap}; e.g. hardware.transfer_overlap=0.5"
+            )
         if self.hbm_gbps is not None and not 0 < self.hbm_gbps < math.inf:
             raise ConfigError(f"hardware.hbm_gbps: must be positive or null (unknown), got {self.hbm_gbps}")
         bad_rates = op_rates.check(self.op_rates)

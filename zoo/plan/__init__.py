@@ -21,15 +21,17 @@ The cost model (per device, per step; every number it uses is printed in the est
   recompute the step pays for; fitted on the chip). Nothing else changes.
 - `offload` of a tag costs its bytes over the host link, device->host in the layer's forward and
   host->device in its backward, plus a fixed latency per transfer (`plan.transfer_latency_us`: tiny
-  tensors gain nothing). The link is full duplex, `link` GB/s each way. A tag's transfer is exposed
-  whole, both ways, unless the hardware was measured to hide it (`hardware.hidden_transfers`, which
-  `bench/tpu.py --fit` fits from a record's runs; `plan.transfers=measured`, the default): only
-  those overlap the layer's compute (forward: its forward FLOPs; backward: twice those plus what it
-  recomputes), only the excess `max(0, transfer - compute)` exposed. `plan.transfers=exposed`
-  prices every transfer whole, `overlapped` every one hidden (the optimistic bound, for a link
-  nobody measured). The layer input's (what the layer's backward starts from) is exposed whole,
-  both ways, whatever the profile says (measured on a TPU v5e). The plan prints which figures were
-  measured and which assumed (`figures measured: ...; assumed: ...`).
+  tensors gain nothing). The link is full duplex, `link` GB/s each way, unless the profile says it is
+  not (`hardware.host_link_duplex`: then the two directions add up). Each layer's offloaded tags
+  overlap `hardware.transfer_overlap` of the layer's compute (forward: its forward FLOPs; backward:
+  twice those plus what it recomputes; `bench/tpu.py --fit` fits the share from a record's runs), the
+  rest exposed; the last layer's transfers are exposed whole, both ways, as the forward turns into
+  the backward there with none of that layer's compute left to hide them (`plan.transfers=measured`,
+  the default). A profile that measured no share prices every transfer exposed whole, both ways,
+  as does `plan.transfers=exposed`; `overlapped` hides every transfer up to its layer's compute (the
+  optimistic bound, for a link nobody measured). The layer input's (what the layer's backward starts
+  from) is exposed whole, both ways, whatever the profile says (measured on a TPU v5e). The plan
+  prints which figures were measured and which assumed (`figures measured: ...; assumed: ...`).
 - `device` costs HBM: the tag's bytes per layer times the layers; `offload` one layer's worth, the
   next layer's copy in flight while this one's backward runs. A tag's bytes are one device's:
   its traced array's logical axes (`zoo.tags.TagInfo.axes`) under the run's sharding rules

@@ -157,12 +157,16 @@ def evaluate_arrays(p: Problem, digits: np.ndarray) -> dict[str, np.ndarray]:
     n = digits.shape[0]
     recompute_flops, device_bytes, host_bytes, exposed = layer_parts(p, digits, free_layers(p))
     inflight = offloaded_per_layer(p, digits, free_layers(p))
+    last = digits
     for f in p.fixed:
         parts = layer_parts(p, digits_of(p, f.assignment), f.layers)
         recompute_flops, device_bytes, host_bytes, exposed = (
             a + b for a, b in zip((recompute_flops, device_bytes, host_bytes, exposed), parts)
         )
         inflight = np.maximum(inflight, offloaded_per_layer(p, digits_of(p, f.assignment), f.layers))
+        if f.holds_last:
+            last = np.broadcast_to(digits_of(p, f.assignment), digits.shape)
+    exposed = exposed + turn_s(p, last)
     return _totals(p, n, recompute_flops, device_bytes, host_bytes, exposed, inflight)
 
 
@@ -179,61 +183,92 @@ def offloaded_per_layer(p: Problem, digits: np.ndarray, layers_of: dict[str, int
 
 
 def overlaps(p: Problem, tag: str) -> bool:
-    """Whether `tag`'s host transfer is priced as overlapping its layer's compute (the excess over it
-    exposed) rather than exposed whole, both ways: where the hardware was measured to hide it
-    (`Problem.overlapped`, from hardware.hidden_transfers; plan.transfers). A transfer nobody measured
-    hidden is exposed: on a TPU v5e, a tag hidden at one width need not be at another (Llama 3.1 8B's
-    layers at 2 x 8192 with query_proj, context and out_proj sent to host, hidden on llama_1b's layers,
-    ran 566.8 ms against `minimal`'s 514.2: docs/benchmarks.md, "DeepSeek-V3's layer again"). The layer
-    input is never: it is what the layer's backward starts from, so nothing hides its
-    way back (on a v5e its offload cost dsv3_100m 363 ms a step at 68 x 4096, more than its 243 ms round
-    trip over the link)."""
-    if tag in CHECKPOINT_INPUTS:
-        return False
-    return p.overlapped is None or tag in p.overlapped
+    """Whether `tag`'s host transfer is priced as overlapping its layer's compute at all (the share
+    `Problem.transfer_overlap`, from hardware.transfer_overlap; plan.transfers) rather than exposed
+    whole, both ways. The layer input never is: it is what the layer's backward starts from, so
+    nothing hides its way back (on a v5e its offload cost dsv3_100m 363 ms a step at 68 x 4096, more
+    than its 243 ms round trip over the link)."""
+    return tag not in CHECKPOINT_INPUTS and p.transfer_overlap > 0
+
+
+def link_exposed(p: Problem, acts, params, fwd_compute, bwd_compute, overlap=None):
+    """Seconds one layer's host traffic adds to the step beyond the compute that hides it, per
+    microbatch: its offloaded activations (`acts` seconds each way: out in the forward, back in the
+    backward) run behind `overlap` (`Problem.transfer_overlap`) of the layer's compute, its streamed
+    weights (`params` seconds: in both ways, the gradients out in the backward) behind what compute is
+    left. Works on arrays of assignments."""
+    share = p.transfer_overlap if overlap is None else overlap
+
+    def one_way(acts, params_in, compute):
+        hidden = np.minimum(acts, share * compute)
+        return acts - hidden + np.maximum(0.0, params_in - (compute - hidden))
+
+    if p.duplex:  # weights in while the activations go out; the gradients out while both come in
+        fwd = np.maximum(np.maximum(0.0, acts - share * fwd_compute), np.maximum(0.0, params - fwd_compute))
+        bwd = np.maximum(one_way(acts, params, bwd_compute), np.maximum(0.0, params - bwd_compute))
+    else:  # one direction at a time: everything on the link adds up
+        fwd, bwd = one_way(acts, params, fwd_compute), one_way(acts, 2 * params, bwd_compute)
+    return fwd + bwd
+
+
+def _stack_link(p: Problem, digits: np.ndarray, s: str) -> tuple:
+    """One layer of stack `s` under the assignments `digits`: (its offloaded tags' transfer seconds one
+    way, the layer input's aside, its weights' if streamed, its forward and its backward compute)."""
+    n = digits.shape[0]
+    offloaded, count, remat = np.zeros(n), np.zeros(n), np.zeros(n)
+    for j, t in enumerate(p.tags):
+        d = digits[:, j]
+        b = float(t.bytes_per_layer.get(s, 0.0))
+        if b and t.tag not in CHECKPOINT_INPUTS:
+            offloaded += (d == 1) * b
+            count += d == 1
+        remat += (d == 2) * float(t.recompute_flops_per_layer.get(s, 0.0))
+    sc = p.stacks[s]
+    params = transfer_s(p, sc.param_bytes_per_layer) if p.params_on_host else 0.0
+    fwd_compute = sc.forward_flops_per_layer / p.rate
+    bwd_compute = (2 * sc.forward_flops_per_layer + remat) / p.rate
+    return transfer_s(p, offloaded, count), params, fwd_compute, bwd_compute
 
 
 def layer_parts(p: Problem, digits: np.ndarray, layers_of: dict[str, int]) -> tuple[np.ndarray, ...]:
     """(recompute FLOPs, device tag bytes, host tag bytes, exposed transfer seconds) of `layers_of[s]`
-    layers of each stack s under the assignments `digits`, per microbatch."""
+    layers of each stack s under the assignments `digits`, per microbatch (the turn's own exposure
+    aside: `turn_s`)."""
     n = digits.shape[0]
-    stacks = list(p.stacks)
     recompute_flops = np.zeros(n)
     device_bytes = np.zeros(n)
     host_bytes = np.zeros(n)
-    per_stack_off = {s: np.zeros(n) for s in stacks}
-    per_stack_count = {s: np.zeros(n) for s in stacks}
-    per_stack_remat = {s: np.zeros(n) for s in stacks}
     exposed = np.zeros(n)
     for j, t in enumerate(p.tags):
         d = digits[:, j]
-        for s in stacks:
+        for s, layers in layers_of.items():
             b = float(t.bytes_per_layer.get(s, 0.0))
-            f = float(t.recompute_flops_per_layer.get(s, 0.0))
-            layers = layers_of.get(s, 0)
-            if b:
-                device_bytes += (d == 0) * b * layers
-                host_bytes += (d == 1) * b * layers
-                if overlaps(p, t.tag):
-                    per_stack_off[s] += (d == 1) * b
-                    per_stack_count[s] += d == 1
-                else:
-                    exposed += (d == 1) * layers * 2 * transfer_s(p, b)
-            if f:
-                per_stack_remat[s] += (d == 2) * f
-                recompute_flops += (d == 2) * f * layers
-    for s in stacks:
-        sc = p.stacks[s]
-        fwd_compute = sc.forward_flops_per_layer / p.rate
-        bwd_compute = (2 * sc.forward_flops_per_layer + per_stack_remat[s]) / p.rate
-        offload_time = transfer_s(p, per_stack_off[s], per_stack_count[s])
-        params_time = transfer_s(p, sc.param_bytes_per_layer) if p.params_on_host else 0.0
-        # forward: activations out (device->host), this layer's weights in (host->device)
-        fwd = np.maximum(offload_time, params_time) if p.duplex else offload_time + params_time
-        # backward: activations and weights in, the layer's weight gradients out
-        bwd = np.maximum(offload_time + params_time, params_time) if p.duplex else offload_time + 2 * params_time
-        exposed += layers_of.get(s, 0) * (np.maximum(0.0, fwd - fwd_compute) + np.maximum(0.0, bwd - bwd_compute))
+            device_bytes += (d == 0) * b * layers
+            host_bytes += (d == 1) * b * layers
+            if t.tag in CHECKPOINT_INPUTS:
+                exposed += (d == 1) * layers * 2 * transfer_s(p, b) if b else 0.0
+            recompute_flops += (d == 2) * float(t.recompute_flops_per_layer.get(s, 0.0)) * layers
+    for s, layers in layers_of.items():
+        if layers:
+            exposed += layers * link_exposed(p, *_stack_link(p, digits, s))
     return recompute_flops, device_bytes, host_bytes, exposed
+
+
+def last_stack(p: Problem):
+    """The stack holding the model's last layer (the stacks run in their order), None if none has layers."""
+    return next((s for s in reversed(list(p.stacks)) if p.stacks[s].layers), None)
+
+
+def turn_s(p: Problem, digits: np.ndarray) -> np.ndarray:
+    """What the last layer's transfers add beyond `layer_parts`' pricing where `Problem.turn_exposed`:
+    its activations go out at the end of the forward and come back at the start of the backward with
+    no compute of that layer left to hide them, so they are exposed whole, both ways. Per microbatch;
+    `digits`: the assignments of the last layer."""
+    s = last_stack(p)
+    if not p.turn_exposed or s is None:
+        return np.zeros(digits.shape[0])
+    parts = _stack_link(p, digits, s)
+    return link_exposed(p, *parts, overlap=0.0) - link_exposed(p, *parts)
 
 
 def _totals(p: Problem, n: int, recompute_flops, device_bytes, host_bytes, exposed, inflight) -> dict[str, np.ndarray]:

@@ -35,10 +35,11 @@ class PlanConfig:
     )
     flops_efficiency: float = 0.5  # fraction of hardware.peak_flops matmuls reach
     transfer_latency_us: float = 10.0  # fixed cost of one host transfer
-    # How a tag's host transfer is priced: `measured`, overlapping its layer's compute where the
-    # hardware profile measured it hidden (hardware.hidden_transfers) and exposed whole elsewhere;
-    # `exposed`, every transfer whole; `overlapped`, every transfer overlapping compute (the optimistic
-    # bound, for a link nobody has measured yet).
+    # How a tag's host transfer is priced: `measured`, overlapping the share of its layer's compute the
+    # hardware profile measured (hardware.transfer_overlap), the last layer's exposed whole, and exposed
+    # whole everywhere where the profile measured none; `exposed`, every transfer whole; `overlapped`,
+    # every transfer overlapping its layer's whole compute (the optimistic bound, for a link nobody has
+    # measured yet).
     transfers: str = "measured"
     # Where the offload YAML goes; null: outputs/plan/<date>_<time>/offload/<name>.yaml (a folder
     # named offload, so train.py finds it with hydra.searchpath=[file://<the folder above>]).
@@ -79,8 +80,8 @@ class PlanConfig:
             raise PlanError(f"plan.transfer_latency_us: must be >= 0, got {self.transfer_latency_us}")
         if self.transfers not in TRANSFERS:
             raise PlanError(
-                f"plan.transfers: got {self.transfers!r}; choose {', '.join(TRANSFERS)} (measured: hidden only "
-                "where hardware.hidden_transfers says)"
+                f"plan.transfers: got {self.transfers!r}; choose {', '.join(TRANSFERS)} (measured: hidden behind the "
+                "share of compute hardware.transfer_overlap says)"
             )
         if self.compile is not None and self.compile < 0:
             raise PlanError(f"plan.compile: the number of candidates to compile, >= 0; got {self.compile}")
@@ -114,19 +115,21 @@ def link_duplex(link, profile_duplex: bool, hardware_dir=None) -> bool:
     return True if profile is None else bool(profile.get("host_link_duplex", True))
 
 
-def hidden_transfers(opts: "PlanConfig", profile_hidden, hardware_dir=None) -> Optional[frozenset]:
-    """The tags whose host transfer is priced as overlapping compute (`zoo.plan.problem.Problem.overlapped`):
-    plan.transfers=overlapped every tag (None), exposed none; measured, those the hardware measured
-    hidden: the run's profile's `hidden_transfers`, or, where plan.link names another profile, that
-    one's; a link given as a number or a LINKS name was measured by nobody: none."""
+def transfer_pricing(opts: "PlanConfig", profile_overlap, hardware_dir=None) -> tuple[float, bool]:
+    """(`Problem.transfer_overlap`, `Problem.turn_exposed`): plan.transfers=overlapped (1, False), every
+    transfer hidden up to its layer's compute; exposed (0, True); measured, the share the hardware was
+    measured to overlap (hardware.transfer_overlap of the run's profile, or, where plan.link names
+    another profile, that one's) with the turn exposed, and (0, True) where nobody measured it (a link
+    given as a number or a LINKS name, or a profile without the figure)."""
     if opts.transfers == "overlapped":
-        return None
-    if opts.transfers == "exposed":
-        return frozenset()
-    if opts.link is None:
-        return frozenset(profile_hidden or ())
-    profile = link_profile(opts.link, hardware_dir)
-    return frozenset((profile.get("hidden_transfers") or ()) if profile is not None else ())
+        return 1.0, False
+    if opts.transfers == "measured":
+        if opts.link is not None:
+            profile = link_profile(opts.link, hardware_dir)
+            profile_overlap = profile.get("transfer_overlap") if profile is not None else None
+        if profile_overlap is not None:
+            return float(profile_overlap), True
+    return 0.0, True
 
 
 def resolve_link(link, default_gbps: Union[int, float, None], hardware_dir=None) -> float:

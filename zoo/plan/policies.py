@@ -31,6 +31,7 @@ def with_ranges(p: Problem, policy, model_config) -> Problem:
             f"layers {r.key} {r.preset}",
             layers_in(bounds, r.first, r.last),
             preset_assignment(p, config, model_config),
+            holds_last=r.last == sum(sc.layers for sc in p.stacks.values()) - 1,
         )
         for r, config in ranges
     ]

@@ -5,7 +5,6 @@ anything."""
 
 import dataclasses
 import math
-from typing import Optional
 
 
 CHOICES = ("device", "offload", "remat")
@@ -43,6 +42,7 @@ class FixedRange:
     label: str  # "layers 0-3 llama_qkv_offload"
     layers: dict[str, int]
     assignment: dict[str, str]
+    holds_last: bool = False  # the model's last layer is in this range (`Problem.turn_exposed`)
 
 
 @dataclasses.dataclass
@@ -98,10 +98,13 @@ class Problem:
     # whatever the tags' assignment (0 for a policy that does not checkpoint).
     memory_s: float = 0.0
     rerun_s: float = 0.0
-    # Tags whose host transfer overlaps its layer's compute (only the excess over it is exposed); every
-    # other tag's transfer is exposed whole, both ways (`zoo.plan.cost.layer_parts`). None: every tag's
-    # overlaps (plan.transfers=overlapped). The layer input's is exposed whole whatever this says.
-    overlapped: Optional[frozenset] = None
+    # How the tags' host transfers are priced (`zoo.plan.cost.link_exposed`): each layer's run behind
+    # this share of the layer's compute, the rest exposed; with `turn_exposed`, the last layer's (where
+    # the forward turns into the backward, nothing left to hide them behind) exposed whole, both ways.
+    # 1 and False: every transfer hidden up to its layer's compute (plan.transfers=overlapped); 0 and
+    # True: every transfer exposed whole. The layer input's is exposed whole whatever these say.
+    transfer_overlap: float = 1.0
+    turn_exposed: bool = False
 
     def __post_init__(self):
         for t in self.tags:

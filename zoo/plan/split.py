@@ -44,7 +44,7 @@ def split_problem(
     first, last = f"0-{at - 1}" if at > 1 else "0", f"{at}-{num_layers - 1}" if num_layers - 1 > at else f"{at}"
     return dataclasses.replace(p, cut_bytes=cut_bytes(p, [at]), fixed=[
         FixedRange(f"layers {first} {head_label}", layers_in(bounds, 0, at - 1), head),
-        FixedRange(f"layers {last} {tail_label}", layers_in(bounds, at, num_layers - 1), tail),
+        FixedRange(f"layers {last} {tail_label}", layers_in(bounds, at, num_layers - 1), tail, holds_last=True),
     ])  # fmt: skip
 
 

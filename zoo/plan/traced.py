@@ -21,11 +21,11 @@ from zoo.placement import inspect_placement, stack_names
 from zoo.plan.cost import evaluate, tag_totals_of
 from zoo.plan.options import (
     PlanConfig,
-    hidden_transfers,
     host_budget_bytes,
     link_duplex,
     link_profile,
     resolve_link,
+    transfer_pricing,
 )
 from zoo.plan.policies import with_ranges
 from zoo.plan.pricing import (
@@ -39,7 +39,7 @@ from zoo.plan.pricing import (
 from zoo.plan.problem import GB, Estimate, PlanError, Problem, StackCost, fmt_bytes
 from zoo.plan.working_set import WorkingSet, step_working_set
 from zoo.sharding import logical_ways
-from zoo.tags import TAGS, emitted_tags
+from zoo.tags import emitted_tags
 
 
 def per_device_bytes(abstract_tree, shardings, stack_names: Sequence[str] = ()) -> tuple[float, dict]:
@@ -377,7 +377,7 @@ def problem_from_config(
     memory_bound = hw.activation_passes or hw.recompute_passes
     memory_pass_s = activation_bytes / (hw.hbm_gbps * 1e9) * c.trainer.grad_accum if memory_bound else 0.0
     checkpoints = c.offload.checkpoint or bool(c.offload.ranges) or not own_policy
-    overlapped = overlapped_tags(c, opts, hardware_dir)
+    overlap, turn_exposed = transfer_pricing(opts, c.hardware.transfer_overlap, hardware_dir)
     p = Problem(
         tags=tags,
         stacks=stacks,
@@ -411,7 +411,8 @@ def problem_from_config(
         frozen_on_host=trainer.lora is not None and trainer.params_on_host,
         memory_s=hw.activation_passes * memory_pass_s,
         rerun_s=hw.recompute_passes * memory_pass_s if checkpoints else 0.0,
-        overlapped=overlapped,
+        transfer_overlap=overlap,
+        turn_exposed=turn_exposed,
         largest_leaves=largest_leaves(trainer.abstract_params, trainer.param_shardings, "params")
         + largest_leaves(state.abstract_opt, trainer.opt_shardings, "opt_state"),
     )
@@ -422,18 +423,6 @@ def problem_from_config(
     # what `none` keeps besides the tags, where it was traced (the memory-bound term needs it)
     info["none_residual_bytes"] = untagged if uncheckpointed is not None else None
     return p, info
-
-
-def overlapped_tags(c, opts: PlanConfig, hardware_dir=None) -> Optional[frozenset]:
-    """`Problem.overlapped` for this run (`zoo.plan.options.hidden_transfers`); a name in the profile's
-    hardware.hidden_transfers that is no tag: PlanError naming it."""
-    unknown = [t for t in c.hardware.hidden_transfers if t not in TAGS]
-    if unknown:
-        raise PlanError(
-            f"hardware.hidden_transfers: {', '.join(map(repr, unknown))} is no tag (zoo.tags); list tags the "
-            f"hardware was measured to hide, e.g. [context], or [] (bench/tpu.py --fit lists them)"
-        )
-    return hidden_transfers(opts, c.hardware.hidden_transfers, hardware_dir)
 
 
 def figures(c, opts: PlanConfig, p: Problem, slowness: OpSlowness, hardware_dir=None) -> dict[str, list[str]]:
@@ -464,16 +453,17 @@ def figures(c, opts: PlanConfig, p: Problem, slowness: OpSlowness, hardware_dir=
     else:
         assumed.append(f"the host link (plan.link={opts.link}, a nominal rate)")
     tags = [t.tag for t in p.tags if "offload" in t.choices and t.tag not in CHECKPOINT_INPUTS]
-    if p.overlapped is None:
+    if not p.turn_exposed:
         assumed.append("every tag's transfer hidden behind its layer's compute (plan.transfers=overlapped)")
-    else:
-        hidden = [t for t in tags if t in p.overlapped]
-        if hidden:
-            measured.append(f"transfers hidden behind compute: {', '.join(hidden)} (hardware.hidden_transfers)")
-        exposed = [t for t in tags if t not in p.overlapped]
-        if exposed:
-            why = "plan.transfers=exposed" if opts.transfers == "exposed" else "not measured hidden"
-            assumed.append(f"transfers exposed whole, both ways: {', '.join(exposed)} ({why})")
+    elif p.transfer_overlap > 0:
+        source = opts.link if opts.link is not None else hw.name
+        measured.append(
+            f"transfers behind {p.transfer_overlap:.0%} of their layer's compute, the last layer's exposed "
+            f"(hardware.transfer_overlap of {source})"
+        )
+    elif tags:
+        why = "plan.transfers=exposed" if opts.transfers == "exposed" else "no hardware.transfer_overlap measured"
+        assumed.append(f"transfers exposed whole, both ways ({why})")
     assumed.append(f"{opts.transfer_latency_us:g} us per transfer (plan.transfer_latency_us)")
     return {"measured": measured, "assumed": assumed}
 
