@@ -199,6 +199,12 @@ POLICIES = {
 RECOMPUTE_ONLY = {"none", "full", "minimal", "save_qkv_proj"}
 
 
+def recompute_only(policy: str) -> bool:
+    """A policy of the table that sends nothing to host: a preset of `RECOMPUTE_ONLY`, or a Zoo label
+    (`full:tag=device,...`) with no tag offloaded."""
+    return policy in RECOMPUTE_ONLY or (":" in policy and "=offload" not in policy)
+
+
 def zoo_label(policy: str) -> str:
     """Zoo's label of a policy of --policies: a shared one's (POLICIES), or a label of bench/tpu.py's
     syntax as given (Zoo's side only: `minimal:context=device,out_proj=offload`)."""

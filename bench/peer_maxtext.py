@@ -51,7 +51,7 @@ WARMUP_STEPS = 2  # MaxText's steps left out of its median (the first includes c
 
 from bench.maxtext_shapes import (  # noqa: E402
     POLICIES,
-    RECOMPUTE_ONLY,
+    recompute_only,
     SHAPES,
     TOY_SHAPES,
     Shape,
@@ -313,8 +313,8 @@ def derive(record: dict) -> None:
             if timed:
                 best = min(timed, key=timed.get)
                 entry.setdefault("fastest", {})[side] = {"policy": best, "step_s": timed[best]}
-                rec = {p: t for p, t in timed.items() if p in RECOMPUTE_ONLY}
-                off = {p: t for p, t in timed.items() if p not in RECOMPUTE_ONLY}
+                rec = {p: t for p, t in timed.items() if recompute_only(p)}
+                off = {p: t for p, t in timed.items() if not recompute_only(p)}
                 if rec and off:
                     b_off, b_rec = min(off, key=off.get), min(rec, key=rec.get)
                     entry.setdefault("offload_vs_recompute", {})[side] = {
