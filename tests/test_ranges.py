@@ -15,7 +15,7 @@ import pytest
 from omegaconf import OmegaConf, open_dict
 
 from zoo.errors import ConfigError
-from zoo.ranges import Range, ranges_of
+from zoo.ranges import INT_MAX, Range, ranges_of
 from zoo.train.run_config import GROUPS, HardwareConfig, load, load_group, load_model
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -102,6 +102,21 @@ def test_the_loader_names_the_key_of_a_nan_or_out_of_range_value(composed, key, 
             load_model(node) if group == "model" else load_group(group, node)
         message = str(e.value)
         assert message.startswith(f"{key}: ") and "\n" not in message and ";" in message, message
+
+
+# The int fields whose range has no finite top: held to a 32-bit integer (an optimizer.warmup_steps of 1e20
+# overflowed inside the jitted step, a trainer.steps of 1e20 trained on for ever).
+CAPPED = [(key, cls, name) for key, cls, name in FIELDS if _numeric(typing.get_type_hints(cls)[name], int)]
+CAPPED = [f for f in CAPPED if not ranges_of(f[1])[f[2]].bounded()]
+
+
+@pytest.mark.parametrize("key,cls,name", CAPPED, ids=[key for key, _, _ in CAPPED])
+def test_an_int_beyond_32_bits_is_one_line_naming_the_key(key, cls, name):
+    for value in (INT_MAX + 1, 10**20):
+        with pytest.raises(ConfigError) as e:
+            cls(**{name: value})
+        assert str(e.value).startswith(f"{key}: must be ") and f" and at most {INT_MAX} " in str(e.value)
+        assert f", got {value!r}; e.g. {key}=" in str(e.value)
 
 
 @pytest.mark.parametrize(

@@ -177,6 +177,14 @@ FUZZ = [
     ("train", ["trainer.seed=99999999999999999999"], "trainer.seed: must be in [0, 4294967296), got 9999999999"),
     ("train", ["data.seed=-1"], "data.seed: must be in [0, 4294967296), got -1"),
     ("train", ["model.num_layers=nan"], "model.num_layers: Value 'nan' of type 'float' could not be converted"),
+    # an int beyond 32 bits: it overflowed inside the jitted step (warmup_steps) or trained for ever (steps)
+    (
+        "train",
+        ["optimizer.warmup_steps=99999999999999999999"],
+        "optimizer.warmup_steps: must be >= 0 and at most 2147483647 (what a 32-bit integer holds), got ",
+    ),
+    ("train", ["trainer.steps=2147483648"], "trainer.steps: must be positive and at most 2147483647"),
+    ("train", ["distributed.timeout_s=99999999999999999999"], "distributed.timeout_s: must be positive and at most"),
     # the command line before Hydra reads it (zoo.train.command_line)
     ("train", ["=3"], "command line: '=3' has no key before its '='; write <key>=3"),
     ("train", ["m\u00f6del.x=3"], "m\u00f6del.x: '\u00f6' cannot be in a key"),
