@@ -328,6 +328,12 @@ FUZZ = [
     ("zoo.tools.measure_hardware", ["dtype=int4"], "dtype: choose bfloat16, float16 or float32"),
     ("zoo.tools.measure_hardware", ["chain=0"], "chain: must be >= 1 (matmuls per timed call), got 0; e.g. chain=8"),
     ("zoo.tools.measure_hardware", ["transfer_mb=nan"], "transfer_mb: must be positive, got nan"),
+    # sizes and counts that would run out of memory (a traceback) or take hours: refused before measuring
+    ("zoo.tools.measure_hardware", ["n=200000"], "n: a 200000x200000 float32 matmul chain holds 640.0 GB "),
+    ("zoo.tools.measure_hardware", ["transfer_mb=1e12"], "transfer_mb: 1e+12 MB arrays take "),
+    ("zoo.tools.measure_hardware", ["chain=1000000000"], "chain: must be in [1, 256] (matmuls per timed call, "),
+    ("zoo.tools.measure_hardware", ["repeats=99999"], "repeats: must be in [1, 100] (timed runs of each figure"),
+    ("zoo.tools.measure_hardware", ["copies=99999999999999999999"], "copies: must be in [2, 32] (the op once "),
     ("zoo.tools.export", ["{tmp}/ckpt", "{tmp}/out", "--max-shard-gb", "0"], "--max-shard-gb: must be a positive"),
     ("zoo.tools.export", ["{tmp}/ckpt", "{tmp}/out", "--max-shard-gb", "nan"], "--max-shard-gb: must be a positive"),
     ("zoo.tools.measure_hardware", [f"out={OUT}/m.yaml"], f"out: cannot write {OUT}/m.yaml"),
