@@ -762,6 +762,38 @@ CASES = {
         ),
         (2, rf"\S+/hf: tensor {re.escape(HF_Q)} holds non-finite values \(NaN or inf\); .*"),
     ),
+    # A config.json that does not read: the file named (it was Python's UnicodeDecodeError alone), or an
+    # eos_token_id of the wrong type (int()'s ValueError alone).
+    "binary config.json in zoo.tools.generate's model.path": (
+        lambda t, d: (
+            (
+                lambda hf: (
+                    (hf / "config.json").write_bytes(b'{"x": "\x80\xff"}')
+                    and tool_cmd("generate", f"model.path={hf}", "tokenizer=bytes", "prompt=hi")
+                )
+            )(_hf_with(t, d)),
+            t,
+            [t / "hf"],
+        ),  # fmt: skip
+        (2, r"\S+/hf/config\.json: not UTF-8 text \(byte 0x80 at offset 7\); download or copy it again"),
+    ),
+    "eos_token_id of the wrong type in zoo.tools.generate's model.path": (
+        lambda t, d: (
+            (
+                lambda hf: (
+                    (hf / "generation_config.json").write_text('{"eos_token_id": "</s>"}')
+                    and tool_cmd("generate", f"model.path={hf}", "tokenizer=bytes", "prompt=hi")
+                )
+            )(_hf_with(t, d)),
+            t,
+            [t / "hf"],
+        ),  # fmt: skip
+        (
+            2,
+            r"\S+/hf/generation_config\.json: eos_token_id is \"</s>\", not a token id or a list of them; fix it, or "
+            r"give stop_tokens=\[<ids>\]",
+        ),
+    ),
     "NaN weights in model.path": (
         lambda t, d: (
             train_cmd(

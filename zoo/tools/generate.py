@@ -122,13 +122,24 @@ def _load_tokenizer(spec: str, key: str = "tokenizer"):
 
 
 def _hf_stop_tokens(directory: pathlib.Path) -> Optional[list[int]]:
-    """eos_token_id of generation_config.json, else config.json (an int or a list), if any."""
+    """eos_token_id of generation_config.json, else config.json (an int or a list), if any; a file that
+    does not read, or an id that is not a whole number, is a GenerationError naming the file."""
     for name in ("generation_config.json", "config.json"):
         f = directory / name
         if f.is_file():
-            eos = json.loads(f.read_text()).get("eos_token_id")
+            try:
+                cfg = json.loads(f.read_bytes())
+            except ValueError as e:  # not UTF-8, not JSON
+                raise GenerationError(f"{f}: not a JSON file ({e}); download or copy it again") from None
+            eos = cfg.get("eos_token_id") if isinstance(cfg, dict) else None
+            ids = [eos] if not isinstance(eos, list) else eos
+            if eos is not None and not all(isinstance(e, int) and not isinstance(e, bool) for e in ids):
+                raise GenerationError(
+                    f"{f}: eos_token_id is {json.dumps(eos)[:40]}, not a token id or a list of them; fix it, or give "
+                    "stop_tokens=[<ids>]"
+                )
             if eos is not None:
-                return [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
+                return list(ids)
     return None
 
 
@@ -159,7 +170,7 @@ def _hf_source(opts: GenerateOptions):
             "UTF-8 byte ids"
         )
     load = functools.partial(hf.from_pretrained, directory, dtype=dtypes["dtype"], compute_dtype=compute)
-    return config, load, tokenizer, _hf_stop_tokens(directory)
+    return config, load, tokenizer, _hf_stop_tokens(directory) if opts.stop_tokens is None else None
 
 
 def _checkpoint_source(opts: GenerateOptions):
@@ -233,7 +244,9 @@ def run(argv: Sequence[str]) -> int:
     elif stop is None:
         stop = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
     tokens = encode_prompts(prompts, tokenizer)
-    check_request(config, tokens, opts.max_new_tokens, opts.temperature, opts.top_k, opts.top_p, stop, opts.max_len)
+    check_request(
+        config, tokens, opts.max_new_tokens, opts.temperature, opts.top_k, opts.top_p, stop, opts.max_len, opts.seed
+    )
     note = greedy_note(opts)
     if note:
         _log(f"note: {note}")
