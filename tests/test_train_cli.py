@@ -336,6 +336,7 @@ FUZZ = [
     ("zoo.tools.measure_hardware", ["copies=99999999999999999999"], "copies: must be in [2, 32] (the op once "),
     ("zoo.tools.export", ["{tmp}/ckpt", "{tmp}/out", "--max-shard-gb", "0"], "--max-shard-gb: must be a positive"),
     ("zoo.tools.export", ["{tmp}/ckpt", "{tmp}/out", "--max-shard-gb", "nan"], "--max-shard-gb: must be a positive"),
+    ("zoo.tools.export", ["{tmp}/ckpt", "{tmp}/out", "--max-shard-gb", "1e300"], "--max-shard-gb: must be below "),
     ("zoo.tools.measure_hardware", [f"out={OUT}/m.yaml"], f"out: cannot write {OUT}/m.yaml"),
     ("zoo.tools.report", ["/no/such/multirun"], "dir: /no/such/multirun is not a directory"),
     ("zoo.tools.report", [], "command line: the following arguments are required: dir"),
@@ -343,6 +344,17 @@ FUZZ = [
     ("zoo.tools.report", ["{tmp}", "--out", OUT], f"--out: cannot write {OUT}/report.md"),
     ("zoo.tools.report", ["{tmp}/empty_dir"], "dir: no summary.json under {tmp}/empty_dir"),
     ("zoo.tools.sizes", ["nosuch"], "nosuch: no such size; choose from llama_tiny_a, "),
+    # zoo.tools.generate's numbers: a top_k or seed beyond what JAX takes was a traceback, a negative seed accepted
+    (
+        "zoo.tools.generate",
+        [f"model.path={ROOT}/tests/data/llama_tiny_a", "tokenizer=bytes", "prompt=hi", "top_k=99999999999999999999"],
+        "top_k: must be a whole number >= 0 and at most 2147483647 (0 keeps every token), got 9999",
+    ),
+    (
+        "zoo.tools.generate",
+        [f"model.path={ROOT}/tests/data/llama_tiny_a", "tokenizer=bytes", "prompt=hi", "seed=-1"],
+        "seed: must be a whole number in [0, 4294967296), got -1; e.g. seed=0",
+    ),
     # LoRA (issue 32 part 4): a target the family lacks, a rank larger than the projection, a bad key.
     (
         "train",
