@@ -28,6 +28,7 @@ if __name__ == "__main__":
     except ValueError as e:  # a bad ZOO_HUGE_PAGES, before anything else runs
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    zoo.tools.exit_on_bad_environment()  # a JAX_* variable JAX would refuse as it is imported below: one line
 
 import hydra
 from omegaconf import DictConfig

@@ -27,6 +27,7 @@ from zoo.tags import OPTIONAL_KINDS, TAGS, block_kinds
 from zoo.train import distributed, run_dir, stop
 from zoo.train.command_line import slurm_number
 from zoo.train.run_lock import DirLock
+from zoo.train.xla_flags import environment_line as xla_environment_line
 from zoo.train.metrics import write_json
 from zoo.train.run import prepare, train
 from zoo.train.run_config import GROUPS, ConfigError, TrainingStopped, _known_keys, foreign_data_key_line
@@ -581,7 +582,8 @@ def run_tool(body: Callable[[], int], tool: str, argv=(), doc: Optional[str] = N
         _take_ctrl_c_from_starting()
         with stop.ctrl_c_noted(again_at_once=True):
             stop.set_phase("starting", "nothing was done; run the command again")
-            line = hydra_dir_line(argv, tool)
+            # XLA_FLAGS that XLA aborts the process on, before the body starts JAX's backend
+            line = hydra_dir_line(argv, tool) or xla_environment_line(os.environ)
             if line:
                 raise ConfigError(line)
             code = body()

@@ -25,6 +25,7 @@ import pathlib
 from zoo.errors import ConfigError
 from zoo.tools.cli import ArgumentParser, run_tool
 from zoo.train.hf_export import hf_export
+from zoo.train.machine_fit import started_devices
 
 
 def main(argv=None) -> int:
@@ -62,6 +63,7 @@ def _export(args) -> int:
             f"{args.max_shard_gb:g}; "
             "e.g. --max-shard-gb 5"
         )
+    started_devices()  # a JAX_PLATFORMS this machine cannot start: one line, not JAX's traceback
     done = hf_export(
         args.checkpoint_dir,
         args.out_dir,

@@ -21,6 +21,7 @@ from zoo.config import DTYPES, dtype_name
 from zoo.sampling import GenerationError, check_request, decode_compile_options, encode_prompts, generate
 from zoo.tools.cli import run_tool
 from zoo.train.checkpoint import restore_model
+from zoo.train.machine_fit import started_devices
 from zoo.train.stop import set_phase
 
 LORA_FORMS = ("merged", "attached")  # checkpoint.lora: how a LoRA run's adapters meet the base
@@ -226,6 +227,7 @@ def run(argv: Sequence[str]) -> int:
     if not prompts:
         raise GenerationError('prompt: no prompt given; add prompt="..." (repeat it for several prompts)')
     nothing = "nothing was generated; run the command again"
+    started_devices()  # a JAX_PLATFORMS this machine cannot start: one line, not JAX's traceback
     set_phase(f"loading the model from {opts.model.path or opts.checkpoint.dir}", nothing)
     config, load, tokenizer, stop = _hf_source(opts) if opts.model.path is not None else _checkpoint_source(opts)
     from zoo.data.tokenizer import ByteTokenizer  # loaded by now (the tokenizer above)

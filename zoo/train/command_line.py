@@ -4,14 +4,18 @@ What Hydra would turn into a traceback or into a wrong message is one line here,
 or variable and the fix: an override without a key (`=3`), a key with characters outside Hydra's
 grammar, a `$NAME` the shell did not expand (Hydra would make a folder named `$HOME`), a launcher
 without `-m` (Hydra ignores it and runs here), a group option whose file is not text, a SLURM
-variable that is not a number. `ordered` puts `-m` before the overrides, where Hydra's parser wants
-it (after them it took the run directory train.py adds for a flag's argument).
+variable that is not a number, an XLA_FLAGS that XLA would abort on. `ordered` puts `-m` before the
+overrides, where Hydra's parser wants it (after them it took the run directory train.py adds for a
+flag's argument).
 """
 
 import os
 import pathlib
 import re
 from typing import Mapping, Optional
+
+from zoo.ranges import INT_MAX
+from zoo.train import xla_flags
 
 MULTIRUN_FLAGS = ("-m", "--multirun")
 # Hydra's flags that print (the composed config, help) and run nothing: no job, no run directory.
@@ -51,6 +55,11 @@ def slurm_number_line(name: str, value: Optional[str]) -> Optional[str]:
             f"{name}: {value!r} in the environment is not a number (SLURM sets it to a count or an index); unset "
             f"it, or run under srun"
         )
+    if value is not None and value.strip() and int(value) > INT_MAX:  # JAX's runtime takes a 32-bit count
+        return (
+            f"{name}: {value.strip()} in the environment is beyond any count or index SLURM sets (at most {INT_MAX}); "
+            "unset it, or run under srun"
+        )
     return None
 
 
@@ -73,6 +82,9 @@ def line(args: list[str], environ: Mapping[str, str], conf: pathlib.Path) -> Opt
         problem = slurm_number_line(name, environ.get(name))
         if problem:
             return problem
+    problem = xla_flags.environment_line(environ)  # XLA aborts the process on it as JAX starts
+    if problem:
+        return problem
     overrides = _overrides(args)
     for arg in overrides:
         found = _override_line(arg)

@@ -47,7 +47,7 @@ from zoo.sharding import (
     resolve_mesh_shape,
 )
 from zoo.train.config_checks import absent_block_line, check_expert_parallel_line, check_mesh_fits
-from zoo.train.xla_flags import flag_name, unknown_flags, unknown_tpu_flags
+from zoo.train.xla_flags import MAX_CPU_DEVICES, flag_name, unknown_flags, unknown_tpu_flags
 
 # The mesh axes mesh.context_parallel may split the sequence over: tensor splits the heads inside
 # attention, expert the tokens' routes to their experts.
@@ -270,11 +270,6 @@ def _jaxlib_version() -> str:
         return importlib.metadata.version("jaxlib")
     except importlib.metadata.PackageNotFoundError:
         return "not installed"
-
-
-# Simulated CPU devices beyond this take minutes to start (XLA builds each device's runtime), and no
-# mesh of conf/mesh needs more.
-MAX_CPU_DEVICES = 1024
 
 
 @ranged("xla", cpu_devices=f"[1, {MAX_CPU_DEVICES}]: simulated devices beyond that take minutes to start")
