@@ -185,6 +185,12 @@ FUZZ = [
     ),
     ("train", ["trainer.steps=2147483648"], "trainer.steps: must be positive and at most 2147483647"),
     ("train", ["distributed.timeout_s=99999999999999999999"], "distributed.timeout_s: must be positive and at most"),
+    # a number other than 0 or 1 for a boolean: OmegaConf took it as true
+    ("train", ["trainer.progress=2"], "trainer.progress: 2 is not a boolean; give true or false"),
+    ("train", ["model=dsv3_tiny_a", "model.moe.norm_topk_prob=-1"], "model.moe.norm_topk_prob: -1 is not a boolean"),
+    ("zoo.tools.inspect_step", ["inspect.strict=2"], "inspect.strict: 2 is not a boolean; give true or false"),
+    ("zoo.tools.plan", ["plan.split=2"], "plan.split: 2 is not a boolean; give true or false"),
+    ("zoo.tools.measure_hardware", ["op_rates=3"], "op_rates: 3 is not a boolean; give true or false"),
     # the command line before Hydra reads it (zoo.train.command_line)
     ("train", ["=3"], "command line: '=3' has no key before its '='; write <key>=3"),
     ("train", ["m\u00f6del.x=3"], "m\u00f6del.x: '\u00f6' cannot be in a key"),

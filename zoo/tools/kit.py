@@ -26,7 +26,7 @@ from zoo.tools.cli import (  # noqa: F401 (the kit's other half)
 )
 from zoo.train import run_dir as run_record
 from zoo.train.run import prepare
-from zoo.train.run_config import ConfigError
+from zoo.train.run_config import ConfigError, number_as_bool_line
 from zoo.train.step import Trainer
 
 
@@ -163,7 +163,11 @@ def split_tool_args(argv: Sequence[str], prefix: str, schema: type):
         else:
             overrides.append(arg)
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(schema), OmegaConf.from_dotlist(dotlist))
+        given = OmegaConf.from_dotlist(dotlist)
+        line = number_as_bool_line(schema, given, prefix)
+        if line:
+            raise ValueError(line)
+        merged = OmegaConf.merge(OmegaConf.structured(schema), given)
         return OmegaConf.to_object(merged), overrides
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None) or "?"
