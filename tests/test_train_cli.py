@@ -191,6 +191,11 @@ FUZZ = [
     ("zoo.tools.inspect_step", ["inspect.strict=2"], "inspect.strict: 2 is not a boolean; give true or false"),
     ("zoo.tools.plan", ["plan.split=2"], "plan.split: 2 is not a boolean; give true or false"),
     ("zoo.tools.measure_hardware", ["op_rates=3"], "op_rates: 3 is not a boolean; give true or false"),
+    # an empty value (an unset shell variable) for a tool's option: OmegaConf read it as null, the default
+    ("zoo.tools.inspect_step", ["inspect.out="], "inspect.out: empty (an unset shell variable?); give a value, or "),
+    ("zoo.tools.plan", ["plan.json="], "plan.json: empty (an unset shell variable?)"),
+    ("zoo.tools.measure_hardware", ["out="], "out: empty (an unset shell variable?); give a value, or drop out= "),
+    ("zoo.tools.generate", ["model.path=", "prompt=hi"], "model.path: empty (an unset shell variable?)"),
     # the command line before Hydra reads it (zoo.train.command_line)
     ("train", ["=3"], "command line: '=3' has no key before its '='; write <key>=3"),
     ("train", ["m\u00f6del.x=3"], "m\u00f6del.x: '\u00f6' cannot be in a key"),

@@ -81,6 +81,10 @@ def parse_args(argv: Sequence[str]) -> tuple[GenerateOptions, list[str]]:
         key = key.lstrip("+")
         if key == "prompt":
             prompts.append(value)
+        elif not value.strip():  # OmegaConf reads `model.path=` as null: another message, or the default, silently
+            raise GenerationError(
+                f"{key}: empty (an unset shell variable?); give a value, or drop {key}= for its default"
+            )
         else:
             dotlist.append(f"{key}={value}")
     try:

@@ -159,6 +159,11 @@ def split_tool_args(argv: Sequence[str], prefix: str, schema: type):
                 continue  # whether its output may replace a file: read by output_path (overwrite_asked)
             if key not in fields:
                 raise ValueError(f"{prefix}.{key}: unknown key; the keys are {', '.join(keys)}")
+            if not raw.strip():  # OmegaConf reads `out=` as null: the default, silently
+                raise ValueError(
+                    f"{prefix}.{key}: empty (an unset shell variable?); give a value, or drop {prefix}.{key}= for its "
+                    "default"
+                )
             dotlist.append(f"{key}={raw}")
         else:
             overrides.append(arg)
