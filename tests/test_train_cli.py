@@ -337,7 +337,7 @@ FUZZ = [
     ("zoo.tools.measure_hardware", ["foo=1"], "foo: unknown key; the keys are name, out, "),
     ("zoo.tools.measure_hardware", ["bare"], "bare: arguments are key=value"),
     ("zoo.tools.measure_hardware", ["dtype=int4"], "dtype: choose bfloat16, float16 or float32"),
-    ("zoo.tools.measure_hardware", ["chain=0"], "chain: must be >= 1 (matmuls per timed call), got 0; e.g. chain=8"),
+    ("zoo.tools.measure_hardware", ["chain=0"], "chain: must be in [1, 256] (matmuls per timed call, unrolled in "),
     ("zoo.tools.measure_hardware", ["transfer_mb=nan"], "transfer_mb: must be positive, got nan"),
     # sizes and counts that would run out of memory (a traceback) or take hours: refused before measuring
     ("zoo.tools.measure_hardware", ["n=200000"], "n: a 200000x200000 float32 matmul chain holds 640.0 GB "),
