@@ -537,6 +537,33 @@ CASES = {
             r"would replace; give another name, or add overwrite=true to replace it",
         ),
     ),
+    # A tool's output inside a checkpoint.dir: a new file in a step changed what orbax saved there.
+    "zoo.tools.plan plan.out inside a checkpoint's step": (
+        lambda t, d: (
+            tool_cmd("plan", LLAMA, "mesh=single", f"plan.out={_copy_run(t, d)[1] / '3' / 'plan.yaml'}"),
+            t,
+            [t / "ckpt"],
+        ),
+        (2, r"plan\.out: (\S+/ckpt)/3/plan\.yaml is inside the train\.py checkpoint \1, which this would change; .*"),
+    ),
+    "zoo.tools.export into a checkpoint's step": (
+        lambda t, d: (tool_cmd("export", str(_copy_run(t, d)[1]), str(t / "ckpt" / "3" / "hf")), t, [t / "ckpt"]),
+        (2, r"(\S+/ckpt)/3/hf: inside the train\.py checkpoint \1, which this would change; choose a directory .*"),
+    ),
+    "zoo.tools.report over a report.md of the user's in the sweep": (  # it was replaced
+        lambda t, d: (
+            (lambda sweep: (sweep / "report.md").write_text("my notes\n") and tool_cmd("report", str(sweep)))(
+                _sweep(t, d)
+            ),
+            t,
+            [t / "sweep"],
+        ),
+        (
+            2,
+            r"dir: \S+/sweep/report\.md exists and was not written by python -m zoo\.tools\.report, which this would "
+            r"replace; give another dir, or add --overwrite to replace it",
+        ),
+    ),
     "zoo.tools.inspect_step inspect.out over a run's metrics.jsonl": (
         lambda t, d: (
             tool_cmd("inspect_step", LLAMA, *TINY, f"inspect.out={_copy_run(t, d)[0] / 'metrics.jsonl'}"),

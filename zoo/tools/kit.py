@@ -55,6 +55,10 @@ WRITTEN_BY = {
     ("inspect", "inspect.out"): _json_with(schema="zoo.inspect/1"),
     ("measure_hardware", "out"): _text_starts("# Measured by python -m zoo.tools.measure_hardware"),
     ("measure_hardware", "name"): _text_starts("# Measured by python -m zoo.tools.measure_hardware"),
+    # zoo.tools.report's files, by name (its key is dir or --out): the table, and the plots matplotlib wrote
+    ("report", "report.md"): _text_starts("# Sweep report: "),
+    ("report", "report.png"): lambda data: b"Matplotlib" in data[:4096],
+    ("report", "expert_load.png"): lambda data: b"Matplotlib" in data[:4096],
 }
 RUN_DIR_KEY = "hydra.run.dir"
 OVERWRITE = "overwrite"
@@ -99,8 +103,13 @@ def check_output(path, key: str, tool: str, flag: str, overwrite: bool = False) 
     writes it) given: anything else (a profile shipped in conf/, a run's metrics.jsonl or summary.json, a file of
     the user's) is ConfigError (one line naming `key` and the fix) before anything is measured or compiled."""
     out = pathlib.Path(path).expanduser()
+    held = run_record.checkpoint_around(out)
+    if held is not None:  # not even with overwrite: a step's files are orbax's alone
+        raise ConfigError(
+            f"{key}: {out} is inside the train.py checkpoint {held}, which this would change; give a path outside it"
+        )
     if out.is_file() and not overwrite:
-        ours = WRITTEN_BY.get((tool, key))
+        ours = WRITTEN_BY.get((tool, key)) or WRITTEN_BY.get((tool, out.name))
         try:
             mine = ours is not None and ours(out.read_bytes())
         except OSError:
