@@ -47,6 +47,22 @@ def test_flags_of_another_platforms_compiler_are_a_note():
     assert note(gpu, "gpu") is None and note(tpu, "tpu") is None
 
 
+def test_options_that_do_nothing_on_this_backend_are_a_note():
+    """XLA:CPU's keys on an accelerator; pinned host memory on a CPU, where it is the device's own RAM."""
+    from zoo.offload import load_preset
+    from zoo.train.run import host_memory_note
+
+    fast = XlaConfig(cpu_fast_compile=True, cpu_devices=4)
+    assert machine_fit.cpu_keys_note(fast, "tpu") == (
+        "xla.cpu_devices=4, xla.cpu_fast_compile=True: XLA:CPU's options, and this run's devices are tpus, so they "
+        "change nothing here; drop them"
+    )
+    assert machine_fit.cpu_keys_note(fast, "cpu") is None and machine_fit.cpu_keys_note(XlaConfig(), "gpu") is None
+    host = load_preset("none", "params_host")
+    assert host_memory_note(host, "cpu").startswith("offload none + params on pinned_host: a CPU's pinned host memory")
+    assert host_memory_note(host, "gpu") is None and host_memory_note(load_preset("full"), "cpu") is None
+
+
 def test_local_device_ids_of_a_single_process_run_are_refused():
     c = SimpleNamespace(distributed=SimpleNamespace(local_device_ids=[7]))
     with pytest.raises(ConfigError, match=r"^distributed\.local_device_ids: \[7\] picks the devices of one process"):
