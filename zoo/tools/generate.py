@@ -231,7 +231,12 @@ def run(argv: Sequence[str]) -> int:
     if not prompts:
         raise GenerationError('prompt: no prompt given; add prompt="..." (repeat it for several prompts)')
     nothing = "nothing was generated; run the command again"
-    started_devices()  # a JAX_PLATFORMS this machine cannot start: one line, not JAX's traceback
+    platform = started_devices()[0].platform  # a JAX_PLATFORMS this machine cannot start: one line, not a traceback
+    if opts.cpu_fast_compile != "auto" and platform != "cpu":
+        _log(
+            f"note: cpu_fast_compile={str(opts.cpu_fast_compile).lower()}: XLA:CPU's option, and this machine's "
+            f"devices are {platform}s, so it changes nothing here; drop it"
+        )
     set_phase(f"loading the model from {opts.model.path or opts.checkpoint.dir}", nothing)
     config, load, tokenizer, stop = _hf_source(opts) if opts.model.path is not None else _checkpoint_source(opts)
     from zoo.data.tokenizer import ByteTokenizer  # loaded by now (the tokenizer above)
