@@ -781,6 +781,19 @@ CASES = {
             r"and a JSON header\); .*",
         ),
     ),
+    "a folder named model.safetensors": (  # open() raised IsADirectoryError: a traceback
+        lambda t, d: (
+            (
+                lambda hf: (
+                    [(hf / "model.safetensors").unlink(), (hf / "model.safetensors").mkdir()]
+                    and train_cmd(*TINY, "model=hf", f"model.path={hf}", f"hydra.run.dir={t / 'run'}")
+                )
+            )(_hf_with(t, d)),
+            t,
+            [t / "hf"],
+        ),
+        (2, r"model\.path: \S+/hf/model\.safetensors: not a file; a \.safetensors name belongs to .*"),
+    ),
     "NaN weights in zoo.tools.generate's model.path": (  # refused as train.py refuses them, not loaded
         lambda t, d: (
             tool_cmd("generate", f"model.path={_hf_with(t, d, nan_tensor=HF_Q)}", "tokenizer=bytes", "prompt=hi"),
