@@ -90,6 +90,9 @@ def test_local_device_ids_of_a_single_process_run_are_refused():
         ),
         ([], {"XLA_FLAGS": "--xla_force_host_platform_device_count=100000"}, "XLA_FLAGS: --xla_force_host_platform_"),
         ([], {"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"}, None),
+        # a sweep Hydra would list for minutes before its first job, then run for ever
+        (["-m", "trainer.seed=range(0,100000000)"], {}, "-m: the sweep has 100000000 jobs (trainer.seed=range(0,1"),
+        (["-m", "trainer.seed=range(0,100)", "data.seed=1,2,3"], {}, None),
         (["hydra/launcher=basic"], {}, None),
     ],
 )
@@ -136,6 +139,16 @@ def test_a_binary_option_file_on_the_search_path_is_named(tmp_path):
     found = command_line.line([f"hydra.searchpath=[file://{tmp_path}]", "hardware=bad"], {}, ROOT / "conf")
     where = f"{tmp_path}/hardware/bad.yaml"
     assert found.startswith(f"hardware: option 'bad' is {where}, which is not UTF-8 text (byte 0x80"), found
+
+
+def test_a_tools_binary_option_file_on_the_search_path_is_named(tmp_path):
+    """The tools compose train.py's config themselves (zoo.tools.kit.compose): the same line as train.py's."""
+    from zoo.tools.kit import compose
+
+    (tmp_path / "offload").mkdir()
+    (tmp_path / "offload" / "bad.yaml").write_bytes(b"\x80\xff binary")
+    with pytest.raises(ConfigError, match=r"^offload: option 'bad' is \S+/offload/bad\.yaml, which is not UTF-8 text"):
+        compose([f"hydra.searchpath=[file://{tmp_path}]", "offload=bad"])
 
 
 def test_multirun_after_the_overrides_goes_first():

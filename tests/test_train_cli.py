@@ -301,6 +301,13 @@ FUZZ = [
         ["data=text", "data.path={tmp}/docs.jsonl", "data.text_field=body"],
         "data.text_field: {tmp}/docs.jsonl line 1 has no key 'body'",
     ),
+    # a device for a file: the tokenizer's reader never ended
+    ("train", ["data=text", "data.tokenizer=/dev/zero"], "data.tokenizer: /dev/zero is neither a file nor a folder"),
+    (
+        "zoo.tools.generate",
+        [f"model.path={ROOT}/tests/data/llama_tiny_a", "tokenizer=/dev/zero", "prompt=hi"],
+        "tokenizer: /dev/zero is neither a file nor a folder",
+    ),
     # the command line itself
     ("train", ["--steps", "3"], "command line: unrecognized arguments: --steps"),
     ("train", ["--cfg", "bogus"], "command line: argument --cfg/-c: invalid choice: 'bogus'"),

@@ -25,6 +25,7 @@ from zoo.tools.cli import (  # noqa: F401 (the kit's other half)
     run_tool,
 )
 from zoo.train import run_dir as run_record
+from zoo.train.command_line import option_files_line
 from zoo.train.run import prepare
 from zoo.train.run_config import ConfigError, number_as_bool_line
 from zoo.train.step import Trainer
@@ -189,7 +190,11 @@ def split_tool_args(argv: Sequence[str], prefix: str, schema: type):
 
 
 def compose(overrides: Sequence[str]):
-    """train.py's config, composed from conf/ with these overrides (Hydra's compose API)."""
+    """train.py's config, composed from conf/ with these overrides (Hydra's compose API). A group option
+    whose file is not text is one line naming the file, as for train.py (Hydra's reader: a UnicodeDecodeError)."""
+    line = option_files_line(list(overrides), conf_dir())
+    if line:
+        raise ConfigError(line)
     with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
         return hydra_compose(config_name="config", overrides=custom_tag_overrides(overrides))
 

@@ -9,6 +9,7 @@ overrides, where Hydra's parser wants it (after them it took the run directory t
 flag's argument).
 """
 
+import math
 import os
 import pathlib
 import re
@@ -90,6 +91,10 @@ def line(args: list[str], environ: Mapping[str, str], conf: pathlib.Path) -> Opt
         found = _override_line(arg)
         if found:
             return found
+    if any(a in MULTIRUN_FLAGS for a in args):
+        found = _sweep_size_line(overrides)
+        if found:
+            return found
     launchers = [a.split("=", 1)[1] for a in overrides if a.lstrip("+").startswith("hydra/launcher=")]
     dirs = _search_dirs(overrides, conf)
     printing = any(a in PRINT_ONLY for a in args)
@@ -169,6 +174,52 @@ def _search_dirs(overrides: list[str], conf: pathlib.Path) -> list[pathlib.Path]
                 if entry.startswith("file://"):
                     dirs.append(pathlib.Path(entry.removeprefix("file://")))
     return dirs
+
+
+# Hydra's basic sweeper lists every job of a sweep before the first runs: a range of 1e8 values took minutes
+# and gigabytes before any job, and then ran for ever.
+MAX_SWEEP_JOBS = 10000
+_RANGE = re.compile(r"^range\(\s*([^,()]+?)\s*(?:,\s*([^,()]+?)\s*)?(?:,\s*([^,()]+?)\s*)?\)$")
+
+
+def _sweep_values(value: str) -> int:
+    """How many values a sweep override's value stands for: `range(a, b[, step])`, or a comma list (1 for
+    anything else, whatever Hydra makes of it)."""
+    m = _RANGE.match(value.strip())
+    if m:
+        try:
+            nums = [float(g) for g in m.groups() if g is not None]
+        except ValueError:
+            return 1
+        start, stop, step = (
+            (0.0, nums[0], 1.0) if len(nums) == 1 else (nums[0], nums[1], nums[2] if len(nums) > 2 else 1.0)
+        )
+        return max(0, math.ceil((stop - start) / step)) if step and math.isfinite(stop - start) else 1
+    depth, count = 0, 1
+    for ch in value:
+        depth += ch in "[({"
+        depth -= ch in "])}"
+        count += ch == "," and depth == 0
+    return count
+
+
+def _sweep_size_line(overrides: list[str]) -> Optional[str]:
+    """One line for a sweep (-m) of more than MAX_SWEEP_JOBS jobs, before Hydra lists them all."""
+    sizes = [(a, _sweep_values(a.split("=", 1)[1])) for a in overrides if "=" in a and not a.startswith("hydra")]
+    jobs = math.prod(n for _, n in sizes)
+    if jobs <= MAX_SWEEP_JOBS:
+        return None
+    widest = max(sizes, key=lambda s: s[1])
+    return (
+        f"-m: the sweep has {jobs} jobs ({widest[0]}: {widest[1]} values), which Hydra would list before the first "
+        f"runs; sweep at most {MAX_SWEEP_JOBS} jobs a command"
+    )
+
+
+def option_files_line(overrides: list[str], conf: pathlib.Path) -> Optional[str]:
+    """`_option_file_line` over conf/ and the overrides' hydra.searchpath: what the tools, which compose
+    train.py's config themselves (zoo.tools.kit.compose), check before Hydra reads the files."""
+    return _option_file_line(overrides, _search_dirs(overrides, conf))
 
 
 def _option_file_line(overrides: list[str], dirs: list[pathlib.Path]) -> Optional[str]:
