@@ -508,6 +508,27 @@ CASES = {
             r"would replace \(it starts from step 0\); give this run another hydra\.run\.dir, or move \1 away .*",
         ),
     ),
+    # The run's record among a checkpoint's steps, a checkpoint's steps among a Hugging Face model's files.
+    "hydra.run.dir in a checkpoint.dir": (
+        lambda t, d: (train_cmd(LLAMA, *TINY, f"hydra.run.dir={_copy_run(t, d)[1]}"), t, [t / "ckpt"]),
+        (
+            2,
+            r"hydra\.run\.dir: (\S+/ckpt) is inside the train\.py checkpoint \1, which this would change; choose a "
+            r"writable directory .*",
+        ),
+    ),
+    "checkpoint.dir holding a Hugging Face model": (
+        lambda t, d: (
+            train_cmd(LLAMA, *TINY, f"checkpoint.dir={_hf_with(t, d)}", f"hydra.run.dir={t / 'run'}"),
+            t,
+            [t / "hf"],
+        ),
+        (
+            2,
+            r"checkpoint\.dir: (\S+/hf) holds a Hugging Face model \(config\.json, \*\.safetensors\), not train\.py's "
+            r"checkpoints; to start from it, model=hf model\.path=\1; give checkpoint\.dir a directory of its own",
+        ),
+    ),
     # A second run into the directories of a live one: refused before Hydra writes into its run directory.
     "same run dir and checkpoint as a live run": (
         lambda t, d: (

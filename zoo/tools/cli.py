@@ -285,6 +285,9 @@ def output_dir_line(args: list[str]) -> Optional[str]:
         existing = existing.parent
     if existing.exists() and not existing.is_dir():
         return f"{key}: {existing} is a file, not a directory; {fix}"
+    held = run_dir.checkpoint_around(target / ".hydra") if given else None
+    if held is not None:  # its .hydra/, metrics.jsonl and summary.json would go among the saved steps
+        return f"{key}: {target} is inside the train.py checkpoint {held}, which this would change; {fix}"
     try:
         with tempfile.NamedTemporaryFile(dir=existing, prefix=".zoo-write-probe-"):
             pass
