@@ -30,7 +30,14 @@ from zoo.train.run_lock import DirLock
 from zoo.train.xla_flags import environment_line as xla_environment_line
 from zoo.train.metrics import write_json
 from zoo.train.run import prepare, train
-from zoo.train.run_config import GROUPS, ConfigError, TrainingStopped, _known_keys, foreign_data_key_line
+from zoo.train.run_config import (
+    GROUPS,
+    ConfigError,
+    RunInterrupted,
+    TrainingStopped,
+    _known_keys,
+    foreign_data_key_line,
+)
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
@@ -112,8 +119,12 @@ def run_job(cfg: DictConfig, out_of_memory_line: Optional[Callable] = None) -> N
                 # A run that stopped itself has said why in the line above; nothing after it is news (a failed
                 # checkpoint save leaves orbax's threads reporting into a closing event loop at shutdown).
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())
-            raise SystemExit(EXIT_BAD_INPUT if bad_input else EXIT_FAILED) from None
+            raise SystemExit(
+                EXIT_BAD_INPUT if bad_input else EXIT_INTERRUPTED if isinstance(e, RunInterrupted) else EXIT_FAILED
+            ) from None
         print(f"error: {label} failed: {one_line(e)}", file=sys.stderr, flush=True)
+        if isinstance(e, RunInterrupted):  # a Ctrl-C ends the sweep, not only its job
+            raise SystemExit(EXIT_INTERRUPTED) from None
         _FAILED_JOBS.append(label)
     finally:
         if lock is not None:

@@ -39,6 +39,7 @@ from zoo.train.run_config import (
     ConfigError,
     HardwareConfig,
     TrainConfig,
+    RunInterrupted,
     TrainingStopped,
     XlaConfig,
     auto_hardware,
@@ -310,7 +311,7 @@ def _train(c: TrainConfig, plan, devices, out_dir: pathlib.Path, xla_flags: str,
         try:
             state = loop.run(state, start)
         except KeyboardInterrupt:
-            raise TrainingStopped(
+            raise RunInterrupted(
                 f"interrupted during step {log.completed + 1}; {_kept(ckpt)}"
                 + ("; run the same command to resume" if ckpt else "")
             ) from None

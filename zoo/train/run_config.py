@@ -59,6 +59,10 @@ class TrainingStopped(RuntimeError):
     """Training stopped itself for a reason it can state in one line (a non-finite loss): no traceback."""
 
 
+class RunInterrupted(TrainingStopped):
+    """A Ctrl-C stopped training during a step: one line, and exit code 130, as for a Ctrl-C anywhere else."""
+
+
 @ranged(
     "mesh",
     **dict.fromkeys(("devices", *MESH_AXES), "-1 or [1, inf): -1 fills the devices left"),
