@@ -513,8 +513,8 @@ CASES = {
         lambda t, d: (train_cmd(LLAMA, *TINY, f"hydra.run.dir={_copy_run(t, d)[1]}"), t, [t / "ckpt"]),
         (
             2,
-            r"hydra\.run\.dir: (\S+/ckpt) is inside the train\.py checkpoint \1, which this would change; choose a "
-            r"writable directory .*",
+            r"hydra\.run\.dir: \S+/ckpt is a train\.py checkpoint\.dir, which this would change; choose a writable "
+            r"directory .*",
         ),
     ),
     "checkpoint.dir holding a Hugging Face model": (

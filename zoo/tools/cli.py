@@ -298,7 +298,8 @@ def output_dir_line(args: list[str]) -> Optional[str]:
         return f"{key}: {existing} is a file, not a directory; {fix}"
     held = run_dir.checkpoint_around(target / ".hydra") if given else None
     if held is not None:  # its .hydra/, metrics.jsonl and summary.json would go among the saved steps
-        return f"{key}: {target} is inside the train.py checkpoint {held}, which this would change; {fix}"
+        inside = "a train.py checkpoint.dir" if held == target.absolute() else f"inside the train.py checkpoint {held}"
+        return f"{key}: {target} is {inside}, which this would change; {fix}"
     try:
         with tempfile.NamedTemporaryFile(dir=existing, prefix=".zoo-write-probe-"):
             pass

@@ -95,9 +95,8 @@ def hf_export(
     out = pathlib.Path(out_dir).expanduser().absolute()
     held = checkpoint_around(out / "config.json")
     if held is not None:
-        raise ConfigError(
-            f"{out}: inside the train.py checkpoint {held}, which this would change; choose a directory outside it"
-        )
+        where = "the train.py checkpoint.dir itself" if held == out else f"inside the train.py checkpoint {held}"
+        raise ConfigError(f"{out}: {where}, which this would change; choose a directory outside it")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(
             f"{out}: exists and is not an empty directory; choose a new one (an export never writes over files)"
