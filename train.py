@@ -28,11 +28,12 @@ if __name__ == "__main__":
     except ValueError as e:  # a bad ZOO_HUGE_PAGES, before anything else runs
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    zoo.tools.exit_on_bad_environment()  # a JAX_* variable JAX would refuse as it is imported below: one line
 
 import hydra
 from omegaconf import DictConfig
 
-from zoo.tools.cli import EXIT_BAD_INPUT, run_job
+from zoo.tools.cli import EXIT_BAD_INPUT, EXIT_INTERRUPTED, run_job
 from zoo.tools.cli import main as cli_main
 from zoo.train import command_line
 
@@ -65,5 +66,12 @@ def entry() -> int:
 
 if __name__ == "__main__":
     code = entry()
+    if code == EXIT_INTERRUPTED:
+        # Leave at once, as the tools do (zoo.tools.cli.run_tool): the interpreter's shutdown, with XLA's work
+        # still running on its threads, crashed the process after the Ctrl-C line (exit -11, a Ctrl-C while the
+        # parameters were initialised). What the run wrote is closed by now (its record, its saves waited for).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     zoo.tools.take_ctrl_c_while_exiting(code)
     sys.exit(code)

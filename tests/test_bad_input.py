@@ -508,6 +508,27 @@ CASES = {
             r"would replace \(it starts from step 0\); give this run another hydra\.run\.dir, or move \1 away .*",
         ),
     ),
+    # The run's record among a checkpoint's steps, a checkpoint's steps among a Hugging Face model's files.
+    "hydra.run.dir in a checkpoint.dir": (
+        lambda t, d: (train_cmd(LLAMA, *TINY, f"hydra.run.dir={_copy_run(t, d)[1]}"), t, [t / "ckpt"]),
+        (
+            2,
+            r"hydra\.run\.dir: \S+/ckpt is a train\.py checkpoint\.dir, which this would change; choose a writable "
+            r"directory .*",
+        ),
+    ),
+    "checkpoint.dir holding a Hugging Face model": (
+        lambda t, d: (
+            train_cmd(LLAMA, *TINY, f"checkpoint.dir={_hf_with(t, d)}", f"hydra.run.dir={t / 'run'}"),
+            t,
+            [t / "hf"],
+        ),
+        (
+            2,
+            r"checkpoint\.dir: (\S+/hf) holds a Hugging Face model \(config\.json, \*\.safetensors\), not train\.py's "
+            r"checkpoints; to start from it, model=hf model\.path=\1; give checkpoint\.dir a directory of its own",
+        ),
+    ),
     # A second run into the directories of a live one: refused before Hydra writes into its run directory.
     "same run dir and checkpoint as a live run": (
         lambda t, d: (
@@ -535,6 +556,33 @@ CASES = {
             2,
             r"name: \S+/conf/hardware/cpu\.yaml is a file shipped with Zoo \(conf/hardware/cpu\.yaml\), which this "
             r"would replace; give another name, or add overwrite=true to replace it",
+        ),
+    ),
+    # A tool's output inside a checkpoint.dir: a new file in a step changed what orbax saved there.
+    "zoo.tools.plan plan.out inside a checkpoint's step": (
+        lambda t, d: (
+            tool_cmd("plan", LLAMA, "mesh=single", f"plan.out={_copy_run(t, d)[1] / '3' / 'plan.yaml'}"),
+            t,
+            [t / "ckpt"],
+        ),
+        (2, r"plan\.out: (\S+/ckpt)/3/plan\.yaml is inside the train\.py checkpoint \1, which this would change; .*"),
+    ),
+    "zoo.tools.export into a checkpoint's step": (
+        lambda t, d: (tool_cmd("export", str(_copy_run(t, d)[1]), str(t / "ckpt" / "3" / "hf")), t, [t / "ckpt"]),
+        (2, r"(\S+/ckpt)/3/hf: inside the train\.py checkpoint \1, which this would change; choose a directory .*"),
+    ),
+    "zoo.tools.report over a report.md of the user's in the sweep": (  # it was replaced
+        lambda t, d: (
+            (lambda sweep: (sweep / "report.md").write_text("my notes\n") and tool_cmd("report", str(sweep)))(
+                _sweep(t, d)
+            ),
+            t,
+            [t / "sweep"],
+        ),
+        (
+            2,
+            r"dir: \S+/sweep/report\.md exists and was not written by python -m zoo\.tools\.report, which this would "
+            r"replace; give another dir, or add --overwrite to replace it",
         ),
     ),
     "zoo.tools.inspect_step inspect.out over a run's metrics.jsonl": (
@@ -754,6 +802,19 @@ CASES = {
             r"and a JSON header\); .*",
         ),
     ),
+    "a folder named model.safetensors": (  # open() raised IsADirectoryError: a traceback
+        lambda t, d: (
+            (
+                lambda hf: (
+                    [(hf / "model.safetensors").unlink(), (hf / "model.safetensors").mkdir()]
+                    and train_cmd(*TINY, "model=hf", f"model.path={hf}", f"hydra.run.dir={t / 'run'}")
+                )
+            )(_hf_with(t, d)),
+            t,
+            [t / "hf"],
+        ),
+        (2, r"model\.path: \S+/hf/model\.safetensors: not a file; a \.safetensors name belongs to .*"),
+    ),
     "NaN weights in zoo.tools.generate's model.path": (  # refused as train.py refuses them, not loaded
         lambda t, d: (
             tool_cmd("generate", f"model.path={_hf_with(t, d, nan_tensor=HF_Q)}", "tokenizer=bytes", "prompt=hi"),
@@ -761,6 +822,38 @@ CASES = {
             [t / "hf"],
         ),
         (2, rf"\S+/hf: tensor {re.escape(HF_Q)} holds non-finite values \(NaN or inf\); .*"),
+    ),
+    # A config.json that does not read: the file named (it was Python's UnicodeDecodeError alone), or an
+    # eos_token_id of the wrong type (int()'s ValueError alone).
+    "binary config.json in zoo.tools.generate's model.path": (
+        lambda t, d: (
+            (
+                lambda hf: (
+                    (hf / "config.json").write_bytes(b'{"x": "\x80\xff"}')
+                    and tool_cmd("generate", f"model.path={hf}", "tokenizer=bytes", "prompt=hi")
+                )
+            )(_hf_with(t, d)),
+            t,
+            [t / "hf"],
+        ),  # fmt: skip
+        (2, r"\S+/hf/config\.json: not UTF-8 text \(byte 0x80 at offset 7\); download or copy it again"),
+    ),
+    "eos_token_id of the wrong type in zoo.tools.generate's model.path": (
+        lambda t, d: (
+            (
+                lambda hf: (
+                    (hf / "generation_config.json").write_text('{"eos_token_id": "</s>"}')
+                    and tool_cmd("generate", f"model.path={hf}", "tokenizer=bytes", "prompt=hi")
+                )
+            )(_hf_with(t, d)),
+            t,
+            [t / "hf"],
+        ),  # fmt: skip
+        (
+            2,
+            r"\S+/hf/generation_config\.json: eos_token_id is \"</s>\", not a token id or a list of them; fix it, or "
+            r"give stop_tokens=\[<ids>\]",
+        ),
     ),
     "NaN weights in model.path": (
         lambda t, d: (

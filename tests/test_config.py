@@ -174,6 +174,7 @@ def test_moe_capacity():
     assert moe_capacity(32, c) == 10  # 32 * 2 / 8 * 1.25
     assert moe_capacity(30, c) == 10  # ceil(9.375)
     assert moe_capacity(1, dataclasses.replace(c, capacity_factor=0.01)) == 1
+    assert moe_capacity(32, dataclasses.replace(c, capacity_factor=1e30)) == 64  # every assignment, no more
 
 
 # --- parameter counts ------------------------------------------------------------------------

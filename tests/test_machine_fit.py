@@ -47,6 +47,22 @@ def test_flags_of_another_platforms_compiler_are_a_note():
     assert note(gpu, "gpu") is None and note(tpu, "tpu") is None
 
 
+def test_options_that_do_nothing_on_this_backend_are_a_note():
+    """XLA:CPU's keys on an accelerator; pinned host memory on a CPU, where it is the device's own RAM."""
+    from zoo.offload import load_preset
+    from zoo.train.run import host_memory_note
+
+    fast = XlaConfig(cpu_fast_compile=True, cpu_devices=4)
+    assert machine_fit.cpu_keys_note(fast, "tpu") == (
+        "xla.cpu_devices=4, xla.cpu_fast_compile=True: XLA:CPU's options, and this run's devices are tpus, so they "
+        "change nothing here; drop them"
+    )
+    assert machine_fit.cpu_keys_note(fast, "cpu") is None and machine_fit.cpu_keys_note(XlaConfig(), "gpu") is None
+    host = load_preset("none", "params_host")
+    assert host_memory_note(host, "cpu").startswith("offload none + params on pinned_host: a CPU's pinned host memory")
+    assert host_memory_note(host, "gpu") is None and host_memory_note(load_preset("full"), "cpu") is None
+
+
 def test_local_device_ids_of_a_single_process_run_are_refused():
     c = SimpleNamespace(distributed=SimpleNamespace(local_device_ids=[7]))
     with pytest.raises(ConfigError, match=r"^distributed\.local_device_ids: \[7\] picks the devices of one process"):
@@ -62,6 +78,21 @@ def test_local_device_ids_of_a_single_process_run_are_refused():
         (["hydra/launcher=slurm"], {}, "hydra/launcher: slurm launches the jobs of a sweep, and without -m"),
         ([], {"SLURM_NTASKS": "abc"}, "SLURM_NTASKS: 'abc' in the environment is not a number"),
         (["-m", "hydra/launcher=slurm", "hydra.run.dir=${now:%H}"], {"SLURM_NTASKS": "4"}, None),
+        # what JAX's runtime and XLA would refuse as they start: a traceback, or XLA's fatal log and flag table
+        ([], {"SLURM_NTASKS": "99999999999999999999"}, "SLURM_NTASKS: 99999999999999999999 in the environment is "),
+        ([], {"XLA_FLAGS": "--xla_made_up=1"}, "XLA_FLAGS: --xla_made_up in the environment is not a flag this"),
+        ([], {"XLA_FLAGS": "-xla_dump_to=/tmp/x"}, "XLA_FLAGS: '-xla_dump_to=/tmp/x' in the environment is not a "),
+        ([], {"XLA_FLAGS": "xla_dump_to=/tmp/x"}, "XLA_FLAGS: 'xla_dump_to=/tmp/x' in the environment is neither a "),
+        (
+            [],
+            {"XLA_FLAGS": "--xla_force_host_platform_device_count=abc"},
+            "XLA_FLAGS: --xla_force_host_platform_device_count=abc in the environment must be a count in [1, 1024]",
+        ),
+        ([], {"XLA_FLAGS": "--xla_force_host_platform_device_count=100000"}, "XLA_FLAGS: --xla_force_host_platform_"),
+        ([], {"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"}, None),
+        # a sweep Hydra would list for minutes before its first job, then run for ever
+        (["-m", "trainer.seed=range(0,100000000)"], {}, "-m: the sweep has 100000000 jobs (trainer.seed=range(0,1"),
+        (["-m", "trainer.seed=range(0,100)", "data.seed=1,2,3"], {}, None),
         (["hydra/launcher=basic"], {}, None),
     ],
 )
@@ -70,12 +101,54 @@ def test_the_command_line_before_hydra(args, environ, line):
     assert (found is None) if line is None else found.startswith(line), found
 
 
+def test_a_tool_refuses_an_xla_flags_xla_would_abort_on(tmp_path, monkeypatch, capsys):
+    """The tools check the environment's XLA_FLAGS as train.py does, before their body starts JAX's backend."""
+    from zoo.tools import report
+
+    monkeypatch.setenv("XLA_FLAGS", "--xla_made_up=1")
+    assert report.main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: XLA_FLAGS: --xla_made_up in the environment is not a flag") and "\n" not in err
+
+
+def test_a_jax_variable_jax_refuses_as_it_is_imported_is_one_line(tmp_path, monkeypatch):
+    """A ValueError from inside `import jax`, before any command's body runs (a process of its own: JAX is
+    imported once; it ends there, in about a second): train.py's, and a tool's as zoo.tools is imported."""
+    env = {k: v for k, v in os.environ.items() if k != "ZOO_TRACEBACK"}
+    for cmd, variable, value, line in [
+        ([str(ROOT / "train.py"), "model=llama_tiny_a"], "JAX_ENABLE_X64", "maybe", "'maybe' in the environment is "
+         "refused by JAX (invalid truth value 'maybe' for environment 'JAX_ENABLE_X64'); give true or false"),
+        (["-m", "zoo.tools.sizes"], "JAX_DEFAULT_MATMUL_PRECISION", "bogus", "'bogus' in the environment is refused by "
+         "JAX (Invalid value \"bogus\" for JAX flag jax_default_matmul_precision); give one of the values JAX "),
+    ]:  # fmt: skip
+        env[variable] = value
+        p = subprocess.run([sys.executable, *cmd], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        env.pop(variable)
+        assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr[-3000:]
+        assert p.stderr.startswith(f"error: {variable}: {line}"), p.stderr
+    # JAX takes a count of simulated devices that would take minutes to start
+    import zoo.tools
+
+    monkeypatch.setenv("JAX_NUM_CPU_DEVICES", "100000")
+    assert zoo.tools.jax_environment_line().startswith("JAX_NUM_CPU_DEVICES: 100000 in the environment is beyond 1024")
+
+
 def test_a_binary_option_file_on_the_search_path_is_named(tmp_path):
     (tmp_path / "hardware").mkdir()
     (tmp_path / "hardware" / "bad.yaml").write_bytes(b"\x80\xff binary")
     found = command_line.line([f"hydra.searchpath=[file://{tmp_path}]", "hardware=bad"], {}, ROOT / "conf")
     where = f"{tmp_path}/hardware/bad.yaml"
     assert found.startswith(f"hardware: option 'bad' is {where}, which is not UTF-8 text (byte 0x80"), found
+
+
+def test_a_tools_binary_option_file_on_the_search_path_is_named(tmp_path):
+    """The tools compose train.py's config themselves (zoo.tools.kit.compose): the same line as train.py's."""
+    from zoo.tools.kit import compose
+
+    (tmp_path / "offload").mkdir()
+    (tmp_path / "offload" / "bad.yaml").write_bytes(b"\x80\xff binary")
+    with pytest.raises(ConfigError, match=r"^offload: option 'bad' is \S+/offload/bad\.yaml, which is not UTF-8 text"):
+        compose([f"hydra.searchpath=[file://{tmp_path}]", "offload=bad"])
 
 
 def test_multirun_after_the_overrides_goes_first():

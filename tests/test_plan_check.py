@@ -216,7 +216,7 @@ def test_a_tpus_compiled_peak_leaves_out_what_lives_on_the_host(fields, device_p
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["plan.compile=-1"], "error: plan.compile: the number of candidates to compile, >= 0; got -1"),
+        (["plan.compile=-1"], "error: plan.compile: must be >= 0 (the number of candidates to compile), got -1; e.g. "),
         (["hardware=h100_pcie", "plan.compile=2"], "error: plan.compile: compiling for gpu needs a gpu here"),
         (
             ["plan.measure=2", "plan.compile=0"],

@@ -245,7 +245,7 @@ def test_cli_prints_the_holders_when_asked(tmp_path, capsys):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["plan.host_budget_gb=-1"], "error: plan.host_budget_gb: must be positive GB per device"),
+        (["plan.host_budget_gb=-1"], "error: plan.host_budget_gb: must be positive (GB per device; "),
         (["plan.host_budget_gb=lots"], "error: plan.host_budget_gb: Value 'lots'"),
         (["hardware.host_bytes_per_device=-5"], "error: hardware.host_bytes_per_device: must be >= 0"),
         (["hardware.devices_per_node=0"], "error: hardware.devices_per_node: must be >= 1"),
@@ -259,6 +259,13 @@ def test_cli_prints_the_holders_when_asked(tmp_path, capsys):
         (["hardware.hbm_bytes=-1"], "error: hardware.hbm_bytes: must be >= 0"),
         (["hardware.host_link_gbps=-5"], "error: hardware.host_link_gbps: GB/s per direction, >= 0"),
         (["+hardware.hbm_gbps=nan"], "error: hardware.hbm_gbps: must be positive or null"),
+        # every plan.* number by its range (zoo.ranges): NaN and inf were taken, NaN budgets as "no policy fits"
+        (["plan.hbm_budget_gb=nan"], "error: plan.hbm_budget_gb: must be positive (null takes the hardware profile"),
+        (["plan.host_budget_gb=inf"], "error: plan.host_budget_gb: must be positive (GB per device; "),
+        (["plan.transfer_latency_us=nan"], "error: plan.transfer_latency_us: must be >= 0, got nan"),
+        (["plan.batch_limit=99999999999999999999"], "error: plan.batch_limit: must be >= 1 (the largest per-device "),
+        (["plan.name=.."], "error: plan.name: '..' is not a file stem"),
+        (["plan.link=nan"], "error: plan.link: must be positive and finite GB/s per direction, got nan"),
     ],
 )
 def test_cli_bad_host_and_hardware_settings_are_one_line(args, message, capsys):

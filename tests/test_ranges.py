@@ -15,7 +15,7 @@ import pytest
 from omegaconf import OmegaConf, open_dict
 
 from zoo.errors import ConfigError
-from zoo.ranges import Range, ranges_of
+from zoo.ranges import FLOAT32_MAX, INT_MAX, Range, ranges_of
 from zoo.train.run_config import GROUPS, HardwareConfig, load, load_group, load_model
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -102,6 +102,24 @@ def test_the_loader_names_the_key_of_a_nan_or_out_of_range_value(composed, key, 
             load_model(node) if group == "model" else load_group(group, node)
         message = str(e.value)
         assert message.startswith(f"{key}: ") and "\n" not in message and ";" in message, message
+
+
+# The fields whose range has no finite top: an int is held to a 32-bit integer (an optimizer.warmup_steps of 1e20
+# overflowed inside the jitted step, a trainer.steps of 1e20 trained on for ever), a float to float32's largest
+# (an optimizer.eps of 1e300 was inf in the step, and froze every weight).
+CAPPED = [f for f in FIELDS if not ranges_of(f[1])[f[2]].bounded()]
+
+
+@pytest.mark.parametrize("key,cls,name", CAPPED, ids=[key for key, _, _ in CAPPED])
+def test_a_number_past_what_the_step_holds_is_one_line_naming_the_key(key, cls, name):
+    integer = _numeric(typing.get_type_hints(cls)[name], int)
+    for value in (INT_MAX + 1, 10**20) if integer else (FLOAT32_MAX * 2, 1e300):
+        with pytest.raises(ConfigError) as e:
+            cls(**{name: value})
+        top = f"{INT_MAX} (what a 32-bit integer holds)" if integer else "3.4e38 (float32's largest)"
+        assert str(e.value).startswith(f"{key}: must be ") and f" and at most {top}, got {value!r}; e.g. {key}=" in str(
+            e.value
+        )
 
 
 @pytest.mark.parametrize(

@@ -548,7 +548,7 @@ def _signal_for(shown: list[str]):
     """(index of the line after which the README's run was stopped, signal, exit code) or None."""
     for i, ln in enumerate(shown):
         if ln.strip() == "^C":
-            return i - 1, signal.SIGINT, 1
+            return i - 1, signal.SIGINT, 130  # a Ctrl-C, wherever it lands: exit code 130
         stop = re.match(r"stopped by (SIG\w+) .*\(exit code (\d+)\)", ln)
         if stop:
             return i - 1, getattr(signal, stop.group(1)), int(stop.group(2))

@@ -177,6 +177,25 @@ FUZZ = [
     ("train", ["trainer.seed=99999999999999999999"], "trainer.seed: must be in [0, 4294967296), got 9999999999"),
     ("train", ["data.seed=-1"], "data.seed: must be in [0, 4294967296), got -1"),
     ("train", ["model.num_layers=nan"], "model.num_layers: Value 'nan' of type 'float' could not be converted"),
+    # an int beyond 32 bits: it overflowed inside the jitted step (warmup_steps) or trained for ever (steps)
+    (
+        "train",
+        ["optimizer.warmup_steps=99999999999999999999"],
+        "optimizer.warmup_steps: must be >= 0 and at most 2147483647 (what a 32-bit integer holds), got ",
+    ),
+    ("train", ["trainer.steps=2147483648"], "trainer.steps: must be positive and at most 2147483647"),
+    ("train", ["distributed.timeout_s=99999999999999999999"], "distributed.timeout_s: must be positive and at most"),
+    # a number other than 0 or 1 for a boolean: OmegaConf took it as true
+    ("train", ["trainer.progress=2"], "trainer.progress: 2 is not a boolean; give true or false"),
+    ("train", ["model=dsv3_tiny_a", "model.moe.norm_topk_prob=-1"], "model.moe.norm_topk_prob: -1 is not a boolean"),
+    ("zoo.tools.inspect_step", ["inspect.strict=2"], "inspect.strict: 2 is not a boolean; give true or false"),
+    ("zoo.tools.plan", ["plan.split=2"], "plan.split: 2 is not a boolean; give true or false"),
+    ("zoo.tools.measure_hardware", ["op_rates=3"], "op_rates: 3 is not a boolean; give true or false"),
+    # an empty value (an unset shell variable) for a tool's option: OmegaConf read it as null, the default
+    ("zoo.tools.inspect_step", ["inspect.out="], "inspect.out: empty (an unset shell variable?); give a value, or "),
+    ("zoo.tools.plan", ["plan.json="], "plan.json: empty (an unset shell variable?)"),
+    ("zoo.tools.measure_hardware", ["out="], "out: empty (an unset shell variable?); give a value, or drop out= "),
+    ("zoo.tools.generate", ["model.path=", "prompt=hi"], "model.path: empty (an unset shell variable?)"),
     # the command line before Hydra reads it (zoo.train.command_line)
     ("train", ["=3"], "command line: '=3' has no key before its '='; write <key>=3"),
     ("train", ["m\u00f6del.x=3"], "m\u00f6del.x: '\u00f6' cannot be in a key"),
@@ -282,6 +301,13 @@ FUZZ = [
         ["data=text", "data.path={tmp}/docs.jsonl", "data.text_field=body"],
         "data.text_field: {tmp}/docs.jsonl line 1 has no key 'body'",
     ),
+    # a device for a file: the tokenizer's reader never ended
+    ("train", ["data=text", "data.tokenizer=/dev/zero"], "data.tokenizer: /dev/zero is neither a file nor a folder"),
+    (
+        "zoo.tools.generate",
+        [f"model.path={ROOT}/tests/data/llama_tiny_a", "tokenizer=/dev/zero", "prompt=hi"],
+        "tokenizer: /dev/zero is neither a file nor a folder",
+    ),
     # the command line itself
     ("train", ["--steps", "3"], "command line: unrecognized arguments: --steps"),
     ("train", ["--cfg", "bogus"], "command line: argument --cfg/-c: invalid choice: 'bogus'"),
@@ -318,10 +344,17 @@ FUZZ = [
     ("zoo.tools.measure_hardware", ["foo=1"], "foo: unknown key; the keys are name, out, "),
     ("zoo.tools.measure_hardware", ["bare"], "bare: arguments are key=value"),
     ("zoo.tools.measure_hardware", ["dtype=int4"], "dtype: choose bfloat16, float16 or float32"),
-    ("zoo.tools.measure_hardware", ["chain=0"], "chain: must be >= 1 (matmuls per timed call), got 0; e.g. chain=8"),
+    ("zoo.tools.measure_hardware", ["chain=0"], "chain: must be in [1, 256] (matmuls per timed call, unrolled in "),
     ("zoo.tools.measure_hardware", ["transfer_mb=nan"], "transfer_mb: must be positive, got nan"),
+    # sizes and counts that would run out of memory (a traceback) or take hours: refused before measuring
+    ("zoo.tools.measure_hardware", ["n=200000"], "n: a 200000x200000 float32 matmul chain holds 640.0 GB "),
+    ("zoo.tools.measure_hardware", ["transfer_mb=1e12"], "transfer_mb: 1e+12 MB arrays take "),
+    ("zoo.tools.measure_hardware", ["chain=1000000000"], "chain: must be in [1, 256] (matmuls per timed call, "),
+    ("zoo.tools.measure_hardware", ["repeats=99999"], "repeats: must be in [1, 100] (timed runs of each figure"),
+    ("zoo.tools.measure_hardware", ["copies=99999999999999999999"], "copies: must be in [2, 32] (the op once "),
     ("zoo.tools.export", ["{tmp}/ckpt", "{tmp}/out", "--max-shard-gb", "0"], "--max-shard-gb: must be a positive"),
     ("zoo.tools.export", ["{tmp}/ckpt", "{tmp}/out", "--max-shard-gb", "nan"], "--max-shard-gb: must be a positive"),
+    ("zoo.tools.export", ["{tmp}/ckpt", "{tmp}/out", "--max-shard-gb", "1e300"], "--max-shard-gb: must be below "),
     ("zoo.tools.measure_hardware", [f"out={OUT}/m.yaml"], f"out: cannot write {OUT}/m.yaml"),
     ("zoo.tools.report", ["/no/such/multirun"], "dir: /no/such/multirun is not a directory"),
     ("zoo.tools.report", [], "command line: the following arguments are required: dir"),
@@ -329,6 +362,17 @@ FUZZ = [
     ("zoo.tools.report", ["{tmp}", "--out", OUT], f"--out: cannot write {OUT}/report.md"),
     ("zoo.tools.report", ["{tmp}/empty_dir"], "dir: no summary.json under {tmp}/empty_dir"),
     ("zoo.tools.sizes", ["nosuch"], "nosuch: no such size; choose from llama_tiny_a, "),
+    # zoo.tools.generate's numbers: a top_k or seed beyond what JAX takes was a traceback, a negative seed accepted
+    (
+        "zoo.tools.generate",
+        [f"model.path={ROOT}/tests/data/llama_tiny_a", "tokenizer=bytes", "prompt=hi", "top_k=99999999999999999999"],
+        "top_k: must be a whole number >= 0 and at most 2147483647 (0 keeps every token), got 9999",
+    ),
+    (
+        "zoo.tools.generate",
+        [f"model.path={ROOT}/tests/data/llama_tiny_a", "tokenizer=bytes", "prompt=hi", "seed=-1"],
+        "seed: must be a whole number in [0, 4294967296), got -1; e.g. seed=0",
+    ),
     # LoRA (issue 32 part 4): a target the family lacks, a rank larger than the projection, a bad key.
     (
         "train",

@@ -496,5 +496,8 @@ def attended_keys(seq_len: int, window: Optional[int], causal: bool = True) -> f
 
 
 def moe_capacity(tokens: int, c: MoEConfig) -> int:
-    """Per-expert buffer size of the capacity path: ceil(tokens * top_k / experts * capacity_factor)."""
-    return max(1, math.ceil(tokens * c.num_experts_per_tok / c.n_routed_experts * c.capacity_factor))
+    """Per-expert buffer size of the capacity path: ceil(tokens * top_k / experts * capacity_factor), at most
+    tokens * top_k (every assignment: a larger factor drops nothing more, and its buffer overflowed the
+    32-bit size JAX gives it)."""
+    k = c.num_experts_per_tok
+    return min(tokens * k, max(1, math.ceil(tokens * k / c.n_routed_experts * c.capacity_factor)))

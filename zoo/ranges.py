@@ -7,7 +7,11 @@ instance checks its fields against their ranges before its own `__post_init__` r
 infinity or a value out of range is one `ConfigError` naming the key, `optimizer.b1: must be in
 [0, 1), got 1.5; e.g. optimizer.b1=0.9`, wherever the config is built (the command line, YAML,
 Python). A field left `None` (an Optional one) is not checked; `inf` is in a range only where the
-range names it as a value. The rules between fields (`topk_group <= n_group`) stay in `__post_init__`.
+range names it as a value. A field whose range has no finite top stops where the step's numbers do:
+an int at `INT_MAX` (JAX holds counts, sizes and ids in 32-bit integers, so a larger one overflows inside
+the jitted step, a step count in the optimizer's schedule, or asks for a run nobody can wait for:
+`trainer.steps=1e20`), a float at `FLOAT32_MAX` (past it the step computes with inf: `optimizer.eps=1e300`
+froze every weight). The rules between fields (`topk_group <= n_group`) stay in `__post_init__`.
 
 This module is on the ground floor: it imports nothing of zoo but the errors.
 """
@@ -15,11 +19,17 @@ This module is on the ground floor: it imports nothing of zoo but the errors.
 import dataclasses
 import math
 import re
+import typing
 from typing import Optional, Union
 
 from zoo.errors import ConfigError
 
 Number = Union[int, float]
+
+# The largest value of a field whose range has no finite top: what a 32-bit integer holds, and float32's
+# largest finite number (numpy.finfo(numpy.float32).max).
+INT_MAX = 2**31 - 1
+FLOAT32_MAX = 3.4028234663852886e38
 
 _INTERVAL = re.compile(r"^([\[(])\s*([^,\s]+)\s*,\s*([^\]\s)]+)\s*([\])])$")
 
@@ -91,6 +101,10 @@ class Range:
             v = i.lo if i.lo_closed else i.lo + 1 if i.hi > i.lo + 1 else (i.lo + i.hi) / 2
         return int(v) if float(v).is_integer() else v
 
+    def bounded(self) -> bool:
+        """Whether the range has a finite top (`[0, 2**32)`), not `inf` (`(0, inf)`)."""
+        return all(math.isfinite(i.hi) for i in self.intervals)
+
     def outside(self) -> Number:
         """A finite value outside the range (tests feed it to every field)."""
         for i in self.intervals:
@@ -112,6 +126,7 @@ def _interval_text(i: Interval) -> str:
 
 RANGES_ATTR = "__zoo_ranges__"
 PREFIX_ATTR = "__zoo_key_prefix__"
+CAPPED_ATTR = "__zoo_capped__"  # field -> INT_MAX or FLOAT32_MAX, for those whose range has no finite top
 
 
 def ranges_of(cls) -> dict[str, Range]:
@@ -124,13 +139,24 @@ def check(obj) -> None:
     prefix = getattr(type(obj), PREFIX_ATTR, "")
     for name, rng in ranges_of(type(obj)).items():
         value = getattr(obj, name)
-        if value is None or value in rng:
+        cap = getattr(type(obj), CAPPED_ATTR, {}).get(name)
+        if value is None or (value in rng and not (cap is not None and abs(value) > cap)):
             continue
         key = f"{prefix}.{name}" if prefix else name
         default = _default(type(obj), name)
         example = default if default is not None and default in rng else rng.example()
         note = f" ({rng.note})" if rng.note else ""
-        raise ConfigError(f"{key}: must be {rng.describe()}{note}, got {value!r}; e.g. {key}={example}")
+        top = f" and at most {_CAP_TEXT[cap]}" if cap is not None and value in rng else ""
+        raise ConfigError(f"{key}: must be {rng.describe()}{note}{top}, got {value!r}; e.g. {key}={example}")
+
+
+_CAP_TEXT = {INT_MAX: f"{INT_MAX} (what a 32-bit integer holds)", FLOAT32_MAX: "3.4e38 (float32's largest)"}
+
+
+def _cap(hint) -> Optional[Number]:
+    """INT_MAX for `int` / `Optional[int]`, FLOAT32_MAX for `float` / `Optional[float]`, else None."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)] if typing.get_origin(hint) is Union else [hint]
+    return {int: INT_MAX, float: FLOAT32_MAX}.get(args[0]) if len(args) == 1 else None
 
 
 def _default(cls, name: str):
@@ -147,8 +173,12 @@ def ranged(prefix: str, **specs: str):
         unknown = sorted(set(specs) - fields)
         if unknown:
             raise TypeError(f"{cls.__name__}: ranges for unknown fields {unknown}")
-        setattr(cls, RANGES_ATTR, {name: Range.parse(spec) for name, spec in specs.items()})
+        ranges = {name: Range.parse(spec) for name, spec in specs.items()}
+        hints = typing.get_type_hints(cls)
+        setattr(cls, RANGES_ATTR, ranges)
         setattr(cls, PREFIX_ATTR, prefix)
+        caps = {n: _cap(hints[n]) for n, r in ranges.items() if not r.bounded()}
+        setattr(cls, CAPPED_ATTR, {n: cap for n, cap in caps.items() if cap is not None})
         own = cls.__dict__.get("__post_init__")
         if own is None:  # dataclass's __init__ calls __post_init__ only where the class defined one
             raise TypeError(f"{cls.__name__}: a ranged dataclass defines __post_init__ (`pass` will do)")

@@ -42,6 +42,7 @@ from jaxtyping import Array, Bool, Float, Int, Key, PRNGKeyArray
 
 from zoo import backend, lora
 from zoo.model import CausalLM, abstract
+from zoo.ranges import INT_MAX
 
 MIN_PROMPT_BUCKET = 16
 
@@ -265,6 +266,7 @@ def check_request(
     top_p: float,
     stop_tokens: Sequence[int],
     max_len: Optional[int] = None,
+    seed: int = 0,
 ) -> None:
     """Every bad input of a request as one GenerationError naming its key, before anything compiles."""
     vocab, positions = config.vocab_size, config.max_position_embeddings
@@ -278,8 +280,13 @@ def check_request(
         raise GenerationError(
             f"temperature: must be a finite number >= 0 (0 is greedy), got {temperature!r}; e.g. temperature=0.8"
         )
-    if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 0:
-        raise GenerationError(f"top_k: must be a whole number >= 0 (0 keeps every token), got {top_k!r}; e.g. top_k=50")
+    if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or not 0 <= top_k <= INT_MAX:
+        raise GenerationError(
+            f"top_k: must be a whole number >= 0 and at most {INT_MAX} (0 keeps every token), got {top_k!r}; e.g. "
+            "top_k=50"
+        )
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**32:
+        raise GenerationError(f"seed: must be a whole number in [0, 4294967296), got {seed!r}; e.g. seed=0")
     if not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
         raise GenerationError(f"top_p: must be in (0, 1] (1 keeps every token), got {top_p!r}; e.g. top_p=0.9")
     bad_stop = [t for t in stop_tokens if not 0 <= t < vocab]
@@ -370,7 +377,7 @@ def generate(
         stop_tokens = [] if tokenizer is None or tokenizer.eos_id is None else [tokenizer.eos_id]
     stop_tokens = [int(t) for t in stop_tokens]
     c = model.config
-    check_request(c, tokens, max_new_tokens, temperature, top_k, top_p, stop_tokens, max_len)
+    check_request(c, tokens, max_new_tokens, temperature, top_k, top_p, stop_tokens, max_len, seed)
     batch, seq, cache_len = buckets(
         len(tokens), max(map(len, tokens)), max_new_tokens, c.max_position_embeddings, max_len
     )

@@ -106,6 +106,11 @@ class HFTokenizer:
                     "or data.tokenizer=null for byte-level tokens"
                 )
             p = p / "tokenizer.json"
+        if not p.is_file():  # a device (/dev/zero: the reader never ends) or a pipe
+            raise DataError(
+                f"data.tokenizer: {p} is neither a file nor a folder; give the path of a tokenizer.json, "
+                "or data.tokenizer=null for byte-level tokens"
+            )
         try:
             self._tok = Tokenizer.from_file(str(p))
         except Exception as e:  # noqa: BLE001 - the Rust side raises plain Exception

@@ -62,6 +62,8 @@ class SafetensorsFile:
 
     def __init__(self, path: pathlib.Path):
         self.path = path
+        if not path.is_file():  # a folder named like one (open() raised IsADirectoryError), a device
+            raise CheckpointError(f"{path}: not a file; a .safetensors name belongs to the model's weight files")
         size = path.stat().st_size
         with open(path, "rb") as f:
             raw_len = f.read(8)

@@ -44,9 +44,16 @@ def load_config(path) -> dict:
     if not config_path.exists():
         raise CheckpointError(f"{config_path}: missing; a Hugging Face checkpoint directory needs its config.json")
     try:
-        cfg = json.loads(config_path.read_text())
+        cfg = json.loads(config_path.read_bytes())
+    except UnicodeDecodeError as e:
+        raise CheckpointError(
+            f"{config_path}: not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); download or copy it "
+            "again"
+        ) from None
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{config_path}: not valid JSON ({e}); download or copy it again") from None
+    except OSError as e:
+        raise CheckpointError(f"{config_path}: cannot read it ({e.strerror or e}); check its permissions") from None
     if not isinstance(cfg, dict):
         raise CheckpointError(f"{config_path}: not a JSON object; download or copy it again")
     return cfg

@@ -188,9 +188,9 @@ EXPERT_AXES: dict[str, tuple[Optional[str], ...]] = {name: leaf.axes for name, l
 
 
 def expert_capacity(tokens: int, top_k: int, n_experts: int, capacity_factor: float) -> int:
-    """Rows per expert buffer: ceil(tokens * top_k / experts * capacity_factor), at least 1
-    (the formula of zoo.config.moe_capacity, evaluated in the same order)."""
-    return max(1, math.ceil(tokens * top_k / n_experts * capacity_factor))
+    """Rows per expert buffer: ceil(tokens * top_k / experts * capacity_factor), at least 1 and at most
+    tokens * top_k, every assignment (the formula of zoo.config.moe_capacity, evaluated in the same order)."""
+    return min(tokens * top_k, max(1, math.ceil(tokens * top_k / n_experts * capacity_factor)))
 
 
 # --- bookkeeping shared by every path ---------------------------------------------------------

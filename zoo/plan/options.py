@@ -4,10 +4,12 @@ profile)."""
 
 import dataclasses
 import math
+import re
 from typing import Optional, Union
 
 
 from zoo.plan.problem import GB, PlanError
+from zoo.ranges import ranged
 
 # Named host links, GB/s per direction (full duplex).
 LINKS = {
@@ -22,6 +24,16 @@ LINKS = {
 TRANSFERS = ("measured", "exposed", "overlapped")  # plan.transfers
 
 
+@ranged(
+    "plan",
+    hbm_budget_gb="(0, inf): null takes the hardware profile's hbm_bytes",
+    host_budget_gb="(0, inf): GB per device; null takes hardware.host_bytes_per_device",
+    flops_efficiency="(0, 1]",
+    transfer_latency_us="[0, inf)",
+    compile="[0, inf): the number of candidates to compile",
+    measure="[0, inf): timed steps per candidate",
+    batch_limit="[1, inf): the largest per-device batch to try",
+)
 @dataclasses.dataclass
 class PlanConfig:
     """`plan.*` keys of `python -m zoo.tools.plan`."""
@@ -64,37 +76,21 @@ class PlanConfig:
     batch_search: bool = False
     batch_limit: int = 1024
 
-    def __post_init__(self):
-        if self.hbm_budget_gb is not None and self.hbm_budget_gb <= 0:
-            raise PlanError(
-                f"plan.hbm_budget_gb: must be positive, got {self.hbm_budget_gb}; e.g. plan.hbm_budget_gb=80"
-            )
-        if self.host_budget_gb is not None and self.host_budget_gb <= 0:
-            raise PlanError(
-                f"plan.host_budget_gb: must be positive GB per device, got {self.host_budget_gb}; e.g. "
-                "plan.host_budget_gb=240"
-            )
-        if not 0 < self.flops_efficiency <= 1:
-            raise PlanError(f"plan.flops_efficiency: must be in (0, 1], got {self.flops_efficiency}")
-        if self.transfer_latency_us < 0:
-            raise PlanError(f"plan.transfer_latency_us: must be >= 0, got {self.transfer_latency_us}")
+    def __post_init__(self):  # the numbers' ranges: `ranged` above
         if self.transfers not in TRANSFERS:
             raise PlanError(
                 f"plan.transfers: got {self.transfers!r}; choose {', '.join(TRANSFERS)} (measured: hidden behind the "
                 "share of compute hardware.transfer_overlap says)"
             )
-        if self.compile is not None and self.compile < 0:
-            raise PlanError(f"plan.compile: the number of candidates to compile, >= 0; got {self.compile}")
-        if self.measure < 0:
-            raise PlanError(f"plan.measure: timed steps per candidate, >= 0; got {self.measure}")
         if self.measure and self.compile == 0:
             raise PlanError(
                 "plan.measure: it times the compiled candidates; drop plan.compile=0 or give plan.compile=4"
             )
-        if self.batch_limit < 1:
-            raise PlanError(f"plan.batch_limit: the largest per-device batch to try, >= 1; got {self.batch_limit}")
-        if not self.name or "/" in self.name:
-            raise PlanError(f"plan.name: {self.name!r} is not a file stem; e.g. plan.name=planned")
+        if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", self.name):  # a file stem and an offload option's name
+            raise PlanError(
+                f"plan.name: {self.name!r} is not a file stem (letters, digits, _, - and ., not first); e.g. "
+                "plan.name=planned"
+            )
 
 
 def link_profile(link, hardware_dir):
@@ -146,8 +142,8 @@ def resolve_link(link, default_gbps: Union[int, float, None], hardware_dir=None)
     except (TypeError, ValueError):
         value = None
     if value is not None:
-        if value <= 0:
-            raise PlanError(f"plan.link: must be positive GB/s per direction, got {link}")
+        if not 0 < value < math.inf:  # NaN too
+            raise PlanError(f"plan.link: must be positive and finite GB/s per direction, got {link}; e.g. plan.link=64")
         return value
     if link in LINKS:
         return LINKS[link]

@@ -88,5 +88,45 @@ def hold_ctrl_c_through_exit() -> None:
     atexit.register(_ignore_ctrl_c_in_teardown)
 
 
+def jax_environment_line() -> "str | None":
+    """The one line for a JAX_* variable JAX refuses as it is imported (JAX_ENABLE_X64=maybe,
+    JAX_DEFAULT_MATMUL_PRECISION=bogus: a ValueError from inside `import jax`, before any command's body could
+    name it), or a JAX_NUM_CPU_DEVICES that would take minutes to start; None where JAX imports. JAX is imported
+    here only where some JAX_* variable is set (every command imports it next anyway)."""
+    if not any(k.startswith("JAX_") for k in os.environ):
+        return None
+    try:
+        import jax  # noqa: F401
+    except ValueError as e:
+        import re
+
+        text = str(e).splitlines()[0] if str(e) else type(e).__name__
+        m = re.search(r"for environment '(\w+)'", text) or re.search(r"for JAX flag (\w+)", text)
+        if m is None:
+            raise
+        name = m.group(1).upper()
+        fix = "true or false (1 or 0)" if "truth value" in text else "one of the values JAX documents for it"
+        value = os.environ.get(name, "")
+        return f"{name}: {value!r} in the environment is refused by JAX ({text}); give {fix}, or unset it"
+    from zoo.train.xla_flags import MAX_CPU_DEVICES
+
+    count = os.environ.get("JAX_NUM_CPU_DEVICES", "").strip()
+    if count.lstrip("-").isdigit() and int(count) > MAX_CPU_DEVICES:
+        return (
+            f"JAX_NUM_CPU_DEVICES: {count} in the environment is beyond {MAX_CPU_DEVICES} (simulated devices beyond "
+            "that take minutes to start); lower it, or unset it (xla.cpu_devices=<n> sets the count for a run)"
+        )
+    return None
+
+
+def exit_on_bad_environment() -> None:
+    """`jax_environment_line`'s line on stderr and exit code 2, before the command imports JAX itself."""
+    line = jax_environment_line()
+    if line:
+        os.write(2, f"error: {line}\n".encode())
+        sys.exit(2)
+
+
 if _started_as_a_tool():
     take_ctrl_c_while_starting()
+    exit_on_bad_environment()

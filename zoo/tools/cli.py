@@ -27,9 +27,17 @@ from zoo.tags import OPTIONAL_KINDS, TAGS, block_kinds
 from zoo.train import distributed, run_dir, stop
 from zoo.train.command_line import slurm_number
 from zoo.train.run_lock import DirLock
+from zoo.train.xla_flags import environment_line as xla_environment_line
 from zoo.train.metrics import write_json
 from zoo.train.run import prepare, train
-from zoo.train.run_config import GROUPS, ConfigError, TrainingStopped, _known_keys, foreign_data_key_line
+from zoo.train.run_config import (
+    GROUPS,
+    ConfigError,
+    RunInterrupted,
+    TrainingStopped,
+    _known_keys,
+    foreign_data_key_line,
+)
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
@@ -111,8 +119,12 @@ def run_job(cfg: DictConfig, out_of_memory_line: Optional[Callable] = None) -> N
                 # A run that stopped itself has said why in the line above; nothing after it is news (a failed
                 # checkpoint save leaves orbax's threads reporting into a closing event loop at shutdown).
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stderr.fileno())
-            raise SystemExit(EXIT_BAD_INPUT if bad_input else EXIT_FAILED) from None
+            raise SystemExit(
+                EXIT_BAD_INPUT if bad_input else EXIT_INTERRUPTED if isinstance(e, RunInterrupted) else EXIT_FAILED
+            ) from None
         print(f"error: {label} failed: {one_line(e)}", file=sys.stderr, flush=True)
+        if isinstance(e, RunInterrupted):  # a Ctrl-C ends the sweep, not only its job
+            raise SystemExit(EXIT_INTERRUPTED) from None
         _FAILED_JOBS.append(label)
     finally:
         if lock is not None:
@@ -284,6 +296,10 @@ def output_dir_line(args: list[str]) -> Optional[str]:
         existing = existing.parent
     if existing.exists() and not existing.is_dir():
         return f"{key}: {existing} is a file, not a directory; {fix}"
+    held = run_dir.checkpoint_around(target / ".hydra") if given else None
+    if held is not None:  # its .hydra/, metrics.jsonl and summary.json would go among the saved steps
+        inside = "a train.py checkpoint.dir" if held == target.absolute() else f"inside the train.py checkpoint {held}"
+        return f"{key}: {target} is {inside}, which this would change; {fix}"
     try:
         with tempfile.NamedTemporaryFile(dir=existing, prefix=".zoo-write-probe-"):
             pass
@@ -581,7 +597,8 @@ def run_tool(body: Callable[[], int], tool: str, argv=(), doc: Optional[str] = N
         _take_ctrl_c_from_starting()
         with stop.ctrl_c_noted(again_at_once=True):
             stop.set_phase("starting", "nothing was done; run the command again")
-            line = hydra_dir_line(argv, tool)
+            # XLA_FLAGS that XLA aborts the process on, before the body starts JAX's backend
+            line = hydra_dir_line(argv, tool) or xla_environment_line(os.environ)
             if line:
                 raise ConfigError(line)
             code = body()

@@ -25,6 +25,7 @@ import pathlib
 from zoo.errors import ConfigError
 from zoo.tools.cli import ArgumentParser, run_tool
 from zoo.train.hf_export import hf_export
+from zoo.train.machine_fit import started_devices
 
 
 def main(argv=None) -> int:
@@ -56,6 +57,13 @@ def _export(args) -> int:
         )
     if args.max_shard_gb * 2**30 < 1:
         raise ConfigError(f"--max-shard-gb: {args.max_shard_gb} GB is less than a byte; e.g. --max-shard-gb 5")
+    if args.max_shard_gb * 2**30 >= 2**63:  # a file's size in bytes is a 64-bit integer
+        raise ConfigError(
+            f"--max-shard-gb: must be below {2**33} GB (2**63 bytes, a file's largest size), got "
+            f"{args.max_shard_gb:g}; "
+            "e.g. --max-shard-gb 5"
+        )
+    started_devices()  # a JAX_PLATFORMS this machine cannot start: one line, not JAX's traceback
     done = hf_export(
         args.checkpoint_dir,
         args.out_dir,

@@ -21,6 +21,7 @@ from zoo.config import DTYPES, dtype_name
 from zoo.sampling import GenerationError, check_request, decode_compile_options, encode_prompts, generate
 from zoo.tools.cli import run_tool
 from zoo.train.checkpoint import restore_model
+from zoo.train.machine_fit import started_devices
 from zoo.train.stop import set_phase
 
 LORA_FORMS = ("merged", "attached")  # checkpoint.lora: how a LoRA run's adapters meet the base
@@ -80,6 +81,10 @@ def parse_args(argv: Sequence[str]) -> tuple[GenerateOptions, list[str]]:
         key = key.lstrip("+")
         if key == "prompt":
             prompts.append(value)
+        elif not value.strip():  # OmegaConf reads `model.path=` as null: another message, or the default, silently
+            raise GenerationError(
+                f"{key}: empty (an unset shell variable?); give a value, or drop {key}= for its default"
+            )
         else:
             dotlist.append(f"{key}={value}")
     try:
@@ -122,13 +127,24 @@ def _load_tokenizer(spec: str, key: str = "tokenizer"):
 
 
 def _hf_stop_tokens(directory: pathlib.Path) -> Optional[list[int]]:
-    """eos_token_id of generation_config.json, else config.json (an int or a list), if any."""
+    """eos_token_id of generation_config.json, else config.json (an int or a list), if any; a file that
+    does not read, or an id that is not a whole number, is a GenerationError naming the file."""
     for name in ("generation_config.json", "config.json"):
         f = directory / name
         if f.is_file():
-            eos = json.loads(f.read_text()).get("eos_token_id")
+            try:
+                cfg = json.loads(f.read_bytes())
+            except ValueError as e:  # not UTF-8, not JSON
+                raise GenerationError(f"{f}: not a JSON file ({e}); download or copy it again") from None
+            eos = cfg.get("eos_token_id") if isinstance(cfg, dict) else None
+            ids = [eos] if not isinstance(eos, list) else eos
+            if eos is not None and not all(isinstance(e, int) and not isinstance(e, bool) for e in ids):
+                raise GenerationError(
+                    f"{f}: eos_token_id is {json.dumps(eos)[:40]}, not a token id or a list of them; fix it, or give "
+                    "stop_tokens=[<ids>]"
+                )
             if eos is not None:
-                return [int(eos)] if isinstance(eos, int) else [int(e) for e in eos]
+                return list(ids)
     return None
 
 
@@ -159,7 +175,7 @@ def _hf_source(opts: GenerateOptions):
             "UTF-8 byte ids"
         )
     load = functools.partial(hf.from_pretrained, directory, dtype=dtypes["dtype"], compute_dtype=compute)
-    return config, load, tokenizer, _hf_stop_tokens(directory)
+    return config, load, tokenizer, _hf_stop_tokens(directory) if opts.stop_tokens is None else None
 
 
 def _checkpoint_source(opts: GenerateOptions):
@@ -215,6 +231,12 @@ def run(argv: Sequence[str]) -> int:
     if not prompts:
         raise GenerationError('prompt: no prompt given; add prompt="..." (repeat it for several prompts)')
     nothing = "nothing was generated; run the command again"
+    platform = started_devices()[0].platform  # a JAX_PLATFORMS this machine cannot start: one line, not a traceback
+    if opts.cpu_fast_compile != "auto" and platform != "cpu":
+        _log(
+            f"note: cpu_fast_compile={str(opts.cpu_fast_compile).lower()}: XLA:CPU's option, and this machine's "
+            f"devices are {platform}s, so it changes nothing here; drop it"
+        )
     set_phase(f"loading the model from {opts.model.path or opts.checkpoint.dir}", nothing)
     config, load, tokenizer, stop = _hf_source(opts) if opts.model.path is not None else _checkpoint_source(opts)
     from zoo.data.tokenizer import ByteTokenizer  # loaded by now (the tokenizer above)
@@ -233,7 +255,9 @@ def run(argv: Sequence[str]) -> int:
     elif stop is None:
         stop = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
     tokens = encode_prompts(prompts, tokenizer)
-    check_request(config, tokens, opts.max_new_tokens, opts.temperature, opts.top_k, opts.top_p, stop, opts.max_len)
+    check_request(
+        config, tokens, opts.max_new_tokens, opts.temperature, opts.top_k, opts.top_p, stop, opts.max_len, opts.seed
+    )
     note = greedy_note(opts)
     if note:
         _log(f"note: {note}")

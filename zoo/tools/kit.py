@@ -25,8 +25,9 @@ from zoo.tools.cli import (  # noqa: F401 (the kit's other half)
     run_tool,
 )
 from zoo.train import run_dir as run_record
+from zoo.train.command_line import option_files_line
 from zoo.train.run import prepare
-from zoo.train.run_config import ConfigError
+from zoo.train.run_config import ConfigError, number_as_bool_line
 from zoo.train.step import Trainer
 
 
@@ -55,6 +56,10 @@ WRITTEN_BY = {
     ("inspect", "inspect.out"): _json_with(schema="zoo.inspect/1"),
     ("measure_hardware", "out"): _text_starts("# Measured by python -m zoo.tools.measure_hardware"),
     ("measure_hardware", "name"): _text_starts("# Measured by python -m zoo.tools.measure_hardware"),
+    # zoo.tools.report's files, by name (its key is dir or --out): the table, and the plots matplotlib wrote
+    ("report", "report.md"): _text_starts("# Sweep report: "),
+    ("report", "report.png"): lambda data: b"Matplotlib" in data[:4096],
+    ("report", "expert_load.png"): lambda data: b"Matplotlib" in data[:4096],
 }
 RUN_DIR_KEY = "hydra.run.dir"
 OVERWRITE = "overwrite"
@@ -99,8 +104,13 @@ def check_output(path, key: str, tool: str, flag: str, overwrite: bool = False) 
     writes it) given: anything else (a profile shipped in conf/, a run's metrics.jsonl or summary.json, a file of
     the user's) is ConfigError (one line naming `key` and the fix) before anything is measured or compiled."""
     out = pathlib.Path(path).expanduser()
+    held = run_record.checkpoint_around(out)
+    if held is not None:  # not even with overwrite: a step's files are orbax's alone
+        raise ConfigError(
+            f"{key}: {out} is inside the train.py checkpoint {held}, which this would change; give a path outside it"
+        )
     if out.is_file() and not overwrite:
-        ours = WRITTEN_BY.get((tool, key))
+        ours = WRITTEN_BY.get((tool, key)) or WRITTEN_BY.get((tool, out.name))
         try:
             mine = ours is not None and ours(out.read_bytes())
         except OSError:
@@ -159,11 +169,20 @@ def split_tool_args(argv: Sequence[str], prefix: str, schema: type):
                 continue  # whether its output may replace a file: read by output_path (overwrite_asked)
             if key not in fields:
                 raise ValueError(f"{prefix}.{key}: unknown key; the keys are {', '.join(keys)}")
+            if not raw.strip():  # OmegaConf reads `out=` as null: the default, silently
+                raise ValueError(
+                    f"{prefix}.{key}: empty (an unset shell variable?); give a value, or drop {prefix}.{key}= for its "
+                    "default"
+                )
             dotlist.append(f"{key}={raw}")
         else:
             overrides.append(arg)
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(schema), OmegaConf.from_dotlist(dotlist))
+        given = OmegaConf.from_dotlist(dotlist)
+        line = number_as_bool_line(schema, given, prefix)
+        if line:
+            raise ValueError(line)
+        merged = OmegaConf.merge(OmegaConf.structured(schema), given)
         return OmegaConf.to_object(merged), overrides
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None) or "?"
@@ -171,7 +190,11 @@ def split_tool_args(argv: Sequence[str], prefix: str, schema: type):
 
 
 def compose(overrides: Sequence[str]):
-    """train.py's config, composed from conf/ with these overrides (Hydra's compose API)."""
+    """train.py's config, composed from conf/ with these overrides (Hydra's compose API). A group option
+    whose file is not text is one line naming the file, as for train.py (Hydra's reader: a UnicodeDecodeError)."""
+    line = option_files_line(list(overrides), conf_dir())
+    if line:
+        raise ConfigError(line)
     with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
         return hydra_compose(config_name="config", overrides=custom_tag_overrides(overrides))
 

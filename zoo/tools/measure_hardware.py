@@ -33,13 +33,20 @@ from zoo.ranges import ranged
 from zoo.tools.kit import check_output, overwrite_asked, run_tool, split_tool_args
 
 
+# Counts beyond these take hours, not minutes (a chain is unrolled into one program: a billion matmuls never
+# finished compiling), and time nothing better.
+MAX_REPEATS = 100
+MAX_CHAIN = 256
+MAX_COPIES = 32
+
+
 @ranged(
     "",
     n="[16, inf): null takes 8192 on GPU/TPU, 1024 on CPU",
     transfer_mb="(0, inf)",
-    repeats="[1, inf)",
-    chain="[1, inf): matmuls per timed call",
-    copies="[2, inf): the op once and `copies` times",
+    repeats=f"[1, {MAX_REPEATS}]: timed runs of each figure, after one warm-up",
+    chain=f"[1, {MAX_CHAIN}]: matmuls per timed call, unrolled in one program",
+    copies=f"[2, {MAX_COPIES}]: the op once and `copies` times",
 )
 @dataclasses.dataclass
 class MeasureOptions:
@@ -285,7 +292,6 @@ OP_GRID = {
 # The most bytes of arguments the copies of one op-rate shape may take (`measure_op_rates`): room
 # beside their outputs on a 16 GB device.
 ARGUMENT_BUDGET = 4e9
-MAX_COPIES = 32
 
 
 def value_and_grad_call(fn):
@@ -508,17 +514,58 @@ def measure_op_rates(
     return out
 
 
+def fit_line(opts: MeasureOptions, device, n: int, dtype: str) -> Optional[str]:
+    """One line for sizes whose arrays outgrow the memory that holds them, before anything is allocated
+    (an n of 200000 was an out-of-memory traceback, a transfer_mb of 1e12 numpy's): the matmul chain's
+    operands, product and intermediate (4 x n x n), and the largest set of `transfer_mb` arrays
+    (`measure_hbm`'s `copies` inputs and outputs, `measure_program_link`'s four), on the device (a CPU's:
+    host RAM); None where they fit or the memory is not known."""
+    import numpy as np
+
+    from zoo.train.machine_fit import device_memory_bytes, host_memory_bytes
+
+    accel = device.platform != "cpu"
+    memory = device_memory_bytes(device) if accel else host_memory_bytes()
+    if not memory:
+        return None
+    where = (
+        f"this {device.platform} device has {memory / 1e9:.1f} GB"
+        if accel
+        else f"this machine has {memory / 1e9:.1f} GB of host memory (a CPU device's)"
+    )
+    matmul = 4 * n * n * np.dtype(dtype).itemsize
+    if matmul > memory:
+        fits = 16
+        while 4 * (2 * fits) ** 2 * np.dtype(dtype).itemsize <= memory / 2:
+            fits *= 2
+        return (
+            f"n: a {n}x{n} {dtype} matmul chain holds {matmul / 1e9:.1f} GB (operands, product, intermediate), and "
+            f"{where}; give a smaller n, e.g. n={fits}"
+        )
+    arrays = max(4, 2 * opts.copies * (4 if accel else 1)) * opts.transfer_mb * 1e6
+    if arrays > memory:
+        return (
+            f"transfer_mb: {opts.transfer_mb:g} MB arrays take {arrays / 1e9:.1f} GB at once (the link's four, the "
+            f"bandwidth's {opts.copies} copies in and out), and {where}; give a smaller transfer_mb, e.g. "
+            "transfer_mb=256"
+        )
+    return None
+
+
 def measure(opts: MeasureOptions, write: Callable[[dict], None] = lambda profile: None) -> dict:
     """The profile; `write(profile)` once the matmul rate and the link are measured, and again after
     each op-rate grid (minutes each on an accelerator), so a run stopped midway leaves what it measured."""
-    import jax
-
     from zoo import op_rates
+    from zoo.errors import ConfigError
+    from zoo.train.machine_fit import started_devices
 
-    device = jax.devices()[0]
+    device = started_devices()[0]  # a JAX_PLATFORMS this machine cannot start: one line
     accel = device.platform != "cpu"
     n = opts.n or (8192 if accel else 1024)
     dtype = opts.dtype or ("bfloat16" if accel else "float32")
+    line = fit_line(opts, device, n, dtype)
+    if line:
+        raise ConfigError(line)
     flops = measure_matmul(n, dtype, opts.repeats, opts.chain, device)
     h2d, d2h = measure_link(opts.transfer_mb, opts.repeats, device)
     hbm_mb = opts.transfer_mb * (4 if accel else 1)

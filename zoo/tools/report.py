@@ -18,7 +18,7 @@ import sys
 import warnings
 from typing import Optional
 
-from zoo.tools.cli import ArgumentParser, ConfigError, check_writable, run_tool
+from zoo.tools.cli import ArgumentParser, ConfigError, run_tool
 
 
 def load_summaries(root: pathlib.Path) -> list[dict]:
@@ -373,10 +373,21 @@ def run_report(run_dir: pathlib.Path, out: Optional[pathlib.Path] = None) -> Opt
     return path
 
 
-def _main_run(run_dir: pathlib.Path, out: Optional[pathlib.Path]) -> int:
+def _check_outputs(folder: pathlib.Path, names, key: str, overwrite: bool) -> None:
+    """Each file the report writes into `folder`, before anything is read: writable, and no file but the
+    report's own earlier one (a user's report.md, a run's files) replaced without --overwrite (zoo.tools.kit)."""
+    from zoo.tools.kit import check_output
+
+    if folder.is_file():
+        raise ConfigError(f"{key}: {folder} is a file; give a directory, e.g. {key} {folder.parent / 'report'}")
+    for name in names:
+        check_output(folder / name, key, "report", "--overwrite", overwrite)
+
+
+def _main_run(run_dir: pathlib.Path, out: Optional[pathlib.Path], overwrite: bool = False) -> int:
     """`python -m zoo.tools.report RUN_DIR`: the run's expert-load plot, one line on stdout naming it."""
     try:
-        check_writable((out or run_dir) / RUN_PLOT, "--out" if out else "dir")
+        _check_outputs(out or run_dir, [RUN_PLOT], "--out" if out else "dir", overwrite)
         png = run_report(run_dir, out)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -402,6 +413,11 @@ def main(argv=None) -> int:
         default=None,
         help="where report.md and report.png (or a run's plot) go (default: dir)",
     )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace files there that the report did not write itself (by default it replaces only its own)",
+    )
     a = p.parse_args(argv)
     return run_tool(lambda: _main(a), p.prog)  # Ctrl-C: one line, exit code 130
 
@@ -411,10 +427,10 @@ def _main(a) -> int:
         print(f"error: dir: {a.dir} is not a directory; pass the multirun output directory", file=sys.stderr)
         return 2
     if (a.dir / "metrics.jsonl").is_file():
-        return _main_run(a.dir, a.out)
+        return _main_run(a.dir, a.out, a.overwrite)
 
     try:
-        check_writable((a.out or a.dir) / "report.md", "--out" if a.out else "dir")
+        _check_outputs(a.out or a.dir, ["report.md", "report.png"], "--out" if a.out else "dir", a.overwrite)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -212,6 +212,11 @@ class Checkpoints:
         d, c = self.dir, self.c
         if d.exists() and not d.is_dir():
             raise ConfigError(f"checkpoint.dir: {d} is a file; give a directory (or null to disable checkpointing)")
+        if (d / "config.json").is_file() and any(d.glob("*.safetensors")):  # its steps would go among the model's files
+            raise ConfigError(
+                f"checkpoint.dir: {d} holds a Hugging Face model (config.json, *.safetensors), not train.py's "
+                f"checkpoints; to start from it, model=hf model.path={d}; give checkpoint.dir a directory of its own"
+            )
         self._create()
         steps = self.complete_steps()
         if not steps:

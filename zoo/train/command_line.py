@@ -4,14 +4,19 @@ What Hydra would turn into a traceback or into a wrong message is one line here,
 or variable and the fix: an override without a key (`=3`), a key with characters outside Hydra's
 grammar, a `$NAME` the shell did not expand (Hydra would make a folder named `$HOME`), a launcher
 without `-m` (Hydra ignores it and runs here), a group option whose file is not text, a SLURM
-variable that is not a number. `ordered` puts `-m` before the overrides, where Hydra's parser wants
-it (after them it took the run directory train.py adds for a flag's argument).
+variable that is not a number, an XLA_FLAGS that XLA would abort on. `ordered` puts `-m` before the
+overrides, where Hydra's parser wants it (after them it took the run directory train.py adds for a
+flag's argument).
 """
 
+import math
 import os
 import pathlib
 import re
 from typing import Mapping, Optional
+
+from zoo.ranges import INT_MAX
+from zoo.train import xla_flags
 
 MULTIRUN_FLAGS = ("-m", "--multirun")
 # Hydra's flags that print (the composed config, help) and run nothing: no job, no run directory.
@@ -51,6 +56,11 @@ def slurm_number_line(name: str, value: Optional[str]) -> Optional[str]:
             f"{name}: {value!r} in the environment is not a number (SLURM sets it to a count or an index); unset "
             f"it, or run under srun"
         )
+    if value is not None and value.strip() and int(value) > INT_MAX:  # JAX's runtime takes a 32-bit count
+        return (
+            f"{name}: {value.strip()} in the environment is beyond any count or index SLURM sets (at most {INT_MAX}); "
+            "unset it, or run under srun"
+        )
     return None
 
 
@@ -73,9 +83,16 @@ def line(args: list[str], environ: Mapping[str, str], conf: pathlib.Path) -> Opt
         problem = slurm_number_line(name, environ.get(name))
         if problem:
             return problem
+    problem = xla_flags.environment_line(environ)  # XLA aborts the process on it as JAX starts
+    if problem:
+        return problem
     overrides = _overrides(args)
     for arg in overrides:
         found = _override_line(arg)
+        if found:
+            return found
+    if any(a in MULTIRUN_FLAGS for a in args):
+        found = _sweep_size_line(overrides)
         if found:
             return found
     launchers = [a.split("=", 1)[1] for a in overrides if a.lstrip("+").startswith("hydra/launcher=")]
@@ -157,6 +174,52 @@ def _search_dirs(overrides: list[str], conf: pathlib.Path) -> list[pathlib.Path]
                 if entry.startswith("file://"):
                     dirs.append(pathlib.Path(entry.removeprefix("file://")))
     return dirs
+
+
+# Hydra's basic sweeper lists every job of a sweep before the first runs: a range of 1e8 values took minutes
+# and gigabytes before any job, and then ran for ever.
+MAX_SWEEP_JOBS = 10000
+_RANGE = re.compile(r"^range\(\s*([^,()]+?)\s*(?:,\s*([^,()]+?)\s*)?(?:,\s*([^,()]+?)\s*)?\)$")
+
+
+def _sweep_values(value: str) -> int:
+    """How many values a sweep override's value stands for: `range(a, b[, step])`, or a comma list (1 for
+    anything else, whatever Hydra makes of it)."""
+    m = _RANGE.match(value.strip())
+    if m:
+        try:
+            nums = [float(g) for g in m.groups() if g is not None]
+        except ValueError:
+            return 1
+        start, stop, step = (
+            (0.0, nums[0], 1.0) if len(nums) == 1 else (nums[0], nums[1], nums[2] if len(nums) > 2 else 1.0)
+        )
+        return max(0, math.ceil((stop - start) / step)) if step and math.isfinite(stop - start) else 1
+    depth, count = 0, 1
+    for ch in value:
+        depth += ch in "[({"
+        depth -= ch in "])}"
+        count += ch == "," and depth == 0
+    return count
+
+
+def _sweep_size_line(overrides: list[str]) -> Optional[str]:
+    """One line for a sweep (-m) of more than MAX_SWEEP_JOBS jobs, before Hydra lists them all."""
+    sizes = [(a, _sweep_values(a.split("=", 1)[1])) for a in overrides if "=" in a and not a.startswith("hydra")]
+    jobs = math.prod(n for _, n in sizes)
+    if jobs <= MAX_SWEEP_JOBS:
+        return None
+    widest = max(sizes, key=lambda s: s[1])
+    return (
+        f"-m: the sweep has {jobs} jobs ({widest[0]}: {widest[1]} values), which Hydra would list before the first "
+        f"runs; sweep at most {MAX_SWEEP_JOBS} jobs a command"
+    )
+
+
+def option_files_line(overrides: list[str], conf: pathlib.Path) -> Optional[str]:
+    """`_option_file_line` over conf/ and the overrides' hydra.searchpath: what the tools, which compose
+    train.py's config themselves (zoo.tools.kit.compose), check before Hydra reads the files."""
+    return _option_file_line(overrides, _search_dirs(overrides, conf))
 
 
 def _option_file_line(overrides: list[str], dirs: list[pathlib.Path]) -> Optional[str]:

@@ -37,6 +37,7 @@ from zoo.hf.convert import dtype_name
 from zoo.hf.pretrained import CARRIED_FILES, sha256, tokenizer_token_ids
 from zoo.lora import LoRAWeight
 from zoo.train.checkpoint import restore_model
+from zoo.train.run_dir import checkpoint_around
 from zoo.train.stop import raise_if_interrupted, set_phase
 
 
@@ -92,6 +93,10 @@ def hf_export(
     on one, and written leaf by leaf: each leaf is gathered to the host on its own, converted and
     written (`save_pretrained`), so the host holds about one leaf at a time."""
     out = pathlib.Path(out_dir).expanduser().absolute()
+    held = checkpoint_around(out / "config.json")
+    if held is not None:
+        where = "the train.py checkpoint.dir itself" if held == out else f"inside the train.py checkpoint {held}"
+        raise ConfigError(f"{out}: {where}, which this would change; choose a directory outside it")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError(
             f"{out}: exists and is not an empty directory; choose a new one (an export never writes over files)"

@@ -136,12 +136,30 @@ def other_platform_flags_note(c, platform: str) -> Optional[str]:
     return None
 
 
+# The xla group's CPU-only keys and their defaults (conf/xla/*.yaml): XLA:CPU's device count, LLVM level
+# and YNNPACK fusions, which no GPU or TPU compiler reads.
+CPU_ONLY_KEYS = {"cpu_devices": None, "cpu_fast_compile": "auto", "cpu_ynn_fusions": "dot"}
+
+
+def cpu_keys_note(c, platform: str) -> Optional[str]:
+    """One line for xla's CPU-only keys set away from their defaults on a GPU or TPU run: they change
+    nothing there; None on a CPU, or where none is set."""
+    given = [f"xla.{k}={getattr(c, k)}" for k, default in CPU_ONLY_KEYS.items() if getattr(c, k) != default]
+    if platform == "cpu" or not given:
+        return None
+    return (
+        f"{', '.join(given)}: XLA:CPU's option{'s' if len(given) > 1 else ''}, and this run's devices are "
+        f"{platform}s, so {'they change' if len(given) > 1 else 'it changes'} nothing here; drop "
+        f"{'them' if len(given) > 1 else 'it'}"
+    )
+
+
 def machine_notes(c, devices) -> list[str]:
-    """The notes for a run on these devices (flags of another platform's compiler); ConfigError for
-    device ids the machine lacks."""
+    """The notes for a run on these devices (flags of another platform's compiler, XLA:CPU's keys on an
+    accelerator); ConfigError for device ids the machine lacks."""
     check_local_device_ids(c, devices)
-    note = other_platform_flags_note(c.xla, devices[0].platform)
-    return [note] if note else []
+    notes = [other_platform_flags_note(c.xla, devices[0].platform), cpu_keys_note(c.xla, devices[0].platform)]
+    return [n for n in notes if n]
 
 
 @contextlib.contextmanager

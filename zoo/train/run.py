@@ -39,6 +39,7 @@ from zoo.train.run_config import (
     ConfigError,
     HardwareConfig,
     TrainConfig,
+    RunInterrupted,
     TrainingStopped,
     XlaConfig,
     auto_hardware,
@@ -125,6 +126,19 @@ def uses_host_memory(o: OffloadConfig) -> bool:
     """Whether the policy keeps anything in pinned host memory: parameters, optimizer state or an offloaded tag."""
     actions = [o.actions(), *(r.actions() for _, r in range_configs(o))]
     return "pinned_host" in (o.params, o.opt_state) or any("offload" in a.values() for a in actions)
+
+
+def host_memory_note(o: OffloadConfig, platform: str) -> Optional[str]:
+    """The line for a policy that keeps anything in pinned host memory on a CPU run, where that changes
+    nothing: XLA:CPU ignores memory kinds inside a program, and a CPU's device and host memories are the
+    same RAM (docs/offload.md); None elsewhere."""
+    if platform != "cpu" or not uses_host_memory(o):
+        return None
+    return (
+        f"offload {o.describe()}: a CPU's pinned host memory is the same RAM as its device memory (XLA:CPU "
+        "ignores memory kinds inside a program), so what goes to host saves no memory here; the remat choices "
+        "still apply (python -m zoo.tools.inspect_step shows the placement a GPU or TPU gets)"
+    )
 
 
 def apply_xla_flags(c: XlaConfig, host_offload: bool = False) -> str:
@@ -297,7 +311,7 @@ def _train(c: TrainConfig, plan, devices, out_dir: pathlib.Path, xla_flags: str,
         try:
             state = loop.run(state, start)
         except KeyboardInterrupt:
-            raise TrainingStopped(
+            raise RunInterrupted(
                 f"interrupted during step {log.completed + 1}; {_kept(ckpt)}"
                 + ("; run the same command to resume" if ckpt else "")
             ) from None
@@ -335,6 +349,9 @@ def _announce(c: TrainConfig, plan, trainer, data, evaluator, mesh_devices, over
         f"batch {c.data.batch_size}x{c.data.seq_len}, {steps} steps"
     )
     echo(kernels_line(c, plan))
+    note = host_memory_note(c.offload, mesh_devices[0].platform)
+    if note:
+        echo(f"note: {note}")
     if plan.moe_impl is not None:
         note = dropless_note(c.model.family, plan.moe_impl)
         if note:

@@ -10,7 +10,8 @@ policy names, every parameter dim against its mesh axes) before JAX compiles any
 import dataclasses
 import importlib.util
 import math
-from typing import Any, Optional
+import typing
+from typing import Any, Optional, Union
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -47,7 +48,7 @@ from zoo.sharding import (
     resolve_mesh_shape,
 )
 from zoo.train.config_checks import absent_block_line, check_expert_parallel_line, check_mesh_fits
-from zoo.train.xla_flags import flag_name, unknown_flags, unknown_tpu_flags
+from zoo.train.xla_flags import MAX_CPU_DEVICES, flag_name, unknown_flags, unknown_tpu_flags
 
 # The mesh axes mesh.context_parallel may split the sequence over: tensor splits the heads inside
 # attention, expert the tokens' routes to their experts.
@@ -56,6 +57,10 @@ CONTEXT_AXES = ("data", "fsdp")
 
 class TrainingStopped(RuntimeError):
     """Training stopped itself for a reason it can state in one line (a non-finite loss): no traceback."""
+
+
+class RunInterrupted(TrainingStopped):
+    """A Ctrl-C stopped training during a step: one line, and exit code 130, as for a Ctrl-C anywhere else."""
 
 
 @ranged(
@@ -272,11 +277,6 @@ def _jaxlib_version() -> str:
         return "not installed"
 
 
-# Simulated CPU devices beyond this take minutes to start (XLA builds each device's runtime), and no
-# mesh of conf/mesh needs more.
-MAX_CPU_DEVICES = 1024
-
-
 @ranged("xla", cpu_devices=f"[1, {MAX_CPU_DEVICES}]: simulated devices beyond that take minutes to start")
 @dataclasses.dataclass
 class XlaConfig:
@@ -482,6 +482,34 @@ def _writable(node):
     return node
 
 
+def number_as_bool_line(schema: type, node: Any, prefix: str) -> Optional[str]:
+    """One line for a boolean field of `schema` that `node` (a group's values, a tool's options) gives a number
+    other than 0 or 1: OmegaConf would take `trainer.progress=2` or `inspect.strict=-1` as true, silently;
+    None where there is none. Nested sections are walked too."""
+    if isinstance(node, DictConfig):
+        try:  # the values as given: interpolations unresolved (they are resolved, and checked, by the merge)
+            node = OmegaConf.to_container(node, resolve=False)
+        except OmegaConfBaseException:
+            return None
+    if not dataclasses.is_dataclass(schema) or not isinstance(node, dict):
+        return None
+    hints = typing.get_type_hints(schema)
+    for f in dataclasses.fields(schema):
+        if f.name not in node:
+            continue
+        value = node[f.name]
+        hint = hints[f.name]
+        args = [a for a in typing.get_args(hint) if a is not type(None)] if typing.get_origin(hint) is Union else [hint]
+        key = f"{prefix}.{f.name}" if prefix else f.name
+        if args == [bool] and isinstance(value, (int, float)) and not isinstance(value, bool) and value not in (0, 1):
+            return f"{key}: {value!r} is not a boolean; give true or false"
+        nested = next((a for a in args if dataclasses.is_dataclass(a)), None)
+        line = number_as_bool_line(nested, value, key) if nested is not None else None
+        if line:
+            return line
+    return None
+
+
 def _known_keys(schema: type, full_key: str) -> list[str]:
     cls = schema
     for part in full_key.split(".")[:-1]:
@@ -523,6 +551,9 @@ def load_group(group: str, node: Any) -> Any:
     if group == "model" and _names_path(node):
         return load_model(node)[0]
     schema = GROUPS[group]
+    line = number_as_bool_line(schema, node, group)
+    if line:
+        raise ConfigError(line)
     try:
         base = _writable(OmegaConf.structured(schema))
         merged = OmegaConf.merge(base, node if node is not None else {})

@@ -52,6 +52,26 @@ def holds_record(run_dir: pathlib.Path) -> bool:
     return damaged and "status" in _earlier_summary(run_dir)
 
 
+def _is_step(d: pathlib.Path) -> bool:
+    """A step directory of a train.py checkpoint.dir: `<step>/` holding orbax's `meta/` and `state/`."""
+    return d.name.isdigit() and (d / "meta").is_dir() and (d / "state").is_dir()
+
+
+def checkpoint_around(path: pathlib.Path) -> Optional[pathlib.Path]:
+    """The train.py checkpoint.dir that `path` lies in (in one of its steps, or beside them), None where none:
+    a tool's output there would change a saved checkpoint (a step's files are orbax's alone)."""
+    here = pathlib.Path(path).expanduser().absolute()
+    for d in list(here.parents)[:5]:  # a step's files lie at most four folders below its checkpoint.dir
+        if _is_step(d):
+            return d.parent
+        try:
+            if d.is_dir() and any(_is_step(c) for c in d.iterdir() if c.name.isdigit()):
+                return d
+        except OSError:
+            continue
+    return None
+
+
 def _earlier_summary(run_dir: pathlib.Path) -> dict:
     try:
         summary = json.loads((run_dir / SUMMARY).read_bytes())

@@ -24,6 +24,12 @@ GPU_SCHEDULER_FLAG = "--xla_gpu_enable_latency_hiding_scheduler"
 GPU_HOST_OFFLOAD_FLAGS = (GPU_HOST_OFFLOAD_FLAG, GPU_SCHEDULER_FLAG)
 
 
+# Simulated CPU devices beyond this take minutes to start (XLA builds each device's runtime), and no
+# mesh of conf/mesh needs more (xla.cpu_devices, and the count XLA_FLAGS or JAX_NUM_CPU_DEVICES asks for).
+MAX_CPU_DEVICES = 1024
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
 def flag_name(flag: str) -> str:
     """`--xla_foo=1` -> `--xla_foo`."""
     return flag.split("=", 1)[0]
@@ -89,3 +95,32 @@ def known_tpu_flag(name: str, library: Optional[pathlib.Path] = None) -> Optiona
 def unknown_tpu_flags(flags: list[str], library: Optional[pathlib.Path] = None) -> list[str]:
     """The flags of `flags` that libtpu does not know (the TPU backend would refuse to start)."""
     return [f for f in flags if known_tpu_flag(flag_name(f), library) is False]
+
+
+def environment_line(environ) -> Optional[str]:
+    """One line for an XLA_FLAGS in the environment that XLA would abort the process on as JAX starts (its
+    fatal log line, or its whole flag table for a bad value), or that would take minutes to start; None
+    where it is fine. XLA reads a value that does not start with `-` as a file of flags."""
+    value = environ.get("XLA_FLAGS", "")
+    tokens = value.split()
+    if not tokens or (not tokens[0].startswith("-") and pathlib.Path(tokens[0]).is_file()):
+        return None
+    for token in tokens:
+        name, _, given = token.partition("=")
+        if not token.startswith("--"):
+            what = "neither a flag nor a file of flags" if token == tokens[0] and token[0] != "-" else "not a flag"
+            return (
+                f"XLA_FLAGS: {token!r} in the environment is {what}, and XLA would abort as JAX starts; write "
+                "--xla_<name>=<value>, or unset XLA_FLAGS"
+            )
+        if known_flag(name) is False:
+            return (
+                f"XLA_FLAGS: {name} in the environment is not a flag this jaxlib knows, and XLA would abort as JAX "
+                "starts; remove it from XLA_FLAGS or check its spelling"
+            )
+        if name == DEVICE_COUNT_FLAG and not (given.isdigit() and 1 <= int(given) <= MAX_CPU_DEVICES):
+            return (
+                f"XLA_FLAGS: {token} in the environment must be a count in [1, {MAX_CPU_DEVICES}] (simulated devices "
+                "beyond that take minutes to start); fix it, or unset XLA_FLAGS (xla.cpu_devices=<n> sets it for a run)"
+            )
+    return None
