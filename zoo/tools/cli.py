@@ -30,12 +30,12 @@ from zoo.train.run_lock import DirLock
 from zoo.train.xla_flags import environment_line as xla_environment_line
 from zoo.train.metrics import write_json
 from zoo.train.run import prepare, train
+from zoo.train.config_checks import known_keys
 from zoo.train.run_config import (
     GROUPS,
     ConfigError,
     RunInterrupted,
     TrainingStopped,
-    _known_keys,
     foreign_data_key_line,
 )
 
@@ -437,7 +437,7 @@ def _unknown_key_line(key: str, value: Optional[str]) -> str:
     mapped = _map_key_line(key, value)
     if mapped:
         return mapped
-    known = _known_keys(GROUPS[group], rest)
+    known = known_keys(GROUPS[group], rest)
     leaf = key.rsplit(".", 1)[-1]
     parent = key.rsplit(".", 1)[0]
     if leaf in known and parent != group:  # a real key whose section is null in the chosen option (llama's moe)

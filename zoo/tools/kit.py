@@ -27,7 +27,8 @@ from zoo.tools.cli import (  # noqa: F401 (the kit's other half)
 from zoo.train import run_dir as run_record
 from zoo.train.command_line import option_files_line
 from zoo.train.run import prepare
-from zoo.train.run_config import ConfigError, number_as_bool_line
+from zoo.train.config_checks import number_as_bool_line
+from zoo.train.run_config import ConfigError
 from zoo.train.step import Trainer
 
 

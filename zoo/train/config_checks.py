@@ -4,8 +4,13 @@ batch cannot use, an offload.block_tags kind the model lacks; and the sizes of t
 expert-parallel exchange a run's config gives. Each bad input is one ConfigError line naming the key.
 """
 
+import dataclasses
 import math
-from typing import Optional
+import typing
+from typing import Any, Optional, Union
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from zoo.errors import ConfigError
 from zoo.nn.expert_rounds import round_block
@@ -99,3 +104,45 @@ def check_expert_parallel_line(c, shape, batch_ways: int) -> None:
         )
     except ValueError as e:
         raise ConfigError(str(e).splitlines()[0]) from None
+
+
+def number_as_bool_line(schema: type, node: Any, prefix: str) -> Optional[str]:
+    """One line for a boolean field of `schema` that `node` (a group's values, a tool's options) gives a number
+    other than 0 or 1: OmegaConf would take `trainer.progress=2` or `inspect.strict=-1` as true, silently;
+    None where there is none. Nested sections are walked too."""
+    if isinstance(node, DictConfig):
+        try:  # the values as given: interpolations unresolved (they are resolved, and checked, by the merge)
+            node = OmegaConf.to_container(node, resolve=False)
+        except OmegaConfBaseException:
+            return None
+    if not dataclasses.is_dataclass(schema) or not isinstance(node, dict):
+        return None
+    hints = typing.get_type_hints(schema)
+    for f in dataclasses.fields(schema):
+        if f.name not in node:
+            continue
+        value = node[f.name]
+        hint = hints[f.name]
+        args = [a for a in typing.get_args(hint) if a is not type(None)] if typing.get_origin(hint) is Union else [hint]
+        key = f"{prefix}.{f.name}" if prefix else f.name
+        if args == [bool] and isinstance(value, (int, float)) and not isinstance(value, bool) and value not in (0, 1):
+            return f"{key}: {value!r} is not a boolean; give true or false"
+        nested = next((a for a in args if dataclasses.is_dataclass(a)), None)
+        line = number_as_bool_line(nested, value, key) if nested is not None else None
+        if line:
+            return line
+    return None
+
+
+def known_keys(schema: type, full_key: str) -> list[str]:
+    """The field names of the section of `schema` that `full_key` (a dotted key) ends in; [] where no
+    section of it has that path."""
+    cls = schema
+    for part in full_key.split(".")[:-1]:
+        fields = {f.name: f for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else {}
+        if part not in fields:
+            return []
+        t = fields[part].type
+        args = [a for a in getattr(t, "__args__", ()) if dataclasses.is_dataclass(a)]
+        cls = args[0] if args else t
+    return [f.name for f in dataclasses.fields(cls)] if dataclasses.is_dataclass(cls) else []

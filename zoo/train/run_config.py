@@ -10,8 +10,7 @@ policy names, every parameter dim against its mesh axes) before JAX compiles any
 import dataclasses
 import importlib.util
 import math
-import typing
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -47,7 +46,13 @@ from zoo.sharding import (
     param_specs,
     resolve_mesh_shape,
 )
-from zoo.train.config_checks import absent_block_line, check_expert_parallel_line, check_mesh_fits
+from zoo.train.config_checks import (
+    absent_block_line,
+    check_expert_parallel_line,
+    check_mesh_fits,
+    known_keys,
+    number_as_bool_line,
+)
 from zoo.train.xla_flags import MAX_CPU_DEVICES, flag_name, unknown_flags, unknown_tpu_flags
 
 # The mesh axes mesh.context_parallel may split the sequence over: tensor splits the heads inside
@@ -482,46 +487,6 @@ def _writable(node):
     return node
 
 
-def number_as_bool_line(schema: type, node: Any, prefix: str) -> Optional[str]:
-    """One line for a boolean field of `schema` that `node` (a group's values, a tool's options) gives a number
-    other than 0 or 1: OmegaConf would take `trainer.progress=2` or `inspect.strict=-1` as true, silently;
-    None where there is none. Nested sections are walked too."""
-    if isinstance(node, DictConfig):
-        try:  # the values as given: interpolations unresolved (they are resolved, and checked, by the merge)
-            node = OmegaConf.to_container(node, resolve=False)
-        except OmegaConfBaseException:
-            return None
-    if not dataclasses.is_dataclass(schema) or not isinstance(node, dict):
-        return None
-    hints = typing.get_type_hints(schema)
-    for f in dataclasses.fields(schema):
-        if f.name not in node:
-            continue
-        value = node[f.name]
-        hint = hints[f.name]
-        args = [a for a in typing.get_args(hint) if a is not type(None)] if typing.get_origin(hint) is Union else [hint]
-        key = f"{prefix}.{f.name}" if prefix else f.name
-        if args == [bool] and isinstance(value, (int, float)) and not isinstance(value, bool) and value not in (0, 1):
-            return f"{key}: {value!r} is not a boolean; give true or false"
-        nested = next((a for a in args if dataclasses.is_dataclass(a)), None)
-        line = number_as_bool_line(nested, value, key) if nested is not None else None
-        if line:
-            return line
-    return None
-
-
-def _known_keys(schema: type, full_key: str) -> list[str]:
-    cls = schema
-    for part in full_key.split(".")[:-1]:
-        fields = {f.name: f for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else {}
-        if part not in fields:
-            return []
-        t = fields[part].type
-        args = [a for a in getattr(t, "__args__", ()) if dataclasses.is_dataclass(a)]
-        cls = args[0] if args else t
-    return [f.name for f in dataclasses.fields(cls)] if dataclasses.is_dataclass(cls) else []
-
-
 def _names_path(node: Any) -> bool:
     return (
         isinstance(node, (DictConfig, dict)) and "path" in node.keys()
@@ -560,7 +525,7 @@ def load_group(group: str, node: Any) -> Any:
         return OmegaConf.to_object(merged)
     except ConfigKeyError as e:
         key = e.full_key or "?"
-        known = _known_keys(schema, key)
+        known = known_keys(schema, key)
         hint = f"known keys here: {', '.join(known)}" if known else "check the spelling"
         raise ConfigError(f"{group}.{key}: unknown key; {hint}") from None
     except ValidationError as e:
