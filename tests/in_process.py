@@ -102,6 +102,13 @@ def run(cmd: list[str], cwd, capfd, monkeypatch) -> subprocess.CompletedProcess:
     monkeypatch.delenv("ZOO_TRACEBACK", raising=False)
     monkeypatch.chdir(cwd)
     capfd.readouterr()
+    absl_logging = sys.modules.get("absl.logging")
+    if absl_logging is not None:
+        # absl's handler writes to the sys.stderr it found when absl was imported: where a test module
+        # imported it as pytest collected (orbax does, through zoo.train.run), pytest's own capture file,
+        # which the next command's logging setup (Hydra's dictConfig) closes, as absl closes any stream
+        # but the current sys.stderr. This command's stderr, as in a process of its own.
+        absl_logging.get_absl_handler().python_handler.setStream(sys.stderr)
     with warnings.catch_warnings(record=True) as caught:
         for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
             warnings.filterwarnings("ignore", category=category)  # what Python ignores by default
