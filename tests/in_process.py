@@ -32,6 +32,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 INNER = os.environ.get("ZOO_TEST_IN_PROCESS") == "1"
 MARK = pytest.mark.in_process
 _RUNS: dict = {}  # module path -> ({test name: (outcome, text)}, the end of that process's output)
+# The in-process run's pytest: one process (-n0), the marked tests whatever their tier (-m ""), and none of
+# pyproject's addopts: without --jaxtyping-packages the commands run unchecked by jaxtyping, as in a process
+# of their own (the zoo functions they call are shape-checked in the suite's own tests), and the run starts
+# without instrumenting every zoo module first (~6 s of CPU per run).
+INNER_OPTIONS = ("-o", "addopts=", "-q", "-n0", "-p", "no:cacheprovider", "-m", "")
 
 
 def xla_flags(cpu_devices: int) -> str:
@@ -71,8 +76,7 @@ def _run_module(request, env: dict):
     d = request.getfixturevalue("tmp_path_factory").mktemp("in_process")
     xml = d / "results.xml"
     p = subprocess.run(
-        [sys.executable, "-m", "pytest", "-n0", "-p", "no:cacheprovider", "-m", "", f"--basetemp={d / 'tmp'}",
-         f"--junitxml={xml}", *marked],
+        [sys.executable, "-m", "pytest", *INNER_OPTIONS, f"--basetemp={d / 'tmp'}", f"--junitxml={xml}", *marked],
         env={**os.environ, **env, "ZOO_TEST_IN_PROCESS": "1"}, cwd=ROOT, capture_output=True, text=True, timeout=1200,
     )  # fmt: skip
     log = p.stdout[-6000:] + p.stderr[-2000:]
@@ -98,6 +102,13 @@ def run(cmd: list[str], cwd, capfd, monkeypatch) -> subprocess.CompletedProcess:
     monkeypatch.delenv("ZOO_TRACEBACK", raising=False)
     monkeypatch.chdir(cwd)
     capfd.readouterr()
+    absl_logging = sys.modules.get("absl.logging")
+    if absl_logging is not None:
+        # absl's handler writes to the sys.stderr it found when absl was imported: where a test module
+        # imported it as pytest collected (orbax does, through zoo.train.run), pytest's own capture file,
+        # which the next command's logging setup (Hydra's dictConfig) closes, as absl closes any stream
+        # but the current sys.stderr. This command's stderr, as in a process of its own.
+        absl_logging.get_absl_handler().python_handler.setStream(sys.stderr)
     with warnings.catch_warnings(record=True) as caught:
         for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
             warnings.filterwarnings("ignore", category=category)  # what Python ignores by default

@@ -6,13 +6,12 @@ Ranges count the model's layers 0-based across its stacks; a range's layers run 
 the loss and gradients of any split equal those of `none`.
 """
 
-import os
 import pathlib
 import re
 import shutil
-import subprocess
 import sys
 
+import in_process
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -171,9 +170,14 @@ def test_a_range_takes_a_policy_file_as_it_takes_a_preset(tmp_path):
             load_preset("none", ranges={"0": str(mine)})
 
 
-def test_train_py_refuses_a_bad_range_in_one_line_with_exit_2(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    env.pop("ZOO_TRACEBACK", None)
+# The commands of the tests marked `in_process` run in one pytest process through their entry points
+# (tests/in_process.py), JAX started with conftest.py's flags (8 devices), as these commands start it.
+
+
+@in_process.MARK
+def test_train_py_refuses_a_bad_range_in_one_line_with_exit_2(tmp_path, request, capfd, monkeypatch):
+    if not in_process.INNER:
+        return in_process.outcome(request)
     base = [
         sys.executable,
         str(ROOT / "train.py"),
@@ -201,19 +205,20 @@ def test_train_py_refuses_a_bad_range_in_one_line_with_exit_2(tmp_path):
             ),
         ),
     ):
-        p = subprocess.run([*base, arg], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        p = in_process.run([*base, arg], tmp_path, capfd, monkeypatch)
         assert p.returncode == 2, p.stderr[-2000:]
         assert p.stderr.strip().splitlines() == [line]
 
 
-def test_train_py_trains_with_ranges_and_records_them(tmp_path):
+@in_process.MARK
+def test_train_py_trains_with_ranges_and_records_them(tmp_path, request, capfd, monkeypatch):
     import json
 
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    if not in_process.INNER:
+        return in_process.outcome(request)
     args = [
         "model=llama_tiny_a",
         "mesh=single",
-        "xla.cpu_devices=1",
         "data.batch_size=4",
         "data.seq_len=16",
         "xla.cpu_fast_compile=true",
@@ -223,14 +228,7 @@ def test_train_py_trains_with_ranges_and_records_them(tmp_path):
         "+offload.ranges={0:llama_qkv_offload}",
         f"hydra.run.dir={tmp_path / 'run'}",
     ]
-    p = subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), *args],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    p = in_process.run([sys.executable, str(ROOT / "train.py"), *args], tmp_path, capfd, monkeypatch)
     assert p.returncode == 0, p.stderr[-3000:]
     assert ", offload full, layers 0 llama_qkv_offload, " in p.stdout.splitlines()[0]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
@@ -505,8 +503,10 @@ def test_the_planners_range_estimates_follow_the_compiled_memory():
             assert dp == pytest.approx(dc, rel=0.25), (name, dp, dc)
 
 
-def test_the_planner_plans_the_layers_outside_the_ranges(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+@in_process.MARK
+def test_the_planner_plans_the_layers_outside_the_ranges(tmp_path, request, capfd, monkeypatch):
+    if not in_process.INNER:
+        return in_process.outcome(request)
     args = [
         "model=llama_tiny_a",
         "mesh=single",
@@ -515,14 +515,8 @@ def test_the_planner_plans_the_layers_outside_the_ranges(tmp_path):
         "hardware=h100_pcie",
         f"plan.out={tmp_path / 'offload' / 'p.yaml'}",
     ]
-    p = subprocess.run(
-        [sys.executable, "-m", "zoo.tools.plan", *args, "+offload.ranges={0:llama_qkv_offload}"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    plan = [sys.executable, "-m", "zoo.tools.plan", *args]
+    p = in_process.run([*plan, "+offload.ranges={0:llama_qkv_offload}"], tmp_path, capfd, monkeypatch)
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.splitlines()[0] == (
         "note: offload.ranges: layers 0 llama_qkv_offload (1 layer) counted as given; the plan is the policy of the "
@@ -533,14 +527,7 @@ def test_the_planner_plans_the_layers_outside_the_ranges(tmp_path):
     assert "tags on device 73.728 kB (and 24.576 kB in flight), on host 24.576 kB" in p.stdout
     assert "+offload.ranges={0:llama_qkv_offload}" in p.stdout.splitlines()[-2]  # the train command
     # plan.split=true (its search and its lines: tests/test_plan_split.py) places every layer itself.
-    p = subprocess.run(
-        [sys.executable, "-m", "zoo.tools.plan", *args, "plan.split=true", "+offload.ranges={0:full}"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    p = in_process.run([*plan, "plan.split=true", "+offload.ranges={0:full}"], tmp_path, capfd, monkeypatch)
     assert p.returncode == 2 and p.stderr.strip().splitlines() == [
         "error: plan.split: it searches the ranges itself; drop offload.ranges or plan.split=true"
     ]

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import in_process
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -415,7 +416,7 @@ def test_fuzz_every_bad_command_line_is_one_line_exit_2(every):
     their captured streams, imported modules) made it fail by order, not by any command line. Every
     third line in the default tier (about a minute for all of them), every line in the slow tier."""
     p = subprocess.run(
-        [sys.executable, "-m", "pytest", "-n0", "-p", "no:cacheprovider", f"{__file__}::test_fuzz_in_process"],
+        [sys.executable, "-m", "pytest", *in_process.INNER_OPTIONS, f"{__file__}::test_fuzz_in_process"],
         env={**os.environ, "ZOO_FUZZ_IN_PROCESS": "1", "ZOO_FUZZ_EVERY": str(every)},
         cwd=ROOT, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
