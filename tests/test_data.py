@@ -3,8 +3,10 @@
 import json
 import pathlib
 import re
+import sys
 import time
 
+import in_process
 import numpy as np
 import pytest
 
@@ -342,8 +344,11 @@ def run_train(tmp_path, *overrides, timeout=600):
     return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+@in_process.MARK  # in one pytest process through train.py's entry point (tests/in_process.py), on one device
 @pytest.mark.parametrize("case", ["not_utf8", "batch_larger_than_corpus"])
-def test_train_py_bad_data_input_exits_2_with_one_line(tmp_path, case):
+def test_train_py_bad_data_input_exits_2_with_one_line(tmp_path, case, request, capfd, monkeypatch):
+    if not in_process.INNER:
+        return in_process.outcome(request, {"XLA_FLAGS": in_process.xla_flags(1)})
     if case == "not_utf8":
         latin = tmp_path / "latin.txt"
         latin.write_bytes("caf\xe9".encode("latin-1"))
@@ -362,7 +367,8 @@ def test_train_py_bad_data_input_exits_2_with_one_line(tmp_path, case):
             "data.batch_size=8; a step would read more than the corpus; lower data.batch_size or data.seq_len, or add "
             "text"
         )
-    r = run_train(tmp_path, "data=text", *args)
+    cmd = [sys.executable, str(ROOT / "train.py"), f"hydra.run.dir={tmp_path / 'run'}", "trainer.progress=false"]
+    r = in_process.run([*cmd, "data=text", *args], tmp_path, capfd, monkeypatch)
     assert r.returncode == 2, r.stderr
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
     assert errors == [want]

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 
+import in_process
 import pytest
 
 from zoo.train.run_config import ConfigError, DistributedConfig
@@ -192,6 +193,21 @@ def test_coordinator_port_in_use_one_line(tmp_path):
     )
 
 
+# The commands of the tests marked `in_process` run in one pytest process through train.py's entry point
+# (tests/in_process.py): settings refused before any process joins, and the launcher's config printed.
+def in_process_env(request) -> dict:
+    return {"XLA_FLAGS": in_process.xla_flags(2)}  # as env_with(2) starts JAX
+
+
+def run_in_process(args, tmp_path, capfd, monkeypatch):
+    """`run_cli`'s command in this process (in_process.INNER), without SLURM's variables."""
+    for k in [k for k in os.environ if k.startswith("SLURM_") or k.startswith("JAX_COORDINATOR")]:
+        monkeypatch.delenv(k)
+    cmd = [sys.executable, str(ROOT / "train.py"), *args, f"hydra.run.dir={tmp_path / 'run'}"]
+    return in_process.run(cmd, tmp_path, capfd, monkeypatch)
+
+
+@in_process.MARK
 @pytest.mark.parametrize(
     "args, expected",
     [
@@ -210,8 +226,10 @@ def test_coordinator_port_in_use_one_line(tmp_path):
         ),
     ],
 )
-def test_incomplete_settings_one_line(args, expected, tmp_path):
-    assert one_error_line(run_cli(args, tmp_path)).startswith(expected)
+def test_incomplete_settings_one_line(args, expected, tmp_path, request, capfd, monkeypatch):
+    if not in_process.INNER:
+        return in_process.outcome(request, in_process_env)
+    assert one_error_line(run_in_process(args, tmp_path, capfd, monkeypatch)).startswith(expected)
 
 
 def test_resolve_reads_slurm_like_jax(monkeypatch):
@@ -284,16 +302,13 @@ def test_only_a_joined_process_other_than_0_is_not_main(monkeypatch):
         assert distributed.is_main_process() is main
 
 
-def test_slurm_launcher_config_composes(tmp_path):
+@in_process.MARK
+def test_slurm_launcher_config_composes(tmp_path, request, capfd, monkeypatch):
+    if not in_process.INNER:
+        return in_process.outcome(request, in_process_env)
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
-    p = subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), "hydra/launcher=slurm", "hydra.launcher.nodes=4", "--cfg", "hydra"],
-        cwd=tmp_path,
-        env=env_with(1),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    args = ["hydra/launcher=slurm", "hydra.launcher.nodes=4", "--cfg", "hydra"]
+    p = in_process.run([sys.executable, str(ROOT / "train.py"), *args], tmp_path, capfd, monkeypatch)
     assert p.returncode == 0, p.stderr
     assert "_target_: hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher" in p.stdout
     assert "nodes: 4" in p.stdout and "tasks_per_node: 8" in p.stdout and "gpus_per_node: 8" in p.stdout

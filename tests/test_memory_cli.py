@@ -3,11 +3,10 @@ trainer group, and an attention implementation this backend cannot run or a bad 
 with one line before compiling."""
 
 import json
-import os
 import pathlib
-import subprocess
 import sys
 
+import in_process
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -21,19 +20,14 @@ TINY = [
 ]
 
 
-def _train(args, tmp_path):
-    env = dict(os.environ)
-    env.pop("ZOO_TRACEBACK", None)
-    return subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), *TINY, *args, f"hydra.run.dir={tmp_path / 'run'}"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+def _train(args, tmp_path, capfd, monkeypatch):
+    """train.py's command in the module's in-process run (tests/in_process.py), JAX started with conftest.py's
+    flags, as the command starts it."""
+    cmd = [sys.executable, str(ROOT / "train.py"), *TINY, *args, f"hydra.run.dir={tmp_path / 'run'}"]
+    return in_process.run(cmd, tmp_path, capfd, monkeypatch)
 
 
+@in_process.MARK
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -48,16 +42,21 @@ def _train(args, tmp_path):
         ),
     ],
 )
-def test_bad_kernel_settings_are_one_line_before_compiling(args, message, tmp_path):
-    p = _train(args, tmp_path)
+def test_bad_kernel_settings_are_one_line_before_compiling(args, message, tmp_path, request, capfd, monkeypatch):
+    if not in_process.INNER:
+        return in_process.outcome(request)
+    p = _train(args, tmp_path, capfd, monkeypatch)
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert p.returncode == 2 and len(lines) == 1, p.stderr
     assert lines[0].startswith(message) and ";" in lines[0], lines[0]
     assert "compil" not in p.stdout
 
 
-def test_loss_chunk_size_from_the_command_line(tmp_path):
-    p = _train(["trainer.loss_chunk_size=8"], tmp_path)
+@in_process.MARK
+def test_loss_chunk_size_from_the_command_line(tmp_path, request, capfd, monkeypatch):
+    if not in_process.INNER:
+        return in_process.outcome(request)
+    p = _train(["trainer.loss_chunk_size=8"], tmp_path, capfd, monkeypatch)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "loss over chunks of 8 positions" in p.stdout
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
